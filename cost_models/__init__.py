@@ -1,0 +1,19 @@
+"""Cost models: devices, clusters, profiling, and pure compute/communication/memory costs."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "load_cluster": ("cost_models.cluster", "load_cluster"),
+    "ClusterSpec": ("cost_models.cluster", "ClusterSpec"),
+    "DeviceSpec": ("cost_models.devices", "DeviceSpec"),
+    "TrainingConfig": ("cost_models.training", "TrainingConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'cost_models' has no attribute {name!r}")

@@ -1,0 +1,50 @@
+"""The ``stagewise`` command line.
+
+Each subcommand lives in ``planner/commands/<name>.py`` and exposes
+``register(subparsers)``; its handler returns an exit code. Any
+:class:`~planner.errors.PlannerError` becomes one line on stderr and exit 2,
+never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from planner.errors import PlannerError
+
+# Order is the order shown in --help.
+COMMANDS = ("trace", "profile", "plan", "show", "simulate", "run", "export_onnx")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagewise",
+        description="Plan, simulate and run pipeline training on heterogeneous, partly untrusted devices.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"planner.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"planner.commands.{name}":
+                continue  # a command not built yet is simply not offered
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except PlannerError as exc:
+        print(f"stagewise {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"stagewise {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

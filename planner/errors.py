@@ -1,0 +1,49 @@
+"""The error hierarchy of Stagewise.
+
+Every error raised for bad input says what was expected, what was found and how
+to fix it, so the CLI can print it as one line and exit non-zero.
+"""
+from __future__ import annotations
+
+
+class PlannerError(Exception):
+    """Base class: one clear, user-facing message.
+
+    ``what`` names the thing that is wrong (a field, a file, a device);
+    ``expected``/``found``/``fix`` are optional parts joined into the message.
+    """
+
+    def __init__(self, what: str, *, expected: str | None = None,
+                 found: str | None = None, fix: str | None = None) -> None:
+        self.what = what
+        self.expected = expected
+        self.found = found
+        self.fix = fix
+        parts = [what]
+        if expected is not None:
+            parts.append(f"expected {expected}")
+        if found is not None:
+            parts.append(f"found {found}")
+        if fix is not None:
+            parts.append(f"fix: {fix}")
+        super().__init__("; ".join(parts))
+
+
+class InvalidInputError(PlannerError):
+    """A model, file, preset, cluster or argument that cannot be used as given."""
+
+
+class TraceError(InvalidInputError):
+    """A model that neither torch.export nor torch.fx can trace."""
+
+
+class InfeasiblePlanError(PlannerError):
+    """No plan satisfies the constraints (memory, trust, policy)."""
+
+
+class PlanMismatchError(PlannerError):
+    """A plan that does not belong to the given model, cluster or version."""
+
+
+class RankFailureError(PlannerError):
+    """A rank of a running plan died, hung or reported an error."""
