@@ -1,0 +1,93 @@
+"""What a solve (or a baseline) returns: the placement, before it is compiled into a plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import InvalidInputError
+
+Direction = Literal["act", "grad"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlacement:
+    """Stage ``index`` holds blocks ``first_block..last_block`` (inclusive) on ``devices``.
+
+    With several devices the stage is replicated: replica ``i`` runs
+    ``microbatches[i]`` of the step's microbatches and the replicas all-reduce
+    their gradients.
+    """
+
+    index: int
+    first_block: int
+    last_block: int
+    devices: tuple[str, ...]
+    microbatches: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_block <= self.last_block:
+            raise InvalidInputError(f"stage {self.index} block range", expected="0 <= first <= last",
+                                    found=f"{self.first_block}..{self.last_block}")
+        if not self.devices or len(self.devices) != len(self.microbatches):
+            raise InvalidInputError(f"stage {self.index} replicas",
+                                    expected="one microbatch count per device",
+                                    found=f"{len(self.devices)} devices, {len(self.microbatches)} counts")
+        if any(m < 1 for m in self.microbatches):
+            raise InvalidInputError(f"stage {self.index} microbatches", expected=">= 1 per replica",
+                                    found=repr(self.microbatches))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.last_block - self.first_block + 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifierPlacement:
+    """The verifier of the boundary between stage ``boundary`` and ``boundary + 1``."""
+
+    boundary: int
+    device: str
+    directions: tuple[Direction, ...] = ("act", "grad")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolveReport:
+    """How the placement was found and how good it is provably.
+
+    ``gap`` = (objective - bound) / objective; 0.0 means proven optimal under
+    the cost model. Baselines report ``bound_ms`` = None and ``gap`` = None.
+    """
+
+    method: str
+    status: str
+    objective_ms: float
+    bound_ms: float | None
+    gap: float | None
+    solve_s: float
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Solution:
+    stages: tuple[StagePlacement, ...]
+    verifiers: tuple[VerifierPlacement, ...]
+    num_microbatches: int
+    schedule: str
+    predicted_step_ms: float
+    memory_bytes: tuple[tuple[str, int], ...]
+    report: SolveReport
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise InvalidInputError("solution", expected="at least one stage", found="none")
+        for k, st in enumerate(self.stages):
+            if st.index != k:
+                raise InvalidInputError("stage order", expected=f"index {k}", found=str(st.index))
+            if sum(st.microbatches) != self.num_microbatches:
+                raise InvalidInputError(f"stage {k} microbatches", expected=f"sum {self.num_microbatches}",
+                                        found=str(sum(st.microbatches)))
+        for a, b in zip(self.stages, self.stages[1:]):
+            if b.first_block != a.last_block + 1:
+                raise InvalidInputError("stage ranges", expected="contiguous block ranges",
+                                        found=f"stage {a.index} ends at {a.last_block}, "
+                                              f"stage {b.index} starts at {b.first_block}")
