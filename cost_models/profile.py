@@ -1,0 +1,428 @@
+"""Measure this machine's device and write a profile JSON: the only code that times hardware.
+
+What is measured (``profile_device``):
+
+- matmul throughput per dtype (``float32``; ``bfloat16``/``float16`` where the
+  device runs them), median of square matmuls: the profile's "peak" FLOP/s;
+- memory bandwidth: a large tensor copy (bytes read + bytes written);
+- the forward and backward time of each top-level unit (``embed``/``stem``,
+  ``layers.i``, ``head``) of a model preset built with real weights, each unit
+  run alone on the inputs it saw in a full forward pass;
+- point-to-point bandwidth and latency between two local processes over
+  ``torch.distributed`` (gloo; NCCL with two or more GPUs), by running
+  ``python -m planner.runtime.p2p_probe`` twice as subprocesses;
+- a calibration: the ``efficiency`` and per-op ``op_overhead_ms`` with which
+  ``cost_models.compute`` (roofline + overhead, with the measured peak and
+  bandwidth) best reproduces the measured unit times of the planner's blocks.
+
+The result's ``device`` entry is a :class:`~cost_models.devices.DeviceSpec`
+that a cluster file can name as a device ``type`` (by the JSON's path).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from cost_models.compute import BWD_OPS_FACTOR, BWD_TRAFFIC_FACTOR
+from cost_models.devices import PROFILE_SCHEMA, DeviceSpec
+from planner.errors import InvalidInputError, RankFailureError
+
+Step = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitTiming:
+    """Forward and backward time of one top-level unit (fastest of the repeats), in ms."""
+
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockSample:
+    """A measured block beside the figures the cost model prices it from."""
+
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    fwd_flops: int
+    bwd_flops: int
+    mem_traffic_bytes: int
+    n_ops: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """Fitted ``efficiency`` and ``op_overhead_ms``, and how well they fit (relative errors)."""
+
+    efficiency: float
+    op_overhead_ms: float
+    median_abs_rel_err: float
+    max_abs_rel_err: float
+    n_samples: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class P2PResult:
+    backend: str
+    bandwidth_gbps: float
+    latency_ms: float
+    points: tuple[tuple[int, float], ...]  # (bytes, one-way ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileSettings:
+    """How hard to measure. ``quick`` trades accuracy for a run of seconds."""
+
+    model: str = "gpt-small"
+    batch: int = 2
+    seq: int | None = 64
+    matmul_size: int = 1024
+    copy_bytes: int = 64 << 20
+    repeats: int = 5
+    p2p: bool = True
+    p2p_sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+    p2p_timeout_s: float = 120.0
+
+    @classmethod
+    def quick(cls, model: str | None = None) -> "ProfileSettings":
+        return cls(model=model or "gpt-tiny", batch=2, seq=32, matmul_size=384, copy_bytes=32 << 20,
+                   repeats=3, p2p_sizes=(1 << 10, 1 << 22, 1 << 24), p2p_timeout_s=60.0)
+
+
+# --- raw measurements --------------------------------------------------------
+def _sync(device: Any) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1) -> float:
+    """Fastest of ``repeats`` timed runs: other processes only ever add time, so the
+    minimum is the steadiest estimate of what the device itself takes."""
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return min(times)
+
+
+def measure_matmul_flops(dtype: str, *, size: int, repeats: int, device: Any) -> float:
+    """Achieved FLOP/s of ``size x size`` matmuls in ``dtype`` (2 n^3 flops each)."""
+    import torch
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(device=device, dtype=tdtype)
+    b = torch.randn(size, size, generator=gen).to(device=device, dtype=tdtype)
+    ms = _best_ms(lambda: torch.mm(a, b), device, repeats)
+    return 2.0 * size**3 / (ms / 1e3)
+
+
+def measure_memory_bandwidth(*, nbytes: int, repeats: int, device: Any) -> float:
+    """Bytes/s of a large copy, counting the bytes read and the bytes written."""
+    import torch
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = _best_ms(lambda: dst.copy_(src), device, repeats)
+    return 2.0 * src.numel() * 4 / (ms / 1e3)
+
+
+def _top_level_units(module: Any) -> dict[Any, str]:
+    """``embed``/``stem``, ``layers.i``, ``head``...: children, with ModuleLists expanded."""
+    import torch.nn as nn
+    units: dict[Any, str] = {}
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            for sub_name, sub in child.named_children():
+                units[sub] = f"{name}.{sub_name}"
+        else:
+            units[child] = name
+    return units
+
+
+def _capture_unit_inputs(module: Any, inputs: Sequence[Any]) -> list[tuple[str, Any, tuple, dict]]:
+    """Run the model once and record each top-level unit's call (outermost calls only), in order."""
+    import torch
+    units = _top_level_units(module)
+    calls: list[tuple[str, Any, tuple, dict]] = []
+    depth = [0]
+    handles = []
+
+    def pre(mod: Any, args: tuple, kwargs: dict) -> None:
+        if depth[0] == 0:
+            calls.append((units[mod], mod, args, kwargs))
+        depth[0] += 1
+
+    def post(mod: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        depth[0] -= 1
+
+    for unit in units:
+        handles.append(unit.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(unit.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _fresh(value: Any) -> Any:
+    """A detached copy; floating tensors require grad so the unit's input gradient is timed too."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone()
+        return copy.requires_grad_(True) if copy.is_floating_point() else copy
+    return value
+
+
+def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
+               warmup: int = 1) -> tuple[UnitTiming, ...]:
+    """Fastest forward and backward ms of every top-level unit, run alone on its captured inputs."""
+    import torch
+    module.train()
+    results = []
+    for name, unit, args, kwargs in _capture_unit_inputs(module, inputs):
+        args = tuple(_fresh(a) for a in args)
+        kwargs = {k: _fresh(v) for k, v in kwargs.items()}
+        fwd, bwd = [], []
+        grad = None
+        for i in range(warmup + repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = unit(*args, **kwargs)
+            _sync(device)
+            t1 = time.perf_counter()
+            if grad is None:
+                gen = torch.Generator().manual_seed(1)
+                grad = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
+            torch.autograd.backward(out, grad)
+            _sync(device)
+            t2 = time.perf_counter()
+            unit.zero_grad(set_to_none=True)
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    a.grad = None
+            if i >= warmup:
+                fwd.append((t1 - t0) * 1e3)
+                bwd.append((t2 - t1) * 1e3)
+        results.append(UnitTiming(name=name, fwd_ms=min(fwd), bwd_ms=min(bwd)))
+    return tuple(results)
+
+
+# --- pure fits ---------------------------------------------------------------
+def _fit_terms(samples: Sequence[BlockSample], peak_flops: float, mem_bw: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per measurement (forward and backward of every block): compute ms at efficiency 1, memory ms, ops, ms."""
+    x, m, n, y = [], [], [], []
+    for s in samples:
+        x += [1e3 * s.fwd_flops / peak_flops, 1e3 * s.bwd_flops / peak_flops]
+        m += [1e3 * s.mem_traffic_bytes / mem_bw, 1e3 * BWD_TRAFFIC_FACTOR * s.mem_traffic_bytes / mem_bw]
+        n += [s.n_ops, BWD_OPS_FACTOR * s.n_ops]
+        y += [s.fwd_ms, s.bwd_ms]
+    return np.array(x), np.array(m), np.array(n), np.array(y)
+
+
+def _log_err(eff: np.ndarray, ovh: np.ndarray, x: np.ndarray, m: np.ndarray, n: np.ndarray,
+             y: np.ndarray) -> np.ndarray:
+    pred = np.maximum(x[None, None, :] / eff[:, None, None], m[None, None, :]) + ovh[None, :, None] * n[None, None, :]
+    return np.sum(np.log(np.maximum(pred, 1e-9) / y[None, None, :]) ** 2, axis=2)
+
+
+def fit_calibration(samples: Sequence[BlockSample], *, peak_flops: float, mem_bw_bytes_per_s: float) -> Calibration:
+    """Efficiency and per-op overhead minimising the squared log error of predicted block times.
+
+    The model is exactly ``cost_models.compute``'s: ``max(flops / (peak * eff),
+    traffic / bw) + ops * overhead``. A coarse log grid, then a fine one around
+    the best point: robust, no derivatives, and cheap for tens of blocks.
+    """
+    if not samples:
+        raise InvalidInputError("calibration samples", expected="at least one measured block", found="none")
+    x, m, n, y = _fit_terms(samples, peak_flops, mem_bw_bytes_per_s)
+    if np.any(y <= 0):
+        raise InvalidInputError("measured block times", expected="> 0 ms", found=repr(y.min()))
+    eff = np.logspace(-3, 0, 91)
+    ovh = np.concatenate(([0.0], np.logspace(-5, 1, 121)))
+    err = _log_err(eff, ovh, x, m, n, y)
+    i, j = np.unravel_index(np.argmin(err), err.shape)
+    fine_eff = np.clip(eff[i] * np.logspace(-0.04, 0.04, 41), 1e-3, 1.0)
+    fine_ovh = ovh[j] * np.logspace(-0.03, 0.03, 41) if ovh[j] > 0 else np.concatenate(([0.0], np.logspace(-6, -5, 11)))
+    err = _log_err(fine_eff, fine_ovh, x, m, n, y)
+    i, j = np.unravel_index(np.argmin(err), err.shape)
+    best_eff, best_ovh = float(fine_eff[i]), float(fine_ovh[j])
+    pred = np.maximum(x / best_eff, m) + best_ovh * n
+    rel = np.abs(pred - y) / y
+    return Calibration(efficiency=best_eff, op_overhead_ms=best_ovh, median_abs_rel_err=float(np.median(rel)),
+                       max_abs_rel_err=float(rel.max()), n_samples=int(y.size))
+
+
+def fit_p2p(points: Sequence[tuple[int, float]], backend: str) -> P2PResult:
+    """Latency and bandwidth from (bytes, one-way ms) points by least squares ``t = lat + bytes / bw``."""
+    if len(points) < 2 or len({b for b, _ in points}) < 2:
+        raise InvalidInputError("p2p points", expected="two or more message sizes", found=repr(points))
+    b = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    slope, intercept = np.polyfit(b, t, 1)
+    if intercept < 0 or slope <= 0:
+        # Noise swamped the line: latency from the smallest message, and (conservatively)
+        # the whole time of the largest one as transfer time.
+        intercept = float(t[np.argmin(b)])
+        slope = float(t[np.argmax(b)] / b.max())
+    bandwidth_gbps = 8.0 / (slope * 1e-3) / 1e9
+    return P2PResult(backend=backend, bandwidth_gbps=float(bandwidth_gbps), latency_ms=float(intercept),
+                     points=tuple((int(p[0]), float(p[1])) for p in points))
+
+
+# --- p2p between two local processes ----------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: float) -> P2PResult:
+    """Ping-pong between two ``planner.runtime.p2p_probe`` processes; rank 0 reports JSON on stdout."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "planner.runtime.p2p_probe", "--world-size", "2",
+           "--init-method", f"tcp://127.0.0.1:{port}", "--backend", backend,
+           "--sizes", ",".join(str(s) for s in sizes), "--repeats", str(repeats), "--timeout-s", str(timeout_s)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout_s + 30))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise RankFailureError("p2p probe", expected=f"two processes finishing within {timeout_s:.0f} s",
+                               found="a hang", fix="rerun with --no-p2p to skip the P2P measurement") from None
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            raise RankFailureError(f"p2p probe rank {rank}", expected="exit 0",
+                                   found=f"exit {p.returncode}: {last}", fix="rerun with --no-p2p to skip it")
+    try:
+        report = json.loads(outs[0][0].strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise RankFailureError("p2p probe rank 0", expected="a JSON report on stdout",
+                               found=repr(outs[0][0][-200:])) from None
+    return fit_p2p([(int(p["bytes"]), float(p["one_way_ms"])) for p in report["points"]], report["backend"])
+
+
+# --- the whole profile -------------------------------------------------------
+def model_chain(spec: str, *, batch: int, seq: int | None) -> Any:
+    """The planner's BlockChain of a preset at this shape (trace + coarsen on meta: no weights)."""
+    from models.registry import build_model
+    from planner.coarsen import coarsen
+    from planner.trace import trace
+    bundle = build_model(spec, batch=batch, seq=seq, device="meta")
+    return coarsen(trace(bundle.module, bundle.example_inputs, name=spec), granularity="layer")
+
+
+def pair_samples(chain: Any, timings: Sequence[UnitTiming]) -> tuple[BlockSample, ...]:
+    """Measured units beside the planner's blocks of the same names (``embed``, ``layers.i``, ``head``)."""
+    by_name = {t.name: t for t in timings}
+    samples = tuple(BlockSample(name=b.name, fwd_ms=by_name[b.name].fwd_ms, bwd_ms=by_name[b.name].bwd_ms,
+                                fwd_flops=b.fwd_flops, bwd_flops=b.bwd_flops,
+                                mem_traffic_bytes=b.mem_traffic_bytes, n_ops=len(b.node_names))
+                    for b in chain.blocks if b.name in by_name)
+    if not samples:
+        raise InvalidInputError(f"blocks of {chain.model_name}", expected="block names matching its top-level modules",
+                                found=f"blocks {[b.name for b in chain.blocks][:4]}..., "
+                                      f"modules {[t.name for t in timings][:4]}...")
+    return samples
+
+
+def _device_identity(device: Any) -> tuple[str, str, int]:
+    import psutil
+    import torch
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.name.replace(" ", "-"), "gpu", int(props.total_memory)
+    return f"{socket.gethostname()}-cpu", "cpu", int(psutil.virtual_memory().total) or 1 << 30
+
+
+def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> dict[str, Any]:
+    """Measure everything and return the profile document (see the module docstring)."""
+    import torch
+    from models.registry import build_model
+    say = step or (lambda _msg: None)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name, kind, mem_bytes = _device_identity(device)
+    say(f"tracing {settings.model}")  # first: a bad model spec fails before any measuring
+    chain = model_chain(settings.model, batch=settings.batch, seq=settings.seq)
+    dtypes = ["float32"] + (["bfloat16", "float16"] if device.type == "cuda" else ["bfloat16"])
+    matmul: dict[str, float] = {}
+    for dtype in dtypes:
+        say(f"matmul {dtype}")
+        matmul[dtype] = measure_matmul_flops(dtype, size=settings.matmul_size, repeats=settings.repeats, device=device)
+    say("memory bandwidth")
+    mem_bw = measure_memory_bandwidth(nbytes=settings.copy_bytes, repeats=settings.repeats, device=device)
+    say(f"blocks of {settings.model}")
+    bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
+    timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device)
+    del bundle
+    say("calibration")
+    samples = pair_samples(chain, timings)
+    calib = fit_calibration(samples, peak_flops=matmul["float32"], mem_bw_bytes_per_s=mem_bw)
+    p2p = None
+    if settings.p2p:
+        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+        say(f"p2p ({backend})")
+        p2p = measure_p2p(sizes=settings.p2p_sizes, repeats=settings.repeats, backend=backend,
+                          timeout_s=settings.p2p_timeout_s)
+    spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(matmul.items()), mem_bytes=mem_bytes,
+                      mem_bw_bytes_per_s=mem_bw, efficiency=max(min(calib.efficiency, 1.0), 1e-3),
+                      op_overhead_ms=calib.op_overhead_ms, measured=True,
+                      source=f"stagewise profile of {platform.node()} on {datetime.now(timezone.utc):%Y-%m-%d}",
+                      p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
+                      p2p_latency_ms=p2p.latency_ms if p2p else None)
+    return {
+        "schema": PROFILE_SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": str(device)},
+        "device": spec.to_dict(),
+        "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
+                     "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
+                     "repeats": settings.repeats},
+        "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
+                    "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
+                   for s in samples],
+        "calibration": {"efficiency": calib.efficiency, "op_overhead_ms": calib.op_overhead_ms,
+                        "median_abs_rel_err": calib.median_abs_rel_err, "max_abs_rel_err": calib.max_abs_rel_err,
+                        "n_samples": calib.n_samples},
+        "p2p": None if p2p is None else {"backend": p2p.backend, "bandwidth_gbps": p2p.bandwidth_gbps,
+                                         "latency_ms": p2p.latency_ms,
+                                         "points": [{"bytes": b, "one_way_ms": t} for b, t in p2p.points]},
+    }
+
+
+def write_profile(doc: dict[str, Any], path: str | Path) -> Path:
+    """Write atomically: a temp file in the same folder, then ``os.replace``."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,96 @@
+"""``stagewise profile``: measure this machine's device and write a profile JSON.
+
+A cluster file can then name the JSON as a device type:
+``devices: [{type: ./my-box.json, count: 1}]``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure this machine's device (matmul, memory, blocks, P2P) into a profile JSON",
+        description="Measure matmul throughput per dtype, memory bandwidth, per-block forward/backward time "
+                    "of a model preset and local P2P bandwidth/latency; fit the cost model's efficiency.")
+    p.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default: profile.json)")
+    p.add_argument("--model", default=None, help="preset whose blocks are timed (default: gpt-small; "
+                                                 "gpt-tiny with --quick)")
+    p.add_argument("--batch", type=int, default=None, help="batch for the timed blocks")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats: seconds, not minutes")
+    p.add_argument("--no-p2p", action="store_true", help="skip the two-process P2P measurement")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(handler=run)
+
+
+def _settings(args: argparse.Namespace):
+    import dataclasses
+
+    from cost_models.profile import ProfileSettings
+    from planner.errors import InvalidInputError
+    base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model or "gpt-small")
+    changes: dict = {"p2p": not args.no_p2p}
+    if args.batch is not None:
+        if args.batch < 1:
+            raise InvalidInputError("--batch", expected=">= 1", found=str(args.batch))
+        changes["batch"] = args.batch
+    if args.seq is not None:
+        if args.seq < 1:
+            raise InvalidInputError("--seq", expected=">= 1", found=str(args.seq))
+        changes["seq"] = args.seq
+    if args.seq is None and not _is_language_model(base.model):
+        changes["seq"] = None  # the short default sequence is for LMs; others keep the preset's shape
+    return dataclasses.replace(base, **changes)
+
+
+def _is_language_model(spec: str) -> bool:
+    from models.registry import PRESETS
+    preset = PRESETS.get(spec)
+    return preset is not None and preset.family == "lm"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from cost_models.profile import profile_device, write_profile
+    from planner.errors import InvalidInputError
+
+    settings = _settings(args)
+    import torch
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError("--threads", expected=">= 1", found=str(args.threads))
+        torch.set_num_threads(args.threads)
+    out = Path(args.output)
+    if out.is_dir():
+        raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory")
+    err = Console(stderr=True)
+    total = 6 + (1 if settings.p2p else 0) + (1 if torch.cuda.is_available() else 0)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("profiling", total=total)
+
+        def step(msg: str) -> None:
+            progress.update(task, description=f"measuring {msg}", advance=1)
+        doc = profile_device(settings, step=step)
+    write_profile(doc, out)
+
+    dev, cal = doc["device"], doc["calibration"]
+    table = Table(title=f"profile of {dev['name']} -> {out}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for dtype, flops in dev["peak_flops"].items():
+        table.add_row(f"matmul {dtype}", f"{flops / 1e9:,.1f} GFLOP/s")
+    table.add_row("memory bandwidth", f"{dev['mem_bw_bytes_per_s'] / 1e9:,.1f} GB/s")
+    table.add_row("efficiency (fitted)", f"{cal['efficiency']:.3f}")
+    table.add_row("op overhead (fitted)", f"{cal['op_overhead_ms'] * 1e3:.1f} us")
+    table.add_row("block fit median |err|", f"{cal['median_abs_rel_err']:.1%} over {cal['n_samples']} timings")
+    if doc["p2p"]:
+        table.add_row(f"p2p {doc['p2p']['backend']} bandwidth", f"{doc['p2p']['bandwidth_gbps']:.2f} Gb/s")
+        table.add_row(f"p2p {doc['p2p']['backend']} latency", f"{doc['p2p']['latency_ms']:.3f} ms")
+    Console().print(table)
+    return 0

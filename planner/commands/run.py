@@ -1,0 +1,80 @@
+"""``stagewise run PLAN``: run a plan's programs locally, one process per rank, and compare with the prediction.
+
+Every rank becomes a local process (gloo on CPU, NCCL with CUDA). With
+``--emulate-speed`` each rank's compute is padded to its planned device's
+speed (the fastest planned device runs at this machine's speed), so a plan for
+a heterogeneous cluster can be rehearsed here. The run ends with the
+simulator's predicted step time beside the measured one.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from planner.runtime.launch import add_run_arguments
+
+    p = subparsers.add_parser(
+        "run", help="run a plan locally (one process per rank) and compare measured with predicted step time",
+        description="Start one process per rank of PLAN on this machine, run --steps optimizer steps with "
+                    "live progress, and print predicted vs measured step time. Ranks that die or hang "
+                    "make the run stop within --timeout with an error naming the rank.")
+    add_run_arguments(p)
+    p.add_argument("--log-dir", help="keep each rank's log (and error record) in this folder")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from planner.runtime.launch import launch, options_from_args
+
+    opts = options_from_args(args)
+    console = Console(stderr=False)
+    columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("starting ranks...", total=opts.steps)
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("event") != "step":
+                return
+            loss = event.get("loss")
+            text = f"loss {loss:.4f}" if loss is not None else "loss n/a"
+            dropped = f"  dropped {event['dropped']}" if event.get("dropped") else ""
+            progress.update(task, completed=event["step"] + 1,
+                            description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
+
+        result = launch(opts, on_event=on_event, log_dir=args.log_dir)
+    console.print(summary_table(result))
+    if result.get("banned"):
+        console.print(f"[bold yellow]banned ranks {result['banned']}[/]: they kept running "
+                      "(replanning around a banned rank is future work)")
+    if opts.report:
+        console.print(f"report written to {opts.report}")
+    return 0
+
+
+def summary_table(result: dict[str, Any]):
+    """Predicted vs measured step time, the loss, and verification counts."""
+    from rich.table import Table
+
+    pred, meas = result["predicted_step_ms"], result["measured_step_ms"]
+    table = Table(title=f"{result['model']}: {result['num_ranks']} ranks, {result['schedule']}, "
+                        f"{result['steps']} steps" + (", emulated speeds" if result.get("emulated") else ""))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("predicted step (simulator, planned devices)", f"{pred:.2f} ms")
+    table.add_row("measured step here (median after step 1)", f"{meas:.2f} ms")
+    table.add_row("measured / predicted", f"{meas / pred:.2f}x" if pred > 0 else "n/a")
+    loss = result.get("final_loss")
+    table.add_row("final loss", "n/a" if loss is None or (isinstance(loss, float) and math.isnan(loss))
+                  else f"{loss:.4f}")
+    if result.get("attacks") or result.get("flags"):
+        table.add_row("verifier flags", str(result.get("flags", 0)))
+        table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
+        table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")
+    return table

@@ -1,0 +1,70 @@
+"""``stagewise show PLAN [--out DIR]``: tables per stage and per rank, and a Gantt chart of one step.
+
+The chart is written as ``<plan name>-gantt.png`` and ``.svg`` into ``--out``
+(default: the plan's folder).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "show", help="print a plan's stages and ranks and draw a Gantt chart of one step",
+        description="Print a table per stage (blocks, parameters, devices, time per microbatch) and per rank "
+                    "(memory used of available, busy time), and write a Gantt chart of one simulated step "
+                    "as PNG and SVG.")
+    p.add_argument("plan", help="plan JSON written by `stagewise plan`")
+    p.add_argument("--out", default=None, help="folder for the Gantt chart (default: the plan's folder)")
+    p.set_defaults(handler=run)
+
+
+def stage_table(plan, costs):
+    from rich.table import Table
+
+    table = Table(title="stages")
+    for col in ("stage", "blocks", "params M", "devices", "F+B ms/mb", "sends MiB", "verifier"):
+        table.add_column(col, justify="left" if col in ("blocks", "devices", "verifier") else "right")
+    for st in plan.stages:
+        ranks = plan.stage_ranks(st.index)
+        names = st.block_names
+        blocks = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        devices = ",".join(plan.ranks[r].device_type for r in ranks)
+        times = "/".join(f"{costs.compute_ms(r, 'F') + costs.compute_ms(r, 'B'):.1f}" for r in ranks)
+        out_mib = costs.boundary_bytes[st.index] / 2**20 if st.index < plan.num_stages - 1 else 0.0
+        v = plan.verifier(st.index)
+        checker = f"r{v.rank} {'+'.join(v.directions)}" if v is not None else "-"
+        table.add_row(str(st.index), blocks, f"{st.param_count / 1e6:.1f}", devices, times, f"{out_mib:.2f}",
+                      checker)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from planner.commands.simulate import rank_table
+    from planner.errors import InvalidInputError
+    from planner.gantt import write_gantt
+    from planner.plan import load_plan
+    from planner.simulate import CostModel, simulate
+
+    plan = load_plan(args.plan)
+    costs = CostModel.for_plan(plan)
+    result = simulate(plan, costs)
+    console = Console()
+    console.print(f"[bold]{plan.model.name}[/] ({plan.model.spec}), {plan.schedule}, {plan.num_microbatches} "
+                  f"microbatches of {plan.config.microbatch_size}; solver: {plan.report.method} "
+                  f"{plan.report.status}, objective {plan.report.objective_ms:.3f} ms")
+    console.print(stage_table(plan, costs))
+    console.print(rank_table(plan, result, f"ranks: step {result.step_ms:.3f} ms, "
+                                           f"bubble {100 * result.bubble_fraction:.1f}%"))
+    out = Path(args.out) if args.out is not None else Path(args.plan).resolve().parent
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out}", expected="a folder", found="a file")
+    try:
+        written = write_gantt(plan, result, out / f"{Path(args.plan).stem}-gantt")
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write the Gantt chart into {out}", found=str(exc)) from None
+    console.print("Gantt chart: " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,120 @@
+"""Compile a solver :class:`Solution` into an executable :class:`Plan`.
+
+Steps: check that the solution fits the chain, cluster and configuration;
+lay out the ranks (one per (stage, replica) in order, then one per verifier
+device that runs no stage); generate the programs (``planner.schedules``,
+ordered with the cost model's estimates); validate them
+(``planner.validate``); and price them with the simulator, whose step time,
+bubble and per-rank peak memory become ``plan.predicted``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from cost_models.cluster import ClusterSpec
+from cost_models.memory import trace_dtype
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError, PlanMismatchError
+from planner.ir import BlockChain
+from planner.plan import (DIRECTIONS, ModelRef, Plan, Predicted, RankInfo, StageInfo, VerifierConfig,
+                          VerifierInfo)
+from planner.schedules import build_programs, max_in_flight
+from planner.simulate import CostModel, simulate
+from planner.solver.policy import VerificationPolicy
+from planner.solver.solution import Solution
+from planner.validate import validate_programs
+
+
+def _check_inputs(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                  model_ref: ModelRef) -> None:
+    if solution.num_microbatches != config.num_microbatches:
+        raise InvalidInputError("solution microbatches", expected=f"{config.num_microbatches} "
+                                f"(global batch {config.global_batch} / microbatch {config.microbatch_size})",
+                                found=str(solution.num_microbatches),
+                                fix="solve again with this training configuration")
+    if solution.schedule != config.schedule:
+        raise InvalidInputError("solution schedule", expected=config.schedule, found=solution.schedule,
+                                fix="solve again with this training configuration")
+    first, last = solution.stages[0].first_block, solution.stages[-1].last_block
+    if first != 0 or last != len(chain.blocks) - 1:
+        raise InvalidInputError(f"solution stages over {chain.model_name}",
+                                expected=f"blocks 0..{len(chain.blocks) - 1}", found=f"{first}..{last}",
+                                fix="solve again for this block chain")
+    if chain.fingerprint != model_ref.fingerprint:
+        raise PlanMismatchError("model reference", expected=f"the chain's fingerprint {chain.fingerprint[:16]}...",
+                                found=f"{model_ref.fingerprint[:16]}...")
+    if model_ref.batch != chain.microbatch_size or model_ref.dtype != trace_dtype(chain):
+        raise InvalidInputError("model reference", expected=f"batch {chain.microbatch_size} and dtype "
+                                f"{trace_dtype(chain)} (what the chain was traced at)",
+                                found=f"batch {model_ref.batch} and dtype {model_ref.dtype}")
+    for st in solution.stages:
+        for dev in st.devices:
+            cluster.device(dev)  # raises naming the unknown device
+    for v in solution.verifiers:
+        cluster.device(v.device)
+        if not 0 <= v.boundary < len(solution.stages) - 1:
+            raise InvalidInputError(f"verifier on {v.device}: boundary",
+                                    expected=f"0..{len(solution.stages) - 2}", found=str(v.boundary))
+        if not v.directions or any(d not in DIRECTIONS for d in v.directions):
+            raise InvalidInputError(f"verifier of boundary {v.boundary}: directions",
+                                    expected="a non-empty subset of act, grad", found=repr(v.directions))
+    bounds = [v.boundary for v in solution.verifiers]
+    if len(bounds) != len(set(bounds)):
+        raise InvalidInputError("solution verifiers", expected="at most one verifier per boundary",
+                                found=f"boundaries {sorted(bounds)}")
+
+
+def _stages(solution: Solution, chain: BlockChain) -> tuple[StageInfo, ...]:
+    out = []
+    for st in solution.stages:
+        in_bytes = chain.input_bytes if st.first_block == 0 else chain.blocks[st.first_block - 1].out_bytes
+        out.append(StageInfo(index=st.index, blocks=chain.blocks[st.first_block:st.last_block + 1],
+                             in_bytes=in_bytes))
+    return tuple(out)
+
+
+def _ranks(solution: Solution, cluster: ClusterSpec) -> tuple[tuple[RankInfo, ...], tuple[VerifierInfo, ...]]:
+    """Stage ranks (stage order, replica order), then verifier-only ranks (first use order)."""
+    S = len(solution.stages)
+    rows: list[dict] = []
+    rank_of_device: dict[str, int] = {}
+    for st in solution.stages:
+        start = 0
+        for replica, (dev, count) in enumerate(zip(st.devices, st.microbatches)):
+            mbs = tuple(range(start, start + count))  # contiguous split, in replica order
+            start += count
+            rank_of_device.setdefault(dev, len(rows))
+            rows.append(dict(rank=len(rows), device=dev, stage=st.index, replica=replica, microbatches=mbs,
+                             max_in_flight=max_in_flight(solution.schedule, st.index, S, count)))
+    for v in solution.verifiers:
+        if v.device not in rank_of_device:
+            rank_of_device[v.device] = len(rows)
+            rows.append(dict(rank=len(rows), device=v.device))
+    verifiers = tuple(sorted((VerifierInfo(boundary=v.boundary, rank=rank_of_device[v.device], device=v.device,
+                                           directions=tuple(v.directions)) for v in solution.verifiers),
+                             key=lambda v: v.boundary))
+    ranks = []
+    for row in rows:
+        device = cluster.device(row["device"])
+        checks = tuple(v.boundary for v in verifiers if v.rank == row["rank"])
+        ranks.append(RankInfo(host=device.host, device_type=device.type, verifies=checks, **row))
+    return tuple(ranks), verifiers
+
+
+def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                 policy: VerificationPolicy, model_ref: ModelRef, *,
+                 verifier_config: VerifierConfig | None = None) -> Plan:
+    """The executable plan of ``solution`` (see the module docstring)."""
+    _check_inputs(solution, chain, cluster, config, model_ref)
+    stages = _stages(solution, chain)
+    ranks, verifiers = _ranks(solution, cluster)
+    costs = CostModel(chain=chain, stage_ranges=tuple((s.first_block, s.last_block) for s in stages),
+                      ranks=ranks, verifiers=verifiers, cluster=cluster, config=config)
+    programs = build_programs(solution.schedule, len(stages), ranks, verifiers, costs)
+    placeholder = Predicted(step_ms=0.0, bubble_fraction=0.0, peak_mem_bytes=(0,) * len(ranks))
+    plan = Plan(model=model_ref, cluster=cluster.to_dict(), config=config, policy=policy,
+                verifier_config=verifier_config or VerifierConfig(), stages=stages,
+                tied_params=chain.tied_params, ranks=ranks, verifiers=verifiers, programs=programs,
+                report=solution.report, predicted=placeholder)
+    validate_programs(plan)
+    return dataclasses.replace(plan, predicted=simulate(plan, costs).predicted())

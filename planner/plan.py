@@ -1,0 +1,504 @@
+"""The executable plan: one program per rank plus everything needed to run and check it.
+
+A :class:`Plan` is self-contained: it names the model (with the fingerprint of
+the traced graph), embeds the cluster it was made for (``ClusterSpec.to_dict()``),
+the training configuration, the verification policy and the monitors'
+settings, the stages with their per-microbatch figures, the rank layout and
+the programs. The simulator and the runtime need nothing else.
+
+Rank layout: one rank per (stage, replica), stages in order and replicas in
+order; then one rank per verifier device that runs no stage. Microbatch ``m``
+holds samples ``[m * microbatch_size, (m + 1) * microbatch_size)`` of the step's
+global batch.
+
+On disk a plan is JSON (``plan.save``), validated against
+``planner/schema/plan.schema.json``; programs are stored as lists of short
+instruction strings (see ``planner.instructions``), one list per rank, so that
+two plans diff line by line. ``load_plan`` rejects anything malformed before a
+single instruction runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError, PlanMismatchError
+from planner.ir import Block, BlockChain, TiedParam, dtype_bytes
+from planner.instructions import (Instruction, format_instruction, format_program,  # noqa: F401
+                                  parse_instruction, parse_program)
+from planner.solver.policy import VerificationPolicy
+from planner.solver.solution import SolveReport
+
+SCHEMA_VERSION = 1
+DIRECTIONS = ("act", "grad")
+
+
+def _check_non_negative(owner: str, obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise InvalidInputError(f"{owner}.{name}", expected=">= 0", found=repr(value))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRef:
+    """Which model a plan is for: how to build it (``spec``) and the fingerprint of its trace.
+
+    ``batch`` is the microbatch size the graph was traced at, ``dtype`` the
+    dtype it was traced in (the block figures are at that size and dtype);
+    ``seq`` the sequence length for language models (None otherwise).
+    """
+
+    spec: str
+    name: str
+    fingerprint: str
+    batch: int
+    seq: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        dtype_bytes(self.dtype)
+        if not self.spec or not self.fingerprint:
+            raise InvalidInputError("model reference", expected="a non-empty spec and fingerprint",
+                                    found=f"spec={self.spec!r} fingerprint={self.fingerprint!r}")
+        if self.batch < 1 or (self.seq is not None and self.seq < 1):
+            raise InvalidInputError("model reference batch/seq", expected=">= 1",
+                                    found=f"batch={self.batch} seq={self.seq}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifierConfig:
+    """Defaults for the runtime's integrity monitors (SENTINEL-style).
+
+    EMA reference per boundary and direction (``act_beta``, ``grad_beta``); a
+    sample is flagged when its score exceeds ``Q3 + iqr_k * IQR`` over the
+    last ``window`` accepted scores, once ``warmup_steps`` honest steps have
+    filled the window; a sender flagged ``ban_after`` times is banned.
+    """
+
+    act_beta: float = 0.9
+    grad_beta: float = 0.8
+    window: int = 64
+    iqr_k: float = 3.0
+    warmup_steps: int = 5
+    ban_after: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("act_beta", "grad_beta"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise InvalidInputError(f"verifier_config.{name}", expected="0 < beta < 1",
+                                        found=repr(getattr(self, name)))
+        if self.window < 4 or self.iqr_k <= 0 or self.warmup_steps < 0 or self.ban_after < 1:
+            raise InvalidInputError("verifier_config",
+                                    expected="window >= 4, iqr_k > 0, warmup_steps >= 0, ban_after >= 1",
+                                    found=f"window={self.window} iqr_k={self.iqr_k} "
+                                          f"warmup_steps={self.warmup_steps} ban_after={self.ban_after}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageInfo:
+    """Stage ``index``: a contiguous run of the chain's blocks (``planner.ir.Block``, per microbatch
+    at the traced batch size).
+
+    ``node_names``/``module_paths``/``param_names`` say what the runtime builds;
+    ``boundary_nodes`` name the producers of the activation sent on.
+    ``in_bytes`` is what the stage receives per microbatch (the model input
+    for stage 0); ``out_bytes`` what it sends on (its last block's). Totals
+    (``fwd_flops``, ``param_bytes``, ...) sum the blocks.
+    """
+
+    index: int
+    blocks: tuple[Block, ...]
+    in_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise InvalidInputError(f"stage {self.index}", expected="at least one block", found="none")
+        first = self.blocks[0].index
+        if tuple(b.index for b in self.blocks) != tuple(range(first, first + len(self.blocks))):
+            raise InvalidInputError(f"stage {self.index} blocks", expected="consecutive block indices",
+                                    found=repr(tuple(b.index for b in self.blocks)))
+        _check_non_negative(f"stage {self.index}", self, ("in_bytes",))
+
+    @property
+    def first_block(self) -> int:
+        return self.blocks[0].index
+
+    @property
+    def last_block(self) -> int:
+        return self.blocks[-1].index
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.blocks)
+
+    def _concat(self, name: str) -> tuple[str, ...]:
+        return tuple(x for b in self.blocks for x in getattr(b, name))
+
+    def _sum(self, name: str) -> int:
+        return sum(getattr(b, name) for b in self.blocks)
+
+    node_names = property(lambda self: self._concat("node_names"))
+    module_paths = property(lambda self: tuple(dict.fromkeys(self._concat("module_paths"))))
+    param_names = property(lambda self: tuple(dict.fromkeys(self._concat("param_names"))))
+    boundary_nodes = property(lambda self: self.blocks[-1].boundary_nodes)
+    fwd_flops = property(lambda self: self._sum("fwd_flops"))
+    bwd_flops = property(lambda self: self._sum("bwd_flops"))
+    param_count = property(lambda self: self._sum("param_count"))
+    param_bytes = property(lambda self: self._sum("param_bytes"))
+    saved_act_bytes = property(lambda self: self._sum("saved_act_bytes"))
+    mem_traffic_bytes = property(lambda self: self._sum("mem_traffic_bytes"))
+    out_bytes = property(lambda self: self.blocks[-1].out_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankInfo:
+    """One process of the plan.
+
+    A stage rank has ``stage``/``replica`` set and runs ``microbatches``
+    (ascending ids), keeping at most ``max_in_flight`` microbatches' activations
+    alive at once. ``verifies`` lists the boundaries this rank checks (a
+    verifier-only rank has no stage).
+    """
+
+    rank: int
+    host: str
+    device: str
+    device_type: str
+    stage: int | None = None
+    replica: int | None = None
+    microbatches: tuple[int, ...] = ()
+    max_in_flight: int = 0
+    verifies: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.stage is None) != (self.replica is None):
+            raise InvalidInputError(f"rank {self.rank}", expected="stage and replica both set or both null",
+                                    found=f"stage={self.stage} replica={self.replica}")
+        if self.stage is None and (self.microbatches or not self.verifies):
+            raise InvalidInputError(f"rank {self.rank}",
+                                    expected="a stage, or (verifier-only) boundaries to verify and no microbatches",
+                                    found=f"microbatches={self.microbatches} verifies={self.verifies}")
+        if self.stage is not None and not (1 <= self.max_in_flight <= len(self.microbatches)):
+            raise InvalidInputError(f"rank {self.rank} max_in_flight",
+                                    expected=f"1..{len(self.microbatches)} (its microbatch count)",
+                                    found=str(self.max_in_flight))
+        if list(self.microbatches) != sorted(set(self.microbatches)):
+            raise InvalidInputError(f"rank {self.rank} microbatches", expected="distinct ascending ids",
+                                    found=repr(self.microbatches))
+
+    @property
+    def is_verifier(self) -> bool:
+        return bool(self.verifies)
+
+    @property
+    def runs_stage(self) -> bool:
+        return self.stage is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifierInfo:
+    """The verifier of boundary ``boundary`` (stage b -> b+1) runs on ``rank``."""
+
+    boundary: int
+    rank: int
+    device: str
+    directions: tuple[str, ...] = DIRECTIONS
+
+    def __post_init__(self) -> None:
+        if not self.directions or any(d not in DIRECTIONS for d in self.directions):
+            raise InvalidInputError(f"verifier of boundary {self.boundary} directions",
+                                    expected="a non-empty subset of act, grad", found=repr(self.directions))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Predicted:
+    """What the simulator predicts for one optimizer step of the compiled programs."""
+
+    step_ms: float
+    bubble_fraction: float
+    peak_mem_bytes: tuple[int, ...]  # per rank
+
+    def __post_init__(self) -> None:
+        if self.step_ms < 0 or not 0.0 <= self.bubble_fraction <= 1.0:
+            raise InvalidInputError("predicted metrics", expected="step_ms >= 0 and 0 <= bubble_fraction <= 1",
+                                    found=f"{self.step_ms}, {self.bubble_fraction}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """The whole plan; see the module docstring. ``programs[r]`` is rank r's program."""
+
+    model: ModelRef
+    cluster: Mapping[str, Any]
+    config: TrainingConfig
+    policy: VerificationPolicy
+    stages: tuple[StageInfo, ...]
+    ranks: tuple[RankInfo, ...]
+    verifiers: tuple[VerifierInfo, ...]
+    programs: tuple[tuple[Instruction, ...], ...]
+    report: SolveReport
+    predicted: Predicted
+    tied_params: tuple[TiedParam, ...] = ()
+    verifier_config: VerifierConfig = VerifierConfig()
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanMismatchError("plan schema_version", expected=str(SCHEMA_VERSION),
+                                    found=str(self.schema_version), fix="re-run `stagewise plan` with this version")
+        # A JSON round trip turns tuples into lists: normalise now so load(save(p)) == p.
+        object.__setattr__(self, "cluster", json.loads(json.dumps(dict(self.cluster), allow_nan=False)))
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        next_block = 0
+        for k, st in enumerate(self.stages):
+            if st.index != k or st.first_block != next_block:
+                raise InvalidInputError(f"plan stage {k}", expected=f"index {k} starting at block {next_block}",
+                                        found=f"index {st.index} starting at block {st.first_block}")
+            next_block = st.last_block + 1
+        for r, info in enumerate(self.ranks):
+            if info.rank != r:
+                raise InvalidInputError("plan ranks", expected=f"rank {r} at position {r}", found=str(info.rank))
+            if info.stage is not None and info.stage >= len(self.stages):
+                raise InvalidInputError(f"rank {r} stage", expected=f"< {len(self.stages)}", found=str(info.stage))
+        if len(self.programs) < len(self.ranks):
+            missing = ", ".join(str(r) for r in range(len(self.programs), len(self.ranks)))
+            raise InvalidInputError(f"plan programs: rank(s) {missing} have no program",
+                                    expected=f"one program per rank ({len(self.ranks)})",
+                                    found=f"{len(self.programs)} programs", fix="re-run `stagewise plan`")
+        if len(self.programs) > len(self.ranks):
+            raise InvalidInputError("plan programs", expected=f"one program per rank ({len(self.ranks)})",
+                                    found=f"{len(self.programs)} programs")
+        for r, prog in enumerate(self.programs):
+            if not prog:
+                raise InvalidInputError(f"rank {r} has no program", expected="at least one instruction",
+                                        found="an empty program", fix="re-run `stagewise plan`")
+        for v in self.verifiers:
+            if not 0 <= v.rank < len(self.ranks) or not 0 <= v.boundary < len(self.stages) - 1:
+                raise InvalidInputError(f"verifier of boundary {v.boundary}",
+                                        expected=f"a rank < {len(self.ranks)} and a boundary < {len(self.stages) - 1}",
+                                        found=f"rank {v.rank}")
+        if len(self.predicted.peak_mem_bytes) != len(self.ranks):
+            raise InvalidInputError("predicted.peak_mem_bytes", expected=f"{len(self.ranks)} entries (one per rank)",
+                                    found=str(len(self.predicted.peak_mem_bytes)))
+
+    # --- queries -----------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self.config.schedule
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The ranks of ``stage``'s replicas, in replica order."""
+        return tuple(r.rank for r in self.ranks if r.stage == stage)
+
+    def owner(self, stage: int, mb: int) -> int:
+        """The rank of the replica of ``stage`` that runs microbatch ``mb``."""
+        for r in self.ranks:
+            if r.stage == stage and mb in r.microbatches:
+                return r.rank
+        raise InvalidInputError(f"microbatch {mb} of stage {stage}", expected="a replica that runs it",
+                                found="none")
+
+    def chain(self) -> BlockChain:
+        """The block chain the plan was made from (the cost models price it)."""
+        return BlockChain(model_name=self.model.name, fingerprint=self.model.fingerprint,
+                          blocks=tuple(b for st in self.stages for b in st.blocks),
+                          input_bytes=self.stages[0].in_bytes, microbatch_size=self.model.batch,
+                          tied_params=self.tied_params, meta=(("dtype", self.model.dtype),))
+
+    def verifier(self, boundary: int) -> VerifierInfo | None:
+        for v in self.verifiers:
+            if v.boundary == boundary:
+                return v
+        return None
+
+    # --- (de)serialisation ---------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "plan") -> "Plan":
+        return _plan_from_dict(data, source)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan as JSON atomically (temp file in the same folder + os.replace)."""
+        target = Path(path)
+        text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path_for(target)
+        try:
+            with open(tmp, "x", encoding="utf-8") as fh:  # "x": a fresh file with the usual umask permissions
+                fh.write(text)
+            os.replace(tmp, target)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        return target
+
+
+def temp_path_for(target: Path) -> Path:
+    """A unique hidden sibling of ``target`` to write before ``os.replace`` (same folder: same filesystem)."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+# --- dict conversion --------------------------------------------------------------
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A flat value dataclass as a JSON-ready dict (tuples become lists)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _plan_to_dict(plan: Plan) -> dict[str, Any]:
+    return {
+        "schema_version": plan.schema_version,
+        "model": _plain(plan.model),
+        "cluster": plan.cluster,
+        "config": plan.config.to_dict(),
+        "policy": plan.policy.to_dict(),
+        "verifier_config": _plain(plan.verifier_config),
+        "stages": [{"index": st.index, "in_bytes": st.in_bytes, "blocks": [_plain(b) for b in st.blocks]}
+                   for st in plan.stages],
+        "tied_params": [_plain(t) for t in plan.tied_params],
+        "ranks": [_plain(r) for r in plan.ranks],
+        "verifiers": [_plain(v) for v in plan.verifiers],
+        "programs": [list(format_program(p)) for p in plan.programs],
+        "report": _plain(plan.report),
+        "predicted": _plain(plan.predicted),
+    }
+
+
+def _tupled(d: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
+    if not isinstance(data, Mapping):
+        raise InvalidInputError(f"{source}", expected="a JSON object", found=type(data).__name__)
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanMismatchError(f"{source}: schema_version", expected=str(SCHEMA_VERSION), found=repr(version),
+                                fix="re-create the plan with this version of stagewise (`stagewise plan`)")
+    _validate_schema(data, source)
+    try:
+        programs = []
+        for r, texts in enumerate(data["programs"]):
+            try:
+                programs.append(parse_program(texts))
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{source}: $.programs[{r}]: {exc}") from None
+        return Plan(
+            schema_version=version,
+            model=ModelRef(**data["model"]),
+            cluster=data["cluster"],
+            config=TrainingConfig.from_dict(data["config"]),
+            policy=VerificationPolicy.from_dict(data["policy"]),
+            verifier_config=VerifierConfig(**data["verifier_config"]),
+            stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"],
+                                   blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
+                         for st in data["stages"]),
+            tied_params=tuple(TiedParam(**_tupled(t)) for t in data["tied_params"]),
+            ranks=tuple(RankInfo(**_tupled(r)) for r in data["ranks"]),
+            verifiers=tuple(VerifierInfo(**_tupled(v)) for v in data["verifiers"]),
+            programs=tuple(programs),
+            report=SolveReport(**_tupled(data["report"])),
+            predicted=Predicted(**_tupled(data["predicted"])),
+        )
+    except InvalidInputError as exc:
+        if str(exc).startswith(source):
+            raise
+        raise type(exc)(f"{source}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema shipped as package data (planner/schema/plan.schema.json)."""
+    text = resources.files("planner").joinpath("schema/plan.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _validate_schema(data: Mapping[str, Any], source: str) -> None:
+    validator = jsonschema.Draft202012Validator(plan_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        raise InvalidInputError(f"{source}: {error.json_path}: {error.message}",
+                                fix="re-create the plan with `stagewise plan` (hand edits must follow "
+                                    "planner/schema/plan.schema.json)")
+
+
+# --- loading --------------------------------------------------------------------
+
+def _expected_fingerprint(model: Any) -> str:
+    """The fingerprint of ``model``: a Graph, a BlockChain, or the fingerprint string itself."""
+    if isinstance(model, str):
+        return model
+    fingerprint = getattr(model, "fingerprint", None)
+    if callable(fingerprint):  # planner.ir.Graph
+        return fingerprint()
+    if isinstance(fingerprint, str):  # planner.ir.BlockChain
+        return fingerprint
+    raise InvalidInputError("load_plan model=", expected="a traced Graph, a BlockChain or a fingerprint string",
+                            found=type(model).__name__, fix="trace the model first (planner.trace)")
+
+
+def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
+    """Read, schema-check and validate a plan file; with ``model``, check it is that model's plan.
+
+    Raises InvalidInputError (unreadable, truncated or malformed file, invalid
+    programs) or PlanMismatchError (unknown schema version, other model).
+    """
+    source = f"plan file {os.fspath(path)}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInputError(f"{source} does not exist", fix="make one with `stagewise plan`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{source} cannot be read", found=str(exc)) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{source} is not valid JSON (truncated or corrupted?)",
+                                found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+                                fix="re-create it with `stagewise plan`") from None
+    plan = Plan.from_dict(data, source=source)
+    from planner.validate import validate_programs  # validate imports this module
+    validate_programs(plan)
+    if model is not None:
+        expected = _expected_fingerprint(model)
+        if expected != plan.model.fingerprint:
+            raise PlanMismatchError(
+                f"{source} was made for another model ({plan.model.spec})",
+                expected=f"fingerprint {expected[:16]}...", found=f"{plan.model.fingerprint[:16]}...",
+                fix="re-plan for this model with `stagewise plan`, or pass the model the plan was made for")
+    return plan

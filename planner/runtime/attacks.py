@@ -1,0 +1,330 @@
+"""The attack harness: what a malicious rank does to the tensors it sends.
+
+``stagewise run --attack "rank=2,kind=scale,factor=-1,start=5,p=1.0,dir=act"``
+makes rank 2 multiply every activation it sends by -1 from step 5 on. The
+attacker applies the corruption once, to the tensor it sends both to its
+consumer and to the verifier. Kinds (SENTINEL's attack set):
+
+============  ==================================================================
+constant      every element = ``value`` (default 1.0)
+zeros         every element = 0
+random        i.i.d. normal values with the honest tensor's global mean and std
+scale         ``factor`` * x (default -1: the sign flip)
+sign_flip     -x (default direction: gradients)
+random_sign   each element's sign flipped with probability 1/2 (default: gradients)
+delay         replay of the tensor sent for the same microbatch ``steps`` steps ago
+bias          x + ``value``, or x + ``rel`` * std(x) when no value is given (rel 1.0)
+noise         x + N(0, (``std`` * std(x))^2): small, "invisible" noise (std 0.5)
+mixed         one of the kinds above, chosen at random per microbatch
+adaptive      stays just inside the running average (see :class:`AdaptiveState`)
+============  ==================================================================
+
+Common keys: ``rank`` (required), ``kind`` (required), ``start`` (first
+attacked step, default 0), ``p`` (probability per microbatch, default 1.0),
+``dir`` (``act``, ``grad`` or ``both``). Everything is deterministic given the
+seed: the random draws of a microbatch depend on (seed, step, mb, direction)
+only, never on the global torch RNG or on call order.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from planner.errors import InvalidInputError
+from planner.runtime import distances as dist
+from planner.runtime.thresholds import IQRFence
+
+COMMON_KEYS = ("rank", "kind", "start", "p", "dir")
+# kind -> {parameter: default}; None means "not set" (see the kind's rule).
+KIND_PARAMS: Mapping[str, Mapping[str, Any]] = {
+    "constant": {"value": 1.0},
+    "zeros": {},
+    "random": {},
+    "scale": {"factor": -1.0},
+    "sign_flip": {},
+    "random_sign": {},
+    "delay": {"steps": 2},
+    "bias": {"value": None, "rel": 1.0},
+    "noise": {"std": 0.5},
+    "mixed": {},
+    "adaptive": {"target": "random", "margin": 0.7, "beta": 0.9},
+}
+GRAD_KINDS = ("sign_flip", "random_sign")
+MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "delay", "bias", "noise")
+TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
+INT_PARAMS = ("steps",)
+STR_PARAMS = ("target",)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttackSpec:
+    """A parsed ``--attack`` spec; ``params`` holds the kind's parameters (defaults filled in)."""
+
+    rank: int
+    kind: str
+    start: int = 0
+    p: float = 1.0
+    direction: str = "act"
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KIND_PARAMS:
+            raise InvalidInputError("attack key 'kind'", expected=f"one of {sorted(KIND_PARAMS)}",
+                                    found=repr(self.kind))
+        if self.rank < 0:
+            raise InvalidInputError("attack key 'rank'", expected="a rank >= 0", found=str(self.rank))
+        if self.start < 0:
+            raise InvalidInputError("attack key 'start'", expected="a step >= 0", found=str(self.start))
+        if not 0.0 < self.p <= 1.0:
+            raise InvalidInputError("attack key 'p'", expected="a probability in (0, 1]", found=str(self.p))
+        if self.direction not in ("act", "grad", "both"):
+            raise InvalidInputError("attack key 'dir'", expected="act, grad or both", found=repr(self.direction))
+        _check_params(self.kind, dict(self.params))
+
+    def param(self, name: str) -> Any:
+        return dict(self.params)[name]
+
+    def targets(self, direction: str) -> bool:
+        return self.direction in (direction, "both")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "kind": self.kind, "start": self.start, "p": self.p,
+                "dir": self.direction, **dict(self.params)}
+
+
+def _check_params(kind: str, params: Mapping[str, Any]) -> None:
+    if kind == "delay" and params["steps"] < 1:
+        raise InvalidInputError("attack key 'steps'", expected="a delay of >= 1 steps", found=str(params["steps"]))
+    if kind == "noise" and params["std"] <= 0:
+        raise InvalidInputError("attack key 'std'", expected="> 0 (relative to the tensor's std)",
+                                found=str(params["std"]))
+    if kind == "bias" and params["value"] is not None and params["rel"] != KIND_PARAMS["bias"]["rel"]:
+        raise InvalidInputError("attack key 'rel'", expected="either value= or rel= for kind bias, not both",
+                                found=f"value={params['value']}, rel={params['rel']}")
+    if kind == "adaptive":
+        if params["target"] not in TARGET_KINDS:
+            raise InvalidInputError("attack key 'target'", expected=f"one of {TARGET_KINDS}",
+                                    found=repr(params["target"]))
+        if not 0.0 < params["margin"] <= 1.0:
+            raise InvalidInputError("attack key 'margin'", expected="a fraction in (0, 1]",
+                                    found=str(params["margin"]))
+        if not 0.0 < params["beta"] < 1.0:
+            raise InvalidInputError("attack key 'beta'", expected="a number in (0, 1)", found=str(params["beta"]))
+
+
+def _convert(key: str, raw: str) -> Any:
+    try:
+        if key in ("rank", "start") or key in INT_PARAMS:
+            return int(raw)
+        if key in ("kind", "dir") or key in STR_PARAMS:
+            return raw
+        return float(raw)
+    except ValueError:
+        kind = "an integer" if key in ("rank", "start", *INT_PARAMS) else "a number"
+        raise InvalidInputError(f"attack key {key!r}", expected=kind, found=repr(raw)) from None
+
+
+def parse_attack(spec: str) -> AttackSpec:
+    """Parse ``"rank=2,kind=scale,factor=-1,start=5,p=1.0,dir=act"`` into an :class:`AttackSpec`."""
+    fields: dict[str, Any] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key or not raw:
+            raise InvalidInputError(f"attack spec part {part!r}", expected="key=value",
+                                    fix='e.g. --attack "rank=2,kind=scale,factor=-1,start=5"')
+        if key in fields:
+            raise InvalidInputError(f"attack key {key!r}", expected="each key once", found="it twice")
+        fields[key] = _convert(key, raw)
+    for key in ("rank", "kind"):
+        if key not in fields:
+            raise InvalidInputError(f"attack key {key!r}", expected="present", found=f"spec {spec!r}",
+                                    fix='e.g. --attack "rank=2,kind=zeros"')
+    kind = fields["kind"]
+    if kind not in KIND_PARAMS:
+        raise InvalidInputError("attack key 'kind'", expected=f"one of {sorted(KIND_PARAMS)}", found=repr(kind))
+    allowed = KIND_PARAMS[kind]
+    for key in fields:
+        if key not in COMMON_KEYS and key not in allowed:
+            expected = f"one of {sorted((*COMMON_KEYS, *allowed))}"
+            raise InvalidInputError(f"attack key {key!r} (kind {kind})", expected=expected, found=repr(key))
+    params = tuple((k, fields.get(k, default)) for k, default in allowed.items())
+    direction = fields.get("dir", "grad" if kind in GRAD_KINDS else "act")
+    return AttackSpec(rank=fields["rank"], kind=kind, start=fields.get("start", 0), p=fields.get("p", 1.0),
+                      direction=direction, params=params)
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts``, identical in every process (``hash`` is salted)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Generator) -> torch.Tensor:
+    """Apply one stateless attack ``kind`` to ``x`` (float tensor); returns a new tensor."""
+    xf = x.detach().float()
+    if kind == "constant":
+        out = torch.full_like(xf, float(params.get("value", 1.0)))
+    elif kind == "zeros":
+        out = torch.zeros_like(xf)
+    elif kind == "random":
+        noise = torch.randn(xf.shape, generator=gen)
+        out = xf.mean() + xf.std(correction=0) * noise
+    elif kind == "scale":
+        out = xf * float(params.get("factor", -1.0))
+    elif kind == "sign_flip":
+        out = -xf
+    elif kind == "random_sign":
+        signs = torch.randint(0, 2, xf.shape, generator=gen).float() * 2 - 1
+        out = xf * signs
+    elif kind == "bias":
+        value = params.get("value")
+        shift = float(value) if value is not None else float(params.get("rel", 1.0)) * float(xf.std(correction=0))
+        out = xf + shift
+    elif kind == "noise":
+        out = xf + float(params.get("std", 0.5)) * xf.std(correction=0) * torch.randn(xf.shape, generator=gen)
+    else:
+        raise AssertionError(f"{kind} is not a stateless attack")
+    return out.to(dtype=x.dtype)
+
+
+class AdaptiveState:
+    """An attacker that knows the verification algorithm (not its secret seed).
+
+    It keeps its own EMA of the distribution summary of what it sends and a
+    window of its own honest scores, estimates the verifier's fences from them
+    (``Q3 + 3 IQR``) and, per microbatch, sends the blend
+    ``(1 - a) * x + a * target`` with the largest ``a`` (bisection) whose
+    estimated distances stay under ``margin`` times the estimated fences. What
+    it sends also feeds its EMA, as it would feed the verifier's, so the
+    reference creeps toward the corruption over time: the strongest simple
+    attack on an EMA monitor.
+    """
+
+    _BISECTIONS = 8
+
+    def __init__(self, params: Mapping[str, Any], seed: int) -> None:
+        self.beta = float(params["beta"])
+        self.margin = float(params["margin"])
+        self.seed = seed
+        self.ref: dist.Summary | None = None
+        self._dirs: torch.Tensor | None = None
+        self._levels = dist.quantile_levels(32)
+        self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in dist.DISTANCES}
+
+    def _summary(self, x: torch.Tensor) -> dist.Summary:
+        if self._dirs is None:
+            self._dirs = dist.random_directions(dist.as_rows(x).shape[1], 16, stable_seed("adaptive", self.seed))
+        return dist.summarize(x, directions=self._dirs, levels=self._levels)
+
+    def _scores(self, summary: dist.Summary) -> dict[str, float]:
+        assert self.ref is not None, "scores need a reference"
+        return {name: fn(summary, self.ref) for name, fn in dist.DISTANCES.items()}
+
+    def _fold(self, summary: dist.Summary) -> None:
+        if self.ref is not None:
+            for name, value in self._scores(summary).items():
+                self._fences[name].update(value)
+        self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Learn from a tensor sent unchanged."""
+        self._fold(self._summary(x))
+
+    def _inside(self, candidate: torch.Tensor) -> bool:
+        scores = self._scores(self._summary(candidate))
+        return all(scores[n] <= self.margin * (f.fence() or 0.0) for n, f in self._fences.items())
+
+    def blend(self, honest: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The most corrupted blend estimated to pass; ``honest`` itself if none does."""
+        if self.ref is None or not all(f.ready for f in self._fences.values()):
+            self.observe(honest)
+            return honest
+        lo, hi = 0.0, 1.0
+        h, t = honest.float(), target.float()
+        if not self._inside(t):
+            for _ in range(self._BISECTIONS):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if self._inside((1 - mid) * h + mid * t) else (lo, mid)
+            hi = lo
+        if hi <= 0.0:
+            self.observe(honest)
+            return honest
+        out = (1 - hi) * h + hi * t
+        self._fold(self._summary(out))
+        return out
+
+
+class Attacker:
+    """Applies an :class:`AttackSpec` to the tensors its rank sends.
+
+    ``log`` lists ``(step, mb, direction, kind)`` of every tensor actually
+    corrupted (ground truth for detection metrics); a delay with no old tensor
+    to replay yet, or a draw above ``p``, leaves the tensor honest.
+    """
+
+    def __init__(self, spec: AttackSpec, seed: int = 0) -> None:
+        self.spec = spec
+        self.seed = int(seed)
+        self.log: list[tuple[int, int, str, str]] = []
+        self._sent: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._adaptive: dict[str, AdaptiveState] = {}
+
+    def _generator(self, step: int, mb: int, direction: str) -> torch.Generator:
+        return torch.Generator().manual_seed(stable_seed(self.seed, self.spec.rank, step, mb, direction))
+
+    def attacked_steps(self) -> set[int]:
+        return {step for step, _, _, _ in self.log}
+
+    def apply(self, tensor: torch.Tensor, *, direction: str, step: int, mb: int) -> torch.Tensor:
+        """What this rank sends instead of ``tensor`` (``tensor`` itself when it stays honest)."""
+        if direction not in ("act", "grad"):
+            raise InvalidInputError("attack direction", expected="act or grad", found=repr(direction))
+        spec = self.spec
+        honest = tensor.detach()
+        if spec.kind in ("delay", "mixed"):
+            self._remember(honest, direction, step, mb)
+        active = spec.targets(direction) and step >= spec.start
+        if spec.kind == "adaptive":
+            state = self._adaptive.setdefault(direction, AdaptiveState(dict(spec.params), seed=self.seed))
+            if not active:
+                state.observe(honest)
+                return tensor
+        if not active:
+            return tensor
+        gen = self._generator(step, mb, direction)
+        if float(torch.rand((), generator=gen)) >= spec.p:
+            if spec.kind == "adaptive":
+                state.observe(honest)
+            return tensor
+        kind = spec.kind
+        if kind == "mixed":
+            kind = MIXED_KINDS[int(torch.randint(len(MIXED_KINDS), (), generator=gen))]
+        if kind == "adaptive":
+            target = corrupt(spec.param("target"), honest, {}, gen)
+            out = state.blend(honest, target)
+            if out is honest:
+                return tensor
+        elif kind == "delay":
+            steps = spec.param("steps") if spec.kind == "delay" else KIND_PARAMS["delay"]["steps"]
+            old = self._sent.get((direction, step - steps, mb))
+            if old is None or old.shape != honest.shape:
+                return tensor
+            out = old.clone()
+        else:
+            params = dict(spec.params) if kind == spec.kind else dict(KIND_PARAMS[kind])
+            out = corrupt(kind, honest, params, gen)
+        self.log.append((step, mb, direction, kind))
+        return out.to(dtype=tensor.dtype, device=tensor.device)
+
+    def _remember(self, honest: torch.Tensor, direction: str, step: int, mb: int) -> None:
+        # Keep only what a replay can still need (the last `steps` steps).
+        steps = self.spec.param("steps") if self.spec.kind == "delay" else KIND_PARAMS["delay"]["steps"]
+        self._sent[(direction, step, mb)] = honest.to("cpu", copy=True)
+        for key in [k for k in self._sent if k[1] < step - steps]:
+            del self._sent[key]

@@ -1,0 +1,233 @@
+"""Pure tensor statistics and distances for the integrity monitors.
+
+A boundary tensor carries a different batch every microbatch, so comparing it
+elementwise with an average of earlier tensors measures the data, not the
+sender. The monitors compare *distribution summaries* that stay stable across
+batches of the same model state instead:
+
+- the per-feature mean and standard deviation over every other dimension
+  (tokens, positions, pixels): ``[D]`` each;
+- the sorted values of the rows projected on a few fixed random directions,
+  read at fixed quantile levels (``[P, Q]``): in one dimension the average of
+  quantile functions is the Wasserstein barycenter, so an EMA of these is a
+  proper reference distribution for the sliced Wasserstein distance;
+- the per-feature skewness ``[D]``: the only batch-stable statistic we found
+  that changes sign with the tensor. Gradients of a cross-entropy loss are
+  skewed (one large negative logit gradient per token, many small positive
+  ones) and keep their skew direction from batch to batch while their mean is
+  pure noise, so a gradient sign flip shows up here and nowhere else;
+- a *sketch*: a fixed random subset of the centred tensor, used only to spot a
+  replay of an earlier tensor (the "delay" attack), which no distribution
+  statistic can see because an old tensor is a perfectly plausible sample.
+
+Every distance is scale free (divided by the reference's own scale), so one
+threshold rule fits activations of size 1 and gradients of size 1e-5 alike.
+Functions here are pure: no state, no randomness except from explicit seeds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from planner.errors import InvalidInputError
+
+EPS = 1e-12
+# Rows used for quantiles and projections; larger tensors are strided down to
+# this many rows, which keeps a check at O(rows * D) however big the tensor.
+MAX_QUANTILE_ROWS = 8192
+SKETCH_SIZE = 2048
+REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Summary:
+    """The distribution summary of one boundary tensor (all float32 CPU tensors).
+
+    ``mean``/``std``/``skew``: per-feature ``[D]``; ``quantiles``: ``[P, Q]`` quantiles of
+    the rows projected on the P directions; ``sketch``: ``[<= SKETCH_SIZE]``
+    centred values at fixed positions (empty if not requested).
+    """
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    skew: torch.Tensor
+    quantiles: torch.Tensor
+    sketch: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.mean.shape == self.std.shape and self.mean.dim() == 1, "per-feature stats must be [D]"
+
+    def blend(self, other: "Summary", beta: float) -> "Summary":
+        """EMA step ``beta * self + (1 - beta) * other`` (the sketch is not averaged)."""
+        return Summary(mean=beta * self.mean + (1 - beta) * other.mean,
+                       std=beta * self.std + (1 - beta) * other.std,
+                       skew=beta * self.skew + (1 - beta) * other.skew,
+                       quantiles=beta * self.quantiles + (1 - beta) * other.quantiles,
+                       sketch=other.sketch)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View a tensor as ``[N, D]`` float32 rows of features.
+
+    The feature dimension is the last one, except for 4-D feature maps
+    ``[B, C, H, W]`` whose features are the channels.
+    """
+    if x.dim() == 0 or x.numel() == 0:
+        raise InvalidInputError("boundary tensor", expected="a tensor with at least one dimension and element",
+                                found=f"shape {tuple(x.shape)}")
+    x = x.detach().to(device="cpu", dtype=torch.float32)
+    if x.dim() == 4:
+        x = x.movedim(1, -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def random_directions(dim: int, count: int, seed: int) -> torch.Tensor:
+    """``[dim, count]`` unit vectors drawn from a fixed seed (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    dirs = torch.randn(dim, count, generator=gen)
+    return dirs / dirs.norm(dim=0, keepdim=True).clamp_min(EPS)
+
+
+def quantile_levels(count: int) -> torch.Tensor:
+    """Midpoint levels ``(i + 0.5) / count``: equal weight per level."""
+    return (torch.arange(count, dtype=torch.float32) + 0.5) / count
+
+
+def sorted_quantiles(values: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Quantiles of each column of ``values [N, P]`` at ``levels [Q]`` -> ``[P, Q]``.
+
+    Nearest-rank on the sorted column (no interpolation): exact, cheap and
+    without ``torch.quantile``'s 16M-element input limit.
+    """
+    n = values.shape[0]
+    ordered = values.sort(dim=0).values
+    idx = (levels * n).floor().long().clamp(0, n - 1)
+    return ordered[idx].T.contiguous()
+
+
+def sketch_positions(numel: int, size: int, seed: int) -> torch.Tensor:
+    """Fixed pseudo-random flat positions (sorted) of a tensor with ``numel`` elements."""
+    if numel <= size:
+        return torch.arange(numel)
+    gen = torch.Generator().manual_seed(seed + numel)
+    return torch.randperm(numel, generator=gen)[:size].sort().values
+
+
+def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor,
+              sketch_seed: int | None = None) -> Summary:
+    """The :class:`Summary` of ``x`` with the given projection directions and levels."""
+    rows = as_rows(x)
+    if directions.shape[0] != rows.shape[1]:
+        raise InvalidInputError("projection directions", expected=f"{rows.shape[1]} rows (the feature size)",
+                                found=f"{directions.shape[0]}")
+    mean = rows.mean(dim=0)
+    centred_rows = rows - mean
+    var = centred_rows.square().mean(dim=0)
+    std = var.sqrt()
+    # Features with no spread (a constant input, a dead unit) have no skew: 0.
+    skew = centred_rows.pow(3).mean(dim=0) / var.pow(1.5).clamp_min(EPS)
+    skew = torch.where(std > EPS ** 0.5 * (mean.abs() + EPS), skew, torch.zeros_like(skew))
+    stride = max(1, math.ceil(rows.shape[0] / MAX_QUANTILE_ROWS))
+    quantiles = sorted_quantiles(rows[::stride] @ directions, levels)
+    if sketch_seed is None:
+        sketch = torch.empty(0)
+    else:
+        # Centring removes the part every batch shares (the per-feature mean), so
+        # two different batches are far apart and only a replay is near-identical.
+        centred = centred_rows.reshape(-1)
+        sketch = centred[sketch_positions(centred.numel(), SKETCH_SIZE, sketch_seed)]
+    return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, sketch=sketch)
+
+
+def _moments(s: Summary) -> torch.Tensor:
+    return torch.cat((s.mean, s.std))
+
+
+def mean_abs_diff(x: Summary, ref: Summary) -> float:
+    """Mean absolute difference of the per-feature (mean, std) vectors, divided
+    by the mean absolute value of the reference's: 0 = identical statistics."""
+    a, b = _moments(x), _moments(ref)
+    return float((a - b).abs().mean() / b.abs().mean().clamp_min(EPS))
+
+
+def normalized_l2(x: Summary, ref: Summary) -> float:
+    """``||m(x) - m(ref)|| / ||m(ref)||`` over the per-feature (mean, std) vectors."""
+    a, b = _moments(x), _moments(ref)
+    return float((a - b).norm() / b.norm().clamp_min(EPS))
+
+
+def sign_flip_ratio(x: Summary, ref: Summary) -> float:
+    """Share of the reference's per-feature mean mass whose sign the sample flips.
+
+    Each feature weighs ``|ref mean|``: features whose mean is near zero flip
+    sign by chance between honest batches and should not count. A sign flip of
+    the whole tensor scores 1, an all-zero tensor scores 1 too (zero is not the
+    reference's sign).
+    """
+    weight = ref.mean.abs()
+    flipped = torch.sign(x.mean) != torch.sign(ref.mean)
+    return float((weight * flipped).sum() / weight.sum().clamp_min(EPS))
+
+
+def skew_flip(x: Summary, ref: Summary) -> float:
+    """``(1 - cos(skew(x), skew(ref))) / 2``: 0 when the per-feature skewness points
+    the same way as the reference's, 1 when it is mirrored (a sign flip), 0.5
+    when it is unrelated or absent (a constant or zero tensor has no skew)."""
+    a, b = x.skew, ref.skew
+    denom = (a.norm() * b.norm()).clamp_min(EPS)
+    return float((1.0 - (a @ b) / denom) / 2.0)
+
+
+def sliced_wasserstein(x: Summary, ref: Summary) -> float:
+    """Sliced 1-Wasserstein distance between the rows of the sample and the
+    reference distribution, divided by the reference's mean absolute deviation
+    on the same slices (so 1.0 = moved by one typical spread)."""
+    if x.quantiles.shape != ref.quantiles.shape:
+        raise InvalidInputError("quantile summaries", expected=f"shape {tuple(ref.quantiles.shape)}",
+                                found=f"shape {tuple(x.quantiles.shape)}")
+    w1 = (x.quantiles - ref.quantiles).abs().mean()
+    centre = ref.quantiles.mean(dim=1, keepdim=True)
+    spread = (ref.quantiles - centre).abs().mean()
+    return float(w1 / spread.clamp_min(EPS))
+
+
+def replay_score(sketch: torch.Tensor, past: torch.Tensor) -> float:
+    """``-log10(1 - max cosine)`` between ``sketch [K]`` and the rows of ``past [R, K]``.
+
+    Honest tensors of different batches give a small score (cosine well below
+    1); a byte-for-byte replay gives the cap. The log scale separates "0.99
+    similar" from "identical" by orders of magnitude.
+    """
+    if past.numel() == 0 or sketch.numel() == 0:
+        return 0.0
+    norms = past.norm(dim=1) * sketch.norm()
+    cos = ((past @ sketch) / norms.clamp_min(EPS)).clamp(0.0, 1.0)
+    gap = float(1.0 - cos.max())
+    return min(REPLAY_SCORE_CAP, -math.log10(max(gap, 10.0 ** -REPLAY_SCORE_CAP)))
+
+
+def sliced_wasserstein_samples(a: torch.Tensor, b: torch.Tensor, *, projections: int = 16,
+                               seed: int = 0) -> float:
+    """Unnormalised sliced 1-Wasserstein distance between two equal-size sets of
+    rows (``[N, D]`` each): the average over random unit directions of the 1-D
+    W1 distance of the projected samples. Reference helper for tests and tools."""
+    if a.shape != b.shape or a.dim() != 2:
+        raise InvalidInputError("sample sets", expected="two [N, D] tensors of the same shape",
+                                found=f"{tuple(a.shape)} and {tuple(b.shape)}")
+    dirs = random_directions(a.shape[1], projections, seed)
+    pa = (a.float() @ dirs).sort(dim=0).values
+    pb = (b.float() @ dirs).sort(dim=0).values
+    return float((pa - pb).abs().mean())
+
+
+DISTANCES = {
+    "mad": mean_abs_diff,
+    "l2": normalized_l2,
+    "sign": sign_flip_ratio,
+    "skew": skew_flip,
+    "swd": sliced_wasserstein,
+}
+"""Distances between a sample's summary and the reference summary, by config name.
+``replay`` is separate: it compares against a history of sketches, not the EMA."""

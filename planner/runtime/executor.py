@@ -1,0 +1,471 @@
+"""Interpret one rank's program: compute, point-to-point transfers, verification, all-reduce, optimizer.
+
+The program is the plan's list of instructions for this rank (see
+``planner.instructions`` for their meaning); one pass over it is one
+optimizer step. Sends are non-blocking and completed at the end of the step;
+receives are posted when their instruction comes and waited for when the
+tensor is used (forward, backward, verification), so a receive can overlap
+the compute before it.
+
+Gradient scaling: the last stage back-propagates ``loss_mb / M`` for each of
+the step's ``M`` microbatches, and replicas of a stage sum their gradients, so
+a step equals one step on the mean loss of the whole global batch.
+
+Verification (when the plan has verifiers and it is not switched off): every
+transfer of a boundary tensor carries a 1-element taint header (1 = this
+microbatch was already dropped upstream). A verifier scores the copy it gets
+and sends ``[flagged, tainted]`` to the consumer, which waits for it before
+using the tensor. A flagged or tainted microbatch is dropped: the consumer
+zeroes the tensor, the last stage multiplies its loss by 0, and the taint
+header it sends on is 1. At the end of the step the verifier ranks exchange
+their flags and resolve blame and bans.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import InvalidInputError
+from planner.instructions import Instruction
+from planner.runtime import comm
+from planner.runtime.comm import Kind, Pending
+from planner.runtime.emulate import Emulation
+from planner.runtime.metrics import StepMetrics
+from planner.runtime.stage import StageRuntime, ValueSpec
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
+    from planner.runtime.data import PlanBatches
+    from planner.runtime.verify_hooks import AttackHooks, VerifyHooks
+
+ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD, Kind.TAINT_GRAD, Kind.VERDICT_GRAD)}
+
+
+@dataclass(slots=True)
+class Groups:
+    """Process groups this rank belongs to (None where it is not a member or needs none)."""
+
+    stage: dist.ProcessGroup | None = None          # the replicas of this rank's stage
+    stage_ranks: tuple[int, ...] = ()
+    verifiers: dist.ProcessGroup | None = None      # all verifier ranks, for exchanging flags
+    verifier_ranks: tuple[int, ...] = ()
+    tied: list[tuple[dist.ProcessGroup, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Timers:
+    compute: float = 0.0
+    pad: float = 0.0
+    wait: float = 0.0
+    comm: float = 0.0
+    verify: float = 0.0
+    optim: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeSpecs:
+    """Static shapes of what crosses each boundary, forward (all values) and backward (grad-carrying)."""
+
+    act: tuple[ValueSpec, ...]
+
+    @property
+    def grad(self) -> tuple[ValueSpec, ...]:
+        return tuple(v for v in self.act if v.carries_grad)
+
+
+class Executor:
+    """Runs this rank's program step by step. One instance per rank and run."""
+
+    def __init__(self, *, plan: "Plan", rank: int, stage: StageRuntime | None,
+                 edges: dict[int, EdgeSpecs], batches: "PlanBatches | None",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer | None, groups: Groups, device: torch.device,
+                 verify: "VerifyHooks | None" = None, attacks: "AttackHooks | None" = None,
+                 emulation: Emulation = Emulation(), keep_grads: bool = False) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.info = plan.ranks[rank]
+        self.program: tuple[Instruction, ...] = plan.programs[rank]
+        self.stage = stage
+        self.edges = edges
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.groups = groups
+        self.device = device
+        self.verify = verify
+        self.attacks = attacks
+        self.emulation = emulation
+        self.keep_grads = keep_grads
+        self.num_mb = plan.num_microbatches
+        tied_names = {n for _, _, names in groups.tied for n in names}
+        named = dict(stage.parameters()) if stage is not None else {}
+        # Tied parameters are summed across their stages' ranks instead (one all-reduce covers replicas too).
+        self.replica_params = [p for n, p in named.items() if n not in tied_names]
+        self.last_grads: dict[str, torch.Tensor] = {}
+        self.step_losses: list[float] = []
+        self._check_program()
+
+    # ------------------------------------------------------------------ setup
+    def _check_program(self) -> None:
+        for ins in self.program:
+            if ins.op in ("F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B", "ALLREDUCE", "OPTIM") and (
+                    self.stage is None or ins.stage != self.stage.index):
+                raise InvalidInputError(f"rank {self.rank}: instruction {ins}",
+                                        expected=f"stage {None if self.stage is None else self.stage.index}",
+                                        found=f"stage {ins.stage}", fix="regenerate the plan")
+
+    @property
+    def verifying(self) -> bool:
+        return self.verify is not None
+
+    # ------------------------------------------------------------------ step
+    def run_step(self, step: int, start_s: float) -> StepMetrics:
+        """Execute the program once; ``start_s`` is when the previous step ended (for the period)."""
+        self._reset(step)
+        for ins in self.program:
+            self._dispatch(ins)
+        self._finish_sends()
+        banned = self._end_verification(step)
+        if self.attacks is not None:
+            self.attacks.end_step()
+        loss = self._loss_share()
+        t = self.t
+        return StepMetrics(step=step, rank=self.rank, step_ms=1e3 * (time.perf_counter() - start_s),
+                           compute_ms=1e3 * t.compute, pad_ms=1e3 * t.pad, wait_ms=1e3 * t.wait,
+                           comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
+                           loss=loss, dropped=len(self.dropped_f | self.dropped_b), flagged=self.flagged,
+                           banned=len(banned))
+
+    def _reset(self, step: int) -> None:
+        self.step = step
+        self.t = _Timers()
+        self.recvs: dict[tuple[str, int], Pending] = {}       # ("F"/"B", mb) -> posted receive
+        self.received: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.taint_in: dict[tuple[str, int], bool] = {}       # header of what this rank received
+        self.saved: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
+        self.sends: list[Pending] = []
+        self.dropped_f: set[int] = set()   # dropped on the way forward (zeroed, loss x 0)
+        self.dropped_b: set[int] = set()   # gradient dropped on the way back
+        self.flagged = 0
+
+    def _dispatch(self, ins: Instruction) -> None:
+        op = ins.op
+        if op == "F":
+            self._forward(ins.mb)
+        elif op == "B":
+            self._backward(ins.mb)
+        elif op in ("SEND_F", "SEND_B"):
+            self._send(ins)
+        elif op in ("RECV_F", "RECV_B"):
+            self._post_recv(ins)
+        elif op in ("VERIFY_F", "VERIFY_B"):
+            if self.verifying:
+                self._verify(ins)
+        elif op in ("VERDICT_F", "VERDICT_B"):
+            if self.verifying:
+                self._verdict(ins)
+        elif op == "ALLREDUCE":
+            self._allreduce()
+        elif op == "OPTIM":
+            self._optim()
+        else:  # Instruction validates ops; a new op must be taught here
+            raise AssertionError(f"unhandled instruction {ins}")
+
+    # ------------------------------------------------------------------ compute
+    def _stage_inputs(self, mb: int) -> list[torch.Tensor]:
+        assert self.stage is not None
+        if self.stage.is_first:
+            assert self.batches is not None
+            return list(self.batches.microbatch(self.step, mb)[0])
+        tensors = self._take(("F", mb))
+        if mb in self.dropped_f:
+            tensors = [torch.zeros_like(t) for t in tensors]
+        return tensors
+
+    def _forward(self, mb: int) -> None:
+        stage = self.stage
+        assert stage is not None
+        raw = self._stage_inputs(mb)
+        inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
+                  for t, spec in zip(raw, stage.inputs)]
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            outputs = tuple(stage.module(*inputs))
+            if stage.is_last:
+                assert self.batches is not None and self.loss_fn is not None
+                targets = self.batches.microbatch(self.step, mb)[1]
+                loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, targets)
+                if mb in self.dropped_f:
+                    loss = loss * 0.0
+                self.losses[mb] = loss
+        self._computed("F", t0)
+        self.saved[mb] = (inputs, outputs)
+
+    def _backward(self, mb: int) -> None:
+        stage = self.stage
+        assert stage is not None
+        if mb not in self.saved:
+            raise InvalidInputError(f"rank {self.rank}: backward of microbatch {mb} before its forward",
+                                    fix="regenerate the plan (its program is out of order)")
+        inputs, outputs = self.saved.pop(mb)
+        if stage.is_last:
+            roots, grads = [self.losses[mb] / self.num_mb], [None]
+        else:
+            received = self._take(("B", mb))
+            if mb in self.dropped_b:
+                received = [torch.zeros_like(g) for g in received]
+            carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
+            pairs = [(o, g) for o, g in zip(carrying, received) if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        t0 = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self._computed("B", t0)
+        if not stage.is_first:
+            self.input_grads[mb] = [
+                (t.grad if t.grad is not None else torch.zeros_like(t))
+                for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
+
+    def _computed(self, op: str, t0: float) -> None:
+        elapsed = time.perf_counter() - t0
+        self.t.compute += elapsed
+        if self.emulation.active:
+            self.t.pad += self.emulation.pad(op, elapsed)
+
+    # ------------------------------------------------------------------ p2p
+    def _boundary(self, ins: Instruction) -> int:
+        """The boundary a transfer crosses: forward from stage k is boundary k, backward from k is k-1."""
+        if ins.op in ("SEND_F", "RECV_B"):
+            return ins.stage
+        if ins.op in ("RECV_F", "SEND_B"):
+            return ins.stage - 1
+        assert ins.boundary is not None
+        return ins.boundary
+
+    def _tensors_for_send(self, ins: Instruction) -> list[torch.Tensor]:
+        mb = ins.mb
+        assert mb is not None
+        if ins.op == "SEND_F":
+            if mb not in self.saved:
+                raise InvalidInputError(f"rank {self.rank}: {ins} before the forward of microbatch {mb}",
+                                        fix="regenerate the plan")
+            return [o.detach() for o in self.saved[mb][1]]
+        if mb not in self.input_grads:
+            raise InvalidInputError(f"rank {self.rank}: {ins} before the backward of microbatch {mb}",
+                                    fix="regenerate the plan")
+        return self.input_grads[mb]
+
+    def _sent_tensors(self, d: str, mb: int) -> list[torch.Tensor]:
+        """What this rank sends for (direction, mb): its output or input gradient, after any attack."""
+        op = "SEND_F" if d == "F" else "SEND_B"
+        assert self.stage is not None
+        tensors = self._tensors_for_send(Instruction(op=op, stage=self.stage.index, mb=mb, peer=self.rank))
+        if self.attacks is not None and self.attacks.active:
+            tensors = self.attacks.apply(tensors, op_direction=d, step=self.step, mb=mb)
+        return tensors
+
+    def _consumer(self, ins: Instruction) -> int:
+        assert self.stage is not None and ins.mb is not None
+        return self.plan.owner(self.stage.index + (1 if ins.direction == "F" else -1), ins.mb)
+
+    def _send(self, ins: Instruction) -> None:
+        d = ins.direction
+        if not self.verifying and ins.peer != self._consumer(ins):
+            return  # a copy for a verifier, and verification is off
+        kind, header_kind, _ = ACT_KINDS[d]
+        tensors = self._sent_tensors(d, ins.mb)
+        header = None
+        if self.verifying:
+            dropped = ins.mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
+            header = torch.tensor([int(dropped)], dtype=torch.int64, device=self.device)
+        if not tensors and header is None:
+            return
+        t0 = time.perf_counter()
+        self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
+                                    header=header, header_kind=header_kind if header is not None else None,
+                                    doing=f"sending {ins} (step {self.step})"))
+        self.t.comm += time.perf_counter() - t0
+
+    def _specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        edge = self.edges[boundary]
+        values = edge.act if d == "F" else edge.grad
+        return [(v.shape, v.dtype) for v in values]
+
+    def _post(self, d: str, *, peer: int, boundary: int, mb: int, doing: str) -> Pending | None:
+        kind, header_kind, _ = ACT_KINDS[d]
+        specs = self._specs(d, boundary)
+        if not specs and not self.verifying:
+            return None
+        return comm.recv(specs, peer=peer, kind=kind, boundary=boundary, mb=mb, device=self.device, doing=doing,
+                         header_kind=header_kind if self.verifying else None)
+
+    def _post_recv(self, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
+                             doing=f"receiving {ins} (step {self.step})")
+        self.t.comm += time.perf_counter() - t0
+        if pending is not None:
+            self.recvs[(ins.direction, ins.mb)] = pending
+
+    def _wait(self, pending: Pending) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        tensors = pending.wait()
+        self.t.wait += time.perf_counter() - t0
+        return tensors
+
+    def _take(self, key: tuple[str, int]) -> list[torch.Tensor]:
+        """The tensors received for (direction, mb), waiting for them if needed; the header is split off."""
+        if key not in self.received:
+            if key not in self.recvs:
+                if not self._specs(key[0], self._edge_of(key[0])):
+                    return []
+                raise InvalidInputError(f"rank {self.rank}: microbatch {key[1]} used before it was received "
+                                        f"({'activation' if key[0] == 'F' else 'gradient'})",
+                                        fix="regenerate the plan (a RECV is missing or late)")
+            tensors = self._wait(self.recvs.pop(key))
+            if self.verifying:
+                header, tensors = tensors[-1], tensors[:-1]
+                self.taint_in[key] = bool(header.item())
+                if self.taint_in[key]:
+                    self._drop(key[0], key[1])
+            self.received[key] = tensors
+        return self.received[key]
+
+    def _edge_of(self, d: str) -> int:
+        assert self.stage is not None
+        return self.stage.index - 1 if d == "F" else self.stage.index
+
+    def _drop(self, d: str, mb: int) -> None:
+        (self.dropped_f if d == "F" else self.dropped_b).add(mb)
+
+    def _finish_sends(self) -> None:
+        t0 = time.perf_counter()
+        for pending in self.sends:
+            pending.wait()
+        self.sends = []
+        self.t.wait += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ verification
+    def _verify(self, ins: Instruction) -> None:
+        """Score the copy of a boundary tensor; keep the verdict here or send it to the consumer."""
+        assert self.verify is not None
+        d, mb, boundary = ins.direction, ins.mb, ins.boundary
+        assert mb is not None and boundary is not None
+        sender_stage = boundary if d == "F" else boundary + 1
+        if ins.peer is not None:  # a copy sent by the sender
+            pending = self._post(d, peer=ins.peer, boundary=boundary, mb=mb,
+                                 doing=f"receiving the copy for {ins} (step {self.step})")
+            assert pending is not None
+            received = self._wait(pending)
+            tensors, tainted_in = received[:-1], bool(received[-1].item())
+            sender = ins.peer
+        elif self.info.stage == sender_stage:  # a trusted sender checking what it just sent
+            tensors = self._sent_tensors(d, mb)
+            tainted_in = mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
+            sender = self.rank
+        else:  # the consumer checking what it received
+            tensors = self._take((d, mb))
+            tainted_in = self.taint_in.get((d, mb), False)
+            sender = self.plan.owner(sender_stage, mb)
+        t0 = time.perf_counter()
+        flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
+                                             tainted=tainted_in)
+        self.t.verify += time.perf_counter() - t0
+        self.flagged += int(flagged)
+        if ins.dest is None:
+            if flagged or tainted:
+                self._drop(d, mb)
+            return
+        verdict = torch.tensor([int(flagged), int(tainted)], dtype=torch.int64, device=self.device)
+        _, _, verdict_kind = ACT_KINDS[d]
+        t0 = time.perf_counter()
+        self.sends.append(comm.send([verdict], peer=ins.dest, kind=verdict_kind, boundary=boundary, mb=mb,
+                                    doing=f"sending the verdict of {ins} (step {self.step})"))
+        self.t.comm += time.perf_counter() - t0
+
+    def _verdict(self, ins: Instruction) -> None:
+        """Wait for a verifier's verdict on a tensor this rank is about to use."""
+        d, mb = ins.direction, ins.mb
+        assert mb is not None and ins.boundary is not None
+        _, _, verdict_kind = ACT_KINDS[d]
+        pending = comm.recv([((2,), torch.int64)], peer=ins.peer, kind=verdict_kind, boundary=ins.boundary, mb=mb,
+                            device=self.device, doing=f"waiting for the verdict {ins} (step {self.step})")
+        flagged, tainted = (bool(v) for v in self._wait(pending)[0].tolist())
+        if flagged or tainted:
+            self._drop(d, mb)
+
+    def _end_verification(self, step: int) -> set[int]:
+        """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
+        if self.verify is None or self.verify.verifier is None:
+            return set()
+        flags = self.verify.step_flags(step)
+        t0 = time.perf_counter()
+        if self.groups.verifiers is not None:
+            gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
+                                              doing="exchanging verification flags")
+        else:
+            gathered = [flags]
+        self.t.comm += time.perf_counter() - t0
+        return self.verify.end_step(step, gathered)
+
+    # ------------------------------------------------------------------ gradients and optimizer
+    def _allreduce(self) -> None:
+        if self.groups.stage is None or not self.replica_params:
+            return
+        t0 = time.perf_counter()
+        flat = comm.flat_grads(self.replica_params)
+        comm.all_reduce_sum(flat, group=self.groups.stage, ranks=self.groups.stage_ranks,
+                            doing=f"all-reducing stage {self.info.stage}'s gradients")
+        comm.unflatten_grads(flat, self.replica_params)
+        self.t.comm += time.perf_counter() - t0
+
+    def _sync_tied(self) -> None:
+        named = dict(self.stage.parameters()) if self.stage is not None else {}
+        for group, ranks, names in self.groups.tied:
+            params = [named[n] for n in names]
+            flat = comm.flat_grads(params)
+            comm.all_reduce_sum(flat, group=group, ranks=ranks, doing="summing tied parameters' gradients")
+            comm.unflatten_grads(flat, params)
+
+    def _optim(self) -> None:
+        t0 = time.perf_counter()
+        self._sync_tied()
+        self.t.comm += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self.keep_grads and self.stage is not None:
+            self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                               for n, p in self.stage.parameters()}
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.t.optim += time.perf_counter() - t0
+
+    def _loss_share(self) -> float:
+        if self.stage is None or not self.stage.is_last:
+            return math.nan
+        total = sum(float(loss.detach()) for loss in self.losses.values()) / self.num_mb
+        self.step_losses.append(total)
+        return total
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float | None) -> torch.optim.Optimizer | None:
+    """SGD or Adam over this rank's parameters (the plan's ``config.optimizer``)."""
+    params = list(params)
+    if not params:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01 if lr is None else lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3 if lr is None else lr)
+    raise InvalidInputError("optimizer", expected="sgd or adam", found=repr(name))
+
+
+DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3}

@@ -1,0 +1,336 @@
+"""Run a plan on this machine: one process per rank, and a clear verdict if any rank fails.
+
+``launch(opts)`` checks everything it can before a process starts (the plan
+file, the attack specs, the plan's fingerprint against the model rebuilt from
+its spec), then starts ``python -m planner.runtime.worker`` once per rank with
+the environment ``torchrun`` would set (so the worker is the same code under
+both). It follows rank 0's progress events and returns rank 0's result.
+
+If a rank fails, the others fail too within the process-group timeout (each
+names the peer it lost); the launcher stops whatever still runs, finds the
+root cause (a rank that died, raised, or hung) and raises one
+:class:`RankFailureError` naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from planner.errors import InvalidInputError, RankFailureError
+
+EVENT_PREFIX = "@stagewise "
+FAULT_KINDS = ("die", "hang", "raise")
+_KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultSpec:
+    """An injected failure for rehearsals: ``rank`` dies, hangs or raises at the start of ``step``."""
+
+    rank: int
+    kind: str
+    step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS or self.rank < 0 or self.step < 0:
+            raise InvalidInputError("--fault", expected=f"RANK:{'|'.join(FAULT_KINDS)}[:STEP]",
+                                    found=f"{self.rank}:{self.kind}:{self.step}")
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec":
+        parts = text.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError(text)
+            return cls(rank=int(parts[0]), kind=parts[1], step=int(parts[2]) if len(parts) == 3 else 1)
+        except ValueError:
+            raise InvalidInputError(f"--fault {text!r}", expected=f"RANK:{'|'.join(FAULT_KINDS)}[:STEP], e.g. 2:hang:1")
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.kind}:{self.step}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """Everything a run needs; the same for every rank (the local launcher passes it on the command line)."""
+
+    plan: str
+    steps: int = 5
+    timeout_s: float = 60.0
+    emulate: bool = False
+    metrics: str | None = None
+    report: str | None = None
+    attacks: tuple[str, ...] = ()
+    verify: bool = True
+    seed: int = 0
+    data: str = "auto"
+    loss: str | None = None
+    lr: float | None = None
+    dump: str | None = None
+    fault: FaultSpec | None = None
+    threads: int = 1
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
+        if self.timeout_s <= 0:
+            raise InvalidInputError("--timeout", expected="> 0 seconds", found=str(self.timeout_s))
+        if self.threads < 1:
+            raise InvalidInputError("--threads", expected=">= 1", found=str(self.threads))
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise InvalidInputError("--backend", expected="auto, gloo or nccl", found=repr(self.backend))
+        if self.lr is not None and self.lr <= 0:
+            raise InvalidInputError("--lr", expected="> 0", found=str(self.lr))
+
+    def worker_argv(self) -> list[str]:
+        """The command-line form of these options (parsed back by :func:`parse_worker_args`)."""
+        argv = [os.fspath(self.plan), "--steps", str(self.steps), "--timeout", str(self.timeout_s),
+                "--seed", str(self.seed), "--data", self.data, "--threads", str(self.threads),
+                "--backend", self.backend]
+        for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
+                            ("--lr", self.lr), ("--dump", self.dump), ("--fault", self.fault)):
+            if value is not None:
+                argv += [flag, str(value)]
+        for spec in self.attacks:
+            argv += ["--attack", spec]
+        if self.emulate:
+            argv.append("--emulate-speed")
+        if not self.verify:
+            argv.append("--no-verify")
+        return argv
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run options. None of these flags is a prefix of a torchrun flag (torchrun would claim it)."""
+    parser.add_argument("plan", help="plan JSON file (from `stagewise plan`)")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to run (default 5)")
+    parser.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
+                        help="seconds a rank waits for a peer before declaring it dead or hung (default 60)")
+    parser.add_argument("--emulate-speed", action="store_true", dest="emulate",
+                        help="pad each rank's compute to its planned device's speed (fastest = this machine)")
+    parser.add_argument("--metrics", help="write per-step, per-rank metrics as JSON lines to this file")
+    parser.add_argument("--report", help="write a JSON report (losses, step times, verification) to this file")
+    parser.add_argument("--attack", action="append", default=[], dest="attacks", metavar="SPEC",
+                        help="make a rank corrupt what it sends, e.g. rank=2,kind=scale,factor=-1,start=5")
+    parser.add_argument("--no-verify", action="store_false", dest="verify",
+                        help="switch the plan's integrity verification off")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--data", default="auto",
+                        help="auto (byte text for byte-level LMs, else synthetic), text, synthetic, "
+                             "or package.module:factory")
+    parser.add_argument("--loss", help="package.module:function(logits, targets) (default: the model's own)")
+    parser.add_argument("--lr", type=float, help="learning rate (default 1e-3 Adam, 1e-2 SGD)")
+    parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
+                        "and losses to DIR/rank<R>.pt (to compare with a reference)")
+    parser.add_argument("--fault", type=FaultSpec.parse, metavar="RANK:KIND[:STEP]",
+                        help="rehearse a failure: die, hang or raise on RANK at STEP (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    names = {f.name for f in fields(RunOptions)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["attacks"] = tuple(values.get("attacks") or ())
+    return RunOptions(**values)
+
+
+def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
+    parser = argparse.ArgumentParser(prog="python -m planner.runtime",
+                                     description="One rank of a Stagewise plan (start with torchrun or "
+                                                 "`stagewise run`).", allow_abbrev=False)
+    add_run_arguments(parser)
+    return options_from_args(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------- preflight
+def preflight(opts: RunOptions):
+    """Everything checkable before a process starts; returns the plan."""
+    from planner.plan import load_plan
+    from planner.runtime.verify_hooks import validate_attacks
+    from planner.runtime.worker import check_model
+
+    plan = load_plan(opts.plan)
+    validate_attacks(opts.attacks, plan.num_ranks)
+    if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
+        raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
+    check_model(plan, seed=opts.seed)
+    return plan
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- launch
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    killed: bool = False
+
+
+def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | None = None,
+           log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run ``opts.plan`` locally; return rank 0's result (step times, losses, predicted vs measured)."""
+    plan = preflight(opts)
+    run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stagewise-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result_path = run_dir / "result.json"
+    env = _base_env(opts, run_dir, result_path)
+    ranks = [_start(r, plan.num_ranks, opts, env, run_dir) for r in range(plan.num_ranks)]
+    events: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_read_events, args=(ranks[0].proc.stdout, events), daemon=True)
+    reader.start()
+    try:
+        _supervise(ranks, events, on_event, opts.timeout_s, run_dir)
+        reader.join(timeout=5)
+        _drain(events, on_event)
+        failures = [r for r in ranks if r.proc.returncode != 0]
+        if failures:
+            raise RankFailureError(diagnose(ranks, run_dir, opts.timeout_s),
+                                   fix=f"see the rank logs in {run_dir}" if log_dir else None)
+        return json.loads(result_path.read_text(encoding="utf-8"))
+    finally:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+        if not log_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    # The worker must import what this process can: user model/data factories next to the caller.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STAGEWISE_EVENTS": "1",
+                "STAGEWISE_ERROR_DIR": str(run_dir), "STAGEWISE_RESULT": str(result_path),
+                "OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _start(rank: int, world: int, opts: RunOptions, base_env: dict[str, str], run_dir: Path) -> _Rank:
+    env = {**base_env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(world)}
+    log_path = run_dir / f"rank{rank}.log"
+    log = log_path.open("w", encoding="utf-8")
+    cmd = [sys.executable, "-m", "planner.runtime.worker", *opts.worker_argv()]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank == 0 else log, stderr=log,
+                            text=True, bufsize=1)
+    log.close()  # the child holds its own descriptor
+    return _Rank(rank=rank, proc=proc, log_path=log_path)
+
+
+def _read_events(stream, events: queue.Queue) -> None:
+    for line in stream:
+        if line.startswith(EVENT_PREFIX):
+            events.put(json.loads(line[len(EVENT_PREFIX):]))
+        else:
+            sys.stdout.write(line)
+
+
+def _drain(events: queue.Queue, on_event: Callable[[dict[str, Any]], None] | None) -> None:
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return
+        if on_event is not None:
+            on_event(event)
+
+
+def _supervise(ranks: list[_Rank], events: queue.Queue, on_event, timeout_s: float, run_dir: Path) -> None:
+    """Wait for every rank; once one fails, stop the rest when they are hung.
+
+    A rank still running after a failure is stopped when another rank's error
+    names it as the peer it lost (it hung), or at the latest after the
+    timeout plus a grace period (it had every chance to notice).
+    """
+    first_failure: float | None = None
+    while any(r.proc.poll() is None for r in ranks):
+        _drain(events, on_event)
+        if first_failure is None and any(r.proc.returncode not in (None, 0) for r in ranks):
+            first_failure = time.monotonic()
+        if first_failure is not None:
+            overdue = time.monotonic() - first_failure > timeout_s + _KILL_GRACE_S
+            blamed = _blamed(run_dir)
+            for r in ranks:
+                if r.proc.poll() is None and (overdue or r.rank in blamed):
+                    r.killed = True
+                    r.proc.kill()
+                    r.proc.wait()
+        time.sleep(0.05)
+
+
+def _records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The error records the ranks left (rank -> {kind, error, peer})."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in run_dir.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue  # being written right now: read it on the next poll
+        out[int(record["rank"])] = record
+    return out
+
+
+def _blamed(run_dir: Path) -> set[int]:
+    return {rec["peer"] for rec in _records(run_dir).values() if rec.get("peer") is not None}
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:240] if lines else ""
+
+
+def diagnose(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> str:
+    """One line naming the root cause: a rank that died, raised, or hung; then what the others saw."""
+    records = _records(run_dir)
+    died = [r for r in ranks if r.proc.returncode not in (0, None) and not r.killed and r.rank not in records]
+    raised = [r for r in ranks if r.rank in records and records[r.rank]["kind"] != "RankFailureError"]
+    hung = [r for r in ranks if r.killed]
+    if died:
+        root = died[0]
+        code = root.proc.returncode
+        detail = _last_line(root.log_path)
+        if code == 1 and detail:  # an uncaught Python exception: its last traceback line says what
+            cause = f"rank {root.rank} failed: {detail.removeprefix(f'[rank{root.rank}]:').strip()}"
+        else:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            cause = f"rank {root.rank} died ({how}{': ' + detail if detail else ''})"
+    elif raised:
+        root = raised[0]
+        cause = f"rank {root.rank} failed: {records[root.rank]['error']}"
+    elif hung:
+        root = hung[0]
+        cause = f"rank {root.rank} hung (no progress within the {timeout_s:g} s timeout; stopped)"
+    else:
+        blamed = [rec.get("peer") for rec in records.values() if rec.get("peer") is not None]
+        root_rank = max(set(blamed), key=blamed.count) if blamed else min(records, default=0)
+        root = ranks[root_rank]
+        cause = f"rank {root_rank} stopped answering" + (f": {records[root_rank]['error']}"
+                                                         if root_rank in records else "")
+    others = [r.rank for r in ranks if r.rank != root.rank and r.proc.returncode != 0]
+    seen = f"; ranks {others} stopped after losing their peers" if others else ""
+    return cause + seen

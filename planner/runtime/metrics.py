@@ -1,0 +1,134 @@
+"""Per-step, per-rank metrics: what each rank spent its step on, as JSON lines.
+
+Every rank measures its own step (wall clock from the end of its previous step
+to the end of this one, so ``step_ms`` is the steady-state period) and splits
+it into compute (forward/backward), emulation padding, waiting (blocked on a
+receive or a verdict), communication (posting sends, all-reduce, gathering
+flags), verification (scoring) and the optimizer. The numbers travel to rank 0
+as one small float64 tensor per step (a point-to-point send, so collecting
+them never synchronises the pipeline), and rank 0 writes one JSON line per
+rank and step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import IO, Iterable, Sequence
+
+import torch
+
+from planner.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepMetrics:
+    """One rank's step. ``loss`` is this rank's share of the step loss (last stage only; else NaN):
+    the sum of its microbatches' losses divided by the step's microbatch count."""
+
+    step: int
+    rank: int
+    step_ms: float
+    compute_ms: float = 0.0
+    pad_ms: float = 0.0
+    wait_ms: float = 0.0
+    comm_ms: float = 0.0
+    verify_ms: float = 0.0
+    optim_ms: float = 0.0
+    loss: float = math.nan
+    dropped: int = 0
+    flagged: int = 0
+    banned: int = 0
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or self.rank < 0 or self.step_ms < 0:
+            raise InvalidInputError("step metrics", expected="step, rank and step_ms >= 0",
+                                    found=f"{self.step}, {self.rank}, {self.step_ms}")
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "StepMetrics":
+        values = t.tolist()
+        kwargs = {}
+        for f, v in zip(fields(cls), values):
+            kwargs[f.name] = int(v) if f.type in ("int", int) else float(v)
+        return cls(**kwargs)
+
+    @classmethod
+    def numel(cls) -> int:
+        return len(fields(cls))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["loss"] = None if math.isnan(self.loss) else self.loss
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+
+    @property
+    def busy_ms(self) -> float:
+        return self.compute_ms + self.pad_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepSummary:
+    """All ranks' view of one step: the step loss and the slowest rank's period."""
+
+    step: int
+    loss: float
+    step_ms: float
+    dropped: int
+    ranks: tuple[StepMetrics, ...]
+
+
+def summarize_step(rows: Sequence[StepMetrics]) -> StepSummary:
+    losses = [r.loss for r in rows if not math.isnan(r.loss)]
+    return StepSummary(step=rows[0].step, loss=sum(losses) if losses else math.nan,
+                       step_ms=max(r.step_ms for r in rows),
+                       dropped=max((r.dropped for r in rows), default=0), ranks=tuple(rows))
+
+
+def measured_step_ms(steps: Sequence[StepSummary], *, warmup: int = 1) -> float:
+    """Median step period after ``warmup`` steps (all steps if there are no more)."""
+    if not steps:
+        raise InvalidInputError("measured step time", expected="at least one step", found="none")
+    kept = steps[warmup:] if len(steps) > warmup else steps
+    return float(statistics.median(s.step_ms for s in kept))
+
+
+class MetricsWriter:
+    """Appends JSON lines to a file (or nothing, with no path)."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = Path(path) if path else None
+        self._fh: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("w", encoding="utf-8")
+
+    def write(self, rows: Iterable[StepMetrics]) -> None:
+        if self._fh is None:
+            return
+        for row in rows:
+            self._fh.write(json.dumps(row.to_json(), allow_nan=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:
+    """Read a metrics JSON-lines file back."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                d = json.loads(line)
+                d["loss"] = math.nan if d.get("loss") is None else d["loss"]
+                rows.append(StepMetrics(**d))
+    return rows

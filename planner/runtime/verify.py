@@ -1,0 +1,319 @@
+"""SENTINEL-style integrity monitors for the tensors that cross stage boundaries.
+
+A verifier rank receives a copy of every checked boundary tensor (activations
+forward, gradients backward) and decides, without recomputing anything,
+whether the sender corrupted it:
+
+1. Per (boundary, direction) a :class:`Monitor` keeps an exponential moving
+   average of the tensors' distribution summary (``distances.Summary``:
+   per-feature mean/std and sliced quantiles; activations beta 0.9, gradients
+   0.8) and a history of sketches of recent tensors.
+2. Each microbatch is scored against the average with several scale-free
+   distances (mean absolute difference, normalised L2, sign-flip ratio, sliced
+   Wasserstein) and against the history (replay).
+3. Each distance has its own IQR fence over a rolling window of accepted
+   scores; a sample is flagged when any distance is above its fence. Flagged
+   and tainted samples never update the average, the windows or the history.
+4. At the end of a step all verifiers' flags are gathered; per microbatch only
+   the most upstream flagged sender is blamed (a corruption upstream makes
+   everything downstream look odd), and a sender blamed in ``ban_after`` of
+   the last ``ban_window`` steps is banned.
+
+Why summaries rather than raw tensors: consecutive microbatches hold different
+data, so an elementwise average of them is a blur that every honest tensor is
+far from. The statistics above are what stays stable from batch to batch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from planner.errors import InvalidInputError
+from planner.runtime import distances as dist
+from planner.runtime.thresholds import IQRFence
+
+DIRECTIONS = ("act", "grad")
+ALL_DISTANCES = ("mad", "l2", "sign", "skew", "swd", "replay")
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "sign": 0.0, "skew": 0.0, "swd": 0.0, "replay": 6.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifierConfig:
+    """The knobs of the monitors (the plan's ``verifier_config``; every key optional).
+
+    ``warmup`` counts steps from the first step a monitor sees: they are taken
+    as honest and only teach the reference and the windows. ``min_samples``
+    scores are needed before a fence exists. ``floors`` are per-distance lower
+    bounds of the fences (the replay floor only lets near-bitwise copies
+    through: honest batches never come that close).
+    """
+
+    beta_act: float = 0.9
+    beta_grad: float = 0.8
+    window: int = 96
+    iqr_k: float = 3.0
+    warmup: int = 10
+    min_samples: int = 16
+    ban_after: int = 3
+    ban_window: int = 20
+    distances: tuple[str, ...] = ALL_DISTANCES
+    floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
+    projections: int = 16
+    quantiles: int = 32
+    replay_window: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("beta_act", "beta_grad"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
+                                        found=str(getattr(self, name)))
+        for name in ("window", "min_samples", "ban_after", "ban_window", "projections", "quantiles",
+                     "replay_window"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidInputError(f"verifier_config.{name}", expected=">= 1",
+                                        found=str(getattr(self, name)))
+        if self.warmup < 0:
+            raise InvalidInputError("verifier_config.warmup", expected=">= 0 steps", found=str(self.warmup))
+        if self.ban_after > self.ban_window:
+            raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
+                                    found=str(self.ban_after))
+        unknown = [d for d in (*self.distances, *self.floors) if d not in ALL_DISTANCES]
+        if unknown or not self.distances:
+            raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
+                                    found=repr(unknown or list(self.distances)))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "VerifierConfig":
+        d = dict(d or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidInputError(f"verifier_config key {unknown[0]!r}", expected=f"one of {sorted(known)}",
+                                    found=repr(unknown), fix="remove or rename the key")
+        if "distances" in d:
+            d["distances"] = tuple(d["distances"])
+        if "floors" in d:
+            d["floors"] = {**DEFAULT_FLOORS, **dict(d["floors"])}
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError("verifier_config", expected="numbers and lists as documented",
+                                    found=str(exc)) from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
+                for name in self.__dataclass_fields__ for v in (getattr(self, name),)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """What a check decided about one received microbatch tensor.
+
+    ``flagged``: this sample is judged corrupted (blame its sender).
+    ``tainted``: the consumer must not use it (flagged, or it arrived tainted
+    because its input was already dropped upstream). ``scores``: distance ->
+    score; ``reasons``: the distances that exceeded their fence.
+    """
+
+    flagged: bool
+    tainted: bool
+    scores: dict[str, float] = field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+
+
+class Monitor:
+    """Reference statistics and fences of one (boundary, direction)."""
+
+    def __init__(self, cfg: VerifierConfig, boundary: int, direction: str) -> None:
+        self.cfg = cfg
+        self.boundary = boundary
+        self.direction = direction
+        self.beta = cfg.beta_act if direction == "act" else cfg.beta_grad
+        self.ref: dist.Summary | None = None
+        self.first_step: int | None = None
+        self._dirs: torch.Tensor | None = None
+        self._levels = dist.quantile_levels(cfg.quantiles)
+        self._history: deque[torch.Tensor] = deque(maxlen=cfg.replay_window)
+        self.fences = {name: IQRFence(window=cfg.window, k=cfg.iqr_k, min_samples=cfg.min_samples,
+                                      floor=cfg.floors.get(name, 0.0))
+                       for name in cfg.distances}
+        self.checked = 0
+        self.flagged = 0
+        self.tainted = 0
+
+    def _seed(self, salt: int) -> int:
+        # Distinct, fixed projections per monitor: the same on every rank and run.
+        return self.cfg.seed * 1_000_003 + self.boundary * 2 + DIRECTIONS.index(self.direction) + salt
+
+    def summarize(self, tensor: torch.Tensor) -> dist.Summary | None:
+        """The sample's summary, or None if its feature size differs from earlier samples'."""
+        rows_dim = dist.as_rows(tensor).shape[1]
+        if self._dirs is None:
+            self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
+        elif self._dirs.shape[0] != rows_dim:
+            return None
+        sketch_seed = self._seed(7) if "replay" in self.fences else None
+        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, sketch_seed=sketch_seed)
+
+    def score(self, summary: dist.Summary) -> dict[str, float]:
+        """Distances of ``summary`` to the reference (empty before the first sample)."""
+        if self.ref is None:
+            return {}
+        scores = {name: dist.DISTANCES[name](summary, self.ref)
+                  for name in self.fences if name in dist.DISTANCES}
+        if "replay" in self.fences:
+            past = [s for s in self._history if s.shape == summary.sketch.shape]
+            scores["replay"] = dist.replay_score(summary.sketch, torch.stack(past)) if past else 0.0
+        return scores
+
+    def warming(self, step: int) -> bool:
+        return self.first_step is None or step < self.first_step + self.cfg.warmup
+
+    def exceeded(self, scores: Mapping[str, float]) -> tuple[str, ...]:
+        return tuple(name for name, value in scores.items() if self.fences[name].exceeds(value))
+
+    def accept(self, summary: dist.Summary, scores: Mapping[str, float]) -> None:
+        """Fold an honest sample into the average, the windows and the history."""
+        self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
+        for name, value in scores.items():
+            self.fences[name].update(value)
+        if summary.sketch.numel():
+            self._history.append(summary.sketch)
+
+    def fence_values(self) -> dict[str, float | None]:
+        return {name: fence.fence() for name, fence in self.fences.items()}
+
+
+class Verifier:
+    """The monitors of the boundaries one verifier rank checks, plus blame and bans.
+
+    ``config``: the plan's ``verifier_config`` (see :class:`VerifierConfig`).
+    ``boundaries``: ``(boundary index, "act" | "grad")`` pairs this verifier checks.
+    """
+
+    def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]]) -> None:
+        self.config = VerifierConfig.from_dict(config)
+        self._monitors: dict[tuple[int, str], Monitor] = {}
+        for boundary, direction in boundaries:
+            if direction not in DIRECTIONS:
+                raise InvalidInputError(f"verifier boundary {boundary} direction", expected="act or grad",
+                                        found=repr(direction))
+            self._monitors[(int(boundary), direction)] = Monitor(self.config, int(boundary), direction)
+        self.events: list[dict[str, Any]] = []
+        self._step_flags: dict[int, list[dict[str, Any]]] = {}
+        self._blamed_steps: dict[int, list[int]] = {}
+        self.banned: set[int] = set()
+
+    def monitor(self, boundary: int, direction: str) -> Monitor:
+        key = (boundary, direction)
+        if key not in self._monitors:
+            raise InvalidInputError(f"verifier check of boundary {boundary} ({direction})",
+                                    expected=f"one of {sorted(self._monitors)}", found=repr(key),
+                                    fix="the plan's VERIFY instructions and verifier boundaries disagree")
+        return self._monitors[key]
+
+    def check(self, boundary: int, direction: str, tensor: torch.Tensor, *, step: int, mb: int,
+              sender: int, tainted: bool = False) -> Verdict:
+        """Score one received tensor; flagged samples are recorded for :meth:`end_step`."""
+        mon = self.monitor(boundary, direction)
+        mon.checked += 1
+        if mon.first_step is None:
+            mon.first_step = step
+        if not bool(torch.isfinite(tensor).all()):
+            return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
+        summary = mon.summarize(tensor)
+        if summary is None:
+            return self._flag(mon, step, mb, sender, {}, ("shape",))
+        scores = mon.score(summary)
+        if tainted:
+            # Its input was already dropped upstream: whatever it looks like, the
+            # sender is not to blame, and it must not teach the reference.
+            mon.tainted += 1
+            self.events.append(self._event("tainted", mon, step, mb, sender, scores, ()))
+            return Verdict(flagged=False, tainted=True, scores=scores)
+        reasons = () if mon.warming(step) else mon.exceeded(scores)
+        if reasons:
+            return self._flag(mon, step, mb, sender, scores, reasons)
+        mon.accept(summary, scores)
+        return Verdict(flagged=False, tainted=False, scores=scores)
+
+    def _flag(self, mon: Monitor, step: int, mb: int, sender: int, scores: dict[str, float],
+              reasons: tuple[str, ...]) -> Verdict:
+        mon.flagged += 1
+        event = self._event("flag", mon, step, mb, sender, scores, reasons)
+        self.events.append(event)
+        self._step_flags.setdefault(step, []).append(event)
+        return Verdict(flagged=True, tainted=True, scores=scores, reasons=reasons)
+
+    @staticmethod
+    def _event(kind: str, mon: Monitor, step: int, mb: int, sender: int, scores: Mapping[str, float],
+               reasons: tuple[str, ...]) -> dict[str, Any]:
+        fences = mon.fence_values()
+        return {"type": kind, "step": int(step), "mb": int(mb), "boundary": mon.boundary,
+                "direction": mon.direction, "sender": int(sender),
+                "scores": {k: round(float(v), 6) for k, v in scores.items()},
+                "fences": {k: (None if v is None else round(v, 6)) for k, v in fences.items()},
+                "reasons": list(reasons)}
+
+    def flag_events(self, step: int) -> list[dict[str, Any]]:
+        """This verifier's flags of ``step`` as plain dicts (for ``all_gather_object``)."""
+        return [dict(e) for e in self._step_flags.get(step, ())]
+
+    def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:
+        """Resolve blame for ``step`` from every verifier's flags; return all banned ranks.
+
+        ``all_flag_events``: the flags of every verifier rank, flat or one list
+        per rank (as ``all_gather_object`` returns them). Every verifier gets
+        the same input, so every verifier reaches the same bans.
+        """
+        flags = [e for e in _flatten(all_flag_events) if int(e["step"]) == step]
+        for sender in sorted(blame(flags)):
+            steps = self._blamed_steps.setdefault(sender, [])
+            if step not in steps:
+                steps.append(step)
+            recent = [s for s in steps if s > step - self.config.ban_window]
+            if sender not in self.banned and len(recent) >= self.config.ban_after:
+                self.banned.add(sender)
+                self.events.append({"type": "ban", "step": int(step), "sender": sender,
+                                    "blamed_steps": list(recent)})
+        self._step_flags.pop(step, None)
+        return set(self.banned)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, current fences and bans, for logs and the ``--report`` file."""
+        monitors = [{"boundary": b, "direction": d, "checked": m.checked, "flagged": m.flagged,
+                     "tainted": m.tainted, "fences": m.fence_values()}
+                    for (b, d), m in sorted(self._monitors.items())]
+        return {"monitors": monitors, "banned": sorted(self.banned),
+                "blamed_steps": {str(k): list(v) for k, v in sorted(self._blamed_steps.items())},
+                "flags": sum(1 for e in self.events if e["type"] == "flag"),
+                "config": self.config.to_dict()}
+
+
+def _flatten(events: Iterable[Any]) -> Iterable[Mapping[str, Any]]:
+    for item in events:
+        if isinstance(item, Mapping):
+            yield item
+        elif item is not None:
+            yield from _flatten(item)
+
+
+def _upstream_key(event: Mapping[str, Any]) -> tuple[int, int]:
+    # Causal order of a microbatch: activations cross boundaries 0, 1, ... then
+    # gradients cross them back from the last boundary down to 0.
+    b = int(event["boundary"])
+    return (0, b) if event["direction"] == "act" else (1, -b)
+
+
+def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
+    """Senders to blame: per (step, microbatch), only the most upstream flag's sender."""
+    first: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for event in flags:
+        key = (int(event["step"]), int(event["mb"]))
+        if key not in first or _upstream_key(event) < _upstream_key(first[key]):
+            first[key] = event
+    return {int(e["sender"]) for e in first.values()}

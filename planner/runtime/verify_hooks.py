@@ -1,0 +1,144 @@
+"""The runtime's only contact with the integrity monitors and the attack harness.
+
+The executor calls this adapter, never ``verify.py`` / ``attacks.py``
+directly, so the monitors' API can change in one place.
+
+* :class:`VerifyHooks` owns this rank's :class:`~planner.runtime.verify.Verifier`
+  (for the boundaries the plan gives it) and resolves blame at step end.
+* :class:`AttackHooks` owns this rank's attackers (``--attack rank=R,...`` specs
+  naming it); an attacked rank corrupts what it *sends*, once per microbatch and
+  direction, and the same corrupted tensor goes to the consumer and the verifier.
+
+Several tensors may cross one edge; the monitors see them as one flat tensor
+(floating-point values only), and an attack corrupts each float tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from planner.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
+
+# The plan's verifier_config keys -> the monitors' config keys (the two helpers named them differently).
+_PLAN_TO_MONITOR_KEYS = {"act_beta": "beta_act", "grad_beta": "beta_grad", "warmup_steps": "warmup",
+                         "window": "window", "iqr_k": "iqr_k", "ban_after": "ban_after"}
+
+
+def monitor_config(plan: "Plan", seed: int) -> dict[str, Any]:
+    """The monitors' config dict from the plan's ``verifier_config``."""
+    cfg = asdict(plan.verifier_config)
+    out = {_PLAN_TO_MONITOR_KEYS.get(k, k): v for k, v in cfg.items()}
+    out["seed"] = seed
+    return out
+
+
+def direction_name(op_direction: str) -> str:
+    """Instruction direction ("F"/"B") -> monitor direction ("act"/"grad")."""
+    return "act" if op_direction == "F" else "grad"
+
+
+def as_checked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What a monitor checks for one edge: its only float tensor, or all float values flattened."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if not floats:
+        raise InvalidInputError("checked stage edge", expected="at least one floating-point tensor",
+                                found=", ".join(str(t.dtype) for t in tensors) or "nothing",
+                                fix="verify only boundaries that carry activations")
+    if len(floats) == 1:
+        return floats[0].detach()
+    return torch.cat([t.detach().reshape(-1) for t in floats])
+
+
+class VerifyHooks:
+    """This rank's monitors (if the plan makes it a verifier)."""
+
+    def __init__(self, plan: "Plan", rank: int, *, seed: int = 0) -> None:
+        from planner.runtime.verify import Verifier
+
+        self.rank = rank
+        pairs = [(v.boundary, d) for v in plan.verifiers if v.rank == rank for d in v.directions]
+        self.verifier = Verifier(monitor_config(plan, seed), pairs) if pairs else None
+        self.banned: set[int] = set()
+        self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen
+
+    def check(self, boundary: int, op_direction: str, tensors: Sequence[torch.Tensor], *, step: int, mb: int,
+              sender: int, tainted: bool) -> tuple[bool, bool]:
+        """(flagged, tainted) for one received microbatch tensor."""
+        if self.verifier is None:
+            raise InvalidInputError(f"rank {self.rank} has a VERIFY instruction for boundary {boundary}",
+                                    expected="a plan verifier on this rank", found="none",
+                                    fix="regenerate the plan (its programs and verifiers disagree)")
+        verdict = self.verifier.check(boundary, direction_name(op_direction), as_checked(tensors),
+                                      step=step, mb=mb, sender=sender, tainted=tainted)
+        if verdict.flagged and sender in self.banned:
+            verdict_note = {"type": "flag_after_ban", "step": step, "mb": mb, "boundary": boundary,
+                            "sender": sender}
+            self.verifier.events.append(verdict_note)
+        return bool(verdict.flagged), bool(verdict.tainted)
+
+    def step_flags(self, step: int) -> list[dict[str, Any]]:
+        return self.verifier.flag_events(step) if self.verifier is not None else []
+
+    def end_step(self, step: int, all_flags: Sequence[Any]) -> set[int]:
+        """Resolve blame from every verifier's flags; returns the ranks banned so far."""
+        if self.verifier is None:
+            return set(self.banned)
+        banned = self.verifier.end_step(step, all_flags)
+        for r in sorted(banned - self.banned):
+            self.new_bans.append((step, r))
+        self.banned = set(banned)
+        return set(banned)
+
+    def summary(self) -> dict[str, Any]:
+        if self.verifier is None:
+            return {}
+        return {**self.verifier.summary(), "events": list(self.verifier.events)}
+
+
+class AttackHooks:
+    """The attacks this rank carries out on what it sends (none for an honest rank)."""
+
+    def __init__(self, specs: Sequence[str], rank: int, *, seed: int = 0) -> None:
+        from planner.runtime.attacks import Attacker, parse_attack
+
+        parsed = [parse_attack(s) for s in specs]
+        self.attackers = [Attacker(s, seed) for s in parsed if s.rank == rank]
+        self._sent: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.attackers)
+
+    def apply(self, tensors: Sequence[torch.Tensor], *, op_direction: str, step: int, mb: int) -> list[torch.Tensor]:
+        """The tensors to send for (direction, step, mb): corrupted once, then reused for every peer."""
+        key = (op_direction, step, mb)
+        if key not in self._sent:
+            direction = direction_name(op_direction)
+            out = list(tensors)
+            for attacker in self.attackers:
+                out = [attacker.apply(t, direction=direction, step=step, mb=mb) if t.is_floating_point() else t
+                       for t in out]
+            self._sent[key] = out
+        return self._sent[key]
+
+    def end_step(self) -> None:
+        self._sent.clear()
+
+    def log(self) -> list[tuple[int, int, str, str]]:
+        return [entry for a in self.attackers for entry in a.log]
+
+
+def validate_attacks(specs: Sequence[str], num_ranks: int) -> None:
+    """Parse every spec and check its rank exists (before any process starts)."""
+    from planner.runtime.attacks import parse_attack
+
+    for s in specs:
+        spec = parse_attack(s)
+        if spec.rank >= num_ranks:
+            raise InvalidInputError(f"--attack {s!r}", expected=f"rank < {num_ranks} (the plan's ranks)",
+                                    found=str(spec.rank))

@@ -1,0 +1,390 @@
+"""One rank of a running plan: build its stage, join the process group, run the steps.
+
+Started by the local launcher (``stagewise run``) or by ``torchrun`` (``python
+-m planner.runtime``); both pass the rank through the usual environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Order matters: the plan is loaded, the model rebuilt from ``plan.model.spec``
+and its fingerprint checked against a fresh export *before* the process group
+is joined, so a plan for another model fails on every rank with
+``PlanMismatchError`` and no rank waits for a peer that will never come.
+
+Each rank builds the model on the meta device and materialises only its own
+stage's parameters (``models`` initialise weights by name, so they equal the
+unpipelined model's); models without that ability are built whole on the CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import InvalidInputError, PlanMismatchError, PlannerError, RankFailureError
+from planner.runtime import comm
+from planner.runtime.comm import Kind
+from planner.runtime.data import PlanBatches, make_source, resolve_loss
+from planner.runtime.emulate import Emulation, emulation_for
+from planner.runtime.executor import EdgeSpecs, Executor, Groups, make_optimizer
+from planner.runtime.metrics import MetricsWriter, StepMetrics, StepSummary, measured_step_ms, summarize_step
+from planner.runtime.launch import EVENT_PREFIX, FaultSpec, RunOptions, parse_worker_args
+from planner.runtime.stage import (SplitGraph, StageRuntime, build_stage, export_model, has_constants,
+                                   materialize, plan_node_names, split_graph, stage_edges, stage_state_names)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> "RankEnv":
+        try:
+            return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        except (KeyError, ValueError) as exc:
+            raise InvalidInputError("rank environment", expected="RANK and WORLD_SIZE set (by torchrun or "
+                                    "`stagewise run`)", found=f"missing or bad {exc}",
+                                    fix="start ranks with `stagewise run` or torchrun") from None
+
+
+# --------------------------------------------------------------------------- setup
+@dataclass(slots=True)
+class RankSetup:
+    """Everything a rank builds before joining the process group."""
+
+    split: SplitGraph
+    stage: StageRuntime | None
+    edges: dict[int, EdgeSpecs]
+    batches: PlanBatches | None
+    loss_fn: Any
+    device: torch.device
+
+
+def _device(opts: RunOptions, env: RankEnv) -> torch.device:
+    if opts.backend == "nccl" or (opts.backend == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def check_model(plan, *, seed: int = 0):
+    """Rebuild the plan's model on the meta device, export it and compare fingerprints.
+
+    Returns ``(bundle, exported program)``; raises PlanMismatchError if the
+    model the spec builds today is not the one the plan was made for.
+    """
+    from models.registry import build_model
+    from planner.trace import graph_from_exported
+
+    ref = plan.model
+    bundle = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed)
+    ep = export_model(bundle.module, bundle.example_inputs)
+    found = graph_from_exported(ep, name=ref.name).fingerprint()
+    if found != ref.fingerprint:
+        raise PlanMismatchError(f"plan for {ref.spec!r} does not match the model built from that spec",
+                                expected=f"fingerprint {ref.fingerprint[:12]}", found=f"{found[:12]}",
+                                fix="re-plan with `stagewise plan` (the model code, size or shapes changed)")
+    return bundle, ep
+
+
+def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> RankSetup:
+    """Rebuild the model, check the fingerprint, split it and build this rank's stage."""
+    from models.registry import build_model
+
+    ref = plan.model
+    bundle, ep = check_model(plan, seed=opts.seed)
+    mbs = plan.config.microbatch_size
+    if mbs != ref.batch:  # traced at another batch: export again at the microbatch shape
+        bundle = build_model(ref.spec, batch=mbs, seq=ref.seq, device="meta", seed=opts.seed)
+        ep = export_model(bundle.module, bundle.example_inputs)
+    split = split_graph(bundle.module, bundle.example_inputs, plan_node_names(plan), ep=ep)
+    edges = {b: EdgeSpecs(act=tuple(split.specs[n] for n in stage_edges(split, b + 1)[0]))
+             for b in range(plan.num_stages - 1)}
+    info = plan.ranks[rank]
+    if info.stage is None:
+        return RankSetup(split=split, stage=None, edges=edges, batches=None, loss_fn=None, device=device)
+    model = bundle.module
+    if callable(getattr(model, "init_weights", None)) and not has_constants(split):
+        materialize(model, stage_state_names(split, info.stage), device)
+        model.init_weights(opts.seed)
+    else:  # no per-name init: build the whole model for real (deterministic from the seed)
+        model = build_model(ref.spec, batch=mbs, seq=ref.seq, device=str(device), seed=opts.seed).module
+        if has_constants(split):
+            split = split_graph(model, tuple(t.to(device) for t in bundle.example_inputs), plan_node_names(plan))
+    stage = build_stage(split, info.stage, model, device=device)
+    batches = loss = None
+    if stage.is_first or stage.is_last:
+        source = make_source(bundle, kind=opts.data, seq=ref.seq, seed=opts.seed)
+        batches = PlanBatches(source, global_batch=plan.config.global_batch, microbatch_size=mbs, device=device)
+        loss = resolve_loss(bundle, opts.loss) if stage.is_last else None
+    return RankSetup(split=split, stage=stage, edges=edges, batches=batches, loss_fn=loss, device=device)
+
+
+def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
+    """Create every subgroup on every rank in one order: replicated stages, verifiers, tied parameters."""
+    stage_sets = [plan.stage_ranks(k) for k in range(plan.num_stages)]
+    verifier_ranks = tuple(sorted({v.rank for v in plan.verifiers}))
+    users: dict[str, set[int]] = {}
+    for k in range(plan.num_stages):
+        for name in stage_state_names(split, k):
+            users.setdefault(name, set()).add(k)
+    tied: dict[tuple[int, ...], list[str]] = {}
+    for name, stages in sorted(users.items()):
+        if len(stages) > 1 and name in dict(_named_params_of(split)):
+            ranks = tuple(sorted(r for k in stages for r in plan.stage_ranks(k)))
+            tied.setdefault(ranks, []).append(name)
+    tied_sets = sorted(tied)
+    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets], timeout_s=timeout_s)
+    info = plan.ranks[rank]
+    groups = Groups()
+    if info.stage is not None:
+        groups.stage, groups.stage_ranks = made[info.stage], stage_sets[info.stage]
+    groups.verifiers, groups.verifier_ranks = made[len(stage_sets)], verifier_ranks
+    for ranks, group in zip(tied_sets, made[len(stage_sets) + 1:]):
+        if group is not None:
+            groups.tied.append((group, ranks, tuple(tied[ranks])))
+    return groups
+
+
+def _named_params_of(split: SplitGraph) -> list[tuple[str, str]]:
+    return [(target, kind) for kind, target in split.state.values() if kind == "param"]
+
+
+# --------------------------------------------------------------------------- progress
+class Progress:
+    """Rank 0's per-step output: JSON events for the local launcher, or text lines under torchrun."""
+
+    def __init__(self, *, events: bool, steps: int) -> None:
+        self.events = events
+        self.steps = steps
+
+    def emit(self, kind: str, payload: dict[str, Any]) -> None:
+        if self.events:
+            print(EVENT_PREFIX + json.dumps({"event": kind, **payload}, allow_nan=False), flush=True)
+
+    def step(self, s: StepSummary) -> None:
+        loss = None if math.isnan(s.loss) else s.loss
+        self.emit("step", {"step": s.step, "loss": loss, "step_ms": s.step_ms, "dropped": s.dropped})
+        if not self.events:
+            text = "n/a" if loss is None else f"{loss:.4f}"
+            print(f"step {s.step + 1}/{self.steps}  loss {text}  step {s.step_ms:.1f} ms", flush=True)
+
+    def done(self, result: dict[str, Any]) -> None:
+        self.emit("done", result)
+        if not self.events:
+            print(format_comparison(result), flush=True)
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    pred, meas = result["predicted_step_ms"], result["measured_step_ms"]
+    ratio = meas / pred if pred > 0 else math.inf
+    return (f"predicted {pred:.1f} ms/step (simulator, planned devices), measured {meas:.1f} ms/step here "
+            f"(x{ratio:.2f}{', compute emulated to planned speeds' if result.get('emulated') else ''})")
+
+
+# --------------------------------------------------------------------------- run
+class _MetricsCollector:
+    """Rank 0 receives every other rank's per-step metrics by point-to-point messages (no barrier).
+
+    Rank 0 posts the receives for step s when it ends step s and waits for them
+    when it ends step s + 1 (the other ranks are done with step s by then), so
+    collecting never holds the pipeline back.
+    """
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.pending: list[tuple[StepMetrics, list[comm.Pending]]] = []
+        self.sends: list[comm.Pending] = []
+
+    def submit(self, m: StepMetrics) -> list[list[StepMetrics]]:
+        """Hand in this rank's metrics; on rank 0, returns the steps now complete (all ranks' rows)."""
+        tag_mb = m.step % comm.MAX_MICROBATCHES
+        if self.rank != 0:
+            self.sends.append(comm.send([m.to_tensor().to(self.device)], peer=0, kind=Kind.METRICS, boundary=0,
+                                        mb=tag_mb, doing="sending metrics to rank 0"))
+            return []
+        done = self._drain()
+        posted = [comm.recv([((StepMetrics.numel(),), torch.float64)], peer=r, kind=Kind.METRICS, boundary=0,
+                            mb=tag_mb, device=self.device, doing=f"collecting step {m.step} metrics")
+                  for r in range(1, self.world)]
+        self.pending.append((m, posted))
+        return done
+
+    def _drain(self) -> list[list[StepMetrics]]:
+        done = []
+        for own, posted in self.pending:
+            done.append([own] + [StepMetrics.from_tensor(p.wait()[0].cpu()) for p in posted])
+        self.pending = []
+        return done
+
+    def finish(self) -> list[list[StepMetrics]]:
+        for p in self.sends:
+            p.wait()
+        self.sends = []
+        return self._drain() if self.rank == 0 else []
+
+
+def _inject_fault(fault: FaultSpec | None, rank: int, step: int) -> None:
+    """Rehearse a failure: this rank dies, hangs or raises at the start of ``step``."""
+    if fault is None or fault.rank != rank or fault.step != step:
+        return
+    print(f"stagewise run: rank {rank}: injected fault {fault.kind!r} at step {step}", file=sys.stderr, flush=True)
+    if fault.kind == "die":
+        os._exit(17)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+    raise RuntimeError(f"injected error on rank {rank} at step {step}")
+
+
+def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
+    """The whole life of one rank. Returns rank 0's result dict (None elsewhere)."""
+    from planner.plan import load_plan
+    from planner.runtime.verify_hooks import AttackHooks, VerifyHooks, validate_attacks
+
+    torch.set_num_threads(opts.threads)
+    plan = load_plan(opts.plan)
+    if env.world_size != plan.num_ranks:
+        raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
+                                found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
+    validate_attacks(opts.attacks, plan.num_ranks)
+    device = _device(opts, env)
+    setup = prepare_rank(plan, env.rank, opts, device)
+    emulation = emulation_for(plan, env.rank) if opts.emulate else Emulation()
+    verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout_s=opts.timeout_s)
+    result = _run(plan, opts, env, setup, emulation, verifying, AttackHooks, VerifyHooks)
+    # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
+    # while exiting closes this rank's connections at once, which is what tells the others.
+    dist.destroy_process_group()
+    return result
+
+
+def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emulation, verifying: bool,
+         attack_cls, verify_cls) -> dict[str, Any] | None:
+    groups = make_groups(plan, setup.split, env.rank, opts.timeout_s)
+    stage = setup.stage
+    optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
+                               lr=opts.lr)
+    verify = verify_cls(plan, env.rank, seed=opts.seed) if verifying else None
+    attacks = attack_cls(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
+    executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
+                        loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
+                        verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None)
+    collector = _MetricsCollector(env.rank, env.world_size, setup.device)
+    progress = Progress(events=os.environ.get("STAGEWISE_EVENTS") == "1", steps=opts.steps)
+    writer = MetricsWriter(opts.metrics if env.rank == 0 else None)
+    summaries: list[StepSummary] = []
+
+    def publish(done: list[list[StepMetrics]]) -> None:
+        for rows in done:
+            writer.write(rows)
+            summaries.append(summarize_step(rows))
+            progress.step(summaries[-1])
+
+    last_end = time.perf_counter()
+    for step in range(opts.steps):
+        _inject_fault(opts.fault, env.rank, step)
+        metrics = executor.run_step(step, last_end)
+        last_end = time.perf_counter()
+        publish(collector.submit(metrics))
+    publish(collector.finish())
+    writer.close()
+    final = _rank_final(env, executor, emulation, verify, attacks)
+    gathered = comm_gather(final, env)
+    if opts.dump:
+        _dump(opts.dump, env.rank, executor)
+    if env.rank != 0:
+        return None
+    result = _result(plan, opts, summaries, gathered, emulation_on=opts.emulate)
+    if opts.report:
+        _write_json(opts.report, result)
+    if os.environ.get("STAGEWISE_RESULT"):
+        _write_json(os.environ["STAGEWISE_RESULT"], result)
+    progress.done({k: result[k] for k in ("predicted_step_ms", "measured_step_ms", "emulated", "final_loss",
+                                          "banned", "flags")})
+    return result
+
+
+def comm_gather(obj: Any, env: RankEnv) -> list[Any]:
+    out: list[Any] = [None] * env.world_size if env.rank == 0 else []
+    try:
+        dist.gather_object(obj, out if env.rank == 0 else None, dst=0)
+    except comm.BACKEND_ERRORS as exc:
+        raise comm.failure(exc, peer=None, doing="gathering the run summary at rank 0") from exc
+    return out
+
+
+def _rank_final(env: RankEnv, ex: Executor, emulation: Emulation, verify, attacks) -> dict[str, Any]:
+    return {"rank": env.rank, "stage": ex.info.stage, "device_type": ex.info.device_type,
+            "fwd_factor": emulation.fwd_factor, "bwd_factor": emulation.bwd_factor,
+            "verification": verify.summary() if verify is not None else {},
+            "bans": list(verify.new_bans) if verify is not None else [],
+            "attacked": [list(e) for e in attacks.log()] if attacks is not None else []}
+
+
+def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
+            emulation_on: bool) -> dict[str, Any]:
+    measured = measured_step_ms(summaries)
+    banned = sorted({r for f in ranks for _, r in f["bans"]})
+    flags = sum(f["verification"].get("flags", 0) for f in ranks)
+    losses = [None if math.isnan(s.loss) else round(s.loss, 6) for s in summaries]
+    return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
+            "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
+            "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
+            "step_ms": [round(s.step_ms, 3) for s in summaries], "losses": losses,
+            "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
+            "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
+            "note": "banned ranks keep running: replanning around them is future work" if banned else ""}
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def _dump(folder: str, rank: int, ex: Executor) -> None:
+    """Final parameters, last-step gradients and losses of this rank (for comparing with a reference)."""
+    os.makedirs(folder, exist_ok=True)
+    params = {n: p.detach().cpu().clone() for n, p in ex.stage.parameters()} if ex.stage is not None else {}
+    grads = {n: g.cpu() for n, g in ex.last_grads.items()}
+    torch.save({"rank": rank, "stage": ex.info.stage, "params": params, "grads": grads,
+                "losses": list(ex.step_losses)}, os.path.join(folder, f"rank{rank}.pt"))
+
+
+# --------------------------------------------------------------------------- entry
+def write_error(rank: int, exc: BaseException) -> None:
+    """Leave this rank's error where the local launcher looks for it (STAGEWISE_ERROR_DIR)."""
+    folder = os.environ.get("STAGEWISE_ERROR_DIR")
+    if not folder:
+        return
+    record = {"rank": rank, "kind": type(exc).__name__, "error": str(exc),
+              "peer": getattr(exc, "peer", None)}
+    _write_json(os.path.join(folder, f"rank{rank}.json"), record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_worker_args(argv)
+    env = RankEnv.from_environ()
+    try:
+        run_rank(opts, env)
+    except PlannerError as exc:
+        write_error(env.rank, exc)
+        print(f"stagewise run: rank {env.rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 3 if isinstance(exc, RankFailureError) else 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

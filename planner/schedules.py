@@ -1,0 +1,285 @@
+"""Per-rank programs for GPipe and 1F1B, with replicas and verifiers.
+
+Two steps, as in ``torch.distributed.pipelining``:
+
+1. :func:`compute_order` gives each stage rank its compute-only order
+   (``F``/``B`` of its own microbatches, ascending ids). GPipe: every forward,
+   then every backward. 1F1B: ``w = min(S - k - 1, n)`` warm-up forwards on
+   stage k (n = the replica's microbatch count), then one forward / one
+   backward alternately, then the remaining backwards; at most
+   ``min(S - k, n)`` microbatches are in flight.
+2. :func:`build_programs` lowers those orders into full programs by list
+   scheduling: it repeatedly places the action that could start earliest (an
+   estimate from :class:`StepCosts`) among those whose inputs have already
+   been placed, and emits around each compute the receives it needs before
+   and the sends it makes after (plus verification copies, ``VERIFY`` and
+   ``VERDICT`` ops). Every receive thus follows its send in one global
+   order, so with non-blocking sends and blocking receives the programs
+   cannot deadlock; if no action can be placed, the compute orders
+   themselves deadlock and we raise.
+
+Replicas: microbatch m flows from whichever replica of stage k owns it to
+whichever replica of stage k+1 owns it. Each replica keeps its own 1F1B
+rhythm over its own microbatches; because every rank runs its microbatches in
+ascending order and replicas own contiguous ranges, a lower microbatch id
+never waits behind a higher one, which keeps these orders deadlock-free (the
+list scheduler checks it on every compile).
+
+Verification of boundary b (stage b -> b+1) in one direction, with sender S,
+consumer C and verifier rank V:
+* V == C: C verifies the tensor it received itself (``VERIFY`` with no peer).
+* V == S: S scores its own tensor after sending it and sends C the verdict.
+* otherwise S also sends V a copy; V runs ``VERIFY<S>C``; C waits for the
+  verdict (``VERDICT<V``) after receiving the tensor and before using it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from planner.errors import InvalidInputError
+from planner.instructions import Instruction
+from planner.plan import RankInfo, VerifierInfo
+
+_DIRECTION_OF = {"F": "act", "B": "grad"}
+
+
+def compute_order(schedule: str, stage: int, num_stages: int,
+                  microbatches: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+    """The compute-only order of one stage rank: ``(("F", m), ("B", m), ...)``."""
+    mbs = tuple(microbatches)
+    if schedule == "gpipe":
+        return tuple(("F", m) for m in mbs) + tuple(("B", m) for m in mbs)
+    if schedule != "1f1b":
+        raise InvalidInputError("schedule", expected="1f1b or gpipe", found=repr(schedule))
+    n = len(mbs)
+    warmup = min(num_stages - stage - 1, n)
+    order: list[tuple[str, int]] = [("F", m) for m in mbs[:warmup]]
+    for i in range(n - warmup):
+        order += [("F", mbs[warmup + i]), ("B", mbs[i])]
+    order += [("B", m) for m in mbs[n - warmup:]]
+    return tuple(order)
+
+
+def max_in_flight(schedule: str, stage: int, num_stages: int, num_mbs: int) -> int:
+    """What the schedule promises: the most microbatches whose activations a rank holds at once."""
+    if schedule == "gpipe":
+        return num_mbs
+    return min(num_stages - stage, num_mbs)
+
+
+class StepCosts(Protocol):
+    """Duration estimates used only to order the list scheduling (the simulator prices the result)."""
+
+    def compute_ms(self, rank: int, op: str) -> float: ...
+
+    def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
+        """Time to move the tensor ``op`` ("F": stage's output activation; "B": gradient of its input)."""
+        ...
+
+    def verify_ms(self, rank: int, boundary: int, op: str) -> float: ...
+
+    def verdict_ms(self, src: int, dst: int) -> float:
+        """Time for a verdict (a few bytes) to go from verifier ``src`` to consumer ``dst``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCosts:
+    """Fallback estimates: forward 1, backward 2, free communication and verification."""
+
+    def compute_ms(self, rank: int, op: str) -> float:
+        return 1.0 if op == "F" else 2.0
+
+    def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
+        return 0.0
+
+    def verify_ms(self, rank: int, boundary: int, op: str) -> float:
+        return 0.0
+
+    def verdict_ms(self, src: int, dst: int) -> float:
+        return 0.0
+
+
+@dataclass(slots=True)
+class _State:
+    """Mutable bookkeeping of one list-scheduling run."""
+
+    programs: list[list[Instruction]]
+    clock: list[float]
+    orders: dict[int, list[tuple[str, int]]]
+    # (stage, op, mb) -> time the tensor produced by that compute is ready on its rank
+    done: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    # (boundary, op, mb) -> time the consumer may have the verdict
+    verdict: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    # verifier rank -> list of (arrival time, Instruction, verdict key, consumer)
+    verify_queue: dict[int, list[tuple[float, Instruction, tuple[int, str, int], int]]] = \
+        field(default_factory=dict)
+
+
+class _Lowering:
+    """Lowers compute orders into programs for one plan layout (see module docstring)."""
+
+    def __init__(self, schedule: str, num_stages: int, ranks: tuple[RankInfo, ...],
+                 verifiers: tuple[VerifierInfo, ...], costs: StepCosts) -> None:
+        self.num_stages = num_stages
+        self.ranks = ranks
+        self.costs = costs
+        self.owner: dict[tuple[int, int], int] = {}
+        for r in ranks:
+            if r.stage is not None:
+                for m in r.microbatches:
+                    self.owner[(r.stage, m)] = r.rank
+        # (boundary, "F"|"B") -> verifier rank
+        self.checker: dict[tuple[int, str], int] = {}
+        for v in verifiers:
+            for d in v.directions:
+                self.checker[(v.boundary, "F" if d == "act" else "B")] = v.rank
+        orders = {r.rank: list(compute_order(schedule, r.stage, num_stages, r.microbatches))
+                  for r in ranks if r.stage is not None}
+        self.st = _State(programs=[[] for _ in ranks], clock=[0.0] * len(ranks), orders=orders,
+                         verify_queue={r.rank: [] for r in ranks})
+
+    # --- dependencies ----------------------------------------------------
+    def _source(self, stage: int, op: str, mb: int) -> tuple[int, int] | None:
+        """(producer stage, producer rank) of what ``op`` of ``stage`` consumes, None for none."""
+        if op == "F":
+            return None if stage == 0 else (stage - 1, self.owner[(stage - 1, mb)])
+        return None if stage == self.num_stages - 1 else (stage + 1, self.owner[(stage + 1, mb)])
+
+    def _boundary(self, stage: int, op: str) -> int:
+        """Boundary crossed by the tensor ``op`` of ``stage`` consumes."""
+        return stage - 1 if op == "F" else stage
+
+    def _ready_time(self, rank: int, stage: int, op: str, mb: int) -> float | None:
+        """Earliest start of compute ``op``/``mb`` on ``rank``, or None if its input is not placed yet."""
+        src = self._source(stage, op, mb)
+        if src is None:
+            return self.st.clock[rank]
+        pstage, prank = src
+        produced = self.st.done.get((pstage, op, mb))
+        if produced is None:
+            return None
+        ready = produced + self.costs.transfer_ms(prank, rank, pstage, op)
+        key = (self._boundary(stage, op), op, mb)
+        if key[:2] in self.checker and self.checker[key[:2]] != rank:
+            if key not in self.st.verdict:
+                return None
+            ready = max(ready, self.st.verdict[key])
+        return max(self.st.clock[rank], ready)
+
+    # --- emission --------------------------------------------------------
+    def _emit(self, rank: int, ins: Instruction) -> None:
+        self.st.programs[rank].append(ins)
+
+    def _place_compute(self, rank: int, stage: int, op: str, mb: int, start: float) -> None:
+        src = self._source(stage, op, mb)
+        boundary_in = self._boundary(stage, op)
+        checker_in = self.checker.get((boundary_in, op)) if src is not None else None
+        if src is not None:
+            self._emit(rank, Instruction(op=f"RECV_{op}", stage=stage, mb=mb, peer=src[1]))
+            if checker_in == rank:  # the consumer is its own verifier: check locally
+                self._emit(rank, Instruction(op=f"VERIFY_{op}", stage=stage, mb=mb))
+                start += self.costs.verify_ms(rank, boundary_in, op)
+            elif checker_in is not None:
+                self._emit(rank, Instruction(op=f"VERDICT_{op}", stage=stage, mb=mb, peer=checker_in))
+        self._emit(rank, Instruction(op=op, stage=stage, mb=mb))
+        end = start + self.costs.compute_ms(rank, op)
+        self.st.clock[rank] = end
+        self.st.done[(stage, op, mb)] = end
+        self._emit_sends(rank, stage, op, mb, end)
+
+    def _emit_sends(self, rank: int, stage: int, op: str, mb: int, end: float) -> None:
+        nxt = stage + 1 if op == "F" else stage - 1
+        if not 0 <= nxt < self.num_stages:
+            return
+        consumer = self.owner[(nxt, mb)]
+        self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=consumer))
+        boundary = self._boundary(nxt, op)
+        checker = self.checker.get((boundary, op))
+        key = (boundary, op, mb)
+        if checker is None or checker == consumer:
+            return  # unchecked, or checked by the consumer itself after its RECV
+        if checker == rank:  # the sender verifies its own output (only when it is trusted)
+            self._emit(rank, Instruction(op=f"VERIFY_{op}", stage=nxt, mb=mb, dest=consumer))
+            self.st.clock[rank] += self.costs.verify_ms(rank, boundary, op)
+            self.st.verdict[key] = self.st.clock[rank] + self.costs.verdict_ms(rank, consumer)
+            return
+        self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=checker))
+        arrival = end + self.costs.transfer_ms(rank, checker, stage, op)
+        ins = Instruction(op=f"VERIFY_{op}", stage=nxt, mb=mb, peer=rank, dest=consumer)
+        self.st.verify_queue[checker].append((arrival, ins, key, consumer))
+
+    def _place_verify(self, rank: int) -> None:
+        queue = self.st.verify_queue[rank]
+        # Copies may arrive out of placement order (different links): take the earliest.
+        arrival, ins, key, consumer = queue.pop(min(range(len(queue)), key=lambda i: queue[i][0]))
+        self._emit(rank, ins)
+        start = max(self.st.clock[rank], arrival)
+        end = start + self.costs.verify_ms(rank, key[0], key[1])
+        self.st.clock[rank] = end
+        self.st.verdict[key] = end + self.costs.verdict_ms(rank, consumer)
+
+    # --- main loop -------------------------------------------------------
+    def _candidates(self) -> list[tuple[float, int, int, str]]:
+        """(start estimate, kind 0=verify/1=compute, rank, ...) of every placeable action."""
+        found = []
+        for r in self.ranks:
+            queue = self.st.verify_queue[r.rank]
+            if queue:
+                first = min(item[0] for item in queue)
+                found.append((max(self.st.clock[r.rank], first), 0, r.rank, "V"))
+            order = self.st.orders.get(r.rank)
+            if order:
+                op, mb = order[0]
+                start = self._ready_time(r.rank, r.stage, op, mb)
+                if start is not None:
+                    found.append((start, 1, r.rank, op))
+        return found
+
+    def run(self) -> tuple[tuple[Instruction, ...], ...]:
+        while True:
+            candidates = self._candidates()
+            if not candidates:
+                break
+            start, kind, rank, _ = min(candidates)
+            if kind == 0:
+                self._place_verify(rank)
+            else:
+                op, mb = self.st.orders[rank].pop(0)
+                self._place_compute(rank, self.ranks[rank].stage, op, mb, start)
+        stuck = {r: o[0] for r, o in self.st.orders.items() if o}
+        if stuck:
+            detail = ", ".join(f"rank {r} at {op}{mb}" for r, (op, mb) in sorted(stuck.items()))
+            raise InvalidInputError("pipeline schedule deadlocks", expected="compute orders that can all finish",
+                                    found=f"stuck: {detail}", fix="use another microbatch split or schedule")
+        return tuple(tuple(p) for p in self.st.programs)
+
+
+def _append_step_ops(programs: tuple[tuple[Instruction, ...], ...], ranks: tuple[RankInfo, ...]
+                     ) -> tuple[tuple[Instruction, ...], ...]:
+    """ALLREDUCE (replicated stages only) then OPTIM at the end of every stage rank's program."""
+    replicas: dict[int, int] = {}
+    for r in ranks:
+        if r.stage is not None:
+            replicas[r.stage] = replicas.get(r.stage, 0) + 1
+    out = []
+    for r, prog in zip(ranks, programs):
+        tail: tuple[Instruction, ...] = ()
+        if r.stage is not None:
+            if replicas[r.stage] > 1:
+                tail += (Instruction(op="ALLREDUCE", stage=r.stage),)
+            tail += (Instruction(op="OPTIM", stage=r.stage),)
+        out.append(prog + tail)
+    return tuple(out)
+
+
+def build_programs(schedule: str, num_stages: int, ranks: tuple[RankInfo, ...],
+                   verifiers: tuple[VerifierInfo, ...], costs: StepCosts | None = None
+                   ) -> tuple[tuple[Instruction, ...], ...]:
+    """One program per rank for ``schedule`` over the given rank layout (see the module docstring)."""
+    for i, r in enumerate(ranks):
+        if r.rank != i:
+            raise InvalidInputError("rank layout", expected=f"rank {i} at position {i}", found=str(r.rank))
+    lowering = _Lowering(schedule, num_stages, ranks, verifiers, costs or UnitCosts())
+    return _append_step_ops(lowering.run(), ranks)

@@ -1,0 +1,308 @@
+"""Discrete-event interpreter of a plan's programs with the cost models.
+
+The simulator runs the same programs the runtime runs, with the same
+semantics (see ``planner.instructions``), and prices every instruction:
+
+* ``F``/``B``: ``cost_models.compute.range_fwd_ms/range_bwd_ms`` of the
+  stage's blocks on the rank's device (the solver's formula), occupying the
+  rank.
+* ``SEND_*``: non-blocking for the program. The tensor (the boundary
+  activation, scaled from the traced microbatch size and dtype to the
+  configured ones) travels over ``cluster.link(src, dst)`` and takes
+  ``cost_models.comm.transfer_ms`` (latency + bytes / bandwidth). One directed
+  link (src rank -> dst rank) puts one message's bytes on the wire at a time,
+  in the sender's program order (the next may start after bytes / bandwidth;
+  latencies overlap); transfers to different peers overlap each other and
+  compute.
+* ``RECV_*``/``VERDICT_*``: wait until the message has arrived.
+* ``VERIFY_*``: wait for the copy (if sent), then :func:`verify_ms` on the
+  verifier's device; the verdict (:data:`VERDICT_BYTES`) is then sent to the
+  consumer like any message.
+* ``ALLREDUCE``: a barrier of the stage's replicas, then
+  ``cost_models.comm.group_allreduce_ms`` of the stage's gradient bytes.
+* ``OPTIM``: :func:`optim_ms`, a memory-bound pass over weights, gradients
+  and optimizer state.
+
+``pipeline_ms`` is when the last rank reaches its optimizer step: that is
+what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
+describe. ``step_ms`` adds the optimizer steps. Memory per rank is weights +
+gradients + optimizer state + communication buffers
+(``cost_models.memory.stage_memory``) + saved activations times the
+microbatches actually in flight as the program runs, + the verifier's state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models import comm, compute, memory
+from cost_models.cluster import ClusterSpec
+from cost_models.devices import DeviceSpec
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.instructions import VERIFY_OPS, Instruction, format_instruction, message_keys
+from planner.ir import BlockChain, dtype_bytes
+from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
+
+# A verifier reads the received tensor and its EMA reference, computes four
+# distances (mean |diff|, normalised L2, sign flips: one fused pass each; the
+# sliced Wasserstein distance projects and sorts: about three passes) and
+# writes the updated reference: about eight passes over the tensor's bytes,
+# memory-bound, plus a fixed dispatch cost.
+VERIFY_PASSES = 8
+VERIFY_FIXED_MS = 0.05
+VERDICT_BYTES = 16  # a flag and a score
+
+
+def verify_ms(nbytes: int | float, spec: DeviceSpec) -> float:
+    """Time to score one received tensor of ``nbytes`` on a verifier with ``spec``.
+
+    The solver prices verification with this same function.
+    """
+    if nbytes < 0:
+        raise InvalidInputError("verify size", expected="nbytes >= 0", found=str(nbytes))
+    return VERIFY_FIXED_MS + 1e3 * VERIFY_PASSES * nbytes / spec.mem_bw_bytes_per_s
+
+
+def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec) -> float:
+    """One optimizer step over ``param_count`` parameters: read and write weights and state, read grads."""
+    per = memory.bytes_per_param(config)
+    traffic = param_count * (2 * per.weights + per.grads + 2 * per.optimizer)
+    return 1e3 * traffic / spec.mem_bw_bytes_per_s
+
+
+def activation_scale(chain: BlockChain, config: TrainingConfig) -> float:
+    """Boundary tensors scale linearly from the traced microbatch size and dtype to the configured ones."""
+    return (config.microbatch_size / chain.microbatch_size) * (
+        dtype_bytes(config.dtype) / dtype_bytes(memory.trace_dtype(chain)))
+
+
+class CostModel:
+    """Prices of every instruction for one rank layout (also the list scheduler's estimates)."""
+
+    def __init__(self, *, chain: BlockChain, stage_ranges: tuple[tuple[int, int], ...],
+                 ranks: tuple[RankInfo, ...], verifiers: tuple[VerifierInfo, ...], cluster: ClusterSpec,
+                 config: TrainingConfig) -> None:
+        self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
+        self.ranges = stage_ranges
+        dtype, traced = config.dtype, memory.trace_dtype(chain)
+        scale = activation_scale(chain, config)
+        # Bytes crossing boundary b (stage b -> b+1), either direction.
+        self.boundary_bytes = tuple(chain.blocks[hi].out_bytes * scale for _, hi in stage_ranges[:-1])
+        self.spec = tuple(cluster.device(r.device).spec for r in ranks)
+        self._fwd, self._bwd, self._optim = [], [], []
+        for r, spec in zip(ranks, self.spec):
+            if r.stage is None:  # a verifier-only rank computes no stage
+                for table in (self._fwd, self._bwd, self._optim):
+                    table.append(0.0)
+                continue
+            lo, hi = stage_ranges[r.stage]
+            self._fwd.append(compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
+            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
+            self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec))
+        self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
+                                       for d in v.directions) for r in ranks}
+
+    def _link(self, src: int, dst: int):
+        return self.cluster.link(self.ranks[src].device, self.ranks[dst].device)
+
+    # --- StepCosts protocol (planner.schedules) ---------------------------
+    def compute_ms(self, rank: int, op: str) -> float:
+        return self._fwd[rank] if op == "F" else self._bwd[rank]
+
+    def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
+        boundary = stage if op == "F" else stage - 1
+        return comm.transfer_ms(self.boundary_bytes[boundary], self._link(src, dst))
+
+    def verify_ms(self, rank: int, boundary: int, op: str) -> float:
+        return verify_ms(self.boundary_bytes[boundary], self.spec[rank])
+
+    def verdict_ms(self, src: int, dst: int) -> float:
+        return comm.transfer_ms(VERDICT_BYTES, self._link(src, dst))
+
+    # --- the rest ---------------------------------------------------------
+    def message_ms(self, kind: str, boundary: int, src: int, dst: int) -> float:
+        nbytes = VERDICT_BYTES if kind.startswith("V") else self.boundary_bytes[boundary]
+        return comm.transfer_ms(nbytes, self._link(src, dst))
+
+    def latency_ms(self, src: int, dst: int) -> float:
+        return self._link(src, dst).latency_ms
+
+    def optim_ms(self, rank: int) -> float:
+        return self._optim[rank]
+
+    def allreduce_ms(self, stage: int) -> float:
+        lo, hi = self.ranges[stage]
+        grad_bytes = memory.stage_param_count(self.chain, lo, hi) * memory.bytes_per_param(self.config).grads
+        devices = [r.device for r in self.ranks if r.stage == stage]
+        return comm.group_allreduce_ms(self.cluster, devices, grad_bytes)
+
+    def memory_bytes(self, rank: int, peak_in_flight: int) -> tuple[int, memory.MemoryBreakdown | None]:
+        """(peak bytes, stage breakdown) of ``rank`` holding ``peak_in_flight`` microbatches at most."""
+        info = self.ranks[rank]
+        verifier_state = sum(2 * round(self.boundary_bytes[b]) for b, _ in self.verified[rank])  # EMA + copy
+        if info.stage is None:
+            return verifier_state, None
+        lo, hi = self.ranges[info.stage]
+        br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1))
+        acts = br.activations_bytes if peak_in_flight else 0
+        return br.static_bytes + br.buffers_bytes + acts + verifier_state, br
+
+    @classmethod
+    def for_plan(cls, plan: Plan) -> "CostModel":
+        return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
+                   ranks=plan.ranks, verifiers=plan.verifiers, cluster=ClusterSpec.from_dict(plan.cluster),
+                   config=plan.config)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """One box of the timeline: ``kind`` is F, B, send, verify, allreduce or optim."""
+
+    rank: int
+    kind: str
+    start_ms: float
+    end_ms: float
+    label: str
+    stage: int | None = None
+    mb: int | None = None
+    peer: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+    """What one simulated optimizer step looks like (per-rank tuples are indexed by rank)."""
+
+    step_ms: float
+    pipeline_ms: float
+    busy_ms: tuple[float, ...]
+    compute_ms: tuple[float, ...]
+    idle_ms: tuple[float, ...]
+    bubble_fraction: float
+    peak_mem_bytes: tuple[int, ...]
+    peak_in_flight: tuple[int, ...]
+    events: tuple[Event, ...]
+
+    def predicted(self) -> Predicted:
+        return Predicted(step_ms=self.step_ms, bubble_fraction=self.bubble_fraction,
+                         peak_mem_bytes=self.peak_mem_bytes)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Mutable state of one interpretation."""
+
+    plan: Plan
+    costs: CostModel
+    clock: list[float]
+    pc: list[int]
+    mailbox: dict[tuple, float] = field(default_factory=dict)
+    link_free: dict[tuple[int, int], float] = field(default_factory=dict)
+    barrier: dict[int, set[int]] = field(default_factory=dict)
+    live: list[int] = field(default_factory=list)
+    peak: list[int] = field(default_factory=list)
+    reached_optim: list[float] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def box(self, rank: int, kind: str, ins: Instruction, start: float, dur: float, peer: int | None = None) -> None:
+        self.events.append(Event(rank=rank, kind=kind, start_ms=start, end_ms=start + dur,
+                                 label=format_instruction(ins), stage=ins.stage, mb=ins.mb, peer=peer))
+
+    def send(self, rank: int, ins: Instruction, key: tuple, start: float) -> None:
+        kind, boundary, _, src, dst = key
+        begin = max(start, self.link_free.get((src, dst), 0.0))
+        dur = self.costs.message_ms(kind, boundary, src, dst)
+        # The link is busy while the bytes go out; the latency overlaps the next message.
+        self.link_free[(src, dst)] = begin + max(dur - self.costs.latency_ms(src, dst), 0.0)
+        self.mailbox[key] = begin + dur
+        if not kind.startswith("V"):
+            self.box(rank, "send", ins, begin, dur, peer=dst)
+
+    def step(self, rank: int, ins: Instruction) -> bool:
+        """Run ``ins`` on ``rank`` if it can start; False if it must wait for a message or a barrier."""
+        keys = message_keys(ins, rank)
+        if any(side == "recv" and key not in self.mailbox for side, key in keys):
+            return False
+        t = self.clock[rank]
+        for side, key in keys:
+            if side == "recv":
+                t = max(t, self.mailbox[key])
+        if ins.op in ("F", "B"):
+            dur = self.costs.compute_ms(rank, ins.op)
+            self.box(rank, ins.op, ins, t, dur)
+            t += dur
+            self.live[rank] += 1 if ins.op == "F" else -1
+            self.peak[rank] = max(self.peak[rank], self.live[rank])
+        elif ins.op in VERIFY_OPS:
+            dur = self.costs.verify_ms(rank, ins.boundary, ins.direction)
+            self.box(rank, "verify", ins, t, dur)
+            t += dur
+        elif ins.op == "OPTIM":
+            self.reached_optim[rank] = t
+            dur = self.costs.optim_ms(rank)
+            self.box(rank, "optim", ins, t, dur)
+            t += dur
+        elif ins.op == "ALLREDUCE":
+            return self._allreduce(rank, ins)
+        for side, key in keys:
+            if side == "send":
+                self.send(rank, ins, key, t)
+        self.clock[rank] = t
+        return True
+
+    def _allreduce(self, rank: int, ins: Instruction) -> bool:
+        waiting = self.barrier.setdefault(ins.stage, set())
+        waiting.add(rank)
+        group = self.plan.stage_ranks(ins.stage)
+        if waiting != set(group):
+            return False
+        start = max(self.clock[r] for r in group)
+        dur = self.costs.allreduce_ms(ins.stage)
+        for r in group:
+            self.box(r, "allreduce", ins, start, dur)
+            self.clock[r] = start + dur
+            if r != rank:
+                self.pc[r] += 1  # released from the barrier
+        del self.barrier[ins.stage]
+        return True
+
+
+def simulate(plan: Plan, costs: CostModel | None = None) -> SimResult:
+    """Interpret ``plan``'s programs against the cost model; see the module docstring."""
+    costs = costs or CostModel.for_plan(plan)
+    n = plan.num_ranks
+    run = _Run(plan=plan, costs=costs, clock=[0.0] * n, pc=[0] * n, live=[0] * n, peak=[0] * n,
+               reached_optim=[0.0] * n)
+    progress = True
+    while progress:
+        progress = False
+        for rank, prog in enumerate(plan.programs):
+            while run.pc[rank] < len(prog) and run.step(rank, prog[run.pc[rank]]):
+                run.pc[rank] += 1
+                progress = True
+    stuck = [r for r in range(n) if run.pc[r] < len(plan.programs[r])]
+    if stuck:
+        r = stuck[0]
+        raise InvalidInputError(f"plan programs deadlock: rank {r} blocks forever at instruction #{run.pc[r]} "
+                                f"{format_instruction(plan.programs[r][run.pc[r]])!r}",
+                                fix="validate the plan (planner.validate.validate_programs)")
+    return _summarise(plan, costs, run)
+
+
+def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
+    n = plan.num_ranks
+    step = max(run.clock)
+    stage_ranks = [r.rank for r in plan.ranks if r.stage is not None]
+    pipeline = max(run.reached_optim[r] for r in stage_ranks)
+    busy, comp = [0.0] * n, [0.0] * n
+    for ev in run.events:
+        if ev.kind != "send":
+            busy[ev.rank] += ev.end_ms - ev.start_ms
+        if ev.kind in ("F", "B"):
+            comp[ev.rank] += ev.end_ms - ev.start_ms
+    work = sum(comp[r] for r in stage_ranks)
+    bubble = 1.0 - work / (len(stage_ranks) * pipeline) if pipeline > 0 else 0.0
+    peak_mem = tuple(costs.memory_bytes(r, run.peak[r])[0] for r in range(n))
+    events = tuple(sorted(run.events, key=lambda e: (e.rank, e.start_ms, e.kind)))
+    return SimResult(step_ms=step, pipeline_ms=pipeline, busy_ms=tuple(busy), compute_ms=tuple(comp),
+                     idle_ms=tuple(max(step - b, 0.0) for b in busy), bubble_fraction=min(max(bubble, 0.0), 1.0),
+                     peak_mem_bytes=peak_mem, peak_in_flight=tuple(run.peak), events=events)

@@ -1,0 +1,246 @@
+"""Baseline placements priced by the same objective as the solver, and the greedy verifier assignment.
+
+* ``uniform``: every stage device in cluster order gets an equal share of the
+  blocks (torchtitan's default split).
+* ``params``: same devices, contiguous ranges that balance parameter counts
+  (DeepSpeed ``partition_method="parameters"``).
+* ``greedy``: same devices, each gets a share of the work proportional to its
+  speed (fastest device's block times as the yardstick), shrunk to fit memory.
+* ``dp``: the exact homogeneous DP (``planner.solver.dp.homogeneous_dp``)
+  assuming every device is like the first stage device, on the devices in
+  cluster order. Exact on a homogeneous cluster.
+
+Baselines use one device per stage. When the policy wants trusted first and
+last stages, the first and last trusted devices of the list move to the ends
+(the smallest change to "cluster order" that can satisfy the policy).
+Verifiers are then placed by :func:`assign_verifiers` on the cheapest allowed
+site of each checked boundary.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from planner.errors import InfeasiblePlanError, InvalidInputError
+from planner.solver.dp import homogeneous_dp
+from planner.solver.objective import Placement, evaluate, even_split, required_directions
+from planner.solver.problem import Problem
+from planner.solver.solution import StagePlacement, VerifierPlacement
+
+BASELINES = ("uniform", "params", "greedy", "dp")
+
+
+# --- verifiers ----------------------------------------------------------------
+def verifier_sites(problem: Problem, stages: tuple[StagePlacement, ...], boundary: int,
+                   need: tuple[str, ...]) -> tuple[str, ...]:
+    """Devices allowed to check ``boundary`` (in the solver's search space), cheapest-first order not implied.
+
+    The ends of the boundary, the first and the last stage (single-replica
+    stages only), and CPU verifier hosts; each trusted, outside the checked
+    senders' trust domain, and allowed by the policy's placement.
+    """
+    S, pol = len(stages), problem.policy
+    senders = (stages[boundary].devices if "act" in need else ()) + \
+        (stages[boundary + 1].devices if "grad" in need else ())
+    domains = {problem.classes[problem.class_of(d)].domain for d in senders} - {None}
+    out: list[str] = []
+    if pol.verifier_placement in ("any", "stage"):
+        for k in dict.fromkeys((boundary, boundary + 1, 0, S - 1)):
+            if len(stages[k].devices) == 1:
+                out.append(stages[k].devices[0])
+    if pol.verifier_placement in ("any", "cpu"):
+        out.extend(d for c in problem.classes if c.verifier_host for d in c.device_ids)
+    ok = []
+    for d in dict.fromkeys(out):
+        c = problem.classes[problem.class_of(d)]
+        if c.trusted and (c.domain is None or c.domain not in domains):
+            ok.append(d)
+    return tuple(ok)
+
+
+def assign_verifiers(problem: Problem, stages: tuple[StagePlacement, ...],
+                     num_microbatches: int) -> tuple[VerifierPlacement, ...] | None:
+    """Greedy: each checked boundary, in order, takes the site that raises the step time least.
+
+    Returns None when some boundary has no allowed site left.
+    """
+    base = evaluate(problem, Placement(stages=stages, verifiers=(), num_microbatches=num_microbatches))
+    t = list(base.stage_ms)
+    stage_of = {d: k for k, st in enumerate(stages) for d in st.devices}
+    load: dict[str, float] = {}
+    count: dict[str, int] = {}
+    cap = problem.policy.max_boundaries_per_verifier
+    M, chosen = num_microbatches, []
+    for b in range(len(stages) - 1):
+        need = required_directions(problem, stages, b)
+        if not need:
+            continue
+        nbytes = problem.boundary_bytes(stages[b].last_block)
+        best: tuple[float, str, dict[int, float], float] | None = None
+        for v in verifier_sites(problem, stages, b, need):
+            if cap is not None and count.get(v, 0) >= cap:
+                continue
+            add: dict[int, float] = {}
+            vcost = len(need) * problem.verify_ms(nbytes, problem.class_of(v))
+            if v in stage_of:
+                add[stage_of[v]] = add.get(stage_of[v], 0.0) + vcost
+            for direction, src, dst in (("act", b, b + 1), ("grad", b + 1, b)):
+                if direction in need and stages[dst].devices != (v,):
+                    for dev, m in zip(stages[src].devices, stages[src].microbatches):
+                        if dev != v:
+                            add[src] = add.get(src, 0.0) + m / M * problem.transfer_ms(nbytes, dev, v)
+            new_load = load.get(v, 0.0) + (vcost if v not in stage_of else 0.0)
+            new_t = {k: t[k] + dt for k, dt in add.items()}
+            peak = max([max(t)] + list(new_t.values()) + [new_load] + list(load.values()))
+            score = sum(add.values()) + (M - 1) * peak
+            if best is None or score < best[0] - 1e-12:
+                best = (score, v, new_t, new_load)
+        if best is None:
+            return None
+        _, v, new_t, new_load = best
+        for k, val in new_t.items():
+            t[k] = val
+        if v not in stage_of:
+            load[v] = new_load
+        count[v] = count.get(v, 0) + 1
+        chosen.append(VerifierPlacement(boundary=b, device=v, directions=need))
+    return tuple(chosen)
+
+
+# --- device orders and stage ranges -------------------------------------------
+def stage_devices_in_order(problem: Problem) -> tuple[str, ...]:
+    """Stage-capable devices in cluster order, trusted devices moved to the ends if the policy needs it."""
+    devices = [d for c in problem.classes if c.stage_capable for d in c.device_ids]
+    order = {d: i for i, d in enumerate(problem.device_ids)}
+    devices.sort(key=order.__getitem__)
+    pol = problem.policy
+    if not (pol.enabled and pol.trusted_endpoints) or len(devices) < 2:
+        return tuple(devices)
+    trusted = [d for d in devices if problem.classes[problem.class_of(d)].trusted]
+    if len(trusted) >= 2:
+        first, last = trusted[0], trusted[-1]
+        middle = [d for d in devices if d not in (first, last)]
+        return tuple([first] + middle + [last])
+    return tuple(trusted)  # one trusted device (or none): a one-stage pipeline is all that can satisfy it
+
+
+def _even_ranges(num_blocks: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    q, rem = divmod(num_blocks, num_stages)
+    out, s = [], 0
+    for k in range(num_stages):
+        n = q + (1 if k < rem else 0)
+        out.append((s, s + n - 1))
+        s += n
+    return tuple(out)
+
+
+def _balanced_ranges(weights: np.ndarray, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges minimising the largest range weight (binary search + greedy fill)."""
+    L = len(weights)
+    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
+
+    def fill(cap: float) -> tuple[tuple[int, int], ...] | None:
+        out, s = [], 0
+        for k in range(num_stages - 1):
+            e = int(np.searchsorted(prefix, prefix[s] + cap, side="right")) - 2
+            e = min(e, L - 1 - (num_stages - 1 - k))  # leave a block for every later stage
+            if e < s:
+                return None
+            out.append((s, e))
+            s = e + 1
+        if prefix[L] - prefix[s] > cap:
+            return None
+        return tuple(out) + ((s, L - 1),)
+
+    lo, hi = float(weights.max(initial=0.0)), float(prefix[-1])
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if fill(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return fill(hi) or _even_ranges(L, num_stages)
+
+
+def _proportional_ranges(problem: Problem, devices: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """Ranges whose share of the chain's work (fastest class's times) follows each device's speed."""
+    L, S = problem.num_blocks, len(devices)
+    stage_classes = [c.index for c in problem.classes if c.stage_capable]
+    ref = problem.time_ms[:, stage_classes].min(axis=1)
+    prefix = np.concatenate([[0.0], np.cumsum(ref)])
+    speed = np.array([1.0 / max(problem.range_time_ms(0, L - 1, problem.class_of(d)), 1e-12) for d in devices])
+    targets = np.cumsum(speed / speed.sum()) * prefix[-1]
+    ranges, s = [], 0
+    for k in range(S):
+        if k == S - 1:
+            e = L - 1
+        else:
+            e = int(np.searchsorted(prefix, targets[k], side="left")) - 1
+            e = min(max(e, s), L - 1 - (S - 1 - k))
+        ranges.append((s, e))
+        s = e + 1
+    return tuple(ranges)
+
+
+def _stages(problem: Problem, ranges: tuple[tuple[int, int], ...], devices: tuple[str, ...]) -> tuple[StagePlacement, ...]:
+    M = problem.num_microbatches
+    return tuple(StagePlacement(index=k, first_block=s, last_block=e, devices=(d,), microbatches=(M,))
+                 for k, ((s, e), d) in enumerate(zip(ranges, devices)))
+
+
+def baseline_placement(name: str, problem: Problem) -> Placement:
+    """The ``name`` baseline's placement (verifiers included). Raises when it cannot satisfy the policy."""
+    if name not in BASELINES:
+        raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINES))
+    devices = stage_devices_in_order(problem)
+    if not devices:
+        raise InfeasiblePlanError(f"baseline {name}: no device may run a stage under the policy",
+                                  fix="add trusted devices or relax trusted_endpoints")
+    S = min(len(devices), problem.num_blocks)
+    devices = devices[:S - 1] + devices[-1:] if S < len(devices) else devices
+    if name == "uniform":
+        ranges = _even_ranges(problem.num_blocks, S)
+    elif name == "params":
+        ranges = _balanced_ranges(problem.param_count.astype(float), S)
+    elif name == "greedy":
+        ranges = _proportional_ranges(problem, devices)
+    else:
+        ranges, devices = _dp_ranges(problem, devices)
+    stages = _stages(problem, ranges, devices)
+    verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
+    if verifiers is None:
+        raise InfeasiblePlanError(f"baseline {name}: some boundary has no allowed verifier",
+                                  fix="add a trusted device or a CPU verifier host, or relax the policy")
+    return Placement(stages=stages, verifiers=verifiers, num_microbatches=problem.num_microbatches)
+
+
+def _dp_ranges(problem: Problem, devices: tuple[str, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+    cls = problem.class_of(devices[0])
+    part = homogeneous_dp(problem, cls, len(devices))
+    if part is None:
+        raise InfeasiblePlanError("baseline dp: no partition fits in memory on devices like "
+                                  f"{problem.classes[cls].spec.name}",
+                                  fix="the DP assumes a homogeneous cluster; use the solver instead")
+    S = len(part.ranges)
+    chosen = devices[:S - 1] + devices[-1:] if S < len(devices) else devices
+    return part.ranges, chosen
+
+
+def single_stage_placements(problem: Problem) -> list[Placement]:
+    """Every one-stage plan: the whole chain replicated on r devices of one class (data parallelism)."""
+    pol, M, L = problem.policy, problem.num_microbatches, problem.num_blocks
+    out = []
+    for c in problem.classes:
+        if not c.stage_capable or (pol.enabled and pol.trusted_endpoints and not c.trusted):
+            continue
+        for r in problem.replica_choices(c.index):
+            st = StagePlacement(index=0, first_block=0, last_block=L - 1, devices=c.device_ids[:r],
+                                microbatches=even_split(M, r))
+            out.append(Placement(stages=(st,), verifiers=(), num_microbatches=M))
+    return out
+
+
+def replicas_share(num_microbatches: int, replicas: int) -> float:
+    """Busiest replica's share of the microbatches."""
+    return math.ceil(num_microbatches / replicas) / num_microbatches

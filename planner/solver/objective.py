@@ -1,0 +1,257 @@
+"""The closed-form iteration time of a placement: the one cost model every search code path uses.
+
+The model (all times in ms; ``M`` microbatches; stages ``k = 0..S-1``):
+
+* Stage ``k`` holds blocks ``first..last`` on replicas ``i`` (device ``d_i``)
+  that run ``m_i`` of the ``M`` microbatches (``sum m_i = M``). Per
+  microbatch a replica spends
+
+  - ``comp_i`` = forward + backward of the stage's blocks on ``d_i``;
+  - ``comm_i`` = what it sends, with no overlap ("exposed"): the activation
+    to the next stage (``transfer(B_k)`` over the slowest link from ``d_i``
+    to a next-stage replica), the gradient to the previous stage
+    (``transfer(B_{k-1})``, likewise), and for every checked direction it
+    sends, an extra copy to the boundary's verifier unless that verifier is
+    the single device receiving the tensor anyway. ``B_k`` is the boundary
+    tensor after the stage's last block; ``transfer(B) = latency + B /
+    bandwidth`` (``cost_models.comm.transfer_ms``);
+  - ``vload_i`` = the verify time (``problem.verify_ms``) of every boundary
+    direction it checks, for all ``M`` microbatches.
+
+  ``t_k = max_i (m_i * (comp_i + comm_i) + M * vload_i) / M``: with one
+  replica, ``t_k = comp + comm + vload``; replicas split the microbatches.
+* A device that verifies but runs no stage (a CPU verifier host) has a
+  per-microbatch load ``v_d`` = the verify time of what it checks.
+* ``T = max(max_k t_k, max_d v_d)``; a replicated stage all-reduces its
+  gradients once per step: ``AR_k = cost_models.comm.allreduce_ms`` over the
+  ring of its replicas; the groups all-reduce concurrently.
+* **Iteration time** ``F = sum_k t_k + (M - 1) * T + max_k AR_k``.
+
+Memory of a stage replica: ``params * (weights + grads + optimizer bytes) +
+saved activations * in-flight + comm buffers + verifier state`` with in-flight
+``cost_models.memory.in_flight_microbatches(schedule, S, k, m_i)`` (GPipe
+``m_i``; 1F1B ``min(m_i, S - k)``) and verifier state
+``VERIFIER_STATE_COPIES * B`` per checked boundary direction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import comm, memory
+from planner.errors import InvalidInputError
+from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
+from planner.solver.solution import StagePlacement, VerifierPlacement
+
+DIRECTIONS = ("act", "grad")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Stages and verifiers at ``num_microbatches``: what the objective prices."""
+
+    stages: tuple[StagePlacement, ...]
+    verifiers: tuple[VerifierPlacement, ...]
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise InvalidInputError("placement", expected="at least one stage", found="none")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def verifier_of(self, boundary: int) -> VerifierPlacement | None:
+        for v in self.verifiers:
+            if v.boundary == boundary:
+                return v
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluation:
+    """The priced placement: per-stage times, the iteration time and memory per device."""
+
+    stage_ms: tuple[float, ...]
+    verifier_only_ms: tuple[tuple[str, float], ...]
+    bottleneck_ms: float
+    allreduce_ms: float
+    step_ms: float
+    memory_bytes: tuple[tuple[str, int], ...]
+    over_memory: tuple[str, ...]
+
+
+def even_split(num_microbatches: int, replicas: int) -> tuple[int, ...]:
+    """Microbatches per replica of identical devices: as even as possible, larger shares first."""
+    q, rem = divmod(num_microbatches, replicas)
+    return tuple(q + 1 if i < rem else q for i in range(replicas))
+
+
+def required_directions(problem: Problem, stages: tuple[StagePlacement, ...], boundary: int) -> tuple[str, ...]:
+    """Directions of ``boundary`` that must be checked: those whose sender has an untrusted device."""
+    pol = problem.policy
+    if not pol.enabled:
+        return ()
+
+    def untrusted(st: StagePlacement) -> bool:
+        return any(not problem.classes[problem.class_of(d)].trusted for d in st.devices)
+
+    dirs = []
+    if untrusted(stages[boundary]):
+        dirs.append("act")
+    if pol.check_gradients and untrusted(stages[boundary + 1]):
+        dirs.append("grad")
+    return tuple(dirs)
+
+
+def _sole_receiver(stage: StagePlacement, device: str) -> bool:
+    return stage.devices == (device,)
+
+
+def _send_ms(problem: Problem, placement: Placement, k: int, dev: str) -> float:
+    """Per-microbatch send time of replica ``dev`` of stage ``k`` (activation, gradient, verifier copies)."""
+    stages, S = placement.stages, placement.num_stages
+    total = 0.0
+    if k < S - 1:
+        nbytes = problem.boundary_bytes(stages[k].last_block)
+        total += max(problem.transfer_ms(nbytes, dev, d) for d in stages[k + 1].devices)
+        v = placement.verifier_of(k)
+        if v is not None and "act" in v.directions and v.device != dev \
+                and not _sole_receiver(stages[k + 1], v.device):
+            total += problem.transfer_ms(nbytes, dev, v.device)
+    if k > 0:
+        nbytes = problem.boundary_bytes(stages[k - 1].last_block)
+        total += max(problem.transfer_ms(nbytes, dev, d) for d in stages[k - 1].devices)
+        v = placement.verifier_of(k - 1)
+        if v is not None and "grad" in v.directions and v.device != dev \
+                and not _sole_receiver(stages[k - 1], v.device):
+            total += problem.transfer_ms(nbytes, dev, v.device)
+    return total
+
+
+def _verify_load(problem: Problem, placement: Placement) -> dict[str, float]:
+    """Per-microbatch verify time of every device that hosts verifiers."""
+    load: dict[str, float] = {}
+    for v in placement.verifiers:
+        nbytes = problem.boundary_bytes(placement.stages[v.boundary].last_block)
+        cls = problem.class_of(v.device)
+        load[v.device] = load.get(v.device, 0.0) + len(v.directions) * problem.verify_ms(nbytes, cls)
+    return load
+
+
+def _verifier_state(problem: Problem, placement: Placement) -> dict[str, int]:
+    state: dict[str, int] = {}
+    for v in placement.verifiers:
+        nbytes = int(problem.out_bytes_int[placement.stages[v.boundary].last_block])
+        state[v.device] = state.get(v.device, 0) + VERIFIER_STATE_COPIES * nbytes * len(v.directions)
+    return state
+
+
+def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, share: int) -> int:
+    """Bytes one replica running ``share`` microbatches of stage ``st`` holds (verifier state excluded)."""
+    in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
+    return (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
+            + problem.range_act_bytes(st.first_block, st.last_block) * in_flight
+            + problem.buffer_bytes(st.first_block, st.last_block))
+
+
+def allreduce_ms(problem: Problem, st: StagePlacement) -> float:
+    """Gradient all-reduce of a replicated stage: a ring over its replicas in order."""
+    r = len(st.devices)
+    if r < 2:
+        return 0.0
+    ring = tuple(problem.link(a, b) for a, b in zip(st.devices, st.devices[1:] + st.devices[:1]))
+    grad_bytes = problem.range_params(st.first_block, st.last_block) * problem.grad_bytes_per_param
+    return comm.allreduce_ms(grad_bytes, ring, r)
+
+
+def evaluate(problem: Problem, placement: Placement) -> Evaluation:
+    """Price ``placement`` with the model of the module docstring."""
+    M, S = placement.num_microbatches, placement.num_stages
+    vload = _verify_load(problem, placement)
+    vstate = _verifier_state(problem, placement)
+    stage_ms, mem, over = [], {}, []
+    for k, st in enumerate(placement.stages):
+        worst = 0.0
+        for dev, m in zip(st.devices, st.microbatches):
+            cls = problem.class_of(dev)
+            per_mb = problem.range_time_ms(st.first_block, st.last_block, cls) + _send_ms(problem, placement, k, dev)
+            worst = max(worst, (m * per_mb + M * vload.get(dev, 0.0)) / M)
+            mem[dev] = stage_memory_bytes(problem, st, S, m) + vstate.get(dev, 0)
+        stage_ms.append(worst)
+    on_stage = set(mem)
+    verifier_only = tuple((d, ms) for d, ms in vload.items() if d not in on_stage)
+    for d in vload:
+        if d not in on_stage:
+            mem[d] = vstate.get(d, 0)
+    for d, b in mem.items():
+        if b > problem.classes[problem.class_of(d)].mem_bytes:
+            over.append(d)
+    bottleneck = max(stage_ms + [ms for _, ms in verifier_only])
+    ar = max(allreduce_ms(problem, st) for st in placement.stages)
+    step = sum(stage_ms) + (M - 1) * bottleneck + ar
+    return Evaluation(stage_ms=tuple(stage_ms), verifier_only_ms=verifier_only, bottleneck_ms=bottleneck,
+                      allreduce_ms=ar, step_ms=step, memory_bytes=tuple(mem.items()), over_memory=tuple(over))
+
+
+def violations(problem: Problem, placement: Placement, evaluation: Evaluation | None = None) -> tuple[str, ...]:
+    """Every rule the placement breaks (empty: a valid plan). Used by heuristics to discard candidates."""
+    out: list[str] = []
+    stages, M, S, pol = placement.stages, placement.num_microbatches, placement.num_stages, problem.policy
+    if stages[0].first_block != 0 or stages[-1].last_block != problem.num_blocks - 1:
+        out.append("stages do not cover the chain")
+    for a, b in zip(stages, stages[1:]):
+        if b.first_block != a.last_block + 1:
+            out.append(f"stages {a.index} and {b.index} are not contiguous")
+    seen: set[str] = set()
+    for st in stages:
+        if sum(st.microbatches) != M:
+            out.append(f"stage {st.index} runs {sum(st.microbatches)} of {M} microbatches")
+        for d in st.devices:
+            c = problem.classes[problem.class_of(d)]
+            if d in seen:
+                out.append(f"device {d} runs two stages")
+            if not c.stage_capable:
+                out.append(f"device {d} cannot run a stage")
+            seen.add(d)
+    if pol.enabled and pol.trusted_endpoints:
+        for st in (stages[0], stages[-1]):
+            if any(not problem.classes[problem.class_of(d)].trusted for d in st.devices):
+                out.append(f"stage {st.index} is an endpoint on an untrusted device")
+    out.extend(_verifier_violations(problem, placement))
+    ev = evaluation or evaluate(problem, placement)
+    out.extend(f"device {d} is over its memory" for d in ev.over_memory)
+    return tuple(out)
+
+
+def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
+    out: list[str] = []
+    stages, pol = placement.stages, problem.policy
+    per_device: dict[str, int] = {}
+    stage_devices = {d for st in stages for d in st.devices}
+    for b in range(placement.num_stages - 1):
+        need = required_directions(problem, stages, b)
+        v = placement.verifier_of(b)
+        if not need:
+            continue
+        if v is None or not set(need) <= set(v.directions):
+            out.append(f"boundary {b} is not checked in {need}")
+            continue
+        c = problem.classes[problem.class_of(v.device)]
+        if not c.trusted:
+            out.append(f"verifier {v.device} of boundary {b} is untrusted")
+        senders = (stages[b].devices if "act" in need else ()) + (stages[b + 1].devices if "grad" in need else ())
+        domains = {problem.classes[problem.class_of(s)].domain for s in senders} - {None}
+        if c.domain is not None and c.domain in domains:
+            out.append(f"verifier {v.device} of boundary {b} shares the sender's trust domain")
+        if pol.verifier_placement == "stage" and v.device not in stage_devices:
+            out.append(f"verifier {v.device} runs no stage (policy: stage)")
+        if pol.verifier_placement == "cpu" and not c.verifier_host:
+            out.append(f"verifier {v.device} is not a CPU verifier host (policy: cpu)")
+        if pol.verifier_placement == "any" and v.device not in stage_devices and not c.verifier_host:
+            out.append(f"verifier {v.device} is neither a stage device nor a verifier host")
+        per_device[v.device] = per_device.get(v.device, 0) + 1
+    cap = pol.max_boundaries_per_verifier
+    if cap is not None:
+        out.extend(f"verifier {d} checks {n} boundaries (max {cap})" for d, n in per_device.items() if n > cap)
+    return out

@@ -1,0 +1,322 @@
+"""The solver's input: plain cost tables built from a BlockChain, a ClusterSpec and the cost models.
+
+Everything the solver, the baselines, the DP and the brute-force tests need is
+in one :class:`Problem` of numpy arrays, so the search code never calls a cost
+model in an inner loop and synthetic instances can be built directly.
+
+Devices are grouped into *classes* of interchangeable devices: same device
+spec, same trust status, same links to every other device, and (when it
+matters for verification) the same trust domain. A class is either the
+devices of one spec on one host, or the single devices of several one-device
+hosts that differ only in name (a volunteer swarm). Two plans that only
+permute devices of one class are the same plan, so the solver searches over
+classes, not devices.
+
+Memory figures are integers that never undercount ``cost_models.memory``
+(per-block activation bytes are rounded up), so a plan that fits here fits
+when ``planner.check`` recomputes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from cost_models import comm, compute, memory
+from cost_models.cluster import ClusterSpec, Device, Link
+from cost_models.devices import DeviceSpec
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.ir import Block, BlockChain, dtype_bytes
+from planner.solver.policy import VerificationPolicy
+
+# Verification is priced exactly as the simulator prices it (planner.simulate.verify_ms): about
+# eight memory-bound passes over the received tensor plus a fixed dispatch cost. The solver
+# layer may not import the simulator, so the two constants are repeated here.
+VERIFY_PASSES = 8
+VERIFY_FIXED_MS = 0.05
+# A verifier keeps an EMA reference and the received copy per boundary and direction.
+VERIFIER_STATE_COPIES = 2
+
+
+def verify_ms(nbytes: float, spec: DeviceSpec) -> float:
+    """Time to score one received boundary tensor of ``nbytes`` on a device with ``spec``."""
+    return VERIFY_FIXED_MS + 1e3 * VERIFY_PASSES * nbytes / spec.mem_bw_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceClass:
+    """Interchangeable devices (see the module docstring).
+
+    ``stage_capable``: may run a stage (not on a ``role: verifier`` host).
+    ``verifier_host``: a CPU-only trusted verifier device (policy placement ``cpu``).
+    ``domain`` is the trust domain when it matters (a domain holding both
+    trusted and untrusted devices), else ``None``: a trusted verifier is then
+    outside every untrusted sender's domain by construction.
+    """
+
+    index: int
+    name: str
+    device_ids: tuple[str, ...]
+    spec: DeviceSpec
+    trusted: bool
+    domain: str | None
+    stage_capable: bool
+    verifier_host: bool
+    mem_bytes: int
+    verify_ms_per_byte: float
+    verify_fixed_ms: float
+
+    @property
+    def count(self) -> int:
+        return len(self.device_ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TiedCopy:
+    """A tied parameter: a stage reading it without holding ``first_block`` keeps its own copy."""
+
+    first_block: int
+    readers: tuple[int, ...]
+    param_count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Problem:
+    """Cost tables of one planning problem at a fixed microbatch count.
+
+    Per block ``l`` (per microbatch): ``time_ms[l, c]`` = forward + backward
+    on class ``c``; ``param_count[l]``; ``act_bytes[l]`` saved activations;
+    ``out_bytes[l]`` the boundary tensor crossing its right edge (float, for
+    times) and ``out_bytes_int`` (rounded up, for memory). Per class pair,
+    ``links[a][b]`` joins two *distinct* devices of those classes.
+    ``state_bytes_per_param`` = weights + gradients + optimizer state.
+    """
+
+    name: str
+    block_names: tuple[str, ...]
+    time_ms: np.ndarray
+    param_count: np.ndarray
+    act_bytes: np.ndarray
+    out_bytes: np.ndarray
+    out_bytes_int: np.ndarray
+    input_bytes: int
+    tied: tuple[TiedCopy, ...]
+    state_bytes_per_param: int
+    grad_bytes_per_param: int
+    classes: tuple[DeviceClass, ...]
+    links: tuple[tuple[Link | None, ...], ...]
+    num_microbatches: int
+    schedule: str
+    policy: VerificationPolicy
+    max_replicas: int | None = None
+    _time_prefix: np.ndarray = field(init=False, repr=False)
+    _param_prefix: np.ndarray = field(init=False, repr=False)
+    _act_prefix: np.ndarray = field(init=False, repr=False)
+    _class_of: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        L, C = self.num_blocks, len(self.classes)
+        if L < 1:
+            raise InvalidInputError("problem blocks", expected="at least one block", found="none")
+        if self.time_ms.shape != (L, C):
+            raise InvalidInputError("problem time_ms", expected=f"shape ({L}, {C})", found=str(self.time_ms.shape))
+        for name in ("param_count", "act_bytes", "out_bytes", "out_bytes_int"):
+            arr = getattr(self, name)
+            if arr.shape != (L,) or (arr < 0).any():
+                raise InvalidInputError(f"problem {name}", expected=f"{L} values >= 0", found=str(arr.shape))
+        if not np.isfinite(self.time_ms).all() or (self.time_ms < 0).any():
+            raise InvalidInputError("problem time_ms", expected="finite times >= 0")
+        if self.num_microbatches < 1:
+            raise InvalidInputError("microbatches", expected=">= 1", found=str(self.num_microbatches))
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise InvalidInputError("schedule", expected="1f1b or gpipe", found=repr(self.schedule))
+        if not any(c.stage_capable for c in self.classes):
+            raise InvalidInputError("cluster", expected="at least one device that can run a stage",
+                                    found="none", fix="add a worker host with a GPU or CPU device")
+        for i, c in enumerate(self.classes):
+            if c.index != i:
+                raise InvalidInputError(f"device class {c.name}", expected=f"index {i}", found=str(c.index))
+        # Prefix sums make every range cost O(1).
+        object.__setattr__(self, "_time_prefix", np.vstack([np.zeros((1, C)), np.cumsum(self.time_ms, axis=0)]))
+        object.__setattr__(self, "_param_prefix", np.concatenate([[0], np.cumsum(self.param_count)]))
+        object.__setattr__(self, "_act_prefix", np.concatenate([[0], np.cumsum(self.act_bytes)]))
+        object.__setattr__(self, "_class_of", {d: c.index for c in self.classes for d in c.device_ids})
+
+    # --- sizes and lookups ------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    @property
+    def device_ids(self) -> tuple[str, ...]:
+        return tuple(d for c in self.classes for d in c.device_ids)
+
+    def class_of(self, device_id: str) -> int:
+        try:
+            return self._class_of[device_id]
+        except KeyError:
+            raise InvalidInputError(f"device {device_id!r}", expected="a device of the cluster",
+                                    found="an unknown id") from None
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between two distinct devices."""
+        lk = self.links[self.class_of(a)][self.class_of(b)]
+        assert lk is not None, f"no link between {a} and {b}"
+        return lk
+
+    # --- range costs ------------------------------------------------------
+    def range_time_ms(self, first: int, last: int, cls: int) -> float:
+        p = self._time_prefix
+        return float(p[last + 1, cls] - p[first, cls])
+
+    def range_params(self, first: int, last: int) -> int:
+        """Parameters a stage over ``first..last`` holds, tied copies included."""
+        p = self._param_prefix
+        count = int(p[last + 1] - p[first])
+        for t in self.tied:
+            if not first <= t.first_block <= last and any(first <= r <= last for r in t.readers):
+                count += t.param_count
+        return count
+
+    def range_act_bytes(self, first: int, last: int) -> int:
+        p = self._act_prefix
+        return int(p[last + 1] - p[first])
+
+    def boundary_bytes(self, last_block: int) -> float:
+        """Bytes sent across the cut after ``last_block`` (activation forward, gradient back)."""
+        return float(self.out_bytes[last_block])
+
+    def buffer_bytes(self, first: int, last: int) -> int:
+        """Send/receive buffers of one microbatch, as ``cost_models.memory.stage_comm_buffer_bytes``."""
+        L = self.num_blocks
+        in_act = self.input_bytes if first == 0 else int(self.out_bytes_int[first - 1])
+        out_act = int(self.out_bytes_int[last]) if last < L - 1 else 0
+        in_grad = 0 if first == 0 else in_act
+        return in_act + in_grad + 2 * out_act
+
+    def transfer_ms(self, nbytes: float, a: str, b: str) -> float:
+        return comm.transfer_ms(nbytes, self.link(a, b))
+
+    def verify_ms(self, nbytes: float, cls: int) -> float:
+        c = self.classes[cls]
+        return c.verify_fixed_ms + c.verify_ms_per_byte * nbytes
+
+    def replica_choices(self, cls: int) -> tuple[int, ...]:
+        """Useful replica counts on a class: the smallest ``r`` for each busiest-replica share ceil(M/r)."""
+        M = self.num_microbatches
+        cap = min(self.classes[cls].count, M, self.max_replicas or M)
+        out: dict[int, int] = {}
+        for r in range(1, cap + 1):
+            out.setdefault(math.ceil(M / r), r)
+        return tuple(sorted(out.values()))
+
+
+# --- building a problem from the cost models ------------------------------
+def scale_chain(chain: BlockChain, microbatch_size: int) -> BlockChain:
+    """The chain's per-microbatch figures at another microbatch size.
+
+    FLOPs, saved activations, boundary bytes and input bytes scale linearly
+    with the batch; memory traffic scales except for the weights, which every
+    microbatch reads once whatever its size.
+    """
+    if microbatch_size < 1:
+        raise InvalidInputError("microbatch size", expected=">= 1", found=str(microbatch_size))
+    if microbatch_size == chain.microbatch_size:
+        return chain
+    f = microbatch_size / chain.microbatch_size
+
+    def scaled(b: Block) -> Block:
+        act_traffic = max(0, b.mem_traffic_bytes - b.param_bytes)
+        return dataclasses.replace(
+            b, fwd_flops=round(b.fwd_flops * f), bwd_flops=round(b.bwd_flops * f),
+            saved_act_bytes=round(b.saved_act_bytes * f), out_bytes=round(b.out_bytes * f),
+            mem_traffic_bytes=round(min(b.mem_traffic_bytes, b.param_bytes) + act_traffic * f))
+
+    return dataclasses.replace(chain, blocks=tuple(scaled(b) for b in chain.blocks),
+                               input_bytes=round(chain.input_bytes * f), microbatch_size=microbatch_size)
+
+
+def _domains_that_matter(devices: Sequence[Device]) -> set[str]:
+    trusted = {d.trust for d in devices if d.trusted}
+    return {d.trust for d in devices if not d.trusted} & trusted
+
+
+def _class_key(dev: Device, cluster: ClusterSpec, single: bool, mixed: set[str]) -> tuple:
+    host = cluster.host(dev.host)
+    overridden = any(dev.host in hl.between for hl in cluster.host_links)
+    domain = dev.trust if dev.trust in mixed else None
+    # One-device hosts that differ only in name are interchangeable; anything else is per host.
+    where = ("region", dev.region) if single and not overridden else ("host", dev.host)
+    return (where, dev.spec, dev.trusted, domain, host.role)
+
+
+def device_classes(cluster: ClusterSpec, config: TrainingConfig) -> tuple[DeviceClass, ...]:
+    """Group the cluster's devices into classes of interchangeable devices, in cluster order."""
+    devices = cluster.devices
+    mixed = _domains_that_matter(devices)
+    groups: dict[tuple, list[Device]] = {}
+    for dev in devices:
+        single = len(cluster.host(dev.host).devices) == 1
+        groups.setdefault(_class_key(dev, cluster, single, mixed), []).append(dev)
+    out = []
+    for i, (key, devs) in enumerate(groups.items()):
+        first = devs[0]
+        host = cluster.host(first.host)
+        where = key[0][1] if key[0][0] == "host" else f"{key[0][1]}x{len(devs)}"
+        out.append(DeviceClass(
+            index=i, name=f"{first.spec.name}@{where}", device_ids=tuple(d.id for d in devs), spec=first.spec,
+            trusted=first.trusted, domain=key[3], stage_capable=host.role == "worker",
+            verifier_host=host.role == "verifier" and first.trusted,
+            mem_bytes=memory.usable_memory_bytes(first.spec),
+            verify_ms_per_byte=1e3 * VERIFY_PASSES / first.spec.mem_bw_bytes_per_s,
+            verify_fixed_ms=VERIFY_FIXED_MS))
+    return tuple(out)
+
+
+def class_links(cluster: ClusterSpec, classes: Sequence[DeviceClass]) -> tuple[tuple[Link | None, ...], ...]:
+    """Links between two distinct devices of each class pair (None: a one-device class with itself)."""
+    rows = []
+    for a in classes:
+        row = []
+        for b in classes:
+            if a.index == b.index:
+                row.append(cluster.link(a.device_ids[0], a.device_ids[1]) if a.count > 1 else None)
+            else:
+                row.append(cluster.link(a.device_ids[0], b.device_ids[0]))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                  policy: VerificationPolicy, *, max_replicas: int | None = None) -> Problem:
+    """Cost tables for ``chain`` on ``cluster`` at ``config``'s microbatch count.
+
+    Block times come from ``cost_models.compute`` at the chain's traced
+    microbatch size (scale the chain first with :func:`scale_chain`);
+    activation and boundary bytes are scaled to ``config`` exactly as
+    ``cost_models.memory`` scales them.
+    """
+    classes = device_classes(cluster, config)
+    traced = memory.trace_dtype(chain)
+    times = np.array([[f + b for f, b in compute.block_times_ms(chain, c.spec, config.dtype, trace_dtype=traced)]
+                      for c in classes], dtype=float).T.reshape(len(chain.blocks), len(classes))
+    batch_scale = config.microbatch_size / chain.microbatch_size
+    act_scale = batch_scale * dtype_bytes(config.dtype) / dtype_bytes(traced)
+    out = np.array([b.out_bytes * act_scale for b in chain.blocks], dtype=float)
+    elem = dtype_bytes(traced)
+    tied = tuple(TiedCopy(first_block=min(t.blocks), readers=tuple(sorted(set(t.blocks) - {min(t.blocks)})),
+                          param_count=t.nbytes // elem) for t in chain.tied_params if len(set(t.blocks)) > 1)
+    per = memory.bytes_per_param(config)
+    return Problem(
+        name=chain.model_name, block_names=tuple(b.name for b in chain.blocks), time_ms=times,
+        param_count=np.array([b.param_count for b in chain.blocks], dtype=np.int64),
+        act_bytes=np.array([math.ceil(b.saved_act_bytes * act_scale) for b in chain.blocks], dtype=np.int64),
+        out_bytes=out, out_bytes_int=np.ceil(out).astype(np.int64),
+        input_bytes=math.ceil(chain.input_bytes * batch_scale), tied=tied,
+        state_bytes_per_param=per.total, grad_bytes_per_param=per.grads, classes=classes,
+        links=class_links(cluster, classes), num_microbatches=config.num_microbatches,
+        schedule=config.schedule, policy=policy, max_replicas=max_replicas)

@@ -1,0 +1,93 @@
+"""Device catalog and DeviceSpec: datasheet figures load, lookups and profiles behave."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cost_models.devices import CATALOG, PROFILE_SCHEMA, DeviceSpec, get_device_spec
+from planner.errors import InvalidInputError
+
+NAMES = ("T4", "V100-16GB", "V100-32GB", "A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB",
+         "RTX3090", "RTX4090", "CPU")
+
+
+def test_catalog_has_every_contract_name_with_sane_figures() -> None:
+    assert set(NAMES) <= set(CATALOG)
+    for name in NAMES:
+        spec = get_device_spec(name)
+        assert spec.name == name
+        assert spec.source, f"{name} needs a datasheet source"
+        assert 0 < spec.efficiency <= 1
+        assert 1e12 <= spec.flops_per_s("float32") <= 1e14
+        assert spec.mem_bytes >= 16 * 2**30
+        assert spec.kind == ("cpu" if name == "CPU" else "gpu")
+
+
+def test_datasheet_figures() -> None:
+    a100 = CATALOG["A100-80GB"]
+    assert a100.flops_per_s("bfloat16") == pytest.approx(312e12)
+    assert a100.flops_per_s("float32") == pytest.approx(19.5e12)
+    assert a100.mem_bw_bytes_per_s == pytest.approx(2039e9)
+    assert a100.mem_bytes == 80 * 2**30
+    assert CATALOG["H100-80GB"].flops_per_s("float16") == pytest.approx(989.5e12)
+    assert CATALOG["T4"].flops_per_s("float16") == pytest.approx(65e12)
+    # Newer parts are faster in half precision
+    assert CATALOG["H100-80GB"].flops_per_s("bfloat16") > a100.flops_per_s("bfloat16") > \
+        CATALOG["V100-32GB"].flops_per_s("float16") > CATALOG["T4"].flops_per_s("float16")
+
+
+def test_bfloat16_without_hardware_support_runs_at_fp32_rate() -> None:
+    t4 = CATALOG["T4"]
+    assert t4.flops_per_s("bfloat16") == t4.flops_per_s("float32")
+    assert t4.flops_per_s("torch.float32") == t4.flops_per_s("float32")
+    with pytest.raises(InvalidInputError, match="dtype"):
+        t4.flops_per_s("int4")
+
+
+def test_effective_flops_and_with_efficiency() -> None:
+    spec = CATALOG["L4"].with_efficiency(0.25)
+    assert spec.effective_flops_per_s("bfloat16") == pytest.approx(121e12 * 0.25)
+    assert CATALOG["L4"].efficiency != 0.25  # the catalog entry is untouched
+
+
+def test_unknown_name_suggests_close_catalog_names() -> None:
+    with pytest.raises(InvalidInputError) as info:
+        get_device_spec("a100-80gb ")
+    assert "A100-80GB" in str(info.value)
+    with pytest.raises(InvalidInputError, match="did you mean RTX3090"):
+        get_device_spec("RTX-3090")
+
+
+@pytest.mark.parametrize("bad", [
+    {"peak_flops": ()},
+    {"peak_flops": (("bfloat16", 1e12),)},
+    {"peak_flops": (("float32", -1.0),)},
+    {"mem_bytes": 0},
+    {"mem_bw_bytes_per_s": 0.0},
+    {"efficiency": 1.5},
+    {"efficiency": 0.0},
+    {"kind": "tpu"},
+    {"op_overhead_ms": -0.1},
+])
+def test_spec_validation(bad: dict) -> None:
+    base = dict(name="X", peak_flops=(("float32", 1e12),), mem_bytes=1 << 30, mem_bw_bytes_per_s=1e11)
+    base.update(bad)
+    with pytest.raises(InvalidInputError):
+        DeviceSpec(**base)
+
+
+def test_spec_dict_round_trip_and_profile_loading(tmp_path) -> None:
+    spec = DeviceSpec(name="local-cpu", kind="cpu", peak_flops=(("float32", 1.2e11), ("bfloat16", 3e10)),
+                      mem_bytes=8 << 30, mem_bw_bytes_per_s=1.5e10, efficiency=0.6, op_overhead_ms=0.01,
+                      measured=True, p2p_bandwidth_gbps=20.0, p2p_latency_ms=0.05)
+    assert DeviceSpec.from_dict(spec.to_dict()) == spec
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "device": spec.to_dict()}))
+    assert get_device_spec(str(path)) == spec
+    assert get_device_spec(path) == spec
+    path.write_text(json.dumps({"schema": "other", "device": {}}))
+    with pytest.raises(InvalidInputError, match="schema"):
+        get_device_spec(str(path))
+    with pytest.raises(InvalidInputError, match="no such file"):
+        get_device_spec(str(tmp_path / "missing.json"))

@@ -1,0 +1,109 @@
+"""Profiling: the pure fits recover known figures; the timers run on a toy model; files round trip."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cost_models.compute import block_bwd_ms, block_fwd_ms
+from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
+from cost_models.profile import (BlockSample, fit_calibration, fit_p2p, measure_matmul_flops,
+                                 measure_memory_bandwidth, time_units, write_profile)
+from planner.errors import InvalidInputError
+from planner.ir import Block
+
+torch.set_num_threads(1)
+
+
+def _samples_from(spec: DeviceSpec, rng: np.random.Generator, noise: float) -> list[BlockSample]:
+    """Blocks of varied size, 'measured' with exactly the cost model plus multiplicative noise."""
+    out = []
+    for i in range(12):
+        flops = int(10 ** rng.uniform(5, 10))
+        block = Block(index=i, name=f"b{i}", node_names=tuple(f"n{j}" for j in range(int(rng.integers(3, 60)))),
+                      module_paths=(), param_names=(), fwd_flops=flops, bwd_flops=2 * flops, param_count=0,
+                      param_bytes=0, saved_act_bytes=0, out_bytes=0, boundary_nodes=(),
+                      mem_traffic_bytes=int(10 ** rng.uniform(4, 8)))
+        f = block_fwd_ms(block, spec) * (1 + rng.normal(0, noise))
+        b = block_bwd_ms(block, spec) * (1 + rng.normal(0, noise))
+        out.append(BlockSample(name=block.name, fwd_ms=f, bwd_ms=b, fwd_flops=block.fwd_flops,
+                               bwd_flops=block.bwd_flops, mem_traffic_bytes=block.mem_traffic_bytes,
+                               n_ops=len(block.node_names)))
+    return out
+
+
+@pytest.mark.parametrize("eff,ovh", [(0.4, 0.02), (0.08, 0.0), (0.9, 0.005)])
+def test_fit_calibration_recovers_known_figures(eff: float, ovh: float) -> None:
+    spec = DeviceSpec(name="cpu", kind="cpu", peak_flops=(("float32", 1e11),), mem_bytes=1 << 30,
+                      mem_bw_bytes_per_s=2e10, efficiency=eff, op_overhead_ms=ovh)
+    samples = _samples_from(spec, np.random.default_rng(0), noise=0.0)
+    cal = fit_calibration(samples, peak_flops=1e11, mem_bw_bytes_per_s=2e10)
+    assert cal.efficiency == pytest.approx(eff, rel=0.02)
+    assert cal.op_overhead_ms == pytest.approx(ovh, rel=0.03, abs=2e-5)
+    assert cal.median_abs_rel_err < 0.01 and cal.n_samples == 24
+
+
+def test_fit_calibration_with_noise_and_bad_input() -> None:
+    spec = DeviceSpec(name="cpu", kind="cpu", peak_flops=(("float32", 1e11),), mem_bytes=1 << 30,
+                      mem_bw_bytes_per_s=2e10, efficiency=0.3, op_overhead_ms=0.01)
+    cal = fit_calibration(_samples_from(spec, np.random.default_rng(1), noise=0.05), peak_flops=1e11,
+                          mem_bw_bytes_per_s=2e10)
+    assert cal.efficiency == pytest.approx(0.3, rel=0.15)
+    assert cal.median_abs_rel_err < 0.1
+    with pytest.raises(InvalidInputError):
+        fit_calibration([], peak_flops=1e11, mem_bw_bytes_per_s=2e10)
+
+
+def test_fit_p2p() -> None:
+    # 0.5 ms latency, 8 Gb/s = 1e9 B/s = 1e-6 ms per byte
+    points = [(n, 0.5 + n * 1e-6) for n in (1 << 10, 1 << 16, 1 << 20, 1 << 22)]
+    res = fit_p2p(points, "gloo")
+    assert res.latency_ms == pytest.approx(0.5, rel=1e-6)
+    assert res.bandwidth_gbps == pytest.approx(8.0, rel=1e-6)
+    # noise that makes the line's intercept negative: latency pinned to the smallest message
+    res = fit_p2p([(1000, 0.001), (2000, 0.0005), (10**6, 1.0)], "gloo")
+    assert res.latency_ms >= 0 and res.bandwidth_gbps > 0
+    with pytest.raises(InvalidInputError):
+        fit_p2p([(1000, 1.0)], "gloo")
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_time_units_on_a_toy_model() -> None:
+    model = _Toy()
+    timings = time_units(model, (torch.randint(0, 16, (2, 4)),), repeats=2, device=torch.device("cpu"))
+    assert [t.name for t in timings] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    assert all(t.fwd_ms > 0 and t.bwd_ms > 0 for t in timings)
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind
+
+
+def test_raw_measurements_are_positive_and_plausible() -> None:
+    cpu = torch.device("cpu")
+    flops = measure_matmul_flops("float32", size=128, repeats=2, device=cpu)
+    assert 1e8 < flops < 1e13
+    bw = measure_memory_bandwidth(nbytes=4 << 20, repeats=2, device=cpu)
+    assert 1e8 < bw < 1e13
+
+
+def test_write_profile_is_atomic_and_loadable(tmp_path) -> None:
+    spec = DeviceSpec(name="box-cpu", kind="cpu", peak_flops=(("float32", 9e10),), mem_bytes=8 << 30,
+                      mem_bw_bytes_per_s=1e10, efficiency=0.5, measured=True)
+    path = write_profile({"schema": PROFILE_SCHEMA, "device": spec.to_dict()}, tmp_path / "sub" / "p.json")
+    assert get_device_spec(str(path)) == spec
+    assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temp file left
+    assert json.loads(path.read_text())["schema"] == PROFILE_SCHEMA

@@ -1,0 +1,161 @@
+"""The simulator against closed forms, the solver objective and hand-computed timelines."""
+from __future__ import annotations
+
+import pytest
+from plan_fixtures import (TEST_DEVICE, block, chain, cluster, compile_simple, config, free_cluster, solution,
+                           uniform_chain)
+
+from cost_models import comm, compute, memory
+from planner.simulate import CostModel, optim_ms, simulate, verify_ms
+from planner.solver.policy import VerificationPolicy
+from planner.solver.solution import VerifierPlacement
+
+NO_CHECKS = VerificationPolicy(enabled=False)
+
+
+def pipeline(ch, cl, S, M, schedule, *, devices=None, policy=NO_CHECKS, verifiers=()):
+    per = len(ch.blocks) // S
+    ranges = [(k * per, (k + 1) * per - 1) for k in range(S)]
+    devices = devices or [(f"h{k}/0",) for k in range(S)]
+    return compile_simple(ch, cl, solution(ranges, devices, M, schedule=schedule, verifiers=verifiers), policy)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S,M", [(4, 8), (3, 2), (1, 4), (4, 4)])
+def test_uniform_stages_free_communication_match_the_closed_form(schedule, S, M):
+    # Boundary tensors of 0 bytes cost exactly 0 ms, so communication is free and the closed form is exact.
+    ch = uniform_chain(2 * S, out_bytes=0)
+    cl = free_cluster(S)
+    result = simulate(pipeline(ch, cl, S, M, schedule))
+    spec = cl.devices[0].spec
+    t_f, t_b = compute.range_fwd_ms(ch, 0, 1, spec), compute.range_bwd_ms(ch, 0, 1, spec)
+    assert result.pipeline_ms == pytest.approx((M + S - 1) * (t_f + t_b), rel=1e-12)
+    assert result.bubble_fraction == pytest.approx((S - 1) / (M + S - 1), rel=1e-9, abs=1e-12)
+    # the optimizer step follows: the same on every (uniform) stage
+    opt = optim_ms(memory.stage_param_count(ch, 0, 1), config(M, schedule), spec)
+    assert result.step_ms == pytest.approx(result.pipeline_ms + opt, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_huge_bandwidth_is_practically_free(schedule):
+    ch = uniform_chain(8)  # 64 KiB boundaries over 1e9 Gb/s
+    cl = free_cluster(4)
+    spec = cl.devices[0].spec
+    t = compute.range_fwd_ms(ch, 0, 1, spec) + compute.range_bwd_ms(ch, 0, 1, spec)
+    assert simulate(pipeline(ch, cl, 4, 8, schedule)).pipeline_ms == pytest.approx(11 * t, rel=1e-9)
+
+
+def test_heterogeneous_stages_against_the_solver_objective():
+    """Stage times t_k = f_k + b_k of 0.6, 1.8, 1.2, 0.6 ms (b = 2 f), M = 8, free communication.
+
+    The solver's objective sum_k t_k + (M - 1) max_k t_k = 4.2 + 7 * 1.8 = 16.8 ms.
+    * GPipe equals it exactly: its forward phase is a flow shop of identical jobs,
+      sum_k f_k + (M - 1) max_k f_k, and its backward phase likewise; since b is
+      proportional to f the two maxima sit on the same stage and add up to max t.
+    * 1F1B is 1.2 ms shorter: the objective charges every stage's full t_k as fill
+      and drain, but the bottleneck (stage 1) overlaps its warm-up forwards with the
+      round trip of microbatch 0 through stages 2-3. It still cannot beat the
+      bottleneck's own work plus the fill before it and drain after it:
+      M t_1 + f_0 + b_0 = 14.4 + 0.6 = 15.0 ms.
+    """
+    ch = chain([block(i, fwd_flops=f, out_bytes=0) for i, f in enumerate([10**9, 3 * 10**9, 2 * 10**9, 10**9])])
+    cl = free_cluster(4)
+    spec = cl.devices[0].spec
+    f = [compute.range_fwd_ms(ch, k, k, spec) for k in range(4)]
+    t = [f[k] + compute.range_bwd_ms(ch, k, k, spec) for k in range(4)]
+    assert t == pytest.approx([0.6, 1.8, 1.2, 0.6])
+    M = 8
+    objective = sum(t) + (M - 1) * max(t)
+    gpipe = simulate(pipeline(ch, cl, 4, M, "gpipe")).pipeline_ms
+    one_f_one_b = simulate(pipeline(ch, cl, 4, M, "1f1b")).pipeline_ms
+    assert gpipe == pytest.approx(objective, rel=1e-12)
+    assert one_f_one_b == pytest.approx(objective - 1.2, rel=1e-12)
+    assert one_f_one_b >= M * t[1] + t[0]
+
+
+def test_transfers_cost_latency_plus_bytes_over_bandwidth():
+    ch = uniform_chain(2, out_bytes=10**6)
+    cl = free_cluster(2)
+    slow = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 1)], bandwidth_gbps=1.0, latency_ms=5.0)
+    spec = cl.devices[0].spec
+    f, b = compute.range_fwd_ms(ch, 0, 0, spec), compute.range_bwd_ms(ch, 0, 0, spec)
+    transfer = comm.transfer_ms(10**6, slow.link("h0/0", "h1/0"))
+    assert transfer == pytest.approx(5.0 + 8.0)
+    result = simulate(pipeline(ch, slow, 2, 1, "1f1b"))
+    assert result.pipeline_ms == pytest.approx(2 * (f + b) + 2 * transfer, rel=1e-12)
+    sends = [e for e in result.events if e.kind == "send"]
+    assert [(e.rank, e.peer) for e in sends] == [(0, 1), (1, 0)]
+
+
+def test_one_link_carries_one_transfer_at_a_time():
+    ch = uniform_chain(2, fwd_flops=10**6, out_bytes=10**6)  # compute is negligible next to a 13 ms transfer
+    slow = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 1)], bandwidth_gbps=1.0, latency_ms=5.0)
+    result = simulate(pipeline(ch, slow, 2, 4, "gpipe"))
+    arrivals = sorted(e.end_ms for e in result.events if e.kind == "send" and e.rank == 0)
+    first = arrivals[0]
+    # each message holds the link for its 8 ms of bytes; the 5 ms latency overlaps the next one
+    assert arrivals == pytest.approx([first + 8.0 * i for i in range(4)], rel=1e-9)
+
+
+def test_verification_is_priced_on_the_verifier_and_delays_the_consumer():
+    ch = uniform_chain(2, out_bytes=10**6)
+    cl = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 1)], verifier_host=True, trusted=("h1",))
+    ver = (VerifierPlacement(boundary=0, device="verifier/0", directions=("act",)),)
+    plan = pipeline(ch, cl, 2, 1, "1f1b", policy=VerificationPolicy(), verifiers=ver)
+    result = simulate(plan)
+    verifier_spec = cl.device("verifier/0").spec
+    (box,) = [e for e in result.events if e.kind == "verify"]
+    assert box.rank == 2 and box.end_ms - box.start_ms == pytest.approx(verify_ms(10**6, verifier_spec))
+    (consumer_f,) = [e for e in result.events if e.kind == "F" and e.rank == 1]
+    verdict_ms = comm.transfer_ms(16, cl.link("verifier/0", "h1/0"))
+    assert consumer_f.start_ms == pytest.approx(box.end_ms + verdict_ms, rel=1e-12)
+    unchecked = simulate(pipeline(ch, cl, 2, 1, "1f1b"))
+    assert result.step_ms > unchecked.step_ms
+
+
+def test_verify_ms_formula():
+    spec = free_cluster(1).devices[0].spec
+    assert verify_ms(0, spec) == pytest.approx(0.05)
+    assert verify_ms(10**9, spec) - verify_ms(0, spec) == pytest.approx(1e3 * 8 * 10**9 / spec.mem_bw_bytes_per_s)
+
+
+def test_replicated_stage_all_reduces_its_gradients():
+    ch = uniform_chain(2)
+    cl = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 2)], bandwidth_gbps=10.0, latency_ms=1.0)
+    plan = pipeline(ch, cl, 2, 4, "1f1b", devices=[("h0/0",), ("h1/0", "h1/1")])
+    result = simulate(plan)
+    boxes = [e for e in result.events if e.kind == "allreduce"]
+    assert sorted(e.rank for e in boxes) == [1, 2]
+    assert boxes[0].start_ms == boxes[1].start_ms and boxes[0].end_ms == boxes[1].end_ms
+    grads = memory.stage_param_count(ch, 1, 1) * 4
+    expected = comm.group_allreduce_ms(cl, ["h1/0", "h1/1"], grads)
+    assert boxes[0].end_ms - boxes[0].start_ms == pytest.approx(expected)
+    assert expected > 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_memory_follows_the_activations_actually_in_flight(schedule):
+    S, M = 4, 8
+    ch = uniform_chain(4, saved_act_bytes=10**7)
+    plan = pipeline(ch, free_cluster(S), S, M, schedule)
+    result = simulate(plan)
+    costs = CostModel.for_plan(plan)
+    for k in range(S):
+        expected_in_flight = M if schedule == "gpipe" else min(S - k, M)
+        assert result.peak_in_flight[k] == expected_in_flight == plan.ranks[k].max_in_flight
+        br = memory.stage_memory(ch, k, k, plan.config, expected_in_flight)
+        assert result.peak_mem_bytes[k] == br.total_bytes == costs.memory_bytes(k, expected_in_flight)[0]
+    assert plan.predicted.peak_mem_bytes == result.peak_mem_bytes
+
+
+def test_timeline_is_consistent():
+    ch = uniform_chain(6)
+    plan = pipeline(ch, free_cluster(3), 3, 5, "1f1b")
+    result = simulate(plan)
+    for rank in range(plan.num_ranks):
+        boxes = sorted((e for e in result.events if e.rank == rank and e.kind != "send"), key=lambda e: e.start_ms)
+        assert all(a.end_ms <= b.start_ms + 1e-12 for a, b in zip(boxes, boxes[1:]))  # a rank does one thing
+        assert sorted((e.kind, e.mb) for e in boxes if e.kind in ("F", "B")) == \
+            sorted((d, m) for d in "BF" for m in range(5))
+    assert all(b + i == pytest.approx(result.step_ms) for b, i in zip(result.busy_ms, result.idle_ms))
+    assert result.predicted().step_ms == result.step_ms
