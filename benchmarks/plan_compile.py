@@ -7,7 +7,7 @@ boundaries, the consumer itself for even ones). For every case we time:
 ``compile_plan`` (list scheduling, validation and the simulation that fills
 ``plan.predicted``), ``plan.save``, ``load_plan`` (schema + program
 validation) and ``simulate``. Goal: the largest case (32 stages, 256
-microbatches, ~25k instructions) compiles in under 10 s and loads in under
+microbatches, ~80k instructions) compiles in under 10 s and loads in under
 5 s on this machine. Also checks, per case, that the simulated step of the
 same layout without replicas, verifiers or communication equals the closed
 form (M + S - 1)(t_f + t_b).

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -95,6 +95,14 @@ class ProfileSettings:
     p2p: bool = True
     p2p_sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
     p2p_timeout_s: float = 120.0
+    clock: Clock = "wall"
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4:
+            raise InvalidInputError("profile settings", expected="batch, repeats, sizes >= 1",
+                                    found=f"batch={self.batch}, repeats={self.repeats}")
+        if self.clock not in ("wall", "cpu"):
+            raise InvalidInputError("clock", expected="wall or cpu", found=repr(self.clock))
 
     @classmethod
     def quick(cls, model: str | None = None) -> "ProfileSettings":
@@ -109,37 +117,56 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1) -> float:
+Clock = Literal["wall", "cpu"]
+
+
+def _clock(clock: Clock) -> Callable[[], float]:
+    """``wall``: elapsed time. ``cpu``: this process's CPU time, which time-sharing with other
+    processes does not inflate; it equals the work's duration only with one torch thread on a
+    CPU device (for measuring on a shared machine)."""
+    if clock == "wall":
+        return time.perf_counter
+    if clock == "cpu":
+        import torch
+        if torch.get_num_threads() != 1:
+            raise InvalidInputError("cpu clock", expected="torch.get_num_threads() == 1",
+                                    found=str(torch.get_num_threads()), fix="set one thread (--threads 1)")
+        return time.process_time
+    raise InvalidInputError("clock", expected="wall or cpu", found=repr(clock))
+
+
+def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, clock: Clock = "wall") -> float:
     """Fastest of ``repeats`` timed runs: other processes only ever add time, so the
     minimum is the steadiest estimate of what the device itself takes."""
+    now = _clock(clock)
     times = []
     for i in range(warmup + repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         _sync(device)
         if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((now() - t0) * 1e3)
     return min(times)
 
 
-def measure_matmul_flops(dtype: str, *, size: int, repeats: int, device: Any) -> float:
+def measure_matmul_flops(dtype: str, *, size: int, repeats: int, device: Any, clock: Clock = "wall") -> float:
     """Achieved FLOP/s of ``size x size`` matmuls in ``dtype`` (2 n^3 flops each)."""
     import torch
     tdtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=device, dtype=tdtype)
     b = torch.randn(size, size, generator=gen).to(device=device, dtype=tdtype)
-    ms = _best_ms(lambda: torch.mm(a, b), device, repeats)
+    ms = _best_ms(lambda: torch.mm(a, b), device, repeats, clock=clock)
     return 2.0 * size**3 / (ms / 1e3)
 
 
-def measure_memory_bandwidth(*, nbytes: int, repeats: int, device: Any) -> float:
+def measure_memory_bandwidth(*, nbytes: int, repeats: int, device: Any, clock: Clock = "wall") -> float:
     """Bytes/s of a large copy, counting the bytes read and the bytes written."""
     import torch
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    ms = _best_ms(lambda: dst.copy_(src), device, repeats)
+    ms = _best_ms(lambda: dst.copy_(src), device, repeats, clock=clock)
     return 2.0 * src.numel() * 4 / (ms / 1e3)
 
 
@@ -193,10 +220,11 @@ def _fresh(value: Any) -> Any:
     return value
 
 
-def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
-               warmup: int = 1) -> tuple[UnitTiming, ...]:
+def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any, warmup: int = 1,
+               clock: Clock = "wall") -> tuple[UnitTiming, ...]:
     """Fastest forward and backward ms of every top-level unit, run alone on its captured inputs."""
     import torch
+    now = _clock(clock)
     module.train()
     results = []
     for name, unit, args, kwargs in _capture_unit_inputs(module, inputs):
@@ -206,16 +234,16 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
         grad = None
         for i in range(warmup + repeats):
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             out = unit(*args, **kwargs)
             _sync(device)
-            t1 = time.perf_counter()
+            t1 = now()
             if grad is None:
                 gen = torch.Generator().manual_seed(1)
                 grad = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
             torch.autograd.backward(out, grad)
             _sync(device)
-            t2 = time.perf_counter()
+            t2 = now()
             unit.zero_grad(set_to_none=True)
             for a in args:
                 if isinstance(a, torch.Tensor):
@@ -369,18 +397,24 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     say = step or (lambda _msg: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name, kind, mem_bytes = _device_identity(device)
+    if settings.clock == "cpu" and device.type != "cpu":
+        raise InvalidInputError("--clock cpu", expected="a CPU device", found=str(device),
+                                fix="use the wall clock on GPUs")
     say(f"tracing {settings.model}")  # first: a bad model spec fails before any measuring
     chain = model_chain(settings.model, batch=settings.batch, seq=settings.seq)
     dtypes = ["float32"] + (["bfloat16", "float16"] if device.type == "cuda" else ["bfloat16"])
     matmul: dict[str, float] = {}
     for dtype in dtypes:
         say(f"matmul {dtype}")
-        matmul[dtype] = measure_matmul_flops(dtype, size=settings.matmul_size, repeats=settings.repeats, device=device)
+        matmul[dtype] = measure_matmul_flops(dtype, size=settings.matmul_size, repeats=settings.repeats,
+                                             device=device, clock=settings.clock)
     say("memory bandwidth")
-    mem_bw = measure_memory_bandwidth(nbytes=settings.copy_bytes, repeats=settings.repeats, device=device)
+    mem_bw = measure_memory_bandwidth(nbytes=settings.copy_bytes, repeats=settings.repeats, device=device,
+                                      clock=settings.clock)
     say(f"blocks of {settings.model}")
     bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
-    timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device)
+    timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device,
+                         clock=settings.clock)
     del bundle
     say("calibration")
     samples = pair_samples(chain, timings)
@@ -405,7 +439,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
         "device": spec.to_dict(),
         "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
-                     "repeats": settings.repeats},
+                     "repeats": settings.repeats, "clock": settings.clock},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],

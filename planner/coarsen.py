@@ -53,7 +53,7 @@ def coarsen(graph: Graph, *, granularity: Granularity = "layer",
     liveness = _Liveness(graph)
     legal = liveness.legal_cuts()
     cuts = legal if granularity == "fine" else _unit_cuts(graph, legal)
-    segments = _segments(len(graph.order), cuts)
+    segments = _segments(len(graph.order), _drop_idle_cuts(graph, liveness, cuts))
     blocks = _blocks(graph, liveness, segments, granularity)
     return BlockChain(
         model_name=graph.name, fingerprint=graph.fingerprint(), blocks=tuple(blocks),
@@ -206,6 +206,25 @@ def module_units(paths: Iterable[str]) -> dict[str, str]:
         prefixes = [".".join(parts[:j]) for j in range(1, len(parts) + 1)]
         units[p] = next((q for q in prefixes if q not in container_prefixes), "")
     return units
+
+
+def _drop_idle_cuts(graph: Graph, liveness: _Liveness, cuts: Sequence[int]) -> list[int]:
+    """Keep only cuts that leave real work (an input-dependent, non-view op) on each side.
+
+    Without this, "fine" would make blocks of a lone view or of constant setup
+    (an ``arange``), which no stage wants on its own.
+    """
+    nodes = graph.nodes()
+    work = [n.kind == "compute" and not n.is_view and n.name in liveness.dependent for n in nodes]
+    kept: list[int] = []
+    start = 0
+    for p in sorted(cuts):
+        if any(work[start:p + 1]):
+            kept.append(p)
+            start = p + 1
+    while kept and not any(work[kept[-1] + 1:]):
+        kept.pop()  # the tail after the last cut does no work: merge it into the block before
+    return kept
 
 
 def _segments(n: int, cuts: Sequence[int]) -> list[range]:

@@ -43,10 +43,9 @@ def _check_inputs(solution: Solution, chain: BlockChain, cluster: ClusterSpec, c
     if chain.fingerprint != model_ref.fingerprint:
         raise PlanMismatchError("model reference", expected=f"the chain's fingerprint {chain.fingerprint[:16]}...",
                                 found=f"{model_ref.fingerprint[:16]}...")
-    if model_ref.batch != chain.microbatch_size or model_ref.dtype != trace_dtype(chain):
-        raise InvalidInputError("model reference", expected=f"batch {chain.microbatch_size} and dtype "
-                                f"{trace_dtype(chain)} (what the chain was traced at)",
-                                found=f"batch {model_ref.batch} and dtype {model_ref.dtype}")
+    if model_ref.dtype != trace_dtype(chain):
+        raise InvalidInputError("model reference dtype",
+                                expected=f"{trace_dtype(chain)} (what the chain was traced in)", found=model_ref.dtype)
     for st in solution.stages:
         for dev in st.devices:
             cluster.device(dev)  # raises naming the unknown device
@@ -114,7 +113,7 @@ def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
     placeholder = Predicted(step_ms=0.0, bubble_fraction=0.0, peak_mem_bytes=(0,) * len(ranks))
     plan = Plan(model=model_ref, cluster=cluster.to_dict(), config=config, policy=policy,
                 verifier_config=verifier_config or VerifierConfig(), stages=stages,
-                tied_params=chain.tied_params, ranks=ranks, verifiers=verifiers, programs=programs,
-                report=solution.report, predicted=placeholder)
+                chain_microbatch_size=chain.microbatch_size, tied_params=chain.tied_params, ranks=ranks,
+                verifiers=verifiers, programs=programs, report=solution.report, predicted=placeholder)
     validate_programs(plan)
     return dataclasses.replace(plan, predicted=simulate(plan, costs).predicted())

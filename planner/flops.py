@@ -180,11 +180,12 @@ class _TableCounter(TorchDispatchMode):
 
 
 def measure_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
-               target: Any) -> tuple[OpCost, Any]:
+               target: Any, params: Sequence[torch.Tensor] = ()) -> tuple[OpCost, Any]:
     """Run ``fn(*args, **kwargs)`` on meta tensors and count its forward and backward FLOPs.
 
     ``args``/``kwargs`` hold meta leaf tensors whose ``requires_grad`` says whether
-    a gradient flows to them. ``target`` names the op (for the attention rule).
+    a gradient flows to them; ``params`` are leaves ``fn`` reads by closure (a
+    module's weights). ``target`` names the op (for the attention rule).
     Returns the cost and the op's result (meta tensors). Raises whatever the op
     raises; the caller then falls back to :func:`table_flops` on recorded shapes.
     """
@@ -199,7 +200,7 @@ def measure_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     if outs and all(_is_alias(o, inputs) for o in outs):
         return OpCost(fwd_flops=0, bwd_flops=0, is_view=True, outputs_require_grad=grads), result
     matmul_fwd = counter.get_total_flops()
-    matmul_bwd = _backward_flops(outs, inputs, mapping) if needs_grad and matmul_fwd else 0
+    matmul_bwd = _backward_flops(outs, [*inputs, *params], mapping) if needs_grad and matmul_fwd else 0
     other = table.flops
     if matmul_fwd and op_short_name(target) in _SDPA_OPS and not table.saw_softmax:
         other += ATTN_SCORE_FLOPS_PER_ELEMENT * _sdpa_score_elements(args)  # a fused kernel hid its softmax

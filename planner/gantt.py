@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -106,9 +107,11 @@ def save(fig: Figure, paths: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
         fmt = target.suffix.lstrip(".").lower()
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_path_for(target)
+        # A fixed SVG id salt and no date: redrawing the same plan gives the same bytes (clean diffs).
+        stable = {"metadata": {"Date": None}} if fmt == "svg" else {}
         try:
-            with open(tmp, "xb") as fh:
-                fig.savefig(fh, format=fmt)
+            with open(tmp, "xb") as fh, rc_context({"svg.hashsalt": "stagewise"}):
+                fig.savefig(fh, format=fmt, **stable)
             os.replace(tmp, target)
         except (OSError, ValueError):
             tmp.unlink(missing_ok=True)

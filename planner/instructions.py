@@ -157,6 +157,10 @@ def format_instruction(ins: Instruction) -> str:
     return text
 
 
+def _int_or_none(digits: str | None) -> int | None:
+    return None if digits is None else int(digits)
+
+
 def parse_instruction(text: str) -> Instruction:
     """Inverse of :func:`format_instruction`; raises InvalidInputError on anything else."""
     match = _PATTERN.match(text.strip()) if isinstance(text, str) else None
@@ -165,15 +169,14 @@ def parse_instruction(text: str) -> Instruction:
             f"instruction {text!r}",
             expected="STAGE OP [MB] [<SRC] [>DST], e.g. '1F3', '1SEND_F3>2', '2RECV_F3<1', '1OPTIM'")
     stage, op, mb, src, dst = match.groups()
-    as_int = lambda s: None if s is None else int(s)  # noqa: E731
     if op in SEND_OPS:
         if src is not None:
             raise InvalidInputError(f"instruction {text!r}", expected=f"{op} with '>DEST' only",
                                     found="a '<' source")
-        return Instruction(op=op, stage=int(stage), mb=as_int(mb), peer=as_int(dst))
+        return Instruction(op=op, stage=int(stage), mb=_int_or_none(mb), peer=_int_or_none(dst))
     if op not in VERIFY_OPS and dst is not None:
         raise InvalidInputError(f"instruction {text!r}", expected=f"{op} without '>'", found="a '>' part")
-    return Instruction(op=op, stage=int(stage), mb=as_int(mb), peer=as_int(src), dest=as_int(dst))
+    return Instruction(op=op, stage=int(stage), mb=_int_or_none(mb), peer=_int_or_none(src), dest=_int_or_none(dst))
 
 
 def message_keys(ins: Instruction, rank: int) -> tuple[tuple[str, tuple], ...]:

@@ -241,7 +241,12 @@ class Predicted:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """The whole plan; see the module docstring. ``programs[r]`` is rank r's program."""
+    """The whole plan; see the module docstring. ``programs[r]`` is rank r's program.
+
+    The stages' block figures are per microbatch of ``chain_microbatch_size``
+    samples (the solver may have rescaled the traced chain to the configured
+    microbatch); ``model.batch`` stays the batch the fingerprint was traced at.
+    """
 
     model: ModelRef
     cluster: Mapping[str, Any]
@@ -253,6 +258,7 @@ class Plan:
     programs: tuple[tuple[Instruction, ...], ...]
     report: SolveReport
     predicted: Predicted
+    chain_microbatch_size: int
     tied_params: tuple[TiedParam, ...] = ()
     verifier_config: VerifierConfig = VerifierConfig()
     schema_version: int = SCHEMA_VERSION
@@ -263,6 +269,9 @@ class Plan:
                                     found=str(self.schema_version), fix="re-run `stagewise plan` with this version")
         # A JSON round trip turns tuples into lists: normalise now so load(save(p)) == p.
         object.__setattr__(self, "cluster", json.loads(json.dumps(dict(self.cluster), allow_nan=False)))
+        if self.chain_microbatch_size < 1:
+            raise InvalidInputError("plan chain_microbatch_size", expected=">= 1",
+                                    found=str(self.chain_microbatch_size))
         self._check_layout()
 
     def _check_layout(self) -> None:
@@ -289,11 +298,15 @@ class Plan:
             if not prog:
                 raise InvalidInputError(f"rank {r} has no program", expected="at least one instruction",
                                         found="an empty program", fix="re-run `stagewise plan`")
+        seen: set[int] = set()
         for v in self.verifiers:
-            if not 0 <= v.rank < len(self.ranks) or not 0 <= v.boundary < len(self.stages) - 1:
+            if (not 0 <= v.rank < len(self.ranks) or not 0 <= v.boundary < len(self.stages) - 1
+                    or v.boundary in seen or v.boundary not in self.ranks[v.rank].verifies):
                 raise InvalidInputError(f"verifier of boundary {v.boundary}",
-                                        expected=f"a rank < {len(self.ranks)} and a boundary < {len(self.stages) - 1}",
+                                        expected=f"one per boundary < {len(self.stages) - 1}, on a rank < "
+                                                 f"{len(self.ranks)} that lists the boundary in `verifies`",
                                         found=f"rank {v.rank}")
+            seen.add(v.boundary)
         if len(self.predicted.peak_mem_bytes) != len(self.ranks):
             raise InvalidInputError("predicted.peak_mem_bytes", expected=f"{len(self.ranks)} entries (one per rank)",
                                     found=str(len(self.predicted.peak_mem_bytes)))
@@ -331,7 +344,7 @@ class Plan:
         """The block chain the plan was made from (the cost models price it)."""
         return BlockChain(model_name=self.model.name, fingerprint=self.model.fingerprint,
                           blocks=tuple(b for st in self.stages for b in st.blocks),
-                          input_bytes=self.stages[0].in_bytes, microbatch_size=self.model.batch,
+                          input_bytes=self.stages[0].in_bytes, microbatch_size=self.chain_microbatch_size,
                           tied_params=self.tied_params, meta=(("dtype", self.model.dtype),))
 
     def verifier(self, boundary: int) -> VerifierInfo | None:
@@ -390,6 +403,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "verifier_config": _plain(plan.verifier_config),
         "stages": [{"index": st.index, "in_bytes": st.in_bytes, "blocks": [_plain(b) for b in st.blocks]}
                    for st in plan.stages],
+        "chain_microbatch_size": plan.chain_microbatch_size,
         "tied_params": [_plain(t) for t in plan.tied_params],
         "ranks": [_plain(r) for r in plan.ranks],
         "verifiers": [_plain(v) for v in plan.verifiers],
@@ -428,6 +442,7 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"],
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),
+            chain_microbatch_size=data["chain_microbatch_size"],
             tied_params=tuple(TiedParam(**_tupled(t)) for t in data["tied_params"]),
             ranks=tuple(RankInfo(**_tupled(r)) for r in data["ranks"]),
             verifiers=tuple(VerifierInfo(**_tupled(v)) for v in data["verifiers"]),

@@ -139,6 +139,10 @@ class _Lowering:
                   for r in ranks if r.stage is not None}
         self.st = _State(programs=[[] for _ in ranks], clock=[0.0] * len(ranks), orders=orders,
                          verify_queue={r.rank: [] for r in ranks})
+        # Each rank's placeable actions change only when something it waits for is placed:
+        # recompute those ranks only (keeps compiling large plans fast).
+        self.cached: list[list[tuple[float, int, int, str]]] = [[] for _ in ranks]
+        self.dirty: set[int] = {r.rank for r in ranks}
 
     # --- dependencies ----------------------------------------------------
     def _source(self, stage: int, op: str, mb: int) -> tuple[int, int] | None:
@@ -184,6 +188,7 @@ class _Lowering:
             elif checker_in is not None:
                 self._emit(rank, Instruction(op=f"VERDICT_{op}", stage=stage, mb=mb, peer=checker_in))
         self._emit(rank, Instruction(op=op, stage=stage, mb=mb))
+        self.dirty.add(rank)
         end = start + self.costs.compute_ms(rank, op)
         self.st.clock[rank] = end
         self.st.done[(stage, op, mb)] = end
@@ -194,6 +199,7 @@ class _Lowering:
         if not 0 <= nxt < self.num_stages:
             return
         consumer = self.owner[(nxt, mb)]
+        self.dirty.add(consumer)
         self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=consumer))
         boundary = self._boundary(nxt, op)
         checker = self.checker.get((boundary, op))
@@ -204,11 +210,12 @@ class _Lowering:
             self._emit(rank, Instruction(op=f"VERIFY_{op}", stage=nxt, mb=mb, dest=consumer))
             self.st.clock[rank] += self.costs.verify_ms(rank, boundary, op)
             self.st.verdict[key] = self.st.clock[rank] + self.costs.verdict_ms(rank, consumer)
-            return
+            return  # the consumer is already marked dirty
         self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=checker))
         arrival = end + self.costs.transfer_ms(rank, checker, stage, op)
         ins = Instruction(op=f"VERIFY_{op}", stage=nxt, mb=mb, peer=rank, dest=consumer)
         self.st.verify_queue[checker].append((arrival, ins, key, consumer))
+        self.dirty.add(checker)
 
     def _place_verify(self, rank: int) -> None:
         queue = self.st.verify_queue[rank]
@@ -219,23 +226,29 @@ class _Lowering:
         end = start + self.costs.verify_ms(rank, key[0], key[1])
         self.st.clock[rank] = end
         self.st.verdict[key] = end + self.costs.verdict_ms(rank, consumer)
+        self.dirty.update((rank, consumer))
 
     # --- main loop -------------------------------------------------------
-    def _candidates(self) -> list[tuple[float, int, int, str]]:
-        """(start estimate, kind 0=verify/1=compute, rank, ...) of every placeable action."""
+    def _rank_candidates(self, r: RankInfo) -> list[tuple[float, int, int, str]]:
+        """(start estimate, kind 0=verify/1=compute, rank, op) of the actions ``r`` could place next."""
         found = []
-        for r in self.ranks:
-            queue = self.st.verify_queue[r.rank]
-            if queue:
-                first = min(item[0] for item in queue)
-                found.append((max(self.st.clock[r.rank], first), 0, r.rank, "V"))
-            order = self.st.orders.get(r.rank)
-            if order:
-                op, mb = order[0]
-                start = self._ready_time(r.rank, r.stage, op, mb)
-                if start is not None:
-                    found.append((start, 1, r.rank, op))
+        queue = self.st.verify_queue[r.rank]
+        if queue:
+            first = min(item[0] for item in queue)
+            found.append((max(self.st.clock[r.rank], first), 0, r.rank, "V"))
+        order = self.st.orders.get(r.rank)
+        if order:
+            op, mb = order[0]
+            start = self._ready_time(r.rank, r.stage, op, mb)
+            if start is not None:
+                found.append((start, 1, r.rank, op))
         return found
+
+    def _candidates(self) -> list[tuple[float, int, int, str]]:
+        for rank in self.dirty:
+            self.cached[rank] = self._rank_candidates(self.ranks[rank])
+        self.dirty.clear()
+        return [c for per_rank in self.cached for c in per_rank]
 
     def run(self) -> tuple[tuple[Instruction, ...], ...]:
         while True:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models import comm, compute, memory
-from cost_models.cluster import ClusterSpec
+from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
@@ -84,6 +84,7 @@ class CostModel:
                  config: TrainingConfig) -> None:
         self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
         self.ranges = stage_ranges
+        self._links: dict[tuple[int, int], Link] = {}
         dtype, traced = config.dtype, memory.trace_dtype(chain)
         scale = activation_scale(chain, config)
         # Bytes crossing boundary b (stage b -> b+1), either direction.
@@ -102,8 +103,11 @@ class CostModel:
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
 
-    def _link(self, src: int, dst: int):
-        return self.cluster.link(self.ranks[src].device, self.ranks[dst].device)
+    def _link(self, src: int, dst: int) -> Link:
+        key = (src, dst)
+        if key not in self._links:  # cluster.link resolves host/region tables: memoise per rank pair
+            self._links[key] = self.cluster.link(self.ranks[src].device, self.ranks[dst].device)
+        return self._links[key]
 
     # --- StepCosts protocol (planner.schedules) ---------------------------
     def compute_ms(self, rank: int, op: str) -> float:
@@ -136,16 +140,16 @@ class CostModel:
         devices = [r.device for r in self.ranks if r.stage == stage]
         return comm.group_allreduce_ms(self.cluster, devices, grad_bytes)
 
-    def memory_bytes(self, rank: int, peak_in_flight: int) -> tuple[int, memory.MemoryBreakdown | None]:
-        """(peak bytes, stage breakdown) of ``rank`` holding ``peak_in_flight`` microbatches at most."""
+    def memory_bytes(self, rank: int, peak_in_flight: int) -> int:
+        """Peak bytes of ``rank`` holding at most ``peak_in_flight`` microbatches' activations at once."""
         info = self.ranks[rank]
         verifier_state = sum(2 * round(self.boundary_bytes[b]) for b, _ in self.verified[rank])  # EMA + copy
         if info.stage is None:
-            return verifier_state, None
+            return verifier_state
         lo, hi = self.ranges[info.stage]
         br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1))
         acts = br.activations_bytes if peak_in_flight else 0
-        return br.static_bytes + br.buffers_bytes + acts + verifier_state, br
+        return br.static_bytes + br.buffers_bytes + acts + verifier_state
 
     @classmethod
     def for_plan(cls, plan: Plan) -> "CostModel":
@@ -301,7 +305,7 @@ def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
             comp[ev.rank] += ev.end_ms - ev.start_ms
     work = sum(comp[r] for r in stage_ranks)
     bubble = 1.0 - work / (len(stage_ranks) * pipeline) if pipeline > 0 else 0.0
-    peak_mem = tuple(costs.memory_bytes(r, run.peak[r])[0] for r in range(n))
+    peak_mem = tuple(costs.memory_bytes(r, run.peak[r]) for r in range(n))
     events = tuple(sorted(run.events, key=lambda e: (e.rank, e.start_ms, e.kind)))
     return SimResult(step_ms=step, pipeline_ms=pipeline, busy_ms=tuple(busy), compute_ms=tuple(comp),
                      idle_ms=tuple(max(step - b, 0.0) for b in busy), bubble_fraction=min(max(bubble, 0.0), 1.0),

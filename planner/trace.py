@@ -143,6 +143,7 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+_PARTIAL_OP = re.compile(r"torch\.ops\.([\w.]+)\(")
 _STRICT_PATH = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
@@ -315,25 +316,26 @@ class _FxInterpreter:
     def _run_op(self, fx_node: torch.fx.Node) -> None:
         b = self.builder
         args, kwargs = b._leaf_args(fx_node)
-        fn, target, op, params = self._callable(fx_node)
-        cost, result = measure_op(fn, args, kwargs, target=target)
+        fn, target, op, params, leaves = self._callable(fx_node)
+        cost, result = measure_op(fn, args, kwargs, target=target, params=leaves)
         value = _detach(result)
         if not _flat_tensors(value):  # shape arithmetic (x.shape, floordiv): a value, not a node
             b.values[fx_node.name] = value
             return
         b.add_measured(fx_node, value, cost, op, params)
 
-    def _callable(self, fx_node: torch.fx.Node) -> tuple[Any, Any, str, tuple[str, ...]]:
+    def _callable(self, fx_node: torch.fx.Node) -> tuple[Any, Any, str, tuple[str, ...], list[torch.Tensor]]:
+        """(function, op target, op name, parameter FQNs, parameter leaves) of one fx node."""
         if fx_node.op == "call_function":
-            return fx_node.target, fx_node.target, _op_name(fx_node.target), ()
+            return fx_node.target, fx_node.target, _op_name(fx_node.target), (), []
         if fx_node.op == "call_method":
             method = fx_node.target
-            return (lambda self_, *a, **k: getattr(self_, method)(*a, **k)), method, method, ()
+            return (lambda self_, *a, **k: getattr(self_, method)(*a, **k)), method, method, (), []
         module = self.gm.get_submodule(fx_node.target)
         metas = self._module_params(fx_node.target, module)
         fqns = tuple(f"{fx_node.target}.{local}" for local in metas)
         return ((lambda *a, **k: torch.func.functional_call(module, metas, a, k)),
-                type(module).__name__, type(module).__name__, fqns)
+                type(module).__name__, type(module).__name__, fqns, list(metas.values()))
 
     def _module_params(self, prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
         """Meta stand-ins for a leaf module's parameters and buffers, registered as ParamInfo."""
@@ -374,6 +376,10 @@ def _trace_error(model: nn.Module, name: str, export_exc: BaseException, fx_exc:
     else:
         path, cls, code, file, lineno = where
         location = f"at `{code}` in module {path or '<root>'} ({cls}), {file}:{lineno}"
+    # torch.export attaches the graph it had built so far: its last op is where it stopped.
+    ops = _PARTIAL_OP.findall(str(getattr(export_exc, "partial_fx_graph", "") or ""))
+    if ops:
+        location = f"at op {ops[-1]} " + location
     return TraceError(
         f"cannot trace model {name!r} {location}",
         expected="a model torch.export (strict=False) or torch.fx can trace",

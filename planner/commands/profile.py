@@ -22,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats: seconds, not minutes")
     p.add_argument("--no-p2p", action="store_true", help="skip the two-process P2P measurement")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time (default), or process CPU time: steadier on a shared machine; "
+                        "needs --threads 1 and a CPU device")
     p.set_defaults(handler=run)
 
 
@@ -31,7 +34,7 @@ def _settings(args: argparse.Namespace):
     from cost_models.profile import ProfileSettings
     from planner.errors import InvalidInputError
     base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model or "gpt-small")
-    changes: dict = {"p2p": not args.no_p2p}
+    changes: dict = {"p2p": not args.no_p2p, "clock": args.clock}
     if args.batch is not None:
         if args.batch < 1:
             raise InvalidInputError("--batch", expected=">= 1", found=str(args.batch))

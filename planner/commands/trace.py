@@ -67,6 +67,8 @@ def _print_table(graph: Graph, chain: BlockChain) -> None:
                   f"{chain.fwd_flops / _GFLOP:.3f}", f"{chain.bwd_flops / _GFLOP:.3f}",
                   f"{sum(b.saved_act_bytes for b in chain.blocks) / _MB:.2f}", "")
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # piped or captured: do not wrap the header at 80 columns
     console.print(table)
     if chain.tied_params:
         tied = ", ".join(f"{t.name} (blocks {', '.join(map(str, t.blocks))})" for t in chain.tied_params)

@@ -13,7 +13,10 @@ scale         ``factor`` * x (default -1: the sign flip)
 sign_flip     -x (default direction: gradients)
 random_sign   each element's sign flipped with probability 1/2 (default: gradients)
 delay         replay of the tensor sent for the same microbatch ``steps`` steps ago
-bias          x + ``value``, or x + ``rel`` * std(x) when no value is given (rel 1.0)
+bias          x + ``value`` * u, or x + ``rel`` * std(x) * u when no value is given
+              (rel 1.0); u is a fixed random +-1 pattern over the features. (A
+              uniform shift would be no attack at all on a transformer: the next
+              LayerNorm subtracts it exactly.)
 noise         x + N(0, (``std`` * std(x))^2): small, "invisible" noise (std 0.5)
 mixed         one of the kinds above, chosen at random per microbatch
 adaptive      stays just inside the running average (see :class:`AdaptiveState`)
@@ -165,8 +168,21 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Generator) -> torch.Tensor:
-    """Apply one stateless attack ``kind`` to ``x`` (float tensor); returns a new tensor."""
+def feature_pattern(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fixed random +-1 pattern over the features of ``x`` (the last dim; channels of a
+    4-D feature map), shaped to broadcast against ``x``; the same for every call with ``seed``."""
+    dim = 1 if x.dim() == 4 else x.dim() - 1
+    gen = torch.Generator().manual_seed(stable_seed("pattern", seed, x.shape[dim]))
+    signs = torch.randint(0, 2, (x.shape[dim],), generator=gen).float() * 2 - 1
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    return signs.reshape(shape)
+
+
+def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Generator, *,
+            pattern_seed: int = 0) -> torch.Tensor:
+    """Apply one stateless attack ``kind`` to ``x``; returns a new tensor of ``x``'s dtype.
+    ``gen`` drives the per-call randomness; ``pattern_seed`` fixes the bias pattern."""
     xf = x.detach().float()
     if kind == "constant":
         out = torch.full_like(xf, float(params.get("value", 1.0)))
@@ -185,7 +201,7 @@ def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Ge
     elif kind == "bias":
         value = params.get("value")
         shift = float(value) if value is not None else float(params.get("rel", 1.0)) * float(xf.std(correction=0))
-        out = xf + shift
+        out = xf + shift * feature_pattern(xf, pattern_seed)
     elif kind == "noise":
         out = xf + float(params.get("std", 0.5)) * xf.std(correction=0) * torch.randn(xf.shape, generator=gen)
     else:
@@ -306,7 +322,8 @@ class Attacker:
         if kind == "mixed":
             kind = MIXED_KINDS[int(torch.randint(len(MIXED_KINDS), (), generator=gen))]
         if kind == "adaptive":
-            target = corrupt(spec.param("target"), honest, {}, gen)
+            target = corrupt(spec.param("target"), honest, dict(KIND_PARAMS[spec.param("target")]), gen,
+                             pattern_seed=self.seed)
             out = state.blend(honest, target)
             if out is honest:
                 return tensor
@@ -318,7 +335,7 @@ class Attacker:
             out = old.clone()
         else:
             params = dict(spec.params) if kind == spec.kind else dict(KIND_PARAMS[kind])
-            out = corrupt(kind, honest, params, gen)
+            out = corrupt(kind, honest, params, gen, pattern_seed=self.seed)
         self.log.append((step, mb, direction, kind))
         return out.to(dtype=tensor.dtype, device=tensor.device)
 

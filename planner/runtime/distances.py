@@ -16,6 +16,12 @@ batches of the same model state instead:
   skewed (one large negative logit gradient per token, many small positive
   ones) and keep their skew direction from batch to batch while their mean is
   pure noise, so a gradient sign flip shows up here and nowhere else;
+- the feature covariance (of at most ``MAX_SPECTRAL_DIMS`` random projections
+  of the features): trained networks keep their activations and gradients in
+  a few principal directions, while added noise, random values or random
+  signs spread energy evenly over all of them. The share of a sample's energy
+  outside the reference's principal subspace catches noise far below what
+  any per-feature statistic can see;
 - a *sketch*: a fixed random subset of the centred tensor, used only to spot a
   replay of an earlier tensor (the "delay" attack), which no distribution
   statistic can see because an old tensor is a perfectly plausible sample.
@@ -37,6 +43,8 @@ EPS = 1e-12
 # Rows used for quantiles and projections; larger tensors are strided down to
 # this many rows, which keeps a check at O(rows * D) however big the tensor.
 MAX_QUANTILE_ROWS = 8192
+MAX_SPECTRAL_DIMS = 128  # wider features are randomly projected down to this many
+SPECTRAL_ENERGY = 0.95   # the principal subspace holds this share of the reference's energy
 SKETCH_SIZE = 2048
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
 
@@ -46,14 +54,18 @@ class Summary:
     """The distribution summary of one boundary tensor (all float32 CPU tensors).
 
     ``mean``/``std``/``skew``: per-feature ``[D]``; ``quantiles``: ``[P, Q]`` quantiles of
-    the rows projected on the P directions; ``sketch``: ``[<= SKETCH_SIZE]``
-    centred values at fixed positions (empty if not requested).
+    the rows projected on the P directions; ``pmean``/``cov``: mean ``[K]`` and
+    covariance ``[K, K]`` of the rows in the spectral basis (K = min(D,
+    MAX_SPECTRAL_DIMS)); ``sketch``: ``[<= SKETCH_SIZE]`` centred values at
+    fixed positions (empty if not requested).
     """
 
     mean: torch.Tensor
     std: torch.Tensor
     skew: torch.Tensor
     quantiles: torch.Tensor
+    pmean: torch.Tensor
+    cov: torch.Tensor
     sketch: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -65,6 +77,8 @@ class Summary:
                        std=beta * self.std + (1 - beta) * other.std,
                        skew=beta * self.skew + (1 - beta) * other.skew,
                        quantiles=beta * self.quantiles + (1 - beta) * other.quantiles,
+                       pmean=beta * self.pmean + (1 - beta) * other.pmean,
+                       cov=beta * self.cov + (1 - beta) * other.cov,
                        sketch=other.sketch)
 
 
@@ -81,6 +95,14 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4:
         x = x.movedim(1, -1)
     return x.reshape(-1, x.shape[-1])
+
+
+def feature_size(x: torch.Tensor) -> int:
+    """The feature dimension :func:`as_rows` uses, without copying anything."""
+    if x.dim() == 0 or x.numel() == 0:
+        raise InvalidInputError("boundary tensor", expected="a tensor with at least one dimension and element",
+                                found=f"shape {tuple(x.shape)}")
+    return int(x.shape[1] if x.dim() == 4 else x.shape[-1])
 
 
 def random_directions(dim: int, count: int, seed: int) -> torch.Tensor:
@@ -115,30 +137,47 @@ def sketch_positions(numel: int, size: int, seed: int) -> torch.Tensor:
     return torch.randperm(numel, generator=gen)[:size].sort().values
 
 
+def spectral_projection(dim: int, seed: int) -> torch.Tensor | None:
+    """None (use the features as they are) up to ``MAX_SPECTRAL_DIMS`` features, else a
+    fixed ``[dim, MAX_SPECTRAL_DIMS]`` Gaussian projection (it keeps low-rank structure
+    low-rank and isotropic noise isotropic, which is all the spectral test needs)."""
+    if dim <= MAX_SPECTRAL_DIMS:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(dim, MAX_SPECTRAL_DIMS, generator=gen) / math.sqrt(MAX_SPECTRAL_DIMS)
+
+
 def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor,
-              sketch_seed: int | None = None) -> Summary:
-    """The :class:`Summary` of ``x`` with the given projection directions and levels."""
+              spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None) -> Summary:
+    """The :class:`Summary` of ``x`` with the given projection directions and levels.
+
+    ``spectral``: the projection from :func:`spectral_projection` (None: identity);
+    ``sketch_at``: flat positions from :func:`sketch_positions` (None: no sketch).
+    """
     rows = as_rows(x)
     if directions.shape[0] != rows.shape[1]:
         raise InvalidInputError("projection directions", expected=f"{rows.shape[1]} rows (the feature size)",
                                 found=f"{directions.shape[0]}")
     mean = rows.mean(dim=0)
-    centred_rows = rows - mean
-    var = centred_rows.square().mean(dim=0)
+    centred = rows - mean
+    var = centred.square().mean(dim=0)
     std = var.sqrt()
     # Features with no spread (a constant input, a dead unit) have no skew: 0.
-    skew = centred_rows.pow(3).mean(dim=0) / var.pow(1.5).clamp_min(EPS)
+    skew = centred.pow(3).mean(dim=0) / var.pow(1.5).clamp_min(EPS)
     skew = torch.where(std > EPS ** 0.5 * (mean.abs() + EPS), skew, torch.zeros_like(skew))
     stride = max(1, math.ceil(rows.shape[0] / MAX_QUANTILE_ROWS))
     quantiles = sorted_quantiles(rows[::stride] @ directions, levels)
-    if sketch_seed is None:
-        sketch = torch.empty(0)
+    if spectral is None:
+        pmean, pcentred = mean, centred[::stride]
     else:
-        # Centring removes the part every batch shares (the per-feature mean), so
-        # two different batches are far apart and only a replay is near-identical.
-        centred = centred_rows.reshape(-1)
-        sketch = centred[sketch_positions(centred.numel(), SKETCH_SIZE, sketch_seed)]
-    return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, sketch=sketch)
+        prows = rows[::stride] @ spectral
+        pmean = prows.mean(dim=0)
+        pcentred = prows - pmean
+    cov = pcentred.T @ pcentred / pcentred.shape[0]
+    # Centring removes the part every batch shares (the per-feature mean), so two
+    # different batches are far apart and only a replay is near-identical.
+    sketch = torch.empty(0) if sketch_at is None else centred.reshape(-1)[sketch_at]
+    return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, pmean=pmean, cov=cov, sketch=sketch)
 
 
 def _moments(s: Summary) -> torch.Tensor:
@@ -191,6 +230,29 @@ def sliced_wasserstein(x: Summary, ref: Summary) -> float:
     centre = ref.quantiles.mean(dim=1, keepdim=True)
     spread = (ref.quantiles - centre).abs().mean()
     return float(w1 / spread.clamp_min(EPS))
+
+
+def principal_basis(cov: torch.Tensor, energy: float = SPECTRAL_ENERGY) -> torch.Tensor:
+    """``[K, r]``: the fewest eigenvectors of ``cov`` holding ``energy`` of its trace."""
+    values, vectors = torch.linalg.eigh(cov.double())
+    values, vectors = values.flip(0).clamp_min(0.0), vectors.flip(1)
+    total = float(values.sum())
+    if total <= 0.0:
+        return vectors[:, :0].float()
+    rank = int((values.cumsum(0) / total < energy).sum()) + 1
+    return vectors[:, :rank].float()
+
+
+def spectral_residual(x: Summary, ref: Summary, basis: torch.Tensor) -> float:
+    """Share of the sample's energy (around the reference mean) outside ``basis``,
+    the reference's principal subspace. From the summaries alone:
+    ``E||P(x - mu)||^2 = tr(P C_x P) + ||P(m_x - mu)||^2`` with P the complement."""
+    shift = x.pmean - ref.pmean
+    total = torch.trace(x.cov) + shift @ shift
+    if float(total) <= EPS:
+        return 0.0
+    inside = torch.trace(basis.T @ x.cov @ basis) + (shift @ basis).square().sum()
+    return float(((total - inside) / total).clamp(0.0, 1.0))
 
 
 def replay_score(sketch: torch.Tensor, past: torch.Tensor) -> float:

@@ -22,7 +22,6 @@ their flags and resolve blame and bans.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -134,12 +133,12 @@ class Executor:
         banned = self._end_verification(step)
         if self.attacks is not None:
             self.attacks.end_step()
-        loss = self._loss_share()
+        loss_sum, loss_count = self._losses()
         t = self.t
         return StepMetrics(step=step, rank=self.rank, step_ms=1e3 * (time.perf_counter() - start_s),
                            compute_ms=1e3 * t.compute, pad_ms=1e3 * t.pad, wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
-                           loss=loss, dropped=len(self.dropped_f | self.dropped_b), flagged=self.flagged,
+                           loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b), flagged=self.flagged,
                            banned=len(banned))
 
     def _reset(self, step: int) -> None:
@@ -448,12 +447,17 @@ class Executor:
             self.optimizer.zero_grad(set_to_none=True)
         self.t.optim += time.perf_counter() - t0
 
-    def _loss_share(self) -> float:
+    def _losses(self) -> tuple[float, int]:
+        """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.
+
+        ``step_losses`` keeps this rank's share of the step objective (sum / M, dropped ones as 0),
+        which is what the gradients of the step are gradients of.
+        """
         if self.stage is None or not self.stage.is_last:
-            return math.nan
-        total = sum(float(loss.detach()) for loss in self.losses.values()) / self.num_mb
-        self.step_losses.append(total)
-        return total
+            return 0.0, 0
+        kept = [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
+        self.step_losses.append(sum(kept) / self.num_mb)
+        return sum(kept), len(kept)
 
 
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float | None) -> torch.optim.Optimizer | None:

@@ -26,8 +26,8 @@ from planner.errors import InvalidInputError
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepMetrics:
-    """One rank's step. ``loss`` is this rank's share of the step loss (last stage only; else NaN):
-    the sum of its microbatches' losses divided by the step's microbatch count."""
+    """One rank's step. On a last-stage rank ``loss_sum``/``loss_count`` are the summed mean losses and
+    the number of its microbatches that were kept (not dropped by verification); 0 elsewhere."""
 
     step: int
     rank: int
@@ -38,7 +38,8 @@ class StepMetrics:
     comm_ms: float = 0.0
     verify_ms: float = 0.0
     optim_ms: float = 0.0
-    loss: float = math.nan
+    loss_sum: float = 0.0
+    loss_count: int = 0
     dropped: int = 0
     flagged: int = 0
     banned: int = 0
@@ -64,9 +65,7 @@ class StepMetrics:
         return len(fields(cls))
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["loss"] = None if math.isnan(self.loss) else self.loss
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
     @property
     def busy_ms(self) -> float:
@@ -75,7 +74,8 @@ class StepMetrics:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepSummary:
-    """All ranks' view of one step: the step loss and the slowest rank's period."""
+    """All ranks' view of one step: the mean loss over the kept microbatches (NaN if none was kept),
+    the slowest rank's period, and the most microbatches any rank dropped."""
 
     step: int
     loss: float
@@ -85,8 +85,8 @@ class StepSummary:
 
 
 def summarize_step(rows: Sequence[StepMetrics]) -> StepSummary:
-    losses = [r.loss for r in rows if not math.isnan(r.loss)]
-    return StepSummary(step=rows[0].step, loss=sum(losses) if losses else math.nan,
+    count = sum(r.loss_count for r in rows)
+    return StepSummary(step=rows[0].step, loss=sum(r.loss_sum for r in rows) / count if count else math.nan,
                        step_ms=max(r.step_ms for r in rows),
                        dropped=max((r.dropped for r in rows), default=0), ranks=tuple(rows))
 
@@ -128,7 +128,5 @@ def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                d = json.loads(line)
-                d["loss"] = math.nan if d.get("loss") is None else d["loss"]
-                rows.append(StepMetrics(**d))
+                rows.append(StepMetrics(**json.loads(line)))
     return rows

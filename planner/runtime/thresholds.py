@@ -8,9 +8,9 @@ stops a window of near-identical scores (IQR ~ 0) from flagging noise.
 """
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
-
-import numpy as np
 
 from planner.errors import InvalidInputError
 
@@ -22,7 +22,7 @@ class IQRFence:
     until then nothing exceeds it.
     """
 
-    __slots__ = ("window", "k", "min_samples", "floor", "_scores")
+    __slots__ = ("window", "k", "min_samples", "floor", "_scores", "_sorted", "_fence")
 
     def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0) -> None:
         if window < 4:
@@ -39,7 +39,9 @@ class IQRFence:
         self.k = float(k)
         self.min_samples = min_samples
         self.floor = float(floor)
-        self._scores: deque[float] = deque(maxlen=window)
+        self._scores: deque[float] = deque()
+        self._sorted: list[float] = []      # the same scores, kept sorted for the quartiles
+        self._fence: float | None = None    # cached until the window changes
 
     def __len__(self) -> int:
         return len(self._scores)
@@ -50,21 +52,37 @@ class IQRFence:
 
     def update(self, score: float) -> None:
         """Add an accepted score (the oldest one drops out of a full window)."""
-        if not np.isfinite(score):
+        if not math.isfinite(score):
             raise InvalidInputError("fence score", expected="a finite number", found=str(score))
-        self._scores.append(float(score))
+        score = float(score)
+        self._scores.append(score)
+        bisect.insort(self._sorted, score)
+        if len(self._scores) > self.window:
+            old = self._scores.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._fence = None
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile of the window, linear interpolation (numpy's default method)."""
+        if not self._sorted:
+            raise InvalidInputError("fence quantile", expected="at least one score", found="an empty window")
+        pos = (len(self._sorted) - 1) * q
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(self._sorted) - 1)
+        return self._sorted[lo] + (pos - lo) * (self._sorted[hi] - self._sorted[lo])
 
     def quartiles(self) -> tuple[float, float]:
-        """(Q1, Q3) of the window, linear interpolation (numpy's default)."""
-        q1, q3 = np.percentile(np.fromiter(self._scores, dtype=np.float64), [25.0, 75.0])
-        return float(q1), float(q3)
+        """(Q1, Q3) of the window."""
+        return self.quantile(0.25), self.quantile(0.75)
 
     def fence(self) -> float | None:
         """``max(Q3 + k * IQR, floor)``, or None before ``min_samples`` scores."""
         if not self.ready:
             return None
-        q1, q3 = self.quartiles()
-        return max(q3 + self.k * (q3 - q1), self.floor)
+        if self._fence is None:
+            q1, q3 = self.quartiles()
+            self._fence = max(q3 + self.k * (q3 - q1), self.floor)
+        return self._fence
 
     def exceeds(self, score: float) -> bool:
         """True when the fence exists and ``score`` is above it (NaN/inf always exceed)."""

@@ -25,7 +25,6 @@ far from. The statistics above are what stays stable from batch to batch.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -36,8 +35,8 @@ from planner.runtime import distances as dist
 from planner.runtime.thresholds import IQRFence
 
 DIRECTIONS = ("act", "grad")
-ALL_DISTANCES = ("mad", "l2", "sign", "skew", "swd", "replay")
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "sign": 0.0, "skew": 0.0, "swd": 0.0, "replay": 6.0}
+ALL_DISTANCES = ("mad", "l2", "sign", "skew", "swd", "spectral", "replay")
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "sign": 0.0, "skew": 0.0, "swd": 0.0, "spectral": 0.0, "replay": 6.0}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +124,24 @@ class Verdict:
     reasons: tuple[str, ...] = ()
 
 
+class _Ring:
+    """The last ``capacity`` sketches in one preallocated ``[capacity, length]`` tensor."""
+
+    def __init__(self, capacity: int, length: int) -> None:
+        self._data = torch.zeros(capacity, length)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return min(self._count, self._data.shape[0])
+
+    def push(self, sketch: torch.Tensor) -> None:
+        self._data[self._count % self._data.shape[0]] = sketch
+        self._count += 1
+
+    def rows(self) -> torch.Tensor:
+        return self._data[: len(self)]
+
+
 class Monitor:
     """Reference statistics and fences of one (boundary, direction)."""
 
@@ -136,8 +153,11 @@ class Monitor:
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
         self._dirs: torch.Tensor | None = None
+        self._spectral: torch.Tensor | None = None
+        self._basis: torch.Tensor | None = None
+        self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
-        self._history: deque[torch.Tensor] = deque(maxlen=cfg.replay_window)
+        self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
         self.fences = {name: IQRFence(window=cfg.window, k=cfg.iqr_k, min_samples=cfg.min_samples,
                                       floor=cfg.floors.get(name, 0.0))
                        for name in cfg.distances}
@@ -151,13 +171,20 @@ class Monitor:
 
     def summarize(self, tensor: torch.Tensor) -> dist.Summary | None:
         """The sample's summary, or None if its feature size differs from earlier samples'."""
-        rows_dim = dist.as_rows(tensor).shape[1]
+        rows_dim = dist.feature_size(tensor)
         if self._dirs is None:
             self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
+            self._spectral = dist.spectral_projection(rows_dim, self._seed(3))
         elif self._dirs.shape[0] != rows_dim:
             return None
-        sketch_seed = self._seed(7) if "replay" in self.fences else None
-        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, sketch_seed=sketch_seed)
+        sketch_at = None
+        if "replay" in self.fences:
+            numel = tensor.numel()
+            if numel not in self._sketch_at:
+                self._sketch_at[numel] = dist.sketch_positions(numel, dist.SKETCH_SIZE, self._seed(7))
+            sketch_at = self._sketch_at[numel]
+        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, spectral=self._spectral,
+                              sketch_at=sketch_at)
 
     def score(self, summary: dist.Summary) -> dict[str, float]:
         """Distances of ``summary`` to the reference (empty before the first sample)."""
@@ -165,9 +192,13 @@ class Monitor:
             return {}
         scores = {name: dist.DISTANCES[name](summary, self.ref)
                   for name in self.fences if name in dist.DISTANCES}
+        if "spectral" in self.fences:
+            if self._basis is None:
+                self._basis = dist.principal_basis(self.ref.cov)
+            scores["spectral"] = dist.spectral_residual(summary, self.ref, self._basis)
         if "replay" in self.fences:
-            past = [s for s in self._history if s.shape == summary.sketch.shape]
-            scores["replay"] = dist.replay_score(summary.sketch, torch.stack(past)) if past else 0.0
+            ring = self._history.get(summary.sketch.numel())
+            scores["replay"] = dist.replay_score(summary.sketch, ring.rows()) if ring else 0.0
         return scores
 
     def warming(self, step: int) -> bool:
@@ -179,10 +210,14 @@ class Monitor:
     def accept(self, summary: dist.Summary, scores: Mapping[str, float]) -> None:
         """Fold an honest sample into the average, the windows and the history."""
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
+        self._basis = None  # the principal subspace follows the reference
         for name, value in scores.items():
             self.fences[name].update(value)
-        if summary.sketch.numel():
-            self._history.append(summary.sketch)
+        length = summary.sketch.numel()
+        if length:
+            if length not in self._history:
+                self._history[length] = _Ring(self.cfg.replay_window, length)
+            self._history[length].push(summary.sketch)
 
     def fence_values(self) -> dict[str, float | None]:
         return {name: fence.fence() for name, fence in self.fences.items()}

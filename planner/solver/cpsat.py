@@ -91,14 +91,24 @@ class _Builder:
     def ivar(self, hi: int, name: str, lo: int = 0) -> cp_model.IntVar:
         return self.m.new_int_var(lo, max(lo, int(hi)), name)
 
-    def element(self, key: tuple, k: int, table: np.ndarray) -> cp_model.IntVar:
-        """table[e_k] as a variable (memoised per key and slot)."""
+    def element(self, key: tuple, k: int, table: np.ndarray) -> cp_model.LinearExpr:
+        """table[e_k] as a linear expression over the order encoding of e_k (memoised per key and slot).
+
+        ``table[e] = table[0] + sum_{l <= e} (table[l] - table[l-1])`` and ``ge[k][l] = [e_k >= l]``:
+        no value encoding of the result, and the LP relaxation sees fractional cuts.
+        """
         ck = key + (k,)
         if ck not in self._elem_cache:
-            vals = [int(v) for v in table]
-            var = self.m.new_int_var(min(vals), max(vals), f"{key[0]}_{k}")
-            self.m.add_element(self.e[k], vals, var)
-            self._elem_cache[ck] = var
+            vals = np.asarray(table, dtype=np.int64)[:self.L - 1]
+            diffs = np.diff(vals)
+            terms = [(int(d), self.ge[k][l]) for l, d in enumerate(diffs, start=1) if d != 0]
+            if not terms:
+                self._elem_cache[ck] = int(vals[0])
+            else:
+                var = self.m.new_int_var(int(vals.min()), int(vals.max()), f"{key[0]}_{k}")
+                self.m.add(var == int(vals[0]) + cp_model.LinearExpr.weighted_sum(
+                    [v for _, v in terms], [c for c, _ in terms]))
+                self._elem_cache[ck] = var
         return self._elem_cache[ck]
 
     def cls_of(self, c: int) -> object:
@@ -125,6 +135,13 @@ class _Builder:
             m.add(self.u[k] >= self.u[k + 1])
         # e[k]: last block of slot k (k < K-1); unused middle slots repeat the previous end.
         self.e = [m.new_int_var(0, L - 2, f"e{k}") for k in range(K - 1)]
+        # Order encoding of the cuts: ge[k][l] = [e_k >= l], l = 1..L-2.
+        self.ge = [[None] + [self.bool(f"ge{k}_{l}") for l in range(1, L - 1)] for k in range(K - 1)]
+        for k in range(K - 1):
+            row = self.ge[k][1:]
+            for a, b in zip(row, row[1:]):
+                m.add_implication(b, a)
+            m.add(self.e[k] == sum(row))
         for k in range(1, K - 1):
             m.add(self.e[k] >= self.e[k - 1] + 1).only_enforce_if(self.u[k])
             m.add(self.e[k] == self.e[k - 1]).only_enforce_if(~self.u[k])
@@ -240,17 +257,11 @@ class _Builder:
     def _contains(self, k: int, block: int) -> cp_model.LinearExpr:
         """1 if slot k holds ``block``: e_{k-1} < block <= e_k."""
         def ge(j: int) -> cp_model.LinearExpr:  # e_j >= block
-            if j < 0:
-                return 0
-            if j >= self.K - 1:
+            if j < 0 or block > self.L - 2:
+                return 1 if j >= self.K - 1 else 0
+            if j >= self.K - 1 or block == 0:
                 return 1
-            key = ("ge", j, block)
-            if key not in self._elem_cache:
-                b = self.bool(f"ge{j}_{block}")
-                self.m.add(self.e[j] >= block).only_enforce_if(b)
-                self.m.add(self.e[j] <= block - 1).only_enforce_if(~b)
-                self._elem_cache[key] = b
-            return self._elem_cache[key]
+            return self.ge[j][block]
         return ge(k) - ge(k - 1)
 
     # --- costs ---------------------------------------------------------------

@@ -339,7 +339,8 @@ def _seed_sequences(problem: Problem) -> list[tuple[Group, ...]]:
             chosen = [ends[0]] + sorted(rest, key=lambda d: (problem.classes[d[0]].trusted, d[0])) + [ends[1]]
         else:
             chosen = sorted(chosen, key=lambda d: d[0])
-        out.append(tuple(Group(cls=c) for c, _ in chosen))
+        if len(chosen) == S:
+            out.append(tuple(Group(cls=c) for c, _ in chosen))
     return out
 
 
@@ -355,7 +356,7 @@ def _neighbours(problem: Problem, groups: tuple[Group, ...], rng: np.random.Gene
             g[i], g[j] = g[j], g[i]
         elif move == 1 and S > 2:
             del g[rng.integers(S)]
-        elif move == 2:
+        elif move == 2 and S >= 2:
             g.insert(int(rng.integers(1, S)), Group(cls=int(rng.choice(classes))))
         else:
             i = int(rng.integers(S))
@@ -383,16 +384,16 @@ def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0):
             break
     rng = np.random.default_rng(seed)
     tried: set[tuple[Group, ...]] = set()
-    while best_groups is not None and time.perf_counter() - start < time_budget_s:
-        improved = False
+    stale = 0  # rounds without a new candidate: the neighbourhood is exhausted
+    while best_groups is not None and time.perf_counter() - start < time_budget_s and stale < 30:
+        stale += 1
         for cand in _neighbours(problem, best_groups, rng):
             if cand in tried:
                 continue
             tried.add(cand)
+            stale = 0
             got = sequence_placement(problem, cand)
             if got is not None and got[1] < best[1] - 1e-9:
-                best, best_groups, improved = got, cand, True
+                best, best_groups = got, cand
                 break
-        if not improved and len(tried) > 4000:
-            break
     return best

@@ -35,7 +35,11 @@ saved activations * in-flight + comm buffers + verifier state`` with in-flight
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
+from ortools.linear_solver import pywraplp
 
 from cost_models import comm, memory
 from planner.errors import InvalidInputError
@@ -255,3 +259,111 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
     if cap is not None:
         out.extend(f"verifier {d} checks {n} boundaries (max {cap})" for d, n in per_device.items() if n > cap)
     return out
+
+
+# --- a lower bound on the iteration time of any plan -------------------------
+def _min_send_ms(problem: Problem, cls: int, stage_classes: list[int]) -> float:
+    """Cheapest boundary transfer a stage on ``cls`` can make (best neighbour, best cut)."""
+    smallest = float(problem.out_bytes[:-1].min()) if problem.num_blocks > 1 else 0.0
+    best = math.inf
+    for c2 in stage_classes:
+        lk = problem.links[cls][c2]
+        if lk is not None and (c2 != cls or problem.classes[cls].count >= 2):
+            best = min(best, comm.transfer_ms(smallest, lk))
+    return 0.0 if math.isinf(best) else best
+
+
+def _min_check_ms(problem: Problem, cls: int) -> float:
+    """Cheapest way a checked tensor from ``cls`` adds to some stage's time: verify it or ship a copy."""
+    smallest = float(problem.out_bytes[:-1].min()) if problem.num_blocks > 1 else 0.0
+    sites = [c for c in problem.classes if c.trusted and (c.stage_capable or c.verifier_host)]
+    if not sites:
+        return 0.0
+    verify = min(problem.verify_ms(smallest, c.index) for c in sites)
+    copy = min(comm.transfer_ms(smallest, problem.links[cls][c.index]) if problem.links[cls][c.index] else 0.0
+               for c in sites)
+    return min(verify, copy)
+
+
+def relaxation_bound(problem: Problem, *, upper_ms: float, intervals: int = 8) -> float:
+    """A lower bound on ``F`` over every plan of two or more stages (or ``upper_ms`` if that is lower).
+
+    A fluid relaxation solved as LPs (GLOP): blocks may be split across stage
+    *types* (class, replicas); ``n_t`` stages of type ``t`` hold at most
+    ``n_t`` devices' memory; each stage pays at least its cheapest boundary
+    transfer (two for all but two stages) and, on an untrusted class, its
+    cheapest check; per type, the stage times sum to at most ``T * n_t``. The
+    product ``T * n_t`` is relaxed (McCormick) on a few intervals of ``T``;
+    the bound is the smallest interval bound. Any plan is a feasible point of
+    its interval's LP with no larger objective, so the result is valid.
+    """
+    M, L = problem.num_microbatches, problem.num_blocks
+    stage = [c.index for c in problem.classes if c.stage_capable]
+    types = [(c, r, math.ceil(M / r) / M) for c in stage for r in problem.replica_choices(c)]
+    if L < 2 or sum(problem.classes[c].count for c in stage) < 2:
+        return upper_ms
+    send = {c: _min_send_ms(problem, c, stage) for c in stage}
+    check = {c: (_min_check_ms(problem, c) if problem.policy.enabled and not problem.classes[c].trusted else 0.0)
+             for c in stage}
+    t_lo = max(min(h * (problem.time_ms[l, c] + send[c]) for c, r, h in types) for l in range(L))
+    t_hi = upper_ms / (M - 1) if M > 1 else upper_ms
+    if not t_lo < t_hi:
+        return upper_ms
+    edges = np.geomspace(t_lo, t_hi, intervals + 1)
+    best = upper_ms
+    for a, b in zip(edges, edges[1:]):
+        best = min(best, _interval_bound(problem, types, send, check, float(a), float(b)))
+    return best
+
+
+def _interval_bound(problem: Problem, types: list, send: dict, check: dict, a: float, b: float) -> float:
+    """The LP of :func:`relaxation_bound` for plans whose bottleneck lies in ``[a, b]``."""
+    M, L, pol = problem.num_microbatches, problem.num_blocks, problem.policy
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    T = lp.NumVar(a, b, "T")
+    state = problem.param_count.astype(float) * problem.state_bytes_per_param
+    act = problem.act_bytes.astype(float)
+    cover = [[] for _ in range(L)]
+    objective = (M - 1) * T - 2 * max(send.values())
+    by_class: dict[int, list] = {}
+    n_vars = []
+    for i, (c, r, h) in enumerate(types):
+        cls = problem.classes[c]
+        n_hi = cls.count // r
+        n = lp.NumVar(0, n_hi, f"n{i}")
+        y = lp.NumVar(0, b * n_hi, f"y{i}")
+        in_flight = math.ceil(M / r) if problem.schedule == "gpipe" else 1
+        work, mem = [], []
+        for l in range(L):
+            tl = float(problem.time_ms[l, c])
+            if h * (tl + send[c]) > b or state[l] + act[l] * in_flight > cls.mem_bytes:
+                continue
+            x = lp.NumVar(0, 1, "")
+            cover[l].append(x)
+            work.append(tl * x)
+            mem.append((state[l] + act[l] * in_flight) * x)
+        W = lp.Sum(work) if work else 0
+        lp.Add(h * (W + send[c] * n) <= y)
+        lp.Add(y <= b * n)
+        lp.Add(y <= n_hi * T + a * n - n_hi * a)
+        lp.Add((lp.Sum(mem) if mem else 0) <= cls.mem_bytes * n)
+        objective += h * (W + (2 * send[c] + check[c]) * n)
+        by_class.setdefault(c, []).append(r * n)
+        n_vars.append((n, cls.trusted))
+    for xs in cover:
+        if not xs:
+            return math.inf
+        lp.Add(lp.Sum(xs) == 1)
+    for c, used in by_class.items():
+        lp.Add(lp.Sum(used) <= problem.classes[c].count)
+    lp.Add(lp.Sum([n for n, _ in n_vars]) >= 2)
+    if pol.enabled and pol.trusted_endpoints:
+        lp.Add(lp.Sum([n for n, trusted in n_vars if trusted]) >= 2)
+    lp.Minimize(objective)
+    status = lp.Solve()
+    if status == pywraplp.Solver.INFEASIBLE:
+        return math.inf
+    if status != pywraplp.Solver.OPTIMAL:
+        return 0.0  # no proof: the trivial bound
+    # The LP optimum is within solver tolerance; shave a relative 1e-7 so the bound stays valid.
+    return max(0.0, lp.Objective().Value() * (1 - 1e-7))

@@ -32,7 +32,8 @@ DOC_GANTT_STEM = Path(__file__).resolve().parents[2] / "docs" / "gantt-1f1b"
 TEST_DEVICE = {"name": "TEST-GPU", "kind": "gpu", "peak_flops": {"float32": 1.0e13}, "mem_bytes": 16 * 2**30,
                "mem_bw_bytes_per_s": 5.0e11, "efficiency": 0.5}
 SLOW_DEVICE = {**TEST_DEVICE, "name": "TEST-SLOW", "peak_flops": {"float32": 5.0e12}}
-CPU_DEVICE = {**TEST_DEVICE, "name": "TEST-CPU", "kind": "cpu", "peak_flops": {"float32": 1.0e12}, "mem_bw_bytes_per_s": 1.0e11}
+CPU_DEVICE = {**TEST_DEVICE, "name": "TEST-CPU", "kind": "cpu", "peak_flops": {"float32": 1.0e12},
+              "mem_bw_bytes_per_s": 1.0e11}
 
 
 def block(index: int, *, fwd_flops: int = 10**9, bwd_flops: int | None = None, params: int = 10**5,

@@ -44,9 +44,10 @@ def random_cluster(rng: np.random.Generator, num_devices: int, *, types: int = 3
         hosts.append({"name": "verifier", "region": "eu", "trust": "operator", "trusted": True,
                       "role": "verifier", "devices": [{"type": "CPU", "count": 1}]})
     links = {"intra_host": {"bandwidth_gbps": float(rng.choice([128, 2400])), "latency_ms": 0.01},
-             "default": {"bandwidth_gbps": float(rng.choice([10, 100])), "latency_ms": 0.5},
-             "regions": [{"between": ["us", "eu"], "bandwidth_gbps": float(rng.choice([0.5, 2.0])),
-                          "latency_ms": 40.0}]}
+             "default": {"bandwidth_gbps": float(rng.choice([10, 100])), "latency_ms": 0.5}}
+    if {h["region"] for h in hosts} >= {"us", "eu"}:
+        links["regions"] = [{"between": ["us", "eu"], "bandwidth_gbps": float(rng.choice([0.5, 2.0])),
+                             "latency_ms": 40.0}]
     return ClusterSpec.from_dict({"name": "rand", "hosts": hosts, "links": links})
 
 

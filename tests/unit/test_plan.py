@@ -148,3 +148,10 @@ def test_plan_constructor_checks_layout(plan):
         dataclasses.replace(plan, schema_version=2)
     with pytest.raises(InvalidInputError, match="peak_mem_bytes"):
         dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, peak_mem_bytes=(1,)))
+
+
+def test_non_string_instruction_is_rejected(plan, tmp_path):
+    data = plan.to_dict()
+    data["programs"][0][1] = 5
+    with pytest.raises(InvalidInputError, match=r"programs\[0\].*instruction 5"):
+        load_plan(_write(tmp_path, data))

@@ -144,7 +144,7 @@ def test_memory_follows_the_activations_actually_in_flight(schedule):
         expected_in_flight = M if schedule == "gpipe" else min(S - k, M)
         assert result.peak_in_flight[k] == expected_in_flight == plan.ranks[k].max_in_flight
         br = memory.stage_memory(ch, k, k, plan.config, expected_in_flight)
-        assert result.peak_mem_bytes[k] == br.total_bytes == costs.memory_bytes(k, expected_in_flight)[0]
+        assert result.peak_mem_bytes[k] == br.total_bytes == costs.memory_bytes(k, expected_in_flight)
     assert plan.predicted.peak_mem_bytes == result.peak_mem_bytes
 
 
@@ -159,3 +159,23 @@ def test_timeline_is_consistent():
             sorted((d, m) for d in "BF" for m in range(5))
     assert all(b + i == pytest.approx(result.step_ms) for b, i in zip(result.busy_ms, result.idle_ms))
     assert result.predicted().step_ms == result.step_ms
+
+
+def test_a_saved_plan_simulates_to_its_prediction(tmp_path):
+    """The plan file alone reproduces the prediction, also for a chain rescaled to another microbatch size."""
+    import dataclasses
+
+    from plan_fixtures import model_ref
+
+    from planner.compile import compile_plan
+    from planner.plan import load_plan
+
+    ch = uniform_chain(4, out_bytes=10**6)
+    scaled = dataclasses.replace(ch, microbatch_size=4)  # as if the solver rescaled a chain traced at 2
+    ref = model_ref(ch)
+    cl = cluster([(f"h{i}", TEST_DEVICE, 1) for i in range(2)], bandwidth_gbps=10.0, latency_ms=1.0)
+    sol = solution([(0, 1), (2, 3)], [("h0/0",), ("h1/0",)], 4)
+    plan = compile_plan(sol, scaled, cl, config(4, microbatch_size=4), VerificationPolicy(), ref)
+    assert plan.model.batch == 2 and plan.chain_microbatch_size == 4
+    loaded = load_plan(plan.save(tmp_path / "plan.json"))
+    assert simulate(loaded).predicted() == plan.predicted

@@ -1,0 +1,161 @@
+"""Tracing cost: time and peak memory to trace big presets on the meta device, and ONNX import time.
+
+Cases, each in a fresh subprocess so peak RSS (``resource.getrusage``, the
+process's high-water mark) belongs to that case alone:
+
+- ``llama-7b`` (batch 1, seq 4096) and ``gpt-1.3b`` (batch 1, seq 2048): build on
+  the meta device, ``planner.trace.trace`` (torch.export + per-op FLOPs), then
+  ``coarsen``. Goal for llama-7b: traced in <= 30 s using <= 2 GB.
+- ``gpt-small`` ONNX import: export once with real CPU weights (seq 128, not
+  timed), then time ``planner.onnx_import.load_onnx`` + ``coarsen`` in a fresh
+  process (weights stay on disk: the graph is read without external data).
+
+Run: ``python benchmarks/trace.py [--quick]`` (``--quick`` skips the ONNX case,
+whose export writes ~650 MB). Prints a table and writes
+``benchmarks/results/trace.json``. Times are wall-clock and noisy on a shared
+machine; the memory figures are not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "trace.json"
+GOALS = {"llama-7b": {"max_s": 30.0, "max_rss_gb": 2.0}}
+TRACE_CASES = (("llama-7b", 1, 4096), ("gpt-1.3b", 1, 2048))
+ONNX_CASE = ("gpt-small", 1, 128)
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def child_trace(spec: str, batch: int, seq: int) -> dict:
+    """Runs in the subprocess: build on meta, trace, coarsen; report times and peak RSS."""
+    import torch
+
+    torch.set_num_threads(1)
+    from models.registry import build_model
+    from planner.coarsen import coarsen
+    from planner.trace import trace
+
+    rss_before = _peak_rss_gb()
+    t0 = time.perf_counter()
+    bundle = build_model(spec, batch=batch, seq=seq, device="meta")
+    t1 = time.perf_counter()
+    graph = trace(bundle.module, bundle.example_inputs, name=spec)
+    t2 = time.perf_counter()
+    chain = coarsen(graph)
+    t3 = time.perf_counter()
+    return {"build_s": t1 - t0, "trace_s": t2 - t1, "coarsen_s": t3 - t2, "total_s": t3 - t0,
+            "peak_rss_gb": _peak_rss_gb(), "rss_after_imports_gb": rss_before, "nodes": len(graph),
+            "blocks": len(chain), "params": graph.param_count, "fwd_tflops": graph.fwd_flops / 1e12,
+            "bwd_over_fwd": graph.bwd_flops / graph.fwd_flops}
+
+
+def child_onnx(path: str) -> dict:
+    from planner.coarsen import coarsen
+    from planner.onnx_import import load_onnx
+
+    rss_before = _peak_rss_gb()
+    t0 = time.perf_counter()
+    graph = load_onnx(path)
+    t1 = time.perf_counter()
+    chain = coarsen(graph)
+    t2 = time.perf_counter()
+    return {"import_s": t1 - t0, "coarsen_s": t2 - t1, "total_s": t2 - t0, "peak_rss_gb": _peak_rss_gb(),
+            "rss_after_imports_gb": rss_before, "nodes": len(graph), "blocks": len(chain),
+            "params": graph.param_count, "fwd_tflops": graph.fwd_flops / 1e12}
+
+
+def export_gpt_small(folder: Path) -> Path:
+    import torch
+
+    torch.set_num_threads(1)
+    from models.registry import build_model
+    from planner.onnx_import import export_onnx
+
+    spec, batch, seq = ONNX_CASE
+    bundle = build_model(spec, batch=batch, seq=seq, device="cpu")
+    return export_onnx(bundle.module, bundle.example_inputs, folder / f"{spec}.onnx")
+
+
+def _run_child(*args: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"case {args} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the ONNX case (export writes ~650 MB)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.child:
+        kind, *rest = args.child
+        result = child_trace(rest[0], int(rest[1]), int(rest[2])) if kind == "trace" else child_onnx(rest[0])
+        print(json.dumps(result))
+        return 0
+
+    cases: dict[str, dict] = {}
+    for spec, batch, seq in TRACE_CASES:
+        cases[f"trace {spec}"] = {"spec": spec, "batch": batch, "seq": seq,
+                                  **_run_child("trace", spec, str(batch), str(seq))}
+    if not args.quick:
+        with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+            t0 = time.perf_counter()
+            path = export_gpt_small(Path(tmp))
+            export_s = time.perf_counter() - t0
+            spec, batch, seq = ONNX_CASE
+            cases[f"onnx import {spec}"] = {"spec": spec, "batch": batch, "seq": seq, "export_s": export_s,
+                                            **_run_child("onnx", str(path))}
+    goals = {}
+    for spec, goal in GOALS.items():
+        case = cases[f"trace {spec}"]
+        goals[spec] = {**goal, "trace_s": case["total_s"], "peak_rss_gb": case["peak_rss_gb"],
+                       "met": case["total_s"] <= goal["max_s"] and case["peak_rss_gb"] <= goal["max_rss_gb"]}
+    _print(cases, goals)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "trace", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "note": "wall-clock on a shared machine: times are noisy, RSS is not"},
+               "cases": cases, "goals": goals}
+    RESULTS.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0 if all(g["met"] for g in goals.values()) else 1
+
+
+def _print(cases: dict, goals: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tracing cost (fresh process per case)")
+    for col in ("case", "shape", "nodes", "blocks", "params", "time s", "of which trace/import s", "peak RSS GB"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for name, c in cases.items():
+        inner = c.get("trace_s", c.get("import_s"))
+        table.add_row(name, f"{c['batch']}x{c['seq']}", str(c["nodes"]), f"{c['params'] / 1e9:.2f}B",
+                      f"{c['total_s']:.1f}", f"{inner:.1f}", f"{c['peak_rss_gb']:.2f}")
+    console = Console(width=120)
+    console.print(table)
+    for spec, g in goals.items():
+        status = "met" if g["met"] else "NOT met"
+        console.print(f"goal {spec}: <= {g['max_s']:.0f} s and <= {g['max_rss_gb']:.0f} GB -> "
+                      f"{g['trace_s']:.1f} s, {g['peak_rss_gb']:.2f} GB: {status}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

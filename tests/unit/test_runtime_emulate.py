@@ -1,0 +1,46 @@
+"""Compute padding for rehearsing heterogeneous plans (planner.runtime.emulate)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cost_models.devices import get_device_spec
+from planner.errors import InvalidInputError
+from planner.runtime.emulate import Emulation, emulation_for, stage_ms
+from tests.dist.plans import make_plan
+
+
+@pytest.fixture(scope="module")
+def hetero_plan():
+    return make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)],
+                     device_types=["A100-80GB", "T4"])
+
+
+def test_fastest_planned_device_runs_unpadded_and_slower_ones_by_their_roofline_ratio(hetero_plan):
+    fast, slow = emulation_for(hetero_plan, 0), emulation_for(hetero_plan, 1)
+    assert (fast.fwd_factor, fast.bwd_factor) == (1.0, 1.0) and not fast.active
+    stage = hetero_plan.stages[1]
+    t4 = stage_ms(stage, get_device_spec("T4"), "float32")
+    a100 = stage_ms(stage, get_device_spec("A100-80GB"), "float32")
+    assert slow.fwd_factor == pytest.approx(t4[0] / a100[0])
+    assert slow.bwd_factor == pytest.approx(t4[1] / a100[1])
+    assert slow.fwd_factor > 1.5 and slow.reference_device == "A100-80GB"
+
+
+def test_homogeneous_plan_is_not_padded():
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])
+    assert not any(emulation_for(plan, r).active for r in range(plan.num_ranks))
+
+
+def test_pad_sleeps_the_missing_time():
+    emu = Emulation(fwd_factor=3.0, bwd_factor=1.0)
+    t0 = time.perf_counter()
+    slept = emu.pad("F", 0.02)
+    assert slept == pytest.approx(0.04) and time.perf_counter() - t0 >= 0.039
+    assert emu.pad("B", 0.02) == 0.0
+
+
+def test_speed_up_factors_are_refused():
+    with pytest.raises(InvalidInputError):
+        Emulation(fwd_factor=0.5)

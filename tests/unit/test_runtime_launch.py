@@ -1,0 +1,71 @@
+"""Run options, fault specs and failure diagnosis of the local launcher (planner.runtime.launch)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from planner.errors import InvalidInputError
+from planner.runtime.launch import (FaultSpec, RunOptions, _Rank, diagnose, parse_worker_args)
+
+
+def test_worker_argv_round_trips_every_option():
+    opts = RunOptions(plan="p.json", steps=7, timeout_s=12.5, emulate=True, metrics="m.jsonl", report="r.json",
+                      attacks=("rank=1,kind=zeros", "rank=2,kind=noise"), verify=False, seed=3, data="synthetic",
+                      loss="a.b:c", lr=0.5, dump="d", fault=FaultSpec(rank=1, kind="hang", step=2), threads=2,
+                      backend="gloo")
+    assert parse_worker_args(opts.worker_argv()) == opts
+    assert parse_worker_args(["p.json"]) == RunOptions(plan="p.json")
+
+
+def test_no_worker_flag_is_claimed_by_torchrun():
+    """torchrun parses flags after the module too: none of ours may equal or prefix one of its options."""
+    from torch.distributed.run import get_args_parser
+
+    theirs = [o for a in get_args_parser()._actions for o in a.option_strings if o.startswith("--")]
+    ours = [o for o in RunOptions(plan="p", emulate=True, verify=False, metrics="m", report="r", loss="a:b",
+                                  lr=1.0, dump="d", fault=FaultSpec(rank=0, kind="die"),
+                                  attacks=("x",)).worker_argv() if o.startswith("--")]
+    clashes = [(o, t) for o in ours for t in theirs if t.startswith(o)]
+    assert not clashes
+
+
+@pytest.mark.parametrize("text", ["1", "x:die", "1:explode", "1:die:x", "-1:die"])
+def test_bad_fault_specs_are_refused(text):
+    with pytest.raises(InvalidInputError):
+        FaultSpec.parse(text)
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(timeout_s=0), dict(threads=0), dict(backend="mpi"),
+                                 dict(lr=-1.0)])
+def test_bad_options_are_refused(bad):
+    with pytest.raises(InvalidInputError):
+        RunOptions(plan="p.json", **bad)
+
+
+def _rank(tmp_path, r, code, *, killed=False, log=""):
+    path = tmp_path / f"rank{r}.log"
+    path.write_text(log)
+    return _Rank(rank=r, proc=SimpleNamespace(returncode=code), log_path=path, killed=killed)
+
+
+def _record(tmp_path, r, kind, error, peer):
+    (tmp_path / f"rank{r}.json").write_text(json.dumps({"rank": r, "kind": kind, "error": error, "peer": peer}))
+
+
+def test_diagnosis_names_a_dead_rank_over_those_that_lost_it(tmp_path):
+    ranks = [_rank(tmp_path, 0, 3), _rank(tmp_path, 1, -9), _rank(tmp_path, 2, 3)]
+    _record(tmp_path, 0, "RankFailureError", "rank 1 died", 1)
+    _record(tmp_path, 2, "RankFailureError", "rank 1 died", 1)
+    line = diagnose(ranks, tmp_path, 10)
+    assert line.startswith("rank 1 died (was killed by signal 9)") and "[0, 2]" in line
+
+
+def test_diagnosis_names_a_hung_rank_and_an_exception(tmp_path):
+    ranks = [_rank(tmp_path, 0, 3), _rank(tmp_path, 1, -9, killed=True)]
+    _record(tmp_path, 0, "RankFailureError", "rank 1 did not answer", 1)
+    assert diagnose(ranks, tmp_path, 7).startswith("rank 1 hung (no progress within the 7 s timeout")
+    crash = [_rank(tmp_path, 0, 1, log="Traceback\n[rank0]: ValueError: boom\n"), _rank(tmp_path, 1, 3)]
+    (tmp_path / "rank0.json").unlink()
+    assert diagnose(crash, tmp_path, 7).startswith("rank 0 failed: ValueError: boom")

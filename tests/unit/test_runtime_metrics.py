@@ -1,0 +1,50 @@
+"""Per-step metrics: tensor round trip, step summaries, JSON lines (planner.runtime.metrics)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.errors import InvalidInputError
+from planner.runtime.metrics import (MetricsWriter, StepMetrics, measured_step_ms, read_metrics,
+                                     summarize_step)
+
+
+def _row(step, rank, step_ms, **kw):
+    return StepMetrics(step=step, rank=rank, step_ms=step_ms, **kw)
+
+
+def test_tensor_round_trip_keeps_every_field():
+    m = _row(7, 2, 12.5, compute_ms=3.25, wait_ms=1.5, loss_sum=4.0, loss_count=2, dropped=1, flagged=3)
+    assert StepMetrics.from_tensor(m.to_tensor()) == m
+    assert m.to_tensor().numel() == StepMetrics.numel()
+
+
+def test_summary_loss_is_the_mean_over_kept_microbatches_of_all_last_stage_replicas():
+    rows = [_row(0, 0, 10.0), _row(0, 1, 12.0, loss_sum=6.0, loss_count=2),
+            _row(0, 2, 11.0, loss_sum=2.0, loss_count=2, dropped=1)]
+    s = summarize_step(rows)
+    assert s.loss == pytest.approx(2.0) and s.step_ms == 12.0 and s.dropped == 1
+    assert math.isnan(summarize_step([_row(1, 0, 1.0)]).loss)
+
+
+def test_measured_step_is_the_median_after_warmup():
+    steps = [summarize_step([_row(i, 0, ms)]) for i, ms in enumerate([100.0, 10.0, 30.0, 20.0])]
+    assert measured_step_ms(steps) == 20.0
+    assert measured_step_ms(steps[:1]) == 100.0
+    with pytest.raises(InvalidInputError):
+        measured_step_ms([])
+
+
+def test_json_lines_round_trip(tmp_path):
+    rows = [_row(0, r, 5.0 + r, loss_sum=float(r), loss_count=r) for r in range(3)]
+    w = MetricsWriter(tmp_path / "m.jsonl")
+    w.write(rows)
+    w.close()
+    assert read_metrics(tmp_path / "m.jsonl") == rows
+    MetricsWriter(None).write(rows)  # no file: nothing to do
+
+
+def test_negative_figures_are_refused():
+    with pytest.raises(InvalidInputError):
+        _row(0, 0, -1.0)
