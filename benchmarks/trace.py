@@ -147,7 +147,7 @@ def _print(cases: dict, goals: dict) -> None:
         table.add_column(col, justify="left" if col == "case" else "right")
     for name, c in cases.items():
         inner = c.get("trace_s", c.get("import_s"))
-        table.add_row(name, f"{c['batch']}x{c['seq']}", str(c["nodes"]), f"{c['params'] / 1e9:.2f}B",
+        table.add_row(name, f"{c['batch']}x{c['seq']}", str(c["nodes"]), str(c["blocks"]), f"{c['params'] / 1e9:.2f}B",
                       f"{c['total_s']:.1f}", f"{inner:.1f}", f"{c['peak_rss_gb']:.2f}")
     console = Console(width=120)
     console.print(table)

@@ -20,6 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 from planner.errors import InvalidInputError
@@ -187,7 +188,7 @@ def _gpu(name: str, *, fp32: float, bf16: float | None, fp16: float, tf32: float
 # datacenter parts reach ~0.4-0.5 MFU in practice (PaLM / Megatron reports);
 # consumer and inference cards with small caches somewhat less. A profile
 # replaces these guesses with a fitted figure.
-CATALOG: Mapping[str, DeviceSpec] = {s.name: s for s in (
+CATALOG: Mapping[str, DeviceSpec] = MappingProxyType({s.name: s for s in (
     # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1 TF, mixed FP16/FP32 65 TF, 16 GB GDDR6, 320 GB/s.
     # Turing has no BF16: bfloat16 runs at the FP32 rate.
     _gpu("T4", fp32=8.1, bf16=None, fp16=65.0, tf32=None, mem_gib=16, bw_gbs=320, efficiency=0.35,
@@ -229,7 +230,7 @@ CATALOG: Mapping[str, DeviceSpec] = {s.name: s for s in (
     DeviceSpec(name="CPU", kind="cpu", peak_flops=(("float32", 1.536 * _TERA), ("bfloat16", 1.536 * _TERA)),
                mem_bytes=64 * _GIB, mem_bw_bytes_per_s=102.4 * _GB, efficiency=0.3,
                source="nominal: 16-core AVX2 server at 3.0 GHz, 4-channel DDR4-3200"),
-)}
+)})
 
 
 def is_profile_reference(name: str) -> bool:

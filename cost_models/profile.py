@@ -3,7 +3,7 @@
 What is measured (``profile_device``):
 
 - matmul throughput per dtype (``float32``; ``bfloat16``/``float16`` where the
-  device runs them), median of square matmuls: the profile's "peak" FLOP/s;
+  device runs them), fastest of a few square matmuls: the profile's "peak" FLOP/s;
 - memory bandwidth: a large tensor copy (bytes read + bytes written);
 - the forward and backward time of each top-level unit (``embed``/``stem``,
   ``layers.i``, ``head``) of a model preset built with real weights, each unit
@@ -39,6 +39,7 @@ from cost_models.devices import PROFILE_SCHEMA, DeviceSpec
 from planner.errors import InvalidInputError, RankFailureError
 
 Step = Callable[[str], None]
+Clock = Literal["wall", "cpu"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,9 +116,6 @@ def _sync(device: Any) -> None:
     import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-Clock = Literal["wall", "cpu"]
 
 
 def _clock(clock: Clock) -> Callable[[], float]:
@@ -400,6 +398,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     if settings.clock == "cpu" and device.type != "cpu":
         raise InvalidInputError("--clock cpu", expected="a CPU device", found=str(device),
                                 fix="use the wall clock on GPUs")
+    _clock(settings.clock)  # checks the thread count before anything is measured
     say(f"tracing {settings.model}")  # first: a bad model spec fails before any measuring
     chain = model_chain(settings.model, batch=settings.batch, seq=settings.seq)
     dtypes = ["float32"] + (["bfloat16", "float16"] if device.type == "cuda" else ["bfloat16"])

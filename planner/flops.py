@@ -7,13 +7,17 @@ Conventions (one multiply-add = 2 FLOPs, as in ``torch.utils.flop_counter``):
   backward, using PyTorch's registered formulas. The CPU flash-attention ops
   have no registered formula (they count zero), so :func:`sdpa_custom_mapping`
   maps them onto ``sdpa_flop_count`` / ``sdpa_backward_flop_count``.
-- Attention also applies scale, mask and softmax to its ``[B, H, L, S]`` score
-  matrix: :data:`ATTN_SCORE_FLOPS_PER_ELEMENT` per score, so a fused SDPA and the
-  decomposed MatMul/Softmax an ONNX exporter emits agree.
-- Pointwise ops: 1 FLOP per output element; reductions: 1 per input element;
-  softmax and normalisation: a small constant per element (below).
+- Everything else is counted per aten op as it reaches the dispatcher (after
+  CompositeImplicit decomposition, by :class:`_TableCounter`) with a small table:
+  pointwise ops (``torch.Tag.pointwise``) 1 FLOP per output element; reductions
+  1 per input element; softmax and normalisation a constant per element (below).
+  On meta tensors attention runs PyTorch's math path, so its scale, mask add and
+  softmax are counted this way, like the pieces an ONNX exporter emits; a fused
+  kernel (CPU flash attention) hides them, and then
+  :data:`ATTN_SCORE_FLOPS_PER_ELEMENT` per score is added instead.
 - Data movement (copies, casts, concatenation, gathers, embedding lookups) and
   views: 0 FLOPs. They cost memory traffic, which the blocks count separately.
+- ONNX ops (:func:`onnx_fwd_flops`) follow the same table by op type.
 
 Backward FLOPs: the registered backward formulas where an op has them (mm/addmm/
 bmm/conv/SDPA backward: about 2x forward when both the input and the weight
@@ -191,7 +195,8 @@ def measure_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     """
     mapping = sdpa_custom_mapping()
     inputs = _tensors((args, kwargs))
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+    # enable_grad restores the grad mode on exit even if the op (e.g. a set_grad_enabled region) fails.
+    with torch.enable_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         with _TableCounter(counter.flop_registry) as table:
             result = fn(*args, **kwargs)
     outs = _tensors(result)
@@ -225,7 +230,7 @@ def _backward_flops(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
     leaves = [t for t in inputs if t.requires_grad and t.is_leaf]
     if not diff_outs or not leaves:
         return 0
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=dict(mapping)) as counter:
+    with torch.enable_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=dict(mapping)) as counter:
         torch.autograd.grad(diff_outs, leaves, grad_outputs=[torch.empty_like(o) for o in diff_outs],
                             allow_unused=True)
     return counter.get_total_flops()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import linecache
 import logging
 import operator
@@ -80,13 +81,15 @@ def graph_from_exported(exported: torch.export.ExportedProgram, *, name: str = "
                 builder.add_input(fx_node.name, fx_node.meta["val"])
         elif fx_node.op == "call_function":
             builder.add_exported_op(fx_node)
+        elif fx_node.op == "get_attr":
+            # Submodules of higher-order ops (e.g. a torch.no_grad() region): values, not nodes.
+            builder.values[fx_node.name] = _fetch_attr(exported.graph_module, fx_node.target)
         elif fx_node.op == "output":
             # Buffer mutations (e.g. BatchNorm running stats) are outputs too, but they
             # stay on the stage that owns the buffer: only user outputs leave the model.
             user = [spec.arg.name for spec in sig.output_specs
                     if spec.kind == OutputKind.USER_OUTPUT and isinstance(spec.arg, TensorArgument)]
             builder.add_output(fx_node.name, user)
-        # get_attr nodes hold submodules of higher-order ops; they are not tensors.
     return builder.graph(source)
 
 
@@ -107,9 +110,8 @@ def _normalise_inputs(model: nn.Module, example_inputs: Any) -> tuple[torch.Tens
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        return tensor.device
-    return None
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return None if first is None else first.device
 
 
 @contextlib.contextmanager
@@ -165,6 +167,7 @@ class _Builder:
         self.values: dict[str, Any] = {}            # node name -> example value (fake or meta)
         self.requires_grad: dict[str, tuple[bool, ...]] = {}
         self.node_names: set[str] = set()
+        self.cost_cache: dict[str, OpCost] = {}
 
     def add_param(self, node_name: str, fqn: str, value: torch.Tensor, *, trainable: bool) -> None:
         if fqn not in self.params:
@@ -214,12 +217,29 @@ class _Builder:
     def _exported_cost(self, fx_node: torch.fx.Node, value: Any) -> OpCost:
         if fx_node.target is operator.getitem:
             return self._getitem_cost(fx_node)
-        args, kwargs = self._leaf_args(fx_node)
-        try:
-            cost, _ = measure_op(fx_node.target, args, kwargs, target=fx_node.target)
-        except _TRACE_ERRORS:
-            cost = self._table_cost(fx_node, value)  # op without a meta kernel: shapes only
-        return cost
+        # Transformer layers repeat the same ops at the same shapes: measure each signature once.
+        key = self._signature(fx_node)
+        if key not in self.cost_cache:
+            args, kwargs = self._leaf_args(fx_node)
+            try:
+                self.cost_cache[key], _ = measure_op(fx_node.target, args, kwargs, target=fx_node.target)
+            except _TRACE_ERRORS:
+                self.cost_cache[key] = self._table_cost(fx_node, value)  # no meta kernel: shapes only
+        return self.cost_cache[key]
+
+    def _signature(self, fx_node: torch.fx.Node) -> str:
+        """Everything the cost of an op depends on: target, argument layouts, gradient flags, constants."""
+        seen: dict[str, int] = {}
+
+        def describe(arg: torch.fx.Node) -> Any:
+            index = seen.setdefault(arg.name, len(seen))  # keeps "the same tensor twice" apart from two tensors
+            value = self.values.get(arg.name)
+            layout = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in _flat_tensors(value)]
+            if not layout and isinstance(value, torch.fx.GraphModule):
+                return ("graph", arg.name)  # a higher-order op's body: unique to this call
+            return ("node", index, layout or repr(value), self.requires_grad.get(arg.name, ()))
+
+        return repr((str(fx_node.target), map_arg(fx_node.args, describe), map_arg(fx_node.kwargs, describe)))
 
     def _getitem_cost(self, fx_node: torch.fx.Node) -> OpCost:
         src, index = fx_node.args[0], fx_node.args[1]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -80,6 +81,19 @@ class Summary:
                        pmean=beta * self.pmean + (1 - beta) * other.pmean,
                        cov=beta * self.cov + (1 - beta) * other.cov,
                        sketch=other.sketch)
+
+
+def mean_summary(summaries: Sequence[Summary]) -> Summary:
+    """The average of several summaries (a step's microbatches): one less noisy sample."""
+    if not summaries:
+        raise InvalidInputError("summaries to average", expected="at least one", found="none")
+    n = len(summaries)
+
+    def avg(name: str) -> torch.Tensor:
+        return sum(getattr(s, name) for s in summaries) / n
+
+    return Summary(mean=avg("mean"), std=avg("std"), skew=avg("skew"), quantiles=avg("quantiles"),
+                   pmean=avg("pmean"), cov=avg("cov"), sketch=torch.empty(0))
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +211,15 @@ def normalized_l2(x: Summary, ref: Summary) -> float:
     return float((a - b).norm() / b.norm().clamp_min(EPS))
 
 
+def scale_change(x: Summary, ref: Summary) -> float:
+    """``|log(rms(x) / rms(ref))|``: how many e-folds the tensor's overall size moved.
+    Every other distance is scale free; this one catches zeroed or rescaled tensors
+    (an all-zero tensor scores the cap, ``-log(EPS)``)."""
+    rms_x = (x.mean.square() + x.std.square()).mean().sqrt()
+    rms_ref = (ref.mean.square() + ref.std.square()).mean().sqrt()
+    return float(abs(math.log(max(float(rms_x), EPS)) - math.log(max(float(rms_ref), EPS))))
+
+
 def sign_flip_ratio(x: Summary, ref: Summary) -> float:
     """Share of the reference's per-feature mean mass whose sign the sample flips.
 
@@ -287,6 +310,7 @@ def sliced_wasserstein_samples(a: torch.Tensor, b: torch.Tensor, *, projections:
 DISTANCES = {
     "mad": mean_abs_diff,
     "l2": normalized_l2,
+    "scale": scale_change,
     "sign": sign_flip_ratio,
     "skew": skew_flip,
     "swd": sliced_wasserstein,

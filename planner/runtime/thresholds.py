@@ -18,13 +18,17 @@ from planner.errors import InvalidInputError
 class IQRFence:
     """Rolling window of honest scores and the fence derived from it.
 
-    ``min_samples`` scores are needed before the fence exists (``ready``);
-    until then nothing exceeds it.
+    ``fence = max(Q3 + k * IQR, floor, ratio * median)``. ``min_samples``
+    scores are needed before the fence exists (``ready``); until then nothing
+    exceeds it. The ``ratio`` term keeps a fence learnt in a calm stretch of
+    training from flagging the next, livelier one: honest score levels move by
+    tens of percent as training goes on, corruptions move them by multiples.
     """
 
-    __slots__ = ("window", "k", "min_samples", "floor", "_scores", "_sorted", "_fence")
+    __slots__ = ("window", "k", "min_samples", "floor", "ratio", "_scores", "_sorted", "_fence")
 
-    def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0) -> None:
+    def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0,
+                 ratio: float = 0.0) -> None:
         if window < 4:
             raise InvalidInputError("verifier window", expected=">= 4 scores", found=str(window),
                                     fix="use a window of 64-128 scores")
@@ -35,6 +39,9 @@ class IQRFence:
             raise InvalidInputError("iqr_k", expected="> 0 (e.g. 3.0)", found=str(k))
         if floor < 0:
             raise InvalidInputError("fence floor", expected=">= 0", found=str(floor))
+        if ratio < 0:
+            raise InvalidInputError("fence ratio", expected=">= 0", found=str(ratio))
+        self.ratio = float(ratio)
         self.window = window
         self.k = float(k)
         self.min_samples = min_samples
@@ -76,12 +83,12 @@ class IQRFence:
         return self.quantile(0.25), self.quantile(0.75)
 
     def fence(self) -> float | None:
-        """``max(Q3 + k * IQR, floor)``, or None before ``min_samples`` scores."""
+        """``max(Q3 + k * IQR, floor, ratio * median)``, or None before ``min_samples`` scores."""
         if not self.ready:
             return None
         if self._fence is None:
             q1, q3 = self.quartiles()
-            self._fence = max(q3 + self.k * (q3 - q1), self.floor)
+            self._fence = max(q3 + self.k * (q3 - q1), self.floor, self.ratio * self.quantile(0.5))
         return self._fence
 
     def exceeds(self, score: float) -> bool:

@@ -35,8 +35,21 @@ from planner.runtime import distances as dist
 from planner.runtime.thresholds import IQRFence
 
 DIRECTIONS = ("act", "grad")
-ALL_DISTANCES = ("mad", "l2", "sign", "skew", "swd", "spectral", "replay")
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "sign": 0.0, "skew": 0.0, "swd": 0.0, "spectral": 0.0, "replay": 6.0}
+ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "replay")
+# Fence floors: sign and skew scores above 0.5 mean "points the other way than the
+# reference", whatever the window says; a replay floor of 6 only flags copies
+# within 1e-6 of cosine 1; a scale floor of 1.0 tolerates honest gradient
+# spikes of up to e times the usual size.
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.6, "swd": 0.0, "spectral": 0.0,
+                  "replay": 6.0}
+# Fence ratios (fence >= ratio * median): the magnitude distances swing with
+# the data and with bursts of training instability (gradients above all), so
+# they only flag gross corruption; the spectral share is stable from batch to
+# batch and is the sensitive test.
+DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0, "spectral": 3.0,
+                  "replay": 3.0}
+PER_SAMPLE_ONLY = ("replay",)  # a replay is a property of one tensor, not of a step's average
+STEP_MB = -1                   # the "microbatch" of a step-level flag
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,17 +68,26 @@ class VerifierConfig:
     window: int = 96
     iqr_k: float = 3.0
     warmup: int = 10
-    min_samples: int = 16
+    min_samples: int = 8
     ban_after: int = 3
     ban_window: int = 20
     distances: tuple[str, ...] = ALL_DISTANCES
     floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
+    ratios: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RATIOS))
     projections: int = 16
     quantiles: int = 32
     replay_window: int = 256
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.iqr_k > 0:
+            raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
+                                    found=str(self.iqr_k))
+        for table in ("floors", "ratios"):
+            for name, value in getattr(self, table).items():
+                if not value >= 0:
+                    raise InvalidInputError(f"verifier_config.{table}.{name}", expected="a number >= 0",
+                                            found=str(value))
         for name in ("beta_act", "beta_grad"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
@@ -80,7 +102,7 @@ class VerifierConfig:
         if self.ban_after > self.ban_window:
             raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
                                     found=str(self.ban_after))
-        unknown = [d for d in (*self.distances, *self.floors) if d not in ALL_DISTANCES]
+        unknown = [d for d in (*self.distances, *self.floors, *self.ratios) if d not in ALL_DISTANCES]
         if unknown or not self.distances:
             raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
                                     found=repr(unknown or list(self.distances)))
@@ -97,6 +119,8 @@ class VerifierConfig:
             d["distances"] = tuple(d["distances"])
         if "floors" in d:
             d["floors"] = {**DEFAULT_FLOORS, **dict(d["floors"])}
+        if "ratios" in d:
+            d["ratios"] = {**DEFAULT_RATIOS, **dict(d["ratios"])}
         try:
             return cls(**d)
         except (TypeError, ValueError) as exc:
@@ -143,7 +167,17 @@ class _Ring:
 
 
 class Monitor:
-    """Reference statistics and fences of one (boundary, direction)."""
+    """Reference statistics and fences of one (boundary, direction).
+
+    Within a step the model's weights are fixed, so every microbatch of the
+    step is scored against the reference as it was when the step began; the
+    samples that pass are held back and folded in when the step closes.
+    Closing also scores each sender's step as a whole (the average of its
+    accepted summaries): averaging four microbatches halves the noise, which
+    is what exposes attacks too subtle for any single microbatch (a gradient
+    sign flip late in training, low-level noise). A sender whose step fails
+    that test is flagged for the step and its samples are not folded in.
+    """
 
     def __init__(self, cfg: VerifierConfig, boundary: int, direction: str) -> None:
         self.cfg = cfg
@@ -152,18 +186,24 @@ class Monitor:
         self.beta = cfg.beta_act if direction == "act" else cfg.beta_grad
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
+        self.step: int | None = None  # the open step
+        self._pending: list[tuple[int, dist.Summary, dict[str, float]]] = []
         self._dirs: torch.Tensor | None = None
         self._spectral: torch.Tensor | None = None
         self._basis: torch.Tensor | None = None
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
-        self.fences = {name: IQRFence(window=cfg.window, k=cfg.iqr_k, min_samples=cfg.min_samples,
-                                      floor=cfg.floors.get(name, 0.0))
-                       for name in cfg.distances}
+        self.fences = {name: self._fence(name) for name in cfg.distances}
+        self.step_fences = {name: self._fence(name) for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
         self.flagged = 0
         self.tainted = 0
+        self.step_flags = 0
+
+    def _fence(self, name: str) -> IQRFence:
+        return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
+                        floor=self.cfg.floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0))
 
     def _seed(self, salt: int) -> int:
         # Distinct, fixed projections per monitor: the same on every rank and run.
@@ -186,17 +226,17 @@ class Monitor:
         return dist.summarize(tensor, directions=self._dirs, levels=self._levels, spectral=self._spectral,
                               sketch_at=sketch_at)
 
-    def score(self, summary: dist.Summary) -> dict[str, float]:
-        """Distances of ``summary`` to the reference (empty before the first sample)."""
+    def score(self, summary: dist.Summary, *, per_sample: bool = True) -> dict[str, float]:
+        """Distances of ``summary`` to the reference (empty before the first step closed)."""
         if self.ref is None:
             return {}
-        scores = {name: dist.DISTANCES[name](summary, self.ref)
-                  for name in self.fences if name in dist.DISTANCES}
-        if "spectral" in self.fences:
+        names = self.fences if per_sample else self.step_fences
+        scores = {name: dist.DISTANCES[name](summary, self.ref) for name in names if name in dist.DISTANCES}
+        if "spectral" in names:
             if self._basis is None:
                 self._basis = dist.principal_basis(self.ref.cov)
             scores["spectral"] = dist.spectral_residual(summary, self.ref, self._basis)
-        if "replay" in self.fences:
+        if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
             scores["replay"] = dist.replay_score(summary.sketch, ring.rows()) if ring else 0.0
         return scores
@@ -204,10 +244,43 @@ class Monitor:
     def warming(self, step: int) -> bool:
         return self.first_step is None or step < self.first_step + self.cfg.warmup
 
-    def exceeded(self, scores: Mapping[str, float]) -> tuple[str, ...]:
-        return tuple(name for name, value in scores.items() if self.fences[name].exceeds(value))
+    def exceeded(self, scores: Mapping[str, float], step: int, *, per_sample: bool = True) -> tuple[str, ...]:
+        if self.warming(step):
+            return ()
+        fences = self.fences if per_sample else self.step_fences
+        return tuple(name for name, value in scores.items() if fences[name].exceeds(value))
 
-    def accept(self, summary: dist.Summary, scores: Mapping[str, float]) -> None:
+    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float]) -> None:
+        """Keep a sample that passed until its step closes."""
+        self._pending.append((sender, summary, scores))
+
+    def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...]]]:
+        """Close the open step: test each sender's step as a whole, fold in the samples
+        of the senders that pass; returns ``(sender, scores, reasons)`` of those that fail."""
+        if self.step is None:
+            return []
+        step, self.step = self.step, None
+        pending, self._pending = self._pending, []
+        by_sender: dict[int, list[dist.Summary]] = {}
+        for sender, summary, _ in pending:
+            by_sender.setdefault(sender, []).append(summary)
+        failed: list[tuple[int, dict[str, float], tuple[str, ...]]] = []
+        for sender, summaries in by_sender.items():
+            scores = self.score(dist.mean_summary(summaries), per_sample=False)
+            reasons = self.exceeded(scores, step, per_sample=False)
+            if reasons:
+                failed.append((sender, scores, reasons))
+                continue
+            for name, value in scores.items():
+                self.step_fences[name].update(value)
+        bad = {sender for sender, _, _ in failed}
+        self.step_flags += len(bad)
+        for sender, summary, scores in pending:
+            if sender not in bad:
+                self._fold(summary, scores)
+        return failed
+
+    def _fold(self, summary: dist.Summary, scores: Mapping[str, float]) -> None:
         """Fold an honest sample into the average, the windows and the history."""
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
         self._basis = None  # the principal subspace follows the reference
@@ -219,8 +292,9 @@ class Monitor:
                 self._history[length] = _Ring(self.cfg.replay_window, length)
             self._history[length].push(summary.sketch)
 
-    def fence_values(self) -> dict[str, float | None]:
-        return {name: fence.fence() for name, fence in self.fences.items()}
+    def fence_values(self, *, per_sample: bool = True) -> dict[str, float | None]:
+        fences = self.fences if per_sample else self.step_fences
+        return {name: fence.fence() for name, fence in fences.items()}
 
 
 class Verifier:
@@ -258,6 +332,9 @@ class Verifier:
         mon.checked += 1
         if mon.first_step is None:
             mon.first_step = step
+        if mon.step != step:
+            self._close(mon)  # the executor skipped flag_events for the previous step
+            mon.step = step
         if not bool(torch.isfinite(tensor).all()):
             return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         summary = mon.summarize(tensor)
@@ -270,10 +347,10 @@ class Verifier:
             mon.tainted += 1
             self.events.append(self._event("tainted", mon, step, mb, sender, scores, ()))
             return Verdict(flagged=False, tainted=True, scores=scores)
-        reasons = () if mon.warming(step) else mon.exceeded(scores)
+        reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons)
-        mon.accept(summary, scores)
+        mon.hold(sender, summary, scores)
         return Verdict(flagged=False, tainted=False, scores=scores)
 
     def _flag(self, mon: Monitor, step: int, mb: int, sender: int, scores: dict[str, float],
@@ -284,18 +361,33 @@ class Verifier:
         self._step_flags.setdefault(step, []).append(event)
         return Verdict(flagged=True, tainted=True, scores=scores, reasons=reasons)
 
+    def _close(self, mon: Monitor) -> None:
+        step = mon.step
+        for sender, scores, reasons in mon.close():
+            event = self._event("flag", mon, step, STEP_MB, sender, scores, reasons, per_sample=False)
+            self.events.append(event)
+            self._step_flags.setdefault(step, []).append(event)
+
     @staticmethod
     def _event(kind: str, mon: Monitor, step: int, mb: int, sender: int, scores: Mapping[str, float],
-               reasons: tuple[str, ...]) -> dict[str, Any]:
-        fences = mon.fence_values()
+               reasons: tuple[str, ...], *, per_sample: bool = True) -> dict[str, Any]:
+        fences = mon.fence_values(per_sample=per_sample)
         return {"type": kind, "step": int(step), "mb": int(mb), "boundary": mon.boundary,
                 "direction": mon.direction, "sender": int(sender),
+                "scope": "microbatch" if per_sample else "step",
                 "scores": {k: round(float(v), 6) for k, v in scores.items()},
                 "fences": {k: (None if v is None else round(v, 6)) for k, v in fences.items()},
                 "reasons": list(reasons)}
 
     def flag_events(self, step: int) -> list[dict[str, Any]]:
-        """This verifier's flags of ``step`` as plain dicts (for ``all_gather_object``)."""
+        """This verifier's flags of ``step`` as plain dicts (for ``all_gather_object``).
+
+        Call it once every microbatch of the step was checked: it closes the
+        step (the step-level tests run here).
+        """
+        for mon in self._monitors.values():
+            if mon.step == step:
+                self._close(mon)
         return [dict(e) for e in self._step_flags.get(step, ())]
 
     def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:
@@ -321,7 +413,8 @@ class Verifier:
     def summary(self) -> dict[str, Any]:
         """Counts, current fences and bans, for logs and the ``--report`` file."""
         monitors = [{"boundary": b, "direction": d, "checked": m.checked, "flagged": m.flagged,
-                     "tainted": m.tainted, "fences": m.fence_values()}
+                     "step_flags": m.step_flags, "tainted": m.tainted, "fences": m.fence_values(),
+                     "step_fences": m.fence_values(per_sample=False)}
                     for (b, d), m in sorted(self._monitors.items())]
         return {"monitors": monitors, "banned": sorted(self.banned),
                 "blamed_steps": {str(k): list(v) for k, v in sorted(self._blamed_steps.items())},

@@ -50,6 +50,9 @@ from planner.solver.solution import StagePlacement, VerifierPlacement
 # per-microbatch time on its fastest device class.
 COST_RESOLUTION = 1e-6
 
+# Above this many (block, slot) pairs CP-SAT starts from the hinted plan without presolve.
+PRESOLVE_LIMIT = 2000
+
 Progress = Callable[[float | None, float | None, float], None]  # (objective ms, bound ms, seconds)
 
 
@@ -649,6 +652,27 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             self.report(self.objective_value / self.U, self.best_objective_bound / self.U, self.wall_time)
 
 
+def _complete_hint(model: cp_model.CpModel, time_limit_s: float, workers: int) -> bool:
+    """Turn a hint on the decisions into a full assignment (CP-SAT then starts from that plan).
+
+    Solves once with the hinted variables fixed; on success every variable
+    gets its value as hint. Returns whether it succeeded.
+    """
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = max(1, workers)
+    solver.parameters.stop_after_first_solution = False
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return False
+    values = solver.response_proto.solution
+    model.clear_hints()
+    for i, value in enumerate(values):
+        model.add_hint(model.get_int_var_from_proto_index(i), value)
+    return True
+
+
 def num_slots(problem: Problem) -> int:
     """Most stages a plan can have: one block and one device each."""
     devices = sum(c.count for c in problem.classes if c.stage_capable)
@@ -665,12 +689,17 @@ def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint
         return CpsatResult(status="SKIPPED", placement=None, bound_ms=math.inf, solve_s=0.0, num_slots=K)
     b = _Builder(problem, K)
     b.build(lower_bound_ms)
+    hinted = False
     if hint is not None:
         b.hint(hint)
+        hinted = _complete_hint(b.m, min(5.0, 0.2 * time_limit_s), workers)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - start))
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = 0
+    if hinted and problem.num_blocks * K > PRESOLVE_LIMIT:
+        # Presolve of a large model is slow and drops the hinted plan; search from the plan instead.
+        solver.parameters.cp_model_presolve = False
     if progress is not None:
         solver.best_bound_callback = lambda bound: progress(None, bound / b.U, time.perf_counter() - start)
     status = solver.solve(b.m, _Progress(b.U, progress))

@@ -285,22 +285,23 @@ def _min_check_ms(problem: Problem, cls: int) -> float:
     return min(verify, copy)
 
 
-def relaxation_bound(problem: Problem, *, upper_ms: float, intervals: int = 8) -> float:
-    """A lower bound on ``F`` over every plan of two or more stages (or ``upper_ms`` if that is lower).
+def relaxation_bound(problem: Problem, *, upper_ms: float, min_stages: int = 2, intervals: int = 4) -> float:
+    """A lower bound on ``F`` over every plan of at least ``min_stages >= 2`` stages (``upper_ms`` if lower).
 
     A fluid relaxation solved as LPs (GLOP): blocks may be split across stage
     *types* (class, replicas); ``n_t`` stages of type ``t`` hold at most
-    ``n_t`` devices' memory; each stage pays at least its cheapest boundary
-    transfer (two for all but two stages) and, on an untrusted class, its
-    cheapest check; per type, the stage times sum to at most ``T * n_t``. The
-    product ``T * n_t`` is relaxed (McCormick) on a few intervals of ``T``;
-    the bound is the smallest interval bound. Any plan is a feasible point of
-    its interval's LP with no larger objective, so the result is valid.
+    ``n_t`` devices' memory (one microbatch in flight under 1F1B); each stage
+    pays at least its cheapest boundary transfer (two for all but two stages)
+    and, on an untrusted class, its cheapest check; per type, the stage times
+    sum to at most ``T * n_t``. The product ``T * n_t`` is relaxed
+    (McCormick) on a few intervals of ``T``; the bound is the smallest
+    interval bound. Any plan is a feasible point of its interval's LP with no
+    larger objective, so the result is valid, if often loose.
     """
     M, L = problem.num_microbatches, problem.num_blocks
     stage = [c.index for c in problem.classes if c.stage_capable]
     types = [(c, r, math.ceil(M / r) / M) for c in stage for r in problem.replica_choices(c)]
-    if L < 2 or sum(problem.classes[c].count for c in stage) < 2:
+    if L < min_stages or sum(problem.classes[c].count for c in stage) < min_stages:
         return upper_ms
     send = {c: _min_send_ms(problem, c, stage) for c in stage}
     check = {c: (_min_check_ms(problem, c) if problem.policy.enabled and not problem.classes[c].trusted else 0.0)
@@ -312,58 +313,62 @@ def relaxation_bound(problem: Problem, *, upper_ms: float, intervals: int = 8) -
     edges = np.geomspace(t_lo, t_hi, intervals + 1)
     best = upper_ms
     for a, b in zip(edges, edges[1:]):
-        best = min(best, _interval_bound(problem, types, send, check, float(a), float(b)))
+        best = min(best, _interval_bound(problem, types, send, check, float(a), float(b), min_stages))
     return best
 
 
-def _interval_bound(problem: Problem, types: list, send: dict, check: dict, a: float, b: float) -> float:
+def _interval_bound(problem: Problem, types: list, send: dict, check: dict, a: float, b: float,
+                    min_stages: int) -> float:
     """The LP of :func:`relaxation_bound` for plans whose bottleneck lies in ``[a, b]``."""
     M, L, pol = problem.num_microbatches, problem.num_blocks, problem.policy
     lp = pywraplp.Solver.CreateSolver("GLOP")
+    inf = lp.infinity()
     T = lp.NumVar(a, b, "T")
+    obj = lp.Objective()
+    obj.SetCoefficient(T, M - 1)
+    obj.SetOffset(-2 * max(send.values()))
     state = problem.param_count.astype(float) * problem.state_bytes_per_param
     act = problem.act_bytes.astype(float)
-    cover = [[] for _ in range(L)]
-    objective = (M - 1) * T - 2 * max(send.values())
-    by_class: dict[int, list] = {}
-    n_vars = []
-    for i, (c, r, h) in enumerate(types):
+    cover = [lp.Constraint(1, 1) for _ in range(L)]
+    used = {c: lp.Constraint(-inf, problem.classes[c].count) for c, _, _ in types}
+    stages = lp.Constraint(min_stages, inf)
+    trusted_ends = lp.Constraint(2 if pol.enabled and pol.trusted_endpoints else 0, inf)
+    for c, r, h in types:
         cls = problem.classes[c]
         n_hi = cls.count // r
-        n = lp.NumVar(0, n_hi, f"n{i}")
-        y = lp.NumVar(0, b * n_hi, f"y{i}")
+        n, y = lp.NumVar(0, n_hi, ""), lp.NumVar(0, b * n_hi, "")
+        used[c].SetCoefficient(n, r)
+        stages.SetCoefficient(n, 1)
+        if cls.trusted:
+            trusted_ends.SetCoefficient(n, 1)
+        obj.SetCoefficient(n, h * (2 * send[c] + check[c]))
+        busy = lp.Constraint(-inf, 0)  # h * (W + send * n) - y <= 0
+        busy.SetCoefficient(n, h * send[c])
+        busy.SetCoefficient(y, -1)
+        cap = lp.Constraint(-inf, 0)  # y - b n <= 0
+        cap.SetCoefficient(y, 1)
+        cap.SetCoefficient(n, -b)
+        mc = lp.Constraint(-inf, -n_hi * a)  # y - n_hi T - a n <= -n_hi a
+        mc.SetCoefficient(y, 1)
+        mc.SetCoefficient(T, -n_hi)
+        mc.SetCoefficient(n, -a)
+        mem = lp.Constraint(-inf, 0)  # sum x m / cap - n <= 0 (memory in devices' worth: well scaled)
+        mem.SetCoefficient(n, -1)
         in_flight = math.ceil(M / r) if problem.schedule == "gpipe" else 1
-        work, mem = [], []
         for l in range(L):
-            tl = float(problem.time_ms[l, c])
-            if h * (tl + send[c]) > b or state[l] + act[l] * in_flight > cls.mem_bytes:
+            tl, ml = float(problem.time_ms[l, c]), state[l] + act[l] * in_flight
+            if h * (tl + send[c]) > b or ml > cls.mem_bytes:
                 continue
             x = lp.NumVar(0, 1, "")
-            cover[l].append(x)
-            work.append(tl * x)
-            mem.append((state[l] + act[l] * in_flight) * x)
-        W = lp.Sum(work) if work else 0
-        lp.Add(h * (W + send[c] * n) <= y)
-        lp.Add(y <= b * n)
-        lp.Add(y <= n_hi * T + a * n - n_hi * a)
-        lp.Add((lp.Sum(mem) if mem else 0) <= cls.mem_bytes * n)
-        objective += h * (W + (2 * send[c] + check[c]) * n)
-        by_class.setdefault(c, []).append(r * n)
-        n_vars.append((n, cls.trusted))
-    for xs in cover:
-        if not xs:
-            return math.inf
-        lp.Add(lp.Sum(xs) == 1)
-    for c, used in by_class.items():
-        lp.Add(lp.Sum(used) <= problem.classes[c].count)
-    lp.Add(lp.Sum([n for n, _ in n_vars]) >= 2)
-    if pol.enabled and pol.trusted_endpoints:
-        lp.Add(lp.Sum([n for n, trusted in n_vars if trusted]) >= 2)
-    lp.Minimize(objective)
+            cover[l].SetCoefficient(x, 1)
+            busy.SetCoefficient(x, h * tl)
+            mem.SetCoefficient(x, ml / cls.mem_bytes)
+            obj.SetCoefficient(x, h * tl)
+    obj.SetMinimization()
     status = lp.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
         return 0.0  # no proof: the trivial bound
     # The LP optimum is within solver tolerance; shave a relative 1e-7 so the bound stays valid.
-    return max(0.0, lp.Objective().Value() * (1 - 1e-7))
+    return max(0.0, obj.Value() * (1 - 1e-7))

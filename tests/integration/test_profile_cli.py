@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cost_models.cluster import load_cluster
 from cost_models.devices import PROFILE_SCHEMA, get_device_spec
 
@@ -34,9 +36,14 @@ def test_profile_quick_writes_a_usable_profile(tmp_path: Path) -> None:
     assert [d.spec for d in cluster.devices] == [spec, spec]
 
 
-def test_profile_bad_arguments_give_one_line(tmp_path: Path) -> None:
-    res = _stagewise("profile", "--quick", "--no-p2p", "--model", "gpt-tinyy", "-o", "x.json", cwd=tmp_path)
+@pytest.mark.parametrize("args,phrase", [
+    (("--model", "gpt-tinyy"), "unknown model 'gpt-tinyy'"),
+    (("--clock", "cpu", "--threads", "2"), "one thread"),
+    (("--batch", "0"), "--batch"),
+])
+def test_profile_bad_arguments_give_one_line(tmp_path: Path, args: tuple[str, ...], phrase: str) -> None:
+    res = _stagewise("profile", "--quick", "--no-p2p", *args, "-o", "x.json", cwd=tmp_path)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "unknown model 'gpt-tinyy'" in lines[0] and "gpt-tiny" in lines[0]
+    assert len(lines) == 1 and phrase in lines[0], res.stderr
     assert not (tmp_path / "x.json").exists()

@@ -10,7 +10,7 @@ from torch import nn
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
-from cost_models.profile import (BlockSample, fit_calibration, fit_p2p, measure_matmul_flops,
+from cost_models.profile import (BlockSample, ProfileSettings, fit_calibration, fit_p2p, measure_matmul_flops,
                                  measure_memory_bandwidth, time_units, write_profile)
 from planner.errors import InvalidInputError
 from planner.ir import Block
@@ -107,3 +107,24 @@ def test_write_profile_is_atomic_and_loadable(tmp_path) -> None:
     assert get_device_spec(str(path)) == spec
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temp file left
     assert json.loads(path.read_text())["schema"] == PROFILE_SCHEMA
+
+
+def test_cpu_clock_needs_one_thread_and_measures() -> None:
+    cpu = torch.device("cpu")
+    assert measure_matmul_flops("float32", size=64, repeats=2, device=cpu, clock="cpu") > 1e7
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(InvalidInputError, match="one thread"):
+            measure_matmul_flops("float32", size=64, repeats=1, device=cpu, clock="cpu")
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(InvalidInputError, match="wall or cpu"):
+        measure_matmul_flops("float32", size=64, repeats=1, device=cpu, clock="tsc")
+
+
+def test_profile_settings_validation() -> None:
+    assert ProfileSettings.quick().model == "gpt-tiny"
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(repeats=0)
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(clock="tsc")

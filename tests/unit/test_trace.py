@@ -181,3 +181,24 @@ def test_clean_module_path():
     assert clean_module_path("layers.3.attn") == "layers.3.attn"
     assert clean_module_path("L['self'].layers[3].attn") == "layers.3.attn"
     assert clean_module_path("L['self']._modules['head']") == "head"
+
+
+class _NoGradRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            scale = (h @ h.t()).mean()
+        return self.b(h) * scale
+
+
+def test_no_grad_region_is_measured_and_grad_mode_survives():
+    graph = trace(_NoGradRegion(), torch.randn(2, 8))
+    region = [n for n in graph.nodes() if "set_grad_enabled" in n.op]
+    assert len(region) == 1 and region[0].fwd_flops >= 2 * 2 * 8 * 2 and region[0].bwd_flops == 0
+    second = [n for n in graph.nodes() if n.module_path == "b"][0]
+    assert second.bwd_flops == 2 * second.fwd_flops  # the region did not switch autograd off for later ops
+    assert torch.is_grad_enabled()

@@ -1,0 +1,96 @@
+"""``make_plan``: model -> trace -> coarsen -> solve -> check -> compile, in one call.
+
+:func:`plan_chain` does the same from an already coarsened chain (the CLI
+traces with ``planner.model_io.load_chain`` and calls it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+from cost_models.cluster import ClusterSpec, load_cluster
+from cost_models.memory import trace_dtype
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.ir import BlockChain
+from planner.solver.policy import VerificationPolicy
+
+DEFAULT_MICROBATCHES = 8  # global batch = this many traced microbatches when not given
+
+
+def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    from cost_models.cluster import DEFAULT_CLUSTER_PATH
+    return load_cluster(DEFAULT_CLUSTER_PATH if cluster is None else cluster)
+
+
+def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, spec: str, seq: int | None = None,
+               schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
+               policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
+               optimizer: str = "adam", dtype: str = "float32", workers: int = 2,
+               progress: Any = None) -> Any:
+    """Solve (or run a baseline) for ``chain`` and compile the plan.
+
+    ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
+    With ``microbatch_size`` None the solver chooses it among the divisors of
+    the global batch (``planner.solver.api.microbatch_candidates``); a
+    baseline then uses the traced microbatch size.
+    """
+    from planner.check import assert_valid
+    from planner.compile import compile_plan
+    from planner.plan import ModelRef
+    from planner.solver import api as solver_api
+    from planner.solver.problem import scale_chain
+
+    spec_cluster = _cluster(cluster)
+    policy = policy or VerificationPolicy()
+    batch = global_batch or DEFAULT_MICROBATCHES * chain.microbatch_size
+    if microbatch_size is not None and (microbatch_size < 1 or batch % microbatch_size):
+        raise InvalidInputError(f"microbatch size {microbatch_size}", expected=f"a divisor of the global batch {batch}",
+                                fix="choose --microbatches so that it divides --global-batch")
+    if baseline is not None:
+        mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
+        config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
+                                dtype=dtype)
+        solution = solver_api.baseline(baseline, chain, spec_cluster, config, policy)
+    else:
+        sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
+        config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
+                                optimizer=optimizer, dtype=dtype)
+        solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
+                                    microbatch_sizes=sizes, progress=progress)
+    mb = batch // solution.num_microbatches
+    config = dataclasses.replace(config, microbatch_size=mb)
+    scaled = scale_chain(chain, mb)
+    assert_valid(solution, scaled, spec_cluster, config, policy)  # independent memory/coverage check
+    ref = ModelRef(spec=spec, name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
+                   seq=seq, dtype=trace_dtype(chain))
+    return compile_plan(solution, scaled, spec_cluster, config, policy, ref)
+
+
+def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path | None = None, *,
+              schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
+              policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
+              optimizer: str = "adam", dtype: str = "float32", workers: int = 2, name: str | None = None,
+              spec: str | None = None) -> Any:
+    """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.
+
+    Returns a :class:`planner.plan.Plan`; ``plan.save(path)`` writes it.
+    Raises :class:`planner.errors.InfeasiblePlanError` with the reason when
+    no plan fits the cluster and policy.
+    """
+    from planner.coarsen import coarsen
+    from planner.trace import trace
+
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    graph = trace(model, inputs, name=name or type(model).__name__)
+    chain = coarsen(graph)
+    first = inputs[0] if inputs else None
+    seq = int(first.shape[1]) if first is not None and getattr(first, "ndim", 0) == 2 \
+        and not first.dtype.is_floating_point else None
+    return plan_chain(chain, cluster, spec=spec or f"python:{type(model).__module__}.{type(model).__name__}",
+                      seq=seq, schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,
+                      policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
+                      dtype=dtype, workers=workers)

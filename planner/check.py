@@ -1,0 +1,161 @@
+"""An independent check of a Solution: memory on every device and verification coverage.
+
+Written against the cost models and the cluster, not against the solver: it
+imports only the solver's value types (``solution.py``, ``policy.py``) and
+recomputes memory with ``cost_models.memory.stage_memory`` plus the verifier
+state (an EMA reference and the received copy per checked boundary direction,
+as the simulator counts it). Trust is read from the cluster's devices (their
+``trusted`` flag and ``trust`` domain), not from the solver's device classes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import memory
+from cost_models.cluster import ClusterSpec
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.ir import BlockChain, dtype_bytes
+from planner.solver.policy import VerificationPolicy
+from planner.solver.solution import Solution
+
+VERIFIER_COPIES = 2  # EMA reference + received copy, per boundary and direction
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceMemory:
+    device: str
+    used_bytes: int
+    usable_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.used_bytes <= self.usable_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckReport:
+    """``problems`` is empty for a valid solution."""
+
+    problems: tuple[str, ...]
+    memory: tuple[DeviceMemory, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _boundary_bytes(chain: BlockChain, config: TrainingConfig, last_block: int) -> float:
+    traced = memory.trace_dtype(chain)
+    scale = (config.microbatch_size / chain.microbatch_size) * dtype_bytes(config.dtype) / dtype_bytes(traced)
+    return chain.blocks[last_block].out_bytes * scale
+
+
+def _structure(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig) -> list[str]:
+    out: list[str] = []
+    if solution.num_microbatches != config.num_microbatches:
+        out.append(f"solution has {solution.num_microbatches} microbatches, config {config.num_microbatches}")
+    if solution.stages[0].first_block != 0 or solution.stages[-1].last_block != len(chain.blocks) - 1:
+        out.append("stages do not cover every block")
+    seen: set[str] = set()
+    stage_hosts = {h.name for h in cluster.hosts if h.role == "worker"}
+    for st in solution.stages:
+        for d in st.devices:
+            dev = cluster.device(d)
+            if d in seen:
+                out.append(f"device {d} runs more than one stage")
+            if dev.host not in stage_hosts:
+                out.append(f"device {d} is on a verifier-only host but runs stage {st.index}")
+            seen.add(d)
+    return out
+
+
+def _memory(solution: Solution, chain: BlockChain, cluster: ClusterSpec,
+            config: TrainingConfig) -> dict[str, int]:
+    S = len(solution.stages)
+    used: dict[str, int] = {}
+    for st in solution.stages:
+        for d, m in zip(st.devices, st.microbatches):
+            in_flight = memory.in_flight_microbatches(config.schedule, S, st.index, m)
+            br = memory.stage_memory(chain, st.first_block, st.last_block, config, in_flight)
+            used[d] = used.get(d, 0) + br.total_bytes
+    for v in solution.verifiers:
+        nbytes = _boundary_bytes(chain, config, solution.stages[v.boundary].last_block)
+        used[v.device] = used.get(v.device, 0) + round(VERIFIER_COPIES * nbytes * len(v.directions))
+    return used
+
+
+def _coverage(solution: Solution, cluster: ClusterSpec, policy: VerificationPolicy) -> list[str]:
+    out: list[str] = []
+    stages = solution.stages
+    if policy.enabled and policy.trusted_endpoints:
+        for st in {stages[0].index: stages[0], stages[-1].index: stages[-1]}.values():
+            bad = [d for d in st.devices if not cluster.device(d).trusted]
+            if bad:
+                out.append(f"stage {st.index} is an endpoint but runs on untrusted {', '.join(bad)}")
+    if not policy.enabled:
+        return out
+    by_boundary: dict[int, list] = {}
+    for v in solution.verifiers:
+        by_boundary.setdefault(v.boundary, []).append(v)
+    stage_devices = {d for st in stages for d in st.devices}
+    load: dict[str, int] = {}
+    for b in range(len(stages) - 1):
+        senders = {"act": stages[b].devices, "grad": stages[b + 1].devices}
+        need = [k for k, devs in senders.items() if any(not cluster.device(d).trusted for d in devs)
+                and (k == "act" or policy.check_gradients)]
+        for direction in need:
+            checkers = [v for v in by_boundary.get(b, []) if direction in v.directions]
+            if not checkers:
+                out.append(f"boundary {b} ({direction}) has an untrusted sender and no verifier")
+                continue
+            for v in checkers:
+                dev = cluster.device(v.device)
+                domains = {cluster.device(d).trust for d in senders[direction]}
+                if not dev.trusted:
+                    out.append(f"verifier {v.device} of boundary {b} is not trusted")
+                if dev.trust in domains:
+                    out.append(f"verifier {v.device} of boundary {b} is inside the sender's trust domain {dev.trust}")
+                role = cluster.host(dev.host).role
+                if policy.verifier_placement == "stage" and v.device not in stage_devices:
+                    out.append(f"verifier {v.device} runs no stage (policy: stage)")
+                if policy.verifier_placement == "cpu" and role != "verifier":
+                    out.append(f"verifier {v.device} is not on a CPU verifier host (policy: cpu)")
+    for v in solution.verifiers:
+        load[v.device] = load.get(v.device, 0) + 1
+    cap = policy.max_boundaries_per_verifier
+    if cap is not None:
+        out.extend(f"verifier {d} checks {n} boundaries (at most {cap})" for d, n in load.items() if n > cap)
+    return out
+
+
+def check_solution(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                   policy: VerificationPolicy) -> CheckReport:
+    """Recompute memory and verification coverage of ``solution``; never trusts the solver's figures.
+
+    ``chain`` and ``config`` must be the ones the solution was made for (same
+    microbatch size and count).
+    """
+    for st in solution.stages:
+        for d in st.devices:
+            cluster.device(d)  # raises naming an unknown device
+    problems = _structure(solution, chain, cluster, config)
+    if problems:
+        return CheckReport(problems=tuple(problems), memory=())
+    used = _memory(solution, chain, cluster, config)
+    mem = tuple(DeviceMemory(device=d, used_bytes=b, usable_bytes=memory.usable_memory_bytes(cluster.device(d).spec))
+                for d, b in used.items())
+    problems += [f"device {m.device} needs {m.used_bytes / 1e9:.2f} GB, has {m.usable_bytes / 1e9:.2f} GB usable"
+                 for m in mem if not m.fits]
+    problems += _coverage(solution, cluster, policy)
+    return CheckReport(problems=tuple(problems), memory=mem)
+
+
+def assert_valid(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                 policy: VerificationPolicy) -> CheckReport:
+    """:func:`check_solution`, raising :class:`InvalidInputError` listing the problems if any."""
+    report = check_solution(solution, chain, cluster, config, policy)
+    if not report.ok:
+        raise InvalidInputError("solution check failed", found="; ".join(report.problems[:5]),
+                                fix="re-solve; this plan breaks memory or verification rules")
+    return report

@@ -1,0 +1,104 @@
+"""``stagewise plan MODEL``: solve the stage partition, placement and verifiers, and write the plan."""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="solve partition, placement and verification; write plan.json",
+        description="Trace MODEL, solve one CP-SAT model for the stage partition, the devices of every stage "
+                    "and the verifiers of untrusted boundaries (or run a baseline), report the objective and "
+                    "its proven bound, and write the executable plan.")
+    p.add_argument("model", metavar="MODEL", help="preset name, package.module:factory, or path to a .onnx file")
+    p.add_argument("--cluster", default=None, help="cluster YAML/JSON (default: the embedded default cluster)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default: the solver chooses among the divisors of the batch)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
+    p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp"), default=None,
+                   help="skip the solver and plan with a baseline")
+    p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
+    p.set_defaults(handler=run)
+
+
+def _check_args(args: argparse.Namespace) -> int | None:
+    from planner.errors import InvalidInputError
+
+    if args.global_batch < 1:
+        raise InvalidInputError("--global-batch", expected=">= 1", found=str(args.global_batch))
+    if args.time_limit <= 0:
+        raise InvalidInputError("--time-limit", expected="a positive number of seconds", found=str(args.time_limit))
+    if args.microbatches is None:
+        return None
+    if args.microbatches < 1 or args.global_batch % args.microbatches:
+        raise InvalidInputError(f"--microbatches {args.microbatches}",
+                                expected=f"a divisor of --global-batch {args.global_batch}",
+                                fix="pick a microbatch count that divides the global batch")
+    return args.global_batch // args.microbatches
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from planner.api import plan_chain
+    from planner.model_io import load_chain
+    from planner.solver.policy import VerificationPolicy
+
+    microbatch_size = _check_args(args)
+    err = Console(stderr=True)
+    out = Console()
+    # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
+    _, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
+    policy = VerificationPolicy(enabled=not args.no_verify)
+    start = time.perf_counter()
+    with err.status("solving...") as status:
+        def progress(label: str, obj: float | None, bound: float | None, elapsed: float) -> None:
+            parts = [label]
+            if obj is not None:
+                parts.append(f"objective {obj:.3f} ms")
+            if bound is not None:
+                parts.append(f"bound {bound:.3f} ms")
+            status.update(f"solving {'  '.join(parts)}  [{time.perf_counter() - start:.1f} s]")
+
+        plan = plan_chain(chain, args.cluster, spec=args.model, seq=args.seq, schedule=args.schedule,
+                          global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
+                          time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
+                          progress=progress)
+    path = plan.save(args.output)
+    _report(out, plan, path)
+    return 0
+
+
+def _report(console, plan, path) -> None:
+    from rich.table import Table
+
+    r = plan.report
+    bound = f"{r.bound_ms:.3f} ms" if r.bound_ms is not None else "n/a"
+    gap = f"{100 * r.gap:.2f}%" if r.gap is not None else "n/a"
+    console.print(f"[bold]{plan.model.name}[/]: {r.method} {r.status}  objective {r.objective_ms:.3f} ms  "
+                  f"bound {bound}  gap {gap}  solve {r.solve_s:.1f} s")
+    console.print(f"{plan.num_stages} stages, {plan.num_microbatches} microbatches of "
+                  f"{plan.config.microbatch_size}, {plan.config.schedule}; simulated step "
+                  f"{plan.predicted.step_ms:.3f} ms")
+    table = Table(title="stages")
+    for col in ("stage", "blocks", "first..last", "devices", "microbatches"):
+        table.add_column(col, justify="left" if col in ("first..last", "devices") else "right")
+    for st in plan.stages:
+        ranks = plan.stage_ranks(st.index)
+        devices = ", ".join(f"{plan.ranks[k].device} ({plan.ranks[k].device_type})" for k in ranks)
+        mbs = "/".join(str(len(plan.ranks[k].microbatches)) for k in ranks)
+        table.add_row(str(st.index), str(st.last_block - st.first_block + 1),
+                      f"{st.blocks[0].name}..{st.blocks[-1].name}", devices, mbs)
+    console.print(table)
+    if plan.verifiers:
+        console.print("verifiers: " + ", ".join(f"boundary {v.boundary} on {v.device} ({'+'.join(v.directions)})"
+                                               for v in plan.verifiers))
+    for note in r.notes:
+        console.print(f"  {note}")
+    console.print(f"wrote {path}")
