@@ -9,6 +9,11 @@ _LAZY = {
     "ClusterSpec": ("cost_models.cluster", "ClusterSpec"),
     "DeviceSpec": ("cost_models.devices", "DeviceSpec"),
     "TrainingConfig": ("cost_models.training", "TrainingConfig"),
+    "get_device_spec": ("cost_models.devices", "get_device_spec"),
+    "CATALOG": ("cost_models.devices", "CATALOG"),
+    "DEFAULT_CLUSTER_PATH": ("cost_models.cluster", "DEFAULT_CLUSTER_PATH"),
+    "Link": ("cost_models.cluster", "Link"),
+    "Device": ("cost_models.cluster", "Device"),
 }
 
 

@@ -194,30 +194,38 @@ def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor
     return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, pmean=pmean, cov=cov, sketch=sketch)
 
 
-def _moments(s: Summary) -> torch.Tensor:
-    return torch.cat((s.mean, s.std))
+def rms(s: Summary) -> float:
+    """Root mean square of the summarised tensor's elements, from its per-feature
+    moments: ``sqrt(mean_d(mean_d^2 + std_d^2))``."""
+    return float((s.mean.square() + s.std.square()).mean().sqrt())
+
+
+def shape(s: Summary) -> torch.Tensor:
+    """The per-feature (mean, std) vector divided by the tensor's RMS: its shape
+    without its overall size (all zeros for an all-zero tensor)."""
+    return torch.cat((s.mean, s.std)) / max(rms(s), EPS)
 
 
 def mean_abs_diff(x: Summary, ref: Summary) -> float:
-    """Mean absolute difference of the per-feature (mean, std) vectors, divided
-    by the mean absolute value of the reference's: 0 = identical statistics."""
-    a, b = _moments(x), _moments(ref)
+    """Mean absolute difference of the shapes (:func:`shape`) of sample and reference,
+    divided by the mean absolute value of the reference's: 0 = same statistics
+    up to a scale factor, 1 = nothing in common (e.g. an all-zero tensor).
+    Size is left to :func:`scale_change`: honest gradients swing in size from
+    batch to batch far more than in shape."""
+    a, b = shape(x), shape(ref)
     return float((a - b).abs().mean() / b.abs().mean().clamp_min(EPS))
 
 
 def normalized_l2(x: Summary, ref: Summary) -> float:
-    """``||m(x) - m(ref)|| / ||m(ref)||`` over the per-feature (mean, std) vectors."""
-    a, b = _moments(x), _moments(ref)
+    """``||shape(x) - shape(ref)|| / ||shape(ref)||`` (see :func:`mean_abs_diff`)."""
+    a, b = shape(x), shape(ref)
     return float((a - b).norm() / b.norm().clamp_min(EPS))
 
 
 def scale_change(x: Summary, ref: Summary) -> float:
-    """``|log(rms(x) / rms(ref))|``: how many e-folds the tensor's overall size moved.
-    Every other distance is scale free; this one catches zeroed or rescaled tensors
-    (an all-zero tensor scores the cap, ``-log(EPS)``)."""
-    rms_x = (x.mean.square() + x.std.square()).mean().sqrt()
-    rms_ref = (ref.mean.square() + ref.std.square()).mean().sqrt()
-    return float(abs(math.log(max(float(rms_x), EPS)) - math.log(max(float(rms_ref), EPS))))
+    """``|ln(rms(x) / rms(ref))|``: how many e-folds the tensor's overall size moved
+    (an all-zero tensor scores ``-ln(EPS)`` = 27.6)."""
+    return abs(math.log(max(rms(x), EPS)) - math.log(max(rms(ref), EPS)))
 
 
 def sign_flip_ratio(x: Summary, ref: Summary) -> float:
@@ -244,14 +252,16 @@ def skew_flip(x: Summary, ref: Summary) -> float:
 
 def sliced_wasserstein(x: Summary, ref: Summary) -> float:
     """Sliced 1-Wasserstein distance between the rows of the sample and the
-    reference distribution, divided by the reference's mean absolute deviation
-    on the same slices (so 1.0 = moved by one typical spread)."""
+    reference distribution, each divided by its RMS (size is :func:`scale_change`'s
+    business), in units of the reference's mean absolute deviation on the same
+    slices (so 1.0 = moved by one typical spread)."""
     if x.quantiles.shape != ref.quantiles.shape:
         raise InvalidInputError("quantile summaries", expected=f"shape {tuple(ref.quantiles.shape)}",
                                 found=f"shape {tuple(x.quantiles.shape)}")
-    w1 = (x.quantiles - ref.quantiles).abs().mean()
-    centre = ref.quantiles.mean(dim=1, keepdim=True)
-    spread = (ref.quantiles - centre).abs().mean()
+    qx = x.quantiles / max(rms(x), EPS)
+    qr = ref.quantiles / max(rms(ref), EPS)
+    w1 = (qx - qr).abs().mean()
+    spread = (qr - qr.mean(dim=1, keepdim=True)).abs().mean()
     return float(w1 / spread.clamp_min(EPS))
 
 

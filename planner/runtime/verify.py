@@ -40,8 +40,10 @@ ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "repla
 # reference", whatever the window says; a replay floor of 6 only flags copies
 # within 1e-6 of cosine 1; a scale floor of 1.0 tolerates honest gradient
 # spikes of up to e times the usual size.
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.6, "swd": 0.0, "spectral": 0.0,
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.75, "swd": 0.0, "spectral": 0.0,
                   "replay": 6.0}
+# A step's average is less noisy than one microbatch: its skew may be held closer.
+DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
 # the data and with bursts of training instability (gradients above all), so
 # they only flag gross corruption; the spectral share is stable from batch to
@@ -73,6 +75,7 @@ class VerifierConfig:
     ban_window: int = 20
     distances: tuple[str, ...] = ALL_DISTANCES
     floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
+    step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
     ratios: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RATIOS))
     projections: int = 16
     quantiles: int = 32
@@ -83,7 +86,7 @@ class VerifierConfig:
         if not self.iqr_k > 0:
             raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
                                     found=str(self.iqr_k))
-        for table in ("floors", "ratios"):
+        for table in ("floors", "step_floors", "ratios"):
             for name, value in getattr(self, table).items():
                 if not value >= 0:
                     raise InvalidInputError(f"verifier_config.{table}.{name}", expected="a number >= 0",
@@ -102,7 +105,8 @@ class VerifierConfig:
         if self.ban_after > self.ban_window:
             raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
                                     found=str(self.ban_after))
-        unknown = [d for d in (*self.distances, *self.floors, *self.ratios) if d not in ALL_DISTANCES]
+        unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios)
+                   if d not in ALL_DISTANCES]
         if unknown or not self.distances:
             raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
                                     found=repr(unknown or list(self.distances)))
@@ -119,6 +123,8 @@ class VerifierConfig:
             d["distances"] = tuple(d["distances"])
         if "floors" in d:
             d["floors"] = {**DEFAULT_FLOORS, **dict(d["floors"])}
+        if "step_floors" in d:
+            d["step_floors"] = {**DEFAULT_STEP_FLOORS, **dict(d["step_floors"])}
         if "ratios" in d:
             d["ratios"] = {**DEFAULT_RATIOS, **dict(d["ratios"])}
         try:
@@ -194,16 +200,17 @@ class Monitor:
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
-        self.fences = {name: self._fence(name) for name in cfg.distances}
-        self.step_fences = {name: self._fence(name) for name in cfg.distances if name not in PER_SAMPLE_ONLY}
+        self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances}
+        self.step_fences = {name: self._fence(name, cfg.step_floors)
+                            for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
         self.flagged = 0
         self.tainted = 0
         self.step_flags = 0
 
-    def _fence(self, name: str) -> IQRFence:
+    def _fence(self, name: str, floors: Mapping[str, float]) -> IQRFence:
         return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
-                        floor=self.cfg.floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0))
+                        floor=floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0))
 
     def _seed(self, salt: int) -> int:
         # Distinct, fixed projections per monitor: the same on every rank and run.
