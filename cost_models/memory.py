@@ -110,7 +110,7 @@ def trace_dtype(chain: BlockChain) -> str:
     return "float32"
 
 
-def _activation_scale(chain: BlockChain, config: TrainingConfig) -> float:
+def activation_scale(chain: BlockChain, config: TrainingConfig) -> float:
     """From the traced microbatch and dtype to the configured ones (activations are linear in both)."""
     return (config.microbatch_size / chain.microbatch_size) * (dtype_bytes(config.dtype)
                                                                / dtype_bytes(trace_dtype(chain)))
@@ -141,7 +141,7 @@ def stage_param_count(chain: BlockChain, lo: int, hi: int) -> int:
 def stage_comm_buffer_bytes(chain: BlockChain, lo: int, hi: int, config: TrainingConfig) -> int:
     """Receive/send buffers of one microbatch: activations in and out, and their gradients."""
     _check_range(chain, lo, hi)
-    scale = _activation_scale(chain, config)
+    scale = activation_scale(chain, config)
     batch_scale = config.microbatch_size / chain.microbatch_size
     in_act = chain.input_bytes * batch_scale if lo == 0 else chain.blocks[lo - 1].out_bytes * scale
     out_act = chain.blocks[hi].out_bytes * scale if hi < len(chain.blocks) - 1 else 0.0
@@ -159,7 +159,7 @@ def stage_memory(chain: BlockChain, lo: int, hi: int, config: TrainingConfig, in
         raise InvalidInputError("in-flight microbatches", expected=">= 1", found=str(in_flight_mb))
     params = stage_param_count(chain, lo, hi)
     per = bytes_per_param(config, sgd_momentum=sgd_momentum)
-    saved = sum(b.saved_act_bytes for b in chain.blocks[lo:hi + 1]) * _activation_scale(chain, config)
+    saved = sum(b.saved_act_bytes for b in chain.blocks[lo:hi + 1]) * activation_scale(chain, config)
     buffers = stage_comm_buffer_bytes(chain, lo, hi, config) if comm_buffer_bytes is None else comm_buffer_bytes
     if buffers < 0:
         raise InvalidInputError("comm_buffer_bytes", expected=">= 0", found=str(buffers))

@@ -37,43 +37,19 @@ from dataclasses import dataclass, field
 from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
+from cost_models.memory import activation_scale
+from cost_models.verify import VERDICT_BYTES, verify_ms
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.instructions import VERIFY_OPS, Instruction, format_instruction, message_keys
-from planner.ir import BlockChain, dtype_bytes
+from planner.ir import BlockChain
 from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
-
-# A verifier reads the received tensor and its EMA reference, computes four
-# distances (mean |diff|, normalised L2, sign flips: one fused pass each; the
-# sliced Wasserstein distance projects and sorts: about three passes) and
-# writes the updated reference: about eight passes over the tensor's bytes,
-# memory-bound, plus a fixed dispatch cost.
-VERIFY_PASSES = 8
-VERIFY_FIXED_MS = 0.05
-VERDICT_BYTES = 16  # a flag and a score
-
-
-def verify_ms(nbytes: int | float, spec: DeviceSpec) -> float:
-    """Time to score one received tensor of ``nbytes`` on a verifier with ``spec``.
-
-    The solver prices verification with this same function.
-    """
-    if nbytes < 0:
-        raise InvalidInputError("verify size", expected="nbytes >= 0", found=str(nbytes))
-    return VERIFY_FIXED_MS + 1e3 * VERIFY_PASSES * nbytes / spec.mem_bw_bytes_per_s
-
 
 def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec) -> float:
     """One optimizer step over ``param_count`` parameters: read and write weights and state, read grads."""
     per = memory.bytes_per_param(config)
     traffic = param_count * (2 * per.weights + per.grads + 2 * per.optimizer)
     return 1e3 * traffic / spec.mem_bw_bytes_per_s
-
-
-def activation_scale(chain: BlockChain, config: TrainingConfig) -> float:
-    """Boundary tensors scale linearly from the traced microbatch size and dtype to the configured ones."""
-    return (config.microbatch_size / chain.microbatch_size) * (
-        dtype_bytes(config.dtype) / dtype_bytes(memory.trace_dtype(chain)))
 
 
 class CostModel:

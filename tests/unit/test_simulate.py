@@ -6,7 +6,8 @@ from plan_fixtures import (TEST_DEVICE, block, chain, cluster, compile_simple, c
                            uniform_chain)
 
 from cost_models import comm, compute, memory
-from planner.simulate import CostModel, optim_ms, simulate, verify_ms
+from cost_models.verify import verify_ms
+from planner.simulate import CostModel, optim_ms, simulate
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import VerifierPlacement
 
