@@ -27,43 +27,63 @@ from planner.solver.problem import Problem
 INF = float("inf")
 
 
-# --- shared range tables ---------------------------------------------------
-def _in_out_ms(problem: Problem, link: Link | None) -> tuple[np.ndarray, np.ndarray]:
-    """Transfer time of the boundary before block s (x_in[s]) and after block e (x_out[e]) over ``link``."""
-    L = problem.num_blocks
-    if link is None:
-        return np.zeros(L), np.zeros(L)
-    x = np.array([comm.transfer_ms(problem.boundary_bytes(e), link) for e in range(L)])
-    x_in = np.concatenate([[0.0], x[:-1]])
-    x_out = x.copy()
-    x_out[-1] = 0.0
-    return x_in, x_out
+# --- stage tables over a band of stage lengths ---------------------------------
+class _Tables:
+    """One-device stage costs on class ``cls`` for any range, over bands of stage lengths.
 
+    ``band(w)`` gives arrays indexed ``[s, d]`` for the stage ``s..s+d``
+    (``d < w``): time (compute + the boundary transfers it sends), static
+    memory (weights, gradients, optimizer state, buffers), saved activations
+    per microbatch, and the next stage's start; ranges past the chain are
+    infinite. Stages under a time cap are short, so a band of a few times
+    ``L / S`` replaces the ``L x L`` tables.
+    """
 
-def _matrices(problem: Problem, cls: int, link: Link | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(t[s, e], static memory[s, e], saved activations[s, e]) of one-device stages; inf below the diagonal."""
-    L = problem.num_blocks
-    tp = problem._time_prefix[:, cls]
-    x_in, x_out = _in_out_ms(problem, link)
-    s, e = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
-    valid = e >= s
-    t = np.where(valid, tp[e + 1] - tp[s] + x_in[s] + x_out[e], INF)
-    pp = problem._param_prefix
-    ap = problem._act_prefix
-    params = (pp[e + 1] - pp[s]).astype(float)
-    for tie in problem.tied:  # a stage reading a tied parameter without its first block keeps a copy
-        holds_first = (s <= tie.first_block) & (tie.first_block <= e)
-        reads = np.zeros_like(valid)
-        for r in tie.readers:
-            reads |= (s <= r) & (r <= e)
-        params += np.where(reads & ~holds_first, tie.param_count, 0)
-    out_int = problem.out_bytes_int.astype(float)
-    in_act = np.where(s == 0, problem.input_bytes, out_int[np.maximum(s - 1, 0)])
-    in_grad = np.where(s == 0, 0.0, in_act)
-    out_act = np.where(e < L - 1, out_int[e], 0.0)
-    static = np.where(valid, params * problem.state_bytes_per_param + in_act + in_grad + 2 * out_act, INF)
-    act = np.where(valid, (ap[e + 1] - ap[s]).astype(float), INF)
-    return t, static, act
+    def __init__(self, problem: Problem, cls: int, link: Link | None) -> None:
+        L = problem.num_blocks
+        self.problem, self.L = problem, L
+        self.tp = problem._time_prefix[:, cls]
+        x = np.zeros(L) if link is None else np.array(
+            [comm.transfer_ms(problem.boundary_bytes(e), link) for e in range(L)])
+        self.x_in = np.concatenate([[0.0], x[:-1]])
+        self.x_out = np.concatenate([x[:-1], [0.0]])
+        self.pp = problem._param_prefix.astype(float)
+        self.ap = problem._act_prefix.astype(float)
+        self.cap_mem = problem.classes[cls].mem_bytes
+        self._bands: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def band(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        width = max(1, min(width, self.L))
+        if width not in self._bands:
+            self._bands[width] = self._build(width)
+        return self._bands[width]
+
+    def _build(self, width: int) -> tuple[np.ndarray, ...]:
+        p, L = self.problem, self.L
+        s = np.arange(L)[:, None]
+        e_raw = s + np.arange(width)[None, :]
+        valid = e_raw < L
+        e = np.minimum(e_raw, L - 1)
+        t = np.where(valid, self.tp[e + 1] - self.tp[s] + self.x_in[s] + self.x_out[e], INF)
+        params = self.pp[e + 1] - self.pp[s]
+        for tie in p.tied:  # a stage reading a tied parameter without its first block keeps a copy
+            holds = (s <= tie.first_block) & (tie.first_block <= e)
+            reads = np.zeros(e.shape, dtype=bool)
+            for r in tie.readers:
+                reads |= (s <= r) & (r <= e)
+            params = params + np.where(reads & ~holds, tie.param_count, 0)
+        out_int = p.out_bytes_int.astype(float)
+        in_act = np.where(s == 0, float(p.input_bytes), out_int[np.maximum(s - 1, 0)])
+        in_grad = np.where(s == 0, 0.0, in_act)
+        out_act = np.where(e < L - 1, out_int[e], 0.0)
+        static = np.where(valid, params * p.state_bytes_per_param + in_act + in_grad + 2 * out_act, INF)
+        act = np.where(valid, self.ap[e + 1] - self.ap[s], INF)
+        return t, static, act, np.minimum(e_raw + 1, L)
+
+    def width_for(self, cap_ms: float) -> int:
+        """Longest stage whose compute alone fits under ``cap_ms`` (+1), over all starts."""
+        ends = np.searchsorted(self.tp, self.tp[:-1] + cap_ms, side="right") - 1
+        return int(max(1, (ends - np.arange(self.L)).max()))
 
 
 def _in_flight(problem: Problem, from_end: int, share: int) -> int:
@@ -82,48 +102,52 @@ class ChainPartition:
     step_ms: float
 
 
-def _layers(t: np.ndarray, static: np.ndarray, act: np.ndarray, problem: Problem, cap_mem: int,
-            max_stages: int, cap_ms: float) -> list[np.ndarray]:
-    """Min-sum tables V[j][s]: best sum of stages s.. as the last j stages, every stage <= ``cap_ms``."""
-    L, M = problem.num_blocks, problem.num_microbatches
-    nxt = np.full(L + 1, INF)
-    nxt[L] = 0.0
-    tables = [nxt]
-    for j in range(1, max_stages + 1):
-        fits = static + act * _in_flight(problem, j, M) <= cap_mem
-        cost = np.where(fits & (t <= cap_ms), t, INF) + tables[-1][1:][None, :]
-        row = np.full(L + 1, INF)
-        row[:L] = cost.min(axis=1)
-        tables.append(row)
-    return tables
+def _fits(tab: _Tables, static: np.ndarray, act: np.ndarray, j: int) -> np.ndarray:
+    M = tab.problem.num_microbatches
+    return static + act * _in_flight(tab.problem, j, M) <= tab.cap_mem
 
 
-def _bottleneck(t: np.ndarray, static: np.ndarray, act: np.ndarray, problem: Problem, cap_mem: int,
-                max_stages: int) -> float:
-    L, M = problem.num_blocks, problem.num_microbatches
-    nxt = np.full(L + 1, INF)
-    nxt[L] = 0.0
+def _bottleneck(tab: _Tables, width: int, max_stages: int) -> float:
+    """Smallest bottleneck over partitions into at most ``max_stages`` stages no longer than ``width``."""
+    t, static, act, nxt_i = tab.band(width)
+    nxt = np.full(tab.L + 1, INF)
+    nxt[tab.L] = 0.0
     best = INF
     for j in range(1, max_stages + 1):
-        fits = static + act * _in_flight(problem, j, M) <= cap_mem
-        cost = np.maximum(np.where(fits, t, INF), nxt[1:][None, :])
-        row = np.full(L + 1, INF)
-        row[:L] = cost.min(axis=1)
+        cost = np.maximum(np.where(_fits(tab, static, act, j), t, INF), nxt[nxt_i])
+        row = np.full(tab.L + 1, INF)
+        row[:tab.L] = cost.min(axis=1)
         nxt = row
         best = min(best, row[0])
     return best
 
 
-def _trace(tables: list[np.ndarray], t: np.ndarray, static: np.ndarray, act: np.ndarray, problem: Problem,
-           cap_mem: int, cap_ms: float, j: int) -> tuple[tuple[int, int], ...]:
-    ranges, s, M = [], 0, problem.num_microbatches
+def _best_sum(tab: _Tables, max_stages: int, cap_ms: float) -> tuple[float, tuple[tuple[int, int], ...]]:
+    """Smallest sum of stage times with every stage <= ``cap_ms``, and its ranges."""
+    width = tab.width_for(cap_ms)
+    t, static, act, nxt_i = tab.band(width)
+    L = tab.L
+    layer = np.full(L + 1, INF)
+    layer[L] = 0.0
+    choices, firsts = [], []
+    for j in range(1, max_stages + 1):
+        cost = np.where(_fits(tab, static, act, j) & (t <= cap_ms), t, INF) + layer[nxt_i]
+        d = cost.argmin(axis=1)
+        row = np.full(L + 1, INF)
+        row[:L] = cost[np.arange(L), d]
+        choices.append(d)
+        firsts.append(row[0])
+        layer = row
+    j = int(np.argmin(firsts)) + 1
+    total = float(firsts[j - 1])
+    if not math.isfinite(total):
+        return INF, ()
+    ranges, s = [], 0
     while j > 0:
-        fits = static[s] + act[s] * _in_flight(problem, j, M) <= cap_mem
-        cost = np.where(fits & (t[s] <= cap_ms), t[s], INF) + tables[j - 1][1:]
-        e = int(np.argmin(cost))
+        e = s + int(choices[j - 1][s])
         ranges.append((s, e))
         s, j = e + 1, j - 1
-    return tuple(ranges)
+    return total, tuple(ranges)
 
 
 def homogeneous_dp(problem: Problem, cls: int, num_devices: int) -> ChainPartition | None:
@@ -135,52 +159,67 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int) -> ChainPartiti
     """
     L, M = problem.num_blocks, problem.num_microbatches
     S_max = min(num_devices, L)
-    link = problem.links[cls][cls] if S_max > 1 else None
-    t, static, act = _matrices(problem, cls, link)
-    cap_mem = problem.classes[cls].mem_bytes
-    if S_max == 1:  # a single stage pays no boundary transfer
-        t, static, act = _matrices(problem, cls, None)
-    t_star = _bottleneck(t, static, act, problem, cap_mem, S_max)
+    tab = _Tables(problem, cls, problem.links[cls][cls] if S_max > 1 else None)
+    width = max(2, 2 * math.ceil(L / S_max))
+    while True:  # widen the band until no longer stage could beat the bottleneck found
+        t_star = _bottleneck(tab, width, S_max)
+        if width >= L or (math.isfinite(t_star) and tab.width_for(t_star) <= width):
+            break
+        width *= 2
     if not math.isfinite(t_star):
         return None
-    candidates = np.unique(t[np.isfinite(t) & (t >= t_star)])
-    floor_sum = _best_sum(problem, t, static, act, cap_mem, S_max, INF)[0]
+    floor_sum = float(tab.tp[-1])  # every partition computes the whole chain once
     best: ChainPartition | None = None
-    i = int(np.searchsorted(candidates, t_star))
-    while i < len(candidates):
-        cap = float(candidates[i])
-        total, j, tables = _best_sum(problem, t, static, act, cap_mem, S_max, cap)
-        ranges = _trace(tables, t, static, act, problem, cap_mem, cap, j)
-        bott = max(float(t[s, e]) for s, e in ranges)
-        step = total + (M - 1) * bott
-        if best is None or step < best.step_ms - 1e-12:
-            best = ChainPartition(ranges=ranges, bottleneck_ms=bott, sum_ms=total, step_ms=step)
-        if M == 1 or total <= floor_sum + 1e-12:
+
+    def take(cap: float) -> float:
+        nonlocal best
+        total, ranges = _best_sum(tab, S_max, cap)
+        if ranges:
+            t = tab.band(L)[0] if L <= 64 else None
+            bott = max((t[s, e - s] if t is not None else _stage_ms(tab, s, e)) for s, e in ranges)
+            step = total + (M - 1) * bott
+            if best is None or step < best.step_ms - 1e-12:
+                best = ChainPartition(ranges=ranges, bottleneck_ms=bott, sum_ms=total, step_ms=step)
+        return total
+
+    total = take(t_star)
+    if M == 1:
+        return best
+    # Larger caps only pay off while (M - 1) * cap + floor_sum < best: collect those candidate caps.
+    limit = (best.step_ms - floor_sum) / (M - 1)
+    cands = _candidate_caps(tab, t_star, limit)
+    i = 0
+    while i < len(cands) and total > floor_sum + 1e-12:
+        # Gallop to the first cap whose best sum drops below ``total``, then bisect.
+        step, lo, hi = 1, i, None
+        while lo + step < len(cands) and cands[lo + step] <= limit:
+            if _best_sum(tab, S_max, float(cands[lo + step]))[0] < total - 1e-12:
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+        if hi is None:
             break
-        # The next cap worth trying is the smallest one at which the best sum drops below ``total``.
-        limit = (best.step_ms - floor_sum) / (M - 1)
-        hi = int(np.searchsorted(candidates, limit, side="right"))
-        lo = i + 1
-        if lo >= hi:
-            break
-        if _best_sum(problem, t, static, act, cap_mem, S_max, float(candidates[hi - 1]))[0] >= total - 1e-12:
-            break
-        while lo < hi - 1:  # invariant: the sum drops at candidates[hi - 1], not at candidates[lo - 1]
-            mid = (lo + hi - 1) // 2
-            if _best_sum(problem, t, static, act, cap_mem, S_max, float(candidates[mid]))[0] < total - 1e-12:
-                hi = mid + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if _best_sum(tab, S_max, float(cands[mid]))[0] < total - 1e-12:
+                hi = mid
             else:
-                lo = mid + 1
-        i = hi - 1
+                lo = mid
+        total = take(float(cands[hi]))
+        limit = (best.step_ms - floor_sum) / (M - 1)
+        i = hi
     return best
 
 
-def _best_sum(problem: Problem, t: np.ndarray, static: np.ndarray, act: np.ndarray, cap_mem: int,
-              S_max: int, cap_ms: float) -> tuple[float, int, list[np.ndarray]]:
-    tables = _layers(t, static, act, problem, cap_mem, S_max, cap_ms)
-    firsts = [tab[0] for tab in tables]
-    j = int(np.argmin(firsts[1:])) + 1
-    return float(firsts[j]), j, tables
+def _stage_ms(tab: _Tables, s: int, e: int) -> float:
+    return float(tab.tp[e + 1] - tab.tp[s] + tab.x_in[s] + tab.x_out[e])
+
+
+def _candidate_caps(tab: _Tables, lo: float, hi: float) -> np.ndarray:
+    """Distinct stage times in ``[lo, hi]``: the only caps at which the best sum can change."""
+    t = tab.band(tab.width_for(hi))[0]
+    vals = t[(t >= lo) & (t <= hi)]
+    return np.unique(vals)
 
 
 # --- partition of a fixed device sequence -----------------------------------
