@@ -53,23 +53,25 @@ def block_bwd_ms(block: Block, spec: DeviceSpec, dtype: str = "float32", *,
     return roofline_ms(block.bwd_flops, traffic, BWD_OPS_FACTOR * len(block.node_names), spec, dtype)
 
 
-def _check_range(chain: BlockChain, lo: int, hi: int) -> None:
+def check_block_range(chain: BlockChain, lo: int, hi: int) -> None:
+    """Raise unless ``lo..hi`` (inclusive) is a non-empty range of ``chain``'s blocks."""
     if not 0 <= lo <= hi < len(chain.blocks):
         raise InvalidInputError(f"block range of {chain.model_name}",
-                                expected=f"0 <= lo <= hi < {len(chain.blocks)}", found=f"{lo}..{hi}")
+                                expected=f"0 <= lo <= hi < {len(chain.blocks)}", found=f"{lo}..{hi}",
+                                fix="a stage covers blocks first..last of the chain it was solved for")
 
 
 def range_fwd_ms(chain: BlockChain, lo: int, hi: int, spec: DeviceSpec, dtype: str = "float32", *,
                  trace_dtype: str = "float32") -> float:
     """Forward time of blocks ``lo..hi`` (inclusive) for one microbatch."""
-    _check_range(chain, lo, hi)
+    check_block_range(chain, lo, hi)
     return sum(block_fwd_ms(b, spec, dtype, trace_dtype=trace_dtype) for b in chain.blocks[lo:hi + 1])
 
 
 def range_bwd_ms(chain: BlockChain, lo: int, hi: int, spec: DeviceSpec, dtype: str = "float32", *,
                  trace_dtype: str = "float32") -> float:
     """Backward time of blocks ``lo..hi`` (inclusive) for one microbatch."""
-    _check_range(chain, lo, hi)
+    check_block_range(chain, lo, hi)
     return sum(block_bwd_ms(b, spec, dtype, trace_dtype=trace_dtype) for b in chain.blocks[lo:hi + 1])
 
 

@@ -8,13 +8,12 @@ typical efficiency; a profile JSON written by ``stagewise profile`` carries
 figures measured on this machine and an efficiency fitted to measured block
 times (see ``cost_models/profile.py``).
 
-All FLOP/s figures are *dense* (no 2:4 structured sparsity). ``float32`` is
-plain FP32 (PyTorch does not use TF32 for matmuls unless asked to);
-``tfloat32`` is listed separately where the hardware has it. Half-precision
-tensor-core figures are with FP32 accumulation, which is what PyTorch uses.
+The catalog's figures, with their datasheet sources and conventions (dense
+FLOP/s, FP32 accumulation, ...), are in ``cost_models/data/devices.yaml``.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
+
+import yaml
 
 from planner.errors import InvalidInputError
 
@@ -117,7 +118,7 @@ class DeviceSpec:
 
     def with_efficiency(self, efficiency: float) -> "DeviceSpec":
         """A copy with another efficiency (e.g. a calibrated one from a cluster file)."""
-        return _replace(self, efficiency=efficiency)
+        return dataclasses.replace(self, efficiency=efficiency)
 
     # --- (de)serialisation ----------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -146,11 +147,14 @@ class DeviceSpec:
             raise InvalidInputError(where, expected="a mapping", found=type(d).__name__)
         unknown = sorted(set(d) - allowed)
         if unknown:
-            raise InvalidInputError(f"{where}: unknown field {unknown[0]!r}", expected=f"fields {sorted(allowed)}")
+            raise InvalidInputError(f"{where}: unknown field {unknown[0]!r}", expected=f"fields {sorted(allowed)}",
+                                    found=", ".join(unknown), fix="remove it, or regenerate with `stagewise profile`")
         missing = sorted({"name", "peak_flops", "mem_bytes", "mem_bw_bytes_per_s"} - set(d))
         if missing:
             raise InvalidInputError(f"{where}: missing field {missing[0]!r}",
-                                    expected="name, peak_flops, mem_bytes, mem_bw_bytes_per_s")
+                                    expected="name, peak_flops, mem_bytes, mem_bw_bytes_per_s",
+                                    found=", ".join(sorted(d)) or "no fields",
+                                    fix="regenerate it with `stagewise profile`")
         flops = d["peak_flops"]
         if not isinstance(flops, Mapping):
             raise InvalidInputError(f"{where}: peak_flops", expected="a mapping dtype -> FLOP/s",
@@ -167,70 +171,33 @@ def _check_positive(what: str, value: float) -> None:
         raise InvalidInputError(what, expected="a positive finite number", found=repr(value))
 
 
-def _replace(spec: DeviceSpec, **changes: Any) -> DeviceSpec:
-    fields = {f: getattr(spec, f) for f in DeviceSpec.__dataclass_fields__}
-    fields.update(changes)
-    return DeviceSpec(**fields)
+def _catalog_entry(name: str, entry: Any) -> DeviceSpec:
+    """One entry of ``data/devices.yaml`` (TFLOP/s, GiB, decimal GB/s) as a DeviceSpec."""
+    where = f"device catalog {_CATALOG_PATH.name}: {name}"
+    keys = {"tflops", "mem_gib", "bw_gbs", "efficiency", "source", "kind"}
+    if not isinstance(entry, Mapping) or not {"tflops", "mem_gib", "bw_gbs"} <= set(entry) <= keys:
+        found = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+        raise InvalidInputError(where, expected=f"a mapping with tflops, mem_gib, bw_gbs (and {keys})",
+                                found=str(found), fix="fix the entry in cost_models/data/devices.yaml")
+    try:
+        return DeviceSpec(name=name, peak_flops=tuple((str(k), float(v) * _TERA) for k, v in entry["tflops"].items()),
+                          mem_bytes=int(entry["mem_gib"] * _GIB), mem_bw_bytes_per_s=entry["bw_gbs"] * _GB,
+                          efficiency=entry.get("efficiency", 0.5), kind=entry.get("kind", "gpu"),
+                          source=entry.get("source", ""))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidInputError(where, expected="numbers for the figures", found=str(exc),
+                                fix="fix the entry in cost_models/data/devices.yaml") from None
 
 
-def _gpu(name: str, *, fp32: float, bf16: float | None, fp16: float, tf32: float | None,
-         mem_gib: float, bw_gbs: float, efficiency: float, source: str) -> DeviceSpec:
-    flops = [("float32", fp32 * _TERA), ("float16", fp16 * _TERA)]
-    if bf16 is not None:
-        flops.append(("bfloat16", bf16 * _TERA))
-    if tf32 is not None:
-        flops.append(("tfloat32", tf32 * _TERA))
-    return DeviceSpec(name=name, peak_flops=tuple(flops), mem_bytes=int(mem_gib * _GIB),
-                      mem_bw_bytes_per_s=bw_gbs * _GB, efficiency=efficiency, kind="gpu", source=source)
+def _load_catalog() -> Mapping[str, DeviceSpec]:
+    # The figures are data (with their datasheet citations as comments), not code.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    entries = yaml.load(_CATALOG_PATH.read_text(encoding="utf-8"), Loader=loader)
+    return MappingProxyType({name: _catalog_entry(name, e) for name, e in entries.items()})
 
 
-# Efficiency: the fraction of peak a transformer training step reaches. Large
-# datacenter parts reach ~0.4-0.5 MFU in practice (PaLM / Megatron reports);
-# consumer and inference cards with small caches somewhat less. A profile
-# replaces these guesses with a fitted figure.
-CATALOG: Mapping[str, DeviceSpec] = MappingProxyType({s.name: s for s in (
-    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1 TF, mixed FP16/FP32 65 TF, 16 GB GDDR6, 320 GB/s.
-    # Turing has no BF16: bfloat16 runs at the FP32 rate.
-    _gpu("T4", fp32=8.1, bf16=None, fp16=65.0, tf32=None, mem_gib=16, bw_gbs=320, efficiency=0.35,
-         source="NVIDIA T4 Tensor Core GPU datasheet"),
-    # NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TF, Tensor 125 TF, HBM2 900 GB/s; 16 or 32 GB.
-    _gpu("V100-16GB", fp32=15.7, bf16=None, fp16=125.0, tf32=None, mem_gib=16, bw_gbs=900, efficiency=0.4,
-         source="NVIDIA Tesla V100 GPU datasheet (SXM2)"),
-    _gpu("V100-32GB", fp32=15.7, bf16=None, fp16=125.0, tf32=None, mem_gib=32, bw_gbs=900, efficiency=0.4,
-         source="NVIDIA Tesla V100 GPU datasheet (SXM2)"),
-    # A10G (AWS EC2 G5 variant of the A10; NVIDIA publishes no separate sheet): FP32 35 TF,
-    # TF32 35 TF, BF16/FP16 tensor 70 TF dense, 24 GB GDDR6 at 600 GB/s (AWS G5 / Baseten "A10 vs A10G").
-    _gpu("A10G", fp32=35.0, bf16=70.0, fp16=70.0, tf32=35.0, mem_gib=24, bw_gbs=600, efficiency=0.4,
-         source="AWS EC2 G5 A10G specification"),
-    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TF, TF32 60 TF, BF16/FP16 121 TF dense
-    # (242 with sparsity), 24 GB GDDR6, 300 GB/s.
-    _gpu("L4", fp32=30.3, bf16=121.0, fp16=121.0, tf32=60.0, mem_gib=24, bw_gbs=300, efficiency=0.35,
-         source="NVIDIA L4 Tensor Core GPU datasheet"),
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF;
-    # 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s.
-    _gpu("A100-40GB", fp32=19.5, bf16=312.0, fp16=312.0, tf32=156.0, mem_gib=40, bw_gbs=1555, efficiency=0.5,
-         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
-    _gpu("A100-80GB", fp32=19.5, bf16=312.0, fp16=312.0, tf32=156.0, mem_gib=80, bw_gbs=2039, efficiency=0.5,
-         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67 TF, TF32 494.5 TF, BF16/FP16 989.5 TF dense
-    # (the sheet's 1,979 is with sparsity), 80 GB HBM3 at 3.35 TB/s.
-    _gpu("H100-80GB", fp32=67.0, bf16=989.5, fp16=989.5, tf32=494.5, mem_gib=80, bw_gbs=3350, efficiency=0.45,
-         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    # NVIDIA Ampere GA102 GPU architecture whitepaper (GeForce RTX 3090): FP32 35.6 TF; FP16/BF16
-    # tensor with FP32 accumulate 71 TF dense; TF32 35.6 TF; 24 GB GDDR6X at 936 GB/s.
-    _gpu("RTX3090", fp32=35.6, bf16=71.0, fp16=71.0, tf32=35.6, mem_gib=24, bw_gbs=936, efficiency=0.4,
-         source="NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090)"),
-    # NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090): FP32 82.6 TF; FP16/BF16 tensor
-    # with FP32 accumulate 165.2 TF dense; TF32 82.6 TF; 24 GB GDDR6X at 1,008 GB/s.
-    _gpu("RTX4090", fp32=82.6, bf16=165.2, fp16=165.2, tf32=82.6, mem_gib=24, bw_gbs=1008, efficiency=0.4,
-         source="NVIDIA Ada GPU architecture whitepaper (RTX 4090)"),
-    # A nominal server CPU, for CPU-only trusted verifier hosts: 16 cores x 2 AVX2 FMA units x 8 fp32 lanes
-    # x 2 flops x 3.0 GHz = 1.5 TF fp32 (bf16 via AVX-512 BF16 where present: same order); 64 GiB of
-    # DDR4-3200 in 4 channels = 4 x 25.6 = 102.4 GB/s (JEDEC DDR4-3200 figure). Profile the real host.
-    DeviceSpec(name="CPU", kind="cpu", peak_flops=(("float32", 1.536 * _TERA), ("bfloat16", 1.536 * _TERA)),
-               mem_bytes=64 * _GIB, mem_bw_bytes_per_s=102.4 * _GB, efficiency=0.3,
-               source="nominal: 16-core AVX2 server at 3.0 GHz, 4-channel DDR4-3200"),
-)})
+_CATALOG_PATH = Path(__file__).resolve().parent / "data" / "devices.yaml"
+CATALOG: Mapping[str, DeviceSpec] = _load_catalog()
 
 
 def is_profile_reference(name: str) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.compute import check_block_range
 from cost_models.devices import DeviceSpec
 from cost_models.training import SCHEDULES, TrainingConfig
 from planner.errors import InvalidInputError
@@ -116,19 +117,13 @@ def activation_scale(chain: BlockChain, config: TrainingConfig) -> float:
                                                                / dtype_bytes(trace_dtype(chain)))
 
 
-def _check_range(chain: BlockChain, lo: int, hi: int) -> None:
-    if not 0 <= lo <= hi < len(chain.blocks):
-        raise InvalidInputError(f"block range of {chain.model_name}",
-                                expected=f"0 <= lo <= hi < {len(chain.blocks)}", found=f"{lo}..{hi}")
-
-
 def stage_param_count(chain: BlockChain, lo: int, hi: int) -> int:
     """Trainable parameters a stage over blocks ``lo..hi`` holds.
 
     A tied parameter is counted in the first block that reads it; a stage that
     reads it without holding that block keeps its own copy (and gradient).
     """
-    _check_range(chain, lo, hi)
+    check_block_range(chain, lo, hi)
     count = sum(b.param_count for b in chain.blocks[lo:hi + 1])
     elem = dtype_bytes(trace_dtype(chain))
     for tied in chain.tied_params:
@@ -140,7 +135,7 @@ def stage_param_count(chain: BlockChain, lo: int, hi: int) -> int:
 
 def stage_comm_buffer_bytes(chain: BlockChain, lo: int, hi: int, config: TrainingConfig) -> int:
     """Receive/send buffers of one microbatch: activations in and out, and their gradients."""
-    _check_range(chain, lo, hi)
+    check_block_range(chain, lo, hi)
     scale = activation_scale(chain, config)
     batch_scale = config.microbatch_size / chain.microbatch_size
     in_act = chain.input_bytes * batch_scale if lo == 0 else chain.blocks[lo - 1].out_bytes * scale

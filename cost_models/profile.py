@@ -401,15 +401,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     _clock(settings.clock)  # checks the thread count before anything is measured
     say(f"tracing {settings.model}")  # first: a bad model spec fails before any measuring
     chain = model_chain(settings.model, batch=settings.batch, seq=settings.seq)
-    dtypes = ["float32"] + (["bfloat16", "float16"] if device.type == "cuda" else ["bfloat16"])
-    matmul: dict[str, float] = {}
-    for dtype in dtypes:
-        say(f"matmul {dtype}")
-        matmul[dtype] = measure_matmul_flops(dtype, size=settings.matmul_size, repeats=settings.repeats,
-                                             device=device, clock=settings.clock)
-    say("memory bandwidth")
-    mem_bw = measure_memory_bandwidth(nbytes=settings.copy_bytes, repeats=settings.repeats, device=device,
-                                      clock=settings.clock)
+    matmul, mem_bw = _measure_throughput(settings, device, say)
     say(f"blocks of {settings.model}")
     bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
     timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device,
@@ -430,6 +422,27 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
                       source=f"stagewise profile of {platform.node()} on {datetime.now(timezone.utc):%Y-%m-%d}",
                       p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
                       p2p_latency_ms=p2p.latency_ms if p2p else None)
+    return _profile_document(settings, device, spec, samples, calib, p2p)
+
+
+def _measure_throughput(settings: ProfileSettings, device: Any, say: Step) -> tuple[dict[str, float], float]:
+    """Matmul FLOP/s per dtype the device runs, and memory bandwidth (bytes/s)."""
+    dtypes = ["float32"] + (["bfloat16", "float16"] if device.type == "cuda" else ["bfloat16"])
+    matmul: dict[str, float] = {}
+    for dtype in dtypes:
+        say(f"matmul {dtype}")
+        matmul[dtype] = measure_matmul_flops(dtype, size=settings.matmul_size, repeats=settings.repeats,
+                                             device=device, clock=settings.clock)
+    say("memory bandwidth")
+    mem_bw = measure_memory_bandwidth(nbytes=settings.copy_bytes, repeats=settings.repeats, device=device,
+                                      clock=settings.clock)
+    return matmul, mem_bw
+
+
+def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, samples: Sequence[BlockSample],
+                      calib: Calibration, p2p: P2PResult | None) -> dict[str, Any]:
+    """The profile JSON (schema :data:`PROFILE_SCHEMA`): the spec, and what it was fitted from."""
+    import torch
     return {
         "schema": PROFILE_SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -456,6 +469,10 @@ def write_profile(doc: dict[str, Any], path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, out)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # never leave a half-written temp file behind
+        raise
     return out

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import init_parameters, scaled_residual_std
+from models.decoder import DecoderLM, LMHead, PreNormBlock, merge_heads, split_heads  # noqa: F401 (LMHead: importable here too)
 from planner.errors import InvalidInputError
 
 
@@ -63,12 +63,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # [B, T, d] -> [B, H, T, d/H]
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=2)
+        q, k, v = (split_heads(z, self.n_heads) for z in (q, k, v))
+        return self.proj(merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
 class GPTMLP(nn.Module):
@@ -81,7 +78,7 @@ class GPTMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-class GPTBlock(nn.Module):
+class GPTBlock(PreNormBlock):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -89,52 +86,15 @@ class GPTBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = GPTMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def sublayers(self) -> tuple[tuple[nn.Module, nn.Module], ...]:
+        return ((self.ln1, self.attn), (self.ln2, self.mlp))
 
 
-class LMHead(nn.Module):
-    """Final norm + projection to the vocabulary (shared by GPT and Llama)."""
-
-    def __init__(self, norm: nn.Module, d_model: int, vocab_size: int) -> None:
-        super().__init__()
-        self.norm = norm
-        self.proj = nn.Linear(d_model, vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
-
-
-class GPT(nn.Module):
+class GPT(DecoderLM):
     """``idx: LongTensor[B, T]`` -> logits ``[B, T, vocab_size]``."""
 
+    RESIDUAL_PROJECTIONS = (".attn.proj", ".mlp.proj")
+
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed = GPTEmbed(cfg)
-        self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
-        self.head = LMHead(nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps), cfg.d_model, cfg.vocab_size)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the token embedding with the output projection when configured.
-        Called again after ``to_empty``, which replaces the two tensors separately."""
-        if self.config.tie_weights:
-            self.head.proj.weight = self.embed.tok.weight
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Deterministic GPT-2 init keyed by parameter name (see ``models``)."""
-        self.tie_weights()
-        out_std = scaled_residual_std(self.config.n_layers)
-
-        def linear_std(name: str, _m: nn.Linear) -> float:
-            return out_std if name.endswith((".attn.proj", ".mlp.proj")) else 0.02
-
-        init_parameters(self, seed, linear_std=linear_std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+        super().__init__(cfg, embed=GPTEmbed(cfg), layers=(GPTBlock(cfg) for _ in range(cfg.n_layers)),
+                         final_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps))

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import init_parameters, scaled_residual_std
-from models.gpt import LMHead
+from models.decoder import DecoderLM, PreNormBlock, merge_heads, split_heads
 from planner.errors import InvalidInputError
 
 
@@ -88,7 +87,7 @@ class GQAttention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -96,15 +95,13 @@ class GQAttention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = split_heads(self.q(x), self.n_heads)
+        k = split_heads(self.k(x), self.n_kv_heads)
+        v = split_heads(self.v(x), self.n_kv_heads)
         q, k = self.rotary(q), self.rotary(k)
         # Explicit repeat instead of SDPA's enable_gqa: exports to ONNX and counts flops everywhere.
         k, v = (z.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for z in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.o(merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
 class SwiGLU(nn.Module):
@@ -118,7 +115,7 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(PreNormBlock):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -126,9 +123,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+    def sublayers(self) -> tuple[tuple[nn.Module, nn.Module], ...]:
+        return ((self.attn_norm, self.attn), (self.mlp_norm, self.mlp))
 
 
 class LlamaEmbed(nn.Module):
@@ -140,37 +136,18 @@ class LlamaEmbed(nn.Module):
         return self.tok(idx)
 
 
-class Llama(nn.Module):
+class Llama(DecoderLM):
     """``idx: LongTensor[B, T]`` -> logits ``[B, T, vocab_size]``."""
 
+    RESIDUAL_PROJECTIONS = (".attn.o", ".mlp.down")
+
     def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed = LlamaEmbed(cfg)
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
-        self.head = LMHead(nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps), cfg.d_model, cfg.vocab_size)
-        self.tie_weights()
+        super().__init__(cfg, embed=LlamaEmbed(cfg), layers=(LlamaBlock(cfg) for _ in range(cfg.n_layers)),
+                         final_norm=nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps))
 
-    def tie_weights(self) -> None:
-        if self.config.tie_weights:
-            self.head.proj.weight = self.embed.tok.weight
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init keyed by parameter name; recomputes the rotary tables."""
-        self.tie_weights()
-        out_std = scaled_residual_std(self.config.n_layers)
-
-        def linear_std(name: str, _m: nn.Linear) -> float:
-            return out_std if name.endswith((".attn.o", ".mlp.down")) else 0.02
-
-        init_parameters(self, seed, linear_std=linear_std)
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (derived from the config, not in the state dict)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, Rotary):
                     module.reset_buffers()
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)

@@ -222,7 +222,7 @@ def _build_factory(spec: str, batch: int, seq: int | None, dev: torch.device, se
             raise
         except _USER_CODE_ERRORS as exc:
             raise InvalidInputError(f"model factory {spec!r} raised {type(exc).__name__}",
-                                    found=str(exc).splitlines()[0] if str(exc) else "no message",
+                                    found=_first_line(exc),
                                     fix=f"check that it runs on its own: {_repro(spec)}") from exc
     module, inputs = _split_factory_result(spec, made)
     if dev.type == "meta":
@@ -238,29 +238,38 @@ def _build_factory(spec: str, batch: int, seq: int | None, dev: torch.device, se
 def _resolve_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
-        raise InvalidInputError(f"model spec {spec!r}", expected="package.module:factory", fix="name both parts")
+        raise InvalidInputError(f"model spec {spec!r}", expected="package.module:factory",
+                                found=f"module {module_name!r}, factory {attr_path!r}", fix="name both parts")
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
-        raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}", found=str(exc),
+        raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}", expected="an importable module",
+                                found=_first_line(exc),
                                 fix="check the module path and that its folder is on PYTHONPATH") from None
     except SyntaxError as exc:
-        raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}",
-                                found=f"a syntax error at {exc.filename}:{exc.lineno}") from None
+        raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}", expected="valid Python",
+                                found=f"a syntax error at {exc.filename}:{exc.lineno}",
+                                fix="fix the syntax error") from None
     except _USER_CODE_ERRORS as exc:
         raise InvalidInputError(f"importing {module_name!r} for model {spec!r} raised {type(exc).__name__}",
-                                found=str(exc).splitlines()[0] if str(exc) else "no message",
+                                found=_first_line(exc),
                                 fix=f"check that it runs on its own: python -c 'import {module_name}'") from exc
     for part in attr_path.split("."):
         if not hasattr(target, part):
             close = difflib.get_close_matches(part, [n for n in dir(target) if not n.startswith("_")], n=3)
             raise InvalidInputError(f"{module_name!r} has no attribute {attr_path!r}",
+                                    expected=f"a factory named {part!r}", found="no such attribute",
                                     fix=f"did you mean {', '.join(close)}?" if close else "check the factory name")
         target = getattr(target, part)
     if not callable(target):
         raise InvalidInputError(f"model factory {spec!r}", expected="a callable returning an nn.Module",
                                 found=type(target).__name__)
     return target
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else f"{type(exc).__name__} with no message"
 
 
 def _repro(spec: str) -> str:
@@ -313,7 +322,8 @@ def _probe_family(spec: str, module: nn.Module, inputs: tuple[torch.Tensor, ...]
             out = module(*inputs)
     except _USER_CODE_ERRORS as exc:
         raise InvalidInputError(f"model {spec!r} fails on its example inputs "
-                                f"{[tuple(t.shape) for t in inputs]}", found=str(exc).splitlines()[0],
+                                f"{[tuple(t.shape) for t in inputs]}", expected="a forward pass that runs",
+                                found=_first_line(exc),
                                 fix="make the factory return (module, example_inputs)") from exc
     if isinstance(out, torch.Tensor) and out.ndim == 3:
         return "lm", int(out.shape[-1])
@@ -329,4 +339,4 @@ def _device(device: str) -> torch.device:
         return torch.device(device)
     except RuntimeError as exc:
         raise InvalidInputError(f"device {device!r}", expected="a torch device such as 'meta', 'cpu', 'cuda:0'",
-                                found=str(exc).splitlines()[0]) from None
+                                found=_first_line(exc), fix="use 'meta', 'cpu' or 'cuda[:N]'") from None

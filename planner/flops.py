@@ -264,7 +264,6 @@ _ONNX_REDUCTIONS = frozenset({
 })
 _ONNX_NORMS = frozenset({"LayerNormalization", "BatchNormalization", "GroupNormalization",
                          "InstanceNormalization"})
-_ONNX_MATMUL_LIKE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "Einsum"})
 
 
 def onnx_fwd_flops(op_type: str, in_shapes: Sequence[Sequence[int] | None],

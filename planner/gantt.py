@@ -36,10 +36,7 @@ _SEND_H = 0.2
 
 def _row_label(plan: Plan, rank: int) -> str:
     info = plan.ranks[rank]
-    role = f"stage {info.stage}" if info.stage is not None else "verifier"
-    if info.stage is not None and len(plan.stage_ranks(info.stage)) > 1:
-        role += f".{info.replica}"
-    return f"rank {rank}: {role}\n{info.device_type} ({info.device})"
+    return f"rank {rank}: {plan.rank_role(rank)}\n{info.device_type} ({info.device})"
 
 
 def _box_text(ev: Event) -> str:

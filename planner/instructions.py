@@ -92,7 +92,8 @@ class Instruction:
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
-            raise InvalidInputError(f"instruction op {self.op!r}", expected=f"one of {', '.join(OPS)}")
+            raise InvalidInputError(f"instruction op {self.op!r}", expected=f"one of {', '.join(OPS)}",
+                                    found=repr(self.op))
         for name in ("stage", "mb", "peer", "dest", "boundary"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -167,7 +168,8 @@ def parse_instruction(text: str) -> Instruction:
     if match is None:
         raise InvalidInputError(
             f"instruction {text!r}",
-            expected="STAGE OP [MB] [<SRC] [>DST], e.g. '1F3', '1SEND_F3>2', '2RECV_F3<1', '1OPTIM'")
+            expected="STAGE OP [MB] [<SRC] [>DST], e.g. '1F3', '1SEND_F3>2', '2RECV_F3<1', '1OPTIM'",
+            found=repr(text))
     stage, op, mb, src, dst = match.groups()
     if op in SEND_OPS:
         if src is not None:

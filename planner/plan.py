@@ -41,6 +41,7 @@ from planner.solver.solution import SolveReport
 
 SCHEMA_VERSION = 1
 DIRECTIONS = ("act", "grad")
+_REPLAN = "re-create the plan with `stagewise plan`"
 
 
 def _check_non_negative(owner: str, obj: Any, names: tuple[str, ...]) -> None:
@@ -332,6 +333,14 @@ class Plan:
         """The ranks of ``stage``'s replicas, in replica order."""
         return tuple(r.rank for r in self.ranks if r.stage == stage)
 
+    def rank_role(self, rank: int) -> str:
+        """``stage 2``, ``stage 2.1`` (replica 1 of a replicated stage) or ``verifier``."""
+        info = self.ranks[rank]
+        if info.stage is None:
+            return "verifier"
+        replicated = len(self.stage_ranks(info.stage)) > 1
+        return f"stage {info.stage}.{info.replica}" if replicated else f"stage {info.stage}"
+
     def owner(self, stage: int, mb: int) -> int:
         """The rank of the replica of ``stage`` that runs microbatch ``mb``."""
         for r in self.ranks:
@@ -431,7 +440,8 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             try:
                 programs.append(parse_program(texts))
             except InvalidInputError as exc:
-                raise InvalidInputError(f"{source}: $.programs[{r}]: {exc}") from None
+                raise InvalidInputError(f"{source}: $.programs[{r}]: {exc.what}", expected=exc.expected,
+                                        found=exc.found, fix=exc.fix or _REPLAN) from None
         return Plan(
             schema_version=version,
             model=ModelRef(**data["model"]),
@@ -451,9 +461,10 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             predicted=Predicted(**_tupled(data["predicted"])),
         )
     except InvalidInputError as exc:
-        if str(exc).startswith(source):
+        if exc.what.startswith(source):
             raise
-        raise type(exc)(f"{source}: {exc}") from None
+        raise type(exc)(f"{source}: {exc.what}", expected=exc.expected, found=exc.found,
+                        fix=exc.fix or _REPLAN) from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -497,9 +508,11 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InvalidInputError(f"{source} does not exist", fix="make one with `stagewise plan`") from None
+        raise InvalidInputError(f"{source} does not exist", expected="an existing plan JSON file",
+                                found="no such file", fix="check the path, or make one with `stagewise plan`") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"{source} cannot be read", found=str(exc)) from None
+        raise InvalidInputError(f"{source} cannot be read", expected="a readable UTF-8 JSON file", found=str(exc),
+                                fix="check the file's permissions, or re-create it with `stagewise plan`") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -41,8 +41,6 @@ from planner.errors import InvalidInputError
 from planner.instructions import Instruction
 from planner.plan import RankInfo, VerifierInfo
 
-_DIRECTION_OF = {"F": "act", "B": "grad"}
-
 
 def compute_order(schedule: str, stage: int, num_stages: int,
                   microbatches: tuple[int, ...]) -> tuple[tuple[str, int], ...]:

@@ -38,12 +38,13 @@ from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
-from cost_models.verify import VERDICT_BYTES, verify_ms
 from cost_models.training import TrainingConfig
+from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.instructions import VERIFY_OPS, Instruction, format_instruction, message_keys
 from planner.ir import BlockChain
 from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
+
 
 def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec) -> float:
     """One optimizer step over ``param_count`` parameters: read and write weights and state, read grads."""

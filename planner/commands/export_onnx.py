@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from planner.commands._common import add_model_argument, add_shape_arguments
 from planner.errors import InvalidInputError
 
 
@@ -12,10 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export-onnx", help="export a model to ONNX (weights as external data)",
         description="Build MODEL with real (CPU) weights and export it with torch.onnx (dynamo) to FILE.onnx, "
                     "weights in FILE.onnx.data. The file is written atomically.")
-    p.add_argument("model", metavar="MODEL", help="preset name or package.module:factory")
+    add_model_argument(p, onnx=False)
     p.add_argument("-o", "--output", required=True, metavar="FILE.onnx", help="where to write the model")
-    p.add_argument("--batch", type=int, default=1, help="batch size fixed in the exported graph (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    add_shape_arguments(p, batch_default=1, batch_help="batch size fixed in the exported graph (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the deterministic weight init")
     p.set_defaults(handler=run)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from planner.commands._common import add_shape_arguments, check_positive
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -17,8 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default="profile.json", help="profile JSON to write (default: profile.json)")
     p.add_argument("--model", default=None, help="preset whose blocks are timed (default: gpt-small; "
                                                  "gpt-tiny with --quick)")
-    p.add_argument("--batch", type=int, default=None, help="batch for the timed blocks")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    add_shape_arguments(p, batch_help="batch for the timed blocks")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats: seconds, not minutes")
     p.add_argument("--no-p2p", action="store_true", help="skip the two-process P2P measurement")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -32,16 +33,13 @@ def _settings(args: argparse.Namespace):
     import dataclasses
 
     from cost_models.profile import ProfileSettings
-    from planner.errors import InvalidInputError
+
+    check_positive(args, "batch", "seq", "threads")
     base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model or "gpt-small")
     changes: dict = {"p2p": not args.no_p2p, "clock": args.clock}
     if args.batch is not None:
-        if args.batch < 1:
-            raise InvalidInputError("--batch", expected=">= 1", found=str(args.batch))
         changes["batch"] = args.batch
     if args.seq is not None:
-        if args.seq < 1:
-            raise InvalidInputError("--seq", expected=">= 1", found=str(args.seq))
         changes["seq"] = args.seq
     if args.seq is None and not _is_language_model(base.model):
         changes["seq"] = None  # the short default sequence is for LMs; others keep the preset's shape
@@ -65,12 +63,11 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     import torch
     if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidInputError("--threads", expected=">= 1", found=str(args.threads))
         torch.set_num_threads(args.threads)
     out = Path(args.output)
     if out.is_dir():
-        raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory")
+        raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory",
+                                fix=f"pass a file name, e.g. -o {out / 'profile.json'}")
     err = Console(stderr=True)
     total = 6 + (1 if settings.p2p else 0) + (1 if torch.cuda.is_available() else 0)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),

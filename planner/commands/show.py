@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from planner.commands._common import add_plan_argument, load_and_simulate, rank_table
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -15,12 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print a table per stage (blocks, parameters, devices, time per microbatch) and per rank "
                     "(memory used of available, busy time), and write a Gantt chart of one simulated step "
                     "as PNG and SVG.")
-    p.add_argument("plan", help="plan JSON written by `stagewise plan`")
+    add_plan_argument(p)
     p.add_argument("--out", default=None, help="folder for the Gantt chart (default: the plan's folder)")
     p.set_defaults(handler=run)
 
 
 def stage_table(plan, costs):
+    """Per stage: blocks, parameters, devices, forward+backward time per microbatch, sends, verifier."""
     from rich.table import Table
 
     table = Table(title="stages")
@@ -43,28 +46,25 @@ def stage_table(plan, costs):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planner.commands.simulate import rank_table
     from planner.errors import InvalidInputError
     from planner.gantt import write_gantt
-    from planner.plan import load_plan
-    from planner.simulate import CostModel, simulate
 
-    plan = load_plan(args.plan)
-    costs = CostModel.for_plan(plan)
-    result = simulate(plan, costs)
+    plan, costs, result = load_and_simulate(args.plan)
     console = Console()
     console.print(f"[bold]{plan.model.name}[/] ({plan.model.spec}), {plan.schedule}, {plan.num_microbatches} "
                   f"microbatches of {plan.config.microbatch_size}; solver: {plan.report.method} "
                   f"{plan.report.status}, objective {plan.report.objective_ms:.3f} ms")
     console.print(stage_table(plan, costs))
-    console.print(rank_table(plan, result, f"ranks: step {result.step_ms:.3f} ms, "
-                                           f"bubble {100 * result.bubble_fraction:.1f}%"))
+    console.print(rank_table(plan, result, costs, f"ranks: step {result.step_ms:.3f} ms, "
+                                                  f"bubble {100 * result.bubble_fraction:.1f}%"))
     out = Path(args.out) if args.out is not None else Path(args.plan).resolve().parent
     if out.exists() and not out.is_dir():
-        raise InvalidInputError(f"--out {out}", expected="a folder", found="a file")
+        raise InvalidInputError(f"--out {out}", expected="a folder", found="a file",
+                                fix="pass a folder to --out, or omit it to write beside the plan")
     try:
         written = write_gantt(plan, result, out / f"{Path(args.plan).stem}-gantt")
     except OSError as exc:
-        raise InvalidInputError(f"cannot write the Gantt chart into {out}", found=str(exc)) from None
+        raise InvalidInputError(f"cannot write the Gantt chart into {out}", expected="a writable folder",
+                                found=str(exc), fix="pick another --out folder") from None
     console.print("Gantt chart: " + ", ".join(str(p) for p in written))
     return 0

@@ -6,6 +6,7 @@ import json
 import sys
 
 from planner.coarsen import GRANULARITIES, chain_to_dict
+from planner.commands._common import add_model_argument, add_shape_arguments
 from planner.ir import BlockChain, Graph
 
 _MB = 1e6
@@ -17,9 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "trace", help="trace a model into blocks (FLOPs, parameters, activations)",
         description="Trace MODEL (a preset such as gpt-small or llama-7b, a package.module:factory, "
                     "or a file.onnx) on the meta device and print its chain of blocks, per microbatch.")
-    p.add_argument("model", metavar="MODEL", help="preset name, package.module:factory, or path to a .onnx file")
-    p.add_argument("--batch", type=int, default=None, help="microbatch size to trace at (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    add_model_argument(p)
+    add_shape_arguments(p, batch_help="microbatch size to trace at (default 1)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
                    help="layer: one block per top-level unit (default); fine: every legal cut")
     p.add_argument("--json", action="store_true", help="print the block chain as JSON instead of a table")

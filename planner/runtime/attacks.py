@@ -60,6 +60,7 @@ MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign
 TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 INT_PARAMS = ("steps",)
 STR_PARAMS = ("target",)
+DISTANCE_NAMES = tuple(dist.DISTANCES)  # the distances the adaptive attacker estimates
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,40 +214,50 @@ class AdaptiveState:
     """An attacker that knows the verification algorithm (not its secret seed).
 
     It keeps its own EMA of the distribution summary of what it sends and a
-    window of its own honest scores, estimates the verifier's fences from them
-    (``Q3 + 3 IQR``) and, per microbatch, sends the blend
-    ``(1 - a) * x + a * target`` with the largest ``a`` (bisection) whose
-    estimated distances stay under ``margin`` times the estimated fences. What
-    it sends also feeds its EMA, as it would feed the verifier's, so the
-    reference creeps toward the corruption over time: the strongest simple
-    attack on an EMA monitor.
+    window of its own honest scores for every distance the verifier uses,
+    estimates the verifier's fences from them (``Q3 + 3 IQR``) and, per
+    microbatch, sends the blend ``(1 - a) * x + a * target`` with the largest
+    ``a`` (bisection) whose estimated scores all stay under ``margin`` times the
+    estimated fences. What it sends also feeds its EMA, as it would feed the
+    verifier's, so the reference creeps toward the corruption over time: the
+    strongest simple attack on an EMA monitor.
     """
 
     _BISECTIONS = 8
+    _NAMES = (*DISTANCE_NAMES, "spectral")
 
     def __init__(self, params: Mapping[str, Any], seed: int) -> None:
         self.beta = float(params["beta"])
         self.margin = float(params["margin"])
         self.seed = seed
         self.ref: dist.Summary | None = None
+        self._basis: torch.Tensor | None = None
         self._dirs: torch.Tensor | None = None
+        self._spectral: torch.Tensor | None = None
         self._levels = dist.quantile_levels(32)
-        self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in dist.DISTANCES}
+        self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in self._NAMES}
 
     def _summary(self, x: torch.Tensor) -> dist.Summary:
         if self._dirs is None:
-            self._dirs = dist.random_directions(dist.as_rows(x).shape[1], 16, stable_seed("adaptive", self.seed))
-        return dist.summarize(x, directions=self._dirs, levels=self._levels)
+            dim = dist.feature_size(x)
+            self._dirs = dist.random_directions(dim, 16, stable_seed("adaptive", self.seed))
+            self._spectral = dist.spectral_projection(dim, stable_seed("adaptive-spectral", self.seed))
+        return dist.summarize(x, directions=self._dirs, levels=self._levels, spectral=self._spectral)
 
     def _scores(self, summary: dist.Summary) -> dict[str, float]:
         assert self.ref is not None, "scores need a reference"
-        return {name: fn(summary, self.ref) for name, fn in dist.DISTANCES.items()}
+        if self._basis is None:
+            self._basis = dist.principal_basis(self.ref.cov)
+        scores = {name: dist.DISTANCES[name](summary, self.ref) for name in DISTANCE_NAMES}
+        scores["spectral"] = dist.spectral_residual(summary, self.ref, self._basis)
+        return scores
 
     def _fold(self, summary: dist.Summary) -> None:
         if self.ref is not None:
             for name, value in self._scores(summary).items():
                 self._fences[name].update(value)
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
+        self._basis = None
 
     def observe(self, x: torch.Tensor) -> None:
         """Learn from a tensor sent unchanged."""

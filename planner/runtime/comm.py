@@ -103,6 +103,9 @@ class Pending:
     peer: int
     doing: str
 
+    def completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> list[torch.Tensor]:
         try:
             for work in self.works:

@@ -22,6 +22,19 @@ batches of the same model state instead:
   signs spread energy evenly over all of them. The share of a sample's energy
   outside the reference's principal subspace catches noise far below what
   any per-feature statistic can see;
+- with the microbatch's labels (token ids, classes; a pure function of the
+  step on every rank): a per-label table of mean rows. Activations carry their
+  tokens (the residual stream *is* token embedding plus context), gradients
+  their targets, so rows predicted by the table of *their own* labels are
+  honest, and rows computed from other data (a stale or replayed tensor, a
+  fabricated one) are not. This "binding" is the test that catches a worker
+  sending correct-looking results for the wrong batch;
+- with the stage's input (when the same verifier checks the boundary before
+  the sender: its input activations, or the gradients it received): a ridge
+  regression from the input rows to the output rows, learnt online from honest
+  microbatches. A residual stage's output is almost a linear function of its
+  input; an output of other data, a sign flip or noise is not. This "link"
+  test needs neither labels nor recomputation, and is the sharpest of all;
 - a *sketch*: a fixed random subset of the centred tensor, used only to spot a
   replay of an earlier tensor (the "delay" attack), which no distribution
   statistic can see because an old tensor is a perfectly plausible sample.
@@ -48,6 +61,7 @@ MAX_SPECTRAL_DIMS = 128  # wider features are randomly projected down to this ma
 SPECTRAL_ENERGY = 0.95   # the principal subspace holds this share of the reference's energy
 SKETCH_SIZE = 2048
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
+LABEL_BUCKETS = 4096     # label ids are folded into this many rows of the binding table
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,6 +300,65 @@ def spectral_residual(x: Summary, ref: Summary, basis: torch.Tensor) -> float:
         return 0.0
     inside = torch.trace(basis.T @ x.cov @ basis) + (shift @ basis).square().sum()
     return float(((total - inside) / total).clamp(0.0, 1.0))
+
+
+def unit_rows(x: torch.Tensor, spectral: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``x`` in the spectral basis, divided by their RMS (size is
+    :func:`scale_change`'s business; the predictors below compare directions)."""
+    rows = as_rows(x)
+    if spectral is not None:
+        rows = rows @ spectral
+    return rows / float(rows.square().mean().sqrt().clamp_min(EPS))
+
+
+def label_buckets(labels: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Label ids folded into ``LABEL_BUCKETS``, or None unless there is one integer label per row."""
+    if labels.numel() != rows or labels.is_floating_point():
+        return None
+    return labels.detach().reshape(-1).to("cpu", torch.long) % LABEL_BUCKETS
+
+
+def label_means(rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [U], mean row per id [U, K], count per id [U])`` of the labels present."""
+    ids, inverse = labels.unique(return_inverse=True)
+    counts = torch.zeros(ids.numel()).index_add_(0, inverse, torch.ones(labels.numel()))
+    sums = torch.zeros(ids.numel(), rows.shape[1]).index_add_(0, inverse, rows)
+    return ids, sums / counts[:, None], counts
+
+
+def binding_parts(rows: torch.Tensor, labels: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
+                  centre: torch.Tensor) -> tuple[float, float]:
+    """``(sum ||row - table[label]||^2, sum ||row - centre||^2)`` over rows whose label
+    the table has seen; their ratio is the binding score (~0.2-0.5 honest, >= 1 for
+    rows of other data: another label's mean is no better a guess than the centre)."""
+    known = seen[labels] > 0
+    if not bool(known.any()):
+        return 0.0, 0.0
+    r = rows[known]
+    return float((r - table[labels[known]]).square().sum()), float((r - centre).square().sum())
+
+
+def link_stats(inputs: torch.Tensor, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Second moments ``([1 X]^T [1 X] / n, [1 X]^T Y / n)`` of aligned input and output rows:
+    what a ridge regression from a stage's input rows to its output rows needs."""
+    x1 = torch.cat((inputs, torch.ones(inputs.shape[0], 1)), dim=1)
+    return x1.T @ x1 / x1.shape[0], x1.T @ outputs / x1.shape[0]
+
+
+def link_solve(sxx: torch.Tensor, sxy: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
+    """The ridge regression weights ``(Sxx + ridge I)^-1 Sxy`` (rows are unit-RMS, so one
+    ridge fits every tensor)."""
+    eye = torch.eye(sxx.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(sxx.double() + ridge * eye, sxy.double()).float()
+
+
+def link_parts(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
+    """``(||Y - [1 X] W||^2, ||Y - mean(Y)||^2)``: their ratio is the share of the output
+    the stage's learnt linear surrogate does not explain (~0.01-0.05 for honest
+    residual stages, >= 1 for an output of other data, ~4 for a sign flip)."""
+    x1 = torch.cat((inputs, torch.ones(inputs.shape[0], 1)), dim=1)
+    resid = outputs - x1 @ weights
+    return float(resid.square().sum()), float((outputs - outputs.mean(dim=0)).square().sum())
 
 
 def replay_score(sketch: torch.Tensor, past: torch.Tensor) -> float:

@@ -109,6 +109,8 @@ class Executor:
         self.last_grads: dict[str, torch.Tensor] = {}
         self.step_losses: list[float] = []
         self._check_program()
+        self._next_recvs = _next_recvs(self.program)
+        self._grad_last_use = self._last_uses_of_input_grads()
 
     # ------------------------------------------------------------------ setup
     def _check_program(self) -> None:
@@ -119,16 +121,31 @@ class Executor:
                                         expected=f"stage {None if self.stage is None else self.stage.index}",
                                         found=f"stage {ins.stage}", fix="regenerate the plan")
 
+    def _last_uses_of_input_grads(self) -> dict[int, int]:
+        """Program index after which a microbatch's input gradient is no longer needed (then it is freed)."""
+        last: dict[int, int] = {}
+        for i, ins in enumerate(self.program):
+            own_check = (ins.op == "VERIFY_B" and ins.peer is None and self.stage is not None
+                         and ins.boundary == self.stage.index - 1)
+            if ins.op == "SEND_B" or own_check:
+                last[ins.mb] = i
+        return last
+
     @property
     def verifying(self) -> bool:
         return self.verify is not None
 
     # ------------------------------------------------------------------ step
-    def run_step(self, step: int, start_s: float) -> StepMetrics:
-        """Execute the program once; ``start_s`` is when the previous step ended (for the period)."""
+    def run_step(self, step: int, start_s: float, start_cpu_s: float) -> StepMetrics:
+        """Execute the program once; ``start_s``/``start_cpu_s`` are the wall and process CPU clocks
+        (``time.perf_counter``, ``time.process_time``) when the previous step ended."""
         self._reset(step)
-        for ins in self.program:
+        for i, ins in enumerate(self.program):
+            if ins.op in ("F", "B"):
+                self._prefetch(i)
             self._dispatch(ins)
+            if ins.op in ("SEND_B", "VERIFY_B") and self._grad_last_use.get(ins.mb) == i:
+                self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
         self._finish_sends()
         banned = self._end_verification(step)
         if self.attacks is not None:
@@ -136,6 +153,7 @@ class Executor:
         loss_sum, loss_count = self._losses()
         t = self.t
         return StepMetrics(step=step, rank=self.rank, step_ms=1e3 * (time.perf_counter() - start_s),
+                           cpu_ms=1e3 * (time.process_time() - start_cpu_s),
                            compute_ms=1e3 * t.compute, pad_ms=1e3 * t.pad, wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
                            loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b), flagged=self.flagged,
@@ -193,6 +211,7 @@ class Executor:
         stage = self.stage
         assert stage is not None
         raw = self._stage_inputs(mb)
+        self.received.pop(("F", mb), None)  # from here on `inputs` (saved until B) hold the data
         inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
         t0 = time.perf_counter()
@@ -219,6 +238,7 @@ class Executor:
             roots, grads = [self.losses[mb] / self.num_mb], [None]
         else:
             received = self._take(("B", mb))
+            self.received.pop(("B", mb), None)
             if mb in self.dropped_b:
                 received = [torch.zeros_like(g) for g in received]
             carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
@@ -291,6 +311,7 @@ class Executor:
         self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
                                     header=header, header_kind=header_kind if header is not None else None,
                                     doing=f"sending {ins} (step {self.step})"))
+        self._prune_sends()
         self.t.comm += time.perf_counter() - t0
 
     def _specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -306,7 +327,20 @@ class Executor:
         return comm.recv(specs, peer=peer, kind=kind, boundary=boundary, mb=mb, device=self.device, doing=doing,
                          header_kind=header_kind if self.verifying else None)
 
+    def _prefetch(self, i: int) -> None:
+        """Before computing instruction ``i``, post the receives the *next* compute needs.
+
+        The transfer then overlaps this compute instead of starting when the
+        program reaches its RECV (gloo moves a message once both sides have
+        posted). At most one compute's worth of extra buffers is alive.
+        """
+        for ins in self._next_recvs[i]:
+            if (ins.direction, ins.mb) not in self.recvs and (ins.direction, ins.mb) not in self.received:
+                self._post_recv(ins)
+
     def _post_recv(self, ins: Instruction) -> None:
+        if (ins.direction, ins.mb) in self.recvs or (ins.direction, ins.mb) in self.received:
+            return  # already posted by _prefetch
         t0 = time.perf_counter()
         pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
                              doing=f"receiving {ins} (step {self.step})")
@@ -344,6 +378,17 @@ class Executor:
 
     def _drop(self, d: str, mb: int) -> None:
         (self.dropped_f if d == "F" else self.dropped_b).add(mb)
+
+    def _prune_sends(self) -> None:
+        """Release the buffers of sends that have completed (their errors, if any, surface here)."""
+        if len(self.sends) > 4:
+            keep = []
+            for p in self.sends:
+                if p.completed():
+                    p.wait()
+                else:
+                    keep.append(p)
+            self.sends = keep
 
     def _finish_sends(self) -> None:
         t0 = time.perf_counter()
@@ -458,6 +503,15 @@ class Executor:
         kept = [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
         self.step_losses.append(sum(kept) / self.num_mb)
         return sum(kept), len(kept)
+
+
+def _next_recvs(program: Sequence[Instruction]) -> list[tuple[Instruction, ...]]:
+    """For each compute instruction, the RECVs between it and the compute after it (the next one's inputs)."""
+    out: list[tuple[Instruction, ...]] = [()] * len(program)
+    computes = [i for i, ins in enumerate(program) if ins.op in ("F", "B")]
+    for here, nxt in zip(computes, computes[1:]):
+        out[here] = tuple(ins for ins in program[here + 1:nxt] if ins.op in ("RECV_F", "RECV_B"))
+    return out
 
 
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float | None) -> torch.optim.Optimizer | None:

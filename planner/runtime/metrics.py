@@ -1,7 +1,9 @@
 """Per-step, per-rank metrics: what each rank spent its step on, as JSON lines.
 
 Every rank measures its own step (wall clock from the end of its previous step
-to the end of this one, so ``step_ms`` is the steady-state period) and splits
+to the end of this one, so ``step_ms`` is the steady-state period; ``cpu_ms`` is
+the CPU time the process used in that period, which a shared machine's load
+does not inflate) and splits
 it into compute (forward/backward), emulation padding, waiting (blocked on a
 receive or a verdict), communication (posting sends, all-reduce, gathering
 flags), verification (scoring) and the optimizer. The numbers travel to rank 0
@@ -32,6 +34,7 @@ class StepMetrics:
     step: int
     rank: int
     step_ms: float
+    cpu_ms: float = 0.0
     compute_ms: float = 0.0
     pad_ms: float = 0.0
     wait_ms: float = 0.0
@@ -75,11 +78,12 @@ class StepMetrics:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepSummary:
     """All ranks' view of one step: the mean loss over the kept microbatches (NaN if none was kept),
-    the slowest rank's period, and the most microbatches any rank dropped."""
+    the slowest rank's period, the CPU time of all ranks, and the most microbatches any rank dropped."""
 
     step: int
     loss: float
     step_ms: float
+    cpu_ms: float  # summed over the ranks
     dropped: int
     ranks: tuple[StepMetrics, ...]
 
@@ -87,7 +91,7 @@ class StepSummary:
 def summarize_step(rows: Sequence[StepMetrics]) -> StepSummary:
     count = sum(r.loss_count for r in rows)
     return StepSummary(step=rows[0].step, loss=sum(r.loss_sum for r in rows) / count if count else math.nan,
-                       step_ms=max(r.step_ms for r in rows),
+                       step_ms=max(r.step_ms for r in rows), cpu_ms=sum(r.cpu_ms for r in rows),
                        dropped=max((r.dropped for r in rows), default=0), ranks=tuple(rows))
 
 

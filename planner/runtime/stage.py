@@ -377,18 +377,26 @@ def _lookup(model: nn.Module, name: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- plans
-def check_fingerprint(model: nn.Module, example_inputs: Sequence[torch.Tensor], plan: "Plan") -> None:
-    """Refuse a plan made for another model: compare the plan's fingerprint with a fresh trace."""
-    from planner.trace import trace  # the planner's own tracer: the same fingerprint code path
+def check_fingerprint(ep: torch.export.ExportedProgram, plan: "Plan") -> None:
+    """Refuse a plan made for another model: the plan's fingerprint against this export's graph.
 
-    graph = trace(model, tuple(example_inputs), name=plan.model.name)
-    found = graph.fingerprint()
+    The graph is built by the planner's own code (``planner.trace.graph_from_exported``), so the
+    fingerprint is computed exactly as ``stagewise trace/plan`` computed it.
+    """
+    from planner.trace import graph_from_exported
+
+    found = graph_from_exported(ep, name=plan.model.name).fingerprint()
     if found != plan.model.fingerprint:
         raise PlanMismatchError(
-            f"plan for model {plan.model.name!r} does not match the given model",
+            f"plan for model {plan.model.spec!r} does not match the given model",
             expected=f"fingerprint {plan.model.fingerprint[:12]}",
             found=f"{found[:12]} (architecture, size or input shape differs)",
             fix="regenerate the plan with `stagewise plan` for this model and batch/sequence size")
+
+
+def _at_batch(inputs: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor, ...]:
+    """Placeholder inputs of another batch size (export reads shapes and dtypes only)."""
+    return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in inputs)
 
 
 def plan_node_names(plan: "Plan") -> tuple[tuple[str, ...], ...]:
@@ -414,10 +422,15 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
     if example_inputs is None:
         from planner.runtime.data import plan_example_inputs
         example_inputs = plan_example_inputs(plan)
-    if check:
-        check_fingerprint(model, example_inputs, plan)
-    split = split_graph(model, example_inputs, plan_node_names(plan))
-    return build_stage(split, info.stage, model)
+    example_inputs = tuple(example_inputs)
+    ep = export_model(model, example_inputs)
+    if check:  # before anything else: a plan for another model must not get further
+        same_batch = example_inputs[0].shape[0] == plan.model.batch
+        check_fingerprint(ep if same_batch else export_model(model, _at_batch(example_inputs, plan.model.batch)),
+                          plan)
+    split = split_graph(model, example_inputs, plan_node_names(plan), ep=ep)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return build_stage(split, info.stage, model, device=device)
 
 
 __all__ = ["ValueSpec", "StageRuntime", "SplitGraph", "export_model", "split_graph", "stage_edges",

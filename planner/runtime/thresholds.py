@@ -1,4 +1,5 @@
-"""Adaptive thresholds: an interquartile-range fence over a rolling window.
+"""Adaptive thresholds: an interquartile-range fence over a rolling window,
+and the verifier's configuration (fence floors and ratios, warm-up, bans).
 
 Tukey's outer fence ``Q3 + k * IQR`` needs no distributional assumption and a
 few outliers cannot drag it (unlike mean + k * std). The window holds only
@@ -11,6 +12,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from planner.errors import InvalidInputError
 
@@ -97,3 +100,104 @@ class IQRFence:
         if limit is None:
             return False
         return not (score <= limit)
+
+
+ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "replay")
+# Fence floors: sign and skew scores above 0.5 mean "points the other way than the
+# reference", whatever the window says; a replay floor of 6 only flags copies
+# within 1e-6 of cosine 1; a scale floor of 1.0 tolerates honest gradient
+# spikes of up to e times the usual size.
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.1,
+                  "binding": 1.0, "link": 0.3, "replay": 6.0}
+# A step's average is less noisy than one microbatch: it may be held closer.
+DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.08, "link": 0.2}
+# Fence ratios (fence >= ratio * median): the magnitude distances swing with
+# the data and with bursts of training instability (gradients above all), so
+# they only flag gross corruption; the spectral share is stable from batch to
+# batch and is the sensitive test.
+DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0, "spectral": 2.5,
+                  "binding": 2.5, "link": 5.0, "replay": 3.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifierConfig:
+    """The knobs of the monitors (the plan's ``verifier_config``; every key optional).
+
+    ``warmup`` counts steps from the first step a monitor sees: they are taken
+    as honest and only teach the reference and the windows. ``min_samples``
+    scores are needed before a fence exists. ``floors`` are per-distance lower
+    bounds of the fences (the replay floor only lets near-bitwise copies
+    through: honest batches never come that close).
+    """
+
+    beta_act: float = 0.9
+    beta_grad: float = 0.8
+    window: int = 96
+    iqr_k: float = 3.0
+    warmup: int = 10
+    min_samples: int = 8
+    ban_after: int = 3
+    ban_window: int = 20
+    distances: tuple[str, ...] = ALL_DISTANCES
+    floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
+    step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
+    ratios: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RATIOS))
+    projections: int = 16
+    quantiles: int = 32
+    replay_window: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.iqr_k > 0:
+            raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
+                                    found=str(self.iqr_k))
+        for table in ("floors", "step_floors", "ratios"):
+            for name, value in getattr(self, table).items():
+                if not value >= 0:
+                    raise InvalidInputError(f"verifier_config.{table}.{name}", expected="a number >= 0",
+                                            found=str(value))
+        for name in ("beta_act", "beta_grad"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
+                                        found=str(getattr(self, name)))
+        for name in ("window", "min_samples", "ban_after", "ban_window", "projections", "quantiles",
+                     "replay_window"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidInputError(f"verifier_config.{name}", expected=">= 1",
+                                        found=str(getattr(self, name)))
+        if self.warmup < 0:
+            raise InvalidInputError("verifier_config.warmup", expected=">= 0 steps", found=str(self.warmup))
+        if self.ban_after > self.ban_window:
+            raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
+                                    found=str(self.ban_after))
+        unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios)
+                   if d not in ALL_DISTANCES]
+        if unknown or not self.distances:
+            raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
+                                    found=repr(unknown or list(self.distances)))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "VerifierConfig":
+        d = dict(d or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidInputError(f"verifier_config key {unknown[0]!r}", expected=f"one of {sorted(known)}",
+                                    found=repr(unknown), fix="remove or rename the key")
+        if "distances" in d:
+            d["distances"] = tuple(d["distances"])
+        if "floors" in d:
+            d["floors"] = {**DEFAULT_FLOORS, **dict(d["floors"])}
+        if "step_floors" in d:
+            d["step_floors"] = {**DEFAULT_STEP_FLOORS, **dict(d["step_floors"])}
+        if "ratios" in d:
+            d["ratios"] = {**DEFAULT_RATIOS, **dict(d["ratios"])}
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError("verifier_config", expected="numbers and lists as documented",
+                                    found=str(exc)) from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
+                for name in self.__dataclass_fields__ for v in (getattr(self, name),)}

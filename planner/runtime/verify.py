@@ -32,110 +32,13 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
-from planner.runtime.thresholds import IQRFence
+from planner.runtime.thresholds import ALL_DISTANCES, IQRFence, VerifierConfig
+
+__all__ = ["ALL_DISTANCES", "Monitor", "Verdict", "Verifier", "VerifierConfig", "blame"]
 
 DIRECTIONS = ("act", "grad")
-ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "replay")
-# Fence floors: sign and skew scores above 0.5 mean "points the other way than the
-# reference", whatever the window says; a replay floor of 6 only flags copies
-# within 1e-6 of cosine 1; a scale floor of 1.0 tolerates honest gradient
-# spikes of up to e times the usual size.
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.75, "swd": 0.0, "spectral": 0.0,
-                  "replay": 6.0}
-# A step's average is less noisy than one microbatch: its skew may be held closer.
-DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6}
-# Fence ratios (fence >= ratio * median): the magnitude distances swing with
-# the data and with bursts of training instability (gradients above all), so
-# they only flag gross corruption; the spectral share is stable from batch to
-# batch and is the sensitive test.
-DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0, "spectral": 3.0,
-                  "replay": 3.0}
 PER_SAMPLE_ONLY = ("replay",)  # a replay is a property of one tensor, not of a step's average
 STEP_MB = -1                   # the "microbatch" of a step-level flag
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VerifierConfig:
-    """The knobs of the monitors (the plan's ``verifier_config``; every key optional).
-
-    ``warmup`` counts steps from the first step a monitor sees: they are taken
-    as honest and only teach the reference and the windows. ``min_samples``
-    scores are needed before a fence exists. ``floors`` are per-distance lower
-    bounds of the fences (the replay floor only lets near-bitwise copies
-    through: honest batches never come that close).
-    """
-
-    beta_act: float = 0.9
-    beta_grad: float = 0.8
-    window: int = 96
-    iqr_k: float = 3.0
-    warmup: int = 10
-    min_samples: int = 8
-    ban_after: int = 3
-    ban_window: int = 20
-    distances: tuple[str, ...] = ALL_DISTANCES
-    floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
-    step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
-    ratios: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RATIOS))
-    projections: int = 16
-    quantiles: int = 32
-    replay_window: int = 256
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.iqr_k > 0:
-            raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
-                                    found=str(self.iqr_k))
-        for table in ("floors", "step_floors", "ratios"):
-            for name, value in getattr(self, table).items():
-                if not value >= 0:
-                    raise InvalidInputError(f"verifier_config.{table}.{name}", expected="a number >= 0",
-                                            found=str(value))
-        for name in ("beta_act", "beta_grad"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
-                                        found=str(getattr(self, name)))
-        for name in ("window", "min_samples", "ban_after", "ban_window", "projections", "quantiles",
-                     "replay_window"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(f"verifier_config.{name}", expected=">= 1",
-                                        found=str(getattr(self, name)))
-        if self.warmup < 0:
-            raise InvalidInputError("verifier_config.warmup", expected=">= 0 steps", found=str(self.warmup))
-        if self.ban_after > self.ban_window:
-            raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
-                                    found=str(self.ban_after))
-        unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios)
-                   if d not in ALL_DISTANCES]
-        if unknown or not self.distances:
-            raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
-                                    found=repr(unknown or list(self.distances)))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "VerifierConfig":
-        d = dict(d or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InvalidInputError(f"verifier_config key {unknown[0]!r}", expected=f"one of {sorted(known)}",
-                                    found=repr(unknown), fix="remove or rename the key")
-        if "distances" in d:
-            d["distances"] = tuple(d["distances"])
-        if "floors" in d:
-            d["floors"] = {**DEFAULT_FLOORS, **dict(d["floors"])}
-        if "step_floors" in d:
-            d["step_floors"] = {**DEFAULT_STEP_FLOORS, **dict(d["step_floors"])}
-        if "ratios" in d:
-            d["ratios"] = {**DEFAULT_RATIOS, **dict(d["ratios"])}
-        try:
-            return cls(**d)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInputError("verifier_config", expected="numbers and lists as documented",
-                                    found=str(exc)) from exc
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v)
-                for name in self.__dataclass_fields__ for v in (getattr(self, name),)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,6 +75,28 @@ class _Ring:
         return self._data[: len(self)]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fit:
+    """One sample's evidence for a learnt predictor of its rows (``binding``: the
+    label table; ``link``: the linear surrogate of the sending stage): the energy
+    the predictor leaves unexplained, the energy around the centre, and what the
+    sample adds to the predictor if it is accepted."""
+
+    num: float
+    den: float
+    update: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Sample:
+    """A sample that passed its own checks, held until its step closes."""
+
+    sender: int
+    summary: dist.Summary
+    scores: dict[str, float]
+    fits: dict[str, _Fit]
+
+
 class Monitor:
     """Reference statistics and fences of one (boundary, direction).
 
@@ -193,13 +118,18 @@ class Monitor:
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
         self.step: int | None = None  # the open step
-        self._pending: list[tuple[int, dist.Summary, dict[str, float]]] = []
+        self._pending: list[_Sample] = []
         self._dirs: torch.Tensor | None = None
-        self._spectral: torch.Tensor | None = None
+        self.spectral: torch.Tensor | None = None
         self._basis: torch.Tensor | None = None
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
+        self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
+        self._seen = torch.zeros(dist.LABEL_BUCKETS)
+        self._centre: torch.Tensor | None = None
+        self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
+        self._link_w: torch.Tensor | None = None
         self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances}
         self.step_fences = {name: self._fence(name, cfg.step_floors)
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
@@ -221,7 +151,7 @@ class Monitor:
         rows_dim = dist.feature_size(tensor)
         if self._dirs is None:
             self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
-            self._spectral = dist.spectral_projection(rows_dim, self._seed(3))
+            self.spectral = dist.spectral_projection(rows_dim, self._seed(3))
         elif self._dirs.shape[0] != rows_dim:
             return None
         sketch_at = None
@@ -230,11 +160,34 @@ class Monitor:
             if numel not in self._sketch_at:
                 self._sketch_at[numel] = dist.sketch_positions(numel, dist.SKETCH_SIZE, self._seed(7))
             sketch_at = self._sketch_at[numel]
-        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, spectral=self._spectral,
+        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, spectral=self.spectral,
                               sketch_at=sketch_at)
 
-    def score(self, summary: dist.Summary, *, per_sample: bool = True) -> dict[str, float]:
-        """Distances of ``summary`` to the reference (empty before the first step closed)."""
+    def fits(self, rows: torch.Tensor, labels: torch.Tensor | None, inputs: torch.Tensor | None
+             ) -> dict[str, _Fit]:
+        """The sample's evidence for the label table and for the stage's linear surrogate
+        (each only with aligned labels / the stage's input rows of the same microbatch)."""
+        fits: dict[str, _Fit] = {}
+        buckets = None if labels is None or "binding" not in self.fences else dist.label_buckets(labels, len(rows))
+        if buckets is not None:
+            num = den = 0.0
+            if self._table is not None and self._centre is not None:
+                num, den = dist.binding_parts(rows, buckets, self._table, self._seen, self._centre)
+            fits["binding"] = _Fit(num=num, den=den, update=(*dist.label_means(rows, buckets), rows.mean(dim=0)))
+        if inputs is not None and "link" in self.fences and len(inputs) == len(rows):
+            num = den = 0.0
+            if self._link is not None:
+                if self._link_w is None or self._link_w.shape[0] != inputs.shape[1] + 1:
+                    self._link_w = dist.link_solve(*self._link)
+                if self._link_w.shape[0] == inputs.shape[1] + 1:
+                    num, den = dist.link_parts(inputs, rows, self._link_w)
+            fits["link"] = _Fit(num=num, den=den, update=dist.link_stats(inputs, rows))
+        return fits
+
+    def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
+              per_sample: bool = True) -> dict[str, float]:
+        """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
+        (empty before the first step closed)."""
         if self.ref is None:
             return {}
         names = self.fences if per_sample else self.step_fences
@@ -246,6 +199,11 @@ class Monitor:
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
             scores["replay"] = dist.replay_score(summary.sketch, ring.rows()) if ring else 0.0
+        for name in ("binding", "link"):
+            parts = [f[name] for f in fits if name in f]
+            den = sum(p.den for p in parts)
+            if name in names and den > 0:
+                scores[name] = sum(p.num for p in parts) / den
         return scores
 
     def warming(self, step: int) -> bool:
@@ -257,9 +215,9 @@ class Monitor:
         fences = self.fences if per_sample else self.step_fences
         return tuple(name for name, value in scores.items() if fences[name].exceeds(value))
 
-    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float]) -> None:
+    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit]) -> None:
         """Keep a sample that passed until its step closes."""
-        self._pending.append((sender, summary, scores))
+        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits))
 
     def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...]]]:
         """Close the open step: test each sender's step as a whole, fold in the samples
@@ -268,12 +226,13 @@ class Monitor:
             return []
         step, self.step = self.step, None
         pending, self._pending = self._pending, []
-        by_sender: dict[int, list[dist.Summary]] = {}
-        for sender, summary, _ in pending:
-            by_sender.setdefault(sender, []).append(summary)
+        by_sender: dict[int, list[_Sample]] = {}
+        for sample in pending:
+            by_sender.setdefault(sample.sender, []).append(sample)
         failed: list[tuple[int, dict[str, float], tuple[str, ...]]] = []
-        for sender, summaries in by_sender.items():
-            scores = self.score(dist.mean_summary(summaries), per_sample=False)
+        for sender, samples in by_sender.items():
+            scores = self.score(dist.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
+                                per_sample=False)
             reasons = self.exceeded(scores, step, per_sample=False)
             if reasons:
                 failed.append((sender, scores, reasons))
@@ -282,13 +241,23 @@ class Monitor:
                 self.step_fences[name].update(value)
         bad = {sender for sender, _, _ in failed}
         self.step_flags += len(bad)
-        for sender, summary, scores in pending:
-            if sender not in bad:
-                self._fold(summary, scores)
+        for sample in pending:
+            if sample.sender not in bad:
+                self._fold(sample.summary, sample.scores, sample.fits)
         return failed
 
-    def _fold(self, summary: dist.Summary, scores: Mapping[str, float]) -> None:
-        """Fold an honest sample into the average, the windows and the history."""
+    def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
+              fits: Mapping[str, _Fit] | None = None) -> None:
+        """Fold an honest sample into the average, the windows, the history and the predictors."""
+        fits = fits or {}
+        if "binding" in fits:
+            self._fold_binding(*fits["binding"].update)
+        if "link" in fits:
+            sxx, sxy = fits["link"].update
+            same = self._link is not None and self._link[0].shape == sxx.shape and self._link[1].shape == sxy.shape
+            self._link = (sxx, sxy) if not same else tuple(  # type: ignore[assignment]
+                self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, (sxx, sxy)))
+            self._link_w = None
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
         self._basis = None  # the principal subspace follows the reference
         for name, value in scores.items():
@@ -298,6 +267,17 @@ class Monitor:
             if length not in self._history:
                 self._history[length] = _Ring(self.cfg.replay_window, length)
             self._history[length].push(summary.sketch)
+
+    def _fold_binding(self, ids: torch.Tensor, means: torch.Tensor, counts: torch.Tensor,
+                      centre: torch.Tensor) -> None:
+        if self._table is None or self._centre is None or self._table.shape[1] != means.shape[1]:
+            self._table = torch.zeros(dist.LABEL_BUCKETS, means.shape[1])
+            self._seen.zero_()
+            self._centre = centre
+        old = self._seen[ids] > 0
+        self._table[ids] = torch.where(old[:, None], self.beta * self._table[ids] + (1 - self.beta) * means, means)
+        self._seen[ids] += counts
+        self._centre = self.beta * self._centre + (1 - self.beta) * centre
 
     def fence_values(self, *, per_sample: bool = True) -> dict[str, float | None]:
         fences = self.fences if per_sample else self.step_fences
@@ -321,6 +301,7 @@ class Verifier:
             self._monitors[(int(boundary), direction)] = Monitor(self.config, int(boundary), direction)
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
+        self._rows: dict[tuple[tuple[int, str], int, int], torch.Tensor] = {}   # accepted rows, for links
         self._blamed_steps: dict[int, list[int]] = {}
         self.banned: set[int] = set()
 
@@ -333,8 +314,16 @@ class Verifier:
         return self._monitors[key]
 
     def check(self, boundary: int, direction: str, tensor: torch.Tensor, *, step: int, mb: int,
-              sender: int, tainted: bool = False) -> Verdict:
-        """Score one received tensor; flagged samples are recorded for :meth:`end_step`."""
+              sender: int, tainted: bool = False, labels: torch.Tensor | None = None) -> Verdict:
+        """Score one received tensor; flagged samples are recorded for :meth:`end_step`.
+
+        ``labels``: optional integer ids, one per row of ``tensor`` (the
+        microbatch's input token ids for activations, its target ids for
+        gradients); they enable the ``binding`` test. The ``link`` test needs
+        no help: it runs whenever this verifier also checks the sending stage's
+        input boundary (the boundary before it for activations, after it for
+        gradients) and saw that microbatch there.
+        """
         mon = self.monitor(boundary, direction)
         mon.checked += 1
         if mon.first_step is None:
@@ -347,7 +336,9 @@ class Verifier:
         summary = mon.summarize(tensor)
         if summary is None:
             return self._flag(mon, step, mb, sender, {}, ("shape",))
-        scores = mon.score(summary)
+        rows = dist.unit_rows(tensor, mon.spectral)
+        fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
+        scores = mon.score(summary, (fits,))
         if tainted:
             # Its input was already dropped upstream: whatever it looks like, the
             # sender is not to blame, and it must not teach the reference.
@@ -357,7 +348,9 @@ class Verifier:
         reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons)
-        mon.hold(sender, summary, scores)
+        mon.hold(sender, summary, scores, fits)
+        if _input_key(boundary, direction, forward=False) in self._monitors:
+            self._rows[((boundary, direction), step, mb)] = rows   # the next stage's input, for its link
         return Verdict(flagged=False, tainted=False, scores=scores)
 
     def _flag(self, mon: Monitor, step: int, mb: int, sender: int, scores: dict[str, float],
@@ -395,6 +388,8 @@ class Verifier:
         for mon in self._monitors.values():
             if mon.step == step:
                 self._close(mon)
+        for key in [k for k in self._rows if k[1] <= step]:
+            del self._rows[key]
         return [dict(e) for e in self._step_flags.get(step, ())]
 
     def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:
@@ -427,6 +422,13 @@ class Verifier:
                 "blamed_steps": {str(k): list(v) for k, v in sorted(self._blamed_steps.items())},
                 "flags": sum(1 for e in self.events if e["type"] == "flag"),
                 "config": self.config.to_dict()}
+
+
+def _input_key(boundary: int, direction: str, *, forward: bool = True) -> tuple[int, str]:
+    """The boundary whose tensor is the input of the stage that sends on ``boundary``
+    (``forward=False``: the boundary whose input ``boundary`` is)."""
+    step = -1 if (direction == "act") == forward else 1
+    return boundary + step, direction
 
 
 def _flatten(events: Iterable[Any]) -> Iterable[Mapping[str, Any]]:

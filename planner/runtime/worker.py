@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.errors import InvalidInputError, PlanMismatchError, PlannerError, RankFailureError
+from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.runtime import comm
 from planner.runtime.comm import Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
@@ -34,8 +34,9 @@ from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import EdgeSpecs, Executor, Groups, make_optimizer
 from planner.runtime.metrics import MetricsWriter, StepMetrics, StepSummary, measured_step_ms, summarize_step
 from planner.runtime.launch import EVENT_PREFIX, FaultSpec, RunOptions, parse_worker_args
-from planner.runtime.stage import (SplitGraph, StageRuntime, build_stage, export_model, has_constants,
-                                   materialize, plan_node_names, split_graph, stage_edges, stage_state_names)
+from planner.runtime.stage import (SplitGraph, StageRuntime, build_stage, check_fingerprint, export_model,
+                                   has_constants, materialize, plan_node_names, split_graph, stage_edges,
+                                   stage_state_names)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,16 +82,11 @@ def check_model(plan, *, seed: int = 0):
     model the spec builds today is not the one the plan was made for.
     """
     from models.registry import build_model
-    from planner.trace import graph_from_exported
 
     ref = plan.model
     bundle = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed)
     ep = export_model(bundle.module, bundle.example_inputs)
-    found = graph_from_exported(ep, name=ref.name).fingerprint()
-    if found != ref.fingerprint:
-        raise PlanMismatchError(f"plan for {ref.spec!r} does not match the model built from that spec",
-                                expected=f"fingerprint {ref.fingerprint[:12]}", found=f"{found[:12]}",
-                                fix="re-plan with `stagewise plan` (the model code, size or shapes changed)")
+    check_fingerprint(ep, plan)
     return bundle, ep
 
 
@@ -111,10 +107,13 @@ def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> Ran
     if info.stage is None:
         return RankSetup(split=split, stage=None, edges=edges, batches=None, loss_fn=None, device=device)
     model = bundle.module
-    if callable(getattr(model, "init_weights", None)) and not has_constants(split):
+    # Presets initialise by parameter name, so a rank can materialise its own stage only and still hold
+    # exactly the weights of `build_model(spec, device="cpu", seed=seed)`. A factory's weights come from
+    # running it under the seed, so those ranks build the whole model.
+    if bundle.preset is not None and callable(getattr(model, "init_weights", None)) and not has_constants(split):
         materialize(model, stage_state_names(split, info.stage), device)
         model.init_weights(opts.seed)
-    else:  # no per-name init: build the whole model for real (deterministic from the seed)
+    else:
         model = build_model(ref.spec, batch=mbs, seq=ref.seq, device=str(device), seed=opts.seed).module
         if has_constants(split):
             split = split_graph(model, tuple(t.to(device) for t in bundle.example_inputs), plan_node_names(plan))
@@ -256,6 +255,8 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
     validate_attacks(opts.attacks, plan.num_ranks)
     device = _device(opts, env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL collectives and gather_object use the current device
     setup = prepare_rank(plan, env.rank, opts, device)
     emulation = emulation_for(plan, env.rank) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
@@ -290,11 +291,11 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
 
-    last_end = time.perf_counter()
+    last_end, last_cpu = time.perf_counter(), time.process_time()
     for step in range(opts.steps):
         _inject_fault(opts.fault, env.rank, step)
-        metrics = executor.run_step(step, last_end)
-        last_end = time.perf_counter()
+        metrics = executor.run_step(step, last_end, last_cpu)
+        last_end, last_cpu = time.perf_counter(), time.process_time()
         publish(collector.submit(metrics))
     publish(collector.finish())
     writer.close()
@@ -340,7 +341,8 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
             "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
-            "step_ms": [round(s.step_ms, 3) for s in summaries], "losses": losses,
+            "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
+            "losses": losses,
             "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
             "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
             "note": "banned ranks keep running: replanning around them is future work" if banned else ""}

@@ -1,19 +1,26 @@
 """Entry points: :func:`solve`, :func:`baseline`, :func:`solve_or_explain`.
 
 A solve, for each candidate microbatch count ``M`` (decomposition: ``M`` is
-fixed in an outer loop):
+fixed in an outer loop, the time split evenly):
 
 1. builds the cost tables (``problem.build_problem``) and rejects what totals
    already rule out (``explain.precheck``);
-2. prices every one-stage plan exactly (pure data parallelism) and finds a
-   good pipeline with the baselines and a sequence search (``dp``);
-3. runs the CP-SAT model (``cpsat``) over every pipeline of 2 or more
-   stages, hinted with the best plan so far.
+2. when one class of trusted devices without replication is the whole
+   search space, the exact DP (``dp.homogeneous_dp``) is the answer;
+3. else prices every one-stage plan exactly (pure data parallelism) and finds
+   a good pipeline with the baselines and a sequence search (``dp``);
+4. runs the CP-SAT model (``cpsat``) hinted with the best plan so far: over
+   every stage count when ``blocks x slots <= MODEL_SIZE_LIMIT``, else
+   (decomposition by stage count) over pipelines of at most
+   ``MODEL_SIZE_LIMIT // blocks`` stages, as an improver of the incumbent.
 
-The reported bound is ``min over M of min(best one-stage plan, CP-SAT bound
-for >= 2 stages)``: every plan of the search space has some ``M`` and some
-stage count, so it is a valid lower bound on the iteration time of the
-search space described in ``planner.solver.cpsat``.
+What the reported bound bounds: the iteration time of every plan of the
+search space described in ``planner.solver.cpsat``, at the candidate ``M``s.
+Per ``M`` it is ``max(fluid, min(best one-stage plan, CP-SAT bound))`` where
+``fluid`` (``objective.simple_lower_bound_ms``) holds for every plan and the
+CP-SAT bound is used only when its model covered every stage count (with
+fewer slots it says nothing about longer pipelines, so only ``fluid`` and the
+one-stage optimum remain). The overall bound is the minimum over ``M``.
 """
 from __future__ import annotations
 
@@ -28,18 +35,19 @@ from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
 from planner.solver import baselines as base
-from planner.solver.cpsat import solve_cpsat
-from planner.solver.dp import search_sequences
+from planner.solver.cpsat import num_slots, solve_cpsat
+from planner.solver.dp import homogeneous_dp, search_sequences
 from planner.solver.explain import explain_infeasible, precheck
-from planner.solver.objective import Placement, evaluate, violations
+from planner.solver.objective import Placement, evaluate, simple_lower_bound_ms, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
-from planner.solver.solution import SolveReport, Solution
+from planner.solver.solution import SolveReport, Solution, StagePlacement
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
 Progress = Callable[[str, float | None, float | None, float], None]
 
 HEURISTIC_SHARE = 0.15  # of each M's time budget, for the sequence search that seeds CP-SAT
+MODEL_SIZE_LIMIT = 20_000  # blocks x stage slots the CP-SAT model is built for in full
 
 
 def microbatch_candidates(global_batch: int, *, max_count: int = 6) -> tuple[int, ...]:
@@ -82,6 +90,7 @@ def _best(cands: Sequence[tuple[Placement, float, str]]) -> tuple[Placement | No
 
 def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, float, str]]:
     """One-stage plans, the baselines and the sequence search: valid plans with their step times."""
+    start = time.perf_counter()
     out = []
     for placement in base.single_stage_placements(problem):
         ev = evaluate(problem, placement)
@@ -95,16 +104,45 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
         ev = evaluate(problem, placement)
         if not violations(problem, placement, ev):
             out.append((placement, ev.step_ms, f"baseline:{name}"))
-    found = search_sequences(problem, time_budget_s=budget_s)
+    found = search_sequences(problem, time_budget_s=max(0.1, budget_s - (time.perf_counter() - start)))
     if found is not None:
         out.append((found[0], found[1], "sequence-search"))
     return out
+
+
+def _homogeneous_exact(problem: Problem) -> Placement | None:
+    """The exact DP's plan when it covers the whole search space, else None.
+
+    That is: one class of stage devices, nothing to verify, and no replication
+    allowed (one replica choice). The DP then minimises ``F`` over every plan.
+    """
+    stage = [c for c in problem.classes if c.stage_capable]
+    if len(stage) != 1:
+        return None
+    c, pol = stage[0], problem.policy
+    if problem.replica_choices(c.index) != (1,) or (pol.enabled and not c.trusted):
+        return None
+    part = homogeneous_dp(problem, c.index, c.count)
+    if part is None:
+        return None
+    M = problem.num_microbatches
+    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=(c.device_ids[k],),
+                                  microbatches=(M,)) for k, (a, b) in enumerate(part.ranges))
+    return Placement(stages=stages, verifiers=(), num_microbatches=M)
 
 
 def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: str,
                    progress: Progress | None) -> _Outcome:
     start = time.perf_counter()
     precheck(problem)
+    exact = _homogeneous_exact(problem)
+    if exact is not None:
+        ev = evaluate(problem, exact)
+        assert not violations(problem, exact, ev), "the homogeneous DP returned an invalid plan"
+        if progress is not None:
+            progress(label, ev.step_ms, ev.step_ms, time.perf_counter() - start)
+        return _Outcome(problem=problem, placement=exact, step_ms=ev.step_ms, bound_ms=ev.step_ms,
+                        method="dp-exact", cpsat_status="SKIPPED", solve_s=time.perf_counter() - start)
     cands = _incumbents(problem, max(0.2, HEURISTIC_SHARE * time_limit_s))
     one_stage = min((s for p, s, _ in cands if p.num_stages == 1), default=math.inf)
     placement, step, how = _best(cands)
@@ -115,19 +153,30 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         if progress is not None:
             progress(label, obj, None if bound is None else min(bound, one_stage), time.perf_counter() - start)
 
+    lb_all = simple_lower_bound_ms(problem)  # valid for every plan of this M
+    K_full = num_slots(problem)
+    # Decomposition by stage count: the full model when it is small enough to build and search;
+    # else a model with fewer slots that can still improve the incumbent (then its bound only
+    # covers pipelines of at most K stages, so the reported bound falls back to the fluid LP).
+    K = K_full if problem.num_blocks * K_full <= MODEL_SIZE_LIMIT else \
+        min(K_full, max(2, MODEL_SIZE_LIMIT // problem.num_blocks))
+    hint = placement if placement is not None and placement.num_stages > 1 else None
     left = time_limit_s - (time.perf_counter() - start)
-    res = solve_cpsat(problem, time_limit_s=max(0.1, left), workers=workers,
-                      hint=placement if placement is not None and placement.num_stages > 1 else None,
-                      progress=report)
-    if res.placement is not None:
-        ev = evaluate(problem, res.placement)
-        bad = violations(problem, res.placement, ev)
-        assert not bad, f"CP-SAT returned an invalid plan: {bad}"
-        if ev.step_ms < step - 1e-12:
-            placement, step, how = res.placement, ev.step_ms, "cpsat"
-    bound = min(one_stage, res.bound_ms)
+    status, cp_bound = "SKIPPED", math.inf if K_full < 2 else 0.0
+    if K >= 2 and left > 0.5 and (K == K_full or hint is not None and hint.num_stages <= K):
+        res = solve_cpsat(problem, time_limit_s=left, workers=workers, hint=hint, max_slots=K, progress=report)
+        status = res.status if K == K_full else f"{res.status} (<= {K} stages)"
+        if K == K_full:
+            cp_bound = res.bound_ms
+        if res.placement is not None:
+            ev = evaluate(problem, res.placement)
+            bad = violations(problem, res.placement, ev)
+            assert not bad, f"CP-SAT returned an invalid plan: {bad}"
+            if ev.step_ms < step - 1e-12:
+                placement, step, how = res.placement, ev.step_ms, "cpsat"
+    bound = max(min(one_stage, cp_bound), lb_all)
     return _Outcome(problem=problem, placement=placement, step_ms=step, bound_ms=min(bound, step),
-                    method=how, cpsat_status=res.status, solve_s=time.perf_counter() - start)
+                    method=how, cpsat_status=status, solve_s=time.perf_counter() - start)
 
 
 def _to_solution(outcome: _Outcome, bound_ms: float, notes: tuple[str, ...], solve_s: float,
@@ -192,7 +241,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
     best = min(found, key=lambda o: o.step_ms)
     bound = min(o.bound_ms for o in outcomes)
-    proven = all(o.cpsat_status in ("OPTIMAL", "INFEASIBLE", "SKIPPED") for o in outcomes)
+    proven = all(o.cpsat_status in ("OPTIMAL", "INFEASIBLE") or o.method == "dp-exact" for o in outcomes)
     gap = (best.step_ms - bound) / best.step_ms if best.step_ms > 0 else 0.0
     status = "OPTIMAL" if proven or gap <= 1e-9 else "FEASIBLE"
     notes = (f"microbatches {best.problem.num_microbatches} (size {config.global_batch // best.problem.num_microbatches})",
@@ -203,6 +252,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
 
 
 def _quick_feasible(workers: int) -> Callable[[Problem], bool]:
+    """Whether a relaxed problem has a plan (a few seconds: heuristics, then a small CP-SAT model)."""
     def feasible(problem: Problem) -> bool:
         try:
             precheck(problem)
@@ -210,8 +260,10 @@ def _quick_feasible(workers: int) -> Callable[[Problem], bool]:
             return False
         if any(not violations(problem, p) for p in base.single_stage_placements(problem)):
             return True
-        res = solve_cpsat(problem, time_limit_s=5.0, workers=workers)
-        return res.placement is not None
+        if search_sequences(problem, time_budget_s=1.0) is not None:
+            return True
+        slots = max(2, MODEL_SIZE_LIMIT // problem.num_blocks)
+        return solve_cpsat(problem, time_limit_s=5.0, workers=workers, max_slots=slots).placement is not None
     return feasible
 
 

@@ -26,9 +26,18 @@ CP-SAT's best bound, divided back, is a valid lower bound on the true
 objective over this search space. The plan it returns is re-priced exactly by
 ``objective.evaluate``. Memory is exact integer bytes.
 
-Lower-bound help: a per-class device-capacity cut (a class's ``n`` devices
-can hold at most ``n * T`` of per-microbatch work, ``T`` the bottleneck), a
-per-block minimum on ``T`` and any bound the caller proved by other means.
+Formulation choices. Cut positions are order-encoded (``ge[k][l] = [e_k >=
+l]``) and every per-position table (time prefixes per class, parameters,
+activations, boundary bytes, transfer and verify times per link/class) is a
+linear sum over them: no value encoding, and the LP sees fractional cuts.
+The stage-time constraints are enforced per (class, replicas) choice, which
+the LP relaxes to almost nothing, so unconditional floors carry the bound:
+each slot takes at least the best class's time of its blocks at the smallest
+share plus its cheapest sends; ``T`` is at least the slowest block's best
+time and the fluid bottleneck (``objective.fluid_bottleneck_ms``); and a
+class's ``n`` devices hold at most ``n * T`` of work. CP-SAT gets a complete
+hint (the caller's plan, completed by a solve with the decisions fixed); on
+large models presolve is skipped, since it is slow there and drops the hint.
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ from ortools.sat.python import cp_model
 
 from cost_models import comm
 from cost_models.cluster import Link
-from planner.solver.objective import Placement, even_split, required_directions
+from planner.solver.objective import Placement, even_split, fluid_bottleneck_ms, required_directions
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
@@ -114,11 +123,8 @@ class _Builder:
                 self._elem_cache[ck] = var
         return self._elem_cache[ck]
 
-    def cls_of(self, c: int) -> object:
-        return self.p.classes[c]
-
     # --- structure ----------------------------------------------------------
-    def build(self, lower_bound_ms: float) -> None:
+    def build(self) -> None:
         self._slots()
         self._tables()
         self._transfers()
@@ -126,7 +132,7 @@ class _Builder:
             self._verification()
         self._times()
         self._memory()
-        self._objective(lower_bound_ms)
+        self._objective()
 
     def _slots(self) -> None:
         m, K, L, F = self.m, self.K, self.L, self.F
@@ -520,7 +526,7 @@ class _Builder:
                 m.add(static + jf * acts <= cap).only_enforce_if(lits)
 
     # --- objective -------------------------------------------------------------------
-    def _objective(self, lower_bound_ms: float) -> None:
+    def _objective(self) -> None:
         m, K, M, p = self.m, self.K, self.M, self.p
         self.T = self.ivar(self.t_hi, "T")
         for k in range(K):
@@ -537,15 +543,38 @@ class _Builder:
                     m.add(w >= self.work(k, c)).only_enforce_if(self.yc[k][c])
                     sel.append(w)
             m.add(p.classes[c].count * self.T >= sum(sel))
+        self._time_floors()
         # Per-block bound: the slowest block's best time, replicas at the largest allowed share cut.
         per_block = max(min(self.units(p.time_ms[l, c]) * math.ceil(M / max(self.opts[c])) // M
                             for c in self.SC) for l in range(self.L))
         m.add(self.T >= per_block)
+        m.add(self.T >= self.units(fluid_bottleneck_ms(p)))
         self.ar = self._allreduce()
         self.obj = sum(self.t) + (M - 1) * self.T + self.ar
-        if lower_bound_ms > 0:
-            m.add(self.obj >= self.units(lower_bound_ms))
         m.minimize(self.obj)
+
+    def _time_floors(self) -> None:
+        """Unconditional (LP-strong) floors on slot times: the class-enforced ones relax to nothing.
+
+        Whatever its class and replicas, a slot takes at least the best share
+        times the best class's time of each of its blocks, plus its cheapest
+        sends (one for an end stage, two for a middle one).
+        """
+        m, p, M, K = self.m, self.p, self.M, self.K
+        share = {c: math.ceil(M / max(self.opts[c])) / M for c in self.SC}
+        per_block = np.min([share[c] * p.time_ms[:, c] for c in self.SC], axis=0)
+        table = np.floor(np.concatenate([[0.0], np.cumsum(per_block)]) * self.U).astype(np.int64)
+        h_min = min(share.values())
+        send = min((int(t[:-1].min()) if len(t) > 1 else 0) for t in self.xtab.values()) if self.xtab else 0
+        send = int(math.floor(h_min * send))
+        for k in range(K):
+            if k == self.F:
+                floor = int(table[self.L]) - self.element(("amin",), k - 1, table[1:]) - 1 + send
+            else:
+                here = self.element(("amin",), k, table[1:])
+                floor = (here if k == 0 else here - self.element(("amin",), k - 1, table[1:]) - 1)
+                floor += send if k == 0 else 2 * send * self.u[k]
+            m.add(self.t[k] >= floor)
 
     def _allreduce(self) -> cp_model.LinearExpr:
         m, p = self.m, self.p
@@ -680,15 +709,18 @@ def num_slots(problem: Problem) -> int:
 
 
 def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint: Placement | None = None,
-                lower_bound_ms: float = 0.0, max_slots: int | None = None,
-                progress: Progress | None = None) -> CpsatResult:
-    """Solve the model of the module docstring for pipelines of 2 or more stages."""
+                max_slots: int | None = None, progress: Progress | None = None) -> CpsatResult:
+    """Solve the model of the module docstring for pipelines of 2 to ``max_slots`` stages.
+
+    ``bound_ms`` is a valid lower bound over those pipelines (``inf`` when
+    proven infeasible).
+    """
     K = min(num_slots(problem), max_slots or num_slots(problem))
     start = time.perf_counter()
     if K < 2:
         return CpsatResult(status="SKIPPED", placement=None, bound_ms=math.inf, solve_s=0.0, num_slots=K)
     b = _Builder(problem, K)
-    b.build(lower_bound_ms)
+    b.build()
     hinted = False
     if hint is not None:
         b.hint(hint)

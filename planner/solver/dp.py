@@ -175,8 +175,7 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int) -> ChainPartiti
         nonlocal best
         total, ranges = _best_sum(tab, S_max, cap)
         if ranges:
-            t = tab.band(L)[0] if L <= 64 else None
-            bott = max((t[s, e - s] if t is not None else _stage_ms(tab, s, e)) for s, e in ranges)
+            bott = max(_stage_ms(tab, s, e) for s, e in ranges)
             step = total + (M - 1) * bott
             if best is None or step < best.step_ms - 1e-12:
                 best = ChainPartition(ranges=ranges, bottleneck_ms=bott, sum_ms=total, step_ms=step)

@@ -58,6 +58,16 @@ def _precheck_endpoints(problem: Problem, stage: list) -> None:
             found=f"{sum(c.count for c in stage)} untrusted devices",
             fix="mark a host `trusted: true`, or relax the policy (trusted_endpoints=False)")
     L = problem.num_blocks
+    if sum(c.count for c in trusted) == 1:
+        only = trusted[0]
+        whole = (problem.range_params(0, L - 1) * problem.state_bytes_per_param + problem.range_act_bytes(0, L - 1)
+                 + problem.buffer_bytes(0, L - 1))
+        if whole > only.mem_bytes:
+            raise InfeasiblePlanError(
+                f"the policy requires trusted first and last stages, on two devices, but the cluster has one "
+                f"trusted device ({only.device_ids[0]}, {only.spec.name}) and the whole model ({_gb(whole)}) does "
+                f"not fit on it ({_gb(only.mem_bytes)})",
+                fix="add a trusted device, or relax the policy (trusted_endpoints=False)")
     room = max(c.mem_bytes for c in trusted)
     for label, block in (("first", 0), ("last", L - 1)):
         need = (problem.range_params(block, block) * problem.state_bytes_per_param
@@ -76,19 +86,22 @@ def explain_infeasible(problem: Problem, feasible: Feasible) -> InfeasiblePlanEr
     """The error to raise for a problem proven infeasible; ``feasible`` re-solves a relaxed problem."""
     pol = problem.policy
     stage = _stage_classes(problem)
-    if pol.enabled:
-        no_verify = dataclasses.replace(problem, policy=dataclasses.replace(pol, enabled=False))
-        if feasible(no_verify):
-            return _verification_error(problem, stage)
-    if pol.enabled and pol.trusted_endpoints:
-        free_ends = dataclasses.replace(problem, policy=dataclasses.replace(pol, trusted_endpoints=False))
-        if feasible(free_ends):
-            trusted = [c for c in stage if c.trusted]
-            names = ", ".join(f"{c.count}x {c.spec.name}" for c in trusted)
-            return InfeasiblePlanError(
-                "the policy requires trusted first and last stages but no trusted device has room for them",
-                found=f"trusted devices: {names or 'none'}",
-                fix="add trusted memory, use mixed precision / SGD, or relax trusted_endpoints")
+    # Relax one requirement at a time. A trust domain with no verifier outside it is the most
+    # specific finding, so it wins when dropping verification alone also yields a plan.
+    ends_ok = pol.enabled and pol.trusted_endpoints and feasible(
+        dataclasses.replace(problem, policy=dataclasses.replace(pol, trusted_endpoints=False)))
+    verify_ok = pol.enabled and feasible(dataclasses.replace(problem, policy=dataclasses.replace(pol, enabled=False)))
+    if verify_ok:
+        error = _verification_error(problem, stage)
+        if not ends_ok or error.what.startswith("no verifier outside"):
+            return error
+    if ends_ok:
+        trusted = [c for c in stage if c.trusted]
+        names = ", ".join(f"{c.count}x {c.spec.name}" for c in trusted)
+        return InfeasiblePlanError(
+            "the policy requires trusted first and last stages but no trusted device has room for them",
+            found=f"trusted devices: {names or 'none'}",
+            fix="add trusted memory, use mixed precision / SGD, or relax trusted_endpoints")
     L = problem.num_blocks
     static = problem.range_params(0, L - 1) * problem.state_bytes_per_param
     usable = sum(c.mem_bytes * c.count for c in stage)

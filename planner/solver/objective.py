@@ -261,114 +261,59 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
     return out
 
 
-# --- a lower bound on the iteration time of any plan -------------------------
-def _min_send_ms(problem: Problem, cls: int, stage_classes: list[int]) -> float:
-    """Cheapest boundary transfer a stage on ``cls`` can make (best neighbour, best cut)."""
-    smallest = float(problem.out_bytes[:-1].min()) if problem.num_blocks > 1 else 0.0
-    best = math.inf
-    for c2 in stage_classes:
-        lk = problem.links[cls][c2]
-        if lk is not None and (c2 != cls or problem.classes[cls].count >= 2):
-            best = min(best, comm.transfer_ms(smallest, lk))
-    return 0.0 if math.isinf(best) else best
+# --- a lower bound on the bottleneck of any plan ----------------------------
+def fluid_bottleneck_ms(problem: Problem) -> float:
+    """A lower bound on the bottleneck ``T`` of any plan: :func:`fluid_bound` with no fill term."""
+    return _fluid_lp(problem, with_fill=False)
 
 
-def _min_check_ms(problem: Problem, cls: int) -> float:
-    """Cheapest way a checked tensor from ``cls`` adds to some stage's time: verify it or ship a copy."""
-    smallest = float(problem.out_bytes[:-1].min()) if problem.num_blocks > 1 else 0.0
-    sites = [c for c in problem.classes if c.trusted and (c.stage_capable or c.verifier_host)]
-    if not sites:
-        return 0.0
-    verify = min(problem.verify_ms(smallest, c.index) for c in sites)
-    copy = min(comm.transfer_ms(smallest, problem.links[cls][c.index]) if problem.links[cls][c.index] else 0.0
-               for c in sites)
-    return min(verify, copy)
+def simple_lower_bound_ms(problem: Problem) -> float:
+    """A lower bound on ``F`` valid for every plan (any stage count, replicas, verifiers): the fluid LP."""
+    return _fluid_lp(problem, with_fill=True)
 
 
-def relaxation_bound(problem: Problem, *, upper_ms: float, min_stages: int = 2, intervals: int = 4) -> float:
-    """A lower bound on ``F`` over every plan of at least ``min_stages >= 2`` stages (``upper_ms`` if lower).
+def _fluid_lp(problem: Problem, *, with_fill: bool) -> float:
+    """min ``sum_lc x_lc h_c time_lc + (M - 1) T`` (or ``T`` alone) over fractional block -> class assignments.
 
-    A fluid relaxation solved as LPs (GLOP): blocks may be split across stage
-    *types* (class, replicas); ``n_t`` stages of type ``t`` hold at most
-    ``n_t`` devices' memory (one microbatch in flight under 1F1B); each stage
-    pays at least its cheapest boundary transfer (two for all but two stages)
-    and, on an untrusted class, its cheapest check; per type, the stage times
-    sum to at most ``T * n_t``. The product ``T * n_t`` is relaxed
-    (McCormick) on a few intervals of ``T``; the bound is the smallest
-    interval bound. Any plan is a feasible point of its interval's LP with no
-    larger objective, so the result is valid, if often loose.
+    Why it bounds every plan: give block ``l`` to its stage's class (``x`` 0/1).
+    A stage of ``r`` replicas takes ``t >= ceil(M/r)/M * work >= h_c * work``
+    per microbatch (``h_c``: the class's smallest share), so the stage times
+    sum to at least the fill term. A replica running ``m`` of ``M``
+    microbatches is busy ``m * t <= M * T``, so a class's ``n_c`` devices do
+    at most ``n_c T`` of per-microbatch work: ``sum_l x_lc time_lc <= n_c T``.
+    Each device holds its blocks' weights, gradients, optimizer state and at
+    least one microbatch of activations: ``sum_l x_lc mem_l <= n_c cap_c``.
+    ``T`` is also at least the slowest block's best time. Returns 0 when the
+    LP has no answer (the trivial bound).
     """
     M, L = problem.num_microbatches, problem.num_blocks
-    stage = [c.index for c in problem.classes if c.stage_capable]
-    types = [(c, r, math.ceil(M / r) / M) for c in stage for r in problem.replica_choices(c)]
-    if L < min_stages or sum(problem.classes[c].count for c in stage) < min_stages:
-        return upper_ms
-    send = {c: _min_send_ms(problem, c, stage) for c in stage}
-    check = {c: (_min_check_ms(problem, c) if problem.policy.enabled and not problem.classes[c].trusted else 0.0)
-             for c in stage}
-    t_lo = max(min(h * (problem.time_ms[l, c] + send[c]) for c, r, h in types) for l in range(L))
-    t_hi = upper_ms / (M - 1) if M > 1 else upper_ms
-    if not t_lo < t_hi:
-        return upper_ms
-    edges = np.geomspace(t_lo, t_hi, intervals + 1)
-    best = upper_ms
-    for a, b in zip(edges, edges[1:]):
-        best = min(best, _interval_bound(problem, types, send, check, float(a), float(b), min_stages))
-    return best
-
-
-def _interval_bound(problem: Problem, types: list, send: dict, check: dict, a: float, b: float,
-                    min_stages: int) -> float:
-    """The LP of :func:`relaxation_bound` for plans whose bottleneck lies in ``[a, b]``."""
-    M, L, pol = problem.num_microbatches, problem.num_blocks, problem.policy
+    stage = [c for c in problem.classes if c.stage_capable]
+    if not stage:
+        return 0.0
+    share = {c.index: math.ceil(M / max(problem.replica_choices(c.index))) / M for c in stage}
+    per_block = float(np.max(np.min([share[c.index] * problem.time_ms[:, c.index] for c in stage], axis=0)))
     lp = pywraplp.Solver.CreateSolver("GLOP")
     inf = lp.infinity()
-    T = lp.NumVar(a, b, "T")
+    T = lp.NumVar(per_block, inf, "T")
     obj = lp.Objective()
-    obj.SetCoefficient(T, M - 1)
-    obj.SetOffset(-2 * max(send.values()))
-    state = problem.param_count.astype(float) * problem.state_bytes_per_param
-    act = problem.act_bytes.astype(float)
+    obj.SetCoefficient(T, (M - 1) if with_fill else 1)
+    need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
     cover = [lp.Constraint(1, 1) for _ in range(L)]
-    used = {c: lp.Constraint(-inf, problem.classes[c].count) for c, _, _ in types}
-    stages = lp.Constraint(min_stages, inf)
-    trusted_ends = lp.Constraint(2 if pol.enabled and pol.trusted_endpoints else 0, inf)
-    for c, r, h in types:
-        cls = problem.classes[c]
-        n_hi = cls.count // r
-        n, y = lp.NumVar(0, n_hi, ""), lp.NumVar(0, b * n_hi, "")
-        used[c].SetCoefficient(n, r)
-        stages.SetCoefficient(n, 1)
-        if cls.trusted:
-            trusted_ends.SetCoefficient(n, 1)
-        obj.SetCoefficient(n, h * (2 * send[c] + check[c]))
-        busy = lp.Constraint(-inf, 0)  # h * (W + send * n) - y <= 0
-        busy.SetCoefficient(n, h * send[c])
-        busy.SetCoefficient(y, -1)
-        cap = lp.Constraint(-inf, 0)  # y - b n <= 0
-        cap.SetCoefficient(y, 1)
-        cap.SetCoefficient(n, -b)
-        mc = lp.Constraint(-inf, -n_hi * a)  # y - n_hi T - a n <= -n_hi a
-        mc.SetCoefficient(y, 1)
-        mc.SetCoefficient(T, -n_hi)
-        mc.SetCoefficient(n, -a)
-        mem = lp.Constraint(-inf, 0)  # sum x m / cap - n <= 0 (memory in devices' worth: well scaled)
-        mem.SetCoefficient(n, -1)
-        in_flight = math.ceil(M / r) if problem.schedule == "gpipe" else 1
+    for c in stage:
+        busy = lp.Constraint(-inf, 0)  # sum x t - n T <= 0
+        busy.SetCoefficient(T, -c.count)
+        mem = lp.Constraint(-inf, c.count)  # sum x m / cap <= n (well scaled)
         for l in range(L):
-            tl, ml = float(problem.time_ms[l, c]), state[l] + act[l] * in_flight
-            if h * (tl + send[c]) > b or ml > cls.mem_bytes:
+            if need[l] > c.mem_bytes:
                 continue
             x = lp.NumVar(0, 1, "")
+            tl = float(problem.time_ms[l, c.index])
             cover[l].SetCoefficient(x, 1)
-            busy.SetCoefficient(x, h * tl)
-            mem.SetCoefficient(x, ml / cls.mem_bytes)
-            obj.SetCoefficient(x, h * tl)
+            busy.SetCoefficient(x, tl)
+            mem.SetCoefficient(x, float(need[l]) / c.mem_bytes)
+            if with_fill:
+                obj.SetCoefficient(x, share[c.index] * tl)
     obj.SetMinimization()
-    status = lp.Solve()
-    if status == pywraplp.Solver.INFEASIBLE:
-        return math.inf
-    if status != pywraplp.Solver.OPTIMAL:
-        return 0.0  # no proof: the trivial bound
-    # The LP optimum is within solver tolerance; shave a relative 1e-7 so the bound stays valid.
-    return max(0.0, obj.Value() * (1 - 1e-7))
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+        return 0.0
+    return max(0.0, obj.Value() * (1 - 1e-7))  # shave the LP tolerance: stays a valid bound

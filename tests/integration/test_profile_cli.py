@@ -40,6 +40,7 @@ def test_profile_quick_writes_a_usable_profile(tmp_path: Path) -> None:
     (("--model", "gpt-tinyy"), "unknown model 'gpt-tinyy'"),
     (("--clock", "cpu", "--threads", "2"), "one thread"),
     (("--batch", "0"), "--batch"),
+    (("--threads", "0"), "--threads"),
 ])
 def test_profile_bad_arguments_give_one_line(tmp_path: Path, args: tuple[str, ...], phrase: str) -> None:
     res = _stagewise("profile", "--quick", "--no-p2p", *args, "-o", "x.json", cwd=tmp_path)

@@ -4,14 +4,14 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.cluster import ClusterSpec
-from planner.ir import Block, BlockChain
+from planner.ir import Block, BlockChain, TiedParam
 
 GPU_TYPES = ("A100-80GB", "RTX3090", "T4", "V100-16GB", "A100-40GB", "L4")
 
 
 def random_chain(rng: np.random.Generator, num_blocks: int, *, name: str = "rand", param_scale: float = 2e8,
                  flop_scale: float = 5e11, act_scale: float = 2e8, out_scale: float = 2e7,
-                 uniform: bool = False) -> BlockChain:
+                 uniform: bool = False, tie: bool = False) -> BlockChain:
     """A chain whose blocks vary around the given scales (``uniform``: identical transformer-like blocks)."""
     blocks = []
     for l in range(num_blocks):
@@ -24,24 +24,38 @@ def random_chain(rng: np.random.Generator, num_blocks: int, *, name: str = "rand
                             param_bytes=4 * params, saved_act_bytes=int(act_scale * f), out_bytes=out,
                             boundary_nodes=(f"n{l}",), mem_traffic_bytes=4 * params + 3 * out))
     return BlockChain(model_name=name, fingerprint=f"{name}-{num_blocks}", blocks=tuple(blocks),
-                      input_bytes=int(out_scale / 100), microbatch_size=1)
+                      input_bytes=int(out_scale / 100), microbatch_size=1, tied_params=tied_params(blocks, tie))
+
+
+def tied_params(blocks: list[Block], tie: bool) -> tuple[TiedParam, ...]:
+    """Tie the first block's parameters to the last block (an embedding reused by the LM head)."""
+    if not tie or len(blocks) < 2:
+        return ()
+    return (TiedParam(name="p0", blocks=(0, len(blocks) - 1), nbytes=blocks[0].param_bytes),)
 
 
 def random_cluster(rng: np.random.Generator, num_devices: int, *, types: int = 3, untrusted: bool = True,
-                   verifier_host: bool = False, single_device_hosts: bool = True) -> ClusterSpec:
-    """Hosts of random GPU types over two regions; trusted operator hosts plus untrusted volunteers."""
+                   verifier_host: bool = False, single_device_hosts: bool = True,
+                   mixed_domains: bool = False) -> ClusterSpec:
+    """Hosts of random GPU types over two regions; trusted operator hosts plus untrusted volunteers.
+
+    ``mixed_domains``: some untrusted hosts sit in the operator's trust domain (their boundaries
+    need a verifier outside it), so trust-domain rules bind.
+    """
     kinds = list(rng.choice(GPU_TYPES, size=types, replace=False))
     hosts, left, i = [], num_devices, 0
     while left > 0:
         n = 1 if single_device_hosts and rng.random() < 0.6 else int(min(left, rng.integers(1, 3)))
         trusted = (i == 0) or not untrusted or rng.random() < 0.4
         hosts.append({"name": f"h{i}", "region": str(rng.choice(["us", "eu"])),
-                      "trust": "operator" if trusted else f"vol{i}", "trusted": bool(trusted),
+                      "trust": "operator" if trusted or (mixed_domains and rng.random() < 0.5) else f"vol{i}",
+                      "trusted": bool(trusted),
                       "devices": [{"type": str(rng.choice(kinds)), "count": n}]})
         left -= n
         i += 1
     if verifier_host:
-        hosts.append({"name": "verifier", "region": "eu", "trust": "operator", "trusted": True,
+        trust = "audit" if mixed_domains and rng.random() < 0.5 else "operator"
+        hosts.append({"name": "verifier", "region": "eu", "trust": trust, "trusted": True,
                       "role": "verifier", "devices": [{"type": "CPU", "count": 1}]})
     links = {"intra_host": {"bandwidth_gbps": float(rng.choice([128, 2400])), "latency_ms": 0.01},
              "default": {"bandwidth_gbps": float(rng.choice([10, 100])), "latency_ms": 0.5}}

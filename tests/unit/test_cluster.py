@@ -152,3 +152,24 @@ def test_json_cluster_file(tmp_path: Path) -> None:
     path.write_text("{bad json")
     with pytest.raises(InvalidInputError, match="invalid JSON"):
         load_cluster(path)
+
+
+def test_pair_links_check_their_ends_and_keep_their_kind() -> None:
+    from cost_models.cluster import HostLink, RegionLink
+
+    link = Link(bandwidth_gbps=1.0, latency_ms=2.0)
+    with pytest.raises(InvalidInputError, match="RegionLink.between"):
+        RegionLink(between=("us-east",), link=link)
+    with pytest.raises(InvalidInputError, match="HostLink.between"):
+        HostLink(between=("a", ""), link=link)
+    region, host = RegionLink(between=("a", "b"), link=link), HostLink(between=("a", "b"), link=link)
+    assert region.to_dict() == host.to_dict() == {"between": ["a", "b"], "bandwidth_gbps": 1.0, "latency_ms": 2.0}
+    assert region != host  # a region pair and a host pair are different things
+
+
+def test_unknown_device_or_host_lookup_names_the_choices() -> None:
+    cluster = load_cluster(DEFAULT_CLUSTER_PATH)
+    with pytest.raises(InvalidInputError, match=r"no device 'dc-a100/9'.*expected one of dc-a100/0"):
+        cluster.device("dc-a100/9")
+    with pytest.raises(InvalidInputError, match=r"no host 'nowhere'.*found 'nowhere'"):
+        cluster.host("nowhere")

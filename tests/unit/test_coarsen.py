@@ -139,3 +139,33 @@ def test_views_count_once_and_constants_do_not_count():
     assert [b.node_names for b in chain.blocks] == [("x", "a"), ("const", "v", "b", "out")]
     assert chain.blocks[0].out_bytes == 4 * 8 * 4 and chain.blocks[0].boundary_nodes == ("a",)
     assert chain.blocks[1].saved_act_bytes == (8 + 32) * 4  # const and b; the view adds nothing
+
+
+def test_gather_traffic_counts_the_selected_rows_not_the_table():
+    """An embedding lookup reads B*T rows of its table, not all V rows (ONNX and fx spellings too)."""
+    vocab, d, tokens = 1000, 16, 6
+    table = ParamInfo(name="tok.weight", meta=_meta(vocab, d))
+    for op in ("aten.embedding.default", "Gather", "_VariableFunctionsClass.index_select"):
+        nodes = [
+            Node(name="idx", op="input", kind="input", outputs=(TensorMeta(shape=(tokens,), dtype="int64"),)),
+            Node(name="emb", op=op, inputs=("idx",), outputs=(_meta(tokens, d),), param_names=("tok.weight",),
+                 module_path="embed"),
+            Node(name="out", op="output", kind="output", inputs=("emb",)),
+        ]
+        chain = coarsen(Graph(name="toy", source="test", nodes=nodes, params=[table]))
+        rows = tokens * d * 4
+        # output written + the selected rows read + the int64 indices read
+        assert chain.blocks[0].mem_traffic_bytes == rows + rows + tokens * 8, op
+    # Any other op that reads the table pays for all of it.
+    nodes[1] = Node(name="emb", op="aten.mm.default", inputs=("idx",), outputs=(_meta(tokens, d),),
+                    param_names=("tok.weight",), module_path="embed")
+    chain = coarsen(Graph(name="toy", source="test", nodes=nodes, params=[table]))
+    assert chain.blocks[0].mem_traffic_bytes == rows + vocab * d * 4 + tokens * 8
+
+
+def test_traced_embedding_traffic_is_its_lookups_not_its_table():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(5000, 8), torch.nn.Linear(8, 8))
+    chain = coarsen(trace(model, torch.zeros(2, 4, dtype=torch.long, device="meta")), granularity="fine")
+    lookup = 2 * 4 * 8 * 4  # [B, T, d] float32
+    assert chain.blocks[0].mem_traffic_bytes == 2 * lookup + 2 * 4 * 8  # + the int64 indices

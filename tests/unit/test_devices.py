@@ -91,3 +91,15 @@ def test_spec_dict_round_trip_and_profile_loading(tmp_path) -> None:
         get_device_spec(str(path))
     with pytest.raises(InvalidInputError, match="no such file"):
         get_device_spec(str(tmp_path / "missing.json"))
+
+
+def test_catalog_entries_are_checked() -> None:
+    from cost_models.devices import _catalog_entry
+
+    spec = _catalog_entry("X", {"tflops": {"float32": 2.0}, "mem_gib": 1, "bw_gbs": 10, "source": "test"})
+    assert spec.flops_per_s("float32") == pytest.approx(2e12) and spec.mem_bytes == 2**30
+    assert spec.mem_bw_bytes_per_s == pytest.approx(10e9) and spec.kind == "gpu" and spec.efficiency == 0.5
+    with pytest.raises(InvalidInputError, match="devices.yaml: X"):
+        _catalog_entry("X", {"tflops": {"float32": 2.0}, "mem_gib": 1})  # no bandwidth
+    with pytest.raises(InvalidInputError, match="numbers for the figures"):
+        _catalog_entry("X", {"tflops": {"float32": "fast"}, "mem_gib": 1, "bw_gbs": 10})

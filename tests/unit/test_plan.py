@@ -56,6 +56,8 @@ def test_stage_totals_and_queries(plan):
     assert plan.owner(1, 3) == 2 and plan.owner(1, 0) == 1
     assert plan.ranks[-1].is_verifier and not plan.ranks[-1].runs_stage
     assert plan.chain().fingerprint == plan.model.fingerprint
+    roles = [plan.rank_role(r) for r in range(plan.num_ranks)]
+    assert roles[:4] == ["stage 0", "stage 1.0", "stage 1.1", "stage 2"] and roles[-1] == "verifier"
 
 
 def test_truncated_json(plan, tmp_path):

@@ -15,7 +15,7 @@ def _row(step, rank, step_ms, **kw):
 
 
 def test_tensor_round_trip_keeps_every_field():
-    m = _row(7, 2, 12.5, compute_ms=3.25, wait_ms=1.5, loss_sum=4.0, loss_count=2, dropped=1, flagged=3)
+    m = _row(7, 2, 12.5, cpu_ms=9.0, compute_ms=3.25, wait_ms=1.5, loss_sum=4.0, loss_count=2, dropped=1, flagged=3)
     assert StepMetrics.from_tensor(m.to_tensor()) == m
     assert m.to_tensor().numel() == StepMetrics.numel()
 
@@ -24,7 +24,7 @@ def test_summary_loss_is_the_mean_over_kept_microbatches_of_all_last_stage_repli
     rows = [_row(0, 0, 10.0), _row(0, 1, 12.0, loss_sum=6.0, loss_count=2),
             _row(0, 2, 11.0, loss_sum=2.0, loss_count=2, dropped=1)]
     s = summarize_step(rows)
-    assert s.loss == pytest.approx(2.0) and s.step_ms == 12.0 and s.dropped == 1
+    assert s.loss == pytest.approx(2.0) and s.step_ms == 12.0 and s.dropped == 1 and s.cpu_ms == 0.0
     assert math.isnan(summarize_step([_row(1, 0, 1.0)]).loss)
 
 

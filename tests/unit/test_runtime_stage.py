@@ -136,3 +136,18 @@ def test_meta_export_and_partial_materialisation_match_the_full_model():
     s0 = build_stage(split_graph(full.module, full.example_inputs, names), 0, full.module)
     (h,) = s0.module(*full.example_inputs)
     torch.testing.assert_close(stage.module(h)[0], full.module(*full.example_inputs), rtol=0, atol=0)
+
+
+def test_apply_plan_builds_the_ranks_stage_and_refuses_another_model():
+    from models.mlp import MLP, MLPConfig
+    from planner.runtime.stage import apply_plan
+    from tests.dist.plans import make_plan
+
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])
+    model = build_model("mlp-tiny", batch=2, device="cpu", seed=0).module
+    stage = apply_plan(model, plan, 1)
+    assert stage.index == 1 and stage.is_last
+    assert {n for n, _ in stage.parameters()} == set(plan.stages[1].param_names)
+    wider = MLP(MLPConfig(d_in=32, d_model=64, d_ff=96, n_layers=4, n_classes=10))
+    with pytest.raises(PlanMismatchError, match="does not match"):
+        apply_plan(wider, plan, 0)

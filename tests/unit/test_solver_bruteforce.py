@@ -14,6 +14,7 @@ from planner.check import check_solution
 from planner.errors import InfeasiblePlanError
 from planner.solver import api
 from planner.solver.baselines import BASELINES
+from planner.solver.objective import evaluate, fluid_bottleneck_ms, simple_lower_bound_ms
 from planner.solver.policy import VerificationPolicy
 from tests.unit.bruteforce import brute_force
 from tests.unit.solver_fixtures import random_chain, random_cluster
@@ -23,16 +24,20 @@ torch.set_num_threads(1)
 REL_TOL = 1e-4  # CP-SAT works on costs floored at cpsat.COST_RESOLUTION of the chain's time
 
 
-def instance(seed: int):
-    """<= 6 blocks (8 with <= 3 devices), <= 4 devices, memory from roomy to tight, random policy."""
+def instance(seed: int, *, twists: bool = False):
+    """<= 6 blocks (8 with <= 3 devices), <= 4 devices, memory from roomy to tight, random policy.
+
+    ``twists``: tied first/last parameters and trust domains shared by trusted and untrusted hosts.
+    """
     rng = np.random.default_rng(seed)
     D = int(rng.integers(2, 5))
     L = int(rng.integers(2, 9 if D <= 3 else 7))
-    cluster = random_cluster(rng, D, untrusted=bool(rng.random() < 0.8), verifier_host=bool(rng.random() < 0.5))
+    cluster = random_cluster(rng, D, untrusted=bool(rng.random() < 0.8), verifier_host=bool(rng.random() < 0.5),
+                             mixed_domains=twists)
     biggest = max(d.spec.mem_bytes for d in cluster.stage_devices)
     params = float(rng.uniform(0.3, 1.6)) * biggest / 16
     chain = random_chain(rng, L, param_scale=params / L, act_scale=float(rng.choice([2e8, 1e9])),
-                         out_scale=float(rng.choice([2e6, 2e7, 2e8])))
+                         out_scale=float(rng.choice([2e6, 2e7, 2e8])), tie=twists)
     config = TrainingConfig(global_batch=int(rng.choice([1, 2, 4, 8])), microbatch_size=1,
                             schedule=str(rng.choice(["1f1b", "gpipe"])))
     policy = VerificationPolicy(enabled=bool(rng.random() < 0.9), trusted_endpoints=bool(rng.random() < 0.6),
@@ -49,12 +54,18 @@ def _solve(chain, cluster, config, policy):
         return None
 
 
-@pytest.mark.parametrize("seed", range(28))
-def test_solver_matches_brute_force_and_checker(seed):
-    chain, cluster, config, policy = instance(seed)
+TWIST_SEEDS = list(range(100, 120)) + [128, 138, 140, 158, 159]  # the last five: mixed domains or verifiers
+
+
+@pytest.mark.parametrize("seed,twists", [(s, False) for s in range(28)] + [(s, True) for s in TWIST_SEEDS])
+def test_solver_matches_brute_force_and_checker(seed, twists):
+    chain, cluster, config, policy = instance(seed, twists=twists)
     problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
-    best, _ = brute_force(problem)
+    best, optimal = brute_force(problem)
     sol = _solve(chain, cluster, config, policy)
+    if optimal is not None:  # the cheap analytic bounds hold on the true optimum
+        assert simple_lower_bound_ms(problem) <= best * (1 + 1e-9)
+        assert fluid_bottleneck_ms(problem) <= evaluate(problem, optimal).bottleneck_ms * (1 + 1e-9)
     if math.isinf(best):
         assert sol is None, "the solver found a plan the enumeration says cannot exist"
         return

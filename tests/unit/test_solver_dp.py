@@ -7,9 +7,10 @@ import torch
 
 from cost_models.training import TrainingConfig
 from planner.solver import api
-from planner.solver.baselines import baseline_placement
+from planner.solver.baselines import baseline_placement, single_stage_placements
+from planner.solver.cpsat import solve_cpsat
 from planner.solver.dp import Group, homogeneous_dp, partition_sequence
-from planner.solver.objective import Placement, evaluate
+from planner.solver.objective import Placement, evaluate, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import StagePlacement
 from tests.unit.bruteforce import brute_force
@@ -51,14 +52,27 @@ def test_dp_equals_enumeration_without_replicas(seed):
     assert _dp_step(problem, part) == pytest.approx(best, rel=1e-9)  # the DP's own figures are the objective's
 
 
-@pytest.mark.parametrize("seed,blocks,devices", [(0, 48, 8), (1, 32, 6), (2, 24, 8)])
-def test_solver_equals_dp_on_homogeneous_chains(seed, blocks, devices):
+@pytest.mark.parametrize("seed,blocks,devices", [(0, 24, 6), (1, 16, 4), (2, 20, 8)])
+def test_cpsat_equals_dp_on_homogeneous_chains(seed, blocks, devices):
+    """The CP-SAT model alone (no DP shortcut), one replica per stage, against the exact DP."""
     chain, cluster, config, problem = homogeneous(seed, blocks, devices, uniform=seed == 0)
     part = homogeneous_dp(problem, 0, devices)
-    sol = api.solve(chain, cluster, config, VerificationPolicy(), time_limit_s=20, workers=1, max_replicas=1)
-    assert part is not None
-    assert sol.predicted_step_ms == pytest.approx(part.step_ms, rel=1e-4)
-    assert sol.predicted_step_ms >= part.step_ms * (1 - 1e-9)
+    res = solve_cpsat(problem, time_limit_s=20, workers=2)
+    assert part is not None and res.status == "OPTIMAL"
+    one_stage = [evaluate(problem, p).step_ms for p in single_stage_placements(problem)
+                 if not violations(problem, p)]
+    got = min([evaluate(problem, res.placement).step_ms] + one_stage)
+    assert got == pytest.approx(part.step_ms, rel=1e-4)
+    assert got >= part.step_ms * (1 - 1e-9)
+    assert res.bound_ms <= part.step_ms * (1 + 1e-9)
+
+
+def test_solver_uses_the_exact_dp_when_it_covers_the_space():
+    chain, cluster, config, problem = homogeneous(3, 200, 8, uniform=True)
+    sol = api.solve(chain, cluster, config, VerificationPolicy(), time_limit_s=10, workers=1, max_replicas=1)
+    part = homogeneous_dp(problem, 0, 8)
+    assert sol.report.status == "OPTIMAL" and sol.report.gap == 0.0
+    assert sol.predicted_step_ms == pytest.approx(part.step_ms, rel=1e-12)
 
 
 def test_dp_baseline_is_exact_on_a_homogeneous_cluster():

@@ -1,0 +1,79 @@
+"""What several ``stagewise`` subcommands share: argument definitions, plan loading, the rank table.
+
+Kept free of heavy imports at module level (rich, torch): ``stagewise --help``
+imports every command.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from planner.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
+    from planner.simulate import CostModel, SimResult
+
+MODEL_HELP = "preset name, package.module:factory, or path to a .onnx file"
+BUILDABLE_MODEL_HELP = "preset name or package.module:factory"
+SEQ_HELP = "sequence length (LMs) or image side (CNNs)"
+
+
+def add_model_argument(p: argparse.ArgumentParser, *, onnx: bool = True) -> None:
+    """The positional ``MODEL``; ``onnx=False`` for commands that need a model they can build."""
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP if onnx else BUILDABLE_MODEL_HELP)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser, *, batch_help: str, batch_default: int | None = None) -> None:
+    """``--batch`` and ``--seq``: the input shape a model is built or traced at."""
+    p.add_argument("--batch", type=int, default=batch_default, help=batch_help)
+    p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Raise for any of the integer options ``names`` given as less than 1 (unset options pass)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidInputError(flag, expected=">= 1", found=str(value), fix=f"pass {flag} 1 or more")
+
+
+def add_plan_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="plan JSON written by `stagewise plan`")
+
+
+def load_and_simulate(path: str) -> tuple[Plan, CostModel, SimResult]:
+    """Load and validate a plan file, price it and simulate one step."""
+    from planner.plan import load_plan
+    from planner.simulate import CostModel, simulate
+
+    plan = load_plan(path)
+    costs = CostModel.for_plan(plan)
+    return plan, costs, simulate(plan, costs)
+
+
+def rank_table(plan: Plan, result: SimResult, costs: CostModel, title: str) -> Any:
+    """Per rank: device, role, microbatches, busy/idle time, activations in flight, peak memory."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("rank", "device", "role", "mbs", "busy ms", "idle ms", "in flight", "memory GiB"):
+        table.add_column(col, justify="left" if col in ("device", "role") else "right")
+    for info in plan.ranks:
+        r = info.rank
+        role = plan.rank_role(r)
+        if info.verifies:
+            role += f" +v{','.join(map(str, info.verifies))}"
+        mem_total = costs.spec[r].mem_bytes
+        peak = result.peak_mem_bytes[r]
+        table.add_row(str(r), info.device_type, role, str(len(info.microbatches)),
+                      f"{result.busy_ms[r]:.1f}", f"{result.idle_ms[r]:.1f}",
+                      f"{result.peak_in_flight[r]}/{info.max_in_flight}" if info.stage is not None else "-",
+                      f"{peak / 2**30:.2f}/{mem_total / 2**30:.0f}", style="bold red" if peak > mem_total else None)
+    return table
+
+
+def over_memory_ranks(plan: Plan, result: SimResult, costs: CostModel) -> list[int]:
+    """Ranks whose simulated peak memory exceeds their device's memory."""
+    return [info.rank for info in plan.ranks if result.peak_mem_bytes[info.rank] > costs.spec[info.rank].mem_bytes]

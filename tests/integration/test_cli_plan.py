@@ -1,0 +1,66 @@
+"""`stagewise plan` end to end: a plan file that loads, and one clear line for each bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TWO_BOXES = """
+name: two-boxes
+hosts:
+  - {name: a, region: r, trust: op, trusted: true, devices: [{type: T4, count: 1}]}
+  - {name: b, region: r, trust: op, trusted: true, devices: [{type: T4, count: 1}]}
+  - {name: v, region: r, trust: vol, devices: [{type: RTX3090, count: 1}]}
+links:
+  default: {bandwidth_gbps: 10, latency_ms: 1}
+"""
+
+
+def _stagewise(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_plan_writes_a_loadable_plan_on_the_default_cluster(tmp_path: Path) -> None:
+    res = _stagewise("plan", "gpt-tiny", "--time-limit", "5", "--workers", "1", "-o", "out/plan.json",
+                     cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "objective" in res.stdout and "bound" in res.stdout and "gap" in res.stdout
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["report"]["method"] == "cpsat" and doc["report"]["bound_ms"] <= doc["report"]["objective_ms"]
+    from planner.plan import load_plan
+    plan = load_plan(tmp_path / "out" / "plan.json")
+    assert plan.config.global_batch == 16 and plan.num_stages >= 1
+
+
+def test_baseline_and_fixed_microbatches(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(TWO_BOXES)
+    res = _stagewise("plan", "gpt-tiny", "--cluster", "c.yaml", "--baseline", "uniform", "--global-batch", "8",
+                     "--microbatches", "4", "--schedule", "gpipe", "-o", "p.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["report"]["method"] == "baseline:uniform" and doc["config"]["schedule"] == "gpipe"
+    assert doc["config"]["microbatch_size"] == 2
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (("--global-batch", "16", "--microbatches", "3"), "--microbatches 3; expected a divisor of --global-batch 16"),
+    (("--cluster", "missing.yaml"), "cluster file 'missing.yaml'"),
+    (("--cluster", "t4.yaml", "--global-batch", "2", "--microbatches", "1"),
+     "the model needs 22.7 GB for weights, gradients and optimizer state; the cluster's usable memory is 15.5 GB"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, phrase) -> None:
+    (tmp_path / "t4.yaml").write_text(
+        "hosts: [{name: a, region: r, trust: op, trusted: true, devices: [{type: T4, count: 1}]}]\n")
+    model = "gpt-1.3b" if "t4.yaml" in args else "gpt-tiny"  # 1.3B parameters x 16 B of Adam state
+    res = _stagewise("plan", model, *args, "--time-limit", "5", "--no-verify", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("stagewise plan: error:"), res.stderr
+    assert phrase in lines[0]
+    assert not (tmp_path / "plan.json").exists()

@@ -1,0 +1,170 @@
+"""Distances of the integrity monitors, checked against values computed by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from planner.errors import InvalidInputError
+from planner.runtime import distances as dist
+
+torch.set_num_threads(1)
+
+
+def summary(mean, std, *, skew=None, quantiles=None, pmean=None, cov=None, sketch=()) -> dist.Summary:
+    mean = torch.tensor(mean, dtype=torch.float32)
+    std = torch.tensor(std, dtype=torch.float32)
+    return dist.Summary(
+        mean=mean, std=std,
+        skew=torch.zeros_like(mean) if skew is None else torch.tensor(skew, dtype=torch.float32),
+        quantiles=torch.zeros(1, 2) if quantiles is None else torch.tensor(quantiles, dtype=torch.float32),
+        pmean=mean.clone() if pmean is None else torch.tensor(pmean, dtype=torch.float32),
+        cov=torch.eye(mean.numel()) if cov is None else torch.tensor(cov, dtype=torch.float32),
+        sketch=torch.tensor(sketch, dtype=torch.float32))
+
+
+def test_rows_use_last_dim_and_channels_of_feature_maps() -> None:
+    assert dist.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)
+    fmap = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    rows = dist.as_rows(fmap)
+    assert rows.shape == (32, 3)
+    assert torch.equal(rows[:, 1].sort().values, fmap[:, 1].reshape(-1).sort().values)
+    assert dist.feature_size(fmap) == 3 and dist.feature_size(torch.zeros(7, 5)) == 5
+    with pytest.raises(InvalidInputError, match="boundary tensor"):
+        dist.as_rows(torch.tensor(1.0))
+    with pytest.raises(InvalidInputError):
+        dist.feature_size(torch.zeros(0, 4))
+
+
+def test_summarize_moments_quantiles_and_covariance() -> None:
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0], [7.0, 2.0]])
+    s = dist.summarize(x, directions=torch.eye(2), levels=dist.quantile_levels(4),
+                       sketch_at=torch.tensor([0, 3]))
+    assert torch.allclose(s.mean, torch.tensor([4.0, 2.0]))
+    assert torch.allclose(s.std, torch.tensor([math.sqrt(5.0), math.sqrt(2.0)]))
+    assert torch.allclose(s.skew, torch.zeros(2), atol=1e-6)           # both columns symmetric
+    assert torch.equal(s.quantiles, torch.tensor([[1.0, 3.0, 5.0, 7.0], [0.0, 2.0, 2.0, 4.0]]))
+    assert torch.allclose(s.cov, torch.tensor([[5.0, -1.0], [-1.0, 2.0]]))
+    assert torch.equal(s.sketch, torch.tensor([-3.0, 2.0]))             # centred values at flat 0 and 3
+
+
+def test_skewness_sign_and_constant_features() -> None:
+    x = torch.tensor([[0.0, 5.0], [0.0, 5.0], [0.0, 5.0], [3.0, 5.0]])  # right-skewed, constant
+    s = dist.summarize(x, directions=torch.eye(2), levels=dist.quantile_levels(2))
+    assert s.skew[0] == pytest.approx(1.0 / math.sqrt(3.0) * 2.0, rel=1e-5)  # Bernoulli: (1-2p)/sqrt(p(1-p)), p=1/4
+    assert s.skew[1] == 0.0
+    flipped = dist.summarize(-x, directions=torch.eye(2), levels=dist.quantile_levels(2))
+    assert flipped.skew[0] == pytest.approx(-float(s.skew[0]), rel=1e-6)
+
+
+def test_mean_abs_diff_and_l2_by_hand() -> None:
+    ref = summary([1.0, 1.0], [1.0, 1.0])      # rms sqrt(2): shape = (1, 1, 1, 1) / sqrt(2)
+    x = summary([1.0, -1.0], [1.0, 1.0])       # shape (1, -1, 1, 1) / sqrt(2)
+    assert dist.mean_abs_diff(x, ref) == pytest.approx(0.5)   # (2/sqrt2)/4 over 1/sqrt2
+    assert dist.normalized_l2(x, ref) == pytest.approx(1.0)   # (2/sqrt2) over sqrt(4/2)
+    assert dist.mean_abs_diff(ref, ref) == 0.0
+    # Size is not shape: the same statistics at 3x the scale score 0.
+    big = summary([3.0, 3.0], [3.0, 3.0])
+    assert dist.mean_abs_diff(big, ref) == pytest.approx(0.0, abs=1e-7)
+    assert dist.normalized_l2(summary([0.0, 0.0], [0.0, 0.0]), ref) == pytest.approx(1.0)
+
+
+def test_scale_change_by_hand() -> None:
+    ref = summary([0.0, 0.0], [1.0, 1.0])
+    assert dist.rms(ref) == pytest.approx(1.0)
+    assert dist.scale_change(summary([0.0, 0.0], [math.e, math.e]), ref) == pytest.approx(1.0, rel=1e-6)
+    assert dist.scale_change(summary([0.0, 0.0], [0.5, 0.5]), ref) == pytest.approx(math.log(2.0), rel=1e-6)
+    assert dist.scale_change(summary([0.0, 0.0], [0.0, 0.0]), ref) == pytest.approx(-math.log(dist.EPS))
+
+
+def test_sign_flip_ratio_weighs_by_reference_mean() -> None:
+    ref = summary([2.0, -1.0, 0.5], [1.0, 1.0, 1.0])
+    x = summary([1.0, 1.0, 0.5], [1.0, 1.0, 1.0])
+    assert dist.sign_flip_ratio(x, ref) == pytest.approx(1.0 / 3.5)
+    assert dist.sign_flip_ratio(summary([-2.0, 1.0, -0.5], [1.0] * 3), ref) == pytest.approx(1.0)
+    assert dist.sign_flip_ratio(summary([0.0, 0.0, 0.0], [1.0] * 3), ref) == pytest.approx(1.0)
+
+
+def test_skew_flip_by_hand() -> None:
+    ref = summary([0.0, 0.0], [1.0, 1.0], skew=[1.0, 0.0])
+    assert dist.skew_flip(summary([0.0, 0.0], [1.0, 1.0], skew=[2.0, 0.0]), ref) == pytest.approx(0.0)
+    assert dist.skew_flip(summary([0.0, 0.0], [1.0, 1.0], skew=[-1.0, 0.0]), ref) == pytest.approx(1.0)
+    assert dist.skew_flip(summary([0.0, 0.0], [1.0, 1.0], skew=[0.0, 3.0]), ref) == pytest.approx(0.5)
+    assert dist.skew_flip(summary([0.0, 0.0], [1.0, 1.0], skew=[0.0, 0.0]), ref) == pytest.approx(0.5)
+
+
+def test_sliced_wasserstein_by_hand() -> None:
+    ref = summary([0.0], [1.0], quantiles=[[-1.0, 1.0]])       # rms 1, spread 1
+    x = summary([0.0], [1.0], quantiles=[[-1.0, 3.0]])         # moved the upper half by 2
+    assert dist.sliced_wasserstein(x, ref) == pytest.approx(1.0)
+    assert dist.sliced_wasserstein(ref, ref) == 0.0
+    with pytest.raises(InvalidInputError, match="quantile"):
+        dist.sliced_wasserstein(summary([0.0], [1.0], quantiles=[[1.0, 2.0, 3.0]]), ref)
+
+
+def test_sliced_wasserstein_samples_is_the_shift_in_one_dimension() -> None:
+    a = torch.randn(200, 1, generator=torch.Generator().manual_seed(0))
+    assert dist.sliced_wasserstein_samples(a, a + 0.5) == pytest.approx(0.5, rel=1e-5)
+    assert dist.sliced_wasserstein_samples(a, a) == 0.0
+    with pytest.raises(InvalidInputError):
+        dist.sliced_wasserstein_samples(a, a[:10])
+
+
+def test_principal_basis_and_spectral_residual_by_hand() -> None:
+    cov = [[10.0, 0.0, 0.0], [0.0, 0.2, 0.0], [0.0, 0.0, 0.2]]   # 10/10.4 = 96% in e1
+    ref = summary([0.0] * 3, [1.0] * 3, pmean=[0.0] * 3, cov=cov)
+    basis = dist.principal_basis(ref.cov)
+    assert basis.shape == (3, 1) and abs(float(basis[0, 0])) == pytest.approx(1.0)
+    iso = summary([0.0] * 3, [1.0] * 3, pmean=[0.0] * 3, cov=torch.eye(3).tolist())
+    assert dist.spectral_residual(iso, ref, basis) == pytest.approx(2.0 / 3.0)
+    aligned = summary([0.0] * 3, [1.0] * 3, pmean=[0.0] * 3, cov=[[3.0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    assert dist.spectral_residual(aligned, ref, basis) == pytest.approx(0.0, abs=1e-7)
+    shifted = summary([0.0] * 3, [1.0] * 3, pmean=[0.0, 1.0, 0.0], cov=torch.zeros(3, 3).tolist())
+    assert dist.spectral_residual(shifted, ref, basis) == pytest.approx(1.0)
+    two = dist.principal_basis(torch.diag(torch.tensor([4.0, 1.0, 0.0])))  # 80% < 95% -> two vectors
+    assert two.shape == (3, 2)
+
+
+def test_replay_score() -> None:
+    past = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    assert dist.replay_score(torch.tensor([0.0, 2.0, 0.0]), past) == dist.REPLAY_SCORE_CAP
+    assert dist.replay_score(torch.tensor([0.0, 0.0, 1.0]), past) == 0.0
+    cos = 0.9
+    near = torch.tensor([cos, math.sqrt(1 - cos ** 2), 0.0])
+    assert dist.replay_score(torch.tensor([near[0], 0.0, near[1]]), past) == pytest.approx(1.0, rel=1e-4)
+    assert dist.replay_score(torch.tensor([1.0, 0.0, 0.0]), torch.empty(0, 3)) == 0.0
+
+
+def test_mean_summary_blend_and_helpers() -> None:
+    a = summary([0.0, 2.0], [1.0, 1.0])
+    b = summary([2.0, 4.0], [3.0, 1.0])
+    m = dist.mean_summary([a, b])
+    assert torch.equal(m.mean, torch.tensor([1.0, 3.0])) and torch.equal(m.std, torch.tensor([2.0, 1.0]))
+    e = a.blend(b, 0.75)
+    assert torch.allclose(e.mean, torch.tensor([0.5, 2.5])) and torch.allclose(e.std, torch.tensor([1.5, 1.0]))
+    with pytest.raises(InvalidInputError):
+        dist.mean_summary([])
+    d1, d2 = dist.random_directions(8, 4, seed=3), dist.random_directions(8, 4, seed=3)
+    assert torch.equal(d1, d2) and torch.allclose(d1.norm(dim=0), torch.ones(4))
+    pos = dist.sketch_positions(10_000, 64, seed=1)
+    assert pos.numel() == 64 and torch.equal(pos, dist.sketch_positions(10_000, 64, seed=1))
+    assert torch.equal(dist.sketch_positions(5, 64, seed=1), torch.arange(5))
+    assert dist.spectral_projection(64, seed=0) is None
+    assert dist.spectral_projection(1000, seed=0).shape == (1000, dist.MAX_SPECTRAL_DIMS)
+    values = torch.tensor([[3.0], [1.0], [2.0], [4.0]])
+    assert torch.equal(dist.sorted_quantiles(values, dist.quantile_levels(4)), torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+
+
+def test_noise_raises_the_spectral_residual_of_low_rank_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.randn(32, 3, generator=gen)
+    honest = [torch.randn(64, 3, generator=gen) @ basis.T for _ in range(4)]
+    dirs, levels = dist.random_directions(32, 8, 0), dist.quantile_levels(8)
+    sums = [dist.summarize(h, directions=dirs, levels=levels) for h in honest]
+    ref = dist.mean_summary(sums[:3])
+    b = dist.principal_basis(ref.cov)
+    clean = dist.spectral_residual(sums[3], ref, b)
+    noisy_rows = honest[3] + 0.3 * honest[3].std() * torch.randn(64, 32, generator=gen)
+    noisy = dist.spectral_residual(dist.summarize(noisy_rows, directions=dirs, levels=levels), ref, b)
+    assert clean < 0.01 and noisy > 0.05

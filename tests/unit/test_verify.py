@@ -1,0 +1,247 @@
+"""The integrity monitors on synthetic, drifting boundary tensors: warm-up, fences,
+no learning from flagged samples, step-level tests, blame and bans."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from planner.errors import InvalidInputError
+from planner.runtime.attacks import Attacker, parse_attack
+from planner.runtime.verify import STEP_MB, Verifier, VerifierConfig, blame
+
+torch.set_num_threads(1)
+
+D, VOCAB, RANK, ROWS = 32, 40, 4, 64     # features, labels, latent rank, rows per microbatch
+MBS = 4
+
+
+class Stream:
+    """Honest boundary tensors of a slowly drifting model: every row is its label's
+    embedding plus context in a few latent directions (skewed, like real gradients)
+    plus a little isotropic noise; the mixing matrix drifts step by step."""
+
+    def __init__(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.gen = gen
+        self.emb = torch.randn(VOCAB, RANK, generator=gen)
+        self.mix0 = torch.randn(RANK, D, generator=gen)
+        self.mix1 = torch.randn(RANK, D, generator=gen)
+        self.offset = torch.randn(D, generator=gen)
+
+    def sample(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(0, VOCAB, (4, ROWS // 4), generator=self.gen)
+        mix = self.mix0 + 0.01 * step * self.mix1
+        context = torch.empty(4, ROWS // 4, RANK).exponential_(generator=self.gen) - 1.0
+        latent = self.emb[labels] + 0.5 * context
+        noise = 0.02 * torch.randn(4, ROWS // 4, D, generator=self.gen)
+        return latent @ mix + self.offset + noise, labels
+
+
+def run(verifier: Verifier, steps: int, *, attacker: Attacker | None = None, sender: int = 1,
+        direction: str = "act", labels: bool = True, seed: int = 0) -> dict[int, list[dict]]:
+    """Feed ``steps`` steps of MBS microbatches to boundary 0; returns the flags per step."""
+    stream = Stream(seed)
+    flags: dict[int, list[dict]] = {}
+    for step in range(steps):
+        for mb in range(MBS):
+            x, lab = stream.sample(step)
+            if attacker is not None:
+                x = attacker.apply(x, direction=direction, step=step, mb=mb)
+            verifier.check(0, direction, x, step=step, mb=mb, sender=sender, labels=lab if labels else None)
+        flags[step] = verifier.flag_events(step)
+        verifier.end_step(step, [flags[step]])
+    return flags
+
+
+def make(**config) -> Verifier:
+    return Verifier({"warmup": 5, **config}, [(0, "act"), (0, "grad")])
+
+
+# ---------------------------------------------------------------------------- clean and attacked streams
+
+def test_clean_drifting_stream_is_never_flagged() -> None:
+    for seed in range(2):
+        v = make()
+        flags = run(v, 50, seed=seed)
+        assert not any(flags.values()), [e for f in flags.values() for e in f][:3]
+        assert v.banned == set()
+
+
+ATTACKS = ["kind=constant", "kind=zeros", "kind=random", "kind=scale,factor=-1", "kind=sign_flip,dir=act",
+           "kind=random_sign,dir=act", "kind=delay,steps=2", "kind=bias,rel=0.5", "kind=noise,std=0.5",
+           "kind=mixed"]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_each_attack_is_flagged_and_its_sender_banned(attack: str) -> None:
+    v = make()
+    attacker = Attacker(parse_attack(f"rank=1,start=12,{attack}"), seed=0)
+    flags = run(v, 20, attacker=attacker)
+    assert not any(flags[s] for s in range(12)), "flags before the attack started"
+    flagged_steps = {s for s, f in flags.items() if f}
+    assert flagged_steps >= {12, 13, 14} & attacker.attacked_steps()
+    assert v.banned == {1}
+    ban = next(e for e in v.events if e["type"] == "ban")
+    assert ban["step"] <= 14
+
+
+def test_gradient_sign_flip_is_caught_by_the_skew() -> None:
+    v = make()
+    attacker = Attacker(parse_attack("rank=2,start=12,kind=sign_flip"), seed=0)
+    flags = run(v, 16, attacker=attacker, sender=2, direction="grad")
+    reasons = {r for s in range(12, 16) for e in flags[s] for r in e["reasons"]}
+    assert "skew" in reasons and v.banned == {2}
+
+
+def test_delay_without_labels_is_still_caught_while_replaying_seen_tensors() -> None:
+    v = make()
+    attacker = Attacker(parse_attack("rank=1,start=12,kind=delay,steps=2"), seed=0)
+    flags = run(v, 14, attacker=attacker, labels=False)
+    assert {r for s in (12, 13) for e in flags[s] for r in e["reasons"]} == {"replay"}
+
+
+def test_warmup_steps_are_taken_as_honest() -> None:
+    v = make(warmup=8)
+    attacker = Attacker(parse_attack("rank=1,start=0,kind=zeros"), seed=0)
+    stream = Stream(0)
+    for step in range(8):
+        for mb in range(MBS):
+            x, lab = stream.sample(step)
+            verdict = v.check(0, "act", attacker.apply(x, direction="act", step=step, mb=mb), step=step, mb=mb,
+                              sender=1, labels=lab)
+            assert not verdict.flagged
+        assert v.flag_events(step) == []
+
+
+# ---------------------------------------------------------------------------- what flagged samples may not touch
+
+def test_flagged_samples_move_neither_the_average_nor_the_windows() -> None:
+    v = make()
+    run(v, 10)
+    mon = v.monitor(0, "act")
+    ref, windows = mon.ref, {k: list(f._scores) for k, f in mon.fences.items()}
+    step_windows = {k: list(f._scores) for k, f in mon.step_fences.items()}
+    for mb in range(MBS):
+        verdict = v.check(0, "act", torch.full((4, ROWS // 4, D), 3.0), step=10, mb=mb, sender=1)
+        assert verdict.flagged and verdict.tainted and verdict.reasons
+    v.end_step(10, [v.flag_events(10)])
+    assert mon.ref is ref                                     # the reference object is untouched
+    assert {k: list(f._scores) for k, f in mon.fences.items()} == windows
+    assert {k: list(f._scores) for k, f in mon.step_fences.items()} == step_windows
+
+
+def test_step_level_test_catches_what_each_microbatch_hides() -> None:
+    # Per-microbatch spectral fences out of reach: only the step's average can flag.
+    v = make(distances=["spectral"], floors={"spectral": 10.0})
+    run(v, 10)
+    mon = v.monitor(0, "act")
+    ref = mon.ref
+    noisy = Attacker(parse_attack("rank=1,kind=noise,std=0.5"), seed=0)
+    stream = Stream(1)
+    for mb in range(MBS):
+        x, _ = stream.sample(10)
+        verdict = v.check(0, "act", noisy.apply(x, direction="act", step=10, mb=mb), step=10, mb=mb, sender=1)
+        assert not verdict.flagged
+    flags = v.flag_events(10)
+    assert [(e["mb"], e["scope"], e["reasons"]) for e in flags] == [(STEP_MB, "step", ["spectral"])]
+    assert mon.ref is ref                                     # the step's samples were not folded in
+    assert v.end_step(10, [flags]) == set() and v.monitor(0, "act").step_flags == 1
+
+
+def test_tainted_arrivals_are_not_blamed_and_not_learnt() -> None:
+    v = make()
+    run(v, 8)
+    mon = v.monitor(0, "act")
+    ref = mon.ref
+    verdict = v.check(0, "act", torch.zeros(4, ROWS // 4, D), step=8, mb=0, sender=1, tainted=True)
+    assert verdict.tainted and not verdict.flagged
+    assert v.flag_events(8) == []
+    assert mon.ref is ref and mon.tainted == 1
+
+
+def test_non_finite_tensors_are_flagged_at_once() -> None:
+    v = make(warmup=100)
+    x = torch.ones(4, 4, D)
+    x[0, 0, 0] = float("nan")
+    verdict = v.check(0, "grad", x, step=0, mb=0, sender=3)
+    assert verdict.flagged and verdict.reasons == ("nonfinite",)
+
+
+# ---------------------------------------------------------------------------- blame and bans
+
+def flag(step: int, mb: int, boundary: int, direction: str, sender: int) -> dict:
+    return {"type": "flag", "step": step, "mb": mb, "boundary": boundary, "direction": direction, "sender": sender}
+
+
+def test_blame_goes_to_the_most_upstream_flag_of_each_microbatch() -> None:
+    acts = [flag(0, 0, 2, "act", 2), flag(0, 0, 1, "act", 1)]
+    assert blame(acts) == {1}                                   # lower boundary is upstream
+    grads = [flag(0, 1, 0, "grad", 1), flag(0, 1, 2, "grad", 3)]
+    assert blame(grads) == {3}                                  # higher boundary is upstream
+    both = [flag(0, 2, 0, "grad", 1), flag(0, 2, 2, "act", 2)]
+    assert blame(both) == {2}                                   # forward comes before backward
+    assert blame(acts + grads) == {1, 3}                        # per microbatch
+    assert blame([flag(0, STEP_MB, 1, "act", 1), flag(0, STEP_MB, 0, "grad", 1)]) == {1}
+
+
+def test_ban_after_k_blamed_steps_within_the_window() -> None:
+    v = Verifier({"ban_after": 3, "ban_window": 5}, [(1, "act")])
+    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender)], []]   # noqa: E731 (as gathered)
+    assert v.end_step(0, nested(0, 2)) == set()
+    assert v.end_step(1, nested(1, 2)) == set()
+    assert v.end_step(6, nested(6, 2)) == set()                 # step 0 and 1 fell out of the window
+    assert v.end_step(7, nested(7, 2)) == set()
+    assert v.end_step(8, nested(8, 2)) == {2}
+    assert v.end_step(9, []) == {2}                             # the banned set is cumulative
+    assert [e["type"] for e in v.events].count("ban") == 1
+    assert v.end_step(3, nested(9, 1)) == {2}                   # events of another step are ignored
+
+
+def test_events_are_plain_json_and_summary_reports() -> None:
+    v = make()
+    attacker = Attacker(parse_attack("rank=1,start=8,kind=zeros"), seed=0)
+    run(v, 12, attacker=attacker)
+    json.dumps(v.events)
+    summary = v.summary()
+    json.dumps(summary)
+    act = next(m for m in summary["monitors"] if m["direction"] == "act")
+    assert act["flagged"] > 0 and summary["banned"] == [1]
+
+
+# ---------------------------------------------------------------------------- configuration
+
+def test_config_defaults_and_overrides() -> None:
+    cfg = VerifierConfig.from_dict({"beta_act": 0.95, "floors": {"spectral": 0.2}})
+    assert cfg.beta_act == 0.95 and cfg.beta_grad == 0.8
+    assert cfg.floors["spectral"] == 0.2 and cfg.floors["replay"] == 6.0
+    assert VerifierConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"beta_act": 1.0}, "beta_act"),
+    ({"window": 0}, "window"),
+    ({"iqr_k": 0}, "iqr_k"),
+    ({"warmup": -1}, "warmup"),
+    ({"ban_after": 30, "ban_window": 20}, "ban_after"),
+    ({"distances": ["mad", "telepathy"]}, "distances"),
+    ({"distances": []}, "distances"),
+    ({"floors": {"mad": -1}}, "floors.mad"),
+    ({"betaact": 0.9}, "'betaact'"),
+    ({"window": "many"}, "verifier_config"),
+])
+def test_bad_config(config: dict, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        Verifier(config, [(0, "act")])
+
+
+def test_bad_boundaries_and_checks() -> None:
+    with pytest.raises(InvalidInputError, match="direction"):
+        Verifier({}, [(0, "sideways")])
+    v = Verifier({}, [(0, "act")])
+    with pytest.raises(InvalidInputError, match="boundary 3"):
+        v.check(3, "act", torch.ones(2, 4), step=0, mb=0, sender=0)
+    v.check(0, "act", torch.ones(2, 4), step=0, mb=0, sender=0)
+    verdict = v.check(0, "act", torch.ones(2, 5), step=0, mb=1, sender=0)   # the feature size changed
+    assert verdict.flagged and verdict.reasons == ("shape",)
