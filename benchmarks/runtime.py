@@ -196,7 +196,6 @@ def _pct(measured: float, predicted: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from planner.solver.api import baseline, solve
     from planner.solver.policy import VerificationPolicy

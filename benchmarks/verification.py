@@ -1,22 +1,24 @@
 """Detection benchmark of the integrity monitors (SENTINEL-style verification).
 
-Runs real training of a byte-level GPT (gpt-tiny on the stdlib sources,
-``models.data.ByteTextDataset``) as a 4-stage pipeline *emulated in one
-process*: each stage is a slice of the model, every boundary tensor goes
-through exactly the calls the distributed runtime makes (``Attacker.apply`` by
-the sending rank, ``Verifier.check`` on the verifier, ``Verifier.end_step``
-with all flags of the step), a flagged microbatch is dropped, and a banned
-rank is planned around (its stage is run honestly from then on). Rank r runs
-stage r; boundary b sits between ranks b and b + 1; the attacker is a middle
-stage.
+Real training of gpt-tiny on byte text (``models.data.ByteTextDataset``) as a
+4-stage pipeline *emulated in one process*: every boundary tensor goes through
+exactly the calls the distributed runtime makes (``Attacker.apply`` on the
+sending rank, ``Verifier.check`` on one verifier that checks every boundary in
+both directions, ``flag_events`` + ``end_step`` at the end of each step); a
+flagged microbatch is dropped downstream, and a banned rank is planned around
+(its stage runs honestly from then on). Rank r runs stage r, boundary b sits
+between ranks b and b + 1, the attacker is rank 1 (a middle stage). The
+monitors get the configuration a plan gets by default (``planner.plan.
+VerifierConfig``), and no labels (as in ``stagewise run``).
 
-Reported per attack: precision, recall and F1 over (step, sender) pairs,
-detection and ban latency in steps, the false-positive rate of clean runs,
-final validation loss clean / attacked with and without verification, and
-the step-time overhead of verification.
+Per attack, over (step, sender) pairs: precision, recall and F1; detection and
+ban latency in steps; on clean runs the false-positive rate; the validation
+loss after training clean / attacked with verification / attacked without;
+and the step-time overhead of verification (serial here: in a pipeline the
+verifier is its own rank, so this is an upper bound).
 
-    python benchmarks/verification.py            # full table, writes benchmarks/results/verification.json
-    python benchmarks/verification.py --quick    # fewer steps and seeds (a smoke run)
+    python benchmarks/verification.py            # writes benchmarks/results/verification.json
+    python benchmarks/verification.py --quick    # a smoke run
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -38,162 +40,308 @@ if str(ROOT) not in sys.path:
 
 from models.data import ByteTextDataset  # noqa: E402
 from models.registry import PRESETS, lm_loss  # noqa: E402
+from planner.plan import VerifierConfig as PlanVerifierConfig  # noqa: E402
 from planner.runtime.attacks import Attacker, parse_attack  # noqa: E402
 from planner.runtime.verify import Verifier, blame  # noqa: E402
 
-# The 7 single attacks the runtime tests ban, plus the two composite ones.
 ATTACKS: dict[str, str] = {
-    "constant": "kind=constant,dir=act",
-    "zeros": "kind=zeros,dir=act",
-    "random": "kind=random,dir=act",
-    "scale-1": "kind=scale,factor=-1,dir=act",
-    "grad-sign-flip": "kind=sign_flip,dir=grad",
-    "random-sign": "kind=random_sign,dir=grad",
-    "delay": "kind=delay,steps=2,dir=act",
-    "bias": "kind=bias,dir=act",
-    "noise": "kind=noise,dir=act",
+    "constant": "kind=constant",
+    "zeros": "kind=zeros",
+    "random": "kind=random",
+    "scale-1": "kind=scale,factor=-1",
+    "grad-sign-flip": "kind=sign_flip",
+    "random-sign": "kind=random_sign",
+    "delay": "kind=delay,steps=2",
+    "bias": "kind=bias",
+    "noise": "kind=noise",
     "noise-grad": "kind=noise,dir=grad",
     "mixed": "kind=mixed,dir=both",
-    "adaptive": "kind=adaptive,dir=act",
+    "adaptive": "kind=adaptive",
 }
+GOALS = {"f1": 0.95, "fpr": 0.005, "overhead": 0.05}
+ATTACKER = 1
+
+
+def plan_default_config() -> dict[str, Any]:
+    """The monitors' config a plan gives by default (keys renamed as the runtime does)."""
+    plan = PlanVerifierConfig()
+    return {"beta_act": plan.act_beta, "beta_grad": plan.grad_beta, "window": plan.window,
+            "iqr_k": plan.iqr_k, "warmup": plan.warmup_steps, "ban_after": plan.ban_after}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EmulationConfig:
+class RunConfig:
     """One emulated training run."""
 
-    steps: int = 60
+    steps: int = 80
     stages: int = 4
     microbatches: int = 4
     microbatch_size: int = 4
     seq: int = 32
     lr: float = 1e-3
     seed: int = 0
-    attack: str | None = None      # attack spec without rank; the attacker is `attacker_rank`
-    attacker_rank: int = 1
-    attack_start: int = 20
+    attack: str | None = None       # spec without rank/start
+    start: int = 20
     verify: bool = True
-    verifier_config: dict = field(default_factory=dict)
+    labels: bool = False            # pass token ids to the monitors (the binding test)
+    verifier_config: dict = field(default_factory=plan_default_config)
 
 
 @dataclass(slots=True, kw_only=True)
 class RunResult:
-    losses: list[float]
     val_loss: float
     step_ms: list[float]
-    blamed: dict[int, list[int]]          # step -> blamed senders
-    attacked_steps: list[int]             # steps where the attacker corrupted a tensor
+    blamed: dict[int, list[int]]
+    attacked_steps: list[int]
     ban_step: int | None
     banned: list[int]
     checks: int
+    verify_ms: float
 
 
 def split_stages(model: torch.nn.Module, stages: int) -> list[torch.nn.Module]:
-    """Contiguous stages: embed + first layers ... last layers + head, layers spread evenly."""
+    """embed + first layers | ... | last layers + head, layers spread evenly."""
     layers = list(model.layers)
-    if not 2 <= stages <= len(layers):
-        raise ValueError(f"need 2..{len(layers)} stages, got {stages}")
     bounds = [round(i * len(layers) / stages) for i in range(stages + 1)]
-    parts = []
-    for s in range(stages):
-        mods = ([model.embed] if s == 0 else []) + layers[bounds[s]:bounds[s + 1]]
-        mods += [model.head] if s == stages - 1 else []
-        parts.append(torch.nn.Sequential(*mods))
-    return parts
+    return [torch.nn.Sequential(*([model.embed] if s == 0 else []), *layers[bounds[s]:bounds[s + 1]],
+                                *([model.head] if s == stages - 1 else []))
+            for s in range(stages)]
 
 
-def _boundaries(stages: int) -> list[tuple[int, str]]:
-    return [(b, d) for b in range(stages - 1) for d in ("act", "grad")]
+class Pipeline:
+    """The stages of one model run in order, with the runtime's verification calls."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        torch.manual_seed(cfg.seed)
+        model = PRESETS["gpt-tiny"].build()
+        model.init_weights(cfg.seed)
+        self.cfg, self.model = cfg, model
+        self.stages = split_stages(model, cfg.stages)
+        self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        boundaries = [(b, d) for b in range(cfg.stages - 1) for d in ("act", "grad")]
+        self.verifier = Verifier(cfg.verifier_config, boundaries) if cfg.verify else None
+        self.attacker = None
+        if cfg.attack:
+            self.attacker = Attacker(parse_attack(f"rank={ATTACKER},start={cfg.start},{cfg.attack}"), seed=cfg.seed)
+        self.verify_s = 0.0
+
+    def _check(self, boundary: int, direction: str, x: torch.Tensor, *, step: int, mb: int, sender: int,
+               labels: torch.Tensor) -> bool:
+        """True when the tensor may be used (the verdict is not tainted)."""
+        if self.verifier is None:
+            return True
+        t0 = time.perf_counter()
+        verdict = self.verifier.check(boundary, direction, x, step=step, mb=mb, sender=sender,
+                                      labels=labels if self.cfg.labels else None)
+        self.verify_s += time.perf_counter() - t0
+        return not verdict.tainted
+
+    def _send(self, x: torch.Tensor, rank: int, direction: str, step: int, mb: int) -> torch.Tensor:
+        if self.attacker is not None and rank == self.attacker.spec.rank:
+            return self.attacker.apply(x, direction=direction, step=step, mb=mb)
+        return x
+
+    def microbatch(self, idx: torch.Tensor, tgt: torch.Tensor, step: int, mb: int) -> None:
+        last = len(self.stages) - 1
+        inputs, outputs, h = [], [], idx
+        for s, stage in enumerate(self.stages):            # forward, checking every activation sent
+            h_in = h if s == 0 else h.detach().requires_grad_(True)
+            out = stage(h_in)
+            inputs.append(h_in)
+            outputs.append(out)
+            if s < last:
+                h = self._send(out.detach(), s, "act", step, mb)
+                if not self._check(s, "act", h, step=step, mb=mb, sender=s, labels=idx):
+                    return                                     # dropped: no loss, no backward
+        loss = lm_loss(outputs[-1], tgt) / self.cfg.microbatches
+        grad = None
+        for s in range(last, -1, -1):                       # backward, checking every gradient sent
+            if s == last:
+                loss.backward()
+            else:
+                outputs[s].backward(grad)
+            if s == 0:
+                return
+            grad = self._send(inputs[s].grad, s, "grad", step, mb)
+            if not self._check(s - 1, "grad", grad, step=step, mb=mb, sender=s, labels=tgt):
+                return                                         # upstream stages get nothing
+
+    def end_step(self, step: int) -> tuple[list[int], set[int]]:
+        if self.verifier is None:
+            return [], set()
+        flags = self.verifier.flag_events(step)
+        return sorted(blame(flags)), self.verifier.end_step(step, [flags])
 
 
-def _forward(stages, idx, *, step, mb, attacker, verifier):
-    """Run one microbatch forward through the stages; None when a boundary flags it."""
-    inputs, outputs, h = [], [], idx
-    for s, stage in enumerate(stages):
-        h_in = h if s == 0 else h.detach().requires_grad_(True)
-        out = stage(h_in)
-        inputs.append(h_in)
-        outputs.append(out)
-        if s == len(stages) - 1:
-            break
-        sent = out.detach()
-        if attacker is not None and attacker.spec.rank == s:
-            sent = attacker.apply(sent, direction="act", step=step, mb=mb)
-        if verifier is not None and verifier.check(s, "act", sent, step=step, mb=mb, sender=s).tainted:
-            return None
-        h = sent
-    return inputs, outputs
-
-
-def _backward(stages, inputs, outputs, loss, *, step, mb, attacker, verifier) -> None:
-    """Backward stage by stage; a flagged gradient is not passed further upstream."""
-    grad = None
-    for s in reversed(range(len(stages))):
-        if s == len(stages) - 1:
-            loss.backward()
-        else:
-            outputs[s].backward(grad)
-        if s == 0:
-            return
-        g = inputs[s].grad
-        if attacker is not None and attacker.spec.rank == s:
-            g = attacker.apply(g, direction="grad", step=step, mb=mb)
-        if verifier is not None and verifier.check(s - 1, "grad", g, step=step, mb=mb, sender=s).tainted:
-            return
-        grad = g
-
-
-def run_emulation(cfg: EmulationConfig) -> RunResult:
-    torch.manual_seed(cfg.seed)
-    preset = PRESETS["gpt-tiny"]
-    model = preset.build()
-    model.init_weights(cfg.seed)
-    stages = split_stages(model, cfg.stages)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+def run(cfg: RunConfig) -> RunResult:
+    pipe = Pipeline(cfg)
     train = ByteTextDataset(cfg.seq, "train")
-    val_idx, val_tgt = ByteTextDataset(cfg.seq, "val").batch(0, 32, seed=cfg.seed + 1)
-    verifier = Verifier(cfg.verifier_config, _boundaries(cfg.stages)) if cfg.verify else None
-    attacker = None
-    if cfg.attack:
-        spec = parse_attack(f"rank={cfg.attacker_rank},start={cfg.attack_start},{cfg.attack}")
-        attacker = Attacker(spec, seed=cfg.seed)
-    the_attacker = attacker
-    result = RunResult(losses=[], val_loss=float("nan"), step_ms=[], blamed={}, attacked_steps=[],
-                       ban_step=None, banned=[], checks=0)
+    val_idx, val_tgt = ByteTextDataset(cfg.seq, "val").batch(0, 64, seed=1000 + cfg.seed)
+    attacker = pipe.attacker
+    result = RunResult(val_loss=float("nan"), step_ms=[], blamed={}, attacked_steps=[], ban_step=None,
+                       banned=[], checks=0, verify_ms=0.0)
     m, bs = cfg.microbatches, cfg.microbatch_size
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         idx, tgt = train.batch(step, m * bs, seed=cfg.seed)
-        opt.zero_grad(set_to_none=True)
-        step_loss = 0.0
+        pipe.opt.zero_grad(set_to_none=True)
         for mb in range(m):
-            sl = slice(mb * bs, (mb + 1) * bs)
-            fwd = _forward(stages, idx[sl], step=step, mb=mb, attacker=attacker, verifier=verifier)
-            if fwd is None:
-                continue  # dropped microbatch: it contributes nothing this step
-            inputs, outputs = fwd
-            loss = lm_loss(outputs[-1], tgt[sl]) / m
-            step_loss += float(loss)
-            _backward(stages, inputs, outputs, loss, step=step, mb=mb, attacker=attacker, verifier=verifier)
-        if verifier is not None:
-            before = set(verifier.banned)
-            flags = verifier.flag_events(step)
-            result.blamed[step] = sorted(blame(flags))
-            banned = verifier.end_step(step, [flags])
-            if attacker is not None and attacker.spec.rank in banned - before:
-                result.ban_step = step
-                attacker = None  # planned around: an honest device takes over the stage
-        opt.step()
-        result.step_ms.append((time.perf_counter() - t0) * 1e3)
-        result.losses.append(step_loss)
-    if the_attacker is not None:
-        result.attacked_steps = sorted(the_attacker.attacked_steps())
+            pipe.microbatch(idx[mb * bs:(mb + 1) * bs], tgt[mb * bs:(mb + 1) * bs], step, mb)
+        blamed, banned = pipe.end_step(step)
+        result.blamed[step] = blamed
+        if pipe.attacker is not None and pipe.attacker.spec.rank in banned:
+            result.ban_step = step
+            pipe.attacker = None          # planned around: an honest device takes the stage over
+        pipe.opt.step()
+        result.step_ms.append(1e3 * (time.perf_counter() - t0))
     with torch.no_grad():
         h = val_idx
-        for stage in stages:
+        for stage in pipe.stages:
             h = stage(h)
         result.val_loss = float(lm_loss(h, val_tgt))
-    if verifier is not None:
-        result.banned = sorted(verifier.banned)
-        result.checks = sum(m_["checked"] for m_ in verifier.summary()["monitors"])
+    if attacker is not None:
+        result.attacked_steps = sorted(attacker.attacked_steps())
+    if pipe.verifier is not None:
+        result.banned = sorted(pipe.verifier.banned)
+        result.checks = sum(mon["checked"] for mon in pipe.verifier.summary()["monitors"])
+        result.verify_ms = 1e3 * pipe.verify_s
     return result
+
+
+# ---------------------------------------------------------------------------- metrics
+
+def detection(results: list[RunResult], start: int) -> dict[str, Any]:
+    """Precision, recall, F1 over (step, sender) pairs and latencies, pooled over runs."""
+    tp = fp = fn = 0
+    first, bans = [], []
+    for r in results:
+        positives = {(s, ATTACKER) for s in r.attacked_steps}
+        predicted = {(s, who) for s, senders in r.blamed.items() for who in senders}
+        tp += len(positives & predicted)
+        fp += len(predicted - positives)
+        fn += len(positives - predicted)
+        hits = sorted(s for s, who in positives & predicted)
+        first.append(hits[0] - start if hits else None)
+        bans.append(None if r.ban_step is None else r.ban_step - start)
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"tp": tp, "fp": fp, "fn": fn, "precision": round(precision, 4), "recall": round(recall, 4),
+            "f1": round(f1, 4), "detect_latency_steps": first, "ban_latency_steps": bans,
+            "banned": [r.banned for r in results]}
+
+
+def false_positive_rate(results: list[RunResult], warmup: int, senders: int) -> dict[str, Any]:
+    pairs = sum(len(who) for r in results for s, who in r.blamed.items())
+    total = sum(max(0, len(r.step_ms) - warmup) * senders for r in results)
+    return {"blamed_pairs": pairs, "pairs": total, "fpr": round(pairs / total, 5) if total else 0.0,
+            "banned": [r.banned for r in results]}
+
+
+def median_step_ms(results: list[RunResult]) -> float:
+    return statistics.median(ms for r in results for ms in r.step_ms[5:])
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, attacks: dict[str, str],
+              labels: bool) -> dict[str, Any]:
+    base = RunConfig(steps=steps, start=start, labels=labels)
+    clean_cfg = RunConfig(steps=clean_steps, start=start, labels=labels)
+    clean_on = [run(_with(clean_cfg, seed=s)) for s in seeds]
+    clean_off = [run(_with(clean_cfg, seed=s, verify=False)) for s in seeds]
+    short_clean = [run(_with(base, seed=s, verify=False)) for s in seeds] if clean_steps != steps else clean_off
+    senders = base.stages                                   # every rank sends on some checked boundary
+    warmup = int(base.verifier_config["warmup"])
+    on_ms, off_ms = median_step_ms(clean_on), median_step_ms(clean_off)
+    checks = sum(r.checks for r in clean_on)
+    report: dict[str, Any] = {
+        "setup": {"model": "gpt-tiny", "stages": base.stages, "microbatches": base.microbatches,
+                  "microbatch_size": base.microbatch_size, "seq": base.seq, "optimizer": "adam", "lr": base.lr,
+                  "steps": steps, "clean_steps": clean_steps, "attack_start": start, "seeds": seeds,
+                  "attacker_rank": ATTACKER, "labels": labels, "verifier_config": base.verifier_config,
+                  "pipeline": "single-process emulation; one verifier checks every boundary both ways"},
+        "clean": {**false_positive_rate(clean_on, warmup, senders),
+                  "val_loss": _mean(r.val_loss for r in clean_off)},
+        "overhead": {"step_ms_verify_on": round(on_ms, 2), "step_ms_verify_off": round(off_ms, 2),
+                     "overhead": round(on_ms / off_ms - 1.0, 4),
+                     "us_per_check": round(1e3 * sum(r.verify_ms for r in clean_on) / max(1, checks), 1)},
+        "attacks": {},
+    }
+    clean_val = _mean(r.val_loss for r in short_clean)
+    for name, spec in attacks.items():
+        on = [run(_with(base, seed=s, attack=spec)) for s in seeds]
+        off = [run(_with(base, seed=s, attack=spec, verify=False)) for s in seeds]
+        report["attacks"][name] = {"spec": spec, **detection(on, start),
+                                   "val_loss_clean": clean_val,
+                                   "val_loss_attacked_verified": _mean(r.val_loss for r in on),
+                                   "val_loss_attacked_unverified": _mean(r.val_loss for r in off)}
+        print(f"  {name:15s} done", file=sys.stderr, flush=True)
+    return report
+
+
+def _with(cfg: RunConfig, **changes: Any) -> RunConfig:
+    return RunConfig(**{**asdict(cfg), **changes})
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return round(sum(values) / len(values), 4)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Verification: detection per attack (pairs = (step, sender))")
+    for col in ("attack", "precision", "recall", "F1", "detect (steps)", "ban (steps)", "val loss verified",
+                "val loss unverified"):
+        table.add_column(col, justify="right" if col != "attack" else "left")
+    for name, row in report["attacks"].items():
+        table.add_row(name, f"{row['precision']:.3f}", f"{row['recall']:.3f}", f"{row['f1']:.3f}",
+                      _lat(row["detect_latency_steps"]), _lat(row["ban_latency_steps"]),
+                      f"{row['val_loss_attacked_verified']:.3f}", f"{row['val_loss_attacked_unverified']:.3f}")
+    console = Console()
+    console.print(table)
+    clean, over = report["clean"], report["overhead"]
+    console.print(f"clean runs: FPR {clean['fpr']:.4f} ({clean['blamed_pairs']}/{clean['pairs']} (step, sender) "
+                  f"pairs), bans {clean['banned']}, val loss {clean['val_loss']:.3f}")
+    console.print(f"step time: {over['step_ms_verify_on']:.1f} ms verified vs {over['step_ms_verify_off']:.1f} ms "
+                  f"unverified (+{100 * over['overhead']:.1f}%, {over['us_per_check']:.0f} us per check)")
+    goals = report["goals"]
+    console.print(f"goals: F1 >= {GOALS['f1']} on every attack: {goals['f1_all']}; FPR <= {GOALS['fpr']}: "
+                  f"{goals['fpr']}; overhead <= {GOALS['overhead']}: {goals['overhead']}")
+
+
+def _lat(values: list[int | None]) -> str:
+    return ",".join("-" if v is None else str(v) for v in values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, short runs, a few attacks")
+    parser.add_argument("--labels", action="store_true", help="also give the monitors the token ids")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.quick:
+        attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
+        report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels)
+    else:
+        report = benchmark(steps=80, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels)
+    report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
+                       "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
+                       "overhead": report["overhead"]["overhead"] <= GOALS["overhead"]}
+    report["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
+                         "note": "timings on a shared, loaded machine are noisy"}
+    print_table(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -158,6 +158,17 @@ def recv(specs: Iterable[tuple[tuple[int, ...], torch.dtype]], *, peer: int, kin
 
 
 # --------------------------------------------------------------------------- groups
+@dataclass(slots=True)
+class Groups:
+    """Process groups this rank belongs to (None where it is not a member or needs none)."""
+
+    stage: dist.ProcessGroup | None = None          # the replicas of this rank's stage
+    stage_ranks: tuple[int, ...] = ()
+    verifiers: dist.ProcessGroup | None = None      # all verifier ranks, for exchanging flags
+    verifier_ranks: tuple[int, ...] = ()
+    tied: list[tuple[dist.ProcessGroup, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
+
+
 def init_process_group(*, backend: str, rank: int, world_size: int, timeout_s: float,
                        init_method: str | None = None) -> None:
     """``init_process_group`` with the runtime's timeout (a hung peer fails the wait after ``timeout_s``)."""

@@ -2,10 +2,12 @@
 
 The program is the plan's list of instructions for this rank (see
 ``planner.instructions`` for their meaning); one pass over it is one
-optimizer step. Sends are non-blocking and completed at the end of the step;
-receives are posted when their instruction comes and waited for when the
-tensor is used (forward, backward, verification), so a receive can overlap
-the compute before it.
+optimizer step. Sends are non-blocking (their buffers are released as they
+complete, and at the latest at the end of the step); the receives a compute
+needs are posted when the compute before it starts, and waited for when the
+tensor is used (forward, backward, verification), so transfers overlap compute.
+Received tensors and input gradients are dropped after their last use, so a
+rank holds what its schedule keeps in flight, not the whole step.
 
 Gradient scaling: the last stage back-propagates ``loss_mb / M`` for each of
 the step's ``M`` microbatches, and replicas of a stage sum their gradients, so
@@ -23,19 +25,18 @@ their flags and resolve blame and bans.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
 from planner.runtime import comm
-from planner.runtime.comm import Kind, Pending
+from planner.runtime.comm import Groups, Kind, Pending
 from planner.runtime.emulate import Emulation
 from planner.runtime.metrics import StepMetrics
-from planner.runtime.stage import StageRuntime, ValueSpec
+from planner.runtime.stage import EdgeSpecs, StageRuntime
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -46,17 +47,6 @@ ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD,
 
 
 @dataclass(slots=True)
-class Groups:
-    """Process groups this rank belongs to (None where it is not a member or needs none)."""
-
-    stage: dist.ProcessGroup | None = None          # the replicas of this rank's stage
-    stage_ranks: tuple[int, ...] = ()
-    verifiers: dist.ProcessGroup | None = None      # all verifier ranks, for exchanging flags
-    verifier_ranks: tuple[int, ...] = ()
-    tied: list[tuple[dist.ProcessGroup, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Timers:
     compute: float = 0.0
     pad: float = 0.0
@@ -64,17 +54,6 @@ class _Timers:
     comm: float = 0.0
     verify: float = 0.0
     optim: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EdgeSpecs:
-    """Static shapes of what crosses each boundary, forward (all values) and backward (grad-carrying)."""
-
-    act: tuple[ValueSpec, ...]
-
-    @property
-    def grad(self) -> tuple[ValueSpec, ...]:
-        return tuple(v for v in self.act if v.carries_grad)
 
 
 class Executor:
@@ -156,8 +135,8 @@ class Executor:
                            cpu_ms=1e3 * (time.process_time() - start_cpu_s),
                            compute_ms=1e3 * t.compute, pad_ms=1e3 * t.pad, wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
-                           loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b), flagged=self.flagged,
-                           banned=len(banned))
+                           loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
+                           flagged=self.flagged, banned=len(banned))
 
     def _reset(self, step: int) -> None:
         self.step = step
@@ -512,18 +491,3 @@ def _next_recvs(program: Sequence[Instruction]) -> list[tuple[Instruction, ...]]
     for here, nxt in zip(computes, computes[1:]):
         out[here] = tuple(ins for ins in program[here + 1:nxt] if ins.op in ("RECV_F", "RECV_B"))
     return out
-
-
-def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float | None) -> torch.optim.Optimizer | None:
-    """SGD or Adam over this rank's parameters (the plan's ``config.optimizer``)."""
-    params = list(params)
-    if not params:
-        return None
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.01 if lr is None else lr)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3 if lr is None else lr)
-    raise InvalidInputError("optimizer", expected="sgd or adam", found=repr(name))
-
-
-DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3}

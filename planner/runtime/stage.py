@@ -60,6 +60,17 @@ class ValueSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeSpecs:
+    """Static shapes of what crosses each boundary, forward (all values) and backward (grad-carrying)."""
+
+    act: tuple[ValueSpec, ...]
+
+    @property
+    def grad(self) -> tuple[ValueSpec, ...]:
+        return tuple(v for v in self.act if v.carries_grad)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StageRuntime:
     """This rank's stage: a module over the original parameter names, and its edges.
 
@@ -434,4 +445,5 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
 
 
 __all__ = ["ValueSpec", "StageRuntime", "SplitGraph", "export_model", "split_graph", "stage_edges",
-           "build_stage", "stage_state_names", "materialize", "check_fingerprint", "apply_plan", "INPUT_STAGE"]
+           "build_stage", "stage_state_names", "materialize", "EdgeSpecs", "check_fingerprint", "apply_plan",
+           "INPUT_STAGE"]

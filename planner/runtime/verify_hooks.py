@@ -65,6 +65,7 @@ class VerifyHooks:
         self.verifier = Verifier(monitor_config(plan, seed), pairs) if pairs else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen
+        self.logged_bans = 0  # how many of new_bans the worker has announced
 
     def check(self, boundary: int, op_direction: str, tensors: Sequence[torch.Tensor], *, step: int, mb: int,
               sender: int, tainted: bool) -> tuple[bool, bool]:

@@ -21,22 +21,23 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.runtime import comm
-from planner.runtime.comm import Kind
+from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
-from planner.runtime.executor import EdgeSpecs, Executor, Groups, make_optimizer
+from planner.runtime.executor import Executor
 from planner.runtime.metrics import MetricsWriter, StepMetrics, StepSummary, measured_step_ms, summarize_step
 from planner.runtime.launch import EVENT_PREFIX, FaultSpec, RunOptions, parse_worker_args
-from planner.runtime.stage import (SplitGraph, StageRuntime, build_stage, check_fingerprint, export_model,
+from planner.runtime.stage import (EdgeSpecs, SplitGraph, StageRuntime, build_stage, check_fingerprint, export_model,
                                    has_constants, materialize, plan_node_names, split_graph, stage_edges,
                                    stage_state_names)
+from planner.runtime.verify_hooks import AttackHooks, VerifyHooks, validate_attacks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,8 +136,9 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
         for name in stage_state_names(split, k):
             users.setdefault(name, set()).add(k)
     tied: dict[tuple[int, ...], list[str]] = {}
+    params = {target for kind, target in split.state.values() if kind == "param"}
     for name, stages in sorted(users.items()):
-        if len(stages) > 1 and name in dict(_named_params_of(split)):
+        if len(stages) > 1 and name in params:  # a tied parameter: its stages sum its gradient
             ranks = tuple(sorted(r for k in stages for r in plan.stage_ranks(k)))
             tied.setdefault(ranks, []).append(name)
     tied_sets = sorted(tied)
@@ -152,8 +154,19 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
     return groups
 
 
-def _named_params_of(split: SplitGraph) -> list[tuple[str, str]]:
-    return [(target, kind) for kind, target in split.state.values() if kind == "param"]
+DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3}
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *,
+                   lr: float | None) -> torch.optim.Optimizer | None:
+    """SGD or Adam over this rank's parameters (the plan's ``config.optimizer``; lr default per DEFAULT_LR)."""
+    params = list(params)
+    if not params:
+        return None
+    if name not in DEFAULT_LR:
+        raise InvalidInputError("optimizer", expected="sgd or adam", found=repr(name))
+    rate = DEFAULT_LR[name] if lr is None else lr
+    return torch.optim.SGD(params, lr=rate) if name == "sgd" else torch.optim.Adam(params, lr=rate)
 
 
 # --------------------------------------------------------------------------- progress
@@ -246,7 +259,6 @@ def _inject_fault(fault: FaultSpec | None, rank: int, step: int) -> None:
 def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     """The whole life of one rank. Returns rank 0's result dict (None elsewhere)."""
     from planner.plan import load_plan
-    from planner.runtime.verify_hooks import AttackHooks, VerifyHooks, validate_attacks
 
     torch.set_num_threads(opts.threads)
     plan = load_plan(opts.plan)
@@ -262,21 +274,21 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout_s=opts.timeout_s)
-    result = _run(plan, opts, env, setup, emulation, verifying, AttackHooks, VerifyHooks)
+    result = _run(plan, opts, env, setup, emulation, verifying)
     # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
     # while exiting closes this rank's connections at once, which is what tells the others.
     dist.destroy_process_group()
     return result
 
 
-def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emulation, verifying: bool,
-         attack_cls, verify_cls) -> dict[str, Any] | None:
+def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emulation,
+         verifying: bool) -> dict[str, Any] | None:
     groups = make_groups(plan, setup.split, env.rank, opts.timeout_s)
     stage = setup.stage
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
                                lr=opts.lr)
-    verify = verify_cls(plan, env.rank, seed=opts.seed) if verifying else None
-    attacks = attack_cls(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
+    verify = VerifyHooks(plan, env.rank, seed=opts.seed) if verifying else None
+    attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None)
@@ -296,6 +308,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         _inject_fault(opts.fault, env.rank, step)
         metrics = executor.run_step(step, last_end, last_cpu)
         last_end, last_cpu = time.perf_counter(), time.process_time()
+        _log_bans(verify, env.rank)
         publish(collector.submit(metrics))
     publish(collector.finish())
     writer.close()
@@ -313,6 +326,17 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     progress.done({k: result[k] for k in ("predicted_step_ms", "measured_step_ms", "emulated", "final_loss",
                                           "banned", "flags")})
     return result
+
+
+def _log_bans(verify: VerifyHooks | None, rank: int) -> None:
+    """Say clearly, once, when this verifier bans a rank (the run goes on: replanning is future work)."""
+    if verify is None:
+        return
+    for step, banned in verify.new_bans[verify.logged_bans:]:
+        print(f"stagewise run: rank {rank} (verifier): banned rank {banned} at step {step}; it keeps running "
+              "(replanning around a banned rank is future work) and its further flags are logged",
+              file=sys.stderr, flush=True)
+    verify.logged_bans = len(verify.new_bans)
 
 
 def comm_gather(obj: Any, env: RankEnv) -> list[Any]:

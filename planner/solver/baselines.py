@@ -183,7 +183,8 @@ def _proportional_ranges(problem: Problem, devices: tuple[str, ...]) -> tuple[tu
     return tuple(ranges)
 
 
-def _stages(problem: Problem, ranges: tuple[tuple[int, int], ...], devices: tuple[str, ...]) -> tuple[StagePlacement, ...]:
+def _stages(problem: Problem, ranges: tuple[tuple[int, int], ...],
+            devices: tuple[str, ...]) -> tuple[StagePlacement, ...]:
     M = problem.num_microbatches
     return tuple(StagePlacement(index=k, first_block=s, last_block=e, devices=(d,), microbatches=(M,))
                  for k, ((s, e), d) in enumerate(zip(ranges, devices)))

@@ -356,7 +356,7 @@ def _endpoint_ok(problem: Problem, groups: tuple[Group, ...]) -> bool:
     return problem.classes[groups[0].cls].trusted and problem.classes[groups[-1].cls].trusted
 
 
-def _seed_sequences(problem: Problem) -> list[tuple[Group, ...]]:
+def _seed_sequences(problem: Problem, max_stages: int) -> list[tuple[Group, ...]]:
     """Fastest-devices-first sequences of every length, trusted devices at the ends, classes kept together."""
     stage = [c for c in problem.classes if c.stage_capable]
     speed = {c.index: 1.0 / max(problem.range_time_ms(0, problem.num_blocks - 1, c.index), 1e-12) for c in stage}
@@ -364,7 +364,7 @@ def _seed_sequences(problem: Problem) -> list[tuple[Group, ...]]:
     pol = problem.policy
     need_trust = pol.enabled and pol.trusted_endpoints
     out = []
-    max_s = min(problem.num_blocks, len(devices))
+    max_s = min(problem.num_blocks, len(devices), max_stages)
     lengths = sorted(set(range(2, min(max_s, 24) + 1)) | {int(x) for x in np.geomspace(2, max(max_s, 2), 12)})
     for S in lengths:
         chosen = devices[:S]
@@ -382,7 +382,8 @@ def _seed_sequences(problem: Problem) -> list[tuple[Group, ...]]:
     return out
 
 
-def _neighbours(problem: Problem, groups: tuple[Group, ...], rng: np.random.Generator) -> list[tuple[Group, ...]]:
+def _neighbours(problem: Problem, groups: tuple[Group, ...], rng: np.random.Generator,
+                max_stages: int) -> list[tuple[Group, ...]]:
     """Swap two stages, drop one, add a device of some class, or change one stage's replica count."""
     S, out = len(groups), []
     classes = [c.index for c in problem.classes if c.stage_capable]
@@ -401,18 +402,21 @@ def _neighbours(problem: Problem, groups: tuple[Group, ...], rng: np.random.Gene
             choices = problem.replica_choices(g[i].cls)
             g[i] = Group(cls=g[i].cls, replicas=int(rng.choice(choices)))
         cand = tuple(g)
-        if 2 <= len(cand) <= problem.num_blocks and _fits_counts(problem, cand) and _endpoint_ok(problem, cand):
+        if 2 <= len(cand) <= min(problem.num_blocks, max_stages) and _fits_counts(problem, cand) \
+                and _endpoint_ok(problem, cand):
             out.append(cand)
     return out
 
 
-def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0):
-    """Best (placement, step_ms) found over seeded sequences and a short randomised local search."""
+def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0, max_stages: int | None = None):
+    """Best (placement, step_ms) of at most ``max_stages`` stages found over seeded sequences and a
+    short randomised local search (None if no sequence fits)."""
     import time
     start = time.perf_counter()
+    cap = max_stages or problem.num_blocks
     best = None
     best_groups: tuple[Group, ...] | None = None
-    for groups in _seed_sequences(problem):
+    for groups in _seed_sequences(problem, cap):
         if not _fits_counts(problem, groups):
             continue
         got = sequence_placement(problem, groups)
@@ -425,7 +429,7 @@ def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0):
     stale = 0  # rounds without a new candidate: the neighbourhood is exhausted
     while best_groups is not None and time.perf_counter() - start < time_budget_s and stale < 30:
         stale += 1
-        for cand in _neighbours(problem, best_groups, rng):
+        for cand in _neighbours(problem, best_groups, rng, cap):
             if cand in tried:
                 continue
             tried.add(cand)

@@ -29,7 +29,8 @@ def test_out_of_range_tag_fields_are_refused(args):
 
 @pytest.mark.parametrize("text,expected", [
     ("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", "rank 3 died"),
-    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation", "rank 3 did not answer"),
+    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation",
+     "rank 3 did not answer"),
     ("something else broke", "rank 3 failed: something else broke"),
 ])
 def test_backend_errors_become_rank_failures_naming_the_peer(text, expected):
