@@ -11,11 +11,15 @@ between ranks b and b + 1, the attacker is rank 1 (a middle stage). The
 monitors get the configuration a plan gets by default (``planner.plan.
 VerifierConfig``), and no labels (as in ``stagewise run``).
 
-Per attack, over (step, sender) pairs: precision, recall and F1; detection and
-ban latency in steps; on clean runs the false-positive rate; the validation
-loss after training clean / attacked with verification / attacked without;
-and the step-time overhead of verification (serial here: in a pipeline the
-verifier is its own rank, so this is an upper bound).
+Per attack, over (step, sender) pairs of runs where the attacker keeps
+attacking after its ban (as in ``stagewise run``): precision, recall and F1,
+detection and ban latency in steps; on clean runs the false-positive rate;
+the validation loss after training clean / attacked with verification (the
+banned rank planned around) / attacked without; the CPU-time overhead of
+verification in the emulation (serial: in a pipeline the verifier is its own
+rank, so an upper bound, and gpt-tiny's stages are tiny), and the cost of one
+check against one stage's forward + backward at wider models, which is what
+the overhead becomes at realistic sizes.
 
     python benchmarks/verification.py            # writes benchmarks/results/verification.json
     python benchmarks/verification.py --quick    # a smoke run
@@ -84,6 +88,7 @@ class RunConfig:
     start: int = 20
     verify: bool = True
     labels: bool = False            # pass token ids to the monitors (the binding test)
+    replan: bool = False            # a banned attacker is planned around (else it keeps attacking)
     verifier_config: dict = field(default_factory=plan_default_config)
 
 
@@ -130,10 +135,10 @@ class Pipeline:
         """True when the tensor may be used (the verdict is not tainted)."""
         if self.verifier is None:
             return True
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         verdict = self.verifier.check(boundary, direction, x, step=step, mb=mb, sender=sender,
                                       labels=labels if self.cfg.labels else None)
-        self.verify_s += time.perf_counter() - t0
+        self.verify_s += time.process_time() - t0
         return not verdict.tainted
 
     def _send(self, x: torch.Tensor, rank: int, direction: str, step: int, mb: int) -> torch.Tensor:
@@ -182,18 +187,19 @@ def run(cfg: RunConfig) -> RunResult:
                        banned=[], checks=0, verify_ms=0.0)
     m, bs = cfg.microbatches, cfg.microbatch_size
     for step in range(cfg.steps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()   # CPU time: the machine is shared, wall time is not ours
         idx, tgt = train.batch(step, m * bs, seed=cfg.seed)
         pipe.opt.zero_grad(set_to_none=True)
         for mb in range(m):
             pipe.microbatch(idx[mb * bs:(mb + 1) * bs], tgt[mb * bs:(mb + 1) * bs], step, mb)
         blamed, banned = pipe.end_step(step)
         result.blamed[step] = blamed
-        if pipe.attacker is not None and pipe.attacker.spec.rank in banned:
+        if pipe.attacker is not None and pipe.attacker.spec.rank in banned and result.ban_step is None:
             result.ban_step = step
-            pipe.attacker = None          # planned around: an honest device takes the stage over
+            if cfg.replan:
+                pipe.attacker = None      # planned around: an honest device takes the stage over
         pipe.opt.step()
-        result.step_ms.append(1e3 * (time.perf_counter() - t0))
+        result.step_ms.append(1e3 * (time.process_time() - t0))
     with torch.no_grad():
         h = val_idx
         for stage in pipe.stages:
@@ -242,6 +248,46 @@ def median_step_ms(results: list[RunResult]) -> float:
     return statistics.median(ms for r in results for ms in r.step_ms[5:])
 
 
+# ---------------------------------------------------------------------------- cost at realistic widths
+
+def check_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: int = 4, layers: int = 3,
+               steps: int = 8) -> list[dict[str, Any]]:
+    """CPU time of one stage (``layers`` GPT blocks) forward + backward per microbatch, against
+    the two checks its outputs get (activation out, gradient out; the link test included)."""
+    from models.gpt import GPTBlock, GPTConfig
+
+    rows = []
+    for d in widths:
+        cfg = GPTConfig(vocab_size=256, max_seq=seq, n_layers=layers, d_model=d, n_heads=max(1, d // 64))
+        stage = torch.nn.Sequential(*[GPTBlock(cfg) for _ in range(layers)])
+        verifier = Verifier(plan_default_config(), [(0, "act"), (1, "act"), (0, "grad"), (1, "grad")])
+        compute = checks = 0.0
+        timed = 0
+        for step in range(steps):
+            for mb in range(4):
+                x = torch.randn(microbatch, seq, d, requires_grad=True)
+                t0 = time.process_time()
+                y = stage(x)
+                y.backward(torch.randn_like(y) * 1e-3)
+                t1 = time.process_time()
+                verifier.check(0, "act", x.detach(), step=step, mb=mb, sender=0)
+                t2 = time.process_time()
+                verifier.check(1, "act", y.detach(), step=step, mb=mb, sender=1)
+                verifier.check(1, "grad", torch.randn_like(y) * 1e-3, step=step, mb=mb, sender=2)
+                t3 = time.process_time()
+                verifier.check(0, "grad", x.grad, step=step, mb=mb, sender=1)
+                t4 = time.process_time()
+                if step >= steps // 2:         # fences ready: the steady-state cost
+                    compute += t1 - t0
+                    checks += (t2 - t1) / 2 + (t4 - t3) + (t3 - t2) / 2
+                    timed += 1
+            verifier.end_step(step, [verifier.flag_events(step)])
+        rows.append({"d_model": d, "seq": seq, "microbatch": microbatch, "layers_per_stage": layers,
+                     "stage_fwd_bwd_ms": round(1e3 * compute / timed, 2),
+                     "checks_ms": round(1e3 * checks / timed, 2), "overhead": round(checks / compute, 4)})
+    return rows
+
+
 # ---------------------------------------------------------------------------- the benchmark
 
 def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, attacks: dict[str, str],
@@ -268,13 +314,15 @@ def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, att
                      "us_per_check": round(1e3 * sum(r.verify_ms for r in clean_on) / max(1, checks), 1)},
         "attacks": {},
     }
+    report["overhead"]["at_width"] = check_cost((64, 256, 768) if len(attacks) > 4 else (64, 256))
     clean_val = _mean(r.val_loss for r in short_clean)
     for name, spec in attacks.items():
-        on = [run(_with(base, seed=s, attack=spec)) for s in seeds]
+        on = [run(_with(base, seed=s, attack=spec)) for s in seeds]            # the attacker never stops
+        replanned = [run(_with(base, seed=s, attack=spec, replan=True)) for s in seeds]
         off = [run(_with(base, seed=s, attack=spec, verify=False)) for s in seeds]
         report["attacks"][name] = {"spec": spec, **detection(on, start),
                                    "val_loss_clean": clean_val,
-                                   "val_loss_attacked_verified": _mean(r.val_loss for r in on),
+                                   "val_loss_attacked_verified": _mean(r.val_loss for r in replanned),
                                    "val_loss_attacked_unverified": _mean(r.val_loss for r in off)}
         print(f"  {name:15s} done", file=sys.stderr, flush=True)
     return report
@@ -306,11 +354,16 @@ def print_table(report: dict[str, Any]) -> None:
     clean, over = report["clean"], report["overhead"]
     console.print(f"clean runs: FPR {clean['fpr']:.4f} ({clean['blamed_pairs']}/{clean['pairs']} (step, sender) "
                   f"pairs), bans {clean['banned']}, val loss {clean['val_loss']:.3f}")
-    console.print(f"step time: {over['step_ms_verify_on']:.1f} ms verified vs {over['step_ms_verify_off']:.1f} ms "
-                  f"unverified (+{100 * over['overhead']:.1f}%, {over['us_per_check']:.0f} us per check)")
+    console.print(f"emulated step (CPU): {over['step_ms_verify_on']:.1f} ms verified vs "
+                  f"{over['step_ms_verify_off']:.1f} ms unverified (+{100 * over['overhead']:.1f}%, "
+                  f"{over['us_per_check']:.0f} us per check; serial, gpt-tiny)")
+    for row in over["at_width"]:
+        console.print(f"  d_model {row['d_model']:4d}, {row['layers_per_stage']} layers/stage, "
+                      f"{row['microbatch']}x{row['seq']} tokens: stage fwd+bwd {row['stage_fwd_bwd_ms']:.1f} ms, "
+                      f"its two checks {row['checks_ms']:.2f} ms ({100 * row['overhead']:.1f}%)")
     goals = report["goals"]
     console.print(f"goals: F1 >= {GOALS['f1']} on every attack: {goals['f1_all']}; FPR <= {GOALS['fpr']}: "
-                  f"{goals['fpr']}; overhead <= {GOALS['overhead']}: {goals['overhead']}")
+                  f"{goals['fpr']}; overhead <= {GOALS['overhead']} (widest stage above): {goals['overhead']}")
 
 
 def _lat(values: list[int | None]) -> str:
@@ -331,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         report = benchmark(steps=80, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
-                       "overhead": report["overhead"]["overhead"] <= GOALS["overhead"]}
+                       "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"]}
     report["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                          "note": "timings on a shared, loaded machine are noisy"}
     print_table(report)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cost_models import comm, compute, memory
+from cost_models import comm, compute, memory, verify
 from cost_models.cluster import ClusterSpec, Device, Link
 from cost_models.devices import DeviceSpec
 from cost_models.training import TrainingConfig
@@ -33,18 +33,14 @@ from planner.errors import InvalidInputError
 from planner.ir import Block, BlockChain, dtype_bytes
 from planner.solver.policy import VerificationPolicy
 
-# Verification is priced exactly as the simulator prices it (planner.simulate.verify_ms): about
-# eight memory-bound passes over the received tensor plus a fixed dispatch cost. The solver
-# layer may not import the simulator, so the two constants are repeated here.
-VERIFY_PASSES = 8
-VERIFY_FIXED_MS = 0.05
 # A verifier keeps an EMA reference and the received copy per boundary and direction.
 VERIFIER_STATE_COPIES = 2
 
 
-def verify_ms(nbytes: float, spec: DeviceSpec) -> float:
-    """Time to score one received boundary tensor of ``nbytes`` on a device with ``spec``."""
-    return VERIFY_FIXED_MS + 1e3 * VERIFY_PASSES * nbytes / spec.mem_bw_bytes_per_s
+def _verify_coefficients(spec: DeviceSpec) -> tuple[float, float]:
+    """(fixed ms, ms per byte) of ``cost_models.verify.verify_ms``, which is linear in the bytes."""
+    fixed = verify.verify_ms(0, spec)
+    return fixed, (verify.verify_ms(1e9, spec) - fixed) / 1e9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,8 +265,8 @@ def device_classes(cluster: ClusterSpec, config: TrainingConfig) -> tuple[Device
             trusted=first.trusted, domain=key[3], stage_capable=host.role == "worker",
             verifier_host=host.role == "verifier" and first.trusted,
             mem_bytes=memory.usable_memory_bytes(first.spec),
-            verify_ms_per_byte=1e3 * VERIFY_PASSES / first.spec.mem_bw_bytes_per_s,
-            verify_fixed_ms=VERIFY_FIXED_MS))
+            verify_ms_per_byte=_verify_coefficients(first.spec)[1],
+            verify_fixed_ms=_verify_coefficients(first.spec)[0]))
     return tuple(out)
 
 
@@ -302,7 +298,7 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
     times = np.array([[f + b for f, b in compute.block_times_ms(chain, c.spec, config.dtype, trace_dtype=traced)]
                       for c in classes], dtype=float).T.reshape(len(chain.blocks), len(classes))
     batch_scale = config.microbatch_size / chain.microbatch_size
-    act_scale = batch_scale * dtype_bytes(config.dtype) / dtype_bytes(traced)
+    act_scale = memory.activation_scale(chain, config)  # what the memory model and the simulator use
     out = np.array([b.out_bytes * act_scale for b in chain.blocks], dtype=float)
     elem = dtype_bytes(traced)
     tied = tuple(TiedCopy(first_block=min(t.blocks), readers=tuple(sorted(set(t.blocks) - {min(t.blocks)})),
