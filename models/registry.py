@@ -296,6 +296,12 @@ def _describe(obj: object) -> str:
     return type(obj).__name__
 
 
+def infer_example_inputs(module: nn.Module, *, batch: int, seq: int | None = None,
+                         name: str = "model") -> tuple[torch.Tensor, ...]:
+    """Meta example inputs for ``module`` guessed from its first layer (see ``_infer_input``)."""
+    return (_infer_input(name, module, batch, seq, torch.device("meta"), 0),)
+
+
 def _infer_input(spec: str, module: nn.Module, batch: int, seq: int | None, dev: torch.device,
                  seed: int) -> torch.Tensor:
     """Guess the input from the first module that owns parameters (registration order)."""

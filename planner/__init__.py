@@ -3,7 +3,9 @@ heterogeneous, partly untrusted devices.
 
 The public API is imported lazily so that ``import planner.ir`` stays cheap and
 the layering (ir -> cost models -> solver -> compile -> simulate/runtime) has
-no import cycles.
+no import cycles. ``trace``, ``coarsen`` and ``simulate`` are submodules, so their
+functions are reached as ``planner.trace.trace`` etc. (a lazy alias would be shadowed
+by the submodule once it is imported).
 """
 from __future__ import annotations
 
@@ -13,14 +15,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "trace": ("planner.trace", "trace"),
     "load_onnx": ("planner.onnx_import", "load_onnx"),
-    "coarsen": ("planner.coarsen", "coarsen"),
     "make_plan": ("planner.api", "make_plan"),
     "load_plan": ("planner.plan", "load_plan"),
     "Plan": ("planner.plan", "Plan"),
     "apply_plan": ("planner.runtime.stage", "apply_plan"),
-    "simulate": ("planner.simulate", "simulate"),
 }
 
 

@@ -485,8 +485,10 @@ def _validate_schema(data: Mapping[str, Any], source: str) -> None:
 
 # --- loading --------------------------------------------------------------------
 
-def _expected_fingerprint(model: Any) -> str:
-    """The fingerprint of ``model``: a Graph, a BlockChain, or the fingerprint string itself."""
+def _expected_fingerprint(model: Any, plan: Plan) -> str:
+    """The fingerprint of ``model``: a Graph, a BlockChain, a fingerprint string, an
+    ``(nn.Module, example_inputs)`` pair, or an ``nn.Module`` alone (its input is then
+    guessed from its first layer at the plan's batch and sequence length)."""
     if isinstance(model, str):
         return model
     fingerprint = getattr(model, "fingerprint", None)
@@ -494,8 +496,19 @@ def _expected_fingerprint(model: Any) -> str:
         return fingerprint()
     if isinstance(fingerprint, str):  # planner.ir.BlockChain
         return fingerprint
-    raise InvalidInputError("load_plan model=", expected="a traced Graph, a BlockChain or a fingerprint string",
-                            found=type(model).__name__, fix="trace the model first (planner.trace)")
+    import torch  # only when a module is given: plan loading stays light otherwise
+
+    from planner.trace import trace
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
+        module, inputs = model
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    elif isinstance(model, torch.nn.Module):
+        from models.registry import infer_example_inputs
+        module, inputs = model, infer_example_inputs(model, batch=plan.model.batch, seq=plan.model.seq)
+    else:
+        raise InvalidInputError("load_plan model=", expected="an nn.Module, (nn.Module, example_inputs), a traced "
+                                "Graph, a BlockChain or a fingerprint string", found=type(model).__name__)
+    return trace(module, inputs, name=plan.model.name).fingerprint()
 
 
 def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
@@ -523,7 +536,7 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
     from planner.validate import validate_programs  # validate imports this module
     validate_programs(plan)
     if model is not None:
-        expected = _expected_fingerprint(model)
+        expected = _expected_fingerprint(model, plan)
         if expected != plan.model.fingerprint:
             raise PlanMismatchError(
                 f"{source} was made for another model ({plan.model.spec})",

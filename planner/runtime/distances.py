@@ -182,6 +182,14 @@ def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor
     ``spectral``: the projection from :func:`spectral_projection` (None: identity);
     ``sketch_at``: flat positions from :func:`sketch_positions` (None: no sketch).
     """
+    return summarize_rows(x, directions=directions, levels=levels, spectral=spectral, sketch_at=sketch_at)[0]
+
+
+def summarize_rows(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor,
+                   spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None
+                   ) -> tuple[Summary, torch.Tensor]:
+    """:func:`summarize`, plus the rows in the spectral basis divided by their RMS (what
+    the label table and the stage's linear surrogate predict), from one projection."""
     rows = as_rows(x)
     if directions.shape[0] != rows.shape[1]:
         raise InvalidInputError("projection directions", expected=f"{rows.shape[1]} rows (the feature size)",
@@ -196,16 +204,17 @@ def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor
     stride = max(1, math.ceil(rows.shape[0] / MAX_QUANTILE_ROWS))
     quantiles = sorted_quantiles(rows[::stride] @ directions, levels)
     if spectral is None:
-        pmean, pcentred = mean, centred[::stride]
+        prows, pmean, pcentred = rows, mean, centred[::stride]
     else:
-        prows = rows[::stride] @ spectral
+        prows = rows @ spectral
         pmean = prows.mean(dim=0)
-        pcentred = prows - pmean
+        pcentred = prows[::stride] - pmean
     cov = pcentred.T @ pcentred / pcentred.shape[0]
     # Centring removes the part every batch shares (the per-feature mean), so two
     # different batches are far apart and only a replay is near-identical.
     sketch = torch.empty(0) if sketch_at is None else centred.reshape(-1)[sketch_at]
-    return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, pmean=pmean, cov=cov, sketch=sketch)
+    unit = prows / float(prows.square().mean().sqrt().clamp_min(EPS))
+    return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, pmean=pmean, cov=cov, sketch=sketch), unit
 
 
 def rms(s: Summary) -> float:
@@ -300,15 +309,6 @@ def spectral_residual(x: Summary, ref: Summary, basis: torch.Tensor) -> float:
         return 0.0
     inside = torch.trace(basis.T @ x.cov @ basis) + (shift @ basis).square().sum()
     return float(((total - inside) / total).clamp(0.0, 1.0))
-
-
-def unit_rows(x: torch.Tensor, spectral: torch.Tensor | None) -> torch.Tensor:
-    """The rows of ``x`` in the spectral basis, divided by their RMS (size is
-    :func:`scale_change`'s business; the predictors below compare directions)."""
-    rows = as_rows(x)
-    if spectral is not None:
-        rows = rows @ spectral
-    return rows / float(rows.square().mean().sqrt().clamp_min(EPS))
 
 
 def label_buckets(labels: torch.Tensor, rows: int) -> torch.Tensor | None:

@@ -146,8 +146,9 @@ class Monitor:
         # Distinct, fixed projections per monitor: the same on every rank and run.
         return self.cfg.seed * 1_000_003 + self.boundary * 2 + DIRECTIONS.index(self.direction) + salt
 
-    def summarize(self, tensor: torch.Tensor) -> dist.Summary | None:
-        """The sample's summary, or None if its feature size differs from earlier samples'."""
+    def summarize(self, tensor: torch.Tensor) -> tuple[dist.Summary, torch.Tensor] | None:
+        """The sample's summary and unit rows (see ``distances.summarize_rows``), or None if
+        its feature size differs from earlier samples'."""
         rows_dim = dist.feature_size(tensor)
         if self._dirs is None:
             self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
@@ -160,8 +161,8 @@ class Monitor:
             if numel not in self._sketch_at:
                 self._sketch_at[numel] = dist.sketch_positions(numel, dist.SKETCH_SIZE, self._seed(7))
             sketch_at = self._sketch_at[numel]
-        return dist.summarize(tensor, directions=self._dirs, levels=self._levels, spectral=self.spectral,
-                              sketch_at=sketch_at)
+        return dist.summarize_rows(tensor, directions=self._dirs, levels=self._levels, spectral=self.spectral,
+                                   sketch_at=sketch_at)
 
     def fits(self, rows: torch.Tensor, labels: torch.Tensor | None, inputs: torch.Tensor | None
              ) -> dict[str, _Fit]:
@@ -333,10 +334,10 @@ class Verifier:
             mon.step = step
         if not bool(torch.isfinite(tensor).all()):
             return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
-        summary = mon.summarize(tensor)
-        if summary is None:
+        summarized = mon.summarize(tensor)
+        if summarized is None:
             return self._flag(mon, step, mb, sender, {}, ("shape",))
-        rows = dist.unit_rows(tensor, mon.spectral)
+        summary, rows = summarized
         fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
         scores = mon.score(summary, (fits,))
         if tainted:
