@@ -51,9 +51,10 @@ from ortools.sat.python import cp_model
 
 from cost_models import comm
 from cost_models.cluster import Link
-from planner.solver.objective import Placement, even_split, fluid_bottleneck_ms, required_directions
-from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
-from planner.solver.solution import StagePlacement, VerifierPlacement
+from planner.solver.cpsat_hint import HintMixin, complete_hint
+from planner.solver.cpsat_verify import VerificationMixin
+from planner.solver.objective import Placement, fluid_bottleneck_ms
+from planner.solver.problem import Problem
 
 # The one scaling constant: one integer time unit is this fraction of the chain's
 # per-microbatch time on its fastest device class.
@@ -74,7 +75,7 @@ class CpsatResult:
     num_slots: int
 
 
-class _Builder:
+class _Builder(VerificationMixin, HintMixin):
     """Builds the model; one instance per solve."""
 
     def __init__(self, problem: Problem, num_slots: int) -> None:
@@ -310,186 +311,6 @@ class _Builder:
                 share = math.ceil(M / r)
                 m.add(M * self.t[k] >= share * (self.work(k, c) + comm_k) + M * vload).only_enforce_if(lit)
 
-    # --- verification ----------------------------------------------------------
-    def _vv(self, j: int, c: int) -> cp_model.IntVar:
-        """Floored verify time of boundary j's tensor on class c."""
-        p = self.p
-        key = ("vv", c)
-        tab = self._vv_tabs.get(c)
-        if tab is None:
-            tab = np.array([self.units(p.verify_ms(p.boundary_bytes(e), c)) for e in range(self.L)])
-            self._vv_tabs[c] = tab
-        return self.element(key, j, tab)
-
-    def _verification(self) -> None:
-        m, K, F, p = self.m, self.K, self.F, self.p
-        pol = p.policy
-        self._vv_tabs: dict[int, np.ndarray] = {}
-        trusted = {c for c in self.SC if p.classes[c].trusted}
-        untrusted = set(self.SC) - trusted
-        cls = p.classes
-        bmax = int(self.bint.max())
-        vhi = self.units(max(p.verify_ms(float(p.out_bytes.max()), c.index) for c in cls)) * 2 * K + 1
-        self.verify_hi = vhi
-        xhi = max((int(t.max()) for t in self.xtab.values()), default=0)
-        self.vload = [0] * K
-        self.vstate = [0] * K
-        cpu_load = {v: 0 for v in self.cpu}
-        cpu_state = {v: 0 for v in self.cpu}
-        self.vopt: list[dict[object, cp_model.IntVar]] = []
-
-        def clash(a: int, b: int) -> bool:
-            da, db = cls[a].domain, cls[b].domain
-            return da is not None and da == db
-
-        def add_load(k: int, name: str, lits: list, coef_var: cp_model.LinearExpr, both=None) -> None:
-            v = self.ivar(vhi, name)
-            m.add(v >= coef_var).only_enforce_if(lits)
-            if both is not None:
-                m.add(v >= 2 * coef_var).only_enforce_if(lits + [both])
-            self.vload[k] = self.vload[k] + v
-
-        def add_state(k: int, name: str, lits: list, nbytes: cp_model.IntVar, both=None) -> None:
-            v = self.ivar(4 * VERIFIER_STATE_COPIES * bmax, name)
-            m.add(v >= VERIFIER_STATE_COPIES * nbytes).only_enforce_if(lits)
-            if both is not None:
-                m.add(v >= 2 * VERIFIER_STATE_COPIES * nbytes).only_enforce_if(lits + [both])
-            self.vstate[k] = self.vstate[k] + v
-
-        for j in range(K - 1):
-            yj, ncj = self.yc[j], self.nc[j]
-            na = self.bool(f"na{j}")
-            m.add(na == sum(v for c, v in yj.items() if c in untrusted))
-            ng = self.bool(f"ng{j}")
-            m.add(ng == (sum(v for c, v in ncj.items() if c in untrusted) if pol.check_gradients else 0))
-            need = self.bool(f"need{j}")
-            m.add_max_equality(need, [na, ng])
-            both = self.bool(f"both{j}")
-            m.add_multiplication_equality(both, [na, ng])
-            opts: dict[object, cp_model.IntVar] = {}
-            if self.stage_sites:
-                opts["r"] = self.bool(f"vr{j}")
-                opts["l"] = self.bool(f"vl{j}")
-                if j >= 1:
-                    opts["0"] = self.bool(f"v0_{j}")
-                if j + 1 < F:
-                    opts["F"] = self.bool(f"vF{j}")
-            for v in self.cpu:
-                opts[v] = self.bool(f"vc{j}_{v}")
-            m.add(sum(opts.values()) == need)
-            self.vopt.append(opts)
-            tr_next = sum(v for c, v in ncj.items() if c in trusted)
-            if "r" in opts:  # the receiving stage checks the activation
-                vr = opts["r"]
-                m.add(tr_next >= vr)
-                if j + 1 < F:
-                    m.add(vr + self.u[j + 1] - 1 <= self.r1[j + 1])
-                m.add(vr + self.last[j] - 1 <= self.r1[F])
-                for c, a in yj.items():
-                    for c2, b in ncj.items():
-                        if c in untrusted and clash(c, c2):
-                            m.add_bool_or([~vr, ~a, ~b])
-                for c in trusted:
-                    if j + 1 < F and c in self.yc[j + 1]:
-                        add_load(j + 1, f"qr{j}_{c}", [vr, self.yc[j + 1][c]], self._vv(j, c))
-                    if c in self.yc[F]:
-                        add_load(F, f"qrF{j}_{c}", [vr, self.last[j], self.yc[F][c]], self._vv(j, c))
-                if j + 1 < F:
-                    add_state(j + 1, f"sr{j}", [vr, self.u[j + 1]], self.bytes_at(j))
-                add_state(F, f"srF{j}", [vr, self.last[j]], self.bytes_at(j))
-            if "l" in opts:  # the sending stage checks the gradient coming back
-                vl = opts["l"]
-                m.add(sum(v for c, v in yj.items() if c in trusted) >= vl)
-                m.add(self.r1[j] >= vl)
-                for c, a in yj.items():
-                    for c2, b in ncj.items():
-                        if c2 in untrusted and clash(c, c2):
-                            m.add_bool_or([~vl, ~a, ~b])
-                for c in trusted:
-                    if c in yj:
-                        add_load(j, f"ql{j}_{c}", [vl, yj[c]], self._vv(j, c))
-                add_state(j, f"sl{j}", [vl], self.bytes_at(j))
-            xa = self.ivar(xhi, f"xa{j}")
-            xg = self.ivar(xhi, f"xg{j}")
-            self.xa[j], self.xg[j] = xa, xg
-            for key, site in (("0", 0), ("F", F)):
-                if key not in opts:
-                    continue
-                o = opts[key]
-                m.add(self.r1[site] >= o)
-                m.add(sum(v for c, v in self.yc[site].items() if c in trusted) >= o)
-                if key == "F":
-                    m.add(self.u[j + 1] >= o)
-                for cs, ys in self.yc[site].items():
-                    if cs not in trusted:
-                        continue
-                    add_load(site, f"q{key}{j}_{cs}", [o, ys], self._vv(j, cs), both)
-                    for c, a in yj.items():
-                        if c in untrusted:
-                            if clash(c, cs):
-                                m.add_bool_or([~o, ~a, ~ys])
-                            lk = p.links[c][cs]
-                            if lk is not None:
-                                m.add(xa >= self.xfer(j, lk)).only_enforce_if([o, a, ys])
-                    for c2, b in ncj.items():
-                        if c2 in untrusted and pol.check_gradients:
-                            if clash(c2, cs):
-                                m.add_bool_or([~o, ~b, ~ys])
-                            lk = p.links[c2][cs]
-                            if lk is not None:
-                                m.add(xg >= self.xfer(j, lk)).only_enforce_if([o, b, ys])
-                add_state(site, f"s{key}{j}", [o], self.bytes_at(j), both)
-            for v in self.cpu:
-                o, cv = opts[v], p.class_of(v)
-                for c, a in yj.items():
-                    if c in untrusted:
-                        if clash(c, cv):
-                            m.add_bool_or([~o, ~a])
-                        m.add(xa >= self.xfer(j, p.links[c][cv])).only_enforce_if([o, a])
-                for c2, b in ncj.items():
-                    if c2 in untrusted and pol.check_gradients:
-                        if clash(c2, cv):
-                            m.add_bool_or([~o, ~b])
-                        m.add(xg >= self.xfer(j, p.links[c2][cv])).only_enforce_if([o, b])
-                q = self.ivar(vhi, f"qc{j}_{v}")
-                m.add(q >= self._vv(j, cv)).only_enforce_if(o)
-                m.add(q >= 2 * self._vv(j, cv)).only_enforce_if([o, both])
-                cpu_load[v] = cpu_load[v] + q
-                s = self.ivar(4 * VERIFIER_STATE_COPIES * bmax, f"sc{j}_{v}")
-                m.add(s >= VERIFIER_STATE_COPIES * self.bytes_at(j)).only_enforce_if(o)
-                m.add(s >= 2 * VERIFIER_STATE_COPIES * self.bytes_at(j)).only_enforce_if([o, both])
-                cpu_state[v] = cpu_state[v] + s
-        self.cpu_load, self.cpu_state = cpu_load, cpu_state
-        for v in self.cpu:
-            m.add(cpu_state[v] <= p.classes[p.class_of(v)].mem_bytes)
-        self._verifier_caps()
-
-    def _verifier_caps(self) -> None:
-        cap = self.p.policy.max_boundaries_per_verifier
-        if cap is None:
-            return
-        m, K, F = self.m, self.K, self.F
-        per_slot: list[cp_model.LinearExpr] = [0] * K
-        for j, opts in enumerate(self.vopt):
-            if "l" in opts:
-                per_slot[j] += opts["l"]
-            if "r" in opts:
-                if j + 1 < F:
-                    a = self.bool(f"rmid{j}")
-                    m.add(a >= opts["r"] + self.u[j + 1] - 1)
-                    per_slot[j + 1] += a
-                b = self.bool(f"rlast{j}")
-                m.add(b >= opts["r"] + self.last[j] - 1)
-                per_slot[F] += b
-            if "0" in opts:
-                per_slot[0] += opts["0"]
-            if "F" in opts:
-                per_slot[F] += opts["F"]
-        for k in range(K):
-            m.add(per_slot[k] <= cap)
-        for v in self.cpu:
-            m.add(sum(opts[v] for opts in self.vopt) <= cap)
-
     # --- memory -------------------------------------------------------------------
     def _memory(self) -> None:
         m, K, F, M, p = self.m, self.K, self.F, self.M, self.p
@@ -604,72 +425,6 @@ class _Builder:
             m.add(scale * ar >= slope + scale * lat_units).only_enforce_if([lit, has])
         return ar
 
-    # --- hint and decoding -----------------------------------------------------------
-    def hint(self, placement: Placement) -> None:
-        """Guide the search with a known plan (slots and classes; CP-SAT completes the rest)."""
-        p, K, F, m = self.p, self.K, self.F, self.m
-        stages = placement.stages
-        S = len(stages)
-        if not 2 <= S <= K:
-            return
-        slot_of = {i: (i if i < S - 1 else F) for i in range(S)}
-        for k in range(1, K - 1):
-            m.add_hint(self.u[k], k < S - 1)
-        for k in range(K - 1):
-            m.add_hint(self.e[k], stages[min(k, S - 2)].last_block)
-        for i, st in enumerate(stages):
-            k = slot_of[i]
-            classes = {p.class_of(d) for d in st.devices}
-            key = (classes.pop(), len(st.devices)) if len(classes) == 1 else None
-            for opt, lit in self.y[k].items():
-                m.add_hint(lit, opt == key)
-        if not self.verify:
-            return
-        chosen = {v.boundary: v.device for v in placement.verifiers}
-        for j, opts in enumerate(self.vopt):
-            dev = chosen.get(j) if j < S - 1 else None
-            pick = None
-            if dev is not None:
-                if stages[j + 1].devices == (dev,):
-                    pick = "r"
-                elif stages[j].devices == (dev,):
-                    pick = "l"
-                elif stages[0].devices == (dev,):
-                    pick = "0"
-                elif stages[-1].devices == (dev,):
-                    pick = "F"
-                else:
-                    pick = dev
-            for key, lit in opts.items():
-                m.add_hint(lit, key == pick)
-
-    def decode(self, solver: cp_model.CpSolver) -> Placement:
-        p, K, F, M = self.p, self.K, self.F, self.M
-        slots = [0] + [k for k in range(1, K - 1) if solver.boolean_value(self.u[k])] + [F]
-        free = {c: list(p.classes[c].device_ids) for c in self.SC}
-        stages, first = [], 0
-        for i, k in enumerate(slots):
-            last = self.L - 1 if k == F else solver.value(self.e[k])
-            (c, r), = [opt for opt, lit in self.y[k].items() if solver.boolean_value(lit)]
-            devices = tuple(free[c][:r])
-            del free[c][:r]
-            stages.append(StagePlacement(index=i, first_block=first, last_block=last, devices=devices,
-                                         microbatches=even_split(M, r)))
-            first = last + 1
-        stages = tuple(stages)
-        verifiers = []
-        if self.verify:
-            for j in range(len(stages) - 1):
-                need = required_directions(p, stages, j)
-                picked = [key for key, lit in self.vopt[j].items() if solver.boolean_value(lit)]
-                if not need or not picked:
-                    continue
-                key = picked[0]
-                site = {"r": stages[j + 1], "l": stages[j], "0": stages[0], "F": stages[-1]}.get(key)
-                device = site.devices[0] if site is not None else key
-                verifiers.append(VerifierPlacement(boundary=j, device=device, directions=need))
-        return Placement(stages=stages, verifiers=tuple(verifiers), num_microbatches=M)
-
 
 class _Progress(cp_model.CpSolverSolutionCallback):
     def __init__(self, units_per_ms: float, report: Progress | None) -> None:
@@ -679,27 +434,6 @@ class _Progress(cp_model.CpSolverSolutionCallback):
     def on_solution_callback(self) -> None:
         if self.report is not None:
             self.report(self.objective_value / self.U, self.best_objective_bound / self.U, self.wall_time)
-
-
-def _complete_hint(model: cp_model.CpModel, time_limit_s: float, workers: int) -> bool:
-    """Turn a hint on the decisions into a full assignment (CP-SAT then starts from that plan).
-
-    Solves once with the hinted variables fixed; on success every variable
-    gets its value as hint. Returns whether it succeeded.
-    """
-    solver = cp_model.CpSolver()
-    solver.parameters.fix_variables_to_their_hinted_value = True
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-    solver.parameters.num_workers = max(1, workers)
-    solver.parameters.stop_after_first_solution = False
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return False
-    values = solver.response_proto.solution
-    model.clear_hints()
-    for i, value in enumerate(values):
-        model.add_hint(model.get_int_var_from_proto_index(i), value)
-    return True
 
 
 def num_slots(problem: Problem) -> int:
@@ -724,7 +458,7 @@ def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint
     hinted = False
     if hint is not None:
         b.hint(hint)
-        hinted = _complete_hint(b.m, min(5.0, 0.2 * time_limit_s), workers)
+        hinted = complete_hint(b.m, min(5.0, 0.2 * time_limit_s), workers)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - start))
     solver.parameters.num_workers = max(1, workers)

@@ -1,0 +1,102 @@
+"""Hinting and decoding for the CP-SAT model of ``planner.solver.cpsat``.
+
+``HintMixin`` turns a known plan into hints on the model's decisions and a
+solver's assignment back into a ``Placement``; ``complete_hint`` extends a
+hint on the decisions to every variable, so CP-SAT starts from that plan.
+"""
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+from planner.solver.objective import Placement, even_split, required_directions
+from planner.solver.solution import StagePlacement, VerifierPlacement
+
+
+class HintMixin:
+    """The hint and decode part of ``cpsat._Builder``."""
+
+    def hint(self, placement: Placement) -> None:
+        """Guide the search with a known plan (slots and classes; CP-SAT completes the rest)."""
+        p, K, F, m = self.p, self.K, self.F, self.m
+        stages = placement.stages
+        S = len(stages)
+        if not 2 <= S <= K:
+            return
+        slot_of = {i: (i if i < S - 1 else F) for i in range(S)}
+        for k in range(1, K - 1):
+            m.add_hint(self.u[k], k < S - 1)
+        for k in range(K - 1):
+            m.add_hint(self.e[k], stages[min(k, S - 2)].last_block)
+        for i, st in enumerate(stages):
+            k = slot_of[i]
+            classes = {p.class_of(d) for d in st.devices}
+            key = (classes.pop(), len(st.devices)) if len(classes) == 1 else None
+            for opt, lit in self.y[k].items():
+                m.add_hint(lit, opt == key)
+        if not self.verify:
+            return
+        chosen = {v.boundary: v.device for v in placement.verifiers}
+        for j, opts in enumerate(self.vopt):
+            dev = chosen.get(j) if j < S - 1 else None
+            pick = None
+            if dev is not None:
+                if stages[j + 1].devices == (dev,):
+                    pick = "r"
+                elif stages[j].devices == (dev,):
+                    pick = "l"
+                elif stages[0].devices == (dev,):
+                    pick = "0"
+                elif stages[-1].devices == (dev,):
+                    pick = "F"
+                else:
+                    pick = dev
+            for key, lit in opts.items():
+                m.add_hint(lit, key == pick)
+
+    def decode(self, solver: cp_model.CpSolver) -> Placement:
+        p, K, F, M = self.p, self.K, self.F, self.M
+        slots = [0] + [k for k in range(1, K - 1) if solver.boolean_value(self.u[k])] + [F]
+        free = {c: list(p.classes[c].device_ids) for c in self.SC}
+        stages, first = [], 0
+        for i, k in enumerate(slots):
+            last = self.L - 1 if k == F else solver.value(self.e[k])
+            (c, r), = [opt for opt, lit in self.y[k].items() if solver.boolean_value(lit)]
+            devices = tuple(free[c][:r])
+            del free[c][:r]
+            stages.append(StagePlacement(index=i, first_block=first, last_block=last, devices=devices,
+                                         microbatches=even_split(M, r)))
+            first = last + 1
+        stages = tuple(stages)
+        verifiers = []
+        if self.verify:
+            for j in range(len(stages) - 1):
+                need = required_directions(p, stages, j)
+                picked = [key for key, lit in self.vopt[j].items() if solver.boolean_value(lit)]
+                if not need or not picked:
+                    continue
+                key = picked[0]
+                site = {"r": stages[j + 1], "l": stages[j], "0": stages[0], "F": stages[-1]}.get(key)
+                device = site.devices[0] if site is not None else key
+                verifiers.append(VerifierPlacement(boundary=j, device=device, directions=need))
+        return Placement(stages=stages, verifiers=tuple(verifiers), num_microbatches=M)
+
+
+def complete_hint(model: cp_model.CpModel, time_limit_s: float, workers: int) -> bool:
+    """Turn a hint on the decisions into a full assignment (CP-SAT then starts from that plan).
+
+    Solves once with the hinted variables fixed; on success every variable
+    gets its value as hint. Returns whether it succeeded.
+    """
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = max(1, workers)
+    solver.parameters.stop_after_first_solution = False
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return False
+    values = solver.response_proto.solution
+    model.clear_hints()
+    for i, value in enumerate(values):
+        model.add_hint(model.get_int_var_from_proto_index(i), value)
+    return True
