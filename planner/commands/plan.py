@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from planner.commands._common import SEQ_HELP, add_model_argument, check_positive
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -11,14 +13,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Trace MODEL, solve one CP-SAT model for the stage partition, the devices of every stage "
                     "and the verifiers of untrusted boundaries (or run a baseline), report the objective and "
                     "its proven bound, and write the executable plan.")
-    p.add_argument("model", metavar="MODEL", help="preset name, package.module:factory, or path to a .onnx file")
+    add_model_argument(p)
     p.add_argument("--cluster", default=None, help="cluster YAML/JSON (default: the embedded default cluster)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the solver chooses among the divisors of the batch)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (LMs) or image side (CNNs)")
+    p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp"), default=None,
@@ -30,8 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> int | None:
     from planner.errors import InvalidInputError
 
-    if args.global_batch < 1:
-        raise InvalidInputError("--global-batch", expected=">= 1", found=str(args.global_batch))
+    check_positive(args, "global_batch")
     if args.time_limit <= 0:
         raise InvalidInputError("--time-limit", expected="a positive number of seconds", found=str(args.time_limit))
     if args.microbatches is None:

@@ -38,6 +38,9 @@ time and the fluid bottleneck (``objective.fluid_bottleneck_ms``); and a
 class's ``n`` devices hold at most ``n * T`` of work. CP-SAT gets a complete
 hint (the caller's plan, completed by a solve with the decisions fixed); on
 large models presolve is skipped, since it is slow there and drops the hint.
+
+The verifier-placement part of the model is in ``cpsat_verify``, hinting and
+decoding in ``cpsat_hint`` (mixins of ``_Builder``).
 """
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ class CpsatResult:
 
 
 class _Builder(VerificationMixin, HintMixin):
-    """Builds the model; one instance per solve."""
+    """Builds the model; one instance per solve (verification and hint/decode come from the mixins)."""
 
     def __init__(self, problem: Problem, num_slots: int) -> None:
         self.p, self.K, self.m = problem, num_slots, cp_model.CpModel()
