@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
         report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels)
     else:
-        report = benchmark(steps=80, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels)
+        report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
                        "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"]}

@@ -103,10 +103,12 @@ class IQRFence:
 
 
 ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "replay")
-# Fence floors: sign and skew scores above 0.5 mean "points the other way than the
-# reference", whatever the window says; a replay floor of 6 only flags copies
-# within 1e-6 of cosine 1; a scale floor of 1.0 tolerates honest gradient
-# spikes of up to e times the usual size.
+# Fence floors, measured on gpt-tiny training (benchmarks/verification.py):
+# sign and skew above 0.5 mean "points the other way than the reference" (one
+# microbatch's skew is noisy: 0.9); a scale floor of 1.0 tolerates honest
+# gradient spikes of up to e times the usual size; spectral 0.1 is twice the
+# honest level of trained residual streams; binding and link near 1 mean
+# "rows of other data"; replay 6 only flags copies within 1e-6 of cosine 1.
 DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.1,
                   "binding": 1.0, "link": 0.3, "replay": 6.0}
 # A step's average is less noisy than one microbatch: it may be held closer.
@@ -123,11 +125,16 @@ DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0,
 class VerifierConfig:
     """The knobs of the monitors (the plan's ``verifier_config``; every key optional).
 
-    ``warmup`` counts steps from the first step a monitor sees: they are taken
-    as honest and only teach the reference and the windows. ``min_samples``
-    scores are needed before a fence exists. ``floors`` are per-distance lower
-    bounds of the fences (the replay floor only lets near-bitwise copies
-    through: honest batches never come that close).
+    ``beta_act``/``beta_grad``: EMA factors per accepted microbatch. ``window``:
+    scores per fence. ``iqr_k``: the fence is ``Q3 + iqr_k * IQR``, at least
+    ``floors[d]`` (``step_floors[d]`` for a step's average) and ``ratios[d]``
+    times the window's median. ``warmup`` counts steps from the first step a
+    monitor sees: they are taken as honest and only teach the references.
+    ``min_samples`` scores are needed before a fence exists. A sender blamed in
+    ``ban_after`` of the last ``ban_window`` steps is banned. ``distances``:
+    the tests to run (``ALL_DISTANCES``). ``projections``/``quantiles``: the
+    sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
+    ``seed``: the projections' seed (the same on every verifier rank).
     """
 
     beta_act: float = 0.9

@@ -5,15 +5,23 @@ forward, gradients backward) and decides, without recomputing anything,
 whether the sender corrupted it:
 
 1. Per (boundary, direction) a :class:`Monitor` keeps an exponential moving
-   average of the tensors' distribution summary (``distances.Summary``:
-   per-feature mean/std and sliced quantiles; activations beta 0.9, gradients
-   0.8) and a history of sketches of recent tensors.
-2. Each microbatch is scored against the average with several scale-free
-   distances (mean absolute difference, normalised L2, sign-flip ratio, sliced
-   Wasserstein) and against the history (replay).
-3. Each distance has its own IQR fence over a rolling window of accepted
-   scores; a sample is flagged when any distance is above its fence. Flagged
-   and tainted samples never update the average, the windows or the history.
+   average of the tensors' distribution summary (``distances.Summary``;
+   activations beta 0.9, gradients 0.8), a history of sketches of recent
+   tensors and two learnt predictors of the rows: a label table (with the
+   microbatch's token ids) and a linear surrogate of the sending stage (from
+   the stage's input, when this verifier also checks the boundary before it).
+2. Each microbatch is scored against them with scale-free distances: mean
+   absolute difference and normalised L2 of the per-feature moments, size
+   change, sign-flip ratio, skew flip, sliced Wasserstein, spectral residual,
+   label binding, stage link, replay (see ``distances``).
+3. Each distance has an IQR fence over a rolling window of accepted scores
+   (``thresholds``); a sample is flagged when any distance is above its fence.
+   Within a step every sample is scored against the reference of the step's
+   start; the samples that pass are folded in when the step closes, after each
+   sender's step *as a whole* passed the same tests with its own fences (the
+   average of four microbatches is half as noisy: that is what catches subtle
+   attacks). Flagged and tainted samples never update the averages, the
+   windows, the history or the predictors.
 4. At the end of a step all verifiers' flags are gathered; per microbatch only
    the most upstream flagged sender is blamed (a corruption upstream makes
    everything downstream look odd), and a sender blamed in ``ban_after`` of
@@ -332,12 +340,13 @@ class Verifier:
         if mon.step != step:
             self._close(mon)  # the executor skipped flag_events for the previous step
             mon.step = step
-        if not bool(torch.isfinite(tensor).all()):
-            return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         summarized = mon.summarize(tensor)
         if summarized is None:
             return self._flag(mon, step, mb, sender, {}, ("shape",))
         summary, rows = summarized
+        # Any inf or NaN element makes its feature's mean or std non-finite: one cheap test.
+        if not bool(torch.isfinite(summary.mean).all() and torch.isfinite(summary.std).all()):
+            return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
         scores = mon.score(summary, (fits,))
         if tainted:

@@ -245,3 +245,37 @@ def test_bad_boundaries_and_checks() -> None:
     v.check(0, "act", torch.ones(2, 4), step=0, mb=0, sender=0)
     verdict = v.check(0, "act", torch.ones(2, 5), step=0, mb=1, sender=0)   # the feature size changed
     assert verdict.flagged and verdict.reasons == ("shape",)
+
+
+# ---------------------------------------------------------------------------- the stage-consistency (link) test
+
+def run_stage(verifier: Verifier, steps: int, direction: str, attacker: Attacker | None) -> dict[int, list[dict]]:
+    """A residual stage between boundaries 0 and 1: activations 0 -> 1, gradients 1 -> 0."""
+    stream = Stream(3)
+    mix = torch.randn(D, D, generator=torch.Generator().manual_seed(9)) / D ** 0.5
+    (b_in, b_out, sender_in) = (0, 1, 0) if direction == "act" else (1, 0, 2)
+    flags = {}
+    for step in range(steps):
+        for mb in range(MBS):
+            x, _ = stream.sample(step)
+            y = x + torch.tanh(x @ mix) if direction == "act" else x + 0.3 * x @ mix.T
+            if attacker is not None:
+                y = attacker.apply(y, direction=direction, step=step, mb=mb)
+            verifier.check(b_in, direction, x, step=step, mb=mb, sender=sender_in)
+            verifier.check(b_out, direction, y, step=step, mb=mb, sender=1)
+        flags[step] = verifier.flag_events(step)
+        verifier.end_step(step, [flags[step]])
+    return flags
+
+
+@pytest.mark.parametrize("direction, attack", [("act", "kind=delay,steps=2"), ("grad", "kind=sign_flip"),
+                                               ("act", "kind=noise,std=1.0")])
+def test_link_ties_a_stage_output_to_its_input(direction: str, attack: str) -> None:
+    v = Verifier({"warmup": 5, "distances": ["link"]}, [(0, direction), (1, direction)])
+    clean = run_stage(v, 12, direction, None)
+    assert not any(clean.values())
+    v = Verifier({"warmup": 5, "distances": ["link"]}, [(0, direction), (1, direction)])
+    flags = run_stage(v, 16, direction, Attacker(parse_attack(f"rank=1,start=12,dir={direction},{attack}"), seed=0))
+    late = [e for s in (14, 15) for e in flags[s]]
+    assert late and all(e["reasons"] == ["link"] and e["sender"] == 1 for e in late)
+    assert v.banned == {1}

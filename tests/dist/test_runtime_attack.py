@@ -1,0 +1,53 @@
+"""Verification in the running pipeline: a rank that corrupts what it sends is flagged by the
+verifier rank, its microbatches are dropped downstream, only it is blamed, and it gets banned
+(and keeps running: replanning around it is future work).
+
+The corruption is an infinite scale: the monitors flag any non-finite tensor whatever their
+statistics have learnt, so this tests the runtime's mechanism (copies, verdicts, drops, taint,
+blame, bans) independently of the detectors' tuning, which tests/dist/test_verify*.py cover.
+If the consumer used a tensor before its verdict, the loss would turn inf/nan."""
+from __future__ import annotations
+
+import math
+
+from planner.plan import VerifierConfig
+from planner.runtime.launch import RunOptions, launch
+from tests.dist.plans import make_plan
+
+M, ATTACK_START, STEPS = 4, 2, 5
+
+
+def test_corrupting_rank_is_caught_dropped_and_banned(tmp_path):
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=M, stages=[(0, 1), (2, 3), (4, 5)],
+                     verifiers=[(0, 3, ("act", "grad")), (1, 3, ("act", "grad"))], verifier_host=True,
+                     verifier_config=VerifierConfig(warmup_steps=2, ban_after=2))
+    assert plan.ranks[3].stage is None and plan.ranks[3].verifies == (0, 1)
+    path = plan.save(tmp_path / "plan.json")
+    attack = f"rank=1,kind=scale,factor=inf,start={ATTACK_START},dir=act"
+    result = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, attacks=(attack,),
+                               report=str(tmp_path / "report.json")))
+
+    assert result["banned"] == [1]
+    attacked = next(r for r in result["ranks"] if r["rank"] == 1)["attacked"]
+    assert {step for step, *_ in attacked} == set(range(ATTACK_START, STEPS))
+    # every corrupted microbatch is dropped before it is used: the last stage keeps none of them
+    assert all(d == M for d in result["dropped"][ATTACK_START:])
+    assert all(loss is None for loss in result["losses"][ATTACK_START:])
+    assert all(loss is not None for loss in result["losses"][:ATTACK_START])
+    verifier = next(r for r in result["ranks"] if r["rank"] == 3)["verification"]
+    flags = [e for e in verifier["events"] if e["type"] == "flag"]
+    assert flags and all(e["sender"] == 1 for e in flags if e["step"] >= ATTACK_START)
+    assert (tmp_path / "report.json").exists()
+
+
+def test_without_verification_the_corruption_goes_through(tmp_path):
+    """--no-verify: no copies, no verdicts; the same attack then reaches the loss (inf/nan)."""
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)],
+                     verifiers=[(0, 2, ("act",))], verifier_host=True)
+    path = plan.save(tmp_path / "plan.json")
+    result = launch(RunOptions(plan=str(path), steps=2, timeout_s=60, verify=False,
+                               attacks=("rank=0,kind=scale,factor=inf,start=1,dir=act",)))
+    assert result["flags"] == 0 and result["dropped"] == [0, 0]
+    first, second = result["losses"]
+    assert first is not None and math.isfinite(first)
+    assert second is None or not math.isfinite(second)
