@@ -201,7 +201,7 @@ def evaluate(problem: Problem, placement: Placement) -> Evaluation:
 def violations(problem: Problem, placement: Placement, evaluation: Evaluation | None = None) -> tuple[str, ...]:
     """Every rule the placement breaks (empty: a valid plan). Used by heuristics to discard candidates."""
     out: list[str] = []
-    stages, M, S, pol = placement.stages, placement.num_microbatches, placement.num_stages, problem.policy
+    stages, M, pol = placement.stages, placement.num_microbatches, problem.policy
     if stages[0].first_block != 0 or stages[-1].last_block != problem.num_blocks - 1:
         out.append("stages do not cover the chain")
     for a, b in zip(stages, stages[1:]):
