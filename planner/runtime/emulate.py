@@ -8,7 +8,7 @@ faster than the local hardware (``f >= 1``), and a homogeneous plan runs
 unpadded.
 
 ``f`` is per stage and per pass, from the same roofline the planner used
-(``cost_models.compute.roofline_ms`` on the stage's per-block figures), so a
+(``cost_models.compute.block_fwd_ms``/``block_bwd_ms`` on the stage's blocks), so a
 memory-bound stage is scaled by memory bandwidth and a compute-bound one by
 FLOP/s. Communication is not emulated: local links are what they are.
 """
@@ -53,14 +53,11 @@ class Emulation:
 
 
 def stage_ms(stage: "StageInfo", spec: "DeviceSpec", dtype: str) -> tuple[float, float]:
-    """(forward, backward) ms of one microbatch of ``stage`` on ``spec``, per the planner's roofline."""
-    from cost_models.compute import BWD_OPS_FACTOR, BWD_TRAFFIC_FACTOR, roofline_ms
+    """(forward, backward) ms of one microbatch of ``stage`` on ``spec``: the planner's own block costs."""
+    from cost_models.compute import block_bwd_ms, block_fwd_ms
 
-    n_ops = len(stage.node_names) / max(1, len(stage.blocks))
-    fwd = sum(roofline_ms(b.fwd_flops, b.mem_traffic_bytes, n_ops, spec, dtype) for b in stage.blocks)
-    bwd = sum(roofline_ms(b.bwd_flops, BWD_TRAFFIC_FACTOR * b.mem_traffic_bytes, BWD_OPS_FACTOR * n_ops, spec, dtype)
-              for b in stage.blocks)
-    return fwd, bwd
+    return (sum(block_fwd_ms(b, spec, dtype) for b in stage.blocks),
+            sum(block_bwd_ms(b, spec, dtype) for b in stage.blocks))
 
 
 def emulation_for(plan: "Plan", rank: int) -> Emulation:
