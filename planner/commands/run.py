@@ -69,6 +69,8 @@ def summary_table(result: dict[str, Any]):
     table.add_column("value", justify="right")
     table.add_row("predicted step (simulator, planned devices)", f"{pred:.2f} ms")
     table.add_row("measured step here (median after step 1)", f"{meas:.2f} ms")
+    # Like for like only when the plan's devices are this machine (a cluster built from
+    # `stagewise profile`); for a remote cluster it is the rehearsal's slow-down.
     table.add_row("measured / predicted", f"{meas / pred:.2f}x" if pred > 0 else "n/a")
     loss = result.get("final_loss")
     table.add_row("final loss", "n/a" if loss is None or (isinstance(loss, float) and math.isnan(loss))
