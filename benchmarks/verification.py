@@ -95,6 +95,7 @@ class RunConfig:
 @dataclass(slots=True, kw_only=True)
 class RunResult:
     val_loss: float
+    losses: list[float]
     step_ms: list[float]
     blamed: dict[int, list[int]]
     attacked_steps: list[int]
@@ -146,7 +147,8 @@ class Pipeline:
             return self.attacker.apply(x, direction=direction, step=step, mb=mb)
         return x
 
-    def microbatch(self, idx: torch.Tensor, tgt: torch.Tensor, step: int, mb: int) -> None:
+    def microbatch(self, idx: torch.Tensor, tgt: torch.Tensor, step: int, mb: int) -> float | None:
+        """Forward and backward of one microbatch; its loss, or None when it was dropped."""
         last = len(self.stages) - 1
         inputs, outputs, h = [], [], idx
         for s, stage in enumerate(self.stages):            # forward, checking every activation sent
@@ -157,8 +159,9 @@ class Pipeline:
             if s < last:
                 h = self._send(out.detach(), s, "act", step, mb)
                 if not self._check(s, "act", h, step=step, mb=mb, sender=s, labels=idx):
-                    return                                     # dropped: no loss, no backward
+                    return None                                # dropped: no loss, no backward
         loss = lm_loss(outputs[-1], tgt) / self.cfg.microbatches
+        value = float(loss.detach()) * self.cfg.microbatches
         grad = None
         for s in range(last, -1, -1):                       # backward, checking every gradient sent
             if s == last:
@@ -166,10 +169,11 @@ class Pipeline:
             else:
                 outputs[s].backward(grad)
             if s == 0:
-                return
+                return value
             grad = self._send(inputs[s].grad, s, "grad", step, mb)
             if not self._check(s - 1, "grad", grad, step=step, mb=mb, sender=s, labels=tgt):
-                return                                         # upstream stages get nothing
+                return value                                   # upstream stages get nothing
+        return value
 
     def end_step(self, step: int) -> tuple[list[int], set[int]]:
         if self.verifier is None:
@@ -183,15 +187,17 @@ def run(cfg: RunConfig) -> RunResult:
     train = ByteTextDataset(cfg.seq, "train")
     val_idx, val_tgt = ByteTextDataset(cfg.seq, "val").batch(0, 64, seed=1000 + cfg.seed)
     attacker = pipe.attacker
-    result = RunResult(val_loss=float("nan"), step_ms=[], blamed={}, attacked_steps=[], ban_step=None,
+    result = RunResult(val_loss=float("nan"), losses=[], step_ms=[], blamed={}, attacked_steps=[], ban_step=None,
                        banned=[], checks=0, verify_ms=0.0)
     m, bs = cfg.microbatches, cfg.microbatch_size
     for step in range(cfg.steps):
         t0 = time.process_time()   # CPU time: the machine is shared, wall time is not ours
         idx, tgt = train.batch(step, m * bs, seed=cfg.seed)
         pipe.opt.zero_grad(set_to_none=True)
-        for mb in range(m):
-            pipe.microbatch(idx[mb * bs:(mb + 1) * bs], tgt[mb * bs:(mb + 1) * bs], step, mb)
+        kept = [pipe.microbatch(idx[mb * bs:(mb + 1) * bs], tgt[mb * bs:(mb + 1) * bs], step, mb)
+                for mb in range(m)]
+        kept = [loss for loss in kept if loss is not None]
+        result.losses.append(sum(kept) / len(kept) if kept else float("nan"))
         blamed, banned = pipe.end_step(step)
         result.blamed[step] = blamed
         if pipe.attacker is not None and pipe.attacker.spec.rank in banned and result.ban_step is None:

@@ -12,7 +12,9 @@ random        i.i.d. normal values with the honest tensor's global mean and std
 scale         ``factor`` * x (default -1: the sign flip)
 sign_flip     -x (default direction: gradients)
 random_sign   each element's sign flipped with probability 1/2 (default: gradients)
-delay         replay of the tensor sent for the same microbatch ``steps`` steps ago
+delay         a stale worker: sends, for each microbatch, its honest result of ``steps``
+              steps ago (the first ``steps`` steps replay tensors the verifier saw,
+              later ones are results it never saw)
 bias          x + ``value`` * u, or x + ``rel`` * std(x) * u when no value is given
               (rel 1.0); u is a fixed random +-1 pattern over the features. (A
               uniform shift would be no attack at all on a transformer: the next
@@ -268,9 +270,9 @@ class AdaptiveState:
         return all(scores[n] <= self.margin * (f.fence() or 0.0) for n, f in self._fences.items())
 
     def blend(self, honest: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The most corrupted blend estimated to pass; ``honest`` itself if none does."""
+        """The most corrupted blend estimated to pass (and learnt from); ``honest`` itself if
+        none does (the caller then sends it unchanged and :meth:`observe` s it)."""
         if self.ref is None or not all(f.ready for f in self._fences.values()):
-            self.observe(honest)
             return honest
         lo, hi = 0.0, 1.0
         h, t = honest.float(), target.float()
@@ -280,7 +282,6 @@ class AdaptiveState:
                 lo, hi = (mid, hi) if self._inside((1 - mid) * h + mid * t) else (lo, mid)
             hi = lo
         if hi <= 0.0:
-            self.observe(honest)
             return honest
         out = (1 - hi) * h + hi * t
         self._fold(self._summary(out))
@@ -302,9 +303,6 @@ class Attacker:
         self._sent: dict[tuple[str, int, int], torch.Tensor] = {}
         self._adaptive: dict[str, AdaptiveState] = {}
 
-    def _generator(self, step: int, mb: int, direction: str) -> torch.Generator:
-        return torch.Generator().manual_seed(stable_seed(self.seed, self.spec.rank, step, mb, direction))
-
     def attacked_steps(self) -> set[int]:
         return {step for step, _, _, _ in self.log}
 
@@ -312,47 +310,52 @@ class Attacker:
         """What this rank sends instead of ``tensor`` (``tensor`` itself when it stays honest)."""
         if direction not in ("act", "grad"):
             raise InvalidInputError("attack direction", expected="act or grad", found=repr(direction))
-        spec = self.spec
         honest = tensor.detach()
-        if spec.kind in ("delay", "mixed"):
+        if self.spec.kind in ("delay", "mixed"):
             self._remember(honest, direction, step, mb)
-        active = spec.targets(direction) and step >= spec.start
-        if spec.kind == "adaptive":
-            state = self._adaptive.setdefault(direction, AdaptiveState(dict(spec.params), seed=self.seed))
-            if not active:
-                state.observe(honest)
-                return tensor
-        if not active:
+        kind, gen = self._draw(direction, step, mb)
+        out = None if kind is None else self._corrupt(kind, honest, direction, step, mb, gen)
+        if out is None:
+            if self.spec.kind == "adaptive":
+                self._adaptive_state(direction).observe(honest)
             return tensor
-        gen = self._generator(step, mb, direction)
-        if float(torch.rand((), generator=gen)) >= spec.p:
-            if spec.kind == "adaptive":
-                state.observe(honest)
-            return tensor
-        kind = spec.kind
-        if kind == "mixed":
-            kind = MIXED_KINDS[int(torch.randint(len(MIXED_KINDS), (), generator=gen))]
-        if kind == "adaptive":
-            target = corrupt(spec.param("target"), honest, dict(KIND_PARAMS[spec.param("target")]), gen,
-                             pattern_seed=self.seed)
-            out = state.blend(honest, target)
-            if out is honest:
-                return tensor
-        elif kind == "delay":
-            steps = spec.param("steps") if spec.kind == "delay" else KIND_PARAMS["delay"]["steps"]
-            old = self._sent.get((direction, step - steps, mb))
-            if old is None or old.shape != honest.shape:
-                return tensor
-            out = old.clone()
-        else:
-            params = dict(spec.params) if kind == spec.kind else dict(KIND_PARAMS[kind])
-            out = corrupt(kind, honest, params, gen, pattern_seed=self.seed)
         self.log.append((step, mb, direction, kind))
         return out.to(dtype=tensor.dtype, device=tensor.device)
 
+    def _draw(self, direction: str, step: int, mb: int) -> tuple[str | None, torch.Generator]:
+        """The kind of corruption for this microbatch (None: stay honest) and its generator."""
+        spec = self.spec
+        gen = torch.Generator().manual_seed(stable_seed(self.seed, spec.rank, step, mb, direction))
+        if not spec.targets(direction) or step < spec.start or float(torch.rand((), generator=gen)) >= spec.p:
+            return None, gen
+        if spec.kind == "mixed":
+            return MIXED_KINDS[int(torch.randint(len(MIXED_KINDS), (), generator=gen))], gen
+        return spec.kind, gen
+
+    def _corrupt(self, kind: str, honest: torch.Tensor, direction: str, step: int, mb: int,
+                 gen: torch.Generator) -> torch.Tensor | None:
+        """The corrupted tensor, or None when this kind has nothing to send yet."""
+        if kind == "adaptive":
+            target_kind = self.spec.param("target")
+            target = corrupt(target_kind, honest, dict(KIND_PARAMS[target_kind]), gen, pattern_seed=self.seed)
+            out = self._adaptive_state(direction).blend(honest, target)   # learns from what it sends
+            return None if out is honest else out
+        if kind == "delay":
+            old = self._sent.get((direction, step - self._delay_steps(), mb))
+            return None if old is None or old.shape != honest.shape else old.clone()
+        params = dict(self.spec.params) if kind == self.spec.kind else dict(KIND_PARAMS[kind])
+        return corrupt(kind, honest, params, gen, pattern_seed=self.seed)
+
+    def _adaptive_state(self, direction: str) -> AdaptiveState:
+        if direction not in self._adaptive:
+            self._adaptive[direction] = AdaptiveState(dict(self.spec.params), seed=self.seed)
+        return self._adaptive[direction]
+
+    def _delay_steps(self) -> int:
+        return int(self.spec.param("steps") if self.spec.kind == "delay" else KIND_PARAMS["delay"]["steps"])
+
     def _remember(self, honest: torch.Tensor, direction: str, step: int, mb: int) -> None:
-        # Keep only what a replay can still need (the last `steps` steps).
-        steps = self.spec.param("steps") if self.spec.kind == "delay" else KIND_PARAMS["delay"]["steps"]
+        """Keep the honest result for a later replay, and only what a replay can still need."""
         self._sent[(direction, step, mb)] = honest.to("cpu", copy=True)
-        for key in [k for k in self._sent if k[1] < step - steps]:
+        for key in [k for k in self._sent if k[1] < step - self._delay_steps()]:
             del self._sent[key]

@@ -80,11 +80,13 @@ def test_clean_run_of_200_steps_bans_nobody(plan_path):
 
 @pytest.mark.slow
 def test_without_verification_the_attacks_damage_the_loss(plan_path):
+    # Same data every run, so the loss curves pair step by step: an attack is visible when
+    # the attacked run's loss is above the clean run's almost every step after it starts.
     steps = 40
     clean = run(plan_path, steps, verify=False)["losses"]
-    tail = slice(steps - 10, steps)
-    clean_tail = sum(clean[tail]) / 10
     for name, attack in ATTACKS.items():
         losses = run(plan_path, steps, attack, verify=False)["losses"]
-        attacked_tail = sum(losses[tail]) / 10
-        assert attacked_tail > clean_tail + 0.05, (name, attacked_tail, clean_tail)
+        after = range(START, steps)
+        worse = sum(losses[s] > clean[s] for s in after) / len(after)
+        tail_gap = sum(losses[s] - clean[s] for s in range(steps - 10, steps)) / 10
+        assert worse >= 0.9 and tail_gap > 0.02, (name, worse, tail_gap)
