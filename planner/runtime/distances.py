@@ -15,7 +15,8 @@ batches of the same model state instead:
   that changes sign with the tensor. Gradients of a cross-entropy loss are
   skewed (one large negative logit gradient per token, many small positive
   ones) and keep their skew direction from batch to batch while their mean is
-  pure noise, so a gradient sign flip shows up here and nowhere else;
+  pure noise: without the stage's input (below), a gradient sign flip shows
+  up here and nowhere else;
 - the feature covariance (of at most ``MAX_SPECTRAL_DIMS`` random projections
   of the features): trained networks keep their activations and gradients in
   a few principal directions, while added noise, random values or random
@@ -39,7 +40,7 @@ batches of the same model state instead:
   replay of an earlier tensor (the "delay" attack), which no distribution
   statistic can see because an old tensor is a perfectly plausible sample.
 
-Every distance is scale free (divided by the reference's own scale), so one
+Every distance but ``scale`` (the size change itself) is scale free, so one
 threshold rule fits activations of size 1 and gradients of size 1e-5 alike.
 Functions here are pure: no state, no randomness except from explicit seeds.
 """
@@ -399,4 +400,6 @@ DISTANCES = {
     "swd": sliced_wasserstein,
 }
 """Distances between a sample's summary and the reference summary, by config name.
-``replay`` is separate: it compares against a history of sketches, not the EMA."""
+``spectral`` (needs the reference's principal basis), ``binding`` and ``link``
+(learnt predictors) and ``replay`` (a history of sketches) are computed by the
+monitor from the functions above."""

@@ -106,13 +106,13 @@ ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "bindi
 # Fence floors, measured on gpt-tiny training (benchmarks/verification.py):
 # sign and skew above 0.5 mean "points the other way than the reference" (one
 # microbatch's skew is noisy: 0.9); a scale floor of 1.0 tolerates honest
-# gradient spikes of up to e times the usual size; spectral 0.1 is twice the
+# gradient spikes of up to e times the usual size; spectral 0.2 is four times the
 # honest level of trained residual streams; binding and link near 1 mean
 # "rows of other data"; replay 6 only flags copies within 1e-6 of cosine 1.
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.1,
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.2,
                   "binding": 1.0, "link": 0.3, "replay": 6.0}
 # A step's average is less noisy than one microbatch: it may be held closer.
-DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.08, "link": 0.2}
+DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.12, "link": 0.2}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
 # the data and with bursts of training instability (gradients above all), so
 # they only flag gross corruption; the spectral share is stable from batch to
