@@ -1,0 +1,70 @@
+"""Reading a plan file: schema, programs and (optionally) the model's fingerprint."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from planner.errors import InvalidInputError, PlanMismatchError
+from planner.plan import Plan
+
+
+def _expected_fingerprint(model: Any, plan: Plan) -> str:
+    """The fingerprint of ``model``: a Graph, a BlockChain, a fingerprint string, an
+    ``(nn.Module, example_inputs)`` pair, or an ``nn.Module`` alone (its input is then
+    guessed from its first layer at the plan's batch and sequence length)."""
+    if isinstance(model, str):
+        return model
+    fingerprint = getattr(model, "fingerprint", None)
+    if callable(fingerprint):  # planner.ir.Graph
+        return fingerprint()
+    if isinstance(fingerprint, str):  # planner.ir.BlockChain
+        return fingerprint
+    import torch  # only when a module is given: plan loading stays light otherwise
+
+    from planner.trace import trace
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
+        module, inputs = model
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    elif isinstance(model, torch.nn.Module):
+        from models.registry import infer_example_inputs
+        module, inputs = model, infer_example_inputs(model, batch=plan.model.batch, seq=plan.model.seq)
+    else:
+        raise InvalidInputError("load_plan model=", expected="an nn.Module, (nn.Module, example_inputs), a traced "
+                                "Graph, a BlockChain or a fingerprint string", found=type(model).__name__)
+    return trace(module, inputs, name=plan.model.name).fingerprint()
+
+
+def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
+    """Read, schema-check and validate a plan file; with ``model``, check it is that model's plan.
+
+    Raises InvalidInputError (unreadable, truncated or malformed file, invalid
+    programs) or PlanMismatchError (unknown schema version, other model).
+    """
+    source = f"plan file {os.fspath(path)}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInputError(f"{source} does not exist", expected="an existing plan JSON file",
+                                found="no such file", fix="check the path, or make one with `stagewise plan`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{source} cannot be read", expected="a readable UTF-8 JSON file", found=str(exc),
+                                fix="check the file's permissions, or re-create it with `stagewise plan`") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{source} is not valid JSON (truncated or corrupted?)",
+                                found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+                                fix="re-create it with `stagewise plan`") from None
+    plan = Plan.from_dict(data, source=source)
+    from planner.validate import validate_programs  # validate imports this module
+    validate_programs(plan)
+    if model is not None:
+        expected = _expected_fingerprint(model, plan)
+        if expected != plan.model.fingerprint:
+            raise PlanMismatchError(
+                f"{source} was made for another model ({plan.model.spec})",
+                expected=f"fingerprint {expected[:16]}...", found=f"{plan.model.fingerprint[:16]}...",
+                fix="re-plan for this model with `stagewise plan`, or pass the model the plan was made for")
+    return plan
