@@ -40,6 +40,7 @@ from planner.solver import baselines as base
 from planner.solver.cpsat import num_slots, solve_cpsat
 from planner.solver.dp import homogeneous_dp, search_sequences
 from planner.solver.explain import explain_infeasible, precheck
+from planner.solver.lagrange import lagrange_bound
 from planner.solver.objective import Placement, evaluate, simple_lower_bound_ms, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
@@ -51,6 +52,8 @@ Progress = Callable[[str, float | None, float | None, float], None]
 HEURISTIC_SHARE = 0.15  # of each M's time budget, for the sequence search that seeds CP-SAT
 MODEL_SIZE_LIMIT = 4_000  # blocks x stage slots up to which the CP-SAT model covers every stage count
 SLOT_CAP = 20  # slots of the smaller model beyond that: CP-SAT improves plans far better there
+LAGRANGE_SHARE = 0.4  # of each M's time budget on large models, for the sequence-DP bound and its plans
+LAGRANGE_SMALL_S = 1.0  # at most this on models CP-SAT covers whole
 
 
 def microbatch_candidates(global_batch: int, *, max_count: int = 6) -> tuple[int, ...]:
@@ -157,10 +160,19 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
 
     lb_all = simple_lower_bound_ms(problem)  # valid for every plan of this M
     K_full = num_slots(problem)
+    large = problem.num_blocks * K_full > MODEL_SIZE_LIMIT
+    # The sequence DP's Lagrangian bound sees communication, which the fluid LP cannot; on small
+    # models CP-SAT usually proves optimality by itself, so the DP gets only a short look there.
+    lag_budget = LAGRANGE_SHARE * time_limit_s if large else min(LAGRANGE_SMALL_S, 0.1 * time_limit_s)
+    lag = lagrange_bound(problem, incumbent_ms=step, time_budget_s=lag_budget)
+    lb_all = max(lb_all, lag.bound_ms)
+    if lag.placement is not None and lag.step_ms < step - 1e-12:
+        placement, step, how = lag.placement, lag.step_ms, "sequence-dp"
+        report(step, None, 0.0)
     # Decomposition by stage count: the full model when it is small enough to build and search;
     # else a model with fewer slots that can still improve the incumbent (then its bound only
     # covers pipelines of at most K stages, so the reported bound falls back to the fluid LP).
-    K = K_full if problem.num_blocks * K_full <= MODEL_SIZE_LIMIT else min(K_full, SLOT_CAP)
+    K = min(K_full, SLOT_CAP) if large else K_full
     hint = placement if placement is not None and placement.num_stages > 1 else None
     if K < K_full and (hint is None or hint.num_stages > K):
         # The slot model cannot hold the incumbent: seed it with the best plan that fits.

@@ -314,13 +314,18 @@ def _probe(stage: list[_StageCosts], cap_ms: float, L: int) -> tuple[tuple[int, 
 
 
 # --- heuristic search over device sequences -----------------------------------
-def sequence_placement(problem: Problem, groups: tuple[Group, ...]):
-    """The placement of a group sequence: best-bottleneck ranges, greedy verifiers, priced (or None)."""
+def sequence_placement(problem: Problem, groups: tuple[Group, ...], *, exact: bool = False):
+    """The placement of a group sequence: greedy verifiers, priced (or None).
+
+    Ranges: best-bottleneck (``partition_sequence``), or with ``exact`` the
+    DP of ``seqpart.partition_min_step`` (exact stage sends, min iteration time).
+    """
     from planner.solver.baselines import assign_verifiers  # local: baselines builds on this module
     from planner.solver.objective import Placement, evaluate, even_split, violations
+    from planner.solver.seqpart import partition_min_step
     from planner.solver.solution import StagePlacement
 
-    ranges = partition_sequence(problem, groups)
+    ranges = partition_min_step(problem, groups) if exact else partition_sequence(problem, groups)
     if ranges is None:
         return None
     M, free = problem.num_microbatches, {}
