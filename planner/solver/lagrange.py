@@ -33,7 +33,6 @@ the device counts is priced exactly and kept when valid.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -44,9 +43,12 @@ from cost_models import comm
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
+from planner.solver.seqdp_kernel import sequence_dp
 from planner.solver.solution import StagePlacement
 
 INF = math.inf
+LAYER_BUDGET = 16_000  # exact DP layers x blocks; deeper pipelines share one lumped (weaker) layer
+PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,8 +94,10 @@ class SequenceDP:
         self.ends_trusted = pol.enabled and pol.trusted_endpoints
         self._comm_tables()
         self._memory_tables()
+        self._allreduce_tables()
         self.LOG = max(1, math.ceil(math.log2(max(L, 2))) + 1)
         self.pad = 1 << self.LOG
+        self._work: tuple[np.ndarray, ...] | None = None
 
     # --- tables -------------------------------------------------------------------
     def _transfer(self, a: int, b: int) -> np.ndarray:
@@ -131,113 +135,115 @@ class SequenceDP:
         self.FWD_MIN = self.FWD.min(axis=2)
 
     def _memory_tables(self) -> None:
-        """``EHI_MEM[i, j, s]``: the last block a stage from ``s`` may end at and still fit (a superset)."""
+        """``EHI_MEM[i, j, layer, s]``: the last block a stage from ``s`` may end at and fit (a superset).
+
+        Layer ``l`` holds the stages with ``l + 1`` stages from them to the end
+        (the lumped last layer: that many or more), whose 1F1B in-flight count
+        is ``min(share, l + 1)``; send buffers and tied copies are left out.
+        """
         p, C, L, M = self.p, self.C, self.L, self.M
+        devices = sum(p.classes[c].count for c in self.SC)
+        deepest = min(L, devices)
+        self.J = 1 if p.schedule == "gpipe" else min(deepest, M, max(4, LAYER_BUDGET // L))
+        self.lump = deepest > self.J
         pp = p._param_prefix.astype(float) * p.state_bytes_per_param
         ap = p._act_prefix.astype(float)
         out = p.out_bytes_int.astype(float)
         inbuf = np.concatenate([[float(p.input_bytes)], 2 * out[:-1]])  # activation in + gradient in
-        self.EHI_MEM = np.full((C, self.R, L), -1, dtype=np.int64)
+        self.EHI_MEM = np.full((C, self.R, self.J, L), -1, dtype=np.int64)
         self.LAST_FITS = np.zeros((C, self.R, L), dtype=bool)
         for i, c in enumerate(self.SC):
             cap = float(p.classes[c].mem_bytes)
             for j in range(self.R):
                 if not self.valid_r[i, j]:
                     continue
-                in_flight = math.ceil(M / self.RR[i, j]) if p.schedule == "gpipe" else 1
-                prefix = pp + ap * in_flight
-                limit = prefix[:-1] + cap - inbuf
-                self.EHI_MEM[i, j] = np.searchsorted(prefix, limit, side="right") - 2
-                self.LAST_FITS[i, j] = prefix[L] - prefix[:-1] + inbuf <= cap
+                share = math.ceil(M / self.RR[i, j])
+                for layer in range(self.J):
+                    in_flight = share if p.schedule == "gpipe" else min(share, layer + 1)
+                    prefix = pp + ap * in_flight
+                    self.EHI_MEM[i, j, layer] = np.searchsorted(prefix, prefix[:-1] + cap - inbuf, side="right") - 2
+                    if layer == 0:
+                        self.LAST_FITS[i, j] = prefix[L] - prefix[:-1] + inbuf <= cap
+
+    def _allreduce_tables(self) -> None:
+        """All-reduce of ``r`` replicas is ``AR0 + AR1 * parameters`` (linear in the bytes, 0 for none)."""
+        p = self.p
+        self.pp = p._param_prefix.astype(float)
+        self.AR0 = np.zeros((self.C, self.R))
+        self.AR1 = np.zeros((self.C, self.R))
+        for i, c in enumerate(self.SC):
+            for j in range(self.R):
+                r = int(self.RR[i, j])
+                if not self.valid_r[i, j] or r < 2:
+                    continue
+                ring = (p.links[c][c],) * r
+                one = comm.allreduce_ms(1e9, ring, r)
+                two = comm.allreduce_ms(2e9, ring, r)
+                self.AR1[i, j] = (two - one) / 1e9 * p.grad_bytes_per_param
+                self.AR0[i, j] = one - (two - one)
+
+    def _ar_limits(self, ar_cap_ms: float) -> np.ndarray:
+        """``EHI_AR[i, j, s]``: the last block a stage from ``s`` may end at with its all-reduce <= the cap."""
+        C, R, L = self.C, self.R, self.L
+        out = np.full((C, R, L), L - 1, dtype=np.int64)
+        if not math.isfinite(ar_cap_ms):
+            return out
+        for i in range(C):
+            for j in range(R):
+                if self.RR[i, j] < 2 or not self.valid_r[i, j]:
+                    continue
+                if ar_cap_ms < self.AR0[i, j]:  # only parameter-free stages (nothing to all-reduce) qualify
+                    most = 0.0
+                else:
+                    most = (ar_cap_ms - self.AR0[i, j]) / self.AR1[i, j] if self.AR1[i, j] > 0 else INF
+                out[i, j] = np.searchsorted(self.pp, self.pp[:-1] + most, side="right") - 2
+        return out
 
     # --- one DP ---------------------------------------------------------------------
-    def run(self, cap_ms: float, lam: np.ndarray) -> Relaxed | None:
-        """min over stage sequences of sum (tau_k + lam_c r_k) - lam . n, every tau_k <= cap_ms."""
-        C, R, L, LOG = self.C, self.R, self.L, self.LOG
-        H, RR, cp = self.H, self.RR, self.cp
-        price = lam[:, None] * RR  # (C, R)
-        V = np.full((L + 1, C, C), INF)  # V[s, q, c]: stages from s on, this one on c, previous on q
-        V0 = np.full(C, INF)  # the first stage (no previous class)
-        choice = {}
-        width = L + self.pad
-        SP = np.full((LOG, C, R, C, width), INF)  # sparse table of Q over e, per (c, r, next class)
-        cpL = cp[:, L]
-        ci = np.arange(C)[None, :, None, None]
-        ri = np.arange(R)[None, None, :, None]
-        ni = np.arange(C)[None, None, None, :]
-        for s in range(L - 1, -1, -1):
-            first = s == 0
-            bwd = np.zeros((1, C)) if first else self.BWD[:, :, s].T  # (q, c)
-            # Option A: the last stage s..L-1.
-            tau_last = H[None] * (cpL - cp[:, s])[None, :, None] + H[None] * bwd[:, :, None]  # (q, c, r)
-            ok_last = (tau_last <= cap_ms) & self.LAST_FITS[:, :, s][None] & self.valid_r[None]
-            if self.ends_trusted:
-                ok_last &= self.trusted[None, :, None]
-            cost_last = np.where(ok_last, tau_last + price[None], INF)
-            best_last_r = cost_last.argmin(axis=2)
-            best_last = np.take_along_axis(cost_last, best_last_r[:, :, None], axis=2)[:, :, 0]
-            # Option B: a stage s..e (e <= L-2) followed by a stage on class n.
-            if s <= L - 2:
-                with np.errstate(invalid="ignore"):  # inf - inf: no such link, masked by Q = inf
-                    thr = (cp[:, s][None, :, None, None] + cap_ms / H[None, :, :, None]
-                           - bwd[:, :, None, None] - self.FWD_MIN[None, :, None, :])  # (q, c, r, n)
-                thr = np.nan_to_num(thr, nan=-INF)
-                ehi = np.empty(thr.shape, dtype=np.int64)
-                for i in range(C):
-                    ehi[:, i] = np.searchsorted(cp[i], thr[:, i], side="right") - 2
-                ehi = np.minimum(ehi, self.EHI_MEM[:, :, s][None, :, :, None])
-                ehi = np.minimum(ehi, L - 2)
-                ok = (ehi >= s) & self.valid_r[None, :, :, None]
-                if first and self.ends_trusted:
-                    ok &= self.trusted[None, :, None, None]
-                length = np.maximum(ehi - s + 1, 1)
-                lvl = np.floor(np.log2(length)).astype(np.int64)
-                right = np.maximum(ehi - (1 << lvl) + 1, s)
-                rmq = np.minimum(SP[lvl, ci, ri, ni, s], SP[lvl, ci, ri, ni, right])
-                cost_b = np.where(ok, price[None, :, :, None] + H[None, :, :, None]
-                                  * (bwd[:, :, None, None] - cp[:, s][None, :, None, None]) + rmq, INF)
-                flat = cost_b.reshape(cost_b.shape[0], C, -1)
-                arg_b = flat.argmin(axis=2)
-                best_b = np.take_along_axis(flat, arg_b[:, :, None], axis=2)[:, :, 0]
-            else:
-                best_b = np.full_like(best_last, INF)
-                arg_b = np.zeros_like(best_last_r)
-                ehi = None
-            vals = np.minimum(best_last, best_b)
-            if first:
-                V0 = vals[0]
-            else:
-                V[s] = vals
-            choice[s] = (best_last, best_last_r, best_b, arg_b, ehi)
-            if s >= 1:
-                # Q[c, r, n][e = s-1] = H (cp_c[s] + FWD[c, n, s-1]) + V[s, c, n]; then the sparse levels.
-                e = s - 1
-                q = H[:, :, None] * (cp[:, s][:, None, None] + self.FWD[:, :, e][:, None, :]) + vals[:, None, :]
-                SP[0, :, :, :, e] = np.where(self.valid_r[:, :, None], q, INF)
-                for lv in range(1, LOG):
-                    SP[lv, :, :, :, e] = np.minimum(SP[lv - 1, :, :, :, e], SP[lv - 1, :, :, :, e + (1 << (lv - 1))])
-        start = int(np.argmin(V0))
-        if not math.isfinite(V0[start]):
+    def run(self, cap_ms: float, lam: np.ndarray, ar_cap_ms: float = INF) -> Relaxed | None:
+        """min over stage sequences of sum (tau_k + lam_c r_k) - lam . n, every tau_k <= cap_ms and
+        every replicated stage's all-reduce <= ar_cap_ms."""
+        C, R, L, LOG, J = self.C, self.R, self.L, self.LOG, self.J
+        ar = self._ar_limits(ar_cap_ms)
+        ehi = np.minimum(self.EHI_MEM, ar[:, :, None, :])
+        last_ok = self.LAST_FITS & (ar >= L - 1)
+        price = lam[:, None] * self.RR
+        if self._work is None:  # allocated once: the kernels rewrite every entry they read
+            self._work = (np.full((LOG, C, R, C, L + self.pad), INF), np.full((LOG, C, R, C, L + self.pad), INF),
+                          np.zeros((C, R, C, L, C), np.int64),
+                          np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
+                          *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
+        SPa, SPb, HI, V, V0, kind, pick_r, pick_n, pick_hi = self._work
+        sequence_dp(float(cap_ms), price, self.H, self.valid_r, self.cp, self.FWD, self.FWD_MIN, self.BWD, ehi,
+                    last_ok, self.trusted, bool(self.ends_trusted), bool(self.lump), SPa, SPb, HI, V, V0, kind,
+                    pick_r, pick_n, pick_hi)
+        layer, c = np.unravel_index(int(np.argmin(V0)), V0.shape)
+        value = float(V0[layer, c])
+        if not math.isfinite(value):
             return None
-        stages = self._backtrack(start, choice, SP)
-        used = np.zeros(C)
-        for _, _, c, r in stages:
-            used[self.SC.index(c)] += r
-        return Relaxed(value_ms=float(V0[start] - lam @ self.count), stages=stages, used=used)
-
-    def _backtrack(self, c: int, choice: dict, SP: np.ndarray) -> tuple[tuple[int, int, int, int], ...]:
-        C, L = self.C, self.L
-        out, s, q = [], 0, 0
+        stages, s, q, layer, c = [], 0, 0, int(layer), int(c)
         while True:
-            best_last, best_last_r, best_b, arg_b, ehi = choice[s]
-            if best_last[q, c] <= best_b[q, c]:
-                out.append((s, L - 1, self.SC[c], int(self.RR[c, best_last_r[q, c]])))
-                return tuple(out)
-            j, n = divmod(int(arg_b[q, c]), C)
-            hi = int(ehi[q, c, j, n])
-            e = s + int(np.argmin(SP[0, c, j, n, s:hi + 1]))
-            out.append((s, e, self.SC[c], int(self.RR[c, j])))
-            s, q, c = e + 1, c, n
+            r = int(pick_r[layer, s, q, c])
+            if kind[layer, s, q, c] == 1:
+                stages.append((s, L - 1, self.SC[c], int(self.RR[c, r])))
+                break
+            n, hi = int(pick_n[layer, s, q, c]), int(pick_hi[layer, s, q, c])
+            nxt = layer - 1 if kind[layer, s, q, c] == 2 else layer
+            e = np.arange(s, hi + 1)
+            q_vals = self.H[c, r] * (self.cp[c, e + 1] + self.FWD[c, n, e]) + V[nxt, e + 1, c, n]
+            end = s + int(np.argmin(q_vals))
+            stages.append((s, end, self.SC[c], int(self.RR[c, r])))
+            s, q, c, layer = end + 1, c, n, nxt
+        used = np.zeros(C)
+        for _, _, cls, r in stages:
+            used[self.SC.index(cls)] += r
+        return Relaxed(value_ms=value - float(lam @ self.count), stages=tuple(stages), used=used)
+
+    def max_allreduce_ms(self) -> float:
+        """The largest all-reduce any stage can have (the whole chain on the slowest ring): 0 without replicas."""
+        total = float(self.pp[-1]) + sum(t.param_count for t in self.p.tied)
+        vals = np.where(self.valid_r & (self.RR >= 2), self.AR0 + self.AR1 * total, 0.0)
+        return float(vals.max()) if vals.size else 0.0
 
     def block_floor_ms(self) -> float:
         """A floor on any plan's largest ``tau``: the slowest block at its best class and smallest share."""
@@ -319,8 +325,20 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
 
     tried: set[tuple[Group, ...]] = set()
 
+    spent = [0.0]  # seconds pricing plans: capped at PLAN_SHARE of the time so far
+
     def consider(relaxed: Relaxed) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
+        nonlocal best_plan, best_ms
+        if spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
+            return
+        t0 = time.perf_counter()
+        try:
+            _consider(relaxed)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    def _consider(relaxed: Relaxed) -> None:
         nonlocal best_plan, best_ms
         cands = []
         plan = dp.placement(relaxed)
@@ -338,18 +356,19 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             if step < best_ms - 1e-9:
                 best_plan, best_ms = plan, step
 
-    lam_memo: list[tuple[float, np.ndarray]] = []
+    lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
 
-    def dual(cap: float) -> float:
-        """The best dual value found at ``cap`` (a lower bound on g(cap); inf: no plan has tau <= cap)."""
+    def dual(cap: float, ar_cap: float) -> float:
+        """The best dual value at the caps: a lower bound on g(cap, ar_cap) (inf: nothing fits them)."""
         nonlocal dps
-        lam = min(lam_memo, key=lambda tl: abs(tl[0] - cap))[1].copy() if lam_memo else np.zeros(dp.C)
-        best, step = -INF, None
-        stale = 0
+        lam = np.zeros(dp.C)
+        if lam_memo:  # warm start from the nearest caps already priced
+            lam = min(lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / max(M - 1, 1))[1].copy()
+        best, step, stale = -INF, None, 0
         for _ in range(iterations):
-            got = dp.run(cap, lam)
+            got = dp.run(cap, lam, ar_cap)
             dps += 1
-            if got is None:  # no sequence has every tau <= cap, whatever the prices
+            if got is None:  # no sequence meets the caps, whatever the prices
                 return INF
             consider(got)
             if got.value_ms > best + 1e-9 * abs(best if math.isfinite(best) else 1.0):
@@ -358,7 +377,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                 stale += 1
             grad = got.used - dp.count
             if (grad <= 0).all() and np.allclose(lam * grad, 0):
-                break  # complementary slackness: this is g(cap) exactly
+                break  # complementary slackness: this is g at these caps exactly
             if step is None:  # a price of the order of one stage's time
                 step = 0.5 * (cap if math.isfinite(cap) else got.value_ms / len(got.stages))
             if stale >= 2:
@@ -366,50 +385,71 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             lam = np.maximum(0.0, lam + step * grad / max(1.0, float(np.abs(grad).max())))
             if deadline():
                 break
-        lam_memo.append((cap, lam))
+        lam_memo.append(((cap, ar_cap), lam))
         return best
 
     lo = dp.block_floor_ms()
-    if M == 1:  # no fill term: one unconstrained cap
-        g = dual(INF)
-        return LagrangeResult(bound_ms=min(g, best_ms), placement=best_plan, step_ms=best_ms, dps=dps, caps=1,
-                              seeds=tuple(seeds))
-    points: dict[float, float] = {}
-    # Caps above incumbent / (M - 1) cannot beat the incumbent; without one, start from a wide range.
-    top = best_ms / (M - 1) if math.isfinite(best_ms) else 64 * lo
-    for cap in np.geomspace(max(lo, 1e-9), max(top, lo * 1.0001), 5):
-        points[float(cap)] = dual(float(cap))
-        if deadline():
-            break
+    # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
+    top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * lo
+    boxes = _Boxes(lo=lo, top=top, ar_top=dp.max_allreduce_ms(), fill=M - 1)
+    boxes.add_point(top, boxes.ar_top, dual(top, boxes.ar_top))
     while True:
-        bound, (a, b) = _interval_bound(points, lo, M, best_ms)
-        if deadline() or bound >= best_ms * (1 - target_gap) or b - a <= 1e-6 * b:
+        bound, box = boxes.weakest(best_ms)
+        if box is None or deadline() or bound >= best_ms * (1 - target_gap):
             break
-        points[0.5 * (a + b)] = dual(0.5 * (a + b))
-    return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(points),
+        point = boxes.split(box)
+        if point is None:
+            break
+        boxes.add_point(*point, dual(*point))
+    return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points),
                           seeds=tuple(seeds))
 
 
-def _interval_bound(points: dict[float, float], lo: float, M: int, best_ms: float) -> tuple[float, tuple[float, float]]:
-    """min over cap intervals ``[a, b]`` of ``(M - 1) a + G(b)``, with the weakest interval.
+class _Boxes:
+    """Boxes of (bottleneck, all-reduce) caps covering every plan that could beat the incumbent.
 
-    ``G(b)`` is the largest dual value at ``b`` or above (``g`` is non-increasing);
-    caps above ``best_ms / (M - 1)`` cannot beat the incumbent.
+    A plan whose bottleneck lies in ``[Ta, Tb]`` and all-reduce in ``[Aa, Ab]``
+    has ``F >= fill * Ta + Aa + g(Tb, Ab)``, and ``g`` is non-increasing in
+    both caps, so any dual value priced at caps ``>= (Tb, Ab)`` bounds it.
+    The weakest box is split in the dimension that loosens it most.
     """
-    caps = sorted(points)
-    env, run = {}, -INF
-    for c in reversed(caps):
-        run = max(run, points[c])
-        env[c] = run
-    edges = [lo] + [c for c in caps if c > lo]
-    best: tuple[float, tuple[float, float]] = (best_ms, (lo, lo))
-    for a, b in itertools.pairwise(edges):
-        if a * (M - 1) >= best_ms:
-            break
-        val = (M - 1) * a + env[b]
-        if val < best[0]:
-            best = (val, (a, b))
-    top = caps[-1] if caps else lo
-    if top * (M - 1) < best_ms and (M - 1) * top < best[0]:  # nothing evaluated above ``top``: g >= 0 there
-        best = ((M - 1) * top, (top, best_ms / (M - 1)))
-    return best
+
+    def __init__(self, *, lo: float, top: float, ar_top: float, fill: int) -> None:
+        self.fill, self.ar_top, self.top = fill, ar_top, top
+        self.points: dict[tuple[float, float], float] = {}
+        self.boxes: list[tuple[float, float, float, float]] = [(lo, max(top, lo), 0.0, ar_top)]
+
+    def add_point(self, t: float, a: float, value: float) -> None:
+        self.points[(t, a)] = value
+
+    def _g(self, t: float, a: float) -> float:
+        return max((v for (pt, pa), v in self.points.items() if pt >= t and pa >= a), default=-INF)
+
+    def _value(self, box: tuple[float, float, float, float]) -> float:
+        ta, tb, aa, ab = box
+        return (self.fill * ta if self.fill else 0.0) + aa + self._g(tb, ab)
+
+    def weakest(self, best_ms: float) -> tuple[float, tuple[float, float, float, float] | None]:
+        live = [(self._value(b), b) for b in self.boxes if (self.fill * b[0] if self.fill else 0.0) < best_ms]
+        if not math.isfinite(self.top):  # no incumbent: plans above the top cap are bounded by it
+            live.append((self.fill * self.top if self.fill else INF, None))
+        if not live:
+            return best_ms, None
+        value, box = min(live, key=lambda vb: vb[0])
+        return min(value, best_ms), box
+
+    def split(self, box: tuple[float, float, float, float]) -> tuple[float, float] | None:
+        """Split ``box`` in two; return the caps to price for the new lower half (None: too small)."""
+        ta, tb, aa, ab = box
+        wt = self.fill * (tb - ta) if self.fill and math.isfinite(tb) else 0.0
+        wa = ab - aa
+        if max(wt, wa) <= 1e-9 * max(tb if math.isfinite(tb) else 0.0, ab, 1e-9):
+            return None
+        self.boxes.remove(box)
+        if wt >= wa:
+            mid = 0.5 * (ta + tb)
+            self.boxes += [(ta, mid, aa, ab), (mid, tb, aa, ab)]
+            return mid, ab
+        mid = 0.5 * (aa + ab)
+        self.boxes += [(ta, tb, aa, mid), (ta, tb, mid, ab)]
+        return tb, mid
