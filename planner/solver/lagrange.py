@@ -47,7 +47,10 @@ from planner.solver.seqdp_kernel import sequence_dp
 from planner.solver.solution import StagePlacement
 
 INF = math.inf
-LAYER_BUDGET = 16_000  # exact DP layers x blocks; deeper pipelines share one lumped (weaker) layer
+# Range queries per DP (exact layers x blocks x classes^3 x replica options), ~10 ns each: deeper
+# pipelines than the exact layers share one lumped layer whose memory check is weaker.
+LAYER_BUDGET = 2_500_000
+FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
 
 
@@ -144,7 +147,8 @@ class SequenceDP:
         p, C, L, M = self.p, self.C, self.L, self.M
         devices = sum(p.classes[c].count for c in self.SC)
         deepest = min(L, devices)
-        self.J = 1 if p.schedule == "gpipe" else min(deepest, M, max(4, LAYER_BUDGET // L))
+        per_layer = L * C ** 3 * self.R  # range queries of one exact layer
+        self.J = 1 if p.schedule == "gpipe" else min(deepest, M, max(2, LAYER_BUDGET // per_layer))
         self.lump = deepest > self.J
         pp = p._param_prefix.astype(float) * p.state_bytes_per_param
         ap = p._act_prefix.astype(float)
@@ -310,7 +314,7 @@ def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> t
 
 
 def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
-                   target_gap: float = 1e-3, iterations: int = 12) -> LagrangeResult:
+                   target_gap: float = 1e-3, iterations: int = 8) -> LagrangeResult:
     """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring."""
     start = time.perf_counter()
     dp = SequenceDP(problem)
@@ -388,10 +392,11 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         lam_memo.append(((cap, ar_cap), lam))
         return best
 
-    lo = dp.block_floor_ms()
     # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
-    top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * lo
-    boxes = _Boxes(lo=lo, top=top, ar_top=dp.max_allreduce_ms(), fill=M - 1)
+    top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
+    ar_top = dp.max_allreduce_ms()
+    lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
+    boxes = _Boxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1)
     boxes.add_point(top, boxes.ar_top, dual(top, boxes.ar_top))
     while True:
         bound, box = boxes.weakest(best_ms)
@@ -403,6 +408,19 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         boxes.add_point(*point, dual(*point))
     return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points),
                           seeds=tuple(seeds))
+
+
+def _smallest_feasible_cap(dp: SequenceDP, lo: float, hi: float, ar_cap: float) -> float:
+    """A cap below which no relaxed plan exists (so no plan at all): bisection, feasibility needs no prices."""
+    if not math.isfinite(hi) or dp.run(hi, np.zeros(dp.C), ar_cap) is None:
+        return lo
+    for _ in range(FEASIBILITY_STEPS):
+        mid = 0.5 * (lo + hi)
+        if dp.run(mid, np.zeros(dp.C), ar_cap) is None:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class _Boxes:
@@ -450,6 +468,7 @@ class _Boxes:
             mid = 0.5 * (ta + tb)
             self.boxes += [(ta, mid, aa, ab), (mid, tb, aa, ab)]
             return mid, ab
-        mid = 0.5 * (aa + ab)
+        # All-reduce caps span orders of magnitude (latency-bound to the whole chain): split geometrically.
+        mid = math.sqrt(aa * ab) if aa > 0 else ab / 16
         self.boxes += [(ta, tb, aa, mid), (ta, tb, mid, ab)]
         return tb, mid
