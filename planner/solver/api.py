@@ -9,7 +9,13 @@ fixed in an outer loop, the time split evenly):
    search space, the exact DP (``dp.homogeneous_dp``) is the answer;
 3. else prices every one-stage plan exactly (pure data parallelism) and finds
    a good pipeline with the baselines and a sequence search (``dp``);
-4. runs the CP-SAT model (``cpsat``) hinted with the best plan so far: over
+4. computes the sequence DP's Lagrangian bound (``lagrange``): it sees the
+   communication, verifier copies, 1F1B in-flight memory and all-reduce
+   that the fluid LP cannot, and every relaxed plan it meets is repaired,
+   re-partitioned (``seqpart``) and priced, often improving the incumbent
+   (``LAGRANGE_SHARE`` of the time; a short look on models small enough
+   for CP-SAT to prove optimality alone);
+5. runs the CP-SAT model (``cpsat``) hinted with the best plan so far: over
    every stage count when ``blocks x slots <= MODEL_SIZE_LIMIT``, else
    (decomposition by stage count) over pipelines of at most ``SLOT_CAP``
    stages, where its search improves the incumbent far better than on the
@@ -18,11 +24,11 @@ fixed in an outer loop, the time split evenly):
 
 What the reported bound bounds: the iteration time of every plan of the
 search space described in ``planner.solver.cpsat``, at the candidate ``M``s.
-Per ``M`` it is ``max(fluid, min(best one-stage plan, CP-SAT bound))`` where
-``fluid`` (``objective.simple_lower_bound_ms``) holds for every plan and the
-CP-SAT bound is used only when its model covered every stage count (with
-fewer slots it says nothing about longer pipelines, so only ``fluid`` and the
-one-stage optimum remain). The overall bound is the minimum over ``M``.
+Per ``M`` it is ``max(fluid, sequence DP, min(best one-stage plan, CP-SAT
+bound))`` where the fluid LP (``objective.simple_lower_bound_ms``) and the
+sequence DP's bound hold for every plan and the CP-SAT bound is used only
+when its model covered every stage count (with fewer slots it says nothing
+about longer pipelines). The overall bound is the minimum over ``M``.
 """
 from __future__ import annotations
 
