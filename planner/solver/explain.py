@@ -102,13 +102,38 @@ def explain_infeasible(problem: Problem, feasible: Feasible) -> InfeasiblePlanEr
             "the policy requires trusted first and last stages but no trusted device has room for them",
             found=f"trusted devices: {names or 'none'}",
             fix="add trusted memory, use mixed precision / SGD, or relax trusted_endpoints")
-    L = problem.num_blocks
+    return _memory_error(problem, stage)
+
+
+def _memory_error(problem: Problem, stage: list) -> InfeasiblePlanError:
+    """Memory is what rules every plan out: say whether the total, one block, or the split is short."""
+    L, M = problem.num_blocks, problem.num_microbatches
     static = problem.range_params(0, L - 1) * problem.state_bytes_per_param
+    acts = problem.range_act_bytes(0, L - 1)
     usable = sum(c.mem_bytes * c.count for c in stage)
+    largest = max(c.mem_bytes for c in stage)
+    block_need = [int(problem.param_count[l]) * problem.state_bytes_per_param + int(problem.act_bytes[l])
+                  for l in range(L)]
+    worst = max(range(L), key=block_need.__getitem__)
+    if block_need[worst] > largest:
+        return InfeasiblePlanError(
+            f"block {problem.block_names[worst]} alone needs {_gb(block_need[worst])} (weights, gradients, "
+            f"optimizer state and one microbatch of activations); the largest device has {_gb(largest)}",
+            fix="use larger devices, smaller microbatches, mixed precision or SGD")
+    devices = sum(c.count for c in stage)
+    in_flight = M if problem.schedule == "gpipe" else min(M, devices, L)
+    total = f"{_gb(static)} of weights, gradients and optimizer state and {_gb(acts)} of activations per microbatch"
+    if static + acts > usable:
+        return InfeasiblePlanError(f"no placement fits in memory: the model needs {total}; the cluster's usable "
+                                   f"memory is {_gb(usable)}",
+                                   fix="add devices, use smaller microbatches, mixed precision, or SGD")
     return InfeasiblePlanError(
-        f"no placement fits in memory: the model needs {_gb(static)} for weights, gradients and optimizer "
-        f"state plus activations for {problem.num_microbatches} microbatches; the cluster's usable memory is "
-        f"{_gb(usable)}", fix="add devices, use fewer or smaller microbatches, mixed precision, or SGD")
+        f"no placement fits in memory: the model needs {total}, which fits in the cluster's {_gb(usable)} in "
+        f"total but not split into stages: under {problem.schedule} a stage holds the activations of up to "
+        f"{in_flight} microbatches in flight ({_gb(acts * in_flight)} for the whole model), and every stage "
+        f"must fit on one device (at most {_gb(largest)})",
+        fix="use smaller microbatches or shorter sequences (1F1B instead of GPipe), more or larger devices, "
+            "mixed precision, or SGD")
 
 
 def _verification_error(problem: Problem, stage: list) -> InfeasiblePlanError:
