@@ -4,32 +4,33 @@ The fluid LP of ``objective`` cannot see communication: on a cluster of
 volunteers behind slow links a stage pays hundreds of ms per microbatch to
 send its activation and the verifier's copy, and the bound stays far below
 every real plan. This module bounds the same search space with a relaxation
-that keeps the *per-stage* structure exactly and relaxes only what couples
-stages globally.
+that keeps the *per-stage* structure and relaxes only what couples stages
+globally.
 
-For a bottleneck cap ``T`` let ``g(T)`` be the smallest ``sum_k tau_k`` over
-plans whose every ``tau_k <= T``, where ``tau_k`` is a lower bound on stage
-``k``'s time ``t_k``: the busiest replica's share ``ceil(M/r)/M`` times
-(compute + sends), sends being the activation to the next stage's class, the
-gradient to the previous one's, and a verifier copy unless the receiver could
-verify (a trusted neighbour) -- priced at the cheapest trusted class to reach.
-Every valid plan with bottleneck ``T*`` has ``F >= g(T*) + (M - 1) T*``, so
-over ``T*`` in ``[a, b]``: ``F >= g(b) + (M - 1) a`` (``g`` is
-non-increasing). Verifier load, the CPU verifier hosts' load and the
-all-reduce are left out (they only add), activation memory counts one
-microbatch in flight under 1F1B (the last stage's exact figure, a floor for
-the others), and tied copies and send buffers are left out of memory.
+``tau_k`` is a lower bound on stage ``k``'s time ``t_k``: the busiest
+replica's share ``ceil(M/r)/M`` times (compute + sends), the sends being the
+activation to the next stage's class, the gradient to the previous one's,
+and a verifier copy unless the receiver could verify (a trusted neighbour),
+priced at the cheapest trusted class to reach. For caps ``(T, A)`` let
+``g(T, A)`` be the smallest ``sum_k tau_k`` over plans with every
+``tau_k <= T`` and every replicated stage's all-reduce ``<= A``. A valid
+plan whose bottleneck lies in ``[Ta, Tb]`` and all-reduce in ``[Aa, Ab]``
+has ``F >= (M - 1) Ta + Aa + g(Tb, Ab)`` (``g`` is non-increasing in both
+caps), so boxes of caps covering everything below the incumbent give a bound
+(``_Boxes``). Verifier load and the CPU verifier hosts' load are left out
+(they only add); memory is exact for 1F1B in flight (the DP runs in layers
+by the number of stages to the end) but leaves out tied copies, send
+buffers and verifier state.
 
-``g(T)`` needs at most ``n_c`` devices of each class ``c``; that constraint
-is dualised with prices ``lambda_c >= 0`` per device (weak duality:
-``g(T) >= min_plans sum (tau_k + lambda_c r_k) - lambda . n``), and what
-remains is a shortest path over states (stage start block, previous class,
-own class). For each state the next stage's end is a range minimum over a
-table kept per (class, replicas, next class): a sparse table updated from the
-right as the DP moves left, so one DP costs ``O(L C^3 R)`` array operations.
-The prices come from a projected subgradient ascent per cap; caps are
-refined where the interval bound is smallest. Every DP's plan that respects
-the device counts is priced exactly and kept when valid.
+``g`` needs at most ``n_c`` devices of each class ``c``; that constraint is
+dualised with prices ``lambda_c >= 0`` per device (weak duality:
+``g >= min_plans sum (tau_k + lambda_c r_k) - lambda . n``), and what remains
+is a shortest path over (stage start block, previous class, own class) per
+layer, with range minima over sparse tables (``seqdp_kernel``, numba). The
+prices come from a projected subgradient ascent per pair of caps, warm
+started from the nearest pair. Every relaxed plan met is repaired to the
+device counts, re-partitioned (``seqpart``) and priced exactly; the best
+valid one is returned with the bound.
 """
 from __future__ import annotations
 
@@ -70,7 +71,6 @@ class LagrangeResult:
     step_ms: float
     dps: int
     caps: int
-    seeds: tuple[tuple[Group, ...], ...] = ()  # repaired class sequences met, to seed a local search
 
 
 class SequenceDP:
@@ -322,7 +322,6 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     best_plan: Placement | None = None
     best_ms = incumbent_ms
     dps = 0
-    seeds: list[tuple[Group, ...]] = []
 
     def deadline() -> bool:  # the time budget, or a DP count (deterministic, for tests and tuning)
         return time.perf_counter() - start > time_budget_s or (max_dps is not None and dps >= max_dps)
@@ -351,7 +350,6 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         groups = repair(problem, relaxed.stages)
         if groups is not None and groups not in tried:
             tried.add(groups)
-            seeds.append(groups)
             for exact in (False, True):
                 got = sequence_placement(problem, groups, exact=exact)
                 if got is not None:
@@ -406,8 +404,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         if point is None:
             break
         boxes.add_point(*point, dual(*point))
-    return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points),
-                          seeds=tuple(seeds))
+    return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))
 
 
 def _smallest_feasible_cap(dp: SequenceDP, lo: float, hi: float, ar_cap: float) -> float:
