@@ -50,6 +50,7 @@ from planner.solver.lagrange import lagrange_bound
 from planner.solver.objective import Placement, evaluate, simple_lower_bound_ms, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.seqdp_kernel import warm as warm_kernels
 from planner.solver.solution import SolveReport, Solution, StagePlacement
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
@@ -241,6 +242,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      max_replicas: int | None = None, progress: Progress | None = None
                      ) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
+    warm_kernels()  # the first call on a machine compiles the DP kernel (seconds): not the solve's time
     start = time.perf_counter()
     sizes = tuple(microbatch_sizes or (config.microbatch_size,))
     for mb in sizes:

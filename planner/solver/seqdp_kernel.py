@@ -233,3 +233,15 @@ def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, truste
                     pick_n[layer, s, qi, c], pick_hi[layer, s, qi, c] = got[3], got[4]
             if s >= 1:
                 _push(SPb, H, valid, cp, FWD, V[layer], s)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the kernels on a tiny instance, outside a solve's clock."""
+    C, R, L, J, LOG = 1, 1, 2, 1, 2
+    f = np.float64
+    sequence_dp(1.0, np.zeros((C, R), f), np.ones((C, R), f), np.ones((C, R), np.bool_),
+                np.array([[0.0, 1.0, 2.0]]), np.zeros((C, C, L - 1), f), np.zeros((C, C), f),
+                np.zeros((C, C, L), f), np.ones((C, R, J, L), np.int64), np.ones((C, R, L), np.bool_),
+                np.ones(C, np.bool_), True, False, np.full((LOG, C, R, C, L + 4), INF),
+                np.full((LOG, C, R, C, L + 4), INF), np.zeros((C, R, C, L, C), np.int64), np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
+                *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
