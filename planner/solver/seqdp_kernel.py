@@ -243,5 +243,6 @@ def warm() -> None:
                 np.array([[0.0, 1.0, 2.0]]), np.zeros((C, C, L - 1), f), np.zeros((C, C), f),
                 np.zeros((C, C, L), f), np.ones((C, R, J, L), np.int64), np.ones((C, R, L), np.bool_),
                 np.ones(C, np.bool_), True, False, np.full((LOG, C, R, C, L + 4), INF),
-                np.full((LOG, C, R, C, L + 4), INF), np.zeros((C, R, C, L, C), np.int64), np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
+                np.full((LOG, C, R, C, L + 4), INF), np.zeros((C, R, C, L, C), np.int64),
+                np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
                 *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
