@@ -78,7 +78,11 @@ def assign_verifiers(problem: Problem, stages: tuple[StagePlacement, ...],
             continue
         nbytes = problem.boundary_bytes(stages[b].last_block)
         best: tuple[float, str, dict[int, float], float] | None = None
-        for v in verifier_sites(problem, stages, b, need):
+        sites = verifier_sites(problem, stages, b, need)
+        prev = chosen[-1].device if chosen and chosen[-1].boundary == b - 1 else None
+        if prev in sites:  # on a tie keep the previous boundary's verifier: its link test sees both sides
+            sites = (prev, *(v for v in sites if v != prev))
+        for v in sites:
             if cap is not None and count.get(v, 0) >= cap:
                 continue
             add: dict[int, float] = {}
