@@ -9,17 +9,28 @@ flagged microbatch is dropped downstream, and a banned rank is planned around
 (its stage runs honestly from then on). Rank r runs stage r, boundary b sits
 between ranks b and b + 1, the attacker is rank 1 (a middle stage). The
 monitors get the configuration a plan gets by default (``planner.plan.
-VerifierConfig``), and no labels (as in ``stagewise run``).
+VerifierConfig``), and the microbatch's token ids as labels (as
+``planner.runtime.verify_hooks.VerifyHooks`` gives them when the worker passes
+it the run's data source).
 
 Per attack, over (step, sender) pairs of runs where the attacker keeps
 attacking after its ban (as in ``stagewise run``): precision, recall and F1,
 detection and ban latency in steps; on clean runs the false-positive rate;
 the validation loss after training clean / attacked with verification (the
-banned rank planned around) / attacked without; the CPU-time overhead of
-verification in the emulation (serial: in a pipeline the verifier is its own
-rank, so an upper bound, and gpt-tiny's stages are tiny), and the cost of one
-check against one stage's forward + backward at wider models, which is what
-the overhead becomes at realistic sizes.
+banned rank planned around) / attacked without, and the attack's damage (the
+last minus clean: what it does if nobody detects it). Two adaptive attacks:
+``adaptive`` models the summary distances (all the harness gives a rank is what
+it sends); ``adaptive-whitebox`` also gets its stage's input here, so it fits
+the link test and its residual's shape as the verifier does and knows the
+published fence floors and ratios (emulation only: the runtime's harness does
+not hand an attacker its input).
+
+Overhead, three ways: the CPU time of verification in the emulation (serial,
+an upper bound: gpt-tiny's stages are tiny); the cost of one stage's two checks
+against its forward + backward at wider models; and ``stagewise run`` itself
+(the real distributed runtime, gloo, one process per rank) with and without
+verification, for gpt-tiny and a d=384 GPT, with the verifier on a stage rank
+or on a CPU-only verifier host.
 
     python benchmarks/verification.py            # writes benchmarks/results/verification.json
     python benchmarks/verification.py --quick    # a smoke run
@@ -42,11 +53,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from models.data import ByteTextDataset  # noqa: E402
-from models.registry import PRESETS, lm_loss  # noqa: E402
-from planner.plan import VerifierConfig as PlanVerifierConfig  # noqa: E402
-from planner.runtime.attacks import Attacker, parse_attack  # noqa: E402
-from planner.runtime.verify import Verifier, blame  # noqa: E402
+from models.data import ByteTextDataset
+from models.registry import PRESETS, lm_loss
+from planner.plan import VerifierConfig as PlanVerifierConfig
+from planner.runtime.attacks import Attacker, parse_attack
+from planner.runtime.verify import Verifier, blame
 
 ATTACKS: dict[str, str] = {
     "constant": "kind=constant",
@@ -61,6 +72,7 @@ ATTACKS: dict[str, str] = {
     "noise-grad": "kind=noise,dir=grad",
     "mixed": "kind=mixed,dir=both",
     "adaptive": "kind=adaptive",
+    "adaptive-whitebox": "kind=adaptive,model=full",
 }
 GOALS = {"f1": 0.95, "fpr": 0.005, "overhead": 0.05}
 ATTACKER = 1
@@ -87,7 +99,7 @@ class RunConfig:
     attack: str | None = None       # spec without rank/start
     start: int = 20
     verify: bool = True
-    labels: bool = False            # pass token ids to the monitors (the binding test)
+    labels: bool = True             # pass token ids to the monitors (the binding test), as VerifyHooks does
     replan: bool = False            # a banned attacker is planned around (else it keeps attacking)
     verifier_config: dict = field(default_factory=plan_default_config)
 
@@ -142,9 +154,10 @@ class Pipeline:
         self.verify_s += time.process_time() - t0
         return not verdict.tainted
 
-    def _send(self, x: torch.Tensor, rank: int, direction: str, step: int, mb: int) -> torch.Tensor:
+    def _send(self, x: torch.Tensor, rank: int, direction: str, step: int, mb: int,
+              stage_input: torch.Tensor | None) -> torch.Tensor:
         if self.attacker is not None and rank == self.attacker.spec.rank:
-            return self.attacker.apply(x, direction=direction, step=step, mb=mb)
+            return self.attacker.apply(x, direction=direction, step=step, mb=mb, stage_input=stage_input)
         return x
 
     def microbatch(self, idx: torch.Tensor, tgt: torch.Tensor, step: int, mb: int) -> float | None:
@@ -157,7 +170,7 @@ class Pipeline:
             inputs.append(h_in)
             outputs.append(out)
             if s < last:
-                h = self._send(out.detach(), s, "act", step, mb)
+                h = self._send(out.detach(), s, "act", step, mb, stage_input=h_in.detach())
                 if not self._check(s, "act", h, step=step, mb=mb, sender=s, labels=idx):
                     return None                                # dropped: no loss, no backward
         loss = lm_loss(outputs[-1], tgt) / self.cfg.microbatches
@@ -170,7 +183,7 @@ class Pipeline:
                 outputs[s].backward(grad)
             if s == 0:
                 return value
-            grad = self._send(inputs[s].grad, s, "grad", step, mb)
+            grad = self._send(inputs[s].grad, s, "grad", step, mb, stage_input=grad)
             if not self._check(s - 1, "grad", grad, step=step, mb=mb, sender=s, labels=tgt):
                 return value                                   # upstream stages get nothing
         return value
@@ -294,10 +307,107 @@ def check_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: int = 4, 
     return rows
 
 
+# ---------------------------------------------------------------------------- the distributed runtime
+
+WIDE_GPT = "benchmarks.verification:wide_gpt"
+WIDE_SEQ = 128
+
+
+def wide_gpt():
+    """A wider model for the distributed overhead (a factory for ``build_model``): 8 layers,
+    d=384, byte vocabulary, 128-token windows."""
+    from models.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=256, max_seq=WIDE_SEQ, n_layers=8, d_model=384, n_heads=6))
+
+
+def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None) -> Path:
+    """A 4-stage, 4-microbatch plan of ``spec`` on local CPUs whose verifier checks every
+    boundary both ways: a CPU-only verifier host (rank 4) if ``host``, else rank 0 (the
+    first stage's device, trusted) as the tests' plans and a small deployment would."""
+    from cost_models.cluster import ClusterSpec
+    from cost_models.training import TrainingConfig
+    from models.registry import build_model
+    from planner.coarsen import coarsen
+    from planner.compile import compile_plan
+    from planner.plan import ModelRef
+    from planner.plan import VerifierConfig as PlanVerifier
+    from planner.solver.policy import VerificationPolicy
+    from planner.solver.solution import (
+        Solution,
+        SolveReport,
+        StagePlacement,
+        VerifierPlacement,
+    )
+    from planner.trace import trace
+
+    microbatch, count = 4, 4
+    bundle = build_model(spec, batch=microbatch, seq=seq, device="meta")
+    chain = coarsen(trace(bundle.module, bundle.example_inputs, name=spec))
+    hosts = [{"name": f"h{i}", "region": "local", "trust": "operator", "trusted": True,
+              "devices": [{"type": "CPU", "count": 1}]} for i in range(4)]
+    if host:
+        hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
+                      "role": "verifier"})
+    cluster = ClusterSpec.from_dict({"name": "local", "hosts": hosts,
+                                     "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
+                                               "default": {"bandwidth_gbps": 10, "latency_ms": 0.05}}})
+    ids = [d.id for d in cluster.devices]
+    layers = len(chain.blocks) - 2                       # embed, layers..., head
+    cuts = [1 + round(k * layers / 4) for k in range(5)]
+    ranges = [(0 if k == 0 else cuts[k], len(chain.blocks) - 1 if k == 3 else cuts[k + 1] - 1) for k in range(4)]
+    stages = tuple(StagePlacement(index=k, first_block=lo, last_block=hi, devices=(ids[k],), microbatches=(count,))
+                   for k, (lo, hi) in enumerate(ranges))
+    verifier = ids[4] if host else ids[0]
+    checks = tuple(VerifierPlacement(boundary=b, device=verifier, directions=("act", "grad")) for b in range(3))
+    report = SolveReport(method="hand", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
+    solution = Solution(stages=stages, verifiers=checks, num_microbatches=count, schedule="1f1b",
+                        predicted_step_ms=0.0, memory_bytes=(), report=report)
+    config = TrainingConfig(global_batch=microbatch * count, microbatch_size=microbatch, schedule="1f1b",
+                            optimizer="adam")
+    ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
+    plan = compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=True, trusted_endpoints=False),
+                        ref, verifier_config=PlanVerifier())
+    return plan.save(folder / f"{spec.split(':')[-1]}-{'host' if host else 'stage'}.json")
+
+
+def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps: int) -> list[dict[str, Any]]:
+    """Step time of ``stagewise run`` with and without verification (the same plan, runs
+    interleaved so that the machine's load drifts into both alike): per model and verifier
+    placement, the median over runs of each run's median step (wall) and of its CPU time
+    summed over ranks (what a shared machine's load inflates least). ``models``: name ->
+    (spec, seq, steps)."""
+    import tempfile
+
+    from planner.runtime.launch import RunOptions, launch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (spec, seq, steps) in models.items():
+            for host in (False, True):
+                path = overhead_plan(spec, Path(tmp), host=host, seq=seq)
+                runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+                for _ in range(reps):
+                    for verify in (False, True):
+                        result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, verify=verify))
+                        warm = min(3, steps - 1)
+                        runs[verify].append({"ms": statistics.median(result["step_ms"][warm:]),
+                                             "cpu": statistics.median(result["cpu_ms"][warm:])})
+                on_ms, off_ms = (statistics.median(r["ms"] for r in runs[v]) for v in (True, False))
+                on_cpu, off_cpu = (statistics.median(r["cpu"] for r in runs[v]) for v in (True, False))
+                rows.append({"model": name, "verifier": "CPU host (rank 4)" if host else "stage rank 0",
+                             "steps": steps, "runs": reps, "step_ms_verify_on": round(on_ms, 1),
+                             "step_ms_verify_off": round(off_ms, 1), "overhead": round(on_ms / off_ms - 1.0, 4),
+                             "cpu_ms_verify_on": round(on_cpu, 1), "cpu_ms_verify_off": round(off_cpu, 1),
+                             "cpu_overhead": round(on_cpu / off_cpu - 1.0, 4)})
+                print(f"  distributed {name} {rows[-1]['verifier']}: {rows[-1]['overhead']:+.1%} wall, "
+                      f"{rows[-1]['cpu_overhead']:+.1%} CPU", file=sys.stderr, flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------------- the benchmark
 
 def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, attacks: dict[str, str],
-              labels: bool) -> dict[str, Any]:
+              labels: bool, distributed: dict[str, tuple[str, int | None, int]], reps: int) -> dict[str, Any]:
     base = RunConfig(steps=steps, start=start, labels=labels)
     clean_cfg = RunConfig(steps=clean_steps, start=start, labels=labels)
     clean_on = [run(_with(clean_cfg, seed=s)) for s in seeds]
@@ -321,15 +431,21 @@ def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, att
         "attacks": {},
     }
     report["overhead"]["at_width"] = check_cost((64, 256, 768) if len(attacks) > 4 else (64, 256))
+    report["overhead"]["distributed"] = distributed_overhead(distributed, reps=reps)
     clean_val = _mean(r.val_loss for r in short_clean)
     for name, spec in attacks.items():
         on = [run(_with(base, seed=s, attack=spec)) for s in seeds]            # the attacker never stops
         replanned = [run(_with(base, seed=s, attack=spec, replan=True)) for s in seeds]
         off = [run(_with(base, seed=s, attack=spec, verify=False)) for s in seeds]
+        verified, unverified = _mean(r.val_loss for r in replanned), _mean(r.val_loss for r in off)
+        # Damage: how much the attack raises the validation loss over clean training of the
+        # same length (an attack that does none is not worth detecting).
         report["attacks"][name] = {"spec": spec, **detection(on, start),
                                    "val_loss_clean": clean_val,
-                                   "val_loss_attacked_verified": _mean(r.val_loss for r in replanned),
-                                   "val_loss_attacked_unverified": _mean(r.val_loss for r in off)}
+                                   "val_loss_attacked_verified": verified,
+                                   "val_loss_attacked_unverified": unverified,
+                                   "damage_verified": round(verified - clean_val, 4),
+                                   "damage_unverified": round(unverified - clean_val, 4)}
         print(f"  {name:15s} done", file=sys.stderr, flush=True)
     return report
 
@@ -349,12 +465,13 @@ def print_table(report: dict[str, Any]) -> None:
 
     table = Table(title="Verification: detection per attack (pairs = (step, sender))")
     for col in ("attack", "precision", "recall", "F1", "detect (steps)", "ban (steps)", "val loss verified",
-                "val loss unverified"):
+                "val loss unverified", "damage unverified"):
         table.add_column(col, justify="right" if col != "attack" else "left")
     for name, row in report["attacks"].items():
         table.add_row(name, f"{row['precision']:.3f}", f"{row['recall']:.3f}", f"{row['f1']:.3f}",
                       _lat(row["detect_latency_steps"]), _lat(row["ban_latency_steps"]),
-                      f"{row['val_loss_attacked_verified']:.3f}", f"{row['val_loss_attacked_unverified']:.3f}")
+                      f"{row['val_loss_attacked_verified']:.3f}", f"{row['val_loss_attacked_unverified']:.3f}",
+                      f"{row['damage_unverified']:+.3f}")
     console = Console()
     console.print(table)
     clean, over = report["clean"], report["overhead"]
@@ -367,9 +484,15 @@ def print_table(report: dict[str, Any]) -> None:
         console.print(f"  d_model {row['d_model']:4d}, {row['layers_per_stage']} layers/stage, "
                       f"{row['microbatch']}x{row['seq']} tokens: stage fwd+bwd {row['stage_fwd_bwd_ms']:.1f} ms, "
                       f"its two checks {row['checks_ms']:.2f} ms ({100 * row['overhead']:.1f}%)")
+    for row in over["distributed"]:
+        console.print(f"  stagewise run, {row['model']}, verifier on {row['verifier']}: step "
+                      f"{row['step_ms_verify_on']:.1f} vs {row['step_ms_verify_off']:.1f} ms "
+                      f"({100 * row['overhead']:+.1f}% wall), CPU {row['cpu_ms_verify_on']:.0f} vs "
+                      f"{row['cpu_ms_verify_off']:.0f} ms ({100 * row['cpu_overhead']:+.1f}%), {row['runs']} run(s) each")
     goals = report["goals"]
     console.print(f"goals: F1 >= {GOALS['f1']} on every attack: {goals['f1_all']}; FPR <= {GOALS['fpr']}: "
-                  f"{goals['fpr']}; overhead <= {GOALS['overhead']} (widest stage above): {goals['overhead']}")
+                  f"{goals['fpr']}; overhead <= {GOALS['overhead']}: widest emulated stage {goals['overhead']}, "
+                  f"distributed {goals['overhead_distributed']}")
 
 
 def _lat(values: list[int | None]) -> str:
@@ -379,18 +502,25 @@ def _lat(values: list[int | None]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, short runs, a few attacks")
-    parser.add_argument("--labels", action="store_true", help="also give the monitors the token ids")
+    parser.add_argument("--no-labels", dest="labels", action="store_false",
+                        help="do not give the monitors the token ids")
+    parser.add_argument("--reps", type=int, default=2, help="runs per setting of the distributed overhead")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
-        report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels)
+        report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels,
+                           distributed={"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1)
     else:
-        report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels)
+        report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels,
+                           distributed={"gpt-tiny": ("gpt-tiny", None, 30),
+                                        "gpt d=384": (WIDE_GPT, WIDE_SEQ, 8)}, reps=args.reps)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
-                       "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"]}
+                       "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"],
+                       "overhead_distributed": {f"{r['model']} / {r['verifier']}": r["overhead"] <= GOALS["overhead"]
+                                                for r in report["overhead"]["distributed"]}}
     report["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                          "note": "timings on a shared, loaded machine are noisy"}
     print_table(report)

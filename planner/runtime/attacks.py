@@ -21,7 +21,8 @@ bias          x + ``value`` * u, or x + ``rel`` * std(x) * u when no value is gi
               LayerNorm subtracts it exactly.)
 noise         x + N(0, (``std`` * std(x))^2): small, "invisible" noise (std 0.5)
 mixed         one of the kinds above, chosen at random per microbatch
-adaptive      stays just inside the running average (see :class:`AdaptiveState`)
+adaptive      stays just inside the running average (see :class:`AdaptiveState`;
+              ``model=full``: the white-box variant that also models the link tests)
 ============  ==================================================================
 
 Common keys: ``rank`` (required), ``kind`` (required), ``start`` (first
@@ -33,14 +34,20 @@ only, never on the global torch RNG or on call order.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
-from planner.runtime.thresholds import IQRFence
+from planner.runtime.thresholds import (
+    DEFAULT_FLOORS,
+    DEFAULT_RATIOS,
+    DEFAULT_STEP_FLOORS,
+    IQRFence,
+)
 
 COMMON_KEYS = ("rank", "kind", "start", "p", "dir")
 # kind -> {parameter: default}; None means "not set" (see the kind's rule).
@@ -55,13 +62,13 @@ KIND_PARAMS: Mapping[str, Mapping[str, Any]] = {
     "bias": {"value": None, "rel": 1.0},
     "noise": {"std": 0.5},
     "mixed": {},
-    "adaptive": {"target": "random", "margin": 0.7, "beta": 0.9},
+    "adaptive": {"target": "random", "margin": 0.7, "beta": 0.9, "model": "summary"},
 }
 GRAD_KINDS = ("sign_flip", "random_sign")
 MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "delay", "bias", "noise")
 TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 INT_PARAMS = ("steps",)
-STR_PARAMS = ("target",)
+STR_PARAMS = ("target", "model")
 DISTANCE_NAMES = tuple(dist.DISTANCES)  # the distances the adaptive attacker estimates
 
 
@@ -119,6 +126,8 @@ def _check_params(kind: str, params: Mapping[str, Any]) -> None:
                                     found=str(params["margin"]))
         if not 0.0 < params["beta"] < 1.0:
             raise InvalidInputError("attack key 'beta'", expected="a number in (0, 1)", found=str(params["beta"]))
+        if params["model"] not in ("summary", "full"):
+            raise InvalidInputError("attack key 'model'", expected="summary or full", found=repr(params["model"]))
 
 
 def _convert(key: str, raw: str) -> Any:
@@ -223,68 +232,122 @@ class AdaptiveState:
     estimated fences. What it sends also feeds its EMA, as it would feed the
     verifier's, so the reference creeps toward the corruption over time: the
     strongest simple attack on an EMA monitor.
+
+    ``model=summary`` (the default) estimates the distances of the summary alone
+    (what it sends is all it needs for them). ``model=full`` is the white-box
+    attacker: given its stage's input (``stage_input``; the runtime's harness
+    does not pass it, the benchmark's emulation does) it also fits the stage's
+    linear surrogate and its residuals' shape, as the verifier does, and takes
+    each fence as at least the verifier's published floor and ratio (per sample
+    and per step: ``thresholds``), so it uses every bit of room the verifier
+    leaves.
     """
 
     _BISECTIONS = 8
     _NAMES = (*DISTANCE_NAMES, "spectral")
+    _LINKED = ("link", "residual")
 
     def __init__(self, params: Mapping[str, Any], seed: int) -> None:
         self.beta = float(params["beta"])
         self.margin = float(params["margin"])
+        self.full = params.get("model", "summary") == "full"
         self.seed = seed
         self.ref: dist.Summary | None = None
-        self._basis: torch.Tensor | None = None
+        self._reference: dist.Reference | None = None
         self._dirs: torch.Tensor | None = None
         self._spectral: torch.Tensor | None = None
         self._levels = dist.quantile_levels(32)
-        self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in self._NAMES}
+        names = (*self._NAMES, *self._LINKED) if self.full else self._NAMES
+        self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in names}
+        self._link: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._link_w: torch.Tensor | None = None
+        self._resid: torch.Tensor | None = None
+        self._whitener: torch.Tensor | None = None
 
-    def _summary(self, x: torch.Tensor) -> dist.Summary:
+    def _summary(self, x: torch.Tensor) -> tuple[dist.Summary, torch.Tensor]:
         if self._dirs is None:
             dim = dist.feature_size(x)
             self._dirs = dist.random_directions(dim, 16, stable_seed("adaptive", self.seed))
             self._spectral = dist.spectral_projection(dim, stable_seed("adaptive-spectral", self.seed))
-        return dist.summarize(x, directions=self._dirs, levels=self._levels, spectral=self._spectral)
+        return dist.summarize_rows(x, directions=self._dirs, levels=self._levels, spectral=self._spectral)
 
-    def _scores(self, summary: dist.Summary) -> dict[str, float]:
+    def _rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """The verifier's view of the stage input's rows (unit RMS, in the spectral basis)."""
+        if x is None or not self.full or not x.is_floating_point():
+            return None
+        return self._summary(x)[1]
+
+    def _scores(self, summary: dist.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> dict[str, float]:
         assert self.ref is not None, "scores need a reference"
-        if self._basis is None:
-            self._basis = dist.principal_basis(self.ref.cov)
-        scores = {name: dist.DISTANCES[name](summary, self.ref) for name in DISTANCE_NAMES}
-        scores["spectral"] = dist.spectral_residual(summary, self.ref, self._basis)
+        if self._reference is None:
+            self._reference = dist.reference(self.ref)
+        scores = dist.summary_scores(summary, self._reference, self._NAMES)
+        if inputs is not None and self._link_w is not None and len(inputs) == len(rows):
+            num, den, moment = dist.link_parts(inputs, rows, self._link_w)
+            scores["link"] = num / max(den, dist.EPS)
+            if self._whitener is not None:
+                scores["residual"] = dist.residual_shape(moment, self._whitener)
         return scores
 
-    def _fold(self, summary: dist.Summary) -> None:
+    def _fold(self, summary: dist.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> None:
         if self.ref is not None:
-            for name, value in self._scores(summary).items():
+            for name, value in self._scores(summary, rows, inputs).items():
                 self._fences[name].update(value)
+        if inputs is not None and len(inputs) == len(rows):
+            self._fold_link(inputs, rows)
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
-        self._basis = None
+        self._reference = None
 
-    def observe(self, x: torch.Tensor) -> None:
+    def _fold_link(self, inputs: torch.Tensor, rows: torch.Tensor) -> None:
+        if self._link_w is not None:
+            moment = dist.link_parts(inputs, rows, self._link_w)[2]
+            shape = moment / moment.trace().clamp_min(dist.EPS)
+            self._resid = shape if self._resid is None else self.beta * self._resid + (1 - self.beta) * shape
+            self._whitener = dist.residual_whitener(self._resid)
+        stats = dist.link_stats(inputs, rows)
+        self._link = stats if self._link is None else tuple(  # type: ignore[assignment]
+            self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, stats))
+        self._link_w = dist.link_solve(*self._link)
+
+    def observe(self, x: torch.Tensor, stage_input: torch.Tensor | None = None) -> None:
         """Learn from a tensor sent unchanged."""
-        self._fold(self._summary(x))
+        self._fold(*self._summary(x), self._rows(stage_input))
 
-    def _inside(self, candidate: torch.Tensor) -> bool:
-        scores = self._scores(self._summary(candidate))
-        return all(scores[n] <= self.margin * (f.fence() or 0.0) for n, f in self._fences.items())
+    def _limit(self, name: str, fence: IQRFence) -> float:
+        estimate = fence.fence() or 0.0
+        if not self.full:
+            return estimate
+        # The verifier's fence is at least its floor and its ratio times its median, per
+        # sample and (a tighter floor) per step: the white-box attacker stays under both.
+        per_sample = max(estimate, DEFAULT_FLOORS.get(name, 0.0), DEFAULT_RATIOS.get(name, 0.0) * fence.quantile(0.5))
+        per_step = max(estimate, DEFAULT_STEP_FLOORS.get(name, 0.0),
+                       DEFAULT_RATIOS.get(name, 0.0) * fence.quantile(0.5))
+        return min(per_sample, per_step)
 
-    def blend(self, honest: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _inside(self, candidate: torch.Tensor, inputs: torch.Tensor | None) -> bool:
+        scores = self._scores(*self._summary(candidate), inputs)
+        return all(scores.get(n, 0.0) <= self.margin * self._limit(n, f) for n, f in self._fences.items()
+                   if f.ready)
+
+    def blend(self, honest: torch.Tensor, target: torch.Tensor,
+              stage_input: torch.Tensor | None = None) -> torch.Tensor:
         """The most corrupted blend estimated to pass (and learnt from); ``honest`` itself if
         none does (the caller then sends it unchanged and :meth:`observe` s it)."""
-        if self.ref is None or not all(f.ready for f in self._fences.values()):
+        inputs = self._rows(stage_input)
+        needed = (*self._NAMES, *(self._LINKED if inputs is not None else ()))
+        if self.ref is None or not all(self._fences[n].ready for n in needed):
             return honest
         lo, hi = 0.0, 1.0
         h, t = honest.float(), target.float()
-        if not self._inside(t):
+        if not self._inside(t, inputs):
             for _ in range(self._BISECTIONS):
                 mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if self._inside((1 - mid) * h + mid * t) else (lo, mid)
+                lo, hi = (mid, hi) if self._inside((1 - mid) * h + mid * t, inputs) else (lo, mid)
             hi = lo
         if hi <= 0.0:
             return honest
         out = (1 - hi) * h + hi * t
-        self._fold(self._summary(out))
+        self._fold(*self._summary(out), inputs)
         return out
 
 
@@ -306,18 +369,22 @@ class Attacker:
     def attacked_steps(self) -> set[int]:
         return {step for step, _, _, _ in self.log}
 
-    def apply(self, tensor: torch.Tensor, *, direction: str, step: int, mb: int) -> torch.Tensor:
-        """What this rank sends instead of ``tensor`` (``tensor`` itself when it stays honest)."""
+    def apply(self, tensor: torch.Tensor, *, direction: str, step: int, mb: int,
+              stage_input: torch.Tensor | None = None) -> torch.Tensor:
+        """What this rank sends instead of ``tensor`` (``tensor`` itself when it stays honest).
+
+        ``stage_input``: what the stage computed ``tensor`` from (its input activation,
+        or the gradient it received), for the white-box adaptive attacker only."""
         if direction not in ("act", "grad"):
             raise InvalidInputError("attack direction", expected="act or grad", found=repr(direction))
         honest = tensor.detach()
         if self.spec.kind in ("delay", "mixed"):
             self._remember(honest, direction, step, mb)
         kind, gen = self._draw(direction, step, mb)
-        out = None if kind is None else self._corrupt(kind, honest, direction, step, mb, gen)
+        out = None if kind is None else self._corrupt(kind, honest, direction, step, mb, gen, stage_input)
         if out is None:
             if self.spec.kind == "adaptive":
-                self._adaptive_state(direction).observe(honest)
+                self._adaptive_state(direction).observe(honest, stage_input)
             return tensor
         self.log.append((step, mb, direction, kind))
         return out.to(dtype=tensor.dtype, device=tensor.device)
@@ -333,12 +400,12 @@ class Attacker:
         return spec.kind, gen
 
     def _corrupt(self, kind: str, honest: torch.Tensor, direction: str, step: int, mb: int,
-                 gen: torch.Generator) -> torch.Tensor | None:
+                 gen: torch.Generator, stage_input: torch.Tensor | None = None) -> torch.Tensor | None:
         """The corrupted tensor, or None when this kind has nothing to send yet."""
         if kind == "adaptive":
             target_kind = self.spec.param("target")
             target = corrupt(target_kind, honest, dict(KIND_PARAMS[target_kind]), gen, pattern_seed=self.seed)
-            out = self._adaptive_state(direction).blend(honest, target)   # learns from what it sends
+            out = self._adaptive_state(direction).blend(honest, target, stage_input)   # learns from what it sends
             return None if out is honest else out
         if kind == "delay":
             old = self._sent.get((direction, step - self._delay_steps(), mb))

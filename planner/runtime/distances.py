@@ -35,7 +35,10 @@ batches of the same model state instead:
   regression from the input rows to the output rows, learnt online from honest
   microbatches. A residual stage's output is almost a linear function of its
   input; an output of other data, a sign flip or noise is not. This "link"
-  test needs neither labels nor recomputation, and is the sharpest of all;
+  test needs neither labels nor recomputation. Its *residual* is sharper
+  still: what the surrogate leaves unexplained is the stage's nonlinearity,
+  confined to a few directions, while anything the stage did not compute
+  spreads over all of them (``residual_shape``);
 - a *sketch*: a fixed random subset of the centred tensor, used only to spot a
   replay of an earlier tensor (the "delay" attack), which no distribution
   statistic can see because an old tensor is a perfectly plausible sample.
@@ -47,22 +50,26 @@ Functions here are pure: no state, no randomness except from explicit seeds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
+import numpy as np
 import torch
 
 from planner.errors import InvalidInputError
 
 EPS = 1e-12
-# Rows used for quantiles and projections; larger tensors are strided down to
-# this many rows, which keeps a check at O(rows * D) however big the tensor.
-MAX_QUANTILE_ROWS = 8192
+# Rows used for quantiles, projections, the covariance and the learnt predictors;
+# larger tensors are subsampled to this many rows (a fresh subset per microbatch,
+# see :func:`row_subset`), which keeps a check at O(rows * D) for the per-feature
+# moments, which see every row, plus a constant.
+MAX_PROJECTED_ROWS = 1024
 MAX_SPECTRAL_DIMS = 128  # wider features are randomly projected down to this many
 SPECTRAL_ENERGY = 0.95   # the principal subspace holds this share of the reference's energy
 SKETCH_SIZE = 2048
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
 LABEL_BUCKETS = 4096     # label ids are folded into this many rows of the binding table
+RESIDUAL_RIDGE = 0.1     # whitening ridge, in units of the honest residuals' average eigenvalue
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,15 +94,13 @@ class Summary:
     def __post_init__(self) -> None:
         assert self.mean.shape == self.std.shape and self.mean.dim() == 1, "per-feature stats must be [D]"
 
-    def blend(self, other: "Summary", beta: float) -> "Summary":
+    def blend(self, other: Summary, beta: float) -> Summary:
         """EMA step ``beta * self + (1 - beta) * other`` (the sketch is not averaged)."""
-        return Summary(mean=beta * self.mean + (1 - beta) * other.mean,
-                       std=beta * self.std + (1 - beta) * other.std,
-                       skew=beta * self.skew + (1 - beta) * other.skew,
-                       quantiles=beta * self.quantiles + (1 - beta) * other.quantiles,
-                       pmean=beta * self.pmean + (1 - beta) * other.pmean,
-                       cov=beta * self.cov + (1 - beta) * other.cov,
-                       sketch=other.sketch)
+        def mix(name: str) -> torch.Tensor:   # numpy: a tenth of torch's cost per call on small arrays
+            return torch.from_numpy(beta * _np(getattr(self, name)) + (1 - beta) * _np(getattr(other, name)))
+
+        return Summary(mean=mix("mean"), std=mix("std"), skew=mix("skew"), quantiles=mix("quantiles"),
+                       pmean=mix("pmean"), cov=mix("cov"), sketch=other.sketch)
 
 
 def mean_summary(summaries: Sequence[Summary]) -> Summary:
@@ -105,7 +110,7 @@ def mean_summary(summaries: Sequence[Summary]) -> Summary:
     n = len(summaries)
 
     def avg(name: str) -> torch.Tensor:
-        return sum(getattr(s, name) for s in summaries) / n
+        return torch.from_numpy(sum(_np(getattr(s, name)) for s in summaries) / n)
 
     return Summary(mean=avg("mean"), std=avg("std"), skew=avg("skew"), quantiles=avg("quantiles"),
                    pmean=avg("pmean"), cov=avg("cov"), sketch=torch.empty(0))
@@ -154,8 +159,42 @@ def sorted_quantiles(values: torch.Tensor, levels: torch.Tensor) -> torch.Tensor
     """
     n = values.shape[0]
     ordered = values.sort(dim=0).values
+    return ordered.index_select(0, _rank_index(n, levels)).T.contiguous()
+
+
+def _rank_index(n: int, levels: torch.Tensor) -> torch.Tensor:
+    # The same few (n, levels) pairs come back every check: keep their indices (and
+    # the levels tensor itself, so that its id cannot be reused by another one).
+    cached = _RANK_INDEX.get((n, id(levels)))
+    if cached is not None and cached[0] is levels:
+        return cached[1]
     idx = (levels * n).floor().long().clamp(0, n - 1)
-    return ordered[idx].T.contiguous()
+    if len(_RANK_INDEX) < 64:
+        _RANK_INDEX[(n, id(levels))] = (levels, idx)
+    return idx
+
+
+_RANK_INDEX: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def stable_mix(*parts: int) -> int:
+    """A 63-bit seed from integers, the same in every process (``hash`` of a tuple is
+    not salted for ints, but this does not depend on that)."""
+    acc = 0x9E3779B97F4A7C15
+    for part in parts:
+        acc = (acc ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+    return acc & ((1 << 63) - 1)
+
+
+def row_subset(rows: int, seed: int, count: int = MAX_PROJECTED_ROWS) -> torch.Tensor | None:
+    """Sorted indices of ``count`` of ``rows`` rows drawn from ``seed``, or None (use them all)
+    when there are no more than ``count``. A verifier draws a fresh subset per
+    microbatch (the seed mixes in step and microbatch) and uses the same subset on
+    every boundary of that microbatch, so a stage's input and output rows stay aligned."""
+    if rows <= count:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(rows, generator=gen)[:count].sort().values
 
 
 def sketch_positions(numel: int, size: int, seed: int) -> torch.Tensor:
@@ -177,44 +216,50 @@ def spectral_projection(dim: int, seed: int) -> torch.Tensor | None:
 
 
 def summarize(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor,
-              spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None) -> Summary:
+              spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None,
+              subset: torch.Tensor | None = None) -> Summary:
     """The :class:`Summary` of ``x`` with the given projection directions and levels.
 
     ``spectral``: the projection from :func:`spectral_projection` (None: identity);
-    ``sketch_at``: flat positions from :func:`sketch_positions` (None: no sketch).
+    ``sketch_at``: flat positions from :func:`sketch_positions` (None: no sketch);
+    ``subset``: the rows used for everything but the per-feature moments and the
+    sketch (from :func:`row_subset`; None: every row).
     """
-    return summarize_rows(x, directions=directions, levels=levels, spectral=spectral, sketch_at=sketch_at)[0]
+    return summarize_rows(x, directions=directions, levels=levels, spectral=spectral, sketch_at=sketch_at,
+                          subset=subset)[0]
 
 
 def summarize_rows(x: torch.Tensor, *, directions: torch.Tensor, levels: torch.Tensor,
-                   spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None
-                   ) -> tuple[Summary, torch.Tensor]:
-    """:func:`summarize`, plus the rows in the spectral basis divided by their RMS (what
-    the label table and the stage's linear surrogate predict), from one projection."""
+                   spectral: torch.Tensor | None = None, sketch_at: torch.Tensor | None = None,
+                   subset: torch.Tensor | None = None) -> tuple[Summary, torch.Tensor]:
+    """:func:`summarize`, plus the (``subset`` of the) rows in the spectral basis divided
+    by their RMS (what the label table and the stage's linear surrogate predict),
+    from one projection."""
     rows = as_rows(x)
     if directions.shape[0] != rows.shape[1]:
         raise InvalidInputError("projection directions", expected=f"{rows.shape[1]} rows (the feature size)",
                                 found=f"{directions.shape[0]}")
     mean = rows.mean(dim=0)
     centred = rows - mean
-    var = centred.square().mean(dim=0)
+    square = centred.square()
+    var = square.mean(dim=0)
     std = var.sqrt()
     # Features with no spread (a constant input, a dead unit) have no skew: 0.
-    skew = centred.pow(3).mean(dim=0) / var.pow(1.5).clamp_min(EPS)
+    skew = (square * centred).mean(dim=0) / (var * std).clamp_min(EPS)
     skew = torch.where(std > EPS ** 0.5 * (mean.abs() + EPS), skew, torch.zeros_like(skew))
-    stride = max(1, math.ceil(rows.shape[0] / MAX_QUANTILE_ROWS))
-    quantiles = sorted_quantiles(rows[::stride] @ directions, levels)
+    some = rows if subset is None else rows[subset]
+    quantiles = sorted_quantiles(some @ directions, levels)
     if spectral is None:
-        prows, pmean, pcentred = rows, mean, centred[::stride]
+        prows, pmean = some, (mean if subset is None else some.mean(dim=0))
     else:
-        prows = rows @ spectral
+        prows = some @ spectral
         pmean = prows.mean(dim=0)
-        pcentred = prows[::stride] - pmean
+    pcentred = centred if prows is rows else prows - pmean
     cov = pcentred.T @ pcentred / pcentred.shape[0]
     # Centring removes the part every batch shares (the per-feature mean), so two
     # different batches are far apart and only a replay is near-identical.
     sketch = torch.empty(0) if sketch_at is None else centred.reshape(-1)[sketch_at]
-    unit = prows / float(prows.square().mean().sqrt().clamp_min(EPS))
+    unit = prows / (cov.trace() + pmean.square().sum()).div(prows.shape[1]).sqrt().clamp_min(EPS)
     return Summary(mean=mean, std=std, skew=skew, quantiles=quantiles, pmean=pmean, cov=cov, sketch=sketch), unit
 
 
@@ -312,6 +357,109 @@ def spectral_residual(x: Summary, ref: Summary, basis: torch.Tensor) -> float:
     return float(((total - inside) / total).clamp(0.0, 1.0))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reference:
+    """A reference :class:`Summary` with the parts of every distance to it that do not
+    depend on the sample, computed once: a reference moves once per step, and is
+    scored against by every microbatch of it. :func:`summary_scores` uses it.
+
+    The vectors are numpy arrays: scoring a summary is some forty operations on
+    vectors of a few hundred values, where numpy's per-call cost is a fraction of
+    torch's. Only elementwise numpy is used (no BLAS call: numpy's BLAS may start its
+    own threads, which on a loaded machine costs more than it saves); the matrix
+    products of the spectral test stay in torch."""
+
+    summary: Summary
+    log_rms: float
+    shape: np.ndarray           # shape(summary)
+    shape_abs: float            # mean |shape|, at least EPS
+    shape_norm: float           # ||shape||, at least EPS
+    sign: np.ndarray            # sign of the per-feature means
+    weight: np.ndarray          # |mean| / sum |mean| (the sign-flip weights)
+    skew: np.ndarray
+    skew_norm: float
+    quantiles: np.ndarray       # quantiles / rms
+    spread: float               # their mean absolute deviation per slice, at least EPS
+    basis: torch.Tensor | None  # principal subspace of the covariance (None: not needed)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def _size(mean: np.ndarray, std: np.ndarray) -> float:
+    return max(math.sqrt(float(np.square(mean).sum() + np.square(std).sum()) / mean.size), EPS)
+
+
+def _norm(v: np.ndarray) -> float:
+    return math.sqrt(float(np.square(v).sum()))
+
+
+def reference(ref: Summary, *, spectral: bool = True, basis: torch.Tensor | None = None) -> Reference:
+    """The :class:`Reference` of ``ref``. ``spectral``: also its principal basis, the given
+    ``basis`` if any (a basis computed from a recent reference: the principal subspace
+    moves far more slowly than the EMA, and an eigendecomposition costs more than a
+    check), else :func:`principal_basis` of its covariance."""
+    mean, std = _np(ref.mean), _np(ref.std)
+    size = _size(mean, std)
+    shape_vec = np.concatenate((mean, std)) / size
+    weight = np.abs(mean)
+    quantiles = _np(ref.quantiles) / size
+    skew = _np(ref.skew)
+    if spectral and basis is None:
+        basis = principal_basis(ref.cov)
+    return Reference(summary=ref, log_rms=math.log(size), shape=shape_vec,
+                     shape_abs=max(float(np.abs(shape_vec).mean()), EPS),
+                     shape_norm=max(_norm(shape_vec), EPS),
+                     sign=np.sign(mean), weight=weight / max(float(weight.sum()), EPS),
+                     skew=skew, skew_norm=_norm(skew), quantiles=quantiles,
+                     spread=max(float(np.abs(quantiles - quantiles.mean(axis=1, keepdims=True)).mean()), EPS),
+                     basis=basis if spectral else None)
+
+
+SUMMARY_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral")
+
+
+def summary_scores(x: Summary, ref: Reference, names: Sequence[str] = SUMMARY_DISTANCES) -> dict[str, float]:
+    """The distances among ``names`` (of :data:`SUMMARY_DISTANCES`) from ``x`` to ``ref``, in
+    one pass: the same values as :func:`mean_abs_diff`, :func:`normalized_l2`,
+    :func:`scale_change`, :func:`sign_flip_ratio`, :func:`skew_flip`,
+    :func:`sliced_wasserstein` and :func:`spectral_residual` (up to float rounding), at
+    a fraction of the cost: each distance's own function re-derives the sample's size
+    and the reference's terms, and a check of a small tensor is dominated by the
+    number of operations, not by their size."""
+    out: dict[str, float] = {}
+    mean, std = _np(x.mean), _np(x.std)
+    size = _size(mean, std)
+    if "mad" in names or "l2" in names:
+        diff = np.concatenate((mean, std)) / size - ref.shape
+        if "mad" in names:
+            out["mad"] = float(np.abs(diff).mean()) / ref.shape_abs
+        if "l2" in names:
+            out["l2"] = _norm(diff) / ref.shape_norm
+    if "scale" in names:
+        out["scale"] = abs(math.log(size) - ref.log_rms)
+    if "sign" in names:
+        out["sign"] = float(ref.weight[np.sign(mean) != ref.sign].sum())
+    if "skew" in names:
+        skew = _np(x.skew)
+        denom = max(_norm(skew) * ref.skew_norm, EPS)
+        out["skew"] = (1.0 - float((skew * ref.skew).sum()) / denom) / 2.0
+    if "swd" in names:
+        if tuple(x.quantiles.shape) != ref.quantiles.shape:
+            raise InvalidInputError("quantile summaries", expected=f"shape {ref.quantiles.shape}",
+                                    found=f"shape {tuple(x.quantiles.shape)}")
+        out["swd"] = float(np.abs(_np(x.quantiles) / size - ref.quantiles).mean()) / ref.spread
+    if "spectral" in names:
+        assert ref.basis is not None, "the reference was prepared without its principal basis"
+        shift = x.pmean - ref.summary.pmean
+        parts = torch.stack((x.cov.trace() + shift @ shift,
+                             ((x.cov @ ref.basis) * ref.basis).sum() + (shift @ ref.basis).square().sum()))
+        total, inside = parts.tolist()
+        out["spectral"] = 0.0 if total <= EPS else min(1.0, max(0.0, (total - inside) / total))
+    return out
+
+
 def label_buckets(labels: torch.Tensor, rows: int) -> torch.Tensor | None:
     """Label ids folded into ``LABEL_BUCKETS``, or None unless there is one integer label per row."""
     if labels.numel() != rows or labels.is_floating_point():
@@ -342,7 +490,14 @@ def binding_parts(rows: torch.Tensor, labels: torch.Tensor, table: torch.Tensor,
 def link_stats(inputs: torch.Tensor, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Second moments ``([1 X]^T [1 X] / n, [1 X]^T Y / n)`` of aligned input and output rows:
     what a ridge regression from a stage's input rows to its output rows needs."""
-    x1 = torch.cat((inputs, torch.ones(inputs.shape[0], 1)), dim=1)
+    return _moments(_with_ones(inputs), outputs)
+
+
+def _with_ones(inputs: torch.Tensor) -> torch.Tensor:
+    return torch.cat((inputs, torch.ones(inputs.shape[0], 1)), dim=1)
+
+
+def _moments(x1: torch.Tensor, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x1.T @ x1 / x1.shape[0], x1.T @ outputs / x1.shape[0]
 
 
@@ -353,17 +508,63 @@ def link_solve(sxx: torch.Tensor, sxy: torch.Tensor, ridge: float = 1e-2) -> tor
     return torch.linalg.solve(sxx.double() + ridge * eye, sxy.double()).float()
 
 
-def link_parts(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
-    """``(||Y - [1 X] W||^2, ||Y - mean(Y)||^2)``: their ratio is the share of the output
-    the stage's learnt linear surrogate does not explain (~0.01-0.05 for honest
-    residual stages, >= 1 for an output of other data, ~4 for a sign flip)."""
-    x1 = torch.cat((inputs, torch.ones(inputs.shape[0], 1)), dim=1)
+def link_parts(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor
+               ) -> tuple[float, float, torch.Tensor]:
+    """``(||Y - [1 X] W||^2, ||Y - mean(Y)||^2, R^T R)`` with ``R = Y - [1 X] W`` the residual:
+    the first two's ratio is the share of the output the stage's learnt linear
+    surrogate does not explain (~0.01-0.05 for honest residual stages, >= 1 for an
+    output of other data, ~4 for a sign flip); the residual's second moment ``[K, K]``
+    is what :func:`residual_shape` scores."""
+    return _parts(_with_ones(inputs), outputs, weights)
+
+
+def _parts(x1: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> tuple[float, float, torch.Tensor]:
     resid = outputs - x1 @ weights
-    return float(resid.square().sum()), float((outputs - outputs.mean(dim=0)).square().sum())
+    moment = resid.T @ resid
+    centred = outputs - outputs.mean(dim=0)
+    return float(moment.trace()), float(centred.square().sum()), moment
 
 
-def replay_score(sketch: torch.Tensor, past: torch.Tensor) -> float:
-    """``-log10(1 - max cosine)`` between ``sketch [K]`` and the rows of ``past [R, K]``.
+def link_fit(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor | None
+             ) -> tuple[tuple[float, float, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`link_parts` (None without ``weights``) and :func:`link_stats` of one sample,
+    sharing their ``[1 X]``."""
+    x1 = _with_ones(inputs)
+    return (None if weights is None else _parts(x1, outputs, weights)), _moments(x1, outputs)
+
+
+def residual_whitener(reference: torch.Tensor, ridge: float = RESIDUAL_RIDGE) -> torch.Tensor:
+    """``[K, K]``: the inverse of the honest residuals' shape (their second moment divided
+    by its trace), ridged by ``ridge`` times the average eigenvalue and scaled so that
+    a residual of exactly the reference's shape scores 1 in :func:`residual_shape`."""
+    k = reference.shape[0]
+    ref = reference.double() / reference.trace().double().clamp_min(EPS)
+    values, vectors = torch.linalg.eigh(ref)
+    values = values.clamp_min(0.0)
+    inverse = 1.0 / (values + ridge / k)
+    norm = float((values * inverse).sum())
+    return ((vectors * (inverse / max(norm, EPS))) @ vectors.T).float()
+
+
+def residual_shape(moment: torch.Tensor, whitener: torch.Tensor) -> float:
+    """``tr(A M) / tr(M)``: the whitened energy of a sample's link residual (``moment``, from
+    :func:`link_parts`) relative to honest residuals' (``A`` from :func:`residual_whitener`).
+
+    What a stage's linear surrogate leaves unexplained is the stage's own
+    nonlinearity, which lives in a few directions; anything the stage did not
+    compute (noise, another batch's rows, a blend toward either) spreads over
+    all directions, including those where honest residuals have almost no
+    energy. ~1 for honest samples, 5-10 for noise at 1% of the tensor's energy,
+    far below what the link share itself (:func:`link_parts`) can see."""
+    total = float(moment.trace())
+    if total <= EPS:
+        return 0.0
+    return float((whitener * moment).sum()) / total
+
+
+def replay_score(sketch: torch.Tensor, past: torch.Tensor, past_norms: torch.Tensor | None = None) -> float:
+    """``-log10(1 - max cosine)`` between ``sketch [K]`` and the rows of ``past [R, K]``
+    (``past_norms``: their norms, if known).
 
     Honest tensors of different batches give a small score (cosine well below
     1); a byte-for-byte replay gives the cap. The log scale separates "0.99
@@ -371,7 +572,7 @@ def replay_score(sketch: torch.Tensor, past: torch.Tensor) -> float:
     """
     if past.numel() == 0 or sketch.numel() == 0:
         return 0.0
-    norms = past.norm(dim=1) * sketch.norm()
+    norms = (past.norm(dim=1) if past_norms is None else past_norms) * sketch.norm()
     cos = ((past @ sketch) / norms.clamp_min(EPS)).clamp(0.0, 1.0)
     gap = float(1.0 - cos.max())
     return min(REPLAY_SCORE_CAP, -math.log10(max(gap, 10.0 ** -REPLAY_SCORE_CAP)))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from planner.errors import InvalidInputError
 
@@ -28,7 +29,7 @@ class IQRFence:
     tens of percent as training goes on, corruptions move them by multiples.
     """
 
-    __slots__ = ("window", "k", "min_samples", "floor", "ratio", "_scores", "_sorted", "_fence")
+    __slots__ = ("_fence", "_scores", "_sorted", "floor", "k", "min_samples", "ratio", "window")
 
     def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0,
                  ratio: float = 0.0) -> None:
@@ -102,23 +103,89 @@ class IQRFence:
         return not (score <= limit)
 
 
-ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "replay")
+class Cusum:
+    """One-sided CUSUM of a positive score against its own honest history: catches a
+    sender that keeps a score *persistently* high while staying under its fence.
+
+    Each sample's ``z = (ln score - median) / spread`` is read against a rolling
+    window of the logs of accepted, in-control samples (``spread``: their IQR /
+    1.349, at least ``min_spread``); ``S = max(0, S + min(z, cap) - k)``. Honest
+    scores scatter around the median (z mostly below ``k``, so S stays near 0, and
+    ``cap`` keeps one outlier from lifting it far); an attacker holding the score
+    at, say, twice its honest level adds ``z - k`` every sample and crosses any
+    fence on S within a few steps, however far below the score's own fence it
+    stays. Samples with ``z >= k`` never teach the baseline, so a slow creep
+    cannot drag it along.
+    """
+
+    __slots__ = ("_logs", "_sorted", "cap", "k", "min_samples", "min_spread", "value", "window")
+
+    def __init__(self, *, window: int, k: float, cap: float = 4.0, min_samples: int = 16,
+                 min_spread: float = 0.1) -> None:
+        if k <= 0 or cap <= k:
+            raise InvalidInputError("drift test", expected="0 < k < cap", found=f"k={k}, cap={cap}")
+        self.window, self.k, self.cap = window, float(k), float(cap)
+        self.min_samples, self.min_spread = min(min_samples, window), float(min_spread)
+        self._logs: deque[float] = deque()
+        self._sorted: list[float] = []
+        self.value = 0.0
+
+    def z(self, score: float) -> float | None:
+        """The score's standardised log against the baseline (None: too few samples yet)."""
+        if len(self._sorted) < self.min_samples or not score > 0 or not math.isfinite(score):
+            return None
+        n = len(self._sorted)
+        median, q1, q3 = (self._quantile(q, n) for q in (0.5, 0.25, 0.75))
+        return (math.log(score) - median) / max((q3 - q1) / 1.349, self.min_spread)
+
+    def _quantile(self, q: float, n: int) -> float:
+        pos = (n - 1) * q
+        lo = math.floor(pos)
+        hi = min(lo + 1, n - 1)
+        return self._sorted[lo] + (pos - lo) * (self._sorted[hi] - self._sorted[lo])
+
+    def step(self, score: float) -> float:
+        """Add a checked sample to the sum; returns the new value of S."""
+        z = self.z(score)
+        if z is not None:
+            self.value = max(0.0, self.value + min(z, self.cap) - self.k)
+        return self.value
+
+    def learn(self, score: float) -> None:
+        """Teach the baseline an accepted sample's score, unless it looked out of control."""
+        z = self.z(score)
+        if not score > 0 or not math.isfinite(score) or (z is not None and z >= self.k):
+            return
+        value = math.log(score)
+        self._logs.append(value)
+        bisect.insort(self._sorted, value)
+        if len(self._logs) > self.window:
+            old = self._logs.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+
+ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "residual", "drift",
+                 "replay")
 # Fence floors, measured on gpt-tiny training (benchmarks/verification.py):
 # sign and skew above 0.5 mean "points the other way than the reference" (one
 # microbatch's skew is noisy: 0.9); a scale floor of 1.0 tolerates honest
 # gradient spikes of up to e times the usual size; spectral 0.2 is four times the
 # honest level of trained residual streams; binding and link near 1 mean
-# "rows of other data"; replay 6 only flags copies within 1e-6 of cosine 1.
+# "rows of other data"; residual 3 is twice its honest worst (~1.1 typical,
+# < 1.7 p99 for activations, < 2.5 for gradients); drift 8 is the CUSUM's
+# alarm level (``Cusum``; zero alarms in 2 x 200 clean steps of every monitor,
+# an attacker holding the residual at 2x its median crosses it in ~2 steps);
+# replay 6 only flags copies within 1e-6 of cosine 1.
 DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.2,
-                  "binding": 1.0, "link": 0.3, "replay": 6.0}
+                  "binding": 1.0, "link": 0.3, "residual": 3.0, "drift": 8.0, "replay": 6.0}
 # A step's average is less noisy than one microbatch: it may be held closer.
-DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.12, "link": 0.2}
+DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.12, "link": 0.2, "residual": 2.5}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
 # the data and with bursts of training instability (gradients above all), so
 # they only flag gross corruption; the spectral share is stable from batch to
 # batch and is the sensitive test.
 DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0, "spectral": 2.5,
-                  "binding": 2.5, "link": 5.0, "replay": 3.0}
+                  "binding": 2.5, "link": 5.0, "residual": 3.0, "drift": 0.0, "replay": 3.0}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +201,12 @@ class VerifierConfig:
     ``ban_after`` of the last ``ban_window`` steps is banned. ``distances``:
     the tests to run (``ALL_DISTANCES``). ``projections``/``quantiles``: the
     sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
-    ``seed``: the projections' seed (the same on every verifier rank).
+    ``drift_k``: the CUSUM's allowance per sample (in robust standard deviations
+    of the log residual score; see :class:`Cusum`, whose alarm level is
+    ``floors["drift"]``). ``basis_refresh``: steps between two eigendecompositions of a reference (its
+    principal subspace, its residuals' whitener; 1: every step, what early
+    training needs, when the subspaces still turn fast); ``seed``: the
+    projections' seed (the same on every verifier rank).
     """
 
     beta_act: float = 0.9
@@ -152,9 +224,14 @@ class VerifierConfig:
     projections: int = 16
     quantiles: int = 32
     replay_window: int = 256
+    drift_k: float = 1.5
+    basis_refresh: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.drift_k > 0:
+            raise InvalidInputError("verifier_config.drift_k", expected="a number > 0 (e.g. 1.5)",
+                                    found=str(self.drift_k))
         if not self.iqr_k > 0:
             raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
                                     found=str(self.iqr_k))
@@ -168,7 +245,7 @@ class VerifierConfig:
                 raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
                                         found=str(getattr(self, name)))
         for name in ("window", "min_samples", "ban_after", "ban_window", "projections", "quantiles",
-                     "replay_window"):
+                     "replay_window", "basis_refresh"):
             if int(getattr(self, name)) < 1:
                 raise InvalidInputError(f"verifier_config.{name}", expected=">= 1",
                                         found=str(getattr(self, name)))
@@ -184,7 +261,7 @@ class VerifierConfig:
                                     found=repr(unknown or list(self.distances)))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "VerifierConfig":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> VerifierConfig:
         d = dict(d or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)

@@ -13,7 +13,10 @@ whether the sender corrupted it:
 2. Each microbatch is scored against them with scale-free distances: mean
    absolute difference and normalised L2 of the per-feature moments, size
    change, sign-flip ratio, skew flip, sliced Wasserstein, spectral residual,
-   label binding, stage link, replay (see ``distances``).
+   label binding, stage link and the shape of its residual, replay (see
+   ``distances``), and a CUSUM of each sender's residual scores ("drift":
+   the one test of a sequence, for an attacker who keeps every single sample
+   just inside its fence).
 3. Each distance has an IQR fence over a rolling window of accepted scores
    (``thresholds``); a sample is flagged when any distance is above its fence.
    Within a step every sample is scored against the reference of the step's
@@ -33,19 +36,23 @@ far from. The statistics above are what stays stable from batch to batch.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
-from planner.runtime.thresholds import ALL_DISTANCES, IQRFence, VerifierConfig
+from planner.runtime.thresholds import ALL_DISTANCES, Cusum, IQRFence, VerifierConfig
 
 __all__ = ["ALL_DISTANCES", "Monitor", "Verdict", "Verifier", "VerifierConfig", "blame"]
 
 DIRECTIONS = ("act", "grad")
-PER_SAMPLE_ONLY = ("replay",)  # a replay is a property of one tensor, not of a step's average
+# A replay is a property of one tensor, the drift one of a sender's sequence of them: neither
+# has a step-average version.
+PER_SAMPLE_ONLY = ("replay", "drift")
 STEP_MB = -1                   # the "microbatch" of a step-level flag
 
 
@@ -66,33 +73,42 @@ class Verdict:
 
 
 class _Ring:
-    """The last ``capacity`` sketches in one preallocated ``[capacity, length]`` tensor."""
+    """The last ``capacity`` sketches in one preallocated ``[capacity, length]`` tensor,
+    with their norms (a replay test reads every row each check)."""
 
     def __init__(self, capacity: int, length: int) -> None:
         self._data = torch.zeros(capacity, length)
+        self._norms = torch.zeros(capacity)
         self._count = 0
 
     def __len__(self) -> int:
         return min(self._count, self._data.shape[0])
 
     def push(self, sketch: torch.Tensor) -> None:
-        self._data[self._count % self._data.shape[0]] = sketch
+        slot = self._count % self._data.shape[0]
+        self._data[slot] = sketch
+        self._norms[slot] = sketch.norm()
         self._count += 1
 
     def rows(self) -> torch.Tensor:
         return self._data[: len(self)]
+
+    def norms(self) -> torch.Tensor:
+        return self._norms[: len(self)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Fit:
     """One sample's evidence for a learnt predictor of its rows (``binding``: the
     label table; ``link``: the linear surrogate of the sending stage): the energy
-    the predictor leaves unexplained, the energy around the centre, and what the
-    sample adds to the predictor if it is accepted."""
+    the predictor leaves unexplained, the energy around the centre, what the
+    sample adds to the predictor if it is accepted and (``link`` only) the
+    residual's second moment ``[K, K]`` (None before the surrogate exists)."""
 
     num: float
     den: float
     update: tuple[torch.Tensor, ...]
+    moment: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,10 +142,17 @@ class Monitor:
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
         self.step: int | None = None  # the open step
+        self._closed_step = -1          # the last step closed
         self._pending: list[_Sample] = []
         self._dirs: torch.Tensor | None = None
         self.spectral: torch.Tensor | None = None
+        self._ref: dist.Reference | None = None   # self.ref's sample-independent terms
+        # Eigendecompositions (the principal basis, the residual whitener) cost as much as
+        # a check: they are redone once every ``cfg.basis_refresh`` steps (the reference
+        # moves only when a step closes), at the first score that needs them.
         self._basis: torch.Tensor | None = None
+        self._basis_step = -1
+        self._whitener_step = -1
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
@@ -138,6 +161,9 @@ class Monitor:
         self._centre: torch.Tensor | None = None
         self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
         self._link_w: torch.Tensor | None = None
+        self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
+        self._whitener: torch.Tensor | None = None
+        self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
         self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances}
         self.step_fences = {name: self._fence(name, cfg.step_floors)
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
@@ -154,9 +180,12 @@ class Monitor:
         # Distinct, fixed projections per monitor: the same on every rank and run.
         return self.cfg.seed * 1_000_003 + self.boundary * 2 + DIRECTIONS.index(self.direction) + salt
 
-    def summarize(self, tensor: torch.Tensor) -> tuple[dist.Summary, torch.Tensor] | None:
-        """The sample's summary and unit rows (see ``distances.summarize_rows``), or None if
-        its feature size differs from earlier samples'."""
+    def summarize(self, tensor: torch.Tensor, subset_seed: int = 0
+                  ) -> tuple[dist.Summary, torch.Tensor, torch.Tensor | None] | None:
+        """The sample's summary, unit rows and the subset of rows they are (see
+        ``distances.summarize_rows`` and ``distances.row_subset``; ``subset_seed`` picks
+        the subset of a large tensor), or None if its feature size differs from earlier
+        samples'."""
         rows_dim = dist.feature_size(tensor)
         if self._dirs is None:
             self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
@@ -169,8 +198,10 @@ class Monitor:
             if numel not in self._sketch_at:
                 self._sketch_at[numel] = dist.sketch_positions(numel, dist.SKETCH_SIZE, self._seed(7))
             sketch_at = self._sketch_at[numel]
-        return dist.summarize_rows(tensor, directions=self._dirs, levels=self._levels, spectral=self.spectral,
-                                   sketch_at=sketch_at)
+        subset = dist.row_subset(tensor.numel() // rows_dim, subset_seed)
+        summary, rows = dist.summarize_rows(tensor, directions=self._dirs, levels=self._levels,
+                                            spectral=self.spectral, sketch_at=sketch_at, subset=subset)
+        return summary, rows, subset
 
     def fits(self, rows: torch.Tensor, labels: torch.Tensor | None, inputs: torch.Tensor | None
              ) -> dict[str, _Fit]:
@@ -183,14 +214,17 @@ class Monitor:
             if self._table is not None and self._centre is not None:
                 num, den = dist.binding_parts(rows, buckets, self._table, self._seen, self._centre)
             fits["binding"] = _Fit(num=num, den=den, update=(*dist.label_means(rows, buckets), rows.mean(dim=0)))
-        if inputs is not None and "link" in self.fences and len(inputs) == len(rows):
-            num = den = 0.0
+        linked = "link" in self.fences or "residual" in self.fences
+        if inputs is not None and linked and len(inputs) == len(rows):
+            weights = None
             if self._link is not None:
                 if self._link_w is None or self._link_w.shape[0] != inputs.shape[1] + 1:
                     self._link_w = dist.link_solve(*self._link)
                 if self._link_w.shape[0] == inputs.shape[1] + 1:
-                    num, den = dist.link_parts(inputs, rows, self._link_w)
-            fits["link"] = _Fit(num=num, den=den, update=dist.link_stats(inputs, rows))
+                    weights = self._link_w
+            parts, update = dist.link_fit(inputs, rows, weights)
+            num, den, moment = parts if parts is not None else (0.0, 0.0, None)
+            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment)
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
@@ -200,20 +234,34 @@ class Monitor:
         if self.ref is None:
             return {}
         names = self.fences if per_sample else self.step_fences
-        scores = {name: dist.DISTANCES[name](summary, self.ref) for name in names if name in dist.DISTANCES}
-        if "spectral" in names:
-            if self._basis is None:
-                self._basis = dist.principal_basis(self.ref.cov)
-            scores["spectral"] = dist.spectral_residual(summary, self.ref, self._basis)
+        if self._ref is None:
+            spectral = "spectral" in self.fences
+            if spectral and (self._basis is None or self._stale(self._basis_step)
+                             or self._basis.shape[0] != self.ref.cov.shape[0]):
+                self._basis, self._basis_step = dist.principal_basis(self.ref.cov), self._age_step()
+            self._ref = dist.reference(self.ref, spectral=spectral, basis=self._basis)
+        scores = dist.summary_scores(summary, self._ref, tuple(names))
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
-            scores["replay"] = dist.replay_score(summary.sketch, ring.rows()) if ring else 0.0
+            scores["replay"] = dist.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
         for name in ("binding", "link"):
             parts = [f[name] for f in fits if name in f]
             den = sum(p.den for p in parts)
             if name in names and den > 0:
                 scores[name] = sum(p.num for p in parts) / den
+        moments = [f["link"].moment for f in fits if "link" in f and f["link"].moment is not None]
+        if "residual" in names and moments and self._resid is not None:
+            if self._whitener is None or self._stale(self._whitener_step):
+                self._whitener, self._whitener_step = dist.residual_whitener(self._resid), self._age_step()
+            if self._whitener.shape == moments[0].shape:
+                scores["residual"] = dist.residual_shape(sum(moments), self._whitener)
         return scores
+
+    def _age_step(self) -> int:
+        return self.step if self.step is not None else self._closed_step
+
+    def _stale(self, computed_at: int) -> bool:
+        return self._age_step() - computed_at >= self.cfg.basis_refresh
 
     def warming(self, step: int) -> bool:
         return self.first_step is None or step < self.first_step + self.cfg.warmup
@@ -223,6 +271,22 @@ class Monitor:
             return ()
         fences = self.fences if per_sample else self.step_fences
         return tuple(name for name, value in scores.items() if fences[name].exceeds(value))
+
+    def drift(self, sender: int) -> Cusum:
+        """The CUSUM of ``sender``'s residual scores on this boundary (one per sender: an
+        honest replica's samples must neither mask nor be blamed for another's). It
+        learns and sums only after the warm-up: early training's transients would
+        make a baseline that later, calmer scores are judged against.
+
+        Its limit: an honest *rise* of the residual score faster than the baseline
+        follows reads as drift too (samples in alarm do not teach the baseline, so
+        the alarm would hold). On real training the score falls early and then
+        stays flat (``benchmarks/verification.py``: no drift flag in 2 x 200 clean
+        steps); a model whose stage residuals keep changing shape should drop
+        ``drift`` from ``distances``."""
+        if sender not in self._drift:
+            self._drift[sender] = Cusum(window=self.cfg.window, k=self.cfg.drift_k)
+        return self._drift[sender]
 
     def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit]) -> None:
         """Keep a sample that passed until its step closes."""
@@ -234,6 +298,7 @@ class Monitor:
         if self.step is None:
             return []
         step, self.step = self.step, None
+        self._closed_step = step
         pending, self._pending = self._pending, []
         by_sender: dict[int, list[_Sample]] = {}
         for sample in pending:
@@ -253,6 +318,8 @@ class Monitor:
         for sample in pending:
             if sample.sender not in bad:
                 self._fold(sample.summary, sample.scores, sample.fits)
+                if "drift" in self.fences and "residual" in sample.scores and not self.warming(step):
+                    self.drift(sample.sender).learn(sample.scores["residual"])
         return failed
 
     def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
@@ -267,8 +334,9 @@ class Monitor:
             self._link = (sxx, sxy) if not same else tuple(  # type: ignore[assignment]
                 self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, (sxx, sxy)))
             self._link_w = None
+            self._fold_residual(fits["link"].moment)
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
-        self._basis = None  # the principal subspace follows the reference
+        self._ref = None  # its derived terms follow the reference
         for name, value in scores.items():
             self.fences[name].update(value)
         length = summary.sketch.numel()
@@ -276,6 +344,15 @@ class Monitor:
             if length not in self._history:
                 self._history[length] = _Ring(self.cfg.replay_window, length)
             self._history[length].push(summary.sketch)
+
+    def _fold_residual(self, moment: torch.Tensor | None) -> None:
+        if moment is None or float(moment.trace()) <= 0.0:
+            return
+        shape = moment / moment.trace()
+        same = self._resid is not None and self._resid.shape == shape.shape
+        self._resid = self.beta * self._resid + (1 - self.beta) * shape if same else shape
+        if not same:
+            self._whitener = None
 
     def _fold_binding(self, ids: torch.Tensor, means: torch.Tensor, counts: torch.Tensor,
                       centre: torch.Tensor) -> None:
@@ -328,24 +405,34 @@ class Verifier:
 
         ``labels``: optional integer ids, one per row of ``tensor`` (the
         microbatch's input token ids for activations, its target ids for
-        gradients); they enable the ``binding`` test. The ``link`` test needs
-        no help: it runs whenever this verifier also checks the sending stage's
-        input boundary (the boundary before it for activations, after it for
-        gradients) and saw that microbatch there.
+        gradients); they enable the ``binding`` test where the ``link`` test
+        cannot run. The ``link`` test needs no help: it runs whenever this
+        verifier also checks the sending stage's input boundary (the boundary
+        before it for activations, after it for gradients) and saw that
+        microbatch there; it sees everything binding sees (rows of another
+        batch) and more, so binding is skipped there (it would cost a sixth of
+        a check for nothing).
         """
         mon = self.monitor(boundary, direction)
+        if _input_key(boundary, direction) in self._monitors:
+            labels = None
         mon.checked += 1
         if mon.first_step is None:
             mon.first_step = step
         if mon.step != step:
             self._close(mon)  # the executor skipped flag_events for the previous step
             mon.step = step
-        summarized = mon.summarize(tensor)
+        # One subset of a large tensor's rows per microbatch, shared by all its boundaries
+        # (a stage's input and output rows must stay aligned for its link test).
+        summarized = mon.summarize(tensor, subset_seed=dist.stable_mix(self.config.seed, step, mb))
         if summarized is None:
             return self._flag(mon, step, mb, sender, {}, ("shape",))
-        summary, rows = summarized
-        # Any inf or NaN element makes its feature's mean or std non-finite: one cheap test.
-        if not bool(torch.isfinite(summary.mean).all() and torch.isfinite(summary.std).all()):
+        summary, rows, subset = summarized
+        if labels is not None and subset is not None and labels.numel() == tensor.numel() // dist.feature_size(tensor):
+            labels = labels.reshape(-1)[subset]   # one label per row: keep those of the subset
+        # Any inf or NaN element makes its feature's std NaN (inf - inf, or NaN, around the
+        # mean): one cheap test.
+        if not math.isfinite(float(summary.std.sum())):
             return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
         scores = mon.score(summary, (fits,))
@@ -355,6 +442,8 @@ class Verifier:
             mon.tainted += 1
             self.events.append(self._event("tainted", mon, step, mb, sender, scores, ()))
             return Verdict(flagged=False, tainted=True, scores=scores)
+        if "drift" in mon.fences and "residual" in scores and not mon.warming(step):
+            scores["drift"] = mon.drift(sender).step(scores["residual"])
         reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons)

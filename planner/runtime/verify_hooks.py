@@ -4,7 +4,10 @@ The executor calls this adapter, never ``verify.py`` / ``attacks.py``
 directly, so the monitors' API can change in one place.
 
 * :class:`VerifyHooks` owns this rank's :class:`~planner.runtime.verify.Verifier`
-  (for the boundaries the plan gives it) and resolves blame at step end.
+  (for the boundaries the plan gives it) and resolves blame at step end. It also
+  gives the monitors the microbatch's labels (token ids, class ids) for their
+  ``binding`` test: every rank can rebuild any microbatch from ``(step, seed)``
+  (``planner.runtime.data``), so the executor needs to send nothing for it.
 * :class:`AttackHooks` owns this rank's attackers (``--attack rank=R,...`` specs
   naming it); an attacked rank corrupts what it *sends*, once per microbatch and
   direction, and the same corrupted tensor goes to the consumer and the verifier.
@@ -14,8 +17,9 @@ Several tensors may cross one edge; the monitors see them as one flat tensor
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +33,7 @@ _PLAN_TO_MONITOR_KEYS = {"act_beta": "beta_act", "grad_beta": "beta_grad", "warm
                          "window": "window", "iqr_k": "iqr_k", "ban_after": "ban_after"}
 
 
-def monitor_config(plan: "Plan", seed: int) -> dict[str, Any]:
+def monitor_config(plan: Plan, seed: int) -> dict[str, Any]:
     """The monitors' config dict from the plan's ``verifier_config``."""
     cfg = asdict(plan.verifier_config)
     out = {_PLAN_TO_MONITOR_KEYS.get(k, k): v for k, v in cfg.items()}
@@ -57,12 +61,17 @@ def as_checked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class VerifyHooks:
     """This rank's monitors (if the plan makes it a verifier)."""
 
-    def __init__(self, plan: "Plan", rank: int, *, seed: int = 0) -> None:
+    def __init__(self, plan: Plan, rank: int, *, seed: int = 0, data: str | None = None) -> None:
+        """``data``: the run's data source (``RunOptions.data``), from which the labels are
+        rebuilt; None gives the monitors no labels (a guessed source could disagree with
+        the one the stages train on, and every honest microbatch would look bound to
+        the wrong labels)."""
         from planner.runtime.verify import Verifier
 
         self.rank = rank
         pairs = [(v.boundary, d) for v in plan.verifiers if v.rank == rank for d in v.directions]
         self.verifier = Verifier(monitor_config(plan, seed), pairs) if pairs else None
+        self._labels = _Labels(plan, seed=seed, data=data) if pairs and data is not None else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen
         self.logged_bans = 0  # how many of new_bans the worker has announced
@@ -74,8 +83,10 @@ class VerifyHooks:
             raise InvalidInputError(f"rank {self.rank} has a VERIFY instruction for boundary {boundary}",
                                     expected="a plan verifier on this rank", found="none",
                                     fix="regenerate the plan (its programs and verifiers disagree)")
-        verdict = self.verifier.check(boundary, direction_name(op_direction), as_checked(tensors),
-                                      step=step, mb=mb, sender=sender, tainted=tainted)
+        direction = direction_name(op_direction)
+        labels = self._labels.of(step, mb, direction) if self._labels is not None else None
+        verdict = self.verifier.check(boundary, direction, as_checked(tensors), step=step, mb=mb, sender=sender,
+                                      tainted=tainted, labels=labels)
         if verdict.flagged and sender in self.banned:
             verdict_note = {"type": "flag_after_ban", "step": step, "mb": mb, "boundary": boundary,
                             "sender": sender}
@@ -99,6 +110,35 @@ class VerifyHooks:
         if self.verifier is None:
             return {}
         return {**self.verifier.summary(), "events": list(self.verifier.events)}
+
+
+class _Labels:
+    """The integer labels of a plan's microbatches, rebuilt from ``(step, seed)`` like the
+    stage ranks' data: for activations the inputs' ids (a language model's residual
+    stream carries its token), for gradients the targets (a cross-entropy gradient
+    carries its target); the other one if that is not integer. The monitor uses them
+    only when there is one label per row of the checked tensor."""
+
+    def __init__(self, plan: Plan, *, seed: int, data: str) -> None:
+        self.plan, self.seed, self.data = plan, seed, data
+        self._batches = None
+
+    def of(self, step: int, mb: int, direction: str) -> torch.Tensor | None:
+        if self._batches is None:
+            from models.registry import build_model
+            from planner.runtime.data import PlanBatches, make_source
+
+            ref, config = self.plan.model, self.plan.config
+            bundle = build_model(ref.spec, batch=config.microbatch_size, seq=ref.seq, device="meta", seed=self.seed)
+            source = make_source(bundle, kind=self.data, seq=ref.seq, seed=self.seed)
+            self._batches = PlanBatches(source, global_batch=config.global_batch,
+                                        microbatch_size=config.microbatch_size)
+        inputs, targets = self._batches.microbatch(step, mb)
+        ids = [t for t in (inputs[0] if len(inputs) == 1 else None, targets)
+               if t is not None and not t.is_floating_point() and not t.is_complex()]
+        if not ids:
+            return None
+        return ids[-1] if direction == "grad" else ids[0]
 
 
 class AttackHooks:

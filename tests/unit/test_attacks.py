@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.attacks import KIND_PARAMS, AttackSpec, Attacker, feature_pattern, parse_attack
+from planner.runtime.attacks import (
+    KIND_PARAMS,
+    Attacker,
+    AttackSpec,
+    feature_pattern,
+    parse_attack,
+)
 
 torch.set_num_threads(1)
 
@@ -34,6 +40,8 @@ def test_defaults_per_kind() -> None:
     assert parse_attack("rank=1, kind=noise ").param("std") == KIND_PARAMS["noise"]["std"]
     assert parse_attack("rank=1,kind=delay,steps=3").param("steps") == 3
     assert parse_attack("rank=1,kind=adaptive,target=noise").param("target") == "noise"
+    assert parse_attack("rank=1,kind=adaptive").param("model") == "summary"
+    assert parse_attack("rank=1,kind=adaptive,model=full").param("model") == "full"
     assert parse_attack("rank=0,kind=bias,dir=both").targets("grad")
 
 
@@ -57,6 +65,7 @@ def test_defaults_per_kind() -> None:
     ("rank=1,kind=bias,value=1,rel=2", "'rel'"),
     ("rank=1,kind=adaptive,target=delay", "'target'"),
     ("rank=1,kind=adaptive,margin=2", "'margin'"),
+    ("rank=1,kind=adaptive,model=oracle", "'model'"),
     ("rank=1,kind=zeros,start", "'start'"),
 ])
 def test_bad_specs_name_the_key(spec: str, key: str) -> None:
@@ -151,6 +160,39 @@ def test_adaptive_is_honest_while_learning_then_blends_within_its_estimate() -> 
     for x, y in late:                          # a blend: closer to the honest tensor than a random one is
         assert float((y - x).norm()) < float(x.norm())
     assert a.attacked_steps() <= set(range(4, 10))
+
+
+def test_white_box_adaptive_learns_the_link_tests_and_uses_the_room_the_verifier_leaves() -> None:
+    """Given its stage's input, ``model=full`` fits the stage's linear surrogate and its
+    residuals as the verifier does, and knows the published fence floors: it corrupts
+    more than the summary-only attacker, yet keeps the surrogate's residual far from
+    what a random output would leave (a share of 1 or more)."""
+    from planner.runtime import distances as dist
+
+    gen = torch.Generator().manual_seed(5)
+    mix = torch.randn(32, 32, generator=gen) / 32 ** 0.5
+    full, summary = attack("rank=0,kind=adaptive,start=6,model=full"), attack("rank=0,kind=adaptive,start=6")
+    pairs = []
+    for step in range(10):
+        for mb in range(4):
+            x = tensor(seed=100 * step + mb)
+            y = x + torch.tanh(x @ mix)
+            pairs.append((step, x, y, full.apply(y, direction="act", step=step, mb=mb, stage_input=x),
+                          summary.apply(y, direction="act", step=step, mb=mb, stage_input=x)))
+    state = full._adaptive["act"]
+    assert state._fences["link"].ready and state._fences["residual"].ready
+    late = [(x, y, yf, ys) for step, x, y, yf, ys in pairs if step >= 6]
+    white = sum(float((yf - y).norm() / y.norm()) for _, y, yf, _ in late) / len(late)
+    blind = sum(float((ys - y).norm() / y.norm()) for _, y, _, ys in late) / len(late)
+    assert white > blind > 0.0
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, 32) / t.square().mean().sqrt()           # the verifier's unit rows
+
+    train = [dist.link_stats(rows(x), rows(y)) for step, x, y, _, _ in pairs if step < 6]
+    weights = dist.link_solve(*(sum(t[i] for t in train) / len(train) for i in (0, 1)))
+    parts = [dist.link_parts(rows(x), rows(yf), weights) for x, _, yf, _ in late]
+    assert max(num / den for num, den, _ in parts) < 0.5
 
 
 # ---------------------------------------------------------------------------- gating and determinism

@@ -168,3 +168,64 @@ def test_noise_raises_the_spectral_residual_of_low_rank_rows() -> None:
     noisy_rows = honest[3] + 0.3 * honest[3].std() * torch.randn(64, 32, generator=gen)
     noisy = dist.spectral_residual(dist.summarize(noisy_rows, directions=dirs, levels=levels), ref, b)
     assert clean < 0.01 and noisy > 0.05
+
+
+def test_summary_scores_in_one_pass_equal_each_distance() -> None:
+    gen = torch.Generator().manual_seed(1)
+    dirs, levels = dist.random_directions(24, 8, 0), dist.quantile_levels(16)
+    rows = torch.randn(128, 6, generator=gen) @ torch.randn(6, 24, generator=gen)
+    ref = dist.summarize(rows.exp(), directions=dirs, levels=levels)
+    for other in (rows.exp() * 1.7 + 0.2 * torch.randn(128, 24, generator=gen), -rows.exp(), torch.zeros(128, 24)):
+        x = dist.summarize(other, directions=dirs, levels=levels)
+        fast = dist.summary_scores(x, dist.reference(ref))
+        slow = {name: dist.DISTANCES[name](x, ref) for name in dist.DISTANCES}
+        slow["spectral"] = dist.spectral_residual(x, ref, dist.principal_basis(ref.cov))
+        assert fast.keys() == slow.keys()
+        for name in fast:
+            assert fast[name] == pytest.approx(slow[name], rel=1e-5, abs=1e-6), name
+    only = dist.summary_scores(x, dist.reference(ref, spectral=False), ("scale", "sign"))
+    assert set(only) == {"scale", "sign"}
+
+
+def test_residual_shape_sees_energy_where_honest_residuals_have_none() -> None:
+    gen = torch.Generator().manual_seed(2)
+    k = 16
+    directions = torch.randn(k, 3, generator=gen)               # honest residuals live in 3 of 16 directions
+
+    def residual(noise: float) -> torch.Tensor:
+        r = torch.randn(256, 3, generator=gen) @ directions.T
+        r = r + noise * r.std() * torch.randn(256, k, generator=gen)
+        return r.T @ r
+
+    whitener = dist.residual_whitener(sum(residual(0.0) for _ in range(8)))
+    honest = [dist.residual_shape(residual(0.0), whitener) for _ in range(5)]
+    assert all(0.8 < h < 1.2 for h in honest)
+    # A tenth of the residual's energy spread evenly: the residual grows by 10%, its shape score 5-fold.
+    assert dist.residual_shape(residual(0.3), whitener) > 4.0
+    assert dist.residual_shape(torch.zeros(k, k), whitener) == 0.0
+
+
+def test_link_fit_is_link_parts_and_link_stats_in_one() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 5, generator=gen)
+    w = dist.link_solve(*dist.link_stats(x, y))
+    parts, stats = dist.link_fit(x, y, w)
+    num, den, moment = dist.link_parts(x, y, w)
+    assert parts[0] == pytest.approx(num) and parts[1] == pytest.approx(den)
+    assert torch.allclose(parts[2], moment) and torch.allclose(moment.trace(), torch.tensor(num))
+    assert all(torch.allclose(a, b) for a, b in zip(stats, dist.link_stats(x, y)))
+    assert dist.link_fit(x, y, None)[0] is None
+
+
+def test_row_subsets_are_fixed_by_their_seed_and_only_for_large_tensors() -> None:
+    assert dist.row_subset(dist.MAX_PROJECTED_ROWS, seed=1) is None
+    rows = dist.MAX_PROJECTED_ROWS * 3
+    a, b = dist.row_subset(rows, seed=1), dist.row_subset(rows, seed=1)
+    assert torch.equal(a, b) and a.numel() == dist.MAX_PROJECTED_ROWS
+    assert torch.equal(a, a.unique()) and int(a.max()) < rows                 # sorted, distinct, in range
+    assert not torch.equal(a, dist.row_subset(rows, seed=dist.stable_mix(0, 5, 1)))
+    assert dist.stable_mix(0, 5, 1) == dist.stable_mix(0, 5, 1) != dist.stable_mix(0, 1, 5)
+    big = torch.randn(rows, 8)
+    s = dist.summarize(big, directions=dist.random_directions(8, 4, 0), levels=dist.quantile_levels(8), subset=a)
+    assert torch.allclose(s.mean, big.mean(dim=0))            # the per-feature moments still see every row
+    assert torch.allclose(s.cov, big[a].T.cov(correction=0), atol=1e-5)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError
-from planner.runtime.thresholds import IQRFence
+from planner.runtime.thresholds import Cusum, IQRFence
 
 
 def test_no_fence_before_min_samples() -> None:
@@ -78,3 +78,37 @@ def test_non_finite_scores() -> None:
 def test_bad_parameters(kwargs: dict, match: str) -> None:
     with pytest.raises(InvalidInputError, match=match):
         IQRFence(**kwargs)
+
+
+# ---------------------------------------------------------------------------- the CUSUM drift test
+
+def honest(cusum: Cusum, scores) -> list[float]:
+    """Check and accept each score (as a monitor does for a sample that passes)."""
+    values = []
+    for s in scores:
+        values.append(cusum.step(float(s)))
+        cusum.learn(float(s))
+    return values
+
+
+def test_cusum_stays_low_on_honest_scatter_and_crosses_on_a_persistent_rise() -> None:
+    rng = np.random.default_rng(0)
+    cusum = Cusum(window=64, k=1.5)
+    assert cusum.z(1.0) is None                                   # no baseline yet: no statistic
+    values = honest(cusum, np.exp(rng.normal(0.0, 0.2, 400)))     # log-normal scatter around 1
+    assert max(values[16:]) < 8.0
+    # Twice the median, each sample well inside any fence on the score itself: ~3.5 spreads above.
+    attacked = [cusum.step(2.0) for _ in range(6)]
+    assert attacked[-1] > 8.0 and attacked == sorted(attacked)
+
+
+def test_cusum_one_outlier_is_capped_and_out_of_control_samples_do_not_teach() -> None:
+    cusum = Cusum(window=32, k=1.5, cap=4.0)
+    honest(cusum, [1.0, 1.1, 0.9, 1.05, 0.95] * 8)
+    assert cusum.step(1e6) == pytest.approx(4.0 - 1.5)            # capped at cap - k
+    before = cusum.z(1.0)
+    for _ in range(20):
+        cusum.learn(3.0)                                          # z >= k: never enters the baseline
+    assert cusum.z(1.0) == pytest.approx(before)
+    with pytest.raises(InvalidInputError, match="drift"):
+        Cusum(window=8, k=0.0)

@@ -188,7 +188,7 @@ def test_blame_goes_to_the_most_upstream_flag_of_each_microbatch() -> None:
 
 def test_ban_after_k_blamed_steps_within_the_window() -> None:
     v = Verifier({"ban_after": 3, "ban_window": 5}, [(1, "act")])
-    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender)], []]   # noqa: E731 (as gathered)
+    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender)], []]   # as gathered
     assert v.end_step(0, nested(0, 2)) == set()
     assert v.end_step(1, nested(1, 2)) == set()
     assert v.end_step(6, nested(6, 2)) == set()                 # step 0 and 1 fell out of the window
@@ -279,3 +279,70 @@ def test_link_ties_a_stage_output_to_its_input(direction: str, attack: str) -> N
     late = [e for s in (14, 15) for e in flags[s]]
     assert late and all(e["reasons"] == ["link"] and e["sender"] == 1 for e in late)
     assert v.banned == {1}
+
+
+# ---------------------------------------------------------------------------- the link's residual and its drift
+
+def run_residual_stage(noise: float, *, start: int = 16, steps: int = 24) -> tuple[Verifier, list[tuple]]:
+    """A stage whose nonlinearity lives in 3 of 16 directions; from ``start`` its sender adds
+    isotropic noise of ``noise`` times the output's std. Returns the verifier and
+    ``(step, mb, reasons)`` of every flag on the stage's output. (The warm-up covers the
+    steps in which the verifier's linear surrogate of the stage still converges.)"""
+    gen = torch.Generator().manual_seed(0)
+    d = 16
+    weight, u = torch.randn(d, d, generator=gen) / d ** 0.5, torch.randn(d, 3, generator=gen)
+    v = Verifier({"warmup": 8, "ban_after": 3}, [(0, "act"), (1, "act")])
+    flags = []
+    for step in range(steps):
+        for mb in range(MBS):
+            x = torch.randn(64, d, generator=gen) * 2 + 1
+            y = x + 0.5 * torch.tanh(x @ weight) @ (u @ u.T) / 3
+            if step >= start:
+                y = y + noise * y.std() * torch.randn(y.shape, generator=gen)
+            v.check(0, "act", x, step=step, mb=mb, sender=0)
+            verdict = v.check(1, "act", y, step=step, mb=mb, sender=1)
+            if verdict.flagged:
+                flags.append((step, mb, verdict.reasons))
+        v.end_step(step, [v.flag_events(step)])
+    return v, flags
+
+
+def test_residual_shape_catches_noise_the_link_share_cannot_see() -> None:
+    v, flags = run_residual_stage(0.0)
+    assert flags == [] and v.banned == set()
+    v, flags = run_residual_stage(0.05)              # 0.25% of the output's energy
+    assert flags and all(step >= 16 and "link" not in reasons for step, _, reasons in flags)
+    first = [reasons for step, _, reasons in flags if step == 16]
+    assert len(first) == MBS and all("residual" in reasons for reasons in first) and v.banned == {1}
+
+
+def test_drift_catches_a_sender_that_keeps_every_sample_inside_its_fence() -> None:
+    v, flags = run_residual_stage(0.03)              # each sample's residual score stays under its fence
+    assert flags and all(reasons == ("drift",) for _, _, reasons in flags)
+    assert 16 <= min(step for step, _, _ in flags) <= 18 and v.banned == {1}
+
+
+def test_eigendecompositions_are_redone_every_basis_refresh_steps(monkeypatch) -> None:
+    from planner.runtime import distances
+
+    calls = []
+    original = distances.principal_basis
+    monkeypatch.setattr(distances, "principal_basis", lambda cov: calls.append(1) or original(cov))
+    for refresh, expected in ((1, 11), (4, 3)):
+        calls.clear()
+        run(Verifier({"warmup": 5, "basis_refresh": refresh}, [(0, "act")]), 12)
+        assert len(calls) == expected                 # one per step after the first, or one per 4 of them
+
+
+def test_verify_hooks_hand_the_monitors_the_microbatch_labels() -> None:
+    from types import SimpleNamespace
+
+    from models.data import ByteTextDataset
+    from planner.runtime.verify_hooks import _Labels
+
+    plan = SimpleNamespace(model=SimpleNamespace(spec="gpt-tiny", seq=None),
+                           config=SimpleNamespace(microbatch_size=2, global_batch=8))
+    labels = _Labels(plan, seed=3, data="auto")
+    idx, targets = ByteTextDataset(32).batch(5, 8, 3)
+    assert torch.equal(labels.of(5, 1, "act"), idx[2:4])          # activations carry their tokens
+    assert torch.equal(labels.of(5, 1, "grad"), targets[2:4])     # gradients their targets
