@@ -287,7 +287,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     stage = setup.stage
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
                                lr=opts.lr)
-    verify = VerifyHooks(plan, env.rank, seed=opts.seed) if verifying else None
+    verify = VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data) if verifying else None
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
