@@ -40,11 +40,13 @@ from planner.errors import InvalidInputError, RankFailureError
 
 Step = Callable[[str], None]
 Clock = Literal["wall", "cpu"]
+Statistic = Literal["min", "median"]
+STATISTICS: tuple[str, ...] = ("min", "median")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UnitTiming:
-    """Forward and backward time of one top-level unit (fastest of the repeats), in ms."""
+    """Forward and backward time of one top-level unit (the settings' statistic of the repeats), in ms."""
 
     name: str
     fwd_ms: float
@@ -66,13 +68,23 @@ class BlockSample:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Calibration:
-    """Fitted ``efficiency`` and ``op_overhead_ms``, and how well they fit (relative errors)."""
+    """Fitted ``efficiency`` and ``op_overhead_ms``, and how well they fit (relative errors).
+
+    ``peak_scale`` (>= 1) multiplies the peak the fit was given: blocks that ran
+    faster than that peak allows mean the matmul that measured it was disturbed
+    (another process) or too small to reach it. The peak then becomes what the
+    blocks reached and ``efficiency`` is 1, which prices every block exactly as
+    the fit does; clamping the efficiency to 1 instead would price every block
+    slower than measured (and a device scaled down from it would not be as slow
+    as meant).
+    """
 
     efficiency: float
     op_overhead_ms: float
     median_abs_rel_err: float
     max_abs_rel_err: float
     n_samples: int
+    peak_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +97,13 @@ class P2PResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProfileSettings:
-    """How hard to measure. ``quick`` trades accuracy for a run of seconds."""
+    """How hard to measure. ``quick`` trades accuracy for a run of seconds.
+
+    ``statistic`` summarises the repeats: ``min`` (the default) is what the device
+    can do when nothing disturbs it; ``median`` is what a long run of the same
+    work averages on a machine that other processes share, which is what a
+    step time made of many passes adds up to.
+    """
 
     model: str = "gpt-small"
     batch: int = 2
@@ -97,6 +115,7 @@ class ProfileSettings:
     p2p_sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
     p2p_timeout_s: float = 120.0
     clock: Clock = "wall"
+    statistic: Statistic = "min"
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4:
@@ -104,6 +123,9 @@ class ProfileSettings:
                                     found=f"batch={self.batch}, repeats={self.repeats}")
         if self.clock not in ("wall", "cpu"):
             raise InvalidInputError("clock", expected="wall or cpu", found=repr(self.clock))
+        if self.statistic not in STATISTICS:
+            raise InvalidInputError("profile statistic", expected=" or ".join(STATISTICS),
+                                    found=repr(self.statistic))
 
     @classmethod
     def quick(cls, model: str | None = None) -> "ProfileSettings":
@@ -133,9 +155,20 @@ def _clock(clock: Clock) -> Callable[[], float]:
     raise InvalidInputError("clock", expected="wall or cpu", found=repr(clock))
 
 
+def summarize_ms(times: Sequence[float], statistic: Statistic = "min") -> float:
+    """``min``: other processes only ever add time, so the minimum is the steadiest estimate of
+    what the device itself takes. ``median``: what the same work takes in a typical repeat."""
+    if not times:
+        raise InvalidInputError("timings", expected="at least one repeat", found="none")
+    if statistic == "min":
+        return min(times)
+    if statistic == "median":
+        return float(np.median(times))
+    raise InvalidInputError("profile statistic", expected=" or ".join(STATISTICS), found=repr(statistic))
+
+
 def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, clock: Clock = "wall") -> float:
-    """Fastest of ``repeats`` timed runs: other processes only ever add time, so the
-    minimum is the steadiest estimate of what the device itself takes."""
+    """Fastest of ``repeats`` timed runs (the device's throughput figures are best-case by definition)."""
     now = _clock(clock)
     times = []
     for i in range(warmup + repeats):
@@ -145,7 +178,7 @@ def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, 
         _sync(device)
         if i >= warmup:
             times.append((now() - t0) * 1e3)
-    return min(times)
+    return summarize_ms(times, "min")
 
 
 def measure_matmul_flops(dtype: str, *, size: int, repeats: int, device: Any, clock: Clock = "wall") -> float:
@@ -219,8 +252,9 @@ def _fresh(value: Any) -> Any:
 
 
 def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any, warmup: int = 1,
-               clock: Clock = "wall") -> tuple[UnitTiming, ...]:
-    """Fastest forward and backward ms of every top-level unit, run alone on its captured inputs."""
+               clock: Clock = "wall", statistic: Statistic = "min") -> tuple[UnitTiming, ...]:
+    """Forward and backward ms (``statistic`` of the repeats) of every top-level unit, run alone on
+    its captured inputs."""
     import torch
     now = _clock(clock)
     module.train()
@@ -249,7 +283,8 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
             if i >= warmup:
                 fwd.append((t1 - t0) * 1e3)
                 bwd.append((t2 - t1) * 1e3)
-        results.append(UnitTiming(name=name, fwd_ms=min(fwd), bwd_ms=min(bwd)))
+        results.append(UnitTiming(name=name, fwd_ms=summarize_ms(fwd, statistic),
+                                  bwd_ms=summarize_ms(bwd, statistic)))
     return tuple(results)
 
 
@@ -277,26 +312,29 @@ def fit_calibration(samples: Sequence[BlockSample], *, peak_flops: float, mem_bw
 
     The model is exactly ``cost_models.compute``'s: ``max(flops / (peak * eff),
     traffic / bw) + ops * overhead``. A coarse log grid, then a fine one around
-    the best point: robust, no derivatives, and cheap for tens of blocks.
+    the best point: robust, no derivatives, and cheap for tens of blocks. An
+    efficiency above 1 is returned as ``efficiency=1`` and ``peak_scale`` (see
+    :class:`Calibration`).
     """
     if not samples:
         raise InvalidInputError("calibration samples", expected="at least one measured block", found="none")
     x, m, n, y = _fit_terms(samples, peak_flops, mem_bw_bytes_per_s)
     if np.any(y <= 0):
         raise InvalidInputError("measured block times", expected="> 0 ms", found=repr(y.min()))
-    eff = np.logspace(-3, 0, 91)
+    eff = np.logspace(-3, 1, 121)
     ovh = np.concatenate(([0.0], np.logspace(-5, 1, 121)))
     err = _log_err(eff, ovh, x, m, n, y)
     i, j = np.unravel_index(np.argmin(err), err.shape)
-    fine_eff = np.clip(eff[i] * np.logspace(-0.04, 0.04, 41), 1e-3, 1.0)
+    fine_eff = np.clip(eff[i] * np.logspace(-0.04, 0.04, 41), 1e-3, 10.0)
     fine_ovh = ovh[j] * np.logspace(-0.03, 0.03, 41) if ovh[j] > 0 else np.concatenate(([0.0], np.logspace(-6, -5, 11)))
     err = _log_err(fine_eff, fine_ovh, x, m, n, y)
     i, j = np.unravel_index(np.argmin(err), err.shape)
     best_eff, best_ovh = float(fine_eff[i]), float(fine_ovh[j])
     pred = np.maximum(x / best_eff, m) + best_ovh * n
     rel = np.abs(pred - y) / y
-    return Calibration(efficiency=best_eff, op_overhead_ms=best_ovh, median_abs_rel_err=float(np.median(rel)),
-                       max_abs_rel_err=float(rel.max()), n_samples=int(y.size))
+    return Calibration(efficiency=min(best_eff, 1.0), op_overhead_ms=best_ovh,
+                       median_abs_rel_err=float(np.median(rel)), max_abs_rel_err=float(rel.max()),
+                       n_samples=int(y.size), peak_scale=max(best_eff, 1.0))
 
 
 def fit_p2p(points: Sequence[tuple[int, float]], backend: str) -> P2PResult:
@@ -405,7 +443,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     say(f"blocks of {settings.model}")
     bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
     timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device,
-                         clock=settings.clock)
+                         clock=settings.clock, statistic=settings.statistic)
     del bundle
     say("calibration")
     samples = pair_samples(chain, timings)
@@ -416,13 +454,14 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
         say(f"p2p ({backend})")
         p2p = measure_p2p(sizes=settings.p2p_sizes, repeats=settings.repeats, backend=backend,
                           timeout_s=settings.p2p_timeout_s)
-    spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(matmul.items()), mem_bytes=mem_bytes,
-                      mem_bw_bytes_per_s=mem_bw, efficiency=max(min(calib.efficiency, 1.0), 1e-3),
+    peaks = {**matmul, "float32": matmul["float32"] * calib.peak_scale}
+    spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(peaks.items()), mem_bytes=mem_bytes,
+                      mem_bw_bytes_per_s=mem_bw, efficiency=max(calib.efficiency, 1e-3),
                       op_overhead_ms=calib.op_overhead_ms, measured=True,
                       source=f"stagewise profile of {platform.node()} on {datetime.now(timezone.utc):%Y-%m-%d}",
                       p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
                       p2p_latency_ms=p2p.latency_ms if p2p else None)
-    return _profile_document(settings, device, spec, samples, calib, p2p)
+    return _profile_document(settings, device, spec, samples, calib, p2p, matmul["float32"])
 
 
 def _measure_throughput(settings: ProfileSettings, device: Any, say: Step) -> tuple[dict[str, float], float]:
@@ -440,7 +479,7 @@ def _measure_throughput(settings: ProfileSettings, device: Any, say: Step) -> tu
 
 
 def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, samples: Sequence[BlockSample],
-                      calib: Calibration, p2p: P2PResult | None) -> dict[str, Any]:
+                      calib: Calibration, p2p: P2PResult | None, matmul_flops: float) -> dict[str, Any]:
     """The profile JSON (schema :data:`PROFILE_SCHEMA`): the spec, and what it was fitted from."""
     import torch
     return {
@@ -451,11 +490,12 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
         "device": spec.to_dict(),
         "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
-                     "repeats": settings.repeats, "clock": settings.clock},
+                     "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],
-        "calibration": {"efficiency": calib.efficiency, "op_overhead_ms": calib.op_overhead_ms,
+        "calibration": {"efficiency": calib.efficiency, "peak_scale": calib.peak_scale,
+                        "matmul_float32_flops": matmul_flops, "op_overhead_ms": calib.op_overhead_ms,
                         "median_abs_rel_err": calib.median_abs_rel_err, "max_abs_rel_err": calib.max_abs_rel_err,
                         "n_samples": calib.n_samples},
         "p2p": None if p2p is None else {"backend": p2p.backend, "bandwidth_gbps": p2p.bandwidth_gbps,

@@ -23,6 +23,14 @@ semantics (see ``planner.instructions``), and prices every instruction:
 * ``OPTIM``: :func:`optim_ms`, a memory-bound pass over weights, gradients
   and optimizer state.
 
+``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
+processors all ranks share (``stagewise run`` on a laptop, the runtime
+benchmark's four ranks on two cores): the passes (``F``, ``B``, ``VERIFY_*``,
+``OPTIM``) that overlap in time split the cores evenly (processor sharing, at
+most one core each), so a pass takes longer while more than ``C`` ranks
+compute. With ``C`` at least the number of ranks this is the plain
+simulation (which is also the default: one device per rank).
+
 ``pipeline_ms`` is when the last rank reaches its optimizer step: that is
 what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
 describe. ``step_ms`` adds the optimizer steps. Memory per rank is weights +
@@ -46,11 +54,26 @@ from planner.ir import BlockChain
 from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
 
 
-def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec) -> float:
-    """One optimizer step over ``param_count`` parameters: read and write weights and state, read grads."""
+# Element-wise kernels per parameter tensor of one optimizer step as torch runs it on one device
+# (``torch.optim``'s per-tensor loop): Adam steps its counter, updates both moments (lerp_, mul_,
+# addcmul_), forms the denominator (sqrt, div, add_), reads the step count back and updates the
+# weight (addcdiv_); plain SGD is one add_. Each costs the device's per-op overhead.
+OPTIM_OPS_PER_TENSOR = {"adam": 9, "sgd": 1}
+WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
+
+
+def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec, *, param_tensors: int = 0) -> float:
+    """One optimizer step over ``param_count`` parameters in ``param_tensors`` tensors: read and write
+    weights and state, read grads, plus the per-op overhead of the step's kernels on every tensor."""
     per = memory.bytes_per_param(config)
     traffic = param_count * (2 * per.weights + per.grads + 2 * per.optimizer)
-    return 1e3 * traffic / spec.mem_bw_bytes_per_s
+    ops = param_tensors * OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1)
+    return 1e3 * traffic / spec.mem_bw_bytes_per_s + ops * spec.op_overhead_ms
+
+
+def stage_param_tensors(chain: BlockChain, lo: int, hi: int) -> int:
+    """Parameter tensors of blocks ``lo..hi`` (each block lists the parameters it reads)."""
+    return len({name for b in chain.blocks[lo:hi + 1] for name in b.param_names})
 
 
 class CostModel:
@@ -76,7 +99,8 @@ class CostModel:
             lo, hi = stage_ranges[r.stage]
             self._fwd.append(compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
             self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
-            self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec))
+            self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
+                                        param_tensors=stage_param_tensors(chain, lo, hi)))
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
 
@@ -198,33 +222,43 @@ class _Run:
         if not kind.startswith("V"):
             self.box(rank, "send", ins, begin, dur, peer=dst)
 
-    def step(self, rank: int, ins: Instruction) -> bool:
-        """Run ``ins`` on ``rank`` if it can start; False if it must wait for a message or a barrier."""
-        keys = message_keys(ins, rank)
-        if any(side == "recv" and key not in self.mailbox for side, key in keys):
-            return False
+    def ready_at(self, rank: int, ins: Instruction) -> float | None:
+        """When ``ins`` can start on ``rank``; None while a message it receives has not been sent."""
         t = self.clock[rank]
-        for side, key in keys:
+        for side, key in message_keys(ins, rank):
             if side == "recv":
+                if key not in self.mailbox:
+                    return None
                 t = max(t, self.mailbox[key])
+        return t
+
+    def work_ms(self, rank: int, ins: Instruction) -> float:
+        """Duration of a pass (:data:`WORK_OPS`) on a processor of its own."""
         if ins.op in ("F", "B"):
-            dur = self.costs.compute_ms(rank, ins.op)
-            self.box(rank, ins.op, ins, t, dur)
-            t += dur
-            self.live[rank] += 1 if ins.op == "F" else -1
-            self.peak[rank] = max(self.peak[rank], self.live[rank])
-        elif ins.op in VERIFY_OPS:
-            dur = self.costs.verify_ms(rank, ins.boundary, ins.direction)
-            self.box(rank, "verify", ins, t, dur)
-            t += dur
-        elif ins.op == "OPTIM":
-            self.reached_optim[rank] = t
-            dur = self.costs.optim_ms(rank)
-            self.box(rank, "optim", ins, t, dur)
-            t += dur
-        elif ins.op == "ALLREDUCE":
+            return self.costs.compute_ms(rank, ins.op)
+        if ins.op in VERIFY_OPS:
+            return self.costs.verify_ms(rank, ins.boundary, ins.direction)
+        return self.costs.optim_ms(rank)
+
+    def step(self, rank: int, ins: Instruction, dur: float | None = None) -> bool:
+        """Run ``ins`` on ``rank`` if it can start; False if it must wait for a message or a barrier.
+        ``dur`` overrides a pass's duration (a pass that shared its processor took longer)."""
+        t = self.ready_at(rank, ins)
+        if t is None:
+            return False
+        if ins.op == "ALLREDUCE":
             return self._allreduce(rank, ins)
-        for side, key in keys:
+        if ins.op in WORK_OPS:
+            dur = self.work_ms(rank, ins) if dur is None else dur
+            if ins.op == "OPTIM":
+                self.reached_optim[rank] = t
+            kind = ins.op if ins.op in ("F", "B") else "optim" if ins.op == "OPTIM" else "verify"
+            self.box(rank, kind, ins, t, dur)
+            t += dur
+            if ins.op in ("F", "B"):
+                self.live[rank] += 1 if ins.op == "F" else -1
+                self.peak[rank] = max(self.peak[rank], self.live[rank])
+        for side, key in message_keys(ins, rank):
             if side == "send":
                 self.send(rank, ins, key, t)
         self.clock[rank] = t
@@ -247,19 +281,20 @@ class _Run:
         return True
 
 
-def simulate(plan: Plan, costs: CostModel | None = None) -> SimResult:
-    """Interpret ``plan``'s programs against the cost model; see the module docstring."""
+def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None) -> SimResult:
+    """Interpret ``plan``'s programs against the cost model; ``cores``: the ranks share this many
+    processors (default: a device each). See the module docstring."""
     costs = costs or CostModel.for_plan(plan)
     n = plan.num_ranks
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise InvalidInputError("simulated cores", expected="a whole number >= 1 (or None: a device per rank)",
+                                found=repr(cores))
     run = _Run(plan=plan, costs=costs, clock=[0.0] * n, pc=[0] * n, live=[0] * n, peak=[0] * n,
                reached_optim=[0.0] * n)
-    progress = True
-    while progress:
-        progress = False
-        for rank, prog in enumerate(plan.programs):
-            while run.pc[rank] < len(prog) and run.step(rank, prog[run.pc[rank]]):
-                run.pc[rank] += 1
-                progress = True
+    if cores is None or cores >= n:
+        _run_dedicated(run)
+    else:
+        _run_shared(run, cores)
     stuck = [r for r in range(n) if run.pc[r] < len(plan.programs[r])]
     if stuck:
         r = stuck[0]
@@ -267,6 +302,67 @@ def simulate(plan: Plan, costs: CostModel | None = None) -> SimResult:
                                 f"{format_instruction(plan.programs[r][run.pc[r]])!r}",
                                 fix="validate the plan (planner.validate.validate_programs)")
     return _summarise(plan, costs, run)
+
+
+def _run_dedicated(run: _Run) -> None:
+    """Every rank on its own device: run each rank as far as it can go, until none can move."""
+    progress = True
+    while progress:
+        progress = False
+        for rank, prog in enumerate(run.plan.programs):
+            while run.pc[rank] < len(prog) and run.step(rank, prog[run.pc[rank]]):
+                run.pc[rank] += 1
+                progress = True
+
+
+def _run_shared(run: _Run, cores: int) -> None:
+    """The ranks share ``cores`` processors: advance time from event to event (a pass ends, a rank's
+    message arrives); between events each running pass gets ``min(1, cores / running)`` of a core."""
+    programs = run.plan.programs
+    running: dict[int, list[float]] = {}  # rank -> [start ms, work left in ms on a core of its own]
+    t = 0.0
+    while True:
+        _start_ready(run, t, running)
+        rate = min(1.0, cores / len(running)) if running else 0.0
+        events = [t + left / rate for _, left in running.values()]
+        events += [run.clock[r] for r, prog in enumerate(programs)
+                   if r not in running and run.pc[r] < len(prog) and run.clock[r] > t]
+        if not events:
+            return  # finished, or blocked for good (simulate reports that)
+        t_next = min(events)
+        for rank, (start, left) in list(running.items()):
+            if t + left / rate <= t_next:  # this pass ends now
+                del running[rank]
+                run.clock[rank] = start
+                done = run.step(rank, programs[rank][run.pc[rank]], dur=t_next - start)
+                assert done, "a pass that started has its inputs"
+                run.pc[rank] += 1
+            else:
+                running[rank][1] = left - (t_next - t) * rate
+        t = t_next
+
+
+def _start_ready(run: _Run, t: float, running: dict[int, list[float]]) -> None:
+    """At time ``t``, run every instruction that can start: messages and barriers take no processor
+    time; a pass whose inputs are here joins ``running``."""
+    progress = True
+    while progress:
+        progress = False
+        for rank, prog in enumerate(run.plan.programs):
+            while rank not in running and run.pc[rank] < len(prog) and run.clock[rank] <= t:
+                ins = prog[run.pc[rank]]
+                if ins.op in WORK_OPS:
+                    ready = run.ready_at(rank, ins)
+                    if ready is not None and ready <= t:
+                        running[rank] = [t, run.work_ms(rank, ins)]
+                        progress = True
+                    elif ready is not None:
+                        run.clock[rank] = ready  # wakes up when its message arrives
+                    break
+                if not run.step(rank, ins):
+                    break
+                run.pc[rank] += 1
+                progress = True
 
 
 def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:

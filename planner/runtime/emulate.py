@@ -2,10 +2,19 @@
 
 Choice of scale: the *fastest* planned device for a stage maps to this
 machine's speed; a rank whose device the cost model says is ``f`` times
-slower on its stage sleeps ``(f - 1) x`` the measured compute time after each
-forward and backward, so its compute takes ``f x`` the local time. Nothing runs
-faster than the local hardware (``f >= 1``), and a homogeneous plan runs
-unpadded.
+slower on its stage sleeps after each forward and backward until the pass has
+lasted ``f x`` its CPU time, so its compute takes ``f x`` what it costs this
+CPU. The CPU time (one torch thread per rank, so the compute runs on the
+calling thread) is what the pass costs here when nothing else runs: time the
+rank spent descheduled by other processes is part of the target, not
+multiplied by ``f`` (padding by wall time would turn a moment of contention
+into ``f`` times as much). With intra-op threads or on a GPU, where a pass
+does not run on the calling thread alone, its wall time stands in for its CPU
+time. Nothing runs faster than the local hardware (``f >= 1``), and a
+homogeneous plan runs unpadded.
+
+The planned devices are told apart by id, not type name: devices profiled on
+one machine share a name, and a cluster can scale one copy's efficiency.
 
 ``f`` is per stage and per pass, from the same roofline the planner used
 (``cost_models.compute.block_fwd_ms``/``block_bwd_ms`` on the stage's blocks), so a
@@ -27,7 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Emulation:
-    """Slow-down factors of one rank: its compute takes ``factor x`` the local time."""
+    """Slow-down factors of one rank: its compute takes ``factor x`` the local time. ``device_type`` is
+    the rank's planned device type, ``reference_device`` the id of the fastest planned device for its stage."""
 
     fwd_factor: float = 1.0
     bwd_factor: float = 1.0
@@ -43,12 +53,15 @@ class Emulation:
     def active(self) -> bool:
         return self.fwd_factor > 1.0 or self.bwd_factor > 1.0
 
-    def pad(self, op: str, elapsed_s: float) -> float:
-        """Sleep so that ``elapsed_s`` of compute lasts ``factor x`` as long; return the seconds slept."""
+    def pad(self, op: str, elapsed_s: float, cpu_s: float | None = None) -> float:
+        """Sleep so that a pass of ``cpu_s`` CPU seconds (default: ``elapsed_s``), which took ``elapsed_s``
+        wall seconds, lasts ``factor x cpu_s`` in all; return the seconds slept."""
         factor = self.fwd_factor if op == "F" else self.bwd_factor
-        extra = (factor - 1.0) * elapsed_s
-        if extra > 0:
-            time.sleep(extra)
+        work_s = elapsed_s if cpu_s is None else cpu_s
+        extra = factor * work_s - elapsed_s
+        if extra <= 0:
+            return 0.0
+        time.sleep(extra)
         return extra
 
 
@@ -70,10 +83,13 @@ def emulation_for(plan: "Plan", rank: int) -> Emulation:
     cluster = ClusterSpec.from_dict(plan.cluster)
     stage = plan.stages[info.stage]
     dtype = plan.config.dtype
-    planned = {r.device_type: cluster.device(r.device).spec for r in plan.ranks if r.stage is not None}
-    times = {name: stage_ms(stage, spec, dtype) for name, spec in planned.items()}
-    reference = min(times, key=lambda name: sum(times[name]))
-    own_fwd, own_bwd = times[info.device_type]
+    # Keyed by device id, not type name: devices profiled on one machine share a name but may differ
+    # (a cluster entry can override one device's efficiency), and keying by name would merge them.
+    planned = {r.device: cluster.device(r.device).spec for r in plan.ranks if r.stage is not None}
+    by_spec = {spec: stage_ms(stage, spec, dtype) for spec in set(planned.values())}
+    times = {device: by_spec[spec] for device, spec in planned.items()}
+    reference = min(times, key=lambda device: sum(times[device]))
+    own_fwd, own_bwd = times[info.device]
     ref_fwd, ref_bwd = times[reference]
     return Emulation(fwd_factor=max(1.0, own_fwd / ref_fwd) if ref_fwd > 0 else 1.0,
                      bwd_factor=max(1.0, own_bwd / ref_bwd) if ref_bwd > 0 else 1.0,

@@ -49,6 +49,7 @@ ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD,
 @dataclass(slots=True)
 class _Timers:
     compute: float = 0.0
+    compute_cpu: float = 0.0
     pad: float = 0.0
     wait: float = 0.0
     comm: float = 0.0
@@ -79,6 +80,10 @@ class Executor:
         self.verify = verify
         self.attacks = attacks
         self.emulation = emulation
+        # With one torch thread on CPU this thread runs every pass (CPU autograd runs on the caller), so
+        # its CPU time is what a pass costs here; otherwise (intra-op threads, an asynchronous GPU) the
+        # emulation can only scale wall time.
+        self._pass_on_this_thread = device.type == "cpu" and torch.get_num_threads() == 1
         self.keep_grads = keep_grads
         self.num_mb = plan.num_microbatches
         tied_names = {n for _, _, names in groups.tied for n in names}
@@ -133,7 +138,8 @@ class Executor:
         t = self.t
         return StepMetrics(step=step, rank=self.rank, step_ms=1e3 * (time.perf_counter() - start_s),
                            cpu_ms=1e3 * (time.process_time() - start_cpu_s),
-                           compute_ms=1e3 * t.compute, pad_ms=1e3 * t.pad, wait_ms=1e3 * t.wait,
+                           compute_ms=1e3 * t.compute, compute_cpu_ms=1e3 * t.compute_cpu, pad_ms=1e3 * t.pad,
+                           wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
                            loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
                            flagged=self.flagged, banned=len(banned))
@@ -193,7 +199,7 @@ class Executor:
         self.received.pop(("F", mb), None)  # from here on `inputs` (saved until B) hold the data
         inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with torch.enable_grad():
             outputs = tuple(stage.module(*inputs))
             if stage.is_last:
@@ -203,7 +209,7 @@ class Executor:
                 if mb in self.dropped_f:
                     loss = loss * 0.0
                 self.losses[mb] = loss
-        self._computed("F", t0)
+        self._computed("F", t0, c0)
         self.saved[mb] = (inputs, outputs)
 
     def _backward(self, mb: int) -> None:
@@ -223,20 +229,23 @@ class Executor:
             carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
             pairs = [(o, g) for o, g in zip(carrying, received) if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if roots:
             torch.autograd.backward(roots, grads)
-        self._computed("B", t0)
+        self._computed("B", t0, c0)
         if not stage.is_first:
             self.input_grads[mb] = [
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
 
-    def _computed(self, op: str, t0: float) -> None:
+    def _computed(self, op: str, t0: float, cpu0: float) -> None:
+        """Book a pass that started at wall ``t0`` and thread CPU time ``cpu0``, and pad it if emulating."""
         elapsed = time.perf_counter() - t0
+        cpu = time.thread_time() - cpu0 if self._pass_on_this_thread else None
         self.t.compute += elapsed
+        self.t.compute_cpu += cpu or 0.0
         if self.emulation.active:
-            self.t.pad += self.emulation.pad(op, elapsed)
+            self.t.pad += self.emulation.pad(op, elapsed, cpu)
 
     # ------------------------------------------------------------------ p2p
     def _boundary(self, ins: Instruction) -> int:

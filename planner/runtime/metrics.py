@@ -6,7 +6,10 @@ the CPU time the process used in that period, which a shared machine's load
 does not inflate) and splits
 it into compute (forward/backward), emulation padding, waiting (blocked on a
 receive or a verdict), communication (posting sends, all-reduce, gathering
-flags), verification (scoring) and the optimizer. The numbers travel to rank 0
+flags), verification (scoring) and the optimizer. ``compute_cpu_ms`` is the CPU
+time of the passes on the thread that ran them (with one torch thread on CPU,
+all of their work; 0 where that does not hold): beside ``compute_ms`` it shows
+how much of the compute's wall time the rank spent descheduled. The numbers travel to rank 0
 as one small float64 tensor per step (a point-to-point send, so collecting
 them never synchronises the pipeline), and rank 0 writes one JSON line per
 rank and step.
@@ -36,6 +39,7 @@ class StepMetrics:
     step_ms: float
     cpu_ms: float = 0.0
     compute_ms: float = 0.0
+    compute_cpu_ms: float = 0.0
     pad_ms: float = 0.0
     wait_ms: float = 0.0
     comm_ms: float = 0.0

@@ -11,7 +11,7 @@ from torch import nn
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
 from cost_models.profile import (BlockSample, ProfileSettings, fit_calibration, fit_p2p, measure_matmul_flops,
-                                 measure_memory_bandwidth, time_units, write_profile)
+                                 measure_memory_bandwidth, summarize_ms, time_units, write_profile)
 from planner.errors import InvalidInputError
 from planner.ir import Block
 
@@ -55,6 +55,30 @@ def test_fit_calibration_with_noise_and_bad_input() -> None:
     assert cal.median_abs_rel_err < 0.1
     with pytest.raises(InvalidInputError):
         fit_calibration([], peak_flops=1e11, mem_bw_bytes_per_s=2e10)
+
+
+def test_blocks_faster_than_the_measured_peak_raise_the_peak_not_clamp_the_efficiency() -> None:
+    # The blocks ran at 60% of 1e11 FLOP/s, but the matmul (disturbed) measured only 4e10.
+    spec = DeviceSpec(name="cpu", kind="cpu", peak_flops=(("float32", 1e11),), mem_bytes=1 << 30,
+                      mem_bw_bytes_per_s=2e10, efficiency=0.6, op_overhead_ms=0.01)
+    samples = _samples_from(spec, np.random.default_rng(2), noise=0.0)
+    cal = fit_calibration(samples, peak_flops=4e10, mem_bw_bytes_per_s=2e10)
+    assert cal.efficiency == 1.0
+    assert cal.peak_scale == pytest.approx(1.5, rel=0.02)  # 4e10 * 1.5 = 6e10 = what the blocks reached
+    assert cal.op_overhead_ms == pytest.approx(0.01, rel=0.03)
+    assert cal.median_abs_rel_err < 0.01
+    # an honest peak leaves it alone
+    assert fit_calibration(samples, peak_flops=1e11, mem_bw_bytes_per_s=2e10).peak_scale == 1.0
+
+
+def test_summarize_ms_min_or_median() -> None:
+    times = [5.0, 1.0, 3.0, 9.0, 4.0]
+    assert summarize_ms(times, "min") == 1.0
+    assert summarize_ms(times, "median") == 4.0
+    with pytest.raises(InvalidInputError):
+        summarize_ms([], "min")
+    with pytest.raises(InvalidInputError):
+        summarize_ms(times, "mean")  # type: ignore[arg-type]
 
 
 def test_fit_p2p() -> None:
@@ -128,3 +152,6 @@ def test_profile_settings_validation() -> None:
         ProfileSettings(repeats=0)
     with pytest.raises(InvalidInputError):
         ProfileSettings(clock="tsc")
+    assert ProfileSettings().statistic == "min"
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(statistic="mean")  # type: ignore[arg-type]

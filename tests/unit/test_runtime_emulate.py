@@ -7,6 +7,7 @@ import pytest
 
 from cost_models.devices import get_device_spec
 from planner.errors import InvalidInputError
+from planner.plan import Plan
 from planner.runtime.emulate import Emulation, emulation_for, stage_ms
 from tests.dist.plans import make_plan
 
@@ -25,7 +26,23 @@ def test_fastest_planned_device_runs_unpadded_and_slower_ones_by_their_roofline_
     a100 = stage_ms(stage, get_device_spec("A100-80GB"), "float32")
     assert slow.fwd_factor == pytest.approx(t4[0] / a100[0])
     assert slow.bwd_factor == pytest.approx(t4[1] / a100[1])
-    assert slow.fwd_factor > 1.5 and slow.reference_device == "A100-80GB"
+    assert slow.fwd_factor > 1.5 and slow.reference_device == hetero_plan.ranks[0].device
+    assert (fast.device_type, slow.device_type) == ("A100-80GB", "T4")
+
+
+def test_devices_of_one_type_name_with_different_speeds_are_told_apart():
+    """One device listed twice under one name (as profiles of one machine are), once 3x slower."""
+    base = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])
+    doc = base.to_dict()
+    cpu = get_device_spec("CPU")
+    slow_spec = {**cpu.to_dict(), "peak_flops": {k: v / 3 for k, v in cpu.peak_flops},
+                 "mem_bw_bytes_per_s": cpu.mem_bw_bytes_per_s / 3}
+    doc["cluster"]["hosts"][1]["devices"][0] = {"type": "CPU", "count": 1, "spec": slow_spec}
+    plan = Plan.from_dict(doc)
+    assert plan.ranks[0].device_type == plan.ranks[1].device_type == "CPU"
+    fast, slow = emulation_for(plan, 0), emulation_for(plan, 1)
+    assert not fast.active and slow.reference_device == plan.ranks[0].device
+    assert slow.fwd_factor == pytest.approx(3.0) and slow.bwd_factor == pytest.approx(3.0)
 
 
 def test_homogeneous_plan_is_not_padded():
@@ -39,6 +56,14 @@ def test_pad_sleeps_the_missing_time():
     slept = emu.pad("F", 0.02)
     assert slept == pytest.approx(0.04) and time.perf_counter() - t0 >= 0.039
     assert emu.pad("B", 0.02) == 0.0
+
+
+def test_pad_scales_the_cpu_time_not_the_time_spent_descheduled():
+    emu = Emulation(fwd_factor=3.0, bwd_factor=2.0)
+    # 10 ms of CPU work that took 25 ms on a busy machine lasts 3 x 10 ms in all: 5 ms more.
+    assert emu.pad("F", 0.025, 0.010) == pytest.approx(0.005)
+    # contention already made it longer than the emulated device would take: no padding
+    assert emu.pad("B", 0.025, 0.010) == 0.0
 
 
 def test_speed_up_factors_are_refused():

@@ -15,7 +15,8 @@ def _row(step, rank, step_ms, **kw):
 
 
 def test_tensor_round_trip_keeps_every_field():
-    m = _row(7, 2, 12.5, cpu_ms=9.0, compute_ms=3.25, wait_ms=1.5, loss_sum=4.0, loss_count=2, dropped=1, flagged=3)
+    m = _row(7, 2, 12.5, cpu_ms=9.0, compute_ms=3.25, compute_cpu_ms=3.0, pad_ms=0.5, wait_ms=1.5, loss_sum=4.0,
+             loss_count=2, dropped=1, flagged=3)
     assert StepMetrics.from_tensor(m.to_tensor()) == m
     assert m.to_tensor().numel() == StepMetrics.numel()
 

@@ -6,8 +6,11 @@ from plan_fixtures import (TEST_DEVICE, block, chain, cluster, compile_simple, c
                            uniform_chain)
 
 from cost_models import comm, compute, memory
+from cost_models.devices import DeviceSpec
+from cost_models.training import TrainingConfig
 from cost_models.verify import verify_ms
-from planner.simulate import CostModel, optim_ms, simulate
+from planner.errors import InvalidInputError
+from planner.simulate import CostModel, optim_ms, simulate, stage_param_tensors
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import VerifierPlacement
 
@@ -180,3 +183,60 @@ def test_a_saved_plan_simulates_to_its_prediction(tmp_path):
     assert plan.model.batch == 2 and plan.chain_microbatch_size == 4
     loaded = load_plan(plan.save(tmp_path / "plan.json"))
     assert simulate(loaded).predicted() == plan.predicted
+
+
+def _boxes(result, tf):
+    return {e.label: (e.start_ms / tf, e.end_ms / tf) for e in result.events if e.kind in ("F", "B")}
+
+
+def test_ranks_sharing_fewer_cores_split_them_evenly():
+    """1F1B, S = 4, M = 4, b = 2 f, no parameters and free communication, on 2 shared cores.
+
+    The pipeline fills as usual until three forwards overlap at t = 2 f: each gets 2/3
+    of a core, so a forward takes 1.5 f (until 3.5 f); then four overlap and each takes
+    2 f (until 5.5 f); the last stage's first backward then runs alone at full speed."""
+    ch = uniform_chain(8, out_bytes=0, params=0)
+    plan = pipeline(ch, free_cluster(4), 4, 4, "1f1b")
+    tf = compute.range_fwd_ms(ch, 0, 1, free_cluster(1).devices[0].spec)
+    boxes = _boxes(simulate(plan, cores=2), tf)
+    assert boxes["0F1"] == pytest.approx((1.0, 2.0)) and boxes["1F0"] == pytest.approx((1.0, 2.0))
+    for label in ("0F2", "1F1", "2F0"):
+        assert boxes[label] == pytest.approx((2.0, 3.5))
+    for label in ("0F3", "1F2", "2F1", "3F0"):
+        assert boxes[label] == pytest.approx((3.5, 5.5))
+    assert boxes["3B0"] == pytest.approx((5.5, 7.5))
+    shared = simulate(plan, cores=2)
+    assert simulate(plan).pipeline_ms < shared.pipeline_ms < simulate(plan, cores=1).pipeline_ms
+    assert shared.pipeline_ms == pytest.approx(27 * tf)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_shared_core_runs_all_the_work_back_to_back(schedule):
+    # free communication: some pass can always run, so the core never idles
+    ch = uniform_chain(8, out_bytes=0)
+    plan = pipeline(ch, free_cluster(4), 4, 4, schedule)
+    costs = CostModel.for_plan(plan)
+    work = sum(4 * (costs.compute_ms(r, "F") + costs.compute_ms(r, "B")) + costs.optim_ms(r) for r in range(4))
+    assert simulate(plan, cores=1).step_ms == pytest.approx(work, rel=1e-12)
+
+
+def test_enough_cores_or_one_microbatch_is_the_plain_simulation():
+    ch = uniform_chain(8)
+    cl = cluster([(f"h{i}", TEST_DEVICE, 1) for i in range(4)], bandwidth_gbps=10.0, latency_ms=1.0)
+    plan = pipeline(ch, cl, 4, 4, "1f1b")
+    assert simulate(plan, cores=4) == simulate(plan) == simulate(plan, cores=64)
+    single = pipeline(ch, cl, 4, 1, "1f1b")  # one microbatch: the stages never compute at once
+    assert simulate(single, cores=1).step_ms == pytest.approx(simulate(single).step_ms, rel=1e-12)
+    with pytest.raises(InvalidInputError):
+        simulate(plan, cores=0)
+
+
+def test_optimizer_step_pays_the_per_op_overhead_on_every_parameter_tensor():
+    spec = DeviceSpec.from_dict({**TEST_DEVICE, "op_overhead_ms": 0.01})
+    cfg = config(4)
+    base = optim_ms(10**6, cfg, spec)
+    assert optim_ms(10**6, cfg, spec, param_tensors=50) == pytest.approx(base + 50 * 9 * 0.01)
+    sgd = TrainingConfig(global_batch=8, microbatch_size=2, schedule="1f1b", optimizer="sgd")
+    assert optim_ms(10**6, sgd, spec, param_tensors=50) == pytest.approx(optim_ms(10**6, sgd, spec) + 50 * 0.01)
+    ch = uniform_chain(4)  # one parameter tensor per block
+    assert stage_param_tensors(ch, 1, 3) == 3
