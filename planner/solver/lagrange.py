@@ -394,7 +394,9 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
     ar_top = dp.max_allreduce_ms()
     lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
-    boxes = _Boxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1)
+    # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
+    boxes = _Boxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
+                   open_top=math.isfinite(top) and not math.isfinite(best_ms))
     boxes.add_point(top, boxes.ar_top, dual(top, boxes.ar_top))
     while True:
         bound, box = boxes.weakest(best_ms)
@@ -429,8 +431,8 @@ class _Boxes:
     The weakest box is split in the dimension that loosens it most.
     """
 
-    def __init__(self, *, lo: float, top: float, ar_top: float, fill: int) -> None:
-        self.fill, self.ar_top, self.top = fill, ar_top, top
+    def __init__(self, *, lo: float, top: float, ar_top: float, fill: int, open_top: bool) -> None:
+        self.fill, self.ar_top, self.top, self.open_top = fill, ar_top, top, open_top
         self.points: dict[tuple[float, float], float] = {}
         self.boxes: list[tuple[float, float, float, float]] = [(lo, max(top, lo), 0.0, ar_top)]
 
@@ -446,8 +448,8 @@ class _Boxes:
 
     def weakest(self, best_ms: float) -> tuple[float, tuple[float, float, float, float] | None]:
         live = [(self._value(b), b) for b in self.boxes if (self.fill * b[0] if self.fill else 0.0) < best_ms]
-        if not math.isfinite(self.top):  # no incumbent: plans above the top cap are bounded by it
-            live.append((self.fill * self.top if self.fill else INF, None))
+        if self.open_top:  # no incumbent: plans above the top cap are bounded by it alone
+            live.append((self.fill * self.top, None))
         if not live:
             return best_ms, None
         value, box = min(live, key=lambda vb: vb[0])

@@ -76,3 +76,14 @@ def test_exact_partition_is_no_worse_than_bottleneck_partition_on_its_own_object
         if a is not None and b is not None and b[1] <= a[1] * (1 + 1e-9):
             wins += 1
     assert wins >= 1
+
+
+def test_no_incumbent_bound_stays_below_the_optimum():
+    """Without an incumbent the caps are open above: the bound must not claim more than it covers."""
+    for seed in range(10):
+        chain, cluster, config, policy = instance(seed)
+        problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
+        best, _ = brute_force(problem)
+        res = lagrange_bound(problem, incumbent_ms=math.inf, time_budget_s=0.3)
+        if math.isfinite(best):
+            assert res.bound_ms <= best * (1 + 1e-9)
