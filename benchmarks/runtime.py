@@ -378,7 +378,10 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
             runs[(ranks, hetero)].append({"repeat": i, **res})
     rows = []
     for (ranks, hetero), rs in runs.items():
+        calm = [r["error_pct"] for r in rs if r["external_load_cores"] is not None
+                and r["external_load_cores"] <= quiet["max_load"]]
         rows.append({"ranks": ranks, "emulated_heterogeneity": hetero,
+                     "quiet_error_pct": statistics.median(calm) if calm else None, "quiet_runs": len(calm),
                      "predicted_ms": statistics.median(r["predicted_ms"] for r in rs),
                      "measured_ms": statistics.median(r["measured_ms"] for r in rs),
                      "plan_predicted_ms": statistics.median(r["plan_predicted_ms"] for r in rs),
@@ -389,6 +392,8 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
     return {"goal_abs_error_pct": 10.0, "cores": cores,
             "error_pct": "median over repeats of (measured - predicted) / predicted; each run is priced with the "
                          "mean of two profiles of this CPU, one just before and one just after it",
+            "quiet_error_pct": "the same over the runs during which other processes kept at most "
+                               f"{quiet['max_load']} cores busy (quiet_runs of them)",
             "rows": rows}
 
 
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_worker:
         torch_worker(args.torch_worker, args.steps, args.split)
         return 0
-    steps = args.steps or (4 if args.quick else 10)
+    steps = args.steps or (4 if args.quick else 16)
     repeats = args.repeats or (1 if args.quick else 4)
     quiet = {"max_load": args.max_external_load, "retries": args.retries if args.retries is not None
              else (0 if args.quick else 2)}
@@ -483,14 +488,16 @@ def _print(console, out: dict[str, Any]) -> None:
               f"{vs['cpu_ratio']:.3f}", "")
     console.print(t)
     pvm = out["predicted_vs_measured"]
-    t = Table(title=f"2. simulator vs measured (ranks share {pvm['cores']} cores; median of "
-                    f"{out['repeats']} repeats, each priced with a fresh profile)")
-    for c in ("ranks", "emulated", "predicted ms", "plan's own ms", "measured ms", "error %", "per repeat %",
-              "others' load (cores)"):
+    t = Table(title=f"2. simulator vs measured (ranks share {pvm['cores']} cores; median of {out['repeats']} "
+                    "repeats, each run priced with profiles just before and after it; quiet: others used <= "
+                    f"{out['max_external_load_cores']} cores)")
+    for c in ("ranks", "emulated", "predicted ms", "plan's own ms", "measured ms", "error %", "quiet runs: error %",
+              "per repeat %", "others' load (cores)"):
         t.add_column(c, justify="right")
     for r in pvm["rows"]:
+        calm = "-" if r["quiet_error_pct"] is None else f"{r['quiet_error_pct']:+.1f} ({r['quiet_runs']})"
         t.add_row(str(r["ranks"]), "yes" if r["emulated_heterogeneity"] else "no", f"{r['predicted_ms']:.1f}",
-                  f"{r['plan_predicted_ms']:.1f}", f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}",
+                  f"{r['plan_predicted_ms']:.1f}", f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", calm,
                   " ".join(f"{e:+.0f}" for e in r["error_pcts"]),
                   " ".join("?" if x is None else f"{x:.2f}" for x in r["external_load_cores"]))
     console.print(t)
