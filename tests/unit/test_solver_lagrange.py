@@ -32,8 +32,8 @@ def test_bound_never_exceeds_the_enumerated_optimum(seed, twists):
         assert res.step_ms >= best * (1 - 1e-9)
 
 
-def test_unconstrained_dp_on_one_class_is_the_best_single_class_partition():
-    """With zero prices and one trusted class, the DP's value is a relaxation of the exact DP's sum."""
+def test_unpriced_dp_returns_a_contiguous_cover_of_the_chain():
+    """With zero prices and no caps, the DP's relaxed plan covers every block once, in order."""
     chain, cluster, config, policy = instance(3)
     problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
     dp = SequenceDP(problem)
