@@ -51,6 +51,7 @@ from planner.solver.objective import Placement, evaluate, simple_lower_bound_ms,
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
 from planner.solver.seqdp_kernel import warm as warm_kernels
+from planner.solver.seqpart_kernel import warm as warm_partition
 from planner.solver.solution import SolveReport, Solution, StagePlacement
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
@@ -242,7 +243,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      max_replicas: int | None = None, progress: Progress | None = None
                      ) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
-    warm_kernels()  # the first call on a machine compiles the DP kernel (seconds): not the solve's time
+    warm_kernels()  # the first call on a machine compiles the DP kernels (seconds): not the solve's time
+    warm_partition()
     start = time.perf_counter()
     sizes = tuple(microbatch_sizes or (config.microbatch_size,))
     for mb in sizes:

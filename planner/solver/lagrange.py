@@ -27,8 +27,12 @@ dualised with prices ``lambda_c >= 0`` per device (weak duality:
 ``g >= min_plans sum (tau_k + lambda_c r_k) - lambda . n``), and what remains
 is a shortest path over (stage start block, previous class, own class) per
 layer, with range minima over sparse tables (``seqdp_kernel``, numba). The
-prices come from a projected subgradient ascent per pair of caps, warm
-started from the nearest pair. Every relaxed plan met is repaired to the
+prices at each pair of caps come from Kelley's cutting planes (a small LP
+over the plans met so far, whose stage times and device use bound the dual
+function from above at every pair of caps they meet), warm started from the
+nearest pair; they reach the relaxation's LP value in tens of DPs where a
+subgradient ascent stalled far below it (48 blocks x 8 devices: within
+0.02% of the optimum in 0.3 s, against 20% after 1600 DPs). Every relaxed plan met is repaired to the
 device counts, re-partitioned (``seqpart``) and priced exactly; the best
 valid one is returned with the bound.
 """
@@ -39,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from ortools.linear_solver import pywraplp
 
 from cost_models import comm
 from planner.solver.dp import Group, sequence_placement
@@ -53,6 +58,7 @@ INF = math.inf
 LAYER_BUDGET = 2_500_000
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
+KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +68,17 @@ class Relaxed:
     value_ms: float
     stages: tuple[tuple[int, int, int, int], ...]  # (first block, last block, problem class, replicas)
     used: np.ndarray  # devices per local class
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cut:
+    """A relaxed plan as a cutting plane: ``L(lam) <= tau_ms + lam . (used - n)`` at every pair of caps
+    ``>= (peak_ms, ar_ms)`` (the plan is one of the DP's candidates there)."""
+
+    tau_ms: float
+    used: np.ndarray
+    peak_ms: float
+    ar_ms: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,14 +194,8 @@ class SequenceDP:
         self.AR1 = np.zeros((self.C, self.R))
         for i, c in enumerate(self.SC):
             for j in range(self.R):
-                r = int(self.RR[i, j])
-                if not self.valid_r[i, j] or r < 2:
-                    continue
-                ring = (p.links[c][c],) * r
-                one = comm.allreduce_ms(1e9, ring, r)
-                two = comm.allreduce_ms(2e9, ring, r)
-                self.AR1[i, j] = (two - one) / 1e9 * p.grad_bytes_per_param
-                self.AR0[i, j] = one - (two - one)
+                if self.valid_r[i, j]:
+                    self.AR0[i, j], self.AR1[i, j] = p.allreduce_line(c, int(self.RR[i, j]))
 
     def _ar_limits(self, ar_cap_ms: float) -> np.ndarray:
         """``EHI_AR[i, j, s]``: the last block a stage from ``s`` may end at with its all-reduce <= the cap."""
@@ -248,6 +259,21 @@ class SequenceDP:
         total = float(self.pp[-1]) + sum(t.param_count for t in self.p.tied)
         vals = np.where(self.valid_r & (self.RR >= 2), self.AR0 + self.AR1 * total, 0.0)
         return float(vals.max()) if vals.size else 0.0
+
+    def cut(self, relaxed: Relaxed) -> Cut:
+        """The relaxed plan as a cutting plane of the dual: its stage times, device use and caps it meets."""
+        st = relaxed.stages
+        loc = [self.SC.index(c) for _, _, c, _ in st]
+        taus, ars = [], [0.0]
+        for k, (s, e, _, r) in enumerate(st):
+            i = loc[k]
+            j = int(np.flatnonzero(self.valid_r[i] & (self.RR[i] == r))[0])
+            sends = (self.FWD[i, loc[k + 1], e] if k + 1 < len(st) else 0.0) + (self.BWD[i, loc[k - 1], s] if k else 0.0)
+            taus.append(self.H[i, j] * (self.cp[i, e + 1] - self.cp[i, s] + sends))
+            params = self.pp[e + 1] - self.pp[s]
+            if r > 1 and params > 0:
+                ars.append(self.AR0[i, j] + self.AR1[i, j] * params)
+        return Cut(tau_ms=float(sum(taus)), used=relaxed.used, peak_ms=float(max(taus)), ar_ms=float(max(ars)))
 
     def block_floor_ms(self) -> float:
         """A floor on any plan's largest ``tau``: the slowest block at its best class and smallest share."""
@@ -314,7 +340,7 @@ def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> t
 
 
 def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
-                   target_gap: float = 1e-3, iterations: int = 10, max_dps: int | None = None) -> LagrangeResult:
+                   target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None) -> LagrangeResult:
     """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring."""
     start = time.perf_counter()
     dp = SequenceDP(problem)
@@ -359,33 +385,37 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                 best_plan, best_ms = plan, step
 
     lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
+    pool: list[Cut] = []  # every relaxed plan met: cutting planes at every pair of caps it meets
 
-    def dual(cap: float, ar_cap: float) -> float:
-        """The best dual value at the caps: a lower bound on g(cap, ar_cap) (inf: nothing fits them)."""
+    def dual(cap: float, ar_cap: float, enough: float = INF) -> float:
+        """The best dual value at the caps: a lower bound on g(cap, ar_cap) (inf: nothing fits them).
+
+        Kelley's cutting planes: the prices maximise the piecewise-linear model
+        that the plans met so far give of the dual function, the DP at those
+        prices adds a plan, until the model and the best value meet (the LP
+        value of the relaxation) or the value reaches ``enough``.
+        """
         nonlocal dps
         lam = np.zeros(dp.C)
         if lam_memo:  # warm start from the nearest caps already priced
             lam = min(lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / max(M - 1, 1))[1].copy()
-        best, step, stale = -INF, None, 0
+        cuts = [c for c in pool if c.peak_ms <= cap * (1 + 1e-12) and c.ar_ms <= ar_cap * (1 + 1e-12)]
+        best = -INF
         for _ in range(iterations):
             got = dp.run(cap, lam, ar_cap)
             dps += 1
             if got is None:  # no sequence meets the caps, whatever the prices
                 return INF
             consider(got)
-            if got.value_ms > best + 1e-9 * abs(best if math.isfinite(best) else 1.0):
-                best, stale = got.value_ms, 0
-            else:
-                stale += 1
-            grad = got.used - dp.count
-            if (grad <= 0).all() and np.allclose(lam * grad, 0):
-                break  # complementary slackness: this is g at these caps exactly
-            if step is None:  # a price of the order of one stage's time
-                step = 0.5 * (cap if math.isfinite(cap) else got.value_ms / len(got.stages))
-            if stale >= 2:
-                step, stale = step * 0.5, 0
-            lam = np.maximum(0.0, lam + step * grad / max(1.0, float(np.abs(grad).max())))
-            if deadline():
+            best = max(best, got.value_ms)
+            over = got.used - dp.count
+            if best >= enough or ((over <= 0).all() and abs(float(lam @ over)) <= 1e-9 * max(1.0, abs(best))):
+                break  # the box is settled, or complementary slackness: g at these caps exactly
+            cut = dp.cut(got)
+            pool.append(cut)
+            cuts.append(cut)
+            model, lam = _kelley_master(cuts, dp.count, lam_max)
+            if model - best <= KELLEY_TOL * max(1.0, abs(best)) or deadline():
                 break
         lam_memo.append(((cap, ar_cap), lam))
         return best
@@ -397,6 +427,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
     boxes = _Boxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
                    open_top=math.isfinite(top) and not math.isfinite(best_ms))
+    lam_max = best_ms if math.isfinite(best_ms) else 1e3 * max(top, 1.0)  # a price that settles any box
     boxes.add_point(top, boxes.ar_top, dual(top, boxes.ar_top))
     while True:
         bound, box = boxes.weakest(best_ms)
@@ -405,8 +436,22 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         point = boxes.split(box)
         if point is None:
             break
-        boxes.add_point(*point, dual(*point))
+        # The new point bounds the lower half of the split box: it is settled once it lifts that above the target.
+        boxes.add_point(*point, dual(*point, enough=best_ms * (1 - target_gap) - boxes.floor(box)))
     return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))
+
+
+def _kelley_master(cuts: list[Cut], count: np.ndarray, lam_max: float) -> tuple[float, np.ndarray]:
+    """max_lam min_cuts (tau + lam . (used - n)) over ``0 <= lam <= lam_max``: (model value, prices)."""
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    lam = [solver.NumVar(0.0, lam_max, f"lam{c}") for c in range(len(count))]
+    z = solver.NumVar(-solver.infinity(), solver.infinity(), "z")
+    for cut in cuts:
+        solver.Add(z <= cut.tau_ms + sum(lam[c] * float(cut.used[c] - count[c]) for c in range(len(count))))
+    solver.Maximize(z)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:  # numerically stuck: keep the best value found so far
+        return -INF, np.zeros(len(count))
+    return z.solution_value(), np.array([v.solution_value() for v in lam])
 
 
 def _smallest_feasible_cap(dp: SequenceDP, lo: float, hi: float, ar_cap: float) -> float:
@@ -443,8 +488,11 @@ class _Boxes:
         return max((v for (pt, pa), v in self.points.items() if pt >= t and pa >= a), default=-INF)
 
     def _value(self, box: tuple[float, float, float, float]) -> float:
-        ta, tb, aa, ab = box
-        return (self.fill * ta if self.fill else 0.0) + aa + self._g(tb, ab)
+        return self.floor(box) + self._g(box[1], box[3])
+
+    def floor(self, box: tuple[float, float, float, float]) -> float:
+        """What a box's plans pay before ``g``: the fill at its lowest bottleneck plus its lowest all-reduce."""
+        return (self.fill * box[0] if self.fill else 0.0) + box[2]
 
     def weakest(self, best_ms: float) -> tuple[float, tuple[float, float, float, float] | None]:
         live = [(self._value(b), b) for b in self.boxes if (self.fill * b[0] if self.fill else 0.0) < best_ms]

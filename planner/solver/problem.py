@@ -179,6 +179,16 @@ class Problem:
         p = self._act_prefix
         return int(p[last + 1] - p[first])
 
+    def allreduce_line(self, cls: int, replicas: int) -> tuple[float, float]:
+        """``(a0, a1)``: ``replicas`` devices of class ``cls`` all-reduce ``p > 0`` parameters' gradients in
+        ``a0 + a1 p`` ms (a ring over the class's link; ``(0, 0)`` without replicas)."""
+        if replicas < 2:
+            return 0.0, 0.0
+        ring = (self.links[cls][cls],) * replicas
+        one = comm.allreduce_ms(1e9, ring, replicas)
+        two = comm.allreduce_ms(2e9, ring, replicas)
+        return one - (two - one), (two - one) / 1e9 * self.grad_bytes_per_param
+
     def boundary_bytes(self, last_block: int) -> float:
         """Bytes sent across the cut after ``last_block`` (activation forward, gradient back)."""
         return float(self.out_bytes[last_block])

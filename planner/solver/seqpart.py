@@ -7,10 +7,12 @@ order (class, replicas), every stage's time is exact given its range:
 ``h (compute + activation out + gradient back + verifier copies)`` with
 ``h = ceil(M/r)/M``, the copies priced as the cheapest trusted site unless
 the receiving stage can verify (one trusted device). Memory uses the stage's
-own 1F1B in-flight count. Two DPs over (stage, first block), banded to the
-stage lengths a cap allows: the smallest bottleneck ``T*``, then the
-smallest sum of stage times under a few caps ``>= T*``; the pick minimises
-``sum + (M - 1) max``. The plan is then priced exactly by the objective.
+own 1F1B in-flight count; a replicated stage all-reduces its parameters'
+gradients (``Problem.allreduce_line``). Two DPs over (stage, first block)
+(``seqpart_kernel``): the smallest bottleneck ``T*``, then the smallest sum
+of stage times under a few caps ``>= T*``; the pick minimises
+``sum + (M - 1) max + max all-reduce``, repeated under a few caps on the
+all-reduce. The plan is then priced exactly by the objective.
 """
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ import math
 import numpy as np
 
 from cost_models import comm, memory
-from planner.solver.dp import Group, partition_sequence
+from planner.solver.dp import Group
 from planner.solver.problem import Problem
+from planner.solver.seqpart_kernel import min_bottleneck, min_sum
 
 INF = math.inf
 CAP_STEPS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.16, 1.25, 1.4)
+# Caps on the largest all-reduce, as fractions of the best compute-balanced partition's.
+AR_STEPS = (0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06)
 
 
 class _Stage:
@@ -63,22 +68,6 @@ class _Stage:
     def tau(self, s: int, e: int) -> float:
         return float(self.h * (self.cp[e + 1] - self.cp[s] + self.fwd[e] + self.bwd[s]))
 
-    def width_for(self, cap_ms: float) -> int:
-        """Longest stage (+1) whose compute share alone stays under ``cap_ms``."""
-        ends = np.searchsorted(self.cp, self.cp[:-1] + cap_ms / self.h, side="right") - 1
-        return int(max(1, (ends - np.arange(len(self.cp) - 1)).max()))
-
-    def table(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tau[s, d], fits[s, d]) for the stage ``s..s+d``."""
-        L = len(self.cp) - 1
-        s = np.arange(L)[:, None]
-        e = s + np.arange(width)[None, :]
-        inside = e < L
-        e = np.minimum(e, L - 1)
-        tau = self.h * (self.cp[e + 1] - self.cp[s] + self.fwd[e] + self.bwd[s])
-        mem = self.mp[e + 1] - self.mp[s] + self.in_buf[s] + self.out_buf[e]
-        return np.where(inside, tau, INF), inside & (mem <= self.mem_cap)
-
 
 def _copy_table(problem: Problem):
     """ms of a verifier copy of each boundary from a class: the cheapest trusted site allowed."""
@@ -98,67 +87,62 @@ def _copy_table(problem: Problem):
 
 
 def partition_min_step(problem: Problem, groups: tuple[Group, ...]) -> tuple[tuple[int, int], ...] | None:
-    """Ranges for ``groups`` minimising ``sum tau + (M - 1) max tau`` (None: nothing fits)."""
+    """Ranges for ``groups`` minimising ``sum tau + (M - 1) max tau + max all-reduce`` (None: nothing fits)."""
     L, S, M = problem.num_blocks, len(groups), problem.num_microbatches
     if S > L:
         return None
     copy_ms = _copy_table(problem)
-    stages = [_Stage(problem, groups, k, copy_ms) for k in range(S)]
-    seed = partition_sequence(problem, groups)
-    width = L - S + 1
-    if seed is not None:  # a known partition caps T*: only stages short enough for the largest cap matter
-        upper = CAP_STEPS[-1] * max(st.tau(a, b) for st, (a, b) in zip(stages, seed))
-        width = min(width, max(st.width_for(upper) for st in stages))
-    tables = [st.table(width) for st in stages]
-    t_star = _min_bottleneck(tables, L)
-    if not math.isfinite(t_star):
-        return None
-    best: tuple[float, tuple[tuple[int, int], ...]] | None = None
-    for f in CAP_STEPS if M > 1 else (INF,):
-        got = _min_sum(tables, L, t_star * f)
-        if got is None:
-            continue
-        total, ranges, peak = got
-        step = total + (M - 1) * peak
-        if best is None or step < best[0] - 1e-12:
-            best = (step, ranges)
+    args = _kernel_args(problem, groups, [_Stage(problem, groups, k, copy_ms) for k in range(S)])
+    best = min_step(args, M)
     return None if best is None else best[1]
 
 
-def _min_bottleneck(tables, L: int) -> float:
-    nxt = np.full(L + 1, INF)
-    nxt[L] = -INF  # past the last stage: nothing
-    for tau, fits in reversed(tables):
-        W = tau.shape[1]
-        idx = np.minimum(np.arange(L)[:, None] + np.arange(W)[None, :] + 1, L)
-        cost = np.where(fits, np.maximum(tau, nxt[idx]), INF)
-        row = np.full(L + 1, INF)
-        row[:L] = cost.min(axis=1)
-        nxt = row
-    return float(nxt[0])
-
-
-def _min_sum(tables, L: int, cap: float):
-    """Smallest sum of stage times with every stage <= cap: (sum, ranges, largest stage time) or None."""
-    nxt = np.full(L + 1, INF)
-    nxt[L] = 0.0
-    args = []
-    for tau, fits in reversed(tables):
-        W = tau.shape[1]
-        idx = np.minimum(np.arange(L)[:, None] + np.arange(W)[None, :] + 1, L)
-        cost = np.where(fits & (tau <= cap), tau + nxt[idx], INF)
-        d = cost.argmin(axis=1)
-        row = np.full(L + 1, INF)
-        row[:L] = cost[np.arange(L), d]
-        args.append(d)
-        nxt = row
-    if not math.isfinite(nxt[0]):
+def min_step(args: tuple, M: int) -> tuple[float, tuple[tuple[int, int], ...], float] | None:
+    """(iteration time, ranges, largest all-reduce) of the best partition found for the kernel tables."""
+    best = _best_under(args, INF, M)
+    if best is None:
         return None
-    args.reverse()
-    ranges, s, peak = [], 0, 0.0
-    for k, (tau, _) in enumerate(tables):
-        d = int(args[k][s])
-        ranges.append((s, s + d))
-        peak = max(peak, float(tau[s, d]))
-        s += d + 1
-    return float(nxt[0]), tuple(ranges), peak
+    # A replicated stage over slow links can all-reduce for longer than the whole pipeline fill; the
+    # partition that balances compute alone then loses to one that moves parameters off that stage.
+    top = best[2]
+    for f in AR_STEPS if top > 0 else ():
+        got = _best_under(args, f * top, M)
+        if got is not None and got[0] < best[0] - 1e-12:
+            best = got
+    return best
+
+
+def _kernel_args(problem: Problem, groups: tuple[Group, ...], stages: list[_Stage]) -> tuple:
+    ar = [problem.allreduce_line(g.cls, g.replicas) for g in groups]
+    return (np.array([st.h for st in stages]), np.stack([st.cp for st in stages]),
+            np.stack([st.fwd for st in stages]), np.stack([st.bwd for st in stages]),
+            np.stack([st.mp for st in stages]), stages[0].in_buf, np.stack([st.out_buf for st in stages]),
+            np.array([st.mem_cap for st in stages]), np.array([a for a, _ in ar]), np.array([b for _, b in ar]),
+            problem._param_prefix.astype(float))
+
+
+def _best_under(args: tuple, ar_cap_ms: float, M: int) -> tuple[float, tuple[tuple[int, int], ...], float] | None:
+    """(iteration time, ranges, largest all-reduce) of the best partition with every all-reduce <= the cap."""
+    t_star = min_bottleneck(*args, ar_cap_ms)
+    if not math.isfinite(t_star):
+        return None
+    H, CP, FWD, BWD, *_, AR0, AR1, PP = args
+    S, L = CP.shape[0], CP.shape[1] - 1
+    choice = np.zeros((S, L), np.int64)
+    best = None
+    for f in CAP_STEPS if M > 1 else (INF,):
+        if not math.isfinite(min_sum(*args, t_star * f, ar_cap_ms, choice)):
+            continue
+        ranges, s, total, peak, ar = [], 0, 0.0, 0.0, 0.0
+        for k in range(S):
+            e = int(choice[k, s])
+            ranges.append((s, e))
+            tau = float(H[k] * (CP[k, e + 1] - CP[k, s] + FWD[k, e] + BWD[k, s]))
+            total, peak = total + tau, max(peak, tau)
+            if PP[e + 1] > PP[s] and (AR0[k] or AR1[k]):
+                ar = max(ar, float(AR0[k] + AR1[k] * (PP[e + 1] - PP[s])))
+            s = e + 1
+        step = total + (M - 1) * peak + ar
+        if best is None or step < best[0] - 1e-12:
+            best = (step, tuple(ranges), ar)
+    return best

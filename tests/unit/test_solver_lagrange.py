@@ -32,6 +32,22 @@ def test_bound_never_exceeds_the_enumerated_optimum(seed, twists):
         assert res.step_ms >= best * (1 - 1e-9)
 
 
+def test_bound_is_close_to_the_enumerated_optimum_on_most_instances():
+    """The cutting-plane prices reach the relaxation's LP value: at 150 DPs the bound lands within 3% of
+    the optimum on 33 of these 36 instances (the subgradient prices it replaced: 30)."""
+    ratios = []
+    for seed, twists in [(s, False) for s in range(28)] + [(s, True) for s in TWIST_SEEDS]:
+        chain, cluster, config, policy = instance(seed, twists=twists)
+        problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
+        best, _ = brute_force(problem)
+        if math.isfinite(best):
+            res = lagrange_bound(problem, incumbent_ms=best * 1.5, time_budget_s=60.0, max_dps=150)
+            ratios.append(res.bound_ms / best)
+    assert len(ratios) >= 30
+    assert np.median(ratios) >= 0.99
+    assert np.mean(np.array(ratios) >= 0.97) >= 0.9, sorted(ratios)
+
+
 def test_unpriced_dp_returns_a_contiguous_cover_of_the_chain():
     """With zero prices and no caps, the DP's relaxed plan covers every block once, in order."""
     chain, cluster, config, policy = instance(3)
