@@ -60,7 +60,7 @@ Progress = Callable[[str, float | None, float | None, float], None]
 HEURISTIC_SHARE = 0.15  # of each M's time budget, for the sequence search that seeds CP-SAT
 MODEL_SIZE_LIMIT = 4_000  # blocks x stage slots up to which the CP-SAT model covers every stage count
 SLOT_CAP = 20  # slots of the smaller model beyond that: CP-SAT improves plans far better there
-LAGRANGE_SHARE = 0.4  # of each M's time budget on large models, for the sequence-DP bound and its plans
+LAGRANGE_SHARE = 0.75  # of each M's time budget on large models, for the sequence-DP bound and its plans
 LAGRANGE_SMALL_S = 1.0  # at most this on models small enough for CP-SAT to prove optimality alone
 CPSAT_PROVES_LIMIT = 600  # blocks x stage slots (measured: 48 x 8 proven in 6-9 s; 200 x 16 never in 30 s)
 

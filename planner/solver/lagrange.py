@@ -400,14 +400,15 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         if lam_memo:  # warm start from the nearest caps already priced
             lam = min(lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / max(M - 1, 1))[1].copy()
         cuts = [c for c in pool if c.peak_ms <= cap * (1 + 1e-12) and c.ar_ms <= ar_cap * (1 + 1e-12)]
-        best = -INF
+        best, best_lam = -INF, lam
         for _ in range(iterations):
             got = dp.run(cap, lam, ar_cap)
             dps += 1
             if got is None:  # no sequence meets the caps, whatever the prices
                 return INF
             consider(got)
-            best = max(best, got.value_ms)
+            if got.value_ms > best:
+                best, best_lam = got.value_ms, lam
             over = got.used - dp.count
             if best >= enough or ((over <= 0).all() and abs(float(lam @ over)) <= 1e-9 * max(1.0, abs(best))):
                 break  # the box is settled, or complementary slackness: g at these caps exactly
@@ -417,7 +418,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             model, lam = _kelley_master(cuts, dp.count, lam_max)
             if model - best <= KELLEY_TOL * max(1.0, abs(best)) or deadline():
                 break
-        lam_memo.append(((cap, ar_cap), lam))
+        lam_memo.append(((cap, ar_cap), best_lam))
         return best
 
     # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
