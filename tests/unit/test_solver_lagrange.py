@@ -74,11 +74,11 @@ def test_repair_respects_device_counts():
     assert all(n <= problem.classes[k].count for k, n in used.items())
 
 
-def test_exact_partition_is_no_worse_than_bottleneck_partition_on_its_own_objective():
-    """For the same group sequence, the min-step DP's plan is never priced above the bottleneck one's
-    by more than the verifier-copy approximation allows (usually it is better)."""
-    wins = 0
-    for seed in range(12):
+def test_exact_partition_is_never_priced_above_the_bottleneck_partition():
+    """For the same group sequence, the min-step DP's plan is valid whenever the bottleneck DP's is, and
+    priced no higher by the objective (on these 40 instances: cheaper on 6, by up to 63%; equal on the rest)."""
+    compared = 0
+    for seed in range(40):
         chain, cluster, config, policy = instance(seed)
         problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
         stage = [c for c in problem.classes if c.stage_capable]
@@ -87,11 +87,13 @@ def test_exact_partition_is_no_worse_than_bottleneck_partition_on_its_own_object
             continue
         a = sequence_placement(problem, groups)
         b = sequence_placement(problem, groups, exact=True)
-        if b is not None:
-            assert not violations(problem, b[0])
-        if a is not None and b is not None and b[1] <= a[1] * (1 + 1e-9):
-            wins += 1
-    assert wins >= 1
+        if a is None:
+            continue
+        assert b is not None, f"seed {seed}: the bottleneck partition fits, the exact one found nothing"
+        assert not violations(problem, b[0])
+        assert b[1] <= a[1] * (1 + 1e-9), f"seed {seed}: exact {b[1]} above bottleneck {a[1]}"
+        compared += 1
+    assert compared >= 15
 
 
 def test_no_incumbent_bound_stays_below_the_optimum():
