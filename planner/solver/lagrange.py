@@ -118,6 +118,7 @@ class SequenceDP:
         self.LOG = max(1, math.ceil(math.log2(max(L, 2))) + 1)
         self.pad = 1 << self.LOG
         self._work: tuple[np.ndarray, ...] | None = None
+        self._limits_cap = math.nan  # the cap HI/LV in _work were computed for
 
     # --- tables -------------------------------------------------------------------
     def _transfer(self, a: int, b: int) -> np.ndarray:
@@ -225,13 +226,15 @@ class SequenceDP:
         price = lam[:, None] * self.RR
         if self._work is None:  # allocated once: the kernels rewrite every entry they read
             self._work = (np.full((LOG, C, R, C, L + self.pad), INF), np.full((LOG, C, R, C, L + self.pad), INF),
-                          np.zeros((C, R, C, L, C), np.int64),
+                          np.zeros((C, R, C, L, C), np.int64), np.zeros((C, R), np.int64),
                           np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
                           *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
-        SPa, SPb, HI, V, V0, kind, pick_r, pick_n, pick_hi = self._work
+        SPa, SPb, HI, LV, V, V0, kind, pick_r, pick_n, pick_hi = self._work
+        ready = self._limits_cap == cap_ms  # the stage-length limits depend on the cap alone
         sequence_dp(float(cap_ms), price, self.H, self.valid_r, self.cp, self.FWD, self.FWD_MIN, self.BWD, ehi,
-                    last_ok, self.trusted, bool(self.ends_trusted), bool(self.lump), SPa, SPb, HI, V, V0, kind,
-                    pick_r, pick_n, pick_hi)
+                    last_ok, self.trusted, bool(self.ends_trusted), bool(self.lump), SPa, SPb, HI, LV, ready, V, V0,
+                    kind, pick_r, pick_n, pick_hi)
+        self._limits_cap = cap_ms
         layer, c = np.unravel_index(int(np.argmin(V0)), V0.shape)
         value = float(V0[layer, c])
         if not math.isfinite(value):

@@ -197,11 +197,13 @@ def _state(s, qi, c, layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trus
 
 @njit(cache=True)
 def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, trusted, ends_trusted, lump,
-                SPa, SPb, HI, V, V0, kind, pick_r, pick_n, pick_hi):
+                SPa, SPb, HI, LV, limits_ready, V, V0, kind, pick_r, pick_n, pick_hi):
     """Fill every layer's ``V[layer, s, q, c]``, the first stage's ``V0[layer, c]`` and the choices.
 
     ``EHI[c, r, layer, s]``: last end block that fits in memory (and the all-reduce cap) in that layer;
-    ``lump``: the last layer means "this many stages or more".
+    ``lump``: the last layer means "this many stages or more"; ``limits_ready``: ``HI`` and ``LV`` already
+    hold :func:`time_limits` at this cap (they depend on nothing else, and the prices change far more
+    often than the caps).
     """
     C = H.shape[0]
     L = cp.shape[1] - 1
@@ -209,8 +211,8 @@ def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, truste
     LOG2 = np.zeros(L + 2, np.int64)  # floor(log2(length)) of a query range
     for k in range(2, L + 2):
         LOG2[k] = LOG2[k // 2] + 1
-    LV = np.zeros(H.shape, np.int64)
-    time_limits(cap, H, valid, cp, FWD_MIN, BWD, HI, LV, LOG2)
+    if not limits_ready:
+        time_limits(cap, H, valid, cp, FWD_MIN, BWD, HI, LV, LOG2)
     for layer in range(J):
         if layer > 0:
             _fill_q(SPa, H, valid, cp, FWD, V[layer - 1], LV)
@@ -244,5 +246,6 @@ def warm() -> None:
                 np.zeros((C, C, L), f), np.ones((C, R, J, L), np.int64), np.ones((C, R, L), np.bool_),
                 np.ones(C, np.bool_), True, False, np.full((LOG, C, R, C, L + 4), INF),
                 np.full((LOG, C, R, C, L + 4), INF), np.zeros((C, R, C, L, C), np.int64),
+                np.zeros((C, R), np.int64), False,
                 np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
                 *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))

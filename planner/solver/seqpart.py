@@ -29,6 +29,8 @@ INF = math.inf
 CAP_STEPS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.16, 1.25, 1.4)
 # Caps on the largest all-reduce, as fractions of the best compute-balanced partition's.
 AR_STEPS = (0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06)
+CAP_STEPS_AR = (1.0, 1.03, 1.1, 1.25)  # bottleneck caps tried under each all-reduce cap
+AR_WORTH = 0.01  # an all-reduce below this share of the iteration is not worth re-partitioning for
 
 
 class _Stage:
@@ -105,8 +107,8 @@ def min_step(args: tuple, M: int) -> tuple[float, tuple[tuple[int, int], ...], f
     # A replicated stage over slow links can all-reduce for longer than the whole pipeline fill; the
     # partition that balances compute alone then loses to one that moves parameters off that stage.
     top = best[2]
-    for f in AR_STEPS if top > 0 else ():
-        got = _best_under(args, f * top, M)
+    for f in AR_STEPS if top > AR_WORTH * best[0] else ():
+        got = _best_under(args, f * top, M, caps=CAP_STEPS_AR)
         if got is not None and got[0] < best[0] - 1e-12:
             best = got
     return best
@@ -121,7 +123,8 @@ def _kernel_args(problem: Problem, groups: tuple[Group, ...], stages: list[_Stag
             problem._param_prefix.astype(float))
 
 
-def _best_under(args: tuple, ar_cap_ms: float, M: int) -> tuple[float, tuple[tuple[int, int], ...], float] | None:
+def _best_under(args: tuple, ar_cap_ms: float, M: int, *, caps: tuple[float, ...] = CAP_STEPS
+                ) -> tuple[float, tuple[tuple[int, int], ...], float] | None:
     """(iteration time, ranges, largest all-reduce) of the best partition with every all-reduce <= the cap."""
     t_star = min_bottleneck(*args, ar_cap_ms)
     if not math.isfinite(t_star):
@@ -130,7 +133,7 @@ def _best_under(args: tuple, ar_cap_ms: float, M: int) -> tuple[float, tuple[tup
     S, L = CP.shape[0], CP.shape[1] - 1
     choice = np.zeros((S, L), np.int64)
     best = None
-    for f in CAP_STEPS if M > 1 else (INF,):
+    for f in caps if M > 1 else (INF,):
         if not math.isfinite(min_sum(*args, t_star * f, ar_cap_ms, choice)):
             continue
         ranges, s, total, peak, ar = [], 0, 0.0, 0.0, 0.0
