@@ -42,6 +42,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
+from planner.runtime import predictors as pred
 from planner.runtime.thresholds import (
     DEFAULT_FLOORS,
     DEFAULT_RATIOS,
@@ -283,10 +284,10 @@ class AdaptiveState:
             self._reference = dist.reference(self.ref)
         scores = dist.summary_scores(summary, self._reference, self._NAMES)
         if inputs is not None and self._link_w is not None and len(inputs) == len(rows):
-            num, den, moment = dist.link_parts(inputs, rows, self._link_w)
+            num, den, moment = pred.link_parts(inputs, rows, self._link_w)
             scores["link"] = num / max(den, dist.EPS)
             if self._whitener is not None:
-                scores["residual"] = dist.residual_shape(moment, self._whitener)
+                scores["residual"] = pred.residual_shape(moment, self._whitener)
         return scores
 
     def _fold(self, summary: dist.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> None:
@@ -300,14 +301,14 @@ class AdaptiveState:
 
     def _fold_link(self, inputs: torch.Tensor, rows: torch.Tensor) -> None:
         if self._link_w is not None:
-            moment = dist.link_parts(inputs, rows, self._link_w)[2]
+            moment = pred.link_parts(inputs, rows, self._link_w)[2]
             shape = moment / moment.trace().clamp_min(dist.EPS)
             self._resid = shape if self._resid is None else self.beta * self._resid + (1 - self.beta) * shape
-            self._whitener = dist.residual_whitener(self._resid)
-        stats = dist.link_stats(inputs, rows)
+            self._whitener = pred.residual_whitener(self._resid)
+        stats = pred.link_stats(inputs, rows)
         self._link = stats if self._link is None else tuple(  # type: ignore[assignment]
             self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, stats))
-        self._link_w = dist.link_solve(*self._link)
+        self._link_w = pred.link_solve(*self._link)
 
     def observe(self, x: torch.Tensor, stage_input: torch.Tensor | None = None) -> None:
         """Learn from a tensor sent unchanged."""

@@ -16,11 +16,29 @@ a step equals one step on the mean loss of the whole global batch.
 Verification (when the plan has verifiers and it is not switched off): every
 transfer of a boundary tensor carries a 1-element taint header (1 = this
 microbatch was already dropped upstream). A verifier scores the copy it gets
-and sends ``[flagged, tainted]`` to the consumer, which waits for it before
-using the tensor. A flagged or tainted microbatch is dropped: the consumer
-zeroes the tensor, the last stage multiplies its loss by 0, and the taint
-header it sends on is 1. At the end of the step the verifier ranks exchange
-their flags and resolve blame and bans.
+and sends ``[flagged, tainted]`` to the consumer. A flagged or tainted
+microbatch is dropped: the consumer zeroes the tensor, the last stage
+multiplies its loss by 0, and the taint header it sends on is 1. At the end of
+the step the verifier ranks exchange their flags and resolve blame and bans.
+
+Deferred verdicts (the default): the consumer only posts the verdict's receive
+at ``VERDICT`` and computes with the tensor at once, so the check runs while it
+computes instead of before; it waits for the verdict where the computation's
+result would first leave the microbatch's own state:
+
+* forward: before the output is sent (``SEND_F``, a verifier's copy included),
+  before the last stage's backward reads the loss, at the latest before the
+  optimizer. A dropped microbatch's forward is run again on zeros (restoring
+  the RNG and the buffers first), which gives exactly what waiting first gives.
+* backward: the accumulated parameter gradients are set aside (no copy) and the
+  backward leaves only this microbatch's in ``.grad``; the verdict is awaited
+  before the input gradient is sent, before the next backward, at the latest
+  before the all-reduce / optimizer. Honest: the set-aside gradients plus this
+  one (the same in-place sum autograd would do); dropped: the set-aside ones
+  alone, and a zero input gradient (what back-propagating zeros gives).
+
+``defer_verdicts=False`` waits for each verdict at ``VERDICT`` (the same
+results; ``stagewise run --wait-verdicts``).
 """
 from __future__ import annotations
 
@@ -47,6 +65,45 @@ ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD,
 
 
 @dataclass(slots=True)
+class _HeldBackward:
+    """A backward whose incoming gradient still awaits its verdict: the parameters' ``.grad``
+    hold only its contribution, ``stash`` what they had accumulated before it."""
+
+    mb: int
+    stash: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """What a forward run again on zeros (its input dropped after all) must start from."""
+
+    rng: torch.Tensor
+    device_rng: torch.Tensor | None
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]   # (buffer, its value before the forward)
+
+
+def merge_grads(params: Sequence[torch.Tensor], stash: Sequence[torch.Tensor | None], *, keep: bool) -> None:
+    """Put back the gradients set aside before a held backward, whose own are in ``.grad``.
+
+    ``keep``: the set-aside ones plus the held backward's (``stash.add_``: the very sum
+    autograd's in-place accumulation computes). Otherwise the set-aside ones alone; where
+    there were none, zeros for a parameter the backward reached, as back-propagating a zero
+    gradient would leave (an optimizer skips a parameter without a gradient, not one of zeros).
+    """
+    for p, before in zip(params, stash, strict=True):
+        mine = p.grad
+        if keep:
+            if before is not None and mine is not None:
+                p.grad = before.add_(mine)
+            elif before is not None:
+                p.grad = before
+        elif before is not None:
+            p.grad = before
+        elif mine is not None:
+            p.grad = torch.zeros_like(mine)
+
+
+@dataclass(slots=True)
 class _Timers:
     compute: float = 0.0
     compute_cpu: float = 0.0
@@ -65,7 +122,9 @@ class Executor:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                  optimizer: torch.optim.Optimizer | None, groups: Groups, device: torch.device,
                  verify: "VerifyHooks | None" = None, attacks: "AttackHooks | None" = None,
-                 emulation: Emulation = Emulation(), keep_grads: bool = False) -> None:
+                 emulation: Emulation = Emulation(), keep_grads: bool = False,
+                 defer_verdicts: bool = True) -> None:
+        """``defer_verdicts``: compute before a verifier's verdict arrives (see the module docstring)."""
         self.plan = plan
         self.rank = rank
         self.info = plan.ranks[rank]
@@ -85,11 +144,15 @@ class Executor:
         # emulation can only scale wall time.
         self._pass_on_this_thread = device.type == "cpu" and torch.get_num_threads() == 1
         self.keep_grads = keep_grads
+        self.defer_verdicts = defer_verdicts
         self.num_mb = plan.num_microbatches
         tied_names = {n for _, _, names in groups.tied for n in names}
         named = dict(stage.parameters()) if stage is not None else {}
         # Tied parameters are summed across their stages' ranks instead (one all-reduce covers replicas too).
         self.replica_params = [p for n, p in named.items() if n not in tied_names]
+        self.params = list(named.values())
+        # A forward run again must start from the same state; buffers only change in place (BatchNorm).
+        self.buffers = tuple(b for _, b in stage.module.named_buffers()) if stage is not None else ()
         self.last_grads: dict[str, torch.Tensor] = {}
         self.step_losses: list[float] = []
         self._check_program()
@@ -130,6 +193,7 @@ class Executor:
             self._dispatch(ins)
             if ins.op in ("SEND_B", "VERIFY_B") and self._grad_last_use.get(ins.mb) == i:
                 self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
+        self._settle_all()
         self._finish_sends()
         banned = self._end_verification(step)
         if self.attacks is not None:
@@ -157,6 +221,9 @@ class Executor:
         self.dropped_f: set[int] = set()   # dropped on the way forward (zeroed, loss x 0)
         self.dropped_b: set[int] = set()   # gradient dropped on the way back
         self.flagged = 0
+        self.verdicts: dict[tuple[str, int], Pending] = {}   # deferred verdicts, posted and not yet awaited
+        self.replays: dict[int, _Replay] = {}                 # forwards that may have to run again
+        self.held: _HeldBackward | None = None
 
     def _dispatch(self, ins: Instruction) -> None:
         op = ins.op
@@ -193,10 +260,15 @@ class Executor:
         return tensors
 
     def _forward(self, mb: int) -> None:
-        stage = self.stage
-        assert stage is not None
         raw = self._stage_inputs(mb)
         self.received.pop(("F", mb), None)  # from here on `inputs` (saved until B) hold the data
+        if ("F", mb) in self.verdicts and mb not in self.dropped_f:
+            self.replays[mb] = self._replay_point()
+        self._run_forward(mb, raw)
+
+    def _run_forward(self, mb: int, raw: list[torch.Tensor]) -> None:
+        stage = self.stage
+        assert stage is not None
         inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -218,7 +290,10 @@ class Executor:
         if mb not in self.saved:
             raise InvalidInputError(f"rank {self.rank}: backward of microbatch {mb} before its forward",
                                     fix="regenerate the plan (its program is out of order)")
+        self._settle_forward(mb)   # the last stage's loss, or a forward that must run again
+        self._settle_backward()    # the gradients of an earlier backward still held
         inputs, outputs = self.saved.pop(mb)
+        hold = False
         if stage.is_last:
             roots, grads = [self.losses[mb] / self.num_mb], [None]
         else:
@@ -226,9 +301,15 @@ class Executor:
             self.received.pop(("B", mb), None)
             if mb in self.dropped_b:
                 received = [torch.zeros_like(g) for g in received]
+            hold = ("B", mb) in self.verdicts and mb not in self.dropped_b
             carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
             pairs = [(o, g) for o, g in zip(carrying, received) if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if hold:  # keep this backward's parameter gradients apart until its verdict comes
+            stash = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+            self.held = _HeldBackward(mb=mb, stash=stash)
         t0, c0 = time.perf_counter(), time.thread_time()
         if roots:
             torch.autograd.backward(roots, grads)
@@ -287,6 +368,7 @@ class Executor:
         d = ins.direction
         if not self.verifying and ins.peer != self._consumer(ins):
             return  # a copy for a verifier, and verification is off
+        self._settle_sent(d, ins.mb)
         kind, header_kind, _ = ACT_KINDS[d]
         tensors = self._sent_tensors(d, ins.mb)
         header = None
@@ -400,6 +482,7 @@ class Executor:
             tensors, tainted_in = received[:-1], bool(received[-1].item())
             sender = ins.peer
         elif self.info.stage == sender_stage:  # a trusted sender checking what it just sent
+            self._settle_sent(d, mb)
             tensors = self._sent_tensors(d, mb)
             tainted_in = mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
             sender = self.rank
@@ -424,21 +507,86 @@ class Executor:
         self.t.comm += time.perf_counter() - t0
 
     def _verdict(self, ins: Instruction) -> None:
-        """Wait for a verifier's verdict on a tensor this rank is about to use."""
+        """Post the receive of a verifier's verdict on a tensor this rank is about to use; wait
+        for it here only when not deferring (else where the tensor's results leave the rank)."""
         d, mb = ins.direction, ins.mb
         assert mb is not None and ins.boundary is not None
         _, _, verdict_kind = ACT_KINDS[d]
+        t0 = time.perf_counter()
         pending = comm.recv([((2,), torch.int64)], peer=ins.peer, kind=verdict_kind, boundary=ins.boundary, mb=mb,
                             device=self.device, doing=f"waiting for the verdict {ins} (step {self.step})")
+        self.t.comm += time.perf_counter() - t0
+        if self.defer_verdicts:
+            self.verdicts[(d, mb)] = pending
+        else:
+            self._conclude(d, mb, pending)
+
+    def _conclude(self, d: str, mb: int, pending: Pending) -> bool:
+        """Wait for a verdict and drop the microbatch if it is flagged or tainted; True if dropped now."""
         flagged, tainted = (bool(v) for v in self._wait(pending)[0].tolist())
         if flagged or tainted:
+            already = mb in (self.dropped_f if d == "F" else self.dropped_b)
             self._drop(d, mb)
+            return not already
+        return False
+
+    def _replay_point(self) -> _Replay:
+        device_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return _Replay(rng=torch.get_rng_state(), device_rng=device_rng,
+                       buffers=tuple((b, b.detach().clone()) for b in self.buffers))
+
+    def _settle_forward(self, mb: int) -> None:
+        """Await the deferred verdict on ``mb``'s input; if it drops the microbatch, run its forward
+        again on zeros from the state it started from (what waiting first would have computed)."""
+        pending = self.verdicts.pop(("F", mb), None)
+        if pending is None:
+            return
+        replay = self.replays.pop(mb, None)
+        if not self._conclude("F", mb, pending) or mb not in self.saved or replay is None:
+            return
+        torch.set_rng_state(replay.rng)
+        if replay.device_rng is not None:
+            torch.cuda.set_rng_state(replay.device_rng, self.device)
+        with torch.no_grad():
+            for buffer, before in replay.buffers:
+                buffer.copy_(before)
+        inputs, _ = self.saved.pop(mb)
+        self._run_forward(mb, [torch.zeros_like(t, requires_grad=False) for t in inputs])
+
+    def _settle_backward(self) -> None:
+        """Await the verdict on the held backward's incoming gradient and merge its parameter
+        gradients (or drop them, and its input gradient, if the verdict drops the microbatch)."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        dropped = self._conclude("B", held.mb, self.verdicts.pop(("B", held.mb)))
+        merge_grads(self.params, held.stash, keep=not dropped)
+        if dropped and held.mb in self.input_grads:
+            self.input_grads[held.mb] = [torch.zeros_like(g) for g in self.input_grads[held.mb]]
+
+    def _settle_sent(self, d: str, mb: int) -> None:
+        """Before (direction, mb)'s output or input gradient leaves: its taint header needs the forward's
+        verdict, and a backward's also the backward's."""
+        self._settle_forward(mb)
+        if d == "B":
+            self._settle_backward()
+
+    def _settle_all(self) -> None:
+        """Every verdict still out (before the gradients are summed or used, and at the step's end)."""
+        self._settle_backward()
+        for d, mb in list(self.verdicts):
+            if d == "F":
+                self._settle_forward(mb)
+            else:
+                self._conclude(d, mb, self.verdicts.pop((d, mb)))
 
     def _end_verification(self, step: int) -> set[int]:
         """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
         if self.verify is None or self.verify.verifier is None:
             return set()
+        t0 = time.perf_counter()
         flags = self.verify.step_flags(step)
+        self.t.verify += time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.groups.verifiers is not None:
             gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
@@ -446,10 +594,14 @@ class Executor:
         else:
             gathered = [flags]
         self.t.comm += time.perf_counter() - t0
-        return self.verify.end_step(step, gathered)
+        t0 = time.perf_counter()
+        banned = self.verify.end_step(step, gathered)   # blame and bans: verification work too
+        self.t.verify += time.perf_counter() - t0
+        return banned
 
     # ------------------------------------------------------------------ gradients and optimizer
     def _allreduce(self) -> None:
+        self._settle_all()
         if self.groups.stage is None or not self.replica_params:
             return
         t0 = time.perf_counter()
@@ -468,6 +620,7 @@ class Executor:
             comm.unflatten_grads(flat, params)
 
     def _optim(self) -> None:
+        self._settle_all()
         t0 = time.perf_counter()
         self._sync_tied()
         self.t.comm += time.perf_counter() - t0

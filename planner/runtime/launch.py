@@ -74,6 +74,7 @@ class RunOptions:
     report: str | None = None
     attacks: tuple[str, ...] = ()
     verify: bool = True
+    wait_verdicts: bool = False
     seed: int = 0
     data: str = "auto"
     loss: str | None = None
@@ -110,6 +111,8 @@ class RunOptions:
             argv.append("--emulate-speed")
         if not self.verify:
             argv.append("--no-verify")
+        if self.wait_verdicts:
+            argv.append("--wait-verdicts")
         return argv
 
 
@@ -127,6 +130,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make a rank corrupt what it sends, e.g. rank=2,kind=scale,factor=-1,start=5")
     parser.add_argument("--no-verify", action="store_false", dest="verify",
                         help="switch the plan's integrity verification off")
+    parser.add_argument("--wait-verdicts", action="store_true",
+                        help="wait for each verifier's verdict before using the tensor (same results, slower: "
+                             "by default a rank computes while the check runs and waits before results leave)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("--data", default="auto",
                         help="auto (byte text for byte-level LMs, else synthetic), text, synthetic, "

@@ -45,6 +45,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
+from planner.runtime import predictors as pred
 from planner.runtime.thresholds import ALL_DISTANCES, Cusum, IQRFence, VerifierConfig
 
 __all__ = ["ALL_DISTANCES", "Monitor", "Verdict", "Verifier", "VerifierConfig", "blame"]
@@ -157,7 +158,7 @@ class Monitor:
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
         self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
-        self._seen = torch.zeros(dist.LABEL_BUCKETS)
+        self._seen = torch.zeros(pred.LABEL_BUCKETS)
         self._centre: torch.Tensor | None = None
         self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
         self._link_w: torch.Tensor | None = None
@@ -208,21 +209,21 @@ class Monitor:
         """The sample's evidence for the label table and for the stage's linear surrogate
         (each only with aligned labels / the stage's input rows of the same microbatch)."""
         fits: dict[str, _Fit] = {}
-        buckets = None if labels is None or "binding" not in self.fences else dist.label_buckets(labels, len(rows))
+        buckets = None if labels is None or "binding" not in self.fences else pred.label_buckets(labels, len(rows))
         if buckets is not None:
             num = den = 0.0
             if self._table is not None and self._centre is not None:
-                num, den = dist.binding_parts(rows, buckets, self._table, self._seen, self._centre)
-            fits["binding"] = _Fit(num=num, den=den, update=(*dist.label_means(rows, buckets), rows.mean(dim=0)))
+                num, den = pred.binding_parts(rows, buckets, self._table, self._seen, self._centre)
+            fits["binding"] = _Fit(num=num, den=den, update=(*pred.label_means(rows, buckets), rows.mean(dim=0)))
         linked = "link" in self.fences or "residual" in self.fences
         if inputs is not None and linked and len(inputs) == len(rows):
             weights = None
             if self._link is not None:
                 if self._link_w is None or self._link_w.shape[0] != inputs.shape[1] + 1:
-                    self._link_w = dist.link_solve(*self._link)
+                    self._link_w = pred.link_solve(*self._link)
                 if self._link_w.shape[0] == inputs.shape[1] + 1:
                     weights = self._link_w
-            parts, update = dist.link_fit(inputs, rows, weights)
+            parts, update = pred.link_fit(inputs, rows, weights)
             num, den, moment = parts if parts is not None else (0.0, 0.0, None)
             fits["link"] = _Fit(num=num, den=den, update=update, moment=moment)
         return fits
@@ -243,7 +244,7 @@ class Monitor:
         scores = dist.summary_scores(summary, self._ref, tuple(names))
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
-            scores["replay"] = dist.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
+            scores["replay"] = pred.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
         for name in ("binding", "link"):
             parts = [f[name] for f in fits if name in f]
             den = sum(p.den for p in parts)
@@ -252,9 +253,9 @@ class Monitor:
         moments = [f["link"].moment for f in fits if "link" in f and f["link"].moment is not None]
         if "residual" in names and moments and self._resid is not None:
             if self._whitener is None or self._stale(self._whitener_step):
-                self._whitener, self._whitener_step = dist.residual_whitener(self._resid), self._age_step()
+                self._whitener, self._whitener_step = pred.residual_whitener(self._resid), self._age_step()
             if self._whitener.shape == moments[0].shape:
-                scores["residual"] = dist.residual_shape(sum(moments), self._whitener)
+                scores["residual"] = pred.residual_shape(sum(moments), self._whitener)
         return scores
 
     def _age_step(self) -> int:
@@ -357,7 +358,7 @@ class Monitor:
     def _fold_binding(self, ids: torch.Tensor, means: torch.Tensor, counts: torch.Tensor,
                       centre: torch.Tensor) -> None:
         if self._table is None or self._centre is None or self._table.shape[1] != means.shape[1]:
-            self._table = torch.zeros(dist.LABEL_BUCKETS, means.shape[1])
+            self._table = torch.zeros(pred.LABEL_BUCKETS, means.shape[1])
             self._seen.zero_()
             self._centre = centre
         old = self._seen[ids] > 0

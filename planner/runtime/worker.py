@@ -291,7 +291,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
-                        verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None)
+                        verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
+                        defer_verdicts=not opts.wait_verdicts)
     collector = _MetricsCollector(env.rank, env.world_size, setup.device)
     progress = Progress(events=os.environ.get("STAGEWISE_EVENTS") == "1", steps=opts.steps)
     writer = MetricsWriter(opts.metrics if env.rank == 0 else None)

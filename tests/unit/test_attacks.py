@@ -167,7 +167,7 @@ def test_white_box_adaptive_learns_the_link_tests_and_uses_the_room_the_verifier
     residuals as the verifier does, and knows the published fence floors: it corrupts
     more than the summary-only attacker, yet keeps the surrogate's residual far from
     what a random output would leave (a share of 1 or more)."""
-    from planner.runtime import distances as dist
+    from planner.runtime import predictors as pred
 
     gen = torch.Generator().manual_seed(5)
     mix = torch.randn(32, 32, generator=gen) / 32 ** 0.5
@@ -189,9 +189,9 @@ def test_white_box_adaptive_learns_the_link_tests_and_uses_the_room_the_verifier
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, 32) / t.square().mean().sqrt()           # the verifier's unit rows
 
-    train = [dist.link_stats(rows(x), rows(y)) for step, x, y, _, _ in pairs if step < 6]
-    weights = dist.link_solve(*(sum(t[i] for t in train) / len(train) for i in (0, 1)))
-    parts = [dist.link_parts(rows(x), rows(yf), weights) for x, _, yf, _ in late]
+    train = [pred.link_stats(rows(x), rows(y)) for step, x, y, _, _ in pairs if step < 6]
+    weights = pred.link_solve(*(sum(t[i] for t in train) / len(train) for i in (0, 1)))
+    parts = [pred.link_parts(rows(x), rows(yf), weights) for x, _, yf, _ in late]
     assert max(num / den for num, den, _ in parts) < 0.5
 
 

@@ -8,6 +8,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
+from planner.runtime import predictors as pred
 
 torch.set_num_threads(1)
 
@@ -128,12 +129,12 @@ def test_principal_basis_and_spectral_residual_by_hand() -> None:
 
 def test_replay_score() -> None:
     past = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    assert dist.replay_score(torch.tensor([0.0, 2.0, 0.0]), past) == dist.REPLAY_SCORE_CAP
-    assert dist.replay_score(torch.tensor([0.0, 0.0, 1.0]), past) == 0.0
+    assert pred.replay_score(torch.tensor([0.0, 2.0, 0.0]), past) == pred.REPLAY_SCORE_CAP
+    assert pred.replay_score(torch.tensor([0.0, 0.0, 1.0]), past) == 0.0
     cos = 0.9
     near = torch.tensor([cos, math.sqrt(1 - cos ** 2), 0.0])
-    assert dist.replay_score(torch.tensor([near[0], 0.0, near[1]]), past) == pytest.approx(1.0, rel=1e-4)
-    assert dist.replay_score(torch.tensor([1.0, 0.0, 0.0]), torch.empty(0, 3)) == 0.0
+    assert pred.replay_score(torch.tensor([near[0], 0.0, near[1]]), past) == pytest.approx(1.0, rel=1e-4)
+    assert pred.replay_score(torch.tensor([1.0, 0.0, 0.0]), torch.empty(0, 3)) == 0.0
 
 
 def test_mean_summary_blend_and_helpers() -> None:
@@ -197,24 +198,24 @@ def test_residual_shape_sees_energy_where_honest_residuals_have_none() -> None:
         r = r + noise * r.std() * torch.randn(256, k, generator=gen)
         return r.T @ r
 
-    whitener = dist.residual_whitener(sum(residual(0.0) for _ in range(8)))
-    honest = [dist.residual_shape(residual(0.0), whitener) for _ in range(5)]
+    whitener = pred.residual_whitener(sum(residual(0.0) for _ in range(8)))
+    honest = [pred.residual_shape(residual(0.0), whitener) for _ in range(5)]
     assert all(0.8 < h < 1.2 for h in honest)
     # A tenth of the residual's energy spread evenly: the residual grows by 10%, its shape score 5-fold.
-    assert dist.residual_shape(residual(0.3), whitener) > 4.0
-    assert dist.residual_shape(torch.zeros(k, k), whitener) == 0.0
+    assert pred.residual_shape(residual(0.3), whitener) > 4.0
+    assert pred.residual_shape(torch.zeros(k, k), whitener) == 0.0
 
 
 def test_link_fit_is_link_parts_and_link_stats_in_one() -> None:
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 5, generator=gen)
-    w = dist.link_solve(*dist.link_stats(x, y))
-    parts, stats = dist.link_fit(x, y, w)
-    num, den, moment = dist.link_parts(x, y, w)
+    w = pred.link_solve(*pred.link_stats(x, y))
+    parts, stats = pred.link_fit(x, y, w)
+    num, den, moment = pred.link_parts(x, y, w)
     assert parts[0] == pytest.approx(num) and parts[1] == pytest.approx(den)
     assert torch.allclose(parts[2], moment) and torch.allclose(moment.trace(), torch.tensor(num))
-    assert all(torch.allclose(a, b) for a, b in zip(stats, dist.link_stats(x, y)))
-    assert dist.link_fit(x, y, None)[0] is None
+    assert all(torch.allclose(a, b) for a, b in zip(stats, pred.link_stats(x, y)))
+    assert pred.link_fit(x, y, None)[0] is None
 
 
 def test_row_subsets_are_fixed_by_their_seed_and_only_for_large_tensors() -> None:
