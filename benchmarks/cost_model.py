@@ -50,8 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.compute import block_bwd_ms, block_fwd_ms  # noqa: E402
 from cost_models.devices import DeviceSpec  # noqa: E402
 from cost_models.memory import in_flight_microbatches, stage_memory  # noqa: E402
-from cost_models.profile import (BlockSample, UnitTiming, fit_calibration, measure_matmul_flops,  # noqa: E402
-                                 measure_memory_bandwidth, model_chain, pair_samples, time_units)
+from cost_models.profile import (  # noqa: E402
+    BlockSample,
+    UnitTiming,
+    fit_calibration,
+    measure_matmul_flops,
+    measure_memory_bandwidth,
+    model_chain,
+    pair_samples,
+    time_units,
+)
 from cost_models.training import TrainingConfig  # noqa: E402
 from models.registry import build_model  # noqa: E402
 
@@ -111,9 +119,11 @@ def _samples(chains: dict, best: dict, configs) -> list[BlockSample]:
 
 
 def _calibrated_spec(samples, peak: float, bw: float) -> DeviceSpec:
+    """The device the fit describes: as ``stagewise profile`` writes it, the peak raised by ``peak_scale``
+    where the blocks ran faster than the measured peak allows (the efficiency is then 1)."""
     cal = fit_calibration(samples, peak_flops=peak, mem_bw_bytes_per_s=bw)
-    return DeviceSpec(name="this-cpu", kind="cpu", peak_flops=(("float32", peak),), mem_bytes=1 << 34,
-                      mem_bw_bytes_per_s=bw, efficiency=cal.efficiency, op_overhead_ms=cal.op_overhead_ms,
+    return DeviceSpec(name="this-cpu", kind="cpu", peak_flops=(("float32", peak * cal.peak_scale),),
+                      mem_bytes=1 << 34, mem_bw_bytes_per_s=bw, efficiency=cal.efficiency, op_overhead_ms=cal.op_overhead_ms,
                       measured=True)
 
 

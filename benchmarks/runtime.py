@@ -14,11 +14,18 @@ byte-level GPT (d=128, T=64, microbatch 4, 4 microbatches):
    just after it; the plan is priced with each and the prediction is their
    mean (the CPU's speed drifts on this shared host; the spread of the two is
    recorded as ``profile_drift_pct``). Gloo's latency and bandwidth between
-   two local processes are measured once and priced as the links. All ranks
-   run on this machine's cores, so the
-   prediction is ``simulate(plan, cores=os.cpu_count())``: with more ranks
-   than cores (4 on 2 here) the passes that overlap share the cores; the plan's
-   own prediction (a device per rank) is listed beside it.
+   two local processes, and how fast 1..4 single-thread processes computing
+   at once progress on this machine (``CoreSharing``: these two cores slow
+   each other down even two at a time), are measured once, by the first
+   profile, and priced. All ranks run on this machine's cores, so the
+   prediction is ``simulate(plan, cores=os.cpu_count(), sharing=...,
+   emulated=...)``: the passes that overlap share the cores at the measured
+   speeds, and an emulated slow device's padding (a sleep) holds no core.
+   Beside it: the same with even sharing (the model before the table,
+   ``even_sharing_ms``), and the plan simulated with the pass and optimizer
+   times measured in the same run (``inrun_predicted_ms``: the simulator's
+   composition without the profile's drift), with each rank's measured
+   passes over the profile's (``pass_cpu_over_profile``).
 3. **Planning**: measured step time of the solver's plan vs the uniform and
    parameter-balanced baselines' plans on an emulated heterogeneous 2-device
    cluster (this CPU + one at a third of its efficiency), run side by side.
@@ -81,15 +88,17 @@ def chain():
 P2P_SIZES = (1 << 10, 1 << 17, 1 << 20, 1 << 22)  # around the 128 KiB activations the stages exchange
 
 
-def profile_cpu(path: Path, *, p2p: bool = False) -> Path:
-    """A single-thread profile of this CPU, calibrated on the benchmark model's own blocks.
+def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False) -> Path:
+    """A single-thread profile of this CPU, calibrated on the benchmark model's own blocks; with
+    ``sharing``, also how fast 1..2 x cores processes computing at once progress here.
 
     The median of the repeats, not the minimum: a step adds up many passes, so it sees their
     typical time on this shared machine, not the best one."""
     from cost_models.profile import ProfileSettings, profile_device, write_profile
     torch.set_num_threads(1)
     settings = ProfileSettings(model=MODEL, batch=MICROBATCH, seq=SEQ, matmul_size=512, copy_bytes=32 << 20,
-                               repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median")
+                               repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median", sharing=sharing,
+                               sharing_rounds=3)
     return write_profile(profile_device(settings), path)
 
 
@@ -178,6 +187,52 @@ def _rank_breakdown(rows, warmup: int) -> list[dict[str, float]]:
     return out
 
 
+def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]]) -> dict[str, Any]:
+    """The plan simulated with the pass and optimizer times its own run measured (a device per rank,
+    since the measured wall times already include any sharing of the cores): what is left between
+    this and the measured step is the simulator's composition (bubbles, transfers, what it does not
+    price), not the profile. Also each rank's measured passes over the profile's (its simulated passes,
+    sharing included, and their CPU time over the profile's alone time)."""
+    from planner.plan import load_plan
+    from planner.simulate import CostModel, simulate
+    plan = load_plan(plan_path)
+    costs = CostModel.for_plan(plan)
+    passes = {r: sum(1 for ins in plan.programs[r] if ins.op in ("F", "B")) // 2 for r in range(plan.num_ranks)}
+    scale, cpu_ratio = {}, {}
+    for row in ranks:
+        r = row["rank"]
+        planned = passes[r] * (costs.compute_ms(r, "F") + costs.compute_ms(r, "B"))
+        local = passes[r] * (costs.local_ms(r, "F") + costs.local_ms(r, "B"))
+        scale[r] = (row["compute_ms"] + row["pad_ms"]) / planned if planned else 1.0
+        cpu_ratio[r] = row["compute_cpu_ms"] / local if local else 1.0
+    optim = {row["rank"]: row["optim_ms"] for row in ranks}
+    measured = MeasuredPasses(costs, scale, optim)
+    return {"inrun_predicted_ms": simulate(plan, measured).step_ms,
+            "pass_scale": [round(scale[r], 3) for r in sorted(scale)],
+            "pass_cpu_over_profile": [round(cpu_ratio[r], 3) for r in sorted(cpu_ratio)]}
+
+
+class MeasuredPasses:
+    """A plan's cost model whose passes and optimizer steps take what a run measured: each rank's
+    forward and backward scaled by one factor (the run's compute wall time over the planned), the
+    optimizer step as measured; everything else (transfers, all-reduce) as planned."""
+
+    def __init__(self, base, scale: dict[int, float], optim_ms: dict[int, float]) -> None:
+        self.base, self.scale, self.optim = base, scale, optim_ms
+
+    def compute_ms(self, rank: int, op: str) -> float:
+        return self.base.compute_ms(rank, op) * self.scale.get(rank, 1.0)
+
+    def local_ms(self, rank: int, op: str) -> float:
+        return self.base.local_ms(rank, op) * self.scale.get(rank, 1.0)
+
+    def optim_ms(self, rank: int) -> float:
+        return self.optim.get(rank, self.base.optim_ms(rank))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
 def run_plan(plan_path: Path, steps: int, *, emulate: bool) -> dict[str, Any]:
     """One local run: median step period after the first step, per-rank breakdown, external load."""
     from planner.runtime.launch import RunOptions, launch
@@ -189,10 +244,11 @@ def run_plan(plan_path: Path, steps: int, *, emulate: bool) -> dict[str, Any]:
     rows = read_metrics(metrics)
     own = sum(r.cpu_ms for r in rows if r.step >= 2)
     load = probe.external_cores(own)
+    ranks = _rank_breakdown(rows, warmup=1)
     return {"measured_ms": result["measured_step_ms"], "plan_predicted_ms": result["predicted_step_ms"],
             "step_ms": result["step_ms"], "cpu_ms": statistics.median(result["cpu_ms"][1:] or result["cpu_ms"]),
             "external_load_cores": None if load is None else round(load, 3),
-            "ranks": _rank_breakdown(rows, warmup=1)}
+            "ranks": ranks, **in_run_prediction(plan_path, ranks)}
 
 
 def run_quiet(attempt: Callable[[], dict[str, Any]], *, max_load: float, retries: int) -> dict[str, Any]:
@@ -304,11 +360,12 @@ def _profile_summary(profile: Path) -> dict[str, Any]:
             "fit_median_abs_rel_err": doc["calibration"]["median_abs_rel_err"]}
 
 
-def _predict(path: Path, cores: int) -> float:
-    """The step time of ``path``'s plan with its ranks sharing ``cores`` cores (see the module docstring)."""
+def _predict(path: Path, cores: int, sharing=None, *, emulated: bool = False) -> float:
+    """The step time of ``path``'s plan with its ranks sharing ``cores`` cores (see the module docstring),
+    at the measured ``sharing`` speeds (None: even sharing), rehearsing slower devices by padding."""
     from planner.plan import load_plan
     from planner.simulate import simulate
-    return simulate(load_plan(path), cores=cores).step_ms
+    return simulate(load_plan(path), cores=cores, sharing=sharing, emulated=emulated).step_ms
 
 
 def overhead(tmp: Path, ch, profile: Path, link, two, steps: int, repeats: int) -> dict[str, Any]:
@@ -331,40 +388,50 @@ def overhead(tmp: Path, ch, profile: Path, link, two, steps: int, repeats: int) 
             "ours_external_load_cores": [r["external_load_cores"] for r in runs["ours"]]}
 
 
-def _timed_profile(path: Path) -> tuple[Path, float]:
-    """A fresh profile, and the cores other processes kept busy while it measured."""
+def _timed_profile(path: Path, **kw: bool) -> tuple[Path, float]:
+    """A fresh profile, and the cores other processes kept busy while it measured (roughly, with
+    ``sharing``: its workers' CPU time counts as others')."""
     wall, busy, own = time.perf_counter(), _busy_s(), time.process_time()
-    profile = profile_cpu(path)
+    profile = profile_cpu(path, **kw)
     wall, busy, own = time.perf_counter() - wall, _busy_s() - busy, time.process_time() - own
     return profile, round(max(0.0, (busy - own) / wall), 3)
 
 
-def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, name: str) -> tuple[Path, dict[str, Any]]:
-    """A fresh profile of this CPU, and the case's plan priced with it (ranks sharing ``cores`` cores)."""
+def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, sharing, name: str
+            ) -> tuple[Path, dict[str, Any]]:
+    """A fresh profile of this CPU, and the case's plan priced with it: ranks sharing ``cores`` cores at
+    the measured ``sharing`` speeds, slower devices rehearsed by padding (``predicted_ms``), and as
+    before that model (even sharing, padding on a core: ``even_sharing_ms``)."""
     profile, load = _timed_profile(tmp / f"cpu-{name}.json")
     cl = cluster(profile, effs, link)
     path = compile_solution(hand_solution(ch, cl, stages), ch, cl, tmp, name)
-    return path, {**_profile_summary(profile), "external_load_cores": load, "predicted_ms": _predict(path, cores)}
+    emulated = min(effs) < max(effs)
+    return path, {**_profile_summary(profile), "external_load_cores": load,
+                  "predicted_ms": _predict(path, cores, sharing, emulated=emulated),
+                  "even_sharing_ms": _predict(path, cores)}
 
 
-def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps: int, cores: int,
+def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps: int, cores: int, sharing,
                    name: str) -> dict[str, Any]:
     """Profile this CPU, run the case, profile again; price the plan with each profile. The CPU's own
     speed moves on this shared host (by up to ~20% from one few-second window to the next, also with
     nothing else running in this machine), so the prediction is the mean of the two, and their
     spread shows how far it moved."""
     effs = [1.0] * (ranks - 1) + [SLOW if hetero else 1.0]
-    path, before = _priced(tmp, ch, link, effs, stages, cores, f"{name}-before")
+    path, before = _priced(tmp, ch, link, effs, stages, cores, sharing, f"{name}-before")
     run = run_plan(path, steps, emulate=hetero)
-    _, after = _priced(tmp, ch, link, effs, stages, cores, f"{name}-after")
+    _, after = _priced(tmp, ch, link, effs, stages, cores, sharing, f"{name}-after")
     predicted = statistics.fmean((before["predicted_ms"], after["predicted_ms"]))
+    even = statistics.fmean((before["even_sharing_ms"], after["even_sharing_ms"]))
     return {**run, "predicted_ms": round(predicted, 2),
             "error_pct": round(_pct(run["measured_ms"], predicted), 2),
+            "even_sharing_ms": round(even, 2), "even_sharing_error_pct": round(_pct(run["measured_ms"], even), 2),
+            "inrun_error_pct": round(_pct(run["measured_ms"], run["inrun_predicted_ms"]), 2),
             "profile_drift_pct": round(_pct(after["predicted_ms"], before["predicted_ms"]), 2),
             "profiles": [{"when": "before", **before}, {"when": "after", **after}]}
 
 
-def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int,
+def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int, sharing,
                quiet: dict[str, float]) -> dict[str, Any]:
     """2. simulated vs measured, every case once per repeat (cases interleaved), each run priced with
     profiles of this CPU taken just before and just after it."""
@@ -374,19 +441,29 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
         for ranks, hetero in order:
             names = (f"p{ranks}{int(hetero)}-{i}-{n}" for n in itertools.count())
             res = run_quiet(lambda r=ranks, h=hetero, names=names: _bracketed_run(
-                tmp, ch, link, r, h, ranges[r], steps, cores, next(names)), **quiet)
+                tmp, ch, link, r, h, ranges[r], steps, cores, sharing, next(names)), **quiet)
             runs[(ranks, hetero)].append({"repeat": i, **res})
     rows = []
     for (ranks, hetero), rs in runs.items():
-        calm = [r["error_pct"] for r in rs if r["external_load_cores"] is not None
-                and r["external_load_cores"] <= quiet["max_load"]]
+        calm_runs = [r for r in rs if r["external_load_cores"] is not None
+                     and r["external_load_cores"] <= quiet["max_load"]]
+        calm = [r["error_pct"] for r in calm_runs]
         rows.append({"ranks": ranks, "emulated_heterogeneity": hetero,
                      "quiet_error_pct": statistics.median(calm) if calm else None, "quiet_runs": len(calm),
+                     "quiet_inrun_error_pct": (statistics.median(r["inrun_error_pct"] for r in calm_runs)
+                                               if calm_runs else None),
                      "predicted_ms": statistics.median(r["predicted_ms"] for r in rs),
                      "measured_ms": statistics.median(r["measured_ms"] for r in rs),
                      "plan_predicted_ms": statistics.median(r["plan_predicted_ms"] for r in rs),
                      "error_pct": statistics.median(r["error_pct"] for r in rs),
                      "error_pcts": [r["error_pct"] for r in rs],
+                     "even_sharing_ms": statistics.median(r["even_sharing_ms"] for r in rs),
+                     "even_sharing_error_pct": statistics.median(r["even_sharing_error_pct"] for r in rs),
+                     "inrun_predicted_ms": statistics.median(r["inrun_predicted_ms"] for r in rs),
+                     "inrun_error_pct": statistics.median(r["inrun_error_pct"] for r in rs),
+                     "inrun_error_pcts": [r["inrun_error_pct"] for r in rs],
+                     "pass_scale": [r["pass_scale"] for r in rs],
+                     "pass_cpu_over_profile": [r["pass_cpu_over_profile"] for r in rs],
                      "profile_drift_pcts": [r["profile_drift_pct"] for r in rs],
                      "external_load_cores": [r["external_load_cores"] for r in rs], "runs": rs})
     return {"goal_abs_error_pct": 10.0, "cores": cores,
@@ -394,10 +471,18 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                          "mean of two profiles of this CPU, one just before and one just after it",
             "quiet_error_pct": "the same over the runs during which other processes kept at most "
                                f"{quiet['max_load']} cores busy (quiet_runs of them)",
+            "even_sharing_error_pct": "the same, priced as before the core sharing table: passes that overlap "
+                                      "split the cores evenly, and an emulated device's padding holds a core",
+            "inrun_error_pct": "measured against the plan simulated with the pass and optimizer times measured "
+                               "in the same run (a device per rank: the wall times include the sharing): the "
+                               "simulator's composition alone, without the profile",
+            "pass_scale": "per run and rank: measured compute (+ padding) wall time over the planned, one device each",
+            "pass_cpu_over_profile": "per run and rank: the passes' CPU time in the run over the profile's time "
+                                     "of the same passes alone (CPU time inflated by company on the cores, or drift)",
             "rows": rows}
 
 
-def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores: int,
+def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores: int, sharing,
              quiet: dict[str, float]) -> dict[str, Any]:
     """3. the solver's plan vs the uniform and parameter-balanced baselines', emulated, interleaved."""
     from planner.solver.api import baseline, solve
@@ -417,7 +502,7 @@ def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores
     for name, sol in sols.items():
         rs = runs[name]
         out.append({"plan": name, "stages": [[s.first_block, s.last_block, list(s.devices)] for s in sol.stages],
-                    "predicted_ms": _predict(paths[name], cores),
+                    "predicted_ms": _predict(paths[name], cores, sharing, emulated=True),
                     "measured_ms": statistics.median(r["measured_ms"] for r in rs),
                     "measured_runs_ms": [r["measured_ms"] for r in rs],
                     "external_load_cores": [r["external_load_cores"] for r in rs]})
@@ -454,19 +539,23 @@ def main(argv: list[str] | None = None) -> int:
                            "load_avg_at_start": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        console.print("profiling this CPU (single thread) and gloo between two local processes ...")
-        first = profile_cpu(tmp / "cpu0.json", p2p=True)
+        console.print("profiling this CPU (single thread), its cores shared, and gloo between two local processes ...")
+        first, first_load = _timed_profile(tmp / "cpu0.json", p2p=True, sharing=True)
+        out["first_profile_machine_load_cores"] = first_load
         link = local_link(first)
         out["local_link"] = link
+        from cost_models.profile import load_sharing
+        sharing = load_sharing(first)
+        out["core_sharing"] = sharing.to_dict()
         ch = chain()
         half = LAYERS // 2  # blocks: embed, layers.0..7, head
         ranges = {2: [(0, half), (half + 1, LAYERS + 1)], 4: [(0, 2), (3, 4), (5, 6), (7, LAYERS + 1)]}
         console.print("1. overhead vs torch.distributed.pipelining ...")
         out["vs_torch_pipelining"] = overhead(tmp, ch, first, link, ranges[2], steps, repeats)
         console.print("2. predicted vs measured ...")
-        out["predicted_vs_measured"] = prediction(tmp, ch, link, ranges, steps, repeats, cores, quiet)
+        out["predicted_vs_measured"] = prediction(tmp, ch, link, ranges, steps, repeats, cores, sharing, quiet)
         console.print("3. solver vs baselines ...")
-        out["solver_vs_baselines"] = planning(tmp, ch, first, link, steps, repeats, cores, quiet)
+        out["solver_vs_baselines"] = planning(tmp, ch, first, link, steps, repeats, cores, sharing, quiet)
     out["load_avg_at_end"] = list(os.getloadavg())
     _print(console, out)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -491,13 +580,14 @@ def _print(console, out: dict[str, Any]) -> None:
     t = Table(title=f"2. simulator vs measured (ranks share {pvm['cores']} cores; median of {out['repeats']} "
                     "repeats, each run priced with profiles just before and after it; quiet: others used <= "
                     f"{out['max_external_load_cores']} cores)")
-    for c in ("ranks", "emulated", "predicted ms", "plan's own ms", "measured ms", "error %", "quiet runs: error %",
-              "per repeat %", "others' load (cores)"):
+    for c in ("ranks", "emulated", "predicted ms", "even sharing ms", "from in-run passes ms", "measured ms",
+              "error %", "even %", "in-run %", "quiet runs: error %", "per repeat %", "others' load (cores)"):
         t.add_column(c, justify="right")
     for r in pvm["rows"]:
         calm = "-" if r["quiet_error_pct"] is None else f"{r['quiet_error_pct']:+.1f} ({r['quiet_runs']})"
         t.add_row(str(r["ranks"]), "yes" if r["emulated_heterogeneity"] else "no", f"{r['predicted_ms']:.1f}",
-                  f"{r['plan_predicted_ms']:.1f}", f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", calm,
+                  f"{r['even_sharing_ms']:.1f}", f"{r['inrun_predicted_ms']:.1f}", f"{r['measured_ms']:.1f}",
+                  f"{r['error_pct']:+.1f}", f"{r['even_sharing_error_pct']:+.1f}", f"{r['inrun_error_pct']:+.1f}", calm,
                   " ".join(f"{e:+.0f}" for e in r["error_pcts"]),
                   " ".join("?" if x is None else f"{x:.2f}" for x in r["external_load_cores"]))
     console.print(t)

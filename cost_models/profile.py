@@ -13,7 +13,11 @@ What is measured (``profile_device``):
   ``python -m planner.runtime.p2p_probe`` twice as subprocesses;
 - a calibration: the ``efficiency`` and per-op ``op_overhead_ms`` with which
   ``cost_models.compute`` (roofline + overhead, with the measured peak and
-  bandwidth) best reproduces the measured unit times of the planner's blocks.
+  bandwidth) best reproduces the measured unit times of the planner's blocks;
+- optionally (``sharing``), how fast ``k = 1, 2, ...`` single-thread
+  processes that compute at once progress, each relative to one alone
+  (:class:`CoreSharing`): what ranks that share this machine's cores get
+  (``planner.simulate.simulate(plan, cores=..., sharing=...)``).
 
 The result's ``device`` entry is a :class:`~cost_models.devices.DeviceSpec`
 that a cluster file can name as a device ``type`` (by the JSON's path).
@@ -96,6 +100,63 @@ class P2PResult:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CoreSharing:
+    """How fast passes progress when ``k`` single-thread processes compute at once on one machine.
+
+    ``speed[k - 1]`` is each process's rate with ``k`` computing, as a fraction of one process
+    computing alone (so ``speed[0] == 1``), measured on a machine with ``cores`` processors. Even
+    processor sharing would be ``min(1, cores / k)``; measured rates are lower where cores share
+    an execution unit (hyperthreads), caches or memory bandwidth, and where more processes than
+    cores pay for switching. Past the table, the last measured aggregate rate is shared evenly.
+    """
+
+    cores: int
+    speed: tuple[float, ...]
+    window_s: float = 0.0
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
+            raise InvalidInputError("core sharing cores", expected="a whole number >= 1", found=repr(self.cores))
+        if not self.speed or any(not (0.0 < v <= 1.0 + 1e-9) for v in self.speed) or abs(self.speed[0] - 1.0) > 1e-9:
+            raise InvalidInputError("core sharing speeds", expected="1.0 for one process, then rates in (0, 1]",
+                                    found=repr(self.speed), fix="measure them again (stagewise profile --sharing)")
+
+    def rate(self, computing: int) -> float:
+        """Each pass's progress (per ms of a pass alone) while ``computing`` passes compute at once."""
+        if computing <= 0:
+            return 0.0
+        if computing <= len(self.speed):
+            return self.speed[computing - 1]
+        return self.speed[-1] * len(self.speed) / computing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cores": self.cores, "speed": list(self.speed), "window_s": self.window_s, "rounds": self.rounds}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "CoreSharing":
+        try:
+            return cls(cores=doc["cores"], speed=tuple(float(v) for v in doc["speed"]),
+                       window_s=float(doc.get("window_s", 0.0)), rounds=int(doc.get("rounds", 0)))
+        except (KeyError, TypeError) as exc:
+            raise InvalidInputError("core sharing table", expected="{cores, speed: [...]}",
+                                    found=repr(doc)[:120]) from exc
+
+
+def sharing_speeds(rates: Sequence[Sequence[float]], alone: Sequence[float]) -> tuple[float, ...]:
+    """Per-process speeds from measured rounds: ``rates[r][k - 1]`` is the mean per-process pass rate of
+    round ``r`` with ``k`` processes, ``alone[r]`` that round's rate of one. Each round's ratios, then
+    their median (rounds are short and this host's speed drifts between them); capped at 1, since
+    company never speeds a process up, and made non-increasing in ``k``."""
+    if not rates or len(rates) != len(alone) or any(a <= 0 for a in alone):
+        raise InvalidInputError("core sharing rounds", expected="one alone rate > 0 per round", found=repr(alone))
+    ratios = np.array([[min(r / a, 1.0) for r in row] for row, a in zip(rates, alone)])
+    speed = np.median(ratios, axis=0)
+    speed[0] = 1.0
+    return tuple(float(v) for v in np.minimum.accumulate(speed))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProfileSettings:
     """How hard to measure. ``quick`` trades accuracy for a run of seconds.
 
@@ -116,6 +177,10 @@ class ProfileSettings:
     p2p_timeout_s: float = 120.0
     clock: Clock = "wall"
     statistic: Statistic = "min"
+    sharing: bool = False
+    sharing_processes: int = 0  # 0: twice the cores
+    sharing_window_s: float = 1.5
+    sharing_rounds: int = 2
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4:
@@ -123,6 +188,9 @@ class ProfileSettings:
                                     found=f"batch={self.batch}, repeats={self.repeats}")
         if self.clock not in ("wall", "cpu"):
             raise InvalidInputError("clock", expected="wall or cpu", found=repr(self.clock))
+        if self.sharing_processes < 0 or self.sharing_window_s <= 0 or self.sharing_rounds < 1:
+            raise InvalidInputError("core sharing settings", expected="processes >= 0, window > 0 s, rounds >= 1",
+                                    found=f"{self.sharing_processes}, {self.sharing_window_s}, {self.sharing_rounds}")
         if self.statistic not in STATISTICS:
             raise InvalidInputError("profile statistic", expected=" or ".join(STATISTICS),
                                     found=repr(self.statistic))
@@ -288,6 +356,80 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
     return tuple(results)
 
 
+def _sharing_worker() -> None:
+    """One process of :func:`measure_core_sharing` (run as ``python -c``, arguments model, batch, seq):
+    the model's forward and backward, one thread, as many times as fit in each window read from stdin
+    (``start window_s`` on the machine-wide monotonic clock); it answers each with its passes per second."""
+    import torch
+
+    from models.registry import build_model
+    model, batch, seq = sys.argv[1], int(sys.argv[2]), None if sys.argv[3] == "-" else int(sys.argv[3])
+    torch.set_num_threads(1)
+    bundle = build_model(model, batch=batch, seq=seq, device="cpu")
+    module, inputs = bundle.module.train(), bundle.example_inputs
+
+    def one_pass() -> None:
+        out = module(*inputs)
+        (out if out.dim() == 0 else out.float().square().mean()).backward()
+        module.zero_grad(set_to_none=True)
+
+    one_pass()  # warm-up: allocations and kernel choices
+    print("ready", flush=True)
+    for line in sys.stdin:
+        start, window_s = (float(x) for x in line.split())
+        time.sleep(max(0.0, start - time.perf_counter()))
+        passes, end = 0, start + window_s
+        while (now := time.perf_counter()) < end:
+            one_pass()
+            passes += 1
+        print(passes / (now - start), flush=True)
+
+
+def measure_core_sharing(*, model: str, batch: int, seq: int | None, processes: int, window_s: float,
+                         rounds: int, timeout_s: float = 120.0) -> CoreSharing:
+    """Per-process progress of ``k = 1..processes`` single-thread processes computing at once (the
+    model's forward and backward in a loop), each as a fraction of one alone (:class:`CoreSharing`).
+    Rounds go through every ``k`` in turn, each ratio against the same round's lone process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-c", "from cost_models.profile import _sharing_worker; _sharing_worker()",
+           model, str(batch), "-" if seq is None else str(seq)]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(processes)]
+    try:
+        for proc in procs:
+            _sharing_reply(proc, timeout_s)
+        rates: list[list[float]] = []
+        for _ in range(rounds):
+            row = []
+            for k in range(1, processes + 1):
+                start = time.perf_counter() + 0.2
+                for proc in procs[:k]:
+                    proc.stdin.write(f"{start} {window_s}\n")
+                    proc.stdin.flush()
+                row.append(float(np.mean([float(_sharing_reply(proc, timeout_s + window_s)) for proc in procs[:k]])))
+            rates.append(row)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    return CoreSharing(cores=os.cpu_count() or 1, speed=sharing_speeds(rates, [row[0] for row in rates]),
+                       window_s=window_s, rounds=rounds)
+
+
+def _sharing_reply(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next line a sharing worker prints, or a RankFailureError if it dies or stays silent."""
+    import select
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        err = (proc.communicate()[1] or "").strip().splitlines() or ["no output"]
+        raise RankFailureError("core sharing probe worker", expected=f"a reply within {timeout_s:.0f} s",
+                               found=err[-1], fix="check that the model spec imports from this directory")
+    return line.strip()
+
+
 # --- pure fits ---------------------------------------------------------------
 def _fit_terms(samples: Sequence[BlockSample], peak_flops: float, mem_bw: float
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -429,6 +571,7 @@ def _device_identity(device: Any) -> tuple[str, str, int]:
 def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> dict[str, Any]:
     """Measure everything and return the profile document (see the module docstring)."""
     import torch
+
     from models.registry import build_model
     say = step or (lambda _msg: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -454,6 +597,12 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
         say(f"p2p ({backend})")
         p2p = measure_p2p(sizes=settings.p2p_sizes, repeats=settings.repeats, backend=backend,
                           timeout_s=settings.p2p_timeout_s)
+    sharing = None
+    if settings.sharing:
+        say("core sharing")
+        sharing = measure_core_sharing(model=settings.model, batch=settings.batch, seq=settings.seq,
+                                       processes=settings.sharing_processes or 2 * (os.cpu_count() or 1),
+                                       window_s=settings.sharing_window_s, rounds=settings.sharing_rounds)
     peaks = {**matmul, "float32": matmul["float32"] * calib.peak_scale}
     spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(peaks.items()), mem_bytes=mem_bytes,
                       mem_bw_bytes_per_s=mem_bw, efficiency=max(calib.efficiency, 1e-3),
@@ -461,7 +610,9 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
                       source=f"stagewise profile of {platform.node()} on {datetime.now(timezone.utc):%Y-%m-%d}",
                       p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
                       p2p_latency_ms=p2p.latency_ms if p2p else None)
-    return _profile_document(settings, device, spec, samples, calib, p2p, matmul["float32"])
+    doc = _profile_document(settings, device, spec, samples, calib, p2p, matmul["float32"])
+    doc["sharing"] = None if sharing is None else sharing.to_dict()
+    return doc
 
 
 def _measure_throughput(settings: ProfileSettings, device: Any, say: Step) -> tuple[dict[str, float], float]:
@@ -490,7 +641,8 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
         "device": spec.to_dict(),
         "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
-                     "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic},
+                     "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic,
+                     "sharing": settings.sharing},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],
@@ -502,6 +654,13 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
                                          "latency_ms": p2p.latency_ms,
                                          "points": [{"bytes": b, "one_way_ms": t} for b, t in p2p.points]},
     }
+
+
+def load_sharing(profile: str | Path | dict[str, Any]) -> CoreSharing | None:
+    """The core sharing table of a profile (a path or its document); None if it was not measured."""
+    doc = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
+    table = doc.get("sharing")
+    return None if table is None else CoreSharing.from_dict(table)
 
 
 def write_profile(doc: dict[str, Any], path: str | Path) -> Path:

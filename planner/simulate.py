@@ -14,10 +14,18 @@ semantics (see ``planner.instructions``), and prices every instruction:
   in the sender's program order (the next may start after bytes / bandwidth;
   latencies overlap); transfers to different peers overlap each other and
   compute.
-* ``RECV_*``/``VERDICT_*``: wait until the message has arrived.
+* ``RECV_*``: wait until the message has arrived.
 * ``VERIFY_*``: wait for the copy (if sent), then :func:`verify_ms` on the
   verifier's device; the verdict (:data:`VERDICT_BYTES`) is then sent to the
   consumer like any message.
+* ``VERDICT_*`` (deferred verdicts): the instruction itself does not block, so
+  the verifier's latency overlaps the consumer's compute. The consumer waits
+  for the verdict on microbatch ``mb`` only where it would pass the tensor's
+  influence on: a ``VERDICT_F`` just before its ``SEND_F`` of ``mb`` (on the
+  last stage, before its ``B`` of ``mb``), a ``VERDICT_B`` just before its
+  ``SEND_B`` of ``mb`` and before its next ``B`` (on the first stage, before its
+  next ``B``, ``ALLREDUCE`` or ``OPTIM``). A slow verifier thus delays a send, not
+  a pass.
 * ``ALLREDUCE``: a barrier of the stage's replicas, then
   ``cost_models.comm.group_allreduce_ms`` of the stage's gradient bytes.
 * ``OPTIM``: :func:`optim_ms`, a memory-bound pass over weights, gradients
@@ -26,10 +34,21 @@ semantics (see ``planner.instructions``), and prices every instruction:
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime
 benchmark's four ranks on two cores): the passes (``F``, ``B``, ``VERIFY_*``,
-``OPTIM``) that overlap in time split the cores evenly (processor sharing, at
-most one core each), so a pass takes longer while more than ``C`` ranks
-compute. With ``C`` at least the number of ranks this is the plain
-simulation (which is also the default: one device per rank).
+``OPTIM``) that overlap in time share the processors. By default that is
+even processor sharing: ``k`` passes at once each progress at ``min(1, C / k)``
+of a pass running alone. ``sharing=`` (a measured
+:class:`cost_models.profile.CoreSharing` of that machine) replaces that ideal
+with how fast ``k`` concurrent single-thread processes really progress there:
+cores that are hyperthreads of one physical core, or share caches and memory
+bandwidth, slow each other down even while ``k <= C``, and time-slicing more
+processes than cores costs switches. ``emulated=True`` prices a rehearsal with
+the runtime's emulation of slower devices (``stagewise run --emulate``): a
+pass computes what the stage costs on the fastest planned device for it
+(sharing the cores), then sleeps, without a core, until it has lasted its
+device's slow-down factor times the CPU time it had (as ``planner.runtime.
+emulate`` pads: a core slowed by company inflates that CPU time,
+time-slicing does not). With ``C`` at least the number of ranks and no sharing table
+this is the plain simulation (which is also the default: one device per rank).
 
 ``pipeline_ms`` is when the last rank reaches its optimizer step: that is
 what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
@@ -40,19 +59,27 @@ microbatches actually in flight as the program runs, + the verifier's state.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
+from cost_models.profile import CoreSharing
 from cost_models.training import TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
-from planner.instructions import VERIFY_OPS, Instruction, format_instruction, message_keys
+from planner.instructions import (
+    STEP_OPS,
+    VERDICT_OPS,
+    VERIFY_OPS,
+    Instruction,
+    format_instruction,
+    message_keys,
+)
 from planner.ir import BlockChain
 from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
-
 
 # Element-wise kernels per parameter tensor of one optimizer step as torch runs it on one device
 # (``torch.optim``'s per-tensor loop): Adam steps its counter, updates both moments (lerp_, mul_,
@@ -90,17 +117,24 @@ class CostModel:
         # Bytes crossing boundary b (stage b -> b+1), either direction.
         self.boundary_bytes = tuple(chain.blocks[hi].out_bytes * scale for _, hi in stage_ranges[:-1])
         self.spec = tuple(cluster.device(r.device).spec for r in ranks)
-        self._fwd, self._bwd, self._optim = [], [], []
+        planned = {spec for r, spec in zip(ranks, self.spec) if r.stage is not None}
+        self._fwd, self._bwd, self._optim, self._local = [], [], [], []
         for r, spec in zip(ranks, self.spec):
             if r.stage is None:  # a verifier-only rank computes no stage
                 for table in (self._fwd, self._bwd, self._optim):
                     table.append(0.0)
+                self._local.append((0.0, 0.0))
                 continue
             lo, hi = stage_ranges[r.stage]
             self._fwd.append(compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
             self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
             self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
                                         param_tensors=stage_param_tensors(chain, lo, hi)))
+            # What an emulating rehearsal computes for this stage: its cost on the fastest planned
+            # device (planner.runtime.emulate's reference); the rest of the pass is padding.
+            self._local.append(min(((compute.range_fwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced),
+                                     compute.range_bwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced))
+                                    for s in planned), key=sum))
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
 
@@ -113,6 +147,12 @@ class CostModel:
     # --- StepCosts protocol (planner.schedules) ---------------------------
     def compute_ms(self, rank: int, op: str) -> float:
         return self._fwd[rank] if op == "F" else self._bwd[rank]
+
+    def local_ms(self, rank: int, op: str) -> float:
+        """The pass on the fastest planned device for the rank's stage: what a rehearsal that emulates
+        the rank's slower device computes before it pads the pass to :meth:`compute_ms`."""
+        fwd, bwd = self._local[rank]
+        return min(fwd if op == "F" else bwd, self.compute_ms(rank, op))
 
     def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
         boundary = stage if op == "F" else stage - 1
@@ -192,6 +232,29 @@ class SimResult:
                          peak_mem_bytes=self.peak_mem_bytes)
 
 
+def deferred_verdicts(program: tuple[Instruction, ...]) -> dict[int, tuple[int, ...]]:
+    """Where a rank waits for its verdicts: instruction index -> indices of the ``VERDICT_*`` it waits
+    for just before it (see the module docstring). A verdict with no such instruction after it is
+    waited for before the program's last instruction."""
+    waits: dict[int, list[int]] = {}
+    for i, ins in enumerate(program):
+        if ins.op not in VERDICT_OPS:
+            continue
+        at = next((j for j in range(i + 1, len(program)) if _gated(ins, program[j])), len(program) - 1)
+        waits.setdefault(max(at, i), []).append(i)
+    return {j: tuple(v) for j, v in waits.items()}
+
+
+def _gated(verdict: Instruction, later: Instruction) -> bool:
+    """Whether ``later`` must wait for ``verdict``: it passes the checked microbatch on (its send, or
+    the last stage's backward), or it ends the step; a gradient's verdict also comes before the rank's
+    next backward (the executor holds one backward's parameter gradients apart at a time)."""
+    if verdict.op == "VERDICT_F":
+        return later.mb == verdict.mb and later.op in ("SEND_F", "B")
+    return ((later.mb == verdict.mb and later.op == "SEND_B") or later.op in STEP_OPS
+            or (later.op == "B" and later.mb != verdict.mb))
+
+
 @dataclass(slots=True)
 class _Run:
     """Mutable state of one interpretation."""
@@ -200,6 +263,7 @@ class _Run:
     costs: CostModel
     clock: list[float]
     pc: list[int]
+    emulated: bool = False
     mailbox: dict[tuple, float] = field(default_factory=dict)
     link_free: dict[tuple[int, int], float] = field(default_factory=dict)
     barrier: dict[int, set[int]] = field(default_factory=dict)
@@ -207,6 +271,7 @@ class _Run:
     peak: list[int] = field(default_factory=list)
     reached_optim: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    verdict_waits: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
 
     def box(self, rank: int, kind: str, ins: Instruction, start: float, dur: float, peer: int | None = None) -> None:
         self.events.append(Event(rank=rank, kind=kind, start_ms=start, end_ms=start + dur,
@@ -222,14 +287,23 @@ class _Run:
         if not kind.startswith("V"):
             self.box(rank, "send", ins, begin, dur, peer=dst)
 
+    def _receives(self, rank: int, ins: Instruction) -> list[tuple]:
+        """The messages the instruction at ``rank``'s program counter waits for: its own receives (a
+        ``VERDICT_*`` waits later), and the verdicts deferred to it."""
+        keys = [key for side, key in message_keys(ins, rank) if side == "recv" and ins.op not in VERDICT_OPS]
+        program = self.plan.programs[rank]
+        for i in self.verdict_waits[rank].get(self.pc[rank], ()):
+            keys += [key for _, key in message_keys(program[i], rank)]
+        return keys
+
     def ready_at(self, rank: int, ins: Instruction) -> float | None:
-        """When ``ins`` can start on ``rank``; None while a message it receives has not been sent."""
+        """When ``ins`` (the instruction at ``rank``'s program counter) can start; None while a message
+        it waits for has not been sent."""
         t = self.clock[rank]
-        for side, key in message_keys(ins, rank):
-            if side == "recv":
-                if key not in self.mailbox:
-                    return None
-                t = max(t, self.mailbox[key])
+        for key in self._receives(rank, ins):
+            if key not in self.mailbox:
+                return None
+            t = max(t, self.mailbox[key])
         return t
 
     def work_ms(self, rank: int, ins: Instruction) -> float:
@@ -240,6 +314,13 @@ class _Run:
             return self.costs.verify_ms(rank, ins.boundary, ins.direction)
         return self.costs.optim_ms(rank)
 
+    def core_ms(self, rank: int, ins: Instruction) -> float:
+        """The part of a pass that needs a processor: all of it, except the padding of an emulated
+        rehearsal of a slower device (a sleep)."""
+        if self.emulated and ins.op in ("F", "B"):
+            return self.costs.local_ms(rank, ins.op)
+        return self.work_ms(rank, ins)
+
     def step(self, rank: int, ins: Instruction, dur: float | None = None) -> bool:
         """Run ``ins`` on ``rank`` if it can start; False if it must wait for a message or a barrier.
         ``dur`` overrides a pass's duration (a pass that shared its processor took longer)."""
@@ -247,7 +328,7 @@ class _Run:
         if t is None:
             return False
         if ins.op == "ALLREDUCE":
-            return self._allreduce(rank, ins)
+            return self._allreduce(rank, ins, t)
         if ins.op in WORK_OPS:
             dur = self.work_ms(rank, ins) if dur is None else dur
             if ins.op == "OPTIM":
@@ -264,7 +345,8 @@ class _Run:
         self.clock[rank] = t
         return True
 
-    def _allreduce(self, rank: int, ins: Instruction) -> bool:
+    def _allreduce(self, rank: int, ins: Instruction, ready: float) -> bool:
+        self.clock[rank] = ready  # arrived at the barrier (after any verdict it waited for)
         waiting = self.barrier.setdefault(ins.stage, set())
         waiting.add(rank)
         group = self.plan.stage_ranks(ins.stage)
@@ -281,20 +363,28 @@ class _Run:
         return True
 
 
-def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None) -> SimResult:
+def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None,
+             sharing: CoreSharing | None = None, emulated: bool = False) -> SimResult:
     """Interpret ``plan``'s programs against the cost model; ``cores``: the ranks share this many
-    processors (default: a device each). See the module docstring."""
+    processors (default: a device each), ``sharing``: how fast concurrent passes progress on them
+    (measured; default: even sharing), ``emulated``: slower devices are emulated by padding passes
+    with sleeps. See the module docstring."""
     costs = costs or CostModel.for_plan(plan)
     n = plan.num_ranks
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise InvalidInputError("simulated cores", expected="a whole number >= 1 (or None: a device per rank)",
                                 found=repr(cores))
+    if sharing is not None and cores is None:
+        raise InvalidInputError("core sharing table", expected="cores= (the machine the table was measured on)",
+                                found="sharing= without cores=", fix="pass cores=sharing.cores")
     run = _Run(plan=plan, costs=costs, clock=[0.0] * n, pc=[0] * n, live=[0] * n, peak=[0] * n,
-               reached_optim=[0.0] * n)
-    if cores is None or cores >= n:
+               reached_optim=[0.0] * n, emulated=emulated,
+               verdict_waits=[deferred_verdicts(prog) for prog in plan.programs])
+    if cores is None or (cores >= n and sharing is None):
         _run_dedicated(run)
     else:
-        _run_shared(run, cores)
+        rate = sharing.rate if sharing is not None else (lambda k: min(1.0, cores / k))
+        _run_shared(run, cores, rate)
     stuck = [r for r in range(n) if run.pc[r] < len(plan.programs[r])]
     if stuck:
         r = stuck[0]
@@ -315,34 +405,59 @@ def _run_dedicated(run: _Run) -> None:
                 progress = True
 
 
-def _run_shared(run: _Run, cores: int) -> None:
-    """The ranks share ``cores`` processors: advance time from event to event (a pass ends, a rank's
-    message arrives); between events each running pass gets ``min(1, cores / running)`` of a core."""
+@dataclass(slots=True)
+class _Pass:
+    """A pass in progress on shared cores: when it started, the work it still needs (ms on a core of its
+    own), the CPU time it has had so far, and ``factor``: an emulated slower device pads the pass, once
+    its work is done, until it has lasted ``factor`` x that CPU time (as ``planner.runtime.emulate``
+    does; a core slowed by company inflates the CPU time, time-slicing does not). ``until`` is set then."""
+
+    start: float
+    left: float
+    factor: float = 1.0
+    cpu: float = 0.0
+    until: float = 0.0
+
+    def end(self, t: float, speed: float) -> float:
+        """When the pass ends if nothing changes after ``t``: its work done, then any padding."""
+        return t + self.left / speed if self.left > 0 else max(t, self.until)
+
+
+def _run_shared(run: _Run, cores: int, rate: Callable[[int], float]) -> None:
+    """The ranks share the machine's ``cores``: advance time from event to event (a pass's work is done,
+    a pass ends, a rank's message arrives); between events each of the ``k`` passes that compute
+    progresses at ``rate(k)`` of a pass alone and is on a core ``min(1, cores / k)`` of the time; a
+    pass padding up to its device's time (emulated) waits without a core."""
     programs = run.plan.programs
-    running: dict[int, list[float]] = {}  # rank -> [start ms, work left in ms on a core of its own]
+    running: dict[int, _Pass] = {}
     t = 0.0
     while True:
         _start_ready(run, t, running)
-        rate = min(1.0, cores / len(running)) if running else 0.0
-        events = [t + left / rate for _, left in running.values()]
+        computing = sum(1 for p in running.values() if p.left > 0)
+        speed, on_core = (rate(computing), min(1.0, cores / computing)) if computing else (0.0, 0.0)
+        events = [p.end(t, speed) for p in running.values()]
         events += [run.clock[r] for r, prog in enumerate(programs)
                    if r not in running and run.pc[r] < len(prog) and run.clock[r] > t]
         if not events:
             return  # finished, or blocked for good (simulate reports that)
         t_next = min(events)
-        for rank, (start, left) in list(running.items()):
-            if t + left / rate <= t_next:  # this pass ends now
+        for rank, p in list(running.items()):
+            if p.left > 0:
+                p.cpu += (t_next - t) * on_core
+                if t + p.left / speed <= t_next:  # its work is done (exactly, not up to rounding)
+                    p.left, p.until = 0.0, p.start + p.factor * p.cpu
+                else:
+                    p.left -= (t_next - t) * speed
+            if p.left == 0 and p.until <= t_next:  # this pass ends now
                 del running[rank]
-                run.clock[rank] = start
-                done = run.step(rank, programs[rank][run.pc[rank]], dur=t_next - start)
+                run.clock[rank] = p.start
+                done = run.step(rank, programs[rank][run.pc[rank]], dur=t_next - p.start)
                 assert done, "a pass that started has its inputs"
                 run.pc[rank] += 1
-            else:
-                running[rank][1] = left - (t_next - t) * rate
         t = t_next
 
 
-def _start_ready(run: _Run, t: float, running: dict[int, list[float]]) -> None:
+def _start_ready(run: _Run, t: float, running: dict[int, _Pass]) -> None:
     """At time ``t``, run every instruction that can start: messages and barriers take no processor
     time; a pass whose inputs are here joins ``running``."""
     progress = True
@@ -354,7 +469,9 @@ def _start_ready(run: _Run, t: float, running: dict[int, list[float]]) -> None:
                 if ins.op in WORK_OPS:
                     ready = run.ready_at(rank, ins)
                     if ready is not None and ready <= t:
-                        running[rank] = [t, run.work_ms(rank, ins)]
+                        core = run.core_ms(rank, ins)
+                        factor = run.work_ms(rank, ins) / core if core > 0 else 1.0
+                        running[rank] = _Pass(start=t, left=core, factor=factor)
                         progress = True
                     elif ready is not None:
                         run.clock[rank] = ready  # wakes up when its message arrives

@@ -26,17 +26,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time (default), or process CPU time: steadier on a shared machine; "
                         "needs --threads 1 and a CPU device")
+    p.add_argument("--statistic", default="min",
+                   help="summary of the repeated block timings: min (default; what the device does undisturbed) "
+                        "or median (what a long run of passes averages on a shared machine)")
+    p.add_argument("--sharing", action="store_true",
+                   help="also measure how fast 1..2 x cores single-thread processes computing at once progress "
+                        "here (for `stagewise simulate --cores N --sharing PROFILE`)")
     p.set_defaults(handler=run)
 
 
 def _settings(args: argparse.Namespace):
     import dataclasses
 
-    from cost_models.profile import ProfileSettings
+    from cost_models.profile import STATISTICS, ProfileSettings
+    from planner.errors import InvalidInputError
 
     check_positive(args, "batch", "seq", "threads")
     base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model or "gpt-small")
-    changes: dict = {"p2p": not args.no_p2p, "clock": args.clock}
+    if args.statistic not in STATISTICS:
+        raise InvalidInputError("--statistic", expected=" or ".join(STATISTICS), found=repr(args.statistic),
+                                fix="pass --statistic min or --statistic median")
+    changes: dict = {"p2p": not args.no_p2p, "clock": args.clock, "statistic": args.statistic,
+                     "sharing": args.sharing}
     if args.batch is not None:
         changes["batch"] = args.batch
     if args.seq is not None:
@@ -54,7 +65,13 @@ def _is_language_model(spec: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.table import Table
 
     from cost_models.profile import profile_device, write_profile
@@ -69,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory",
                                 fix=f"pass a file name, e.g. -o {out / 'profile.json'}")
     err = Console(stderr=True)
-    total = 6 + (1 if settings.p2p else 0) + (1 if torch.cuda.is_available() else 0)
+    total = 6 + (1 if settings.p2p else 0) + (1 if settings.sharing else 0) + (1 if torch.cuda.is_available() else 0)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("profiling", total=total)
@@ -92,5 +109,8 @@ def run(args: argparse.Namespace) -> int:
     if doc["p2p"]:
         table.add_row(f"p2p {doc['p2p']['backend']} bandwidth", f"{doc['p2p']['bandwidth_gbps']:.2f} Gb/s")
         table.add_row(f"p2p {doc['p2p']['backend']} latency", f"{doc['p2p']['latency_ms']:.3f} ms")
+    if doc.get("sharing"):
+        speeds = doc["sharing"]["speed"]
+        table.add_row("speed of k processes at once", ", ".join(f"{k}: {v:.2f}" for k, v in enumerate(speeds, 1)))
     Console().print(table)
     return 0

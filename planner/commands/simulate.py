@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from planner.commands._common import add_plan_argument, load_and_simulate, over_memory_ranks, rank_table
+from planner.commands._common import (
+    add_plan_argument,
+    check_positive,
+    over_memory_ranks,
+    rank_table,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,16 +18,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "all-reduce, optimizer) and print the step time, bubble, per-rank busy/idle time and "
                     "peak memory.")
     add_plan_argument(p)
+    p.add_argument("--cores", type=int, default=None,
+                   help="all ranks share this many processors (a rehearsal on one machine): passes that overlap "
+                        "split them (default: a device per rank)")
+    p.add_argument("--sharing", metavar="PROFILE", default=None,
+                   help="a profile JSON with a core sharing table (stagewise profile --sharing): how fast passes "
+                        "that overlap progress on that machine (default: even sharing; --cores defaults to "
+                        "the table's)")
+    p.add_argument("--emulated", action="store_true",
+                   help="slower devices are rehearsed by padding passes with sleeps (stagewise run --emulate): "
+                        "the padding holds no core")
     p.set_defaults(handler=run)
+
+
+def _sharing(args: argparse.Namespace):
+    from cost_models.profile import load_sharing
+    from planner.errors import InvalidInputError
+
+    if args.sharing is None:
+        return None
+    try:
+        table = load_sharing(args.sharing)
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"--sharing {args.sharing}", expected="a readable profile JSON",
+                                found=type(exc).__name__) from None
+    if table is None:
+        raise InvalidInputError(f"--sharing {args.sharing}", expected="a profile with a core sharing table",
+                                found="none measured", fix="profile with `stagewise profile --sharing`")
+    return table
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    plan, costs, result = load_and_simulate(args.plan)
+    from planner.plan import load_plan
+    from planner.simulate import CostModel, simulate
+
+    check_positive(args, "cores")
+    sharing = _sharing(args)
+    cores = args.cores if args.cores is not None or sharing is None else sharing.cores
+    plan = load_plan(args.plan)
+    costs = CostModel.for_plan(plan)
+    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=args.emulated)
     console = Console()
     console.print(f"[bold]{plan.model.name}[/] ({plan.model.spec}): {plan.schedule}, {plan.num_stages} stages, "
                   f"{plan.num_microbatches} microbatches, {plan.num_ranks} ranks on {plan.cluster.get('name')}")
+    if cores is not None:
+        how = "at the measured sharing speeds" if sharing is not None else "split evenly"
+        console.print(f"ranks share {cores} core(s), {how}" + (", slower devices emulated" if args.emulated else ""))
     console.print(f"step {result.step_ms:.3f} ms (pipeline {result.pipeline_ms:.3f} ms + optimizer), "
                   f"bubble {100 * result.bubble_fraction:.1f}%, "
                   f"solver objective {plan.report.objective_ms:.3f} ms ({plan.report.method})")

@@ -10,8 +10,17 @@ from torch import nn
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
-from cost_models.profile import (BlockSample, ProfileSettings, fit_calibration, fit_p2p, measure_matmul_flops,
-                                 measure_memory_bandwidth, summarize_ms, time_units, write_profile)
+from cost_models.profile import (
+    BlockSample,
+    ProfileSettings,
+    fit_calibration,
+    fit_p2p,
+    measure_matmul_flops,
+    measure_memory_bandwidth,
+    summarize_ms,
+    time_units,
+    write_profile,
+)
 from planner.errors import InvalidInputError
 from planner.ir import Block
 
@@ -155,3 +164,48 @@ def test_profile_settings_validation() -> None:
     assert ProfileSettings().statistic == "min"
     with pytest.raises(InvalidInputError):
         ProfileSettings(statistic="mean")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(sharing_window_s=0.0)
+
+
+def test_the_cost_model_benchmark_prices_blocks_with_the_raised_peak() -> None:
+    """benchmarks/cost_model.py's calibrated spec, like a profile, multiplies the peak by peak_scale: blocks
+    that ran faster than the (disturbed) measured peak are priced as fast as they ran, not clamped."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cost_model.py"
+    module_spec = importlib.util.spec_from_file_location("bench_cost_model", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    truth = DeviceSpec(name="cpu", kind="cpu", peak_flops=(("float32", 1e11),), mem_bytes=1 << 30,
+                       mem_bw_bytes_per_s=2e10, efficiency=0.6, op_overhead_ms=0.01)
+    samples = _samples_from(truth, np.random.default_rng(2), noise=0.0)
+    spec = bench._calibrated_spec(samples, 4e10, 2e10)
+    # the blocks ran at 0.6 x 1e11 = 6e10 FLOP/s: that is the spec's throughput, at efficiency 1
+    assert spec.flops_per_s("float32") * spec.efficiency == pytest.approx(6e10, rel=0.02)
+    assert spec.efficiency == 1.0 and spec.op_overhead_ms == pytest.approx(0.01, rel=0.03)
+
+
+def test_sharing_speeds_are_per_round_ratios_capped_and_non_increasing() -> None:
+    from cost_models.profile import CoreSharing, sharing_speeds
+
+    # two rounds on a 2-core machine: the second round's machine is 20% slower throughout
+    rates = [[10.0, 8.0, 5.0, 3.8], [8.0, 6.6, 4.0, 3.1]]
+    speeds = sharing_speeds(rates, [row[0] for row in rates])
+    assert speeds == pytest.approx((1.0, (0.8 + 0.825) / 2, 0.5, (0.38 + 0.3875) / 2))
+    # company never speeds a process up: ratios above 1 (noise) are capped, and k + 1 is never faster than k
+    assert sharing_speeds([[10.0, 10.5, 6.0, 6.5]], [10.0]) == pytest.approx((1.0, 1.0, 0.6, 0.6))
+    CoreSharing(cores=2, speed=speeds)  # a valid table
+    with pytest.raises(InvalidInputError):
+        sharing_speeds([[10.0, 8.0]], [0.0])
+
+
+@pytest.mark.slow
+def test_measure_core_sharing_runs_processes_at_once() -> None:
+    from cost_models.profile import load_sharing, measure_core_sharing
+
+    table = measure_core_sharing(model="gpt-tiny", batch=1, seq=16, processes=2, window_s=0.3, rounds=1)
+    assert len(table.speed) == 2 and table.speed[0] == 1.0 and 0.0 < table.speed[1] <= 1.0
+    assert table.rounds == 1 and table.window_s == 0.3
+    assert load_sharing({"sharing": table.to_dict()}) == table and load_sharing({"sharing": None}) is None

@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import pytest
-from plan_fixtures import (TEST_DEVICE, block, chain, cluster, compile_simple, config, free_cluster, solution,
-                           uniform_chain)
+from plan_fixtures import (
+    TEST_DEVICE,
+    block,
+    chain,
+    cluster,
+    compile_simple,
+    config,
+    free_cluster,
+    solution,
+    uniform_chain,
+)
 
 from cost_models import comm, compute, memory
 from cost_models.devices import DeviceSpec
@@ -101,20 +110,88 @@ def test_one_link_carries_one_transfer_at_a_time():
     assert arrivals == pytest.approx([first + 8.0 * i for i in range(4)], rel=1e-9)
 
 
-def test_verification_is_priced_on_the_verifier_and_delays_the_consumer():
+class SlowVerifier(CostModel):
+    """The plan's prices with every verification taking ``verify`` ms."""
+
+    verify = 0.0
+
+    def verify_ms(self, rank, boundary, op):
+        return self.verify
+
+
+def _verified_pair(M=1):
     ch = uniform_chain(2, out_bytes=10**6)
     cl = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 1)], verifier_host=True, trusted=("h1",))
     ver = (VerifierPlacement(boundary=0, device="verifier/0", directions=("act",)),)
-    plan = pipeline(ch, cl, 2, 1, "1f1b", policy=VerificationPolicy(), verifiers=ver)
+    return cl, pipeline(ch, cl, 2, M, "1f1b", policy=VerificationPolicy(), verifiers=ver)
+
+
+def test_verification_is_priced_on_the_verifier_and_the_verdict_gates_the_consumers_backward():
+    cl, plan = _verified_pair()
     result = simulate(plan)
     verifier_spec = cl.device("verifier/0").spec
     (box,) = [e for e in result.events if e.kind == "verify"]
     assert box.rank == 2 and box.end_ms - box.start_ms == pytest.approx(verify_ms(10**6, verifier_spec))
+    (send,) = [e for e in result.events if e.kind == "send" and e.rank == 0 and e.peer == 1]
     (consumer_f,) = [e for e in result.events if e.kind == "F" and e.rank == 1]
+    (consumer_b,) = [e for e in result.events if e.kind == "B" and e.rank == 1]
     verdict_ms = comm.transfer_ms(16, cl.link("verifier/0", "h1/0"))
-    assert consumer_f.start_ms == pytest.approx(box.end_ms + verdict_ms, rel=1e-12)
-    unchecked = simulate(pipeline(ch, cl, 2, 1, "1f1b"))
-    assert result.step_ms > unchecked.step_ms
+    # deferred: the forward runs on the activation as it arrives; the last stage's backward waits for the verdict
+    assert consumer_f.start_ms == pytest.approx(send.end_ms, rel=1e-12)
+    assert consumer_b.start_ms == pytest.approx(max(consumer_f.end_ms, box.end_ms + verdict_ms), rel=1e-12)
+    assert box.end_ms + verdict_ms < consumer_f.end_ms  # this verdict is hidden behind the forward
+    unchecked = simulate(pipeline(uniform_chain(2, out_bytes=10**6), cl, 2, 1, "1f1b"))
+    assert result.step_ms == pytest.approx(unchecked.step_ms, rel=1e-12)
+    slow = SlowVerifier.for_plan(plan)
+    slow.verify = 1.0  # ms: longer than the forward
+    delayed = simulate(plan, slow)
+    (box,) = [e for e in delayed.events if e.kind == "verify"]
+    (consumer_b,) = [e for e in delayed.events if e.kind == "B" and e.rank == 1]
+    assert consumer_b.start_ms == pytest.approx(box.end_ms + verdict_ms, rel=1e-12)
+    assert delayed.step_ms > unchecked.step_ms
+
+
+def test_a_slow_verifier_delays_the_send_not_the_pass():
+    """A 3-stage pipeline with the activation into stage 1 verified: stage 1's forward of a microbatch
+    runs when the activation arrives, whatever the verifier takes; its send of that microbatch to
+    stage 2 waits for the verdict. The verifier's latency overlaps the forward."""
+    ch = uniform_chain(3, out_bytes=10**6)
+    cl = cluster([("h0", TEST_DEVICE, 1), ("h1", TEST_DEVICE, 1), ("h2", TEST_DEVICE, 1)], verifier_host=True,
+                 trusted=("h1", "h2"))
+    ver = (VerifierPlacement(boundary=0, device="verifier/0", directions=("act",)),)
+    plan = pipeline(ch, cl, 3, 1, "1f1b", policy=VerificationPolicy(), verifiers=ver)
+    fwd = CostModel.for_plan(plan).compute_ms(1, "F")
+    timelines = {}
+    for verify in (0.0, 0.5 * fwd, 4.0 * fwd):
+        costs = SlowVerifier.for_plan(plan)
+        costs.verify = verify
+        result = simulate(plan, costs)
+        (f1,) = [e for e in result.events if e.kind == "F" and e.rank == 1]
+        (send,) = [e for e in result.events if e.kind == "send" and e.rank == 1 and e.peer == 2]
+        (check,) = [e for e in result.events if e.kind == "verify"]
+        verdict_at = check.end_ms + costs.verdict_ms(check.rank, 1)
+        timelines[verify] = (f1.start_ms, f1.end_ms, send.start_ms, verdict_at, result.step_ms)
+    starts = {v: t[0] for v, t in timelines.items()}
+    assert len(set(starts.values())) == 1  # the pass never waits for the verifier
+    fast, overlapped, slow = (timelines[v] for v in (0.0, 0.5 * fwd, 4.0 * fwd))
+    assert fast[2] == pytest.approx(fast[1]) and overlapped[2] == pytest.approx(overlapped[1])  # hidden by F
+    assert overlapped[4] == pytest.approx(fast[4])
+    assert slow[3] > slow[1] and slow[2] == pytest.approx(slow[3])  # the send waits for the verdict
+    assert slow[4] > fast[4]
+
+
+def test_deferred_verdicts_wait_where_the_microbatch_moves_on():
+    from planner.instructions import parse_program
+    from planner.simulate import deferred_verdicts
+
+    middle = parse_program(["1RECV_F0<0", "1VERDICT_F0<9", "1F0", "1SEND_F0>2", "1RECV_B0<2", "1VERDICT_B0<9",
+                            "1B0", "1SEND_B0>0", "1OPTIM"])
+    assert deferred_verdicts(middle) == {3: (1,), 7: (5,)}
+    last = parse_program(["2RECV_F0<1", "2VERDICT_F0<9", "2F0", "2B0", "2SEND_B0>1", "2OPTIM"])
+    assert deferred_verdicts(last) == {3: (1,)}
+    first = parse_program(["0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0VERDICT_B0<9", "0B0",
+                           "0RECV_B1<1", "0VERDICT_B1<9", "0B1", "0ALLREDUCE", "0OPTIM"])
+    assert deferred_verdicts(first) == {9: (5,), 10: (8,)}  # one held backward at a time, as the executor
 
 
 def test_verify_ms_formula():
@@ -240,3 +317,88 @@ def test_optimizer_step_pays_the_per_op_overhead_on_every_parameter_tensor():
     assert optim_ms(10**6, sgd, spec, param_tensors=50) == pytest.approx(optim_ms(10**6, sgd, spec) + 50 * 0.01)
     ch = uniform_chain(4)  # one parameter tensor per block
     assert stage_param_tensors(ch, 1, 3) == 3
+
+
+def test_measured_core_sharing_slows_the_passes_that_overlap():
+    """1F1B, S = 2, M = 2, b = 2 f, free communication, 2 cores on which two passes at once each
+    progress at 0.8 of one alone (as measured on a machine whose cores share an execution unit).
+
+    Rank 0's F0 runs alone [0, 1]; F1 and rank 1's F0 overlap from 1 and end at 1 + 1 / 0.8 = 2.25;
+    rank 1's B0 runs alone until 4.25; then rank 0's B0 (2) and rank 1's F1 (1) overlap: F1 ends at
+    5.5 with B0 1 f short; B0 overlaps rank 1's B1 and ends at 5.5 + 1 / 0.8 = 6.75, B1 (1 f left)
+    ends alone at 7.75, and rank 0's B1 runs alone until 9.75."""
+    from cost_models.profile import CoreSharing
+
+    ch = uniform_chain(4, out_bytes=0, params=0)
+    plan = pipeline(ch, free_cluster(2), 2, 2, "1f1b")
+    tf = compute.range_fwd_ms(ch, 0, 1, free_cluster(1).devices[0].spec)
+    measured = simulate(plan, cores=2, sharing=CoreSharing(cores=2, speed=(1.0, 0.8)))
+    assert measured.pipeline_ms == pytest.approx(9.75 * tf)
+    boxes = _boxes(measured, tf)
+    assert boxes["0F1"] == pytest.approx((1.0, 2.25)) and boxes["1F0"] == pytest.approx((1.0, 2.25))
+    assert boxes["0B0"] == pytest.approx((4.25, 6.75)) and boxes["1B1"] == pytest.approx((5.5, 7.75))
+    # a table of perfect sharing is the plain simulation; one that halves two passes is one core
+    assert simulate(plan, cores=2, sharing=CoreSharing(cores=2, speed=(1.0, 1.0))).step_ms == \
+        pytest.approx(simulate(plan).step_ms, rel=1e-12)
+    assert simulate(plan, cores=2, sharing=CoreSharing(cores=2, speed=(1.0, 0.5))).step_ms == \
+        pytest.approx(simulate(plan, cores=1).step_ms, rel=1e-12)
+    with pytest.raises(InvalidInputError):
+        simulate(plan, sharing=CoreSharing(cores=2, speed=(1.0, 0.8)))  # a table needs the cores it is for
+
+
+def test_an_emulated_slower_device_pads_without_holding_a_core():
+    """S = 2, M = 2, 1F1B on one shared core; rank 1's device is 3x slower and rehearsed by padding.
+
+    Rank 0's F0 [0, 1]; F1 and rank 1's F0 (1 f of work, padded to 3) share the core: both finish their
+    work at 3, F0 then sleeps until 4; rank 1's B0 computes 2 alone and sleeps until 10; rank 0's B0
+    and rank 1's F1 share the core from 10 (F1's work done at 12, padded to 13; B0's at 13); rank 1's
+    B1 computes until 15 and sleeps until 19; rank 0's B1 runs [19, 21]."""
+    third = {**TEST_DEVICE, "name": "TEST-THIRD", "efficiency": TEST_DEVICE["efficiency"] / 3}
+    cl = cluster([("h0", TEST_DEVICE, 1), ("h1", third, 1)])
+    ch = uniform_chain(4, out_bytes=0, params=0)
+    plan = pipeline(ch, cl, 2, 2, "1f1b")
+    costs = CostModel.for_plan(plan)
+    tf = costs.compute_ms(0, "F")
+    assert costs.compute_ms(1, "F") == pytest.approx(3 * tf) and costs.local_ms(1, "F") == pytest.approx(tf)
+    assert costs.local_ms(0, "B") == costs.compute_ms(0, "B")
+    emulated = simulate(plan, cores=1, emulated=True)
+    assert emulated.pipeline_ms == pytest.approx(21 * tf)
+    boxes = _boxes(emulated, tf)
+    assert boxes["1F0"] == pytest.approx((1.0, 4.0)) and boxes["1B0"] == pytest.approx((4.0, 10.0))
+    # padding on a core of its own is the plain simulation; here the slow rank's sleeps leave the one core
+    # to rank 0 at the right times, so the plain timeline survives; a core held while padding is slower
+    assert simulate(plan, cores=2, emulated=True).step_ms == pytest.approx(simulate(plan).step_ms, rel=1e-12)
+    assert emulated.pipeline_ms == pytest.approx(simulate(plan).pipeline_ms, rel=1e-12)
+    assert simulate(plan, cores=1).pipeline_ms > emulated.pipeline_ms
+
+
+def test_core_sharing_rates_extrapolate_the_last_measured_throughput():
+    from cost_models.profile import CoreSharing
+
+    table = CoreSharing(cores=2, speed=(1.0, 0.8, 0.5))
+    assert [table.rate(k) for k in (0, 1, 2, 3)] == [0.0, 1.0, 0.8, 0.5]
+    assert table.rate(6) == pytest.approx(0.5 * 3 / 6)  # 1.5 cores' worth, shared by six
+    for bad in ((), (0.9, 0.8), (1.0, 1.3), (1.0, 0.0)):
+        with pytest.raises(InvalidInputError):
+            CoreSharing(cores=2, speed=bad)
+    with pytest.raises(InvalidInputError):
+        CoreSharing(cores=0, speed=(1.0,))
+    assert CoreSharing.from_dict(table.to_dict()) == table
+
+
+def test_emulated_padding_follows_the_cpu_time_a_slowed_core_gave_the_pass():
+    """As the runtime pads (factor x the pass's CPU time): on 2 cores where two passes at once each run
+    at 0.8, rank 1's (3x slower) F0 overlapping rank 0's F1 from 1 f computes 1 f of work in 1.25 f of
+    CPU time and is padded to 3 x 1.25: [1, 4.75]. Its B0 runs alone (2 f, padded to 6 f: until 10.75);
+    F1 overlaps rank 0's B0 ([10.75, 14.5]); B1 alone until 20.5; rank 0's B1 ends at 22.5."""
+    from cost_models.profile import CoreSharing
+
+    third = {**TEST_DEVICE, "name": "TEST-THIRD", "efficiency": TEST_DEVICE["efficiency"] / 3}
+    plan = pipeline(uniform_chain(4, out_bytes=0, params=0), cluster([("h0", TEST_DEVICE, 1), ("h1", third, 1)]),
+                    2, 2, "1f1b")
+    tf = CostModel.for_plan(plan).compute_ms(0, "F")
+    result = simulate(plan, cores=2, sharing=CoreSharing(cores=2, speed=(1.0, 0.8)), emulated=True)
+    boxes = _boxes(result, tf)
+    assert boxes["1F0"] == pytest.approx((1.0, 4.75)) and boxes["0F1"] == pytest.approx((1.0, 2.25))
+    assert boxes["1F1"] == pytest.approx((10.75, 14.5)) and boxes["0B0"] == pytest.approx((10.75, 13.0))
+    assert result.pipeline_ms == pytest.approx(22.5 * tf)
