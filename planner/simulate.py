@@ -42,7 +42,7 @@ with how fast ``k`` concurrent single-thread processes really progress there:
 cores that are hyperthreads of one physical core, or share caches and memory
 bandwidth, slow each other down even while ``k <= C``, and time-slicing more
 processes than cores costs switches. ``emulated=True`` prices a rehearsal with
-the runtime's emulation of slower devices (``stagewise run --emulate``): a
+the runtime's emulation of slower devices (``stagewise run --emulate-speed``): a
 pass computes what the stage costs on the fastest planned device for it
 (sharing the cores), then sleeps, without a core, until it has lasted its
 device's slow-down factor times the CPU time it had (as ``planner.runtime.

@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "that overlap progress on that machine (default: even sharing; --cores defaults to "
                         "the table's)")
     p.add_argument("--emulated", action="store_true",
-                   help="slower devices are rehearsed by padding passes with sleeps (stagewise run --emulate): "
+                   help="slower devices are rehearsed by padding passes with sleeps (stagewise run --emulate-speed): "
                         "the padding holds no core")
     p.set_defaults(handler=run)
 

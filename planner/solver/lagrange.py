@@ -271,7 +271,8 @@ class SequenceDP:
         for k, (s, e, _, r) in enumerate(st):
             i = loc[k]
             j = int(np.flatnonzero(self.valid_r[i] & (self.RR[i] == r))[0])
-            sends = (self.FWD[i, loc[k + 1], e] if k + 1 < len(st) else 0.0) + (self.BWD[i, loc[k - 1], s] if k else 0.0)
+            sends = self.FWD[i, loc[k + 1], e] if k + 1 < len(st) else 0.0
+            sends += self.BWD[i, loc[k - 1], s] if k else 0.0
             taus.append(self.H[i, j] * (self.cp[i, e + 1] - self.cp[i, s] + sends))
             params = self.pp[e + 1] - self.pp[s]
             if r > 1 and params > 0:
