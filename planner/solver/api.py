@@ -50,6 +50,7 @@ from planner.solver.lagrange import lagrange_bound
 from planner.solver.objective import Placement, evaluate, simple_lower_bound_ms, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.relax import merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
 from planner.solver.seqpart_kernel import warm as warm_partition
 from planner.solver.solution import SolveReport, Solution, StagePlacement
@@ -174,6 +175,13 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     # The sequence DP's Lagrangian bound sees communication, which the fluid LP cannot; on small
     # models CP-SAT usually proves optimality by itself, so the DP gets only a short look there.
     lag_budget = min(LAGRANGE_SMALL_S, 0.1 * time_limit_s) if exhaustive else LAGRANGE_SHARE * time_limit_s
+    # Many hosts of one device type make many classes, and the DP cubic in them: half of the time then
+    # goes to the bound of the problem with like classes merged (a relaxation, valid for bounds only).
+    coarse = None if exhaustive else merged_for_bound(problem)
+    if coarse is not None:
+        lb_all = max(lb_all, lagrange_bound(coarse, incumbent_ms=step, time_budget_s=lag_budget / 2,
+                                            plans=False).bound_ms)
+        lag_budget /= 2
     lag = lagrange_bound(problem, incumbent_ms=step, time_budget_s=lag_budget)
     lb_all = max(lb_all, lag.bound_ms)
     if lag.placement is not None and lag.step_ms < step - 1e-12:

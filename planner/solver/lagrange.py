@@ -344,8 +344,13 @@ def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> t
 
 
 def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
-                   target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None) -> LagrangeResult:
-    """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring."""
+                   target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None,
+                   plans: bool = True) -> LagrangeResult:
+    """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring.
+
+    ``plans=False``: the bound alone (for a relaxed problem, e.g. ``relax.merged_for_bound``, whose plans are
+    not plans of the real one and must not become the incumbent that prunes the boxes).
+    """
     start = time.perf_counter()
     dp = SequenceDP(problem)
     M = problem.num_microbatches
@@ -363,7 +368,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     def consider(relaxed: Relaxed) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
         nonlocal best_plan, best_ms
-        if spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
+        if not plans or spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
             return
         t0 = time.perf_counter()
         try:
