@@ -14,7 +14,9 @@ fixed in an outer loop, the time split evenly):
    that the fluid LP cannot, and every relaxed plan it meets is repaired,
    re-partitioned (``seqpart``) and priced, often improving the incumbent
    (``LAGRANGE_SHARE`` of the time; a short look on models small enough
-   for CP-SAT to prove optimality alone);
+   for CP-SAT to prove optimality alone); when several classes share a
+   device type (many hosts), half of that time bounds the problem with
+   them merged (``relax``), which the DP, cubic in the classes, can afford;
 5. runs the CP-SAT model (``cpsat``) hinted with the best plan so far: over
    every stage count when ``blocks x slots <= MODEL_SIZE_LIMIT``, else
    (decomposition by stage count) over pipelines of at most ``SLOT_CAP``
@@ -24,9 +26,9 @@ fixed in an outer loop, the time split evenly):
 
 What the reported bound bounds: the iteration time of every plan of the
 search space described in ``planner.solver.cpsat``, at the candidate ``M``s.
-Per ``M`` it is ``max(fluid, sequence DP, min(best one-stage plan, CP-SAT
-bound))`` where the fluid LP (``objective.simple_lower_bound_ms``) and the
-sequence DP's bound hold for every plan and the CP-SAT bound is used only
+Per ``M`` it is ``max(fluid, sequence DP, merged sequence DP, min(best one-stage
+plan, CP-SAT bound))`` where the fluid LP (``objective.simple_lower_bound_ms``)
+and the sequence DP's bounds hold for every plan and the CP-SAT bound is used only
 when its model covered every stage count (with fewer slots it says nothing
 about longer pipelines). The overall bound is the minimum over ``M``.
 """
