@@ -52,6 +52,7 @@ from planner.errors import InvalidInputError
 from planner.instructions import Instruction
 from planner.runtime import comm
 from planner.runtime.comm import Groups, Kind, Pending
+from planner.runtime.deferred import HeldBackward, ReplayPoint, merge_grads
 from planner.runtime.emulate import Emulation
 from planner.runtime.metrics import StepMetrics
 from planner.runtime.stage import EdgeSpecs, StageRuntime
@@ -62,45 +63,6 @@ if TYPE_CHECKING:
     from planner.runtime.verify_hooks import AttackHooks, VerifyHooks
 
 ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD, Kind.TAINT_GRAD, Kind.VERDICT_GRAD)}
-
-
-@dataclass(slots=True)
-class _HeldBackward:
-    """A backward whose incoming gradient still awaits its verdict: the parameters' ``.grad``
-    hold only its contribution, ``stash`` what they had accumulated before it."""
-
-    mb: int
-    stash: list[torch.Tensor | None]
-
-
-@dataclass(frozen=True, slots=True)
-class _Replay:
-    """What a forward run again on zeros (its input dropped after all) must start from."""
-
-    rng: torch.Tensor
-    device_rng: torch.Tensor | None
-    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]   # (buffer, its value before the forward)
-
-
-def merge_grads(params: Sequence[torch.Tensor], stash: Sequence[torch.Tensor | None], *, keep: bool) -> None:
-    """Put back the gradients set aside before a held backward, whose own are in ``.grad``.
-
-    ``keep``: the set-aside ones plus the held backward's (``stash.add_``: the very sum
-    autograd's in-place accumulation computes). Otherwise the set-aside ones alone; where
-    there were none, zeros for a parameter the backward reached, as back-propagating a zero
-    gradient would leave (an optimizer skips a parameter without a gradient, not one of zeros).
-    """
-    for p, before in zip(params, stash, strict=True):
-        mine = p.grad
-        if keep:
-            if before is not None and mine is not None:
-                p.grad = before.add_(mine)
-            elif before is not None:
-                p.grad = before
-        elif before is not None:
-            p.grad = before
-        elif mine is not None:
-            p.grad = torch.zeros_like(mine)
 
 
 @dataclass(slots=True)
@@ -222,8 +184,8 @@ class Executor:
         self.dropped_b: set[int] = set()   # gradient dropped on the way back
         self.flagged = 0
         self.verdicts: dict[tuple[str, int], Pending] = {}   # deferred verdicts, posted and not yet awaited
-        self.replays: dict[int, _Replay] = {}                 # forwards that may have to run again
-        self.held: _HeldBackward | None = None
+        self.replays: dict[int, ReplayPoint] = {}            # forwards that may have to run again
+        self.held: HeldBackward | None = None
 
     def _dispatch(self, ins: Instruction) -> None:
         op = ins.op
@@ -263,7 +225,7 @@ class Executor:
         raw = self._stage_inputs(mb)
         self.received.pop(("F", mb), None)  # from here on `inputs` (saved until B) hold the data
         if ("F", mb) in self.verdicts and mb not in self.dropped_f:
-            self.replays[mb] = self._replay_point()
+            self.replays[mb] = ReplayPoint.take(self.device, self.buffers)
         self._run_forward(mb, raw)
 
     def _run_forward(self, mb: int, raw: list[torch.Tensor]) -> None:
@@ -309,7 +271,7 @@ class Executor:
             stash = [p.grad for p in self.params]
             for p in self.params:
                 p.grad = None
-            self.held = _HeldBackward(mb=mb, stash=stash)
+            self.held = HeldBackward(mb=mb, stash=stash)
         t0, c0 = time.perf_counter(), time.thread_time()
         if roots:
             torch.autograd.backward(roots, grads)
@@ -530,11 +492,6 @@ class Executor:
             return not already
         return False
 
-    def _replay_point(self) -> _Replay:
-        device_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return _Replay(rng=torch.get_rng_state(), device_rng=device_rng,
-                       buffers=tuple((b, b.detach().clone()) for b in self.buffers))
-
     def _settle_forward(self, mb: int) -> None:
         """Await the deferred verdict on ``mb``'s input; if it drops the microbatch, run its forward
         again on zeros from the state it started from (what waiting first would have computed)."""
@@ -544,12 +501,7 @@ class Executor:
         replay = self.replays.pop(mb, None)
         if not self._conclude("F", mb, pending) or mb not in self.saved or replay is None:
             return
-        torch.set_rng_state(replay.rng)
-        if replay.device_rng is not None:
-            torch.cuda.set_rng_state(replay.device_rng, self.device)
-        with torch.no_grad():
-            for buffer, before in replay.buffers:
-                buffer.copy_(before)
+        replay.restore(self.device)
         inputs, _ = self.saved.pop(mb)
         self._run_forward(mb, [torch.zeros_like(t, requires_grad=False) for t in inputs])
 

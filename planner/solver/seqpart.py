@@ -67,9 +67,6 @@ class _Stage:
         self.out_buf = np.concatenate([2 * out[:-1], [0.0]]) if k < S - 1 else np.zeros(L)
         self.mem_cap = float(c.mem_bytes)
 
-    def tau(self, s: int, e: int) -> float:
-        return float(self.h * (self.cp[e + 1] - self.cp[s] + self.fwd[e] + self.bwd[s]))
-
 
 def _copy_table(problem: Problem):
     """ms of a verifier copy of each boundary from a class: the cheapest trusted site allowed."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.runtime.executor import merge_grads
+from planner.runtime.deferred import merge_grads
 
 
 class _Stage(torch.nn.Module):
