@@ -14,12 +14,15 @@ byte-level GPT (d=128, T=64, microbatch 4, 4 microbatches):
    just after it; the plan is priced with each and the prediction is their
    mean (the CPU's speed drifts on this shared host; the spread of the two is
    recorded as ``profile_drift_pct``). Gloo's latency and bandwidth between
-   two local processes, and how fast 1..4 single-thread processes computing
-   at once progress on this machine (``CoreSharing``: these two cores slow
-   each other down even two at a time), are measured once, by the first
-   profile, and priced. All ranks run on this machine's cores, so the
+   two local processes, the CPU time a message costs its two ends
+   (``MessageCost``), and how fast 1..4 single-thread processes computing
+   at once progress on this machine (``CoreSharing``, each process holding
+   a 1F1B stage's microbatches in flight: these two cores slow each other
+   down even two at a time), are measured once, by the first profile, and
+   priced (``previous_model_ms``: as before those two, one microbatch in
+   flight and free messages). All ranks run on this machine's cores, so the
    prediction is ``simulate(plan, cores=os.cpu_count(), sharing=...,
-   emulated=...)``: the passes that overlap share the cores at the measured
+   messages=..., emulated=...)``: the passes that overlap share the cores at the measured
    speeds, and an emulated slow device's padding (a sleep) holds no core.
    Beside it: the same with even sharing (the model before the table,
    ``even_sharing_ms``), and the plan simulated with the pass and optimizer
@@ -56,6 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +92,27 @@ def chain():
 P2P_SIZES = (1 << 10, 1 << 17, 1 << 20, 1 << 22)  # around the 128 KiB activations the stages exchange
 
 
+# Microbatches each core sharing probe process holds in flight: what a 1F1B stage of these plans holds
+# (the 2-stage plan's first stage 2, the 4-stage plan's stages 4..1), so the caches see a stage's load.
+SHARING_MICROBATCHES = 2
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the first profile measured of how ranks on this machine's cores slow each other:
+    ``sharing`` (passes that overlap, :data:`SHARING_MICROBATCHES` in flight per probe process) and
+    ``messages`` (CPU time per message at each end) price the predictions; ``previous_sharing``
+    (one microbatch in flight, no message costs) is the model before them, priced beside it."""
+
+    sharing: Any
+    messages: Any
+    previous_sharing: Any
+
+
 def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False) -> Path:
     """A single-thread profile of this CPU, calibrated on the benchmark model's own blocks; with
-    ``sharing``, also how fast 1..2 x cores processes computing at once progress here.
+    ``sharing``, also how fast 1..2 x cores processes computing at once progress here; with ``p2p``,
+    gloo's latency, bandwidth and CPU time per message between two local processes.
 
     The median of the repeats, not the minimum: a step adds up many passes, so it sees their
     typical time on this shared machine, not the best one."""
@@ -98,7 +120,7 @@ def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False) -> Path
     torch.set_num_threads(1)
     settings = ProfileSettings(model=MODEL, batch=MICROBATCH, seq=SEQ, matmul_size=512, copy_bytes=32 << 20,
                                repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median", sharing=sharing,
-                               sharing_rounds=3)
+                               sharing_rounds=3, sharing_microbatches=SHARING_MICROBATCHES)
     return write_profile(profile_device(settings), path)
 
 
@@ -187,7 +209,7 @@ def _rank_breakdown(rows, warmup: int) -> list[dict[str, float]]:
     return out
 
 
-def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]]) -> dict[str, Any]:
+def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]], messages=None) -> dict[str, Any]:
     """The plan simulated with the pass and optimizer times its own run measured (a device per rank,
     since the measured wall times already include any sharing of the cores): what is left between
     this and the measured step is the simulator's composition (bubbles, transfers, what it does not
@@ -208,6 +230,7 @@ def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]]) -> dict[st
     optim = {row["rank"]: row["optim_ms"] for row in ranks}
     measured = MeasuredPasses(costs, scale, optim)
     return {"inrun_predicted_ms": simulate(plan, measured).step_ms,
+            "inrun_messages_ms": None if messages is None else simulate(plan, measured, messages=messages).step_ms,
             "pass_scale": [round(scale[r], 3) for r in sorted(scale)],
             "pass_cpu_over_profile": [round(cpu_ratio[r], 3) for r in sorted(cpu_ratio)]}
 
@@ -233,7 +256,7 @@ class MeasuredPasses:
         return getattr(self.base, name)
 
 
-def run_plan(plan_path: Path, steps: int, *, emulate: bool) -> dict[str, Any]:
+def run_plan(plan_path: Path, steps: int, *, emulate: bool, messages=None) -> dict[str, Any]:
     """One local run: median step period after the first step, per-rank breakdown, external load."""
     from planner.runtime.launch import RunOptions, launch
     from planner.runtime.metrics import read_metrics
@@ -248,7 +271,7 @@ def run_plan(plan_path: Path, steps: int, *, emulate: bool) -> dict[str, Any]:
     return {"measured_ms": result["measured_step_ms"], "plan_predicted_ms": result["predicted_step_ms"],
             "step_ms": result["step_ms"], "cpu_ms": statistics.median(result["cpu_ms"][1:] or result["cpu_ms"]),
             "external_load_cores": None if load is None else round(load, 3),
-            "ranks": ranks, **in_run_prediction(plan_path, ranks)}
+            "ranks": ranks, **in_run_prediction(plan_path, ranks, messages)}
 
 
 def run_quiet(attempt: Callable[[], dict[str, Any]], *, max_load: float, retries: int) -> dict[str, Any]:
@@ -360,12 +383,13 @@ def _profile_summary(profile: Path) -> dict[str, Any]:
             "fit_median_abs_rel_err": doc["calibration"]["median_abs_rel_err"]}
 
 
-def _predict(path: Path, cores: int, sharing=None, *, emulated: bool = False) -> float:
+def _predict(path: Path, cores: int, sharing=None, *, emulated: bool = False, messages=None) -> float:
     """The step time of ``path``'s plan with its ranks sharing ``cores`` cores (see the module docstring),
-    at the measured ``sharing`` speeds (None: even sharing), rehearsing slower devices by padding."""
+    at the measured ``sharing`` speeds (None: even sharing), rehearsing slower devices by padding, with
+    ``messages`` costing their ends CPU time (None: free)."""
     from planner.plan import load_plan
     from planner.simulate import simulate
-    return simulate(load_plan(path), cores=cores, sharing=sharing, emulated=emulated).step_ms
+    return simulate(load_plan(path), cores=cores, sharing=sharing, emulated=emulated, messages=messages).step_ms
 
 
 def overhead(tmp: Path, ch, profile: Path, link, two, steps: int, repeats: int) -> dict[str, Any]:
@@ -397,41 +421,46 @@ def _timed_profile(path: Path, **kw: bool) -> tuple[Path, float]:
     return profile, round(max(0.0, (busy - own) / wall), 3)
 
 
-def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, sharing, name: str
+def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, machine: Machine, name: str
             ) -> tuple[Path, dict[str, Any]]:
     """A fresh profile of this CPU, and the case's plan priced with it: ranks sharing ``cores`` cores at
-    the measured ``sharing`` speeds, slower devices rehearsed by padding (``predicted_ms``), and as
-    before that model (even sharing, padding on a core: ``even_sharing_ms``)."""
+    the measured speeds, messages costing CPU time, slower devices rehearsed by padding (``predicted_ms``);
+    as before the probe held a stage's microbatches and messages cost CPU (``previous_model_ms``); and
+    with even sharing, padding on a core (``even_sharing_ms``)."""
     profile, load = _timed_profile(tmp / f"cpu-{name}.json")
     cl = cluster(profile, effs, link)
     path = compile_solution(hand_solution(ch, cl, stages), ch, cl, tmp, name)
     emulated = min(effs) < max(effs)
     return path, {**_profile_summary(profile), "external_load_cores": load,
-                  "predicted_ms": _predict(path, cores, sharing, emulated=emulated),
+                  "predicted_ms": _predict(path, cores, machine.sharing, emulated=emulated, messages=machine.messages),
+                  "previous_model_ms": _predict(path, cores, machine.previous_sharing, emulated=emulated),
                   "even_sharing_ms": _predict(path, cores)}
 
 
-def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps: int, cores: int, sharing,
-                   name: str) -> dict[str, Any]:
+def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps: int, cores: int,
+                   machine: Machine, name: str) -> dict[str, Any]:
     """Profile this CPU, run the case, profile again; price the plan with each profile. The CPU's own
     speed moves on this shared host (by up to ~20% from one few-second window to the next, also with
     nothing else running in this machine), so the prediction is the mean of the two, and their
     spread shows how far it moved."""
     effs = [1.0] * (ranks - 1) + [SLOW if hetero else 1.0]
-    path, before = _priced(tmp, ch, link, effs, stages, cores, sharing, f"{name}-before")
-    run = run_plan(path, steps, emulate=hetero)
-    _, after = _priced(tmp, ch, link, effs, stages, cores, sharing, f"{name}-after")
+    path, before = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-before")
+    run = run_plan(path, steps, emulate=hetero, messages=machine.messages)
+    _, after = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-after")
     predicted = statistics.fmean((before["predicted_ms"], after["predicted_ms"]))
+    previous = statistics.fmean((before["previous_model_ms"], after["previous_model_ms"]))
     even = statistics.fmean((before["even_sharing_ms"], after["even_sharing_ms"]))
     return {**run, "predicted_ms": round(predicted, 2),
             "error_pct": round(_pct(run["measured_ms"], predicted), 2),
+            "previous_model_ms": round(previous, 2),
+            "previous_model_error_pct": round(_pct(run["measured_ms"], previous), 2),
             "even_sharing_ms": round(even, 2), "even_sharing_error_pct": round(_pct(run["measured_ms"], even), 2),
             "inrun_error_pct": round(_pct(run["measured_ms"], run["inrun_predicted_ms"]), 2),
             "profile_drift_pct": round(_pct(after["predicted_ms"], before["predicted_ms"]), 2),
             "profiles": [{"when": "before", **before}, {"when": "after", **after}]}
 
 
-def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int, sharing,
+def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int, machine: Machine,
                quiet: dict[str, float]) -> dict[str, Any]:
     """2. simulated vs measured, every case once per repeat (cases interleaved), each run priced with
     profiles of this CPU taken just before and just after it."""
@@ -441,7 +470,7 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
         for ranks, hetero in order:
             names = (f"p{ranks}{int(hetero)}-{i}-{n}" for n in itertools.count())
             res = run_quiet(lambda r=ranks, h=hetero, names=names: _bracketed_run(
-                tmp, ch, link, r, h, ranges[r], steps, cores, sharing, next(names)), **quiet)
+                tmp, ch, link, r, h, ranges[r], steps, cores, machine, next(names)), **quiet)
             runs[(ranks, hetero)].append({"repeat": i, **res})
     rows = []
     for (ranks, hetero), rs in runs.items():
@@ -457,11 +486,17 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                      "plan_predicted_ms": statistics.median(r["plan_predicted_ms"] for r in rs),
                      "error_pct": statistics.median(r["error_pct"] for r in rs),
                      "error_pcts": [r["error_pct"] for r in rs],
+                     "previous_model_ms": statistics.median(r["previous_model_ms"] for r in rs),
+                     "previous_model_error_pct": statistics.median(r["previous_model_error_pct"] for r in rs),
+                     "previous_model_error_pcts": [r["previous_model_error_pct"] for r in rs],
                      "even_sharing_ms": statistics.median(r["even_sharing_ms"] for r in rs),
                      "even_sharing_error_pct": statistics.median(r["even_sharing_error_pct"] for r in rs),
                      "inrun_predicted_ms": statistics.median(r["inrun_predicted_ms"] for r in rs),
                      "inrun_error_pct": statistics.median(r["inrun_error_pct"] for r in rs),
                      "inrun_error_pcts": [r["inrun_error_pct"] for r in rs],
+                     "inrun_messages_error_pcts": [None if r["inrun_messages_ms"] is None
+                                                   else round(_pct(r["measured_ms"], r["inrun_messages_ms"]), 2)
+                                                   for r in rs],
                      "pass_scale": [r["pass_scale"] for r in rs],
                      "pass_cpu_over_profile": [r["pass_cpu_over_profile"] for r in rs],
                      "profile_drift_pcts": [r["profile_drift_pct"] for r in rs],
@@ -471,6 +506,9 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                          "mean of two profiles of this CPU, one just before and one just after it",
             "quiet_error_pct": "the same over the runs during which other processes kept at most "
                                f"{quiet['max_load']} cores busy (quiet_runs of them)",
+            "previous_model_error_pct": "the same, priced as before the sharing probe held a stage's microbatches "
+                                        "in flight and messages cost CPU time",
+            "inrun_messages_error_pcts": "as inrun_error_pct, with the messages' CPU time priced too",
             "even_sharing_error_pct": "the same, priced as before the core sharing table: passes that overlap "
                                       "split the cores evenly, and an emulated device's padding holds a core",
             "inrun_error_pct": "measured against the plan simulated with the pass and optimizer times measured "
@@ -482,7 +520,7 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
             "rows": rows}
 
 
-def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores: int, sharing,
+def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores: int, machine: Machine,
              quiet: dict[str, float]) -> dict[str, Any]:
     """3. the solver's plan vs the uniform and parameter-balanced baselines', emulated, interleaved."""
     from planner.solver.api import baseline, solve
@@ -502,7 +540,8 @@ def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores
     for name, sol in sols.items():
         rs = runs[name]
         out.append({"plan": name, "stages": [[s.first_block, s.last_block, list(s.devices)] for s in sol.stages],
-                    "predicted_ms": _predict(paths[name], cores, sharing, emulated=True),
+                    "predicted_ms": _predict(paths[name], cores, machine.sharing, emulated=True,
+                                             messages=machine.messages),
                     "measured_ms": statistics.median(r["measured_ms"] for r in rs),
                     "measured_runs_ms": [r["measured_ms"] for r in rs],
                     "external_load_cores": [r["external_load_cores"] for r in rs]})
@@ -522,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="cores other processes may keep busy during a run before it is repeated (default 0.3)")
     ap.add_argument("--retries", type=int, default=None, help="extra attempts of a disturbed run")
     ap.add_argument("--split", type=int, default=LAYERS // 2, help=argparse.SUPPRESS)
+    ap.add_argument("--sections", default="overhead,prediction,planning",
+                    help="comma-separated subset of overhead, prediction, planning (default: all three)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help=f"result JSON (default {RESULTS.relative_to(ROOT)})")
     args = ap.parse_args(argv)
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if not sections or sections - {"overhead", "prediction", "planning"}:
+        ap.error(f"--sections: expected a subset of overhead,prediction,planning, found {args.sections!r}")
     if args.torch_worker:
         torch_worker(args.torch_worker, args.steps, args.split)
         return 0
@@ -544,31 +589,52 @@ def main(argv: list[str] | None = None) -> int:
         out["first_profile_machine_load_cores"] = first_load
         link = local_link(first)
         out["local_link"] = link
-        from cost_models.profile import load_sharing
+        from cost_models.profile import (
+            load_message_cost,
+            load_sharing,
+            measure_core_sharing,
+        )
         sharing = load_sharing(first)
+        previous = measure_core_sharing(model=MODEL, batch=MICROBATCH, seq=SEQ, processes=2 * cores,
+                                        window_s=sharing.window_s, rounds=sharing.rounds, microbatches=1)
+        machine = Machine(sharing=sharing, messages=load_message_cost(first), previous_sharing=previous)
         out["core_sharing"] = sharing.to_dict()
+        out["core_sharing_one_microbatch"] = previous.to_dict()
+        out["message_cpu"] = None if machine.messages is None else machine.messages.to_dict()
         ch = chain()
         half = LAYERS // 2  # blocks: embed, layers.0..7, head
         ranges = {2: [(0, half), (half + 1, LAYERS + 1)], 4: [(0, 2), (3, 4), (5, 6), (7, LAYERS + 1)]}
-        console.print("1. overhead vs torch.distributed.pipelining ...")
-        out["vs_torch_pipelining"] = overhead(tmp, ch, first, link, ranges[2], steps, repeats)
-        console.print("2. predicted vs measured ...")
-        out["predicted_vs_measured"] = prediction(tmp, ch, link, ranges, steps, repeats, cores, sharing, quiet)
-        console.print("3. solver vs baselines ...")
-        out["solver_vs_baselines"] = planning(tmp, ch, first, link, steps, repeats, cores, sharing, quiet)
+        if "overhead" in sections:
+            console.print("1. overhead vs torch.distributed.pipelining ...")
+            out["vs_torch_pipelining"] = overhead(tmp, ch, first, link, ranges[2], steps, repeats)
+        if "prediction" in sections:
+            console.print("2. predicted vs measured ...")
+            out["predicted_vs_measured"] = prediction(tmp, ch, link, ranges, steps, repeats, cores, machine, quiet)
+        if "planning" in sections:
+            console.print("3. solver vs baselines ...")
+            out["solver_vs_baselines"] = planning(tmp, ch, first, link, steps, repeats, cores, machine, quiet)
     out["load_avg_at_end"] = list(os.getloadavg())
     _print(console, out)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = RESULTS.with_suffix(".json.tmp")
+    target = args.out.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = target.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp_out, RESULTS)
-    console.print(f"wrote {RESULTS.relative_to(ROOT)}")
+    os.replace(tmp_out, target)
+    console.print(f"wrote {target}")
     return 0
 
 
 def _print(console, out: dict[str, Any]) -> None:
+    if "vs_torch_pipelining" in out:
+        _print_overhead(console, out["vs_torch_pipelining"])
+    if "predicted_vs_measured" in out:
+        _print_prediction(console, out)
+    if "solver_vs_baselines" in out:
+        _print_planning(console, out["solver_vs_baselines"])
+
+
+def _print_overhead(console, vs: dict[str, Any]) -> None:
     from rich.table import Table
-    vs = out["vs_torch_pipelining"]
     t = Table(title=f"1. runtime overhead (2 ranks, same split, 1F1B; median of {vs['repeats']} interleaved runs)")
     for c in ("", "ours", "torch Schedule1F1B", "ratio", "goal"):
         t.add_column(c, justify="right")
@@ -576,22 +642,31 @@ def _print(console, out: dict[str, Any]) -> None:
     t.add_row("CPU ms/step (all ranks)", f"{vs['ours_cpu_ms']:.1f}", f"{vs['torch_cpu_ms']:.1f}",
               f"{vs['cpu_ratio']:.3f}", "")
     console.print(t)
+
+
+def _print_prediction(console, out: dict[str, Any]) -> None:
+    from rich.table import Table
     pvm = out["predicted_vs_measured"]
     t = Table(title=f"2. simulator vs measured (ranks share {pvm['cores']} cores; median of {out['repeats']} "
                     "repeats, each run priced with profiles just before and after it; quiet: others used <= "
                     f"{out['max_external_load_cores']} cores)")
-    for c in ("ranks", "emulated", "predicted ms", "even sharing ms", "from in-run passes ms", "measured ms",
-              "error %", "even %", "in-run %", "quiet runs: error %", "per repeat %", "others' load (cores)"):
+    for c in ("ranks", "emulated", "predicted ms", "previous model ms", "even sharing ms", "from in-run passes ms",
+              "measured ms", "error %", "previous %", "even %", "in-run %", "quiet runs: error %", "per repeat %",
+              "others' load (cores)"):
         t.add_column(c, justify="right")
     for r in pvm["rows"]:
         calm = "-" if r["quiet_error_pct"] is None else f"{r['quiet_error_pct']:+.1f} ({r['quiet_runs']})"
         t.add_row(str(r["ranks"]), "yes" if r["emulated_heterogeneity"] else "no", f"{r['predicted_ms']:.1f}",
-                  f"{r['even_sharing_ms']:.1f}", f"{r['inrun_predicted_ms']:.1f}", f"{r['measured_ms']:.1f}",
-                  f"{r['error_pct']:+.1f}", f"{r['even_sharing_error_pct']:+.1f}", f"{r['inrun_error_pct']:+.1f}", calm,
+                  f"{r['previous_model_ms']:.1f}", f"{r['even_sharing_ms']:.1f}", f"{r['inrun_predicted_ms']:.1f}",
+                  f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", f"{r['previous_model_error_pct']:+.1f}",
+                  f"{r['even_sharing_error_pct']:+.1f}", f"{r['inrun_error_pct']:+.1f}", calm,
                   " ".join(f"{e:+.0f}" for e in r["error_pcts"]),
                   " ".join("?" if x is None else f"{x:.2f}" for x in r["external_load_cores"]))
     console.print(t)
-    plans = out["solver_vs_baselines"]
+
+
+def _print_planning(console, plans: dict[str, Any]) -> None:
+    from rich.table import Table
     t = Table(title="3. plans on an emulated heterogeneous cluster (this CPU + one at 1/3 of its efficiency)")
     for c in ("plan", "stages [first, last, devices]", "predicted ms", "measured ms", "runs ms"):
         t.add_column(c, justify="right")

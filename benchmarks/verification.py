@@ -34,6 +34,7 @@ or on a CPU-only verifier host.
 
     python benchmarks/verification.py            # writes benchmarks/results/verification.json
     python benchmarks/verification.py --quick    # a smoke run
+    python benchmarks/verification.py --only detection --out FILE   # all but `stagewise run` on vs off
     python benchmarks/verification.py --only overhead [--models gpt-tiny] [--reps 2] [--wait-first]
                                                  # rerun only `stagewise run` on vs off, merged into the JSON
 """
@@ -539,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not give the monitors the token ids")
     parser.add_argument("--reps", type=int, default=2, help="runs per setting of the distributed overhead")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification.json"))
-    parser.add_argument("--only", choices=("all", "overhead"), default="all",
+    parser.add_argument("--only", choices=("all", "overhead", "detection"), default="all",
                         help="overhead: rerun only the distributed overhead (`stagewise run` on vs off) and "
-                             "merge it into --out")
+                             "merge it into --out; detection: everything but the distributed overhead")
     parser.add_argument("--wait-first", action="store_true",
                         help="also time verification that waits for each verdict first (the executor's old way)")
     parser.add_argument("--models", nargs="+", choices=list(OVERHEAD_MODELS), default=list(OVERHEAD_MODELS),
@@ -550,13 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.only == "overhead":
         return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first)
+    detection_only = args.only == "detection"
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
         report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels,
-                           distributed={"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1)
+                           distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1)
     else:
         report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels,
-                           distributed={m: OVERHEAD_MODELS[m] for m in args.models}, reps=args.reps)
+                           distributed={} if detection_only else {m: OVERHEAD_MODELS[m] for m in args.models},
+                           reps=args.reps)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
                        "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"],

@@ -10,7 +10,9 @@ What is measured (``profile_device``):
   run alone on the inputs it saw in a full forward pass;
 - point-to-point bandwidth and latency between two local processes over
   ``torch.distributed`` (gloo; NCCL with two or more GPUs), by running
-  ``python -m planner.runtime.p2p_probe`` twice as subprocesses;
+  ``python -m planner.runtime.p2p_probe`` twice as subprocesses, and the CPU
+  time a message costs the sending and the receiving process
+  (:class:`MessageCost`: posting it, and the backend's threads moving its bytes);
 - a calibration: the ``efficiency`` and per-op ``op_overhead_ms`` with which
   ``cost_models.compute`` (roofline + overhead, with the measured peak and
   bandwidth) best reproduces the measured unit times of the planner's blocks;
@@ -92,11 +94,57 @@ class Calibration:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MessageCost:
+    """CPU time a point-to-point message costs the processes at its two ends, beyond its time on the wire:
+    posting it and moving its bytes through the backend (gloo's threads, the kernel's socket copies).
+
+    ``send_ms + nbytes * send_ms_per_mib / 2**20`` on the sender, likewise ``recv_*`` on the receiver,
+    fitted over message sizes (:func:`fit_message_cost`) of what ``planner.runtime.p2p_probe`` measures:
+    messages posted with the runtime's own calls, each right after a sweep that leaves the caches as
+    a pass does (posting from cold caches costs a few times what a tight loop of posts does). Ranks that
+    share a machine's cores pay it out of their compute (``planner.simulate.simulate(plan, messages=...)``).
+    """
+
+    send_ms: float
+    recv_ms: float
+    send_ms_per_mib: float = 0.0
+    recv_ms_per_mib: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = (self.send_ms, self.recv_ms, self.send_ms_per_mib, self.recv_ms_per_mib)
+        if any(not (v >= 0.0) for v in values):  # also rejects NaN
+            raise InvalidInputError("message CPU costs", expected="ms >= 0", found=repr(values),
+                                    fix="measure them again (stagewise profile)")
+
+    def send_cpu_ms(self, nbytes: float) -> float:
+        return self.send_ms + nbytes * self.send_ms_per_mib / 2**20
+
+    def recv_cpu_ms(self, nbytes: float) -> float:
+        return self.recv_ms + nbytes * self.recv_ms_per_mib / 2**20
+
+    def to_dict(self) -> dict[str, float]:
+        return {"send_ms": self.send_ms, "recv_ms": self.recv_ms, "send_ms_per_mib": self.send_ms_per_mib,
+                "recv_ms_per_mib": self.recv_ms_per_mib}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "MessageCost":
+        try:
+            return cls(send_ms=float(doc["send_ms"]), recv_ms=float(doc["recv_ms"]),
+                       send_ms_per_mib=float(doc.get("send_ms_per_mib", 0.0)),
+                       recv_ms_per_mib=float(doc.get("recv_ms_per_mib", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInputError("message CPU costs", expected="{send_ms, recv_ms, ...}",
+                                    found=repr(doc)[:120]) from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class P2PResult:
     backend: str
     bandwidth_gbps: float
     latency_ms: float
     points: tuple[tuple[int, float], ...]  # (bytes, one-way ms)
+    messages: MessageCost | None = None
+    posting: tuple[dict[str, float], ...] = ()  # the probe's per-size posting and CPU measurements
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +162,7 @@ class CoreSharing:
     speed: tuple[float, ...]
     window_s: float = 0.0
     rounds: int = 0
+    microbatches: int = 1  # in flight in each probe process (see ProfileSettings.sharing_microbatches)
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
@@ -131,13 +180,15 @@ class CoreSharing:
         return self.speed[-1] * len(self.speed) / computing
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cores": self.cores, "speed": list(self.speed), "window_s": self.window_s, "rounds": self.rounds}
+        return {"cores": self.cores, "speed": list(self.speed), "window_s": self.window_s, "rounds": self.rounds,
+                "microbatches": self.microbatches}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> "CoreSharing":
         try:
             return cls(cores=doc["cores"], speed=tuple(float(v) for v in doc["speed"]),
-                       window_s=float(doc.get("window_s", 0.0)), rounds=int(doc.get("rounds", 0)))
+                       window_s=float(doc.get("window_s", 0.0)), rounds=int(doc.get("rounds", 0)),
+                       microbatches=int(doc.get("microbatches", 1)))
         except (KeyError, TypeError) as exc:
             raise InvalidInputError("core sharing table", expected="{cores, speed: [...]}",
                                     found=repr(doc)[:120]) from exc
@@ -175,22 +226,29 @@ class ProfileSettings:
     p2p: bool = True
     p2p_sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
     p2p_timeout_s: float = 120.0
+    p2p_posts: int = 8  # messages per size and side whose CPU time is measured (MessageCost); 0: none
     clock: Clock = "wall"
     statistic: Statistic = "min"
     sharing: bool = False
     sharing_processes: int = 0  # 0: twice the cores
     sharing_window_s: float = 1.5
     sharing_rounds: int = 2
+    # Microbatches each sharing worker holds in flight (their forwards, then their backwards), as a
+    # pipeline stage does: its saved activations and gradients are what the caches must hold.
+    sharing_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4:
-            raise InvalidInputError("profile settings", expected="batch, repeats, sizes >= 1",
-                                    found=f"batch={self.batch}, repeats={self.repeats}")
+        if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4 or self.p2p_posts < 0:
+            raise InvalidInputError("profile settings", expected="batch, repeats, sizes >= 1, p2p posts >= 0",
+                                    found=f"batch={self.batch}, repeats={self.repeats}, p2p_posts={self.p2p_posts}")
         if self.clock not in ("wall", "cpu"):
             raise InvalidInputError("clock", expected="wall or cpu", found=repr(self.clock))
-        if self.sharing_processes < 0 or self.sharing_window_s <= 0 or self.sharing_rounds < 1:
-            raise InvalidInputError("core sharing settings", expected="processes >= 0, window > 0 s, rounds >= 1",
-                                    found=f"{self.sharing_processes}, {self.sharing_window_s}, {self.sharing_rounds}")
+        if (self.sharing_processes < 0 or self.sharing_window_s <= 0 or self.sharing_rounds < 1
+                or self.sharing_microbatches < 1):
+            raise InvalidInputError("core sharing settings",
+                                    expected="processes >= 0, window > 0 s, rounds >= 1, microbatches >= 1",
+                                    found=f"{self.sharing_processes}, {self.sharing_window_s}, {self.sharing_rounds}, "
+                                          f"{self.sharing_microbatches}")
         if self.statistic not in STATISTICS:
             raise InvalidInputError("profile statistic", expected=" or ".join(STATISTICS),
                                     found=repr(self.statistic))
@@ -357,20 +415,23 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
 
 
 def _sharing_worker() -> None:
-    """One process of :func:`measure_core_sharing` (run as ``python -c``, arguments model, batch, seq):
-    the model's forward and backward, one thread, as many times as fit in each window read from stdin
-    (``start window_s`` on the machine-wide monotonic clock); it answers each with its passes per second."""
+    """One process of :func:`measure_core_sharing` (run as ``python -c``, arguments model, batch, seq and
+    microbatches ``m``): ``m`` forwards of the model held at once, then their backwards, one thread, as
+    many times as fit in each window read from stdin (``start window_s`` on the machine-wide monotonic
+    clock); it answers each with its rate (microbatches' passes per second)."""
     import torch
 
     from models.registry import build_model
     model, batch, seq = sys.argv[1], int(sys.argv[2]), None if sys.argv[3] == "-" else int(sys.argv[3])
+    microbatches = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
     bundle = build_model(model, batch=batch, seq=seq, device="cpu")
     module, inputs = bundle.module.train(), bundle.example_inputs
 
     def one_pass() -> None:
-        out = module(*inputs)
-        (out if out.dim() == 0 else out.float().square().mean()).backward()
+        outs = [module(*inputs) for _ in range(microbatches)]  # activations of m microbatches in flight
+        for out in outs:
+            (out if out.dim() == 0 else out.float().square().mean()).backward()
         module.zero_grad(set_to_none=True)
 
     one_pass()  # warm-up: allocations and kernel choices
@@ -386,14 +447,15 @@ def _sharing_worker() -> None:
 
 
 def measure_core_sharing(*, model: str, batch: int, seq: int | None, processes: int, window_s: float,
-                         rounds: int, timeout_s: float = 120.0) -> CoreSharing:
+                         rounds: int, timeout_s: float = 120.0, microbatches: int = 1) -> CoreSharing:
     """Per-process progress of ``k = 1..processes`` single-thread processes computing at once (the
-    model's forward and backward in a loop), each as a fraction of one alone (:class:`CoreSharing`).
-    Rounds go through every ``k`` in turn, each ratio against the same round's lone process."""
+    model's forwards and backwards in a loop, ``microbatches`` in flight), each as a fraction of one
+    alone (:class:`CoreSharing`). Rounds go through every ``k`` in turn, each ratio against the same
+    round's lone process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-c", "from cost_models.profile import _sharing_worker; _sharing_worker()",
-           model, str(batch), "-" if seq is None else str(seq)]
+           model, str(batch), "-" if seq is None else str(seq), str(microbatches)]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for _ in range(processes)]
     try:
@@ -414,7 +476,7 @@ def measure_core_sharing(*, model: str, batch: int, seq: int | None, processes: 
             proc.kill()
             proc.communicate()
     return CoreSharing(cores=os.cpu_count() or 1, speed=sharing_speeds(rates, [row[0] for row in rates]),
-                       window_s=window_s, rounds=rounds)
+                       window_s=window_s, rounds=rounds, microbatches=microbatches)
 
 
 def _sharing_reply(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -496,6 +558,31 @@ def fit_p2p(points: Sequence[tuple[int, float]], backend: str) -> P2PResult:
                      points=tuple((int(p[0]), float(p[1])) for p in points))
 
 
+def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with ``a, b >= 0``: where the free fit makes one negative (noise),
+    that term is 0 and the other is refitted alone."""
+    if len(set(x.tolist())) >= 2:
+        b, a = np.polyfit(x, y, 1)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    through_origin = float(max(np.dot(x, y) / np.dot(x, x), 0.0)) if np.dot(x, x) > 0 else 0.0
+    flat = float(max(np.mean(y), 0.0))
+    err_origin = float(np.sum((y - through_origin * x) ** 2))
+    err_flat = float(np.sum((y - flat) ** 2))
+    return (0.0, through_origin) if err_origin < err_flat else (flat, 0.0)
+
+
+def fit_message_cost(posting: Sequence[dict[str, float]]) -> MessageCost:
+    """A :class:`MessageCost` from the probe's per-size measurements (``bytes``, ``send_cpu_ms``,
+    ``recv_cpu_ms``: process CPU time per message on each side): a line in the size on each side."""
+    if not posting:
+        raise InvalidInputError("message CPU measurements", expected="at least one message size", found="none")
+    mib = np.array([float(p["bytes"]) for p in posting]) / 2**20
+    send = _nonneg_line(mib, np.array([float(p["send_cpu_ms"]) for p in posting]))
+    recv = _nonneg_line(mib, np.array([float(p["recv_cpu_ms"]) for p in posting]))
+    return MessageCost(send_ms=send[0], send_ms_per_mib=send[1], recv_ms=recv[0], recv_ms_per_mib=recv[1])
+
+
 # --- p2p between two local processes ----------------------------------------
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -503,13 +590,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: float) -> P2PResult:
-    """Ping-pong between two ``planner.runtime.p2p_probe`` processes; rank 0 reports JSON on stdout."""
+POSTING_MAX_BYTES = 1 << 22  # messages timed for their CPU cost: several of each size are in flight at once
+
+
+def _posting_sizes(sizes: Sequence[int]) -> list[int]:
+    """The probe's sizes up to :data:`POSTING_MAX_BYTES` (at least the smallest two): a line through them
+    prices activations and gradients, without holding ``posts`` buffers of the largest sizes."""
+    ordered = sorted(set(sizes))
+    return [s for s in ordered if s <= POSTING_MAX_BYTES] or ordered[:2]
+
+
+def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: float, posts: int = 8) -> P2PResult:
+    """Ping-pong between two ``planner.runtime.p2p_probe`` processes, then the CPU time of ``posts``
+    messages posted back to back per size and side (0: not measured); rank 0 reports JSON on stdout."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "planner.runtime.p2p_probe", "--world-size", "2",
            "--init-method", f"tcp://127.0.0.1:{port}", "--backend", backend,
-           "--sizes", ",".join(str(s) for s in sizes), "--repeats", str(repeats), "--timeout-s", str(timeout_s)]
+           "--sizes", ",".join(str(s) for s in sizes), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
+           "--posts", str(posts), "--post-sizes", ",".join(str(s) for s in _posting_sizes(sizes))]
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for r in range(2)]
     outs = []
@@ -532,7 +631,12 @@ def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: 
     except (json.JSONDecodeError, IndexError):
         raise RankFailureError("p2p probe rank 0", expected="a JSON report on stdout",
                                found=repr(outs[0][0][-200:])) from None
-    return fit_p2p([(int(p["bytes"]), float(p["one_way_ms"])) for p in report["points"]], report["backend"])
+    result = fit_p2p([(int(p["bytes"]), float(p["one_way_ms"])) for p in report["points"]], report["backend"])
+    posting = tuple(report.get("posting") or ())
+    if not posting:
+        return result
+    return P2PResult(backend=result.backend, bandwidth_gbps=result.bandwidth_gbps, latency_ms=result.latency_ms,
+                     points=result.points, messages=fit_message_cost(posting), posting=posting)
 
 
 # --- the whole profile -------------------------------------------------------
@@ -596,13 +700,14 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
         backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
         say(f"p2p ({backend})")
         p2p = measure_p2p(sizes=settings.p2p_sizes, repeats=settings.repeats, backend=backend,
-                          timeout_s=settings.p2p_timeout_s)
+                          timeout_s=settings.p2p_timeout_s, posts=settings.p2p_posts)
     sharing = None
     if settings.sharing:
         say("core sharing")
         sharing = measure_core_sharing(model=settings.model, batch=settings.batch, seq=settings.seq,
                                        processes=settings.sharing_processes or 2 * (os.cpu_count() or 1),
-                                       window_s=settings.sharing_window_s, rounds=settings.sharing_rounds)
+                                       window_s=settings.sharing_window_s, rounds=settings.sharing_rounds,
+                                       microbatches=settings.sharing_microbatches)
     peaks = {**matmul, "float32": matmul["float32"] * calib.peak_scale}
     spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(peaks.items()), mem_bytes=mem_bytes,
                       mem_bw_bytes_per_s=mem_bw, efficiency=max(calib.efficiency, 1e-3),
@@ -642,7 +747,7 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
         "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
                      "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic,
-                     "sharing": settings.sharing},
+                     "sharing": settings.sharing, "sharing_microbatches": settings.sharing_microbatches},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],
@@ -652,7 +757,9 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
                         "n_samples": calib.n_samples},
         "p2p": None if p2p is None else {"backend": p2p.backend, "bandwidth_gbps": p2p.bandwidth_gbps,
                                          "latency_ms": p2p.latency_ms,
-                                         "points": [{"bytes": b, "one_way_ms": t} for b, t in p2p.points]},
+                                         "points": [{"bytes": b, "one_way_ms": t} for b, t in p2p.points],
+                                         "messages": None if p2p.messages is None else p2p.messages.to_dict(),
+                                         "posting": list(p2p.posting)},
     }
 
 
@@ -661,6 +768,13 @@ def load_sharing(profile: str | Path | dict[str, Any]) -> CoreSharing | None:
     doc = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
     table = doc.get("sharing")
     return None if table is None else CoreSharing.from_dict(table)
+
+
+def load_message_cost(profile: str | Path | dict[str, Any]) -> MessageCost | None:
+    """The per-message CPU costs of a profile (a path or its document); None if they were not measured."""
+    doc = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
+    table = (doc.get("p2p") or {}).get("messages")
+    return None if table is None else MessageCost.from_dict(table)
 
 
 def write_profile(doc: dict[str, Any], path: str | Path) -> Path:

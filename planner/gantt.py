@@ -3,7 +3,8 @@
 Drawn with matplotlib's object API on the Agg canvas (no pyplot, no display
 needed), saved as PNG and/or SVG. Colours: forward, backward,
 send (a thin bar at the bottom of the sender's row, for as long as the
-transfer occupies the link), verify, all-reduce and optimizer step. Each
+transfer occupies the link), verify, all-reduce, optimizer step and, where
+messages are priced, a rank's CPU time on a message. Each
 forward/backward/verify box carries its microbatch number when it is wide
 enough to read.
 """
@@ -27,9 +28,10 @@ COLOURS = {
     "verify": "#b279a2",   # verification: purple
     "allreduce": "#54a24b",  # all-reduce: green
     "optim": "#e45756",    # optimizer step: red
+    "message": "#72b7b2",  # a rank's CPU time on a message (simulate(messages=...)): teal
 }
 LEGEND = (("F", "forward"), ("B", "backward"), ("send", "send (link busy)"), ("verify", "verify"),
-          ("allreduce", "all-reduce"), ("optim", "optimizer step"))
+          ("allreduce", "all-reduce"), ("optim", "optimizer step"), ("message", "message CPU"))
 _BOX_H = 0.72
 _SEND_H = 0.2
 
@@ -91,7 +93,8 @@ def draw(plan: Plan, result: SimResult, *, title: str | None = None) -> Figure:
                         f"{plan.num_microbatches} microbatches on {plan.cluster.get('name', 'cluster')}")
     ax.set_title(f"{heading}\nstep {result.step_ms:.2f} ms, bubble {100 * result.bubble_fraction:.1f}%",
                  fontsize=10)
-    handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in LEGEND]
+    kinds = {ev.kind for ev in result.events}
+    handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in LEGEND if k != "message" or k in kinds]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     return fig
 

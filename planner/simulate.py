@@ -50,6 +50,13 @@ emulate`` pads: a core slowed by company inflates that CPU time,
 time-slicing does not). With ``C`` at least the number of ranks and no sharing table
 this is the plain simulation (which is also the default: one device per rank).
 
+``messages=`` (a measured :class:`cost_models.profile.MessageCost`) also prices
+the CPU time a message costs the processes at its two ends, beyond its time on
+the wire: posting it and the backend's threads moving its bytes. A ``SEND_*``
+then occupies its rank (and, sharing cores, a core) for the sender's part
+before the message leaves, a ``RECV_*`` for the receiver's part once it has
+arrived. Without it (the default) messages cost the ranks no processor time.
+
 ``pipeline_ms`` is when the last rank reaches its optimizer step: that is
 what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
 describe. ``step_ms`` adds the optimizer steps. Memory per rank is weights +
@@ -66,11 +73,13 @@ from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
-from cost_models.profile import CoreSharing
+from cost_models.profile import CoreSharing, MessageCost
 from cost_models.training import TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.instructions import (
+    RECV_OPS,
+    SEND_OPS,
     STEP_OPS,
     VERDICT_OPS,
     VERIFY_OPS,
@@ -87,6 +96,7 @@ from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
 # weight (addcdiv_); plain SGD is one add_. Each costs the device's per-op overhead.
 OPTIM_OPS_PER_TENSOR = {"adam": 9, "sgd": 1}
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
+MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
 
 
 def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec, *, param_tensors: int = 0) -> float:
@@ -201,7 +211,8 @@ class CostModel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
-    """One box of the timeline: ``kind`` is F, B, send, verify, allreduce or optim."""
+    """One box of the timeline: ``kind`` is F, B, send (a transfer), message (a rank's CPU time on one,
+    with ``simulate(messages=...)``), verify, allreduce or optim."""
 
     rank: int
     kind: str
@@ -264,6 +275,7 @@ class _Run:
     clock: list[float]
     pc: list[int]
     emulated: bool = False
+    messages: MessageCost | None = None
     mailbox: dict[tuple, float] = field(default_factory=dict)
     link_free: dict[tuple[int, int], float] = field(default_factory=dict)
     barrier: dict[int, set[int]] = field(default_factory=dict)
@@ -306,8 +318,21 @@ class _Run:
             t = max(t, self.mailbox[key])
         return t
 
+    def is_work(self, ins: Instruction) -> bool:
+        """Whether ``ins`` occupies its rank's processor: a pass, or a message when messages cost CPU."""
+        return ins.op in WORK_OPS or (self.messages is not None and ins.op in MESSAGE_OPS)
+
+    def message_cpu_ms(self, rank: int, ins: Instruction) -> float:
+        """The CPU time ``rank`` spends on the message of a ``SEND_*``/``RECV_*`` (its end of it)."""
+        assert self.messages is not None
+        ((side, key),) = message_keys(ins, rank)
+        nbytes = self.costs.boundary_bytes[key[1]]
+        return self.messages.send_cpu_ms(nbytes) if side == "send" else self.messages.recv_cpu_ms(nbytes)
+
     def work_ms(self, rank: int, ins: Instruction) -> float:
-        """Duration of a pass (:data:`WORK_OPS`) on a processor of its own."""
+        """Duration of a pass (:meth:`is_work`) on a processor of its own."""
+        if ins.op in MESSAGE_OPS:
+            return self.message_cpu_ms(rank, ins)
         if ins.op in ("F", "B"):
             return self.costs.compute_ms(rank, ins.op)
         if ins.op in VERIFY_OPS:
@@ -329,11 +354,12 @@ class _Run:
             return False
         if ins.op == "ALLREDUCE":
             return self._allreduce(rank, ins, t)
-        if ins.op in WORK_OPS:
+        if self.is_work(ins):
             dur = self.work_ms(rank, ins) if dur is None else dur
             if ins.op == "OPTIM":
                 self.reached_optim[rank] = t
-            kind = ins.op if ins.op in ("F", "B") else "optim" if ins.op == "OPTIM" else "verify"
+            kind = (ins.op if ins.op in ("F", "B") else "optim" if ins.op == "OPTIM"
+                    else "message" if ins.op in MESSAGE_OPS else "verify")
             self.box(rank, kind, ins, t, dur)
             t += dur
             if ins.op in ("F", "B"):
@@ -364,11 +390,13 @@ class _Run:
 
 
 def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None,
-             sharing: CoreSharing | None = None, emulated: bool = False) -> SimResult:
+             sharing: CoreSharing | None = None, emulated: bool = False,
+             messages: MessageCost | None = None) -> SimResult:
     """Interpret ``plan``'s programs against the cost model; ``cores``: the ranks share this many
     processors (default: a device each), ``sharing``: how fast concurrent passes progress on them
     (measured; default: even sharing), ``emulated``: slower devices are emulated by padding passes
-    with sleeps. See the module docstring."""
+    with sleeps, ``messages``: the CPU time a message costs each end (measured; default none). See
+    the module docstring."""
     costs = costs or CostModel.for_plan(plan)
     n = plan.num_ranks
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
@@ -378,7 +406,7 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
         raise InvalidInputError("core sharing table", expected="cores= (the machine the table was measured on)",
                                 found="sharing= without cores=", fix="pass cores=sharing.cores")
     run = _Run(plan=plan, costs=costs, clock=[0.0] * n, pc=[0] * n, live=[0] * n, peak=[0] * n,
-               reached_optim=[0.0] * n, emulated=emulated,
+               reached_optim=[0.0] * n, emulated=emulated, messages=messages,
                verdict_waits=[deferred_verdicts(prog) for prog in plan.programs])
     if cores is None or (cores >= n and sharing is None):
         _run_dedicated(run)
@@ -466,7 +494,7 @@ def _start_ready(run: _Run, t: float, running: dict[int, _Pass]) -> None:
         for rank, prog in enumerate(run.plan.programs):
             while rank not in running and run.pc[rank] < len(prog) and run.clock[rank] <= t:
                 ins = prog[run.pc[rank]]
-                if ins.op in WORK_OPS:
+                if run.is_work(ins):
                     ready = run.ready_at(rank, ins)
                     if ready is not None and ready <= t:
                         core = run.core_ms(rank, ins)

@@ -109,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
     if doc["p2p"]:
         table.add_row(f"p2p {doc['p2p']['backend']} bandwidth", f"{doc['p2p']['bandwidth_gbps']:.2f} Gb/s")
         table.add_row(f"p2p {doc['p2p']['backend']} latency", f"{doc['p2p']['latency_ms']:.3f} ms")
+        msg = doc["p2p"].get("messages")
+        if msg:
+            table.add_row("CPU per message (send / receive)",
+                          f"{msg['send_ms']:.3f} + {msg['send_ms_per_mib']:.3f}/MiB / "
+                          f"{msg['recv_ms']:.3f} + {msg['recv_ms_per_mib']:.3f}/MiB ms")
     if doc.get("sharing"):
         speeds = doc["sharing"]["speed"]
         table.add_row("speed of k processes at once", ", ".join(f"{k}: {v:.2f}" for k, v in enumerate(speeds, 1)))

@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a profile JSON with a core sharing table (stagewise profile --sharing): how fast passes "
                         "that overlap progress on that machine (default: even sharing; --cores defaults to "
                         "the table's)")
+    p.add_argument("--messages", metavar="PROFILE", default=None,
+                   help="a profile JSON with per-message CPU costs (stagewise profile, with P2P): each send and "
+                        "receive then occupies its rank (and, with --cores, a core) for its end of the message "
+                        "(default: messages cost the ranks no processor time)")
     p.add_argument("--emulated", action="store_true",
                    help="slower devices are rehearsed by padding passes with sleeps (stagewise run --emulate-speed): "
                         "the padding holds no core")
@@ -48,6 +52,23 @@ def _sharing(args: argparse.Namespace):
     return table
 
 
+def _messages(args: argparse.Namespace):
+    from cost_models.profile import load_message_cost
+    from planner.errors import InvalidInputError
+
+    if args.messages is None:
+        return None
+    try:
+        cost = load_message_cost(args.messages)
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"--messages {args.messages}", expected="a readable profile JSON",
+                                found=type(exc).__name__) from None
+    if cost is None:
+        raise InvalidInputError(f"--messages {args.messages}", expected="a profile with per-message CPU costs",
+                                found="none measured", fix="profile with P2P (stagewise profile, without --no-p2p)")
+    return cost
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -56,16 +77,20 @@ def run(args: argparse.Namespace) -> int:
 
     check_positive(args, "cores")
     sharing = _sharing(args)
+    messages = _messages(args)
     cores = args.cores if args.cores is not None or sharing is None else sharing.cores
     plan = load_plan(args.plan)
     costs = CostModel.for_plan(plan)
-    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=args.emulated)
+    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=args.emulated, messages=messages)
     console = Console()
     console.print(f"[bold]{plan.model.name}[/] ({plan.model.spec}): {plan.schedule}, {plan.num_stages} stages, "
                   f"{plan.num_microbatches} microbatches, {plan.num_ranks} ranks on {plan.cluster.get('name')}")
     if cores is not None:
         how = "at the measured sharing speeds" if sharing is not None else "split evenly"
         console.print(f"ranks share {cores} core(s), {how}" + (", slower devices emulated" if args.emulated else ""))
+    if messages is not None:
+        console.print(f"messages cost their sender {messages.send_ms:.3f} ms + {messages.send_ms_per_mib:.3f} ms/MiB "
+                      f"and their receiver {messages.recv_ms:.3f} ms + {messages.recv_ms_per_mib:.3f} ms/MiB of CPU")
     console.print(f"step {result.step_ms:.3f} ms (pipeline {result.pipeline_ms:.3f} ms + optimizer), "
                   f"bubble {100 * result.bubble_fraction:.1f}%, "
                   f"solver objective {plan.report.objective_ms:.3f} ms ({plan.report.method})")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.profile import CoreSharing
+from cost_models.profile import CoreSharing, MessageCost
 from planner.plan import load_plan
 from planner.simulate import simulate
 
@@ -49,10 +49,24 @@ def test_simulate_with_a_measured_sharing_table(tmp_path):
     assert f"step {expected:.3f} ms" in proc.stdout and "at the measured sharing speeds" in proc.stdout
 
 
+def test_simulate_with_measured_message_costs(tmp_path):
+    cost = MessageCost(send_ms=0.4, recv_ms=0.3, send_ms_per_mib=0.5, recv_ms_per_mib=0.5)
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"p2p": {"latency_ms": 0.1, "bandwidth_gbps": 10.0, "messages": cost.to_dict()}}))
+    plan = load_plan(GOLDEN)
+    expected = simulate(plan, cores=1, messages=cost).step_ms
+    assert expected > simulate(plan, cores=1).step_ms
+    proc = cli("simulate", str(GOLDEN), "--cores", "1", "--messages", str(profile))
+    assert proc.returncode == 0, proc.stderr
+    assert f"step {expected:.3f} ms" in proc.stdout and "messages cost their sender 0.400 ms" in proc.stdout
+
+
 @pytest.mark.parametrize("args,phrase", [
     (("--cores", "0"), "--cores; expected >= 1; found 0"),
     (("--sharing", "PROFILE"), "a profile with a core sharing table"),
     (("--sharing", "missing.json"), "a readable profile JSON"),
+    (("--messages", "PROFILE"), "a profile with per-message CPU costs"),
+    (("--messages", "missing.json"), "a readable profile JSON"),
 ])
 def test_simulate_bad_options_give_one_line(tmp_path, args, phrase):
     (tmp_path / "PROFILE").write_text(json.dumps({"sharing": None}))

@@ -11,6 +11,7 @@ import pytest
 
 from cost_models.cluster import load_cluster
 from cost_models.devices import PROFILE_SCHEMA, get_device_spec
+from cost_models.profile import load_message_cost
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -27,6 +28,9 @@ def test_profile_quick_writes_a_usable_profile(tmp_path: Path) -> None:
     assert doc["schema"] == PROFILE_SCHEMA
     assert {b["name"] for b in doc["blocks"]} >= {"embed", "layers.0", "head"}
     assert doc["p2p"]["bandwidth_gbps"] > 0 and doc["p2p"]["latency_ms"] >= 0
+    messages = load_message_cost(doc)  # the CPU time a message costs each end, fitted over the probe's sizes
+    assert messages is not None and messages.send_cpu_ms(1 << 20) > 0 and messages.recv_cpu_ms(1 << 20) > 0
+    assert len(doc["p2p"]["posting"]) >= 2 and "CPU per message" in res.stdout
     spec = get_device_spec(str(tmp_path / "prof" / "me.json"))
     assert spec.measured and spec.kind == "cpu" and 0 < spec.efficiency <= 1
     assert spec.flops_per_s("float32") > 1e8 and spec.p2p_bandwidth_gbps == doc["p2p"]["bandwidth_gbps"]

@@ -228,5 +228,36 @@ def test_row_subsets_are_fixed_by_their_seed_and_only_for_large_tensors() -> Non
     assert dist.stable_mix(0, 5, 1) == dist.stable_mix(0, 5, 1) != dist.stable_mix(0, 1, 5)
     big = torch.randn(rows, 8)
     s = dist.summarize(big, directions=dist.random_directions(8, 4, 0), levels=dist.quantile_levels(8), subset=a)
-    assert torch.allclose(s.mean, big.mean(dim=0))            # the per-feature moments still see every row
+    assert torch.allclose(s.mean, big.mean(dim=0))            # the per-feature mean still sees every row
+    spread = (big[a] - big.mean(dim=0)).square().mean(dim=0).sqrt()
+    assert torch.allclose(s.std, spread, atol=1e-5)            # the spread: the subset only
     assert torch.allclose(s.cov, big[a].T.cov(correction=0), atol=1e-5)
+
+
+def test_a_replayed_large_tensor_gives_back_its_sketch_whatever_subset_it_draws() -> None:
+    gen = torch.Generator().manual_seed(4)
+    rows = dist.MAX_PROJECTED_ROWS * 2
+    x = torch.randn(2, rows // 2, 16, generator=gen) * 3.0 + 1.0
+    at = dist.sketch_positions(x.numel(), 64, seed=0)
+    dirs, levels = dist.random_directions(16, 4, 0), dist.quantile_levels(8)
+    first, again = (dist.summarize(x, directions=dirs, levels=levels, sketch_at=at,
+                                   subset=dist.row_subset(rows, seed=seed)) for seed in (1, 2))
+    assert not torch.equal(first.std, again.std)                              # two subsets...
+    assert torch.equal(first.sketch, again.sketch)                            # ...one sketch: a replay scores the cap
+    assert pred.replay_score(again.sketch, first.sketch[None]) == pred.REPLAY_SCORE_CAP
+    flat = dist.as_rows(x)
+    assert torch.allclose(first.sketch, flat.reshape(-1)[at] - flat.mean(dim=0)[at % 16])
+
+
+def test_one_projection_for_quantiles_and_spectral_basis_matches_two() -> None:
+    gen = torch.Generator().manual_seed(5)
+    dim = dist.MAX_SPECTRAL_DIMS * 3
+    x = torch.randn(96, 8, generator=gen) @ torch.randn(8, dim, generator=gen)
+    dirs, levels = dist.random_directions(dim, 4, 0), dist.quantile_levels(8)
+    spectral = dist.spectral_projection(dim, 1)
+    s, unit = dist.summarize_rows(x, directions=dirs, levels=levels, spectral=spectral)
+    assert torch.allclose(s.quantiles, dist.sorted_quantiles(x @ dirs, levels), rtol=1e-4, atol=1e-4)
+    prows = x @ spectral
+    assert torch.allclose(s.pmean, prows.mean(dim=0), rtol=1e-4, atol=1e-4)
+    assert torch.allclose(s.cov, prows.T.cov(correction=0), rtol=1e-3, atol=1e-3)
+    assert unit.shape == (96, dist.MAX_SPECTRAL_DIMS)

@@ -166,6 +166,10 @@ def test_profile_settings_validation() -> None:
         ProfileSettings(statistic="mean")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError):
         ProfileSettings(sharing_window_s=0.0)
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(sharing_microbatches=0)
+    with pytest.raises(InvalidInputError):
+        ProfileSettings(p2p_posts=-1)
 
 
 def test_the_cost_model_benchmark_prices_blocks_with_the_raised_peak() -> None:
@@ -205,7 +209,32 @@ def test_sharing_speeds_are_per_round_ratios_capped_and_non_increasing() -> None
 def test_measure_core_sharing_runs_processes_at_once() -> None:
     from cost_models.profile import load_sharing, measure_core_sharing
 
-    table = measure_core_sharing(model="gpt-tiny", batch=1, seq=16, processes=2, window_s=0.3, rounds=1)
+    table = measure_core_sharing(model="gpt-tiny", batch=1, seq=16, processes=2, window_s=0.3, rounds=1,
+                                 microbatches=2)
     assert len(table.speed) == 2 and table.speed[0] == 1.0 and 0.0 < table.speed[1] <= 1.0
-    assert table.rounds == 1 and table.window_s == 0.3
+    assert table.rounds == 1 and table.window_s == 0.3 and table.microbatches == 2
     assert load_sharing({"sharing": table.to_dict()}) == table and load_sharing({"sharing": None}) is None
+
+
+def test_fit_message_cost_recovers_a_line_per_side_and_clamps_noise() -> None:
+    from cost_models.profile import MessageCost, fit_message_cost, load_message_cost
+
+    sizes = [1 << 10, 1 << 17, 1 << 20, 1 << 22]
+    posting = [{"bytes": b, "send_cpu_ms": 0.02 + 0.3 * b / 2**20, "recv_cpu_ms": 0.05 + 0.4 * b / 2**20}
+               for b in sizes]
+    cost = fit_message_cost(posting)
+    assert cost.send_ms == pytest.approx(0.02) and cost.send_ms_per_mib == pytest.approx(0.3)
+    assert cost.recv_ms == pytest.approx(0.05) and cost.recv_ms_per_mib == pytest.approx(0.4)
+    assert cost.send_cpu_ms(2**20) == pytest.approx(0.32) and cost.recv_cpu_ms(0) == pytest.approx(0.05)
+    # a falling line (noise) is no cost per byte: the mean of a flat one; a single size has no slope
+    noisy = fit_message_cost([{"bytes": 1024, "send_cpu_ms": 0.3, "recv_cpu_ms": 0.1},
+                              {"bytes": 2**20, "send_cpu_ms": 0.1, "recv_cpu_ms": 0.1}])
+    assert noisy.send_ms == pytest.approx(0.2) and noisy.send_ms_per_mib == 0.0
+    assert fit_message_cost(posting[:1]).send_ms_per_mib >= 0.0
+    with pytest.raises(InvalidInputError):
+        fit_message_cost([])
+    with pytest.raises(InvalidInputError):
+        MessageCost(send_ms=-0.1, recv_ms=0.0)
+    assert MessageCost.from_dict(cost.to_dict()) == cost
+    assert load_message_cost({"p2p": {"messages": cost.to_dict()}}) == cost
+    assert load_message_cost({"p2p": None}) is None and load_message_cost({"p2p": {"latency_ms": 1.0}}) is None

@@ -402,3 +402,42 @@ def test_emulated_padding_follows_the_cpu_time_a_slowed_core_gave_the_pass():
     assert boxes["1F0"] == pytest.approx((1.0, 4.75)) and boxes["0F1"] == pytest.approx((1.0, 2.25))
     assert boxes["1F1"] == pytest.approx((10.75, 14.5)) and boxes["0B0"] == pytest.approx((10.75, 13.0))
     assert result.pipeline_ms == pytest.approx(22.5 * tf)
+
+
+def test_messages_cost_each_end_its_cpu_time_before_sending_and_after_arriving():
+    """S = 2, M = 1, free links: rank 0's F, its send's CPU time s, rank 1's receive r (after arrival),
+    rank 1's F and B, its send s, rank 0's receive r, rank 0's B: 2 (f + b) + 2 (s + r)."""
+    from cost_models.profile import MessageCost
+
+    plan = pipeline(uniform_chain(2, out_bytes=2**20), free_cluster(2), 2, 1, "1f1b")
+    costs = CostModel.for_plan(plan)
+    cost = MessageCost(send_ms=0.5, recv_ms=0.25, send_ms_per_mib=1.0, recv_ms_per_mib=2.0)
+    nbytes = costs.boundary_bytes[0]
+    s, r = 0.5 + nbytes / 2**20, 0.25 + 2.0 * nbytes / 2**20
+    assert cost.send_cpu_ms(nbytes) == pytest.approx(s) and cost.recv_cpu_ms(nbytes) == pytest.approx(r)
+    plain = simulate(plan)
+    priced = simulate(plan, messages=cost)
+    assert priced.pipeline_ms == pytest.approx(plain.pipeline_ms + 2 * (s + r), rel=1e-9)
+    boxes = sorted((e.start_ms, e.rank, e.label.split()[0], e.end_ms - e.start_ms)
+                   for e in priced.events if e.kind == "message")
+    assert [b[1:3] for b in boxes] == [(0, "0SEND_F0>1"), (1, "1RECV_F0<0"), (1, "1SEND_B0>0"), (0, "0RECV_B0<1")]
+    assert [b[3] for b in boxes] == pytest.approx([s, r, s, r])
+    # the messages' CPU time is busy time of their ranks; free messages are the plain simulation
+    assert priced.busy_ms[0] == pytest.approx(plain.busy_ms[0] + s + r, rel=1e-9)
+    assert simulate(plan, messages=MessageCost(send_ms=0.0, recv_ms=0.0)).step_ms == pytest.approx(plain.step_ms)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_messages_on_one_shared_core_add_their_cpu_time_to_the_work(schedule):
+    # free links: the one core never idles, so the step is all passes plus every message's two ends
+    from cost_models.profile import MessageCost
+
+    S, M = 4, 4
+    plan = pipeline(uniform_chain(8, out_bytes=0), free_cluster(S), S, M, schedule)
+    costs = CostModel.for_plan(plan)
+    work = sum(M * (costs.compute_ms(r, "F") + costs.compute_ms(r, "B")) + costs.optim_ms(r) for r in range(S))
+    cost = MessageCost(send_ms=0.3, recv_ms=0.2)
+    messages = 2 * (S - 1) * M  # forward and backward across every boundary, per microbatch
+    assert simulate(plan, cores=1, messages=cost).step_ms == pytest.approx(work + messages * 0.5, rel=1e-12)
+    # on shared cores a message's CPU time slows the passes it overlaps; never faster than without it
+    assert simulate(plan, cores=2, messages=cost).step_ms > simulate(plan, cores=2).step_ms
