@@ -30,13 +30,15 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
                optimizer: str = "adam", dtype: str = "float32", workers: int = 2,
-               progress: Any = None) -> Any:
+               progress: Any = None, gap_tolerance: float | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
     With ``microbatch_size`` None the solver chooses it among the divisors of
     the global batch (``planner.solver.api.microbatch_candidates``); a
-    baseline then uses the traced microbatch size.
+    baseline then uses the traced microbatch size. ``gap_tolerance``: the
+    solver stops once its plan is proven within this share of optimal
+    (default ``planner.solver.api.GAP_TOLERANCE``, 0.01%).
     """
     from planner.check import assert_valid
     from planner.compile import compile_plan
@@ -59,8 +61,9 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
                                 optimizer=optimizer, dtype=dtype)
+        tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
-                                    microbatch_sizes=sizes, progress=progress)
+                                    microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance)
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
@@ -74,7 +77,7 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
               schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
               policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
               optimizer: str = "adam", dtype: str = "float32", workers: int = 2, name: str | None = None,
-              spec: str | None = None) -> Any:
+              spec: str | None = None, gap_tolerance: float | None = None) -> Any:
     """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.
 
     Returns a :class:`planner.plan.Plan`; ``plan.save(path)`` writes it.
@@ -93,4 +96,4 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
     return plan_chain(chain, cluster, spec=spec or f"python:{type(model).__module__}.{type(model).__name__}",
                       seq=seq, schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,
                       policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
-                      dtype=dtype, workers=workers)
+                      dtype=dtype, workers=workers, gap_tolerance=gap_tolerance)

@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--gap", type=float, default=None, metavar="FRACTION",
+                   help="stop once the plan is proven within this share of optimal (default 1e-4: 0.01%%)")
     p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp"), default=None,
                    help="skip the solver and plan with a baseline")
     p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
@@ -35,6 +37,8 @@ def _check_args(args: argparse.Namespace) -> int | None:
     check_positive(args, "global_batch")
     if args.time_limit <= 0:
         raise InvalidInputError("--time-limit", expected="a positive number of seconds", found=str(args.time_limit))
+    if args.gap is not None and not 0.0 <= args.gap < 1.0:
+        raise InvalidInputError("--gap", expected="a relative gap in [0, 1), e.g. 0.01 for 1%", found=str(args.gap))
     if args.microbatches is None:
         return None
     if args.microbatches < 1 or args.global_batch % args.microbatches:
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_chain(chain, args.cluster, spec=args.model, seq=args.seq, schedule=args.schedule,
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
-                          progress=progress)
+                          progress=progress, gap_tolerance=args.gap)
     path = plan.save(args.output)
     _report(out, plan, path)
     return 0

@@ -446,11 +446,13 @@ def num_slots(problem: Problem) -> int:
 
 
 def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint: Placement | None = None,
-                max_slots: int | None = None, progress: Progress | None = None) -> CpsatResult:
+                max_slots: int | None = None, progress: Progress | None = None,
+                gap_tolerance: float = 0.0) -> CpsatResult:
     """Solve the model of the module docstring for pipelines of 2 to ``max_slots`` stages.
 
     ``bound_ms`` is a valid lower bound over those pipelines (``inf`` when
-    proven infeasible).
+    proven infeasible); the search stops (OPTIMAL) once its plan is within
+    ``gap_tolerance`` of it.
     """
     K = min(num_slots(problem), max_slots or num_slots(problem))
     start = time.perf_counter()
@@ -466,6 +468,7 @@ def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint
     solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - start))
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = 0
+    solver.parameters.relative_gap_limit = gap_tolerance
     if hinted and problem.num_blocks * K > PRESOLVE_LIMIT:
         # Presolve of a large model is slow and drops the hinted plan; search from the plan instead.
         solver.parameters.cp_model_presolve = False

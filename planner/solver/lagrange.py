@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,7 @@ INF = math.inf
 # pipelines than the exact layers share one lumped layer whose memory check is weaker.
 LAYER_BUDGET = 2_500_000
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
+LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 
@@ -364,11 +366,17 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     tried: set[tuple[Group, ...]] = set()
 
     spent = [0.0]  # seconds pricing plans: capped at PLAN_SHARE of the time so far
+    # The latest relaxed plans the cap skipped: the DPs of the tightest boxes come last, and where the
+    # bound meets the optimum their plans are the optimal ones, so these are priced before returning.
+    skipped: deque[Relaxed] = deque(maxlen=LAST_PLANS)
 
     def consider(relaxed: Relaxed) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
         nonlocal best_plan, best_ms
-        if not plans or spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
+        if not plans:
+            return
+        if spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
+            skipped.append(relaxed)
             return
         t0 = time.perf_counter()
         try:
@@ -448,6 +456,8 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             break
         # The new point bounds the lower half of the split box: it is settled once it lifts that above the target.
         boxes.add_point(*point, dual(*point, enough=best_ms * (1 - target_gap) - boxes.floor(box)))
+    for relaxed in skipped:
+        _consider(relaxed)
     return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))
 
 

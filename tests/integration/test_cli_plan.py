@@ -50,6 +50,7 @@ def test_baseline_and_fixed_microbatches(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args,phrase", [
     (("--global-batch", "16", "--microbatches", "3"), "--microbatches 3; expected a divisor of --global-batch 16"),
+    (("--gap", "1.5"), "--gap; expected a relative gap in [0, 1)"),
     (("--cluster", "missing.yaml"), "cluster file 'missing.yaml'"),
     (("--cluster", "t4.yaml", "--global-batch", "2", "--microbatches", "1"),
      "the model needs 22.7 GB for weights, gradients and optimizer state; the cluster's usable memory is 15.5 GB"),

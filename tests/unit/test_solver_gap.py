@@ -1,0 +1,62 @@
+"""The gap tolerance ends a solve once its plan is proven close enough; plans the pricing cap skipped
+are not lost."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.solver import api, lagrange
+from planner.solver.lagrange import lagrange_bound
+from planner.solver.objective import evaluate, violations
+from planner.solver.policy import VerificationPolicy
+from tests.unit.bruteforce import brute_force
+from tests.unit.solver_fixtures import homogeneous_cluster, random_chain
+from tests.unit.test_solver_bruteforce import instance
+
+
+def _config() -> TrainingConfig:
+    return TrainingConfig(global_batch=32, microbatch_size=1)
+
+
+def _replicated_homogeneous():
+    rng = np.random.default_rng(3)
+    chain = random_chain(rng, 120, param_scale=1e8, act_scale=2e7, flop_scale=2.4e10, out_scale=2e7, uniform=True)
+    return chain, homogeneous_cluster(8, host_size=8)
+
+
+def test_a_loose_tolerance_reports_optimal_within_it_and_skips_cpsat():
+    chain, cluster = _replicated_homogeneous()
+    sol = api.solve(chain, cluster, _config(), VerificationPolicy(), time_limit_s=20.0, gap_tolerance=0.05)
+    assert sol.report.status == "OPTIMAL"
+    assert sol.report.gap <= 0.05
+    assert any("within the gap tolerance" in note for note in sol.report.notes), sol.report.notes
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, math.nan])
+def test_bad_tolerance_is_refused(bad):
+    chain, cluster = _replicated_homogeneous()
+    with pytest.raises(InvalidInputError, match="gap tolerance"):
+        api.solve(chain, cluster, _config(), VerificationPolicy(), time_limit_s=1.0, gap_tolerance=bad)
+
+
+def test_plans_skipped_by_the_pricing_cap_are_priced_before_returning(monkeypatch):
+    """With the cap at nothing, every relaxed plan is skipped while the bound runs; the last ones are
+    still priced, so the bound comes with a valid plan (without them: none)."""
+    monkeypatch.setattr(lagrange, "PLAN_SHARE", -1e9)
+    priced = 0
+    for seed in range(12):
+        chain, cluster, config, policy = instance(seed)
+        problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
+        best, _ = brute_force(problem)
+        if not math.isfinite(best):
+            continue
+        res = lagrange_bound(problem, incumbent_ms=best * 1.5, time_budget_s=60.0, max_dps=60)
+        if res.placement is not None:
+            priced += 1
+            assert not violations(problem, res.placement, evaluate(problem, res.placement))
+            assert res.step_ms >= best * (1 - 1e-9)
+    assert priced >= 6
