@@ -35,38 +35,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def _sharing(args: argparse.Namespace):
-    from cost_models.profile import load_sharing
+def _from_profile(flag: str, path: str | None, load, what: str, fix: str):
+    """What ``load`` reads from the profile at ``path`` (None without the flag), or an error naming ``flag``."""
     from planner.errors import InvalidInputError
 
-    if args.sharing is None:
+    if path is None:
         return None
     try:
-        table = load_sharing(args.sharing)
+        got = load(path)
     except (OSError, ValueError) as exc:
-        raise InvalidInputError(f"--sharing {args.sharing}", expected="a readable profile JSON",
+        raise InvalidInputError(f"{flag} {path}", expected="a readable profile JSON",
                                 found=type(exc).__name__) from None
-    if table is None:
-        raise InvalidInputError(f"--sharing {args.sharing}", expected="a profile with a core sharing table",
-                                found="none measured", fix="profile with `stagewise profile --sharing`")
-    return table
+    if got is None:
+        raise InvalidInputError(f"{flag} {path}", expected=f"a profile with {what}", found="none measured", fix=fix)
+    return got
+
+
+def _sharing(args: argparse.Namespace):
+    from cost_models.profile import load_sharing
+
+    return _from_profile("--sharing", args.sharing, load_sharing, "a core sharing table",
+                         "profile with `stagewise profile --sharing`")
 
 
 def _messages(args: argparse.Namespace):
     from cost_models.profile import load_message_cost
-    from planner.errors import InvalidInputError
 
-    if args.messages is None:
-        return None
-    try:
-        cost = load_message_cost(args.messages)
-    except (OSError, ValueError) as exc:
-        raise InvalidInputError(f"--messages {args.messages}", expected="a readable profile JSON",
-                                found=type(exc).__name__) from None
-    if cost is None:
-        raise InvalidInputError(f"--messages {args.messages}", expected="a profile with per-message CPU costs",
-                                found="none measured", fix="profile with P2P (stagewise profile, without --no-p2p)")
-    return cost
+    return _from_profile("--messages", args.messages, load_message_cost, "per-message CPU costs",
+                         "profile with P2P (stagewise profile, without --no-p2p)")
 
 
 def run(args: argparse.Namespace) -> int:
