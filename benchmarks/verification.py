@@ -15,7 +15,9 @@ it the run's data source).
 
 Per attack, over (step, sender) pairs of runs where the attacker keeps
 attacking after its ban (as in ``stagewise run``): precision, recall and F1,
-detection and ban latency in steps; on clean runs the false-positive rate;
+detection and ban latency in steps; on clean runs the false-positive rate (also of
+gpt-tiny's shape at d=256, lr 1e-3 and 3e-4: the spectral projection on, stages that
+change faster; ``clean_wide`` in the JSON);
 the validation loss after training clean / attacked with verification (the
 banned rank planned around) / attacked without, and the attack's damage (the
 last minus clean: what it does if nobody detects it). Two adaptive attacks:
@@ -104,6 +106,7 @@ class RunConfig:
     verify: bool = True
     labels: bool = True             # pass token ids to the monitors (the binding test), as VerifyHooks does
     replan: bool = False            # a banned attacker is planned around (else it keeps attacking)
+    d_model: int | None = None      # None: gpt-tiny (d=64); else gpt-tiny's shape at this width
     verifier_config: dict = field(default_factory=plan_default_config)
 
 
@@ -118,6 +121,15 @@ class RunResult:
     banned: list[int]
     checks: int
     verify_ms: float
+    flag_events: list[dict] = field(default_factory=list)   # the verifier's flags (run(keep_events=True))
+
+
+def wide_tiny(d_model: int) -> torch.nn.Module:
+    """gpt-tiny (4 layers, 4 heads, byte vocabulary, 32 tokens) at width ``d_model``: wide
+    enough for the spectral projection (d > MAX_SPECTRAL_DIMS) and for a stage whose
+    residual shape moves faster than at d=64."""
+    from models.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=256, max_seq=32, n_layers=4, d_model=d_model, n_heads=4))
 
 
 def split_stages(model: torch.nn.Module, stages: int) -> list[torch.nn.Module]:
@@ -134,7 +146,7 @@ class Pipeline:
 
     def __init__(self, cfg: RunConfig) -> None:
         torch.manual_seed(cfg.seed)
-        model = PRESETS["gpt-tiny"].build()
+        model = PRESETS["gpt-tiny"].build() if cfg.d_model is None else wide_tiny(cfg.d_model)
         model.init_weights(cfg.seed)
         self.cfg, self.model = cfg, model
         self.stages = split_stages(model, cfg.stages)
@@ -198,7 +210,7 @@ class Pipeline:
         return sorted(blame(flags)), self.verifier.end_step(step, [flags])
 
 
-def run(cfg: RunConfig) -> RunResult:
+def run(cfg: RunConfig, *, keep_events: bool = False) -> RunResult:
     pipe = Pipeline(cfg)
     train = ByteTextDataset(cfg.seq, "train")
     val_idx, val_tgt = ByteTextDataset(cfg.seq, "val").batch(0, 64, seed=1000 + cfg.seed)
@@ -233,6 +245,8 @@ def run(cfg: RunConfig) -> RunResult:
         result.banned = sorted(pipe.verifier.banned)
         result.checks = sum(mon["checked"] for mon in pipe.verifier.summary()["monitors"])
         result.verify_ms = 1e3 * pipe.verify_s
+        if keep_events:
+            result.flag_events = [e for e in pipe.verifier.events if e["type"] == "flag"]
     return result
 
 
@@ -268,6 +282,36 @@ def false_positive_rate(results: list[RunResult], warmup: int, senders: int) -> 
 
 def median_step_ms(results: list[RunResult]) -> float:
     return statistics.median(ms for r in results for ms in r.step_ms[5:])
+
+
+WIDE_CLEAN = {"d_model": 256, "microbatch_size": 12, "steps": 100, "lrs": (1e-3, 3e-4)}
+
+
+def wide_clean(*, d_model: int, microbatch_size: int, steps: int, lrs: tuple[float, ...],
+               seed: int = 0) -> list[dict[str, Any]]:
+    """The false-positive rate of clean training at a wider model (gpt-tiny's FPR alone says
+    nothing about a model whose boundary tensors go through the spectral projection and
+    whose stages change faster), one row per learning rate: 12 x 32 = 384 rows per
+    microbatch. Also which tests flagged and the mean loss of the last 10 steps (a
+    verifier dropping every microbatch stops training: the loss stays put)."""
+    warmup = int(plan_default_config()["warmup"])
+    rows = []
+    for lr in lrs:
+        cfg = RunConfig(steps=steps, microbatch_size=microbatch_size, lr=lr, seed=seed, d_model=d_model)
+        pipe_run = run(cfg, keep_events=True)
+        reasons: dict[str, int] = {}
+        for e in pipe_run.flag_events:
+            for reason in e["reasons"]:
+                key = f"{e['direction']} {e['boundary']} {e['scope']} {reason}"
+                reasons[key] = reasons.get(key, 0) + 1
+        kept = [x for x in pipe_run.losses[-10:] if x == x]
+        rows.append({"model": f"gpt-tiny at d={d_model}", "d_model": d_model, "lr": lr, "steps": steps,
+                     "rows_per_microbatch": microbatch_size * cfg.seq, "seed": seed,
+                     **false_positive_rate([pipe_run], warmup, cfg.stages), "flags_by_test": reasons,
+                     "loss_last10": round(sum(kept) / len(kept), 4) if kept else None,
+                     "steps_all_dropped": sum(1 for x in pipe_run.losses if x != x)})
+        print(f"  wide clean d={d_model} lr={lr:g}: FPR {rows[-1]['fpr']:.4f}", file=sys.stderr, flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------- cost at realistic widths
@@ -441,7 +485,8 @@ def _overhead_run(path: Path, steps: int, mode: str) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the benchmark
 
 def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, attacks: dict[str, str],
-              labels: bool, distributed: dict[str, tuple[str, int | None, int]], reps: int) -> dict[str, Any]:
+              labels: bool, distributed: dict[str, tuple[str, int | None, int]], reps: int,
+              wide: dict[str, Any] | None = None) -> dict[str, Any]:
     base = RunConfig(steps=steps, start=start, labels=labels)
     clean_cfg = RunConfig(steps=clean_steps, start=start, labels=labels)
     clean_on = [run(_with(clean_cfg, seed=s)) for s in seeds]
@@ -464,6 +509,7 @@ def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, att
                      "us_per_check": round(1e3 * sum(r.verify_ms for r in clean_on) / max(1, checks), 1)},
         "attacks": {},
     }
+    report["clean_wide"] = wide_clean(**wide) if wide else []
     report["overhead"]["at_width"] = check_cost((64, 256, 768) if len(attacks) > 4 else (64, 256))
     report["overhead"]["distributed"] = distributed_overhead(distributed, reps=reps)
     clean_val = _mean(r.val_loss for r in short_clean)
@@ -511,6 +557,9 @@ def print_table(report: dict[str, Any]) -> None:
     clean, over = report["clean"], report["overhead"]
     console.print(f"clean runs: FPR {clean['fpr']:.4f} ({clean['blamed_pairs']}/{clean['pairs']} (step, sender) "
                   f"pairs), bans {clean['banned']}, val loss {clean['val_loss']:.3f}")
+    for row in report.get("clean_wide", []):
+        console.print(f"clean runs, {row['model']}, lr {row['lr']:g}, {row['steps']} steps: FPR {row['fpr']:.4f} "
+                      f"({row['blamed_pairs']}/{row['pairs']}), bans {row['banned']}, flags {row['flags_by_test']}")
     console.print(f"emulated step (CPU): {over['step_ms_verify_on']:.1f} ms verified vs "
                   f"{over['step_ms_verify_off']:.1f} ms unverified (+{100 * over['overhead']:.1f}%, "
                   f"{over['us_per_check']:.0f} us per check; serial, gpt-tiny)")
@@ -526,7 +575,7 @@ def print_table(report: dict[str, Any]) -> None:
     goals = report["goals"]
     console.print(f"goals: F1 >= {GOALS['f1']} on every attack: {goals['f1_all']}; FPR <= {GOALS['fpr']}: "
                   f"{goals['fpr']}; overhead <= {GOALS['overhead']}: widest emulated stage {goals['overhead']}, "
-                  f"distributed {goals['overhead_distributed']}")
+                  f"distributed {goals['overhead_distributed']}; FPR at width {goals.get('fpr_wide', {})}")
 
 
 def _lat(values: list[int | None]) -> str:
@@ -555,13 +604,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
         report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels,
-                           distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1)
+                           distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1,
+                           wide={**WIDE_CLEAN, "steps": 40, "lrs": (1e-3,)})
     else:
         report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels,
                            distributed={} if detection_only else {m: OVERHEAD_MODELS[m] for m in args.models},
-                           reps=args.reps)
+                           reps=args.reps, wide=WIDE_CLEAN)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
+                       "fpr_wide": {f"d={r['d_model']} lr={r['lr']:g}": r["fpr"] <= GOALS["fpr"]
+                                    for r in report["clean_wide"]},
                        "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"],
                        "overhead_distributed": distributed_goals(report["overhead"]["distributed"])}
     report["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,

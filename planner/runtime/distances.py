@@ -65,8 +65,9 @@ EPS = 1e-12
 # the per-feature spread and skew, the quantiles, the projections, the covariance and the
 # learnt predictors. Larger tensors are subsampled to this many rows (a fresh subset per
 # microbatch, see :func:`row_subset`), which keeps a check at one read of the tensor plus
-# a constant. Not fewer: at d=256 with 384-row microbatches, a 256-row subset set off the
-# drift test on honest gradients (~150 flags in 60 clean steps, vs 1 with every row).
+# a constant. A subset's noise lifts the honest link residual score (d=256, 256 of 384 rows:
+# ~1.3-1.6 vs ~1.0-1.2) and moves it from step to step; when the drift test summed it per
+# microbatch that set it off (~150 flags in 60 clean steps); counted once per step, none.
 MAX_PROJECTED_ROWS = 1024
 # Wider features are randomly projected down to this many. The covariance, the link
 # regression and both eigendecompositions cost O(K^2)-O(K^3) per check or step: 128 cost

@@ -173,8 +173,9 @@ ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "bindi
 # honest level of trained residual streams; binding and link near 1 mean
 # "rows of other data"; residual 3 is twice its honest worst (~1.1 typical,
 # < 1.7 p99 for activations, < 2.5 for gradients); drift 8 is the CUSUM's
-# alarm level (``Cusum``; zero alarms in 2 x 200 clean steps of every monitor,
-# an attacker holding the residual at 2x its median crosses it in ~2 steps);
+# alarm level (``Cusum``, one sample per step of a sender; zero alarms in clean
+# runs of gpt-tiny and of a d=256 GPT at lr 1e-3 and 3e-4; a residual held at 2x
+# its median crosses it in 1-4 steps);
 # replay 6 only flags copies within 1e-6 of cosine 1.
 DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.2,
                   "binding": 1.0, "link": 0.3, "residual": 3.0, "drift": 8.0, "replay": 6.0}
@@ -201,9 +202,9 @@ class VerifierConfig:
     ``ban_after`` of the last ``ban_window`` steps is banned. ``distances``:
     the tests to run (``ALL_DISTANCES``). ``projections``/``quantiles``: the
     sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
-    ``drift_k``: the CUSUM's allowance per sample (in robust standard deviations
-    of the log residual score; see :class:`Cusum`, whose alarm level is
-    ``floors["drift"]``). ``basis_refresh``: steps between two eigendecompositions of a reference (its
+    ``drift_k``: the CUSUM's allowance per step (in robust standard deviations
+    of a sender's step-level log residual score; see :class:`Cusum`, whose alarm
+    level is ``step_floors["drift"]``). ``basis_refresh``: steps between two eigendecompositions of a reference (its
     principal subspace, its residuals' whitener; 1: every step, what early
     training needs, when the subspaces still turn fast); ``seed``: the
     projections' seed (the same on every verifier rank).

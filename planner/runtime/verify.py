@@ -14,9 +14,9 @@ whether the sender corrupted it:
    absolute difference and normalised L2 of the per-feature moments, size
    change, sign-flip ratio, skew flip, sliced Wasserstein, spectral residual,
    label binding, stage link and the shape of its residual, replay (see
-   ``distances``), and a CUSUM of each sender's residual scores ("drift":
-   the one test of a sequence, for an attacker who keeps every single sample
-   just inside its fence).
+   ``distances``), and a CUSUM of each sender's step-level residual scores
+   ("drift": the one test of a sequence, for an attacker who keeps every
+   single sample just inside its fence).
 3. Each distance has an IQR fence over a rolling window of accepted scores
    (``thresholds``); a sample is flagged when any distance is above its fence.
    Within a step every sample is scored against the reference of the step's
@@ -51,9 +51,16 @@ from planner.runtime.thresholds import ALL_DISTANCES, Cusum, IQRFence, VerifierC
 __all__ = ["ALL_DISTANCES", "Monitor", "Verdict", "Verifier", "VerifierConfig", "blame"]
 
 DIRECTIONS = ("act", "grad")
-# A replay is a property of one tensor, the drift one of a sender's sequence of them: neither
-# has a step-average version.
-PER_SAMPLE_ONLY = ("replay", "drift")
+# A replay is a property of one tensor: it has no step-average version. The drift is one of a
+# sender's sequence of *steps*: the microbatches of a step share the weights, the stage's
+# surrogate and the residual whitener, so their residual scores move together (at d=256, lr
+# 1e-3, a whole step's scores sat 1.5-1.9x the baseline while the whitener caught up with the
+# stage), and a CUSUM that counted them as four independent samples summed one honest
+# excursion four times (~25% of clean microbatches flagged). It runs once per step, on the
+# step's residual score.
+PER_SAMPLE_ONLY = ("replay",)
+STEP_ONLY = ("drift",)
+DRIFT_CAP = 8.0   # the most one step adds to the CUSUM, in robust deviations (before the allowance)
 STEP_MB = -1                   # the "microbatch" of a step-level flag
 
 
@@ -165,7 +172,7 @@ class Monitor:
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
-        self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances}
+        self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances if name not in STEP_ONLY}
         self.step_fences = {name: self._fence(name, cfg.step_floors)
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
@@ -274,19 +281,21 @@ class Monitor:
         return tuple(name for name, value in scores.items() if fences[name].exceeds(value))
 
     def drift(self, sender: int) -> Cusum:
-        """The CUSUM of ``sender``'s residual scores on this boundary (one per sender: an
-        honest replica's samples must neither mask nor be blamed for another's). It
-        learns and sums only after the warm-up: early training's transients would
-        make a baseline that later, calmer scores are judged against.
+        """The CUSUM of ``sender``'s step-level residual scores on this boundary (one per
+        sender: an honest replica's steps must neither mask nor be blamed for another's).
+        One sample per step (see ``STEP_ONLY``); it learns and sums only after the
+        warm-up: early training's transients would make a baseline that later, calmer
+        scores are judged against. It is stepped by every step the sender's samples
+        reach (a step that fails for another reason too), so an alarm ends when the
+        scores come back; only steps that pass teach its baseline.
 
-        Its limit: an honest *rise* of the residual score faster than the baseline
-        follows reads as drift too (samples in alarm do not teach the baseline, so
-        the alarm would hold). On real training the score falls early and then
-        stays flat (``benchmarks/verification.py``: no drift flag in 2 x 200 clean
-        steps); a model whose stage residuals keep changing shape should drop
-        ``drift`` from ``distances``."""
+        Its limit: an honest *rise* of the residual score that outlasts the alarm
+        (several steps at more than ``drift_k`` robust deviations) reads as drift
+        too; a model whose stage residuals keep changing shape should drop ``drift``
+        from ``distances``."""
         if sender not in self._drift:
-            self._drift[sender] = Cusum(window=self.cfg.window, k=self.cfg.drift_k)
+            self._drift[sender] = Cusum(window=self.cfg.window, k=self.cfg.drift_k, cap=DRIFT_CAP,
+                                        min_samples=self.cfg.min_samples)
         return self._drift[sender]
 
     def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit]) -> None:
@@ -308,19 +317,22 @@ class Monitor:
         for sender, samples in by_sender.items():
             scores = self.score(dist.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
                                 per_sample=False)
+            drifting = "drift" in self.step_fences and "residual" in scores and not self.warming(step)
+            if drifting:
+                scores["drift"] = self.drift(sender).step(scores["residual"])
             reasons = self.exceeded(scores, step, per_sample=False)
             if reasons:
                 failed.append((sender, scores, reasons))
                 continue
             for name, value in scores.items():
                 self.step_fences[name].update(value)
+            if drifting:
+                self.drift(sender).learn(scores["residual"])
         bad = {sender for sender, _, _ in failed}
         self.step_flags += len(bad)
         for sample in pending:
             if sample.sender not in bad:
                 self._fold(sample.summary, sample.scores, sample.fits)
-                if "drift" in self.fences and "residual" in sample.scores and not self.warming(step):
-                    self.drift(sample.sender).learn(sample.scores["residual"])
         return failed
 
     def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
@@ -443,8 +455,6 @@ class Verifier:
             mon.tainted += 1
             self.events.append(self._event("tainted", mon, step, mb, sender, scores, ()))
             return Verdict(flagged=False, tainted=True, scores=scores)
-        if "drift" in mon.fences and "residual" in scores and not mon.warming(step):
-            scores["drift"] = mon.drift(sender).step(scores["residual"])
         reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons)

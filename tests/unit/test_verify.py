@@ -283,9 +283,11 @@ def test_link_ties_a_stage_output_to_its_input(direction: str, attack: str) -> N
 
 # ---------------------------------------------------------------------------- the link's residual and its drift
 
-def run_residual_stage(noise: float, *, start: int = 16, steps: int = 24) -> tuple[Verifier, list[tuple]]:
+def run_residual_stage(noise: float, *, start: int = 16, steps: int = 24, growth: float = 1.0
+                       ) -> tuple[Verifier, list[tuple]]:
     """A stage whose nonlinearity lives in 3 of 16 directions; from ``start`` its sender adds
-    isotropic noise of ``noise`` times the output's std. Returns the verifier and
+    isotropic noise of ``noise`` times the output's std (times ``growth`` per step after
+    ``start``: a creep the references would follow). Returns the verifier and
     ``(step, mb, reasons)`` of every flag on the stage's output. (The warm-up covers the
     steps in which the verifier's linear surrogate of the stage still converges.)"""
     gen = torch.Generator().manual_seed(0)
@@ -298,12 +300,14 @@ def run_residual_stage(noise: float, *, start: int = 16, steps: int = 24) -> tup
             x = torch.randn(64, d, generator=gen) * 2 + 1
             y = x + 0.5 * torch.tanh(x @ weight) @ (u @ u.T) / 3
             if step >= start:
-                y = y + noise * y.std() * torch.randn(y.shape, generator=gen)
+                y = y + noise * growth ** (step - start) * y.std() * torch.randn(y.shape, generator=gen)
             v.check(0, "act", x, step=step, mb=mb, sender=0)
             verdict = v.check(1, "act", y, step=step, mb=mb, sender=1)
             if verdict.flagged:
                 flags.append((step, mb, verdict.reasons))
-        v.end_step(step, [v.flag_events(step)])
+        events = v.flag_events(step)
+        flags += [(step, e["mb"], tuple(e["reasons"])) for e in events if e["scope"] == "step" and e["boundary"] == 1]
+        v.end_step(step, [events])
     return v, flags
 
 
@@ -317,9 +321,37 @@ def test_residual_shape_catches_noise_the_link_share_cannot_see() -> None:
 
 
 def test_drift_catches_a_sender_that_keeps_every_sample_inside_its_fence() -> None:
-    v, flags = run_residual_stage(0.03)              # each sample's residual score stays under its fence
-    assert flags and all(reasons == ("drift",) for _, _, reasons in flags)
-    assert 16 <= min(step for step, _, _ in flags) <= 18 and v.banned == {1}
+    # Noise creeping up 20% a step: every sample stays under the fences it is scored against
+    # (they follow the creep), the drift's baseline does not (only passing steps teach it,
+    # and not those that already look out of control). Its baseline is one score per step:
+    # it needs a stretch of settled training (the attack starts 22 steps after the warm-up).
+    v, flags = run_residual_stage(0.02, start=30, steps=40, growth=1.2)
+    assert flags and flags[0][1:] == (STEP_MB, ("drift",))
+    assert 30 <= flags[0][0] <= 38 and v.banned == {1}
+
+
+def test_drift_counts_a_step_once_however_many_microbatches_share_its_excursion() -> None:
+    """The microbatches of a step share the weights, the surrogate and the whitener, so an
+    honest step's residual scores move together (a stage whose shape changed faster than
+    the whitener follows, a row subset's noise): here each step's residual energy off the
+    nonlinearity's 3 directions has a random size shared by its 8 microbatches (up to ~2x
+    the baseline, for a step or two at a time). Counted once per step, that is noise
+    around the baseline; counted per microbatch, it summed 8 times and banned the sender."""
+    gen = torch.Generator().manual_seed(1)
+    d, mbs = 16, 8
+    weight, u = torch.randn(d, d, generator=gen) / d ** 0.5, torch.randn(d, 3, generator=gen)
+    v = Verifier({"warmup": 8, "ban_after": 3}, [(0, "act"), (1, "act")])
+    for step in range(60):
+        spill = 0.02 * float(torch.rand(1, generator=gen)) ** 2     # this step's shared excursion
+        for mb in range(mbs):
+            x = torch.randn(64, d, generator=gen) * 2 + 1
+            y = x + 0.5 * torch.tanh(x @ weight) @ (u @ u.T) / 3
+            y = y + spill * y.std() * torch.randn(y.shape, generator=gen)
+            v.check(0, "act", x, step=step, mb=mb, sender=0)
+            v.check(1, "act", y, step=step, mb=mb, sender=1)
+        v.end_step(step, [v.flag_events(step)])
+    drift = [e for e in v.events if e["type"] == "flag" and "drift" in e["reasons"]]
+    assert drift == [] and v.banned == set()
 
 
 def test_eigendecompositions_are_redone_every_basis_refresh_steps(monkeypatch) -> None:
