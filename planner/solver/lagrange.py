@@ -17,7 +17,7 @@ priced at the cheapest trusted class to reach. For caps ``(T, A)`` let
 plan whose bottleneck lies in ``[Ta, Tb]`` and all-reduce in ``[Aa, Ab]``
 has ``F >= (M - 1) Ta + Aa + g(Tb, Ab)`` (``g`` is non-increasing in both
 caps), so boxes of caps covering everything below the incumbent give a bound
-(``_Boxes``). Verifier load and the CPU verifier hosts' load are left out
+(``boxes.CapBoxes``). Verifier load and the CPU verifier hosts' load are left out
 (they only add); memory is exact for 1F1B in flight (the DP runs in layers
 by the number of stages to the end) but leaves out tied copies, send
 buffers and verifier state.
@@ -38,6 +38,7 @@ valid one is returned with the bound.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import deque
@@ -47,6 +48,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from cost_models import comm
+from planner.solver.boxes import CapBoxes
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
@@ -60,6 +62,13 @@ LAYER_BUDGET = 2_500_000
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
+# The fewer-layer DP tried before the full one (``LazyLayers``): its layers, the tries before its hit rate
+# counts, the hit rate below which it costs more than it saves (it costs ~2/5 of a full DP), and how often
+# it is tried anyway while skipped.
+COARSE_LAYERS = 8
+LAZY_WARMUP = 16
+LAZY_MIN_HIT_RATE = 0.35
+LAZY_PROBE_EVERY = 8
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 
 
@@ -97,6 +106,7 @@ class SequenceDP:
 
     def __init__(self, problem: Problem) -> None:
         p = self.p = problem
+        self.max_layers: int | None = None
         self.L, self.M = p.num_blocks, p.num_microbatches
         self.SC = [c.index for c in p.classes if c.stage_capable]
         C, L, M = len(self.SC), self.L, self.M
@@ -168,7 +178,8 @@ class SequenceDP:
         devices = sum(p.classes[c].count for c in self.SC)
         deepest = min(L, devices)
         per_layer = L * C ** 3 * self.R  # range queries of one exact layer
-        self.J = 1 if p.schedule == "gpipe" else min(deepest, M, max(2, LAYER_BUDGET // per_layer))
+        self.J = 1 if p.schedule == "gpipe" else min(deepest, M, max(2, LAYER_BUDGET // per_layer),
+                                                     self.max_layers or L)
         self.lump = deepest > self.J
         pp = p._param_prefix.astype(float) * p.state_bytes_per_param
         ap = p._act_prefix.astype(float)
@@ -188,6 +199,13 @@ class SequenceDP:
                     self.EHI_MEM[i, j, layer] = np.searchsorted(prefix, prefix[:-1] + cap - inbuf, side="right") - 2
                     if layer == 0:
                         self.LAST_FITS[i, j] = prefix[L] - prefix[:-1] + inbuf <= cap
+
+    def with_layers(self, max_layers: int) -> SequenceDP:
+        """The same DP with at most ``max_layers`` memory layers (the rest lumped), sharing the other tables."""
+        other = copy.copy(self)
+        other.max_layers, other._work, other._limits_cap = max_layers, None, math.nan
+        other._memory_tables()
+        return other
 
     def _allreduce_tables(self) -> None:
         """All-reduce of ``r`` replicas is ``AR0 + AR1 * parameters`` (linear in the bytes, 0 for none)."""
@@ -265,6 +283,20 @@ class SequenceDP:
         vals = np.where(self.valid_r & (self.RR >= 2), self.AR0 + self.AR1 * total, 0.0)
         return float(vals.max()) if vals.size else 0.0
 
+    def fits_layers(self, relaxed: Relaxed) -> bool:
+        """Whether the relaxed plan meets this DP's memory limits (its layers' in-flight counts): a plan of
+        a DP with fewer layers, whose lumped layer checks memory more loosely, may not."""
+        S = len(relaxed.stages)
+        for k, (s, e, cls, r) in enumerate(relaxed.stages):
+            i = self.SC.index(cls)
+            j = int(np.flatnonzero(self.valid_r[i] & (self.RR[i] == r))[0])
+            if k == S - 1:
+                if not self.LAST_FITS[i, j, s]:
+                    return False
+            elif e > self.EHI_MEM[i, j, min(S - 1 - k, self.J - 1), s]:
+                return False
+        return True
+
     def cut(self, relaxed: Relaxed) -> Cut:
         """The relaxed plan as a cutting plane of the dual: its stage times, device use and caps it meets."""
         st = relaxed.stages
@@ -308,6 +340,60 @@ class SequenceDP:
             return None
         placement = Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
         return None if violations(p, placement) else placement
+
+
+class LazyLayers:
+    """The sequence DP with its memory layers, run on a DP of fewer layers first.
+
+    The fewer-layer DP relaxes memory (its lumped layer assumes fewer
+    microbatches in flight), so its minimum at given prices and caps is at most
+    the full DP's; when its plan also meets the full layers' memory it is a plan
+    of the full DP too, and so the full DP's minimum: the same dual value,
+    several times cheaper (200 blocks x 64 devices: 8 layers 15 ms, all 19 layers 38 ms). Where
+    memory binds, its plans miss, and the full DP runs after it; the fewer-layer
+    try is then skipped while it misses more than it pays for.
+    """
+
+    def __init__(self, full: SequenceDP, coarse: SequenceDP) -> None:
+        self.full, self.coarse = full, coarse
+        self.C, self.count = full.C, full.count
+        self.tries = self.hits = self.calls = 0
+
+    def _worth_trying(self) -> bool:
+        self.calls += 1
+        probe = self.calls % LAZY_PROBE_EVERY == 0  # keep measuring the hit rate while skipping
+        return self.tries < LAZY_WARMUP or self.hits >= LAZY_MIN_HIT_RATE * self.tries or probe
+
+    def run(self, cap_ms: float, lam: np.ndarray, ar_cap_ms: float = INF) -> Relaxed | None:
+        if self._worth_trying():
+            self.tries += 1
+            got = self.coarse.run(cap_ms, lam, ar_cap_ms)
+            if got is None:  # the looser relaxation has no plan under the caps: neither has the full one
+                return None
+            if self.full.fits_layers(got):
+                self.hits += 1
+                return got
+        return self.full.run(cap_ms, lam, ar_cap_ms)
+
+    def cut(self, relaxed: Relaxed) -> Cut:
+        return self.full.cut(relaxed)
+
+    def placement(self, relaxed: Relaxed) -> Placement | None:
+        return self.full.placement(relaxed)
+
+    def block_floor_ms(self) -> float:
+        return self.full.block_floor_ms()
+
+    def max_allreduce_ms(self) -> float:
+        return self.full.max_allreduce_ms()
+
+
+def layered_dp(problem: Problem) -> SequenceDP | LazyLayers:
+    """The sequence DP for ``problem``, behind a fewer-layer DP when that has fewer layers."""
+    full = SequenceDP(problem)
+    if full.J <= COARSE_LAYERS:
+        return full
+    return LazyLayers(full, full.with_layers(COARSE_LAYERS))
 
 
 def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> tuple[Group, ...] | None:
@@ -354,7 +440,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     not plans of the real one and must not become the incumbent that prunes the boxes).
     """
     start = time.perf_counter()
-    dp = SequenceDP(problem)
+    dp = layered_dp(problem)
     M = problem.num_microbatches
     best_plan: Placement | None = None
     best_ms = incumbent_ms
@@ -418,6 +504,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             lam = min(lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / max(M - 1, 1))[1].copy()
         cuts = [c for c in pool if c.peak_ms <= cap * (1 + 1e-12) and c.ar_ms <= ar_cap * (1 + 1e-12)]
         best, best_lam = -INF, lam
+        master: _KelleyMaster | None = None
         for _ in range(iterations):
             got = dp.run(cap, lam, ar_cap)
             dps += 1
@@ -431,8 +518,10 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                 break  # the box is settled, or complementary slackness: g at these caps exactly
             cut = dp.cut(got)
             pool.append(cut)
-            cuts.append(cut)
-            model, lam = _kelley_master(cuts, dp.count, lam_max)
+            if master is None:
+                master = _KelleyMaster(cuts, dp.count, lam_max)
+            master.add(cut)
+            model, lam = master.solve()
             if model - best <= KELLEY_TOL * max(1.0, abs(best)) or deadline():
                 break
         lam_memo.append(((cap, ar_cap), best_lam))
@@ -443,7 +532,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     ar_top = dp.max_allreduce_ms()
     lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
     # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
-    boxes = _Boxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
+    boxes = CapBoxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
                    open_top=math.isfinite(top) and not math.isfinite(best_ms))
     lam_max = best_ms if math.isfinite(best_ms) else 1e3 * max(top, 1.0)  # a price that settles any box
     boxes.add_point(top, boxes.ar_top, dual(top, boxes.ar_top))
@@ -461,20 +550,36 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))
 
 
-def _kelley_master(cuts: list[Cut], count: np.ndarray, lam_max: float) -> tuple[float, np.ndarray]:
-    """max_lam min_cuts (tau + lam . (used - n)) over ``0 <= lam <= lam_max``: (model value, prices)."""
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    lam = [solver.NumVar(0.0, lam_max, f"lam{c}") for c in range(len(count))]
-    z = solver.NumVar(-solver.infinity(), solver.infinity(), "z")
-    for cut in cuts:
-        solver.Add(z <= cut.tau_ms + sum(lam[c] * float(cut.used[c] - count[c]) for c in range(len(count))))
-    solver.Maximize(z)
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:  # numerically stuck: keep the best value found so far
-        return -INF, np.zeros(len(count))
-    return z.solution_value(), np.array([v.solution_value() for v in lam])
+class _KelleyMaster:
+    """max_lam min_cuts (tau + lam . (used - n)) over ``0 <= lam <= lam_max``, one cut added at a time.
+
+    One LP per box, grown by a row per DP: GLOP re-solves from its last basis, where rebuilding the model
+    from every cut met cost more per iteration than a DP once the pool held hundreds of plans.
+    """
+
+    def __init__(self, cuts: list[Cut], count: np.ndarray, lam_max: float) -> None:
+        self.count = count
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        self.lam = [self.solver.NumVar(0.0, lam_max, f"lam{c}") for c in range(len(count))]
+        self.z = self.solver.NumVar(-self.solver.infinity(), self.solver.infinity(), "z")
+        self.solver.Maximize(self.z)
+        for cut in cuts:
+            self.add(cut)
+
+    def add(self, cut: Cut) -> None:
+        row = self.solver.Constraint(-self.solver.infinity(), float(cut.tau_ms))  # z - lam . (used - n) <= tau
+        row.SetCoefficient(self.z, 1.0)
+        for c, var in enumerate(self.lam):
+            row.SetCoefficient(var, -float(cut.used[c] - self.count[c]))
+
+    def solve(self) -> tuple[float, np.ndarray]:
+        """(model value, prices); (-inf, zeros) when the LP is numerically stuck."""
+        if self.solver.Solve() != pywraplp.Solver.OPTIMAL:
+            return -INF, np.zeros(len(self.count))
+        return self.z.solution_value(), np.array([v.solution_value() for v in self.lam])
 
 
-def _smallest_feasible_cap(dp: SequenceDP, lo: float, hi: float, ar_cap: float) -> float:
+def _smallest_feasible_cap(dp: SequenceDP | LazyLayers, lo: float, hi: float, ar_cap: float) -> float:
     """A cap below which no relaxed plan exists (so no plan at all): bisection, feasibility needs no prices."""
     if not math.isfinite(hi) or dp.run(hi, np.zeros(dp.C), ar_cap) is None:
         return lo
@@ -485,57 +590,3 @@ def _smallest_feasible_cap(dp: SequenceDP, lo: float, hi: float, ar_cap: float) 
         else:
             hi = mid
     return lo
-
-
-class _Boxes:
-    """Boxes of (bottleneck, all-reduce) caps covering every plan that could beat the incumbent.
-
-    A plan whose bottleneck lies in ``[Ta, Tb]`` and all-reduce in ``[Aa, Ab]``
-    has ``F >= fill * Ta + Aa + g(Tb, Ab)``, and ``g`` is non-increasing in
-    both caps, so any dual value priced at caps ``>= (Tb, Ab)`` bounds it.
-    The weakest box is split in the dimension that loosens it most.
-    """
-
-    def __init__(self, *, lo: float, top: float, ar_top: float, fill: int, open_top: bool) -> None:
-        self.fill, self.ar_top, self.top, self.open_top = fill, ar_top, top, open_top
-        self.points: dict[tuple[float, float], float] = {}
-        self.boxes: list[tuple[float, float, float, float]] = [(lo, max(top, lo), 0.0, ar_top)]
-
-    def add_point(self, t: float, a: float, value: float) -> None:
-        self.points[(t, a)] = value
-
-    def _g(self, t: float, a: float) -> float:
-        return max((v for (pt, pa), v in self.points.items() if pt >= t and pa >= a), default=-INF)
-
-    def _value(self, box: tuple[float, float, float, float]) -> float:
-        return self.floor(box) + self._g(box[1], box[3])
-
-    def floor(self, box: tuple[float, float, float, float]) -> float:
-        """What a box's plans pay before ``g``: the fill at its lowest bottleneck plus its lowest all-reduce."""
-        return (self.fill * box[0] if self.fill else 0.0) + box[2]
-
-    def weakest(self, best_ms: float) -> tuple[float, tuple[float, float, float, float] | None]:
-        live = [(self._value(b), b) for b in self.boxes if (self.fill * b[0] if self.fill else 0.0) < best_ms]
-        if self.open_top:  # no incumbent: plans above the top cap are bounded by it alone
-            live.append((self.fill * self.top, None))
-        if not live:
-            return best_ms, None
-        value, box = min(live, key=lambda vb: vb[0])
-        return min(value, best_ms), box
-
-    def split(self, box: tuple[float, float, float, float]) -> tuple[float, float] | None:
-        """Split ``box`` in two; return the caps to price for the new lower half (None: too small)."""
-        ta, tb, aa, ab = box
-        wt = self.fill * (tb - ta) if self.fill and math.isfinite(tb) else 0.0
-        wa = ab - aa
-        if max(wt, wa) <= 1e-9 * max(tb if math.isfinite(tb) else 0.0, ab, 1e-9):
-            return None
-        self.boxes.remove(box)
-        if wt >= wa:
-            mid = 0.5 * (ta + tb)
-            self.boxes += [(ta, mid, aa, ab), (mid, tb, aa, ab)]
-            return mid, ab
-        # All-reduce caps span orders of magnitude (latency-bound to the whole chain): split geometrically.
-        mid = math.sqrt(aa * ab) if aa > 0 else ab / 16
-        self.boxes += [(ta, tb, aa, mid), (ta, tb, mid, ab)]
-        return tb, mid

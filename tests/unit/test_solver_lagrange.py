@@ -128,3 +128,44 @@ def test_no_incumbent_bound_stays_below_the_optimum():
         res = lagrange_bound(problem, incumbent_ms=math.inf, time_budget_s=0.3)
         if math.isfinite(best):
             assert res.bound_ms <= best * (1 + 1e-9)
+
+
+def _deep_problem():
+    """A problem whose DP has more memory layers than ``COARSE_LAYERS`` (40 blocks, 16 devices, M = 32)."""
+    from benchmarks.solver import _config
+    from planner.solver.policy import VerificationPolicy
+    from tests.unit.solver_fixtures import random_chain, tiered_cluster
+
+    rng = np.random.default_rng(11)
+    cluster = tiered_cluster(16)
+    mem = max(d.spec.mem_bytes for d in cluster.stage_devices)
+    # Activations large enough that the in-flight count decides which stages fit.
+    chain = random_chain(rng, 40, param_scale=1.5 * mem / 16 / 40, act_scale=2e8 * 48 / 40 * 6,
+                         flop_scale=5e11 * 48 / 40, out_scale=2e7)
+    config = _config()
+    problem, _, _ = api.problem_for(chain, cluster, config, VerificationPolicy(), config.microbatch_size)
+    return problem
+
+
+def test_lazy_layers_give_the_full_dps_values():
+    """The fewer-layer DP's answer is taken only when it meets the full layers' memory, so the dual value at
+    every cap and price equals the full DP's; on this instance both paths are taken (hits and misses)."""
+    from planner.solver.lagrange import LazyLayers
+
+    problem = _deep_problem()
+    full = SequenceDP(problem)
+    assert full.J > 2
+    lazy = LazyLayers(full, full.with_layers(2))
+    rng = np.random.default_rng(0)
+    top = 4 * full.block_floor_ms() * problem.num_blocks
+    compared = 0
+    for _ in range(40):
+        cap, lam = rng.uniform(0.05, 1.0) * top, rng.uniform(0.0, 200.0, size=full.C)
+        want, got = full.run(cap, lam), lazy.run(cap, lam)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got.value_ms == pytest.approx(want.value_ms, rel=1e-9)
+            assert full.fits_layers(got) and full.fits_layers(want)
+            compared += 1
+    assert compared >= 20
+    assert 0 < lazy.hits < lazy.tries, (lazy.hits, lazy.tries)
