@@ -28,7 +28,14 @@ byte-level GPT (d=128, T=64, microbatch 4, 4 microbatches):
    ``even_sharing_ms``), and the plan simulated with the pass and optimizer
    times measured in the same run (``inrun_predicted_ms``: the simulator's
    composition without the profile's drift), with each rank's measured
-   passes over the profile's (``pass_cpu_over_profile``).
+   passes over the profile's (``pass_cpu_over_profile``), and the same with
+   each rank's measured time posting messages and its unbooked executor time
+   (``comm_ms`` + ``other_ms``) priced as part of its passes
+   (``inrun_executor_ms``: what the simulator does not price yet). The
+   profiles time every block pass right after a cache-evicting sweep
+   (``ProfileSettings.evict_bytes``); each bracket also takes one without it
+   (a tight loop, warm caches), which prices the plan as before
+   (``warm_profile_ms``).
 3. **Planning**: measured step time of the solver's plan vs the uniform and
    parameter-balanced baselines' plans on an emulated heterogeneous 2-device
    cluster (this CPU + one at a third of its efficiency), run side by side;
@@ -111,10 +118,11 @@ class Machine:
     previous_sharing: Any
 
 
-def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False) -> Path:
+def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False, warm: bool = False) -> Path:
     """A single-thread profile of this CPU, calibrated on the benchmark model's own blocks; with
     ``sharing``, also how fast 1..2 x cores processes computing at once progress here; with ``p2p``,
-    gloo's latency, bandwidth and CPU time per message between two local processes.
+    gloo's latency, bandwidth and CPU time per message between two local processes. Block passes are
+    timed after a cache-evicting sweep (the profile's default), or with ``warm`` in a tight loop (as before).
 
     The median of the repeats, not the minimum: a step adds up many passes, so it sees their
     typical time on this shared machine, not the best one."""
@@ -122,7 +130,8 @@ def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False) -> Path
     torch.set_num_threads(1)
     settings = ProfileSettings(model=MODEL, batch=MICROBATCH, seq=SEQ, matmul_size=512, copy_bytes=32 << 20,
                                repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median", sharing=sharing,
-                               sharing_rounds=3, sharing_microbatches=SHARING_MICROBATCHES)
+                               sharing_rounds=3, sharing_microbatches=SHARING_MICROBATCHES,
+                               **({"evict_bytes": 0} if warm else {}))
     return write_profile(profile_device(settings), path)
 
 
@@ -222,16 +231,21 @@ def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]], messages=N
     plan = load_plan(plan_path)
     costs = CostModel.for_plan(plan)
     passes = {r: sum(1 for ins in plan.programs[r] if ins.op in ("F", "B")) // 2 for r in range(plan.num_ranks)}
-    scale, cpu_ratio = {}, {}
+    scale, cpu_ratio, unpriced = {}, {}, {}
     for row in ranks:
         r = row["rank"]
         planned = passes[r] * (costs.compute_ms(r, "F") + costs.compute_ms(r, "B"))
         local = passes[r] * (costs.local_ms(r, "F") + costs.local_ms(r, "B"))
         scale[r] = (row["compute_ms"] + row["pad_ms"]) / planned if planned else 1.0
         cpu_ratio[r] = row["compute_cpu_ms"] / local if local else 1.0
+        # Wall time the rank spent posting messages and in the executor outside passes, waits and the
+        # optimizer, per pass: the simulator prices neither (messages= only the probe's CPU per message).
+        unpriced[r] = (row["comm_ms"] + row["other_ms"]) / (2 * passes[r]) if passes[r] else 0.0
     optim = {row["rank"]: row["optim_ms"] for row in ranks}
     measured = MeasuredPasses(costs, scale, optim)
+    executor = MeasuredPasses(costs, scale, optim, extra_ms=unpriced)
     return {"inrun_predicted_ms": simulate(plan, measured).step_ms,
+            "inrun_executor_ms": simulate(plan, executor).step_ms,
             "inrun_messages_ms": None if messages is None else simulate(plan, measured, messages=messages).step_ms,
             "pass_scale": [round(scale[r], 3) for r in sorted(scale)],
             "pass_cpu_over_profile": [round(cpu_ratio[r], 3) for r in sorted(cpu_ratio)]}
@@ -240,16 +254,18 @@ def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]], messages=N
 class MeasuredPasses:
     """A plan's cost model whose passes and optimizer steps take what a run measured: each rank's
     forward and backward scaled by one factor (the run's compute wall time over the planned), the
-    optimizer step as measured; everything else (transfers, all-reduce) as planned."""
+    optimizer step as measured; everything else (transfers, all-reduce) as planned. ``extra_ms``: per
+    rank, ms added to each of its passes (its measured unpriced executor time, spread over them)."""
 
-    def __init__(self, base, scale: dict[int, float], optim_ms: dict[int, float]) -> None:
-        self.base, self.scale, self.optim = base, scale, optim_ms
+    def __init__(self, base, scale: dict[int, float], optim_ms: dict[int, float],
+                 extra_ms: dict[int, float] | None = None) -> None:
+        self.base, self.scale, self.optim, self.extra = base, scale, optim_ms, extra_ms or {}
 
     def compute_ms(self, rank: int, op: str) -> float:
-        return self.base.compute_ms(rank, op) * self.scale.get(rank, 1.0)
+        return self.base.compute_ms(rank, op) * self.scale.get(rank, 1.0) + self.extra.get(rank, 0.0)
 
     def local_ms(self, rank: int, op: str) -> float:
-        return self.base.local_ms(rank, op) * self.scale.get(rank, 1.0)
+        return self.base.local_ms(rank, op) * self.scale.get(rank, 1.0) + self.extra.get(rank, 0.0)
 
     def optim_ms(self, rank: int) -> float:
         return self.optim.get(rank, self.base.optim_ms(rank))
@@ -414,7 +430,7 @@ def overhead(tmp: Path, ch, profile: Path, link, two, steps: int, repeats: int) 
             "ours_external_load_cores": [r["external_load_cores"] for r in runs["ours"]]}
 
 
-def _timed_profile(path: Path, **kw: bool) -> tuple[Path, float]:
+def _timed_profile(path: Path, **kw: bool) -> tuple[Path, float]:  # kw: profile_cpu's p2p, sharing, warm
     """A fresh profile, and the cores other processes kept busy while it measured (roughly, with
     ``sharing``: its workers' CPU time counts as others')."""
     wall, busy, own = time.perf_counter(), _busy_s(), time.process_time()
@@ -423,17 +439,26 @@ def _timed_profile(path: Path, **kw: bool) -> tuple[Path, float]:
     return profile, round(max(0.0, (busy - own) / wall), 3)
 
 
-def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, machine: Machine, name: str
-            ) -> tuple[Path, dict[str, Any]]:
+def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, machine: Machine, name: str,
+            warm_first: bool = True) -> tuple[Path, dict[str, Any]]:
     """A fresh profile of this CPU, and the case's plan priced with it: ranks sharing ``cores`` cores at
     the measured speeds, messages costing CPU time, slower devices rehearsed by padding (``predicted_ms``);
     as before the probe held a stage's microbatches and messages cost CPU (``previous_model_ms``); and
-    with even sharing, padding on a core (``even_sharing_ms``)."""
-    profile, load = _timed_profile(tmp / f"cpu-{name}.json")
+    with even sharing, padding on a core (``even_sharing_ms``); and as ``predicted_ms`` with a second
+    profile whose passes were timed warm, in a tight loop (``warm_profile_ms``; taken first with
+    ``warm_first``, else second, so that both kinds are as near the run on average)."""
+    emulated = min(effs) < max(effs)
+    kinds = (True, False) if warm_first else (False, True)
+    taken = {warm: _timed_profile(tmp / f"cpu-{name}{'-warm' if warm else ''}.json", warm=warm) for warm in kinds}
+    profile, load = taken[False]
+    warm_cl = cluster(taken[True][0], effs, link)
+    warm_path = compile_solution(hand_solution(ch, warm_cl, stages), ch, warm_cl, tmp, f"{name}-warm")
     cl = cluster(profile, effs, link)
     path = compile_solution(hand_solution(ch, cl, stages), ch, cl, tmp, name)
-    emulated = min(effs) < max(effs)
     return path, {**_profile_summary(profile), "external_load_cores": load,
+                  "warm_profile_ms": _predict(warm_path, cores, machine.sharing, emulated=emulated,
+                                              messages=machine.messages),
+                  "warm_layer_fwd_ms": _profile_summary(taken[True][0])["layer_fwd_ms"],
                   "predicted_ms": _predict(path, cores, machine.sharing, emulated=emulated, messages=machine.messages),
                   "previous_model_ms": _predict(path, cores, machine.previous_sharing, emulated=emulated),
                   "even_sharing_ms": _predict(path, cores)}
@@ -446,13 +471,16 @@ def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps:
     nothing else running in this machine), so the prediction is the mean of the two, and their
     spread shows how far it moved."""
     effs = [1.0] * (ranks - 1) + [SLOW if hetero else 1.0]
-    path, before = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-before")
+    path, before = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-before", warm_first=True)
     run = run_plan(path, steps, emulate=hetero, messages=machine.messages)
-    _, after = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-after")
+    _, after = _priced(tmp, ch, link, effs, stages, cores, machine, f"{name}-after", warm_first=False)
     predicted = statistics.fmean((before["predicted_ms"], after["predicted_ms"]))
     previous = statistics.fmean((before["previous_model_ms"], after["previous_model_ms"]))
     even = statistics.fmean((before["even_sharing_ms"], after["even_sharing_ms"]))
+    warm = statistics.fmean((before["warm_profile_ms"], after["warm_profile_ms"]))
     return {**run, "predicted_ms": round(predicted, 2),
+            "warm_profile_ms": round(warm, 2), "warm_profile_error_pct": round(_pct(run["measured_ms"], warm), 2),
+            "inrun_executor_error_pct": round(_pct(run["measured_ms"], run["inrun_executor_ms"]), 2),
             "error_pct": round(_pct(run["measured_ms"], predicted), 2),
             "previous_model_ms": round(previous, 2),
             "previous_model_error_pct": round(_pct(run["measured_ms"], previous), 2),
@@ -496,6 +524,11 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                      "inrun_predicted_ms": statistics.median(r["inrun_predicted_ms"] for r in rs),
                      "inrun_error_pct": statistics.median(r["inrun_error_pct"] for r in rs),
                      "inrun_error_pcts": [r["inrun_error_pct"] for r in rs],
+                     "warm_profile_ms": statistics.median(r["warm_profile_ms"] for r in rs),
+                     "warm_profile_error_pct": statistics.median(r["warm_profile_error_pct"] for r in rs),
+                     "warm_profile_error_pcts": [r["warm_profile_error_pct"] for r in rs],
+                     "inrun_executor_error_pct": statistics.median(r["inrun_executor_error_pct"] for r in rs),
+                     "inrun_executor_error_pcts": [r["inrun_executor_error_pct"] for r in rs],
                      "inrun_messages_error_pcts": [None if r["inrun_messages_ms"] is None
                                                    else round(_pct(r["measured_ms"], r["inrun_messages_ms"]), 2)
                                                    for r in rs],
@@ -511,6 +544,13 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
             "previous_model_error_pct": "the same, priced as before the sharing probe held a stage's microbatches "
                                         "in flight and messages cost CPU time",
             "inrun_messages_error_pcts": "as inrun_error_pct, with the messages' CPU time priced too",
+            "inrun_executor_error_pct": "as inrun_error_pct, with each rank's measured comm_ms (posting messages) "
+                                        "and other_ms (executor time outside passes, waits and the optimizer) "
+                                        "added to its passes: the part of the in-run gap the simulator leaves "
+                                        "unpriced",
+            "warm_profile_error_pct": "as error_pct, priced with profiles whose block passes were timed in a "
+                                      "tight loop (warm caches; the profile's method before the eviction sweep), "
+                                      "taken in the same brackets",
             "even_sharing_error_pct": "the same, priced as before the core sharing table: passes that overlap "
                                       "split the cores evenly, and an emulated device's padding holds a core",
             "inrun_error_pct": "measured against the plan simulated with the pass and optimizer times measured "
@@ -659,15 +699,16 @@ def _print_prediction(console, out: dict[str, Any]) -> None:
                     "repeats, each run priced with profiles just before and after it; quiet: others used <= "
                     f"{out['max_external_load_cores']} cores)")
     for c in ("ranks", "emulated", "predicted ms", "previous model ms", "even sharing ms", "from in-run passes ms",
-              "measured ms", "error %", "previous %", "even %", "in-run %", "quiet runs: error %", "per repeat %",
-              "others' load (cores)"):
+              "measured ms", "error %", "warm profile %", "previous %", "even %", "in-run %", "in-run + executor %",
+              "quiet runs: error %", "per repeat %", "others' load (cores)"):
         t.add_column(c, justify="right")
     for r in pvm["rows"]:
         calm = "-" if r["quiet_error_pct"] is None else f"{r['quiet_error_pct']:+.1f} ({r['quiet_runs']})"
         t.add_row(str(r["ranks"]), "yes" if r["emulated_heterogeneity"] else "no", f"{r['predicted_ms']:.1f}",
                   f"{r['previous_model_ms']:.1f}", f"{r['even_sharing_ms']:.1f}", f"{r['inrun_predicted_ms']:.1f}",
-                  f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", f"{r['previous_model_error_pct']:+.1f}",
-                  f"{r['even_sharing_error_pct']:+.1f}", f"{r['inrun_error_pct']:+.1f}", calm,
+                  f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", f"{r['warm_profile_error_pct']:+.1f}",
+                  f"{r['previous_model_error_pct']:+.1f}", f"{r['even_sharing_error_pct']:+.1f}",
+                  f"{r['inrun_error_pct']:+.1f}", f"{r['inrun_executor_error_pct']:+.1f}", calm,
                   " ".join(f"{e:+.0f}" for e in r["error_pcts"]),
                   " ".join("?" if x is None else f"{x:.2f}" for x in r["external_load_cores"]))
     console.print(t)

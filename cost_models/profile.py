@@ -7,7 +7,9 @@ What is measured (``profile_device``):
 - memory bandwidth: a large tensor copy (bytes read + bytes written);
 - the forward and backward time of each top-level unit (``embed``/``stem``,
   ``layers.i``, ``head``) of a model preset built with real weights, each unit
-  run alone on the inputs it saw in a full forward pass;
+  run alone on the inputs it saw in a full forward pass, each timed pass right
+  after an untimed sweep that evicts the caches (``ProfileSettings.evict_bytes``):
+  a rank of a run finds its weights cold, not as a tight loop leaves them;
 - point-to-point bandwidth and latency between two local processes over
   ``torch.distributed`` (gloo; NCCL with two or more GPUs), by running
   ``python -m planner.runtime.p2p_probe`` twice as subprocesses, and the CPU
@@ -48,6 +50,11 @@ Step = Callable[[str], None]
 Clock = Literal["wall", "cpu"]
 Statistic = Literal["min", "median"]
 STATISTICS: tuple[str, ...] = ("min", "median")
+# Swept before each timed pass: past the last-level cache (48 MiB L3 on the 2-core dev host). On that host (4 runs
+# each of a 2- and a 4-rank plan, others' load ~1 core), the runs' pass CPU time over passes timed so was 0.97 and
+# 1.02 (medians); over a tight loop's (warm caches) 1.07 and 1.13. Sweeping only L2 (4 MiB), or timing the units
+# in a stage's own 1F1B order, did not close that gap.
+EVICT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,11 +243,15 @@ class ProfileSettings:
     # Microbatches each sharing worker holds in flight (their forwards, then their backwards), as a
     # pipeline stage does: its saved activations and gradients are what the caches must hold.
     sharing_microbatches: int = 1
+    evict_bytes: int = EVICT_BYTES  # untimed cache sweep before each timed unit pass; 0: none (warm, tight loop)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4 or self.p2p_posts < 0:
             raise InvalidInputError("profile settings", expected="batch, repeats, sizes >= 1, p2p posts >= 0",
                                     found=f"batch={self.batch}, repeats={self.repeats}, p2p_posts={self.p2p_posts}")
+        if isinstance(self.evict_bytes, bool) or not isinstance(self.evict_bytes, int) or self.evict_bytes < 0:
+            raise InvalidInputError("profile evict_bytes", expected="a whole number of bytes >= 0 (0: no sweep)",
+                                    found=repr(self.evict_bytes))
         if self.clock not in ("wall", "cpu"):
             raise InvalidInputError("clock", expected="wall or cpu", found=repr(self.clock))
         if (self.sharing_processes < 0 or self.sharing_window_s <= 0 or self.sharing_rounds < 1
@@ -377,12 +388,30 @@ def _fresh(value: Any) -> Any:
     return value
 
 
+def _sweeper(evict_bytes: int, device: Any) -> Callable[[], None]:
+    """A sweep (read and write) over ``evict_bytes`` of ``device`` memory: run before a timed pass, it leaves
+    the caches as a run does, where other ranks, messages and the optimizer pass through them between two
+    passes of a stage. ``0``: no sweep."""
+    if evict_bytes <= 0:
+        return lambda: None
+    import torch
+    scratch = torch.ones(max(evict_bytes // 4, 1), dtype=torch.float32, device=device)
+
+    def sweep() -> None:
+        scratch.mul_(1.0)
+        _sync(device)
+
+    return sweep
+
+
 def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any, warmup: int = 1,
-               clock: Clock = "wall", statistic: Statistic = "min") -> tuple[UnitTiming, ...]:
+               clock: Clock = "wall", statistic: Statistic = "min", evict_bytes: int = 0) -> tuple[UnitTiming, ...]:
     """Forward and backward ms (``statistic`` of the repeats) of every top-level unit, run alone on
-    its captured inputs."""
+    its captured inputs; with ``evict_bytes``, each timed forward and backward right after an untimed
+    cache sweep over that many bytes (:data:`EVICT_BYTES`)."""
     import torch
     now = _clock(clock)
+    sweep = _sweeper(evict_bytes, device)
     module.train()
     results = []
     for name, unit, args, kwargs in _capture_unit_inputs(module, inputs):
@@ -391,6 +420,7 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
         fwd, bwd = [], []
         grad = None
         for i in range(warmup + repeats):
+            sweep()
             _sync(device)
             t0 = now()
             out = unit(*args, **kwargs)
@@ -399,6 +429,9 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
             if grad is None:
                 gen = torch.Generator().manual_seed(1)
                 grad = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
+            sweep()
+            _sync(device)
+            t1_bwd = now()
             torch.autograd.backward(out, grad)
             _sync(device)
             t2 = now()
@@ -408,7 +441,7 @@ def time_units(module: Any, inputs: Sequence[Any], *, repeats: int, device: Any,
                     a.grad = None
             if i >= warmup:
                 fwd.append((t1 - t0) * 1e3)
-                bwd.append((t2 - t1) * 1e3)
+                bwd.append((t2 - t1_bwd) * 1e3)
         results.append(UnitTiming(name=name, fwd_ms=summarize_ms(fwd, statistic),
                                   bwd_ms=summarize_ms(bwd, statistic)))
     return tuple(results)
@@ -690,7 +723,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     say(f"blocks of {settings.model}")
     bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
     timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device,
-                         clock=settings.clock, statistic=settings.statistic)
+                         clock=settings.clock, statistic=settings.statistic, evict_bytes=settings.evict_bytes)
     del bundle
     say("calibration")
     samples = pair_samples(chain, timings)
@@ -747,7 +780,8 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
         "settings": {"model": settings.model, "batch": settings.batch, "seq": settings.seq,
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
                      "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic,
-                     "sharing": settings.sharing, "sharing_microbatches": settings.sharing_microbatches},
+                     "sharing": settings.sharing, "sharing_microbatches": settings.sharing_microbatches,
+                     "evict_bytes": settings.evict_bytes},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],
