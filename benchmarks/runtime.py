@@ -15,7 +15,9 @@ byte-level GPT (d=128, T=64, microbatch 4, 4 microbatches):
    mean (the CPU's speed drifts on this shared host; the spread of the two is
    recorded as ``profile_drift_pct``). Gloo's latency and bandwidth between
    two local processes, the CPU time a message costs its two ends
-   (``MessageCost``), and how fast 1..4 single-thread processes computing
+   (``MessageCost``) and the executor's own CPU time per message and per
+   pass (its ``executor_*``, from the profile's executor probe, a 2-rank run
+   of this model; ``no_executor_ms``: priced without them), and how fast 1..4 single-thread processes computing
    at once progress on this machine (``CoreSharing``, each process holding
    a 1F1B stage's microbatches in flight: these two cores slow each other
    down even two at a time), are measured once, by the first profile, and
@@ -68,7 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +112,15 @@ SHARING_MICROBATCHES = 2
 class Machine:
     """What the first profile measured of how ranks on this machine's cores slow each other:
     ``sharing`` (passes that overlap, :data:`SHARING_MICROBATCHES` in flight per probe process) and
-    ``messages`` (CPU time per message at each end) price the predictions; ``previous_sharing``
-    (one microbatch in flight, no message costs) is the model before them, priced beside it."""
+    ``messages`` (CPU time per message at each end, and the executor's own per message and per pass, as
+    ``planner.runtime.overhead_probe`` measured it) price the predictions; ``previous_sharing`` (one
+    microbatch in flight, no message costs) is the model before them, and ``bare_messages`` the model
+    before the executor probe, priced beside it."""
 
     sharing: Any
     messages: Any
     previous_sharing: Any
+    bare_messages: Any = None  # ``messages`` without the executor probe's costs (the model before them)
 
 
 def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False, warm: bool = False) -> Path:
@@ -130,7 +135,7 @@ def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False, warm: b
     torch.set_num_threads(1)
     settings = ProfileSettings(model=MODEL, batch=MICROBATCH, seq=SEQ, matmul_size=512, copy_bytes=32 << 20,
                                repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median", sharing=sharing,
-                               sharing_rounds=3, sharing_microbatches=SHARING_MICROBATCHES,
+                               sharing_rounds=3, sharing_microbatches=SHARING_MICROBATCHES, executor_steps=10,
                                **({"evict_bytes": 0} if warm else {}))
     return write_profile(profile_device(settings), path)
 
@@ -207,13 +212,15 @@ class _LoadProbe:
 
 
 def _rank_breakdown(rows, warmup: int) -> list[dict[str, float]]:
-    """Per rank, the median over the steps after ``warmup`` of where its step went (ms)."""
+    """Per rank, the median over the steps after ``warmup`` of where its step went (ms); ``own_cpu_ms``:
+    the executor thread's CPU time outside passes, waits and the optimizer (what the executor probe prices;
+    beside ``comm_ms`` + ``other_ms``, wall time, it shows how much of that the rank was descheduled)."""
     out = []
     for rank in sorted({r.rank for r in rows}):
         mine = [r for r in rows if r.rank == rank and r.step >= warmup] or [r for r in rows if r.rank == rank]
         med = {k: statistics.median(getattr(r, k) for r in mine)
                for k in ("step_ms", "cpu_ms", "compute_ms", "compute_cpu_ms", "pad_ms", "wait_ms", "comm_ms",
-                         "optim_ms")}
+                         "optim_ms", "thread_cpu_ms", "comm_cpu_ms", "own_cpu_ms")}
         other = [r.step_ms - r.compute_ms - r.pad_ms - r.wait_ms - r.comm_ms - r.optim_ms - r.verify_ms for r in mine]
         out.append({"rank": rank, **{k: round(v, 2) for k, v in med.items()},
                     "other_ms": round(statistics.median(other), 2)})
@@ -461,6 +468,8 @@ def _priced(tmp: Path, ch, link, effs: list[float], stages, cores: int, machine:
                   "warm_layer_fwd_ms": _profile_summary(taken[True][0])["layer_fwd_ms"],
                   "predicted_ms": _predict(path, cores, machine.sharing, emulated=emulated, messages=machine.messages),
                   "previous_model_ms": _predict(path, cores, machine.previous_sharing, emulated=emulated),
+                  "no_executor_ms": _predict(path, cores, machine.sharing, emulated=emulated,
+                                             messages=machine.bare_messages),
                   "even_sharing_ms": _predict(path, cores)}
 
 
@@ -478,11 +487,14 @@ def _bracketed_run(tmp: Path, ch, link, ranks: int, hetero: bool, stages, steps:
     previous = statistics.fmean((before["previous_model_ms"], after["previous_model_ms"]))
     even = statistics.fmean((before["even_sharing_ms"], after["even_sharing_ms"]))
     warm = statistics.fmean((before["warm_profile_ms"], after["warm_profile_ms"]))
+    no_executor = statistics.fmean((before["no_executor_ms"], after["no_executor_ms"]))
     return {**run, "predicted_ms": round(predicted, 2),
             "warm_profile_ms": round(warm, 2), "warm_profile_error_pct": round(_pct(run["measured_ms"], warm), 2),
             "inrun_executor_error_pct": round(_pct(run["measured_ms"], run["inrun_executor_ms"]), 2),
             "error_pct": round(_pct(run["measured_ms"], predicted), 2),
             "previous_model_ms": round(previous, 2),
+            "no_executor_ms": round(no_executor, 2),
+            "no_executor_error_pct": round(_pct(run["measured_ms"], no_executor), 2),
             "previous_model_error_pct": round(_pct(run["measured_ms"], previous), 2),
             "even_sharing_ms": round(even, 2), "even_sharing_error_pct": round(_pct(run["measured_ms"], even), 2),
             "inrun_error_pct": round(_pct(run["measured_ms"], run["inrun_predicted_ms"]), 2),
@@ -519,6 +531,8 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                      "previous_model_ms": statistics.median(r["previous_model_ms"] for r in rs),
                      "previous_model_error_pct": statistics.median(r["previous_model_error_pct"] for r in rs),
                      "previous_model_error_pcts": [r["previous_model_error_pct"] for r in rs],
+                     "no_executor_error_pct": statistics.median(r["no_executor_error_pct"] for r in rs),
+                     "no_executor_error_pcts": [r["no_executor_error_pct"] for r in rs],
                      "even_sharing_ms": statistics.median(r["even_sharing_ms"] for r in rs),
                      "even_sharing_error_pct": statistics.median(r["even_sharing_error_pct"] for r in rs),
                      "inrun_predicted_ms": statistics.median(r["inrun_predicted_ms"] for r in rs),
@@ -543,7 +557,11 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
                                f"{quiet['max_load']} cores busy (quiet_runs of them)",
             "previous_model_error_pct": "the same, priced as before the sharing probe held a stage's microbatches "
                                         "in flight and messages cost CPU time",
-            "inrun_messages_error_pcts": "as inrun_error_pct, with the messages' CPU time priced too",
+            "inrun_messages_error_pcts": "as inrun_error_pct, with the messages' CPU time and the executor's own "
+                                         "(per message and per pass, measured by the profile's executor probe) "
+                                         "priced too",
+            "no_executor_error_pct": "as error_pct, priced without the executor probe's costs (messages cost "
+                                     "only the P2P probe's CPU time: the model before it)",
             "inrun_executor_error_pct": "as inrun_error_pct, with each rank's measured comm_ms (posting messages) "
                                         "and other_ms (executor time outside passes, waits and the optimizer) "
                                         "added to its passes: the part of the in-run gap the simulator leaves "
@@ -645,10 +663,13 @@ def main(argv: list[str] | None = None) -> int:
         sharing = load_sharing(first)
         previous = measure_core_sharing(model=MODEL, batch=MICROBATCH, seq=SEQ, processes=2 * cores,
                                         window_s=sharing.window_s, rounds=sharing.rounds, microbatches=1)
-        machine = Machine(sharing=sharing, messages=load_message_cost(first), previous_sharing=previous)
+        messages = load_message_cost(first)
+        bare = None if messages is None else replace(messages, executor_ms=0.0, executor_pass_ms=0.0)
+        machine = Machine(sharing=sharing, messages=messages, previous_sharing=previous, bare_messages=bare)
         out["core_sharing"] = sharing.to_dict()
         out["core_sharing_one_microbatch"] = previous.to_dict()
         out["message_cpu"] = None if machine.messages is None else machine.messages.to_dict()
+        out["executor_probe"] = json.loads(first.read_text())["p2p"].get("executor")
         ch = chain()
         half = LAYERS // 2  # blocks: embed, layers.0..7, head
         ranges = {2: [(0, half), (half + 1, LAYERS + 1)], 4: [(0, 2), (3, 4), (5, 6), (7, LAYERS + 1)]}
@@ -699,19 +720,27 @@ def _print_prediction(console, out: dict[str, Any]) -> None:
                     "repeats, each run priced with profiles just before and after it; quiet: others used <= "
                     f"{out['max_external_load_cores']} cores)")
     for c in ("ranks", "emulated", "predicted ms", "previous model ms", "even sharing ms", "from in-run passes ms",
-              "measured ms", "error %", "warm profile %", "previous %", "even %", "in-run %", "in-run + executor %",
+              "measured ms", "error %", "no executor %", "warm profile %", "previous %", "even %", "in-run %",
+              "in-run + probe %", "in-run + own comm+other %",
               "quiet runs: error %", "per repeat %", "others' load (cores)"):
         t.add_column(c, justify="right")
     for r in pvm["rows"]:
         calm = "-" if r["quiet_error_pct"] is None else f"{r['quiet_error_pct']:+.1f} ({r['quiet_runs']})"
         t.add_row(str(r["ranks"]), "yes" if r["emulated_heterogeneity"] else "no", f"{r['predicted_ms']:.1f}",
                   f"{r['previous_model_ms']:.1f}", f"{r['even_sharing_ms']:.1f}", f"{r['inrun_predicted_ms']:.1f}",
-                  f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", f"{r['warm_profile_error_pct']:+.1f}",
+                  f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}", f"{r['no_executor_error_pct']:+.1f}",
+                  f"{r['warm_profile_error_pct']:+.1f}",
                   f"{r['previous_model_error_pct']:+.1f}", f"{r['even_sharing_error_pct']:+.1f}",
-                  f"{r['inrun_error_pct']:+.1f}", f"{r['inrun_executor_error_pct']:+.1f}", calm,
+                  f"{r['inrun_error_pct']:+.1f}", _median_pct(r["inrun_messages_error_pcts"]),
+                  f"{r['inrun_executor_error_pct']:+.1f}", calm,
                   " ".join(f"{e:+.0f}" for e in r["error_pcts"]),
                   " ".join("?" if x is None else f"{x:.2f}" for x in r["external_load_cores"]))
     console.print(t)
+
+
+def _median_pct(values: list[float | None]) -> str:
+    kept = [v for v in values if v is not None]
+    return f"{statistics.median(kept):+.1f}" if kept else "-"
 
 
 def _print_planning(console, plans: dict[str, Any]) -> None:

@@ -15,6 +15,10 @@ What is measured (``profile_device``):
   ``python -m planner.runtime.p2p_probe`` twice as subprocesses, and the CPU
   time a message costs the sending and the receiving process
   (:class:`MessageCost`: posting it, and the backend's threads moving its bytes);
+- the CPU time the runtime's executor itself costs per message instruction and
+  per pass (``MessageCost.executor_ms``/``executor_pass_ms``), by running
+  ``python -m planner.runtime.overhead_probe`` (a small 2-rank plan of the
+  profiled model on the real runtime) as a subprocess (gloo only);
 - a calibration: the ``efficiency`` and per-op ``op_overhead_ms`` with which
   ``cost_models.compute`` (roofline + overhead, with the measured peak and
   bandwidth) best reproduces the measured unit times of the planner's blocks;
@@ -35,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -110,15 +114,24 @@ class MessageCost:
     messages posted with the runtime's own calls, each right after a sweep that leaves the caches as
     a pass does (posting from cold caches costs a few times what a tight loop of posts does). Ranks that
     share a machine's cores pay it out of their compute (``planner.simulate.simulate(plan, messages=...)``).
+
+    ``executor_ms`` and ``executor_pass_ms``: what the runtime's executor itself costs on top, per message
+    instruction (its bookkeeping around each post, and what its messages cost the process beyond the bare
+    probe's) and per forward/backward pass (preparing inputs, prefetching, freeing, the step's metrics), as
+    ``planner.runtime.overhead_probe`` measures it running a small plan (:func:`with_executor_cost`);
+    0 in profiles taken before that probe existed.
     """
 
     send_ms: float
     recv_ms: float
     send_ms_per_mib: float = 0.0
     recv_ms_per_mib: float = 0.0
+    executor_ms: float = 0.0
+    executor_pass_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (self.send_ms, self.recv_ms, self.send_ms_per_mib, self.recv_ms_per_mib)
+        values = (self.send_ms, self.recv_ms, self.send_ms_per_mib, self.recv_ms_per_mib, self.executor_ms,
+                  self.executor_pass_ms)
         if any(not (v >= 0.0) for v in values):  # also rejects NaN
             raise InvalidInputError("message CPU costs", expected="ms >= 0", found=repr(values),
                                     fix="measure them again (stagewise profile)")
@@ -131,14 +144,17 @@ class MessageCost:
 
     def to_dict(self) -> dict[str, float]:
         return {"send_ms": self.send_ms, "recv_ms": self.recv_ms, "send_ms_per_mib": self.send_ms_per_mib,
-                "recv_ms_per_mib": self.recv_ms_per_mib}
+                "recv_ms_per_mib": self.recv_ms_per_mib, "executor_ms": self.executor_ms,
+                "executor_pass_ms": self.executor_pass_ms}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> "MessageCost":
         try:
             return cls(send_ms=float(doc["send_ms"]), recv_ms=float(doc["recv_ms"]),
                        send_ms_per_mib=float(doc.get("send_ms_per_mib", 0.0)),
-                       recv_ms_per_mib=float(doc.get("recv_ms_per_mib", 0.0)))
+                       recv_ms_per_mib=float(doc.get("recv_ms_per_mib", 0.0)),
+                       executor_ms=float(doc.get("executor_ms", 0.0)),
+                       executor_pass_ms=float(doc.get("executor_pass_ms", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInputError("message CPU costs", expected="{send_ms, recv_ms, ...}",
                                     found=repr(doc)[:120]) from exc
@@ -152,6 +168,7 @@ class P2PResult:
     points: tuple[tuple[int, float], ...]  # (bytes, one-way ms)
     messages: MessageCost | None = None
     posting: tuple[dict[str, float], ...] = ()  # the probe's per-size posting and CPU measurements
+    executor: dict[str, Any] | None = None  # planner.runtime.overhead_probe's report (MessageCost.executor_*)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,6 +251,9 @@ class ProfileSettings:
     p2p_sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
     p2p_timeout_s: float = 120.0
     p2p_posts: int = 8  # messages per size and side whose CPU time is measured (MessageCost); 0: none
+    # Steps of the executor probe (MessageCost.executor_*: the runtime's own CPU per message and pass, with
+    # gloo; after p2p); 0: not measured.
+    executor_steps: int = 6
     clock: Clock = "wall"
     statistic: Statistic = "min"
     sharing: bool = False
@@ -249,6 +269,9 @@ class ProfileSettings:
         if self.batch < 1 or self.repeats < 1 or self.matmul_size < 1 or self.copy_bytes < 4 or self.p2p_posts < 0:
             raise InvalidInputError("profile settings", expected="batch, repeats, sizes >= 1, p2p posts >= 0",
                                     found=f"batch={self.batch}, repeats={self.repeats}, p2p_posts={self.p2p_posts}")
+        if self.executor_steps < 0 or self.executor_steps == 1:
+            raise InvalidInputError("profile executor_steps", expected="0 (not measured) or >= 2 (one warms up)",
+                                    found=repr(self.executor_steps))
         if isinstance(self.evict_bytes, bool) or not isinstance(self.evict_bytes, int) or self.evict_bytes < 0:
             raise InvalidInputError("profile evict_bytes", expected="a whole number of bytes >= 0 (0: no sweep)",
                                     found=repr(self.evict_bytes))
@@ -672,6 +695,49 @@ def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: 
                      points=result.points, messages=fit_message_cost(posting), posting=posting)
 
 
+EXECUTOR_WARMUP_STEPS = 2  # the probe's first steps (start-up, cold caches), left out where it has more
+
+
+def measure_executor(*, model: str, batch: int, seq: int | None, steps: int, timeout_s: float,
+                     microbatches: int = 4) -> dict[str, Any]:
+    """Run ``planner.runtime.overhead_probe`` (a 2-stage plan of ``model`` on the real runtime, two gloo
+    processes) and return its report: the executor thread's CPU per message instruction posting it
+    (``comm_cpu_per_message_ms``), the backend threads' per message (``backend_cpu_per_message_ms``), the
+    executor's other CPU per pass (``bookkeeping_per_pass_ms``) and the probe's message size."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "planner.runtime.overhead_probe", "--model", model, "--batch", str(batch),
+           "--microbatches", str(microbatches), "--steps", str(steps),
+           "--warmup", str(min(EXECUTOR_WARMUP_STEPS, steps - 1)), "--timeout-s", str(timeout_s)]
+    if seq is not None:
+        cmd += ["--seq", str(seq)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s + 60)
+    except subprocess.TimeoutExpired:
+        raise RankFailureError("executor probe", expected=f"a run finishing within {timeout_s:.0f} s",
+                               found="a hang", fix="rerun with --no-p2p to skip it") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RankFailureError("executor probe", expected="exit 0", found=f"exit {proc.returncode}: {last}",
+                               fix="rerun with --no-p2p to skip it")
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise RankFailureError("executor probe", expected="a JSON report on stdout",
+                               found=repr(proc.stdout[-200:])) from None
+
+
+def with_executor_cost(messages: MessageCost, report: dict[str, Any]) -> MessageCost:
+    """``messages`` with the executor probe's costs: per message instruction, the CPU its messages cost the
+    probe's processes (the executor thread posting them, the backend's threads) beyond what ``messages``
+    prices for a bare message of that size (mean of the two ends; never below 0), and per pass, the
+    executor's bookkeeping."""
+    nbytes = float(report["message_bytes"])
+    bare = 0.5 * (messages.send_cpu_ms(nbytes) + messages.recv_cpu_ms(nbytes))
+    per_message = float(report["comm_cpu_per_message_ms"]) + float(report["backend_cpu_per_message_ms"])
+    return replace(messages, executor_ms=max(per_message - bare, 0.0),
+                   executor_pass_ms=max(float(report["bookkeeping_per_pass_ms"]), 0.0))
+
+
 # --- the whole profile -------------------------------------------------------
 def model_chain(spec: str, *, batch: int, seq: int | None) -> Any:
     """The planner's BlockChain of a preset at this shape (trace + coarsen on meta: no weights)."""
@@ -734,6 +800,11 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
         say(f"p2p ({backend})")
         p2p = measure_p2p(sizes=settings.p2p_sizes, repeats=settings.repeats, backend=backend,
                           timeout_s=settings.p2p_timeout_s, posts=settings.p2p_posts)
+        if p2p.messages is not None and settings.executor_steps and backend == "gloo":
+            say("executor (a 2-rank run)")
+            report = measure_executor(model=settings.model, batch=settings.batch, seq=settings.seq,
+                                      steps=settings.executor_steps, timeout_s=settings.p2p_timeout_s)
+            p2p = replace(p2p, messages=with_executor_cost(p2p.messages, report), executor=report)
     sharing = None
     if settings.sharing:
         say("core sharing")
@@ -781,7 +852,7 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
                      "matmul_size": settings.matmul_size, "copy_bytes": settings.copy_bytes,
                      "repeats": settings.repeats, "clock": settings.clock, "statistic": settings.statistic,
                      "sharing": settings.sharing, "sharing_microbatches": settings.sharing_microbatches,
-                     "evict_bytes": settings.evict_bytes},
+                     "evict_bytes": settings.evict_bytes, "executor_steps": settings.executor_steps},
         "blocks": [{"name": s.name, "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "fwd_flops": s.fwd_flops,
                     "bwd_flops": s.bwd_flops, "mem_traffic_bytes": s.mem_traffic_bytes, "n_ops": s.n_ops}
                    for s in samples],
@@ -793,7 +864,7 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
                                          "latency_ms": p2p.latency_ms,
                                          "points": [{"bytes": b, "one_way_ms": t} for b, t in p2p.points],
                                          "messages": None if p2p.messages is None else p2p.messages.to_dict(),
-                                         "posting": list(p2p.posting)},
+                                         "posting": list(p2p.posting), "executor": p2p.executor},
     }
 
 

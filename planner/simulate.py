@@ -55,7 +55,11 @@ the CPU time a message costs the processes at its two ends, beyond its time on
 the wire: posting it and the backend's threads moving its bytes. A ``SEND_*``
 then occupies its rank (and, sharing cores, a core) for the sender's part
 before the message leaves, a ``RECV_*`` for the receiver's part once it has
-arrived. Without it (the default) messages cost the ranks no processor time.
+arrived. Its ``executor_ms`` (the runtime executor's own CPU per message
+instruction, measured by ``planner.runtime.overhead_probe``) is added to each
+end's part, and its ``executor_pass_ms`` (the executor's bookkeeping per pass)
+to every ``F``/``B`` (on the core, not padded by an emulated slow device).
+Without it (the default) messages cost the ranks no processor time.
 
 ``pipeline_ms`` is when the last rank reaches its optimizer step: that is
 what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
@@ -327,14 +331,19 @@ class _Run:
         assert self.messages is not None
         ((side, key),) = message_keys(ins, rank)
         nbytes = self.costs.boundary_bytes[key[1]]
-        return self.messages.send_cpu_ms(nbytes) if side == "send" else self.messages.recv_cpu_ms(nbytes)
+        bare = self.messages.send_cpu_ms(nbytes) if side == "send" else self.messages.recv_cpu_ms(nbytes)
+        return bare + self.messages.executor_ms
+
+    def executor_pass_ms(self) -> float:
+        """The executor's own CPU time around each pass (0 unless messages are priced)."""
+        return self.messages.executor_pass_ms if self.messages is not None else 0.0
 
     def work_ms(self, rank: int, ins: Instruction) -> float:
         """Duration of a pass (:meth:`is_work`) on a processor of its own."""
         if ins.op in MESSAGE_OPS:
             return self.message_cpu_ms(rank, ins)
         if ins.op in ("F", "B"):
-            return self.costs.compute_ms(rank, ins.op)
+            return self.costs.compute_ms(rank, ins.op) + self.executor_pass_ms()
         if ins.op in VERIFY_OPS:
             return self.costs.verify_ms(rank, ins.boundary, ins.direction)
         return self.costs.optim_ms(rank)
@@ -343,7 +352,7 @@ class _Run:
         """The part of a pass that needs a processor: all of it, except the padding of an emulated
         rehearsal of a slower device (a sleep)."""
         if self.emulated and ins.op in ("F", "B"):
-            return self.costs.local_ms(rank, ins.op)
+            return self.costs.local_ms(rank, ins.op) + self.executor_pass_ms()
         return self.work_ms(rank, ins)
 
     def step(self, rank: int, ins: Instruction, dur: float | None = None) -> bool:

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory",
                                 fix=f"pass a file name, e.g. -o {out / 'profile.json'}")
     err = Console(stderr=True)
-    total = 6 + (1 if settings.p2p else 0) + (1 if settings.sharing else 0) + (1 if torch.cuda.is_available() else 0)
+    total = 6 + (2 if settings.p2p else 0) + (1 if settings.sharing else 0) + (1 if torch.cuda.is_available() else 0)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("profiling", total=total)
@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             table.add_row("CPU per message (send / receive)",
                           f"{msg['send_ms']:.3f} + {msg['send_ms_per_mib']:.3f}/MiB / "
                           f"{msg['recv_ms']:.3f} + {msg['recv_ms_per_mib']:.3f}/MiB ms")
+            if doc["p2p"].get("executor"):
+                table.add_row("executor CPU (per message / per pass)",
+                              f"{msg.get('executor_ms', 0.0):.3f} / {msg.get('executor_pass_ms', 0.0):.3f} ms")
     if doc.get("sharing"):
         speeds = doc["sharing"]["speed"]
         table.add_row("speed of k processes at once", ", ".join(f"{k}: {v:.2f}" for k, v in enumerate(speeds, 1)))

@@ -74,6 +74,12 @@ class _Timers:
     comm: float = 0.0
     verify: float = 0.0
     optim: float = 0.0
+    # This thread's CPU time in the same intervals: beside the wall times it tells the executor's own
+    # work from time spent descheduled (ranks that share cores).
+    wait_cpu: float = 0.0
+    comm_cpu: float = 0.0
+    verify_cpu: float = 0.0
+    optim_cpu: float = 0.0
 
 
 class Executor:
@@ -120,6 +126,7 @@ class Executor:
         self._check_program()
         self._next_recvs = _next_recvs(self.program)
         self._grad_last_use = self._last_uses_of_input_grads()
+        self._thread_mark: float | None = None  # this thread's CPU clock when its previous step ended
 
     # ------------------------------------------------------------------ setup
     def _check_program(self) -> None:
@@ -148,6 +155,8 @@ class Executor:
     def run_step(self, step: int, start_s: float, start_cpu_s: float) -> StepMetrics:
         """Execute the program once; ``start_s``/``start_cpu_s`` are the wall and process CPU clocks
         (``time.perf_counter``, ``time.process_time``) when the previous step ended."""
+        if self._thread_mark is None:
+            self._thread_mark = time.thread_time()
         self._reset(step)
         for i, ins in enumerate(self.program):
             if ins.op in ("F", "B"):
@@ -162,13 +171,17 @@ class Executor:
             self.attacks.end_step()
         loss_sum, loss_count = self._losses()
         t = self.t
+        thread_now = time.thread_time()
+        thread_cpu, self._thread_mark = thread_now - self._thread_mark, thread_now
         return StepMetrics(step=step, rank=self.rank, step_ms=1e3 * (time.perf_counter() - start_s),
                            cpu_ms=1e3 * (time.process_time() - start_cpu_s),
                            compute_ms=1e3 * t.compute, compute_cpu_ms=1e3 * t.compute_cpu, pad_ms=1e3 * t.pad,
                            wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
                            loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
-                           flagged=self.flagged, banned=len(banned))
+                           flagged=self.flagged, banned=len(banned), thread_cpu_ms=1e3 * thread_cpu,
+                           wait_cpu_ms=1e3 * t.wait_cpu, comm_cpu_ms=1e3 * t.comm_cpu,
+                           verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu)
 
     def _reset(self, step: int) -> None:
         self.step = step
@@ -281,6 +294,11 @@ class Executor:
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
 
+    def _book(self, what: str, t0: float, cpu0: float) -> None:
+        """Add the wall and thread CPU time since ``t0``/``cpu0`` to timer ``what`` (comm, wait, verify, optim)."""
+        setattr(self.t, what, getattr(self.t, what) + time.perf_counter() - t0)
+        setattr(self.t, f"{what}_cpu", getattr(self.t, f"{what}_cpu") + time.thread_time() - cpu0)
+
     def _computed(self, op: str, t0: float, cpu0: float) -> None:
         """Book a pass that started at wall ``t0`` and thread CPU time ``cpu0``, and pad it if emulating."""
         elapsed = time.perf_counter() - t0
@@ -339,12 +357,12 @@ class Executor:
             header = torch.tensor([int(dropped)], dtype=torch.int64, device=self.device)
         if not tensors and header is None:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
                                     header=header, header_kind=header_kind if header is not None else None,
                                     doing=f"sending {ins} (step {self.step})"))
         self._prune_sends()
-        self.t.comm += time.perf_counter() - t0
+        self._book("comm", t0, c0)
 
     def _specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         edge = self.edges[boundary]
@@ -373,17 +391,17 @@ class Executor:
     def _post_recv(self, ins: Instruction) -> None:
         if (ins.direction, ins.mb) in self.recvs or (ins.direction, ins.mb) in self.received:
             return  # already posted by _prefetch
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
                              doing=f"receiving {ins} (step {self.step})")
-        self.t.comm += time.perf_counter() - t0
+        self._book("comm", t0, c0)
         if pending is not None:
             self.recvs[(ins.direction, ins.mb)] = pending
 
     def _wait(self, pending: Pending) -> list[torch.Tensor]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         tensors = pending.wait()
-        self.t.wait += time.perf_counter() - t0
+        self._book("wait", t0, c0)
         return tensors
 
     def _take(self, key: tuple[str, int]) -> list[torch.Tensor]:
@@ -423,11 +441,11 @@ class Executor:
             self.sends = keep
 
     def _finish_sends(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for pending in self.sends:
             pending.wait()
         self.sends = []
-        self.t.wait += time.perf_counter() - t0
+        self._book("wait", t0, c0)
 
     # ------------------------------------------------------------------ verification
     def _verify(self, ins: Instruction) -> None:
@@ -452,10 +470,10 @@ class Executor:
             tensors = self._take((d, mb))
             tainted_in = self.taint_in.get((d, mb), False)
             sender = self.plan.owner(sender_stage, mb)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
                                              tainted=tainted_in)
-        self.t.verify += time.perf_counter() - t0
+        self._book("verify", t0, c0)
         self.flagged += int(flagged)
         if ins.dest is None:
             if flagged or tainted:
@@ -463,10 +481,10 @@ class Executor:
             return
         verdict = torch.tensor([int(flagged), int(tainted)], dtype=torch.int64, device=self.device)
         _, _, verdict_kind = ACT_KINDS[d]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.sends.append(comm.send([verdict], peer=ins.dest, kind=verdict_kind, boundary=boundary, mb=mb,
                                     doing=f"sending the verdict of {ins} (step {self.step})"))
-        self.t.comm += time.perf_counter() - t0
+        self._book("comm", t0, c0)
 
     def _verdict(self, ins: Instruction) -> None:
         """Post the receive of a verifier's verdict on a tensor this rank is about to use; wait
@@ -474,10 +492,10 @@ class Executor:
         d, mb = ins.direction, ins.mb
         assert mb is not None and ins.boundary is not None
         _, _, verdict_kind = ACT_KINDS[d]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         pending = comm.recv([((2,), torch.int64)], peer=ins.peer, kind=verdict_kind, boundary=ins.boundary, mb=mb,
                             device=self.device, doing=f"waiting for the verdict {ins} (step {self.step})")
-        self.t.comm += time.perf_counter() - t0
+        self._book("comm", t0, c0)
         if self.defer_verdicts:
             self.verdicts[(d, mb)] = pending
         else:
@@ -536,19 +554,19 @@ class Executor:
         """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
         if self.verify is None or self.verify.verifier is None:
             return set()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         flags = self.verify.step_flags(step)
-        self.t.verify += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        self._book("verify", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.groups.verifiers is not None:
             gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
                                               doing="exchanging verification flags")
         else:
             gathered = [flags]
-        self.t.comm += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        self._book("comm", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         banned = self.verify.end_step(step, gathered)   # blame and bans: verification work too
-        self.t.verify += time.perf_counter() - t0
+        self._book("verify", t0, c0)
         return banned
 
     # ------------------------------------------------------------------ gradients and optimizer
@@ -556,12 +574,12 @@ class Executor:
         self._settle_all()
         if self.groups.stage is None or not self.replica_params:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         flat = comm.flat_grads(self.replica_params)
         comm.all_reduce_sum(flat, group=self.groups.stage, ranks=self.groups.stage_ranks,
                             doing=f"all-reducing stage {self.info.stage}'s gradients")
         comm.unflatten_grads(flat, self.replica_params)
-        self.t.comm += time.perf_counter() - t0
+        self._book("comm", t0, c0)
 
     def _sync_tied(self) -> None:
         named = dict(self.stage.parameters()) if self.stage is not None else {}
@@ -573,17 +591,17 @@ class Executor:
 
     def _optim(self) -> None:
         self._settle_all()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._sync_tied()
-        self.t.comm += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        self._book("comm", t0, c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.keep_grads and self.stage is not None:
             self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                for n, p in self.stage.parameters()}
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.t.optim += time.perf_counter() - t0
+        self._book("optim", t0, c0)
 
     def _losses(self) -> tuple[float, int]:
         """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.

@@ -9,7 +9,11 @@ receive or a verdict), communication (posting sends, all-reduce, gathering
 flags), verification (scoring) and the optimizer. ``compute_cpu_ms`` is the CPU
 time of the passes on the thread that ran them (with one torch thread on CPU,
 all of their work; 0 where that does not hold): beside ``compute_ms`` it shows
-how much of the compute's wall time the rank spent descheduled. The numbers travel to rank 0
+how much of the compute's wall time the rank spent descheduled. Likewise
+``thread_cpu_ms`` (the executing thread's CPU time over the step) and the
+``*_cpu_ms`` of waits, posting, verification and the optimizer: ``own_cpu_ms``,
+what is left, is the executor's own CPU time (``cost_models.profile``'s
+executor probe prices it per message). The numbers travel to rank 0
 as one small float64 tensor per step (a point-to-point send, so collecting
 them never synchronises the pipeline), and rank 0 writes one JSON line per
 rank and step.
@@ -50,6 +54,13 @@ class StepMetrics:
     dropped: int = 0
     flagged: int = 0
     banned: int = 0
+    # The CPU time of the thread that runs the program (the executor's): over the whole step period, and
+    # within the waits, the posting of messages, verification and the optimizer (see ``own_cpu_ms``).
+    thread_cpu_ms: float = 0.0
+    wait_cpu_ms: float = 0.0
+    comm_cpu_ms: float = 0.0
+    verify_cpu_ms: float = 0.0
+    optim_cpu_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.rank < 0 or self.step_ms < 0:
@@ -77,6 +88,13 @@ class StepMetrics:
     @property
     def busy_ms(self) -> float:
         return self.compute_ms + self.pad_ms
+
+    @property
+    def own_cpu_ms(self) -> float:
+        """The executor thread's CPU time outside passes, waits, verification and the optimizer: its own
+        bookkeeping per instruction, posting messages included (meaningful where ``compute_cpu_ms`` is)."""
+        return max(self.thread_cpu_ms - self.compute_cpu_ms - self.wait_cpu_ms - self.verify_cpu_ms
+                   - self.optim_cpu_ms, 0.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

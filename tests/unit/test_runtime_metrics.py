@@ -49,3 +49,11 @@ def test_json_lines_round_trip(tmp_path):
 def test_negative_figures_are_refused():
     with pytest.raises(InvalidInputError):
         _row(0, 0, -1.0)
+
+
+def test_own_cpu_is_the_executor_threads_cpu_outside_passes_waits_verification_and_the_optimizer():
+    m = _row(3, 1, 50.0, compute_cpu_ms=30.0, thread_cpu_ms=41.0, wait_cpu_ms=1.0, verify_cpu_ms=2.0,
+             optim_cpu_ms=4.5, comm_cpu_ms=2.5)
+    assert m.own_cpu_ms == pytest.approx(3.5)  # 2.5 of it posting messages, 1.0 the rest of its bookkeeping
+    assert StepMetrics.from_tensor(m.to_tensor()) == m
+    assert _row(0, 0, 1.0).own_cpu_ms == 0.0  # rows without the thread clocks (older files) leave nothing
