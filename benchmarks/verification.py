@@ -37,6 +37,7 @@ or on a CPU-only verifier host.
     python benchmarks/verification.py            # writes benchmarks/results/verification.json
     python benchmarks/verification.py --quick    # a smoke run
     python benchmarks/verification.py --only detection --out FILE   # all but `stagewise run` on vs off
+    python benchmarks/verification.py --only clean_wide --out FILE  # rerun only the wide clean runs, merged into FILE
     python benchmarks/verification.py --only overhead [--models gpt-tiny] [--reps 2] [--wait-first]
                                                  # rerun only `stagewise run` on vs off, merged into the JSON
 """
@@ -589,9 +590,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not give the monitors the token ids")
     parser.add_argument("--reps", type=int, default=2, help="runs per setting of the distributed overhead")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification.json"))
-    parser.add_argument("--only", choices=("all", "overhead", "detection"), default="all",
+    parser.add_argument("--only", choices=("all", "overhead", "detection", "clean_wide"), default="all",
                         help="overhead: rerun only the distributed overhead (`stagewise run` on vs off) and "
-                             "merge it into --out; detection: everything but the distributed overhead")
+                             "merge it into --out; detection: everything but the distributed overhead; "
+                             "clean_wide: rerun only the clean runs at d=256 and merge them into --out")
     parser.add_argument("--wait-first", action="store_true",
                         help="also time verification that waits for each verdict first (the executor's old way)")
     parser.add_argument("--models", nargs="+", choices=list(OVERHEAD_MODELS), default=list(OVERHEAD_MODELS),
@@ -600,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.only == "overhead":
         return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first)
+    if args.only == "clean_wide":
+        return only_clean_wide(Path(args.out), wide={**WIDE_CLEAN, "steps": 40, "lrs": (1e-3,)} if args.quick
+                               else WIDE_CLEAN)
     detection_only = args.only == "detection"
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
@@ -658,6 +663,21 @@ def only_overhead(out: Path, *, reps: int, models: list[str], wait_first: bool) 
               + (f"; waiting first {row['step_ms_wait_first']:.1f} ms ({100 * row['overhead_wait_first']:+.1f}% "
                  f"wall, {100 * row['cpu_overhead_wait_first']:+.1f}% CPU)" if "step_ms_wait_first" in row else ""))
     print(f"took {duration_s:.0f} s; load average before {load_before}, after {os.getloadavg()}")
+    _write(report, out)
+    return 0
+
+
+def only_clean_wide(out: Path, *, wide: dict[str, Any]) -> int:
+    """Rerun the wide clean runs alone and merge them into the report at ``out`` (its other
+    sections are kept)."""
+    rows = wide_clean(**wide)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report["clean_wide"] = rows
+    report.setdefault("goals", {})["fpr_wide"] = {f"d={r['d_model']} lr={r['lr']:g}": r["fpr"] <= GOALS["fpr"]
+                                                  for r in rows}
+    for row in rows:
+        print(f"clean runs, {row['model']}, lr {row['lr']:g}, {row['steps']} steps: FPR {row['fpr']:.4f} "
+              f"({row['blamed_pairs']}/{row['pairs']}), bans {row['banned']}, flags {row['flags_by_test']}")
     _write(report, out)
     return 0
 
