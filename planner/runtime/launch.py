@@ -79,6 +79,7 @@ class RunOptions:
     data: str = "auto"
     loss: str | None = None
     lr: float | None = None
+    lr_warmup: int = 0
     dump: str | None = None
     fault: FaultSpec | None = None
     threads: int = 1
@@ -95,6 +96,9 @@ class RunOptions:
             raise InvalidInputError("--backend", expected="auto, gloo or nccl", found=repr(self.backend))
         if self.lr is not None and self.lr <= 0:
             raise InvalidInputError("--lr", expected="> 0", found=str(self.lr))
+        if self.lr_warmup < 0:
+            raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
+                                    found=str(self.lr_warmup))
 
     def worker_argv(self) -> list[str]:
         """The command-line form of these options (parsed back by :func:`parse_worker_args`)."""
@@ -102,7 +106,8 @@ class RunOptions:
                 "--seed", str(self.seed), "--data", self.data, "--threads", str(self.threads),
                 "--backend", self.backend]
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
-                            ("--lr", self.lr), ("--dump", self.dump), ("--fault", self.fault)):
+                            ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
+                            ("--fault", self.fault)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -139,6 +144,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "or package.module:factory")
     parser.add_argument("--loss", help="package.module:function(logits, targets) (default: the model's own)")
     parser.add_argument("--lr", type=float, help="learning rate (default 1e-3 Adam, 1e-2 SGD)")
+    parser.add_argument("--lr-warmup", type=int, default=0, dest="lr_warmup", metavar="STEPS",
+                        help="raise the learning rate linearly to --lr over the first STEPS steps (default 0: none)")
     parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
                         "and losses to DIR/rank<R>.pt (to compare with a reference)")
     parser.add_argument("--fault", type=FaultSpec.parse, metavar="RANK:KIND[:STEP]",

@@ -169,6 +169,15 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *,
     return torch.optim.SGD(params, lr=rate) if name == "sgd" else torch.optim.Adam(params, lr=rate)
 
 
+def make_lr_warmup(optimizer: torch.optim.Optimizer | None,
+                   steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A linear learning-rate warm-up: step ``k`` (from 0) trains at ``lr * min(1, (k + 1) / steps)``, as
+    most recipes start, since full-rate Adam steps on a fresh model can spike the loss. None: no warm-up."""
+    if optimizer is None or steps <= 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / steps))
+
+
 # --------------------------------------------------------------------------- progress
 class Progress:
     """Rank 0's per-step output: JSON events for the local launcher, or text lines under torchrun."""
@@ -287,6 +296,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     stage = setup.stage
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
                                lr=opts.lr)
+    warmup = make_lr_warmup(optimizer, opts.lr_warmup)
     verify = VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data) if verifying else None
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
@@ -308,6 +318,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     for step in range(opts.steps):
         _inject_fault(opts.fault, env.rank, step)
         metrics = executor.run_step(step, last_end, last_cpu)
+        if warmup is not None:
+            warmup.step()  # the next step's rate; the scheduler is a few float operations
         last_end, last_cpu = time.perf_counter(), time.process_time()
         _log_bans(verify, env.rank)
         publish(collector.submit(metrics))

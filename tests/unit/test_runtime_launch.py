@@ -13,8 +13,8 @@ from planner.runtime.launch import (FaultSpec, RunOptions, _Rank, diagnose, pars
 def test_worker_argv_round_trips_every_option():
     opts = RunOptions(plan="p.json", steps=7, timeout_s=12.5, emulate=True, metrics="m.jsonl", report="r.json",
                       attacks=("rank=1,kind=zeros", "rank=2,kind=noise"), verify=False, seed=3, data="synthetic",
-                      loss="a.b:c", lr=0.5, dump="d", fault=FaultSpec(rank=1, kind="hang", step=2), threads=2,
-                      backend="gloo")
+                      loss="a.b:c", lr=0.5, lr_warmup=20, dump="d", fault=FaultSpec(rank=1, kind="hang", step=2),
+                      threads=2, backend="gloo")
     assert parse_worker_args(opts.worker_argv()) == opts
     assert parse_worker_args(["p.json"]) == RunOptions(plan="p.json")
 
@@ -25,7 +25,7 @@ def test_no_worker_flag_is_claimed_by_torchrun():
 
     theirs = [o for a in get_args_parser()._actions for o in a.option_strings if o.startswith("--")]
     ours = [o for o in RunOptions(plan="p", emulate=True, verify=False, metrics="m", report="r", loss="a:b",
-                                  lr=1.0, dump="d", fault=FaultSpec(rank=0, kind="die"),
+                                  lr=1.0, lr_warmup=3, dump="d", fault=FaultSpec(rank=0, kind="die"),
                                   attacks=("x",)).worker_argv() if o.startswith("--")]
     clashes = [(o, t) for o in ours for t in theirs if t.startswith(o)]
     assert not clashes
@@ -38,10 +38,26 @@ def test_bad_fault_specs_are_refused(text):
 
 
 @pytest.mark.parametrize("bad", [dict(steps=0), dict(timeout_s=0), dict(threads=0), dict(backend="mpi"),
-                                 dict(lr=-1.0)])
+                                 dict(lr=-1.0), dict(lr_warmup=-1)])
 def test_bad_options_are_refused(bad):
     with pytest.raises(InvalidInputError):
         RunOptions(plan="p.json", **bad)
+
+
+def test_lr_warmup_raises_the_rate_linearly_then_holds_it():
+    import torch
+
+    from planner.runtime.worker import make_lr_warmup
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.4)
+    warmup = make_lr_warmup(opt, 4)
+    rates = []
+    for _ in range(6):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        warmup.step()
+    assert rates == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4])
+    assert make_lr_warmup(opt, 0) is None and make_lr_warmup(None, 4) is None
 
 
 def _rank(tmp_path, r, code, *, killed=False, log=""):
