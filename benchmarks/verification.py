@@ -64,6 +64,7 @@ from models.registry import PRESETS, lm_loss
 from planner.plan import VerifierConfig as PlanVerifierConfig
 from planner.runtime.attacks import Attacker, parse_attack
 from planner.runtime.verify import Verifier, blame
+from planner.runtime.worker import make_lr_warmup
 
 ATTACKS: dict[str, str] = {
     "constant": "kind=constant",
@@ -101,6 +102,7 @@ class RunConfig:
     microbatch_size: int = 4
     seq: int = 32
     lr: float = 1e-3
+    lr_warmup: int = 0              # steps of linear learning-rate warm-up (`stagewise run --lr-warmup`)
     seed: int = 0
     attack: str | None = None       # spec without rank/start
     start: int = 20
@@ -152,8 +154,11 @@ class Pipeline:
         self.cfg, self.model = cfg, model
         self.stages = split_stages(model, cfg.stages)
         self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        self.lr_warmup = make_lr_warmup(self.opt, cfg.lr_warmup)  # the runtime's own schedule
         boundaries = [(b, d) for b in range(cfg.stages - 1) for d in ("act", "grad")]
-        self.verifier = Verifier(cfg.verifier_config, boundaries) if cfg.verify else None
+        # As the runtime does (verify_hooks.monitor_config): the honest warm-up covers the lr warm-up.
+        vcfg = {**cfg.verifier_config, "warmup": max(int(cfg.verifier_config["warmup"]), cfg.lr_warmup)}
+        self.verifier = Verifier(vcfg, boundaries) if cfg.verify else None
         self.attacker = None
         if cfg.attack:
             self.attacker = Attacker(parse_attack(f"rank={ATTACKER},start={cfg.start},{cfg.attack}"), seed=cfg.seed)
@@ -234,6 +239,8 @@ def run(cfg: RunConfig, *, keep_events: bool = False) -> RunResult:
             if cfg.replan:
                 pipe.attacker = None      # planned around: an honest device takes the stage over
         pipe.opt.step()
+        if pipe.lr_warmup is not None:
+            pipe.lr_warmup.step()
         result.step_ms.append(1e3 * (time.process_time() - t0))
     with torch.no_grad():
         h = val_idx
@@ -285,20 +292,23 @@ def median_step_ms(results: list[RunResult]) -> float:
     return statistics.median(ms for r in results for ms in r.step_ms[5:])
 
 
-WIDE_CLEAN = {"d_model": 256, "microbatch_size": 12, "steps": 100, "lrs": (1e-3, 3e-4)}
+# (learning rate, steps of linear warm-up): full-rate Adam from step 0 spikes the loss at d=256, lr 1e-3.
+WIDE_CLEAN = {"d_model": 256, "microbatch_size": 12, "steps": 100, "lrs": ((1e-3, 0), (3e-4, 0), (1e-3, 20))}
 
 
-def wide_clean(*, d_model: int, microbatch_size: int, steps: int, lrs: tuple[float, ...],
+def wide_clean(*, d_model: int, microbatch_size: int, steps: int, lrs: tuple[tuple[float, int], ...],
                seed: int = 0) -> list[dict[str, Any]]:
     """The false-positive rate of clean training at a wider model (gpt-tiny's FPR alone says
     nothing about a model whose boundary tensors go through the spectral projection and
-    whose stages change faster), one row per learning rate: 12 x 32 = 384 rows per
-    microbatch. Also which tests flagged and the mean loss of the last 10 steps (a
-    verifier dropping every microbatch stops training: the loss stays put)."""
+    whose stages change faster), one row per learning rate and warm-up (``lrs``: pairs of
+    a learning rate and steps of linear warm-up): 12 x 32 = 384 rows per microbatch. Also
+    which tests flagged and the mean loss of the last 10 steps (a verifier dropping every
+    microbatch stops training: the loss stays put)."""
     warmup = int(plan_default_config()["warmup"])
     rows = []
-    for lr in lrs:
-        cfg = RunConfig(steps=steps, microbatch_size=microbatch_size, lr=lr, seed=seed, d_model=d_model)
+    for lr, lr_warmup in lrs:
+        cfg = RunConfig(steps=steps, microbatch_size=microbatch_size, lr=lr, lr_warmup=lr_warmup, seed=seed,
+                        d_model=d_model)
         pipe_run = run(cfg, keep_events=True)
         reasons: dict[str, int] = {}
         for e in pipe_run.flag_events:
@@ -306,12 +316,15 @@ def wide_clean(*, d_model: int, microbatch_size: int, steps: int, lrs: tuple[flo
                 key = f"{e['direction']} {e['boundary']} {e['scope']} {reason}"
                 reasons[key] = reasons.get(key, 0) + 1
         kept = [x for x in pipe_run.losses[-10:] if x == x]
-        rows.append({"model": f"gpt-tiny at d={d_model}", "d_model": d_model, "lr": lr, "steps": steps,
+        honest_from = max(warmup, lr_warmup)
+        rows.append({"model": f"gpt-tiny at d={d_model}", "d_model": d_model, "lr": lr, "lr_warmup": lr_warmup,
+                     "steps": steps,
                      "rows_per_microbatch": microbatch_size * cfg.seq, "seed": seed,
-                     **false_positive_rate([pipe_run], warmup, cfg.stages), "flags_by_test": reasons,
+                     **false_positive_rate([pipe_run], honest_from, cfg.stages), "flags_by_test": reasons,
                      "loss_last10": round(sum(kept) / len(kept), 4) if kept else None,
                      "steps_all_dropped": sum(1 for x in pipe_run.losses if x != x)})
-        print(f"  wide clean d={d_model} lr={lr:g}: FPR {rows[-1]['fpr']:.4f}", file=sys.stderr, flush=True)
+        print(f"  wide clean d={d_model} lr={lr:g} lr warm-up {lr_warmup}: FPR {rows[-1]['fpr']:.4f}", file=sys.stderr,
+              flush=True)
     return rows
 
 
@@ -559,8 +572,7 @@ def print_table(report: dict[str, Any]) -> None:
     console.print(f"clean runs: FPR {clean['fpr']:.4f} ({clean['blamed_pairs']}/{clean['pairs']} (step, sender) "
                   f"pairs), bans {clean['banned']}, val loss {clean['val_loss']:.3f}")
     for row in report.get("clean_wide", []):
-        console.print(f"clean runs, {row['model']}, lr {row['lr']:g}, {row['steps']} steps: FPR {row['fpr']:.4f} "
-                      f"({row['blamed_pairs']}/{row['pairs']}), bans {row['banned']}, flags {row['flags_by_test']}")
+        console.print(_wide_line(row))
     console.print(f"emulated step (CPU): {over['step_ms_verify_on']:.1f} ms verified vs "
                   f"{over['step_ms_verify_off']:.1f} ms unverified (+{100 * over['overhead']:.1f}%, "
                   f"{over['us_per_check']:.0f} us per check; serial, gpt-tiny)")
@@ -603,21 +615,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "overhead":
         return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first)
     if args.only == "clean_wide":
-        return only_clean_wide(Path(args.out), wide={**WIDE_CLEAN, "steps": 40, "lrs": (1e-3,)} if args.quick
+        return only_clean_wide(Path(args.out), wide={**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),)} if args.quick
                                else WIDE_CLEAN)
     detection_only = args.only == "detection"
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
         report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels,
                            distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1,
-                           wide={**WIDE_CLEAN, "steps": 40, "lrs": (1e-3,)})
+                           wide={**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),)})
     else:
         report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels,
                            distributed={} if detection_only else {m: OVERHEAD_MODELS[m] for m in args.models},
                            reps=args.reps, wide=WIDE_CLEAN)
     report["goals"] = {"f1_all": all(r["f1"] >= GOALS["f1"] for r in report["attacks"].values()),
                        "fpr": report["clean"]["fpr"] <= GOALS["fpr"],
-                       "fpr_wide": {f"d={r['d_model']} lr={r['lr']:g}": r["fpr"] <= GOALS["fpr"]
+                       "fpr_wide": {_wide_key(r): r["fpr"] <= GOALS["fpr"]
                                     for r in report["clean_wide"]},
                        "overhead": report["overhead"]["at_width"][-1]["overhead"] <= GOALS["overhead"],
                        "overhead_distributed": distributed_goals(report["overhead"]["distributed"])}
@@ -673,13 +685,22 @@ def only_clean_wide(out: Path, *, wide: dict[str, Any]) -> int:
     rows = wide_clean(**wide)
     report = json.loads(out.read_text()) if out.exists() else {}
     report["clean_wide"] = rows
-    report.setdefault("goals", {})["fpr_wide"] = {f"d={r['d_model']} lr={r['lr']:g}": r["fpr"] <= GOALS["fpr"]
+    report.setdefault("goals", {})["fpr_wide"] = {_wide_key(r): r["fpr"] <= GOALS["fpr"]
                                                   for r in rows}
     for row in rows:
-        print(f"clean runs, {row['model']}, lr {row['lr']:g}, {row['steps']} steps: FPR {row['fpr']:.4f} "
-              f"({row['blamed_pairs']}/{row['pairs']}), bans {row['banned']}, flags {row['flags_by_test']}")
+        print(_wide_line(row))
     _write(report, out)
     return 0
+
+
+def _wide_line(row: dict[str, Any]) -> str:
+    return (f"clean runs, {row['model']}, lr {row['lr']:g} (warm-up {row.get('lr_warmup', 0)}), {row['steps']} "
+            f"steps: FPR {row['fpr']:.4f} ({row['blamed_pairs']}/{row['pairs']}), bans {row['banned']}, "
+            f"flags {row['flags_by_test']}")
+
+
+def _wide_key(row: dict[str, Any]) -> str:
+    return f"d={row['d_model']} lr={row['lr']:g} lr warm-up {row.get('lr_warmup', 0)}"
 
 
 def _write(report: dict[str, Any], out: Path) -> None:

@@ -33,10 +33,15 @@ _PLAN_TO_MONITOR_KEYS = {"act_beta": "beta_act", "grad_beta": "beta_grad", "warm
                          "window": "window", "iqr_k": "iqr_k", "ban_after": "ban_after"}
 
 
-def monitor_config(plan: Plan, seed: int) -> dict[str, Any]:
-    """The monitors' config dict from the plan's ``verifier_config``."""
+def monitor_config(plan: Plan, seed: int, *, lr_warmup: int = 0) -> dict[str, Any]:
+    """The monitors' config dict from the plan's ``verifier_config``. Their honest warm-up lasts at
+    least the learning-rate warm-up (``lr_warmup`` steps): while the rate climbs, every boundary's
+    statistics move with it, and references learnt at a tenth of the rate flag the rest of the climb
+    (gpt-tiny's shape at d=256, lr 1e-3 over 20 steps: 22% of honest (step, sender) pairs flagged with
+    the plan's 5-step warm-up, 1.9% with 20)."""
     cfg = asdict(plan.verifier_config)
     out = {_PLAN_TO_MONITOR_KEYS.get(k, k): v for k, v in cfg.items()}
+    out["warmup"] = max(int(out["warmup"]), lr_warmup)
     out["seed"] = seed
     return out
 
@@ -61,16 +66,17 @@ def as_checked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class VerifyHooks:
     """This rank's monitors (if the plan makes it a verifier)."""
 
-    def __init__(self, plan: Plan, rank: int, *, seed: int = 0, data: str | None = None) -> None:
+    def __init__(self, plan: Plan, rank: int, *, seed: int = 0, data: str | None = None, lr_warmup: int = 0) -> None:
         """``data``: the run's data source (``RunOptions.data``), from which the labels are
         rebuilt; None gives the monitors no labels (a guessed source could disagree with
         the one the stages train on, and every honest microbatch would look bound to
-        the wrong labels)."""
+        the wrong labels). ``lr_warmup``: the run's learning-rate warm-up steps (see
+        :func:`monitor_config`)."""
         from planner.runtime.verify import Verifier
 
         self.rank = rank
         pairs = [(v.boundary, d) for v in plan.verifiers if v.rank == rank for d in v.directions]
-        self.verifier = Verifier(monitor_config(plan, seed), pairs) if pairs else None
+        self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs) if pairs else None
         self._labels = _Labels(plan, seed=seed, data=data) if pairs and data is not None else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen

@@ -297,7 +297,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
                                lr=opts.lr)
     warmup = make_lr_warmup(optimizer, opts.lr_warmup)
-    verify = VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data) if verifying else None
+    verify = (VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data, lr_warmup=opts.lr_warmup)
+              if verifying else None)
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,

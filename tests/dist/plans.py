@@ -80,7 +80,7 @@ def save_plan(plan: Plan, folder: Path, name: str = "plan.json") -> Path:
 
 
 
-def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = None):
+def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = None, lr_warmup: int = 0):
     """The unpipelined run the pipeline must reproduce: the whole model on the whole global batch,
     as gradient accumulation over the plan's microbatches in order (the same sums as one full-batch
     backward; accumulating in the pipeline's order keeps Adam's near-zero-gradient elements comparable).
@@ -89,13 +89,14 @@ def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = N
     """
     from models.registry import build_model, loss_fn
     from planner.runtime.data import make_source
-    from planner.runtime.worker import make_optimizer
+    from planner.runtime.worker import make_lr_warmup, make_optimizer
 
     torch.set_num_threads(1)
     ref = plan.model
     bundle = build_model(ref.spec, batch=plan.config.microbatch_size, seq=ref.seq, device="cpu", seed=seed)
     model, source, loss_of = bundle.module, make_source(bundle, seq=ref.seq, seed=seed), loss_fn(bundle)
     opt = make_optimizer(plan.config.optimizer, list(model.parameters()), lr=lr)
+    warmup = make_lr_warmup(opt, lr_warmup)
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(step, plan.config.global_batch)
@@ -109,6 +110,8 @@ def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = N
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if warmup is not None:
+            warmup.step()
     clones: dict[int, torch.Tensor] = {}  # aliases of a tied parameter share one clone (compare by id)
     params = {n: clones.setdefault(id(p), p.detach().clone())
               for n, p in model.named_parameters(remove_duplicate=False)}

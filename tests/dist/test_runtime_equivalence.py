@@ -2,7 +2,8 @@
 several optimizer steps (gloo on CPU, one process per rank, each with one thread).
 
 Parametrized economically: every preset, 2 and 4 ranks, uneven stages, GPipe and 1F1B, SGD and
-Adam, a replicated stage and a weight tied across stages, without the full cross product.
+Adam, a replicated stage, a weight tied across stages and a learning-rate warm-up, without the full
+cross product.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ CASES = {
     # embedding tied to the LM head: the first and last stage sum that weight's gradients
     "tied-gpt-2ranks-1f1b-adam": ("tests.dist.plans:tied_gpt", 16, 2, 2, [(0, 1), (2, 3)], None, "1f1b", "adam", 2),
 }
+LR_WARMUP = {"mlp-2ranks-gpipe-adam": 2}  # steps of linear warm-up (`--lr-warmup`): rates 1/2, 1, 1
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -32,8 +34,10 @@ def test_pipeline_matches_single_process_reference(case, tmp_path):
     plan = make_plan(spec, microbatch=mbs, num_microbatches=m, seq=seq, stages=stages, replicas=replicas,
                      schedule=schedule, optimizer=optimizer)
     path = plan.save(tmp_path / "plan.json")
-    result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=60, dump=str(tmp_path / "dump")))
-    losses, grads, params = reference_run(plan, steps=steps)
+    warmup = LR_WARMUP.get(case, 0)
+    result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=60, dump=str(tmp_path / "dump"),
+                               lr_warmup=warmup))
+    losses, grads, params = reference_run(plan, steps=steps, lr_warmup=warmup)
 
     assert result["steps"] == steps and len(result["step_ms"]) == steps
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)

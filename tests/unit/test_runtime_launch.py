@@ -85,3 +85,15 @@ def test_diagnosis_names_a_hung_rank_and_an_exception(tmp_path):
     crash = [_rank(tmp_path, 0, 1, log="Traceback\n[rank0]: ValueError: boom\n"), _rank(tmp_path, 1, 3)]
     (tmp_path / "rank0.json").unlink()
     assert diagnose(crash, tmp_path, 7).startswith("rank 0 failed: ValueError: boom")
+
+
+def test_verifier_warmup_covers_the_lr_warmup():
+    """While the learning rate climbs the boundary statistics move with it: the monitors' honest warm-up
+    lasts at least as long (and the plan's own, when longer)."""
+    from planner.plan import VerifierConfig
+    from planner.runtime.verify_hooks import monitor_config
+
+    plan = SimpleNamespace(verifier_config=VerifierConfig(warmup_steps=5))
+    assert monitor_config(plan, 0)["warmup"] == 5
+    assert monitor_config(plan, 0, lr_warmup=20)["warmup"] == 20
+    assert monitor_config(plan, 0, lr_warmup=3)["warmup"] == 5
