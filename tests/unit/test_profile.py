@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
@@ -23,6 +22,7 @@ from cost_models.profile import (
 )
 from planner.errors import InvalidInputError
 from planner.ir import Block
+from tests.unit.toy_models import ToyLM
 
 torch.set_num_threads(1)
 
@@ -103,22 +103,8 @@ def test_fit_p2p() -> None:
         fit_p2p([(1000, 1.0)], "gloo")
 
 
-class _Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 def test_time_units_on_a_toy_model() -> None:
-    model = _Toy()
+    model = ToyLM()
     timings = time_units(model, (torch.randint(0, 16, (2, 4)),), repeats=2, device=torch.device("cpu"))
     assert [t.name for t in timings] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     assert all(t.fwd_ms > 0 and t.bwd_ms > 0 for t in timings)

@@ -12,22 +12,9 @@ import cost_models.profile as prof
 from cost_models.devices import DeviceSpec
 from cost_models.profile import EVICT_BYTES, Calibration, ProfileSettings, time_units
 from planner.errors import InvalidInputError
+from tests.unit.toy_models import ToyLM
 
 torch.set_num_threads(1)
-
-
-class _Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _record(model: nn.Module, monkeypatch: pytest.MonkeyPatch, events: list[str]) -> list[int]:
@@ -54,7 +41,7 @@ def _record(model: nn.Module, monkeypatch: pytest.MonkeyPatch, events: list[str]
 
 
 def test_a_sweep_runs_before_each_timed_pass_and_outside_its_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, events = _Toy(), []
+    model, events = ToyLM(layers=2), []
     built = _record(model, monkeypatch, events)
     events.clear()  # the capture pass (no grad, untimed) is not of interest
     timings = time_units(model, (torch.randint(0, 16, (2, 4)),), repeats=2, device=torch.device("cpu"),
@@ -69,7 +56,7 @@ def test_a_sweep_runs_before_each_timed_pass_and_outside_its_window(monkeypatch:
 
 
 def test_no_sweep_when_evict_bytes_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, events = _Toy(), []
+    model, events = ToyLM(layers=2), []
     built = _record(model, monkeypatch, events)
     time_units(model, (torch.randint(0, 16, (2, 4)),), repeats=1, device=torch.device("cpu"))
     assert built == [0] and "sweep" not in events
@@ -91,7 +78,7 @@ def test_the_real_sweeper_sweeps_a_buffer_of_the_size_asked() -> None:
         torch.ones = saved
     assert allocated == [(1 << 20) // 4]  # float32 elements; nothing for 0
     assert sweep() is None and none() is None
-    timings = time_units(_Toy(), (torch.randint(0, 16, (2, 4)),), repeats=1, device=torch.device("cpu"),
+    timings = time_units(ToyLM(layers=2), (torch.randint(0, 16, (2, 4)),), repeats=1, device=torch.device("cpu"),
                          evict_bytes=1 << 20)
     assert all(t.fwd_ms > 0 and t.bwd_ms > 0 for t in timings)
 
