@@ -285,8 +285,11 @@ class SequenceDP:
 
     def fits_layers(self, relaxed: Relaxed) -> bool:
         """Whether the relaxed plan meets this DP's memory limits (its layers' in-flight counts): a plan of
-        a DP with fewer layers, whose lumped layer checks memory more loosely, may not."""
+        a DP with fewer layers, whose lumped layer checks memory more loosely, may not (nor may a plan
+        deeper than this DP's layers when it lumps none: its plans have at most ``J`` stages)."""
         S = len(relaxed.stages)
+        if S > self.J and not self.lump:
+            return False
         for k, (s, e, cls, r) in enumerate(relaxed.stages):
             i = self.SC.index(cls)
             j = int(np.flatnonzero(self.valid_r[i] & (self.RR[i] == r))[0])

@@ -130,7 +130,7 @@ def test_no_incumbent_bound_stays_below_the_optimum():
             assert res.bound_ms <= best * (1 + 1e-9)
 
 
-def _deep_problem():
+def _deep_problem(act_factor: float = 6.0):
     """A problem whose DP has more memory layers than ``COARSE_LAYERS`` (40 blocks, 16 devices, M = 32)."""
     from benchmarks.solver import _config
     from planner.solver.policy import VerificationPolicy
@@ -140,7 +140,7 @@ def _deep_problem():
     cluster = tiered_cluster(16)
     mem = max(d.spec.mem_bytes for d in cluster.stage_devices)
     # Activations large enough that the in-flight count decides which stages fit.
-    chain = random_chain(rng, 40, param_scale=1.5 * mem / 16 / 40, act_scale=2e8 * 48 / 40 * 6,
+    chain = random_chain(rng, 40, param_scale=1.5 * mem / 16 / 40, act_scale=2e8 * 48 / 40 * act_factor,
                          flop_scale=5e11 * 48 / 40, out_scale=2e7)
     config = _config()
     problem, _, _ = api.problem_for(chain, cluster, config, VerificationPolicy(), config.microbatch_size)
@@ -169,3 +169,23 @@ def test_lazy_layers_give_the_full_dps_values():
             compared += 1
     assert compared >= 20
     assert 0 < lazy.hits < lazy.tries, (lazy.hits, lazy.tries)
+
+
+def test_a_plan_deeper_than_unlumped_layers_is_not_the_full_dps():
+    """Without a lumped layer the full DP's plans have at most ``J`` stages: a deeper plan from the fewer-layer
+    DP (it prices device counts, it does not cap them) is not one of them, whatever its memory."""
+    from planner.solver.lagrange import Relaxed
+
+    problem = _deep_problem(act_factor=0.1)
+    full = SequenceDP(problem)
+    assert not full.lump
+    i = int(np.argmax([problem.classes[c].mem_bytes for c in full.SC]))  # the roomiest class: memory fits
+    parts = np.array_split(np.arange(problem.num_blocks), full.J + 1)
+    deep = tuple((int(b[0]), int(b[-1]), full.SC[i], 1) for b in parts)
+    S = len(deep)
+    # Every stage fits the memory of its layer (the deepest clipped to the last), so depth alone refuses it.
+    assert all(full.EHI_MEM[i, 0, min(S - 1 - k, full.J - 1), s] >= e for k, (s, e, _, _) in enumerate(deep[:-1]))
+    assert full.LAST_FITS[i, 0, deep[-1][0]]
+    used = np.zeros(full.C)
+    used[i] = S
+    assert not full.fits_layers(Relaxed(value_ms=0.0, stages=deep, used=used))
