@@ -43,8 +43,9 @@ results; ``stagewise run --wait-verdicts``).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -294,10 +295,15 @@ class Executor:
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
 
-    def _book(self, what: str, t0: float, cpu0: float) -> None:
-        """Add the wall and thread CPU time since ``t0``/``cpu0`` to timer ``what`` (comm, wait, verify, optim)."""
-        setattr(self.t, what, getattr(self.t, what) + time.perf_counter() - t0)
-        setattr(self.t, f"{what}_cpu", getattr(self.t, f"{what}_cpu") + time.thread_time() - cpu0)
+    @contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Add the wall and thread CPU time of the block to timer ``what`` (comm, wait, verify, optim)."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            setattr(self.t, what, getattr(self.t, what) + time.perf_counter() - t0)
+            setattr(self.t, f"{what}_cpu", getattr(self.t, f"{what}_cpu") + time.thread_time() - cpu0)
 
     def _computed(self, op: str, t0: float, cpu0: float) -> None:
         """Book a pass that started at wall ``t0`` and thread CPU time ``cpu0``, and pad it if emulating."""
@@ -357,12 +363,11 @@ class Executor:
             header = torch.tensor([int(dropped)], dtype=torch.int64, device=self.device)
         if not tensors and header is None:
             return
-        t0, c0 = time.perf_counter(), time.thread_time()
-        self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
-                                    header=header, header_kind=header_kind if header is not None else None,
-                                    doing=f"sending {ins} (step {self.step})"))
-        self._prune_sends()
-        self._book("comm", t0, c0)
+        with self._timed("comm"):
+            self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
+                                        header=header, header_kind=header_kind if header is not None else None,
+                                        doing=f"sending {ins} (step {self.step})"))
+            self._prune_sends()
 
     def _specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         edge = self.edges[boundary]
@@ -391,17 +396,15 @@ class Executor:
     def _post_recv(self, ins: Instruction) -> None:
         if (ins.direction, ins.mb) in self.recvs or (ins.direction, ins.mb) in self.received:
             return  # already posted by _prefetch
-        t0, c0 = time.perf_counter(), time.thread_time()
-        pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
-                             doing=f"receiving {ins} (step {self.step})")
-        self._book("comm", t0, c0)
+        with self._timed("comm"):
+            pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
+                                 doing=f"receiving {ins} (step {self.step})")
         if pending is not None:
             self.recvs[(ins.direction, ins.mb)] = pending
 
     def _wait(self, pending: Pending) -> list[torch.Tensor]:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        tensors = pending.wait()
-        self._book("wait", t0, c0)
+        with self._timed("wait"):
+            tensors = pending.wait()
         return tensors
 
     def _take(self, key: tuple[str, int]) -> list[torch.Tensor]:
@@ -441,11 +444,10 @@ class Executor:
             self.sends = keep
 
     def _finish_sends(self) -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        for pending in self.sends:
-            pending.wait()
-        self.sends = []
-        self._book("wait", t0, c0)
+        with self._timed("wait"):
+            for pending in self.sends:
+                pending.wait()
+            self.sends = []
 
     # ------------------------------------------------------------------ verification
     def _verify(self, ins: Instruction) -> None:
@@ -470,10 +472,9 @@ class Executor:
             tensors = self._take((d, mb))
             tainted_in = self.taint_in.get((d, mb), False)
             sender = self.plan.owner(sender_stage, mb)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
-                                             tainted=tainted_in)
-        self._book("verify", t0, c0)
+        with self._timed("verify"):
+            flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
+                                                 tainted=tainted_in)
         self.flagged += int(flagged)
         if ins.dest is None:
             if flagged or tainted:
@@ -481,10 +482,9 @@ class Executor:
             return
         verdict = torch.tensor([int(flagged), int(tainted)], dtype=torch.int64, device=self.device)
         _, _, verdict_kind = ACT_KINDS[d]
-        t0, c0 = time.perf_counter(), time.thread_time()
-        self.sends.append(comm.send([verdict], peer=ins.dest, kind=verdict_kind, boundary=boundary, mb=mb,
-                                    doing=f"sending the verdict of {ins} (step {self.step})"))
-        self._book("comm", t0, c0)
+        with self._timed("comm"):
+            self.sends.append(comm.send([verdict], peer=ins.dest, kind=verdict_kind, boundary=boundary, mb=mb,
+                                        doing=f"sending the verdict of {ins} (step {self.step})"))
 
     def _verdict(self, ins: Instruction) -> None:
         """Post the receive of a verifier's verdict on a tensor this rank is about to use; wait
@@ -492,10 +492,9 @@ class Executor:
         d, mb = ins.direction, ins.mb
         assert mb is not None and ins.boundary is not None
         _, _, verdict_kind = ACT_KINDS[d]
-        t0, c0 = time.perf_counter(), time.thread_time()
-        pending = comm.recv([((2,), torch.int64)], peer=ins.peer, kind=verdict_kind, boundary=ins.boundary, mb=mb,
-                            device=self.device, doing=f"waiting for the verdict {ins} (step {self.step})")
-        self._book("comm", t0, c0)
+        with self._timed("comm"):
+            pending = comm.recv([((2,), torch.int64)], peer=ins.peer, kind=verdict_kind, boundary=ins.boundary, mb=mb,
+                                device=self.device, doing=f"waiting for the verdict {ins} (step {self.step})")
         if self.defer_verdicts:
             self.verdicts[(d, mb)] = pending
         else:
@@ -554,19 +553,16 @@ class Executor:
         """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
         if self.verify is None or self.verify.verifier is None:
             return set()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        flags = self.verify.step_flags(step)
-        self._book("verify", t0, c0)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        if self.groups.verifiers is not None:
-            gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
-                                              doing="exchanging verification flags")
-        else:
-            gathered = [flags]
-        self._book("comm", t0, c0)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        banned = self.verify.end_step(step, gathered)   # blame and bans: verification work too
-        self._book("verify", t0, c0)
+        with self._timed("verify"):
+            flags = self.verify.step_flags(step)
+        with self._timed("comm"):
+            if self.groups.verifiers is not None:
+                gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
+                                                  doing="exchanging verification flags")
+            else:
+                gathered = [flags]
+        with self._timed("verify"):
+            banned = self.verify.end_step(step, gathered)   # blame and bans: verification work too
         return banned
 
     # ------------------------------------------------------------------ gradients and optimizer
@@ -574,12 +570,11 @@ class Executor:
         self._settle_all()
         if self.groups.stage is None or not self.replica_params:
             return
-        t0, c0 = time.perf_counter(), time.thread_time()
-        flat = comm.flat_grads(self.replica_params)
-        comm.all_reduce_sum(flat, group=self.groups.stage, ranks=self.groups.stage_ranks,
-                            doing=f"all-reducing stage {self.info.stage}'s gradients")
-        comm.unflatten_grads(flat, self.replica_params)
-        self._book("comm", t0, c0)
+        with self._timed("comm"):
+            flat = comm.flat_grads(self.replica_params)
+            comm.all_reduce_sum(flat, group=self.groups.stage, ranks=self.groups.stage_ranks,
+                                doing=f"all-reducing stage {self.info.stage}'s gradients")
+            comm.unflatten_grads(flat, self.replica_params)
 
     def _sync_tied(self) -> None:
         named = dict(self.stage.parameters()) if self.stage is not None else {}
@@ -591,17 +586,15 @@ class Executor:
 
     def _optim(self) -> None:
         self._settle_all()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        self._sync_tied()
-        self._book("comm", t0, c0)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        if self.keep_grads and self.stage is not None:
-            self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                               for n, p in self.stage.parameters()}
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self._book("optim", t0, c0)
+        with self._timed("comm"):
+            self._sync_tied()
+        with self._timed("optim"):
+            if self.keep_grads and self.stage is not None:
+                self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                                   for n, p in self.stage.parameters()}
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
 
     def _losses(self) -> tuple[float, int]:
         """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.
