@@ -43,7 +43,11 @@ class DeviceSpec:
     A dtype the device lacks native support for (bfloat16 on T4/V100) falls
     back to the float32 rate, which is how PyTorch runs it there (upcast).
     ``op_overhead_ms`` is the fixed cost of launching/dispatching one op
-    (calibrated by a profile; 0 for catalog entries). ``measured`` marks a spec
+    (calibrated by a profile; 0 for catalog entries). ``optim_op_ms`` is the
+    fixed cost of one element-wise kernel of an optimizer step (a profile times
+    ``torch.optim.Adam`` over many small tensors: plain kernels without
+    autograd, several times cheaper than a model op on a CPU); None: priced
+    at ``op_overhead_ms``. ``measured`` marks a spec
     that came from a profile; ``p2p_*`` are the measured local point-to-point
     figures from that profile, if any.
     """
@@ -55,6 +59,7 @@ class DeviceSpec:
     efficiency: float = 0.5
     kind: DeviceKind = "gpu"
     op_overhead_ms: float = 0.0
+    optim_op_ms: float | None = None
     source: str = ""
     measured: bool = False
     p2p_bandwidth_gbps: float | None = None
@@ -91,6 +96,9 @@ class DeviceSpec:
         if not (self.op_overhead_ms >= 0.0 and math.isfinite(self.op_overhead_ms)):
             raise InvalidInputError(f"device {self.name}: op_overhead_ms", expected=">= 0",
                                     found=repr(self.op_overhead_ms))
+        if self.optim_op_ms is not None and not (self.optim_op_ms >= 0.0 and math.isfinite(self.optim_op_ms)):
+            raise InvalidInputError(f"device {self.name}: optim_op_ms", expected=">= 0 (or absent)",
+                                    found=repr(self.optim_op_ms), fix="regenerate it with `stagewise profile`")
         if self.p2p_bandwidth_gbps is not None:
             _check_positive(f"device {self.name}: p2p_bandwidth_gbps", self.p2p_bandwidth_gbps)
         if self.p2p_latency_ms is not None and not self.p2p_latency_ms >= 0.0:
@@ -133,6 +141,8 @@ class DeviceSpec:
             "source": self.source,
             "measured": self.measured,
         }
+        if self.optim_op_ms is not None:
+            d["optim_op_ms"] = self.optim_op_ms
         if self.p2p_bandwidth_gbps is not None:
             d["p2p_bandwidth_gbps"] = self.p2p_bandwidth_gbps
         if self.p2p_latency_ms is not None:
@@ -142,7 +152,8 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "device spec") -> "DeviceSpec":
         allowed = {"name", "kind", "peak_flops", "mem_bytes", "mem_bw_bytes_per_s", "efficiency",
-                   "op_overhead_ms", "source", "measured", "p2p_bandwidth_gbps", "p2p_latency_ms"}
+                   "op_overhead_ms", "optim_op_ms", "source", "measured", "p2p_bandwidth_gbps",
+                   "p2p_latency_ms"}
         if not isinstance(d, Mapping):
             raise InvalidInputError(where, expected="a mapping", found=type(d).__name__)
         unknown = sorted(set(d) - allowed)

@@ -5,6 +5,8 @@ What is measured (``profile_device``):
 - matmul throughput per dtype (``float32``; ``bfloat16``/``float16`` where the
   device runs them), fastest of a few square matmuls: the profile's "peak" FLOP/s;
 - memory bandwidth: a large tensor copy (bytes read + bytes written);
+- the fixed cost of an optimizer step's kernels: ``torch.optim.Adam`` stepping
+  many tiny tensors (``DeviceSpec.optim_op_ms``, per element-wise kernel);
 - the forward and backward time of each top-level unit (``embed``/``stem``,
   ``layers.i``, ``head``) of a model preset built with real weights, each unit
   run alone on the inputs it saw in a full forward pass, each timed pass right
@@ -48,6 +50,7 @@ import numpy as np
 
 from cost_models.compute import BWD_OPS_FACTOR, BWD_TRAFFIC_FACTOR
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec
+from cost_models.training import OPTIM_OPS_PER_TENSOR
 from planner.errors import InvalidInputError, RankFailureError
 
 Step = Callable[[str], None]
@@ -327,8 +330,10 @@ def summarize_ms(times: Sequence[float], statistic: Statistic = "min") -> float:
     raise InvalidInputError("profile statistic", expected=" or ".join(STATISTICS), found=repr(statistic))
 
 
-def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, clock: Clock = "wall") -> float:
-    """Fastest of ``repeats`` timed runs (the device's throughput figures are best-case by definition)."""
+def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, clock: Clock = "wall",
+             statistic: Statistic = "min") -> float:
+    """Fastest of ``repeats`` timed runs (the device's throughput figures are best-case by definition),
+    or their ``statistic``."""
     now = _clock(clock)
     times = []
     for i in range(warmup + repeats):
@@ -338,7 +343,7 @@ def _best_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1, 
         _sync(device)
         if i >= warmup:
             times.append((now() - t0) * 1e3)
-    return summarize_ms(times, "min")
+    return summarize_ms(times, statistic)
 
 
 def measure_matmul_flops(dtype: str, *, size: int, repeats: int, device: Any, clock: Clock = "wall") -> float:
@@ -359,6 +364,27 @@ def measure_memory_bandwidth(*, nbytes: int, repeats: int, device: Any, clock: C
     dst = torch.empty_like(src)
     ms = _best_ms(lambda: dst.copy_(src), device, repeats, clock=clock)
     return 2.0 * src.numel() * 4 / (ms / 1e3)
+
+
+# Tensors of the optimizer probe: enough that the per-tensor loop dominates, small enough that
+# their bytes (64 floats each) cost nothing. On the 2-core dev host Adam took 73-78 us per tensor
+# at 16, 64 and 256 tensors: a flat per-tensor cost, a ninth of it per kernel (8 us, where the
+# model ops' fitted overhead is 64 us: those carry autograd's bookkeeping too).
+OPTIM_PROBE_TENSORS = 128
+
+
+def measure_optimizer_op_ms(*, repeats: int, device: Any, clock: Clock = "wall", statistic: Statistic = "min",
+                            tensors: int = OPTIM_PROBE_TENSORS) -> float:
+    """Time per element-wise kernel of ``torch.optim.Adam``'s step (its default implementation on
+    ``device``), from steps over ``tensors`` tiny parameters: the fixed cost that
+    ``planner.simulate.optim_ms`` charges per kernel of every parameter tensor."""
+    import torch
+    params = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.Adam(params, lr=1e-3)
+    ms = _best_ms(opt.step, device, repeats, warmup=2, clock=clock, statistic=statistic)
+    return ms / (tensors * OPTIM_OPS_PER_TENSOR["adam"])
 
 
 def _top_level_units(module: Any) -> dict[Any, str]:
@@ -786,6 +812,9 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     say(f"tracing {settings.model}")  # first: a bad model spec fails before any measuring
     chain = model_chain(settings.model, batch=settings.batch, seq=settings.seq)
     matmul, mem_bw = _measure_throughput(settings, device, say)
+    say("optimizer step")
+    optim_op = measure_optimizer_op_ms(repeats=settings.repeats, device=device, clock=settings.clock,
+                                       statistic=settings.statistic)
     say(f"blocks of {settings.model}")
     bundle = build_model(settings.model, batch=settings.batch, seq=settings.seq, device=str(device))
     timings = time_units(bundle.module, bundle.example_inputs, repeats=settings.repeats, device=device,
@@ -815,7 +844,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     peaks = {**matmul, "float32": matmul["float32"] * calib.peak_scale}
     spec = DeviceSpec(name=name, kind=kind, peak_flops=tuple(peaks.items()), mem_bytes=mem_bytes,
                       mem_bw_bytes_per_s=mem_bw, efficiency=max(calib.efficiency, 1e-3),
-                      op_overhead_ms=calib.op_overhead_ms, measured=True,
+                      op_overhead_ms=calib.op_overhead_ms, optim_op_ms=optim_op, measured=True,
                       source=f"stagewise profile of {platform.node()} on {datetime.now(timezone.utc):%Y-%m-%d}",
                       p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
                       p2p_latency_ms=p2p.latency_ms if p2p else None)

@@ -78,7 +78,7 @@ from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
 from cost_models.profile import CoreSharing, MessageCost
-from cost_models.training import TrainingConfig
+from cost_models.training import OPTIM_OPS_PER_TENSOR, TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.instructions import (
@@ -94,22 +94,20 @@ from planner.instructions import (
 from planner.ir import BlockChain
 from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
 
-# Element-wise kernels per parameter tensor of one optimizer step as torch runs it on one device
-# (``torch.optim``'s per-tensor loop): Adam steps its counter, updates both moments (lerp_, mul_,
-# addcmul_), forms the denominator (sqrt, div, add_), reads the step count back and updates the
-# weight (addcdiv_); plain SGD is one add_. Each costs the device's per-op overhead.
-OPTIM_OPS_PER_TENSOR = {"adam": 9, "sgd": 1}
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
 
 
 def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec, *, param_tensors: int = 0) -> float:
     """One optimizer step over ``param_count`` parameters in ``param_tensors`` tensors: read and write
-    weights and state, read grads, plus the per-op overhead of the step's kernels on every tensor."""
+    weights and state, read grads, plus the fixed cost of the step's kernels on every tensor
+    (``cost_models.training.OPTIM_OPS_PER_TENSOR``, each at the device's measured ``optim_op_ms``;
+    without one, its ``op_overhead_ms``)."""
     per = memory.bytes_per_param(config)
     traffic = param_count * (2 * per.weights + per.grads + 2 * per.optimizer)
     ops = param_tensors * OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1)
-    return 1e3 * traffic / spec.mem_bw_bytes_per_s + ops * spec.op_overhead_ms
+    op_ms = spec.op_overhead_ms if spec.optim_op_ms is None else spec.optim_op_ms
+    return 1e3 * traffic / spec.mem_bw_bytes_per_s + ops * op_ms
 
 
 def stage_param_tensors(chain: BlockChain, lo: int, hi: int) -> int:

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("memory bandwidth", f"{dev['mem_bw_bytes_per_s'] / 1e9:,.1f} GB/s")
     table.add_row("efficiency (fitted)", f"{cal['efficiency']:.3f}")
     table.add_row("op overhead (fitted)", f"{cal['op_overhead_ms'] * 1e3:.1f} us")
+    if dev.get("optim_op_ms") is not None:
+        table.add_row("optimizer kernel (Adam)", f"{dev['optim_op_ms'] * 1e3:.1f} us")
     table.add_row("block fit median |err|", f"{cal['median_abs_rel_err']:.1%} over {cal['n_samples']} timings")
     if doc["p2p"]:
         table.add_row(f"p2p {doc['p2p']['backend']} bandwidth", f"{doc['p2p']['bandwidth_gbps']:.2f} Gb/s")

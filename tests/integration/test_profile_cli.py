@@ -34,6 +34,8 @@ def test_profile_quick_writes_a_usable_profile(tmp_path: Path) -> None:
     spec = get_device_spec(str(tmp_path / "prof" / "me.json"))
     assert spec.measured and spec.kind == "cpu" and 0 < spec.efficiency <= 1
     assert spec.flops_per_s("float32") > 1e8 and spec.p2p_bandwidth_gbps == doc["p2p"]["bandwidth_gbps"]
+    assert spec.optim_op_ms is not None and 0 < spec.optim_op_ms < 1.0  # ms per kernel
+    assert "optimizer kernel" in res.stdout
     (tmp_path / "cluster.yaml").write_text(
         "hosts:\n  - {name: me, region: here, trust: me, trusted: true, devices: [{type: prof/me.json, count: 2}]}\n")
     cluster = load_cluster(tmp_path / "cluster.yaml")

@@ -69,6 +69,8 @@ def test_unknown_name_suggests_close_catalog_names() -> None:
     {"efficiency": 0.0},
     {"kind": "tpu"},
     {"op_overhead_ms": -0.1},
+    {"optim_op_ms": float("nan")},
+    {"optim_op_ms": -1e-3},
 ])
 def test_spec_validation(bad: dict) -> None:
     base = dict(name="X", peak_flops=(("float32", 1e12),), mem_bytes=1 << 30, mem_bw_bytes_per_s=1e11)
@@ -80,7 +82,7 @@ def test_spec_validation(bad: dict) -> None:
 def test_spec_dict_round_trip_and_profile_loading(tmp_path) -> None:
     spec = DeviceSpec(name="local-cpu", kind="cpu", peak_flops=(("float32", 1.2e11), ("bfloat16", 3e10)),
                       mem_bytes=8 << 30, mem_bw_bytes_per_s=1.5e10, efficiency=0.6, op_overhead_ms=0.01,
-                      measured=True, p2p_bandwidth_gbps=20.0, p2p_latency_ms=0.05)
+                      optim_op_ms=0.004, measured=True, p2p_bandwidth_gbps=20.0, p2p_latency_ms=0.05)
     assert DeviceSpec.from_dict(spec.to_dict()) == spec
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "device": spec.to_dict()}))

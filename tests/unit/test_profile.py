@@ -16,6 +16,7 @@ from cost_models.profile import (
     fit_p2p,
     measure_matmul_flops,
     measure_memory_bandwidth,
+    measure_optimizer_op_ms,
     summarize_ms,
     time_units,
     write_profile,
@@ -117,6 +118,13 @@ def test_raw_measurements_are_positive_and_plausible() -> None:
     assert 1e8 < flops < 1e13
     bw = measure_memory_bandwidth(nbytes=4 << 20, repeats=2, device=cpu)
     assert 1e8 < bw < 1e13
+
+
+def test_optimizer_probe_prices_one_adam_kernel() -> None:
+    cpu = torch.device("cpu")
+    op_ms = measure_optimizer_op_ms(repeats=3, device=cpu, tensors=32)
+    # a kernel on a 64-float tensor: microseconds, not the model ops' tens of them nor nothing
+    assert 1e-4 < op_ms < 0.1
 
 
 def test_write_profile_is_atomic_and_loadable(tmp_path) -> None:

@@ -315,6 +315,9 @@ def test_optimizer_step_pays_the_per_op_overhead_on_every_parameter_tensor():
     assert optim_ms(10**6, cfg, spec, param_tensors=50) == pytest.approx(base + 50 * 9 * 0.01)
     sgd = TrainingConfig(global_batch=8, microbatch_size=2, schedule="1f1b", optimizer="sgd")
     assert optim_ms(10**6, sgd, spec, param_tensors=50) == pytest.approx(optim_ms(10**6, sgd, spec) + 50 * 0.01)
+    # a profile's measured optimizer kernel cost replaces the model ops' overhead for the step's kernels
+    measured = DeviceSpec.from_dict({**TEST_DEVICE, "op_overhead_ms": 0.01, "optim_op_ms": 0.002})
+    assert optim_ms(10**6, cfg, measured, param_tensors=50) == pytest.approx(base + 50 * 9 * 0.002)
     ch = uniform_chain(4)  # one parameter tensor per block
     assert stage_param_tensors(ch, 1, 3) == 3
 
