@@ -49,11 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms  # noqa: E402
 from cost_models.devices import DeviceSpec  # noqa: E402
+from cost_models.measured import BlockSample, fit_calibration  # noqa: E402
 from cost_models.memory import in_flight_microbatches, stage_memory  # noqa: E402
 from cost_models.profile import (  # noqa: E402
-    BlockSample,
     UnitTiming,
-    fit_calibration,
     measure_matmul_flops,
     measure_memory_bandwidth,
     model_chain,

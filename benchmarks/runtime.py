@@ -657,11 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         out["first_profile_machine_load_cores"] = first_load
         link = local_link(first)
         out["local_link"] = link
-        from cost_models.profile import (
-            load_message_cost,
-            load_sharing,
-            measure_core_sharing,
-        )
+        from cost_models.measured import load_message_cost, load_sharing
+        from cost_models.profile import measure_core_sharing
         sharing = load_sharing(first)
         previous = measure_core_sharing(model=MODEL, batch=MICROBATCH, seq=SEQ, processes=2 * cores,
                                         window_s=sharing.window_s, rounds=sharing.rounds, microbatches=1)

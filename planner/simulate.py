@@ -37,7 +37,7 @@ benchmark's four ranks on two cores): the passes (``F``, ``B``, ``VERIFY_*``,
 ``OPTIM``) that overlap in time share the processors. By default that is
 even processor sharing: ``k`` passes at once each progress at ``min(1, C / k)``
 of a pass running alone. ``sharing=`` (a measured
-:class:`cost_models.profile.CoreSharing` of that machine) replaces that ideal
+:class:`cost_models.measured.CoreSharing` of that machine) replaces that ideal
 with how fast ``k`` concurrent single-thread processes really progress there:
 cores that are hyperthreads of one physical core, or share caches and memory
 bandwidth, slow each other down even while ``k <= C``, and time-slicing more
@@ -50,7 +50,7 @@ emulate`` pads: a core slowed by company inflates that CPU time,
 time-slicing does not). With ``C`` at least the number of ranks and no sharing table
 this is the plain simulation (which is also the default: one device per rank).
 
-``messages=`` (a measured :class:`cost_models.profile.MessageCost`) also prices
+``messages=`` (a measured :class:`cost_models.measured.MessageCost`) also prices
 the CPU time a message costs the processes at its two ends, beyond its time on
 the wire: posting it and the backend's threads moving its bytes. A ``SEND_*``
 then occupies its rank (and, sharing cores, a core) for the sender's part
@@ -76,8 +76,8 @@ from dataclasses import dataclass, field
 from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
+from cost_models.measured import CoreSharing, MessageCost
 from cost_models.memory import activation_scale
-from cost_models.profile import CoreSharing, MessageCost
 from cost_models.training import OPTIM_OPS_PER_TENSOR, TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError

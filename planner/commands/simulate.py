@@ -52,14 +52,14 @@ def _from_profile(flag: str, path: str | None, load, what: str, fix: str):
 
 
 def _sharing(args: argparse.Namespace):
-    from cost_models.profile import load_sharing
+    from cost_models.measured import load_sharing
 
     return _from_profile("--sharing", args.sharing, load_sharing, "a core sharing table",
                          "profile with `stagewise profile --sharing`")
 
 
 def _messages(args: argparse.Namespace):
-    from cost_models.profile import load_message_cost
+    from cost_models.measured import load_message_cost
 
     return _from_profile("--messages", args.messages, load_message_cost, "per-message CPU costs",
                          "profile with P2P (stagewise profile, without --no-p2p)")

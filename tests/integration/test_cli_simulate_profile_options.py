@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.profile import CoreSharing, MessageCost
+from cost_models.measured import CoreSharing, MessageCost
 from planner.plan import load_plan
 from planner.simulate import simulate
 

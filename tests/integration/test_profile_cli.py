@@ -11,7 +11,7 @@ import pytest
 
 from cost_models.cluster import load_cluster
 from cost_models.devices import PROFILE_SCHEMA, get_device_spec
-from cost_models.profile import load_message_cost
+from cost_models.measured import load_message_cost
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

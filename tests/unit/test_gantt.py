@@ -1,7 +1,7 @@
 """The Gantt chart draws every event kind the simulator produces, with a legend entry for each."""
 from __future__ import annotations
 
-from cost_models.profile import MessageCost
+from cost_models.measured import MessageCost
 from planner.gantt import draw
 from planner.simulate import simulate
 from tests.unit.plan_fixtures import golden_plan

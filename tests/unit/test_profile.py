@@ -9,11 +9,9 @@ import torch
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
+from cost_models.measured import BlockSample, fit_calibration, fit_p2p
 from cost_models.profile import (
-    BlockSample,
     ProfileSettings,
-    fit_calibration,
-    fit_p2p,
     measure_matmul_flops,
     measure_memory_bandwidth,
     measure_optimizer_op_ms,
@@ -186,7 +184,7 @@ def test_the_cost_model_benchmark_prices_blocks_with_the_raised_peak() -> None:
 
 
 def test_sharing_speeds_are_per_round_ratios_capped_and_non_increasing() -> None:
-    from cost_models.profile import CoreSharing, sharing_speeds
+    from cost_models.measured import CoreSharing, sharing_speeds
 
     # two rounds on a 2-core machine: the second round's machine is 20% slower throughout
     rates = [[10.0, 8.0, 5.0, 3.8], [8.0, 6.6, 4.0, 3.1]]
@@ -201,7 +199,8 @@ def test_sharing_speeds_are_per_round_ratios_capped_and_non_increasing() -> None
 
 @pytest.mark.slow
 def test_measure_core_sharing_runs_processes_at_once() -> None:
-    from cost_models.profile import load_sharing, measure_core_sharing
+    from cost_models.measured import load_sharing
+    from cost_models.profile import measure_core_sharing
 
     table = measure_core_sharing(model="gpt-tiny", batch=1, seq=16, processes=2, window_s=0.3, rounds=1,
                                  microbatches=2)
@@ -211,7 +210,7 @@ def test_measure_core_sharing_runs_processes_at_once() -> None:
 
 
 def test_fit_message_cost_recovers_a_line_per_side_and_clamps_noise() -> None:
-    from cost_models.profile import MessageCost, fit_message_cost, load_message_cost
+    from cost_models.measured import MessageCost, fit_message_cost, load_message_cost
 
     sizes = [1 << 10, 1 << 17, 1 << 20, 1 << 22]
     posting = [{"bytes": b, "send_cpu_ms": 0.02 + 0.3 * b / 2**20, "recv_cpu_ms": 0.05 + 0.4 * b / 2**20}

@@ -10,7 +10,8 @@ from torch import nn
 
 import cost_models.profile as prof
 from cost_models.devices import DeviceSpec
-from cost_models.profile import EVICT_BYTES, Calibration, ProfileSettings, time_units
+from cost_models.measured import Calibration
+from cost_models.profile import EVICT_BYTES, ProfileSettings, time_units
 from planner.errors import InvalidInputError
 from tests.unit.toy_models import ToyLM
 

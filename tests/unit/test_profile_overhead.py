@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.profile import (
-    MessageCost,
-    ProfileSettings,
-    load_message_cost,
-    with_executor_cost,
-)
+from cost_models.measured import MessageCost, load_message_cost, with_executor_cost
+from cost_models.profile import ProfileSettings
 from planner.errors import InvalidInputError
 
 

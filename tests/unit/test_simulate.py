@@ -330,7 +330,7 @@ def test_measured_core_sharing_slows_the_passes_that_overlap():
     rank 1's B0 runs alone until 4.25; then rank 0's B0 (2) and rank 1's F1 (1) overlap: F1 ends at
     5.5 with B0 1 f short; B0 overlaps rank 1's B1 and ends at 5.5 + 1 / 0.8 = 6.75, B1 (1 f left)
     ends alone at 7.75, and rank 0's B1 runs alone until 9.75."""
-    from cost_models.profile import CoreSharing
+    from cost_models.measured import CoreSharing
 
     ch = uniform_chain(4, out_bytes=0, params=0)
     plan = pipeline(ch, free_cluster(2), 2, 2, "1f1b")
@@ -376,7 +376,7 @@ def test_an_emulated_slower_device_pads_without_holding_a_core():
 
 
 def test_core_sharing_rates_extrapolate_the_last_measured_throughput():
-    from cost_models.profile import CoreSharing
+    from cost_models.measured import CoreSharing
 
     table = CoreSharing(cores=2, speed=(1.0, 0.8, 0.5))
     assert [table.rate(k) for k in (0, 1, 2, 3)] == [0.0, 1.0, 0.8, 0.5]
@@ -394,7 +394,7 @@ def test_emulated_padding_follows_the_cpu_time_a_slowed_core_gave_the_pass():
     at 0.8, rank 1's (3x slower) F0 overlapping rank 0's F1 from 1 f computes 1 f of work in 1.25 f of
     CPU time and is padded to 3 x 1.25: [1, 4.75]. Its B0 runs alone (2 f, padded to 6 f: until 10.75);
     F1 overlaps rank 0's B0 ([10.75, 14.5]); B1 alone until 20.5; rank 0's B1 ends at 22.5."""
-    from cost_models.profile import CoreSharing
+    from cost_models.measured import CoreSharing
 
     third = {**TEST_DEVICE, "name": "TEST-THIRD", "efficiency": TEST_DEVICE["efficiency"] / 3}
     plan = pipeline(uniform_chain(4, out_bytes=0, params=0), cluster([("h0", TEST_DEVICE, 1), ("h1", third, 1)]),
@@ -410,7 +410,7 @@ def test_emulated_padding_follows_the_cpu_time_a_slowed_core_gave_the_pass():
 def test_messages_cost_each_end_its_cpu_time_before_sending_and_after_arriving():
     """S = 2, M = 1, free links: rank 0's F, its send's CPU time s, rank 1's receive r (after arrival),
     rank 1's F and B, its send s, rank 0's receive r, rank 0's B: 2 (f + b) + 2 (s + r)."""
-    from cost_models.profile import MessageCost
+    from cost_models.measured import MessageCost
 
     plan = pipeline(uniform_chain(2, out_bytes=2**20), free_cluster(2), 2, 1, "1f1b")
     costs = CostModel.for_plan(plan)
@@ -433,7 +433,7 @@ def test_messages_cost_each_end_its_cpu_time_before_sending_and_after_arriving()
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_messages_on_one_shared_core_add_their_cpu_time_to_the_work(schedule):
     # free links: the one core never idles, so the step is all passes plus every message's two ends
-    from cost_models.profile import MessageCost
+    from cost_models.measured import MessageCost
 
     S, M = 4, 4
     plan = pipeline(uniform_chain(8, out_bytes=0), free_cluster(S), S, M, schedule)

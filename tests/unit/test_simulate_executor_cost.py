@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from plan_fixtures import compile_simple, free_cluster, solution, uniform_chain
 
-from cost_models.profile import MessageCost
+from cost_models.measured import MessageCost
 from planner.simulate import CostModel, simulate
 from planner.solver.policy import VerificationPolicy
 
