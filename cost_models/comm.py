@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from cost_models.cluster import ClusterSpec, Link
 from planner.errors import InvalidInputError
 
@@ -17,6 +19,14 @@ def transfer_ms(nbytes: int | float, link: Link) -> float:
     if nbytes == 0:
         return 0.0
     return link.latency_ms + 1e3 * nbytes / link.bytes_per_s
+
+
+def transfer_ms_array(nbytes: np.ndarray, link: Link) -> np.ndarray:
+    """:func:`transfer_ms` of each entry of ``nbytes`` (one table for many messages over one link)."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    if (nbytes < 0).any():
+        raise InvalidInputError("transfer size", expected="nbytes >= 0", found=str(nbytes.min()))
+    return np.where(nbytes > 0, link.latency_ms + 1e3 * nbytes / link.bytes_per_s, 0.0)
 
 
 def allreduce_ms(nbytes: int | float, links: Iterable[Link], replicas: int) -> float:

@@ -193,7 +193,8 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         lb_all = max(lb_all, lagrange_bound(coarse, incumbent_ms=step, time_budget_s=lag_budget / 2,
                                             target_gap=gap_tolerance, plans=False).bound_ms)
         lag_budget /= 2
-    lag = lagrange_bound(problem, incumbent_ms=step, time_budget_s=lag_budget, target_gap=gap_tolerance)
+    lag = lagrange_bound(problem, incumbent_ms=step, time_budget_s=lag_budget, target_gap=gap_tolerance,
+                         workers=workers)
     lb_all = max(lb_all, lag.bound_ms)
     if lag.placement is not None and lag.step_ms < step - 1e-12:
         placement, step, how = lag.placement, lag.step_ms, "sequence-dp"

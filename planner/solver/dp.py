@@ -267,7 +267,7 @@ class _StageCosts:
         self.x_out = 0.0
         if k > 0:
             lk = _group_link(problem, g, groups[k - 1])
-            self.x_in = np.array([0.0] + [comm.transfer_ms(problem.boundary_bytes(e), lk) for e in range(L - 1)])
+            self.x_in = np.concatenate(([0.0], problem.boundary_transfer_ms(lk)))
         if k < S - 1:
             lk = _group_link(problem, g, groups[k + 1])
             # The cut after this stage is not known yet: price the largest boundary (conservative).

@@ -51,6 +51,7 @@ from cost_models import comm
 from planner.solver.boxes import CapBoxes
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.objective import Placement, evaluate, even_split, violations
+from planner.solver.pricer import BackgroundPricer
 from planner.solver.problem import Problem
 from planner.solver.seqdp_kernel import sequence_dp
 from planner.solver.solution import StagePlacement
@@ -62,6 +63,7 @@ LAYER_BUDGET = 2_500_000
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
+PRICER_BACKLOG = 64  # relaxed plans waiting for the pricing thread (workers >= 2), the oldest dropped past it
 # The fewer-layer DP tried before the full one (``LazyLayers``): its layers, the tries before its hit rate
 # counts, the hit rate below which it costs more than it saves (it costs ~2/5 of a full DP), and how often
 # it is tried anyway while skipped.
@@ -436,11 +438,13 @@ def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> t
 
 def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
                    target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None,
-                   plans: bool = True) -> LagrangeResult:
+                   plans: bool = True, workers: int = 1) -> LagrangeResult:
     """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring.
 
     ``plans=False``: the bound alone (for a relaxed problem, e.g. ``relax.merged_for_bound``, whose plans are
-    not plans of the real one and must not become the incumbent that prunes the boxes).
+    not plans of the real one and must not become the incumbent that prunes the boxes). ``workers >= 2``:
+    the relaxed plans are priced on a second thread while the DPs go on (``pricer``; the order in which
+    plans are priced then depends on timing, so results with a DP count are not repeatable).
     """
     start = time.perf_counter()
     dp = layered_dp(problem)
@@ -459,10 +463,14 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     # bound meets the optimum their plans are the optimal ones, so these are priced before returning.
     skipped: deque[Relaxed] = deque(maxlen=LAST_PLANS)
 
+    pricer = BackgroundPricer(lambda r: _consider(r), backlog=PRICER_BACKLOG) if plans and workers > 1 else None
+
     def consider(relaxed: Relaxed) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
-        nonlocal best_plan, best_ms
         if not plans:
+            return
+        if pricer is not None:
+            pricer.submit(relaxed)
             return
         if spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
             skipped.append(relaxed)
@@ -548,6 +556,8 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             break
         # The new point bounds the lower half of the split box: it is settled once it lifts that above the target.
         boxes.add_point(*point, dual(*point, enough=best_ms * (1 - target_gap) - boxes.floor(box)))
+    if pricer is not None:
+        pricer.close(drain=LAST_PLANS)
     for relaxed in skipped:
         _consider(relaxed)
     return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))

@@ -113,6 +113,7 @@ class Problem:
     _param_prefix: np.ndarray = field(init=False, repr=False)
     _act_prefix: np.ndarray = field(init=False, repr=False)
     _class_of: dict = field(init=False, repr=False)
+    _transfers: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         L, C = self.num_blocks, len(self.classes)
@@ -138,6 +139,7 @@ class Problem:
         object.__setattr__(self, "_param_prefix", np.concatenate([[0], np.cumsum(self.param_count)]))
         object.__setattr__(self, "_act_prefix", np.concatenate([[0], np.cumsum(self.act_bytes)]))
         object.__setattr__(self, "_class_of", {d: c.index for c in self.classes for d in c.device_ids})
+        object.__setattr__(self, "_transfers", {})
 
     # --- sizes and lookups ------------------------------------------------
     @property
@@ -192,6 +194,16 @@ class Problem:
     def boundary_bytes(self, last_block: int) -> float:
         """Bytes sent across the cut after ``last_block`` (activation forward, gradient back)."""
         return float(self.out_bytes[last_block])
+
+    def boundary_transfer_ms(self, link: Link) -> np.ndarray:
+        """ms to send the boundary after each block ``e = 0..L-2`` over ``link`` (read-only): one table per
+        link, shared by every stage sequence priced (pricing a plan built these entry by entry)."""
+        got = self._transfers.get(link)
+        if got is None:
+            got = comm.transfer_ms_array(self.out_bytes[:-1], link)
+            got.flags.writeable = False
+            self._transfers[link] = got
+        return got
 
     def buffer_bytes(self, first: int, last: int) -> int:
         """Send/receive buffers of one microbatch, as ``cost_models.memory.stage_comm_buffer_bytes``."""

@@ -195,7 +195,7 @@ def _state(s, qi, c, layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trus
     return best, bk, br, bn, bh
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: relaxed plans are priced on another thread meanwhile (``pricer``)
 def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, trusted, ends_trusted, lump,
                 SPa, SPb, HI, LV, limits_ready, V, V0, kind, pick_r, pick_n, pick_hi):
     """Fill every layer's ``V[layer, s, q, c]``, the first stage's ``V0[layer, c]`` and the choices.

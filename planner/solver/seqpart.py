@@ -52,12 +52,12 @@ class _Stage:
 
         if k < S - 1:
             lk = p.links[g.cls][groups[k + 1].cls]
-            self.fwd[:L - 1] = [comm.transfer_ms(p.boundary_bytes(e), lk) for e in range(L - 1)] if lk else INF
+            self.fwd[:L - 1] = p.boundary_transfer_ms(lk) if lk else INF
             if checked and not sole_verifier(groups[k + 1]):
                 self.fwd[:L - 1] += copy_ms(g.cls)
         if k > 0:
             lk = p.links[g.cls][groups[k - 1].cls]
-            self.bwd[1:] = [comm.transfer_ms(p.boundary_bytes(e), lk) for e in range(L - 1)] if lk else INF
+            self.bwd[1:] = p.boundary_transfer_ms(lk) if lk else INF
             if checked and pol.check_gradients and not sole_verifier(groups[k - 1]):
                 self.bwd[1:] += copy_ms(g.cls)
         in_flight = memory.in_flight_microbatches(p.schedule, S, k, math.ceil(M / g.replicas))

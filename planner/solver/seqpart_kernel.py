@@ -28,7 +28,7 @@ def _ar(AR0, AR1, PP, k, s, e):
     return AR0[k] + AR1[k] * params
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: run on the pricing thread beside the bound's DPs (``lagrange``)
 def min_bottleneck(H, CP, FWD, BWD, MP, INB, OUTB, MEMCAP, AR0, AR1, PP, ar_cap):
     """The smallest largest ``tau`` over partitions whose stages fit and all-reduce ``<= ar_cap`` (inf: none)."""
     S, L = CP.shape[0], CP.shape[1] - 1
@@ -54,7 +54,7 @@ def min_bottleneck(H, CP, FWD, BWD, MP, INB, OUTB, MEMCAP, AR0, AR1, PP, ar_cap)
     return nxt[0]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def min_sum(H, CP, FWD, BWD, MP, INB, OUTB, MEMCAP, AR0, AR1, PP, t_cap, ar_cap, choice):
     """The smallest sum of ``tau`` with every stage ``<= t_cap`` and all-reduce ``<= ar_cap`` (inf: none);
     ``choice[k, s]`` receives the end block of stage ``k`` starting at ``s``."""
