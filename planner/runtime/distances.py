@@ -332,6 +332,14 @@ def normalized_l2(x: Summary, ref: Summary) -> float:
     return float((a - b).norm() / b.norm().clamp_min(EPS))
 
 
+def log_size_change(x: Summary, ref: Reference) -> float:
+    """``ln(rms(x) / rms(ref))``, signed: the e-folds by which the tensor grew (< 0: shrank)
+    since the reference. A stage's own share of a size change is its output's minus its
+    input's (``Monitor.score``): a loss spike's gradients grow on their way back through
+    every stage, and each stage only passes on, and amplifies, what it received."""
+    return math.log(_size(_np(x.mean), _np(x.std))) - ref.log_rms
+
+
 def scale_change(x: Summary, ref: Summary) -> float:
     """``|ln(rms(x) / rms(ref))|``: how many e-folds the tensor's overall size moved
     (an all-zero tensor scores ``-ln(EPS)`` = 27.6)."""

@@ -28,6 +28,14 @@ from planner.runtime.distances import EPS
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
 LABEL_BUCKETS = 4096     # label ids are folded into this many rows of the binding table
 RESIDUAL_RIDGE = 0.1     # whitening ridge, in units of the honest residuals' average eigenvalue
+# The learnt predictors may be off in *size* by up to this factor either way. At d=256, lr 1e-3, an
+# honest loss spike made a stage amplify its gradients differently from what its surrogate had
+# learnt: the output pointed where the surrogate said (cosine ~0.9) at 0.6-0.8 times its size, a
+# link share of 0.35-0.65 (fence 0.3), and once flagged those samples never taught the surrogate,
+# which fell further behind (8 steps of flags, a ban). A gain within the bound is not evidence of
+# corruption: gains beyond it are (the scale test, with its e-fold floor, is the test of size);
+# a sign flip, zeros, noise and other data are as far from a rescaled guess as from the guess.
+PREDICTOR_GAIN = 1.5
 
 
 def label_buckets(labels: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -53,8 +61,20 @@ def binding_parts(rows: torch.Tensor, labels: torch.Tensor, table: torch.Tensor,
     known = seen[labels] > 0
     if not bool(known.any()):
         return 0.0, 0.0
-    r = rows[known]
-    return float((r - table[labels[known]]).square().sum()), float((r - centre).square().sum())
+    r = rows[known] - centre
+    guess = table[labels[known]] - centre
+    return float((r - predictor_gain(r, guess) * guess).square().sum()), float(r.square().sum())
+
+
+def predictor_gain(target: torch.Tensor, guess: torch.Tensor, bound: float = PREDICTOR_GAIN) -> float:
+    """The least-squares gain of ``guess`` for ``target`` (``<target, guess> / <guess, guess>``),
+    clamped to ``[1 / bound, bound]``: a predictor that points the right way but is off in
+    size by less than ``bound`` is scored as if it had the size right (see ``PREDICTOR_GAIN``);
+    a guess pointing elsewhere or the other way gets the bound's edge, no help."""
+    energy = float(guess.square().sum())
+    if energy <= EPS:
+        return 1.0
+    return min(bound, max(1.0 / bound, float((target * guess).sum()) / energy))
 
 
 def link_stats(inputs: torch.Tensor, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +109,8 @@ def link_parts(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tenso
 
 
 def _parts(x1: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-    resid = outputs - x1 @ weights
+    guess = x1 @ weights
+    resid = outputs - predictor_gain(outputs, guess) * guess
     moment = resid.T @ resid
     centred = outputs - outputs.mean(dim=0)
     return float(moment.trace()), float(centred.square().sum()), moment

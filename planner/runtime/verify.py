@@ -18,9 +18,12 @@ whether the sender corrupted it:
    ("drift": the one test of a sequence, for an attacker who keeps every
    single sample just inside its fence).
 3. Each distance has an IQR fence over a rolling window of accepted scores
-   (``thresholds``); a sample is flagged when any distance is above its fence.
-   Within a step every sample is scored against the reference of the step's
-   start; the samples that pass are folded in when the step closes, after each
+   (``thresholds``); a sample is flagged when two distances are above their
+   fences, or one far above it, unless the stage's surrogate
+   explains it (``evidence``); one a little above is left to its step's
+   average. With the stage's input at hand, ``scale`` is the size change the
+   stage added to its input's. Within a step every sample is scored against
+   the reference of the step's start; the samples that pass are folded in when the step closes, after each
    sender's step *as a whole* passed the same tests with its own fences (the
    average of four microbatches is half as noisy: that is what catches subtle
    attacks). Flagged and tainted samples never update the averages, the
@@ -45,6 +48,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.runtime import distances as dist
+from planner.runtime import evidence
 from planner.runtime import predictors as pred
 from planner.runtime.thresholds import ALL_DISTANCES, Cusum, IQRFence, VerifierConfig
 
@@ -111,12 +115,15 @@ class _Fit:
     label table; ``link``: the linear surrogate of the sending stage): the energy
     the predictor leaves unexplained, the energy around the centre, what the
     sample adds to the predictor if it is accepted and (``link`` only) the
-    residual's second moment ``[K, K]`` (None before the surrogate exists)."""
+    residual's second moment ``[K, K]`` (None before the surrogate exists) and
+    the stage input's signed size change (``distances.log_size_change``; None
+    before the input's monitor had a reference)."""
 
     num: float
     den: float
     update: tuple[torch.Tensor, ...]
     moment: torch.Tensor | None = None
+    input_dlog: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,10 +218,12 @@ class Monitor:
                                             spectral=self.spectral, sketch_at=sketch_at, subset=subset)
         return summary, rows, subset
 
-    def fits(self, rows: torch.Tensor, labels: torch.Tensor | None, inputs: torch.Tensor | None
-             ) -> dict[str, _Fit]:
+    def fits(self, rows: torch.Tensor, labels: torch.Tensor | None,
+             stage_input: tuple[torch.Tensor, float | None] | None) -> dict[str, _Fit]:
         """The sample's evidence for the label table and for the stage's linear surrogate
-        (each only with aligned labels / the stage's input rows of the same microbatch)."""
+        (each only with aligned labels / the stage's input rows of the same microbatch,
+        ``stage_input``: those rows and their size change)."""
+        inputs, input_dlog = stage_input if stage_input is not None else (None, None)
         fits: dict[str, _Fit] = {}
         buckets = None if labels is None or "binding" not in self.fences else pred.label_buckets(labels, len(rows))
         if buckets is not None:
@@ -232,7 +241,7 @@ class Monitor:
                     weights = self._link_w
             parts, update = pred.link_fit(inputs, rows, weights)
             num, den, moment = parts if parts is not None else (0.0, 0.0, None)
-            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment)
+            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog)
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
@@ -249,6 +258,18 @@ class Monitor:
                 self._basis, self._basis_step = dist.principal_basis(self.ref.cov), self._age_step()
             self._ref = dist.reference(self.ref, spectral=spectral, basis=self._basis)
         scores = dist.summary_scores(summary, self._ref, tuple(names))
+        if "scale" in scores:
+            # With the stage's input at hand, its own share of the size change, per e-fold its
+            # input moved: a loss spike's gradients grow on their way back through every stage
+            # (d=256, lr 1e-3 after a 20-step lr warm-up: +0.3, +0.7, +1.5 e-folds at boundaries
+            # 2, 1, 0; the last over the 1.0 floor 7 times in 30 steps, and a ban), and a stage
+            # amplifies the spike it receives about twofold (input +1.1, output +2.1: +1.0 of its
+            # own; at most 0.5 per 1 + |input e-folds| in those runs). A sender that rescales
+            # what it sends moves this by the whole factor whenever its input is calm.
+            grown = [f["link"].input_dlog for f in fits if "link" in f]
+            if fits and len(grown) == len(fits) and None not in grown:
+                d_in = sum(grown) / len(grown)
+                scores["scale"] = abs(dist.log_size_change(summary, self._ref) - d_in) / (1.0 + abs(d_in))
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
             scores["replay"] = pred.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
@@ -265,6 +286,10 @@ class Monitor:
                 scores["residual"] = pred.residual_shape(sum(moments), self._whitener)
         return scores
 
+    def size_change(self, summary: dist.Summary) -> float | None:
+        """``summary``'s signed size change against this step's reference (None before one)."""
+        return None if self._ref is None else dist.log_size_change(summary, self._ref)
+
     def _age_step(self) -> int:
         return self.step if self.step is not None else self._closed_step
 
@@ -278,7 +303,7 @@ class Monitor:
         if self.warming(step):
             return ()
         fences = self.fences if per_sample else self.step_fences
-        return tuple(name for name, value in scores.items() if fences[name].exceeds(value))
+        return evidence.flag_reasons(scores, fences, per_sample=per_sample)
 
     def drift(self, sender: int) -> Cusum:
         """The CUSUM of ``sender``'s step-level residual scores on this boundary (one per
@@ -400,7 +425,8 @@ class Verifier:
             self._monitors[(int(boundary), direction)] = Monitor(self.config, int(boundary), direction)
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
-        self._rows: dict[tuple[tuple[int, str], int, int], torch.Tensor] = {}   # accepted rows, for links
+        # Accepted rows and their size change, as the next stage's input for its link test.
+        self._rows: dict[tuple[tuple[int, str], int, int], tuple[torch.Tensor, float | None]] = {}
         self._blamed_steps: dict[int, list[int]] = {}
         self.banned: set[int] = set()
 
@@ -460,7 +486,7 @@ class Verifier:
             return self._flag(mon, step, mb, sender, scores, reasons)
         mon.hold(sender, summary, scores, fits)
         if _input_key(boundary, direction, forward=False) in self._monitors:
-            self._rows[((boundary, direction), step, mb)] = rows   # the next stage's input, for its link
+            self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary))
         return Verdict(flagged=False, tainted=False, scores=scores)
 
     def _flag(self, mon: Monitor, step: int, mb: int, sender: int, scores: dict[str, float],

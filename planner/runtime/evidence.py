@@ -1,0 +1,67 @@
+"""Which fence excesses of one received tensor make a flag.
+
+A monitor scores each sample with a dozen distances and fences each one
+(``thresholds``). Honest training puts one of them a little over its fence now
+and then, and a distribution can move for honest reasons; these rules keep
+both from being read as corruption, and are pure functions of the scores and
+the fences.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from planner.runtime.thresholds import IQRFence
+
+# The tests of a tensor's distribution alone. An output that the stage's learnt surrogate
+# predicts from the stage's input (link share under LINK_VOUCH times its fence, residual shape
+# within its fence) is what the stage computed from what it was given: when only these tests
+# object to it, the distribution moved (a loss spike, a stage that changes fast), not the data.
+# At d=256, lr 1e-3, an honest spike moved one stage's gradient spectrum past its fence for good:
+# flagged samples never teach the reference, so it could not catch up (352 of 380 samples
+# flagged). Scale stays out: the link reads unit rows, blind to a gain; sign flips, other data,
+# replays and biases are what the link itself sees.
+SHIFT_TESTS = frozenset({"mad", "l2", "swd", "spectral", "skew", "sign"})
+LINK_VOUCH = 0.5
+# One microbatch over one fence by a little is what honest training does now and then: a dozen
+# tests, each with a tail, on a stage that changes at every step (d=256, lr 1e-3: the link at
+# 1.2-2.0x its fence for a few steps after a loss spike, the residual at 1.5x, the label table
+# at 1.05x, the scale at 1.0-1.7x, the spectral share at 1.2x, each alone). Dropping those
+# samples also starves the references and predictors of the very samples they must learn the
+# change from, and the monitor locks out (a stale surrogate flags more, and learns less, until
+# the drift test bans the honest stage). Every attack of the benchmark scores either several
+# tests over their fences at once or one far over it (link 3.6-52x on replays, sign flips and
+# biases, scale 25x on zeros). A sample flagged by one test below GROSS times its fence is held
+# instead: it counts in its step's average, whose fences are tighter (``step_floors``), and a
+# sender whose step fails is blamed for it. A replay above its fence is a copy: proof alone.
+GROSS = 2.5
+DECISIVE = frozenset({"replay"})
+
+
+def flag_reasons(scores: Mapping[str, float], fences: Mapping[str, IQRFence], *,
+                 per_sample: bool = True) -> tuple[str, ...]:
+    """The distances that flag the sample (empty: it passes or, per sample, is held for its
+    step's average), given its ``scores`` and the ``fences`` it is judged on (a step's
+    average: one distance over its fence is enough there)."""
+    reasons = tuple(name for name, value in scores.items() if fences[name].exceeds(value))
+    if reasons and SHIFT_TESTS.issuperset(reasons) and vouched(scores, fences):
+        return ()
+    if per_sample and reasons and not convincing(scores, reasons, fences):
+        return ()
+    return reasons
+
+
+def vouched(scores: Mapping[str, float], fences: Mapping[str, IQRFence]) -> bool:
+    """True when the stage's surrogate explains the sample (see ``SHIFT_TESTS``)."""
+    limit = fences["link"].fence() if "link" in fences and "link" in scores else None
+    return limit is not None and scores["link"] <= LINK_VOUCH * limit
+
+
+def convincing(scores: Mapping[str, float], reasons: tuple[str, ...], fences: Mapping[str, IQRFence]) -> bool:
+    """Whether one sample's fence excesses are enough to drop it: two tests or more, a
+    test that is proof alone (``DECISIVE``), or one at ``GROSS`` times its fence or more
+    (see ``GROSS``)."""
+    if len(reasons) > 1 or DECISIVE.intersection(reasons):
+        return True
+    name = reasons[0]
+    limit = fences[name].fence()
+    return limit is not None and not scores[name] < GROSS * limit
