@@ -3,6 +3,7 @@ no learning from flagged samples, step-level tests, blame and bans."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -314,6 +315,37 @@ def test_a_surrogate_that_explains_the_output_overrules_the_distribution_tests()
     assert mon.exceeded({"spectral": 0.5, "link": 0.25}, 20) == ("spectral",)   # the surrogate is not sure
     assert mon.exceeded({"spectral": 0.5}, 20) == ("spectral",)                 # no surrogate: no voucher
     assert mon.exceeded({"spectral": 0.5, "scale": 1.5, "link": 0.05}, 20) == ("spectral", "scale")
+
+
+def run_scaled_stage(input_efolds: float, output_efolds: float, *, at: int = 14) -> list[tuple[int, int, tuple]]:
+    """A near-linear stage checked on both sides; at step ``at`` its input grows by
+    ``input_efolds`` e-folds and its output by ``output_efolds``. Returns the output's flags."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(16, 16, generator=gen) / 4
+    v = Verifier({"warmup": 8}, [(0, "act"), (1, "act")])
+    flags = []
+    for step in range(at + 1):
+        for mb in range(MBS):
+            x = torch.randn(64, 16, generator=gen) * 2 + 1
+            y = x + 0.3 * torch.tanh(x @ weight)
+            if step == at:
+                x, y = x * math.exp(input_efolds), y * math.exp(output_efolds)
+            v.check(0, "act", x, step=step, mb=mb, sender=0)
+            verdict = v.check(1, "act", y, step=step, mb=mb, sender=1)
+            flags += [(step, mb, verdict.reasons)] if verdict.flagged else []
+        events = v.flag_events(step)
+        flags += [(step, e["mb"], tuple(e["reasons"])) for e in events if e["boundary"] == 1]
+        v.end_step(step, [events])
+    return flags
+
+
+def test_scale_is_the_stage_s_own_share_of_the_size_change() -> None:
+    """A loss spike's gradients grow through every stage, each amplifying what it received
+    (d=256, lr 1e-3: input +1.1, output +2.1 e-folds); the scale test reads the stage's own
+    share per e-fold its input moved. A sender that rescales what it sends is still caught."""
+    assert run_scaled_stage(0.0, 0.0) == []
+    assert run_scaled_stage(1.1, 2.1) == []                   # absolute: 2.1 e-folds, twice the floor
+    assert all("scale" in reasons for _, _, reasons in run_scaled_stage(0.0, 3.0)) and run_scaled_stage(0.0, 3.0)
 
 
 # ---------------------------------------------------------------------------- the link's residual and its drift
