@@ -451,13 +451,16 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
 
 
 def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps: int,
-                         wait_first: bool = False) -> list[dict[str, Any]]:
+                         wait_first: bool = False, slowdown: float = 1.0) -> list[dict[str, Any]]:
     """Step time of ``stagewise run`` with and without verification (the same plan, runs
     interleaved so that the machine's load drifts into both alike): per model and verifier
     placement, the median over runs of each run's median step (wall) and of its CPU time
     summed over ranks (what a shared machine's load inflates least). ``models``: name ->
     (spec, seq, steps). ``wait_first``: also run verification waiting for each verdict
-    before using the tensor (``--wait-verdicts``, the executor's old way)."""
+    before using the tensor (``--wait-verdicts``, the executor's old way). ``slowdown`` > 1:
+    every stage's compute emulated ``slowdown`` times slower than this CPU (``stagewise run
+    --emulate-speed --emulate-slowdown``), so its core idles during compute as a GPU's host
+    CPU does, and the checks can overlap it as they would there."""
     import tempfile
 
     modes = ("off", "on") + (("wait",) if wait_first else ())
@@ -469,11 +472,11 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
                 runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
                 for _ in range(reps):
                     for mode in modes:
-                        runs[mode].append(_overhead_run(path, steps, mode))
+                        runs[mode].append(_overhead_run(path, steps, mode, slowdown))
                 ms = {m: statistics.median(r["ms"] for r in runs[m]) for m in modes}
                 cpu = {m: statistics.median(r["cpu"] for r in runs[m]) for m in modes}
                 row = {"model": name, "verifier": "CPU host (rank 4)" if host else "stage rank 0",
-                       "steps": steps, "runs": reps, "step_ms_verify_on": round(ms["on"], 1),
+                       "steps": steps, "runs": reps, "slowdown": slowdown, "step_ms_verify_on": round(ms["on"], 1),
                        "step_ms_verify_off": round(ms["off"], 1), "overhead": round(ms["on"] / ms["off"] - 1.0, 4),
                        "cpu_ms_verify_on": round(cpu["on"], 1), "cpu_ms_verify_off": round(cpu["off"], 1),
                        "cpu_overhead": round(cpu["on"] / cpu["off"] - 1.0, 4)}
@@ -490,12 +493,12 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
     return rows
 
 
-def _overhead_run(path: Path, steps: int, mode: str) -> dict[str, float]:
+def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0) -> dict[str, float]:
     """One ``stagewise run``: verification off, on (deferred verdicts) or on waiting first."""
     from planner.runtime.launch import RunOptions, launch
 
     result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, verify=mode != "off",
-                               wait_verdicts=mode == "wait"))
+                               wait_verdicts=mode == "wait", emulate=slowdown > 1.0, emulate_slowdown=slowdown))
     warm = min(3, steps - 1)
     return {"ms": statistics.median(result["step_ms"][warm:]), "cpu": statistics.median(result["cpu_ms"][warm:])}
 
@@ -584,8 +587,9 @@ def print_table(report: dict[str, Any]) -> None:
         console.print(f"  d_model {row['d_model']:4d}, {row['layers_per_stage']} layers/stage, "
                       f"{row['microbatch']}x{row['seq']} tokens: stage fwd+bwd {row['stage_fwd_bwd_ms']:.1f} ms, "
                       f"its two checks {row['checks_ms']:.2f} ms ({100 * row['overhead']:.1f}%)")
-    for row in over["distributed"]:
-        console.print(f"  stagewise run, {row['model']}, verifier on {row['verifier']}: step "
+    for row in over["distributed"] + over.get("distributed_emulated", []):
+        slowed = f" (compute emulated {row['slowdown']:g}x slower)" if row.get("slowdown", 1.0) != 1.0 else ""
+        console.print(f"  stagewise run{slowed}, {row['model']}, verifier on {row['verifier']}: step "
                       f"{row['step_ms_verify_on']:.1f} vs {row['step_ms_verify_off']:.1f} ms "
                       f"({100 * row['overhead']:+.1f}% wall), CPU {row['cpu_ms_verify_on']:.0f} vs "
                       f"{row['cpu_ms_verify_off']:.0f} ms ({100 * row['cpu_overhead']:+.1f}%), {row['runs']} run(s) each")
@@ -614,10 +618,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time verification that waits for each verdict first (the executor's old way)")
     parser.add_argument("--models", nargs="+", choices=list(OVERHEAD_MODELS), default=list(OVERHEAD_MODELS),
                         help="models of the distributed overhead")
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="with --only overhead: emulate every stage device this many times slower than this "
+                             "CPU (results in overhead.distributed_emulated)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.only == "overhead":
-        return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first)
+        return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first,
+                             slowdown=args.slowdown)
     if args.only == "clean_wide":
         return only_clean_wide(Path(args.out), wide={**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),), "seeds": (0,)} if args.quick
                                else WIDE_CLEAN)
@@ -648,30 +656,36 @@ def distributed_goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
     return {f"{r['model']} / {r['verifier']}": r["overhead"] <= GOALS["overhead"] for r in rows}
 
 
-def only_overhead(out: Path, *, reps: int, models: list[str], wait_first: bool) -> int:
+def only_overhead(out: Path, *, reps: int, models: list[str], wait_first: bool, slowdown: float = 1.0) -> int:
     """Rerun the distributed overhead alone and merge it into the report at ``out`` (the
-    detection results there are kept); records how long it took and the machine's load."""
+    detection results there are kept); records how long it took and the machine's load.
+    With a ``slowdown`` the rows go to ``distributed_emulated`` (see :func:`distributed_overhead`)."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    rows = distributed_overhead({m: OVERHEAD_MODELS[m] for m in models}, reps=reps, wait_first=wait_first)
+    rows = distributed_overhead({m: OVERHEAD_MODELS[m] for m in models}, reps=reps, wait_first=wait_first,
+                                slowdown=slowdown)
     duration_s = time.perf_counter() - t0
     report = json.loads(out.read_text()) if out.exists() else {"overhead": {}, "goals": {}}
+    section = "distributed" if slowdown == 1.0 else "distributed_emulated"
     # Rows of the models not rerun stay; the rerun ones replace theirs (in OVERHEAD_MODELS' order).
-    kept = [r for r in report["overhead"].get("distributed", []) if r["model"] not in models]
+    kept = [r for r in report["overhead"].get(section, []) if r["model"] not in models]
     order = list(OVERHEAD_MODELS)
     merged = sorted(kept + rows, key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order),
                                                  r["verifier"] != "stage rank 0"))
-    report["overhead"]["distributed"] = merged
-    runs = report["overhead"].get("distributed_runs", {})
+    report["overhead"][section] = merged
+    runs = report["overhead"].get(f"{section}_runs", {})
     runs = runs if isinstance(runs, dict) else {}
     for model in models:
         runs[model] = {"models_in_run": models, "duration_s": round(duration_s, 1), "reps": reps,
-                       "wait_first": wait_first, "load_avg_before": [round(x, 2) for x in load_before],
+                       "wait_first": wait_first, "slowdown": slowdown,
+                       "load_avg_before": [round(x, 2) for x in load_before],
                        "load_avg_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
-    report["overhead"]["distributed_runs"] = runs
+    report["overhead"][f"{section}_runs"] = runs
     report["overhead"]["distributed_note"] = (
         "`stagewise run`, 4 stage ranks (+ a verifier host) on 2 shared cores: the checks' CPU time cannot hide "
-        "behind compute here, so wall and CPU overhead are reported separately; cpu_ms is summed over ranks")
-    report.setdefault("goals", {})["overhead_distributed"] = distributed_goals(merged)
+        "behind compute here, so wall and CPU overhead are reported separately; cpu_ms is summed over ranks. "
+        "distributed_emulated: every stage's compute emulated `slowdown` times slower than this CPU (its core "
+        "idles meanwhile, as a GPU's host CPU does), the checks free to overlap it")
+    report.setdefault("goals", {})[f"overhead_{section}"] = distributed_goals(merged)
     for row in rows:
         print(f"stagewise run, {row['model']}, verifier on {row['verifier']}: step {row['step_ms_verify_on']:.1f} vs "
               f"{row['step_ms_verify_off']:.1f} ms ({100 * row['overhead']:+.1f}% wall), CPU "

@@ -20,6 +20,13 @@ one machine share a name, and a cluster can scale one copy's efficiency.
 (``cost_models.compute.block_fwd_ms``/``block_bwd_ms`` on the stage's blocks), so a
 memory-bound stage is scaled by memory bandwidth and a compute-bound one by
 FLOP/s. Communication is not emulated: local links are what they are.
+
+A ``slowdown`` above 1 makes even the fastest planned device that much slower
+than this machine. On accelerators the host CPU idles while a kernel runs, and
+that idle time is where the runtime's own CPU work (posting messages, the
+verifier's checks on a stage device's host) overlaps compute; here a rank's
+compute holds its core unless padded, so without a slowdown that work can
+only add to the step.
 """
 from __future__ import annotations
 
@@ -73,8 +80,9 @@ def stage_ms(stage: "StageInfo", spec: "DeviceSpec", dtype: str) -> tuple[float,
             sum(block_bwd_ms(b, spec, dtype) for b in stage.blocks))
 
 
-def emulation_for(plan: "Plan", rank: int) -> Emulation:
-    """The padding of ``rank``: its stage's time on its device over the time on the fastest planned device."""
+def emulation_for(plan: "Plan", rank: int, *, slowdown: float = 1.0) -> Emulation:
+    """The padding of ``rank``: its stage's time on its device over the time on the fastest planned device,
+    times ``slowdown`` (see the module docstring)."""
     from cost_models.cluster import ClusterSpec
 
     info = plan.ranks[rank]
@@ -91,6 +99,6 @@ def emulation_for(plan: "Plan", rank: int) -> Emulation:
     reference = min(times, key=lambda device: sum(times[device]))
     own_fwd, own_bwd = times[info.device]
     ref_fwd, ref_bwd = times[reference]
-    return Emulation(fwd_factor=max(1.0, own_fwd / ref_fwd) if ref_fwd > 0 else 1.0,
-                     bwd_factor=max(1.0, own_bwd / ref_bwd) if ref_bwd > 0 else 1.0,
+    return Emulation(fwd_factor=slowdown * max(1.0, own_fwd / ref_fwd) if ref_fwd > 0 else slowdown,
+                     bwd_factor=slowdown * max(1.0, own_bwd / ref_bwd) if ref_bwd > 0 else slowdown,
                      device_type=info.device_type, reference_device=reference)

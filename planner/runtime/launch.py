@@ -70,6 +70,7 @@ class RunOptions:
     steps: int = 5
     timeout_s: float = 60.0
     emulate: bool = False
+    emulate_slowdown: float = 1.0   # the fastest planned device runs this many times slower than here
     metrics: str | None = None
     report: str | None = None
     attacks: tuple[str, ...] = ()
@@ -96,6 +97,12 @@ class RunOptions:
             raise InvalidInputError("--backend", expected="auto, gloo or nccl", found=repr(self.backend))
         if self.lr is not None and self.lr <= 0:
             raise InvalidInputError("--lr", expected="> 0", found=str(self.lr))
+        if not self.emulate_slowdown >= 1.0:
+            raise InvalidInputError("--emulate-slowdown", expected="a factor >= 1 (1: the fastest planned device "
+                                    "runs at this machine's speed)", found=str(self.emulate_slowdown))
+        if self.emulate_slowdown > 1.0 and not self.emulate:
+            raise InvalidInputError("--emulate-slowdown", expected="--emulate-speed as well",
+                                    found="a slowdown without emulated speeds", fix="add --emulate-speed")
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
@@ -114,6 +121,8 @@ class RunOptions:
             argv += ["--attack", spec]
         if self.emulate:
             argv.append("--emulate-speed")
+        if self.emulate_slowdown != 1.0:
+            argv += ["--emulate-slowdown", repr(self.emulate_slowdown)]
         if not self.verify:
             argv.append("--no-verify")
         if self.wait_verdicts:
@@ -129,6 +138,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank waits for a peer before declaring it dead or hung (default 60)")
     parser.add_argument("--emulate-speed", action="store_true", dest="emulate",
                         help="pad each rank's compute to its planned device's speed (fastest = this machine)")
+    parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+                        help="with --emulate-speed: the fastest planned device runs K times slower than this "
+                             "machine, so each rank's core idles while its device computes, as a GPU's host CPU "
+                             "does (the runtime's own work, messages and checks, then overlaps compute)")
     parser.add_argument("--metrics", help="write per-step, per-rank metrics as JSON lines to this file")
     parser.add_argument("--report", help="write a JSON report (losses, step times, verification) to this file")
     parser.add_argument("--attack", action="append", default=[], dest="attacks", metavar="SPEC",

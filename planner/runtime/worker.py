@@ -206,8 +206,12 @@ class Progress:
 def format_comparison(result: dict[str, Any]) -> str:
     pred, meas = result["predicted_step_ms"], result["measured_step_ms"]
     ratio = meas / pred if pred > 0 else math.inf
+    slowdown = result.get("emulate_slowdown", 1.0)
+    how = ""
+    if result.get("emulated"):
+        how = ", compute emulated to planned speeds" + (f" / {slowdown:g}" if slowdown != 1.0 else "")
     return (f"predicted {pred:.1f} ms/step (simulator, planned devices), measured {meas:.1f} ms/step here "
-            f"(x{ratio:.2f}{', compute emulated to planned speeds' if result.get('emulated') else ''})")
+            f"(x{ratio:.2f}{how})")
 
 
 # --------------------------------------------------------------------------- run
@@ -279,7 +283,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives and gather_object use the current device
     setup = prepare_rank(plan, env.rank, opts, device)
-    emulation = emulation_for(plan, env.rank) if opts.emulate else Emulation()
+    emulation = emulation_for(plan, env.rank, slowdown=opts.emulate_slowdown) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout_s=opts.timeout_s)
@@ -378,6 +382,7 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
     losses = [None if math.isnan(s.loss) else round(s.loss, 6) for s in summaries]
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
+            "emulate_slowdown": opts.emulate_slowdown if emulation_on else 1.0,
             "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
             "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
             "losses": losses,

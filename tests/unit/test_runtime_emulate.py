@@ -45,6 +45,16 @@ def test_devices_of_one_type_name_with_different_speeds_are_told_apart():
     assert slow.fwd_factor == pytest.approx(3.0) and slow.bwd_factor == pytest.approx(3.0)
 
 
+def test_a_slowdown_pads_every_stage_rank_by_it_on_top_of_its_ratio(hetero_plan):
+    """--emulate-slowdown K: even the fastest planned device runs K times slower than this machine,
+    so its core idles while it "computes", as a GPU's host CPU does."""
+    plain = [emulation_for(hetero_plan, r) for r in range(2)]
+    slowed = [emulation_for(hetero_plan, r, slowdown=4.0) for r in range(2)]
+    for p, s in zip(plain, slowed):
+        assert s.active and s.fwd_factor == pytest.approx(4.0 * p.fwd_factor)
+        assert s.bwd_factor == pytest.approx(4.0 * p.bwd_factor)
+
+
 def test_homogeneous_plan_is_not_padded():
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])
     assert not any(emulation_for(plan, r).active for r in range(plan.num_ranks))

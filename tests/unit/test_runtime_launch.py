@@ -11,7 +11,8 @@ from planner.runtime.launch import (FaultSpec, RunOptions, _Rank, diagnose, pars
 
 
 def test_worker_argv_round_trips_every_option():
-    opts = RunOptions(plan="p.json", steps=7, timeout_s=12.5, emulate=True, metrics="m.jsonl", report="r.json",
+    opts = RunOptions(plan="p.json", steps=7, timeout_s=12.5, emulate=True, emulate_slowdown=2.5,
+                      metrics="m.jsonl", report="r.json",
                       attacks=("rank=1,kind=zeros", "rank=2,kind=noise"), verify=False, seed=3, data="synthetic",
                       loss="a.b:c", lr=0.5, lr_warmup=20, dump="d", fault=FaultSpec(rank=1, kind="hang", step=2),
                       threads=2, backend="gloo")
@@ -24,7 +25,8 @@ def test_no_worker_flag_is_claimed_by_torchrun():
     from torch.distributed.run import get_args_parser
 
     theirs = [o for a in get_args_parser()._actions for o in a.option_strings if o.startswith("--")]
-    ours = [o for o in RunOptions(plan="p", emulate=True, verify=False, metrics="m", report="r", loss="a:b",
+    ours = [o for o in RunOptions(plan="p", emulate=True, emulate_slowdown=2.0, verify=False, metrics="m",
+                                  report="r", loss="a:b",
                                   lr=1.0, lr_warmup=3, dump="d", fault=FaultSpec(rank=0, kind="die"),
                                   attacks=("x",)).worker_argv() if o.startswith("--")]
     clashes = [(o, t) for o in ours for t in theirs if t.startswith(o)]
@@ -37,7 +39,8 @@ def test_bad_fault_specs_are_refused(text):
         FaultSpec.parse(text)
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(timeout_s=0), dict(threads=0), dict(backend="mpi"),
+@pytest.mark.parametrize("bad", [dict(emulate_slowdown=0.5, emulate=True), dict(emulate_slowdown=2.0),
+                                 dict(steps=0), dict(timeout_s=0), dict(threads=0), dict(backend="mpi"),
                                  dict(lr=-1.0), dict(lr_warmup=-1)])
 def test_bad_options_are_refused(bad):
     with pytest.raises(InvalidInputError):
