@@ -48,6 +48,17 @@ class CapBoxes:
         value, box = min(live, key=lambda vb: vb[0])
         return min(value, best_ms), box
 
+    def weakest_two(self, best_ms: float) -> tuple[float, tuple[float, float, float, float] | None, float]:
+        """:meth:`weakest`, and the value of the next weakest box (``best_ms`` when there is none)."""
+        live = sorted(((self._value(b), i) for i, b in enumerate(self.boxes)
+                       if (self.fill * b[0] if self.fill else 0.0) < best_ms), key=lambda vi: vi[0])
+        if self.open_top or not live:
+            value, box = self.weakest(best_ms)
+            return value, box, value
+        value, box = live[0][0], self.boxes[live[0][1]]
+        runner_up = live[1][0] if len(live) > 1 else best_ms
+        return min(value, best_ms), box, min(runner_up, best_ms)
+
     def split(self, box: tuple[float, float, float, float]) -> tuple[float, float] | None:
         """Split ``box`` in two; return the caps to price for the new lower half (None: too small)."""
         ta, tb, aa, ab = box

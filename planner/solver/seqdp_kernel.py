@@ -1,4 +1,4 @@
-"""The inner loops of ``lagrange.SequenceDP.run``, compiled with numba.
+"""The inner loops of ``seqdp.SequenceDP.run``, compiled with numba.
 
 The bound needs thousands of DPs; interpreted numpy spent most of its time
 in call overhead, which these kernels remove (the caller builds the tables).
@@ -13,6 +13,12 @@ followed by a stage on class ``n``. The last layer may be *lumped*
 ("``j`` or more stages", memory at ``j`` in flight, a valid floor): it refers
 to itself, so it is filled from the right with a sparse table updated as the
 DP moves left.
+
+The cap is exact (``seqdp``): the ends up to the last one that fits at the
+pair's largest send form a range (one sparse-table query); beyond it, up to
+the last one that could fit at the smallest send, ``_capped_min`` searches
+by halving over sparse tables of the ends' keys. Passing the smallest sends
+as the largest gives the loose test (every end up to the latter).
 """
 from __future__ import annotations
 
@@ -35,6 +41,68 @@ def _last_fit(cp_row, value):
     return lo - 2
 
 
+@njit(cache=True, inline="always")
+def _capped_min(SP, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack):
+    """min of ``SP[., c, r, n, e]`` over the ends ``s <= e <= hi`` whose stage fits the cap,
+    ``KEY[c, n, e] = cp[c, e + 1] + FWD[c, n, e] <= room``.
+
+    The sends vary with the boundary, so beyond ``sure`` (where every end fits, even at the largest send)
+    the ends that fit are not a range: the rest is searched by halving, a half skipped when its
+    minimum cannot improve, or no end in it fits (``KMIN``), and taken whole when every end fits (``KMAX``).
+    """
+    m = INF
+    top = min(sure, hi)
+    if top >= s:
+        lv = LOG2[top - s + 1]
+        m = min(SP[lv, c, r, n, s], SP[lv, c, r, n, top - (1 << lv) + 1])
+    else:
+        top = s - 1
+    if top >= hi:
+        return m
+    stack[0, 0], stack[0, 1] = top + 1, hi
+    depth = 1
+    while depth > 0:
+        depth -= 1
+        a, b = stack[depth, 0], stack[depth, 1]
+        lv = LOG2[b - a + 1]
+        b2 = b - (1 << lv) + 1
+        v = min(SP[lv, c, r, n, a], SP[lv, c, r, n, b2])
+        if v >= m or min(KMIN[lv, c, n, a], KMIN[lv, c, n, b2]) > room:
+            continue
+        if max(KMAX[lv, c, n, a], KMAX[lv, c, n, b2]) <= room:
+            m = v
+            continue
+        mid = (a + b) >> 1
+        lv = LOG2[mid - a + 1]
+        left = min(SP[lv, c, r, n, a], SP[lv, c, r, n, mid - (1 << lv) + 1])
+        if left > v:  # the minimum is in the right half: search it first (the left one is searched after)
+            stack[depth, 0], stack[depth, 1] = a, mid
+            stack[depth + 1, 0], stack[depth + 1, 1] = mid + 1, b
+        else:
+            stack[depth, 0], stack[depth, 1] = mid + 1, b
+            stack[depth + 1, 0], stack[depth + 1, 1] = a, mid
+        depth += 2
+    return m
+
+
+@njit(cache=True)
+def key_tables(cp, FWD, KMIN, KMAX):
+    """Sparse tables of min and max of ``KEY[c, n, e] = cp[c, e + 1] + FWD[c, n, e]`` over ends (``inf`` past
+    ``L - 2``): they depend on the problem alone."""
+    LOG, C = KMIN.shape[0], KMIN.shape[1]
+    L = cp.shape[1] - 1
+    for c in range(C):
+        for n in range(C):
+            for e in range(KMIN.shape[3]):
+                k = cp[c, e + 1] + FWD[c, n, e] if e < L - 1 else INF
+                KMIN[0, c, n, e] = KMAX[0, c, n, e] = k
+            for lv in range(1, LOG):
+                half = 1 << (lv - 1)
+                for e in range(KMIN.shape[3] - half):
+                    KMIN[lv, c, n, e] = min(KMIN[lv - 1, c, n, e], KMIN[lv - 1, c, n, e + half])
+                    KMAX[lv, c, n, e] = max(KMAX[lv - 1, c, n, e], KMAX[lv - 1, c, n, e + half])
+
+
 @njit(cache=True)
 def _fill_q(SP, H, valid, cp, FWD, Vnext, LV):
     """SP[0] = Q of the layer whose next stages are ``Vnext``, then the sparse levels each (c, r) needs."""
@@ -54,7 +122,7 @@ def _fill_q(SP, H, valid, cp, FWD, Vnext, LV):
 
 
 @njit(cache=True)
-def _exact_layer(layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trusted, ends_trusted, SPa, LOG2,
+def _exact_layer(layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD, EHI, LASTOK, trusted, ends_trusted, SPa, LOG2,
                  Vout, V0, kind, pick_r, pick_n, pick_hi):
     """One exact layer, looping (class, replicas, next class) outermost so the table is read in order."""
     C, R = H.shape
@@ -101,9 +169,10 @@ def _exact_layer(layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trusted,
                         hi = min(HI[c, r, n, s, qi], lim)
                         if hi < s:
                             continue
-                        lv = LOG2[hi - s + 1]
-                        m = min(SPa[lv, c, r, n, s], SPa[lv, c, r, n, hi - (1 << lv) + 1])
-                        v = base_p + m + (0.0 if s == 0 else h * BWD[c, qi, s])
+                        bwd = 0.0 if s == 0 else BWD[c, qi, s]
+                        m = _capped_min(SPa, c, r, n, s, hi, HS[c, r, n, s, qi], cap / h - bwd + cp[c, s], KMIN,
+                                        KMAX, LOG2, stack)
+                        v = base_p + m + h * bwd
                         if s == 0:
                             if v < V0[layer, c]:
                                 V0[layer, c] = v
@@ -130,9 +199,10 @@ def _push(SP, H, valid, cp, FWD, V, s):
 
 
 @njit(cache=True)
-def time_limits(cap, H, valid, cp, FWD_MIN, BWD, HI, LV, LOG2):
-    """HI[c, r, n, s, q]: the last end block of a stage from ``s`` whose time can stay <= cap (the same
-    in every layer, so computed once per DP); LV[c, r]: sparse-table levels its queries need."""
+def time_limits(cap, H, valid, cp, FWD_MIN, FWD_MAX, BWD, HI, HS, LV, LOG2):
+    """HI[c, r, n, s, q]: the last end block of a stage from ``s`` whose time can stay <= cap at the
+    smallest send; HS: the last end up to which every end fits, even at the largest (the same in every
+    layer, so computed once per DP); LV[c, r]: sparse-table levels its queries need."""
     C, R = H.shape
     L = cp.shape[1] - 1
     for c in range(C):
@@ -140,21 +210,22 @@ def time_limits(cap, H, valid, cp, FWD_MIN, BWD, HI, LV, LOG2):
             longest = 0
             h = H[c, r]
             for n in range(C):
-                fm = FWD_MIN[c, n]
+                fm, fx = FWD_MIN[c, n], FWD_MAX[c, n]
                 for s in range(L):
                     for qi in range(C):
                         bwd = 0.0 if s == 0 else BWD[c, qi, s]
                         if fm == INF or bwd == INF or not valid[c, r]:
-                            HI[c, r, n, s, qi] = -1
+                            HI[c, r, n, s, qi] = HS[c, r, n, s, qi] = -1
                             continue
                         hi = _last_fit(cp[c], cp[c, s] + cap / h - bwd - fm)
                         HI[c, r, n, s, qi] = hi
+                        HS[c, r, n, s, qi] = _last_fit(cp[c], cp[c, s] + cap / h - bwd - fx)
                         longest = max(longest, min(hi, L - 2) - s + 1)
             LV[c, r] = LOG2[longest] if longest > 0 else 0
 
 
 @njit(cache=True)
-def _state(s, qi, c, layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trusted, ends_trusted,
+def _state(s, qi, c, layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD, EHI, LASTOK, trusted, ends_trusted,
            allow_last, SPa, use_a, SPb, use_b, LOG2):
     """Best option of state (s, previous class qi, class c): (cost, kind, r, n, hi).
 
@@ -182,22 +253,21 @@ def _state(s, qi, c, layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trus
             hi = min(HI[c, r, n, s, qi], lim)
             if hi < s:
                 continue
-            lv = LOG2[hi - s + 1]
-            right = hi - (1 << lv) + 1
+            sure, room = HS[c, r, n, s, qi], cap / h - bwd + cp[c, s]
             if use_a:
-                v = base + min(SPa[lv, c, r, n, s], SPa[lv, c, r, n, right])
+                v = base + _capped_min(SPa, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack)
                 if v < best:
                     best, bk, br, bn, bh = v, 2, r, n, hi
             if use_b:
-                v = base + min(SPb[lv, c, r, n, s], SPb[lv, c, r, n, right])
+                v = base + _capped_min(SPb, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack)
                 if v < best:
                     best, bk, br, bn, bh = v, 3, r, n, hi
     return best, bk, br, bn, bh
 
 
 @njit(cache=True, nogil=True)  # nogil: relaxed plans are priced on another thread meanwhile (``pricer``)
-def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, trusted, ends_trusted, lump,
-                SPa, SPb, HI, LV, limits_ready, V, V0, kind, pick_r, pick_n, pick_hi):
+def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, FWD_MAX, KMIN, KMAX, BWD, EHI, LASTOK, trusted,
+                ends_trusted, lump, SPa, SPb, HI, HS, LV, limits_ready, V, V0, kind, pick_r, pick_n, pick_hi):
     """Fill every layer's ``V[layer, s, q, c]``, the first stage's ``V0[layer, c]`` and the choices.
 
     ``EHI[c, r, layer, s]``: last end block that fits in memory (and the all-reduce cap) in that layer;
@@ -208,16 +278,17 @@ def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, truste
     C = H.shape[0]
     L = cp.shape[1] - 1
     J = V.shape[0]
+    stack = np.empty((2 * KMIN.shape[0] + 2, 2), np.int64)  # _capped_min's halves still to search
     LOG2 = np.zeros(L + 2, np.int64)  # floor(log2(length)) of a query range
     for k in range(2, L + 2):
         LOG2[k] = LOG2[k // 2] + 1
     if not limits_ready:
-        time_limits(cap, H, valid, cp, FWD_MIN, BWD, HI, LV, LOG2)
+        time_limits(cap, H, valid, cp, FWD_MIN, FWD_MAX, BWD, HI, HS, LV, LOG2)
     for layer in range(J):
         if layer > 0:
             _fill_q(SPa, H, valid, cp, FWD, V[layer - 1], LV)
         if not (lump and layer == J - 1):
-            _exact_layer(layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trusted, ends_trusted, SPa, LOG2,
+            _exact_layer(layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD, EHI, LASTOK, trusted, ends_trusted, SPa, LOG2,
                          V[layer], V0, kind, pick_r, pick_n, pick_hi)
             continue
         # The lumped layer refers to itself: fill it from the right, growing its own table as it goes.
@@ -225,7 +296,7 @@ def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, BWD, EHI, LASTOK, truste
             nq = 1 if s == 0 else C
             for qi in range(nq):
                 for c in range(C):
-                    got = _state(s, qi, c, layer, cap, price, H, valid, cp, HI, BWD, EHI, LASTOK, trusted,
+                    got = _state(s, qi, c, layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD, EHI, LASTOK, trusted,
                                  ends_trusted, layer == 0, SPa, layer > 0, SPb, True, LOG2)
                     if s == 0:
                         V0[layer, c] = got[0]
@@ -242,10 +313,10 @@ def warm() -> None:
     C, R, L, J, LOG = 1, 1, 2, 1, 2
     f = np.float64
     sequence_dp(1.0, np.zeros((C, R), f), np.ones((C, R), f), np.ones((C, R), np.bool_),
-                np.array([[0.0, 1.0, 2.0]]), np.zeros((C, C, L - 1), f), np.zeros((C, C), f),
-                np.zeros((C, C, L), f), np.ones((C, R, J, L), np.int64), np.ones((C, R, L), np.bool_),
+                np.array([[0.0, 1.0, 2.0]]), np.zeros((C, C, L - 1), f), np.zeros((C, C), f), np.zeros((C, C), f),
+                np.zeros((LOG, C, C, L + 4), f), np.zeros((LOG, C, C, L + 4), f), np.zeros((C, C, L), f), np.ones((C, R, J, L), np.int64), np.ones((C, R, L), np.bool_),
                 np.ones(C, np.bool_), True, False, np.full((LOG, C, R, C, L + 4), INF),
                 np.full((LOG, C, R, C, L + 4), INF), np.zeros((C, R, C, L, C), np.int64),
-                np.zeros((C, R), np.int64), False,
+                np.zeros((C, R, C, L, C), np.int64), np.zeros((C, R), np.int64), False,
                 np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
                 *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))

@@ -150,12 +150,12 @@ def _deep_problem(act_factor: float = 6.0):
 def test_lazy_layers_give_the_full_dps_values():
     """The fewer-layer DP's answer is taken only when it meets the full layers' memory, so the dual value at
     every cap and price equals the full DP's; on this instance both paths are taken (hits and misses)."""
-    from planner.solver.lagrange import LazyLayers
+    from planner.solver.lazydp import LazyDP
 
     problem = _deep_problem()
     full = SequenceDP(problem)
     assert full.J > 2
-    lazy = LazyLayers(full, full.with_layers(2))
+    lazy = LazyDP(full, full.with_layers(2))
     rng = np.random.default_rng(0)
     top = 4 * full.block_floor_ms() * problem.num_blocks
     compared = 0
@@ -189,3 +189,31 @@ def test_a_plan_deeper_than_unlumped_layers_is_not_the_full_dps():
     used = np.zeros(full.C)
     used[i] = S
     assert not full.fits_layers(Relaxed(value_ms=0.0, stages=deep, used=used))
+
+
+@pytest.mark.parametrize("lift", [None, 0.0, 0.05])
+def test_bound_holds_however_far_boxes_are_lifted_before_moving_on(monkeypatch, lift):
+    """Pricing resumed at a box's point (``LAZY_LIFT``) or run to the target gives valid bounds either way."""
+    from planner.solver import lagrange
+
+    monkeypatch.setattr(lagrange, "LAZY_LIFT", lift)
+    for seed in range(0, 28, 3):
+        chain, cluster, config, policy = instance(seed)
+        problem, _, _ = api.problem_for(chain, cluster, config, policy, config.microbatch_size)
+        best, _ = brute_force(problem)
+        if math.isfinite(best):
+            res = lagrange_bound(problem, incumbent_ms=best * 1.5, time_budget_s=60.0, max_dps=80)
+            assert res.bound_ms <= best * (1 + 1e-9), f"seed {seed}: bound {res.bound_ms} above the optimum {best}"
+
+
+def test_weakest_two_boxes():
+    from planner.solver.boxes import CapBoxes
+
+    boxes = CapBoxes(lo=1.0, top=9.0, ar_top=4.0, fill=2, open_top=False)
+    boxes.add_point(9.0, 4.0, 10.0)
+    assert boxes.weakest_two(100.0) == (12.0, (1.0, 9.0, 0.0, 4.0), 100.0)  # one box: no runner-up
+    point = boxes.split((1.0, 9.0, 0.0, 4.0))
+    assert point == (5.0, 4.0)
+    boxes.add_point(*point, 11.0)
+    value, box, runner_up = boxes.weakest_two(100.0)
+    assert (value, box, runner_up) == (13.0, (1.0, 5.0, 0.0, 4.0), 20.0)  # 2 x 1 + 11 and 2 x 5 + 10
