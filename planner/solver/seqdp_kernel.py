@@ -42,9 +42,9 @@ def _last_fit(cp_row, value):
 
 
 @njit(cache=True, inline="always")
-def _capped_min(SP, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack):
+def _capped_min(SP, c, r, n, s, hi, sure, cap_h, bwd, cp_s, KMIN, KMAX, LOG2, stack):
     """min of ``SP[., c, r, n, e]`` over the ends ``s <= e <= hi`` whose stage fits the cap,
-    ``KEY[c, n, e] = cp[c, e + 1] + FWD[c, n, e] <= room``.
+    ``KEY[c, n, e] = cp[c, e + 1] + FWD[c, n, e] <= room = cap / h - bwd + cp[c, s]``.
 
     The sends vary with the boundary, so beyond ``sure`` (where every end fits, even at the largest send)
     the ends that fit are not a range: the rest is searched by halving, a half skipped when its
@@ -59,6 +59,7 @@ def _capped_min(SP, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack):
         top = s - 1
     if top >= hi:
         return m
+    room = cap_h - bwd + cp_s
     stack[0, 0], stack[0, 1] = top + 1, hi
     depth = 1
     while depth > 0:
@@ -139,6 +140,7 @@ def _exact_layer(layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD
             if not valid[c, r]:
                 continue
             h = H[c, r]
+            cap_h = cap / h
             for s in range(L):
                 nq = 1 if s == 0 else C
                 if s == 0 and ends_trusted and not trusted[c]:
@@ -170,7 +172,7 @@ def _exact_layer(layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD
                         if hi < s:
                             continue
                         bwd = 0.0 if s == 0 else BWD[c, qi, s]
-                        m = _capped_min(SPa, c, r, n, s, hi, HS[c, r, n, s, qi], cap / h - bwd + cp[c, s], KMIN,
+                        m = _capped_min(SPa, c, r, n, s, hi, HS[c, r, n, s, qi], cap_h, bwd, cp[c, s], KMIN,
                                         KMAX, LOG2, stack)
                         v = base_p + m + h * bwd
                         if s == 0:
@@ -219,7 +221,7 @@ def time_limits(cap, H, valid, cp, FWD_MIN, FWD_MAX, BWD, HI, HS, LV, LOG2):
                             continue
                         hi = _last_fit(cp[c], cp[c, s] + cap / h - bwd - fm)
                         HI[c, r, n, s, qi] = hi
-                        HS[c, r, n, s, qi] = _last_fit(cp[c], cp[c, s] + cap / h - bwd - fx)
+                        HS[c, r, n, s, qi] = hi if fx == fm else _last_fit(cp[c], cp[c, s] + cap / h - bwd - fx)
                         longest = max(longest, min(hi, L - 2) - s + 1)
             LV[c, r] = LOG2[longest] if longest > 0 else 0
 
@@ -253,13 +255,13 @@ def _state(s, qi, c, layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS,
             hi = min(HI[c, r, n, s, qi], lim)
             if hi < s:
                 continue
-            sure, room = HS[c, r, n, s, qi], cap / h - bwd + cp[c, s]
+            sure, cap_h = HS[c, r, n, s, qi], cap / h
             if use_a:
-                v = base + _capped_min(SPa, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack)
+                v = base + _capped_min(SPa, c, r, n, s, hi, sure, cap_h, bwd, cp[c, s], KMIN, KMAX, LOG2, stack)
                 if v < best:
                     best, bk, br, bn, bh = v, 2, r, n, hi
             if use_b:
-                v = base + _capped_min(SPb, c, r, n, s, hi, sure, room, KMIN, KMAX, LOG2, stack)
+                v = base + _capped_min(SPb, c, r, n, s, hi, sure, cap_h, bwd, cp[c, s], KMIN, KMAX, LOG2, stack)
                 if v < best:
                     best, bk, br, bn, bh = v, 3, r, n, hi
     return best, bk, br, bn, bh
