@@ -204,7 +204,12 @@ class VerifierConfig:
     sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
     ``drift_k``: the CUSUM's allowance per step (in robust standard deviations
     of a sender's step-level log residual score; see :class:`Cusum`, whose alarm
-    level is ``step_floors["drift"]``). ``basis_refresh``: steps between two eigendecompositions of a reference (its
+    level is ``step_floors["drift"]``); ``drift_spread_act``/``drift_spread_grad``:
+    the least spread of that log score it assumes per direction (gradients swing
+    more: a loss spike's gradients grow by e-folds on their way back while the
+    activations barely move, and at d=256, lr 1e-3 an honest stage's gradient
+    residual level rose 28% for the last 60 of 100 steps, which a spread of 0.1
+    read as drift from step 42 on; at 0.2 it is inside the allowance). ``basis_refresh``: steps between two eigendecompositions of a reference (its
     principal subspace, its residuals' whitener; 1: every step, what early
     training needs, when the subspaces still turn fast); ``seed``: the
     projections' seed (the same on every verifier rank).
@@ -226,10 +231,16 @@ class VerifierConfig:
     quantiles: int = 32
     replay_window: int = 256
     drift_k: float = 1.5
+    drift_spread_act: float = 0.1
+    drift_spread_grad: float = 0.2
     basis_refresh: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not (self.drift_spread_act > 0 and self.drift_spread_grad > 0):
+            raise InvalidInputError("verifier_config.drift_spread_act / drift_spread_grad",
+                                    expected="numbers > 0 (e.g. 0.1 / 0.2)",
+                                    found=f"{self.drift_spread_act} / {self.drift_spread_grad}")
         if not self.drift_k > 0:
             raise InvalidInputError("verifier_config.drift_k", expected="a number > 0 (e.g. 1.5)",
                                     found=str(self.drift_k))

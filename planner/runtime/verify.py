@@ -319,8 +319,9 @@ class Monitor:
         too; a model whose stage residuals keep changing shape should drop ``drift``
         from ``distances``."""
         if sender not in self._drift:
+            spread = self.cfg.drift_spread_act if self.direction == "act" else self.cfg.drift_spread_grad
             self._drift[sender] = Cusum(window=self.cfg.window, k=self.cfg.drift_k, cap=DRIFT_CAP,
-                                        min_samples=self.cfg.min_samples)
+                                        min_samples=self.cfg.min_samples, min_spread=spread)
         return self._drift[sender]
 
     def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit]) -> None:
