@@ -31,6 +31,7 @@ CAP_STEPS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.16, 1.25, 1.4)
 AR_STEPS = (0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06)
 CAP_STEPS_AR = (1.0, 1.03, 1.1, 1.25)  # bottleneck caps tried under each all-reduce cap
 AR_WORTH = 0.01  # an all-reduce below this share of the iteration is not worth re-partitioning for
+SCREEN_CAPS = (1.0, 1.03)  # bottleneck caps of ``screen_step``
 
 
 class _Stage:
@@ -68,7 +69,7 @@ class _Stage:
         self.mem_cap = float(c.mem_bytes)
 
 
-def _copy_table(problem: Problem):
+def copy_table(problem: Problem):
     """ms of a verifier copy of each boundary from a class: the cheapest trusted site allowed."""
     pol = problem.policy
     sites = [c.index for c in problem.classes if c.trusted and (
@@ -90,10 +91,22 @@ def partition_min_step(problem: Problem, groups: tuple[Group, ...]) -> tuple[tup
     L, S, M = problem.num_blocks, len(groups), problem.num_microbatches
     if S > L:
         return None
-    copy_ms = _copy_table(problem)
+    copy_ms = copy_table(problem)
     args = _kernel_args(problem, groups, [_Stage(problem, groups, k, copy_ms) for k in range(S)])
     best = min_step(args, M)
     return None if best is None else best[1]
+
+
+def screen_step(problem: Problem, groups: tuple[Group, ...], copy_ms=None) -> float:
+    """A quick estimate of :func:`partition_min_step`'s iteration time for ``groups`` (inf: nothing fits): the
+    bottleneck DP and the min-sum DP under two caps, without the all-reduce caps (3 kernel calls of ~40).
+    ``copy_ms``: a :func:`copy_table` of ``problem`` to share between calls."""
+    if len(groups) > problem.num_blocks:
+        return INF
+    copy_ms = copy_ms or copy_table(problem)
+    args = _kernel_args(problem, groups, [_Stage(problem, groups, k, copy_ms) for k in range(len(groups))])
+    got = _best_under(args, INF, problem.num_microbatches, caps=SCREEN_CAPS)
+    return INF if got is None else got[0]
 
 
 def min_step(args: tuple, M: int) -> tuple[float, tuple[tuple[int, int], ...], float] | None:
