@@ -73,10 +73,10 @@ Progress = Callable[[str, float | None, float | None, float], None]
 HEURISTIC_SHARE = 0.05
 MODEL_SIZE_LIMIT = 4_000  # blocks x stage slots up to which the CP-SAT model covers every stage count
 SLOT_CAP = 20  # slots of the smaller model beyond that: CP-SAT improves plans far better there
-LAGRANGE_SHARE = 0.7  # of each M's time budget on large models, for the sequence-DP bound and its plans
+LAGRANGE_SHARE = 0.75  # of each M's time budget on large models, for the sequence-DP bound and its plans
 # At most, for the local search from the best plan after it (``localsearch``), before CP-SAT: per second the
 # most productive step there (200 x 64: 9,553 -> 9,146 ms in 0.8 s; 1000 x 64: 9,402 -> 9,181 in 10 s).
-LOCAL_SHARE = 0.15
+LOCAL_SHARE = 0.1
 LAGRANGE_SMALL_S = 1.0  # at most this on models small enough for CP-SAT to prove optimality alone
 # A plan within this share of the bound is reported OPTIMAL and ends the search for its M: the costs
 # are models (a few percent off a measured step), and proving the last 0.01% can take the whole budget

@@ -49,6 +49,7 @@ from ortools.linear_solver import pywraplp
 from planner.solver.boxes import CapBoxes
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.lazydp import LazyDP, layered_dp
+from planner.solver.localsearch import improve
 from planner.solver.objective import Placement, evaluate
 from planner.solver.pricer import BackgroundPricer
 from planner.solver.problem import Problem
@@ -61,6 +62,10 @@ FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxe
 LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
 PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
 PRICER_BACKLOG = 64  # relaxed plans waiting for the pricing thread (workers >= 2), the oldest dropped past it
+PRICER_DUTY = 0.5  # the share of the time the pricing thread works (it rests the rest, leaving the DPs a core)
+# The last share of the bound's time, in which the pricing thread runs the local search (``localsearch``)
+# from the best plan instead (workers >= 2).
+LOCAL_TAIL = 0.35
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 # A box's prices are refined until it is this share of the incumbent above the next weakest box, and resumed
 # when it is the weakest again (None: until it reaches the target, or the prices converge). Off: 1e-3 gave a
@@ -141,7 +146,8 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     # bound meets the optimum their plans are the optimal ones, so these are priced before returning.
     skipped: deque[Relaxed] = deque(maxlen=LAST_PLANS)
 
-    pricer = BackgroundPricer(lambda r: _consider(r), backlog=PRICER_BACKLOG) if plans and workers > 1 else None
+    pricer = BackgroundPricer(lambda r: _consider(r), backlog=PRICER_BACKLOG,
+                              duty=PRICER_DUTY) if plans and workers > 1 else None
 
     def consider(relaxed: Relaxed) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
@@ -175,6 +181,16 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         for plan, step in cands:
             if step < best_ms - 1e-9:
                 best_plan, best_ms = plan, step
+
+    def local_search() -> None:
+        """The local search from the best plan until the bound's time ends (on the pricing thread, beside the
+        DPs: the tail of the bound costs it a core it shares with pricing anyway)."""
+        nonlocal best_plan, best_ms
+        left = time_budget_s - (time.perf_counter() - start)
+        if best_plan is not None and left > 0:
+            better = improve(problem, best_plan, best_ms, time_budget_s=left)
+            if better is not None and better[1] < best_ms - 1e-9:
+                best_plan, best_ms = better
 
     lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
     pool: list[Cut] = []  # every relaxed plan met: cutting planes at every pair of caps it meets
@@ -235,7 +251,11 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
     first = new_point(top, boxes.ar_top)
     price(first, INF)  # converged: its DPs' plans are the first incumbents that shrink every box
     boxes.add_point(top, boxes.ar_top, first.best)
+    local_at = time_budget_s * (1 - LOCAL_TAIL)  # when the pricing thread turns to the local search
     while True:
+        if pricer is not None and local_at is not None and time.perf_counter() - start > local_at:
+            pricer.then(local_search)
+            local_at = None
         bound, box, runner_up = boxes.weakest_two(best_ms)
         target = best_ms * (1 - target_gap)
         if box is None or deadline() or bound >= target:

@@ -28,7 +28,7 @@ from planner.solver.objective import Placement
 from planner.solver.problem import Problem
 from planner.solver.seqpart import copy_table, screen_step
 
-SCREEN_BATCH = 64  # neighbours screened before the best of them are re-partitioned exactly
+SCREEN_BATCH = 32  # neighbours screened before the best of them are re-partitioned exactly
 SCREEN_TOP = 3  # of a batch, re-partitioned exactly (best screen first)
 SCREEN_SLACK = 1.02  # a neighbour screened this much above the incumbent is not re-partitioned
 

@@ -187,16 +187,16 @@ def _exact_layer(layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS, BWD
 
 
 @njit(cache=True)
-def _push(SP, H, valid, cp, FWD, V, s):
-    """Add ``e = s - 1`` to a sparse table over a layer that refers to itself (``V`` = that layer)."""
+def _push(SP, H, valid, cp, FWD, V, s, LV):
+    """Add ``e = s - 1`` to a sparse table over a layer that refers to itself (``V`` = that layer), on the
+    levels the queries of each (class, replicas) read (``LV``: its longest stage under the cap)."""
     C, R = H.shape
-    LOG = SP.shape[0]
     e = s - 1
     for c in range(C):
         for r in range(R):
             for n in range(C):
                 SP[0, c, r, n, e] = H[c, r] * (cp[c, s] + FWD[c, n, e]) + V[s, c, n] if valid[c, r] else INF
-                for lv in range(1, LOG):
+                for lv in range(1, LV[c, r] + 1):
                     SP[lv, c, r, n, e] = min(SP[lv - 1, c, r, n, e], SP[lv - 1, c, r, n, e + (1 << (lv - 1))])
 
 
@@ -307,7 +307,7 @@ def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, FWD_MAX, KMIN, KMAX, BWD
                     kind[layer, s, qi, c], pick_r[layer, s, qi, c] = got[1], got[2]
                     pick_n[layer, s, qi, c], pick_hi[layer, s, qi, c] = got[3], got[4]
             if s >= 1:
-                _push(SPb, H, valid, cp, FWD, V[layer], s)
+                _push(SPb, H, valid, cp, FWD, V[layer], s, LV)
 
 
 def warm() -> None:

@@ -56,6 +56,33 @@ def test_pricer_close_prices_the_newest_waiting_items_on_the_callers_thread():
     assert pricer.dropped == 2
 
 
+def test_a_job_runs_once_on_the_pricing_thread_before_the_waiting_items():
+    pricer, priced, started, gate = _blocked_pricer(backlog=8)
+    pricer.submit(1)
+    assert started.wait(10.0)
+    pricer.submit(2)
+    pricer.then(lambda: priced.append(("job", threading.current_thread().name)))
+    pricer.submit(3)
+    gate.set()
+    while len(priced) < 4:
+        threading.Event().wait(0.01)
+    pricer.close()
+    assert [i for i, _ in priced] == [1, "job", 3, 2]
+    assert {name for _, name in priced} == {"stagewise-pricer"}
+
+
+def test_a_pricer_at_part_duty_prices_every_item_and_still_closes():
+    """Resting between items (duty < 1) neither loses items nor keeps close() waiting on a rest."""
+    done: list[int] = []
+    pricer = BackgroundPricer(done.append, backlog=8, duty=0.01)  # rests 99x each item's time
+    for item in range(3):
+        pricer.submit(item)
+    while len(done) < 3:
+        threading.Event().wait(0.01)
+    pricer.close()
+    assert sorted(done) == [0, 1, 2] and pricer.priced == 3
+
+
 def test_pricer_reraises_what_pricing_raised():
     tried = threading.Event()
 
