@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from planner.solver import api
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.localsearch import groups_of, improve, neighbours
@@ -87,10 +89,13 @@ def test_screen_matches_the_exact_partition_without_all_reduce_caps():
     assert compared >= 15 and same >= compared // 2, (same, compared)
 
 
-def test_idle_devices_are_put_to_work():
+def test_idle_devices_are_put_to_work(monkeypatch):
     """A pipeline that leaves a class's devices idle on a compute-bound chain: one move (more replicas, or a
     stage inserted on them) makes it faster."""
+    from planner.solver import localsearch
     from tests.unit.test_solver_lagrange import _deep_problem
+
+    monkeypatch.setattr(localsearch, "KICK_LIMIT", 0)  # the first local optimum is enough here
 
     problem = _deep_problem(act_factor=0.1)
     stage = [c for c in problem.classes if c.stage_capable]
@@ -101,3 +106,33 @@ def test_idle_devices_are_put_to_work():
     got = improve(problem, start[0], start[1], time_budget_s=30.0)
     assert got is not None and got[1] < 0.9 * start[1]
     assert not violations(problem, got[0])
+
+
+def test_a_coarsened_problem_keeps_the_chains_totals_and_the_cuts_between_merged_blocks():
+    from planner.solver.localsearch import coarsened
+    from tests.unit.test_solver_lagrange import _deep_problem
+
+    problem = _deep_problem()
+    coarse = coarsened(problem, 3)
+    assert coarse.num_blocks == math.ceil(problem.num_blocks / 3)
+    assert np.allclose(coarse.time_ms.sum(axis=0), problem.time_ms.sum(axis=0))
+    assert coarse.param_count.sum() == problem.param_count.sum()
+    assert coarse.act_bytes.sum() == problem.act_bytes.sum()
+    assert coarse.out_bytes[0] == problem.out_bytes[2] and coarse.out_bytes[-1] == problem.out_bytes[-1]
+
+
+def test_the_search_on_a_long_chain_screens_on_merged_blocks_and_returns_a_plan_of_the_chain(monkeypatch):
+    """With the screen on merged blocks (forced on a short chain), moves are still priced on the chain itself."""
+    from planner.solver import localsearch
+    from tests.unit.test_solver_lagrange import _deep_problem
+
+    monkeypatch.setattr(localsearch, "SCREEN_BLOCKS", 10)
+    monkeypatch.setattr(localsearch, "KICK_LIMIT", 0)
+    problem = _deep_problem(act_factor=0.1)
+    trusted = [c for c in problem.classes if c.stage_capable and c.trusted]
+    start = sequence_placement(problem, (Group(cls=trusted[0].index), Group(cls=trusted[-1].index)), exact=True)
+    got = improve(problem, start[0], start[1], time_budget_s=30.0)
+    assert got is not None and got[1] < start[1]
+    ev = evaluate(problem, got[0])
+    assert not violations(problem, got[0], ev) and math.isclose(ev.step_ms, got[1], rel_tol=1e-9)
+    assert got[0].stages[-1].last_block == problem.num_blocks - 1
