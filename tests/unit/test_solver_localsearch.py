@@ -136,3 +136,22 @@ def test_the_search_on_a_long_chain_screens_on_merged_blocks_and_returns_a_plan_
     ev = evaluate(problem, got[0])
     assert not violations(problem, got[0], ev) and math.isclose(ev.step_ms, got[1], rel_tol=1e-9)
     assert got[0].stages[-1].last_block == problem.num_blocks - 1
+
+
+def test_where_cpsat_cannot_help_the_local_search_takes_its_time_and_the_plan_is_checked(monkeypatch):
+    from benchmarks.solver import _config
+    from planner.check import check_solution
+    from planner.solver.policy import VerificationPolicy
+    from tests.unit.solver_fixtures import random_chain, tiered_cluster
+
+    monkeypatch.setattr(api, "CPSAT_HOPELESS", 0)
+    rng = np.random.default_rng(5)
+    cluster = tiered_cluster(16)
+    mem = max(d.spec.mem_bytes for d in cluster.stage_devices)
+    chain = random_chain(rng, 40, param_scale=1.5 * mem / 16 / 40, act_scale=2e8 * 48 / 40,
+                         flop_scale=5e11 * 48 / 40, out_scale=2e7)
+    config, policy = _config(), VerificationPolicy()
+    sol = api.solve(chain, cluster, config, policy, time_limit_s=4.0, workers=2)
+    assert any("model too large to improve the plan" in note for note in sol.report.notes), sol.report.notes
+    assert sol.report.bound_ms <= sol.predicted_step_ms
+    assert check_solution(sol, chain, cluster, config, policy).ok
