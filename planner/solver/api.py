@@ -215,13 +215,15 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     # covers pipelines of at most K stages, so the reported bound falls back to the fluid LP).
     K = min(K_full, SLOT_CAP) if large else K_full
     hopeless = problem.num_blocks * K > CPSAT_HOPELESS  # CP-SAT's time goes to the local search instead
-    if placement is not None and not exhaustive:  # small models: CP-SAT proves the optimum by itself
+    proven = placement is not None and step - lb_all <= gap_tolerance * step
+    if placement is not None and not exhaustive and not proven:  # small models: CP-SAT proves the optimum itself
         left = time_limit_s - (time.perf_counter() - start) - 0.5  # a re-partition can outlast the deadline
-        better = improve(problem, placement, step, time_budget_s=left if hopeless else LOCAL_SHARE * time_limit_s)
+        better = improve(problem, placement, step, time_budget_s=left if hopeless else LOCAL_SHARE * time_limit_s,
+                         target_ms=lb_all / (1 - gap_tolerance))
         if better is not None:
             placement, step, how = better[0], better[1], "local-search"
             report(step, None, 0.0)
-        if hopeless:
+        if hopeless and step - lb_all > gap_tolerance * step:
             return _Outcome(problem=problem, placement=placement, step_ms=step, bound_ms=min(lb_all, step),
                             method=how, cpsat_status="SKIPPED (model too large to improve the plan)",
                             solve_s=time.perf_counter() - start)

@@ -154,8 +154,9 @@ def _descend(problem: Problem, groups: tuple[Group, ...], step_ms: float, plan, 
 
 
 def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budget_s: float,
-            seed: int = 0) -> tuple[Placement, float] | None:
-    """A better plan than ``placement`` (priced ``step_ms``) found by the local search, or None.
+            seed: int = 0, target_ms: float = 0.0) -> tuple[Placement, float] | None:
+    """A better plan than ``placement`` (priced ``step_ms``) found by the local search, or None; it stops at a
+    plan priced ``target_ms`` or less (proven good enough).
 
     The neighbours are screened in shuffled batches, the best ``SCREEN_TOP`` of each batch re-partitioned
     exactly, and the first that improves moves the search: on long chains a screen costs ~10 ms (1000 blocks),
@@ -175,7 +176,7 @@ def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budg
     best_groups, best_step, best_plan = groups, step_ms, None
     cur_groups, cur_step, cur_plan = groups, step_ms, placement
     stale = 0  # kicks since the best plan last improved
-    while time.perf_counter() < until and stale <= KICK_LIMIT:
+    while time.perf_counter() < until and stale <= KICK_LIMIT and best_step > target_ms:
         cur_groups, cur_step, cur_plan, optimum = _descend(problem, cur_groups, cur_step, cur_plan, tried, rng,
                                                            screens, until)
         stale += 1
