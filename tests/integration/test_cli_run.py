@@ -71,3 +71,19 @@ def test_dead_rank_is_one_line_naming_it(plan_path):
     line = _one_line_error(cli(str(plan_path), "--steps", "3", "--timeout", "10", "--fault", "1:die:1"))
     assert line.startswith("stagewise run: error: rank 1 died")
 
+
+
+@pytest.mark.parametrize("args,needle", [(("--emulate-slowdown", "2"), "--emulate-speed as well"),
+                                         (("--emulate-speed", "--emulate-slowdown", "0.5"), "factor >= 1")])
+def test_bad_emulated_slowdown_is_one_line(plan_path, args, needle):
+    assert needle in _one_line_error(cli(str(plan_path), *args))
+
+
+def test_emulated_slowdown_pads_every_rank(plan_path, tmp_path):
+    """--emulate-slowdown 3 on a homogeneous plan: each rank's passes last 3x their CPU time."""
+    report = tmp_path / "r.json"
+    proc = cli(str(plan_path), "--steps", "2", "--emulate-speed", "--emulate-slowdown", "3", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    assert data["emulated"] and data["emulate_slowdown"] == 3.0
+    assert [(r["fwd_factor"], r["bwd_factor"]) for r in data["ranks"]] == [(3.0, 3.0), (3.0, 3.0)]
