@@ -627,8 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first,
                              slowdown=args.slowdown)
     if args.only == "clean_wide":
-        return only_clean_wide(Path(args.out), wide={**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),), "seeds": (0,)} if args.quick
-                               else WIDE_CLEAN)
+        quick_wide = {**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),), "seeds": (0,)}
+        return only_clean_wide(Path(args.out), wide=quick_wide if args.quick else WIDE_CLEAN)
     detection_only = args.only == "detection"
     if args.quick:
         attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}

@@ -209,7 +209,8 @@ class VerifierConfig:
     more: a loss spike's gradients grow by e-folds on their way back while the
     activations barely move, and at d=256, lr 1e-3 an honest stage's gradient
     residual level rose 28% for the last 60 of 100 steps, which a spread of 0.1
-    read as drift from step 42 on; at 0.2 it is inside the allowance). ``basis_refresh``: steps between two eigendecompositions of a reference (its
+    read as drift from step 42 on; at 0.2 it is inside the allowance).
+    ``basis_refresh``: steps between two eigendecompositions of a reference (its
     principal subspace, its residuals' whitener; 1: every step, what early
     training needs, when the subspaces still turn fast); ``seed``: the
     projections' seed (the same on every verifier rank).

@@ -19,11 +19,11 @@ whether the sender corrupted it:
    single sample just inside its fence).
 3. Each distance has an IQR fence over a rolling window of accepted scores
    (``thresholds``); a sample is flagged when two distances are above their
-   fences, or one far above it, unless the stage's surrogate
-   explains it (``evidence``); one a little above is left to its step's
-   average. With the stage's input at hand, ``scale`` is the size change the
-   stage added to its input's. Within a step every sample is scored against
-   the reference of the step's start; the samples that pass are folded in when the step closes, after each
+   fences, or one far above it, unless the stage's surrogate explains it
+   (``evidence``); one a little above is left to its step's average. With the
+   stage's input at hand, ``scale`` is the size change the stage added to its
+   input's. Within a step every sample is scored against the reference of the
+   step's start; the samples that pass are folded in when the step closes, after each
    sender's step *as a whole* passed the same tests with its own fences (the
    average of four microbatches is half as noisy: that is what catches subtle
    attacks). Flagged and tainted samples never update the averages, the
