@@ -61,6 +61,11 @@ end's part, and its ``executor_pass_ms`` (the executor's bookkeeping per pass)
 to every ``F``/``B`` (on the core, not padded by an emulated slow device).
 Without it (the default) messages cost the ranks no processor time.
 
+``CostModel.for_rehearsal(plan, local)`` prices ``stagewise run`` of a plan
+for remote devices on this machine (``local``: its profile): every rank's
+passes at the profiled speed, padded as the runtime's emulation pads them,
+and messages over the measured local link (``planner.rehearsal``).
+
 ``pipeline_ms`` is when the last rank reaches its optimizer step: that is
 what the closed forms ``(M + S - 1)(t_f + t_b)`` and the solver objective
 describe. ``step_ms`` adds the optimizer steps. Memory per rank is weights +
@@ -71,7 +76,7 @@ microbatches actually in flight as the program runs, + the verifier's state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
@@ -209,6 +214,39 @@ class CostModel:
         return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
                    ranks=plan.ranks, verifiers=plan.verifiers, cluster=ClusterSpec.from_dict(plan.cluster),
                    config=plan.config)
+
+    @classmethod
+    def for_rehearsal(cls, plan: Plan, local: DeviceSpec, *, emulate: bool, slowdown: float = 1.0) -> "CostModel":
+        """The costs of running ``plan`` on one machine whose device is ``local`` (a profile with its
+        point-to-point link measured): ``stagewise run``, every rank there, talking over that link.
+
+        ``emulate`` (``--emulate-speed``): each stage pass is padded as ``planner.runtime.emulate``
+        pads it, to its planned device's time over the fastest planned device's for the stage, times
+        ``slowdown`` (``--emulate-slowdown``); simulate with ``emulated=True`` so the padding holds no core.
+        """
+        if local.p2p_bandwidth_gbps is None or local.p2p_latency_ms is None:
+            raise InvalidInputError(f"device {local.name} for the rehearsal", expected="a profile with its "
+                                    "point-to-point link measured", found="no p2p figures",
+                                    fix="profile without --no-p2p")
+        if not slowdown >= 1.0 or (slowdown != 1.0 and not emulate):
+            raise InvalidInputError("rehearsal slowdown", expected="a factor >= 1 (above 1 only with emulated speeds)",
+                                    found=f"{slowdown} ({'with' if emulate else 'without'} emulated speeds)")
+        planned = cls.for_plan(plan)
+        link = Link(bandwidth_gbps=local.p2p_bandwidth_gbps, latency_ms=local.p2p_latency_ms)
+        planned_cluster = ClusterSpec.from_dict(plan.cluster)
+        hosts = tuple(replace(h, devices=tuple(replace(d, spec=local) for d in h.devices), intra_host=None)
+                      for h in planned_cluster.hosts)
+        here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())
+        costs = cls(chain=planned.chain, stage_ranges=planned.ranges, ranks=plan.ranks, verifiers=plan.verifiers,
+                    cluster=here, config=plan.config)
+        for r, info in enumerate(plan.ranks):
+            if info.stage is None or not emulate:
+                continue
+            ref_fwd, ref_bwd = planned._local[r]
+            costs._local[r] = (costs._fwd[r], costs._bwd[r])  # what this machine computes before padding
+            costs._fwd[r] *= slowdown * max(1.0, planned._fwd[r] / ref_fwd) if ref_fwd > 0 else slowdown
+            costs._bwd[r] *= slowdown * max(1.0, planned._bwd[r] / ref_bwd) if ref_bwd > 0 else slowdown
+        return costs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "make the run stop within --timeout with an error naming the rank.")
     add_run_arguments(p)
     p.add_argument("--log-dir", help="keep each rank's log (and error record) in this folder")
+    p.add_argument("--profile", metavar="PROFILE", dest="rehearsal_profile",
+                   help="this machine's profile (stagewise profile): also print the simulator's step for this "
+                        "run here (every rank on this machine, padded like --emulate-speed pads it)")
     p.set_defaults(handler=run)
 
 
@@ -33,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.runtime.launch import launch, options_from_args
 
     opts = options_from_args(args)
+    here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
     console = Console(stderr=False)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                             description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
 
         result = launch(opts, on_event=on_event, log_dir=args.log_dir)
-    console.print(summary_table(result))
+    console.print(summary_table(result, here))
     if result.get("banned"):
         console.print(f"[bold yellow]banned ranks {result['banned']}[/]: they kept running "
                       "(replanning around a banned rank is future work)")
@@ -58,8 +62,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_table(result: dict[str, Any]):
-    """Predicted vs measured step time, the loss, and verification counts."""
+def _rehearsal(opts, profile: str | None):
+    """The simulated run of the plan on the machine ``profile`` describes (None without one)."""
+    if profile is None:
+        return None
+    from planner.plan import load_plan
+    from planner.rehearsal import predict_rehearsal
+
+    return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown)
+
+
+def summary_table(result: dict[str, Any], here=None):
+    """Predicted vs measured step time (``here``: the simulated run on this machine, from
+    ``planner.rehearsal``), the loss, and verification counts."""
     from rich.table import Table
 
     pred, meas = result["predicted_step_ms"], result["measured_step_ms"]
@@ -72,6 +87,10 @@ def summary_table(result: dict[str, Any]):
     # Like for like only when the plan's devices are this machine (a cluster built from
     # `stagewise profile`); for a remote cluster it is the rehearsal's slow-down.
     table.add_row("measured / predicted", f"{meas / pred:.2f}x" if pred > 0 else "n/a")
+    if here is not None:
+        step = here.result.step_ms
+        table.add_row(f"predicted step here (simulator, profile {here.device}, {here.cores} cores)", f"{step:.2f} ms")
+        table.add_row("measured / predicted here", f"{meas / step:.2f}x" if step > 0 else "n/a")
     loss = result.get("final_loss")
     table.add_row("final loss", "n/a" if loss is None or (isinstance(loss, float) and math.isnan(loss))
                   else f"{loss:.4f}")

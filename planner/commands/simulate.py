@@ -9,6 +9,7 @@ from planner.commands._common import (
     over_memory_ranks,
     rank_table,
 )
+from planner.errors import InvalidInputError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,13 +33,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--emulated", action="store_true",
                    help="slower devices are rehearsed by padding passes with sleeps (stagewise run --emulate-speed): "
                         "the padding holds no core")
+    p.add_argument("--rehearse", metavar="PROFILE", default=None,
+                   help="price `stagewise run --emulate-speed` of the plan on the machine PROFILE describes "
+                        "(stagewise profile): every rank there at its speed, padded to the planned speed ratios, "
+                        "over its measured link, with its core sharing and message costs if measured "
+                        "(--cores defaults to its sharing table's, else this machine's)")
+    p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+                   help="with --rehearse: the fastest planned device K times slower than that machine "
+                        "(stagewise run --emulate-slowdown)")
     p.set_defaults(handler=run)
 
 
 def _from_profile(flag: str, path: str | None, load, what: str, fix: str):
     """What ``load`` reads from the profile at ``path`` (None without the flag), or an error naming ``flag``."""
-    from planner.errors import InvalidInputError
-
     if path is None:
         return None
     try:
@@ -65,6 +72,29 @@ def _messages(args: argparse.Namespace):
                          "profile with P2P (stagewise profile, without --no-p2p)")
 
 
+def _rehearse(args: argparse.Namespace, plan) -> int:
+    """``--rehearse PROFILE``: the plan's run on the profiled machine (``planner.rehearsal``)."""
+    from rich.console import Console
+
+    from planner.rehearsal import predict_rehearsal
+
+    for flag, value in (("--sharing", args.sharing), ("--messages", args.messages)):
+        if value is not None:
+            raise InvalidInputError(f"{flag} with --rehearse", expected="one profile",
+                                    found="two", fix=f"drop {flag}: --rehearse takes it from its profile")
+    here = predict_rehearsal(plan, args.rehearse, emulate=True, slowdown=args.emulate_slowdown, cores=args.cores)
+    result = here.result
+    console = Console()
+    console.print(f"[bold]{plan.model.name}[/]: `stagewise run --emulate-speed` here ({here.device}, {here.cores} "
+                  f"core(s), {'measured' if here.measured_sharing else 'even'} core sharing"
+                  f"{', measured message costs' if here.measured_messages else ''}"
+                  f"{f', slowdown {args.emulate_slowdown:g}' if args.emulate_slowdown != 1.0 else ''})")
+    console.print(f"step {result.step_ms:.3f} ms (pipeline {result.pipeline_ms:.3f} ms + optimizer), "
+                  f"bubble {100 * result.bubble_fraction:.1f}%; on the planned devices "
+                  f"{plan.predicted.step_ms:.3f} ms")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -72,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
     from planner.simulate import CostModel, simulate
 
     check_positive(args, "cores")
+    if args.rehearse is not None:
+        return _rehearse(args, load_plan(args.plan))
+    if args.emulate_slowdown != 1.0:
+        raise InvalidInputError("--emulate-slowdown", expected="--rehearse PROFILE as well",
+                                found="a slowdown without a rehearsal", fix="add --rehearse PROFILE")
     sharing = _sharing(args)
     messages = _messages(args)
     cores = args.cores if args.cores is not None or sharing is None else sharing.cores

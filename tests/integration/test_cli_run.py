@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from planner.rehearsal import predict_rehearsal
 from tests.dist.plans import make_plan
+from tests.unit.test_rehearsal import PROFILE
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 
@@ -87,3 +89,18 @@ def test_emulated_slowdown_pads_every_rank(plan_path, tmp_path):
     data = json.loads(report.read_text())
     assert data["emulated"] and data["emulate_slowdown"] == 3.0
     assert [(r["fwd_factor"], r["bwd_factor"]) for r in data["ranks"]] == [(3.0, 3.0), (3.0, 3.0)]
+
+
+def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path):
+    proc = cli(str(plan_path), "--steps", "2", "--emulate-speed", "--emulate-slowdown", "2", "--profile", str(PROFILE))
+    assert proc.returncode == 0, proc.stderr
+    here = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0)
+    assert here.result.step_ms > 2 * plan.predicted.step_ms
+    row = next(line for line in proc.stdout.splitlines() if "predicted step here" in line)
+    assert f"{here.result.step_ms:.2f} ms" in row and f"profile {here.device}, {here.cores} cores" in row
+    assert "measured / predicted here" in proc.stdout
+
+
+def test_a_bad_profile_is_one_line_before_any_rank_starts(plan_path, tmp_path):
+    line = _one_line_error(cli(str(plan_path), "--steps", "1", "--profile", str(tmp_path / "none.json")))
+    assert "an existing profile JSON file" in line

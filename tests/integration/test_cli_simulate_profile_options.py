@@ -11,7 +11,9 @@ import pytest
 
 from cost_models.measured import CoreSharing, MessageCost
 from planner.plan import load_plan
+from planner.rehearsal import predict_rehearsal
 from planner.simulate import simulate
+from tests.unit.test_rehearsal import PROFILE
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden_plan.json"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "120"}
@@ -61,7 +63,20 @@ def test_simulate_with_measured_message_costs(tmp_path):
     assert f"step {expected:.3f} ms" in proc.stdout and "messages cost their sender 0.400 ms" in proc.stdout
 
 
+def test_simulate_rehearse_prints_the_run_on_the_profiled_machine():
+    plan = load_plan(GOLDEN)
+    here = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0, cores=3)
+    proc = cli("simulate", str(GOLDEN), "--rehearse", str(PROFILE), "--emulate-slowdown", "2", "--cores", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert f"step {here.result.step_ms:.3f} ms" in proc.stdout and f"{here.device}, 3 core(s)" in proc.stdout
+    assert f"on the planned devices {plan.predicted.step_ms:.3f} ms" in proc.stdout
+
+
 @pytest.mark.parametrize("args,phrase", [
+    (("--rehearse", "missing.json"), "an existing profile JSON file"),
+    (("--emulate-slowdown", "2"), "--rehearse PROFILE as well"),
+    (("--rehearse", str(PROFILE), "--emulate-slowdown", "0.5"), "a factor >= 1"),
+    (("--rehearse", str(PROFILE), "--messages", str(PROFILE)), "--rehearse takes it from its profile"),
     (("--cores", "0"), "--cores; expected >= 1; found 0"),
     (("--sharing", "PROFILE"), "a profile with a core sharing table"),
     (("--sharing", "missing.json"), "a readable profile JSON"),

@@ -1,0 +1,48 @@
+"""What running a plan on this machine should take: the simulator priced with this machine's profile.
+
+``stagewise run PLAN --emulate-speed`` rehearses a plan for remote devices
+here. The plan's own prediction is for the planned devices (the bundled
+gpt-tiny plan on A100s: 0.05 ms a step, where this CPU takes ~20 ms), so it
+cannot be compared with what the rehearsal measures. Priced with a profile
+of this machine (``stagewise profile``), the same programs give the figure
+the rehearsal should measure: every rank's passes at the profiled speed,
+padded as the runtime pads them, messages over the measured local link, and,
+where the profile has them, the measured core sharing and per-message CPU
+costs (``planner.simulate``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cost_models.devices import load_profile_spec
+from cost_models.measured import load_message_cost, load_sharing
+from planner.plan import Plan
+from planner.simulate import CostModel, SimResult, simulate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rehearsal:
+    """The simulated run and how it was priced."""
+
+    result: SimResult
+    cores: int
+    device: str                 # the profiled device's name
+    measured_sharing: bool      # core sharing from the profile (else even sharing)
+    measured_messages: bool     # per-message CPU costs from the profile (else free)
+
+
+def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0,
+                      cores: int | None = None) -> Rehearsal:
+    """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
+    ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``), its ranks sharing ``cores`` processors
+    (default: the profile's sharing table's, else this machine's)."""
+    spec = load_profile_spec(profile)   # checks the file: the loaders below read the same document
+    sharing, messages = load_sharing(profile), load_message_cost(profile)
+    if cores is None:
+        cores = sharing.cores if sharing is not None else os.cpu_count() or 1
+    costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)
+    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages)
+    return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
+                     measured_messages=messages is not None)
