@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from cost_models.comm import transfer_ms
 from cost_models.compute import range_bwd_ms, range_fwd_ms
+from cost_models.verify import verify_ms
 from cost_models.devices import load_profile_spec
+from cost_models.measured import load_message_cost
 from planner.errors import InvalidInputError
 from planner.plan import load_plan
 from planner.rehearsal import predict_rehearsal
@@ -64,14 +67,9 @@ def test_prediction_shares_this_machines_cores_and_differs_from_the_planned_devi
     costs = CostModel.for_rehearsal(plan, load_profile_spec(PROFILE), emulate=True)
     assert got.cores == 2 and got.device == load_profile_spec(PROFILE).name and got.measured_messages
     assert got.result.step_ms == pytest.approx(simulate(plan, costs, cores=2, emulated=True,
-                                                        messages=_messages()).step_ms)
+                                                        messages=load_message_cost(PROFILE)).step_ms)
     assert got.result.step_ms > predict_rehearsal(plan, PROFILE, emulate=False, cores=2).result.step_ms
     assert got.result.step_ms != pytest.approx(simulate(plan).step_ms)
-
-
-def _messages():
-    from cost_models.measured import load_message_cost
-    return load_message_cost(PROFILE)
 
 
 def test_a_profile_without_p2p_is_refused(plan, tmp_path):
@@ -83,3 +81,28 @@ def test_a_profile_without_p2p_is_refused(plan, tmp_path):
     bare.write_text(json.dumps(doc))
     with pytest.raises(InvalidInputError, match="point-to-point link measured"):
         predict_rehearsal(plan, bare, emulate=True)
+
+
+def test_a_plan_for_this_machine_is_priced_as_it_was_planned():
+    """Planned on the profiled device itself: the stage ranks' compute and optimizer are the plan's own;
+    the links change to the profile's measured one, and the verifier host (a catalog CPU in the plan)
+    checks at the profiled device's speed."""
+    from tests.dist.plans import make_plan
+
+    local = load_profile_spec(PROFILE)
+    plan = make_plan("gpt-tiny", microbatch=2, num_microbatches=4, stages=[(0, 2), (3, 5)], seq=16,
+                     device_types=[str(PROFILE)] * 2, verifiers=[(0, 2, ("act", "grad"))], verifier_host=True)
+    planned, here = CostModel.for_plan(plan), CostModel.for_rehearsal(plan, local, emulate=True)
+    for rank in range(plan.num_ranks):
+        for op in ("F", "B"):
+            assert here.compute_ms(rank, op) == pytest.approx(planned.compute_ms(rank, op))
+        assert here.optim_ms(rank) == pytest.approx(planned.optim_ms(rank))
+    assert plan.ranks[2].device_type == "CPU" and here.spec[2] == local
+    assert here.verify_ms(2, 0, "F") == pytest.approx(verify_ms(here.boundary_bytes[0], local))
+    assert here.transfer_ms(0, 1, 0, "F") == pytest.approx(transfer_ms(here.boundary_bytes[0], _profile_link(local)))
+    assert here.transfer_ms(0, 1, 0, "F") != pytest.approx(planned.transfer_ms(0, 1, 0, "F"))
+
+
+def _profile_link(spec):
+    from cost_models.cluster import Link
+    return Link(bandwidth_gbps=spec.p2p_bandwidth_gbps, latency_ms=spec.p2p_latency_ms)
