@@ -12,6 +12,7 @@ costs (``planner.simulate``).
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,9 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
     ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``), its ranks sharing ``cores`` processors
     (default: the profile's sharing table's, else this machine's)."""
-    spec = load_profile_spec(profile)   # checks the file: the loaders below read the same document
-    sharing, messages = load_sharing(profile), load_message_cost(profile)
+    spec = load_profile_spec(profile)   # checks the file; the document is then read once for the rest
+    doc = json.loads(Path(profile).read_text())
+    sharing, messages = load_sharing(doc), load_message_cost(doc)
     if cores is None:
         cores = sharing.cores if sharing is not None else os.cpu_count() or 1
     costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)

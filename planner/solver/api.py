@@ -215,15 +215,18 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     # covers pipelines of at most K stages, so the reported bound falls back to the fluid LP).
     K = min(K_full, SLOT_CAP) if large else K_full
     hopeless = problem.num_blocks * K > CPSAT_HOPELESS  # CP-SAT's time goes to the local search instead
-    proven = placement is not None and step - lb_all <= gap_tolerance * step
-    if placement is not None and not exhaustive and not proven:  # small models: CP-SAT proves the optimum itself
+
+    def proven(step_ms: float) -> bool:  # within the tolerance of the bound: nothing left to search
+        return step_ms - lb_all <= gap_tolerance * step_ms
+
+    if placement is not None and not exhaustive and not proven(step):  # small models: CP-SAT proves it alone
         left = time_limit_s - (time.perf_counter() - start) - 0.5  # a re-partition can outlast the deadline
         better = improve(problem, placement, step, time_budget_s=left if hopeless else LOCAL_SHARE * time_limit_s,
                          target_ms=lb_all / (1 - gap_tolerance))
         if better is not None:
             placement, step, how = better[0], better[1], "local-search"
             report(step, None, 0.0)
-        if hopeless and step - lb_all > gap_tolerance * step:
+        if hopeless and not proven(step):
             return _Outcome(problem=problem, placement=placement, step_ms=step, bound_ms=min(lb_all, step),
                             method=how, cpsat_status="SKIPPED (model too large to improve the plan)",
                             solve_s=time.perf_counter() - start)
@@ -234,7 +237,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         hint = found[0] if found is not None else None
     left = time_limit_s - (time.perf_counter() - start)
     status, cp_bound = "SKIPPED", math.inf if K_full < 2 else 0.0
-    if placement is not None and step - lb_all <= gap_tolerance * step:  # proven within the tolerance already
+    if placement is not None and proven(step):
         return _Outcome(problem=problem, placement=placement, step_ms=step, bound_ms=min(lb_all, step),
                         method=how, cpsat_status="SKIPPED (within the gap tolerance)",
                         solve_s=time.perf_counter() - start)
