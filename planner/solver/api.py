@@ -11,8 +11,9 @@ fixed in an outer loop, the time split evenly):
    a good pipeline with the baselines and a sequence search (``dp``);
 4. computes the sequence DP's Lagrangian bound (``lagrange``): it sees the
    communication, verifier copies, 1F1B in-flight memory and all-reduce
-   that the fluid LP cannot, and every relaxed plan it meets is repaired,
-   re-partitioned (``seqpart``) and priced, often improving the incumbent
+   that the fluid LP cannot (branching on block classes where it stalls), and
+   every relaxed plan it meets is repaired, re-partitioned (``seqpart``) and
+   priced, often improving the incumbent
    (``LAGRANGE_SHARE`` of the time; a short look on models small enough
    for CP-SAT to prove optimality alone); when several classes share a
    device type (many hosts), half of that time bounds the problem with

@@ -22,18 +22,30 @@ class CapBoxes:
     """
 
     def __init__(self, *, lo: float, top: float, ar_top: float, fill: int, open_top: bool) -> None:
-        self.fill, self.ar_top, self.top, self.open_top = fill, ar_top, top, open_top
+        self.fill, self.ar_top, self.top, self.open_top, self.lo = fill, ar_top, top, open_top, lo
         self.points: dict[tuple[float, float], float] = {}
         self.boxes: list[tuple[float, float, float, float]] = [(lo, max(top, lo), 0.0, ar_top)]
 
     def add_point(self, t: float, a: float, value: float) -> None:
-        self.points[(t, a)] = value
+        """A lower bound on ``g`` at caps ``(t, a)``; the highest met is kept (every one is valid)."""
+        self.points[(t, a)] = max(value, self.points.get((t, a), -INF))
+
+    def width(self, box: tuple[float, float, float, float]) -> float:
+        """What splitting can add to a box's value at most: its lower corner's floor rising to the upper's."""
+        ta, tb, aa, ab = box
+        if not self.fill:
+            return ab - aa
+        return (self.fill * (tb - ta) if math.isfinite(tb) else INF) + (ab - aa)
 
     def _g(self, t: float, a: float) -> float:
         return max((v for (pt, pa), v in self.points.items() if pt >= t and pa >= a), default=-INF)
 
     def _value(self, box: tuple[float, float, float, float]) -> float:
         return self.floor(box) + self._g(box[1], box[3])
+
+    def least_floor(self) -> float:
+        """The least floor any box can have: every box lies above the lowest bottleneck cap."""
+        return self.fill * self.lo if self.fill else 0.0
 
     def floor(self, box: tuple[float, float, float, float]) -> float:
         """What a box's plans pay before ``g``: the fill at its lowest bottleneck plus its lowest all-reduce."""

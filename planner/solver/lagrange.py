@@ -35,6 +35,12 @@ subgradient ascent stalled far below it (48 blocks x 8 devices: within
 0.02% of the optimum in 0.3 s, against 20% after 1600 DPs). Every relaxed plan met is repaired to the
 device counts, re-partitioned (``seqpart``) and priced exactly; the best
 valid one is returned with the bound.
+
+Where a box is too narrow for splits to lift it and its prices have
+converged, what holds it down is the relaxation itself (mixtures of
+sequences that meet the device counts only on average); the box's caps then
+get a tree that branches on the class holding one block (``branching``),
+whose weakest leaf's dual value is the box's.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.solver.boxes import CapBoxes
+from planner.solver.branching import ClassTree, child_masks, most_split_block, satisfies
 from planner.solver.dp import Group, sequence_placement
 from planner.solver.lazydp import LazyDP, layered_dp
 from planner.solver.localsearch import improve
@@ -73,6 +80,11 @@ KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best d
 # relaxed plans are met, and at 1000 x 64, where pricing keeps up with about a quarter of them, the best plan
 # of 22 s was worse in each of four runs (9,634-10,894 against 9,377-9,506 ms).
 LAZY_LIFT: float | None = None
+# Boxes narrower than this share of the incumbent (what splitting them can still add) branch on block
+# classes instead (``branching``); wider ones split first, branching costing tens of DPs per child. 200 x 64,
+# bound alone, 90 s: 8,854 / 8,868 / 8,891 / 8,865 ms at 3e-4 / 1e-3 / 5e-3 / 2e-2 (without: 8,839 at 60 s
+# and at 300 s, where the plain relaxation stalls); at 22 s 8,810 at 5e-3, as without (8,830-8,839).
+BRANCH_WIDTH = 5e-3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +152,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         return time.perf_counter() - start > time_budget_s or (max_dps is not None and dps >= max_dps)
 
     tried: set[tuple[Group, ...]] = set()
+    full_dp = dp.base if isinstance(dp, LazyDP) else dp
 
     spent = [0.0]  # seconds pricing plans: capped at PLAN_SHARE of the time so far
     # The latest relaxed plans the cap skipped: the DPs of the tightest boxes come last, and where the
@@ -204,15 +217,16 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
         the DP at those prices adds a plan.
         """
         nonlocal dps
+        run = dp if pt.allowed is None else dp.restricted(pt.allowed)  # a branch's leaf: its classes only
         while not pt.done:
-            got = dp.run(pt.cap, pt.lam, pt.ar_cap)
+            got = run.run(pt.cap, pt.lam, pt.ar_cap)
             dps += 1
             pt.runs += 1
             if got is None:  # no sequence meets the caps, whatever the prices
                 pt.best, pt.done = INF, True
                 break
             consider(got)
-            for looser in getattr(dp, "missed", ()):  # the looser DPs' plans: seeds for the incumbent too
+            for looser in getattr(run, "missed", ()):  # the looser DPs' plans: seeds for the incumbent too
                 consider(looser)
             if got.value_ms > pt.best:
                 pt.best, pt.best_lam = got.value_ms, pt.lam
@@ -221,7 +235,8 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                 pt.done = True  # complementary slackness: g at these caps exactly
                 break
             if pt.master is None:  # the plans met so far that meet these caps, then this DP's (one of its candidates)
-                cuts = [c for c in pool if c.peak_ms <= pt.cap * (1 + 1e-12) and c.ar_ms <= pt.ar_cap * (1 + 1e-12)]
+                cuts = [c for c in pool if c.peak_ms <= pt.cap * (1 + 1e-12) and c.ar_ms <= pt.ar_cap * (1 + 1e-12)
+                        and satisfies(c, pt.allowed, full_dp.SC)]
                 pt.master = _KelleyMaster(cuts, dp.count, lam_max)
             cut = dp.cut(got)
             pool.append(cut)
@@ -230,8 +245,36 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             pt.done = pt.model - pt.best <= KELLEY_TOL * max(1.0, abs(pt.best)) or pt.runs >= iterations
             if pt.best >= enough or deadline():
                 break
-        if pt.best_lam is not None:
+        if pt.best_lam is not None and pt.allowed is None:
             lam_memo.append(((pt.cap, pt.ar_cap), pt.best_lam))
+
+    trees: dict[tuple[float, float], ClassTree] = {}
+
+    def branch(pt: _Point, box: tuple[float, float, float, float], level: float) -> bool:
+        """Grow the class tree at the box's upper caps by one step (False: its weakest leaf cannot branch)."""
+        tree = trees.setdefault((pt.cap, pt.ar_cap), ClassTree(pt))
+        leaf = tree.weakest()
+        enough = level - boxes.floor(box)
+        if not leaf.done and leaf.model >= enough:
+            price(leaf, enough)
+        else:
+            weighted = leaf.master.weighted() if leaf.master is not None else []
+            block = most_split_block(weighted, full_dp.L, full_dp.SC)
+            if block is None:
+                return False
+            lam = leaf.lam if leaf.best_lam is None else leaf.best_lam
+            kids = [_Point(cap=pt.cap, ar_cap=pt.ar_cap, lam=lam.copy(), allowed=mask)
+                    for mask in child_masks(leaf.allowed, block, full_dp.C, full_dp.L)]
+            tree.replace(leaf, kids)
+            for kid in kids:
+                if deadline():
+                    kid.best = -INF  # unpriced: bounds nothing
+                    continue
+                price(kid, enough)
+        # Every box this point bounds has a floor of at least the lowest box's: leaves above the incumbent
+        # less that floor bound nothing that could beat it.
+        boxes.add_point(pt.cap, pt.ar_cap, tree.value(best_ms - boxes.least_floor()))
+        return True
 
     def new_point(cap: float, ar_cap: float) -> _Point:
         lam = np.zeros(dp.C)
@@ -268,6 +311,10 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             price(pt, level - boxes.floor(box))
             boxes.add_point(pt.cap, pt.ar_cap, pt.best)
             continue
+        # A box too narrow for splits to lift it further: only a higher value at its caps can.
+        if pt is not None and boxes.width(box) < min(BRANCH_WIDTH * best_ms, level - bound) \
+                and branch(pt, box, level):
+            continue
         point = boxes.split(box)
         if point is None:
             break
@@ -295,6 +342,7 @@ class _Point:
     master: _KelleyMaster | None = None
     runs: int = 0
     done: bool = False
+    allowed: np.ndarray | None = None  # a branch's leaf (``branching``): its classes (local classes x blocks)
 
 
 class _KelleyMaster:
@@ -306,6 +354,8 @@ class _KelleyMaster:
 
     def __init__(self, cuts: list[Cut], count: np.ndarray, lam_max: float) -> None:
         self.count = count
+        self.cuts: list[Cut] = []
+        self.rows: list[pywraplp.Constraint] = []
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
         self.lam = [self.solver.NumVar(0.0, lam_max, f"lam{c}") for c in range(len(count))]
         self.z = self.solver.NumVar(-self.solver.infinity(), self.solver.infinity(), "z")
@@ -318,6 +368,14 @@ class _KelleyMaster:
         row.SetCoefficient(self.z, 1.0)
         for c, var in enumerate(self.lam):
             row.SetCoefficient(var, -float(cut.used[c] - self.count[c]))
+        self.cuts.append(cut)
+        self.rows.append(row)
+
+    def weighted(self) -> list[tuple[float, Cut]]:
+        """The cuts with their weights in the LP's dual: the mixture of sequences the prices balance."""
+        if self.solver.Solve() != pywraplp.Solver.OPTIMAL:
+            return []
+        return [(abs(row.dual_value()), cut) for row, cut in zip(self.rows, self.cuts) if abs(row.dual_value()) > 1e-9]
 
     def solve(self) -> tuple[float, np.ndarray]:
         """(model value, prices); (-inf, zeros) when the LP is numerically stuck."""

@@ -70,6 +70,10 @@ class LazyDP:
     def cut(self, relaxed: Relaxed) -> Cut:
         return self.base.cut(relaxed)
 
+    def restricted(self, allowed: np.ndarray) -> LazyDP:
+        """Both DPs restricted alike (``SequenceDP.restricted``)."""
+        return LazyDP(self.full.restricted(allowed), self.loose.restricted(allowed), always=self.always)
+
     def placement(self, relaxed: Relaxed) -> Placement | None:
         return self.base.placement(relaxed)
 

@@ -65,6 +65,7 @@ class Cut:
     used: np.ndarray
     peak_ms: float
     ar_ms: float
+    stages: tuple[tuple[int, int, int, int], ...] = ()  # the relaxed plan's (see ``Relaxed``)
 
 
 class SequenceDP:
@@ -101,7 +102,8 @@ class SequenceDP:
         self.KMAX = np.full((self.LOG, C, C, L + self.pad), INF)
         key_tables(self.cp, self.FWD, self.KMIN, self.KMAX)
         self._work: tuple[np.ndarray, ...] | None = None
-        self._limits_cap = math.nan  # the cap HI/LV in _work were computed for
+        # The cap HI/LV in _work were computed for, in a list that copies sharing _work share (``restricted``).
+        self._limits_cap = [math.nan]
 
     # --- tables -------------------------------------------------------------------
     def _transfer(self, a: int, b: int) -> np.ndarray:
@@ -175,14 +177,28 @@ class SequenceDP:
     def with_layers(self, max_layers: int) -> SequenceDP:
         """The same DP with at most ``max_layers`` memory layers (the rest lumped), sharing the other tables."""
         other = copy.copy(self)
-        other.max_layers, other._work, other._limits_cap = max_layers, None, math.nan
+        other.max_layers, other._work, other._limits_cap = max_layers, None, [math.nan]
         other._memory_tables()
         return other
 
     def with_loose_cap(self) -> SequenceDP:
         """The same DP testing each stage's cap at its smallest send (a relaxation: 2-3x cheaper)."""
         other = copy.copy(self)
-        other.exact_cap, other._work, other._limits_cap = False, None, math.nan
+        other.exact_cap, other._work, other._limits_cap = False, None, [math.nan]
+        return other
+
+    def restricted(self, allowed: np.ndarray) -> SequenceDP:
+        """The same DP over the stage sequences that put every block ``l`` on a class ``c`` with
+        ``allowed[c, l]`` (local classes x blocks; ``branching``): stages may neither start on nor reach a
+        block their class may not hold. The copy shares this DP's work arrays (run one at a time)."""
+        if self._work is None:
+            self._allocate()
+        nf = np.full((self.C, self.L + 1), self.L, dtype=np.int64)  # first block >= s the class may not hold
+        for s in range(self.L - 1, -1, -1):
+            nf[:, s] = np.where(allowed[:, s], nf[:, s + 1], s)
+        other = copy.copy(self)
+        other.EHI_MEM = np.minimum(self.EHI_MEM, (nf[:, :self.L] - 1)[:, None, None, :])
+        other.LAST_FITS = self.LAST_FITS & (nf[:, :self.L] >= self.L)[:, None, :]
         return other
 
     def _allreduce_tables(self) -> None:
@@ -214,6 +230,14 @@ class SequenceDP:
         return out
 
     # --- one DP ---------------------------------------------------------------------
+    def _allocate(self) -> None:
+        """The kernels' work arrays, allocated once: they rewrite every entry they read."""
+        C, R, L, LOG, J = self.C, self.R, self.L, self.LOG, self.J
+        self._work = (np.full((LOG, C, R, C, L + self.pad), INF), np.full((LOG, C, R, C, L + self.pad), INF),
+                      np.zeros((C, R, C, L, C), np.int64), np.zeros((C, R, C, L, C), np.int64),
+                      np.zeros((C, R), np.int64), np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
+                      *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
+
     def run(self, cap_ms: float, lam: np.ndarray, ar_cap_ms: float = INF) -> Relaxed | None:
         """min over stage sequences of sum (tau_k + lam_c r_k) - lam . n, every tau_k <= cap_ms and
         every replicated stage's all-reduce <= ar_cap_ms."""
@@ -222,18 +246,15 @@ class SequenceDP:
         ehi = np.minimum(self.EHI_MEM, ar[:, :, None, :])
         last_ok = self.LAST_FITS & (ar >= L - 1)
         price = lam[:, None] * self.RR
-        if self._work is None:  # allocated once: the kernels rewrite every entry they read
-            self._work = (np.full((LOG, C, R, C, L + self.pad), INF), np.full((LOG, C, R, C, L + self.pad), INF),
-                          np.zeros((C, R, C, L, C), np.int64), np.zeros((C, R, C, L, C), np.int64),
-                          np.zeros((C, R), np.int64), np.full((J, L + 1, C, C), INF), np.full((J, C), INF),
-                          *(np.zeros((J, L, C, C), np.int64) for _ in range(4)))
+        if self._work is None:
+            self._allocate()
         SPa, SPb, HI, HS, LV, V, V0, kind, pick_r, pick_n, pick_hi = self._work
-        ready = self._limits_cap == cap_ms  # the stage-length limits depend on the cap alone
+        ready = self._limits_cap[0] == cap_ms  # the stage-length limits depend on the cap alone
         sequence_dp(float(cap_ms), price, self.H, self.valid_r, self.cp, self.FWD, self.FWD_MIN,
                     self.FWD_MAX if self.exact_cap else self.FWD_MIN, self.KMIN, self.KMAX, self.BWD, ehi, last_ok,
                     self.trusted, bool(self.ends_trusted), bool(self.lump), SPa, SPb, HI, HS, LV, ready, V, V0,
                     kind, pick_r, pick_n, pick_hi)
-        self._limits_cap = cap_ms
+        self._limits_cap[0] = cap_ms
         layer, c = np.unravel_index(int(np.argmin(V0)), V0.shape)
         value = float(V0[layer, c])
         if not math.isfinite(value):
@@ -308,7 +329,8 @@ class SequenceDP:
             params = self.pp[e + 1] - self.pp[s]
             if r > 1 and params > 0:
                 ars.append(self.AR0[i, j] + self.AR1[i, j] * params)
-        return Cut(tau_ms=float(sum(taus)), used=relaxed.used, peak_ms=float(max(taus)), ar_ms=float(max(ars)))
+        return Cut(tau_ms=float(sum(taus)), used=relaxed.used, peak_ms=float(max(taus)), ar_ms=float(max(ars)),
+                   stages=st)
 
     def block_floor_ms(self) -> float:
         """A floor on any plan's largest ``tau``: the slowest block at its best class and smallest share."""
