@@ -241,7 +241,7 @@ class SequenceDP:
     def run(self, cap_ms: float, lam: np.ndarray, ar_cap_ms: float = INF) -> Relaxed | None:
         """min over stage sequences of sum (tau_k + lam_c r_k) - lam . n, every tau_k <= cap_ms and
         every replicated stage's all-reduce <= ar_cap_ms."""
-        C, R, L, LOG, J = self.C, self.R, self.L, self.LOG, self.J
+        C, L = self.C, self.L
         ar = self._ar_limits(ar_cap_ms)
         ehi = np.minimum(self.EHI_MEM, ar[:, :, None, :])
         last_ok = self.LAST_FITS & (ar >= L - 1)

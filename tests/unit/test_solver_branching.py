@@ -7,20 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from planner.solver import api, lagrange
+from planner.solver import lagrange
 from planner.solver.branching import ClassTree, child_masks, most_split_block, satisfies
 from planner.solver.lagrange import lagrange_bound
 from planner.solver.seqdp import Cut, SequenceDP
 from tests.unit.bruteforce import brute_force
-from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
-from tests.unit.test_solver_seqdp import _as_relaxed
-
-SEEDS = [(s, False) for s in range(28)] + [(s, True) for s in TWIST_SEEDS]
-
-
-def _problem(seed: int, twists: bool):
-    chain, cluster, config, policy = instance(seed, twists=twists)
-    return api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
+from tests.unit.test_solver_seqdp import SEEDS, _problem, optimum_cut
 
 
 def _cut(stages, classes=(0, 1)) -> Cut:
@@ -29,12 +21,10 @@ def _cut(stages, classes=(0, 1)) -> Cut:
 
 @pytest.mark.parametrize("seed,twists", SEEDS)
 def test_a_restricted_dp_keeps_to_its_classes_and_still_prices_the_optimum_of_its_part(seed, twists):
-    problem = _problem(seed, twists)
-    best, optimal = brute_force(problem)
-    if optimal is None:
+    found = optimum_cut(seed, twists)
+    if found is None:
         return
-    dp = SequenceDP(problem)
-    cut = dp.cut(_as_relaxed(problem, dp, optimal))
+    problem, best, dp, cut = found
     rng = np.random.default_rng(seed)
     own = np.zeros((dp.C, dp.L), dtype=bool)  # the optimum's classes, and a random extra class per block
     for s, e, c, _ in cut.stages:

@@ -33,17 +33,25 @@ def _as_relaxed(problem, dp: SequenceDP, placement) -> Relaxed:
     return Relaxed(value_ms=0.0, stages=tuple(stages), used=used)
 
 
+def optimum_cut(seed: int, twists: bool):
+    """(problem, optimum ms, DP, the enumerated optimum as the DP's cut), or None where no plan exists."""
+    problem = _problem(seed, twists)
+    best, optimal = brute_force(problem)
+    if optimal is None:
+        return None
+    dp = SequenceDP(problem)
+    return problem, best, dp, dp.cut(_as_relaxed(problem, dp, optimal))
+
+
 @pytest.mark.parametrize("seed,twists", SEEDS)
 def test_the_dp_never_prices_a_real_plan_above_its_cost_at_its_own_caps(seed, twists):
     """Weak duality per plan: at the optimum's own (bottleneck, all-reduce) caps and any prices, the DP's value
     is at most that plan's stage times plus its priced device use. A DP that refused a stage the plan has
     (a cap or memory test too strict) would price the caps above it here."""
-    problem = _problem(seed, twists)
-    best, optimal = brute_force(problem)
-    if optimal is None:
+    found = optimum_cut(seed, twists)
+    if found is None:
         return
-    dp = SequenceDP(problem)
-    cut = dp.cut(_as_relaxed(problem, dp, optimal))
+    _, best, dp, cut = found
     rng = np.random.default_rng(seed)
     for lam in [np.zeros(dp.C)] + [rng.uniform(0.0, 2.0 * best / max(dp.count.sum(), 1), dp.C) for _ in range(4)]:
         got = dp.run(cut.peak_ms * (1 + 1e-12), lam, cut.ar_ms * (1 + 1e-12))
