@@ -27,10 +27,11 @@ class Leaf(Protocol):
 
 
 def satisfies(cut: Cut, allowed: np.ndarray | None, classes: Sequence[int]) -> bool:
-    """Whether the cut's sequence puts every block on a class ``allowed`` there (None: no restriction)."""
+    """Whether the cut's sequence puts every block on a class ``allowed`` there (None: no restriction; a cut
+    without its sequence is not known to)."""
     if allowed is None:
         return True
-    return all(allowed[classes.index(c), s:e + 1].all() for s, e, c, _ in cut.stages)
+    return bool(cut.stages) and all(allowed[classes.index(c), s:e + 1].all() for s, e, c, _ in cut.stages)
 
 
 def most_split_block(weighted: Sequence[tuple[float, Cut]], num_blocks: int,
