@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from cost_models.cluster import ClusterSpec, load_cluster
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
-from planner.errors import InvalidInputError
+from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
 from planner.solver.policy import VerificationPolicy
 
@@ -67,10 +67,38 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
-    assert_valid(solution, scaled, spec_cluster, config, policy)  # independent memory/coverage check
     ref = ModelRef(spec=spec, name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
                    seq=seq, dtype=trace_dtype(chain))
-    return compile_plan(solution, scaled, spec_cluster, config, policy, ref)
+
+    def compiled(sol: Any) -> Any:
+        assert_valid(sol, scaled, spec_cluster, config, policy)  # independent memory/coverage check
+        return compile_plan(sol, scaled, spec_cluster, config, policy, ref)
+
+    plan = compiled(solution)
+    if baseline is not None:
+        return plan
+    rivals = []
+    for name in solver_api.BASELINE_NAMES:
+        try:
+            rivals.append(compiled(solver_api.baseline(name, chain, spec_cluster, config, policy)))
+        except InfeasiblePlanError:
+            continue
+    return choose_by_simulation(plan, rivals)
+
+
+def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
+    """The fastest simulated of the solver's ``plan`` and the ``rivals`` (baselines at the same microbatch
+    size), its report saying what was simulated: a returned plan is never slower than a baseline it knows."""
+    best = min([plan, *rivals], key=lambda p: p.predicted.step_ms)
+    r = best.report
+    diff = (r.objective_ms - best.predicted.step_ms) / best.predicted.step_ms if best.predicted.step_ms > 0 else 0.0
+    notes = (f"simulated step {best.predicted.step_ms:.3f} ms, objective {r.objective_ms:.3f} ms "
+             f"({100 * diff:+.1f}%)",
+             "chosen by simulation: " + ", ".join(f"{p.report.method} {p.predicted.step_ms:.3f} ms"
+                                                  for p in [plan, *rivals]))
+    if best is not plan:
+        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=None, status="FEASIBLE")
+    return dataclasses.replace(best, report=dataclasses.replace(r, notes=r.notes + notes))
 
 
 def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path | None = None, *,

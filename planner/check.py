@@ -75,8 +75,9 @@ def _memory(solution: Solution, chain: BlockChain, cluster: ClusterSpec,
     S = len(solution.stages)
     used: dict[str, int] = {}
     for st in solution.stages:
-        for d, m in zip(st.devices, st.microbatches):
-            in_flight = memory.in_flight_microbatches(config.schedule, S, st.index, m)
+        limits = st.in_flight or tuple(memory.in_flight_microbatches(config.schedule, S, st.index, m)
+                                       for m in st.microbatches)
+        for d, in_flight in zip(st.devices, limits):
             br = memory.stage_memory(chain, st.first_block, st.last_block, config, in_flight)
             used[d] = used.get(d, 0) + br.total_bytes
     for v in solution.verifiers:

@@ -21,6 +21,7 @@ from planner.plan import (DIRECTIONS, ModelRef, Plan, Predicted, RankInfo, Stage
 from planner.schedules import build_programs, max_in_flight
 from planner.simulate import CostModel, simulate
 from planner.solver.policy import VerificationPolicy
+from planner.solver.routing import route
 from planner.solver.solution import Solution
 from planner.validate import validate_programs
 
@@ -78,13 +79,11 @@ def _ranks(solution: Solution, cluster: ClusterSpec) -> tuple[tuple[RankInfo, ..
     rows: list[dict] = []
     rank_of_device: dict[str, int] = {}
     for st in solution.stages:
-        start = 0
-        for replica, (dev, count) in enumerate(zip(st.devices, st.microbatches)):
-            mbs = tuple(range(start, start + count))  # contiguous split, in replica order
-            start += count
+        limits = st.in_flight or tuple(max_in_flight(solution.schedule, st.index, S, n) for n in st.microbatches)
+        for replica, (dev, mbs, limit) in enumerate(zip(st.devices, route(st.microbatches), limits)):
             rank_of_device.setdefault(dev, len(rows))
             rows.append(dict(rank=len(rows), device=dev, stage=st.index, replica=replica, microbatches=mbs,
-                             max_in_flight=max_in_flight(solution.schedule, st.index, S, count)))
+                             max_in_flight=limit))
     for v in solution.verifiers:
         if v.device not in rank_of_device:
             rank_of_device[v.device] = len(rows)

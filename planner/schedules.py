@@ -1,29 +1,27 @@
 """Per-rank programs for GPipe and 1F1B, with replicas and verifiers.
 
-Two steps, as in ``torch.distributed.pipelining``:
+The list scheduler (:func:`build_programs`) repeatedly places the action that
+could start earliest (an estimate from :class:`StepCosts`) among those whose
+inputs have already been placed, and emits around each compute the receives
+it needs before and the sends it makes after (plus verification copies,
+``VERIFY`` and ``VERDICT`` ops). Every receive thus follows its send in one
+global order, so with non-blocking sends and blocking receives the programs
+cannot deadlock.
 
-1. :func:`compute_order` gives each stage rank its compute-only order
-   (``F``/``B`` of its own microbatches, ascending ids). GPipe: every forward,
-   then every backward. 1F1B: ``w = min(S - k - 1, n)`` warm-up forwards on
-   stage k (n = the replica's microbatch count), then one forward / one
-   backward alternately, then the remaining backwards; at most
-   ``min(S - k, n)`` microbatches are in flight.
-2. :func:`build_programs` lowers those orders into full programs by list
-   scheduling: it repeatedly places the action that could start earliest (an
-   estimate from :class:`StepCosts`) among those whose inputs have already
-   been placed, and emits around each compute the receives it needs before
-   and the sends it makes after (plus verification copies, ``VERIFY`` and
-   ``VERDICT`` ops). Every receive thus follows its send in one global
-   order, so with non-blocking sends and blocking receives the programs
-   cannot deadlock; if no action can be placed, the compute orders
-   themselves deadlock and we raise.
+What a stage rank may place next: GPipe runs every forward, then every
+backward, in microbatch order. 1F1B runs its forwards in microbatch order
+while fewer than ``max_in_flight`` of its microbatches are in flight (the
+plan's limit, at least ``min(S - k, n)``, more where the solver found memory
+for it and the pipeline needs it), and the backward of any in-flight
+microbatch whose gradient has arrived; at equal start times a backward goes
+first. No rank can starve: the lowest microbatch not yet finished holds no
+in-flight slot anywhere it has not been, so it can always advance.
 
-Replicas: microbatch m flows from whichever replica of stage k owns it to
-whichever replica of stage k+1 owns it. Each replica keeps its own 1F1B
-rhythm over its own microbatches; because every rank runs its microbatches in
-ascending order and replicas own contiguous ranges, a lower microbatch id
-never waits behind a higher one, which keeps these orders deadlock-free (the
-list scheduler checks it on every compile).
+Replicas: the solver routes each microbatch to one replica per stage
+(``planner.solver.routing``: interleaved in proportion to the replicas'
+shares), written into ``RankInfo.microbatches``; microbatch m flows from
+whichever replica of stage k owns it to whichever replica of stage k+1 owns
+it, and each replica keeps its own rhythm over its own microbatches.
 
 Verification of boundary b (stage b -> b+1) in one direction, with sender S,
 consumer C and verifier rank V:
@@ -42,25 +40,9 @@ from planner.instructions import Instruction
 from planner.plan import RankInfo, VerifierInfo
 
 
-def compute_order(schedule: str, stage: int, num_stages: int,
-                  microbatches: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
-    """The compute-only order of one stage rank: ``(("F", m), ("B", m), ...)``."""
-    mbs = tuple(microbatches)
-    if schedule == "gpipe":
-        return tuple(("F", m) for m in mbs) + tuple(("B", m) for m in mbs)
-    if schedule != "1f1b":
-        raise InvalidInputError("schedule", expected="1f1b or gpipe", found=repr(schedule))
-    n = len(mbs)
-    warmup = min(num_stages - stage - 1, n)
-    order: list[tuple[str, int]] = [("F", m) for m in mbs[:warmup]]
-    for i in range(n - warmup):
-        order += [("F", mbs[warmup + i]), ("B", mbs[i])]
-    order += [("B", m) for m in mbs[n - warmup:]]
-    return tuple(order)
-
-
 def max_in_flight(schedule: str, stage: int, num_stages: int, num_mbs: int) -> int:
-    """What the schedule promises: the most microbatches whose activations a rank holds at once."""
+    """The least in-flight limit a schedule needs: GPipe holds every microbatch, 1F1B ``min(S - k, n)``
+    (the memory every plan must afford; the solver may allow a replica more where memory has room)."""
     if schedule == "gpipe":
         return num_mbs
     return min(num_stages - stage, num_mbs)
@@ -76,6 +58,10 @@ class StepCosts(Protocol):
         ...
 
     def verify_ms(self, rank: int, boundary: int, op: str) -> float: ...
+
+    def latency_ms(self, src: int, dst: int) -> float:
+        """The part of a transfer from ``src`` to ``dst`` that overlaps the next one on the same link."""
+        ...
 
     def verdict_ms(self, src: int, dst: int) -> float:
         """Time for a verdict (a few bytes) to go from verifier ``src`` to consumer ``dst``."""
@@ -95,6 +81,9 @@ class UnitCosts:
     def verify_ms(self, rank: int, boundary: int, op: str) -> float:
         return 0.0
 
+    def latency_ms(self, src: int, dst: int) -> float:
+        return 0.0
+
     def verdict_ms(self, src: int, dst: int) -> float:
         return 0.0
 
@@ -105,11 +94,17 @@ class _State:
 
     programs: list[list[Instruction]]
     clock: list[float]
-    orders: dict[int, list[tuple[str, int]]]
+    # stage rank -> its forwards still to place (ascending), and microbatches forwarded, not yet backward
+    forwards: dict[int, list[int]]
+    in_flight: dict[int, list[int]]
     # (stage, op, mb) -> time the tensor produced by that compute is ready on its rank
     done: dict[tuple[int, str, int], float] = field(default_factory=dict)
     # (boundary, op, mb) -> time the consumer may have the verdict
     verdict: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    # (stage, op, mb) -> when that tensor arrives at its consumer
+    arrival: dict[tuple[int, str, int], float] = field(default_factory=dict)
+    # (src, dst) rank pair -> when its wire is free for the next message (one message's bytes at a time)
+    link_free: dict[tuple[int, int], float] = field(default_factory=dict)
     # verifier rank -> list of (arrival time, Instruction, verdict key, consumer)
     verify_queue: dict[int, list[tuple[float, Instruction, tuple[int, str, int], int]]] = \
         field(default_factory=dict)
@@ -133,9 +128,16 @@ class _Lowering:
         for v in verifiers:
             for d in v.directions:
                 self.checker[(v.boundary, "F" if d == "act" else "B")] = v.rank
-        orders = {r.rank: list(compute_order(schedule, r.stage, num_stages, r.microbatches))
-                  for r in ranks if r.stage is not None}
-        self.st = _State(programs=[[] for _ in ranks], clock=[0.0] * len(ranks), orders=orders,
+        self.gpipe = schedule == "gpipe"
+        if schedule not in ("gpipe", "1f1b"):
+            raise InvalidInputError("schedule", expected="1f1b or gpipe", found=repr(schedule))
+        stage_ranks = [r for r in ranks if r.stage is not None]
+        self.limit = {r.rank: len(r.microbatches) if self.gpipe else r.max_in_flight or
+                      max_in_flight(schedule, r.stage, num_stages, len(r.microbatches)) for r in stage_ranks}
+        self.last_op: dict[int, str] = {}
+        self.st = _State(programs=[[] for _ in ranks], clock=[0.0] * len(ranks),
+                         forwards={r.rank: list(r.microbatches) for r in stage_ranks},
+                         in_flight={r.rank: [] for r in stage_ranks},
                          verify_queue={r.rank: [] for r in ranks})
         # Each rank's placeable actions change only when something it waits for is placed:
         # recompute those ranks only (keeps compiling large plans fast).
@@ -159,10 +161,9 @@ class _Lowering:
         if src is None:
             return self.st.clock[rank]
         pstage, prank = src
-        produced = self.st.done.get((pstage, op, mb))
-        if produced is None:
+        ready = self.st.arrival.get((pstage, op, mb))
+        if ready is None:
             return None
-        ready = produced + self.costs.transfer_ms(prank, rank, pstage, op)
         key = (self._boundary(stage, op), op, mb)
         if key[:2] in self.checker and self.checker[key[:2]] != rank:
             if key not in self.st.verdict:
@@ -199,6 +200,7 @@ class _Lowering:
         consumer = self.owner[(nxt, mb)]
         self.dirty.add(consumer)
         self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=consumer))
+        self.st.arrival[(stage, op, mb)] = self._transmit(rank, consumer, stage, op, end)
         boundary = self._boundary(nxt, op)
         checker = self.checker.get((boundary, op))
         key = (boundary, op, mb)
@@ -210,10 +212,19 @@ class _Lowering:
             self.st.verdict[key] = self.st.clock[rank] + self.costs.verdict_ms(rank, consumer)
             return  # the consumer is already marked dirty
         self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=checker))
-        arrival = end + self.costs.transfer_ms(rank, checker, stage, op)
+        arrival = self._transmit(rank, checker, stage, op, end)
         ins = Instruction(op=f"VERIFY_{op}", stage=nxt, mb=mb, peer=rank, dest=consumer)
         self.st.verify_queue[checker].append((arrival, ins, key, consumer))
         self.dirty.add(checker)
+
+    def _transmit(self, src: int, dst: int, stage: int, op: str, sent: float) -> float:
+        """Arrival of a message sent at ``sent``: it waits for the link's wire, as the simulator prices it."""
+        total = self.costs.transfer_ms(src, dst, stage, op)
+        if total <= 0.0:
+            return sent
+        start = max(sent, self.st.link_free.get((src, dst), 0.0))
+        self.st.link_free[(src, dst)] = start + total - self.costs.latency_ms(src, dst)
+        return start + total
 
     def _place_verify(self, rank: int) -> None:
         queue = self.st.verify_queue[rank]
@@ -227,22 +238,34 @@ class _Lowering:
         self.dirty.update((rank, consumer))
 
     # --- main loop -------------------------------------------------------
-    def _rank_candidates(self, r: RankInfo) -> list[tuple[float, int, int, str]]:
-        """(start estimate, kind 0=verify/1=compute, rank, op) of the actions ``r`` could place next."""
+    def _compute_choices(self, r: RankInfo) -> list[tuple[str, int]]:
+        """The passes ``r`` may place next: its next forward while under its in-flight limit, and the
+        backward of any microbatch in flight (GPipe: backwards in order, once every forward is placed)."""
+        fwd, live = self.st.forwards[r.rank], self.st.in_flight[r.rank]
+        if self.gpipe:
+            return [("F", fwd[0])] if fwd else [("B", live[0])] if live else []
+        out = [("B", m) for m in live]
+        if fwd and len(live) < self.limit[r.rank]:
+            out.append(("F", fwd[0]))
+        return out
+
+    def _rank_candidates(self, r: RankInfo) -> list[tuple[float, int, int, str, int]]:
+        """(start estimate, kind, rank, op, mb) of what ``r`` could place next: the earliest start wins; at the
+        same time a check first (kind 0), then the pass unlike the rank's last one (1F1B's alternation, which
+        keeps feeding the next stage while backwards wait), then the other."""
         found = []
         queue = self.st.verify_queue[r.rank]
         if queue:
             first = min(item[0] for item in queue)
-            found.append((max(self.st.clock[r.rank], first), 0, r.rank, "V"))
-        order = self.st.orders.get(r.rank)
-        if order:
-            op, mb = order[0]
-            start = self._ready_time(r.rank, r.stage, op, mb)
-            if start is not None:
-                found.append((start, 1, r.rank, op))
+            found.append((max(self.st.clock[r.rank], first), 0, r.rank, "V", -1))
+        if r.stage is not None:
+            for op, mb in self._compute_choices(r):
+                start = self._ready_time(r.rank, r.stage, op, mb)
+                if start is not None:
+                    found.append((start, 2 if op == self.last_op.get(r.rank) else 1, r.rank, op, mb))
         return found
 
-    def _candidates(self) -> list[tuple[float, int, int, str]]:
+    def _candidates(self) -> list[tuple[float, int, int, str, int]]:
         for rank in self.dirty:
             self.cached[rank] = self._rank_candidates(self.ranks[rank])
         self.dirty.clear()
@@ -253,15 +276,21 @@ class _Lowering:
             candidates = self._candidates()
             if not candidates:
                 break
-            start, kind, rank, _ = min(candidates)
+            start, kind, rank, op, mb = min(candidates)
             if kind == 0:
                 self._place_verify(rank)
+                continue
+            self.last_op[rank] = op
+            if op == "F":
+                self.st.forwards[rank].remove(mb)
+                self.st.in_flight[rank].append(mb)
             else:
-                op, mb = self.st.orders[rank].pop(0)
-                self._place_compute(rank, self.ranks[rank].stage, op, mb, start)
-        stuck = {r: o[0] for r, o in self.st.orders.items() if o}
+                self.st.in_flight[rank].remove(mb)
+            self._place_compute(rank, self.ranks[rank].stage, op, mb, start)
+        stuck = {r: f"F{fwd[0]}" if fwd else f"B{self.st.in_flight[r][0]}"
+                 for r, fwd in self.st.forwards.items() if fwd or self.st.in_flight[r]}
         if stuck:
-            detail = ", ".join(f"rank {r} at {op}{mb}" for r, (op, mb) in sorted(stuck.items()))
+            detail = ", ".join(f"rank {r} at {what}" for r, what in sorted(stuck.items()))
             raise InvalidInputError("pipeline schedule deadlocks", expected="compute orders that can all finish",
                                     found=f"stuck: {detail}", fix="use another microbatch split or schedule")
         return tuple(tuple(p) for p in self.st.programs)

@@ -44,6 +44,7 @@ from ortools.linear_solver import pywraplp
 from cost_models import comm, memory
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
+from planner.solver.program_cost import ProgramCost, program_cost
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
 DIRECTIONS = ("act", "grad")
@@ -151,9 +152,12 @@ def _verifier_state(problem: Problem, placement: Placement) -> dict[str, int]:
     return state
 
 
-def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, share: int) -> int:
-    """Bytes one replica running ``share`` microbatches of stage ``st`` holds (verifier state excluded)."""
-    in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
+def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, share: int,
+                       in_flight: int | None = None) -> int:
+    """Bytes one replica running ``share`` microbatches of stage ``st`` holds (verifier state excluded), with
+    ``in_flight`` microbatches' activations at most (default: the schedule's least)."""
+    if in_flight is None:
+        in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
     return (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
             + problem.range_act_bytes(st.first_block, st.last_block) * in_flight
             + problem.buffer_bytes(st.first_block, st.last_block))
@@ -317,3 +321,21 @@ def _fluid_lp(problem: Problem, *, with_fill: bool) -> float:
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
         return 0.0
     return max(0.0, obj.Value() * (1 - 1e-7))  # shave the LP tolerance: stays a valid bound
+
+
+def program_memory(problem: Problem, placement: Placement, in_flight: tuple[tuple[int, ...], ...]
+                   ) -> tuple[tuple[str, int], ...]:
+    """Bytes per device when its stage replica keeps ``in_flight`` microbatches' activations at most."""
+    vstate = _verifier_state(problem, placement)
+    mem = dict(vstate)
+    for st, limits in zip(placement.stages, in_flight):
+        for dev, m, n in zip(st.devices, st.microbatches, limits):
+            mem[dev] = stage_memory_bytes(problem, st, placement.num_stages, m, n) + vstate.get(dev, 0)
+    return tuple(mem.items())
+
+
+def price_program(problem: Problem, placement: Placement) -> ProgramCost:
+    """The step of the programs ``placement`` compiles to (``program_cost``): what a returned plan costs."""
+    return program_cost(problem, placement.stages, placement.verifiers, verify_load=_verify_load(problem, placement),
+                        verifier_state=_verifier_state(problem, placement),
+                        allreduce_ms=tuple(allreduce_ms(problem, st) for st in placement.stages))

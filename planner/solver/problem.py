@@ -109,7 +109,9 @@ class Problem:
     schedule: str
     policy: VerificationPolicy
     max_replicas: int | None = None
+    bwd_ms: np.ndarray | None = None  # backward alone per block and class (None: 2/3 of ``time_ms``)
     _time_prefix: np.ndarray = field(init=False, repr=False)
+    _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
     _act_prefix: np.ndarray = field(init=False, repr=False)
     _class_of: dict = field(init=False, repr=False)
@@ -136,6 +138,8 @@ class Problem:
                 raise InvalidInputError(f"device class {c.name}", expected=f"index {i}", found=str(c.index))
         # Prefix sums make every range cost O(1).
         object.__setattr__(self, "_time_prefix", np.vstack([np.zeros((1, C)), np.cumsum(self.time_ms, axis=0)]))
+        bwd = self.time_ms * (2.0 / 3.0) if self.bwd_ms is None else self.bwd_ms
+        object.__setattr__(self, "_bwd_prefix", np.vstack([np.zeros((1, C)), np.cumsum(bwd, axis=0)]))
         object.__setattr__(self, "_param_prefix", np.concatenate([[0], np.cumsum(self.param_count)]))
         object.__setattr__(self, "_act_prefix", np.concatenate([[0], np.cumsum(self.act_bytes)]))
         object.__setattr__(self, "_class_of", {d: c.index for c in self.classes for d in c.device_ids})
@@ -166,6 +170,11 @@ class Problem:
     # --- range costs ------------------------------------------------------
     def range_time_ms(self, first: int, last: int, cls: int) -> float:
         p = self._time_prefix
+        return float(p[last + 1, cls] - p[first, cls])
+
+    def range_bwd_ms(self, first: int, last: int, cls: int) -> float:
+        """The backward pass alone of blocks ``first..last`` on class ``cls`` (per microbatch)."""
+        p = self._bwd_prefix
         return float(p[last + 1, cls] - p[first, cls])
 
     def range_params(self, first: int, last: int) -> int:
@@ -317,8 +326,9 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
     """
     classes = device_classes(cluster, config)
     traced = memory.trace_dtype(chain)
-    times = np.array([[f + b for f, b in compute.block_times_ms(chain, c.spec, config.dtype, trace_dtype=traced)]
-                      for c in classes], dtype=float).T.reshape(len(chain.blocks), len(classes))
+    passes = np.array([compute.block_times_ms(chain, c.spec, config.dtype, trace_dtype=traced) for c in classes],
+                      dtype=float).reshape(len(classes), len(chain.blocks), 2)
+    times = (passes[:, :, 0] + passes[:, :, 1]).T.copy()
     batch_scale = config.microbatch_size / chain.microbatch_size
     act_scale = memory.activation_scale(chain, config)  # what the memory model and the simulator use
     out = np.array([b.out_bytes * act_scale for b in chain.blocks], dtype=float)
@@ -334,4 +344,4 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         input_bytes=math.ceil(chain.input_bytes * batch_scale), tied=tied,
         state_bytes_per_param=per.total, grad_bytes_per_param=per.grads, classes=classes,
         links=class_links(cluster, classes), num_microbatches=config.num_microbatches,
-        schedule=config.schedule, policy=policy, max_replicas=max_replicas)
+        schedule=config.schedule, policy=policy, max_replicas=max_replicas, bwd_ms=passes[:, :, 1].T.copy())

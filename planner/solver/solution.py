@@ -15,7 +15,8 @@ class StagePlacement:
 
     With several devices the stage is replicated: replica ``i`` runs
     ``microbatches[i]`` of the step's microbatches and the replicas all-reduce
-    their gradients.
+    their gradients. ``in_flight[i]``: the most microbatches replica ``i`` may hold
+    in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``).
     """
 
     index: int
@@ -23,6 +24,7 @@ class StagePlacement:
     last_block: int
     devices: tuple[str, ...]
     microbatches: tuple[int, ...]
+    in_flight: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.last_block:
@@ -35,6 +37,10 @@ class StagePlacement:
         if any(m < 1 for m in self.microbatches):
             raise InvalidInputError(f"stage {self.index} microbatches", expected=">= 1 per replica",
                                     found=repr(self.microbatches))
+        if self.in_flight and (len(self.in_flight) != len(self.devices)
+                               or not all(1 <= n <= m for n, m in zip(self.in_flight, self.microbatches))):
+            raise InvalidInputError(f"stage {self.index} in-flight limits", expected="one per replica, "
+                                    "1..its microbatch count", found=repr(self.in_flight))
 
     @property
     def num_blocks(self) -> int:

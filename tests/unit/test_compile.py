@@ -1,6 +1,7 @@
 """Compiling solutions into plans: rank layout, programs for both schedules, verification, golden file."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,6 @@ from plan_fixtures import (GOLDEN_PATH, TEST_DEVICE, cluster, compile_simple, co
 
 from planner.compile import compile_plan
 from planner.errors import InvalidInputError, PlanMismatchError
-from planner.schedules import compute_order
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import VerifierPlacement
 from planner.validate import find_problems
@@ -33,9 +33,10 @@ def test_rank_layout_stages_then_replicas_then_verifier_only_ranks():
                    verifiers=(VerifierPlacement(boundary=0, device="verifier/0"),))
     plan = compile_simple(ch, cl, sol)
     layout = [(r.rank, r.device, r.stage, r.replica, r.microbatches, r.verifies) for r in plan.ranks]
-    assert layout == [(0, "a/0", 0, 0, (0, 1, 2, 3, 4), ()), (1, "b/0", 1, 0, (0, 1, 2), ()),
-                      (2, "b/1", 1, 1, (3, 4), ()), (3, "verifier/0", None, None, (), (0,))]
-    assert [r.max_in_flight for r in plan.ranks[:3]] == [2, 1, 1]
+    # replicas take microbatches interleaved by their shares (3 and 2 of 5), not contiguous ranges
+    assert layout == [(0, "a/0", 0, 0, (0, 1, 2, 3, 4), ()), (1, "b/0", 1, 0, (0, 2, 4), ()),
+                      (2, "b/1", 1, 1, (1, 3), ()), (3, "verifier/0", None, None, (), (0,))]
+    assert [r.max_in_flight for r in plan.ranks[:3]] == [2, 1, 1]  # no in-flight limits given: 1F1B's least
     assert plan.verifiers[0].rank == 3
     # microbatch 3 flows from stage 0 to replica 1 of stage 1 and its gradient comes back from there
     assert "0SEND_F3>2" in map(str, plan.programs[0]) and "0RECV_B3<2" in map(str, plan.programs[0])
@@ -43,12 +44,26 @@ def test_rank_layout_stages_then_replicas_then_verifier_only_ranks():
     assert str(plan.programs[0][-1]) == "0OPTIM" and "ALLREDUCE" not in {i.op for i in plan.programs[0]}
 
 
-@pytest.mark.parametrize("schedule,expected", [
-    ("gpipe", [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]),
-    ("1f1b", [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]),
-])
-def test_compute_order(schedule, expected):
-    assert list(compute_order(schedule, 2, 4, (0, 1, 2))) == expected  # stage 2 of 4: one warm-up forward
+def test_gpipe_runs_every_forward_before_any_backward():
+    ch = uniform_chain(2)
+    plan = compile_simple(ch, free_cluster(2), solution([(0, 0), (1, 1)], [("h0/0",), ("h1/0",)], 3,
+                                                        schedule="gpipe"), NO_CHECKS)
+    for prog in plan.programs:
+        compute = [str(i)[1:] for i in prog if i.op in ("F", "B")]
+        assert compute == ["F0", "F1", "F2", "B0", "B1", "B2"]
+
+
+def test_in_flight_limit_from_the_solution_is_kept():
+    ch = uniform_chain(2)
+    sol = solution([(0, 0), (1, 1)], [("h0/0",), ("h1/0",)], 6)
+    sol = dataclasses.replace(sol, stages=(dataclasses.replace(sol.stages[0], in_flight=(4,)), sol.stages[1]))
+    plan = compile_simple(ch, free_cluster(2), sol, NO_CHECKS)
+    assert plan.ranks[0].max_in_flight == 4
+    live = peak = 0
+    for ins in plan.programs[0]:
+        live += {"F": 1, "B": -1}.get(ins.op, 0)
+        peak = max(peak, live)
+    assert 2 < peak <= 4  # more than 1F1B's least (S - k = 2), never above the limit
 
 
 def test_1f1b_warm_up_and_in_flight_per_stage():

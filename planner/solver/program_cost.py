@@ -1,0 +1,217 @@
+"""The step time of the programs a placement compiles to: the cost every returned plan is priced at.
+
+The compiler (``planner.schedules``) routes microbatches across a stage's
+replicas in proportion to their shares (``routing``), runs 1F1B per rank with
+an in-flight limit, sends without blocking (one message on a directed link's
+wire at a time, latencies overlapping) and all-reduces a replicated stage's
+gradients once its replicas are done. Priced the same way (ms):
+
+* **resources** each hold busy time for the step: a stage replica
+  ``m_i * fb_i + M * verify_i`` (its forward + backward per microbatch, and the
+  checks it hosts), a verifier-only device ``M * verify_d``, a directed link
+  the wire time (bytes / bandwidth) of every message routed over it
+  (activations, gradients, verifier copies);
+* the **path** ``P``: one microbatch's trip forward and back through the
+  slowest replica of every stage, every boundary's slowest transfer each way
+  (latency + bytes / bandwidth), and any wait for a verdict the consumer's
+  own pass does not hide;
+* a resource cannot start before the path reaches it nor end before the path
+  drains from it: ``pipe = max_R (busy_R + P - own_R)``, ``own_R`` the part of
+  ``P`` the resource itself covers;
+* an **in-flight limit** below what keeps a replica busy (the round trip
+  ``D_k`` downstream of it over its own pass) throttles it to
+  ``n`` microbatches per ``fb_i + D_k``;
+* stage ``k``'s all-reduce starts when its last backward is done, ``drain_k``
+  before the end of the pipeline (the backward path from ``k`` to stage 0):
+  ``step = max_k (pipe - drain_k + AR_k)``.
+
+The limit ``n`` of replica ``i`` of stage ``k`` is what the schedule needs at
+least (``planner.schedules.max_in_flight``), raised up to what keeps the replica
+busy, ``1 + ceil(D_k / fb_i)``, as far as the device's memory allows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cost_models import comm, memory
+from planner.solver.problem import Problem
+from planner.solver.routing import pair_counts, route
+from planner.solver.solution import StagePlacement, VerifierPlacement
+
+# A microbatch's round trip downstream also waits in busy ranks' queues: allow this many times the bare
+# trip's worth of microbatches in flight where memory has room.
+QUEUEING = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProgramCost:
+    """The priced program: its step, the pipeline part, the in-flight limit per stage replica."""
+
+    step_ms: float
+    pipe_ms: float
+    path_ms: float
+    in_flight: tuple[tuple[int, ...], ...]
+    bottleneck: str
+
+
+@dataclass(slots=True)
+class _Traffic:
+    """What the messages of one step put on the links: wire time per directed device pair, the boundary
+    directions each pair carries, and per boundary the verdict wait a consumer's own pass does not hide."""
+
+    wire: dict[tuple[str, str], float]
+    kinds: dict[tuple[str, str], set[tuple[int, str]]]
+    checks: dict[str, set[tuple[int, str]]]
+    wait: list[float]
+
+
+def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
+    out = _Traffic(wire={}, kinds={}, checks={}, wait=[0.0] * (len(stages) - 1))
+    by_boundary = {v.boundary: v for v in verifiers}
+
+    def put(a: str, b: str, nbytes: float, count: int, kind: tuple[int, str]) -> float:
+        if a == b:
+            return 0.0
+        link = problem.link(a, b)
+        out.wire[(a, b)] = out.wire.get((a, b), 0.0) + count * 1e3 * nbytes / link.bytes_per_s
+        out.kinds.setdefault((a, b), set()).add(kind)
+        return comm.transfer_ms(nbytes, link)
+
+    for k in range(len(stages) - 1):
+        src, dst = stages[k], stages[k + 1]
+        nbytes = problem.boundary_bytes(src.last_block)
+        v = by_boundary.get(k)
+        for (i, j), n in pair_counts(src.microbatches, dst.microbatches).items():
+            a, b = src.devices[i], dst.devices[j]
+            put(a, b, nbytes, n, (k, "act"))
+            put(b, a, nbytes, n, (k, "grad"))
+            for direction, sender, consumer in (("act", a, b), ("grad", b, a)):
+                if v is None or direction not in v.directions:
+                    continue
+                out.checks.setdefault(v.device, set()).add((k, direction))
+                if v.device == consumer:
+                    continue
+                copy = put(sender, v.device, nbytes, n, (k, direction)) if v.device != sender else 0.0
+                check = problem.verify_ms(nbytes, problem.class_of(v.device))
+                verdict = problem.link(v.device, consumer).latency_ms
+                at = dst if direction == "act" else src
+                cls = problem.class_of(consumer)
+                own = problem.range_bwd_ms(at.first_block, at.last_block, cls)
+                if direction == "act":
+                    own = problem.range_time_ms(at.first_block, at.last_block, cls) - own
+                arrival = comm.transfer_ms(nbytes, problem.link(sender, consumer)) if sender != consumer else 0.0
+                out.wait[k] = max(out.wait[k], copy + check + verdict - arrival - own)
+    return out
+
+
+def _memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> int:
+    """The most microbatches' activations replica ``dev`` of ``st`` can hold beside its static memory."""
+    act = problem.range_act_bytes(st.first_block, st.last_block)
+    static = (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
+              + problem.buffer_bytes(st.first_block, st.last_block) + vstate)
+    room = problem.classes[problem.class_of(dev)].mem_bytes - static
+    if act <= 0:
+        return 1 << 30
+    return max(0, room // act)
+
+
+@dataclass(slots=True)
+class _Paths:
+    """Per microbatch ``m`` on its route (one replica per stage): ``fwd[m][k]`` its forward path to stage
+    ``k``, ``bwd[m][k]`` its backward path from stage ``k`` through stage 0, ``down[m][k]`` its round trip
+    downstream of stage ``k``; ``late_f[m][k]`` / ``late_b[m][k]`` how long upstream replicas hold it behind
+    their own earlier forwards / later backwards; ``hop[m][k]`` its transfer across boundary ``k`` (with the
+    verdict wait there)."""
+
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+    down: list[list[float]]
+    late_f: list[list[float]]
+    late_b: list[list[float]]
+    hop: list[list[float]]
+
+
+def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
+    S, M = len(stages), sum(stages[0].microbatches)
+    owner = [{m: (i, pos, len(ids)) for i, ids in enumerate(r) for pos, m in enumerate(ids)} for r in routes]
+    out = _Paths(*([[0.0] * S for _ in range(M)] for _ in range(6)))
+    for m in range(M):
+        rep = [owner[k][m][0] for k in range(S)]
+        hop = out.hop[m]
+        for k in range(S - 1):
+            a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
+            hop[k] = 0.0 if a == b else comm.transfer_ms(problem.boundary_bytes(stages[k].last_block),
+                                                         problem.link(a, b)) + wait[k]
+        for k in range(1, S):
+            i, pos, count = owner[k - 1][m]
+            out.fwd[m][k] = out.fwd[m][k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop[k - 1]
+            out.bwd[m][k] = out.bwd[m][k - 1] + bw[k - 1][i] + hop[k - 1]
+            out.late_f[m][k] = max(out.late_f[m][k - 1], pos * (fb[k - 1][i] - bw[k - 1][i]))
+            out.late_b[m][k] = max(out.late_b[m][k - 1], (count - 1 - pos) * bw[k - 1][i])
+        for k in range(S - 2, -1, -1):
+            out.down[m][k] = out.down[m][k + 1] + fb[k + 1][rep[k + 1]] + 2 * hop[k]
+    return out
+
+
+def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
+                 *, verify_load: dict[str, float], verifier_state: dict[str, int],
+                 allreduce_ms: tuple[float, ...]) -> ProgramCost:
+    """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
+    S, M = len(stages), sum(stages[0].microbatches)
+    fb = [[problem.range_time_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
+          for st in stages]
+    bw = [[problem.range_bwd_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
+          for st in stages]
+    traffic = _traffic(problem, stages, verifiers)
+    routes = [route(st.microbatches) for st in stages]
+    p = _paths(problem, stages, routes, fb, bw, traffic.wait)
+    busy: list[tuple[float, float, str]] = []  # (busy, the path outside it, name)
+    limits = []
+    for k, st in enumerate(stages):
+        row = []
+        for dev, ids, t, b in zip(st.devices, routes[k], fb[k], bw[k]):
+            m, first, last = len(ids), ids[0], ids[-1]
+            trip = max(p.down[x][k] for x in ids)
+            least = memory.in_flight_microbatches(problem.schedule, S, k, m)
+            need = m if problem.schedule == "gpipe" or t <= 0 else min(m, 1 + math.ceil(QUEUEING * trip / t))
+            n = max(least, min(need, _memory_cap(problem, st, dev, verifier_state.get(dev, 0))))
+            period = t if n >= need else max(t, (t + trip) / n)
+            row.append(n)
+            # Idle while its first gradient makes the round trip (its warm-up forwards fill part of it) and
+            # while its last one does (its backwards still in flight fill part of that).
+            idle = max(0.0, p.down[first][k] - (n - 1) * (t - b)) + max(0.0, p.down[last][k] - (n - 1) * b)
+            outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
+            busy.append((m * period + M * verify_load.get(dev, 0.0), outside, f"stage {k} on {dev}"))
+        limits.append(tuple(row))
+
+    # Before the first and after the last message of boundary k's activations (gradients) the path runs
+    # elsewhere: a link or a verifier busy with several kinds waits the least lead and the least trail.
+    first, last = 0, M - 1
+
+    def lead(kind: tuple[int, str]) -> float:
+        k, direction = kind
+        if direction == "act":  # the first microbatch leaves stage k
+            return p.fwd[first][k + 1] - p.hop[first][k]
+        return p.fwd[first][k + 1] + p.down[first][k] - 2 * p.hop[first][k]  # ... its gradient leaves k + 1
+
+    def trail(kind: tuple[int, str]) -> float:
+        k, direction = kind
+        if direction == "act":  # the last microbatch's round trip from k + 1, then its backward from k
+            return p.down[last][k] - 2 * p.hop[last][k] + p.bwd[last][k + 1]
+        return p.bwd[last][k + 1] - p.hop[last][k]
+
+    def outside(kinds: set[tuple[int, str]]) -> float:
+        return min(map(lead, kinds)) + min(map(trail, kinds))
+
+    on_stage = {d for st in stages for d in st.devices}
+    for dev, load in verify_load.items():
+        if dev not in on_stage:
+            busy.append((M * load, outside(traffic.checks[dev]), f"verifier {dev}"))
+    for pair, ms in traffic.wire.items():
+        busy.append((ms, outside(traffic.kinds[pair]), f"link {pair[0]}->{pair[1]}"))
+    pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
+    step = max(pipe - p.bwd[last][k] + allreduce_ms[k] for k in range(S))
+    path = p.fwd[last][S - 1] + fb[S - 1][routes[S - 1][0] and 0] + p.bwd[last][S - 1]
+    return ProgramCost(step_ms=max(step, pipe), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
+                       bottleneck=name)
