@@ -61,20 +61,23 @@ class _Traffic:
     directions each pair carries, and per boundary the verdict wait a consumer's own pass does not hide."""
 
     wire: dict[tuple[str, str], float]
+    by_direction: dict[tuple[int, str, str, str], float]  # (boundary, act|grad, src, dst) -> its wire time
     kinds: dict[tuple[str, str], set[tuple[int, str]]]
     checks: dict[str, set[tuple[int, str]]]
     wait: list[float]
 
 
 def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
-    out = _Traffic(wire={}, kinds={}, checks={}, wait=[0.0] * (len(stages) - 1))
+    out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait=[0.0] * (len(stages) - 1))
     by_boundary = {v.boundary: v for v in verifiers}
 
     def put(a: str, b: str, nbytes: float, count: int, kind: tuple[int, str]) -> float:
         if a == b:
             return 0.0
         link = problem.link(a, b)
-        out.wire[(a, b)] = out.wire.get((a, b), 0.0) + count * 1e3 * nbytes / link.bytes_per_s
+        ms = count * 1e3 * nbytes / link.bytes_per_s
+        out.wire[(a, b)] = out.wire.get((a, b), 0.0) + ms
+        out.by_direction[(*kind, a, b)] = out.by_direction.get((*kind, a, b), 0.0) + ms
         out.kinds.setdefault((a, b), set()).add(kind)
         return comm.transfer_ms(nbytes, link)
 
@@ -154,6 +157,53 @@ def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     return out
 
 
+def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic) -> tuple[float, list[float]]:
+    """GPipe's two phases: every forward until the last stage's last one, then every backward, each phase as
+    long as its slowest replica's passes, or a link's activations (gradients), plus the path around them;
+    and when each stage's last backward ends."""
+    S = len(stages)
+    end, top, last = S - 1, 0, len(p.fwd) - 1
+    fwd_phase = bwd_phase = 0.0
+    own_end = [0.0] * S  # from the end of the forwards to each stage's last backward
+    slowest = 0  # the stage whose backwards pace the backward phase
+    for (k, direction, _, _), ms in traffic.by_direction.items():
+        if direction == "act":  # from the first activation leaving stage k to the last one's forward at the end
+            tail = p.fwd[last][end] - p.fwd[last][k + 1] + fb[end][0] - bw[end][0]
+            fwd_phase = max(fwd_phase, p.fwd[0][k + 1] - p.hop[0][k] + ms + tail)
+        else:  # from the end of the forwards: the first gradient reaching k + 1's output, to stage 0's end
+            lead = bw[end][top] + p.bwd[0][end] - p.bwd[0][k + 1] if k + 1 < end else bw[end][top]
+            bwd_phase, slowest = max((bwd_phase, slowest), (lead + ms + p.bwd[last][k + 1] - p.hop[last][k], k + 1))
+    for k in range(S):
+        for ids, t, b in zip(routes[k], fb[k], bw[k]):
+            first, last = ids[0], ids[-1]
+            f = t - b
+            after = p.fwd[last][end] + fb[end][0] - bw[end][0] - p.fwd[last][k] - f  # to the last stage's forward
+            fwd_phase = max(fwd_phase, p.fwd[first][k] + p.late_f[first][k] + len(ids) * f + max(after, 0.0))
+            before = p.bwd[first][end] - p.bwd[first][k + 1] + p.hop[first][k] if k < end else 0.0
+            lead = bw[end][top] + before if k < end else 0.0
+            own_end[k] = max(own_end[k], lead + len(ids) * b)
+            bwd_phase, slowest = max((bwd_phase, slowest),
+                                     (lead + len(ids) * b + p.bwd[last][k] + p.late_b[last][k], k))
+    pipe = fwd_phase + bwd_phase
+    # Up to the stage pacing the backwards, stages end as the last gradient drains; after it, on their own.
+    return pipe, [pipe - p.bwd[last][k] if k <= slowest else fwd_phase + own_end[k] for k in range(S)]
+
+
+def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths, fb, bw, routes) -> list[float]:
+    """When each stage's last backward ends (its all-reduce starts then). Upstream of the bottleneck stage
+    the backward drains from it; downstream, the bottleneck's last forward passes through and comes back."""
+    S, M = len(fb), len(p.fwd)
+    if bottleneck is None:  # a link or a verifier paces the pipeline: every stage drains with the last microbatch
+        return [pipe - p.bwd[M - 1][k] for k in range(S)]
+    kb, mb, forward_end = bottleneck
+    own = [{x: i for i, ids in enumerate(r) for x in ids}[mb] for r in routes]
+    out = [pipe - p.bwd[mb][k] for k in range(S)]
+    for k in range(kb + 1, S):
+        arrive = forward_end - (fb[kb][own[kb]] - bw[kb][own[kb]]) + p.fwd[mb][k] - p.fwd[mb][kb]
+        out[k] = arrive + fb[k][own[k]] + p.down[mb][k]
+    return out
+
+
 def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
@@ -167,6 +217,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)
     busy: list[tuple[float, float, str]] = []  # (busy, the path outside it, name)
+    last_forward: dict[str, tuple[int, int, float]] = {}  # stage replica -> (stage, its last mb, end of its F)
     limits = []
     for k, st in enumerate(stages):
         row = []
@@ -182,7 +233,12 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             # while its last one does (its backwards still in flight fill part of that).
             idle = max(0.0, p.down[first][k] - (n - 1) * (t - b)) + max(0.0, p.down[last][k] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
-            busy.append((m * period + M * verify_load.get(dev, 0.0), outside, f"stage {k} on {dev}"))
+            work = m * period + M * verify_load.get(dev, 0.0)
+            busy.append((work, outside, f"stage {k} on {dev}"))
+            # Its last forward ends before its last backward by that microbatch's round trip, or by the
+            # backwards still in flight then, whichever is longer.
+            last_forward[f"stage {k} on {dev}"] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
+                                                   - max(p.down[last][k], (n - 1) * b))
         limits.append(tuple(row))
 
     # Before the first and after the last message of boundary k's activations (gradients) the path runs
@@ -211,7 +267,12 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     for pair, ms in traffic.wire.items():
         busy.append((ms, outside(traffic.kinds[pair]), f"link {pair[0]}->{pair[1]}"))
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
-    step = max(pipe - p.bwd[last][k] + allreduce_ms[k] for k in range(S))
+    if problem.schedule == "gpipe":
+        phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic)
+        pipe = max(pipe, phases)
+    else:
+        finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
+    step = max(pipe, max(f + ar for f, ar in zip(finishes, allreduce_ms)))
     path = p.fwd[last][S - 1] + fb[S - 1][routes[S - 1][0] and 0] + p.bwd[last][S - 1]
     return ProgramCost(step_ms=max(step, pipe), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
                        bottleneck=name)
