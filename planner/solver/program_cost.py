@@ -64,11 +64,11 @@ class _Traffic:
     by_direction: dict[tuple[int, str, str, str], float]  # (boundary, act|grad, src, dst) -> its wire time
     kinds: dict[tuple[str, str], set[tuple[int, str]]]
     checks: dict[str, set[tuple[int, str]]]
-    wait: list[float]
+    wait: dict[tuple[int, str], float]  # (boundary, act|grad) -> ms
 
 
 def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
-    out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait=[0.0] * (len(stages) - 1))
+    out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait={})
     by_boundary = {v.boundary: v for v in verifiers}
 
     def put(a: str, b: str, nbytes: float, count: int, kind: tuple[int, str]) -> float:
@@ -104,7 +104,8 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 if direction == "act":
                     own = problem.range_time_ms(at.first_block, at.last_block, cls) - own
                 arrival = comm.transfer_ms(nbytes, problem.link(sender, consumer)) if sender != consumer else 0.0
-                out.wait[k] = max(out.wait[k], copy + check + verdict - arrival - own)
+                key = (k, direction)
+                out.wait[key] = max(out.wait.get(key, 0.0), copy + check + verdict - arrival - own)
     return out
 
 
@@ -124,36 +125,38 @@ class _Paths:
     """Per microbatch ``m`` on its route (one replica per stage): ``fwd[m][k]`` its forward path to stage
     ``k``, ``bwd[m][k]`` its backward path from stage ``k`` through stage 0, ``down[m][k]`` its round trip
     downstream of stage ``k``; ``late_f[m][k]`` / ``late_b[m][k]`` how long upstream replicas hold it behind
-    their own earlier forwards / later backwards; ``hop[m][k]`` its transfer across boundary ``k`` (with the
-    verdict wait there)."""
+    their own earlier forwards / later backwards; ``hop_f[m][k]`` / ``hop_b[m][k]`` its activation's /
+    gradient's transfer across boundary ``k`` with the verdict wait there."""
 
     fwd: list[list[float]]
     bwd: list[list[float]]
     down: list[list[float]]
     late_f: list[list[float]]
     late_b: list[list[float]]
-    hop: list[list[float]]
+    hop_f: list[list[float]]
+    hop_b: list[list[float]]
 
 
 def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     S, M = len(stages), sum(stages[0].microbatches)
     owner = [{m: (i, pos, len(ids)) for i, ids in enumerate(r) for pos, m in enumerate(ids)} for r in routes]
-    out = _Paths(*([[0.0] * S for _ in range(M)] for _ in range(6)))
+    out = _Paths(*([[0.0] * S for _ in range(M)] for _ in range(7)))
     for m in range(M):
         rep = [owner[k][m][0] for k in range(S)]
-        hop = out.hop[m]
+        hop_f, hop_b = out.hop_f[m], out.hop_b[m]
         for k in range(S - 1):
             a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
-            hop[k] = 0.0 if a == b else comm.transfer_ms(problem.boundary_bytes(stages[k].last_block),
-                                                         problem.link(a, b)) + wait[k]
+            ms = comm.transfer_ms(problem.boundary_bytes(stages[k].last_block), problem.link(a, b))
+            hop_f[k] = ms + wait.get((k, "act"), 0.0)
+            hop_b[k] = ms + wait.get((k, "grad"), 0.0)
         for k in range(1, S):
             i, pos, count = owner[k - 1][m]
-            out.fwd[m][k] = out.fwd[m][k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop[k - 1]
-            out.bwd[m][k] = out.bwd[m][k - 1] + bw[k - 1][i] + hop[k - 1]
+            out.fwd[m][k] = out.fwd[m][k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop_f[k - 1]
+            out.bwd[m][k] = out.bwd[m][k - 1] + bw[k - 1][i] + hop_b[k - 1]
             out.late_f[m][k] = max(out.late_f[m][k - 1], pos * (fb[k - 1][i] - bw[k - 1][i]))
             out.late_b[m][k] = max(out.late_b[m][k - 1], (count - 1 - pos) * bw[k - 1][i])
         for k in range(S - 2, -1, -1):
-            out.down[m][k] = out.down[m][k + 1] + fb[k + 1][rep[k + 1]] + 2 * hop[k]
+            out.down[m][k] = out.down[m][k + 1] + fb[k + 1][rep[k + 1]] + hop_f[k] + hop_b[k]
     return out
 
 
@@ -169,17 +172,17 @@ def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic) -> tuple[flo
     for (k, direction, _, _), ms in traffic.by_direction.items():
         if direction == "act":  # from the first activation leaving stage k to the last one's forward at the end
             tail = p.fwd[last][end] - p.fwd[last][k + 1] + fb[end][0] - bw[end][0]
-            fwd_phase = max(fwd_phase, p.fwd[0][k + 1] - p.hop[0][k] + ms + tail)
+            fwd_phase = max(fwd_phase, p.fwd[0][k + 1] - p.hop_f[0][k] + ms + tail)
         else:  # from the end of the forwards: the first gradient reaching k + 1's output, to stage 0's end
             lead = bw[end][top] + p.bwd[0][end] - p.bwd[0][k + 1] if k + 1 < end else bw[end][top]
-            bwd_phase, slowest = max((bwd_phase, slowest), (lead + ms + p.bwd[last][k + 1] - p.hop[last][k], k + 1))
+            bwd_phase, slowest = max((bwd_phase, slowest), (lead + ms + p.bwd[last][k + 1] - p.hop_b[last][k], k + 1))
     for k in range(S):
         for ids, t, b in zip(routes[k], fb[k], bw[k]):
             first, last = ids[0], ids[-1]
             f = t - b
             after = p.fwd[last][end] + fb[end][0] - bw[end][0] - p.fwd[last][k] - f  # to the last stage's forward
             fwd_phase = max(fwd_phase, p.fwd[first][k] + p.late_f[first][k] + len(ids) * f + max(after, 0.0))
-            before = p.bwd[first][end] - p.bwd[first][k + 1] + p.hop[first][k] if k < end else 0.0
+            before = p.bwd[first][end] - p.bwd[first][k + 1] + p.hop_b[first][k] if k < end else 0.0
             lead = bw[end][top] + before if k < end else 0.0
             own_end[k] = max(own_end[k], lead + len(ids) * b)
             bwd_phase, slowest = max((bwd_phase, slowest),
@@ -196,11 +199,15 @@ def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths,
     if bottleneck is None:  # a link or a verifier paces the pipeline: every stage drains with the last microbatch
         return [pipe - p.bwd[M - 1][k] for k in range(S)]
     kb, mb, forward_end = bottleneck
-    own = [{x: i for i, ids in enumerate(r) for x in ids}[mb] for r in routes]
+    owner = [{x: i for i, ids in enumerate(r) for x in ids} for r in routes]
     out = [pipe - p.bwd[mb][k] for k in range(S)]
-    for k in range(kb + 1, S):
-        arrive = forward_end - (fb[kb][own[kb]] - bw[kb][own[kb]]) + p.fwd[mb][k] - p.fwd[mb][kb]
-        out[k] = arrive + fb[k][own[k]] + p.down[mb][k]
+    for k in range(kb + 1, S):  # each replica's last microbatch left the bottleneck by its last forward
+        out[k] = 0.0
+        for i, ids in enumerate(routes[k]):
+            x = ids[-1]
+            j = owner[kb][x]
+            arrive = forward_end - (fb[kb][j] - bw[kb][j]) + p.fwd[x][k] - p.fwd[x][kb]
+            out[k] = max(out[k], arrive + fb[k][i] + p.down[x][k])
     return out
 
 
@@ -248,14 +255,14 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     def lead(kind: tuple[int, str]) -> float:
         k, direction = kind
         if direction == "act":  # the first microbatch leaves stage k
-            return p.fwd[first][k + 1] - p.hop[first][k]
-        return p.fwd[first][k + 1] + p.down[first][k] - 2 * p.hop[first][k]  # ... its gradient leaves k + 1
+            return p.fwd[first][k + 1] - p.hop_f[first][k]
+        return p.fwd[first][k + 1] + p.down[first][k] - p.hop_f[first][k] - p.hop_b[first][k]  # ... and k + 1
 
     def trail(kind: tuple[int, str]) -> float:
         k, direction = kind
         if direction == "act":  # the last microbatch's round trip from k + 1, then its backward from k
-            return p.down[last][k] - 2 * p.hop[last][k] + p.bwd[last][k + 1]
-        return p.bwd[last][k + 1] - p.hop[last][k]
+            return p.down[last][k] - p.hop_f[last][k] - p.hop_b[last][k] + p.bwd[last][k + 1]
+        return p.bwd[last][k + 1] - p.hop_b[last][k]
 
     def outside(kinds: set[tuple[int, str]]) -> float:
         return min(map(lead, kinds)) + min(map(trail, kinds))
@@ -272,6 +279,12 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
         pipe = max(pipe, phases)
     else:
         finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
+    # A replica that also checks gradients reaches its all-reduce after its last check (programs keep order).
+    for k, st in enumerate(stages):
+        for dev in st.devices:
+            for b, direction in traffic.checks.get(dev, ()):
+                if direction == "grad":
+                    finishes[k] = max(finishes[k], finishes[b + 1] + p.hop_b[last][b])
     step = max(pipe, max(f + ar for f, ar in zip(finishes, allreduce_ms)))
     path = p.fwd[last][S - 1] + fb[S - 1][routes[S - 1][0] and 0] + p.bwd[last][S - 1]
     return ProgramCost(step_ms=max(step, pipe), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
