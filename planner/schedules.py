@@ -135,6 +135,7 @@ class _Lowering:
         self.limit = {r.rank: len(r.microbatches) if self.gpipe else r.max_in_flight or
                       max_in_flight(schedule, r.stage, num_stages, len(r.microbatches)) for r in stage_ranks}
         self.last_op: dict[int, str] = {}
+        self.b_gate: dict[int, float] = {}  # rank -> verdict its next backward waits for
         self.st = _State(programs=[[] for _ in ranks], clock=[0.0] * len(ranks),
                          forwards={r.rank: list(r.microbatches) for r in stage_ranks},
                          in_flight={r.rank: [] for r in stage_ranks},
@@ -165,11 +166,11 @@ class _Lowering:
         if ready is None:
             return None
         key = (self._boundary(stage, op), op, mb)
-        if key[:2] in self.checker and self.checker[key[:2]] != rank:
-            if key not in self.st.verdict:
-                return None
-            ready = max(ready, self.st.verdict[key])
-        return max(self.st.clock[rank], ready)
+        if key[:2] in self.checker and self.checker[key[:2]] != rank and key not in self.st.verdict:
+            return None  # its verdict is placed first; it gates what the pass sends, not the pass
+        if op == "B" and stage == self.num_stages - 1:  # ... but the last stage's backward uses it
+            ready = max(ready, self.st.verdict.get((stage - 1, "F", mb), 0.0))
+        return max(self.st.clock[rank], ready, self.b_gate.get(rank, 0.0) if op == "B" else 0.0)
 
     # --- emission --------------------------------------------------------
     def _emit(self, rank: int, ins: Instruction) -> None:
@@ -189,9 +190,15 @@ class _Lowering:
         self._emit(rank, Instruction(op=op, stage=stage, mb=mb))
         self.dirty.add(rank)
         end = start + self.costs.compute_ms(rank, op)
-        self.st.clock[rank] = end
         self.st.done[(stage, op, mb)] = end
-        self._emit_sends(rank, stage, op, mb, end)
+        # A remote check's verdict is awaited before the result leaves the rank (and, for a gradient, before
+        # the rank's next backward): the rank blocks there (``planner.simulate.deferred_verdicts``).
+        gate = self.st.verdict.get((boundary_in, op, mb), 0.0) if checker_in not in (None, rank) else 0.0
+        sends = 0 <= (stage + 1 if op == "F" else stage - 1) < self.num_stages
+        if op == "B":
+            self.b_gate[rank] = gate
+        self.st.clock[rank] = max(end, gate) if sends else end
+        self._emit_sends(rank, stage, op, mb, self.st.clock[rank])
 
     def _emit_sends(self, rank: int, stage: int, op: str, mb: int, end: float) -> None:
         nxt = stage + 1 if op == "F" else stage - 1
@@ -228,8 +235,11 @@ class _Lowering:
 
     def _place_verify(self, rank: int) -> None:
         queue = self.st.verify_queue[rank]
-        # Copies may arrive out of placement order (different links): take the earliest.
-        arrival, ins, key, consumer = queue.pop(min(range(len(queue)), key=lambda i: queue[i][0]))
+        # Copies may arrive out of placement order (different links): of those that can start first, the lowest
+        # microbatch's (the pipeline's fill and drain wait on it), a gradient before an activation.
+        clock = self.st.clock[rank]
+        arrival, ins, key, consumer = queue.pop(min(
+            range(len(queue)), key=lambda i: (max(queue[i][0], clock), queue[i][2][2], queue[i][2][1] != "B")))
         self._emit(rank, ins)
         start = max(self.st.clock[rank], arrival)
         end = start + self.costs.verify_ms(rank, key[0], key[1])

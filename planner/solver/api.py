@@ -63,6 +63,7 @@ from planner.solver.objective import (
 )
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.polish import polish
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
 from planner.solver.seqpart_kernel import warm as warm_partition
@@ -193,14 +194,17 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         return found
     priced = [(price_program(problem, p).step_ms, i) for i, p in enumerate(seen)]
     program_ms, i = min(priced)
-    placement = seen[i]
+    left = time_limit_s - (time.perf_counter() - start)
+    placement, polished_ms = polish(problem, seen[i], time_budget_s=max(0.05, left / 2))
+    how = found.method if seen[i] is found.placement else f"{found.method}, repriced"
+    if polished_ms < program_ms:
+        program_ms, how = polished_ms, f"{how}, polished"
     valid = max(simple_lower_bound_ms(problem), found.valid_bound_ms)
     left = time_limit_s - (time.perf_counter() - start)
     if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
         free = comm_free_for_bound(merged_for_bound(problem) or problem)
         valid = max(valid, lagrange_bound(free, incumbent_ms=program_ms, time_budget_s=left, target_gap=gap_tolerance,
                                           plans=False).bound_ms)
-    how = found.method if placement is found.placement else f"{found.method}, repriced"
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
 

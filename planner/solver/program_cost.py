@@ -160,6 +160,21 @@ def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     return out
 
 
+def _queued(routes, fb, k: int, i: int, at: int) -> float:
+    """How long replica ``i`` of stage ``k``'s first (``at=0``) or last (``at=-1``) microbatch waits downstream
+    behind the same-numbered microbatches of the stage's other replicas, sent at the same time and lower."""
+    x = routes[k][i][at]
+    rivals = [ids[at] for ids in routes[k] if ids[at] < x]
+    if not rivals:
+        return 0.0
+    wait = 0.0
+    for j in range(k + 1, len(routes)):
+        owner = {m: r for r, ids in enumerate(routes[j]) for m in ids if m in rivals or m == x}
+        ahead = sum(owner[m] == owner[x] for m in rivals)
+        wait = max(wait, ahead * fb[j][owner[x]])
+    return wait
+
+
 def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic) -> tuple[float, list[float]]:
     """GPipe's two phases: every forward until the last stage's last one, then every backward, each phase as
     long as its slowest replica's passes, or a link's activations (gradients), plus the path around them;
@@ -228,7 +243,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     limits = []
     for k, st in enumerate(stages):
         row = []
-        for dev, ids, t, b in zip(st.devices, routes[k], fb[k], bw[k]):
+        for i, (dev, ids, t, b) in enumerate(zip(st.devices, routes[k], fb[k], bw[k])):
             m, first, last = len(ids), ids[0], ids[-1]
             trip = max(p.down[x][k] for x in ids)
             least = memory.in_flight_microbatches(problem.schedule, S, k, m)
@@ -238,7 +253,8 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             row.append(n)
             # Idle while its first gradient makes the round trip (its warm-up forwards fill part of it) and
             # while its last one does (its backwards still in flight fill part of that).
-            idle = max(0.0, p.down[first][k] - (n - 1) * (t - b)) + max(0.0, p.down[last][k] - (n - 1) * b)
+            trips = (p.down[first][k] + _queued(routes, fb, k, i, 0), p.down[last][k])
+            idle = max(0.0, trips[0] - (n - 1) * (t - b)) + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
             busy.append((work, outside, f"stage {k} on {dev}"))

@@ -4,14 +4,17 @@ Written from the search-space description in ``planner/solver/cpsat.py``, not
 from the model: every stage count, every ordered choice of device groups (a
 group = ``r`` devices of one class, any ``r``), every contiguous partition and
 every allowed verifier site per checked boundary; each candidate is priced
-with ``objective.evaluate`` and kept if ``objective.violations`` is empty.
+with ``objective.evaluate`` (the search's closed form) or, with ``program=True``,
+``objective.price_program`` (the cost of its compiled programs), and kept if
+``objective.violations`` is empty.
 """
 from __future__ import annotations
 
 import itertools
 import math
 
-from planner.solver.objective import Placement, evaluate, even_split, required_directions, violations
+from planner.solver.objective import (Placement, evaluate, even_split, price_program, required_directions,
+                                      violations)
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
@@ -54,7 +57,7 @@ def _sites(problem: Problem, stages: tuple[StagePlacement, ...], b: int, need: t
     return out
 
 
-def brute_force(problem: Problem) -> tuple[float, Placement | None]:
+def brute_force(problem: Problem, *, program: bool = False) -> tuple[float, Placement | None]:
     """(best iteration time, its placement) over the whole search space; (inf, None) if none is valid."""
     L, M = problem.num_blocks, problem.num_microbatches
     counts = {c.index: c.count for c in problem.classes if c.stage_capable}
@@ -79,6 +82,7 @@ def brute_force(problem: Problem) -> tuple[float, Placement | None]:
                                       for (b, need), d in zip(checked, picks))
                     placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
                     ev = evaluate(problem, placement)
-                    if ev.step_ms < best[0] and not violations(problem, placement, ev):
-                        best = (ev.step_ms, placement)
+                    step = price_program(problem, placement).step_ms if program else ev.step_ms
+                    if step < best[0] and not violations(problem, placement, ev):
+                        best = (step, placement)
     return best

@@ -10,7 +10,7 @@ from planner.solver import api
 from planner.solver.baselines import baseline_placement, single_stage_placements
 from planner.solver.cpsat import solve_cpsat
 from planner.solver.dp import Group, homogeneous_dp, partition_sequence
-from planner.solver.objective import Placement, evaluate, violations
+from planner.solver.objective import Placement, evaluate, price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import StagePlacement
 from tests.unit.bruteforce import brute_force
@@ -69,10 +69,12 @@ def test_cpsat_equals_dp_on_homogeneous_chains(seed, blocks, devices):
 
 def test_solver_uses_the_exact_dp_when_it_covers_the_space():
     chain, cluster, config, problem = homogeneous(3, 200, 8, uniform=True)
-    sol = api.solve(chain, cluster, config, VerificationPolicy(), time_limit_s=10, workers=1, max_replicas=1)
+    found = api._search(problem, 10, 1, "test", None, api.GAP_TOLERANCE, [])
     part = homogeneous_dp(problem, 0, 8)
-    assert sol.report.status == "OPTIMAL" and sol.report.gap == 0.0
-    assert sol.predicted_step_ms == pytest.approx(part.step_ms, rel=1e-12)
+    assert found.method == "dp-exact" and found.bound_ms == found.step_ms
+    assert found.step_ms == pytest.approx(part.step_ms, rel=1e-12)
+    sol = api.solve(chain, cluster, config, VerificationPolicy(), time_limit_s=10, workers=1, max_replicas=1)
+    assert sol.predicted_step_ms <= price_program(problem, found.placement).step_ms * (1 + 1e-12)
 
 
 def test_dp_baseline_is_exact_on_a_homogeneous_cluster():

@@ -31,9 +31,10 @@ def _replicated_homogeneous():
 def test_a_loose_tolerance_reports_optimal_within_it_and_skips_cpsat():
     chain, cluster = _replicated_homogeneous()
     sol = api.solve(chain, cluster, _config(), VerificationPolicy(), time_limit_s=20.0, gap_tolerance=0.05)
-    assert sol.report.status == "OPTIMAL"
-    assert sol.report.gap <= 0.05
+    # the search stops once its closed form is within the tolerance of its bound ...
     assert any("within the gap tolerance" in note for note in sol.report.notes), sol.report.notes
+    # ... and the plan is OPTIMAL only if its programs' cost is within it of that cost's bound
+    assert (sol.report.status == "OPTIMAL") == (sol.report.gap <= 0.05)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, math.nan])

@@ -48,8 +48,8 @@ def test_send_with_no_receive(plan):
 
 def test_receive_with_no_send(plan):
     prog = texts(plan, 0)
-    prog.remove("0SEND_F2>1")
-    assert "'1RECV_F2<0': no rank 0 sends it" in problems(with_program(plan, 0, prog))
+    prog.remove("0SEND_F1>1")
+    assert "'1RECV_F1<0': no rank 0 sends it" in problems(with_program(plan, 0, prog))
 
 
 def test_duplicate_forward_and_missing_backward(plan):
@@ -86,10 +86,10 @@ def test_step_ops(plan):
 
 def test_verdict_required_before_use(plan):
     prog = texts(plan, 0)
-    prog.remove("0VERDICT_B2<4")
+    prog.remove("0VERDICT_B3<4")
     text = problems(with_program(plan, 0, prog))
     assert "uses boundary 0's tensor before its verdict" in text
-    assert "'0VERIFY_B2<1>0'" in text  # the verdict the verifier sends is now never received
+    assert "'0VERIFY_B3<1>0'" in text  # the verdict the verifier sends is now never received
 
 
 def test_verify_on_a_rank_that_is_not_the_verifier(plan):
@@ -99,8 +99,8 @@ def test_verify_on_a_rank_that_is_not_the_verifier(plan):
 
 def test_each_checked_microbatch_verified_once(plan):
     prog = texts(plan, 4)
-    prog.remove("0VERIFY_B3<2>0")
-    assert "boundary 0 (B) of microbatch 3 is verified 0 times" in problems(with_program(plan, 4, prog))
+    prog.remove("0VERIFY_B2<2>0")
+    assert "boundary 0 (B) of microbatch 2 is verified 0 times" in problems(with_program(plan, 4, prog))
 
 
 def test_in_flight_above_the_promise():
@@ -130,8 +130,8 @@ def test_deadlock_is_found_and_located():
 
 def test_receive_from_the_wrong_rank(plan):
     prog = texts(plan, 3)
-    prog[prog.index("2RECV_F3<2")] = "2RECV_F3<1"
-    assert "microbatch 3 of stage 1 runs on rank 2, not 1" in problems(with_program(plan, 3, prog))
+    prog[prog.index("2RECV_F2<2")] = "2RECV_F2<1"
+    assert "microbatch 2 of stage 1 runs on rank 2, not 1" in problems(with_program(plan, 3, prog))
 
 
 def test_error_message_mentions_more_problems(plan):

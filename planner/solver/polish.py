@@ -1,0 +1,79 @@
+"""Hill-climbing on the cost of the compiled programs, from the best plan the search found.
+
+The search's DPs and CP-SAT optimise the closed form ``objective.evaluate``;
+where it and the programs' cost (``objective.price_program``) disagree, the
+plan they return can sit a few steps from a cheaper program (fewer replicas
+where the pipeline's fill dominates, a cut moved by a block). Neighbours: a
+cut moved by one block either way, two neighbouring stages merged on either's
+devices (their boundary's verifier dropped), one replica fewer on a stage, one
+more from the free devices of its class. Each valid neighbour is priced; the best
+improvement is taken until none improves or the time is up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+from planner.solver.objective import Placement, even_split, price_program, violations
+from planner.solver.problem import Problem
+from planner.solver.solution import StagePlacement
+
+
+def _with_stages(placement: Placement, stages: list[StagePlacement]) -> Placement:
+    return dataclasses.replace(placement, stages=tuple(stages))
+
+
+def _neighbours(problem: Problem, placement: Placement) -> Iterator[Placement]:
+    stages, M = list(placement.stages), placement.num_microbatches
+    for k in range(len(stages) - 1):  # a cut moved by one block
+        a, b = stages[k], stages[k + 1]
+        for shift in (-1, 1):
+            cut = a.last_block + shift
+            if a.first_block <= cut < b.last_block:
+                moved = stages[:k] + [dataclasses.replace(a, last_block=cut),
+                                      dataclasses.replace(b, first_block=cut + 1)] + stages[k + 2:]
+                yield _with_stages(placement, moved)
+    for k in range(len(stages) - 1):  # two stages merged on either's devices
+        yield from _merged(placement, k)
+    used = {d for st in stages for d in st.devices} | {v.device for v in placement.verifiers}
+    for k, st in enumerate(stages):
+        r = len(st.devices)
+        if r > 1:  # one replica fewer
+            fewer = dataclasses.replace(st, devices=st.devices[:-1], microbatches=even_split(M, r - 1), in_flight=())
+            yield _with_stages(placement, stages[:k] + [fewer] + stages[k + 1:])
+        free = [d for d in problem.classes[problem.class_of(st.devices[0])].device_ids if d not in used]
+        if free and r < M:  # one more, of the stage's class
+            more = dataclasses.replace(st, devices=st.devices + (free[0],), microbatches=even_split(M, r + 1),
+                                       in_flight=())
+            yield _with_stages(placement, stages[:k] + [more] + stages[k + 1:])
+
+
+def _merged(placement: Placement, k: int) -> Iterator[Placement]:
+    stages = placement.stages
+    a, b = stages[k], stages[k + 1]
+    verifiers = tuple(dataclasses.replace(v, boundary=v.boundary - (v.boundary > k))
+                      for v in placement.verifiers if v.boundary != k)
+    for keep in (a, b):
+        merged = dataclasses.replace(keep, first_block=a.first_block, last_block=b.last_block, in_flight=())
+        rest = stages[:k] + (merged,) + stages[k + 2:]
+        yield dataclasses.replace(placement, verifiers=verifiers,
+                                  stages=tuple(dataclasses.replace(st, index=i) for i, st in enumerate(rest)))
+
+
+def polish(problem: Problem, placement: Placement, *, time_budget_s: float) -> tuple[Placement, float]:
+    """The best plan hill-climbing reaches from ``placement`` within the time, and its program cost."""
+    deadline = time.perf_counter() + time_budget_s
+    best, best_ms = placement, price_program(problem, placement).step_ms
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for cand in _neighbours(problem, best):
+            if time.perf_counter() >= deadline:
+                break
+            if violations(problem, cand):
+                continue
+            ms = price_program(problem, cand).step_ms
+            if ms < best_ms * (1 - 1e-9):
+                best, best_ms, improved = cand, ms, True
+    return best, best_ms
