@@ -227,7 +227,7 @@ def measure_optimizer_op_ms(*, repeats: int, device: Any, clock: Clock = "wall",
                             tensors: int = OPTIM_PROBE_TENSORS) -> float:
     """Time per element-wise kernel of ``torch.optim.Adam``'s step (its default implementation on
     ``device``), from steps over ``tensors`` tiny parameters: the fixed cost that
-    ``planner.simulate.optim_ms`` charges per kernel of every parameter tensor."""
+    ``cost_models.optim.optim_ms`` charges per kernel of every parameter tensor."""
     import torch
     params = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(tensors)]
     for p in params:

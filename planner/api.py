@@ -30,7 +30,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
                optimizer: str = "adam", dtype: str = "float32", workers: int = 2,
-               progress: Any = None, gap_tolerance: float | None = None) -> Any:
+               progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
+               replicas: int | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -38,7 +39,10 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     the global batch (``planner.solver.api.microbatch_candidates``); a
     baseline then uses the traced microbatch size. ``gap_tolerance``: the
     solver stops once its plan is proven within this share of optimal
-    (default ``planner.solver.api.GAP_TOLERANCE``, 0.01%).
+    (default ``planner.solver.api.GAP_TOLERANCE``, 0.01%). ``stages`` /
+    ``replicas``: a fixed shape (pp stages of dp replicas each), else the
+    solver's plan is compared with every baseline by simulating their
+    programs and the fastest is returned (``choose_by_simulation``).
     """
     from planner.check import assert_valid
     from planner.compile import compile_plan
@@ -63,7 +67,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                                 optimizer=optimizer, dtype=dtype)
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
-                                    microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance)
+                                    microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
+                                    stages=stages, replicas=replicas)
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
@@ -75,7 +80,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         return compile_plan(sol, scaled, spec_cluster, config, policy, ref)
 
     plan = compiled(solution)
-    if baseline is not None:
+    if baseline is not None or stages is not None or replicas is not None:
         return plan
     rivals = []
     for name in solver_api.BASELINE_NAMES:
@@ -105,7 +110,8 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
               schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
               policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
               optimizer: str = "adam", dtype: str = "float32", workers: int = 2, name: str | None = None,
-              spec: str | None = None, gap_tolerance: float | None = None) -> Any:
+              spec: str | None = None, gap_tolerance: float | None = None, stages: int | None = None,
+              replicas: int | None = None) -> Any:
     """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.
 
     Returns a :class:`planner.plan.Plan`; ``plan.save(path)`` writes it.
@@ -124,4 +130,4 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
     return plan_chain(chain, cluster, spec=spec or f"python:{type(model).__module__}.{type(model).__name__}",
                       seq=seq, schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,
                       policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
-                      dtype=dtype, workers=workers, gap_tolerance=gap_tolerance)
+                      dtype=dtype, workers=workers, gap_tolerance=gap_tolerance, stages=stages, replicas=replicas)

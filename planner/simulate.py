@@ -28,7 +28,7 @@ semantics (see ``planner.instructions``), and prices every instruction:
   a pass.
 * ``ALLREDUCE``: a barrier of the stage's replicas, then
   ``cost_models.comm.group_allreduce_ms`` of the stage's gradient bytes.
-* ``OPTIM``: :func:`optim_ms`, a memory-bound pass over weights, gradients
+* ``OPTIM``: ``cost_models.optim.optim_ms``, a memory-bound pass over weights, gradients
   and optimizer state.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
@@ -83,7 +83,8 @@ from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.measured import CoreSharing, MessageCost
 from cost_models.memory import activation_scale
-from cost_models.training import OPTIM_OPS_PER_TENSOR, TrainingConfig
+from cost_models.optim import optim_ms
+from cost_models.training import TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.instructions import (
@@ -101,18 +102,6 @@ from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
-
-
-def optim_ms(param_count: int, config: TrainingConfig, spec: DeviceSpec, *, param_tensors: int = 0) -> float:
-    """One optimizer step over ``param_count`` parameters in ``param_tensors`` tensors: read and write
-    weights and state, read grads, plus the fixed cost of the step's kernels on every tensor
-    (``cost_models.training.OPTIM_OPS_PER_TENSOR``, each at the device's measured ``optim_op_ms``;
-    without one, its ``op_overhead_ms``)."""
-    per = memory.bytes_per_param(config)
-    traffic = param_count * (2 * per.weights + per.grads + 2 * per.optimizer)
-    ops = param_tensors * OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1)
-    op_ms = spec.op_overhead_ms if spec.optim_op_ms is None else spec.optim_op_ms
-    return 1e3 * traffic / spec.mem_bw_bytes_per_s + ops * op_ms
 
 
 def stage_param_tensors(chain: BlockChain, lo: int, hi: int) -> int:

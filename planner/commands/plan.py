@@ -25,8 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--gap", type=float, default=None, metavar="FRACTION",
                    help="stop once the plan is proven within this share of optimal (default 1e-4: 0.01%%)")
-    p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp"), default=None,
-                   help="skip the solver and plan with a baseline")
+    p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp", "ppdp"), default=None,
+                   help="skip the solver and plan with a baseline (ppdp: the best uniform pp x dp grid)")
+    p.add_argument("--stages", type=int, default=None, metavar="N", help="fix the number of pipeline stages")
+    p.add_argument("--replicas", type=int, default=None, metavar="N", help="fix every stage's replica count")
     p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
     p.set_defaults(handler=run)
 
@@ -35,6 +37,13 @@ def _check_args(args: argparse.Namespace) -> int | None:
     from planner.errors import InvalidInputError
 
     check_positive(args, "global_batch")
+    for name in ("stages", "replicas"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidInputError(f"--{name}", expected="a whole number >= 1", found=str(value))
+    if args.baseline is not None and (args.stages is not None or args.replicas is not None):
+        raise InvalidInputError("--baseline with --stages/--replicas", expected="one of them",
+                                found="both", fix="a baseline fixes its own shape: drop --stages/--replicas")
     if args.time_limit <= 0:
         raise InvalidInputError("--time-limit", expected="a positive number of seconds", found=str(args.time_limit))
     if args.gap is not None and not 0.0 <= args.gap < 1.0:
@@ -74,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_chain(chain, args.cluster, spec=args.model, seq=args.seq, schedule=args.schedule,
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
-                          progress=progress, gap_tolerance=args.gap)
+                          progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas)
     path = plan.save(args.output)
     _report(out, plan, path)
     return 0
@@ -88,9 +97,15 @@ def _report(console, plan, path) -> None:
     gap = f"{100 * r.gap:.2f}%" if r.gap is not None else "n/a"
     console.print(f"[bold]{plan.model.name}[/]: {r.method} {r.status}  objective {r.objective_ms:.3f} ms  "
                   f"bound {bound}  gap {gap}  solve {r.solve_s:.1f} s")
+    sim = plan.predicted.step_ms
+    diff = (r.objective_ms - sim) / sim if sim > 0 else 0.0
     console.print(f"{plan.num_stages} stages, {plan.num_microbatches} microbatches of "
-                  f"{plan.config.microbatch_size}, {plan.config.schedule}; simulated step "
-                  f"{plan.predicted.step_ms:.3f} ms")
+                  f"{plan.config.microbatch_size}, {plan.config.schedule}; simulated step {sim:.3f} ms "
+                  f"(objective {100 * diff:+.1f}% of it)")
+    if r.bound_ms is not None and sim > 0:
+        console.print(f"no plan's programs cost less than {r.bound_ms:.3f} ms: this plan is within "
+                      f"{100 * max(0.0, 1 - r.bound_ms / r.objective_ms):.1f}% of the best the cost model allows "
+                      f"(its simulation within {100 * max(0.0, 1 - r.bound_ms / sim):.1f}%)")
     table = Table(title="stages")
     for col in ("stage", "blocks", "first..last", "devices", "microbatches"):
         table.add_column(col, justify="left" if col in ("first..last", "devices") else "right")

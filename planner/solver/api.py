@@ -63,6 +63,7 @@ from planner.solver.objective import (
 )
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.grid import best_grid, grids, shaped
 from planner.solver.polish import polish
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
@@ -155,6 +156,8 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
         ev = evaluate(problem, placement)
         if not violations(problem, placement, ev):
             out.append((placement, ev.step_ms, f"baseline:{name}"))
+    for placement in grids(problem):  # every uniform pp x dp grid: the search starts no worse than ppdp
+        out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
     found = search_sequences(problem, time_budget_s=budget_s)
     if found is not None:
         out.append((found[0], found[1], "sequence-search"))
@@ -183,19 +186,30 @@ def _homogeneous_exact(problem: Problem) -> Placement | None:
 
 
 def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: str,
-                   progress: Progress | None, gap_tolerance: float = GAP_TOLERANCE) -> _Outcome:
+                   progress: Progress | None, gap_tolerance: float = GAP_TOLERANCE,
+                   shape: tuple[int | None, int | None] = (None, None)) -> _Outcome:
     """Search (``_search``), then keep the plan whose compiled programs cost least among every valid plan the
-    search met, and bound that cost (``relax.comm_free_for_bound``) in the time held back for it."""
+    search met, and bound that cost (``relax.comm_free_for_bound``) in the time held back for it. With a
+    ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``)."""
     start = time.perf_counter()
-    seen: list[Placement] = []
-    found = _search(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
-                    seen)
+    if shape != (None, None):
+        precheck(problem)
+        placement = shaped(problem, stages=shape[0], replicas=shape[1], time_budget_s=time_limit_s / 2)
+        found = _Outcome(problem=problem, placement=placement, step_ms=evaluate(problem, placement).step_ms,
+                         bound_ms=0.0, method=f"grid {shape[0] or 'any'} x {shape[1] or 'any'}",
+                         cpsat_status="SKIPPED (fixed shape)", solve_s=0.0)
+        seen = [placement]
+    else:
+        seen = []
+        found = _search(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
+                        seen)
     if found.placement is None:
         return found
     priced = [(price_program(problem, p).step_ms, i) for i, p in enumerate(seen)]
     program_ms, i = min(priced)
     left = time_limit_s - (time.perf_counter() - start)
-    placement, polished_ms = polish(problem, seen[i], time_budget_s=max(0.05, left / 2))
+    placement, polished_ms = polish(problem, seen[i], time_budget_s=max(0.05, left / 2),
+                                    cuts_only=shape != (None, None))
     how = found.method if seen[i] is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
@@ -325,17 +339,19 @@ def _to_solution(outcome: _Outcome, bound_ms: float, notes: tuple[str, ...], sol
 def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
           policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0, workers: int = 2,
           microbatch_sizes: Sequence[int] | None = None, max_replicas: int | None = None,
-          progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE) -> Solution:
+          progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE,
+          stages: int | None = None, replicas: int | None = None) -> Solution:
     """The best placement within ``time_limit_s`` with a proven bound (see the module docstring).
 
     ``microbatch_sizes``: candidates for the microbatch size (each must divide
     ``config.global_batch``); default: ``config.microbatch_size`` only. The
-    returned solution's ``num_microbatches`` tells which one won.
+    returned solution's ``num_microbatches`` tells which one won. ``stages`` /
+    ``replicas``: fix the pipeline's depth / every stage's replica count.
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                               microbatch_sizes=microbatch_sizes, max_replicas=max_replicas, progress=progress,
-                              gap_tolerance=gap_tolerance)
+                              gap_tolerance=gap_tolerance, stages=stages, replicas=replicas)
     if isinstance(result, InfeasiblePlanError):
         raise result
     return result
@@ -345,7 +361,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0,
                      workers: int = 2, microbatch_sizes: Sequence[int] | None = None,
                      max_replicas: int | None = None, progress: Progress | None = None,
-                     gap_tolerance: float = GAP_TOLERANCE) -> Solution | InfeasiblePlanError:
+                     gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
+                     replicas: int | None = None) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
     warm_kernels()  # the first call on a machine compiles the DP kernels (seconds): not the solve's time
     warm_partition()
@@ -365,7 +382,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
         problem, _, _ = problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)
         try:
             outcomes.append(_solve_problem(problem, max(0.2, share), workers,
-                                           f"M={problem.num_microbatches}", progress, gap_tolerance))
+                                           f"M={problem.num_microbatches}", progress, gap_tolerance,
+                                           (stages, replicas)))
         except InfeasiblePlanError as exc:
             first_error = first_error or exc
             outcomes.append(_Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,
@@ -404,7 +422,7 @@ def _quick_feasible(workers: int) -> Callable[[Problem], bool]:
     return feasible
 
 
-BASELINE_NAMES = base.BASELINES
+BASELINE_NAMES = (*base.BASELINES, "ppdp")
 
 
 def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
@@ -416,7 +434,9 @@ def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: Trainin
     start = time.perf_counter()
     problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
     precheck(problem)
-    placement = base.baseline_placement(name, problem)
+    if name not in BASELINE_NAMES:
+        raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINE_NAMES))
+    placement = best_grid(problem) if name == "ppdp" else base.baseline_placement(name, problem)
     ev = evaluate(problem, placement)
     bad = violations(problem, placement, ev)
     if bad:

@@ -24,7 +24,7 @@ def _with_stages(placement: Placement, stages: list[StagePlacement]) -> Placemen
     return dataclasses.replace(placement, stages=tuple(stages))
 
 
-def _neighbours(problem: Problem, placement: Placement) -> Iterator[Placement]:
+def _neighbours(problem: Problem, placement: Placement, cuts_only: bool) -> Iterator[Placement]:
     stages, M = list(placement.stages), placement.num_microbatches
     for k in range(len(stages) - 1):  # a cut moved by one block
         a, b = stages[k], stages[k + 1]
@@ -34,6 +34,8 @@ def _neighbours(problem: Problem, placement: Placement) -> Iterator[Placement]:
                 moved = stages[:k] + [dataclasses.replace(a, last_block=cut),
                                       dataclasses.replace(b, first_block=cut + 1)] + stages[k + 2:]
                 yield _with_stages(placement, moved)
+    if cuts_only:
+        return
     for k in range(len(stages) - 1):  # two stages merged on either's devices
         yield from _merged(placement, k)
     used = {d for st in stages for d in st.devices} | {v.device for v in placement.verifiers}
@@ -61,14 +63,16 @@ def _merged(placement: Placement, k: int) -> Iterator[Placement]:
                                   stages=tuple(dataclasses.replace(st, index=i) for i, st in enumerate(rest)))
 
 
-def polish(problem: Problem, placement: Placement, *, time_budget_s: float) -> tuple[Placement, float]:
-    """The best plan hill-climbing reaches from ``placement`` within the time, and its program cost."""
+def polish(problem: Problem, placement: Placement, *, time_budget_s: float,
+           cuts_only: bool = False) -> tuple[Placement, float]:
+    """The best plan hill-climbing reaches from ``placement`` within the time, and its program cost
+    (``cuts_only``: keep the stages and their devices, move only the cuts)."""
     deadline = time.perf_counter() + time_budget_s
     best, best_ms = placement, price_program(problem, placement).step_ms
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        for cand in _neighbours(problem, best):
+        for cand in _neighbours(problem, best, cuts_only):
             if time.perf_counter() >= deadline:
                 break
             if violations(problem, cand):

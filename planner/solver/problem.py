@@ -25,10 +25,10 @@ from typing import Sequence
 
 import numpy as np
 
-from cost_models import comm, compute, memory, verify
+from cost_models import comm, compute, memory, optim, verify
 from cost_models.cluster import ClusterSpec, Device, Link
 from cost_models.devices import DeviceSpec
-from cost_models.training import TrainingConfig
+from cost_models.training import OPTIM_OPS_PER_TENSOR, TrainingConfig
 from planner.errors import InvalidInputError
 from planner.ir import Block, BlockChain, dtype_bytes
 from planner.solver.policy import VerificationPolicy
@@ -110,6 +110,11 @@ class Problem:
     policy: VerificationPolicy
     max_replicas: int | None = None
     bwd_ms: np.ndarray | None = None  # backward alone per block and class (None: 2/3 of ``time_ms``)
+    # The optimizer step (``cost_models.optim``): bytes moved per parameter, kernels per parameter tensor,
+    # parameter tensors per block (None: the step is not priced).
+    optim_traffic_per_param: int = 0
+    optim_kernels_per_tensor: int = 0
+    param_tensors: np.ndarray | None = None
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
@@ -176,6 +181,14 @@ class Problem:
         """The backward pass alone of blocks ``first..last`` on class ``cls`` (per microbatch)."""
         p = self._bwd_prefix
         return float(p[last + 1, cls] - p[first, cls])
+
+    def range_optim_ms(self, first: int, last: int, cls: int) -> float:
+        """One optimizer step of blocks ``first..last`` on class ``cls``."""
+        if self.param_tensors is None:
+            return 0.0
+        tensors = int(self.param_tensors[first:last + 1].sum())
+        return optim.step_ms(self.range_params(first, last), self.optim_traffic_per_param,
+                             tensors * self.optim_kernels_per_tensor, self.classes[cls].spec)
 
     def range_params(self, first: int, last: int) -> int:
         """Parameters a stage over ``first..last`` holds, tied copies included."""
@@ -344,4 +357,7 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         input_bytes=math.ceil(chain.input_bytes * batch_scale), tied=tied,
         state_bytes_per_param=per.total, grad_bytes_per_param=per.grads, classes=classes,
         links=class_links(cluster, classes), num_microbatches=config.num_microbatches,
-        schedule=config.schedule, policy=policy, max_replicas=max_replicas, bwd_ms=passes[:, :, 1].T.copy())
+        schedule=config.schedule, policy=policy, max_replicas=max_replicas, bwd_ms=passes[:, :, 1].T.copy(),
+        optim_traffic_per_param=optim.traffic_bytes_per_param(config),
+        optim_kernels_per_tensor=OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1),
+        param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64))

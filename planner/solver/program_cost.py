@@ -21,9 +21,11 @@ gradients once its replicas are done. Priced the same way (ms):
 * an **in-flight limit** below what keeps a replica busy (the round trip
   ``D_k`` downstream of it over its own pass) throttles it to
   ``n`` microbatches per ``fb_i + D_k``;
-* stage ``k``'s all-reduce starts when its last backward is done, ``drain_k``
-  before the end of the pipeline (the backward path from ``k`` to stage 0):
-  ``step = max_k (pipe - drain_k + AR_k)``.
+* stage ``k``'s all-reduce starts when its last backward is done (upstream of
+  the bottleneck, ``drain_k`` before the end of the pipeline: the backward path
+  from ``k`` to stage 0; downstream of it, once the bottleneck's last forward
+  has made its round trip there), then its optimizer step
+  (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
 
 The limit ``n`` of replica ``i`` of stage ``k`` is what the schedule needs at
 least (``planner.schedules.max_in_flight``), raised up to what keeps the replica
@@ -301,7 +303,9 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             for b, direction in traffic.checks.get(dev, ()):
                 if direction == "grad":
                     finishes[k] = max(finishes[k], finishes[b + 1] + p.hop_b[last][b])
-    step = max(pipe, max(f + ar for f, ar in zip(finishes, allreduce_ms)))
+    optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
+                for st in stages]
+    step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
     path = p.fwd[last][S - 1] + fb[S - 1][routes[S - 1][0] and 0] + p.bwd[last][S - 1]
-    return ProgramCost(step_ms=max(step, pipe), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
+    return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
                        bottleneck=name)

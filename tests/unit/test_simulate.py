@@ -21,7 +21,8 @@ from cost_models.devices import DeviceSpec
 from cost_models.training import TrainingConfig
 from cost_models.verify import verify_ms
 from planner.errors import InvalidInputError
-from planner.simulate import CostModel, optim_ms, simulate, stage_param_tensors
+from cost_models.optim import optim_ms
+from planner.simulate import CostModel, simulate, stage_param_tensors
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import VerifierPlacement
 

@@ -1,0 +1,120 @@
+"""Uniform pp x dp grids (Megatron-style): the ``ppdp`` baseline and plans of a shape the user fixes.
+
+A grid of ``pp`` stages with ``dp`` replicas each takes the ``pp * dp`` fastest
+stage devices, orders them by region and host (so a stage's replicas share a
+host or a region where they can, and its all-reduce stays on fast links),
+puts trusted devices at both ends when the policy wants trusted endpoints, and
+gives stage ``k`` the ``k``-th run of ``dp`` devices and an even share of the
+blocks. ``grids`` lists every valid one; ``best_grid`` is the baseline: the
+one whose compiled programs cost least (``objective.price_program``).
+``shaped`` serves ``--stages``/``--replicas``: the grids of that shape, each
+also re-partitioned for its devices and its cuts polished, the cheapest kept.
+"""
+from __future__ import annotations
+
+from planner.errors import InfeasiblePlanError, InvalidInputError
+from planner.solver.baselines import assign_verifiers
+from planner.solver.dp import Group
+from planner.solver.objective import Placement, even_split, price_program, violations
+from planner.solver.polish import polish
+from planner.solver.problem import Problem
+from planner.solver.seqpart import partition_min_step
+from planner.solver.solution import StagePlacement
+
+
+def _even_ranges(num_blocks: int, parts: int) -> tuple[tuple[int, int], ...]:
+    bounds = [round(i * num_blocks / parts) for i in range(parts + 1)]
+    return tuple((a, b - 1) for a, b in zip(bounds, bounds[1:]))
+
+
+def _ordered(problem: Problem, count: int) -> list[str] | None:
+    """The ``count`` fastest stage devices by region and host, trusted ones at the ends when required."""
+    pol = problem.policy
+    capable = [(problem.range_time_ms(0, problem.num_blocks - 1, c.index), c.index, d)
+               for c in problem.classes if c.stage_capable for d in c.device_ids]
+    if len(capable) < count:
+        return None
+    chosen = sorted(capable)[:count]
+    placed = [d for _, _, d in sorted(chosen, key=lambda x: (problem.classes[x[1]].name, x[2]))]
+    if not (pol.enabled and pol.trusted_endpoints):
+        return placed
+    trusted = [d for d in placed if problem.classes[problem.class_of(d)].trusted]
+    rest = [d for d in placed if d not in trusted]
+    half = len(trusted) // 2
+    return trusted[:half] + rest + trusted[half:]
+
+
+def _grid(problem: Problem, pp: int, dp: int) -> Placement | None:
+    M, L = problem.num_microbatches, problem.num_blocks
+    devices = _ordered(problem, pp * dp)
+    if devices is None or pp > L or dp > M:
+        return None
+    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(devices[k * dp:(k + 1) * dp]),
+                                  microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
+    return _checked(problem, stages)
+
+
+def _checked(problem: Problem, stages: tuple[StagePlacement, ...]) -> Placement | None:
+    verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
+    if verifiers is None:
+        return None
+    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=problem.num_microbatches)
+    return None if violations(problem, placement) else placement
+
+
+def grids(problem: Problem, *, stages: int | None = None, replicas: int | None = None) -> list[Placement]:
+    """Every valid grid (of the given shape, where given)."""
+    D = sum(c.count for c in problem.classes if c.stage_capable)
+    out = []
+    for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1)):
+        for dp in ([replicas] if replicas else range(1, D // pp + 1)):
+            found = _grid(problem, pp, dp)
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def best_grid(problem: Problem) -> Placement:
+    """The ``ppdp`` baseline: the valid grid whose programs cost least."""
+    found = grids(problem)
+    if not found:
+        raise InfeasiblePlanError("baseline ppdp: no uniform pp x dp grid fits memory and the policy here",
+                                  fix="use the solver (it places stages unevenly to fit)")
+    return min(found, key=lambda p: price_program(problem, p).step_ms)
+
+
+def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
+    """The grid's devices with the blocks split for them (exact DP), when each stage is one device class."""
+    classes = [{problem.class_of(d) for d in st.devices} for st in placement.stages]
+    if any(len(c) != 1 for c in classes):
+        return None
+    groups = tuple(Group(cls=c.pop(), replicas=len(st.devices)) for c, st in zip(classes, placement.stages))
+    ranges = partition_min_step(problem, groups)
+    if ranges is None:
+        return None
+    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=st.devices,
+                                  microbatches=st.microbatches) for k, ((a, b), st) in
+                   enumerate(zip(ranges, placement.stages)))
+    return _checked(problem, stages)
+
+
+def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_budget_s: float) -> Placement:
+    """The cheapest plan of ``stages`` stages of ``replicas`` replicas each (either may be free)."""
+    D = sum(c.count for c in problem.classes if c.stage_capable)
+    for name, value, most in (("--stages", stages, min(D, problem.num_blocks)),
+                              ("--replicas", replicas, min(D, problem.num_microbatches))):
+        if value is not None and not 1 <= value <= most:
+            raise InvalidInputError(name, expected=f"1..{most} (the cluster's {D} stage devices, the model's "
+                                    f"{problem.num_blocks} blocks, {problem.num_microbatches} microbatches)",
+                                    found=str(value), fix=f"pick a smaller {name}")
+    if stages and replicas and stages * replicas > D:
+        raise InvalidInputError("--stages x --replicas", expected=f"at most the cluster's {D} stage devices",
+                                found=f"{stages} x {replicas} = {stages * replicas}", fix="shrink either")
+    found = grids(problem, stages=stages, replicas=replicas)
+    if not found:
+        shape = f"{stages or 'any number of'} stages of {replicas or 'any number of'} replicas"
+        raise InfeasiblePlanError(f"no plan with {shape} fits memory and the verification policy here",
+                                  fix="allow more stages (less memory per device) or drop the constraint")
+    found += [p for p in map(lambda g: _repartitioned(problem, g), found) if p is not None]
+    best = min(found, key=lambda p: price_program(problem, p).step_ms)
+    return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True)[0]
