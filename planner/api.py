@@ -17,6 +17,7 @@ from planner.ir import BlockChain
 from planner.solver.policy import VerificationPolicy
 
 DEFAULT_MICROBATCHES = 8  # global batch = this many traced microbatches when not given
+RIVAL_MARGIN = 1.2  # baselines priced within this factor of the solver's plan are compiled and simulated
 
 
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
@@ -85,9 +86,12 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     rivals = []
     for name in solver_api.BASELINE_NAMES:
         try:
-            rivals.append(compiled(solver_api.baseline(name, chain, spec_cluster, config, policy)))
+            rival = solver_api.baseline(name, chain, spec_cluster, config, policy)
         except InfeasiblePlanError:
             continue
+        # Simulate the close ones: a priced program 20% dearer is not faster (objectives are within 10%).
+        if rival.predicted_step_ms <= RIVAL_MARGIN * solution.predicted_step_ms:
+            rivals.append(compiled(rival))
     return choose_by_simulation(plan, rivals)
 
 

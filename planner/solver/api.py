@@ -63,7 +63,7 @@ from planner.solver.objective import (
 )
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
-from planner.solver.grid import best_grid, grids, shaped
+from planner.solver.grid import best_grid, grid_candidates, shaped
 from planner.solver.polish import polish
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
@@ -156,7 +156,9 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
         ev = evaluate(problem, placement)
         if not violations(problem, placement, ev):
             out.append((placement, ev.step_ms, f"baseline:{name}"))
-    for placement in grids(problem):  # every uniform pp x dp grid: the search starts no worse than ppdp
+    # Every uniform pp x dp grid, the cheapest few also with their blocks split for their devices: the
+    # search starts no worse than ppdp or a fixed shape would.
+    for placement in grid_candidates(problem):
         out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
     found = search_sequences(problem, time_budget_s=budget_s)
     if found is not None:
@@ -204,7 +206,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         found = _search(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
                         seen)
     if found.placement is None:
-        return found
+        return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(problem))
     priced = [(price_program(problem, p).step_ms, i) for i, p in enumerate(seen)]
     program_ms, i = min(priced)
     left = time_limit_s - (time.perf_counter() - start)

@@ -74,6 +74,13 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
     return out
 
 
+def grid_candidates(problem: Problem, *, repartition: int = 3) -> list[Placement]:
+    """Every valid grid, and the ``repartition`` cheapest re-partitioned for their devices."""
+    found = grids(problem)
+    cheapest = sorted(found, key=lambda p: price_program(problem, p).step_ms)[:repartition]
+    return found + [p for p in map(lambda g: _repartitioned(problem, g), cheapest) if p is not None]
+
+
 def best_grid(problem: Problem) -> Placement:
     """The ``ppdp`` baseline: the valid grid whose programs cost least."""
     found = grids(problem)

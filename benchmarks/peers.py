@@ -1,0 +1,130 @@
+"""Peers: Stagewise against DT-FM's scheduler on DT-FM's five published network cases (GPT-3 1.3B).
+
+Per case (``benchmarks/clusters/dtfm-<case>.yaml``, transcribed by ``dtfm_cases.py``): 64 V100s, global
+batch 512 sequences of 2048 tokens, fp16 compute, no verification (DT-FM trusts every worker). Layouts:
+
+* ``free``: Stagewise's plan (``planner.api.plan_chain``, ``--time-limit`` seconds);
+* ``8x8``: Stagewise's plan with 8 stages of 8 replicas (``--stages 8 --replicas 8``), DT-FM's shape;
+* ``ppdp``: the best uniform pp x dp grid (``--baseline ppdp``);
+* ``dtfm``: DT-FM's scheduler's best layout (``results/dtfm_scheduler.json``, run side by side from its own
+  code by ``dtfm_cost.py``): its 8 groups as stages in its stage order, layers split evenly.
+
+Each is costed by our simulator (the step of its compiled programs) and, for the 8 x 8 layouts, by DT-FM's
+own communication cost model (``dtfm_cost``: it cannot price unequal groups). Goals (issue 18): the 8 x 8
+plan no dearer than DT-FM's under DT-FM's model; the free plan no slower than ppdp and DT-FM's layout under
+our simulator; objective within 5% of simulated; planning within 60 s. Writes ``results/peers.json``.
+
+Run: ``python benchmarks/peers.py [--time-limit 45] [--cases worldwide,...]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from dtfm_cost import dtfm_cost, matrices_from_cluster  # noqa: E402
+
+import cost_models  # noqa: E402
+from cost_models.memory import trace_dtype  # noqa: E402
+from cost_models.training import TrainingConfig  # noqa: E402
+from planner.api import plan_chain  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from planner.model_io import load_chain  # noqa: E402
+from planner.plan import ModelRef  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
+from planner.solver.objective import even_split  # noqa: E402
+from planner.solver.policy import VerificationPolicy  # noqa: E402
+from planner.solver.problem import scale_chain  # noqa: E402
+from planner.solver.solution import Solution, SolveReport, StagePlacement  # noqa: E402
+
+CASES = ("datacenter", "spot", "universities", "regional", "worldwide")
+BATCH, SEQ, DTYPE = 512, 2048, "float16"
+POLICY = VerificationPolicy(enabled=False)
+
+
+def _groups(plan, index_of: dict[str, int]) -> list[list[int]] | None:
+    """The plan's stages as DT-FM groups (GPU indices), when it is 8 stages of 8."""
+    groups = [[index_of[plan.ranks[r].device] for r in plan.stage_ranks(k)] for k in range(plan.num_stages)]
+    return groups if len(groups) == 8 and all(len(g) == 8 for g in groups) else None
+
+
+def _dtfm_layout(chain, cluster, groups: list[list[int]], order: list[int], microbatch: int):
+    """DT-FM's layout as our plan: stage k = group order[k], an even share of the blocks."""
+    ids = [d.id for d in cluster.stage_devices]
+    L, S = len(chain.blocks), len(order)
+    bounds = [round(i * L / S) for i in range(S + 1)]
+    M = BATCH // microbatch
+    stages = tuple(StagePlacement(index=k, first_block=bounds[k], last_block=bounds[k + 1] - 1,
+                                  devices=tuple(ids[i] for i in groups[g]), microbatches=even_split(M, len(groups[g])))
+                   for k, g in enumerate(order))
+    report = SolveReport(method="dtfm", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
+    sol = Solution(stages=stages, verifiers=(), num_microbatches=M, schedule="1f1b", predicted_step_ms=0.0,
+                   memory_bytes=(), report=report)
+    config = TrainingConfig(global_batch=BATCH, microbatch_size=microbatch, dtype=DTYPE)
+    ref = ModelRef(spec="gpt-1.3b", name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
+                   seq=SEQ, dtype=trace_dtype(chain))
+    return compile_plan(sol, scale_chain(chain, microbatch), cluster, config, POLICY, ref)
+
+
+def _row(name: str, plan, wall_s: float | None, delay, bw, index_of) -> dict:
+    sim = simulate(plan).step_ms
+    groups = _groups(plan, index_of)
+    r = plan.report
+    return {"layout": name, "stages": plan.num_stages,
+            "replicas": [len(plan.stage_ranks(k)) for k in range(plan.num_stages)],
+            "microbatches": plan.num_microbatches, "simulated_s": sim / 1e3,
+            "objective_s": r.objective_ms / 1e3 if r.objective_ms else None,
+            "objective_vs_simulated": (r.objective_ms - sim) / sim if r.objective_ms else None,
+            "bound_s": None if r.bound_ms is None else r.bound_ms / 1e3, "plan_wall_s": wall_s,
+            "dtfm_cost_s": None if groups is None else dtfm_cost(groups, delay, bw)}
+
+
+def run_case(case: str, chain, time_limit_s: float, scheduler: dict) -> list[dict]:
+    path = HERE / "clusters" / f"dtfm-{case}.yaml"
+    cluster = cost_models.load_cluster(path)
+    delay, bw = matrices_from_cluster(path)
+    index_of = {d.id: i for i, d in enumerate(cluster.stage_devices)}
+    rows = []
+    for name, kwargs in (("free", {}), ("8x8", {"stages": 8, "replicas": 8}), ("ppdp", {"baseline": "ppdp"})):
+        start = time.perf_counter()
+        plan = plan_chain(chain, cluster, spec="gpt-1.3b", seq=SEQ, global_batch=BATCH, policy=POLICY,
+                          time_limit_s=time_limit_s, dtype=DTYPE, **kwargs)
+        rows.append(_row(name, plan, time.perf_counter() - start, delay, bw, index_of))
+        print(f"  {case:12s} {name:5s} simulated {rows[-1]['simulated_s']:8.2f} s  objective "
+              f"{rows[-1]['objective_s'] or 0:8.2f} s  dtfm-model {rows[-1]['dtfm_cost_s'] or float('nan'):8.2f} s  "
+              f"plan {rows[-1]['plan_wall_s']:.1f} s", flush=True)
+        if name == "free":
+            microbatch = plan.config.microbatch_size
+    theirs = scheduler["cases"][case]
+    plan = _dtfm_layout(chain, cluster, theirs["best_groups"], theirs["their_stage_order"], microbatch)
+    rows.append(_row("dtfm", plan, theirs["search_wall_s"], delay, bw, index_of))
+    rows[-1]["dtfm_cost_theirs_s"] = theirs["their_cost_s"]
+    print(f"  {case:12s} dtfm  simulated {rows[-1]['simulated_s']:8.2f} s  dtfm-model {rows[-1]['dtfm_cost_s']:8.2f} s",
+          flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=45.0)
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    scheduler = json.loads((HERE / "results" / "dtfm_scheduler.json").read_text())
+    _, chain = load_chain("gpt-1.3b", batch=1, seq=SEQ)
+    out = {"benchmark": "peers", "model": "gpt-1.3b", "global_batch": BATCH, "seq": SEQ, "dtype": DTYPE,
+           "time_limit_s": args.time_limit, "date": time.strftime("%Y-%m-%d"), "cases": {}}
+    for case in args.cases.split(","):
+        out["cases"][case] = run_case(case, chain, args.time_limit, scheduler)
+    target = HERE / "results" / "peers.json"
+    target.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
