@@ -4,8 +4,10 @@ A grid of ``pp`` stages with ``dp`` replicas each takes the ``pp * dp`` fastest
 stage devices, orders them by region and host (so a stage's replicas share a
 host or a region where they can, and its all-reduce stays on fast links),
 puts trusted devices at both ends when the policy wants trusted endpoints, and
-gives stage ``k`` the ``k``-th run of ``dp`` devices and an even share of the
-blocks. ``grids`` lists every valid one; ``best_grid`` is the baseline: the
+gives stage ``k`` an even share of the blocks and either the ``k``-th run of
+``dp`` devices (replicas together: all-reduces on fast links) or every
+``pp``-th device from the ``k``-th (pipelines together: a host or region runs
+whole pipelines, their transfers on fast links, the all-reduces across). ``grids`` lists every valid one; ``best_grid`` is the baseline: the
 one whose compiled programs cost least (``objective.price_program``).
 ``shaped`` serves ``--stages``/``--replicas``: the grids of that shape, each
 also re-partitioned for its devices and its cuts polished, the cheapest kept.
@@ -44,12 +46,13 @@ def _ordered(problem: Problem, count: int) -> list[str] | None:
     return trusted[:half] + rest + trusted[half:]
 
 
-def _grid(problem: Problem, pp: int, dp: int) -> Placement | None:
+def _grid(problem: Problem, pp: int, dp: int, *, together: str) -> Placement | None:
     M, L = problem.num_microbatches, problem.num_blocks
     devices = _ordered(problem, pp * dp)
     if devices is None or pp > L or dp > M:
         return None
-    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(devices[k * dp:(k + 1) * dp]),
+    groups = [devices[k * dp:(k + 1) * dp] if together == "replicas" else devices[k::pp] for k in range(pp)]
+    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
                                   microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
     return _checked(problem, stages)
 
@@ -68,9 +71,10 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
     out = []
     for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1)):
         for dp in ([replicas] if replicas else range(1, D // pp + 1)):
-            found = _grid(problem, pp, dp)
-            if found is not None:
-                out.append(found)
+            for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
+                found = _grid(problem, pp, dp, together=together)
+                if found is not None:
+                    out.append(found)
     return out
 
 

@@ -1,35 +1,38 @@
 """The step time of the programs a placement compiles to: the cost every returned plan is priced at.
 
 The compiler (``planner.schedules``) routes microbatches across a stage's
-replicas in proportion to their shares (``routing``), runs 1F1B per rank with
+replicas in proportion to their shares (``routing``), runs 1F1B per rank up to
 an in-flight limit, sends without blocking (one message on a directed link's
-wire at a time, latencies overlapping) and all-reduces a replicated stage's
-gradients once its replicas are done. Priced the same way (ms):
+wire at a time, latencies overlapping), has the consumer of a checked tensor
+wait for its verdict only before passing its result on, and all-reduces a
+replicated stage's gradients once its replicas are done. Priced the same way
+(all in ms, per step of ``M`` microbatches):
 
-* **resources** each hold busy time for the step: a stage replica
-  ``m_i * fb_i + M * verify_i`` (its forward + backward per microbatch, and the
-  checks it hosts), a verifier-only device ``M * verify_d``, a directed link
-  the wire time (bytes / bandwidth) of every message routed over it
-  (activations, gradients, verifier copies);
-* the **path** ``P``: one microbatch's trip forward and back through the
-  slowest replica of every stage, every boundary's slowest transfer each way
-  (latency + bytes / bandwidth), and any wait for a verdict the consumer's
-  own pass does not hide;
-* a resource cannot start before the path reaches it nor end before the path
-  drains from it: ``pipe = max_R (busy_R + P - own_R)``, ``own_R`` the part of
-  ``P`` the resource itself covers;
-* an **in-flight limit** below what keeps a replica busy (the round trip
-  ``D_k`` downstream of it over its own pass) throttles it to
-  ``n`` microbatches per ``fb_i + D_k``;
-* stage ``k``'s all-reduce starts when its last backward is done (upstream of
-  the bottleneck, ``drain_k`` before the end of the pipeline: the backward path
-  from ``k`` to stage 0; downstream of it, once the bottleneck's last forward
-  has made its round trip there), then its optimizer step
-  (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
-
-The limit ``n`` of replica ``i`` of stage ``k`` is what the schedule needs at
-least (``planner.schedules.max_in_flight``), raised up to what keeps the replica
-busy, ``1 + ceil(D_k / fb_i)``, as far as the device's memory allows.
+* **Resources**, each busy for its share of the step: a stage replica running
+  ``m`` microbatches ``m * fb + M * verify`` (forward + backward per
+  microbatch, and the checks it hosts), a verifier-only device ``M * verify``,
+  a directed link the wire time (bytes / bandwidth) of every message routed
+  over it (activations, gradients, verifier copies).
+* **Paths** (``_paths``): each microbatch's trip over its own route, one replica
+  per stage: its forward up to a stage, its round trip downstream of it, its
+  backward from it to the end of stage 0; each boundary's transfer counts its
+  latency and the verdict wait the consumer's own pass does not hide.
+* A resource works no sooner than its first microbatch reaches it and no
+  later than its last one leaves; a stage replica also idles while its first
+  gradient's round trip outlasts its warm-up forwards and while its last one's
+  outlasts the backwards it still holds: ``pipe = max over resources of
+  (busy + the path outside it)``.
+* An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
+  a replica to ``n`` microbatches per ``fb + D``. The limit is the schedule's
+  least (``planner.schedules.max_in_flight``) raised, as far as the device's
+  memory allows, to ``1 + QUEUEING * D / fb``.
+* Stage ``k``'s all-reduce starts when its own last backward ends: upstream of
+  the bottleneck as the last gradient drains through it, downstream once the
+  bottleneck's last forwards made their round trips there (``_finishes``); a
+  replica that checks gradients first finishes its checks; then the optimizer
+  step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
+* GPipe runs as two phases, every forward then every backward, each as long
+  as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ QUEUEING = 2.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProgramCost:
-    """The priced program: its step, the pipeline part, the in-flight limit per stage replica."""
+    """The priced program: its step, the pipeline part (to stage 0's last backward), the last microbatch's
+    bare path, the in-flight limit per stage replica, and the resource that paces it."""
 
     step_ms: float
     pipe_ms: float
@@ -228,20 +232,13 @@ def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths,
     return out
 
 
-def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
-                 *, verify_load: dict[str, float], verifier_state: dict[str, int],
-                 allreduce_ms: tuple[float, ...]) -> ProgramCost:
-    """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
-    S, M = len(stages), sum(stages[0].microbatches)
-    fb = [[problem.range_time_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
-          for st in stages]
-    bw = [[problem.range_bwd_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
-          for st in stages]
-    traffic = _traffic(problem, stages, verifiers)
-    routes = [route(st.microbatches) for st in stages]
-    p = _paths(problem, stages, routes, fb, bw, traffic.wait)
-    busy: list[tuple[float, float, str]] = []  # (busy, the path outside it, name)
-    last_forward: dict[str, tuple[int, int, float]] = {}  # stage replica -> (stage, its last mb, end of its F)
+def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify_load: dict[str, float],
+                     verifier_state: dict[str, int]):
+    """Per stage replica: (busy, the path outside it, name), its in-flight limit, and where its last forward
+    ends (its stage, that microbatch, the time)."""
+    S, M = len(stages), len(p.fwd)
+    busy: list[tuple[float, float, str]] = []
+    last_forward: dict[str, tuple[int, int, float]] = {}
     limits = []
     for k, st in enumerate(stages):
         row = []
@@ -259,16 +256,20 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             idle = max(0.0, trips[0] - (n - 1) * (t - b)) + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
-            busy.append((work, outside, f"stage {k} on {dev}"))
-            # Its last forward ends before its last backward by that microbatch's round trip, or by the
-            # backwards still in flight then, whichever is longer.
-            last_forward[f"stage {k} on {dev}"] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
-                                                   - max(p.down[last][k], (n - 1) * b))
+            name = f"stage {k} on {dev}"
+            busy.append((work, outside, name))
+            # Its last backward starts that microbatch's round trip, or the backwards it still holds, later.
+            last_forward[name] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
+                                  - max(p.down[last][k], (n - 1) * b))
         limits.append(tuple(row))
+    return busy, limits, last_forward
 
-    # Before the first and after the last message of boundary k's activations (gradients) the path runs
-    # elsewhere: a link or a verifier busy with several kinds waits the least lead and the least trail.
-    first, last = 0, M - 1
+
+def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float]):
+    """(busy, the path outside it, name) of every verifier-only device and directed link. Before the first
+    and after the last message of boundary k's activations (gradients) the path runs elsewhere; one busy
+    with several kinds waits the least lead and the least trail."""
+    first, last, M = 0, len(p.fwd) - 1, len(p.fwd)
 
     def lead(kind: tuple[int, str]) -> float:
         k, direction = kind
@@ -286,19 +287,34 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
         return min(map(lead, kinds)) + min(map(trail, kinds))
 
     on_stage = {d for st in stages for d in st.devices}
-    for dev, load in verify_load.items():
-        if dev not in on_stage:
-            busy.append((M * load, outside(traffic.checks[dev]), f"verifier {dev}"))
-    for pair, ms in traffic.wire.items():
-        busy.append((ms, outside(traffic.kinds[pair]), f"link {pair[0]}->{pair[1]}"))
+    out = [(M * load, outside(traffic.checks[dev]), f"verifier {dev}")
+           for dev, load in verify_load.items() if dev not in on_stage]
+    out += [(ms, outside(traffic.kinds[pair]), f"link {pair[0]}->{pair[1]}") for pair, ms in traffic.wire.items()]
+    return out
+
+
+def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
+                 *, verify_load: dict[str, float], verifier_state: dict[str, int],
+                 allreduce_ms: tuple[float, ...]) -> ProgramCost:
+    """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
+    S = len(stages)
+    fb = [[problem.range_time_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
+          for st in stages]
+    bw = [[problem.range_bwd_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
+          for st in stages]
+    traffic = _traffic(problem, stages, verifiers)
+    routes = [route(st.microbatches) for st in stages]
+    p = _paths(problem, stages, routes, fb, bw, traffic.wait)
+    busy, limits, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, verifier_state)
+    busy += _message_resources(stages, traffic, p, verify_load)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":
         phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic)
         pipe = max(pipe, phases)
     else:
         finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
-    # A replica that also checks gradients reaches its all-reduce after its last check (programs keep order).
-    for k, st in enumerate(stages):
+    last = len(p.fwd) - 1
+    for k, st in enumerate(stages):  # a replica that checks gradients all-reduces after its last check
         for dev in st.devices:
             for b, direction in traffic.checks.get(dev, ()):
                 if direction == "grad":
@@ -306,6 +322,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
     step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
-    path = p.fwd[last][S - 1] + fb[S - 1][routes[S - 1][0] and 0] + p.bwd[last][S - 1]
+    tail = next(i for i, ids in enumerate(routes[S - 1]) if last in ids)
+    path = p.fwd[last][S - 1] + fb[S - 1][tail] + p.bwd[last][S - 1]
     return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
                        bottleneck=name)
