@@ -64,6 +64,7 @@ from planner.solver.objective import (
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
 from planner.solver.grid import best_grid, grid_candidates, shaped
+from planner.solver.idle import idle_reasons
 from planner.solver.polish import polish
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
@@ -329,6 +330,7 @@ def _to_solution(outcome: _Outcome, bound_ms: float, notes: tuple[str, ...], sol
     priced = price_program(outcome.problem, placement)
     gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
         if priced.step_ms > 0 else 0.0
+    notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms)
     report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
                          solve_s=solve_s, notes=notes)
     stages = tuple(dataclasses.replace(st, in_flight=n) for st, n in zip(placement.stages, priced.in_flight))

@@ -112,12 +112,14 @@ def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
 def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_budget_s: float) -> Placement:
     """The cheapest plan of ``stages`` stages of ``replicas`` replicas each (either may be free)."""
     D = sum(c.count for c in problem.classes if c.stage_capable)
-    for name, value, most in (("--stages", stages, min(D, problem.num_blocks)),
-                              ("--replicas", replicas, min(D, problem.num_microbatches))):
+    for name, value, most, of in (("--stages", stages, min(D, problem.num_blocks),
+                                   f"the cluster's {D} stage devices, the model's {problem.num_blocks} blocks"),
+                                  ("--replicas", replicas, D, f"the cluster's {D} stage devices")):
         if value is not None and not 1 <= value <= most:
-            raise InvalidInputError(name, expected=f"1..{most} (the cluster's {D} stage devices, the model's "
-                                    f"{problem.num_blocks} blocks, {problem.num_microbatches} microbatches)",
-                                    found=str(value), fix=f"pick a smaller {name}")
+            raise InvalidInputError(name, expected=f"1..{most} ({of})", found=str(value), fix=f"pick a smaller {name}")
+    if replicas is not None and replicas > problem.num_microbatches:  # other microbatch counts may do
+        raise InfeasiblePlanError(f"--replicas {replicas} needs at least {replicas} microbatches, "
+                                  f"found {problem.num_microbatches}", fix="raise --global-batch or --microbatches")
     if stages and replicas and stages * replicas > D:
         raise InvalidInputError("--stages x --replicas", expected=f"at most the cluster's {D} stage devices",
                                 found=f"{stages} x {replicas} = {stages * replicas}", fix="shrink either")

@@ -48,7 +48,24 @@ def test_baseline_and_fixed_microbatches(tmp_path: Path) -> None:
     assert doc["config"]["microbatch_size"] == 2
 
 
+def test_ppdp_baseline_and_a_fixed_shape_are_honoured(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(TWO_BOXES)
+    res = _stagewise("plan", "gpt-tiny", "--cluster", "c.yaml", "--baseline", "ppdp", "-o", "grid.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "grid.json").read_text())["report"]["method"] == "baseline:ppdp"
+    res = _stagewise("plan", "gpt-tiny", "--cluster", "c.yaml", "--stages", "1", "--replicas", "2", "--time-limit",
+                     "5", "--workers", "1", "--no-verify", "-o", "shape.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "simulated step" in res.stdout and "objective" in res.stdout
+    doc = json.loads((tmp_path / "shape.json").read_text())
+    assert len(doc["stages"]) == 1 and sum(1 for r in doc["ranks"] if r["stage"] == 0) == 2
+
+
 @pytest.mark.parametrize("args,phrase", [
+    (("--stages", "9"), "--stages; expected 1..3 (the cluster's 3 stage devices"),
+    (("--stages", "2", "--replicas", "2"), "--stages x --replicas; expected at most the cluster's 3 stage devices"),
+    (("--stages", "0"), "--stages; expected a whole number >= 1"),
+    (("--baseline", "ppdp", "--replicas", "2"), "--baseline with --stages/--replicas; expected one of them"),
     (("--global-batch", "16", "--microbatches", "3"), "--microbatches 3; expected a divisor of --global-batch 16"),
     (("--gap", "1.5"), "--gap; expected a relative gap in [0, 1)"),
     (("--cluster", "missing.yaml"), "cluster file 'missing.yaml'"),
@@ -58,6 +75,9 @@ def test_baseline_and_fixed_microbatches(tmp_path: Path) -> None:
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, phrase) -> None:
     (tmp_path / "t4.yaml").write_text(
         "hosts: [{name: a, region: r, trust: op, trusted: true, devices: [{type: T4, count: 1}]}]\n")
+    if "--stages" in args or "--replicas" in args:
+        (tmp_path / "c.yaml").write_text(TWO_BOXES)
+        args = ("--cluster", "c.yaml", *args)
     model = "gpt-1.3b" if "t4.yaml" in args else "gpt-tiny"  # 1.3B parameters x 16 B of Adam state
     res = _stagewise("plan", model, *args, "--time-limit", "5", "--no-verify", cwd=tmp_path)
     assert res.returncode == 2, res.stderr

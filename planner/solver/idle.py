@@ -1,0 +1,62 @@
+"""Why a plan leaves devices idle: one line per kind of idle device (type, trust, region), for the report.
+
+For a representative device of each kind the reasons are tried in order:
+it cannot hold the smallest stage (memory); no stage of the plan may take it
+as a replica (trust, memory with the stage's state, verification); or, joining
+any stage as one more replica, the compiled programs would cost more (its
+links: the all-reduce and transfers it adds, its speed, the checks it needs):
+the best such step is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from planner.solver.objective import Placement, even_split, price_program, stage_memory_bytes, violations
+from planner.solver.problem import Problem
+
+
+def _kinds(problem: Problem, placement: Placement) -> dict[tuple, list[str]]:
+    used = {d for st in placement.stages for d in st.devices}
+    kinds: dict[tuple, list[str]] = {}
+    for c in problem.classes:
+        if not c.stage_capable:
+            continue
+        region = c.name.split("@")[-1]
+        for d in c.device_ids:
+            if d not in used:
+                kinds.setdefault((c.spec.name, c.trusted, region), []).append(d)
+    return kinds
+
+
+def _with_replica(placement: Placement, k: int, device: str) -> Placement:
+    st = placement.stages[k]
+    M = placement.num_microbatches
+    grown = dataclasses.replace(st, devices=st.devices + (device,), microbatches=even_split(M, len(st.devices) + 1),
+                                in_flight=())
+    return dataclasses.replace(placement, stages=placement.stages[:k] + (grown,) + placement.stages[k + 1:])
+
+
+def idle_reasons(problem: Problem, placement: Placement, step_ms: float) -> tuple[str, ...]:
+    """One line per kind of idle device (see the module docstring)."""
+    out = []
+    for (name, trusted, region), devices in _kinds(problem, placement).items():
+        d = devices[0]
+        cls = problem.classes[problem.class_of(d)]
+        head = f"idle: {len(devices)} x {name} ({'trusted' if trusted else 'untrusted'}, {region})"
+        smallest = min(stage_memory_bytes(problem, st, placement.num_stages, 1) for st in placement.stages)
+        if smallest > cls.mem_bytes:
+            out.append(f"{head}: memory, the smallest stage needs {smallest / 1e9:.1f} GB, it has "
+                       f"{cls.mem_bytes / 1e9:.1f} GB usable")
+            continue
+        tries = [_with_replica(placement, k, d) for k in range(placement.num_stages)
+                 if len(placement.stages[k].devices) < placement.num_microbatches]
+        valid = [p for p in tries if not violations(problem, p)]
+        if not valid:
+            why = "trust: the policy keeps the plan's stages (its endpoints) off untrusted devices" if not trusted \
+                else "memory or verification: no stage of the plan can take it as a replica"
+            out.append(f"{head}: {why}; no plan the search met with a stage of its own cost less")
+            continue
+        best = min(price_program(problem, p).step_ms for p in valid)
+        out.append(f"{head}: as one more replica of any stage the step would be {best:.1f} ms, not "
+                   f"{step_ms:.1f} (its links, its speed or the checks it needs)")
+    return tuple(out)
