@@ -63,7 +63,7 @@ from planner.solver.objective import (
 )
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
-from planner.solver.grid import best_grid, grid_candidates, shaped
+from planner.solver.grid import best_grid, cheapest, grid_candidates, shaped
 from planner.solver.idle import idle_reasons
 from planner.solver.polish import polish
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
@@ -208,12 +208,11 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
                         seen)
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(problem))
-    priced = [(price_program(problem, p).step_ms, i) for i, p in enumerate(seen)]
-    program_ms, i = min(priced)
+    pick = cheapest(problem, seen + [found.placement])[0]
+    program_ms = price_program(problem, pick).step_ms
     left = time_limit_s - (time.perf_counter() - start)
-    placement, polished_ms = polish(problem, seen[i], time_budget_s=max(0.05, left / 2),
-                                    cuts_only=shape != (None, None))
-    how = found.method if seen[i] is found.placement else f"{found.method}, repriced"
+    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, left / 2), cuts_only=shape != (None, None))
+    how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
     valid = max(simple_lower_bound_ms(problem), found.valid_bound_ms)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver.baselines import assign_verifiers
 from planner.solver.dp import Group
-from planner.solver.objective import Placement, even_split, price_program, violations
+from planner.solver.objective import Placement, evaluate, even_split, price_program, violations
 from planner.solver.polish import polish
 from planner.solver.problem import Problem
 from planner.solver.seqpart import partition_min_step
@@ -78,20 +78,30 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
     return out
 
 
+# Grids priced as programs (~10 ms each at 64 devices x 512 microbatches): the likeliest by the closed form.
+PRICED = 24
+
+
+def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED) -> list[Placement]:
+    """The ``count`` likeliest by the search's closed form (``objective.evaluate``: fast), cheapest program
+    first."""
+    likely = sorted(placements, key=lambda p: evaluate(problem, p).step_ms)[:count]
+    return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
+
+
 def grid_candidates(problem: Problem, *, repartition: int = 3) -> list[Placement]:
-    """Every valid grid, and the ``repartition`` cheapest re-partitioned for their devices."""
-    found = grids(problem)
-    cheapest = sorted(found, key=lambda p: price_program(problem, p).step_ms)[:repartition]
-    return found + [p for p in map(lambda g: _repartitioned(problem, g), cheapest) if p is not None]
+    """The likeliest valid grids, and the ``repartition`` cheapest re-partitioned for their devices."""
+    found = cheapest(problem, grids(problem))
+    return found + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition]) if p is not None]
 
 
 def best_grid(problem: Problem) -> Placement:
-    """The ``ppdp`` baseline: the valid grid whose programs cost least."""
+    """The ``ppdp`` baseline: of the likeliest valid grids, the one whose programs cost least."""
     found = grids(problem)
     if not found:
         raise InfeasiblePlanError("baseline ppdp: no uniform pp x dp grid fits memory and the policy here",
                                   fix="use the solver (it places stages unevenly to fit)")
-    return min(found, key=lambda p: price_program(problem, p).step_ms)
+    return cheapest(problem, found)[0]
 
 
 def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
@@ -128,6 +138,7 @@ def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_b
         shape = f"{stages or 'any number of'} stages of {replicas or 'any number of'} replicas"
         raise InfeasiblePlanError(f"no plan with {shape} fits memory and the verification policy here",
                                   fix="allow more stages (less memory per device) or drop the constraint")
+    found = cheapest(problem, found)
     found += [p for p in map(lambda g: _repartitioned(problem, g), found) if p is not None]
     best = min(found, key=lambda p: price_program(problem, p).step_ms)
     return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True)[0]

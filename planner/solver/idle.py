@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.objective import Placement, even_split, price_program, stage_memory_bytes, violations
+from planner.solver.objective import (Placement, evaluate, even_split, price_program, stage_memory_bytes,
+                                      violations)
 from planner.solver.problem import Problem
 
 
@@ -36,10 +37,15 @@ def _with_replica(placement: Placement, k: int, device: str) -> Placement:
     return dataclasses.replace(placement, stages=placement.stages[:k] + (grown,) + placement.stages[k + 1:])
 
 
+PRICED_TRIES = 24  # programs priced in all (each is a plan of the whole cluster): the stages tried per kind
+
+
 def idle_reasons(problem: Problem, placement: Placement, step_ms: float) -> tuple[str, ...]:
     """One line per kind of idle device (see the module docstring)."""
     out = []
-    for (name, trusted, region), devices in _kinds(problem, placement).items():
+    kinds = _kinds(problem, placement)
+    per_kind = max(1, PRICED_TRIES // max(1, len(kinds)))
+    for (name, trusted, region), devices in kinds.items():
         d = devices[0]
         cls = problem.classes[problem.class_of(d)]
         head = f"idle: {len(devices)} x {name} ({'trusted' if trusted else 'untrusted'}, {region})"
@@ -56,7 +62,10 @@ def idle_reasons(problem: Problem, placement: Placement, step_ms: float) -> tupl
                 else "memory or verification: no stage of the plan can take it as a replica"
             out.append(f"{head}: {why}; no plan the search met with a stage of its own cost less")
             continue
-        best = min(price_program(problem, p).step_ms for p in valid)
-        out.append(f"{head}: as one more replica of any stage the step would be {best:.1f} ms, not "
+        # the stages whose closed form it helps most are tried first
+        valid.sort(key=lambda p: evaluate(problem, p).step_ms)
+        best = min(price_program(problem, p).step_ms for p in valid[:per_kind])
+        tried = "any stage" if len(valid) <= per_kind else f"the {per_kind} likeliest stages"
+        out.append(f"{head}: as one more replica of {tried} the step would be {best:.1f} ms, not "
                    f"{step_ms:.1f} (its links, its speed or the checks it needs)")
     return tuple(out)

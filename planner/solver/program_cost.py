@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from cost_models import comm, memory
 from planner.solver.problem import Problem
-from planner.solver.routing import pair_counts, route
+from planner.solver.routing import owners, pair_counts, route
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
 # A microbatch's round trip downstream also waits in busy ranks' queues: allow this many times the bare
@@ -145,7 +145,7 @@ class _Paths:
 
 def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     S, M = len(stages), sum(stages[0].microbatches)
-    owner = [{m: (i, pos, len(ids)) for i, ids in enumerate(r) for pos, m in enumerate(ids)} for r in routes]
+    owner = [owners(st.microbatches) for st in stages]
     out = _Paths(*([[0.0] * S for _ in range(M)] for _ in range(7)))
     for m in range(M):
         rep = [owner[k][m][0] for k in range(S)]
@@ -156,7 +156,8 @@ def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
             hop_f[k] = ms + wait.get((k, "act"), 0.0)
             hop_b[k] = ms + wait.get((k, "grad"), 0.0)
         for k in range(1, S):
-            i, pos, count = owner[k - 1][m]
+            i, pos = owner[k - 1][m]
+            count = stages[k - 1].microbatches[i]
             out.fwd[m][k] = out.fwd[m][k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop_f[k - 1]
             out.bwd[m][k] = out.bwd[m][k - 1] + bw[k - 1][i] + hop_b[k - 1]
             out.late_f[m][k] = max(out.late_f[m][k - 1], pos * (fb[k - 1][i] - bw[k - 1][i]))
@@ -166,7 +167,7 @@ def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     return out
 
 
-def _queued(routes, fb, k: int, i: int, at: int) -> float:
+def _queued(stages, routes, fb, k: int, i: int, at: int) -> float:
     """How long replica ``i`` of stage ``k``'s first (``at=0``) or last (``at=-1``) microbatch waits downstream
     behind the same-numbered microbatches of the stage's other replicas, sent at the same time and lower."""
     x = routes[k][i][at]
@@ -175,9 +176,9 @@ def _queued(routes, fb, k: int, i: int, at: int) -> float:
         return 0.0
     wait = 0.0
     for j in range(k + 1, len(routes)):
-        owner = {m: r for r, ids in enumerate(routes[j]) for m in ids if m in rivals or m == x}
-        ahead = sum(owner[m] == owner[x] for m in rivals)
-        wait = max(wait, ahead * fb[j][owner[x]])
+        owner = owners(stages[j].microbatches)
+        ahead = sum(owner[m][0] == owner[x][0] for m in rivals)
+        wait = max(wait, ahead * fb[j][owner[x][0]])
     return wait
 
 
@@ -220,13 +221,13 @@ def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths,
     if bottleneck is None:  # a link or a verifier paces the pipeline: every stage drains with the last microbatch
         return [pipe - p.bwd[M - 1][k] for k in range(S)]
     kb, mb, forward_end = bottleneck
-    owner = [{x: i for i, ids in enumerate(r) for x in ids} for r in routes]
+    owner = owners(tuple(len(ids) for ids in routes[kb]))
     out = [pipe - p.bwd[mb][k] for k in range(S)]
     for k in range(kb + 1, S):  # each replica's last microbatch left the bottleneck by its last forward
         out[k] = 0.0
         for i, ids in enumerate(routes[k]):
             x = ids[-1]
-            j = owner[kb][x]
+            j = owner[x][0]
             arrive = forward_end - (fb[kb][j] - bw[kb][j]) + p.fwd[x][k] - p.fwd[x][kb]
             out[k] = max(out[k], arrive + fb[k][i] + p.down[x][k])
     return out
@@ -252,7 +253,7 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             row.append(n)
             # Idle while its first gradient makes the round trip (its warm-up forwards fill part of it) and
             # while its last one does (its backwards still in flight fill part of that).
-            trips = (p.down[first][k] + _queued(routes, fb, k, i, 0), p.down[last][k])
+            trips = (p.down[first][k] + _queued(stages, routes, fb, k, i, 0), p.down[last][k])
             idle = max(0.0, trips[0] - (n - 1) * (t - b)) + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
