@@ -84,7 +84,7 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
     from planner.plan import ModelRef
     from planner.solver import api
     from planner.solver.problem import scale_chain
-    from planner.solver.solution import Solution, StagePlacement
+    from planner.solver.solution import Solution, StagePlacement, VerifierPlacement
     if max_replicas is None:
         plan = plan_chain(chain, cluster, spec="bench:chain", global_batch=config.global_batch,
                           microbatch_size=config.microbatch_size, policy=policy, time_limit_s=time_limit,
@@ -100,7 +100,9 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
                                   microbatches=tuple(len(plan.ranks[r].microbatches)
                                                      for r in plan.stage_ranks(s.index)))
                    for s in plan.stages)
-    sol = Solution(stages=stages, verifiers=(), num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+    verifiers = tuple(VerifierPlacement(boundary=v.boundary, device=v.device, directions=v.directions)
+                      for v in plan.verifiers)
+    sol = Solution(stages=stages, verifiers=verifiers, num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                    predicted_step_ms=plan.report.objective_ms, memory_bytes=(), report=plan.report)
     return sol, plan.predicted.step_ms
 
