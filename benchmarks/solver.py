@@ -110,7 +110,6 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
 def scale_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     import numpy as np
 
-    from planner.solver import api
     from planner.solver.policy import VerificationPolicy
     from tests.unit.solver_fixtures import homogeneous_cluster, random_chain, tiered_cluster
 

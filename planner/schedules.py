@@ -13,8 +13,8 @@ backward, in microbatch order. 1F1B runs its forwards in microbatch order
 while fewer than ``max_in_flight`` of its microbatches are in flight (the
 plan's limit, at least ``min(S - k, n)``, more where the solver found memory
 for it and the pipeline needs it), and the backward of any in-flight
-microbatch whose gradient has arrived; at equal start times a backward goes
-first. No rank can starve: the lowest microbatch not yet finished holds no
+microbatch whose gradient has arrived; at equal start times the pass unlike
+its last one goes first (1F1B's alternation). No rank can starve: the lowest microbatch not yet finished holds no
 in-flight slot anywhere it has not been, so it can always advance.
 
 Replicas: the solver routes each microbatch to one replica per stage
@@ -161,7 +161,7 @@ class _Lowering:
         src = self._source(stage, op, mb)
         if src is None:
             return self.st.clock[rank]
-        pstage, prank = src
+        pstage, _ = src
         ready = self.st.arrival.get((pstage, op, mb))
         if ready is None:
             return None

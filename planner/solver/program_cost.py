@@ -254,7 +254,11 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             # Idle while its first gradient makes the round trip (its warm-up forwards fill part of it) and
             # while its last one does (its backwards still in flight fill part of that).
             trips = (p.down[first][k] + _queued(stages, routes, fb, k, i, 0), p.down[last][k])
-            idle = max(0.0, trips[0] - (n - 1) * (t - b)) + max(0.0, trips[1] - (n - 1) * b)
+            f = t - b
+            if n >= m:  # every microbatch in flight at once: one wait, after the forwards or before the backwards
+                idle = max(m * f + trips[1] + b, f + trips[0] + m * b) - m * t
+            else:
+                idle = max(0.0, trips[0] - (n - 1) * f) + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
             name = f"stage {k} on {dev}"
