@@ -27,13 +27,20 @@ fixed in an outer loop, the time split evenly):
    full model (measured: 200 blocks x 64 devices, 30 s: 64 slots 32 s,
    20 slots 14 s iteration time).
 
-What the reported bound bounds: the iteration time of every plan of the
-search space described in ``planner.solver.cpsat``, at the candidate ``M``s.
-Per ``M`` it is ``max(fluid, sequence DP, merged sequence DP, min(best one-stage
-plan, CP-SAT bound))`` where the fluid LP (``objective.simple_lower_bound_ms``)
-and the sequence DP's bounds hold for every plan and the CP-SAT bound is used only
-when its model covered every stage count (with fewer slots it says nothing
-about longer pipelines). The overall bound is the minimum over ``M``.
+6. keeps, of every valid plan the steps above met (and every uniform pp x dp
+   grid, ``grid``), the one whose compiled programs cost least
+   (``objective.price_program``: the reported objective), hill-climbs on that
+   cost (``polish``) and bounds it with free links (``relax.comm_free_for_bound``)
+   in the ``VALID_BOUND_SHARE`` of the time held back.
+
+What the search's bound bounds (kept in the notes): the closed form
+``objective.evaluate`` of every plan of the search space described in
+``planner.solver.cpsat``: per ``M`` ``max(fluid, sequence DP, merged sequence DP,
+min(best one-stage plan, CP-SAT bound))``. That closed form counts sends as busy
+time, which the compiled programs overlap, so it does not bound what they cost;
+the reported bound does: the fluid LP and the Lagrangian bound with free links,
+the minimum over ``M``. With ``stages``/``replicas`` the plans are the grids of
+that shape (``grid.shaped``).
 """
 from __future__ import annotations
 
