@@ -97,8 +97,6 @@ class _State:
     # stage rank -> its forwards still to place (ascending), and microbatches forwarded, not yet backward
     forwards: dict[int, list[int]]
     in_flight: dict[int, list[int]]
-    # (stage, op, mb) -> time the tensor produced by that compute is ready on its rank
-    done: dict[tuple[int, str, int], float] = field(default_factory=dict)
     # (boundary, op, mb) -> time the consumer may have the verdict
     verdict: dict[tuple[int, str, int], float] = field(default_factory=dict)
     # (stage, op, mb) -> when that tensor arrives at its consumer
@@ -190,7 +188,6 @@ class _Lowering:
         self._emit(rank, Instruction(op=op, stage=stage, mb=mb))
         self.dirty.add(rank)
         end = start + self.costs.compute_ms(rank, op)
-        self.st.done[(stage, op, mb)] = end
         # A remote check's verdict is awaited before the result leaves the rank (and, for a gradient, before
         # the rank's next backward): the rank blocks there (``planner.simulate.deferred_verdicts``).
         gate = self.st.verdict.get((boundary_in, op, mb), 0.0) if checker_in not in (None, rank) else 0.0

@@ -96,8 +96,8 @@ LAGRANGE_SMALL_S = 1.0  # at most this on models small enough for CP-SAT to prov
 # (homogeneous 1000 blocks x 16 devices with replicas: 30 s for a gap of 5e-4 -> 1.6e-7).
 GAP_TOLERANCE = 1e-4
 CPSAT_PROVES_LIMIT = 600  # blocks x stage slots (measured: 48 x 8 proven in 6-9 s; 200 x 16 never in 30 s)
-# Blocks x stage slots above which CP-SAT's last seconds go to the local search: at 1000 x 64 (20 slots) it
-# returned no plan (UNKNOWN) in each of this session's 8 runs, and the local search gains ~50 ms a second there.
+# Blocks x stage slots above which CP-SAT's last seconds go to the local search: CP-SAT finds no plan in
+# 30 s at that size (1000 x 64, 20 slots), where the local search keeps improving.
 CPSAT_HOPELESS = 10_000
 # Of each M's time budget, held back to bound the cost of the compiled programs (the search's bounds are on
 # its closed form, which prices sends as busy time the programs overlap: ``relax.comm_free_for_bound``).

@@ -51,12 +51,11 @@ QUEUEING = 2.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProgramCost:
-    """The priced program: its step, the pipeline part (to stage 0's last backward), the last microbatch's
-    bare path, the in-flight limit per stage replica, and the resource that paces it."""
+    """The priced program: its step, the pipeline part (to stage 0's last backward), the in-flight limit per
+    stage replica, and the resource that paces it."""
 
     step_ms: float
     pipe_ms: float
-    path_ms: float
     in_flight: tuple[tuple[int, ...], ...]
     bottleneck: str
 
@@ -302,7 +301,6 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
-    S = len(stages)
     fb = [[problem.range_time_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
           for st in stages]
     bw = [[problem.range_bwd_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
@@ -327,7 +325,5 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
     step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
-    tail = next(i for i, ids in enumerate(routes[S - 1]) if last in ids)
-    path = p.fwd[last][S - 1] + fb[S - 1][tail] + p.bwd[last][S - 1]
-    return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, path_ms=path, in_flight=tuple(limits),
+    return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, in_flight=tuple(limits),
                        bottleneck=name)

@@ -1,6 +1,8 @@
 """Routing of microbatches across replicas, uniform pp x dp grids, the polish step and the idle-device notes."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -67,12 +69,7 @@ def test_a_fixed_shape_is_honoured_or_refused(problem):
     with pytest.raises(InvalidInputError, match="--stages; expected 1..8"):
         shaped(problem, stages=40, replicas=None, time_budget_s=1.0)
     with pytest.raises(InfeasiblePlanError, match="--replicas 8 needs at least 8 microbatches"):
-        shaped(build_problem_with_m(problem, 4), stages=None, replicas=8, time_budget_s=1.0)
-
-
-def build_problem_with_m(problem, M):
-    import dataclasses
-    return dataclasses.replace(problem, num_microbatches=M)
+        shaped(dataclasses.replace(problem, num_microbatches=4), stages=None, replicas=8, time_budget_s=1.0)
 
 
 def test_polish_never_returns_a_dearer_or_invalid_plan(problem):
