@@ -37,7 +37,7 @@ from planner.api import plan_chain  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
 from planner.model_io import load_chain  # noqa: E402
 from planner.plan import ModelRef  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
+from planner.simulate import predict, simulate  # noqa: E402
 from planner.solver.objective import even_split  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402
 from planner.solver.problem import scale_chain  # noqa: E402
@@ -69,7 +69,7 @@ def _dtfm_layout(chain, cluster, groups: list[list[int]], order: list[int], micr
     config = TrainingConfig(global_batch=BATCH, microbatch_size=microbatch, dtype=DTYPE)
     ref = ModelRef(spec="gpt-1.3b", name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
                    seq=SEQ, dtype=trace_dtype(chain))
-    return compile_plan(sol, scale_chain(chain, microbatch), cluster, config, POLICY, ref)
+    return predict(compile_plan(sol, scale_chain(chain, microbatch), cluster, config, POLICY, ref))
 
 
 def _row(name: str, plan, wall_s: float | None, delay, bw, index_of) -> dict:

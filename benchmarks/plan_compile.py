@@ -31,13 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models import compute  # noqa: E402
 from cost_models.cluster import ClusterSpec  # noqa: E402
+from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
 from planner.ir import Block, BlockChain  # noqa: E402
 from planner.plan import ModelRef, load_plan  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
+from planner.simulate import predict, simulate  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402
-from planner.solver.solution import SolveReport, Solution, StagePlacement, VerifierPlacement  # noqa: E402
+from planner.solver.solution import (  # noqa: E402
+    Solution,
+    SolveReport,
+    StagePlacement,
+    VerifierPlacement,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_compile.json"
 CASES = ((4, 8), (8, 32), (16, 64), (32, 128), (32, 256))
@@ -63,7 +69,7 @@ def _cluster(n_gpus: int, bandwidth_gbps: float, latency_ms: float) -> ClusterSp
               "devices": [{"type": GPU["name"], "spec": GPU, "count": 1}]} for i in range(n_gpus)]
     hosts.append({"name": "verifier", "region": "r", "trust": "op", "trusted": True, "role": "verifier",
                   "devices": [{"type": CPU["name"], "spec": CPU, "count": 1}]})
-    return ClusterSpec.from_dict({"name": "bench", "hosts": hosts, "links": {"intra_host": link, "default": link}})
+    return parse_cluster({"name": "bench", "hosts": hosts, "links": {"intra_host": link, "default": link}})
 
 
 def _solution(S: int, M: int, *, replicas: bool, verify: bool) -> tuple[Solution, int]:
@@ -92,7 +98,7 @@ def _case(S: int, M: int, folder: Path) -> dict:
     cfg = TrainingConfig(global_batch=M, microbatch_size=1, schedule="1f1b")
     ref = ModelRef(spec="bench", name="bench", fingerprint=ch.fingerprint, batch=1)
     t0 = time.perf_counter()
-    plan = compile_plan(sol, ch, cluster, cfg, VerificationPolicy(), ref)
+    plan = predict(compile_plan(sol, ch, cluster, cfg, VerificationPolicy(), ref))
     t1 = time.perf_counter()
     path = plan.save(folder / f"plan-{S}x{M}.json")
     t2 = time.perf_counter()
@@ -104,9 +110,9 @@ def _case(S: int, M: int, folder: Path) -> dict:
     # The same layout, plain: closed form check.
     plain_ch = _chain(2 * S, out_bytes=0)
     plain_sol, _ = _solution(S, M, replicas=False, verify=False)
-    plain = compile_plan(plain_sol, plain_ch, _cluster(S, 100.0, 0.0), cfg, VerificationPolicy(enabled=False),
-                         ModelRef(spec="bench", name="bench", fingerprint=plain_ch.fingerprint, batch=1))
-    spec = ClusterSpec.from_dict(plain.cluster).device("g0/0").spec
+    plain = predict(compile_plan(plain_sol, plain_ch, _cluster(S, 100.0, 0.0), cfg, VerificationPolicy(enabled=False),
+                         ModelRef(spec="bench", name="bench", fingerprint=plain_ch.fingerprint, batch=1)))
+    spec = parse_cluster(plain.cluster).device("g0/0").spec
     t = compute.range_fwd_ms(plain_ch, 0, 1, spec) + compute.range_bwd_ms(plain_ch, 0, 1, spec)
     closed = (M + S - 1) * t
     pipeline = simulate(plain).pipeline_ms

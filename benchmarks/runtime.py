@@ -78,6 +78,9 @@ from typing import Any
 
 import torch
 
+from cost_models.cluster_file import parse_cluster
+from planner.simulate import predict
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -150,12 +153,11 @@ def local_link(profile: Path) -> dict[str, float]:
 
 def cluster(profile: Path, efficiencies: list[float], link: dict[str, float]):
     """One host per device, all this CPU's profile; a device's efficiency scale (<= 1) makes it slower."""
-    from cost_models.cluster import ClusterSpec
     base = json.loads(profile.read_text())["device"]["efficiency"]
     hosts = [{"name": f"cpu{i}", "region": "local", "trust": "operator", "trusted": True,
               "devices": [{"type": str(profile), "count": 1, "efficiency": base * e}]}
              for i, e in enumerate(efficiencies)]
-    return ClusterSpec.from_dict({"name": "bench", "hosts": hosts, "links": {"intra_host": link, "default": link}})
+    return parse_cluster({"name": "bench", "hosts": hosts, "links": {"intra_host": link, "default": link}})
 
 
 def config(schedule: str = "1f1b"):
@@ -169,7 +171,7 @@ def compile_solution(solution, ch, cl, folder: Path, name: str) -> Path:
     from planner.plan import ModelRef
     from planner.solver.policy import VerificationPolicy
     ref = ModelRef(spec=MODEL, name="bench-gpt", fingerprint=ch.fingerprint, batch=MICROBATCH, seq=SEQ)
-    plan = compile_plan(solution, ch, cl, config(solution.schedule), VerificationPolicy(enabled=False), ref)
+    plan = predict(compile_plan(solution, ch, cl, config(solution.schedule), VerificationPolicy(enabled=False), ref))
     return plan.save(folder / f"{name}.json")
 
 
@@ -235,8 +237,9 @@ def in_run_prediction(plan_path: Path, ranks: list[dict[str, float]], messages=N
     this and the measured step is the simulator's composition (bubbles, transfers, what it does not
     price), not the profile. Also each rank's measured passes over the profile's (its simulated passes,
     sharing included, and their CPU time over the profile's alone time)."""
-    from planner.plan import load_plan
-    from planner.simulate import CostModel, simulate
+    from planner.instruction_costs import CostModel
+    from planner.plan_load import load_plan
+    from planner.simulate import simulate
     plan = load_plan(plan_path)
     costs = CostModel.for_plan(plan)
     passes = {r: sum(1 for ins in plan.programs[r] if ins.op in ("F", "B")) // 2 for r in range(plan.num_ranks)}
@@ -285,8 +288,9 @@ class MeasuredPasses:
 
 def run_plan(plan_path: Path, steps: int, *, emulate: bool, messages=None) -> dict[str, Any]:
     """One local run: median step period after the first step, per-rank breakdown, external load."""
-    from planner.runtime.launch import RunOptions, launch
+    from planner.runtime.launch import launch
     from planner.runtime.metrics import read_metrics
+    from planner.runtime.options import RunOptions
     probe = _LoadProbe()
     metrics = plan_path.with_suffix(".metrics.jsonl")
     result = launch(RunOptions(plan=str(plan_path), steps=steps, timeout_s=120, emulate=emulate,
@@ -414,7 +418,7 @@ def _predict(path: Path, cores: int, sharing=None, *, emulated: bool = False, me
     """The step time of ``path``'s plan with its ranks sharing ``cores`` cores (see the module docstring),
     at the measured ``sharing`` speeds (None: even sharing), rehearsing slower devices by padding, with
     ``messages`` costing their ends CPU time (None: free)."""
-    from planner.plan import load_plan
+    from planner.plan_load import load_plan
     from planner.simulate import simulate
     return simulate(load_plan(path), cores=cores, sharing=sharing, emulated=emulated, messages=messages).step_ms
 

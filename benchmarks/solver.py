@@ -39,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+from cost_models.cluster_file import load_cluster
+from planner.simulate import predict
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "solver.json"
@@ -94,7 +97,7 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
                         max_replicas=max_replicas)
         ref = ModelRef(spec="bench:chain", name=chain.model_name, fingerprint=chain.fingerprint,
                        batch=chain.microbatch_size, dtype="float32")
-        plan = compile_plan(sol, scale_chain(chain, config.microbatch_size), cluster, config, policy, ref)
+        plan = predict(compile_plan(sol, scale_chain(chain, config.microbatch_size), cluster, config, policy, ref))
     stages = tuple(StagePlacement(index=s.index, first_block=s.first_block, last_block=s.last_block,
                                   devices=tuple(plan.ranks[r].device for r in plan.stage_ranks(s.index)),
                                   microbatches=tuple(len(plan.ranks[r].microbatches)
@@ -111,7 +114,11 @@ def scale_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     import numpy as np
 
     from planner.solver.policy import VerificationPolicy
-    from tests.unit.solver_fixtures import homogeneous_cluster, random_chain, tiered_cluster
+    from tests.unit.solver_fixtures import (
+        homogeneous_cluster,
+        random_chain,
+        tiered_cluster,
+    )
 
     rows = []
     cases = SCALE_CASES[:3] if quick else SCALE_CASES
@@ -153,7 +160,7 @@ def _print_scale(row: dict) -> None:
 
 
 def example_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
-    from cost_models.cluster import load_cluster
+    
     from planner.errors import InfeasiblePlanError
     from planner.model_io import load_chain
     from planner.solver import api

@@ -59,12 +59,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from cost_models.cluster_file import parse_cluster
 from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
 from planner.plan import VerifierConfig as PlanVerifierConfig
 from planner.runtime.attacks import Attacker, parse_attack
 from planner.runtime.verify import Verifier, blame
 from planner.runtime.worker import make_lr_warmup
+from planner.simulate import predict
 
 ATTACKS: dict[str, str] = {
     "constant": "kind=constant",
@@ -404,7 +406,6 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     """A 4-stage, 4-microbatch plan of ``spec`` on local CPUs whose verifier checks every
     boundary both ways: a CPU-only verifier host (rank 4) if ``host``, else rank 0 (the
     first stage's device, trusted) as the tests' plans and a small deployment would."""
-    from cost_models.cluster import ClusterSpec
     from cost_models.training import TrainingConfig
     from models.registry import build_model
     from planner.coarsen import coarsen
@@ -428,7 +429,7 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     if host:
         hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
                       "role": "verifier"})
-    cluster = ClusterSpec.from_dict({"name": "local", "hosts": hosts,
+    cluster = parse_cluster({"name": "local", "hosts": hosts,
                                      "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
                                                "default": {"bandwidth_gbps": 10, "latency_ms": 0.05}}})
     ids = [d.id for d in cluster.devices]
@@ -445,8 +446,8 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     config = TrainingConfig(global_batch=microbatch * count, microbatch_size=microbatch, schedule="1f1b",
                             optimizer="adam")
     ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
-    plan = compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=True, trusted_endpoints=False),
-                        ref, verifier_config=PlanVerifier())
+    plan = predict(compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=True, trusted_endpoints=False),
+                        ref, verifier_config=PlanVerifier()))
     return plan.save(folder / f"{spec.split(':')[-1]}-{'host' if host else 'stage'}.json")
 
 
@@ -495,7 +496,8 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
 
 def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0) -> dict[str, float]:
     """One ``stagewise run``: verification off, on (deferred verdicts) or on waiting first."""
-    from planner.runtime.launch import RunOptions, launch
+    from planner.runtime.launch import launch
+    from planner.runtime.options import RunOptions
 
     result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, verify=mode != "off",
                                wait_verdicts=mode == "wait", emulate=slowdown > 1.0, emulate_slowdown=slowdown))

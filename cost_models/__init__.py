@@ -5,7 +5,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "load_cluster": ("cost_models.cluster", "load_cluster"),
+    "load_cluster": ("cost_models.cluster_file", "load_cluster"),
     "ClusterSpec": ("cost_models.cluster", "ClusterSpec"),
     "DeviceSpec": ("cost_models.devices", "DeviceSpec"),
     "TrainingConfig": ("cost_models.training", "TrainingConfig"),

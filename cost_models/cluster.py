@@ -238,12 +238,6 @@ class ClusterSpec:
             links["hosts"] = [h.to_dict() for h in self.host_links]
         return {"name": self.name, "hosts": [h.to_dict() for h in self.hosts], "links": links}
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, base_dir: str | Path | None = None) -> "ClusterSpec":
-        """Build from the file shape; profile paths resolve against ``base_dir`` (default: cwd)."""
-        from cost_models.cluster_file import parse_cluster  # the parser imports these types
-
-        return parse_cluster(d, base_dir=base_dir)
 
 
 def _pair_table(pairs: tuple[RegionLink, ...] | tuple[HostLink, ...], known: set[str],
@@ -261,29 +255,3 @@ def _pair_table(pairs: tuple[RegionLink, ...] | tuple[HostLink, ...], known: set
                                     found="a duplicate")
         table[key] = p.link
     return table
-
-
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Load a cluster file (``.yaml``/``.yml``/``.json``).
-
-    A bare name such as ``default`` or ``swarm-t4`` that is not a file names a
-    cluster shipped in ``cost_models/clusters/``.
-    """
-    p = Path(path)
-    if not p.exists() and p.suffix == "" and len(p.parts) == 1:
-        packaged = PACKAGED_CLUSTERS_DIR / f"{p.name}.yaml"
-        if packaged.is_file():
-            p = packaged
-    if not p.is_file():
-        known = sorted(f.stem for f in PACKAGED_CLUSTERS_DIR.glob("*.yaml"))
-        raise InvalidInputError(f"cluster file {str(path)!r}", expected="an existing YAML or JSON file",
-                                found="no such file", fix=f"check the path, or name a packaged cluster: "
-                                                          f"{', '.join(known)}")
-    from cost_models.cluster_file import read_cluster_file  # the parser imports these types
-
-    return read_cluster_file(p)
-
-
-def default_cluster() -> ClusterSpec:
-    """The embedded default cluster (``cost_models/clusters/default.yaml``)."""
-    return load_cluster(DEFAULT_CLUSTER_PATH)

@@ -15,8 +15,23 @@ from typing import Any, Mapping
 
 import yaml
 
-from cost_models.cluster import ClusterSpec, Device, Host, HostLink, Link, RegionLink
-from cost_models.devices import CATALOG, DeviceSpec, is_profile_reference, load_profile_spec, suggest_device_names
+from cost_models.cluster import (
+    DEFAULT_CLUSTER_PATH,
+    PACKAGED_CLUSTERS_DIR,
+    ClusterSpec,
+    Device,
+    Host,
+    HostLink,
+    Link,
+    RegionLink,
+)
+from cost_models.devices import (
+    CATALOG,
+    DeviceSpec,
+    is_profile_reference,
+    load_profile_spec,
+    suggest_device_names,
+)
 from planner.errors import InvalidInputError
 
 DEFAULT_INTRA_HOST = Link(bandwidth_gbps=256.0, latency_ms=0.01)  # PCIe 4.0 x16, ~32 GB/s
@@ -295,3 +310,27 @@ def _parse_cluster(data: Any, src: _Source) -> ClusterSpec:
                            host_links=tuple(HostLink(between=b, link=lk) for b, lk in host_links))
     except InvalidInputError as exc:
         raise src.rewrap((), exc) from None
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Load a cluster file (``.yaml``/``.yml``/``.json``).
+
+    A bare name such as ``default`` or ``swarm-t4`` that is not a file names a
+    cluster shipped in ``cost_models/clusters/``.
+    """
+    p = Path(path)
+    if not p.exists() and p.suffix == "" and len(p.parts) == 1:
+        packaged = PACKAGED_CLUSTERS_DIR / f"{p.name}.yaml"
+        if packaged.is_file():
+            p = packaged
+    if not p.is_file():
+        known = sorted(f.stem for f in PACKAGED_CLUSTERS_DIR.glob("*.yaml"))
+        raise InvalidInputError(f"cluster file {str(path)!r}", expected="an existing YAML or JSON file",
+                                found="no such file", fix=f"check the path, or name a packaged cluster: "
+                                                          f"{', '.join(known)}")
+    return read_cluster_file(p)
+
+
+def default_cluster() -> ClusterSpec:
+    """The embedded default cluster (``cost_models/clusters/default.yaml``)."""
+    return load_cluster(DEFAULT_CLUSTER_PATH)

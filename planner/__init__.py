@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_onnx": ("planner.onnx_import", "load_onnx"),
     "make_plan": ("planner.api", "make_plan"),
-    "load_plan": ("planner.plan", "load_plan"),
+    "load_plan": ("planner.plan_load", "load_plan"),
     "Plan": ("planner.plan", "Plan"),
     "apply_plan": ("planner.runtime.stage", "apply_plan"),
 }

@@ -9,12 +9,21 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from cost_models.cluster import ClusterSpec, load_cluster
+from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec
+from cost_models.cluster_file import load_cluster
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
+from planner.check import assert_valid
+from planner.coarsen import coarsen
+from planner.compile import compile_plan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
+from planner.plan import ModelRef
+from planner.simulate import predict
+from planner.solver import api as solver_api
 from planner.solver.policy import VerificationPolicy
+from planner.solver.problem import scale_chain
+from planner.trace import trace
 
 DEFAULT_MICROBATCHES = 8  # global batch = this many traced microbatches when not given
 RIVAL_MARGIN = 1.2  # baselines priced within this factor of the solver's plan are compiled and simulated
@@ -23,7 +32,6 @@ RIVAL_MARGIN = 1.2  # baselines priced within this factor of the solver's plan a
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
     if isinstance(cluster, ClusterSpec):
         return cluster
-    from cost_models.cluster import DEFAULT_CLUSTER_PATH
     return load_cluster(DEFAULT_CLUSTER_PATH if cluster is None else cluster)
 
 
@@ -45,11 +53,6 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     solver's plan is compared with every baseline by simulating their
     programs and the fastest is returned (``choose_by_simulation``).
     """
-    from planner.check import assert_valid
-    from planner.compile import compile_plan
-    from planner.plan import ModelRef
-    from planner.solver import api as solver_api
-    from planner.solver.problem import scale_chain
 
     spec_cluster = _cluster(cluster)
     policy = policy or VerificationPolicy()
@@ -78,7 +81,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
 
     def compiled(sol: Any) -> Any:
         assert_valid(sol, scaled, spec_cluster, config, policy)  # independent memory/coverage check
-        return compile_plan(sol, scaled, spec_cluster, config, policy, ref)
+        return predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref))
 
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
@@ -122,8 +125,6 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
     Raises :class:`planner.errors.InfeasiblePlanError` with the reason when
     no plan fits the cluster and policy.
     """
-    from planner.coarsen import coarsen
-    from planner.trace import trace
 
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     graph = trace(model, inputs, name=name or type(model).__name__)

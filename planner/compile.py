@@ -4,22 +4,28 @@ Steps: check that the solution fits the chain, cluster and configuration;
 lay out the ranks (one per (stage, replica) in order, then one per verifier
 device that runs no stage); generate the programs (``planner.schedules``,
 ordered with the cost model's estimates); validate them
-(``planner.validate``); and price them with the simulator, whose step time,
-bubble and per-rank peak memory become ``plan.predicted``.
+(``planner.validate``). ``plan.predicted`` stays zero here: the planning API
+(``planner.api``) fills it by simulating the programs (``planner.simulate.predict``).
 """
 from __future__ import annotations
-
-import dataclasses
 
 from cost_models.cluster import ClusterSpec
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError, PlanMismatchError
+from planner.instruction_costs import CostModel
 from planner.ir import BlockChain
-from planner.plan import (DIRECTIONS, ModelRef, Plan, Predicted, RankInfo, StageInfo, VerifierConfig,
-                          VerifierInfo)
+from planner.plan import (
+    DIRECTIONS,
+    ModelRef,
+    Plan,
+    Predicted,
+    RankInfo,
+    StageInfo,
+    VerifierConfig,
+    VerifierInfo,
+)
 from planner.schedules import build_programs, max_in_flight
-from planner.simulate import CostModel, simulate
 from planner.solver.policy import VerificationPolicy
 from planner.solver.routing import route
 from planner.solver.solution import Solution
@@ -115,4 +121,4 @@ def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
                 chain_microbatch_size=chain.microbatch_size, tied_params=chain.tied_params, ranks=ranks,
                 verifiers=verifiers, programs=programs, report=solution.report, predicted=placeholder)
     validate_programs(plan)
-    return dataclasses.replace(plan, predicted=simulate(plan, costs).predicted())
+    return plan

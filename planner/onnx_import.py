@@ -71,8 +71,8 @@ def _fold_shape_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     turned into graph inputs while it runs, so no weight is read (they stay on
     disk), folded or renamed; they are restored afterwards.
     """
-    from onnxscript import optimizer  # heavy import, only needed here
     import onnx_ir
+    from onnxscript import optimizer  # heavy import, only needed here
 
     work = onnx.ModelProto()
     work.CopyFrom(model)

@@ -33,9 +33,14 @@ import jsonschema
 
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError, PlanMismatchError
+from planner.instructions import (  # noqa: F401
+    Instruction,
+    format_instruction,
+    format_program,
+    parse_instruction,
+    parse_program,
+)
 from planner.ir import Block, BlockChain, TiedParam, dtype_bytes
-from planner.instructions import (Instruction, format_instruction, format_program,  # noqa: F401
-                                  parse_instruction, parse_program)
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
 
@@ -482,7 +487,3 @@ def _validate_schema(data: Mapping[str, Any], source: str) -> None:
                                 fix="re-create the plan with `stagewise plan` (hand edits must follow "
                                     "planner/schema/plan.schema.json)")
 
-
-# Loading lives in planner/plan_load.py (it traces models for the fingerprint check);
-# re-exported here because ``planner.plan.load_plan`` is the documented entry point.
-from planner.plan_load import load_plan  # noqa: E402,F401

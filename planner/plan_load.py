@@ -6,8 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from models.registry import infer_example_inputs
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.plan import Plan
+from planner.trace import trace
+from planner.validate import validate_programs
 
 
 def _expected_fingerprint(model: Any, plan: Plan) -> str:
@@ -21,14 +26,10 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
         return fingerprint()
     if isinstance(fingerprint, str):  # planner.ir.BlockChain
         return fingerprint
-    import torch  # only when a module is given: plan loading stays light otherwise
-
-    from planner.trace import trace
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
         module, inputs = model
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     elif isinstance(model, torch.nn.Module):
-        from models.registry import infer_example_inputs
         module, inputs = model, infer_example_inputs(model, batch=plan.model.batch, seq=plan.model.seq)
     else:
         raise InvalidInputError("load_plan model=", expected="an nn.Module, (nn.Module, example_inputs), a traced "
@@ -58,7 +59,6 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
                                 found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
                                 fix="re-create it with `stagewise plan`") from None
     plan = Plan.from_dict(data, source=source)
-    from planner.validate import validate_programs  # validate imports this module
     validate_programs(plan)
     if model is not None:
         expected = _expected_fingerprint(model, plan)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from cost_models.devices import load_profile_spec
 from cost_models.measured import load_message_cost, load_sharing
+from planner.instruction_costs import CostModel
 from planner.plan import Plan
-from planner.simulate import CostModel, SimResult, simulate
+from planner.simulate import SimResult, simulate
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

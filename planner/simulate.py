@@ -78,15 +78,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from cost_models import comm, compute, memory
-from cost_models.cluster import ClusterSpec, Link
-from cost_models.devices import DeviceSpec
 from cost_models.measured import CoreSharing, MessageCost
-from cost_models.memory import activation_scale
-from cost_models.optim import optim_ms
-from cost_models.training import TrainingConfig
-from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
+from planner.instruction_costs import CostModel
 from planner.instructions import (
     RECV_OPS,
     SEND_OPS,
@@ -97,145 +91,10 @@ from planner.instructions import (
     format_instruction,
     message_keys,
 )
-from planner.ir import BlockChain
-from planner.plan import Plan, Predicted, RankInfo, VerifierInfo
+from planner.plan import Plan, Predicted
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
-
-
-def stage_param_tensors(chain: BlockChain, lo: int, hi: int) -> int:
-    """Parameter tensors of blocks ``lo..hi`` (each block lists the parameters it reads)."""
-    return len({name for b in chain.blocks[lo:hi + 1] for name in b.param_names})
-
-
-class CostModel:
-    """Prices of every instruction for one rank layout (also the list scheduler's estimates)."""
-
-    def __init__(self, *, chain: BlockChain, stage_ranges: tuple[tuple[int, int], ...],
-                 ranks: tuple[RankInfo, ...], verifiers: tuple[VerifierInfo, ...], cluster: ClusterSpec,
-                 config: TrainingConfig) -> None:
-        self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
-        self.ranges = stage_ranges
-        self._links: dict[tuple[int, int], Link] = {}
-        dtype, traced = config.dtype, memory.trace_dtype(chain)
-        scale = activation_scale(chain, config)
-        # Bytes crossing boundary b (stage b -> b+1), either direction.
-        self.boundary_bytes = tuple(chain.blocks[hi].out_bytes * scale for _, hi in stage_ranges[:-1])
-        self.spec = tuple(cluster.device(r.device).spec for r in ranks)
-        planned = {spec for r, spec in zip(ranks, self.spec) if r.stage is not None}
-        self._fwd, self._bwd, self._optim, self._local = [], [], [], []
-        for r, spec in zip(ranks, self.spec):
-            if r.stage is None:  # a verifier-only rank computes no stage
-                for table in (self._fwd, self._bwd, self._optim):
-                    table.append(0.0)
-                self._local.append((0.0, 0.0))
-                continue
-            lo, hi = stage_ranges[r.stage]
-            self._fwd.append(compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
-            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
-            self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
-                                        param_tensors=stage_param_tensors(chain, lo, hi)))
-            # What an emulating rehearsal computes for this stage: its cost on the fastest planned
-            # device (planner.runtime.emulate's reference); the rest of the pass is padding.
-            self._local.append(min(((compute.range_fwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced),
-                                     compute.range_bwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced))
-                                    for s in planned), key=sum))
-        self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
-                                       for d in v.directions) for r in ranks}
-
-    def _link(self, src: int, dst: int) -> Link:
-        key = (src, dst)
-        if key not in self._links:  # cluster.link resolves host/region tables: memoise per rank pair
-            self._links[key] = self.cluster.link(self.ranks[src].device, self.ranks[dst].device)
-        return self._links[key]
-
-    # --- StepCosts protocol (planner.schedules) ---------------------------
-    def compute_ms(self, rank: int, op: str) -> float:
-        return self._fwd[rank] if op == "F" else self._bwd[rank]
-
-    def local_ms(self, rank: int, op: str) -> float:
-        """The pass on the fastest planned device for the rank's stage: what a rehearsal that emulates
-        the rank's slower device computes before it pads the pass to :meth:`compute_ms`."""
-        fwd, bwd = self._local[rank]
-        return min(fwd if op == "F" else bwd, self.compute_ms(rank, op))
-
-    def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
-        boundary = stage if op == "F" else stage - 1
-        return comm.transfer_ms(self.boundary_bytes[boundary], self._link(src, dst))
-
-    def verify_ms(self, rank: int, boundary: int, op: str) -> float:
-        return verify_ms(self.boundary_bytes[boundary], self.spec[rank])
-
-    def verdict_ms(self, src: int, dst: int) -> float:
-        return comm.transfer_ms(VERDICT_BYTES, self._link(src, dst))
-
-    # --- the rest ---------------------------------------------------------
-    def message_ms(self, kind: str, boundary: int, src: int, dst: int) -> float:
-        nbytes = VERDICT_BYTES if kind.startswith("V") else self.boundary_bytes[boundary]
-        return comm.transfer_ms(nbytes, self._link(src, dst))
-
-    def latency_ms(self, src: int, dst: int) -> float:
-        return self._link(src, dst).latency_ms
-
-    def optim_ms(self, rank: int) -> float:
-        return self._optim[rank]
-
-    def allreduce_ms(self, stage: int) -> float:
-        lo, hi = self.ranges[stage]
-        grad_bytes = memory.stage_param_count(self.chain, lo, hi) * memory.bytes_per_param(self.config).grads
-        devices = [r.device for r in self.ranks if r.stage == stage]
-        return comm.group_allreduce_ms(self.cluster, devices, grad_bytes)
-
-    def memory_bytes(self, rank: int, peak_in_flight: int) -> int:
-        """Peak bytes of ``rank`` holding at most ``peak_in_flight`` microbatches' activations at once."""
-        info = self.ranks[rank]
-        verifier_state = sum(2 * round(self.boundary_bytes[b]) for b, _ in self.verified[rank])  # EMA + copy
-        if info.stage is None:
-            return verifier_state
-        lo, hi = self.ranges[info.stage]
-        br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1))
-        acts = br.activations_bytes if peak_in_flight else 0
-        return br.static_bytes + br.buffers_bytes + acts + verifier_state
-
-    @classmethod
-    def for_plan(cls, plan: Plan) -> "CostModel":
-        return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
-                   ranks=plan.ranks, verifiers=plan.verifiers, cluster=ClusterSpec.from_dict(plan.cluster),
-                   config=plan.config)
-
-    @classmethod
-    def for_rehearsal(cls, plan: Plan, local: DeviceSpec, *, emulate: bool, slowdown: float = 1.0) -> "CostModel":
-        """The costs of running ``plan`` on one machine whose device is ``local`` (a profile with its
-        point-to-point link measured): ``stagewise run``, every rank there, talking over that link.
-
-        ``emulate`` (``--emulate-speed``): each stage pass is padded as ``planner.runtime.emulate``
-        pads it, to its planned device's time over the fastest planned device's for the stage, times
-        ``slowdown`` (``--emulate-slowdown``); simulate with ``emulated=True`` so the padding holds no core.
-        """
-        if local.p2p_bandwidth_gbps is None or local.p2p_latency_ms is None:
-            raise InvalidInputError(f"device {local.name} for the rehearsal", expected="a profile with its "
-                                    "point-to-point link measured", found="no p2p figures",
-                                    fix="profile without --no-p2p")
-        if not slowdown >= 1.0 or (slowdown != 1.0 and not emulate):
-            raise InvalidInputError("rehearsal slowdown", expected="a factor >= 1 (above 1 only with emulated speeds)",
-                                    found=f"{slowdown} ({'with' if emulate else 'without'} emulated speeds)")
-        planned = cls.for_plan(plan)
-        link = Link(bandwidth_gbps=local.p2p_bandwidth_gbps, latency_ms=local.p2p_latency_ms)
-        planned_cluster = ClusterSpec.from_dict(plan.cluster)
-        hosts = tuple(replace(h, devices=tuple(replace(d, spec=local) for d in h.devices), intra_host=None)
-                      for h in planned_cluster.hosts)
-        here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())
-        costs = cls(chain=planned.chain, stage_ranges=planned.ranges, ranks=plan.ranks, verifiers=plan.verifiers,
-                    cluster=here, config=plan.config)
-        for r, info in enumerate(plan.ranks):
-            if info.stage is None or not emulate:
-                continue
-            ref_fwd, ref_bwd = planned._local[r]
-            costs._local[r] = (costs._fwd[r], costs._bwd[r])  # what this machine computes before padding
-            costs._fwd[r] *= slowdown * max(1.0, planned._fwd[r] / ref_fwd) if ref_fwd > 0 else slowdown
-            costs._bwd[r] *= slowdown * max(1.0, planned._bwd[r] / ref_bwd) if ref_bwd > 0 else slowdown
-        return costs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -562,3 +421,8 @@ def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
     return SimResult(step_ms=step, pipeline_ms=pipeline, busy_ms=tuple(busy), compute_ms=tuple(comp),
                      idle_ms=tuple(max(step - b, 0.0) for b in busy), bubble_fraction=min(max(bubble, 0.0), 1.0),
                      peak_mem_bytes=peak_mem, peak_in_flight=tuple(run.peak), events=events)
+
+
+def predict(plan: Plan, costs: CostModel | None = None) -> Plan:
+    """``plan`` with its ``predicted`` figures filled in by simulating its programs."""
+    return replace(plan, predicted=simulate(plan, costs).predicted())

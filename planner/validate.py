@@ -29,8 +29,16 @@ from collections import Counter
 from dataclasses import dataclass
 
 from planner.errors import InvalidInputError
-from planner.instructions import (COMPUTE_OPS, RECV_OPS, SEND_OPS, VERDICT_OPS, VERIFY_OPS, Instruction,
-                                  format_instruction, message_keys)
+from planner.instructions import (
+    COMPUTE_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    VERDICT_OPS,
+    VERIFY_OPS,
+    Instruction,
+    format_instruction,
+    message_keys,
+)
 from planner.plan import Plan
 
 _FIX = "re-create the plan with `stagewise plan` (do not edit programs by hand)"

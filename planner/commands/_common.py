@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import InvalidInputError
 
 if TYPE_CHECKING:
+    from planner.instruction_costs import CostModel
     from planner.plan import Plan
-    from planner.simulate import CostModel, SimResult
+    from planner.simulate import SimResult
 
 MODEL_HELP = "preset name, package.module:factory, or path to a .onnx file"
 BUILDABLE_MODEL_HELP = "preset name or package.module:factory"
@@ -45,8 +46,9 @@ def add_plan_argument(p: argparse.ArgumentParser) -> None:
 
 def load_and_simulate(path: str) -> tuple[Plan, CostModel, SimResult]:
     """Load and validate a plan file, price it and simulate one step."""
-    from planner.plan import load_plan
-    from planner.simulate import CostModel, simulate
+    from planner.instruction_costs import CostModel
+    from planner.plan_load import load_plan
+    from planner.simulate import simulate
 
     plan = load_plan(path)
     costs = CostModel.for_plan(plan)

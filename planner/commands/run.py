@@ -14,7 +14,7 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from planner.runtime.launch import add_run_arguments
+    from planner.runtime.options import add_run_arguments
 
     p = subparsers.add_parser(
         "run", help="run a plan locally (one process per rank) and compare measured with predicted step time",
@@ -31,9 +31,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from planner.runtime.launch import launch, options_from_args
+    from planner.runtime.launch import launch
+    from planner.runtime.options import options_from_args
 
     opts = options_from_args(args)
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
@@ -66,7 +73,7 @@ def _rehearsal(opts, profile: str | None):
     """The simulated run of the plan on the machine ``profile`` describes (None without one)."""
     if profile is None:
         return None
-    from planner.plan import load_plan
+    from planner.plan_load import load_plan
     from planner.rehearsal import predict_rehearsal
 
     return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown)

@@ -98,8 +98,9 @@ def _rehearse(args: argparse.Namespace, plan) -> int:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planner.plan import load_plan
-    from planner.simulate import CostModel, simulate
+    from planner.instruction_costs import CostModel
+    from planner.plan_load import load_plan
+    from planner.simulate import simulate
 
     check_positive(args, "cores")
     if args.rehearse is not None:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cost_models.cluster_file import parse_cluster
 from planner.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -83,12 +84,11 @@ def stage_ms(stage: "StageInfo", spec: "DeviceSpec", dtype: str) -> tuple[float,
 def emulation_for(plan: "Plan", rank: int, *, slowdown: float = 1.0) -> Emulation:
     """The padding of ``rank``: its stage's time on its device over the time on the fastest planned device,
     times ``slowdown`` (see the module docstring)."""
-    from cost_models.cluster import ClusterSpec
 
     info = plan.ranks[rank]
     if info.stage is None:
         return Emulation(device_type=info.device_type)
-    cluster = ClusterSpec.from_dict(plan.cluster)
+    cluster = parse_cluster(plan.cluster)
     stage = plan.stages[info.stage]
     dtype = plan.config.dtype
     # Keyed by device id, not type name: devices profiled on one machine share a name but may differ

@@ -13,7 +13,6 @@ root cause (a rank that died, raised, or hung) and raises one
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -24,171 +23,22 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
+from planner.plan_load import load_plan
+from planner.runtime.options import EVENT_PREFIX, RunOptions
+from planner.runtime.verify_hooks import validate_attacks
+from planner.runtime.worker import check_model
 
-EVENT_PREFIX = "@stagewise "
-FAULT_KINDS = ("die", "hang", "raise")
 _KILL_GRACE_S = 5.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FaultSpec:
-    """An injected failure for rehearsals: ``rank`` dies, hangs or raises at the start of ``step``."""
-
-    rank: int
-    kind: str
-    step: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS or self.rank < 0 or self.step < 0:
-            raise InvalidInputError("--fault", expected=f"RANK:{'|'.join(FAULT_KINDS)}[:STEP]",
-                                    found=f"{self.rank}:{self.kind}:{self.step}")
-
-    @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
-        parts = text.split(":")
-        try:
-            if len(parts) not in (2, 3):
-                raise ValueError(text)
-            return cls(rank=int(parts[0]), kind=parts[1], step=int(parts[2]) if len(parts) == 3 else 1)
-        except ValueError:
-            raise InvalidInputError(f"--fault {text!r}", expected=f"RANK:{'|'.join(FAULT_KINDS)}[:STEP], e.g. 2:hang:1")
-
-    def __str__(self) -> str:
-        return f"{self.rank}:{self.kind}:{self.step}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunOptions:
-    """Everything a run needs; the same for every rank (the local launcher passes it on the command line)."""
-
-    plan: str
-    steps: int = 5
-    timeout_s: float = 60.0
-    emulate: bool = False
-    emulate_slowdown: float = 1.0   # the fastest planned device runs this many times slower than here
-    metrics: str | None = None
-    report: str | None = None
-    attacks: tuple[str, ...] = ()
-    verify: bool = True
-    wait_verdicts: bool = False
-    seed: int = 0
-    data: str = "auto"
-    loss: str | None = None
-    lr: float | None = None
-    lr_warmup: int = 0
-    dump: str | None = None
-    fault: FaultSpec | None = None
-    threads: int = 1
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
-        if self.timeout_s <= 0:
-            raise InvalidInputError("--timeout", expected="> 0 seconds", found=str(self.timeout_s))
-        if self.threads < 1:
-            raise InvalidInputError("--threads", expected=">= 1", found=str(self.threads))
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise InvalidInputError("--backend", expected="auto, gloo or nccl", found=repr(self.backend))
-        if self.lr is not None and self.lr <= 0:
-            raise InvalidInputError("--lr", expected="> 0", found=str(self.lr))
-        if not self.emulate_slowdown >= 1.0:
-            raise InvalidInputError("--emulate-slowdown", expected="a factor >= 1 (1: the fastest planned device "
-                                    "runs at this machine's speed)", found=str(self.emulate_slowdown))
-        if self.emulate_slowdown > 1.0 and not self.emulate:
-            raise InvalidInputError("--emulate-slowdown", expected="--emulate-speed as well",
-                                    found="a slowdown without emulated speeds", fix="add --emulate-speed")
-        if self.lr_warmup < 0:
-            raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
-                                    found=str(self.lr_warmup))
-
-    def worker_argv(self) -> list[str]:
-        """The command-line form of these options (parsed back by :func:`parse_worker_args`)."""
-        argv = [os.fspath(self.plan), "--steps", str(self.steps), "--timeout", str(self.timeout_s),
-                "--seed", str(self.seed), "--data", self.data, "--threads", str(self.threads),
-                "--backend", self.backend]
-        for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
-                            ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
-                            ("--fault", self.fault)):
-            if value is not None:
-                argv += [flag, str(value)]
-        for spec in self.attacks:
-            argv += ["--attack", spec]
-        if self.emulate:
-            argv.append("--emulate-speed")
-        if self.emulate_slowdown != 1.0:
-            argv += ["--emulate-slowdown", repr(self.emulate_slowdown)]
-        if not self.verify:
-            argv.append("--no-verify")
-        if self.wait_verdicts:
-            argv.append("--wait-verdicts")
-        return argv
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The run options. None of these flags is a prefix of a torchrun flag (torchrun would claim it)."""
-    parser.add_argument("plan", help="plan JSON file (from `stagewise plan`)")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps to run (default 5)")
-    parser.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
-                        help="seconds a rank waits for a peer before declaring it dead or hung (default 60)")
-    parser.add_argument("--emulate-speed", action="store_true", dest="emulate",
-                        help="pad each rank's compute to its planned device's speed (fastest = this machine)")
-    parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
-                        help="with --emulate-speed: the fastest planned device runs K times slower than this "
-                             "machine, so each rank's core idles while its device computes, as a GPU's host CPU "
-                             "does (the runtime's own work, messages and checks, then overlaps compute)")
-    parser.add_argument("--metrics", help="write per-step, per-rank metrics as JSON lines to this file")
-    parser.add_argument("--report", help="write a JSON report (losses, step times, verification) to this file")
-    parser.add_argument("--attack", action="append", default=[], dest="attacks", metavar="SPEC",
-                        help="make a rank corrupt what it sends, e.g. rank=2,kind=scale,factor=-1,start=5")
-    parser.add_argument("--no-verify", action="store_false", dest="verify",
-                        help="switch the plan's integrity verification off")
-    parser.add_argument("--wait-verdicts", action="store_true",
-                        help="wait for each verifier's verdict before using the tensor (same results, slower: "
-                             "by default a rank computes while the check runs and waits before results leave)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
-    parser.add_argument("--data", default="auto",
-                        help="auto (byte text for byte-level LMs, else synthetic), text, synthetic, "
-                             "or package.module:factory")
-    parser.add_argument("--loss", help="package.module:function(logits, targets) (default: the model's own)")
-    parser.add_argument("--lr", type=float, help="learning rate (default 1e-3 Adam, 1e-2 SGD)")
-    parser.add_argument("--lr-warmup", type=int, default=0, dest="lr_warmup", metavar="STEPS",
-                        help="raise the learning rate linearly to --lr over the first STEPS steps (default 0: none)")
-    parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
-                        "and losses to DIR/rank<R>.pt (to compare with a reference)")
-    parser.add_argument("--fault", type=FaultSpec.parse, metavar="RANK:KIND[:STEP]",
-                        help="rehearse a failure: die, hang or raise on RANK at STEP (default 1)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
-
-
-def options_from_args(args: argparse.Namespace) -> RunOptions:
-    names = {f.name for f in fields(RunOptions)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["attacks"] = tuple(values.get("attacks") or ())
-    return RunOptions(**values)
-
-
-def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
-    parser = argparse.ArgumentParser(prog="python -m planner.runtime",
-                                     description="One rank of a Stagewise plan (start with torchrun or "
-                                                 "`stagewise run`).", allow_abbrev=False)
-    add_run_arguments(parser)
-    return options_from_args(parser.parse_args(argv))
 
 
 # --------------------------------------------------------------------------- preflight
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
-    from planner.plan import load_plan
-    from planner.runtime.verify_hooks import validate_attacks
-    from planner.runtime.worker import check_model
-
     plan = load_plan(opts.plan)
     validate_attacks(opts.attacks, plan.num_ranks)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:

@@ -34,6 +34,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cost_models.cluster_file import parse_cluster
+from planner.simulate import predict
+
 MESSAGE_OPS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
@@ -51,7 +54,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def probe_plan(model: str, *, batch: int, seq: int | None, microbatches: int, folder: Path) -> Path:
     """A 2-stage 1F1B plan of ``model`` (its blocks split in half, two CPU devices), saved in ``folder``."""
-    from cost_models.cluster import ClusterSpec
     from cost_models.training import TrainingConfig
     from models.registry import build_model
     from planner.coarsen import coarsen
@@ -70,7 +72,7 @@ def probe_plan(model: str, *, batch: int, seq: int | None, microbatches: int, fo
     hosts = [{"name": f"h{i}", "region": "local", "trust": "operator", "trusted": True,
               "devices": [{"type": "CPU", "count": 1}]} for i in range(2)]
     link = {"bandwidth_gbps": 10, "latency_ms": 0.05}
-    cluster = ClusterSpec.from_dict({"name": "probe", "hosts": hosts, "links": {"intra_host": link, "default": link}})
+    cluster = parse_cluster({"name": "probe", "hosts": hosts, "links": {"intra_host": link, "default": link}})
     ids = [d.id for d in cluster.devices]
     half = n // 2
     stages = tuple(StagePlacement(index=k, first_block=lo, last_block=hi, devices=(ids[k],),
@@ -82,13 +84,13 @@ def probe_plan(model: str, *, batch: int, seq: int | None, microbatches: int, fo
     config = TrainingConfig(global_batch=batch * microbatches, microbatch_size=batch, schedule="1f1b",
                             optimizer="adam")
     ref = ModelRef(spec=model, name=model, fingerprint=chain.fingerprint, batch=batch, seq=seq)
-    plan = compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=False), ref)
+    plan = predict(compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=False), ref))
     return plan.save(folder / "overhead-probe-plan.json")
 
 
 def summarize(plan: Any, rows: list[Any], warmup: int) -> dict[str, Any]:
     """Per rank medians of the executor's CPU split, and the per-instruction figures over both ranks."""
-    from planner.simulate import CostModel
+    from planner.instruction_costs import CostModel
 
     ranks = []
     for r in range(plan.num_ranks):
@@ -111,9 +113,10 @@ def summarize(plan: Any, rows: list[Any], warmup: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from planner.plan import load_plan
-    from planner.runtime.launch import RunOptions, launch
+    from planner.plan_load import load_plan
+    from planner.runtime.launch import launch
     from planner.runtime.metrics import read_metrics
+    from planner.runtime.options import RunOptions
 
     with tempfile.TemporaryDirectory(prefix="stagewise-overhead-") as tmp:
         folder = Path(tmp)

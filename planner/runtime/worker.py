@@ -32,11 +32,33 @@ from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
-from planner.runtime.metrics import MetricsWriter, StepMetrics, StepSummary, measured_step_ms, summarize_step
-from planner.runtime.launch import EVENT_PREFIX, FaultSpec, RunOptions, parse_worker_args
-from planner.runtime.stage import (EdgeSpecs, SplitGraph, StageRuntime, build_stage, check_fingerprint, export_model,
-                                   has_constants, materialize, plan_node_names, split_graph, stage_edges,
-                                   stage_state_names)
+from planner.runtime.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    StepSummary,
+    measured_step_ms,
+    summarize_step,
+)
+from planner.runtime.options import (
+    EVENT_PREFIX,
+    FaultSpec,
+    RunOptions,
+    parse_worker_args,
+)
+from planner.runtime.stage import (
+    EdgeSpecs,
+    SplitGraph,
+    StageRuntime,
+    build_stage,
+    check_fingerprint,
+    export_model,
+    has_constants,
+    materialize,
+    plan_node_names,
+    split_graph,
+    stage_edges,
+    stage_state_names,
+)
 from planner.runtime.verify_hooks import AttackHooks, VerifyHooks, validate_attacks
 
 
@@ -271,7 +293,7 @@ def _inject_fault(fault: FaultSpec | None, rank: int, step: int) -> None:
 
 def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     """The whole life of one rank. Returns rank 0's result dict (None elsewhere)."""
-    from planner.plan import load_plan
+    from planner.plan_load import load_plan
 
     torch.set_num_threads(opts.threads)
     plan = load_plan(opts.plan)

@@ -56,8 +56,10 @@ from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
 from planner.solver import baselines as base
 from planner.solver.cpsat import num_slots, solve_cpsat
-from planner.solver.dp import homogeneous_dp, search_sequences
+from planner.solver.dp import homogeneous_dp
 from planner.solver.explain import explain_infeasible, precheck
+from planner.solver.grid import best_grid, cheapest, grid_candidates, shaped
+from planner.solver.idle import idle_reasons
 from planner.solver.lagrange import lagrange_bound
 from planner.solver.localsearch import improve
 from planner.solver.objective import (
@@ -69,13 +71,12 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import Problem, build_problem, scale_chain
-from planner.solver.grid import best_grid, cheapest, grid_candidates, shaped
-from planner.solver.idle import idle_reasons
 from planner.solver.polish import polish
+from planner.solver.problem import Problem, build_problem, scale_chain
 from planner.solver.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.seqdp_kernel import warm as warm_kernels
 from planner.solver.seqpart_kernel import warm as warm_partition
+from planner.solver.sequences import search_sequences
 from planner.solver.solution import Solution, SolveReport, StagePlacement
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.

@@ -15,13 +15,19 @@ also re-partitioned for its devices and its cuts polished, the cheapest kept.
 from __future__ import annotations
 
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.solver.baselines import assign_verifiers
 from planner.solver.dp import Group
-from planner.solver.objective import Placement, evaluate, even_split, price_program, violations
+from planner.solver.objective import (
+    Placement,
+    evaluate,
+    even_split,
+    price_program,
+    violations,
+)
 from planner.solver.polish import polish
 from planner.solver.problem import Problem
 from planner.solver.seqpart import partition_min_step
 from planner.solver.solution import StagePlacement
+from planner.solver.verifiers import assign_verifiers
 
 
 def _even_ranges(num_blocks: int, parts: int) -> tuple[tuple[int, int], ...]:

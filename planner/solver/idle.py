@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.objective import (Placement, evaluate, even_split, price_program, stage_memory_bytes,
-                                      violations)
+from planner.solver.objective import (
+    Placement,
+    evaluate,
+    even_split,
+    price_program,
+    stage_memory_bytes,
+    violations,
+)
 from planner.solver.problem import Problem
 
 

@@ -35,6 +35,7 @@ from planner.solver.objective import Placement, even_split, violations
 from planner.solver.problem import Problem
 from planner.solver.seqdp_kernel import key_tables, sequence_dp
 from planner.solver.solution import StagePlacement
+from planner.solver.verifiers import assign_verifiers
 
 INF = math.inf
 # Range queries per DP (exact layers x blocks x classes^3 x replica options), ~10 ns each: deeper
@@ -340,10 +341,6 @@ class SequenceDP:
     # --- plans from a relaxed answer -----------------------------------------------
     def placement(self, relaxed: Relaxed) -> Placement | None:
         """The relaxed sequence as a plan (devices from each class's pool, verifiers greedily), or None."""
-        from planner.solver.baselines import (
-            assign_verifiers,  # baselines builds on the objective
-        )
-
         if (relaxed.used > self.count).any():
             return None
         p, M = self.p, self.M

@@ -21,9 +21,12 @@ import math
 import numpy as np
 
 from cost_models import comm, memory
-from planner.solver.dp import Group
+from planner.solver.dp import Group, partition_sequence
+from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
 from planner.solver.seqpart_kernel import min_bottleneck, min_sum
+from planner.solver.solution import StagePlacement
+from planner.solver.verifiers import assign_verifiers
 
 INF = math.inf
 CAP_STEPS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.16, 1.25, 1.4)
@@ -159,3 +162,31 @@ def _best_under(args: tuple, ar_cap_ms: float, M: int, *, caps: tuple[float, ...
         if best is None or step < best[0] - 1e-12:
             best = (step, tuple(ranges), ar)
     return best
+
+
+def sequence_placement(problem: Problem, groups: tuple[Group, ...], *, exact: bool = False):
+    """The placement of a group sequence: greedy verifiers, priced (or None).
+
+    Ranges: best-bottleneck (``partition_sequence``), or with ``exact`` the
+    DP of :func:`partition_min_step` (exact stage sends, min iteration time).
+    """
+    ranges = partition_min_step(problem, groups) if exact else partition_sequence(problem, groups)
+    if ranges is None:
+        return None
+    M, free = problem.num_microbatches, {}
+    stages = []
+    for k, (g, (s, e)) in enumerate(zip(groups, ranges)):
+        pool = free.setdefault(g.cls, list(problem.classes[g.cls].device_ids))
+        devices = tuple(pool[:g.replicas])
+        del pool[:g.replicas]
+        stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=devices,
+                                     microbatches=even_split(M, g.replicas)))
+    stages = tuple(stages)
+    verifiers = assign_verifiers(problem, stages, M)
+    if verifiers is None:
+        return None
+    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
+    ev = evaluate(problem, placement)
+    if violations(problem, placement, ev):
+        return None
+    return placement, ev.step_ms

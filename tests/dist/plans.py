@@ -12,10 +12,17 @@ from typing import Sequence
 import torch
 
 from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.plan import ModelRef, Plan
 from planner.solver.policy import VerificationPolicy
-from planner.solver.solution import SolveReport, Solution, StagePlacement, VerifierPlacement
+from planner.solver.solution import (
+    Solution,
+    SolveReport,
+    StagePlacement,
+    VerifierPlacement,
+)
+from planner.simulate import predict
 
 
 def local_cluster(n: int, *, device_types: Sequence[str] | None = None, verifier_host: bool = False) -> ClusterSpec:
@@ -26,7 +33,7 @@ def local_cluster(n: int, *, device_types: Sequence[str] | None = None, verifier
     if verifier_host:
         hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
                       "role": "verifier"})
-    return ClusterSpec.from_dict({"name": "local", "hosts": hosts,
+    return parse_cluster({"name": "local", "hosts": hosts,
                                   "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
                                             "default": {"bandwidth_gbps": 10, "latency_ms": 0.05}}})
 
@@ -72,7 +79,7 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
                             schedule=schedule, optimizer=optimizer)
     policy = VerificationPolicy(enabled=bool(verifiers), trusted_endpoints=False)
     ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
-    return compile_plan(solution, chain, cluster, config, policy, ref, verifier_config=verifier_config)
+    return predict(compile_plan(solution, chain, cluster, config, policy, ref, verifier_config=verifier_config))
 
 
 def save_plan(plan: Plan, folder: Path, name: str = "plan.json") -> Path:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from planner.plan import VerifierConfig
-from planner.runtime.launch import RunOptions, launch
+from planner.runtime.options import RunOptions
+from planner.runtime.launch import launch
 from tests.dist.plans import make_plan
 
 M, ATTACK_START, STEPS = 4, 2, 5

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.runtime.launch import RunOptions, launch
+from planner.runtime.options import RunOptions
+from planner.runtime.launch import launch
 from tests.dist.plans import load_dumps, make_plan, reference_run
 
 torch.set_num_threads(1)

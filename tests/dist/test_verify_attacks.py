@@ -13,7 +13,8 @@ import json
 import pytest
 
 from planner.plan import VerifierConfig
-from planner.runtime.launch import RunOptions, launch
+from planner.runtime.options import RunOptions
+from planner.runtime.launch import launch
 from planner.runtime.verify import blame
 from tests.dist.plans import make_plan
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from planner.plan import VerifierConfig
-from planner.runtime.launch import RunOptions, launch
+from planner.runtime.options import RunOptions
+from planner.runtime.launch import launch
 from tests.dist.plans import load_dumps, make_plan
 
 M, STEPS = 4, 3

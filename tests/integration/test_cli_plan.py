@@ -33,7 +33,7 @@ def test_plan_writes_a_loadable_plan_on_the_default_cluster(tmp_path: Path) -> N
     assert "objective" in res.stdout and "bound" in res.stdout and "gap" in res.stdout
     doc = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert doc["report"]["method"] == "cpsat" and doc["report"]["bound_ms"] <= doc["report"]["objective_ms"]
-    from planner.plan import load_plan
+    from planner.plan_load import load_plan
     plan = load_plan(tmp_path / "out" / "plan.json")
     assert plan.config.global_batch == 16 and plan.num_stages >= 1
 

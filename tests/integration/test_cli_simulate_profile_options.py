@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cost_models.measured import CoreSharing, MessageCost
-from planner.plan import load_plan
+from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.simulate import simulate
 from tests.unit.test_rehearsal import PROFILE

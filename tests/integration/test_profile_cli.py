@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.cluster import load_cluster
+from cost_models.cluster_file import load_cluster
 from cost_models.devices import PROFILE_SCHEMA, get_device_spec
 from cost_models.measured import load_message_cost
 

@@ -13,8 +13,14 @@ from __future__ import annotations
 import itertools
 import math
 
-from planner.solver.objective import (Placement, evaluate, even_split, price_program, required_directions,
-                                      violations)
+from planner.solver.objective import (
+    Placement,
+    evaluate,
+    even_split,
+    price_program,
+    required_directions,
+    violations,
+)
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 

@@ -18,12 +18,19 @@ from pathlib import Path
 from typing import Sequence
 
 from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import default_cluster, parse_cluster
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
 from planner.ir import Block, BlockChain
 from planner.plan import ModelRef, Plan
+from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
-from planner.solver.solution import SolveReport, Solution, StagePlacement, VerifierPlacement
+from planner.solver.solution import (
+    Solution,
+    SolveReport,
+    StagePlacement,
+    VerifierPlacement,
+)
 
 GOLDEN_PATH = Path(__file__).resolve().parents[1] / "fixtures" / "golden_plan.json"
 DOC_GANTT_STEM = Path(__file__).resolve().parents[2] / "docs" / "gantt-1f1b"
@@ -66,7 +73,7 @@ def cluster(hosts: Sequence[tuple[str, dict, int]], *, bandwidth_gbps: float = 1
     if verifier_host:
         host_rows.append({"name": "verifier", "region": "r", "trust": "operator", "trusted": True,
                           "role": "verifier", "devices": [{"type": "TEST-CPU", "spec": CPU_DEVICE, "count": 1}]})
-    return ClusterSpec.from_dict({"name": "test", "hosts": host_rows,
+    return parse_cluster({"name": "test", "hosts": host_rows,
                                   "links": {"intra_host": link, "default": link}})
 
 
@@ -104,8 +111,8 @@ def config(num_microbatches: int, schedule: str = "1f1b", microbatch_size: int =
 
 def compile_simple(ch: BlockChain, cl: ClusterSpec, sol: Solution,
                    policy: VerificationPolicy | None = None) -> Plan:
-    return compile_plan(sol, ch, cl, config(sol.num_microbatches, sol.schedule), policy or VerificationPolicy(),
-                        model_ref(ch))
+    return predict(compile_plan(sol, ch, cl, config(sol.num_microbatches, sol.schedule), policy or VerificationPolicy(),
+                        model_ref(ch)))
 
 
 def golden_plan() -> Plan:
@@ -133,7 +140,6 @@ def doc_plan() -> Plan:
     """
     import torch
 
-    from cost_models.cluster import default_cluster
     from models.registry import build_model
     from planner.coarsen import coarsen
     from planner.trace import trace
@@ -150,7 +156,7 @@ def doc_plan() -> Plan:
     cfg = TrainingConfig(global_batch=8, microbatch_size=1, schedule="1f1b", optimizer="adam", dtype="bfloat16",
                          mixed_precision=True)
     ref = ModelRef(spec="gpt-1.3b", name="gpt-1.3b", fingerprint=ch.fingerprint, batch=1, seq=1024)
-    return compile_plan(sol, ch, default_cluster(), cfg, VerificationPolicy(), ref)
+    return predict(compile_plan(sol, ch, default_cluster(), cfg, VerificationPolicy(), ref))
 
 
 def main(argv: list[str] | None = None) -> int:

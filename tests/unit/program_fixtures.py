@@ -6,14 +6,21 @@ import dataclasses
 import numpy as np
 
 from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
 from planner.plan import ModelRef
+from planner.simulate import predict
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
-from planner.solver.solution import Solution, SolveReport, StagePlacement, VerifierPlacement
+from planner.solver.solution import (
+    Solution,
+    SolveReport,
+    StagePlacement,
+    VerifierPlacement,
+)
 from tests.unit.solver_fixtures import GPU_TYPES, random_chain
 
 POLICY = VerificationPolicy(trusted_endpoints=False)
@@ -38,7 +45,7 @@ def wide_area_cluster(rng: np.random.Generator, num_devices: int) -> ClusterSpec
              for j, a in enumerate(used) for b in used[j + 1:]]
     links = {"intra_host": {"bandwidth_gbps": 100.0, "latency_ms": 0.01},
              "default": {"bandwidth_gbps": 10.0, "latency_ms": 1.0}, "regions": pairs}
-    return ClusterSpec.from_dict({"name": "wide", "hosts": hosts, "links": links})
+    return parse_cluster({"name": "wide", "hosts": hosts, "links": links})
 
 
 def random_placement(rng: np.random.Generator, problem, cluster: ClusterSpec) -> Placement | None:
@@ -88,4 +95,4 @@ def compiled_case(seed: int, *, schedule: str = "1f1b"):
                    schedule=schedule, predicted_step_ms=priced.step_ms, memory_bytes=(), report=report)
     ref = ModelRef(spec="tests:chain", name=chain.model_name, fingerprint=chain.fingerprint,
                    batch=chain.microbatch_size, dtype=trace_dtype(chain))
-    return priced, compile_plan(sol, scale_chain(chain, 1), cluster, config, POLICY, ref)
+    return priced, predict(compile_plan(sol, scale_chain(chain, 1), cluster, config, POLICY, ref))

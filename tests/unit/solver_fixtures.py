@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from planner.ir import Block, BlockChain, TiedParam
 
 GPU_TYPES = ("A100-80GB", "RTX3090", "T4", "V100-16GB", "A100-40GB", "L4")
@@ -62,7 +63,7 @@ def random_cluster(rng: np.random.Generator, num_devices: int, *, types: int = 3
     if {h["region"] for h in hosts} >= {"us", "eu"}:
         links["regions"] = [{"between": ["us", "eu"], "bandwidth_gbps": float(rng.choice([0.5, 2.0])),
                              "latency_ms": 40.0}]
-    return ClusterSpec.from_dict({"name": "rand", "hosts": hosts, "links": links})
+    return parse_cluster({"name": "rand", "hosts": hosts, "links": links})
 
 
 def tiered_cluster(num_devices: int, *, types: tuple[str, ...] = ("A100-80GB", "V100-16GB", "RTX3090", "T4"),
@@ -89,7 +90,7 @@ def tiered_cluster(num_devices: int, *, types: tuple[str, ...] = ("A100-80GB", "
     links = {"intra_host": {"bandwidth_gbps": 2400, "latency_ms": 0.005},
              "default": {"bandwidth_gbps": 25, "latency_ms": 0.5},
              "regions": [{"between": ["us", "eu"], "bandwidth_gbps": 1.0, "latency_ms": 40.0}]}
-    return ClusterSpec.from_dict({"name": f"tiered-{num_devices}", "hosts": hosts, "links": links})
+    return parse_cluster({"name": f"tiered-{num_devices}", "hosts": hosts, "links": links})
 
 
 def homogeneous_cluster(num_devices: int, *, gpu: str = "A100-80GB", host_size: int = 8) -> ClusterSpec:
@@ -102,4 +103,4 @@ def homogeneous_cluster(num_devices: int, *, gpu: str = "A100-80GB", host_size: 
         i += 1
     links = {"intra_host": {"bandwidth_gbps": 200, "latency_ms": 0.01},
              "default": {"bandwidth_gbps": 200, "latency_ms": 0.01}}
-    return ClusterSpec.from_dict({"name": f"homog-{num_devices}", "hosts": hosts, "links": links})
+    return parse_cluster({"name": f"homog-{num_devices}", "hosts": hosts, "links": links})

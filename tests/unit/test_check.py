@@ -7,13 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.check import assert_valid, check_solution
 from planner.errors import InvalidInputError
 from planner.solver import api
 from planner.solver.policy import VerificationPolicy
-from planner.solver.solution import SolveReport, Solution, StagePlacement, VerifierPlacement
+from planner.solver.solution import (
+    Solution,
+    SolveReport,
+    StagePlacement,
+    VerifierPlacement,
+)
 from tests.unit.solver_fixtures import random_chain
 
 torch.set_num_threads(1)
@@ -24,7 +29,7 @@ REPORT = SolveReport(method="test", status="FEASIBLE", objective_ms=1.0, bound_m
 
 @pytest.fixture(scope="module")
 def setup():
-    cl = ClusterSpec.from_dict({"name": "c", "links": LINKS, "hosts": [
+    cl = parse_cluster({"name": "c", "links": LINKS, "hosts": [
         {"name": "dc", "region": "r", "trust": "operator", "trusted": True,
          "devices": [{"type": "A100-80GB", "count": 2}]},
         {"name": "vol", "region": "r", "trust": "vol", "devices": [{"type": "T4", "count": 1}]},

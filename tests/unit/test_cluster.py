@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec, Link, load_cluster
+from cost_models.cluster import DEFAULT_CLUSTER_PATH, Link
+from cost_models.cluster_file import load_cluster, parse_cluster
 from cost_models.devices import CATALOG, PROFILE_SCHEMA
 from planner.errors import InvalidInputError
 
@@ -28,8 +29,8 @@ def test_examples_exist_and_default_is_identical_to_packaged() -> None:
 def test_every_example_loads_and_round_trips(path: Path) -> None:
     cluster = load_cluster(path)
     assert cluster.devices
-    assert ClusterSpec.from_dict(cluster.to_dict()) == cluster
-    assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    assert parse_cluster(cluster.to_dict()) == cluster
+    assert parse_cluster(json.loads(json.dumps(cluster.to_dict()))) == cluster
     for d in cluster.devices:
         assert cluster.device(d.id) is d
         assert d.id.startswith(d.host + "/")
@@ -116,15 +117,15 @@ def _cluster_dict(**host_extra) -> dict:
 
 
 def test_from_dict_defaults_and_errors_without_lines() -> None:
-    c = ClusterSpec.from_dict(_cluster_dict())
+    c = parse_cluster(_cluster_dict())
     assert [d.id for d in c.devices] == ["h/0", "h/1"]
     assert not c.devices[0].trusted and c.devices[0].spec == CATALOG["T4"]
     with pytest.raises(InvalidInputError, match=r"^cluster: hosts\[0\]\.devices\[0\]\.count: bad count"):
-        ClusterSpec.from_dict(_cluster_dict(devices=[{"type": "T4", "count": 0}]))
+        parse_cluster(_cluster_dict(devices=[{"type": "T4", "count": 0}]))
     with pytest.raises(InvalidInputError, match="verifier host is CPU-only"):
-        ClusterSpec.from_dict(_cluster_dict(role="verifier", trusted=True))
+        parse_cluster(_cluster_dict(role="verifier", trusted=True))
     with pytest.raises(InvalidInputError, match="efficiency"):
-        ClusterSpec.from_dict(_cluster_dict(devices=[{"type": "T4", "efficiency": 2}]))
+        parse_cluster(_cluster_dict(devices=[{"type": "T4", "efficiency": 2}]))
 
 
 def test_efficiency_override_and_profiled_device_round_trip(tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_efficiency_override_and_profiled_device_round_trip(tmp_path: Path) -> N
     d = c.to_dict()
     assert d["hosts"][0]["devices"][0] == {"type": "T4", "efficiency": 0.2, "count": 1}
     assert d["hosts"][0]["devices"][1]["spec"]["name"] == "my-box"  # inlined: portable without the file
-    assert ClusterSpec.from_dict(d) == c
+    assert parse_cluster(d) == c
 
 
 def test_json_cluster_file(tmp_path: Path) -> None:

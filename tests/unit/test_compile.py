@@ -7,8 +7,18 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_fixtures import (GOLDEN_PATH, TEST_DEVICE, cluster, compile_simple, config, free_cluster, golden_plan,
-                           model_ref, solution, uniform_chain)
+from plan_fixtures import (
+    GOLDEN_PATH,
+    TEST_DEVICE,
+    cluster,
+    compile_simple,
+    config,
+    free_cluster,
+    golden_plan,
+    model_ref,
+    solution,
+    uniform_chain,
+)
 
 from planner.compile import compile_plan
 from planner.errors import InvalidInputError, PlanMismatchError

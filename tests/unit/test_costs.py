@@ -3,13 +3,27 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.cluster import ClusterSpec, Link
+from cost_models.cluster import Link
+from cost_models.cluster_file import parse_cluster
 from cost_models.comm import allreduce_ms, group_allreduce_ms, ring_links, transfer_ms
-from cost_models.compute import (block_bwd_ms, block_fwd_ms, block_times_ms, range_bwd_ms, range_fwd_ms,
-                                 roofline_ms)
+from cost_models.compute import (
+    block_bwd_ms,
+    block_fwd_ms,
+    block_times_ms,
+    range_bwd_ms,
+    range_fwd_ms,
+    roofline_ms,
+)
 from cost_models.devices import DeviceSpec
-from cost_models.memory import (MemoryBreakdown, bytes_per_param, in_flight_microbatches, stage_comm_buffer_bytes,
-                                stage_memory, stage_param_count, usable_memory_bytes)
+from cost_models.memory import (
+    MemoryBreakdown,
+    bytes_per_param,
+    in_flight_microbatches,
+    stage_comm_buffer_bytes,
+    stage_memory,
+    stage_param_count,
+    usable_memory_bytes,
+)
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.ir import Block, BlockChain, TiedParam
@@ -93,7 +107,7 @@ def test_allreduce_ring_formula() -> None:
 
 
 def test_group_allreduce_on_a_cluster() -> None:
-    c = ClusterSpec.from_dict({
+    c = parse_cluster({
         "name": "c",
         "hosts": [{"name": "a", "region": "r1", "trust": "t", "devices": [{"type": "T4", "count": 2}]},
                   {"name": "b", "region": "r2", "trust": "t", "devices": [{"type": "T4"}]}],

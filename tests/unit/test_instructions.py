@@ -6,8 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError
-from planner.instructions import (OPS, Instruction, format_instruction, message_keys, parse_instruction,
-                                  parse_program)
+from planner.instructions import (
+    OPS,
+    Instruction,
+    format_instruction,
+    message_keys,
+    parse_instruction,
+    parse_program,
+)
 
 EXAMPLES = {
     "1F3": Instruction(op="F", stage=1, mb=3),

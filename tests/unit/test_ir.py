@@ -2,7 +2,15 @@
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.ir import Block, BlockChain, Graph, Node, ParamInfo, TensorMeta, dtype_bytes
+from planner.ir import (
+    Block,
+    BlockChain,
+    Graph,
+    Node,
+    ParamInfo,
+    TensorMeta,
+    dtype_bytes,
+)
 
 
 def _meta(*shape, dtype="float32"):

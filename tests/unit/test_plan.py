@@ -10,7 +10,8 @@ from plan_fixtures import GOLDEN_PATH, golden_plan
 
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.ir import Graph, Node, TensorMeta
-from planner.plan import SCHEMA_VERSION, Plan, load_plan, plan_schema
+from planner.plan import SCHEMA_VERSION, Plan, plan_schema
+from planner.plan_load import load_plan
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,15 @@ import pytest
 
 from cost_models.comm import transfer_ms
 from cost_models.compute import range_bwd_ms, range_fwd_ms
-from cost_models.verify import verify_ms
 from cost_models.devices import load_profile_spec
 from cost_models.measured import load_message_cost
+from cost_models.verify import verify_ms
 from planner.errors import InvalidInputError
-from planner.plan import load_plan
+from planner.instruction_costs import CostModel
+from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.emulate import emulation_for
-from planner.simulate import CostModel, simulate
+from planner.simulate import simulate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GOLDEN = FIXTURES / "golden_plan.json"      # 5 ranks: stage 1 replicated on a fast and a 2x slower device

@@ -13,8 +13,8 @@ from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver.grid import best_grid, grids, shaped
 from planner.solver.idle import idle_reasons
 from planner.solver.objective import price_program, violations
-from planner.solver.polish import polish
 from planner.solver.policy import VerificationPolicy
+from planner.solver.polish import polish
 from planner.solver.problem import build_problem, scale_chain
 from planner.solver.routing import pair_counts, route
 from tests.unit.program_fixtures import POLICY, wide_area_cluster

@@ -6,7 +6,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError, RankFailureError
-from planner.runtime.comm import MAX_BOUNDARIES, MAX_MICROBATCHES, MAX_TENSORS, Kind, failure, make_tag, split_tag
+from planner.runtime.comm import (
+    MAX_BOUNDARIES,
+    MAX_MICROBATCHES,
+    MAX_TENSORS,
+    Kind,
+    failure,
+    make_tag,
+    split_tag,
+)
 
 fields = st.tuples(st.sampled_from(list(Kind)), st.integers(0, MAX_BOUNDARIES - 1),
                    st.integers(0, MAX_MICROBATCHES - 1), st.integers(0, MAX_TENSORS - 1))

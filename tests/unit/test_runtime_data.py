@@ -6,7 +6,13 @@ import torch
 
 from models.registry import build_model
 from planner.errors import InvalidInputError
-from planner.runtime.data import PlanBatches, SyntheticSource, TextSource, make_source, resolve_loss
+from planner.runtime.data import (
+    PlanBatches,
+    SyntheticSource,
+    TextSource,
+    make_source,
+    resolve_loss,
+)
 
 
 def test_byte_level_lm_gets_text_and_classifier_gets_synthetic():

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.runtime.launch import (FaultSpec, RunOptions, _Rank, diagnose, parse_worker_args)
+from planner.runtime.launch import _Rank, diagnose
+from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
 
 
 def test_worker_argv_round_trips_every_option():

@@ -6,8 +6,13 @@ import math
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.runtime.metrics import (MetricsWriter, StepMetrics, measured_step_ms, read_metrics,
-                                     summarize_step)
+from planner.runtime.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    measured_step_ms,
+    read_metrics,
+    summarize_step,
+)
 
 
 def _row(step, rank, step_ms, **kw):

@@ -9,8 +9,14 @@ from torch import nn
 
 from models.registry import build_model
 from planner.errors import PlanMismatchError
-from planner.runtime.stage import (build_stage, export_model, materialize, split_graph, stage_edges,
-                                   stage_state_names)
+from planner.runtime.stage import (
+    build_stage,
+    export_model,
+    materialize,
+    split_graph,
+    stage_edges,
+    stage_state_names,
+)
 
 torch.set_num_threads(1)
 

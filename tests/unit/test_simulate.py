@@ -18,11 +18,12 @@ from plan_fixtures import (
 
 from cost_models import comm, compute, memory
 from cost_models.devices import DeviceSpec
+from cost_models.optim import optim_ms
 from cost_models.training import TrainingConfig
 from cost_models.verify import verify_ms
 from planner.errors import InvalidInputError
-from cost_models.optim import optim_ms
-from planner.simulate import CostModel, simulate, stage_param_tensors
+from planner.instruction_costs import CostModel, stage_param_tensors
+from planner.simulate import predict, simulate
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import VerifierPlacement
 
@@ -260,14 +261,14 @@ def test_a_saved_plan_simulates_to_its_prediction(tmp_path):
     from plan_fixtures import model_ref
 
     from planner.compile import compile_plan
-    from planner.plan import load_plan
+    from planner.plan_load import load_plan
 
     ch = uniform_chain(4, out_bytes=10**6)
     scaled = dataclasses.replace(ch, microbatch_size=4)  # as if the solver rescaled a chain traced at 2
     ref = model_ref(ch)
     cl = cluster([(f"h{i}", TEST_DEVICE, 1) for i in range(2)], bandwidth_gbps=10.0, latency_ms=1.0)
     sol = solution([(0, 1), (2, 3)], [("h0/0",), ("h1/0",)], 4)
-    plan = compile_plan(sol, scaled, cl, config(4, microbatch_size=4), VerificationPolicy(), ref)
+    plan = predict(compile_plan(sol, scaled, cl, config(4, microbatch_size=4), VerificationPolicy(), ref))
     assert plan.model.batch == 2 and plan.chain_microbatch_size == 4
     loaded = load_plan(plan.save(tmp_path / "plan.json"))
     assert simulate(loaded).predicted() == plan.predicted

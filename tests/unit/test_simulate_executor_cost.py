@@ -5,7 +5,8 @@ import pytest
 from plan_fixtures import compile_simple, free_cluster, solution, uniform_chain
 
 from cost_models.measured import MessageCost
-from planner.simulate import CostModel, simulate
+from planner.instruction_costs import CostModel
+from planner.simulate import simulate
 from planner.solver.policy import VerificationPolicy
 
 

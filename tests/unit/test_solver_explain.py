@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver import api
@@ -18,7 +19,7 @@ CONFIG = TrainingConfig(global_batch=4, microbatch_size=1)
 
 
 def cluster(*hosts) -> ClusterSpec:
-    return ClusterSpec.from_dict({"name": "t", "hosts": list(hosts), "links": LINKS})
+    return parse_cluster({"name": "t", "hosts": list(hosts), "links": LINKS})
 
 
 def host(name, gpu, count=1, *, trusted=True, trust=None, role=None):
@@ -42,7 +43,7 @@ def _message(exc: Exception) -> str:
 
 def test_empty_cluster_is_rejected_when_loaded():
     with pytest.raises(InvalidInputError, match="empty cluster"):
-        ClusterSpec.from_dict({"name": "none", "hosts": [], "links": LINKS})
+        parse_cluster({"name": "none", "hosts": [], "links": LINKS})
 
 
 def test_cluster_without_stage_devices():

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from planner.solver import api
-from planner.solver.dp import Group, sequence_placement
+from planner.solver.dp import Group
 from planner.solver.lagrange import SequenceDP, lagrange_bound, repair
 from planner.solver.objective import evaluate, violations
 from planner.solver.relax import merged_for_bound
+from planner.solver.seqpart import sequence_placement
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
 

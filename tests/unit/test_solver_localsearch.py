@@ -7,10 +7,15 @@ import math
 import numpy as np
 
 from planner.solver import api
-from planner.solver.dp import Group, sequence_placement
+from planner.solver.dp import Group
 from planner.solver.localsearch import groups_of, improve, neighbours
 from planner.solver.objective import evaluate, violations
-from planner.solver.seqpart import copy_table, partition_min_step, screen_step
+from planner.solver.seqpart import (
+    copy_table,
+    partition_min_step,
+    screen_step,
+    sequence_placement,
+)
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import instance
 

@@ -6,7 +6,13 @@ import pytest
 
 from cost_models.cluster import Link
 from cost_models.devices import CATALOG
-from planner.solver.objective import Placement, evaluate, even_split, required_directions, violations
+from planner.solver.objective import (
+    Placement,
+    evaluate,
+    even_split,
+    required_directions,
+    violations,
+)
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import DeviceClass, Problem
 from planner.solver.solution import StagePlacement, VerifierPlacement

@@ -18,7 +18,7 @@ from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
 from planner.plan import ModelRef
-from planner.simulate import simulate
+from planner.simulate import predict, simulate
 from planner.solver import api
 from planner.solver.policy import VerificationPolicy
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain, random_cluster
@@ -31,7 +31,7 @@ def _compiled(chain, cluster, config, policy, sol):
     cfg = dataclasses.replace(config, microbatch_size=mb)
     ref = ModelRef(spec="tests:chain", name=chain.model_name, fingerprint=chain.fingerprint,
                    batch=chain.microbatch_size, dtype=trace_dtype(chain))
-    return compile_plan(sol, api.scale_chain(chain, mb), cluster, cfg, policy, ref)
+    return predict(compile_plan(sol, api.scale_chain(chain, mb), cluster, cfg, policy, ref))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

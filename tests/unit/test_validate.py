@@ -4,7 +4,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from plan_fixtures import compile_simple, free_cluster, golden_plan, solution, uniform_chain
+from plan_fixtures import (
+    compile_simple,
+    free_cluster,
+    golden_plan,
+    solution,
+    uniform_chain,
+)
 
 from planner.errors import InvalidInputError
 from planner.instructions import parse_program
