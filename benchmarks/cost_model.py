@@ -51,7 +51,9 @@ from cost_models.compute import block_bwd_ms, block_fwd_ms  # noqa: E402
 from cost_models.devices import DeviceSpec  # noqa: E402
 from cost_models.measured import BlockSample, fit_calibration  # noqa: E402
 from cost_models.memory import in_flight_microbatches, stage_memory  # noqa: E402
-from cost_models.profile import (  # noqa: E402
+from cost_models.training import TrainingConfig  # noqa: E402
+from models.registry import build_model  # noqa: E402
+from planner.profiling.profile import (  # noqa: E402
     UnitTiming,
     measure_matmul_flops,
     measure_memory_bandwidth,
@@ -59,8 +61,6 @@ from cost_models.profile import (  # noqa: E402
     pair_samples,
     time_units,
 )
-from cost_models.training import TrainingConfig  # noqa: E402
-from models.registry import build_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
 # (model, batch, seq). Evaluation: gpt-small at a short shape and llama-tiny. Cross-shape

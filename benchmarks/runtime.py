@@ -11,7 +11,7 @@ byte-level GPT (d=128, T=64, microbatch 4, 4 microbatches):
    4-rank plans, with and without emulated heterogeneity (the last device at a
    third of the profiled efficiency, padded by ``--emulate-speed``) (goal:
    within 10%). Every run is bracketed by two profiles of this CPU
-   (``cost_models.profile``: matmul peak, bandwidth and the benchmark model's
+   (``planner.profiling.profile``: matmul peak, bandwidth and the benchmark model's
    own blocks, median of the repeats, one thread), one just before and one
    just after it; the plan is priced with each and the prediction is their
    mean (the CPU's speed drifts on this shared host; the spread of the two is
@@ -118,7 +118,7 @@ class Machine:
     """What the first profile measured of how ranks on this machine's cores slow each other:
     ``sharing`` (passes that overlap, :data:`SHARING_MICROBATCHES` in flight per probe process) and
     ``messages`` (CPU time per message at each end, and the executor's own per message and per pass, as
-    ``planner.runtime.overhead_probe`` measured it) price the predictions; ``previous_sharing`` (one
+    ``planner.profiling.overhead_probe`` measured it) price the predictions; ``previous_sharing`` (one
     microbatch in flight, no message costs) is the model before them, and ``bare_messages`` the model
     before the executor probe, priced beside it."""
 
@@ -136,7 +136,7 @@ def profile_cpu(path: Path, *, p2p: bool = False, sharing: bool = False, warm: b
 
     The median of the repeats, not the minimum: a step adds up many passes, so it sees their
     typical time on this shared machine, not the best one."""
-    from cost_models.profile import ProfileSettings, profile_device, write_profile
+    from planner.profiling.profile import ProfileSettings, profile_device, write_profile
     torch.set_num_threads(1)
     settings = ProfileSettings(model=MODEL, batch=MICROBATCH, seq=SEQ, matmul_size=512, copy_bytes=32 << 20,
                                repeats=10, p2p=p2p, p2p_sizes=P2P_SIZES, statistic="median", sharing=sharing,
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         link = local_link(first)
         out["local_link"] = link
         from cost_models.measured import load_message_cost, load_sharing
-        from cost_models.profile import measure_core_sharing
+        from planner.profiling.profile import measure_core_sharing
         sharing = load_sharing(first)
         previous = measure_core_sharing(model=MODEL, batch=MICROBATCH, seq=SEQ, processes=2 * cores,
                                         window_s=sharing.window_s, rounds=sharing.rounds, microbatches=1)

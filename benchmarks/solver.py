@@ -7,7 +7,7 @@ host; 2 to 4 GPU types) with GPT-like random chains at blocks x devices =
 one 16-GPU host, without replication (the exact DP covers the space) and
 with replication (CP-SAT). Global batch 32, microbatch 1 (M = 32), 1F1B.
 
-Part 2, examples: every ``examples/clusters/*.yaml`` with the gpt-1.3b and
+Part 2, examples: every packaged cluster (``cost_models/clusters/*.yaml``) with the gpt-1.3b and
 llama-7b presets (traced at batch 1, seq 1024 with ``planner.model_io``):
 the solver's iteration time against each baseline's (uniform, params,
 greedy, dp) under the same cost model; "n/a" where the baseline's plan does
@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from cost_models.cluster import PACKAGED_CLUSTERS_DIR
 from cost_models.cluster_file import load_cluster
 from planner.simulate import predict
 
@@ -164,11 +165,11 @@ def example_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     from planner.errors import InfeasiblePlanError
     from planner.model_io import load_chain
     from planner.solver import api
-    from planner.solver.baselines import BASELINES
     from planner.solver.policy import VerificationPolicy
+    from planner.solver.search.baselines import BASELINES
 
     rows = []
-    clusters = sorted((ROOT / "examples" / "clusters").glob("*.yaml"))
+    clusters = sorted(PACKAGED_CLUSTERS_DIR.glob("*.yaml"))
     presets = PRESETS[:1] if quick else PRESETS
     policy, config = VerificationPolicy(), _config()
     for preset in presets:

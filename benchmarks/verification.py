@@ -10,7 +10,7 @@ flagged microbatch is dropped downstream, and a banned rank is planned around
 between ranks b and b + 1, the attacker is rank 1 (a middle stage). The
 monitors get the configuration a plan gets by default (``planner.plan.
 VerifierConfig``), and the microbatch's token ids as labels (as
-``planner.runtime.verify_hooks.VerifyHooks`` gives them when the worker passes
+``planner.integrity.hooks.VerifyHooks`` gives them when the worker passes
 it the run's data source).
 
 Per attack, over (step, sender) pairs of runs where the attacker keeps
@@ -62,11 +62,11 @@ if str(ROOT) not in sys.path:
 from cost_models.cluster_file import parse_cluster
 from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
-from planner.plan import VerifierConfig as PlanVerifierConfig
-from planner.runtime.attacks import Attacker, parse_attack
-from planner.runtime.verify import Verifier, blame
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.verifier import Verifier, blame
 from planner.runtime.worker import make_lr_warmup
 from planner.simulate import predict
+from planner.verifier_config import VerifierConfig
 
 ATTACKS: dict[str, str] = {
     "constant": "kind=constant",
@@ -88,10 +88,8 @@ ATTACKER = 1
 
 
 def plan_default_config() -> dict[str, Any]:
-    """The monitors' config a plan gives by default (keys renamed as the runtime does)."""
-    plan = PlanVerifierConfig()
-    return {"beta_act": plan.act_beta, "beta_grad": plan.grad_beta, "window": plan.window,
-            "iqr_k": plan.iqr_k, "warmup": plan.warmup_steps, "ban_after": plan.ban_after}
+    """The monitors' config a plan gives by default."""
+    return VerifierConfig().to_dict()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -411,7 +409,6 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     from planner.coarsen import coarsen
     from planner.compile import compile_plan
     from planner.plan import ModelRef
-    from planner.plan import VerifierConfig as PlanVerifier
     from planner.solver.policy import VerificationPolicy
     from planner.solver.solution import (
         Solution,
@@ -447,7 +444,7 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
                             optimizer="adam")
     ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
     plan = predict(compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=True, trusted_endpoints=False),
-                        ref, verifier_config=PlanVerifier()))
+                        ref, verifier_config=VerifierConfig()))
     return plan.save(folder / f"{spec.split(':')[-1]}-{'host' if host else 'stage'}.json")
 
 

@@ -1,24 +1,10 @@
-"""Cost models: devices, clusters, profiling, and pure compute/communication/memory costs."""
+"""Cost models: devices, clusters, and pure compute / communication / memory / verification costs."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec, Device, Link
+from cost_models.cluster_file import load_cluster
+from cost_models.devices import CATALOG, DeviceSpec, get_device_spec
+from cost_models.training import TrainingConfig
 
-_LAZY = {
-    "load_cluster": ("cost_models.cluster_file", "load_cluster"),
-    "ClusterSpec": ("cost_models.cluster", "ClusterSpec"),
-    "DeviceSpec": ("cost_models.devices", "DeviceSpec"),
-    "TrainingConfig": ("cost_models.training", "TrainingConfig"),
-    "get_device_spec": ("cost_models.devices", "get_device_spec"),
-    "CATALOG": ("cost_models.devices", "CATALOG"),
-    "DEFAULT_CLUSTER_PATH": ("cost_models.cluster", "DEFAULT_CLUSTER_PATH"),
-    "Link": ("cost_models.cluster", "Link"),
-    "Device": ("cost_models.cluster", "Device"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'cost_models' has no attribute {name!r}")
+__all__ = ["CATALOG", "DEFAULT_CLUSTER_PATH", "ClusterSpec", "Device", "DeviceSpec", "Link", "TrainingConfig",
+           "get_device_spec", "load_cluster"]

@@ -1,6 +1,6 @@
 """Clusters: hosts, their devices and trust domains, and the links between them.
 
-A cluster file (YAML or JSON; see ``examples/clusters/default.yaml``) lists
+A cluster file (YAML or JSON; see ``cost_models/clusters/default.yaml``) lists
 ``hosts`` (``name``, ``region``, ``trust`` domain, ``trusted`` flag, optional
 ``role: verifier`` for a CPU-only trusted host that runs verifiers but no
 stage, optional ``intra_host`` link, and ``devices: [{type, count}]``) and

@@ -8,7 +8,7 @@
   (:func:`sharing_speeds`);
 - :func:`load_sharing` / :func:`load_message_cost`: those tables from a profile document.
 
-Nothing here times hardware (``cost_models.profile`` alone does); the simulator and the CLI use these
+Nothing here times hardware (``planner.profiling.profile`` alone does); the simulator and the CLI use these
 values without importing the measuring code.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class MessageCost:
     posting it and moving its bytes through the backend (gloo's threads, the kernel's socket copies).
 
     ``send_ms + nbytes * send_ms_per_mib / 2**20`` on the sender, likewise ``recv_*`` on the receiver,
-    fitted over message sizes (:func:`fit_message_cost`) of what ``planner.runtime.p2p_probe`` measures:
+    fitted over message sizes (:func:`fit_message_cost`) of what ``planner.profiling.p2p_probe`` measures:
     messages posted with the runtime's own calls, each right after a sweep that leaves the caches as
     a pass does (posting from cold caches costs a few times what a tight loop of posts does). Ranks that
     share a machine's cores pay it out of their compute (``planner.simulate.simulate(plan, messages=...)``).
@@ -72,7 +72,7 @@ class MessageCost:
     ``executor_ms`` and ``executor_pass_ms``: what the runtime's executor itself costs on top, per message
     instruction (its bookkeeping around each post, and what its messages cost the process beyond the bare
     probe's) and per forward/backward pass (preparing inputs, prefetching, freeing, the step's metrics), as
-    ``planner.runtime.overhead_probe`` measures it running a small plan (:func:`with_executor_cost`);
+    ``planner.profiling.overhead_probe`` measures it running a small plan (:func:`with_executor_cost`);
     0 in profiles taken before that probe existed.
     """
 
@@ -122,7 +122,7 @@ class P2PResult:
     points: tuple[tuple[int, float], ...]  # (bytes, one-way ms)
     messages: MessageCost | None = None
     posting: tuple[dict[str, float], ...] = ()  # the probe's per-size posting and CPU measurements
-    executor: dict[str, Any] | None = None  # planner.runtime.overhead_probe's report (MessageCost.executor_*)
+    executor: dict[str, Any] | None = None  # planner.profiling.overhead_probe's report (MessageCost.executor_*)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

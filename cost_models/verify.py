@@ -4,7 +4,7 @@ from __future__ import annotations
 from cost_models.devices import DeviceSpec
 from planner.errors import InvalidInputError
 
-# Measured, not guessed: the runtime's check (``planner.runtime.verify.Verifier.check``
+# Measured, not guessed: the runtime's check (``planner.integrity.verifier.Verifier.check``
 # on four monitors of two consecutive boundaries, link tests included, one torch
 # thread; its share of the step's closing) costs 1.79 / 2.41 / 3.71 / 6.61 ms at
 # 0.125 / 0.5 / 1.5 / 3 MiB on the 2-core VM whose profile measured 32 GB/s: 1.50 ms

@@ -12,35 +12,16 @@ therefore build the model on the meta device, materialise only its own stage
 weights an unpipelined copy built with the same seed has, without ever
 allocating the other stages. Parameters still on the meta device are skipped.
 
-The public API (``build_model``, ``PRESETS``, ...) is imported lazily.
+The public API (``build_model``, ``PRESETS``, ...) lives in ``models.registry``.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
-
-_LAZY = {
-    "build_model": ("models.registry", "build_model"),
-    "ModelBundle": ("models.registry", "ModelBundle"),
-    "Preset": ("models.registry", "Preset"),
-    "PRESETS": ("models.registry", "PRESETS"),
-    "make_batch": ("models.registry", "make_batch"),
-    "loss_fn": ("models.registry", "loss_fn"),
-    "ByteTextDataset": ("models.data", "ByteTextDataset"),
-    "synthetic_batch": ("models.data", "synthetic_batch"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'models' has no attribute {name!r}")
 
 
 def stable_seed(*parts: object) -> int:

@@ -15,15 +15,13 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from models import stable_seed
+from models.registry import ModelBundle
 from planner.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from models.registry import ModelBundle
 
 Split = Literal["train", "val"]
 VAL_EVERY = 10          # every 10th file (sorted order) is validation: both splits span the library
@@ -167,3 +165,9 @@ def _random_like(example: torch.Tensor, shape: tuple[int, ...], gen: torch.Gener
     if example.dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(example.dtype)
     return torch.randint(0, max(high, 1), shape, generator=gen, dtype=example.dtype)
+
+
+def make_batch(bundle: ModelBundle, batch: int, seed: int = 0, *, step: int = 0
+               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Synthetic ``(inputs, targets)`` with a learnable rule; see :func:`synthetic_batch`."""
+    return synthetic_batch(bundle, step, batch, seed)

@@ -130,13 +130,6 @@ def build_model(spec: str, *, batch: int = 1, seq: int | None = None, device: st
     return _build_preset(spec, batch, seq, dev, seed)
 
 
-def make_batch(bundle: ModelBundle, batch: int, seed: int = 0, *, step: int = 0
-               ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Synthetic ``(inputs, targets)`` with a learnable rule; see ``models.data.synthetic_batch``."""
-    from models.data import synthetic_batch  # data imports nothing from here at import time
-    return synthetic_batch(bundle, step, batch, seed)
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over every token: logits ``[B, T, V]``, targets ``[B, T]``."""
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())

@@ -8,13 +8,13 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from planner.commands import export_onnx, plan, profile, run, show, simulate, trace
 from planner.errors import PlannerError
 
 # Order is the order shown in --help.
-COMMANDS = ("trace", "profile", "plan", "show", "simulate", "run", "export_onnx")
+COMMANDS = (trace, profile, plan, show, simulate, run, export_onnx)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,14 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stagewise",
         description="Plan, simulate and run pipeline training on heterogeneous, partly untrusted devices.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"planner.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"planner.commands.{name}":
-                continue  # a command not built yet is simply not offered
-            raise
-        module.register(sub)
+    for command in COMMANDS:
+        command.register(sub)
     return parser
 
 

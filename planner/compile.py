@@ -15,21 +15,13 @@ from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.instruction_costs import CostModel
 from planner.ir import BlockChain
-from planner.plan import (
-    DIRECTIONS,
-    ModelRef,
-    Plan,
-    Predicted,
-    RankInfo,
-    StageInfo,
-    VerifierConfig,
-    VerifierInfo,
-)
+from planner.plan import ModelRef, Plan, Predicted, RankInfo, StageInfo, VerifierInfo
 from planner.schedules import build_programs, max_in_flight
 from planner.solver.policy import VerificationPolicy
 from planner.solver.routing import route
 from planner.solver.solution import Solution
 from planner.validate import validate_programs
+from planner.verifier_config import DIRECTIONS, VerifierConfig
 
 
 def _check_inputs(solution: Solution, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,

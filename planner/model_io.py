@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.registry import build_model
 from planner.coarsen import Granularity, coarsen
 from planner.errors import InvalidInputError
 from planner.ir import BlockChain, Graph
+from planner.onnx_import import load_onnx
+from planner.trace import trace
 
 
 def is_onnx_spec(spec: str) -> bool:
@@ -21,13 +24,10 @@ def is_onnx_spec(spec: str) -> bool:
 def load_graph(spec: str, *, batch: int | None = None, seq: int | None = None) -> Graph:
     """Trace a preset or factory at ``batch`` x ``seq``, or read an ONNX file."""
     if is_onnx_spec(spec):
-        from planner.onnx_import import load_onnx
 
         graph = load_onnx(spec)
         _check_onnx_shapes(spec, graph, batch, seq)
         return graph
-    from models.registry import build_model
-    from planner.trace import trace
 
     bundle = build_model(spec, batch=1 if batch is None else batch, seq=seq, device="meta")
     return trace(bundle.module, bundle.example_inputs, name=bundle.name)

@@ -43,9 +43,9 @@ from planner.instructions import (  # noqa: F401
 from planner.ir import Block, BlockChain, TiedParam, dtype_bytes
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
+from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-SCHEMA_VERSION = 1
-DIRECTIONS = ("act", "grad")
+SCHEMA_VERSION = 2  # 2: verifier_config holds every monitor setting
 _REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -80,35 +80,6 @@ class ModelRef:
         if self.batch < 1 or (self.seq is not None and self.seq < 1):
             raise InvalidInputError("model reference batch/seq", expected=">= 1",
                                     found=f"batch={self.batch} seq={self.seq}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VerifierConfig:
-    """Defaults for the runtime's integrity monitors (SENTINEL-style).
-
-    EMA reference per boundary and direction (``act_beta``, ``grad_beta``); a
-    sample is flagged when its score exceeds ``Q3 + iqr_k * IQR`` over the
-    last ``window`` accepted scores, once ``warmup_steps`` honest steps have
-    filled the window; a sender flagged ``ban_after`` times is banned.
-    """
-
-    act_beta: float = 0.9
-    grad_beta: float = 0.8
-    window: int = 64
-    iqr_k: float = 3.0
-    warmup_steps: int = 5
-    ban_after: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("act_beta", "grad_beta"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise InvalidInputError(f"verifier_config.{name}", expected="0 < beta < 1",
-                                        found=repr(getattr(self, name)))
-        if self.window < 4 or self.iqr_k <= 0 or self.warmup_steps < 0 or self.ban_after < 1:
-            raise InvalidInputError("verifier_config",
-                                    expected="window >= 4, iqr_k > 0, warmup_steps >= 0, ban_after >= 1",
-                                    found=f"window={self.window} iqr_k={self.iqr_k} "
-                                          f"warmup_steps={self.warmup_steps} ban_after={self.ban_after}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -414,7 +385,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "cluster": plan.cluster,
         "config": plan.config.to_dict(),
         "policy": plan.policy.to_dict(),
-        "verifier_config": _plain(plan.verifier_config),
+        "verifier_config": plan.verifier_config.to_dict(),
         "stages": [{"index": st.index, "in_bytes": st.in_bytes, "blocks": [_plain(b) for b in st.blocks]}
                    for st in plan.stages],
         "chain_microbatch_size": plan.chain_microbatch_size,
@@ -453,7 +424,7 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             cluster=data["cluster"],
             config=TrainingConfig.from_dict(data["config"]),
             policy=VerificationPolicy.from_dict(data["policy"]),
-            verifier_config=VerifierConfig(**data["verifier_config"]),
+            verifier_config=VerifierConfig.from_dict(data["verifier_config"]),
             stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"],
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),

@@ -56,7 +56,7 @@ the wire: posting it and the backend's threads moving its bytes. A ``SEND_*``
 then occupies its rank (and, sharing cores, a core) for the sender's part
 before the message leaves, a ``RECV_*`` for the receiver's part once it has
 arrived. Its ``executor_ms`` (the runtime executor's own CPU per message
-instruction, measured by ``planner.runtime.overhead_probe``) is added to each
+instruction, measured by ``planner.profiling.overhead_probe``) is added to each
 end's part, and its ``executor_pass_ms`` (the executor's bookkeeping per pass)
 to every ``F``/``B`` (on the core, not padded by an emulated slow device).
 Without it (the default) messages cost the ranks no processor time.

@@ -45,7 +45,9 @@ _FIX = "re-create the plan with `stagewise plan` (do not edit programs by hand)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Problem:
+class ProgramFault:
+    """One fault in a program: where (rank, instruction) and what is wrong."""
+
     rank: int
     index: int | None
     instruction: str
@@ -60,7 +62,7 @@ class Problem:
 class _Checker:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.problems: list[Problem] = []
+        self.problems: list[ProgramFault] = []
         self.S = plan.num_stages
         self.owner = {(r.stage, m): r.rank for r in plan.ranks if r.stage is not None for m in r.microbatches}
         self.checked = {(v.boundary, "F" if d == "act" else "B"): v.rank
@@ -68,7 +70,7 @@ class _Checker:
 
     def add(self, rank: int, index: int | None, ins: Instruction | None, what: str) -> None:
         text = format_instruction(ins) if ins is not None else ""
-        self.problems.append(Problem(rank=rank, index=index, instruction=text, what=what))
+        self.problems.append(ProgramFault(rank=rank, index=index, instruction=text, what=what))
 
     # --- 1/2: layout, ownership, local order ------------------------------
     def check_layout(self) -> None:
@@ -287,7 +289,7 @@ class _Checker:
         return True
 
 
-def find_problems(plan: Plan) -> list[Problem]:
+def find_problems(plan: Plan) -> list[ProgramFault]:
     """Every problem found in ``plan``'s programs (empty when they are valid)."""
     checker = _Checker(plan)
     checker.check_layout()

@@ -1,19 +1,14 @@
-"""What several ``stagewise`` subcommands share: argument definitions, plan loading, the rank table.
-
-Kept free of heavy imports at module level (rich, torch): ``stagewise --help``
-imports every command.
-"""
+"""What several ``stagewise`` subcommands share: argument definitions, plan loading, the rank table."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planner.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from planner.instruction_costs import CostModel
-    from planner.plan import Plan
-    from planner.simulate import SimResult
+from planner.instruction_costs import CostModel
+from planner.plan import Plan
+from planner.plan_load import load_plan
+from planner.simulate import SimResult, simulate
 
 MODEL_HELP = "preset name, package.module:factory, or path to a .onnx file"
 BUILDABLE_MODEL_HELP = "preset name or package.module:factory"
@@ -46,9 +41,6 @@ def add_plan_argument(p: argparse.ArgumentParser) -> None:
 
 def load_and_simulate(path: str) -> tuple[Plan, CostModel, SimResult]:
     """Load and validate a plan file, price it and simulate one step."""
-    from planner.instruction_costs import CostModel
-    from planner.plan_load import load_plan
-    from planner.simulate import simulate
 
     plan = load_plan(path)
     costs = CostModel.for_plan(plan)

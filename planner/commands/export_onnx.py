@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from models.registry import build_model
 from planner.commands._common import add_model_argument, add_shape_arguments
 from planner.errors import InvalidInputError
+from planner.model_io import is_onnx_spec
+from planner.onnx_import import export_onnx
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.model_io import is_onnx_spec
 
     out = Path(args.output)
     if out.suffix.lower() != ".onnx":
@@ -30,8 +32,6 @@ def run(args: argparse.Namespace) -> int:
     if is_onnx_spec(args.model):
         raise InvalidInputError(f"model {args.model!r}", expected="a preset or package.module:factory",
                                 found="already an ONNX file", fix="copy the file instead")
-    from models.registry import build_model
-    from planner.onnx_import import export_onnx
 
     bundle = build_model(args.model, batch=args.batch, seq=args.seq, device="cpu", seed=args.seed)
     export_onnx(bundle.module, bundle.example_inputs, out)

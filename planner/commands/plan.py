@@ -4,7 +4,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from planner.api import plan_chain
 from planner.commands._common import SEQ_HELP, add_model_argument, check_positive
+from planner.errors import InvalidInputError
+from planner.model_io import load_chain
+from planner.solver.policy import VerificationPolicy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +38,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> int | None:
-    from planner.errors import InvalidInputError
 
     check_positive(args, "global_batch")
     for name in ("stages", "replicas"):
@@ -60,9 +63,6 @@ def _check_args(args: argparse.Namespace) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planner.api import plan_chain
-    from planner.model_io import load_chain
-    from planner.solver.policy import VerificationPolicy
 
     microbatch_size = _check_args(args)
     err = Console(stderr=True)

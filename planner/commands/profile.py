@@ -8,7 +8,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from models.registry import PRESETS
 from planner.commands._common import add_shape_arguments, check_positive
+from planner.errors import InvalidInputError
+from planner.profiling.profile import (
+    STATISTICS,
+    ProfileSettings,
+    profile_device,
+    write_profile,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,8 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _settings(args: argparse.Namespace):
     import dataclasses
 
-    from cost_models.profile import STATISTICS, ProfileSettings
-    from planner.errors import InvalidInputError
 
     check_positive(args, "batch", "seq", "threads")
     base = ProfileSettings.quick(args.model) if args.quick else ProfileSettings(model=args.model or "gpt-small")
@@ -58,7 +64,6 @@ def _settings(args: argparse.Namespace):
 
 
 def _is_language_model(spec: str) -> bool:
-    from models.registry import PRESETS
     preset = PRESETS.get(spec)
     return preset is not None and preset.family == "lm"
 
@@ -74,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from rich.table import Table
 
-    from cost_models.profile import profile_device, write_profile
-    from planner.errors import InvalidInputError
 
     settings = _settings(args)
     import torch

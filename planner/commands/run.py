@@ -12,9 +12,13 @@ import argparse
 import math
 from typing import Any
 
+from planner.plan_load import load_plan
+from planner.rehearsal import predict_rehearsal
+from planner.runtime.launch import launch
+from planner.runtime.options import add_run_arguments, options_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from planner.runtime.options import add_run_arguments
 
     p = subparsers.add_parser(
         "run", help="run a plan locally (one process per rank) and compare measured with predicted step time",
@@ -39,8 +43,6 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
-    from planner.runtime.launch import launch
-    from planner.runtime.options import options_from_args
 
     opts = options_from_args(args)
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
@@ -73,8 +75,6 @@ def _rehearsal(opts, profile: str | None):
     """The simulated run of the plan on the machine ``profile`` describes (None without one)."""
     if profile is None:
         return None
-    from planner.plan_load import load_plan
-    from planner.rehearsal import predict_rehearsal
 
     return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown)
 

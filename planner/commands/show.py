@@ -9,6 +9,8 @@ import argparse
 from pathlib import Path
 
 from planner.commands._common import add_plan_argument, load_and_simulate, rank_table
+from planner.errors import InvalidInputError
+from planner.gantt import write_gantt
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +48,6 @@ def stage_table(plan, costs):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planner.errors import InvalidInputError
-    from planner.gantt import write_gantt
 
     plan, costs, result = load_and_simulate(args.plan)
     console = Console()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from cost_models.measured import load_message_cost, load_sharing
 from planner.commands._common import (
     add_plan_argument,
     check_positive,
@@ -10,6 +11,10 @@ from planner.commands._common import (
     rank_table,
 )
 from planner.errors import InvalidInputError
+from planner.instruction_costs import CostModel
+from planner.plan_load import load_plan
+from planner.rehearsal import predict_rehearsal
+from planner.simulate import simulate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,14 +64,12 @@ def _from_profile(flag: str, path: str | None, load, what: str, fix: str):
 
 
 def _sharing(args: argparse.Namespace):
-    from cost_models.measured import load_sharing
 
     return _from_profile("--sharing", args.sharing, load_sharing, "a core sharing table",
                          "profile with `stagewise profile --sharing`")
 
 
 def _messages(args: argparse.Namespace):
-    from cost_models.measured import load_message_cost
 
     return _from_profile("--messages", args.messages, load_message_cost, "per-message CPU costs",
                          "profile with P2P (stagewise profile, without --no-p2p)")
@@ -76,7 +79,6 @@ def _rehearse(args: argparse.Namespace, plan) -> int:
     """``--rehearse PROFILE``: the plan's run on the profiled machine (``planner.rehearsal``)."""
     from rich.console import Console
 
-    from planner.rehearsal import predict_rehearsal
 
     for flag, value in (("--sharing", args.sharing), ("--messages", args.messages)):
         if value is not None:
@@ -98,9 +100,6 @@ def _rehearse(args: argparse.Namespace, plan) -> int:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from planner.instruction_costs import CostModel
-    from planner.plan_load import load_plan
-    from planner.simulate import simulate
 
     check_positive(args, "cores")
     if args.rehearse is not None:

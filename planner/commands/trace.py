@@ -8,6 +8,7 @@ import sys
 from planner.coarsen import GRANULARITIES, chain_to_dict
 from planner.commands._common import add_model_argument, add_shape_arguments
 from planner.ir import BlockChain, Graph
+from planner.model_io import load_chain
 
 _MB = 1e6
 _GFLOP = 1e9
@@ -27,7 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.model_io import load_chain
 
     graph, chain = load_chain(args.model, batch=args.batch, seq=args.seq, granularity=args.granularity)
     if args.json:

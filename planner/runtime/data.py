@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from models.data import ByteTextDataset, synthetic_batch
+from models.registry import ModelBundle, build_model, loss_fn
 from planner.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from models.registry import ModelBundle
-    from planner.plan import Plan
+from planner.plan import Plan
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,7 +53,6 @@ class TextSource:
 
     def __post_init__(self) -> None:
         if self.dataset is None:
-            from models.data import ByteTextDataset
             object.__setattr__(self, "dataset", ByteTextDataset(self.seq_len))
 
     def batch(self, step: int, size: int) -> Batch:
@@ -70,7 +68,6 @@ class SyntheticSource:
     seed: int = 0
 
     def batch(self, step: int, size: int) -> Batch:
-        from models.data import synthetic_batch
         return synthetic_batch(self.bundle, step, size, self.seed)
 
 
@@ -116,7 +113,6 @@ def make_source(bundle: "ModelBundle", *, kind: str = "auto", seq: int | None = 
 def resolve_loss(bundle: "ModelBundle", spec: str | None = None) -> LossFn:
     if spec:
         return _import(spec, "loss function")
-    from models.registry import loss_fn
     return loss_fn(bundle)
 
 
@@ -153,7 +149,6 @@ class PlanBatches:
 
 def plan_example_inputs(plan: "Plan", *, data: str = "auto", seed: int = 0) -> tuple[torch.Tensor, ...]:
     """One real microbatch of inputs for ``plan``'s model (what ``apply_plan`` exports at)."""
-    from models.registry import build_model
     bundle = build_model(plan.model.spec, batch=plan.model.batch, seq=plan.model.seq, device="meta")
     source = make_source(bundle, kind=data, seq=plan.model.seq, seed=seed)
     inputs, _ = source.batch(0, plan.config.microbatch_size)

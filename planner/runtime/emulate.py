@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cost_models.cluster_file import parse_cluster
+from cost_models.compute import block_bwd_ms, block_fwd_ms
+from cost_models.devices import DeviceSpec
 from planner.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from cost_models.devices import DeviceSpec
-    from planner.plan import Plan, StageInfo
+from planner.plan import Plan, StageInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,7 +73,6 @@ class Emulation:
 
 def stage_ms(stage: "StageInfo", spec: "DeviceSpec", dtype: str) -> tuple[float, float]:
     """(forward, backward) ms of one microbatch of ``stage`` on ``spec``: the planner's own block costs."""
-    from cost_models.compute import block_bwd_ms, block_fwd_ms
 
     return (sum(block_fwd_ms(b, spec, dtype) for b in stage.blocks),
             sum(block_bwd_ms(b, spec, dtype) for b in stage.blocks))

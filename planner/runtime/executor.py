@@ -59,9 +59,9 @@ from planner.runtime.metrics import StepMetrics
 from planner.runtime.stage import EdgeSpecs, StageRuntime
 
 if TYPE_CHECKING:
+    from planner.integrity.hooks import AttackHooks, VerifyHooks
     from planner.plan import Plan
     from planner.runtime.data import PlanBatches
-    from planner.runtime.verify_hooks import AttackHooks, VerifyHooks
 
 ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD, Kind.TAINT_GRAD, Kind.VERDICT_GRAD)}
 

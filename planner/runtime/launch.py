@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
+from planner.integrity.hooks import validate_attacks
 from planner.plan_load import load_plan
 from planner.runtime.options import EVENT_PREFIX, RunOptions
-from planner.runtime.verify_hooks import validate_attacks
 from planner.runtime.worker import check_model
 
 _KILL_GRACE_S = 5.0

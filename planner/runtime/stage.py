@@ -18,7 +18,7 @@ skips a stage is passed through it rather than lost.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,9 +26,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from planner.errors import InvalidInputError, PlanMismatchError
-
-if TYPE_CHECKING:
-    from planner.plan import Plan
+from planner.plan import Plan
+from planner.runtime.data import plan_example_inputs
+from planner.trace import graph_from_exported
 
 # Sentinel stage index of the model's user inputs: "defined before stage 0".
 INPUT_STAGE = -1
@@ -394,7 +394,6 @@ def check_fingerprint(ep: torch.export.ExportedProgram, plan: "Plan") -> None:
     The graph is built by the planner's own code (``planner.trace.graph_from_exported``), so the
     fingerprint is computed exactly as ``stagewise trace/plan`` computed it.
     """
-    from planner.trace import graph_from_exported
 
     found = graph_from_exported(ep, name=plan.model.name).fingerprint()
     if found != plan.model.fingerprint:
@@ -431,7 +430,6 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
         raise InvalidInputError(f"rank {rank} runs no stage (it is a verifier-only rank)",
                                 fix="call apply_plan only on stage ranks")
     if example_inputs is None:
-        from planner.runtime.data import plan_example_inputs
         example_inputs = plan_example_inputs(plan)
     example_inputs = tuple(example_inputs)
     ep = export_model(model, example_inputs)

@@ -26,7 +26,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from models.registry import build_model
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
+from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
+from planner.plan_load import load_plan
 from planner.runtime import comm
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
@@ -59,7 +62,6 @@ from planner.runtime.stage import (
     stage_edges,
     stage_state_names,
 )
-from planner.runtime.verify_hooks import AttackHooks, VerifyHooks, validate_attacks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +106,6 @@ def check_model(plan, *, seed: int = 0):
     Returns ``(bundle, exported program)``; raises PlanMismatchError if the
     model the spec builds today is not the one the plan was made for.
     """
-    from models.registry import build_model
 
     ref = plan.model
     bundle = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed)
@@ -115,7 +116,6 @@ def check_model(plan, *, seed: int = 0):
 
 def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> RankSetup:
     """Rebuild the model, check the fingerprint, split it and build this rank's stage."""
-    from models.registry import build_model
 
     ref = plan.model
     bundle, ep = check_model(plan, seed=opts.seed)
@@ -293,7 +293,6 @@ def _inject_fault(fault: FaultSpec | None, rank: int, step: int) -> None:
 
 def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     """The whole life of one rank. Returns rank 0's result dict (None elsewhere)."""
-    from planner.plan_load import load_plan
 
     torch.set_num_threads(opts.threads)
     plan = load_plan(opts.plan)

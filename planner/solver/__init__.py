@@ -1,24 +1,8 @@
-"""The solver: cost tables, the CP-SAT model, baselines, the DP and infeasibility explanations.
+"""The solver: one search for the stage partition, device placement and verifier placement.
 
-Public entry points (imported lazily, so ``import planner.solver.solution`` stays cheap):
-``solve``, ``solve_or_explain``, ``baseline``, ``microbatch_candidates``.
+Three wings under one orchestrator (``api``): ``search/`` finds plans (baselines, the
+uniform pp x dp grids, DPs over the chain, local search), ``bound/`` proves lower bounds
+(fluid LP, Lagrangian sequence DP, cap boxes, branching), ``cpsat/`` is the CP-SAT model.
+They share the core: ``problem`` (cost tables), ``solution`` (the result), ``objective``
+and ``program_cost`` (what a placement's compiled programs cost), ``routing``, ``verifiers``.
 """
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_LAZY = {
-    "solve": ("planner.solver.api", "solve"),
-    "solve_or_explain": ("planner.solver.api", "solve_or_explain"),
-    "baseline": ("planner.solver.api", "baseline"),
-    "microbatch_candidates": ("planner.solver.api", "microbatch_candidates"),
-    "BASELINES": ("planner.solver.baselines", "BASELINES"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'planner.solver' has no attribute {name!r}")

@@ -35,7 +35,7 @@ fixed in an outer loop, the time split evenly):
 
 What the search's bound bounds (kept in the notes): the closed form
 ``objective.evaluate`` of every plan of the search space described in
-``planner.solver.cpsat``: per ``M`` ``max(fluid, sequence DP, merged sequence DP,
+``planner.solver.cpsat.model``: per ``M`` ``max(fluid, sequence DP, merged sequence DP,
 min(best one-stage plan, CP-SAT bound))``. That closed form counts sends as busy
 time, which the compiled programs overlap, so it does not bound what they cost;
 the reported bound does: the fluid LP and the Lagrangian bound with free links,
@@ -54,14 +54,12 @@ from cost_models.cluster import ClusterSpec
 from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
-from planner.solver import baselines as base
-from planner.solver.cpsat import num_slots, solve_cpsat
-from planner.solver.dp import homogeneous_dp
+from planner.solver.bound.lagrange import lagrange_bound
+from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
+from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
+from planner.solver.cpsat.model import num_slots, solve_cpsat
 from planner.solver.explain import explain_infeasible, precheck
-from planner.solver.grid import best_grid, cheapest, grid_candidates, shaped
 from planner.solver.idle import idle_reasons
-from planner.solver.lagrange import lagrange_bound
-from planner.solver.localsearch import improve
 from planner.solver.objective import (
     Placement,
     evaluate,
@@ -71,12 +69,14 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.polish import polish
 from planner.solver.problem import Problem, build_problem, scale_chain
-from planner.solver.relax import comm_free_for_bound, merged_for_bound
-from planner.solver.seqdp_kernel import warm as warm_kernels
-from planner.solver.seqpart_kernel import warm as warm_partition
-from planner.solver.sequences import search_sequences
+from planner.solver.search import baselines as base
+from planner.solver.search.chain_dp import homogeneous_dp
+from planner.solver.search.grid import best_grid, cheapest, grid_candidates, shaped
+from planner.solver.search.local import improve
+from planner.solver.search.polish import polish
+from planner.solver.search.seq_partition_kernel import warm as warm_partition
+from planner.solver.search.sequences import search_sequences
 from planner.solver.solution import Solution, SolveReport, StagePlacement
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.

@@ -47,8 +47,6 @@ from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
-DIRECTIONS = ("act", "grad")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.plan import VerifierConfig
+from planner.verifier_config import VerifierConfig
 from planner.runtime.options import RunOptions
 from planner.runtime.launch import launch
 from tests.dist.plans import load_dumps, make_plan
@@ -43,7 +43,7 @@ CASES = {
 def _plan(tmp_path, case: str):
     kwargs, _ = CASES[case]
     plan = make_plan(**kwargs, num_microbatches=M, optimizer="adam", verifier_host=True,
-                     verifier_config=VerifierConfig(warmup_steps=1, ban_after=20))
+                     verifier_config=VerifierConfig(warmup=1, ban_after=20))
     assert plan.ranks[-1].stage is None, "the verifier is a host of its own"
     return plan, plan.save(tmp_path / "plan.json")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.attacks import (
+from planner.integrity.attacks import (
     KIND_PARAMS,
     Attacker,
     AttackSpec,
@@ -167,7 +167,7 @@ def test_white_box_adaptive_learns_the_link_tests_and_uses_the_room_the_verifier
     residuals as the verifier does, and knows the published fence floors: it corrupts
     more than the summary-only attacker, yet keeps the surrogate's residual far from
     what a random output would leave (a share of 1 or more)."""
-    from planner.runtime import predictors as pred
+    from planner.integrity import predictors as pred
 
     gen = torch.Generator().manual_seed(5)
     mix = torch.randn(32, 32, generator=gen) / 32 ** 0.5

@@ -7,22 +7,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cost_models.cluster import DEFAULT_CLUSTER_PATH, Link
+from cost_models.cluster import DEFAULT_CLUSTER_PATH, PACKAGED_CLUSTERS_DIR, Link
 from cost_models.cluster_file import load_cluster, parse_cluster
 from cost_models.devices import CATALOG, PROFILE_SCHEMA
 from planner.errors import InvalidInputError
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples" / "clusters").glob("*.yaml"))
+EXAMPLES = sorted(PACKAGED_CLUSTERS_DIR.glob("*.yaml"))
 FIXTURES = ROOT / "tests" / "fixtures" / "clusters"
 
 
-def test_examples_exist_and_default_is_identical_to_packaged() -> None:
-    names = {p.stem for p in EXAMPLES}
-    assert {"default", "swarm-t4", "dc-a100-v100", "box-8gpu"} <= names
-    assert (ROOT / "examples/clusters/default.yaml").read_bytes() == DEFAULT_CLUSTER_PATH.read_bytes()
-    for packaged in DEFAULT_CLUSTER_PATH.parent.glob("*.yaml"):
-        assert (ROOT / "examples/clusters" / packaged.name).read_bytes() == packaged.read_bytes()
+def test_packaged_clusters_exist_once() -> None:
+    names = [p.stem for p in EXAMPLES]
+    assert {"default", "swarm-t4", "dc-a100-v100", "box-8gpu"} <= set(names)
+    assert EXAMPLES[0].parent == DEFAULT_CLUSTER_PATH.parent
+    assert not list(ROOT.glob("examples/**/*.yaml")), "cluster files live once, in cost_models/clusters/"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.data import ByteTextDataset, stdlib_sources, synthetic_batch
-from models.registry import build_model, loss_fn, make_batch
+from models.data import ByteTextDataset, make_batch, stdlib_sources, synthetic_batch
+from models.registry import build_model, loss_fn
 from planner.errors import InvalidInputError
 
 torch.set_num_threads(1)

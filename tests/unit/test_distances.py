@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime import distances as dist
-from planner.runtime import predictors as pred
+from planner.integrity import distances as dist
+from planner.integrity import predictors as pred
 
 torch.set_num_threads(1)
 

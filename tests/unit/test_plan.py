@@ -76,7 +76,7 @@ def test_missing_file(tmp_path):
 def test_unknown_schema_version(plan, tmp_path):
     data = plan.to_dict()
     data["schema_version"] = 99
-    with pytest.raises(PlanMismatchError, match="schema_version.*expected 1.*found 99"):
+    with pytest.raises(PlanMismatchError, match="schema_version.*expected 2.*found 99"):
         load_plan(_write(tmp_path, data))
 
 
@@ -148,7 +148,7 @@ def test_plan_constructor_checks_layout(plan):
     with pytest.raises(InvalidInputError, match="one program per rank"):
         dataclasses.replace(plan, programs=plan.programs + (plan.programs[0],))
     with pytest.raises(PlanMismatchError):
-        dataclasses.replace(plan, schema_version=2)
+        dataclasses.replace(plan, schema_version=1)
     with pytest.raises(InvalidInputError, match="peak_mem_bytes"):
         dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, peak_mem_bytes=(1,)))
 

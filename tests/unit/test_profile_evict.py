@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import cost_models.profile as prof
+import planner.profiling.profile as prof
 from cost_models.devices import DeviceSpec
 from cost_models.measured import Calibration
-from cost_models.profile import EVICT_BYTES, ProfileSettings, time_units
 from planner.errors import InvalidInputError
+from planner.profiling.profile import EVICT_BYTES, ProfileSettings, time_units
 from tests.unit.toy_models import ToyLM
 
 torch.set_num_threads(1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cost_models.measured import MessageCost, load_message_cost, with_executor_cost
-from cost_models.profile import ProfileSettings
 from planner.errors import InvalidInputError
+from planner.profiling.profile import ProfileSettings
 
 
 def _report(**kw):

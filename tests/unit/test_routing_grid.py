@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.solver.grid import best_grid, grids, shaped
 from planner.solver.idle import idle_reasons
 from planner.solver.objective import price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.polish import polish
 from planner.solver.problem import build_problem, scale_chain
 from planner.solver.routing import pair_counts, route
+from planner.solver.search.grid import best_grid, grids, shaped
+from planner.solver.search.polish import polish
 from tests.unit.program_fixtures import POLICY, wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
 

@@ -94,10 +94,10 @@ def test_diagnosis_names_a_hung_rank_and_an_exception(tmp_path):
 def test_verifier_warmup_covers_the_lr_warmup():
     """While the learning rate climbs the boundary statistics move with it: the monitors' honest warm-up
     lasts at least as long (and the plan's own, when longer)."""
-    from planner.plan import VerifierConfig
-    from planner.runtime.verify_hooks import monitor_config
+    from planner.integrity.hooks import monitor_config
+    from planner.verifier_config import VerifierConfig
 
-    plan = SimpleNamespace(verifier_config=VerifierConfig(warmup_steps=5))
+    plan = SimpleNamespace(verifier_config=VerifierConfig(warmup=5))
     assert monitor_config(plan, 0)["warmup"] == 5
     assert monitor_config(plan, 0, lr_warmup=20)["warmup"] == 20
     assert monitor_config(plan, 0, lr_warmup=3)["warmup"] == 5

@@ -7,10 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from planner.solver import lagrange
-from planner.solver.branching import ClassTree, child_masks, most_split_block, satisfies
-from planner.solver.lagrange import lagrange_bound
-from planner.solver.seqdp import Cut, SequenceDP
+from planner.solver.bound import lagrange
+from planner.solver.bound.branching import (
+    ClassTree,
+    child_masks,
+    most_split_block,
+    satisfies,
+)
+from planner.solver.bound.lagrange import lagrange_bound
+from planner.solver.bound.sequence_dp import Cut, SequenceDP
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_seqdp import SEEDS, _problem, optimum_cut
 

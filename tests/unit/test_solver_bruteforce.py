@@ -18,13 +18,13 @@ from cost_models.training import TrainingConfig
 from planner.check import check_solution
 from planner.errors import InfeasiblePlanError
 from planner.solver import api
-from planner.solver.baselines import BASELINES
 from planner.solver.objective import (
     evaluate,
     fluid_bottleneck_ms,
     simple_lower_bound_ms,
 )
 from planner.solver.policy import VerificationPolicy
+from planner.solver.search.baselines import BASELINES
 from tests.unit.bruteforce import brute_force
 from tests.unit.solver_fixtures import random_chain, random_cluster
 

@@ -7,11 +7,11 @@ import torch
 
 from cost_models.training import TrainingConfig
 from planner.solver import api
-from planner.solver.baselines import baseline_placement, single_stage_placements
-from planner.solver.cpsat import solve_cpsat
-from planner.solver.dp import Group, homogeneous_dp, partition_sequence
+from planner.solver.cpsat.model import solve_cpsat
 from planner.solver.objective import Placement, evaluate, price_program, violations
 from planner.solver.policy import VerificationPolicy
+from planner.solver.search.baselines import baseline_placement, single_stage_placements
+from planner.solver.search.chain_dp import Group, homogeneous_dp, partition_sequence
 from planner.solver.solution import StagePlacement
 from tests.unit.bruteforce import brute_force
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain

@@ -9,8 +9,9 @@ import pytest
 
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
-from planner.solver import api, lagrange
-from planner.solver.lagrange import lagrange_bound
+from planner.solver import api
+from planner.solver.bound import lagrange
+from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.objective import evaluate, violations
 from planner.solver.policy import VerificationPolicy
 from tests.unit.bruteforce import brute_force

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from planner.solver import api
-from planner.solver.dp import Group
-from planner.solver.lagrange import SequenceDP, lagrange_bound, repair
+from planner.solver.bound.lagrange import SequenceDP, lagrange_bound, repair
+from planner.solver.bound.relax import merged_for_bound
 from planner.solver.objective import evaluate, violations
-from planner.solver.relax import merged_for_bound
-from planner.solver.seqpart import sequence_placement
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.seq_partition import sequence_placement
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
 
@@ -151,7 +151,7 @@ def _deep_problem(act_factor: float = 6.0):
 def test_lazy_layers_give_the_full_dps_values():
     """The fewer-layer DP's answer is taken only when it meets the full layers' memory, so the dual value at
     every cap and price equals the full DP's; on this instance both paths are taken (hits and misses)."""
-    from planner.solver.lazydp import LazyDP
+    from planner.solver.bound.lazy_dp import LazyDP
 
     problem = _deep_problem()
     full = SequenceDP(problem)
@@ -175,7 +175,7 @@ def test_lazy_layers_give_the_full_dps_values():
 def test_a_plan_deeper_than_unlumped_layers_is_not_the_full_dps():
     """Without a lumped layer the full DP's plans have at most ``J`` stages: a deeper plan from the fewer-layer
     DP (it prices device counts, it does not cap them) is not one of them, whatever its memory."""
-    from planner.solver.lagrange import Relaxed
+    from planner.solver.bound.lagrange import Relaxed
 
     problem = _deep_problem(act_factor=0.1)
     full = SequenceDP(problem)
@@ -195,7 +195,7 @@ def test_a_plan_deeper_than_unlumped_layers_is_not_the_full_dps():
 @pytest.mark.parametrize("lift", [None, 0.0, 0.05])
 def test_bound_holds_however_far_boxes_are_lifted_before_moving_on(monkeypatch, lift):
     """Pricing resumed at a box's point (``LAZY_LIFT``) or run to the target gives valid bounds either way."""
-    from planner.solver import lagrange
+    from planner.solver.bound import lagrange
 
     monkeypatch.setattr(lagrange, "LAZY_LIFT", lift)
     for seed in range(0, 28, 3):
@@ -208,7 +208,7 @@ def test_bound_holds_however_far_boxes_are_lifted_before_moving_on(monkeypatch, 
 
 
 def test_weakest_two_boxes():
-    from planner.solver.boxes import CapBoxes
+    from planner.solver.bound.boxes import CapBoxes
 
     boxes = CapBoxes(lo=1.0, top=9.0, ar_top=4.0, fill=2, open_top=False)
     boxes.add_point(9.0, 4.0, 10.0)

@@ -7,10 +7,11 @@ import math
 import numpy as np
 
 from planner.solver import api
-from planner.solver.dp import Group
-from planner.solver.localsearch import groups_of, improve, neighbours
 from planner.solver.objective import evaluate, violations
-from planner.solver.seqpart import (
+from planner.solver.search import local
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.local import groups_of, improve, neighbours
+from planner.solver.search.seq_partition import (
     copy_table,
     partition_min_step,
     screen_step,
@@ -97,10 +98,9 @@ def test_screen_matches_the_exact_partition_without_all_reduce_caps():
 def test_idle_devices_are_put_to_work(monkeypatch):
     """A pipeline that leaves a class's devices idle on a compute-bound chain: one move (more replicas, or a
     stage inserted on them) makes it faster."""
-    from planner.solver import localsearch
     from tests.unit.test_solver_lagrange import _deep_problem
 
-    monkeypatch.setattr(localsearch, "KICK_LIMIT", 0)  # the first local optimum is enough here
+    monkeypatch.setattr(local, "KICK_LIMIT", 0)  # the first local optimum is enough here
 
     problem = _deep_problem(act_factor=0.1)
     stage = [c for c in problem.classes if c.stage_capable]
@@ -114,7 +114,7 @@ def test_idle_devices_are_put_to_work(monkeypatch):
 
 
 def test_a_coarsened_problem_keeps_the_chains_totals_and_the_cuts_between_merged_blocks():
-    from planner.solver.localsearch import coarsened
+    from planner.solver.search.local import coarsened
     from tests.unit.test_solver_lagrange import _deep_problem
 
     problem = _deep_problem()
@@ -128,11 +128,10 @@ def test_a_coarsened_problem_keeps_the_chains_totals_and_the_cuts_between_merged
 
 def test_the_search_on_a_long_chain_screens_on_merged_blocks_and_returns_a_plan_of_the_chain(monkeypatch):
     """With the screen on merged blocks (forced on a short chain), moves are still priced on the chain itself."""
-    from planner.solver import localsearch
     from tests.unit.test_solver_lagrange import _deep_problem
 
-    monkeypatch.setattr(localsearch, "SCREEN_BLOCKS", 10)
-    monkeypatch.setattr(localsearch, "KICK_LIMIT", 0)
+    monkeypatch.setattr(local, "SCREEN_BLOCKS", 10)
+    monkeypatch.setattr(local, "KICK_LIMIT", 0)
     problem = _deep_problem(act_factor=0.1)
     trusted = [c for c in problem.classes if c.stage_capable and c.trusted]
     start = sequence_placement(problem, (Group(cls=trusted[0].index), Group(cls=trusted[-1].index)), exact=True)

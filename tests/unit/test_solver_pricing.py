@@ -9,9 +9,9 @@ import pytest
 
 from cost_models import comm
 from planner.solver import api
-from planner.solver.lagrange import lagrange_bound
+from planner.solver.bound.lagrange import lagrange_bound
+from planner.solver.bound.pricer import BackgroundPricer
 from planner.solver.objective import evaluate, violations
-from planner.solver.pricer import BackgroundPricer
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import instance
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from planner.solver import api
-from planner.solver.lazydp import LazyDP
-from planner.solver.seqdp import Relaxed, SequenceDP
+from planner.solver.bound.lazy_dp import LazyDP
+from planner.solver.bound.sequence_dp import Relaxed, SequenceDP
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from planner.solver.seqpart import min_step
-from planner.solver.seqpart_kernel import min_bottleneck, min_sum
+from planner.solver.search.seq_partition import min_step
+from planner.solver.search.seq_partition_kernel import min_bottleneck, min_sum
 
 
 def _random_tables(rng: np.random.Generator, S: int, L: int) -> tuple:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError
-from planner.runtime.thresholds import Cusum, IQRFence
+from planner.integrity.thresholds import Cusum, IQRFence
 
 
 def test_no_fence_before_min_samples() -> None:

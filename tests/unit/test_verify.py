@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.attacks import Attacker, parse_attack
-from planner.runtime.verify import STEP_MB, Verifier, VerifierConfig, blame
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.verifier import STEP_MB, Verifier, blame
+from planner.verifier_config import VerifierConfig
 
 torch.set_num_threads(1)
 
@@ -286,7 +287,7 @@ def test_predictors_forgive_a_bounded_gain_not_a_flip_or_other_data() -> None:
     """An honest loss spike left a stage's output where its surrogate pointed at 0.6-0.8 of its
     size (d=256, lr 1e-3): a link share of 0.35-0.65 that flagged 8 steps. A gain within
     ``PREDICTOR_GAIN`` is forgiven; a sign flip or unrelated rows score as before (>= 1)."""
-    from planner.runtime import predictors as pred
+    from planner.integrity import predictors as pred
 
     gen = torch.Generator().manual_seed(4)
     x, weights = torch.randn(256, 16, generator=gen), torch.randn(17, 16, generator=gen)
@@ -393,7 +394,7 @@ def test_one_test_a_little_over_its_fence_holds_a_sample_instead_of_dropping_it(
     """Honest training puts one of a dozen tests a little over its fence now and then; corruption
     puts several over at once, or one far over (see ``evidence.GROSS``), or keeps it there (the
     step's average). A replay over its fence is a copy: proof alone."""
-    from planner.runtime.evidence import GROSS
+    from planner.integrity.evidence import GROSS
 
     mon = Verifier({"warmup": 0}, [(0, "act")]).monitor(0, "act")
     mon.first_step = 0
@@ -447,7 +448,7 @@ def test_drift_counts_a_step_once_however_many_microbatches_share_its_excursion(
 
 
 def test_eigendecompositions_are_redone_every_basis_refresh_steps(monkeypatch) -> None:
-    from planner.runtime import distances
+    from planner.integrity import distances
 
     calls = []
     original = distances.principal_basis
@@ -462,7 +463,7 @@ def test_verify_hooks_hand_the_monitors_the_microbatch_labels() -> None:
     from types import SimpleNamespace
 
     from models.data import ByteTextDataset
-    from planner.runtime.verify_hooks import _Labels
+    from planner.integrity.hooks import _Labels
 
     plan = SimpleNamespace(model=SimpleNamespace(spec="gpt-tiny", seq=None),
                            config=SimpleNamespace(microbatch_size=2, global_batch=8))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from planner.runtime.thresholds import IQRFence
+from planner.integrity.thresholds import IQRFence
 
 # The tests of a tensor's distribution alone. An output that the stage's learnt surrogate
 # predicts from the stage's input (link share under LINK_VOUCH times its fence, residual shape

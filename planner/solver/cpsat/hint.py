@@ -1,4 +1,4 @@
-"""Hinting and decoding for the CP-SAT model of ``planner.solver.cpsat``.
+"""Hinting and decoding for the CP-SAT model of ``planner.solver.cpsat.model``.
 
 ``HintMixin`` turns a known plan into hints on the model's decisions and a
 solver's assignment back into a ``Placement``; ``complete_hint`` extends a

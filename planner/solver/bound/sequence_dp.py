@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_models import comm
+from planner.solver.bound.sequence_dp_kernel import key_tables, sequence_dp
 from planner.solver.objective import Placement, even_split, violations
 from planner.solver.problem import Problem
-from planner.solver.seqdp_kernel import key_tables, sequence_dp
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 

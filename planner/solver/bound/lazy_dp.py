@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.solver.bound.sequence_dp import INF, Cut, Relaxed, SequenceDP
 from planner.solver.objective import Placement
 from planner.solver.problem import Problem
-from planner.solver.seqdp import INF, Cut, Relaxed, SequenceDP
 
 # The fewer-layer DP's layers, the tries before the looser DP's hit rate counts, the hit rate below which it
 # costs more than it saves, and how often it is tried anyway while skipped.

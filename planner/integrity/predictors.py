@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from planner.runtime.distances import EPS
+from planner.integrity.distances import EPS
 
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
 LABEL_BUCKETS = 4096     # label ids are folded into this many rows of the binding table

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from planner.solver.seqdp import Cut
+from planner.solver.bound.sequence_dp import Cut
 
 
 class Leaf(Protocol):

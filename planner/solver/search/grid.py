@@ -15,7 +15,6 @@ also re-partitioned for its devices and its cuts polished, the cheapest kept.
 from __future__ import annotations
 
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.solver.dp import Group
 from planner.solver.objective import (
     Placement,
     evaluate,
@@ -23,9 +22,10 @@ from planner.solver.objective import (
     price_program,
     violations,
 )
-from planner.solver.polish import polish
 from planner.solver.problem import Problem
-from planner.solver.seqpart import partition_min_step
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.polish import polish
+from planner.solver.search.seq_partition import partition_min_step
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 

@@ -41,14 +41,10 @@ from typing import Any
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime import distances as dist
-from planner.runtime import predictors as pred
-from planner.runtime.thresholds import (
-    DEFAULT_FLOORS,
-    DEFAULT_RATIOS,
-    DEFAULT_STEP_FLOORS,
-    IQRFence,
-)
+from planner.integrity import distances as dist
+from planner.integrity import predictors as pred
+from planner.integrity.thresholds import IQRFence
+from planner.verifier_config import DEFAULT_FLOORS, DEFAULT_RATIOS, DEFAULT_STEP_FLOORS
 
 COMMON_KEYS = ("rank", "kind", "start", "p", "dir")
 # kind -> {parameter: default}; None means "not set" (see the kind's rule).

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from planner.solver.dp import Group
 from planner.solver.problem import Problem
-from planner.solver.seqpart import sequence_placement
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.seq_partition import sequence_placement
 
 
 def _fits_counts(problem: Problem, groups: tuple[Group, ...]) -> bool:

@@ -1,9 +1,9 @@
 """Executor probe: the CPU time the runtime's own executor costs per message and per pass, beyond the passes.
 
-Run by ``cost_models.profile.measure_executor`` (cost models may not import
+Run by ``planner.profiling.profile.measure_executor`` (cost models may not import
 ``planner.runtime``)::
 
-    python -m planner.runtime.overhead_probe --model gpt-tiny --batch 2 --seq 32 --microbatches 4 --steps 6
+    python -m planner.profiling.overhead_probe --model gpt-tiny --batch 2 --seq 32 --microbatches 4 --steps 6
 
 It compiles a 2-stage 1F1B plan of the model (its blocks split in half, one
 CPU rank per stage) and runs it with the real runtime (``launch``: two gloo
@@ -35,13 +35,27 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.cluster_file import parse_cluster
+from cost_models.training import TrainingConfig
+from models.registry import build_model
+from planner.coarsen import coarsen
+from planner.compile import compile_plan
+from planner.errors import InvalidInputError
+from planner.instruction_costs import CostModel
+from planner.plan import ModelRef
+from planner.plan_load import load_plan
+from planner.runtime.launch import launch
+from planner.runtime.metrics import read_metrics
+from planner.runtime.options import RunOptions
 from planner.simulate import predict
+from planner.solver.policy import VerificationPolicy
+from planner.solver.solution import Solution, SolveReport, StagePlacement
+from planner.trace import trace
 
 MESSAGE_OPS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m planner.runtime.overhead_probe")
+    p = argparse.ArgumentParser(prog="python -m planner.profiling.overhead_probe")
     p.add_argument("--model", required=True, help="model preset or module:factory")
     p.add_argument("--batch", type=int, default=2, help="microbatch size")
     p.add_argument("--seq", type=int, default=None)
@@ -54,15 +68,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def probe_plan(model: str, *, batch: int, seq: int | None, microbatches: int, folder: Path) -> Path:
     """A 2-stage 1F1B plan of ``model`` (its blocks split in half, two CPU devices), saved in ``folder``."""
-    from cost_models.training import TrainingConfig
-    from models.registry import build_model
-    from planner.coarsen import coarsen
-    from planner.compile import compile_plan
-    from planner.errors import InvalidInputError
-    from planner.plan import ModelRef
-    from planner.solver.policy import VerificationPolicy
-    from planner.solver.solution import Solution, SolveReport, StagePlacement
-    from planner.trace import trace
 
     bundle = build_model(model, batch=batch, seq=seq, device="meta")
     chain = coarsen(trace(bundle.module, bundle.example_inputs, name=model))
@@ -90,7 +95,6 @@ def probe_plan(model: str, *, batch: int, seq: int | None, microbatches: int, fo
 
 def summarize(plan: Any, rows: list[Any], warmup: int) -> dict[str, Any]:
     """Per rank medians of the executor's CPU split, and the per-instruction figures over both ranks."""
-    from planner.instruction_costs import CostModel
 
     ranks = []
     for r in range(plan.num_ranks):
@@ -113,10 +117,6 @@ def summarize(plan: Any, rows: list[Any], warmup: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from planner.plan_load import load_plan
-    from planner.runtime.launch import launch
-    from planner.runtime.metrics import read_metrics
-    from planner.runtime.options import RunOptions
 
     with tempfile.TemporaryDirectory(prefix="stagewise-overhead-") as tmp:
         folder = Path(tmp)

@@ -21,10 +21,10 @@ import math
 import numpy as np
 
 from cost_models import comm, memory
-from planner.solver.dp import Group, partition_sequence
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
-from planner.solver.seqpart_kernel import min_bottleneck, min_sum
+from planner.solver.search.chain_dp import Group, partition_sequence
+from planner.solver.search.seq_partition_kernel import min_bottleneck, min_sum
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 

@@ -14,12 +14,12 @@ What is measured (``profile_device``):
   a rank of a run finds its weights cold, not as a tight loop leaves them;
 - point-to-point bandwidth and latency between two local processes over
   ``torch.distributed`` (gloo; NCCL with two or more GPUs), by running
-  ``python -m planner.runtime.p2p_probe`` twice as subprocesses, and the CPU
+  ``python -m planner.profiling.p2p_probe`` twice as subprocesses, and the CPU
   time a message costs the sending and the receiving process
   (:class:`~cost_models.measured.MessageCost`: posting it, and the backend's threads moving its bytes);
 - the CPU time the runtime's executor itself costs per message instruction and
   per pass (``MessageCost.executor_ms``/``executor_pass_ms``), by running
-  ``python -m planner.runtime.overhead_probe`` (a small 2-rank plan of the
+  ``python -m planner.profiling.overhead_probe`` (a small 2-rank plan of the
   profiled model on the real runtime) as a subprocess (gloo only);
 - a calibration: the ``efficiency`` and per-op ``op_overhead_ms`` with which
   ``cost_models.compute`` (roofline + overhead, with the measured peak and
@@ -62,7 +62,10 @@ from cost_models.measured import (
     with_executor_cost,
 )
 from cost_models.training import OPTIM_OPS_PER_TENSOR
+from models.registry import build_model
+from planner.coarsen import coarsen
 from planner.errors import InvalidInputError, RankFailureError
+from planner.trace import trace
 
 Step = Callable[[str], None]
 Clock = Literal["wall", "cpu"]
@@ -353,7 +356,6 @@ def _sharing_worker() -> None:
     clock); it answers each with its rate (microbatches' passes per second)."""
     import torch
 
-    from models.registry import build_model
     model, batch, seq = sys.argv[1], int(sys.argv[2]), None if sys.argv[3] == "-" else int(sys.argv[3])
     microbatches = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
@@ -386,7 +388,7 @@ def measure_core_sharing(*, model: str, batch: int, seq: int | None, processes: 
     round's lone process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, "-c", "from cost_models.profile import _sharing_worker; _sharing_worker()",
+    cmd = [sys.executable, "-c", "from planner.profiling.profile import _sharing_worker; _sharing_worker()",
            model, str(batch), "-" if seq is None else str(seq), str(microbatches)]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for _ in range(processes)]
@@ -442,11 +444,11 @@ def _posting_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: float, posts: int = 8) -> P2PResult:
-    """Ping-pong between two ``planner.runtime.p2p_probe`` processes, then the CPU time of ``posts``
+    """Ping-pong between two ``planner.profiling.p2p_probe`` processes, then the CPU time of ``posts``
     messages posted back to back per size and side (0: not measured); rank 0 reports JSON on stdout."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "planner.runtime.p2p_probe", "--world-size", "2",
+    cmd = [sys.executable, "-m", "planner.profiling.p2p_probe", "--world-size", "2",
            "--init-method", f"tcp://127.0.0.1:{port}", "--backend", backend,
            "--sizes", ",".join(str(s) for s in sizes), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
            "--posts", str(posts), "--post-sizes", ",".join(str(s) for s in _posting_sizes(sizes))]
@@ -485,12 +487,12 @@ EXECUTOR_WARMUP_STEPS = 2  # the probe's first steps (start-up, cold caches), le
 
 def measure_executor(*, model: str, batch: int, seq: int | None, steps: int, timeout_s: float,
                      microbatches: int = 4) -> dict[str, Any]:
-    """Run ``planner.runtime.overhead_probe`` (a 2-stage plan of ``model`` on the real runtime, two gloo
+    """Run ``planner.profiling.overhead_probe`` (a 2-stage plan of ``model`` on the real runtime, two gloo
     processes) and return its report: the executor thread's CPU per message instruction posting it
     (``comm_cpu_per_message_ms``), the backend threads' per message (``backend_cpu_per_message_ms``), the
     executor's other CPU per pass (``bookkeeping_per_pass_ms``) and the probe's message size."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "planner.runtime.overhead_probe", "--model", model, "--batch", str(batch),
+    cmd = [sys.executable, "-m", "planner.profiling.overhead_probe", "--model", model, "--batch", str(batch),
            "--microbatches", str(microbatches), "--steps", str(steps),
            "--warmup", str(min(EXECUTOR_WARMUP_STEPS, steps - 1)), "--timeout-s", str(timeout_s)]
     if seq is not None:
@@ -514,9 +516,6 @@ def measure_executor(*, model: str, batch: int, seq: int | None, steps: int, tim
 # --- the whole profile -------------------------------------------------------
 def model_chain(spec: str, *, batch: int, seq: int | None) -> Any:
     """The planner's BlockChain of a preset at this shape (trace + coarsen on meta: no weights)."""
-    from models.registry import build_model
-    from planner.coarsen import coarsen
-    from planner.trace import trace
     bundle = build_model(spec, batch=batch, seq=seq, device="meta")
     return coarsen(trace(bundle.module, bundle.example_inputs, name=spec), granularity="layer")
 
@@ -548,7 +547,6 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     """Measure everything and return the profile document (see the module docstring)."""
     import torch
 
-    from models.registry import build_model
     say = step or (lambda _msg: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name, kind, mem_bytes = _device_identity(device)

@@ -1,4 +1,4 @@
-"""Verifier placement in the CP-SAT model of ``planner.solver.cpsat``.
+"""Verifier placement in the CP-SAT model of ``planner.solver.cpsat.model``.
 
 Where each checked boundary's verifier sits (either end stage, the first or
 last stage, or a CPU verifier host), the load and state it adds to that site,

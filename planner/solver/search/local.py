@@ -31,10 +31,14 @@ import time
 
 import numpy as np
 
-from planner.solver.dp import Group
 from planner.solver.objective import Placement
 from planner.solver.problem import Problem
-from planner.solver.seqpart import copy_table, screen_step, sequence_placement
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.seq_partition import (
+    copy_table,
+    screen_step,
+    sequence_placement,
+)
 
 SCREEN_BATCH = 32  # neighbours screened before the best of them are re-partitioned exactly
 SCREEN_TOP = 3  # of a batch, re-partitioned exactly (best screen first)

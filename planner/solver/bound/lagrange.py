@@ -52,16 +52,21 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner.solver.boxes import CapBoxes
-from planner.solver.branching import ClassTree, child_masks, most_split_block, satisfies
-from planner.solver.dp import Group
-from planner.solver.lazydp import LazyDP, layered_dp
-from planner.solver.localsearch import improve
+from planner.solver.bound.boxes import CapBoxes
+from planner.solver.bound.branching import (
+    ClassTree,
+    child_masks,
+    most_split_block,
+    satisfies,
+)
+from planner.solver.bound.lazy_dp import LazyDP, layered_dp
+from planner.solver.bound.pricer import BackgroundPricer
+from planner.solver.bound.sequence_dp import Cut, Relaxed, SequenceDP
 from planner.solver.objective import Placement, evaluate
-from planner.solver.pricer import BackgroundPricer
 from planner.solver.problem import Problem
-from planner.solver.seqdp import Cut, Relaxed, SequenceDP
-from planner.solver.seqpart import sequence_placement
+from planner.solver.search.chain_dp import Group
+from planner.solver.search.local import improve
+from planner.solver.search.seq_partition import sequence_placement
 
 __all__ = ["LagrangeResult", "LazyDP", "Relaxed", "SequenceDP", "lagrange_bound", "layered_dp", "repair"]
 

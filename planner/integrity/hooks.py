@@ -3,7 +3,7 @@
 The executor calls this adapter, never ``verify.py`` / ``attacks.py``
 directly, so the monitors' API can change in one place.
 
-* :class:`VerifyHooks` owns this rank's :class:`~planner.runtime.verify.Verifier`
+* :class:`VerifyHooks` owns this rank's :class:`~planner.integrity.verifier.Verifier`
   (for the boundaries the plan gives it) and resolves blame at step end. It also
   gives the monitors the microbatch's labels (token ids, class ids) for their
   ``binding`` test: every rank can rebuild any microbatch from ``(step, seed)``
@@ -18,19 +18,16 @@ Several tensors may cross one edge; the monitors see them as one flat tensor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from models.registry import build_model
 from planner.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from planner.plan import Plan
-
-# The plan's verifier_config keys -> the monitors' config keys (the two helpers named them differently).
-_PLAN_TO_MONITOR_KEYS = {"act_beta": "beta_act", "grad_beta": "beta_grad", "warmup_steps": "warmup",
-                         "window": "window", "iqr_k": "iqr_k", "ban_after": "ban_after"}
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.verifier import Verifier
+from planner.plan import Plan
+from planner.runtime.data import PlanBatches, make_source
 
 
 def monitor_config(plan: Plan, seed: int, *, lr_warmup: int = 0) -> dict[str, Any]:
@@ -39,8 +36,7 @@ def monitor_config(plan: Plan, seed: int, *, lr_warmup: int = 0) -> dict[str, An
     statistics move with it, and references learnt at a tenth of the rate flag the rest of the climb
     (gpt-tiny's shape at d=256, lr 1e-3 over 20 steps: 22% of honest (step, sender) pairs flagged with
     the plan's 5-step warm-up, 1.9% with 20)."""
-    cfg = asdict(plan.verifier_config)
-    out = {_PLAN_TO_MONITOR_KEYS.get(k, k): v for k, v in cfg.items()}
+    out = plan.verifier_config.to_dict()
     out["warmup"] = max(int(out["warmup"]), lr_warmup)
     out["seed"] = seed
     return out
@@ -72,7 +68,6 @@ class VerifyHooks:
         the one the stages train on, and every honest microbatch would look bound to
         the wrong labels). ``lr_warmup``: the run's learning-rate warm-up steps (see
         :func:`monitor_config`)."""
-        from planner.runtime.verify import Verifier
 
         self.rank = rank
         pairs = [(v.boundary, d) for v in plan.verifiers if v.rank == rank for d in v.directions]
@@ -131,8 +126,6 @@ class _Labels:
 
     def of(self, step: int, mb: int, direction: str) -> torch.Tensor | None:
         if self._batches is None:
-            from models.registry import build_model
-            from planner.runtime.data import PlanBatches, make_source
 
             ref, config = self.plan.model, self.plan.config
             bundle = build_model(ref.spec, batch=config.microbatch_size, seq=ref.seq, device="meta", seed=self.seed)
@@ -151,7 +144,6 @@ class AttackHooks:
     """The attacks this rank carries out on what it sends (none for an honest rank)."""
 
     def __init__(self, specs: Sequence[str], rank: int, *, seed: int = 0) -> None:
-        from planner.runtime.attacks import Attacker, parse_attack
 
         parsed = [parse_attack(s) for s in specs]
         self.attackers = [Attacker(s, seed) for s in parsed if s.rank == rank]
@@ -182,7 +174,6 @@ class AttackHooks:
 
 def validate_attacks(specs: Sequence[str], num_ranks: int) -> None:
     """Parse every spec and check its rank exists (before any process starts)."""
-    from planner.runtime.attacks import parse_attack
 
     for s in specs:
         spec = parse_attack(s)

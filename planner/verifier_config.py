@@ -1,168 +1,17 @@
-"""Adaptive thresholds: an interquartile-range fence over a rolling window,
-and the verifier's configuration (fence floors and ratios, warm-up, bans).
+"""The integrity verifier's configuration: one value the plan carries and the monitors read.
 
-Tukey's outer fence ``Q3 + k * IQR`` needs no distributional assumption and a
-few outliers cannot drag it (unlike mean + k * std). The window holds only
-scores the monitor accepted, so an attacker cannot raise the fence by being
-flagged; it rolls, so the fence follows the slow drift of training. A floor
-stops a window of near-identical scores (IQR ~ 0) from flagging noise.
+Its fields are the monitors' knobs (``planner.integrity``); a plan stores them
+under ``verifier_config`` and ``stagewise run`` passes them on unchanged.
 """
 from __future__ import annotations
 
-import bisect
-import math
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from planner.errors import InvalidInputError
 
-
-class IQRFence:
-    """Rolling window of honest scores and the fence derived from it.
-
-    ``fence = max(Q3 + k * IQR, floor, ratio * median)``. ``min_samples``
-    scores are needed before the fence exists (``ready``); until then nothing
-    exceeds it. The ``ratio`` term keeps a fence learnt in a calm stretch of
-    training from flagging the next, livelier one: honest score levels move by
-    tens of percent as training goes on, corruptions move them by multiples.
-    """
-
-    __slots__ = ("_fence", "_scores", "_sorted", "floor", "k", "min_samples", "ratio", "window")
-
-    def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0,
-                 ratio: float = 0.0) -> None:
-        if window < 4:
-            raise InvalidInputError("verifier window", expected=">= 4 scores", found=str(window),
-                                    fix="use a window of 64-128 scores")
-        if not 1 <= min_samples <= window:
-            raise InvalidInputError("fence min_samples", expected=f"between 1 and the window ({window})",
-                                    found=str(min_samples))
-        if k <= 0:
-            raise InvalidInputError("iqr_k", expected="> 0 (e.g. 3.0)", found=str(k))
-        if floor < 0:
-            raise InvalidInputError("fence floor", expected=">= 0", found=str(floor))
-        if ratio < 0:
-            raise InvalidInputError("fence ratio", expected=">= 0", found=str(ratio))
-        self.ratio = float(ratio)
-        self.window = window
-        self.k = float(k)
-        self.min_samples = min_samples
-        self.floor = float(floor)
-        self._scores: deque[float] = deque()
-        self._sorted: list[float] = []      # the same scores, kept sorted for the quartiles
-        self._fence: float | None = None    # cached until the window changes
-
-    def __len__(self) -> int:
-        return len(self._scores)
-
-    @property
-    def ready(self) -> bool:
-        return len(self._scores) >= self.min_samples
-
-    def update(self, score: float) -> None:
-        """Add an accepted score (the oldest one drops out of a full window)."""
-        if not math.isfinite(score):
-            raise InvalidInputError("fence score", expected="a finite number", found=str(score))
-        score = float(score)
-        self._scores.append(score)
-        bisect.insort(self._sorted, score)
-        if len(self._scores) > self.window:
-            old = self._scores.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._fence = None
-
-    def quantile(self, q: float) -> float:
-        """The ``q`` quantile of the window, linear interpolation (numpy's default method)."""
-        if not self._sorted:
-            raise InvalidInputError("fence quantile", expected="at least one score", found="an empty window")
-        pos = (len(self._sorted) - 1) * q
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(self._sorted) - 1)
-        return self._sorted[lo] + (pos - lo) * (self._sorted[hi] - self._sorted[lo])
-
-    def quartiles(self) -> tuple[float, float]:
-        """(Q1, Q3) of the window."""
-        return self.quantile(0.25), self.quantile(0.75)
-
-    def fence(self) -> float | None:
-        """``max(Q3 + k * IQR, floor, ratio * median)``, or None before ``min_samples`` scores."""
-        if not self.ready:
-            return None
-        if self._fence is None:
-            q1, q3 = self.quartiles()
-            self._fence = max(q3 + self.k * (q3 - q1), self.floor, self.ratio * self.quantile(0.5))
-        return self._fence
-
-    def exceeds(self, score: float) -> bool:
-        """True when the fence exists and ``score`` is above it (NaN/inf always exceed)."""
-        limit = self.fence()
-        if limit is None:
-            return False
-        return not (score <= limit)
-
-
-class Cusum:
-    """One-sided CUSUM of a positive score against its own honest history: catches a
-    sender that keeps a score *persistently* high while staying under its fence.
-
-    Each sample's ``z = (ln score - median) / spread`` is read against a rolling
-    window of the logs of accepted, in-control samples (``spread``: their IQR /
-    1.349, at least ``min_spread``); ``S = max(0, S + min(z, cap) - k)``. Honest
-    scores scatter around the median (z mostly below ``k``, so S stays near 0, and
-    ``cap`` keeps one outlier from lifting it far); an attacker holding the score
-    at, say, twice its honest level adds ``z - k`` every sample and crosses any
-    fence on S within a few steps, however far below the score's own fence it
-    stays. Samples with ``z >= k`` never teach the baseline, so a slow creep
-    cannot drag it along.
-    """
-
-    __slots__ = ("_logs", "_sorted", "cap", "k", "min_samples", "min_spread", "value", "window")
-
-    def __init__(self, *, window: int, k: float, cap: float = 4.0, min_samples: int = 16,
-                 min_spread: float = 0.1) -> None:
-        if k <= 0 or cap <= k:
-            raise InvalidInputError("drift test", expected="0 < k < cap", found=f"k={k}, cap={cap}")
-        self.window, self.k, self.cap = window, float(k), float(cap)
-        self.min_samples, self.min_spread = min(min_samples, window), float(min_spread)
-        self._logs: deque[float] = deque()
-        self._sorted: list[float] = []
-        self.value = 0.0
-
-    def z(self, score: float) -> float | None:
-        """The score's standardised log against the baseline (None: too few samples yet)."""
-        if len(self._sorted) < self.min_samples or not score > 0 or not math.isfinite(score):
-            return None
-        n = len(self._sorted)
-        median, q1, q3 = (self._quantile(q, n) for q in (0.5, 0.25, 0.75))
-        return (math.log(score) - median) / max((q3 - q1) / 1.349, self.min_spread)
-
-    def _quantile(self, q: float, n: int) -> float:
-        pos = (n - 1) * q
-        lo = math.floor(pos)
-        hi = min(lo + 1, n - 1)
-        return self._sorted[lo] + (pos - lo) * (self._sorted[hi] - self._sorted[lo])
-
-    def step(self, score: float) -> float:
-        """Add a checked sample to the sum; returns the new value of S."""
-        z = self.z(score)
-        if z is not None:
-            self.value = max(0.0, self.value + min(z, self.cap) - self.k)
-        return self.value
-
-    def learn(self, score: float) -> None:
-        """Teach the baseline an accepted sample's score, unless it looked out of control."""
-        z = self.z(score)
-        if not score > 0 or not math.isfinite(score) or (z is not None and z >= self.k):
-            return
-        value = math.log(score)
-        self._logs.append(value)
-        bisect.insort(self._sorted, value)
-        if len(self._logs) > self.window:
-            old = self._logs.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-
+DIRECTIONS = ("act", "grad")  # what a verifier can check at a boundary: activations forward, gradients back
 
 ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "residual", "drift",
                  "replay")
@@ -218,9 +67,9 @@ class VerifierConfig:
 
     beta_act: float = 0.9
     beta_grad: float = 0.8
-    window: int = 96
+    window: int = 64
     iqr_k: float = 3.0
-    warmup: int = 10
+    warmup: int = 5
     min_samples: int = 8
     ban_after: int = 3
     ban_window: int = 20

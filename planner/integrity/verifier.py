@@ -47,14 +47,14 @@ from typing import Any
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime import distances as dist
-from planner.runtime import evidence
-from planner.runtime import predictors as pred
-from planner.runtime.thresholds import ALL_DISTANCES, Cusum, IQRFence, VerifierConfig
+from planner.integrity import distances as dist
+from planner.integrity import evidence
+from planner.integrity import predictors as pred
+from planner.integrity.thresholds import Cusum, IQRFence
+from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-__all__ = ["ALL_DISTANCES", "Monitor", "Verdict", "Verifier", "VerifierConfig", "blame"]
+__all__ = ["Monitor", "Verdict", "Verifier", "blame"]
 
-DIRECTIONS = ("act", "grad")
 # A replay is a property of one tensor: it has no step-average version. The drift is one of a
 # sender's sequence of *steps*: the microbatches of a step share the weights, the stage's
 # surrogate and the residual whitener, so their residual scores move together (at d=256, lr

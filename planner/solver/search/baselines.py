@@ -6,7 +6,7 @@
   (DeepSpeed ``partition_method="parameters"``).
 * ``greedy``: same devices, each gets a share of the work proportional to its
   speed (fastest device's block times as the yardstick), shrunk to fit memory.
-* ``dp``: the exact homogeneous DP (``planner.solver.dp.homogeneous_dp``)
+* ``dp``: the exact homogeneous DP (``planner.solver.search.chain_dp.homogeneous_dp``)
   assuming every device is like the first stage device, on the devices in
   cluster order. Exact on a homogeneous cluster.
 
@@ -23,12 +23,12 @@ import math
 import numpy as np
 
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.solver.dp import homogeneous_dp
 from planner.solver.objective import (
     Placement,
     even_split,
 )
 from planner.solver.problem import Problem
+from planner.solver.search.chain_dp import homogeneous_dp
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 

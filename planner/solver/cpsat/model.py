@@ -54,8 +54,8 @@ from ortools.sat.python import cp_model
 
 from cost_models import comm
 from cost_models.cluster import Link
-from planner.solver.cpsat_hint import HintMixin, complete_hint
-from planner.solver.cpsat_verify import VerificationMixin
+from planner.solver.cpsat.hint import HintMixin, complete_hint
+from planner.solver.cpsat.verifiers import VerificationMixin
 from planner.solver.objective import Placement, fluid_bottleneck_ms
 from planner.solver.problem import Problem
 

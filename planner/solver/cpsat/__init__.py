@@ -1,0 +1,1 @@
+"""The CP-SAT model of stage partition, placement and verifiers; its hint; its verifier placement."""
