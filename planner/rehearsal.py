@@ -23,6 +23,9 @@ from planner.instruction_costs import CostModel
 from planner.plan import Plan
 from planner.simulate import SimResult, simulate
 
+FIT_ERROR_WARN = 0.25  # a median block-time error above this: the calibration does not describe the blocks
+BUSY_WARN = 0.25  # a machine this busy with other work: timings include that work
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rehearsal:
@@ -33,13 +36,30 @@ class Rehearsal:
     device: str                 # the profiled device's name
     measured_sharing: bool      # core sharing from the profile (else even sharing)
     measured_messages: bool     # per-message CPU costs from the profile (else free)
+    warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
+
+
+def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
+    """Why a prediction from this profile may be far off: a poor block fit, or a machine busy with
+    other work when it was profiled or now (its timings are then not this machine's own speed)."""
+    out = []
+    err = (doc.get("calibration") or {}).get("median_abs_rel_err")
+    if err is not None and err > FIT_ERROR_WARN:
+        out.append(f"the profile's block times fit its model {100 * err:.0f}% off (median)")
+    before = (doc.get("host") or {}).get("busy_fraction_before")
+    if before is not None and before > BUSY_WARN:
+        out.append(f"the machine was {100 * before:.0f}% busy with other work when profiled")
+    if busy_now > BUSY_WARN:
+        out.append(f"the machine is {100 * busy_now:.0f}% busy with other work now")
+    return tuple(out)
 
 
 def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0,
-                      cores: int | None = None) -> Rehearsal:
+                      cores: int | None = None, busy_now: float = 0.0) -> Rehearsal:
     """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
     ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``), its ranks sharing ``cores`` processors
-    (default: the profile's sharing table's, else this machine's)."""
+    (default: the profile's sharing table's, else this machine's); ``busy_now``: the share of this
+    machine's processors others use now (it makes the prediction unreliable)."""
     spec = load_profile_spec(profile)   # checks the file; the document is then read once for the rest
     doc = json.loads(Path(profile).read_text())
     sharing, messages = load_sharing(doc), load_message_cost(doc)
@@ -47,5 +67,6 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
         cores = sharing.cores if sharing is not None else os.cpu_count() or 1
     costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)
     result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages)
+    warnings = profile_warnings(doc, busy_now=busy_now)
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
-                     measured_messages=messages is not None)
+                     measured_messages=messages is not None, warnings=warnings)

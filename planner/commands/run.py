@@ -12,6 +12,8 @@ import argparse
 import math
 from typing import Any
 
+import psutil
+
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.launch import launch
@@ -76,7 +78,9 @@ def _rehearsal(opts, profile: str | None):
     if profile is None:
         return None
 
-    return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown)
+    busy = psutil.cpu_percent(interval=0.5) / 100  # others' work now makes the prediction here unreliable
+    return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
+                             busy_now=busy)
 
 
 def summary_table(result: dict[str, Any], here=None):
@@ -89,19 +93,23 @@ def summary_table(result: dict[str, Any], here=None):
                         f"{result['steps']} steps" + (", emulated speeds" if result.get("emulated") else ""))
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row("predicted step (simulator, planned devices)", f"{pred:.2f} ms")
+    # The plan's own prediction is for its planned devices: shown, never divided into a local run.
+    table.add_row("predicted step on the planned devices (simulator)", f"{pred:.2f} ms")
     table.add_row("measured step here (median after step 1)", f"{meas:.2f} ms")
-    # Like for like only when the plan's devices are this machine (a cluster built from
-    # `stagewise profile`); for a remote cluster it is the rehearsal's slow-down.
-    table.add_row("measured / predicted", f"{meas / pred:.2f}x" if pred > 0 else "n/a")
     if here is not None:
         step = here.result.step_ms
         table.add_row(f"predicted step here (simulator, profile {here.device}, {here.cores} cores)", f"{step:.2f} ms")
-        table.add_row("measured / predicted here", f"{meas / step:.2f}x" if step > 0 else "n/a")
+        if here.warnings:
+            table.add_row("measured / predicted here", "not comparable: " + "; ".join(here.warnings))
+        else:
+            table.add_row("measured / predicted here", f"{meas / step:.2f}x" if step > 0 else "n/a")
     loss = result.get("final_loss")
     table.add_row("final loss", "n/a" if loss is None or (isinstance(loss, float) and math.isnan(loss))
                   else f"{loss:.4f}")
-    if result.get("attacks") or result.get("flags"):
+    checked = result.get("verified_boundaries") or []
+    if checked:
+        table.add_row("boundaries verified", ", ".join(map(str, checked)))
+    if checked or result.get("attacks") or result.get("flags"):
         table.add_row("verifier flags", str(result.get("flags", 0)))
         table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
         table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
+import psutil
 
 from cost_models.devices import PROFILE_SCHEMA, DeviceSpec
 from cost_models.measured import (
@@ -548,6 +549,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
     import torch
 
     say = step or (lambda _msg: None)
+    busy_before = psutil.cpu_percent(interval=0.5) / 100  # others' work: a busy machine's timings are not its speed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name, kind, mem_bytes = _device_identity(device)
     if settings.clock == "cpu" and device.type != "cpu":
@@ -594,6 +596,7 @@ def profile_device(settings: ProfileSettings, *, step: Step | None = None) -> di
                       p2p_bandwidth_gbps=p2p.bandwidth_gbps if p2p else None,
                       p2p_latency_ms=p2p.latency_ms if p2p else None)
     doc = _profile_document(settings, device, spec, samples, calib, p2p, matmul["float32"])
+    doc["host"].update(cpus=os.cpu_count() or 1, busy_fraction_before=busy_before)
     doc["sharing"] = None if sharing is None else sharing.to_dict()
     return doc
 

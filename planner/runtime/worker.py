@@ -409,6 +409,7 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
             "losses": losses,
             "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
             "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
+            "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             "note": "banned ranks keep running: replanning around them is future work" if banned else ""}
 
 

@@ -14,7 +14,7 @@ from cost_models.verify import verify_ms
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan_load import load_plan
-from planner.rehearsal import predict_rehearsal
+from planner.rehearsal import predict_rehearsal, profile_warnings
 from planner.runtime.emulate import emulation_for
 from planner.simulate import simulate
 
@@ -109,3 +109,13 @@ def test_a_plan_for_this_machine_is_priced_as_it_was_planned():
 def _profile_link(spec):
     from cost_models.cluster import Link
     return Link(bandwidth_gbps=spec.p2p_bandwidth_gbps, latency_ms=spec.p2p_latency_ms)
+
+
+def test_profile_warnings_name_a_poor_fit_and_a_busy_machine():
+    quiet = {"calibration": {"median_abs_rel_err": 0.1}, "host": {"busy_fraction_before": 0.1}}
+    assert profile_warnings(quiet, busy_now=0.2) == ()
+    poor = {"calibration": {"median_abs_rel_err": 0.83}, "host": {"busy_fraction_before": 0.9}}
+    got = profile_warnings(poor, busy_now=0.6)
+    assert len(got) == 3
+    assert "83% off" in got[0] and "90% busy with other work when profiled" in got[1] and "60% busy" in got[2]
+    assert profile_warnings({}) == ()  # an older profile without the figures
