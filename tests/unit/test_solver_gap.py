@@ -10,7 +10,7 @@ import pytest
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.solver import api
-from planner.solver.bound import lagrange
+from planner.solver.search import relaxed_plans
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.objective import evaluate, violations
 from planner.solver.policy import VerificationPolicy
@@ -48,7 +48,7 @@ def test_bad_tolerance_is_refused(bad):
 def test_plans_skipped_by_the_pricing_cap_are_priced_before_returning(monkeypatch):
     """With the cap at nothing, every relaxed plan is skipped while the bound runs; the last ones are
     still priced, so the bound comes with a valid plan (without them: none)."""
-    monkeypatch.setattr(lagrange, "PLAN_SHARE", -1e9)
+    monkeypatch.setattr(relaxed_plans, "PLAN_SHARE", -1e9)
     priced = 0
     for seed in range(12):
         chain, cluster, config, policy = instance(seed)

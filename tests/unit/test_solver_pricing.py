@@ -10,8 +10,8 @@ import pytest
 from cost_models import comm
 from planner.solver import api
 from planner.solver.bound.lagrange import lagrange_bound
-from planner.solver.bound.pricer import BackgroundPricer
 from planner.solver.objective import evaluate, violations
+from planner.solver.search.pricer import BackgroundPricer
 from tests.unit.bruteforce import brute_force
 from tests.unit.test_solver_bruteforce import instance
 

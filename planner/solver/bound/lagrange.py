@@ -32,9 +32,10 @@ over the plans met so far, whose stage times and device use bound the dual
 function from above at every pair of caps they meet), warm started from the
 nearest pair; they reach the relaxation's LP value in tens of DPs where a
 subgradient ascent stalled far below it (48 blocks x 8 devices: within
-0.02% of the optimum in 0.3 s, against 20% after 1600 DPs). Every relaxed plan met is repaired to the
-device counts, re-partitioned (``seqpart``) and priced exactly; the best
-valid one is returned with the bound.
+0.02% of the optimum in 0.3 s, against 20% after 1600 DPs). Every relaxed plan met goes to the search
+wing (``search.relaxed_plans``: repaired to the device counts, re-partitioned,
+priced exactly, then a local search), whose best valid plan is the incumbent
+that prunes the boxes and is returned with the bound.
 
 Where a box is too narrow for splits to lift it and its prices have
 converged, what holds it down is the relaxation itself (mixtures of
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,25 +60,16 @@ from planner.solver.bound.branching import (
     satisfies,
 )
 from planner.solver.bound.lazy_dp import LazyDP, layered_dp
-from planner.solver.bound.pricer import BackgroundPricer
 from planner.solver.bound.sequence_dp import Cut, Relaxed, SequenceDP
-from planner.solver.objective import Placement, evaluate
+from planner.solver.objective import Placement
 from planner.solver.problem import Problem
-from planner.solver.search.chain_dp import Group
-from planner.solver.search.local import improve
-from planner.solver.search.seq_partition import sequence_placement
+from planner.solver.search.relaxed_plans import RelaxedPlans, repair
 
-__all__ = ["LagrangeResult", "LazyDP", "Relaxed", "SequenceDP", "lagrange_bound", "layered_dp", "repair"]
+__all__ = ["LagrangeBound", "LagrangeResult", "LazyDP", "Relaxed", "SequenceDP", "lagrange_bound", "layered_dp",
+           "repair"]
 
 INF = math.inf
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
-LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
-PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
-PRICER_BACKLOG = 64  # relaxed plans waiting for the pricing thread (workers >= 2), the oldest dropped past it
-PRICER_DUTY = 0.5  # the share of the time the pricing thread works (it rests the rest, leaving the DPs a core)
-# The last share of the bound's time, in which the pricing thread runs the local search (``localsearch``)
-# from the best plan instead (workers >= 2).
-LOCAL_TAIL = 0.35
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 # A box's prices are refined until it is this share of the incumbent above the next weakest box, and resumed
 # when it is the weakest again (None: until it reaches the target, or the prices converge). Off: 1e-3 gave a
@@ -102,138 +93,60 @@ class LagrangeResult:
     caps: int
 
 
-def repair(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]) -> tuple[Group, ...] | None:
-    """The relaxed plan's class sequence made to respect the device counts (None: cannot be done simply).
+class LagrangeBound:
+    """The bound's search over cap boxes; see the module docstring. ``plans`` (the search wing's
+    ``RelaxedPlans``) receives every relaxed answer met and holds the incumbent that prunes the boxes;
+    without it the incumbent stays ``incumbent_ms``."""
 
-    Over-used classes first lose replicas (largest first, down to the next
-    useful replica count); a stage that still cannot be placed moves to the
-    class with the most spare devices that keeps a trusted endpoint trusted.
-    """
-    groups = [Group(cls=c, replicas=r) for _, _, c, r in stages]
-    count = {c.index: c.count for c in problem.classes if c.stage_capable}
-    pol = problem.policy
+    def __init__(self, problem: Problem, *, incumbent_ms: float, time_budget_s: float, target_gap: float = 1e-3,
+                 iterations: int = 25, max_dps: int | None = None, plans: RelaxedPlans | None = None) -> None:
+        self.problem, self.plans = problem, plans
+        self.time_budget_s, self.target_gap, self.iterations, self.max_dps = (time_budget_s, target_gap,
+                                                                              iterations, max_dps)
+        self._incumbent_ms = incumbent_ms
+        self.start = time.perf_counter()
+        self.dp = layered_dp(problem)
+        self.full_dp = self.dp.base if isinstance(self.dp, LazyDP) else self.dp
+        self.dps = 0
+        self.lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
+        self.pool: list[Cut] = []  # every relaxed plan met: cutting planes at every pair of caps it meets
+        self.points: dict[tuple[float, float], _Point] = {}
+        self.trees: dict[tuple[float, float], ClassTree] = {}
+        self.lam_max = 0.0
+        self.boxes: CapBoxes | None = None
 
-    def used(c: int) -> int:
-        return sum(g.replicas for g in groups if g.cls == c)
+    @property
+    def best_ms(self) -> float:
+        return self.plans.best_ms if self.plans is not None else self._incumbent_ms
 
-    for c, n in count.items():
-        while used(c) > n:
-            mine = [i for i, g in enumerate(groups) if g.cls == c and g.replicas > 1]
-            if mine:
-                i = max(mine, key=lambda j: groups[j].replicas)
-                smaller = [r for r in problem.replica_choices(c) if r < groups[i].replicas]
-                groups[i] = Group(cls=c, replicas=max(smaller))
-                continue
-            i = next(i for i in range(len(groups) - 1, -1, -1) if groups[i].cls == c)
-            end = i in (0, len(groups) - 1) and pol.enabled and pol.trusted_endpoints
-            spare = [(count[o] - used(o), o) for o in count
-                     if o != c and count[o] > used(o) and (problem.classes[o].trusted or not end)]
-            if spare:
-                groups[i] = Group(cls=max(spare)[1])
-            elif len(groups) > 1:
-                del groups[i]
-            else:
-                return None
-    return tuple(groups)
+    def deadline(self) -> bool:
+        """The time budget, or a DP count (deterministic, for tests and tuning)."""
+        return time.perf_counter() - self.start > self.time_budget_s or \
+            (self.max_dps is not None and self.dps >= self.max_dps)
 
+    def _met(self, relaxed: Relaxed) -> None:
+        if self.plans is not None:
+            self.plans.consider(relaxed)
 
-def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
-                   target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None,
-                   plans: bool = True, workers: int = 1) -> LagrangeResult:
-    """A lower bound on ``F`` over every plan (and the best valid plan the DPs met); see the module docstring.
-
-    ``plans=False``: the bound alone (for a relaxed problem, e.g. ``relax.merged_for_bound``, whose plans are
-    not plans of the real one and must not become the incumbent that prunes the boxes). ``workers >= 2``:
-    the relaxed plans are priced on a second thread while the DPs go on (``pricer``; the order in which
-    plans are priced then depends on timing, so results with a DP count are not repeatable).
-    """
-    start = time.perf_counter()
-    dp = layered_dp(problem)
-    M = problem.num_microbatches
-    best_plan: Placement | None = None
-    best_ms = incumbent_ms
-    dps = 0
-
-    def deadline() -> bool:  # the time budget, or a DP count (deterministic, for tests and tuning)
-        return time.perf_counter() - start > time_budget_s or (max_dps is not None and dps >= max_dps)
-
-    tried: set[tuple[Group, ...]] = set()
-    full_dp = dp.base if isinstance(dp, LazyDP) else dp
-
-    spent = [0.0]  # seconds pricing plans: capped at PLAN_SHARE of the time so far
-    # The latest relaxed plans the cap skipped: the DPs of the tightest boxes come last, and where the
-    # bound meets the optimum their plans are the optimal ones, so these are priced before returning.
-    skipped: deque[Relaxed] = deque(maxlen=LAST_PLANS)
-
-    pricer = BackgroundPricer(lambda r: _consider(r), backlog=PRICER_BACKLOG,
-                              duty=PRICER_DUTY) if plans and workers > 1 else None
-
-    def consider(relaxed: Relaxed) -> None:
-        """Price the relaxed plan as it is, and its repaired class sequence re-partitioned."""
-        if not plans:
-            return
-        if pricer is not None:
-            pricer.submit(relaxed)
-            return
-        if spent[0] > PLAN_SHARE * (time.perf_counter() - start) + 0.05:
-            skipped.append(relaxed)
-            return
-        t0 = time.perf_counter()
-        try:
-            _consider(relaxed)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    def _consider(relaxed: Relaxed) -> None:
-        nonlocal best_plan, best_ms
-        cands = []
-        plan = dp.placement(relaxed)
-        if plan is not None:
-            cands.append((plan, evaluate(problem, plan).step_ms))
-        groups = repair(problem, relaxed.stages)
-        if groups is not None and groups not in tried:
-            tried.add(groups)
-            for exact in (False, True):
-                got = sequence_placement(problem, groups, exact=exact)
-                if got is not None:
-                    cands.append(got)
-        for plan, step in cands:
-            if step < best_ms - 1e-9:
-                best_plan, best_ms = plan, step
-
-    def local_search() -> None:
-        """The local search from the best plan until the bound's time ends (on the pricing thread, beside the
-        DPs: the tail of the bound costs it a core it shares with pricing anyway)."""
-        nonlocal best_plan, best_ms
-        left = time_budget_s - (time.perf_counter() - start)
-        if best_plan is not None and left > 0:
-            better = improve(problem, best_plan, best_ms, time_budget_s=left)
-            if better is not None and better[1] < best_ms - 1e-9:
-                best_plan, best_ms = better
-
-    lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
-    pool: list[Cut] = []  # every relaxed plan met: cutting planes at every pair of caps it meets
-    points: dict[tuple[float, float], _Point] = {}
-
-    def price(pt: _Point, enough: float) -> None:
+    def price(self, pt: _Point, enough: float) -> None:
         """Kelley's cutting planes at the point's caps, resumed where they stopped, until the best dual value
         reaches ``enough``, the model and the best value meet (the LP value of the relaxation) or the time ends.
 
         The prices maximise the piecewise-linear model that the plans met so far give of the dual function;
         the DP at those prices adds a plan.
         """
-        nonlocal dps
+        dp = self.dp
         run = dp if pt.allowed is None else dp.restricted(pt.allowed)  # a branch's leaf: its classes only
         while not pt.done:
             got = run.run(pt.cap, pt.lam, pt.ar_cap)
-            dps += 1
+            self.dps += 1
             pt.runs += 1
             if got is None:  # no sequence meets the caps, whatever the prices
                 pt.best, pt.done = INF, True
                 break
-            consider(got)
+            self._met(got)
             for looser in getattr(run, "missed", ()):  # the looser DPs' plans: seeds for the incumbent too
-                consider(looser)
+                self._met(looser)
             if got.value_ms > pt.best:
                 pt.best, pt.best_lam = got.value_ms, pt.lam
             over = got.used - dp.count
@@ -241,28 +154,27 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                 pt.done = True  # complementary slackness: g at these caps exactly
                 break
             if pt.master is None:  # the plans met so far that meet these caps, then this DP's (one of its candidates)
-                cuts = [c for c in pool if c.peak_ms <= pt.cap * (1 + 1e-12) and c.ar_ms <= pt.ar_cap * (1 + 1e-12)
-                        and satisfies(c, pt.allowed, full_dp.SC)]
-                pt.master = _KelleyMaster(cuts, dp.count, lam_max)
+                cuts = [c for c in self.pool if c.peak_ms <= pt.cap * (1 + 1e-12) and c.ar_ms <= pt.ar_cap * (1 + 1e-12)
+                        and satisfies(c, pt.allowed, self.full_dp.SC)]
+                pt.master = _KelleyMaster(cuts, dp.count, self.lam_max)
             cut = dp.cut(got)
-            pool.append(cut)
+            self.pool.append(cut)
             pt.master.add(cut)
             pt.model, pt.lam = pt.master.solve()
-            pt.done = pt.model - pt.best <= KELLEY_TOL * max(1.0, abs(pt.best)) or pt.runs >= iterations
-            if pt.best >= enough or deadline():
+            pt.done = pt.model - pt.best <= KELLEY_TOL * max(1.0, abs(pt.best)) or pt.runs >= self.iterations
+            if pt.best >= enough or self.deadline():
                 break
         if pt.best_lam is not None and pt.allowed is None:
-            lam_memo.append(((pt.cap, pt.ar_cap), pt.best_lam))
+            self.lam_memo.append(((pt.cap, pt.ar_cap), pt.best_lam))
 
-    trees: dict[tuple[float, float], ClassTree] = {}
-
-    def branch(pt: _Point, box: tuple[float, float, float, float], level: float) -> bool:
+    def branch(self, pt: _Point, box: tuple[float, float, float, float], level: float) -> bool:
         """Grow the class tree at the box's upper caps by one step (False: its weakest leaf cannot branch)."""
-        tree = trees.setdefault((pt.cap, pt.ar_cap), ClassTree(pt))
+        boxes, full_dp = self.boxes, self.full_dp
+        tree = self.trees.setdefault((pt.cap, pt.ar_cap), ClassTree(pt))
         leaf = tree.weakest()
         enough = level - boxes.floor(box)
         if not leaf.done and leaf.model >= enough:
-            price(leaf, enough)
+            self.price(leaf, enough)
         else:
             weighted = leaf.master.weighted() if leaf.master is not None else []
             block = most_split_block(weighted, full_dp.L, full_dp.SC)
@@ -273,66 +185,85 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                     for mask in child_masks(leaf.allowed, block, full_dp.C, full_dp.L)]
             tree.replace(leaf, kids)
             for kid in kids:
-                if deadline():
+                if self.deadline():
                     kid.best = -INF  # unpriced: bounds nothing
                     continue
-                price(kid, enough)
+                self.price(kid, enough)
         # Every box this point bounds has a floor of at least the lowest box's: leaves above the incumbent
         # less that floor bound nothing that could beat it.
-        boxes.add_point(pt.cap, pt.ar_cap, tree.value(best_ms - boxes.least_floor()))
+        boxes.add_point(pt.cap, pt.ar_cap, tree.value(self.best_ms - boxes.least_floor()))
         return True
 
-    def new_point(cap: float, ar_cap: float) -> _Point:
-        lam = np.zeros(dp.C)
-        if lam_memo:  # warm start from the nearest caps already priced
-            lam = min(lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / max(M - 1, 1))[1].copy()
-        pt = points[(cap, ar_cap)] = _Point(cap=cap, ar_cap=ar_cap, lam=lam)
+    def new_point(self, cap: float, ar_cap: float) -> _Point:
+        lam = np.zeros(self.dp.C)
+        if self.lam_memo:  # warm start from the nearest caps already priced
+            fill = max(self.problem.num_microbatches - 1, 1)
+            lam = min(self.lam_memo, key=lambda m: abs(m[0][0] - cap) + abs(m[0][1] - ar_cap) / fill)[1].copy()
+        pt = self.points[(cap, ar_cap)] = _Point(cap=cap, ar_cap=ar_cap, lam=lam)
         return pt
 
-    # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
-    top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
-    ar_top = dp.max_allreduce_ms()
-    lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
-    # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
-    boxes = CapBoxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
-                     open_top=math.isfinite(top) and not math.isfinite(best_ms))
-    lam_max = best_ms if math.isfinite(best_ms) else 1e3 * max(top, 1.0)  # a price that settles any box
-    first = new_point(top, boxes.ar_top)
-    price(first, INF)  # converged: its DPs' plans are the first incumbents that shrink every box
-    boxes.add_point(top, boxes.ar_top, first.best)
-    local_at = time_budget_s * (1 - LOCAL_TAIL)  # when the pricing thread turns to the local search
-    while True:
-        if pricer is not None and local_at is not None and time.perf_counter() - start > local_at:
-            pricer.then(local_search)
-            local_at = None
-        bound, box, runner_up = boxes.weakest_two(best_ms)
-        target = best_ms * (1 - target_gap)
-        if box is None or deadline() or bound >= target:
-            break
-        # Lift the weakest box just past the next one: its point's prices are refined only while that can still
-        # pay (the cutting-plane model bounds what they can reach); else the box is split.
-        level = target if LAZY_LIFT is None else min(target, runner_up + LAZY_LIFT * best_ms)
-        pt = points.get((box[1], box[3]))
-        if pt is not None and not pt.done and pt.model + boxes.floor(box) >= level:
-            price(pt, level - boxes.floor(box))
-            boxes.add_point(pt.cap, pt.ar_cap, pt.best)
-            continue
-        # A box too narrow for splits to lift it further: only a higher value at its caps can.
-        if pt is not None and boxes.width(box) < min(BRANCH_WIDTH * best_ms, level - bound) \
-                and branch(pt, box, level):
-            continue
-        point = boxes.split(box)
-        if point is None:
-            break
-        # The new point bounds the lower half of the split box: it is settled once it lifts that above the level.
-        pt = new_point(*point)
-        price(pt, level - boxes.floor(box))
-        boxes.add_point(*point, pt.best)
-    if pricer is not None:
-        pricer.close(drain=LAST_PLANS)
-    for relaxed in skipped:
-        _consider(relaxed)
-    return LagrangeResult(bound_ms=bound, placement=best_plan, step_ms=best_ms, dps=dps, caps=len(boxes.points))
+    def run(self) -> float:
+        """The bound: boxes of caps lifted (prices refined, boxes split or branched) until the target gap to the
+        incumbent, no box left, or the time ends."""
+        dp, M, best_ms = self.dp, self.problem.num_microbatches, self.best_ms
+        # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
+        top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
+        ar_top = dp.max_allreduce_ms()
+        lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
+        # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
+        boxes = self.boxes = CapBoxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
+                                      open_top=math.isfinite(top) and not math.isfinite(best_ms))
+        self.lam_max = best_ms if math.isfinite(best_ms) else 1e3 * max(top, 1.0)  # a price that settles any box
+        first = self.new_point(top, boxes.ar_top)
+        self.price(first, INF)  # converged: its DPs' plans are the first incumbents that shrink every box
+        boxes.add_point(top, boxes.ar_top, first.best)
+        while True:
+            bound, box, runner_up = boxes.weakest_two(self.best_ms)
+            target = self.best_ms * (1 - self.target_gap)
+            if box is None or self.deadline() or bound >= target:
+                return bound
+            # Lift the weakest box just past the next one: its point's prices are refined only while that can
+            # still pay (the cutting-plane model bounds what they can reach); else the box is split.
+            level = target if LAZY_LIFT is None else min(target, runner_up + LAZY_LIFT * self.best_ms)
+            pt = self.points.get((box[1], box[3]))
+            if pt is not None and not pt.done and pt.model + boxes.floor(box) >= level:
+                self.price(pt, level - boxes.floor(box))
+                boxes.add_point(pt.cap, pt.ar_cap, pt.best)
+                continue
+            # A box too narrow for splits to lift it further: only a higher value at its caps can.
+            if pt is not None and boxes.width(box) < min(BRANCH_WIDTH * self.best_ms, level - bound) \
+                    and self.branch(pt, box, level):
+                continue
+            point = boxes.split(box)
+            if point is None:
+                return bound
+            # The new point bounds the lower half of the split box: settled once it lifts that above the level.
+            pt = self.new_point(*point)
+            self.price(pt, level - boxes.floor(box))
+            boxes.add_point(*point, pt.best)
+
+
+def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
+                   target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None,
+                   plans: bool = True, workers: int = 1) -> LagrangeResult:
+    """A lower bound on ``F`` over every plan, and the best valid plan its relaxed answers gave.
+
+    ``plans=False``: the bound alone (for a relaxed problem, e.g. ``relax.merged_for_bound``, whose plans are
+    not plans of the real one and must not become the incumbent that prunes the boxes). ``workers >= 2``:
+    the relaxed plans are priced on a second thread while the DPs go on (``search.pricer``; the order in which
+    plans are priced then depends on timing, so results with a DP count are not repeatable).
+    """
+    sink = RelaxedPlans(problem, incumbent_ms=incumbent_ms, time_budget_s=time_budget_s,
+                        workers=workers) if plans else None
+    search = LagrangeBound(problem, incumbent_ms=incumbent_ms, time_budget_s=time_budget_s, target_gap=target_gap,
+                           iterations=iterations, max_dps=max_dps, plans=sink)
+    try:
+        bound = search.run()
+    finally:
+        if sink is not None:
+            sink.finish()
+    return LagrangeResult(bound_ms=bound, placement=sink.best_plan if sink else None, step_ms=search.best_ms,
+                          dps=search.dps, caps=len(search.boxes.points) if search.boxes else 0)
 
 
 @dataclass(slots=True, kw_only=True)

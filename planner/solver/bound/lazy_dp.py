@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 
 from planner.solver.bound.sequence_dp import INF, Cut, Relaxed, SequenceDP
-from planner.solver.objective import Placement
 from planner.solver.problem import Problem
 
 # The fewer-layer DP's layers, the tries before the looser DP's hit rate counts, the hit rate below which it
@@ -73,9 +72,6 @@ class LazyDP:
     def restricted(self, allowed: np.ndarray) -> LazyDP:
         """Both DPs restricted alike (``SequenceDP.restricted``)."""
         return LazyDP(self.full.restricted(allowed), self.loose.restricted(allowed), always=self.always)
-
-    def placement(self, relaxed: Relaxed) -> Placement | None:
-        return self.base.placement(relaxed)
 
     def block_floor_ms(self) -> float:
         return self.base.block_floor_ms()

@@ -32,10 +32,7 @@ import numpy as np
 
 from cost_models import comm
 from planner.solver.bound.sequence_dp_kernel import key_tables, sequence_dp
-from planner.solver.objective import Placement, even_split, violations
 from planner.solver.problem import Problem
-from planner.solver.solution import StagePlacement
-from planner.solver.verifiers import assign_verifiers
 
 INF = math.inf
 # Range queries per DP (exact layers x blocks x classes^3 x replica options), ~10 ns each: deeper
@@ -337,22 +334,3 @@ class SequenceDP:
         """A floor on any plan's largest ``tau``: the slowest block at its best class and smallest share."""
         share = np.where(self.valid_r, self.H, INF).min(axis=1)
         return float(np.max(np.min(self.p.time_ms[:, self.SC] * share[None, :], axis=1)))
-
-    # --- plans from a relaxed answer -----------------------------------------------
-    def placement(self, relaxed: Relaxed) -> Placement | None:
-        """The relaxed sequence as a plan (devices from each class's pool, verifiers greedily), or None."""
-        if (relaxed.used > self.count).any():
-            return None
-        p, M = self.p, self.M
-        pools = {c: list(p.classes[c].device_ids) for c in self.SC}
-        stages = []
-        for k, (s, e, c, r) in enumerate(relaxed.stages):
-            devices = tuple(pools[c][:r])
-            del pools[c][:r]
-            stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=devices,
-                                         microbatches=even_split(M, r)))
-        verifiers = assign_verifiers(p, tuple(stages), M)
-        if verifiers is None:
-            return None
-        placement = Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
-        return None if violations(p, placement) else placement
