@@ -7,7 +7,7 @@ weight gradients, so it moves about twice the forward's bytes
 (:data:`BWD_TRAFFIC_FACTOR`); its FLOPs come from the trace (``bwd_flops``).
 It dispatches only a little more ops than the forward (:data:`BWD_OPS_FACTOR`):
 views need no backward kernel and autograd fuses the backward of several
-elementwise ops (measured 1.16-1.19 on CPU for GPT and Llama layers).
+elementwise ops (fitted to GPT and Llama layers: benchmarks/README.md).
 ``profile.py`` fits ``efficiency`` and ``op_overhead_ms`` with exactly these
 formulas, so a calibrated spec reproduces the measured block times.
 

@@ -4,15 +4,10 @@ from __future__ import annotations
 from cost_models.devices import DeviceSpec
 from planner.errors import InvalidInputError
 
-# Measured, not guessed: the runtime's check (``planner.integrity.verifier.Verifier.check``
-# on four monitors of two consecutive boundaries, link tests included, one torch
-# thread; its share of the step's closing) costs 1.79 / 2.41 / 3.71 / 6.61 ms at
-# 0.125 / 0.5 / 1.5 / 3 MiB on the 2-core VM whose profile measured 32 GB/s: 1.50 ms
-# + 1.66 ms/MiB, i.e. about 50 passes over the tensor at that bandwidth (the
-# summary's moments, projections, sorted quantiles, covariance, sketch, the
-# surrogate's fit and the replay ring), plus a fixed cost of ~30 small ops and
-# their Python. The first guess, 8 passes + 0.05 ms, priced a gpt-tiny check
-# (0.125 MiB) 20x under what it costs, and with it the verifier's load.
+# Fitted to the runtime's check (``planner.integrity.verifier.Verifier.check``), not guessed: about
+# 50 passes over the tensor at the device's memory bandwidth (the summary's moments, projections,
+# sorted quantiles, covariance, sketch, the surrogate's fit and the replay ring), plus a fixed cost
+# of ~30 small ops and their Python (fit and history: benchmarks/README.md).
 VERIFY_PASSES = 50
 VERIFY_FIXED_MS = 1.5
 VERDICT_BYTES = 16  # a flag and a score

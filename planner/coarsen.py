@@ -282,7 +282,7 @@ def _traffic_bytes(graph: Graph, members: Sequence[Node]) -> int:
 
 
 # Ops that read only the rows their indices select from a table (torch.export, torch.fx and
-# ONNX spellings). Counting the whole table over-predicted a GPT-2 embedding lookup 25x.
+# ONNX spellings): counting the whole table would grossly over-predict a lookup's traffic.
 GATHER_OPS = frozenset({"embedding", "Embedding", "index_select", "gather", "index", "take",
                         "Gather", "GatherElements", "GatherND"})
 

@@ -1,9 +1,9 @@
 """What running a plan on this machine should take: the simulator priced with this machine's profile.
 
 ``stagewise run PLAN --emulate-speed`` rehearses a plan for remote devices
-here. The plan's own prediction is for the planned devices (the bundled
-gpt-tiny plan on A100s: 0.05 ms a step, where this CPU takes ~20 ms), so it
-cannot be compared with what the rehearsal measures. Priced with a profile
+here. The plan's own prediction is for the planned devices (often orders
+of magnitude faster than this CPU), so it cannot be compared with what the
+rehearsal measures. Priced with a profile
 of this machine (``stagewise profile``), the same programs give the figure
 the rehearsal should measure: every rank's passes at the profiled speed,
 padded as the runtime pads them, messages over the measured local link, and,

@@ -15,16 +15,14 @@ DIRECTIONS = ("act", "grad")  # what a verifier can check at a boundary: activat
 
 ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "residual", "drift",
                  "replay")
-# Fence floors, measured on gpt-tiny training (benchmarks/verification.py):
+# Fence floors, set on gpt-tiny training (benchmarks/verification.py; figures: benchmarks/README.md):
 # sign and skew above 0.5 mean "points the other way than the reference" (one
 # microbatch's skew is noisy: 0.9); a scale floor of 1.0 tolerates honest
 # gradient spikes of up to e times the usual size; spectral 0.2 is four times the
 # honest level of trained residual streams; binding and link near 1 mean
-# "rows of other data"; residual 3 is twice its honest worst (~1.1 typical,
-# < 1.7 p99 for activations, < 2.5 for gradients); drift 8 is the CUSUM's
-# alarm level (``Cusum``, one sample per step of a sender; zero alarms in clean
-# runs of gpt-tiny and of a d=256 GPT at lr 1e-3 and 3e-4; a residual held at 2x
-# its median crosses it in 1-4 steps);
+# "rows of other data"; residual 3 is twice its honest worst; drift 8 is the
+# CUSUM's alarm level (``Cusum``, one sample per step of a sender): above clean
+# training's drift, below what a residual held at 2x its median reaches in a few steps;
 # replay 6 only flags copies within 1e-6 of cosine 1.
 DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.2,
                   "binding": 1.0, "link": 0.3, "residual": 3.0, "drift": 8.0, "replay": 6.0}
@@ -56,9 +54,8 @@ class VerifierConfig:
     level is ``step_floors["drift"]``); ``drift_spread_act``/``drift_spread_grad``:
     the least spread of that log score it assumes per direction (gradients swing
     more: a loss spike's gradients grow by e-folds on their way back while the
-    activations barely move, and at d=256, lr 1e-3 an honest stage's gradient
-    residual level rose 28% for the last 60 of 100 steps, which a spread of 0.1
-    read as drift from step 42 on; at 0.2 it is inside the allowance).
+    activations barely move, so the activations' spread would read an honest
+    stage's slow gradient rise as drift; see benchmarks/README.md).
     ``basis_refresh``: steps between two eigendecompositions of a reference (its
     principal subspace, its residuals' whitener; 1: every step, what early
     training needs, when the subspaces still turn fast); ``seed``: the

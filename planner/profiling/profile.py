@@ -72,10 +72,9 @@ Step = Callable[[str], None]
 Clock = Literal["wall", "cpu"]
 Statistic = Literal["min", "median"]
 STATISTICS: tuple[str, ...] = ("min", "median")
-# Swept before each timed pass: past the last-level cache (48 MiB L3 on the 2-core dev host). On that host (4 runs
-# each of a 2- and a 4-rank plan, others' load ~1 core), the runs' pass CPU time over passes timed so was 0.97 and
-# 1.02 (medians); over a tight loop's (warm caches) 1.07 and 1.13. Sweeping only L2 (4 MiB), or timing the units
-# in a stage's own 1F1B order, did not close that gap.
+# Swept before each timed pass: past the last-level cache (e.g. a 48 MiB L3), so a pass finds the caches as cold
+# as in a run; a tight loop's warm caches, or sweeping only L2, time passes faster than a run does them
+# (tuning history: benchmarks/README.md).
 EVICT_BYTES = 64 << 20
 
 
@@ -221,9 +220,8 @@ def measure_memory_bandwidth(*, nbytes: int, repeats: int, device: Any, clock: C
 
 
 # Tensors of the optimizer probe: enough that the per-tensor loop dominates, small enough that
-# their bytes (64 floats each) cost nothing. On the 2-core dev host Adam took 73-78 us per tensor
-# at 16, 64 and 256 tensors: a flat per-tensor cost, a ninth of it per kernel (8 us, where the
-# model ops' fitted overhead is 64 us: those carry autograd's bookkeeping too).
+# their bytes (64 floats each) cost nothing; Adam's cost per tensor is flat in their count, so the
+# per-kernel figure does not depend on it (tuning history: benchmarks/README.md).
 OPTIM_PROBE_TENSORS = 128
 
 

@@ -6,31 +6,30 @@ fixed in an outer loop, the time split evenly):
 1. builds the cost tables (``problem.build_problem``) and rejects what totals
    already rule out (``explain.precheck``);
 2. when one class of trusted devices without replication is the whole
-   search space, the exact DP (``dp.homogeneous_dp``) is the answer;
+   search space, the exact DP (``chain_dp.homogeneous_dp``) is the answer;
 3. else prices every one-stage plan exactly (pure data parallelism) and finds
-   a good pipeline with the baselines and a sequence search (``dp``);
+   a good pipeline with the baselines and a sequence search (``search.sequences``);
 4. computes the sequence DP's Lagrangian bound (``lagrange``): it sees the
    communication, verifier copies, 1F1B in-flight memory and all-reduce
    that the fluid LP cannot (branching on block classes where it stalls), and
-   every relaxed plan it meets is repaired, re-partitioned (``seqpart``) and
+   every relaxed plan it meets is repaired, re-partitioned (``seq_partition``) and
    priced, often improving the incumbent
    (``LAGRANGE_SHARE`` of the time; a short look on models small enough
    for CP-SAT to prove optimality alone); when several classes share a
    device type (many hosts), half of that time bounds the problem with
-   them merged (``relax``), which the DP, cubic in the classes, can afford;
+   them merged (``bound.relax``), which the DP, cubic in the classes, can afford;
    then a local search over stage sequences from the best plan
-   (``localsearch``, at most ``LOCAL_SHARE`` of the time);
+   (``search.local``, at most ``LOCAL_SHARE`` of the time);
 5. runs the CP-SAT model (``cpsat``) hinted with the best plan so far: over
    every stage count when ``blocks x slots <= MODEL_SIZE_LIMIT``, else
    (decomposition by stage count) over pipelines of at most ``SLOT_CAP``
    stages, where its search improves the incumbent far better than on the
-   full model (measured: 200 blocks x 64 devices, 30 s: 64 slots 32 s,
-   20 slots 14 s iteration time).
+   full model (tuning history: benchmarks/README.md).
 
 6. keeps, of every valid plan the steps above met (and every uniform pp x dp
    grid, ``grid``), the one whose compiled programs cost least
    (``objective.price_program``: the reported objective), hill-climbs on that
-   cost (``polish``) and bounds it with free links (``relax.comm_free_for_bound``)
+   cost (``polish``) and bounds it with free links (``bound.relax.comm_free_for_bound``)
    in the ``VALID_BOUND_SHARE`` of the time held back.
 
 What the search's bound bounds (kept in the notes): the closed form
@@ -82,26 +81,25 @@ from planner.solver.solution import Solution, SolveReport, StagePlacement
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
 Progress = Callable[[str, float | None, float | None, float], None]
 
-# Of each M's time budget, for the sequence search that seeds the bound and CP-SAT: its plans are far from the
-# bound's (200 x 64: 31,027 against 9,553 ms), whose first DPs find better ones within a second or two.
+# Of each M's time budget, for the sequence search that seeds the bound and CP-SAT: small, as the bound's first
+# DPs soon find far better plans than it does (tuning history: benchmarks/README.md).
 HEURISTIC_SHARE = 0.05
 MODEL_SIZE_LIMIT = 4_000  # blocks x stage slots up to which the CP-SAT model covers every stage count
 SLOT_CAP = 20  # slots of the smaller model beyond that: CP-SAT improves plans far better there
 LAGRANGE_SHARE = 0.75  # of each M's time budget on large models, for the sequence-DP bound and its plans
-# At most, for the local search from the best plan after it (``localsearch``), before CP-SAT: per second the
-# most productive step there (200 x 64: 9,553 -> 9,146 ms in 0.8 s; 1000 x 64: 9,402 -> 9,181 in 10 s).
+# At most, for the local search from the best plan after it (``search.local``), before CP-SAT: per second the
+# most productive step there (tuning history: benchmarks/README.md).
 LOCAL_SHARE = 0.1
 LAGRANGE_SMALL_S = 1.0  # at most this on models small enough for CP-SAT to prove optimality alone
 # A plan within this share of the bound is reported OPTIMAL and ends the search for its M: the costs
-# are models (a few percent off a measured step), and proving the last 0.01% can take the whole budget
-# (homogeneous 1000 blocks x 16 devices with replicas: 30 s for a gap of 5e-4 -> 1.6e-7).
+# are models (a few percent off a measured step), and proving the last 0.01% can take the whole budget.
 GAP_TOLERANCE = 1e-4
-CPSAT_PROVES_LIMIT = 600  # blocks x stage slots (measured: 48 x 8 proven in 6-9 s; 200 x 16 never in 30 s)
-# Blocks x stage slots above which CP-SAT's last seconds go to the local search: CP-SAT finds no plan in
-# 30 s at that size (1000 x 64, 20 slots), where the local search keeps improving.
+CPSAT_PROVES_LIMIT = 600  # blocks x stage slots up to which CP-SAT proves optimality within a solve's budget
+# Blocks x stage slots above which CP-SAT's last seconds go to the local search: at that size CP-SAT finds no
+# plan within a solve's budget, where the local search keeps improving.
 CPSAT_HOPELESS = 10_000
 # Of each M's time budget, held back to bound the cost of the compiled programs (the search's bounds are on
-# its closed form, which prices sends as busy time the programs overlap: ``relax.comm_free_for_bound``).
+# its closed form, which prices sends as busy time the programs overlap: ``bound.relax.comm_free_for_bound``).
 VALID_BOUND_SHARE = 0.15
 
 
@@ -200,7 +198,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
                    progress: Progress | None, gap_tolerance: float = GAP_TOLERANCE,
                    shape: tuple[int | None, int | None] = (None, None)) -> _Outcome:
     """Search (``_search``), then keep the plan whose compiled programs cost least among every valid plan the
-    search met, and bound that cost (``relax.comm_free_for_bound``) in the time held back for it. With a
+    search met, and bound that cost (``bound.relax.comm_free_for_bound``) in the time held back for it. With a
     ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``)."""
     start = time.perf_counter()
     if shape != (None, None):

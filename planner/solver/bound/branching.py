@@ -2,14 +2,12 @@
 
 The sequence DP's Lagrangian bound at a pair of caps is the LP over mixtures
 of stage sequences that meet the device counts on average, and no finer box
-of caps changes that. At 200 blocks x 64 devices it stalled at 8,839 ms
-(the best plan: 9,128 ms; 3.2%) on a mixture whose every sequence over-used
-a class (24 A100s of 8 beside 68 T4s of 24, ...). Splitting the sequences by
+of caps changes that: it can stall well below the best plan on a mixture
+whose every sequence over-uses some class. Splitting the sequences by
 the class that holds the block on which the mixture disagrees most (a child
 per class) partitions the plans at those caps: each child's dual value still
 bounds its part, so the least over a tree's leaves bounds every plan there,
-and it rises as the tree grows. Measured at that problem's weakest caps: the
-stage-time term from 1,519 to 1,716 ms in 30 branchings (1,700 DPs, 81 s).
+and it rises as the tree grows (tuning history: benchmarks/README.md).
 """
 from __future__ import annotations
 

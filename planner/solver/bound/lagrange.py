@@ -26,13 +26,12 @@ buffers and verifier state.
 dualised with prices ``lambda_c >= 0`` per device (weak duality:
 ``g >= min_plans sum (tau_k + lambda_c r_k) - lambda . n``), and what remains
 is a shortest path over (stage start block, previous class, own class) per
-layer (``seqdp``, with the exact cap; ``lazydp`` runs a looser DP first). The
+layer (``sequence_dp``, with the exact cap; ``lazy_dp`` runs a looser DP first). The
 prices at each pair of caps come from Kelley's cutting planes (a small LP
 over the plans met so far, whose stage times and device use bound the dual
 function from above at every pair of caps they meet), warm started from the
-nearest pair; they reach the relaxation's LP value in tens of DPs where a
-subgradient ascent stalled far below it (48 blocks x 8 devices: within
-0.02% of the optimum in 0.3 s, against 20% after 1600 DPs). Every relaxed plan met goes to the search
+nearest pair; they reach the relaxation's LP value in tens of DPs, where a
+subgradient ascent stalls far below it. Every relaxed plan met goes to the search
 wing (``search.relaxed_plans``: repaired to the device counts, re-partitioned,
 priced exactly, then a local search), whose best valid plan is the incumbent
 that prunes the boxes and is returned with the bound.
@@ -72,15 +71,13 @@ INF = math.inf
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 # A box's prices are refined until it is this share of the incumbent above the next weakest box, and resumed
-# when it is the weakest again (None: until it reaches the target, or the prices converge). Off: 1e-3 gave a
-# better bound per DP (200 blocks x 64 devices, 600 DPs: 8,784 against 8,734 ms), but it changes which
-# relaxed plans are met, and at 1000 x 64, where pricing keeps up with about a quarter of them, the best plan
-# of 22 s was worse in each of four runs (9,634-10,894 against 9,377-9,506 ms).
+# when it is the weakest again (None: until it reaches the target, or the prices converge). Off: a lift gives a
+# better bound per DP but changes which relaxed plans are met, and where pricing cannot keep up with them the
+# best plan gets worse (tuning history: benchmarks/README.md).
 LAZY_LIFT: float | None = None
 # Boxes narrower than this share of the incumbent (what splitting them can still add) branch on block
-# classes instead (``branching``); wider ones split first, branching costing tens of DPs per child. 200 x 64,
-# bound alone, 90 s: 8,854 / 8,868 / 8,891 / 8,865 ms at 3e-4 / 1e-3 / 5e-3 / 2e-2 (without: 8,839 at 60 s
-# and at 300 s, where the plain relaxation stalls); at 22 s 8,810 at 5e-3, as without (8,830-8,839).
+# classes instead (``branching``); wider ones split first, branching costing tens of DPs per child. This width
+# lifts a stalled bound most and is no worse on short solves (tuning history: benchmarks/README.md).
 BRANCH_WIDTH = 5e-3
 
 
@@ -248,7 +245,7 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
                    plans: bool = True, workers: int = 1) -> LagrangeResult:
     """A lower bound on ``F`` over every plan, and the best valid plan its relaxed answers gave.
 
-    ``plans=False``: the bound alone (for a relaxed problem, e.g. ``relax.merged_for_bound``, whose plans are
+    ``plans=False``: the bound alone (for a relaxed problem, e.g. ``bound.relax.merged_for_bound``, whose plans are
     not plans of the real one and must not become the incumbent that prunes the boxes). ``workers >= 2``:
     the relaxed plans are priced on a second thread while the DPs go on (``search.pricer``; the order in which
     plans are priced then depends on timing, so results with a DP count are not repeatable).

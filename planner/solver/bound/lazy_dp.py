@@ -1,18 +1,17 @@
 """The sequence DP behind a cheaper, looser DP that answers for it whenever its plan is also the full DP's.
 
 A DP with fewer memory layers (the deeper stages lumped, assuming fewer
-microbatches in flight) costs less than the full one (200 blocks x 64
-devices, exact caps: 8 layers ~20 ms, all 19 layers ~45 ms). Its minimum at
-given prices and caps is at most the full DP's; when its plan also meets
-the full DP's memory layers (and exact caps) it is a plan of the full DP
-too, and so the full DP's minimum: the same dual value. Otherwise the full
-DP runs after it, and while the looser try misses more than it pays for it
-is skipped (tried now and then to keep its hit rate current).
+microbatches in flight) costs less than the full one, a DP's cost growing
+with its layers. Its minimum at given prices and caps is at most the full
+DP's; when its plan also meets the full DP's memory layers (and exact caps)
+it is a plan of the full DP too, and so the full DP's minimum: the same
+dual value. Otherwise the full DP runs after it, and while the looser try
+misses more than it pays for it is skipped (tried now and then to keep its
+hit rate current).
 
-The loose cap test (``SequenceDP.with_loose_cap``) as a looser DP in front
-(on every call, for its plans) did not pay: at 200 x 64 its plans met the
-exact caps in 34% of the tries, and in 22 s the bound got 371 DPs and
-8,618 ms against 581 and 8,710 without it, with the same best plan.
+The loose cap test (``SequenceDP.with_loose_cap``) is not a looser DP tried
+on every call for its plans: they meet the exact caps too rarely to pay for
+the DPs it costs the bound (tuning history: benchmarks/README.md).
 """
 from __future__ import annotations
 

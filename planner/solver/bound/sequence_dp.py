@@ -15,11 +15,9 @@ the boundaries' sizes vary along the chain (on a volunteer's slow link, and
 with the verifier's copy, a large boundary costs more than the stage's
 compute), so the ends that fit a cap are not a range of blocks. Testing the
 cap at the smallest send of the pair of classes instead (a relaxation, and
-what the DP did first) let stages 10% over the cap into every DP: at 200
-blocks x 64 devices a (bottleneck, all-reduce) cap pair priced 8,838 ms
-that way and 8,988 ms exactly; at 200 x 16 the best plan's caps 28,168
-against 28,374 (the plan: 28,420). ``exact_cap=False`` keeps the looser
-test: ``lazydp`` runs it first, and chains longer than
+what the DP did first) lets stages well over the cap into every DP, and so
+weakens the bound at every cap pair. ``exact_cap=False`` keeps the looser
+test: ``lazy_dp`` runs it first, and chains longer than
 ``EXACT_CAP_MAX_BLOCKS`` keep it (see there).
 """
 from __future__ import annotations
@@ -39,9 +37,8 @@ INF = math.inf
 # pipelines than the exact layers share one lumped layer whose memory check is weaker.
 LAYER_BUDGET = 2_500_000
 # Longer chains get the loose cap test: a stage then has enough boundaries near any cut that the loose test
-# loses little (1000 blocks x 64 devices: 0.2-0.6% at the frontier caps, against 1.7% at 200 x 64), while the
-# exact one doubles the cost of a DP there (97 against 44 ms), and the bound and the plans its DPs find within
-# 30 s were both worse (bound 7,550 against 8,277 ms, plan 10,139 against 9,193 ms, under the same load).
+# loses little, while the exact one doubles the cost of a DP, leaving fewer DPs for the bound and its plans
+# (tuning history: benchmarks/README.md).
 EXACT_CAP_MAX_BLOCKS = 500
 
 

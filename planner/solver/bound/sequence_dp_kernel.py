@@ -1,4 +1,4 @@
-"""The inner loops of ``seqdp.SequenceDP.run``, compiled with numba.
+"""The inner loops of ``sequence_dp.SequenceDP.run``, compiled with numba.
 
 The bound needs thousands of DPs; interpreted numpy spent most of its time
 in call overhead, which these kernels remove (the caller builds the tables).
@@ -14,7 +14,7 @@ followed by a stage on class ``n``. The last layer may be *lumped*
 to itself, so it is filled from the right with a sparse table updated as the
 DP moves left.
 
-The cap is exact (``seqdp``): the ends up to the last one that fits at the
+The cap is exact (``sequence_dp``): the ends up to the last one that fits at the
 pair's largest send form a range (one sparse-table query); beyond it, up to
 the last one that could fit at the smallest send, ``_capped_min`` searches
 by halving over sparse tables of the ends' keys. Passing the smallest sends

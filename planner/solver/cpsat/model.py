@@ -39,8 +39,8 @@ class's ``n`` devices hold at most ``n * T`` of work. CP-SAT gets a complete
 hint (the caller's plan, completed by a solve with the decisions fixed); on
 large models presolve is skipped, since it is slow there and drops the hint.
 
-The verifier-placement part of the model is in ``cpsat_verify``, hinting and
-decoding in ``cpsat_hint`` (mixins of ``_Builder``).
+The verifier-placement part of the model is in ``verifiers``, hinting and
+decoding in ``hint`` (mixins of ``_Builder``).
 """
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
     return out
 
 
-# Grids priced as programs (~10 ms each at 64 devices x 512 microbatches): the likeliest by the closed form.
+# Grids priced as programs (costly on large clusters and many microbatches): the likeliest by the closed form.
 PRICED = 24
 
 

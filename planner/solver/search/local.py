@@ -4,24 +4,20 @@ The incumbent's sequence of stage groups (class, replicas) is changed one
 move at a time: a stage's replicas or class, a stage inserted on idle
 devices or deleted, two stages swapped, devices moved between two stages of
 one class, a stage split in two or two neighbours merged. Each neighbour is
-screened by ``seqpart.screen_step`` (3 of the ~40 kernel calls of an exact
+screened by ``seq_partition.screen_step`` (3 of the ~40 kernel calls of an exact
 re-partition, often the same figure), in shuffled batches, and only the best
 few of a batch are re-partitioned exactly and priced
-(``dp.sequence_placement``); the first that improves becomes the incumbent.
+(``seq_partition.sequence_placement``); the first that improves becomes the incumbent.
 At a local optimum the search restarts from the best plan kicked by two
-random moves (an iterated local search: 200 x 64, 8 s: 9,128 against 9,146
-ms), until a dozen kicks in a row find nothing or the time ends. Chains
+random moves (an iterated local search, which ends better than a plain
+descent), until a dozen kicks in a row find nothing or the time ends. Chains
 longer than ``SCREEN_BLOCKS`` are screened on their blocks merged (the DPs
-cost the square of the blocks; 1000 x 64, 6 s from 9,402 ms: 9,074 with
-blocks merged 4 to a screen, 9,181 unmerged, 9,193 / 9,174 merged 8 / 2; a
-search wholly on the merged problem first: 9,141).
+cost the square of the blocks, so more screens fit the budget).
 
 Why: the plans met while bounding are repaired relaxed plans, and they
-leave devices idle or replicas unbalanced that a single move fixes. At 200
-blocks x 64 devices the bound's best plan, 9,553 ms with 8 of the 24 T4s
-idle, became 9,214 ms (those T4s moved into a stage) and then 9,146 ms (a
-T4 stage inserted) in 1.8 s, where CP-SAT hinted with it found 9,399 ms or
-nothing in 3-12 s.
+leave devices idle or replicas unbalanced that a single move fixes, within
+seconds, where CP-SAT hinted with them finds less, or nothing, in more time
+(tuning history: benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ SCREEN_TOP = 3  # of a batch, re-partitioned exactly (best screen first)
 SCREEN_SLACK = 1.02  # a neighbour screened this much above the incumbent's screen is not re-partitioned
 KICK_MOVES = 2  # random moves from the best plan that restart the search at a local optimum
 # Longer chains are screened on their blocks merged to at most this many: a screen's DPs cost the square of the
-# blocks (1000 x 64: ~10 ms a screen on 1000 blocks).
+# blocks, and this merge screened best (tuning history: benchmarks/README.md).
 SCREEN_BLOCKS = 250
 KICK_TRIES = 8  # kicks tried for one that has a plan
 KICK_LIMIT = 12  # kicks in a row that find nothing better end the search (small problems: in well under a second)
@@ -163,8 +159,8 @@ def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budg
     plan priced ``target_ms`` or less (proven good enough).
 
     The neighbours are screened in shuffled batches, the best ``SCREEN_TOP`` of each batch re-partitioned
-    exactly, and the first that improves moves the search: on long chains a screen costs ~10 ms (1000 blocks),
-    and a whole neighbourhood took 10 s before its first move. At a local optimum with time left, the search
+    exactly, and the first that improves moves the search: on long chains screening a whole neighbourhood
+    before the first move would spend most of the budget. At a local optimum with time left, the search
     restarts from the best plan kicked by ``KICK_MOVES`` random moves (an iterated local search).
     """
     until = time.perf_counter() + time_budget_s

@@ -1,6 +1,6 @@
 """Stage ranges for a fixed sequence of stage groups that minimise the iteration time, by DP.
 
-``dp.partition_sequence`` balances the bottleneck with a conservative price
+``chain_dp.partition_sequence`` balances the bottleneck with a conservative price
 for the cut it has not chosen yet; on chains whose boundary sizes vary and
 links are slow that leaves a lot on the table. Here, for the groups in
 order (class, replicas), every stage's time is exact given its range:

@@ -1,4 +1,4 @@
-"""The two DPs of ``seqpart.partition_min_step``, compiled with numba.
+"""The two DPs of ``seq_partition.partition_min_step``, compiled with numba.
 
 Stage ``k`` of a fixed group sequence covering blocks ``s..e`` costs
 

@@ -2,7 +2,7 @@
 
 Seeds are the uniform sequences of each device class; neighbours change one
 group's class or replica count, or split and merge groups. Each sequence is
-partitioned by ``dp.partition_sequence`` and priced by ``seqpart.sequence_placement``.
+partitioned by ``chain_dp.partition_sequence`` and priced by ``seq_partition.sequence_placement``.
 """
 from __future__ import annotations
 
