@@ -53,7 +53,7 @@ from planner.integrity import predictors as pred
 from planner.integrity.thresholds import Cusum, IQRFence
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-__all__ = ["Monitor", "Verdict", "Verifier", "blame"]
+__all__ = ["FLAG_EVENTS_SCHEMA", "Monitor", "Verdict", "Verifier", "blame"]
 
 # A replay is a property of one tensor: it has no step-average version. The drift is one of a
 # sender's sequence of *steps*: the microbatches of a step share the weights, the stage's
@@ -517,7 +517,7 @@ class Verifier:
                 "reasons": list(reasons)}
 
     def flag_events(self, step: int) -> list[dict[str, Any]]:
-        """This verifier's flags of ``step`` as plain dicts (for ``all_gather_object``).
+        """This verifier's flags of ``step`` as plain dicts (exchanged as JSON: ``FLAG_EVENTS_SCHEMA``).
 
         Call it once every microbatch of the step was checked: it closes the
         step (the step-level tests run here).
@@ -533,7 +533,7 @@ class Verifier:
         """Resolve blame for ``step`` from every verifier's flags; return all banned ranks.
 
         ``all_flag_events``: the flags of every verifier rank, flat or one list
-        per rank (as ``all_gather_object`` returns them). Every verifier gets
+        per rank (as the exchange returns them). Every verifier gets
         the same input, so every verifier reaches the same bans.
         """
         flags = [e for e in _flatten(all_flag_events) if int(e["step"]) == step]
@@ -581,6 +581,25 @@ def _upstream_key(event: Mapping[str, Any]) -> tuple[int, int]:
     # gradients cross them back from the last boundary down to 0.
     b = int(event["boundary"])
     return (0, b) if event["direction"] == "act" else (1, -b)
+
+
+# What a verifier rank sends the others each step (``flag_events``), checked on receipt.
+FLAG_EVENTS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object", "additionalProperties": False,
+        "required": ["type", "step", "mb", "boundary", "direction", "sender", "scope", "scores", "fences", "reasons"],
+        "properties": {
+            "type": {"const": "flag"}, "step": {"type": "integer", "minimum": 0},
+            "mb": {"type": "integer", "minimum": STEP_MB}, "boundary": {"type": "integer", "minimum": 0},
+            "direction": {"enum": list(DIRECTIONS)}, "sender": {"type": "integer", "minimum": 0},
+            "scope": {"enum": ["microbatch", "step"]},
+            "scores": {"type": "object", "additionalProperties": {"type": "number"}},
+            "fences": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
+            "reasons": {"type": "array", "items": {"type": "string"}},
+        },
+    },
+}
 
 
 def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:

@@ -205,15 +205,6 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup, ranks: Seq
         raise failure(exc, peer=None, doing=f"{doing} (ranks {list(ranks)})") from exc
 
 
-def all_gather_object(obj: object, *, group: dist.ProcessGroup, ranks: Sequence[int], doing: str) -> list:
-    out: list = [None] * len(ranks)
-    try:
-        dist.all_gather_object(out, obj, group=group)
-    except BACKEND_ERRORS as exc:
-        raise failure(exc, peer=None, doing=f"{doing} (ranks {list(ranks)})") from exc
-    return out
-
-
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """The gradients of ``params`` as one flat buffer (zeros where a parameter got none)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -51,7 +51,8 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime import comm
+from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
+from planner.runtime import comm, messages
 from planner.runtime.comm import Groups, Kind, Pending
 from planner.runtime.deferred import HeldBackward, ReplayPoint, merge_grads
 from planner.runtime.emulate import Emulation
@@ -557,8 +558,9 @@ class Executor:
             flags = self.verify.step_flags(step)
         with self._timed("comm"):
             if self.groups.verifiers is not None:
-                gathered = comm.all_gather_object(flags, group=self.groups.verifiers, ranks=self.groups.verifier_ranks,
-                                                  doing="exchanging verification flags")
+                gathered = messages.all_gather_json(flags, group=self.groups.verifiers,
+                                                    ranks=self.groups.verifier_ranks, what="list of verifier flags",
+                                                    schema=FLAG_EVENTS_SCHEMA, doing="exchanging verification flags")
             else:
                 gathered = [flags]
         with self._timed("verify"):

@@ -30,7 +30,7 @@ from models.registry import build_model
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.plan_load import load_plan
-from planner.runtime import comm
+from planner.runtime import comm, messages
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
@@ -352,7 +352,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     publish(collector.finish())
     writer.close()
     final = _rank_final(env, executor, emulation, verify, attacks)
-    gathered = comm_gather(final, env)
+    gathered = gather_finals(final, env)
     if opts.dump:
         _dump(opts.dump, env.rank, executor)
     if env.rank != 0:
@@ -378,13 +378,30 @@ def _log_bans(verify: VerifyHooks | None, rank: int) -> None:
     verify.logged_bans = len(verify.new_bans)
 
 
-def comm_gather(obj: Any, env: RankEnv) -> list[Any]:
-    out: list[Any] = [None] * env.world_size if env.rank == 0 else []
-    try:
-        dist.gather_object(obj, out if env.rank == 0 else None, dst=0)
-    except comm.BACKEND_ERRORS as exc:
-        raise comm.failure(exc, peer=None, doing="gathering the run summary at rank 0") from exc
-    return out
+# What every rank sends rank 0 at the end (``_rank_final``), checked on receipt.
+RANK_FINAL_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["rank", "stage", "device_type", "fwd_factor", "bwd_factor", "verification", "bans", "attacked"],
+    "properties": {
+        "rank": {"type": "integer", "minimum": 0}, "stage": {"type": ["integer", "null"], "minimum": 0},
+        "device_type": {"type": "string"}, "fwd_factor": {"type": "number"}, "bwd_factor": {"type": "number"},
+        "verification": {"type": "object"},
+        "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+        "attacked": {"type": "array", "items": {"type": "array"}},
+    },
+}
+
+
+def gather_finals(final: dict[str, Any], env: RankEnv) -> list[dict[str, Any]]:
+    """Every rank's final record, as JSON (a rank's record says which rank it is: checked too)."""
+    got = messages.all_gather_json(final, group=None, ranks=range(env.world_size), what="run summary",
+                                   schema=RANK_FINAL_SCHEMA, doing="gathering the run summaries")
+    for sender, record in enumerate(got):
+        if record["rank"] != sender:
+            raise RankFailureError(f"rank {sender} sent the run summary of rank {record['rank']}",
+                                   expected=f"rank {sender}", found=str(record["rank"]),
+                                   fix=f"check rank {sender}'s host: it does not run this runtime")
+    return got
 
 
 def _rank_final(env: RankEnv, ex: Executor, emulation: Emulation, verify, attacks) -> dict[str, Any]:
