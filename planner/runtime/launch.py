@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.plan_load import load_plan
-from planner.runtime.options import EVENT_PREFIX, RunOptions
+from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
 from planner.runtime.worker import check_model
 
 _KILL_GRACE_S = 5.0
@@ -40,10 +40,11 @@ _KILL_GRACE_S = 5.0
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
     plan = load_plan(opts.plan)
+    check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
-    check_model(plan, seed=opts.seed)
+    check_model(plan, seed=opts.seed, model=opts.model)
     return plan
 
 
@@ -95,8 +96,11 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
 def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     cwd = os.getcwd()
-    # The worker must import what this process can: user model/data factories next to the caller.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    # Factories the user named (--model, --data, --loss MODULE:FN) may sit next to the caller: only then is
+    # the current folder on the workers' path (python -P below keeps it off otherwise).
+    named = [s for s in (opts.model, opts.data, opts.loss) if s and ":" in s]
+    if named:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STAGEWISE_EVENTS": "1",
                 "STAGEWISE_ERROR_DIR": str(run_dir), "STAGEWISE_RESULT": str(result_path),
                 "OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1"})
@@ -108,7 +112,8 @@ def _start(rank: int, world: int, opts: RunOptions, base_env: dict[str, str], ru
            "LOCAL_WORLD_SIZE": str(world)}
     log_path = run_dir / f"rank{rank}.log"
     log = log_path.open("w", encoding="utf-8")
-    cmd = [sys.executable, "-m", "planner.runtime.worker", *opts.worker_argv()]
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # no implicit current folder on sys.path
+    cmd = [sys.executable, *safe_path, "-m", "planner.runtime.worker", *opts.worker_argv()]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank == 0 else log, stderr=log,
                             text=True, bufsize=1)
     log.close()  # the child holds its own descriptor

@@ -66,6 +66,7 @@ class RunOptions:
     fault: FaultSpec | None = None
     threads: int = 1
     backend: str = "auto"
+    model: str | None = None        # the model factory the user allows (a plan's spec is never imported alone)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -95,7 +96,7 @@ class RunOptions:
                 "--backend", self.backend]
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
-                            ("--fault", self.fault)):
+                            ("--fault", self.fault), ("--model", self.model)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -144,6 +145,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "and losses to DIR/rank<R>.pt (to compare with a reference)")
     parser.add_argument("--fault", type=FaultSpec.parse, metavar="RANK:KIND[:STEP]",
                         help="rehearse a failure: die, hang or raise on RANK at STEP (default 1)")
+    parser.add_argument("--model", metavar="MODULE:FN", help="the model factory to import for a plan made from one "
+                        "(it must equal the plan's model spec: a plan file alone never makes a rank import code)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 
@@ -161,3 +164,20 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
                                                  "`stagewise run`).", allow_abbrev=False)
     add_run_arguments(parser)
     return options_from_args(parser.parse_args(argv))
+
+
+def is_factory_spec(spec: str) -> bool:
+    """A ``package.module:factory`` spec (importing it runs the user's code), not a preset."""
+    return ":" in spec and not spec.startswith("python:")
+
+
+def check_model_allowed(plan_spec: str, named: str | None) -> None:
+    """Refuse a plan whose model is a factory the user did not name: the plan file is data, and
+    ``stagewise run`` imports code only on the user's word, before anything of the plan runs."""
+    if not is_factory_spec(plan_spec):
+        return
+    if named != plan_spec:
+        raise InvalidInputError(f"the plan's model is the factory {plan_spec!r}",
+                                expected=f"--model {plan_spec} on the command line to allow importing it",
+                                found="no --model" if named is None else f"--model {named}",
+                                fix=f"if you trust that code, run again with --model {plan_spec}")

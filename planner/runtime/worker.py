@@ -46,6 +46,7 @@ from planner.runtime.options import (
     EVENT_PREFIX,
     FaultSpec,
     RunOptions,
+    check_model_allowed,
     parse_worker_args,
 )
 from planner.runtime.stage import (
@@ -100,7 +101,7 @@ def _device(opts: RunOptions, env: RankEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def check_model(plan, *, seed: int = 0):
+def check_model(plan, *, seed: int = 0, model: str | None = None):
     """Rebuild the plan's model on the meta device, export it and compare fingerprints.
 
     Returns ``(bundle, exported program)``; raises PlanMismatchError if the
@@ -108,6 +109,7 @@ def check_model(plan, *, seed: int = 0):
     """
 
     ref = plan.model
+    check_model_allowed(ref.spec, model)
     bundle = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed)
     ep = export_model(bundle.module, bundle.example_inputs)
     check_fingerprint(ep, plan)
@@ -118,7 +120,7 @@ def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> Ran
     """Rebuild the model, check the fingerprint, split it and build this rank's stage."""
 
     ref = plan.model
-    bundle, ep = check_model(plan, seed=opts.seed)
+    bundle, ep = check_model(plan, seed=opts.seed, model=opts.model)
     mbs = plan.config.microbatch_size
     if mbs != ref.batch:  # traced at another batch: export again at the microbatch shape
         bundle = build_model(ref.spec, batch=mbs, seq=ref.seq, device="meta", seed=opts.seed)
