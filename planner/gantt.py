@@ -18,7 +18,8 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from planner.plan import Plan, temp_path_for
+from planner.outputs import atomic_file
+from planner.plan import Plan
 from planner.simulate import Event, SimResult
 
 COLOURS = {
@@ -105,17 +106,10 @@ def save(fig: Figure, paths: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
     for path in paths:
         target = Path(path)
         fmt = target.suffix.lstrip(".").lower()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path_for(target)
         # A fixed SVG id salt and no date: redrawing the same plan gives the same bytes (clean diffs).
         stable = {"metadata": {"Date": None}} if fmt == "svg" else {}
-        try:
-            with open(tmp, "xb") as fh, rc_context({"svg.hashsalt": "stagewise"}):
-                fig.savefig(fh, format=fmt, **stable)
-            os.replace(tmp, target)
-        except (OSError, ValueError):
-            tmp.unlink(missing_ok=True)
-            raise
+        with atomic_file(target, binary=True) as fh, rc_context({"svg.hashsalt": "stagewise"}):
+            fig.savefig(fh, format=fmt, **stable)
         written.append(target)
     return tuple(written)
 

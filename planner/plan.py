@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -41,6 +40,7 @@ from planner.instructions import (  # noqa: F401
     parse_program,
 )
 from planner.ir import Block, BlockChain, TiedParam, dtype_bytes
+from planner.outputs import write_atomic
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
 from planner.verifier_config import DIRECTIONS, VerifierConfig
@@ -347,24 +347,13 @@ class Plan:
         return _plan_from_dict(data, source)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan as JSON atomically (temp file in the same folder + os.replace)."""
-        target = Path(path)
-        text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path_for(target)
+        """Write the plan as JSON atomically (``planner.outputs``); non-finite numbers are refused."""
         try:
-            with open(tmp, "x", encoding="utf-8") as fh:  # "x": a fresh file with the usual umask permissions
-                fh.write(text)
-            os.replace(tmp, target)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-        return target
-
-
-def temp_path_for(target: Path) -> Path:
-    """A unique hidden sibling of ``target`` to write before ``os.replace`` (same folder: same filesystem)."""
-    return target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+        except ValueError as exc:
+            raise InvalidInputError("plan figures", expected="finite numbers", found=str(exc),
+                                    fix="re-plan: a NaN or infinite figure means a broken cost input") from None
+        return write_atomic(path, text)
 
 
 # --- dict conversion --------------------------------------------------------------

@@ -37,6 +37,10 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
     return trace(module, inputs, name=plan.model.name).fingerprint()
 
 
+def _non_finite(token: str) -> Any:
+    raise ValueError(f"non-finite number {token}")
+
+
 def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
     """Read, schema-check and validate a plan file; with ``model``, check it is that model's plan.
 
@@ -53,10 +57,13 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
         raise InvalidInputError(f"{source} cannot be read", expected="a readable UTF-8 JSON file", found=str(exc),
                                 fix="check the file's permissions, or re-create it with `stagewise plan`") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_non_finite)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"{source} is not valid JSON (truncated or corrupted?)",
                                 found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+                                fix="re-create it with `stagewise plan`") from None
+    except ValueError as exc:  # NaN or Infinity: a plan's figures are finite
+        raise InvalidInputError(f"{source} holds a {exc}", expected="finite numbers",
                                 fix="re-create it with `stagewise plan`") from None
     plan = Plan.from_dict(data, source=source)
     validate_programs(plan)

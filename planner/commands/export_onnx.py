@@ -9,6 +9,7 @@ from planner.commands._common import add_model_argument, add_shape_arguments
 from planner.errors import InvalidInputError
 from planner.model_io import is_onnx_spec
 from planner.onnx_import import export_onnx
+from planner.outputs import check_writable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if is_onnx_spec(args.model):
         raise InvalidInputError(f"model {args.model!r}", expected="a preset or package.module:factory",
                                 found="already an ONNX file", fix="copy the file instead")
+    check_writable(out, what="-o")
+    check_writable(out.with_name(out.name + ".data"), what="the weights file beside -o")
 
     bundle = build_model(args.model, batch=args.batch, seq=args.seq, device="cpu", seed=args.seed)
     export_onnx(bundle.module, bundle.example_inputs, out)

@@ -8,6 +8,7 @@ from planner.api import plan_chain
 from planner.commands._common import SEQ_HELP, add_model_argument, check_positive
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
+from planner.outputs import check_writable
 from planner.solver.policy import VerificationPolicy
 
 
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 
     microbatch_size = _check_args(args)
+    check_writable(args.output, what="plan output")  # before the solve, not after it
     err = Console(stderr=True)
     out = Console()
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).

@@ -6,11 +6,11 @@ A cluster file can then name the JSON as a device type:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from models.registry import PRESETS
 from planner.commands._common import add_shape_arguments, check_positive
 from planner.errors import InvalidInputError
+from planner.outputs import check_writable
 from planner.profiling.profile import (
     STATISTICS,
     ProfileSettings,
@@ -84,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    out = Path(args.output)
-    if out.is_dir():
-        raise InvalidInputError(f"-o {out}", expected="a file path", found="a directory",
-                                fix=f"pass a file name, e.g. -o {out / 'profile.json'}")
+    out = check_writable(args.output, what="-o")  # before the minute of measuring
     err = Console(stderr=True)
     total = 6 + (2 if settings.p2p else 0) + (1 if settings.sharing else 0) + (1 if torch.cuda.is_available() else 0)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),

@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 
+from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.launch import launch
@@ -47,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
 
     opts = options_from_args(args)
+    for flag, path in (("--report", opts.report), ("--metrics", opts.metrics)):
+        if path is not None:
+            check_writable(path, what=flag)  # before any rank starts
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
     console = Console(stderr=False)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),

@@ -66,6 +66,7 @@ from cost_models.training import OPTIM_OPS_PER_TENSOR
 from models.registry import build_model
 from planner.coarsen import coarsen
 from planner.errors import InvalidInputError, RankFailureError
+from planner.outputs import write_atomic
 from planner.trace import trace
 
 Step = Callable[[str], None]
@@ -644,14 +645,5 @@ def _profile_document(settings: ProfileSettings, device: Any, spec: DeviceSpec, 
 
 
 def write_profile(doc: dict[str, Any], path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, then ``os.replace``."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, out)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # never leave a half-written temp file behind
-        raise
-    return out
+    """Write atomically (``planner.outputs``)."""
+    return write_atomic(path, json.dumps(doc, indent=2) + "\n")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from models.registry import build_model
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
+from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import comm, messages
 from planner.runtime.comm import Groups, Kind
@@ -433,11 +434,7 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=1, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def _dump(folder: str, rank: int, ex: Executor) -> None:
