@@ -45,8 +45,12 @@ class VerifierConfig:
     ``floors[d]`` (``step_floors[d]`` for a step's average) and ``ratios[d]``
     times the window's median. ``warmup`` counts steps from the first step a
     monitor sees: they are taken as honest and only teach the references.
-    ``min_samples`` scores are needed before a fence exists. A sender blamed in
-    ``ban_after`` of the last ``ban_window`` steps is banned. ``distances``:
+    ``min_samples`` scores are needed before a fence exists. Bans follow a
+    sequential test per sender (``planner.integrity.bans``): a CUSUM of the
+    log-likelihood ratio of "blamed this step" under ``ban_attack_rate`` against
+    ``ban_honest_rate``, banning at ``ln(ban_false_steps)``, so that an honest sender
+    blamed in at most ``ban_honest_rate`` of its steps is banned once in
+    ``ban_false_steps`` steps or fewer, on average. ``distances``:
     the tests to run (``ALL_DISTANCES``). ``projections``/``quantiles``: the
     sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
     ``drift_k``: the CUSUM's allowance per step (in robust standard deviations
@@ -68,8 +72,9 @@ class VerifierConfig:
     iqr_k: float = 3.0
     warmup: int = 5
     min_samples: int = 8
-    ban_after: int = 3
-    ban_window: int = 20
+    ban_false_steps: float = 1e5   # expected steps before an honest sender is banned, at least
+    ban_honest_rate: float = 0.05  # the per-step blame rate honest senders stay under (clean runs: benchmarks/)
+    ban_attack_rate: float = 0.6   # the per-step blame rate the test is tuned to catch fastest
     distances: tuple[str, ...] = ALL_DISTANCES
     floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
     step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
@@ -103,16 +108,20 @@ class VerifierConfig:
             if not 0.0 < getattr(self, name) < 1.0:
                 raise InvalidInputError(f"verifier_config.{name}", expected="a number in (0, 1)",
                                         found=str(getattr(self, name)))
-        for name in ("window", "min_samples", "ban_after", "ban_window", "projections", "quantiles",
+        for name in ("window", "min_samples", "projections", "quantiles",
                      "replay_window", "basis_refresh"):
             if int(getattr(self, name)) < 1:
                 raise InvalidInputError(f"verifier_config.{name}", expected=">= 1",
                                         found=str(getattr(self, name)))
         if self.warmup < 0:
             raise InvalidInputError("verifier_config.warmup", expected=">= 0 steps", found=str(self.warmup))
-        if self.ban_after > self.ban_window:
-            raise InvalidInputError("verifier_config.ban_after", expected=f"<= ban_window ({self.ban_window})",
-                                    found=str(self.ban_after))
+        if not 0.0 < self.ban_honest_rate < self.ban_attack_rate < 1.0:
+            raise InvalidInputError("verifier_config.ban_honest_rate / ban_attack_rate",
+                                    expected="0 < ban_honest_rate < ban_attack_rate < 1 (e.g. 0.05 / 0.6)",
+                                    found=f"{self.ban_honest_rate} / {self.ban_attack_rate}")
+        if not self.ban_false_steps > 1.0:
+            raise InvalidInputError("verifier_config.ban_false_steps", expected="a number of steps > 1 (e.g. 1e5)",
+                                    found=str(self.ban_false_steps))
         unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios)
                    if d not in ALL_DISTANCES]
         if unknown or not self.distances:

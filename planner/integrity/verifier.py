@@ -30,8 +30,9 @@ whether the sender corrupted it:
    windows, the history or the predictors.
 4. At the end of a step all verifiers' flags are gathered; per microbatch only
    the most upstream flagged sender is blamed (a corruption upstream makes
-   everything downstream look odd), and a sender blamed in ``ban_after`` of
-   the last ``ban_window`` steps is banned.
+   everything downstream look odd). A flagged microbatch is dropped at once;
+   a ban needs accumulated evidence: a sequential test per sender on how often
+   it is blamed (``bans``), with a stated bound on honest senders' false bans.
 
 Why summaries rather than raw tensors: consecutive microbatches hold different
 data, so an elementwise average of them is a blur that every honest tensor is
@@ -50,6 +51,7 @@ from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import evidence
 from planner.integrity import predictors as pred
+from planner.integrity.bans import BanTest
 from planner.integrity.thresholds import Cusum, IQRFence
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -429,7 +431,9 @@ class Verifier:
         # Accepted rows and their size change, as the next stage's input for its link test.
         self._rows: dict[tuple[tuple[int, str], int, int], tuple[torch.Tensor, float | None]] = {}
         self._blamed_steps: dict[int, list[int]] = {}
-        self.banned: set[int] = set()
+        self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
+                             false_steps=self.config.ban_false_steps)
+        self.banned: set[int] = self._bans.banned
 
     def monitor(self, boundary: int, direction: str) -> Monitor:
         key = (boundary, direction)
@@ -537,15 +541,15 @@ class Verifier:
         the same input, so every verifier reaches the same bans.
         """
         flags = [e for e in _flatten(all_flag_events) if int(e["step"]) == step]
-        for sender in sorted(blame(flags)):
+        blamed = blame(flags)
+        for sender in sorted(blamed):
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:
                 steps.append(step)
-            recent = [s for s in steps if s > step - self.config.ban_window]
-            if sender not in self.banned and len(recent) >= self.config.ban_after:
-                self.banned.add(sender)
-                self.events.append({"type": "ban", "step": int(step), "sender": sender,
-                                    "blamed_steps": list(recent)})
+        for sender in self._bans.step(blamed):
+            self.events.append({"type": "ban", "step": int(step), "sender": sender,
+                                "blamed_steps": list(self._blamed_steps.get(sender, [])[-20:]),
+                                "evidence": round(self._bans.evidence[sender], 3)})
         self._step_flags.pop(step, None)
         return set(self.banned)
 
@@ -603,10 +607,24 @@ FLAG_EVENTS_SCHEMA = {
 
 
 def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
-    """Senders to blame: per (step, microbatch), only the most upstream flag's sender."""
-    first: dict[tuple[int, int], Mapping[str, Any]] = {}
+    """Senders to blame: per (step, microbatch), only the most upstream flag's sender.
+
+    A step-level flag (a sender's step as a whole) stands for every microbatch of its step, and
+    is itself outranked by any flag upstream in its step: a stage that damps or skews its output
+    just under the per-sample fences makes the honest stages after it look odd, and their flags
+    must not outrank the upstream one that caused them.
+    """
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in flags:
-        key = (int(event["step"]), int(event["mb"]))
-        if key not in first or _upstream_key(event) < _upstream_key(first[key]):
-            first[key] = event
+        by_step.setdefault(int(event["step"]), []).append(event)
+    first: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for events in by_step.values():
+        whole = [e for e in events if int(e["mb"]) == STEP_MB]
+        for event in events:
+            # a step-level flag competes with every flag of its step; a microbatch's, with the step-level ones
+            rivals = events if int(event["mb"]) == STEP_MB else (event, *whole)
+            key = (int(event["step"]), int(event["mb"]))
+            for candidate in rivals:
+                if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
+                    first[key] = candidate
     return {int(e["sender"]) for e in first.values()}

@@ -34,7 +34,7 @@ ATTACKS = {
 def plan_path(tmp_path_factory):
     plan = make_plan("gpt-tiny", microbatch=4, num_microbatches=4, stages=[(0, 1), (2, 2), (3, 3), (4, 5)],
                      optimizer="adam", verifiers=[(b, VERIFIER, ("act", "grad")) for b in range(3)],
-                     verifier_host=True, verifier_config=VerifierConfig(warmup=5, ban_after=3))
+                     verifier_host=True, verifier_config=VerifierConfig(warmup=5))
     assert plan.ranks[VERIFIER].stage is None and plan.ranks[VERIFIER].verifies == (0, 1, 2)
     return plan.save(tmp_path_factory.mktemp("verify") / "plan.json")
 

@@ -43,7 +43,7 @@ CASES = {
 def _plan(tmp_path, case: str):
     kwargs, _ = CASES[case]
     plan = make_plan(**kwargs, num_microbatches=M, optimizer="adam", verifier_host=True,
-                     verifier_config=VerifierConfig(warmup=1, ban_after=20))
+                     verifier_config=VerifierConfig(warmup=1, ban_false_steps=1e12))
     assert plan.ranks[-1].stage is None, "the verifier is a host of its own"
     return plan, plan.save(tmp_path / "plan.json")
 

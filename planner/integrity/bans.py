@@ -1,0 +1,52 @@
+"""Bans by a sequential test per sender: a CUSUM of the evidence that it is blamed too often.
+
+Each step every sender is either blamed (its flagged tensor was the most upstream one of
+some microbatch) or not. Under the honest hypothesis a sender is blamed with probability
+at most ``p0`` per step; the test is tuned to an attacker blamed with probability ``p1``.
+The evidence ``S`` adds the log-likelihood ratio of each step, ``ln(p1/p0)`` when blamed
+and ``ln((1-p1)/(1-p0))`` (negative) when not, and never drops below zero (Page's CUSUM);
+the sender is banned when ``S`` reaches ``h = ln(ban_false_steps)``.
+
+The guarantee: while an honest sender's steps are blamed independently with probability
+``q <= p0``, ``exp(S)`` is a non-negative supermartingale (its expected factor per step,
+``q p1/p0 + (1-q)(1-p1)/(1-p0)``, is at most 1), so the expected number of steps before a
+false ban is at least ``exp(h) = ban_false_steps`` (Lorden's bound for CUSUM). How far
+honest senders stay under ``p0`` is measured on clean runs (``benchmarks/verification.py``),
+which also give the bound at the measured rate. An attacker blamed every step is banned
+after ``ceil(h / ln(p1/p0))`` steps (5 at the defaults); one blamed in a share ``r`` of
+them after about ``h / (r ln(p1/p0) + (1-r) ln((1-p1)/(1-p0)))``.
+"""
+from __future__ import annotations
+
+import math
+
+
+class BanTest:
+    """The CUSUM of every sender's blame; ``step(blamed)`` returns the senders it bans this step."""
+
+    def __init__(self, *, honest_rate: float, attack_rate: float, false_steps: float) -> None:
+        self.up = math.log(attack_rate / honest_rate)
+        self.down = math.log((1.0 - attack_rate) / (1.0 - honest_rate))
+        self.level = math.log(false_steps)
+        self.evidence: dict[int, float] = {}
+        self.banned: set[int] = set()
+
+    def step(self, blamed: set[int]) -> list[int]:
+        """Update every sender with evidence (and the blamed ones); the newly banned, in rank order."""
+        new = []
+        for sender in sorted(set(self.evidence) | blamed):
+            value = max(0.0, self.evidence.get(sender, 0.0) + (self.up if sender in blamed else self.down))
+            if value > 0.0:
+                self.evidence[sender] = value
+            else:
+                self.evidence.pop(sender, None)
+            if sender not in self.banned and value >= self.level:
+                self.banned.add(sender)
+                new.append(sender)
+        return new
+
+    def steps_to_ban(self, blamed_share: float) -> float:
+        """About how many steps a sender blamed in ``blamed_share`` of its steps takes to be banned
+        (inf when its evidence drifts down)."""
+        drift = blamed_share * self.up + (1.0 - blamed_share) * self.down
+        return math.ceil(self.level / drift) if drift > 0 else math.inf
