@@ -198,6 +198,14 @@ def new_groups(rank_sets: Sequence[Sequence[int]], *, timeout_s: float) -> list[
     return out
 
 
+def barrier(*, ranks: Sequence[int], doing: str) -> None:
+    """Every rank of the default group reaches this point (a dead or hung one is named by the failure)."""
+    try:
+        dist.barrier()
+    except BACKEND_ERRORS as exc:
+        raise failure(exc, peer=None, doing=f"{doing} (ranks {list(ranks)})") from exc
+
+
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup, ranks: Sequence[int], doing: str) -> None:
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.plan_load import load_plan
+from planner.runtime import checkpoint
 from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
 from planner.runtime.worker import check_model
 
@@ -45,6 +46,10 @@ def preflight(opts: RunOptions):
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
     check_model(plan, seed=opts.seed, model=opts.model)
+    if opts.checkpoint_dir is not None:
+        checkpoint.check_folder(opts.checkpoint_dir)
+    if opts.resume:
+        checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)  # there is one to resume
     return plan
 
 

@@ -67,6 +67,9 @@ class RunOptions:
     threads: int = 1
     backend: str = "auto"
     model: str | None = None        # the model factory the user allows (a plan's spec is never imported alone)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10      # steps between checkpoints (and one after the last step)
+    resume: bool = False            # continue from the newest complete checkpoint in checkpoint_dir
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -85,6 +88,12 @@ class RunOptions:
         if self.emulate_slowdown > 1.0 and not self.emulate:
             raise InvalidInputError("--emulate-slowdown", expected="--emulate-speed as well",
                                     found="a slowdown without emulated speeds", fix="add --emulate-speed")
+        if self.checkpoint_every < 1:
+            raise InvalidInputError("--checkpoint-every", expected="a number of steps >= 1",
+                                    found=str(self.checkpoint_every))
+        if self.resume and self.checkpoint_dir is None:
+            raise InvalidInputError("--resume", expected="--checkpoint-dir DIR as well",
+                                    found="no checkpoint folder", fix="add --checkpoint-dir with the earlier run's folder")
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
@@ -96,7 +105,8 @@ class RunOptions:
                 "--backend", self.backend]
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
-                            ("--fault", self.fault), ("--model", self.model)):
+                            ("--fault", self.fault), ("--model", self.model),
+                            ("--checkpoint-dir", self.checkpoint_dir)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -109,6 +119,10 @@ class RunOptions:
             argv.append("--no-verify")
         if self.wait_verdicts:
             argv.append("--wait-verdicts")
+        if self.checkpoint_every != 10:
+            argv += ["--checkpoint-every", str(self.checkpoint_every)]
+        if self.resume:
+            argv.append("--resume")
         return argv
 
 
@@ -147,6 +161,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rehearse a failure: die, hang or raise on RANK at STEP (default 1)")
     parser.add_argument("--model", metavar="MODULE:FN", help="the model factory to import for a plan made from one "
                         "(it must equal the plan's model spec: a plan file alone never makes a rank import code)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="write a checkpoint of every rank (parameters and "
+                        "optimizer state by parameter name, safetensors) into DIR")
+    parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                        help="steps between checkpoints (default 10; one is always taken after the last step)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                        "--checkpoint-dir, to --steps in all (any stage layout of the same model)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 

@@ -31,7 +31,7 @@ from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
-from planner.runtime import comm, messages
+from planner.runtime import checkpoint, comm, messages
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
@@ -343,12 +343,17 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
 
+    first = _resume(plan, opts, env, stage, optimizer)
+    for _ in range(first):
+        if warmup is not None:
+            warmup.step()  # the rate of the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()
-    for step in range(opts.steps):
+    for step in range(first, opts.steps):
         _inject_fault(opts.fault, env.rank, step)
         metrics = executor.run_step(step, last_end, last_cpu)
         if warmup is not None:
             warmup.step()  # the next step's rate; the scheduler is a few float operations
+        _checkpoint(plan, opts, env, stage, optimizer, step)
         last_end, last_cpu = time.perf_counter(), time.process_time()
         _log_bans(verify, env.rank)
         publish(collector.submit(metrics))
@@ -368,6 +373,31 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     progress.done({k: result[k] for k in ("predicted_step_ms", "measured_step_ms", "emulated", "final_loss",
                                           "banned", "flags")})
     return result
+
+
+def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
+            optimizer: torch.optim.Optimizer | None) -> int:
+    """The first step to run: 0, or with ``--resume`` the one after the newest complete checkpoint."""
+    if not opts.resume:
+        return 0
+    step = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)
+    params = dict(stage.parameters()) if stage is not None else {}
+    checkpoint.restore_rank(opts.checkpoint_dir, step=step, params=params, optimizer=optimizer, rank=env.rank)
+    return step + 1
+
+
+def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
+                optimizer: torch.optim.Optimizer | None, step: int) -> None:
+    """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest."""
+    if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
+        return
+    params = dict(stage.parameters()) if stage is not None else {}
+    checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
+                         params=params, optimizer=optimizer)
+    comm.barrier(ranks=range(env.world_size), doing=f"writing the checkpoint of step {step}")
+    if env.rank == 0:
+        checkpoint.complete(opts.checkpoint_dir, step=step, num_ranks=env.world_size,
+                            fingerprint=plan.model.fingerprint)
 
 
 def _log_bans(verify: VerifyHooks | None, rank: int) -> None:

@@ -158,3 +158,12 @@ def test_non_string_instruction_is_rejected(plan, tmp_path):
     data["programs"][0][1] = 5
     with pytest.raises(InvalidInputError, match=r"programs\[0\].*instruction 5"):
         load_plan(_write(tmp_path, data))
+
+
+def test_the_schema_names_every_verifier_setting():
+    """The plan schema lists the verifier settings by name: it must follow VerifierConfig."""
+    from planner.plan import plan_schema
+    from planner.verifier_config import VerifierConfig
+
+    names = plan_schema()["properties"]["verifier_config"]["propertyNames"]["enum"]
+    assert sorted(names) == sorted(VerifierConfig.__dataclass_fields__)

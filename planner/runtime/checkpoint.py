@@ -1,0 +1,149 @@
+"""Checkpoints of a run: per rank, its parameters and optimizer state keyed by the model's own names.
+
+Layout: ``DIR/step-00000012/rank3.safetensors`` (tensors: ``param/<name>``,
+``optim/<name>/<key>``, ``rng/cpu``; metadata: the step, the rank, the plan's
+model fingerprint) and ``DIR/step-00000012/MANIFEST.json``, written by rank 0
+last, once every rank has written its file: a checkpoint without it is
+incomplete and never read. Files are written atomically (``planner.outputs``)
+in a format that runs no code when read (safetensors). Because tensors are keyed
+by parameter name, a checkpoint resumes any stage layout of the same model: a
+rank reads the names it needs from whichever rank's file holds them. The step is
+the data position too (each step's batches are a function of the step).
+Only the ``keep`` newest complete checkpoints stay.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_tensors
+
+from planner.errors import InvalidInputError
+from planner.outputs import atomic_file, check_writable
+
+MANIFEST = "MANIFEST.json"
+KEEP = 2  # complete checkpoints kept: the newest, and one before it should it prove bad
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restored:
+    """What a resumed rank got back: the step the checkpoint was taken after, and from where."""
+
+    step: int
+    folder: Path
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
+              params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> Path:
+    """Write this rank's file of the checkpoint after ``step`` (its optimizer update included)."""
+    tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
+    if optimizer is not None:
+        name_of = {id(p): n for n, p in params.items()}
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    tensors[f"optim/{name_of[id(p)]}/{key}"] = value.detach().cpu().contiguous()
+    tensors["rng/cpu"] = torch.get_rng_state()
+    meta = {"step": str(step), "rank": str(rank), "fingerprint": fingerprint}
+    path = step_folder(root, step) / f"rank{rank}.safetensors"
+    with atomic_file(path, binary=True) as fh:
+        fh.write(save_tensors(tensors, metadata=meta))
+    return path
+
+
+def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str) -> None:
+    """Rank 0, once every rank has written: mark the checkpoint complete, then prune older ones."""
+    folder = step_folder(root, step)
+    missing = [r for r in range(num_ranks) if not (folder / f"rank{r}.safetensors").is_file()]
+    if missing:
+        raise InvalidInputError(f"checkpoint {folder}", expected=f"a file from each of {num_ranks} ranks",
+                                found=f"none from ranks {missing}", fix="check that every rank shares the folder")
+    manifest = {"step": step, "num_ranks": num_ranks, "fingerprint": fingerprint}
+    with atomic_file(folder / MANIFEST) as fh:
+        json.dump(manifest, fh)
+    for old in complete_steps(root)[:-KEEP]:
+        shutil.rmtree(step_folder(root, old), ignore_errors=True)
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, oldest first."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    steps = []
+    for child in base.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / MANIFEST).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest(root: str | Path, *, fingerprint: str) -> int:
+    """The newest complete checkpoint's step; an error naming what is wrong when there is none to use."""
+    steps = complete_steps(root)
+    if not steps:
+        raise InvalidInputError(f"--resume from {root}", expected="a complete checkpoint (a step-* folder with "
+                                f"{MANIFEST})", found="none", fix="run without --resume, or point --checkpoint-dir "
+                                "at the folder of the earlier run")
+    manifest = json.loads((step_folder(root, steps[-1]) / MANIFEST).read_text())
+    if manifest.get("fingerprint") != fingerprint:
+        raise InvalidInputError(f"checkpoint {step_folder(root, steps[-1])}", expected="one of this plan's model",
+                                found=f"model fingerprint {str(manifest.get('fingerprint'))[:16]}...",
+                                fix="resume with a plan of the same model, or use another --checkpoint-dir")
+    return steps[-1]
+
+
+def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, rank: int) -> Restored:
+    """Load the named parameters (and their optimizer state) this rank holds from the checkpoint after
+    ``step``, whichever rank wrote them; this rank's RNG state if it wrote one."""
+    folder = step_folder(root, step)
+    own = f"rank{rank}.safetensors"
+
+    def wanted(key: str, file: str) -> bool:
+        kind, _, rest = key.partition("/")
+        if kind == "param":
+            return rest in params
+        if kind == "optim":
+            return rest.rpartition("/")[0] in params
+        return key == "rng/cpu" and file == own
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("rank*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key not in found and wanted(key, path.name):
+                    found[key] = f.get_tensor(key)
+    missing = [n for n in params if f"param/{n}" not in found]
+    if missing:
+        raise InvalidInputError(f"checkpoint {folder}", expected="every parameter this rank holds",
+                                found=f"no {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1
+                                else f"no {missing[0]!r}", fix="resume with a plan of the same model")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(found[f"param/{n}"])
+    if optimizer is not None:
+        for n, p in params.items():
+            state = {key.rsplit("/", 1)[1]: t.to(p.device) for key, t in found.items()
+                     if key.startswith(f"optim/{n}/")}
+            if state:
+                optimizer.state[p] = state
+    if "rng/cpu" in found:
+        torch.set_rng_state(found["rng/cpu"])
+    return Restored(step=step, folder=folder)
+
+
+def check_folder(root: str | Path) -> Path:
+    """The checkpoint folder, checked writable before any rank starts."""
+    probe = check_writable(Path(root) / MANIFEST, what="--checkpoint-dir")
+    return probe.parent
