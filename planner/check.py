@@ -9,7 +9,10 @@ as the simulator counts it). Trust is read from the cluster's devices (their
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 from cost_models import memory
 from cost_models.cluster import ClusterSpec
@@ -87,8 +90,15 @@ def _memory(solution: Solution, chain: BlockChain, cluster: ClusterSpec,
 
 
 def _coverage(solution: Solution, cluster: ClusterSpec, policy: VerificationPolicy) -> list[str]:
+    return trust_problems(tuple(st.devices for st in solution.stages), solution.verifiers, cluster, policy)
+
+
+def trust_problems(stage_devices: tuple[tuple[str, ...], ...], verifiers: Sequence[Any], cluster: ClusterSpec,
+                   policy: VerificationPolicy) -> list[str]:
+    """What breaks the trust policy: untrusted endpoints, boundaries an untrusted device sends on without
+    a trusted verifier outside its domain. ``verifiers``: anything with boundary, device and directions."""
     out: list[str] = []
-    stages = solution.stages
+    stages = [SimpleNamespace(index=k, devices=devs) for k, devs in enumerate(stage_devices)]
     if policy.enabled and policy.trusted_endpoints:
         for st in {stages[0].index: stages[0], stages[-1].index: stages[-1]}.values():
             bad = [d for d in st.devices if not cluster.device(d).trusted]
@@ -97,7 +107,7 @@ def _coverage(solution: Solution, cluster: ClusterSpec, policy: VerificationPoli
     if not policy.enabled:
         return out
     by_boundary: dict[int, list] = {}
-    for v in solution.verifiers:
+    for v in verifiers:
         by_boundary.setdefault(v.boundary, []).append(v)
     stage_devices = {d for st in stages for d in st.devices}
     load: dict[str, int] = {}
@@ -123,7 +133,7 @@ def _coverage(solution: Solution, cluster: ClusterSpec, policy: VerificationPoli
                     out.append(f"verifier {v.device} runs no stage (policy: stage)")
                 if policy.verifier_placement == "cpu" and role != "verifier":
                     out.append(f"verifier {v.device} is not on a CPU verifier host (policy: cpu)")
-    for v in solution.verifiers:
+    for v in verifiers:
         load[v.device] = load.get(v.device, 0) + 1
     cap = policy.max_boundaries_per_verifier
     if cap is not None:

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from cost_models.cluster_file import parse_cluster
 from models.registry import infer_example_inputs
+from planner.check import trust_problems
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.plan import Plan
 from planner.trace import trace
@@ -35,6 +37,18 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
         raise InvalidInputError("load_plan model=", expected="an nn.Module, (nn.Module, example_inputs), a traced "
                                 "Graph, a BlockChain or a fingerprint string", found=type(model).__name__)
     return trace(module, inputs, name=plan.model.name).fingerprint()
+
+
+def _check_trust(plan: Plan, source: str) -> None:
+    """Re-run the trust check of plan time on the plan as read: an edited file that puts an untrusted
+    device in a trusted role, or drops a verifier an untrusted sender needs, is refused."""
+    cluster = parse_cluster(plan.cluster)
+    devices = tuple(tuple(plan.ranks[r].device for r in plan.stage_ranks(k)) for k in range(plan.num_stages))
+    problems = trust_problems(devices, plan.verifiers, cluster, plan.policy)
+    if problems:
+        raise InvalidInputError(f"{source} breaks its trust policy: {problems[0]}"
+                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                                fix="re-create the plan with `stagewise plan`; plans are not edited by hand")
 
 
 def _non_finite(token: str) -> Any:
@@ -67,6 +81,7 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
                                 fix="re-create it with `stagewise plan`") from None
     plan = Plan.from_dict(data, source=source)
     validate_programs(plan)
+    _check_trust(plan, source)
     if model is not None:
         expected = _expected_fingerprint(model, plan)
         if expected != plan.model.fingerprint:

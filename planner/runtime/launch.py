@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
+from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
 from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
@@ -76,26 +78,54 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     result_path = run_dir / "result.json"
     env = _base_env(opts, run_dir, result_path)
-    ranks = [_start(r, plan.num_ranks, opts, env, run_dir) for r in range(plan.num_ranks)]
-    events: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_events, args=(ranks[0].proc.stdout, events), daemon=True)
-    reader.start()
+    ranks: list[_Rank] = []
+    previous = _stop_on_sigterm()
     try:
+        ranks.extend(_start(r, plan.num_ranks, opts, env, run_dir) for r in range(plan.num_ranks))
+        events: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=_read_events, args=(ranks[0].proc.stdout, events), daemon=True)
+        reader.start()
         _supervise(ranks, events, on_event, opts.timeout_s, run_dir)
         reader.join(timeout=5)
         _drain(events, on_event)
         failures = [r for r in ranks if r.proc.returncode != 0]
         if failures:
-            raise RankFailureError(diagnose(ranks, run_dir, opts.timeout_s),
-                                   fix=f"see the rank logs in {run_dir}" if log_dir else None)
+            error = RankFailureError(diagnose(ranks, run_dir, opts.timeout_s),
+                                     fix=f"see the rank logs in {run_dir}" if log_dir else None)
+            _failure_report(opts, str(error))
+            raise error
         return json.loads(result_path.read_text(encoding="utf-8"))
+    except KeyboardInterrupt:
+        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped")
+        raise
     finally:
         for r in ranks:
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if not log_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _stop_on_sigterm():
+    """SIGTERM stops the launcher as Ctrl-C does, so its ranks are stopped and its folder removed (the
+    default would end this process at once and orphan them). Returns the handler to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _failure_report(opts: RunOptions, error: str) -> None:
+    """A failed run still leaves a report (``--report``): what went wrong."""
+    if opts.report:
+        write_atomic(opts.report, json.dumps({"plan": os.fspath(opts.plan), "failed": True, "error": error},
+                                             indent=1) + "\n")
 
 
 def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, str]:

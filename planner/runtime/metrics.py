@@ -26,7 +26,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import IO, Iterable, Sequence
+from typing import IO, Any, Iterable, Sequence
 
 import torch
 
@@ -126,20 +126,22 @@ def measured_step_ms(steps: Sequence[StepSummary], *, warmup: int = 1) -> float:
 
 
 class MetricsWriter:
-    """Appends JSON lines to a file (or nothing, with no path)."""
+    """Appends JSON lines to a file (or nothing, with no path). The file is opened at the first step's
+    rows, so a run that fails before any step completes leaves an earlier run's file as it was; a
+    non-finite figure (a diverged loss) is written as null, valid JSON."""
 
     def __init__(self, path: str | os.PathLike | None) -> None:
         self.path = Path(path) if path else None
         self._fh: IO[str] | None = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("w", encoding="utf-8")
 
     def write(self, rows: Iterable[StepMetrics]) -> None:
-        if self._fh is None:
+        if self.path is None:
             return
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("w", encoding="utf-8")
         for row in rows:
-            self._fh.write(json.dumps(row.to_json(), allow_nan=False) + "\n")
+            self._fh.write(json.dumps(_finite(row.to_json()), allow_nan=False) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
@@ -156,3 +158,14 @@ def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:
             if line.strip():
                 rows.append(StepMetrics(**json.loads(line)))
     return rows
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -167,3 +168,20 @@ def test_the_schema_names_every_verifier_setting():
 
     names = plan_schema()["properties"]["verifier_config"]["propertyNames"]["enum"]
     assert sorted(names) == sorted(VerifierConfig.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d["policy"].update(verifier_placement="stage"), "verifier verifier/0 runs no stage (policy: stage)"),
+    (lambda d: [h.update(trust="operator") for h in d["cluster"]["hosts"] if h["name"] == "worker-c"],
+     "verifier verifier/0 of boundary 0 is inside the sender's trust domain operator"),
+    (lambda d: [h.update(trusted=False) for h in d["cluster"]["hosts"] if h["name"] == "trusted-a"],
+     "stage 0 is an endpoint but runs on untrusted trusted-a/0"),
+])
+def test_a_plan_edited_against_its_trust_policy_is_refused_at_load(tmp_path, edit, problem):
+    """The trust and coverage check of plan time runs again on the file as read."""
+    data = json.loads(GOLDEN_PATH.read_text())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidInputError, match="breaks its trust policy: " + re.escape(problem)):
+        load_plan(path)

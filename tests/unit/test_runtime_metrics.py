@@ -1,6 +1,8 @@
 """Per-step metrics: tensor round trip, step summaries, JSON lines (planner.runtime.metrics)."""
 from __future__ import annotations
 
+import json
+
 import math
 
 import pytest
@@ -62,3 +64,15 @@ def test_own_cpu_is_the_executor_threads_cpu_outside_passes_waits_verification_a
     assert m.own_cpu_ms == pytest.approx(3.5)  # 2.5 of it posting messages, 1.0 the rest of its bookkeeping
     assert StepMetrics.from_tensor(m.to_tensor()) == m
     assert _row(0, 0, 1.0).own_cpu_ms == 0.0  # rows without the thread clocks (older files) leave nothing
+
+
+def test_a_diverged_loss_is_written_as_null_and_a_run_without_steps_keeps_the_old_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("earlier run\n")
+    w = MetricsWriter(path)
+    w.close()                                                   # failed before its first step
+    assert path.read_text() == "earlier run\n"
+    w = MetricsWriter(path)
+    w.write([_row(0, 0, 1.0, loss_sum=float("nan"), loss_count=1)])
+    w.close()
+    assert json.loads(path.read_text())["loss_sum"] is None
