@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import jsonschema
 
 from cost_models.training import TrainingConfig
+from planner import secret as run_secret
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.instructions import (  # noqa: F401
     Instruction,
@@ -346,10 +347,14 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "plan") -> "Plan":
         return _plan_from_dict(data, source)
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan as JSON atomically (``planner.outputs``); non-finite numbers are refused."""
+    def save(self, path: str | os.PathLike, *, sign: bool = True, secret: bytes | None = None) -> Path:
+        """Write the plan as JSON atomically (``planner.outputs``), signed with ``secret`` (default: this
+        machine's run secret, ``planner.secret``) unless ``sign`` is false; non-finite numbers are refused."""
+        data = self.to_dict()
         try:
-            text = json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+            if sign:
+                data["signature"] = run_secret.sign(secret or run_secret.run_secret(), data)
+            text = json.dumps(data, indent=1, allow_nan=False) + "\n"
         except ValueError as exc:
             raise InvalidInputError("plan figures", expected="finite numbers", found=str(exc),
                                     fix="re-plan: a NaN or infinite figure means a broken cost input") from None
@@ -394,6 +399,7 @@ def _tupled(d: Mapping[str, Any]) -> dict[str, Any]:
 def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
     if not isinstance(data, Mapping):
         raise InvalidInputError(f"{source}", expected="a JSON object", found=type(data).__name__)
+    data = {k: v for k, v in data.items() if k != "signature"}  # the file's, checked by the runtime
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise PlanMismatchError(f"{source}: schema_version", expected=str(SCHEMA_VERSION), found=repr(version),

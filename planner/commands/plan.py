@@ -9,6 +9,7 @@ from planner.commands._common import SEQ_HELP, add_model_argument, check_positiv
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
 from planner.outputs import check_writable
+from planner.secret import run_secret
 from planner.solver.policy import VerificationPolicy
 
 
@@ -35,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, default=None, metavar="N", help="fix the number of pipeline stages")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="fix every stage's replica count")
     p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
+    p.add_argument("--secret-file", metavar="FILE", help="the run secret to sign the plan with (default: "
+                   "$STAGEWISE_SECRET, else ~/.config/stagewise/secret, created on first use)")
     p.set_defaults(handler=run)
 
 
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     microbatch_size = _check_args(args)
     check_writable(args.output, what="plan output")  # before the solve, not after it
+    key = run_secret(args.secret_file)  # a bad secret fails before the solve too
     err = Console(stderr=True)
     out = Console()
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
                           progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas)
-    path = plan.save(args.output)
+    path = plan.save(args.output, secret=key)
     _report(out, plan, path)
     return 0
 

@@ -33,8 +33,10 @@ from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
+from planner.runtime.membership import check_signature
 from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
 from planner.runtime.worker import check_model
+from planner.secret import run_secret
 
 _KILL_GRACE_S = 5.0
 
@@ -43,6 +45,7 @@ _KILL_GRACE_S = 5.0
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
     plan = load_plan(opts.plan)
+    check_signature(opts.plan, run_secret(opts.secret_file))  # the plan as signed, before anything of it runs
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:

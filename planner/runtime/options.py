@@ -70,6 +70,7 @@ class RunOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10      # steps between checkpoints (and one after the last step)
     resume: bool = False            # continue from the newest complete checkpoint in checkpoint_dir
+    secret_file: str | None = None  # the run secret (default: STAGEWISE_SECRET, else this user's local one)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -106,7 +107,7 @@ class RunOptions:
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
                             ("--fault", self.fault), ("--model", self.model),
-                            ("--checkpoint-dir", self.checkpoint_dir)):
+                            ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -167,6 +168,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between checkpoints (default 10; one is always taken after the last step)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                         "--checkpoint-dir, to --steps in all (any stage layout of the same model)")
+    parser.add_argument("--secret-file", metavar="FILE", help="the run secret every rank proves it holds and the "
+                        "plan is signed with (default: $STAGEWISE_SECRET, else ~/.config/stagewise/secret)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 

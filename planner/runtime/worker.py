@@ -36,6 +36,7 @@ from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
+from planner.runtime.membership import check_signature, prove_membership
 from planner.runtime.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -64,6 +65,7 @@ from planner.runtime.stage import (
     stage_edges,
     stage_state_names,
 )
+from planner.secret import run_secret
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,6 +301,8 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
 
     torch.set_num_threads(opts.threads)
     plan = load_plan(opts.plan)
+    key = run_secret(opts.secret_file)
+    plan_digest = check_signature(opts.plan, key)  # before anything of the plan runs
     if env.world_size != plan.num_ranks:
         raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
@@ -311,6 +315,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout_s=opts.timeout_s)
+    prove_membership(key, plan_digest, rank=env.rank, world_size=env.world_size)
     result = _run(plan, opts, env, setup, emulation, verifying)
     # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
     # while exiting closes this rank's connections at once, which is what tells the others.

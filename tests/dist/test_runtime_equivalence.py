@@ -36,8 +36,9 @@ def test_pipeline_matches_single_process_reference(case, tmp_path):
                      schedule=schedule, optimizer=optimizer)
     path = plan.save(tmp_path / "plan.json")
     warmup = LR_WARMUP.get(case, 0)
+    factory = spec if ":" in spec else None  # the test names the factory it trusts, as a user would (--model)
     result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=60, dump=str(tmp_path / "dump"),
-                               lr_warmup=warmup))
+                               lr_warmup=warmup, model=factory))
     losses, grads, params = reference_run(plan, steps=steps, lr_warmup=warmup)
 
     assert result["steps"] == steps and len(result["step_ms"]) == steps

@@ -19,6 +19,7 @@ import torch
 
 from planner.verifier_config import VerifierConfig
 from planner.runtime.options import RunOptions
+from planner.plan_load import load_plan
 from planner.runtime.launch import launch
 from tests.dist.plans import load_dumps, make_plan
 
@@ -50,8 +51,9 @@ def _plan(tmp_path, case: str):
 
 def _run(path, folder, *, verify: bool = True, attacks: tuple[str, ...] = (), wait: bool = False
          ) -> tuple[dict, list[dict]]:
+    spec = load_plan(path).model.spec
     result = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=120, verify=verify, attacks=attacks,
-                               dump=str(folder), wait_verdicts=wait))
+                               dump=str(folder), wait_verdicts=wait, model=spec if ":" in spec else None))
     return result, load_dumps(folder, result["num_ranks"])
 
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 1
     if args.write_golden:
-        golden_plan().save(GOLDEN_PATH)
+        golden_plan().save(GOLDEN_PATH, sign=False)  # the fixture is the same on every machine
         print(f"wrote {GOLDEN_PATH}")
     if args.write_doc_gantt:
         from planner.gantt import write_gantt

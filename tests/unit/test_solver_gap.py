@@ -10,10 +10,10 @@ import pytest
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.solver import api
-from planner.solver.search import relaxed_plans
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.objective import evaluate, violations
 from planner.solver.policy import VerificationPolicy
+from planner.solver.search import relaxed_plans
 from tests.unit.bruteforce import brute_force
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain
 from tests.unit.test_solver_bruteforce import instance

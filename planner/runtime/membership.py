@@ -1,0 +1,78 @@
+"""Before a run trains, every rank proves it was invited and holds the same signed plan.
+
+The plan file's signature (HMAC-SHA256 with the run secret over its canonical content,
+``planner.secret``) is checked on every rank before anything of the plan runs. Then, on the
+fresh process group, rank 0 draws a nonce and every rank answers with
+``HMAC(secret, nonce | rank | plan hash)``; every rank checks every answer, so a rank that
+does not hold the secret (an outsider who reached the rendezvous) or holds another plan
+stops the run, named, before any tensor of the model is exchanged.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner import secret as run_secret
+from planner.errors import InvalidInputError, RankFailureError
+from planner.runtime import comm
+
+NONCE_BYTES = 32
+
+
+def check_signature(path: str | os.PathLike, key: bytes) -> str:
+    """The plan's hash, once its file's signature is checked against ``key``."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    signature = data.pop("signature", None)
+    source = f"plan file {os.fspath(path)}"
+    if signature is None:
+        raise InvalidInputError(f"{source} is not signed", expected="a plan signed with the run secret",
+                                fix="re-create it with `stagewise plan` (or Plan.save) on a host holding the secret")
+    if not hmac.compare_digest(str(signature), run_secret.sign(key, data)):
+        raise InvalidInputError(f"{source} does not match its signature", expected="the plan as signed",
+                                found="a file edited after signing, or signed with another secret",
+                                fix="use the plan file as `stagewise plan` wrote it, with the same secret")
+    return run_secret.digest(data)
+
+
+def prove_membership(key: bytes, plan_digest: str, *, rank: int, world_size: int) -> None:
+    """Every rank proves it holds ``key`` and the plan whose hash is ``plan_digest``; raises naming the
+    ranks that do not (on every rank alike)."""
+    ranks = list(range(world_size))
+    nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        nonce = torch.frombuffer(bytearray(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8).clone()
+    device = _device()
+    nonce = nonce.to(device)
+    _collective(lambda: dist.broadcast(nonce, src=0), ranks)
+    raw = bytes(nonce.cpu().numpy())
+    mine = torch.frombuffer(bytearray(run_secret.proof(key, raw, rank, plan_digest)), dtype=torch.uint8).to(device)
+    answers = [torch.empty_like(mine) for _ in ranks]
+    _collective(lambda: dist.all_gather(answers, mine), ranks)
+    bad = [r for r, got in zip(ranks, answers)
+           if not hmac.compare_digest(bytes(got.cpu().numpy()), run_secret.proof(key, raw, r, plan_digest))]
+    if bad:
+        raise RankFailureError(f"ranks {bad} did not prove they hold the run secret and this plan",
+                               expected="every rank started with the same secret and plan file",
+                               found=f"{len(bad)} of {world_size} answers wrong",
+                               fix="start those ranks with the run's --secret-file and the same plan, or "
+                                   "check who else reached the rendezvous")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _collective(run, ranks: Sequence[int]) -> None:
+    try:
+        run()
+    except comm.BACKEND_ERRORS as exc:
+        raise comm.failure(exc, peer=None, doing=f"proving membership (ranks {list(ranks)})") from exc

@@ -1,0 +1,45 @@
+"""The run secret and plan signatures: a plan file is checked as signed; an edit or another secret is refused."""
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+from plan_fixtures import golden_plan
+
+from planner.errors import InvalidInputError
+from planner.runtime.membership import check_signature
+from planner.secret import ENV_VAR, local_secret_path, run_secret
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+def test_the_local_secret_is_created_once_and_readable_by_its_owner_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    first = run_secret()
+    assert run_secret() == first and len(first) >= 32
+    assert stat.S_IMODE(local_secret_path().stat().st_mode) == 0o600
+    monkeypatch.setenv(ENV_VAR, "short")
+    with pytest.raises(InvalidInputError, match="at least 16 bytes"):
+        run_secret()
+
+
+def test_a_signed_plan_passes_and_an_edited_one_is_refused(tmp_path):
+    path = golden_plan().save(tmp_path / "plan.json", secret=KEY)
+    digest = check_signature(path, KEY)
+    assert len(digest) == 64
+    data = json.loads(path.read_text())
+    data["policy"]["enabled"] = False                          # verification switched off by hand
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidInputError, match="does not match its signature"):
+        check_signature(path, KEY)
+
+
+def test_an_unsigned_plan_or_another_secret_is_refused(tmp_path):
+    unsigned = golden_plan().save(tmp_path / "unsigned.json", sign=False)
+    with pytest.raises(InvalidInputError, match="is not signed"):
+        check_signature(unsigned, KEY)
+    signed = golden_plan().save(tmp_path / "signed.json", secret=KEY)
+    with pytest.raises(InvalidInputError, match="does not match its signature"):
+        check_signature(signed, b"another secret of enough bytes!!")
