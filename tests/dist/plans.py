@@ -15,6 +15,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.plan import ModelRef, Plan
+from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import (
     Solution,
@@ -22,7 +23,6 @@ from planner.solver.solution import (
     StagePlacement,
     VerifierPlacement,
 )
-from planner.simulate import predict
 
 
 def local_cluster(n: int, *, device_types: Sequence[str] | None = None, verifier_host: bool = False) -> ClusterSpec:

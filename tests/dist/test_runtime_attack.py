@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from planner.verifier_config import VerifierConfig
-from planner.runtime.options import RunOptions
 from planner.runtime.launch import launch
+from planner.runtime.options import RunOptions
+from planner.verifier_config import VerifierConfig
 from tests.dist.plans import make_plan
 
 M, ATTACK_START, STEPS = 4, 2, 5

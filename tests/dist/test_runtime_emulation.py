@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from cost_models.devices import get_device_spec
 from planner.plan import Plan
-from planner.runtime.options import RunOptions
 from planner.runtime.launch import launch
 from planner.runtime.metrics import read_metrics
+from planner.runtime.options import RunOptions
 from tests.dist.plans import make_plan
 
 

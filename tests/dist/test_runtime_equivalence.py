@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.runtime.options import RunOptions
 from planner.runtime.launch import launch
+from planner.runtime.options import RunOptions
 from tests.dist.plans import load_dumps, make_plan, reference_run
 
 torch.set_num_threads(1)

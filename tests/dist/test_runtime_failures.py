@@ -8,8 +8,8 @@ import json
 import pytest
 
 from planner.errors import PlanMismatchError, RankFailureError
-from planner.runtime.options import FaultSpec, RunOptions
 from planner.runtime.launch import launch
+from planner.runtime.options import FaultSpec, RunOptions
 from tests.dist.plans import make_plan
 
 TIMEOUT_S = 6.0

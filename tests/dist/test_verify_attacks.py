@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from planner.verifier_config import VerifierConfig
-from planner.runtime.options import RunOptions
-from planner.runtime.launch import launch
 from planner.integrity.verifier import blame
+from planner.runtime.launch import launch
+from planner.runtime.options import RunOptions
+from planner.verifier_config import VerifierConfig
 from tests.dist.plans import make_plan
 
 ATTACKER, START, VERIFIER = 1, 6, 4

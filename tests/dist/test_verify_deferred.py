@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.verifier_config import VerifierConfig
-from planner.runtime.options import RunOptions
 from planner.plan_load import load_plan
 from planner.runtime.launch import launch
+from planner.runtime.options import RunOptions
+from planner.verifier_config import VerifierConfig
 from tests.dist.plans import load_dumps, make_plan
 
 M, STEPS = 4, 3
