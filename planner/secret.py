@@ -35,11 +35,26 @@ def run_secret(secret_file: str | os.PathLike | None = None) -> bytes:
         return _checked(os.environ[ENV_VAR].encode(), what=ENV_VAR)
     path = local_secret_path()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only from the first byte
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32) + "\n")
+        _create(path)
+    if path.stat().st_mode & 0o077:
+        raise InvalidInputError(f"the local secret {path}", expected="a file only its owner can read",
+                                found=oct(path.stat().st_mode & 0o777), fix=f"chmod 600 {path}")
     return _read(path, what="the local secret")
+
+
+def _create(path: Path) -> None:
+    """Write a new secret owner-only, whole or not at all (two first uses at once agree on one)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only from the first byte
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(tmp, path)  # fails if another process made it first: then theirs is the secret
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _read(path: Path, *, what: str) -> bytes:

@@ -32,6 +32,8 @@ from planner.integrity.verifier import Verifier
 from planner.plan import Plan
 from planner.runtime.data import PlanBatches, make_source
 
+SUMMARY_EVENTS = 256  # verifier events a rank reports at the end of a run (the latest; all are counted)
+
 
 def monitor_config(plan: Plan, seed: int, *, lr_warmup: int = 0) -> dict[str, Any]:
     """The monitors' config dict from the plan's ``verifier_config``. Their honest warm-up lasts at
@@ -113,7 +115,8 @@ class VerifyHooks:
     def summary(self) -> dict[str, Any]:
         if self.verifier is None:
             return {}
-        return {**self.verifier.summary(), "events": list(self.verifier.events)}
+        events = self.verifier.events  # the latest only: a long attacked run logs thousands
+        return {**self.verifier.summary(), "events": list(events[-SUMMARY_EVENTS:]), "events_total": len(events)}
 
 
 class _Labels:

@@ -71,7 +71,7 @@ def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str) -
     manifest = {"step": step, "num_ranks": num_ranks, "fingerprint": fingerprint}
     with atomic_file(folder / MANIFEST) as fh:
         json.dump(manifest, fh)
-    for old in complete_steps(root)[:-KEEP]:
+    for old in [s for s in complete_steps(root) if s < step][:-(KEEP - 1) or None]:
         shutil.rmtree(step_folder(root, old), ignore_errors=True)
 
 
@@ -109,6 +109,7 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
     ``step``, whichever rank wrote them; this rank's RNG state if it wrote one."""
     folder = step_folder(root, step)
     own = f"rank{rank}.safetensors"
+    num_ranks = int(json.loads((folder / MANIFEST).read_text())["num_ranks"])
 
     def wanted(key: str, file: str) -> bool:
         kind, _, rest = key.partition("/")
@@ -119,7 +120,7 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
         return key == "rng/cpu" and file == own
 
     found: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("rank*.safetensors")):
+    for path in (folder / f"rank{r}.safetensors" for r in range(num_ranks)):  # the run's own files only
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key not in found and wanted(key, path.name):
@@ -143,7 +144,12 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
     return Restored(step=step, folder=folder)
 
 
-def check_folder(root: str | Path) -> Path:
-    """The checkpoint folder, checked writable before any rank starts."""
+def check_folder(root: str | Path, *, resume: bool) -> Path:
+    """The checkpoint folder, checked writable before any rank starts; a fresh run does not mix its
+    checkpoints with another run's (pruning and resuming would take theirs for its own)."""
     probe = check_writable(Path(root) / MANIFEST, what="--checkpoint-dir")
+    if not resume and complete_steps(root):
+        raise InvalidInputError(f"--checkpoint-dir {root}", expected="an empty folder for a fresh run",
+                                found=f"checkpoints of an earlier run (steps {complete_steps(root)})",
+                                fix="add --resume to continue that run, or choose another folder")
     return probe.parent

@@ -52,9 +52,13 @@ def preflight(opts: RunOptions):
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
     check_model(plan, seed=opts.seed, model=opts.model)
     if opts.checkpoint_dir is not None:
-        checkpoint.check_folder(opts.checkpoint_dir)
+        checkpoint.check_folder(opts.checkpoint_dir, resume=opts.resume)
     if opts.resume:
-        checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)  # there is one to resume
+        done = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)  # there is one to resume
+        if done + 1 >= opts.steps:
+            raise InvalidInputError(f"--resume at step {done + 1}", expected=f"fewer than --steps ({opts.steps})",
+                                    found=f"the checkpoint of step {done} is already the last",
+                                    fix=f"raise --steps above {done + 1}")
     return plan
 
 
@@ -102,6 +106,8 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
         _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped")
         raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
         for r in ranks:
             if r.proc.poll() is None:
                 r.proc.kill()

@@ -34,7 +34,7 @@ def check_signature(path: str | os.PathLike, key: bytes) -> str:
     if signature is None:
         raise InvalidInputError(f"{source} is not signed", expected="a plan signed with the run secret",
                                 fix="re-create it with `stagewise plan` (or Plan.save) on a host holding the secret")
-    if not hmac.compare_digest(str(signature), run_secret.sign(key, data)):
+    if not hmac.compare_digest(str(signature).encode("utf-8"), run_secret.sign(key, data).encode("utf-8")):
         raise InvalidInputError(f"{source} does not match its signature", expected="the plan as signed",
                                 found="a file edited after signing, or signed with another secret",
                                 fix="use the plan file as `stagewise plan` wrote it, with the same secret")

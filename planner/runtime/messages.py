@@ -30,7 +30,7 @@ def decode(data: bytes, *, sender: int, what: str, schema: Mapping[str, Any]) ->
     """Parse and check one rank's message; raise naming ``sender`` when it is not what ``schema`` says."""
     try:
         value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise RankFailureError(f"rank {sender} sent a malformed {what}", expected="UTF-8 JSON",
                                found=str(exc), fix=f"check rank {sender}'s host: it does not run this runtime")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(value))

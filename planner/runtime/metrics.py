@@ -130,8 +130,9 @@ class MetricsWriter:
     rows, so a run that fails before any step completes leaves an earlier run's file as it was; a
     non-finite figure (a diverged loss) is written as null, valid JSON."""
 
-    def __init__(self, path: str | os.PathLike | None) -> None:
+    def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
         self.path = Path(path) if path else None
+        self._mode = "a" if append else "w"  # a resumed run adds to the rows of the steps before it
         self._fh: IO[str] | None = None
 
     def write(self, rows: Iterable[StepMetrics]) -> None:
@@ -139,7 +140,7 @@ class MetricsWriter:
             return
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("w", encoding="utf-8")
+            self._fh = self.path.open(self._mode, encoding="utf-8")
         for row in rows:
             self._fh.write(json.dumps(_finite(row.to_json()), allow_nan=False) + "\n")
         self._fh.flush()
@@ -156,7 +157,8 @@ def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                rows.append(StepMetrics(**json.loads(line)))
+                row = json.loads(line)
+                rows.append(StepMetrics(**{k: math.nan if v is None else v for k, v in row.items()}))
     return rows
 
 

@@ -218,7 +218,7 @@ class Progress:
             print(EVENT_PREFIX + json.dumps({"event": kind, **payload}, allow_nan=False), flush=True)
 
     def step(self, s: StepSummary) -> None:
-        loss = None if math.isnan(s.loss) else s.loss
+        loss = s.loss if math.isfinite(s.loss) else None
         self.emit("step", {"step": s.step, "loss": loss, "step_ms": s.step_ms, "dropped": s.dropped})
         if not self.events:
             text = "n/a" if loss is None else f"{loss:.4f}"
@@ -339,7 +339,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                         defer_verdicts=not opts.wait_verdicts)
     collector = _MetricsCollector(env.rank, env.world_size, setup.device)
     progress = Progress(events=os.environ.get("STAGEWISE_EVENTS") == "1", steps=opts.steps)
-    writer = MetricsWriter(opts.metrics if env.rank == 0 else None)
+    writer = MetricsWriter(opts.metrics if env.rank == 0 else None, append=opts.resume)
     summaries: list[StepSummary] = []
 
     def publish(done: list[list[StepMetrics]]) -> None:
@@ -423,8 +423,9 @@ RANK_FINAL_SCHEMA = {
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "stage": {"type": ["integer", "null"], "minimum": 0},
         "device_type": {"type": "string"}, "fwd_factor": {"type": "number"}, "bwd_factor": {"type": "number"},
-        "verification": {"type": "object"},
-        "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+        "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0}}},
+        "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                                            "maxItems": 2}},
         "attacked": {"type": "array", "items": {"type": "array"}},
     },
 }
@@ -455,7 +456,7 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
     measured = measured_step_ms(summaries)
     banned = sorted({r for f in ranks for _, r in f["bans"]})
     flags = sum(f["verification"].get("flags", 0) for f in ranks)
-    losses = [None if math.isnan(s.loss) else round(s.loss, 6) for s in summaries]
+    losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
             "emulate_slowdown": opts.emulate_slowdown if emulation_on else 1.0,

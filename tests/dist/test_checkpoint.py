@@ -60,3 +60,13 @@ def test_resume_without_a_complete_checkpoint_is_refused_before_any_rank_starts(
         launch(RunOptions(plan=str(path), steps=4, checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
     with pytest.raises(InvalidInputError, match="--checkpoint-dir"):
         RunOptions(plan=str(path), resume=True)
+
+
+def test_a_fresh_run_does_not_write_into_another_runs_checkpoints(tmp_path):
+    _, path = _plan(tmp_path, "p", [(0, 2), (3, 5)])
+    ckpt = tmp_path / "ckpt"
+    launch(RunOptions(plan=str(path), steps=1, timeout_s=60, checkpoint_dir=str(ckpt)))
+    with pytest.raises(InvalidInputError, match="checkpoints of an earlier run"):
+        launch(RunOptions(plan=str(path), steps=2, checkpoint_dir=str(ckpt)))
+    with pytest.raises(InvalidInputError, match="raise --steps above 1"):
+        launch(RunOptions(plan=str(path), steps=1, checkpoint_dir=str(ckpt), resume=True))

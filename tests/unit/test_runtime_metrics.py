@@ -75,3 +75,4 @@ def test_a_diverged_loss_is_written_as_null_and_a_run_without_steps_keeps_the_ol
     w.write([_row(0, 0, 1.0, loss_sum=float("nan"), loss_count=1)])
     w.close()
     assert json.loads(path.read_text())["loss_sum"] is None
+    assert math.isnan(read_metrics(path)[0].loss_sum)           # and read back as NaN

@@ -20,6 +20,9 @@ def test_the_local_secret_is_created_once_and_readable_by_its_owner_only(tmp_pat
     first = run_secret()
     assert run_secret() == first and len(first) >= 32
     assert stat.S_IMODE(local_secret_path().stat().st_mode) == 0o600
+    local_secret_path().chmod(0o644)                            # readable by others: refused
+    with pytest.raises(InvalidInputError, match="only its owner can read"):
+        run_secret()
     monkeypatch.setenv(ENV_VAR, "short")
     with pytest.raises(InvalidInputError, match="at least 16 bytes"):
         run_secret()
@@ -31,6 +34,15 @@ def test_a_signed_plan_passes_and_an_edited_one_is_refused(tmp_path):
     assert len(digest) == 64
     data = json.loads(path.read_text())
     data["policy"]["enabled"] = False                          # verification switched off by hand
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidInputError, match="does not match its signature"):
+        check_signature(path, KEY)
+
+
+def test_a_signature_that_is_not_hex_is_refused_not_crashed(tmp_path):
+    path = golden_plan().save(tmp_path / "plan.json", secret=KEY)
+    data = json.loads(path.read_text())
+    data["signature"] = "\u00e9" * 64
     path.write_text(json.dumps(data))
     with pytest.raises(InvalidInputError, match="does not match its signature"):
         check_signature(path, KEY)
