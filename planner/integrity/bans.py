@@ -45,6 +45,15 @@ class BanTest:
                 new.append(sender)
         return new
 
+    def to_json(self) -> dict:
+        """The evidence and the bans, to carry across a resume (a restart must not wipe them)."""
+        return {"evidence": {str(k): v for k, v in self.evidence.items()}, "banned": sorted(self.banned)}
+
+    def restore(self, data: dict) -> None:
+        self.evidence = {int(k): float(v) for k, v in data.get("evidence", {}).items()}
+        self.banned.clear()
+        self.banned.update(int(r) for r in data.get("banned", []))
+
     def steps_to_ban(self, blamed_share: float) -> float:
         """About how many steps a sender blamed in ``blamed_share`` of its steps takes to be banned
         (inf when its evidence drifts down)."""

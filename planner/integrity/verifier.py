@@ -553,6 +553,14 @@ class Verifier:
         self._step_flags.pop(step, None)
         return set(self.banned)
 
+    def bans_state(self) -> dict[str, Any]:
+        """The ban test's evidence and bans and the blame history, for a checkpoint."""
+        return {**self._bans.to_json(), "blamed_steps": {str(k): v for k, v in self._blamed_steps.items()}}
+
+    def restore_bans(self, data: Mapping[str, Any]) -> None:
+        self._bans.restore(dict(data))
+        self._blamed_steps = {int(k): [int(s) for s in v] for k, v in data.get("blamed_steps", {}).items()}
+
     def summary(self) -> dict[str, Any]:
         """Counts, current fences and bans, for logs and the ``--report`` file."""
         monitors = [{"boundary": b, "direction": d, "checked": m.checked, "flagged": m.flagged,

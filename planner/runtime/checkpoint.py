@@ -37,6 +37,7 @@ class Restored:
 
     step: int
     folder: Path
+    state: dict  # what this rank saved beside its tensors (``save_rank(state=...)``), e.g. its verifier's bans
 
 
 def step_folder(root: str | Path, step: int) -> Path:
@@ -44,7 +45,8 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 
 def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
-              params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None) -> Path:
+              params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+              state: dict | None = None) -> Path:
     """Write this rank's file of the checkpoint after ``step`` (its optimizer update included)."""
     tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
     if optimizer is not None:
@@ -54,7 +56,7 @@ def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
                 if torch.is_tensor(value):
                     tensors[f"optim/{name_of[id(p)]}/{key}"] = value.detach().cpu().contiguous()
     tensors["rng/cpu"] = torch.get_rng_state()
-    meta = {"step": str(step), "rank": str(rank), "fingerprint": fingerprint}
+    meta = {"step": str(step), "rank": str(rank), "fingerprint": fingerprint, "state": json.dumps(state or {})}
     path = step_folder(root, step) / f"rank{rank}.safetensors"
     with atomic_file(path, binary=True) as fh:
         fh.write(save_tensors(tensors, metadata=meta))
@@ -120,8 +122,11 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
         return key == "rng/cpu" and file == own
 
     found: dict[str, torch.Tensor] = {}
+    state: dict = {}
     for path in (folder / f"rank{r}.safetensors" for r in range(num_ranks)):  # the run's own files only
         with safe_open(str(path), framework="pt") as f:
+            if path.name == own:
+                state = json.loads((f.metadata() or {}).get("state", "{}"))
             for key in f.keys():
                 if key not in found and wanted(key, path.name):
                     found[key] = f.get_tensor(key)
@@ -141,7 +146,7 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
                 optimizer.state[p] = state
     if "rng/cpu" in found:
         torch.set_rng_state(found["rng/cpu"])
-    return Restored(step=step, folder=folder)
+    return Restored(step=step, folder=folder, state=state)
 
 
 def check_folder(root: str | Path, *, resume: bool) -> Path:

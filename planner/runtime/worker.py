@@ -348,7 +348,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
 
-    first = _resume(plan, opts, env, stage, optimizer)
+    first = _resume(plan, opts, env, stage, optimizer, verify)
     for _ in range(first):
         if warmup is not None:
             warmup.step()  # the rate of the step the run resumes at
@@ -358,7 +358,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         metrics = executor.run_step(step, last_end, last_cpu)
         if warmup is not None:
             warmup.step()  # the next step's rate; the scheduler is a few float operations
-        _checkpoint(plan, opts, env, stage, optimizer, step)
+        _checkpoint(plan, opts, env, stage, optimizer, verify, step)
         last_end, last_cpu = time.perf_counter(), time.process_time()
         _log_bans(verify, env.rank)
         publish(collector.submit(metrics))
@@ -381,24 +381,29 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
 
 
 def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-            optimizer: torch.optim.Optimizer | None) -> int:
-    """The first step to run: 0, or with ``--resume`` the one after the newest complete checkpoint."""
+            optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None) -> int:
+    """The first step to run: 0, or with ``--resume`` the one after the newest complete checkpoint
+    (a verifier rank gets its ban evidence back: killing a rank to force a restart wipes no bans)."""
     if not opts.resume:
         return 0
     step = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)
     params = dict(stage.parameters()) if stage is not None else {}
-    checkpoint.restore_rank(opts.checkpoint_dir, step=step, params=params, optimizer=optimizer, rank=env.rank)
+    got = checkpoint.restore_rank(opts.checkpoint_dir, step=step, params=params, optimizer=optimizer,
+                                  rank=env.rank)
+    if verify is not None and verify.verifier is not None and "bans" in got.state:
+        verify.verifier.restore_bans(got.state["bans"])
     return step + 1
 
 
 def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-                optimizer: torch.optim.Optimizer | None, step: int) -> None:
+                optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, step: int) -> None:
     """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest."""
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
         return
     params = dict(stage.parameters()) if stage is not None else {}
+    state = {"bans": verify.verifier.bans_state()} if verify is not None and verify.verifier is not None else {}
     checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
-                         params=params, optimizer=optimizer)
+                         params=params, optimizer=optimizer, state=state)
     comm.barrier(ranks=range(env.world_size), doing=f"writing the checkpoint of step {step}")
     if env.rank == 0:
         checkpoint.complete(opts.checkpoint_dir, step=step, num_ranks=env.world_size,

@@ -45,3 +45,13 @@ def test_a_rarely_blamed_sender_is_never_banned():
     test = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
     assert test.steps_to_ban(0.2) == math.inf
     assert _run_lengths(lambda: BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5), 0.01, 100_000, 2) == []
+
+
+def test_the_evidence_and_the_bans_survive_a_restart():
+    test = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
+    for _ in range(5):
+        test.step({2, 3} if _ < 4 else {2})
+    saved = test.to_json()
+    again = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
+    again.restore(saved)
+    assert again.banned == {2} and again.evidence == test.evidence and 3 in again.evidence

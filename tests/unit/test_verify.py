@@ -489,3 +489,12 @@ def test_verify_hooks_hand_the_monitors_the_microbatch_labels() -> None:
     idx, targets = ByteTextDataset(32).batch(5, 8, 3)
     assert torch.equal(labels.of(5, 1, "act"), idx[2:4])          # activations carry their tokens
     assert torch.equal(labels.of(5, 1, "grad"), targets[2:4])     # gradients their targets
+
+
+def test_a_verifiers_bans_and_blame_history_survive_a_checkpoint() -> None:
+    v = Verifier({}, [(1, "act")])
+    for s in range(5):
+        v.end_step(s, [[flag(s, 0, 1, "act", 2)]])
+    again = Verifier({}, [(1, "act")])
+    again.restore_bans(json.loads(json.dumps(v.bans_state())))   # as the checkpoint's JSON carries it
+    assert again.banned == {2} and again.summary()["blamed_steps"] == {"2": [0, 1, 2, 3, 4]}
