@@ -51,8 +51,8 @@ def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
     tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
     if optimizer is not None:
         name_of = {id(p): n for n, p in params.items()}
-        for p, state in optimizer.state.items():
-            for key, value in state.items():
+        for p, per_param in optimizer.state.items():
+            for key, value in per_param.items():
                 if torch.is_tensor(value):
                     tensors[f"optim/{name_of[id(p)]}/{key}"] = value.detach().cpu().contiguous()
     tensors["rng/cpu"] = torch.get_rng_state()
