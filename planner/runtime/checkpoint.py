@@ -140,10 +140,10 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
             p.copy_(found[f"param/{n}"])
     if optimizer is not None:
         for n, p in params.items():
-            state = {key.rsplit("/", 1)[1]: t.to(p.device) for key, t in found.items()
-                     if key.startswith(f"optim/{n}/")}
-            if state:
-                optimizer.state[p] = state
+            per_param = {key.rsplit("/", 1)[1]: t.to(p.device) for key, t in found.items()
+                         if key.startswith(f"optim/{n}/")}
+            if per_param:
+                optimizer.state[p] = per_param
     if "rng/cpu" in found:
         torch.set_rng_state(found["rng/cpu"])
     return Restored(step=step, folder=folder, state=state)
