@@ -23,7 +23,7 @@ from planner.instruction_costs import CostModel
 from planner.plan import Plan
 from planner.simulate import SimResult, simulate
 
-FIT_ERROR_WARN = 0.25  # a median block-time error above this: the calibration does not describe the blocks
+FIT_ERROR_WARN = 0.4  # a median block-time error above this: the calibration does not describe the blocks
 BUSY_WARN = 0.25  # a machine this busy with other work: timings include that work
 
 
