@@ -309,7 +309,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     validate_attacks(opts.attacks, plan.num_ranks)
     device = _device(opts, env)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL collectives and gather_object use the current device
+        torch.cuda.set_device(device)  # NCCL collectives use the current device
     setup = prepare_rank(plan, env.rank, opts, device)
     emulation = emulation_for(plan, env.rank, slowdown=opts.emulate_slowdown) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)

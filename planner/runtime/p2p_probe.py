@@ -3,7 +3,7 @@
 Run once per rank by ``planner.profiling.profile.measure_p2p`` (cost models may not
 import ``torch.distributed``; only ``planner/runtime`` does)::
 
-    python -m planner.profiling.p2p_probe --rank R --world-size 2 \\
+    python -m planner.runtime.p2p_probe --rank R --world-size 2 \\
         --init-method tcp://127.0.0.1:PORT --backend gloo --sizes 1024,1048576 --repeats 5
 
 For each message size rank 0 sends, rank 1 receives and sends it back; half
@@ -35,7 +35,7 @@ from planner.runtime.comm import Kind
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m planner.profiling.p2p_probe")
+    p = argparse.ArgumentParser(prog="python -m planner.runtime.p2p_probe")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--init-method", required=True)
