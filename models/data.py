@@ -7,6 +7,10 @@ draw the same batch without communicating. Same Python version => same data.
 
 ``synthetic_batch`` makes inputs plus targets that follow a fixed, learnable rule
 (a random "teacher"), so a loss curve on synthetic data can actually go down.
+
+``TokenWindows`` draws the same kind of batches from the user's own files: a text
+file's bytes (``load_text_bytes``) or a flat array of token ids (``load_token_file``:
+``.npy``, or nanoGPT's raw uint16 ``.bin``), memory-mapped and validated on load.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import sysconfig
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from models import stable_seed
@@ -171,3 +176,101 @@ def make_batch(bundle: ModelBundle, batch: int, seed: int = 0, *, step: int = 0
                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Synthetic ``(inputs, targets)`` with a learnable rule; see :func:`synthetic_batch`."""
     return synthetic_batch(bundle, step, batch, seed)
+
+
+# --------------------------------------------------------------------------- the user's own files
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")
+
+
+def _describe_file(path: Path, what: str) -> int:
+    """The size of ``path`` in bytes, or one clear error if it is missing, not a file or empty."""
+    if not path.exists():
+        raise InvalidInputError(f"{what} {str(path)!r} does not exist", fix="check the path")
+    if not path.is_file():
+        raise InvalidInputError(f"{what} {str(path)!r}", expected="a file", found="a folder or special file")
+    size = path.stat().st_size
+    if size == 0:
+        raise InvalidInputError(f"{what} {str(path)!r} is empty", expected="at least one sequence of tokens")
+    return size
+
+
+def load_text_bytes(path: str | os.PathLike) -> np.ndarray:
+    """A text file as its bytes (the token ids of a byte-level model), memory-mapped: never read whole."""
+    target = Path(path)
+    _describe_file(target, "--data text file")
+    return np.memmap(target, dtype=np.uint8, mode="r")
+
+
+def load_token_file(path: str | os.PathLike) -> np.ndarray:
+    """A flat array of token ids: ``.npy`` (any integer dtype, 1-D; ``numpy.load`` without pickle) or
+    nanoGPT's ``.bin`` (raw little-endian uint16). Memory-mapped, so a corpus larger than memory works."""
+    target = Path(path)
+    size = _describe_file(target, "--data tokens file")
+    if target.suffix == ".bin":
+        if size % 2:
+            raise InvalidInputError(f"--data tokens file {str(target)!r} ({size} bytes)",
+                                    expected="raw uint16 token ids: an even number of bytes",
+                                    found="an odd byte count", fix="check that the file is a nanoGPT-style .bin")
+        return np.memmap(target, dtype="<u2", mode="r")
+    if target.suffix != ".npy":
+        raise InvalidInputError(f"--data tokens file {str(target)!r}", expected="a .npy or .bin file",
+                                found=f"suffix {target.suffix!r}" if target.suffix else "no suffix")
+    try:
+        tokens = np.load(target, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:  # not .npy, truncated, or object dtype (needs pickle)
+        raise InvalidInputError(f"--data tokens file {str(target)!r}", expected="a .npy array saved by numpy.save",
+                                found=str(exc).splitlines()[0][:160]) from None
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        found = f"{tokens.dtype} array of shape {tokens.shape}" if isinstance(tokens, np.ndarray) else "an archive"
+        raise InvalidInputError(f"--data tokens file {str(target)!r}", expected="a flat (1-D) integer array",
+                                found=found, fix="save it with numpy.save(path, ids.reshape(-1).astype(np.int64))")
+    return tokens
+
+
+@functools.lru_cache(maxsize=8)
+def _id_range(path: str, size: int, mtime_ns: int) -> tuple[int, int]:
+    """(smallest, largest) token id in ``path``; cached per file version (checked by launcher and ranks)."""
+    tokens = load_token_file(path)
+    lo, hi = 0, 0
+    step = 1 << 24  # bounded chunks: a big corpus is scanned without a full-size temporary
+    for start in range(0, tokens.shape[0], step):
+        chunk = tokens[start:start + step]
+        lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
+    return lo, hi
+
+
+def check_token_ids(path: str | os.PathLike, vocab: int) -> None:
+    """Every id of the token file in ``[0, vocab)``, else one clear error naming the largest."""
+    stat = Path(path).stat()
+    lo, hi = _id_range(os.fspath(path), stat.st_size, stat.st_mtime_ns)
+    if lo < 0 or hi >= vocab:
+        raise InvalidInputError(f"--data tokens file {os.fspath(path)!r}", expected=f"token ids in [0, {vocab}) "
+                                "(the model's vocabulary)", found=f"ids from {lo} to {hi}",
+                                fix="tokenise with the model's tokenizer, or use a model with a larger vocabulary")
+
+
+class TokenWindows:
+    """Random windows of ``seq_len + 1`` tokens from one flat token array; targets are the inputs shifted
+    by one. Like :class:`ByteTextDataset`, each batch is a pure function of ``(step, seed)``."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, name: str) -> None:
+        if seq_len < 1:
+            raise InvalidInputError("seq_len", expected=">= 1", found=str(seq_len))
+        if tokens.shape[0] < seq_len + 1:
+            raise InvalidInputError(f"--data {name} ({tokens.shape[0]} tokens)",
+                                    expected=f"at least one sequence + 1 = {seq_len + 1} tokens",
+                                    fix="use a longer file or a plan with a shorter --seq")
+        self.tokens, self.seq_len, self.name = tokens, seq_len, name
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def batch(self, step: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, targets)``, both ``LongTensor[batch, seq_len]``; only the windows drawn are read."""
+        if batch < 1 or step < 0:
+            raise InvalidInputError("batch/step", expected="batch >= 1 and step >= 0", found=f"{batch}/{step}")
+        gen = torch.Generator().manual_seed(stable_seed(seed, step, "token-file"))
+        starts = torch.randint(0, self.num_tokens - self.seq_len, (batch, 1), generator=gen).numpy()
+        window = torch.from_numpy(np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64))
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()

@@ -12,10 +12,19 @@ Sources:
   least 256 tokens;
 * ``synthetic``: ``models.data.synthetic_batch`` (a learnable teacher rule)
   for everything else;
+* ``text:FILE``: the bytes of the user's text file, for language models with a
+  vocabulary of at least 256 (byte-level, as the presets are; a model's own
+  tokenizer is not used yet);
+* ``tokens:FILE``: the user's token ids, a flat ``.npy`` array or a nanoGPT-style
+  ``.bin`` (raw uint16), every id checked against the model's vocabulary;
 * ``package.module:factory``: the hook for the Python API. ``factory(bundle,
   seed)`` returns an object with ``batch(step, size) -> (inputs tuple,
   targets)``. A spec string rather than a callable, because each rank is its
   own process and must import it.
+
+``text:``, ``tokens:`` and ``hf:`` are reserved prefixes, never module names:
+``text:foo`` is a file called ``foo``, not the factory ``foo`` of a module
+``text``. The file sources draw random windows per step like ``text`` does.
 
 ``resolve_loss(spec)`` does the same for the loss: default the model's own
 (``models.registry.loss_fn``), or ``package.module:function(logits, targets)``
@@ -29,7 +38,14 @@ from typing import Callable, Protocol
 
 import torch
 
-from models.data import ByteTextDataset, synthetic_batch
+from models.data import (
+    ByteTextDataset,
+    TokenWindows,
+    check_token_ids,
+    load_text_bytes,
+    load_token_file,
+    synthetic_batch,
+)
 from models.registry import ModelBundle, build_model, loss_fn
 from planner.errors import InvalidInputError
 from planner.plan import Plan
@@ -37,6 +53,36 @@ from planner.plan import Plan
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DATA_KINDS = ("auto", "text", "synthetic")
+FILE_PREFIXES = ("text", "tokens")
+RESERVED_PREFIXES = (*FILE_PREFIXES, "hf")  # spec prefixes that are never imported as modules
+DATA_SPEC_FORMS = "auto, text, synthetic, text:FILE, tokens:FILE (.npy or .bin) or package.module:factory"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSpec:
+    """A parsed ``--data`` value: a built-in ``kind`` (auto, text, synthetic), a file (``text-file`` or
+    ``tokens-file``, ``target`` its path) or a ``factory`` (``target`` the ``package.module:factory`` spec)."""
+
+    kind: str
+    target: str = ""
+
+
+def parse_data_spec(spec: str) -> DataSpec:
+    """The one reading of a ``--data`` value: built-in kinds, then reserved prefixes, then factories."""
+    if spec in DATA_KINDS:
+        return DataSpec(kind=spec)
+    prefix, sep, rest = spec.partition(":")
+    if not sep:
+        raise InvalidInputError(f"data source {spec!r}", expected=f"one of {DATA_SPEC_FORMS}")
+    if prefix in FILE_PREFIXES:
+        if not rest:
+            raise InvalidInputError(f"--data {spec!r}", expected=f"{prefix}:FILE", found="no file name")
+        return DataSpec(kind=f"{prefix}-file", target=rest)
+    if prefix == "hf":
+        raise InvalidInputError(f"--data {spec!r}", expected=f"one of {DATA_SPEC_FORMS}",
+                                found="a Hugging Face data set (runs read no hub)",
+                                fix="save its token ids as a flat .npy array and pass --data tokens:FILE.npy")
+    return DataSpec(kind="factory", target=spec)
 
 
 class DataSource(Protocol):
@@ -57,6 +103,18 @@ class TextSource:
 
     def batch(self, step: int, size: int) -> Batch:
         idx, targets = self.dataset.batch(step, size, self.seed)  # type: ignore[attr-defined]
+        return (idx,), targets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileSource:
+    """Windows of the user's text bytes or token ids (``models.data.TokenWindows``)."""
+
+    windows: TokenWindows
+    seed: int = 0
+
+    def batch(self, step: int, size: int) -> Batch:
+        idx, targets = self.windows.batch(step, size, self.seed)
         return (idx,), targets
 
 
@@ -91,23 +149,55 @@ def _import(spec: str, what: str) -> Callable:
 
 def make_source(bundle: "ModelBundle", *, kind: str = "auto", seq: int | None = None, seed: int = 0) -> DataSource:
     """The data source for ``bundle``: ``auto`` = byte text for byte-vocabulary LMs, else synthetic."""
-    if ":" in kind:
-        source = _import(kind, "data factory")(bundle, seed)
+    spec = parse_data_spec(kind)
+    if spec.kind == "factory":
+        source = _import(spec.target, "data factory")(bundle, seed)
         if not callable(getattr(source, "batch", None)):
             raise InvalidInputError(f"data factory {kind!r} result", expected="an object with batch(step, size)",
                                     found=type(source).__name__)
         return source
-    if kind not in DATA_KINDS:
-        raise InvalidInputError(f"data source {kind!r}", expected=f"one of {', '.join(DATA_KINDS)} or "
-                                "package.module:factory")
-    is_text_lm = bundle.family == "lm" and bundle.vocab_or_classes >= 256 and len(bundle.example_inputs) == 1
-    if kind == "text" and not is_text_lm:
+    seq_len = (seq or int(bundle.example_inputs[0].shape[1])) if _takes_tokens(bundle) else 0
+    if spec.kind in ("text-file", "tokens-file"):
+        return FileSource(windows=_file_windows(bundle, spec, seq_len), seed=seed)
+    is_text_lm = _takes_tokens(bundle) and bundle.vocab_or_classes >= 256
+    if spec.kind == "text" and not is_text_lm:
         raise InvalidInputError(f"--data text for {bundle.name}", expected="a language model with vocab >= 256",
                                 found=f"{bundle.family} with {bundle.vocab_or_classes} outputs",
                                 fix="use --data synthetic")
-    if kind == "text" or (kind == "auto" and is_text_lm):
-        return TextSource(seq_len=seq or int(bundle.example_inputs[0].shape[1]), seed=seed)
+    if spec.kind == "text" or (spec.kind == "auto" and is_text_lm):
+        return TextSource(seq_len=seq_len, seed=seed)
     return SyntheticSource(bundle=bundle, seed=seed)
+
+
+def check_data(bundle: "ModelBundle", *, kind: str, seq: int | None = None) -> None:
+    """What the launcher checks before any rank starts: the spec, and a data file against the model
+    (a factory is imported by the ranks only, where its code is meant to run)."""
+    if parse_data_spec(kind).kind != "factory":
+        make_source(bundle, kind=kind, seq=seq)
+
+
+def _takes_tokens(bundle: "ModelBundle") -> bool:
+    """A language model whose one input is token ids ``[B, T]``."""
+    inputs = bundle.example_inputs
+    return (bundle.family == "lm" and len(inputs) == 1 and inputs[0].dim() == 2
+            and not inputs[0].dtype.is_floating_point)
+
+
+def _file_windows(bundle: "ModelBundle", spec: DataSpec, seq_len: int) -> TokenWindows:
+    name, vocab = f"{spec.kind.removesuffix('-file')}:{spec.target}", bundle.vocab_or_classes
+    if not _takes_tokens(bundle):
+        raise InvalidInputError(f"--data {name} for {bundle.name}", expected="a language model taking token ids "
+                                "[batch, seq]", found=f"{bundle.family} with {len(bundle.example_inputs)} input(s)",
+                                fix="use --data synthetic or a package.module:factory")
+    if spec.kind == "text-file":
+        if vocab < 256:  # byte-level: every byte value must be a token
+            raise InvalidInputError(f"--data {name} for {bundle.name}", expected="a vocabulary of at least 256 "
+                                    "tokens (text is read as bytes)", found=f"vocab {vocab}",
+                                    fix="tokenise the text yourself and pass --data tokens:FILE.npy")
+        return TokenWindows(load_text_bytes(spec.target), seq_len, name=name)
+    windows = TokenWindows(load_token_file(spec.target), seq_len, name=name)
+    check_token_ids(spec.target, vocab)
+    return windows
 
 
 def resolve_loss(bundle: "ModelBundle", spec: str | None = None) -> LossFn:

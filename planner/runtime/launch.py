@@ -33,6 +33,7 @@ from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
+from planner.runtime.data import check_data
 from planner.runtime.membership import check_signature
 from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
 from planner.runtime.worker import check_model
@@ -50,7 +51,8 @@ def preflight(opts: RunOptions):
     validate_attacks(opts.attacks, plan.num_ranks)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
-    check_model(plan, seed=opts.seed, model=opts.model)
+    bundle, _ = check_model(plan, seed=opts.seed, model=opts.model)
+    check_data(bundle, kind=opts.data, seq=plan.model.seq)  # a bad --data file fails here, not on a rank
     if opts.checkpoint_dir is not None:
         checkpoint.check_folder(opts.checkpoint_dir, resume=opts.resume)
     if opts.resume:

@@ -150,7 +150,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "by default a rank computes while the check runs and waits before results leave)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("--data", default="auto",
-                        help="auto (byte text for byte-level LMs, else synthetic), text, synthetic, "
+                        help="auto (byte text for byte-level LMs, else synthetic), text, synthetic, text:FILE "
+                             "(a text file as bytes), tokens:FILE (token ids: flat .npy or nanoGPT uint16 .bin), "
                              "or package.module:factory")
     parser.add_argument("--loss", help="package.module:function(logits, targets) (default: the model's own)")
     parser.add_argument("--lr", type=float, help="learning rate (default 1e-3 Adam, 1e-2 SGD)")
