@@ -19,6 +19,7 @@ from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.launch import launch
 from planner.runtime.options import add_run_arguments, options_from_args
+from planner.runtime.weights_out import launch_saving_weights
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", metavar="PROFILE", dest="rehearsal_profile",
                    help="this machine's profile (stagewise profile): also print the simulator's step for this "
                         "run here (every rank on this machine, padded like --emulate-speed pads it)")
+    p.add_argument("--save-weights", metavar="PATH", help="after the last step, write the trained weights as "
+                   "one safetensors state dict in the model's own layout (names of the unsplit model, a tied "
+                   "weight once; load with safetensors.torch.load_model)")
     p.set_defaults(handler=run)
 
 
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 
     opts = options_from_args(args)
-    for flag, path in (("--report", opts.report), ("--metrics", opts.metrics)):
+    outputs = (("--report", opts.report), ("--metrics", opts.metrics), ("--save-weights", args.save_weights))
+    for flag, path in outputs:
         if path is not None:
             check_writable(path, what=flag)  # before any rank starts
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
@@ -67,13 +72,18 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, completed=event["step"] + 1,
                             description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
 
-        result = launch(opts, on_event=on_event, log_dir=args.log_dir)
+        if args.save_weights is None:
+            result = launch(opts, on_event=on_event, log_dir=args.log_dir)
+        else:
+            result = launch_saving_weights(opts, args.save_weights, on_event=on_event, log_dir=args.log_dir)
     console.print(summary_table(result, here))
     if result.get("banned"):
         console.print(f"[bold yellow]banned ranks {result['banned']}[/]: they kept running "
                       "(replanning around a banned rank is future work)")
     if opts.report:
         console.print(f"report written to {opts.report}")
+    if result.get("weights"):
+        console.print(f"trained weights written to {result['weights']}")
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,13 +106,33 @@ def latest(root: str | Path, *, fingerprint: str) -> int:
     return steps[-1]
 
 
+def rank_files(root: str | Path, *, step: int) -> list[Path]:
+    """The rank files of the complete checkpoint after ``step``, as its manifest lists them (the run's
+    own files only, never a stray one in the folder)."""
+    folder = step_folder(root, step)
+    num_ranks = int(json.loads((folder / MANIFEST).read_text())["num_ranks"])
+    return [folder / f"rank{r}.safetensors" for r in range(num_ranks)]
+
+
+def read_params(root: str | Path, *, step: int, names: Collection[str]) -> dict[str, torch.Tensor]:
+    """The parameters ``names`` of the checkpoint after ``step``, each from the first rank file that holds
+    it (replicas and the stages of a tied weight hold equal copies); names no rank wrote are left out."""
+    found: dict[str, torch.Tensor] = {}
+    for path in rank_files(root, step=step):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                kind, _, name = key.partition("/")
+                if kind == "param" and name in names and name not in found:
+                    found[name] = f.get_tensor(key)
+    return found
+
+
 def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, rank: int) -> Restored:
     """Load the named parameters (and their optimizer state) this rank holds from the checkpoint after
     ``step``, whichever rank wrote them; this rank's RNG state if it wrote one."""
     folder = step_folder(root, step)
     own = f"rank{rank}.safetensors"
-    num_ranks = int(json.loads((folder / MANIFEST).read_text())["num_ranks"])
 
     def wanted(key: str, file: str) -> bool:
         kind, _, rest = key.partition("/")
@@ -123,7 +144,7 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
 
     found: dict[str, torch.Tensor] = {}
     state: dict = {}
-    for path in (folder / f"rank{r}.safetensors" for r in range(num_ranks)):  # the run's own files only
+    for path in rank_files(root, step=step):
         with safe_open(str(path), framework="pt") as f:
             if path.name == own:
                 state = json.loads((f.metadata() or {}).get("state", "{}"))

@@ -1,0 +1,144 @@
+"""A run's trained weights in the model's own layout: one safetensors state dict (``--save-weights``).
+
+Every rank already writes its final parameters by name into a checkpoint after the
+last step (:mod:`planner.runtime.checkpoint`); a run that saves weights without a
+``--checkpoint-dir`` takes that checkpoint in a hidden folder beside the output,
+removed afterwards. The launcher then merges the rank files into one file keyed by
+the unsplit model's own names: what ``model.state_dict()`` holds, a tied weight
+once under the name ``safetensors.torch.save_model`` keeps (the first in sorted
+order, the others recorded in the metadata), so
+``safetensors.torch.load_model(build_model(spec).module, PATH)`` loads it strictly.
+Nothing crosses between processes but safetensors files; the output is written
+atomically, and everything that can be checked is checked before a rank starts.
+
+Hugging Face models (``hf:`` specs) get the same single file for now; a
+``save_pretrained`` folder (config and tokenizer beside the weights) is future work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save as save_tensors
+
+from models.registry import build_model
+from planner.errors import InvalidInputError, RankFailureError
+from planner.outputs import atomic_file, check_writable
+from planner.plan import Plan
+from planner.plan_load import load_plan
+from planner.runtime import checkpoint
+from planner.runtime.launch import launch
+from planner.runtime.membership import check_signature
+from planner.runtime.options import RunOptions, check_model_allowed
+from planner.secret import run_secret
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightLayout:
+    """The unsplit model's parameters: per kept name, its aliases (tied weights), shape and dtype."""
+
+    aliases: dict[str, tuple[str, ...]]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    @property
+    def all_names(self) -> set[str]:
+        return {n for names in self.aliases.values() for n in names}
+
+
+def model_layout(plan: Plan, *, seed: int = 0) -> WeightLayout:
+    """The layout of ``plan``'s model, built on the meta device (no weights allocated). A model whose state
+    dict holds buffers is refused: ranks checkpoint parameters only, so its buffers would be missing."""
+    ref = plan.model
+    module = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed).module
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    param_names = {n for names in groups.values() for n in names}
+    buffers = [n for n in module.state_dict() if n not in param_names]
+    if buffers:
+        raise InvalidInputError(f"--save-weights for {ref.spec}", expected="a model whose state dict is its "
+                                "parameters (runs gather parameters only)",
+                                found=f"buffers {buffers[:3]}" + (f" and {len(buffers) - 3} more"
+                                                                  if len(buffers) > 3 else ""),
+                                fix="use --checkpoint-dir: its rank files hold every parameter by name")
+    aliases, shapes, dtypes = {}, {}, {}
+    for key, names in groups.items():
+        kept = sorted(names)[0]  # safetensors.torch.save_model's choice, so its load_model accepts the file
+        aliases[kept] = tuple(sorted(names))
+        shapes[kept], dtypes[kept] = tuple(tensors[key].shape), tensors[key].dtype
+    return WeightLayout(aliases=aliases, shapes=shapes, dtypes=dtypes)
+
+
+def prepare(opts: RunOptions, path: str | os.PathLike) -> tuple[Path, WeightLayout]:
+    """Before any rank starts: the output writable, the plan as signed, the model allowed and savable."""
+    target = check_writable(path, what="--save-weights")
+    plan = load_plan(opts.plan)
+    check_signature(opts.plan, run_secret(opts.secret_file))  # before anything of the plan is built
+    check_model_allowed(plan.model.spec, opts.model)
+    return target, model_layout(plan, seed=opts.seed)
+
+
+def consolidate(root: str | Path, *, step: int, layout: WeightLayout) -> dict[str, torch.Tensor]:
+    """The model's state dict from the checkpoint after ``step``: every parameter from whichever rank
+    held it (under any of its names), checked against the model's shapes and dtypes."""
+    found = checkpoint.read_params(root, step=step, names=layout.all_names)
+    out: dict[str, torch.Tensor] = {}
+    for kept, names in layout.aliases.items():
+        held = next((found[n] for n in names if n in found), None)
+        if held is None:
+            raise RankFailureError(f"the checkpoint after step {step} in {root}",
+                                   expected="every parameter of the model on some rank",
+                                   found=f"no {kept!r}", fix="check that every rank finished the run")
+        if tuple(held.shape) != layout.shapes[kept] or held.dtype != layout.dtypes[kept]:
+            raise RankFailureError(f"parameter {kept!r} of the checkpoint after step {step}",
+                                   expected=f"{layout.dtypes[kept]} {layout.shapes[kept]}",
+                                   found=f"{held.dtype} {tuple(held.shape)}")
+        out[kept] = held.contiguous()
+    return out
+
+
+def write_weights(path: str | os.PathLike, state: dict[str, torch.Tensor], *, layout: WeightLayout,
+                  plan: Plan, step: int) -> Path:
+    """One safetensors file, atomically; the metadata names each dropped alias's kept name (as
+    ``safetensors.torch.save_model`` does) and the run it came from."""
+    meta = {"format": "pt", "stagewise_model": plan.model.spec, "stagewise_fingerprint": plan.model.fingerprint,
+            "stagewise_step": str(step)}
+    for kept, names in layout.aliases.items():
+        meta.update({n: kept for n in names if n != kept})
+    with atomic_file(path, binary=True) as fh:
+        fh.write(save_tensors(state, metadata=meta))
+    return Path(path)
+
+
+def launch_saving_weights(opts: RunOptions, path: str | os.PathLike, *,
+                          on_event: Callable[[dict[str, Any]], None] | None = None,
+                          log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """``launch(opts)``, then the trained weights written to ``path``; returns the run's result."""
+    target, layout = prepare(opts, path)
+    hidden = None
+    if opts.checkpoint_dir is None:  # only the checkpoint after the last step, beside the output
+        target.parent.mkdir(parents=True, exist_ok=True)
+        hidden = tempfile.mkdtemp(prefix=f".{target.name}.ranks-", dir=target.parent)
+        opts = dataclasses.replace(opts, checkpoint_dir=hidden, checkpoint_every=opts.steps)
+    try:
+        result = launch(opts, on_event=on_event, log_dir=log_dir)
+        last = opts.steps - 1
+        if last not in checkpoint.complete_steps(opts.checkpoint_dir):
+            raise RankFailureError(f"the checkpoint after the last step ({last}) in {opts.checkpoint_dir}",
+                                   expected="a complete checkpoint", found="none",
+                                   fix="check that every rank finished the run")
+        state = consolidate(opts.checkpoint_dir, step=last, layout=layout)
+        write_weights(target, state, layout=layout, plan=load_plan(opts.plan), step=last)
+    finally:
+        if hidden is not None:
+            shutil.rmtree(hidden, ignore_errors=True)
+    return {**result, "weights": os.fspath(target)}
