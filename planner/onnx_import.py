@@ -20,11 +20,13 @@ import os
 import shutil
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import external_data_helper
 
 from planner.errors import InvalidInputError, TraceError
 from planner.flops import ONNX_VIEW_OPS, onnx_bwd_flops, onnx_fwd_flops
@@ -45,11 +47,31 @@ _KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 _FOLD_LIMIT = 1 << 16  # elements: folds shape arithmetic and masks, never anything weight-sized
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OnnxImport:
+    """An ONNX file as imported: the IR ``graph``; ``model``, the ONNX graph it was built from (static
+    values folded, shapes inferred; weights still on disk beside ``path``); and ``producers``, the IR node
+    that produces each input-dependent ONNX value (a model input's is its input node). Values missing
+    from ``producers`` are static: recomputable from initializers and constants alone."""
+
+    path: Path
+    graph: Graph
+    model: onnx.ModelProto
+    producers: Mapping[str, str]
+
+
 def load_onnx(path: str | os.PathLike[str]) -> Graph:
     """Read an ONNX file (graph only) into a :class:`Graph`; bad files raise :class:`InvalidInputError`."""
+    return import_onnx(path).graph
+
+
+def import_onnx(path: str | os.PathLike[str]) -> OnnxImport:
+    """:func:`load_onnx` keeping the ONNX side too (what stage export needs to cut the file by value names)."""
     model = _read(Path(path))
     inferred = onnx.shape_inference.infer_shapes(_fold_shape_constants(model), strict_mode=False, data_prop=True)
-    return _Importer(inferred, name=Path(path).stem, kinds=_param_kinds(model)).build()
+    importer = _Importer(inferred, name=Path(path).stem, kinds=_param_kinds(model))
+    graph = importer.build()
+    return OnnxImport(path=Path(path), graph=graph, model=inferred, producers=dict(importer.producer))
 
 
 def _param_kinds(model: onnx.ModelProto) -> dict[str, str]:
@@ -110,7 +132,64 @@ def _read(path: Path) -> onnx.ModelProto:
         raise InvalidInputError(f"ONNX file {str(path)!r}", expected="a model graph with nodes and outputs",
                                 found=f"{len(model.graph.node)} nodes, {len(model.graph.output)} outputs",
                                 fix="pass an ONNX model file, not another kind of file")
+    check_external_data(model, path)
     return model
+
+
+def check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file the model names exists beside it and is long enough for its tensors.
+
+    Import never reads the weights, so without this a missing or truncated ``X.onnx.data`` would pass
+    trace and plan and fail only when the weights are read. The bound per file is the largest
+    ``offset + length`` of its tensors (``length`` defaults to the tensor's own size).
+    """
+    needed: dict[str, tuple[int, str]] = {}  # location -> (bytes needed, the tensor that needs the most)
+    for tensor in _all_initializers(model.graph):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        try:
+            info = external_data_helper.ExternalDataInfo(tensor)
+        except ValueError as exc:
+            raise InvalidInputError(f"ONNX file {str(path)!r}: tensor {tensor.name!r}",
+                                    expected="valid external-data offset and length", found=str(exc),
+                                    fix="re-export the model") from None
+        end = (info.offset or 0) + (info.length if info.length is not None else _tensor_bytes(tensor))
+        if end > needed.get(info.location, (-1, ""))[0]:
+            needed[info.location] = (end, tensor.name)
+    folder = path.parent.resolve()
+    for location, (size, tensor_name) in needed.items():
+        data = (folder / location).resolve()
+        what = f"external data {str(data)!r} of ONNX file {str(path)!r}"
+        fix = "copy the model's .data file beside it, or re-export the model (`stagewise export-onnx`)"
+        if not location or folder not in data.parents:
+            raise InvalidInputError(what, expected="a file inside the model's folder", found=f"location {location!r}",
+                                    fix="re-export the model with its weights beside it")
+        if not data.is_file():
+            raise InvalidInputError(what, expected=f"a file of at least {size:,} bytes", found="no such file", fix=fix)
+        found = data.stat().st_size
+        if found < size:
+            raise InvalidInputError(what, expected=f"at least {size:,} bytes (tensor {tensor_name!r} ends there)",
+                                    found=f"{found:,} bytes (truncated)", fix=fix)
+
+
+def _all_initializers(graph: onnx.GraphProto):
+    """Initializers of the graph and of its control-flow subgraphs (If/Loop bodies)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_initializers(sub)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    numel = 1
+    for d in tensor.dims:
+        numel *= int(d)
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        itemsize = 1  # an exotic dtype: at least one byte per element
+    return numel * itemsize
 
 
 class _Importer:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
+from planner.model_io import is_onnx_spec
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
@@ -46,6 +47,7 @@ _KILL_GRACE_S = 5.0
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
     plan = load_plan(opts.plan)
+    refuse_onnx_model(plan.model.spec)
     check_signature(opts.plan, run_secret(opts.secret_file))  # the plan as signed, before anything of it runs
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
@@ -62,6 +64,16 @@ def preflight(opts: RunOptions):
                                     found=f"the checkpoint of step {done} is already the last",
                                     fix=f"raise --steps above {done + 1}")
     return plan
+
+
+def refuse_onnx_model(spec: str) -> None:
+    """A plan made from an ONNX file cannot run here: the runtime splits and trains a torch model."""
+    if is_onnx_spec(spec):
+        raise InvalidInputError(f"the plan's model {spec!r} is an ONNX file",
+                                expected="a plan made from a preset or package.module:factory (the torch runtime "
+                                         "trains torch models)",
+                                fix=f"plan and run the model spec {spec} was exported from, or write the stage "
+                                    f"files with `stagewise export-onnx --plan PLAN -o DIR`")
 
 
 def free_port() -> int:
