@@ -3,10 +3,13 @@
 A :class:`DeviceSpec` is what the pure cost functions (``compute.py``) need to
 price a block on a device: peak dense FLOP/s per dtype, memory size and
 bandwidth, and an ``efficiency`` factor (the fraction of peak that real
-training blocks reach). Catalog entries carry vendor datasheet figures and a
-typical efficiency; a profile JSON written by ``stagewise profile`` carries
-figures measured on this machine and an efficiency fitted to measured block
-times (see ``cost_models/profile.py``).
+training blocks reach), with per-dtype overrides (``dtype_efficiency``):
+tensor-core half precision reaches a far smaller fraction of its peak than
+FP32 does. Catalog entries carry vendor datasheet figures and typical
+efficiencies; a profile JSON written by ``stagewise profile`` carries figures
+measured on this machine and an efficiency fitted to measured block times (see
+``planner/profiling/profile.py``); a Metis profile calibrates one dtype
+(``cost_models/metis_profile.py``).
 
 The catalog's figures, with their datasheet sources and conventions (dense
 FLOP/s, FP32 accumulation, ...), are in ``cost_models/data/devices.yaml``.
@@ -41,7 +44,10 @@ class DeviceSpec:
 
     ``peak_flops`` maps dtype name -> dense FLOP/s as ``(dtype, flops)`` pairs.
     A dtype the device lacks native support for (bfloat16 on T4/V100) falls
-    back to the float32 rate, which is how PyTorch runs it there (upcast).
+    back to the float32 rate and efficiency, which is how PyTorch runs it
+    there (upcast). ``efficiency`` applies to every dtype but those in
+    ``dtype_efficiency`` (``(dtype, fraction)`` pairs, each a dtype with its
+    own peak, never float32).
     ``op_overhead_ms`` is the fixed cost of launching/dispatching one op
     (calibrated by a profile; 0 for catalog entries). ``optim_op_ms`` is the
     fixed cost of one element-wise kernel of an optimizer step (a profile times
@@ -57,6 +63,7 @@ class DeviceSpec:
     mem_bytes: int
     mem_bw_bytes_per_s: float
     efficiency: float = 0.5
+    dtype_efficiency: tuple[tuple[str, float], ...] = ()
     kind: DeviceKind = "gpu"
     op_overhead_ms: float = 0.0
     optim_op_ms: float | None = None
@@ -91,6 +98,7 @@ class DeviceSpec:
         if not (0.0 < self.efficiency <= 1.0):
             raise InvalidInputError(f"device {self.name}: efficiency", expected="a fraction in (0, 1]",
                                     found=repr(self.efficiency))
+        self._check_dtype_efficiency(seen)
         if self.kind not in ("gpu", "cpu"):
             raise InvalidInputError(f"device {self.name}: kind", expected="gpu or cpu", found=repr(self.kind))
         if not (self.op_overhead_ms >= 0.0 and math.isfinite(self.op_overhead_ms)):
@@ -105,28 +113,54 @@ class DeviceSpec:
             raise InvalidInputError(f"device {self.name}: p2p_latency_ms", expected=">= 0",
                                     found=repr(self.p2p_latency_ms))
 
-    def flops_per_s(self, dtype: str) -> float:
-        """Peak dense FLOP/s for ``dtype`` (unsupported low precision runs at the float32 rate)."""
+    def _check_dtype_efficiency(self, peaks: set[str]) -> None:
+        seen: set[str] = set()
+        for dtype, eff in self.dtype_efficiency:
+            where = f"device {self.name}: efficiency[{dtype}]"
+            if dtype == "float32" or dtype not in peaks or dtype in seen:
+                raise InvalidInputError(where, expected="once per dtype that has its own peak_flops entry, "
+                                        "float32 being the plain efficiency",
+                                        found=f"peaks for {sorted(peaks)}", fix="drop that efficiency entry")
+            if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0.0 < eff <= 1.0:
+                raise InvalidInputError(where, expected="a fraction in (0, 1]", found=repr(eff))
+            seen.add(dtype)
+
+    def _dtype_key(self, dtype: str) -> str:
         key = dtype.removeprefix("torch.")
         if key not in KNOWN_DTYPES:
             raise InvalidInputError(f"dtype for device {self.name}", expected=f"one of {KNOWN_DTYPES}",
                                     found=repr(dtype))
+        return key
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype`` (unsupported low precision runs at the float32 rate)."""
         table = dict(self.peak_flops)
-        if key in table:
-            return table[key]
-        return table["float32"]
+        return table.get(self._dtype_key(dtype), table["float32"])
+
+    def efficiency_for(self, dtype: str) -> float:
+        """The fraction of ``dtype``'s peak that training blocks reach (float32's where not overridden)."""
+        return dict(self.dtype_efficiency).get(self._dtype_key(dtype), self.efficiency)
 
     def effective_flops_per_s(self, dtype: str) -> float:
-        """What training blocks actually reach: peak times efficiency."""
-        return self.flops_per_s(dtype) * self.efficiency
+        """What training blocks actually reach: peak times that dtype's efficiency."""
+        return self.flops_per_s(dtype) * self.efficiency_for(dtype)
 
     @property
     def mem_gib(self) -> float:
         return self.mem_bytes / _GIB
 
     def with_efficiency(self, efficiency: float) -> "DeviceSpec":
-        """A copy with another efficiency (e.g. a calibrated one from a cluster file)."""
-        return dataclasses.replace(self, efficiency=efficiency)
+        """A copy with one efficiency for every dtype (a cluster file's scalar ``efficiency:``), as before
+        per-dtype figures existed."""
+        return dataclasses.replace(self, efficiency=efficiency, dtype_efficiency=())
+
+    def with_dtype_efficiency(self, dtype: str, efficiency: float) -> "DeviceSpec":
+        """A copy whose ``dtype`` reaches ``efficiency`` of its peak (float32: the plain efficiency)."""
+        key = self._dtype_key(dtype)
+        if key == "float32":
+            return dataclasses.replace(self, efficiency=efficiency)
+        others = tuple((d, e) for d, e in self.dtype_efficiency if d != key)
+        return dataclasses.replace(self, dtype_efficiency=others + ((key, efficiency),))
 
     # --- (de)serialisation ----------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -141,6 +175,8 @@ class DeviceSpec:
             "source": self.source,
             "measured": self.measured,
         }
+        if self.dtype_efficiency:  # absent when empty: older readers (and profiles) never see the key
+            d["dtype_efficiency"] = dict(self.dtype_efficiency)
         if self.optim_op_ms is not None:
             d["optim_op_ms"] = self.optim_op_ms
         if self.p2p_bandwidth_gbps is not None:
@@ -152,7 +188,7 @@ class DeviceSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "device spec") -> "DeviceSpec":
         allowed = {"name", "kind", "peak_flops", "mem_bytes", "mem_bw_bytes_per_s", "efficiency",
-                   "op_overhead_ms", "optim_op_ms", "source", "measured", "p2p_bandwidth_gbps",
+                   "dtype_efficiency", "op_overhead_ms", "optim_op_ms", "source", "measured", "p2p_bandwidth_gbps",
                    "p2p_latency_ms"}
         if not isinstance(d, Mapping):
             raise InvalidInputError(where, expected="a mapping", found=type(d).__name__)
@@ -170,9 +206,14 @@ class DeviceSpec:
         if not isinstance(flops, Mapping):
             raise InvalidInputError(f"{where}: peak_flops", expected="a mapping dtype -> FLOP/s",
                                     found=type(flops).__name__)
-        kwargs = {k: v for k, v in d.items() if k != "peak_flops"}
+        per_dtype = d.get("dtype_efficiency", {})
+        if not isinstance(per_dtype, Mapping):
+            raise InvalidInputError(f"{where}: dtype_efficiency", expected="a mapping dtype -> fraction",
+                                    found=type(per_dtype).__name__)
+        kwargs = {k: v for k, v in d.items() if k not in ("peak_flops", "dtype_efficiency")}
         try:
-            return cls(peak_flops=tuple((str(k), float(v)) for k, v in flops.items()), **kwargs)
+            return cls(peak_flops=tuple((str(k), float(v)) for k, v in flops.items()),
+                       dtype_efficiency=tuple((str(k), float(v)) for k, v in per_dtype.items()), **kwargs)
         except (TypeError, ValueError) as exc:
             raise InvalidInputError(where, expected="numbers for the figures", found=str(exc)) from None
 
@@ -191,13 +232,23 @@ def _catalog_entry(name: str, entry: Any) -> DeviceSpec:
         raise InvalidInputError(where, expected=f"a mapping with tflops, mem_gib, bw_gbs (and {keys})",
                                 found=str(found), fix="fix the entry in cost_models/data/devices.yaml")
     try:
+        efficiency, per_dtype = _catalog_efficiency(entry.get("efficiency", 0.5))
         return DeviceSpec(name=name, peak_flops=tuple((str(k), float(v) * _TERA) for k, v in entry["tflops"].items()),
                           mem_bytes=int(entry["mem_gib"] * _GIB), mem_bw_bytes_per_s=entry["bw_gbs"] * _GB,
-                          efficiency=entry.get("efficiency", 0.5), kind=entry.get("kind", "gpu"),
+                          efficiency=efficiency, dtype_efficiency=per_dtype, kind=entry.get("kind", "gpu"),
                           source=entry.get("source", ""))
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidInputError(where, expected="numbers for the figures", found=str(exc),
                                 fix="fix the entry in cost_models/data/devices.yaml") from None
+
+
+def _catalog_efficiency(value: Any) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """A catalog ``efficiency``: one fraction for every dtype, or ``{float32: f, float16: g, ...}``."""
+    if not isinstance(value, Mapping):
+        return value, ()
+    if "float32" not in value:
+        raise ValueError(f"an efficiency mapping needs a float32 entry, found {sorted(value)}")
+    return value["float32"], tuple((str(k), v) for k, v in value.items() if k != "float32")
 
 
 def _load_catalog() -> Mapping[str, DeviceSpec]:

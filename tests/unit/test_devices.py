@@ -105,3 +105,58 @@ def test_catalog_entries_are_checked() -> None:
         _catalog_entry("X", {"tflops": {"float32": 2.0}, "mem_gib": 1})  # no bandwidth
     with pytest.raises(InvalidInputError, match="numbers for the figures"):
         _catalog_entry("X", {"tflops": {"float32": "fast"}, "mem_gib": 1, "bw_gbs": 10})
+
+
+def test_half_precision_has_its_own_efficiency_and_fp32_is_unchanged() -> None:
+    a100 = CATALOG["A100-80GB"]
+    assert a100.efficiency == 0.5 and a100.effective_flops_per_s("float32") == pytest.approx(0.5 * 19.5e12)
+    assert a100.efficiency_for("float16") == 0.15
+    assert a100.effective_flops_per_s("torch.bfloat16") == pytest.approx(0.15 * 312e12)
+    t4 = CATALOG["T4"]  # no bfloat16 peak: the float32 rate and efficiency, as before
+    assert t4.effective_flops_per_s("bfloat16") == t4.effective_flops_per_s("float32")
+    # A cluster file's scalar efficiency still means every dtype
+    assert a100.with_efficiency(0.4).effective_flops_per_s("float16") == pytest.approx(0.4 * 312e12)
+    one = a100.with_dtype_efficiency("float16", 0.2)
+    assert one.efficiency_for("float16") == 0.2 and one.efficiency_for("bfloat16") == 0.15
+    assert a100.with_dtype_efficiency("float32", 0.3).efficiency == 0.3
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "CPU"])
+def test_half_precision_is_never_priced_slower_than_fp32(name: str) -> None:
+    spec = CATALOG[name]
+    for dtype in ("float16", "bfloat16"):
+        assert spec.effective_flops_per_s(dtype) >= spec.effective_flops_per_s("float32"), dtype
+
+
+def test_dtype_efficiency_round_trips_and_old_dicts_load() -> None:
+    spec = CATALOG["A100-40GB"]
+    d = spec.to_dict()
+    assert d["efficiency"] == 0.5 and d["dtype_efficiency"]["float16"] == 0.15
+    assert DeviceSpec.from_dict(d) == spec
+    old = {k: v for k, v in d.items() if k != "dtype_efficiency"}  # a profile written before per-dtype figures
+    assert DeviceSpec.from_dict(old).effective_flops_per_s("float16") == pytest.approx(0.5 * 312e12)
+    assert "dtype_efficiency" not in CATALOG["CPU"].to_dict()
+
+
+@pytest.mark.parametrize("bad", [
+    (("float32", 0.2),),                     # float32 is the plain efficiency
+    (("bfloat16", 0.2),),                    # no bfloat16 peak: it runs at the float32 rate
+    (("float16", 1.5),),
+    (("float16", 0.2), ("float16", 0.3)),
+])
+def test_dtype_efficiency_validation(bad: tuple) -> None:
+    with pytest.raises(InvalidInputError, match="efficiency"):
+        DeviceSpec(name="X", peak_flops=(("float32", 1e12), ("float16", 8e12)), mem_bytes=1 << 30,
+                   mem_bw_bytes_per_s=1e11, dtype_efficiency=bad)
+
+
+def test_catalog_efficiency_scalar_or_mapping() -> None:
+    from cost_models.devices import _catalog_entry
+
+    base = {"tflops": {"float32": 2.0, "float16": 16.0}, "mem_gib": 1, "bw_gbs": 10}
+    scalar = _catalog_entry("X", {**base, "efficiency": 0.4})
+    assert scalar.effective_flops_per_s("float16") == pytest.approx(0.4 * 16e12)
+    mapped = _catalog_entry("X", {**base, "efficiency": {"float32": 0.4, "float16": 0.1}})
+    assert mapped.efficiency == 0.4 and mapped.effective_flops_per_s("float16") == pytest.approx(0.1 * 16e12)
+    with pytest.raises(InvalidInputError, match="float32 entry"):
+        _catalog_entry("X", {**base, "efficiency": {"float16": 0.1}})
