@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec
 from cost_models.cluster_file import load_cluster
 from cost_models.memory import trace_dtype
+from cost_models.precision import resolve_dtype
 from cost_models.training import TrainingConfig
 from planner.check import assert_valid
 from planner.coarsen import coarsen
@@ -38,7 +39,7 @@ def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
 def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, spec: str, seq: int | None = None,
                schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
-               optimizer: str = "adam", dtype: str = "float32", workers: int = 2,
+               optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
                replicas: int | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
@@ -52,10 +53,14 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     ``replicas``: a fixed shape (pp stages of dp replicas each), else the
     solver's plan is compared with every baseline by simulating their
     programs and the fastest is returned (``choose_by_simulation``).
+    ``dtype``: the compute dtype (``bf16``/``fp16``/``fp32`` or the full names); ``auto`` takes
+    ``cost_models.precision.default_dtype`` of the cluster. Low precision trains with fp32 master weights.
     """
 
     spec_cluster = _cluster(cluster)
     policy = policy or VerificationPolicy()
+    dtype = resolve_dtype(dtype, spec_cluster)
+    mixed = dtype != "float32"  # low-precision compute keeps fp32 master weights (planner.runtime.precision)
     batch = global_batch or DEFAULT_MICROBATCHES * chain.microbatch_size
     if microbatch_size is not None and (microbatch_size < 1 or batch % microbatch_size):
         raise InvalidInputError(f"microbatch size {microbatch_size}", expected=f"a divisor of the global batch {batch}",
@@ -63,12 +68,12 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None:
         mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
         config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
-                                dtype=dtype)
+                                dtype=dtype, mixed_precision=mixed)
         solution = solver_api.baseline(baseline, chain, spec_cluster, config, policy)
     else:
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
-                                optimizer=optimizer, dtype=dtype)
+                                optimizer=optimizer, dtype=dtype, mixed_precision=mixed)
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
@@ -116,7 +121,7 @@ def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
 def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path | None = None, *,
               schedule: str = "1f1b", global_batch: int | None = None, microbatch_size: int | None = None,
               policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
-              optimizer: str = "adam", dtype: str = "float32", workers: int = 2, name: str | None = None,
+              optimizer: str = "adam", dtype: str = "auto", workers: int = 2, name: str | None = None,
               spec: str | None = None, gap_tolerance: float | None = None, stages: int | None = None,
               replicas: int | None = None) -> Any:
     """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.

@@ -23,6 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None, help="cluster YAML/JSON (default: the embedded default cluster)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="compute dtype, with fp32 master weights (default auto: bf16 where every GPU has it, "
+                        "else fp16 with loss scaling; fp32 without GPUs)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="optimizer the memory model and the run use (default adam: 8 more bytes per parameter)")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the solver chooses among the divisors of the batch)")
@@ -89,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_chain(chain, args.cluster, spec=args.model, seq=args.seq, schedule=args.schedule,
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
-                          progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas)
+                          progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas,
+                          dtype=args.dtype, optimizer=args.optimizer)
     path = plan.save(args.output, secret=key)
     _report(out, plan, path)
     return 0
@@ -106,7 +112,8 @@ def _report(console, plan, path) -> None:
     sim = plan.predicted.step_ms
     diff = (r.objective_ms - sim) / sim if sim > 0 else 0.0
     console.print(f"{plan.num_stages} stages, {plan.num_microbatches} microbatches of "
-                  f"{plan.config.microbatch_size}, {plan.config.schedule}; simulated step {sim:.3f} ms "
+                  f"{plan.config.microbatch_size}, {plan.config.schedule}, {plan.config.dtype}, "
+                  f"{plan.config.optimizer}; simulated step {sim:.3f} ms "
                   f"(objective {100 * diff:+.1f}% of it)")
     if r.bound_ms is not None and sim > 0:
         console.print(f"no plan's programs cost less than {r.bound_ms:.3f} ms: this plan is within "

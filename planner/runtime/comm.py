@@ -166,6 +166,8 @@ class Groups:
     stage_ranks: tuple[int, ...] = ()
     verifiers: dist.ProcessGroup | None = None      # all verifier ranks, for exchanging flags
     verifier_ranks: tuple[int, ...] = ()
+    trainers: dist.ProcessGroup | None = None       # every stage rank, to agree on fp16 overflows
+    trainer_ranks: tuple[int, ...] = ()
     tied: list[tuple[dist.ProcessGroup, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
 
 

@@ -57,6 +57,7 @@ from planner.runtime.comm import Groups, Kind, Pending
 from planner.runtime.deferred import HeldBackward, ReplayPoint, merge_grads
 from planner.runtime.emulate import Emulation
 from planner.runtime.metrics import StepMetrics
+from planner.runtime.precision import LossScaler, Precision
 from planner.runtime.stage import EdgeSpecs, StageRuntime
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class Executor:
         self.keep_grads = keep_grads
         self.defer_verdicts = defer_verdicts
         self.num_mb = plan.num_microbatches
+        self.precision = Precision.of(plan.config.dtype)
+        self.scaler = LossScaler() if self.precision.scaled and stage is not None else None
         tied_names = {n for _, _, names in groups.tied for n in names}
         named = dict(stage.parameters()) if stage is not None else {}
         # Tied parameters are summed across their stages' ranks instead (one all-reduce covers replicas too).
@@ -249,9 +252,11 @@ class Executor:
         inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
         t0, c0 = time.perf_counter(), time.thread_time()
-        with torch.enable_grad():
+        with torch.enable_grad(), self.precision.autocast(self.device):
             outputs = tuple(stage.module(*inputs))
-            if stage.is_last:
+            if not stage.is_last:
+                outputs = self.precision.to_wire(outputs)
+            else:
                 assert self.batches is not None and self.loss_fn is not None
                 targets = self.batches.microbatch(self.step, mb)[1]
                 loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, targets)
@@ -272,7 +277,8 @@ class Executor:
         inputs, outputs = self.saved.pop(mb)
         hold = False
         if stage.is_last:
-            roots, grads = [self.losses[mb] / self.num_mb], [None]
+            scale = self.scaler.scale if self.scaler is not None else 1.0
+            roots, grads = [self.losses[mb] * (scale / self.num_mb)], [None]
         else:
             received = self._take(("B", mb))
             self.received.pop(("B", mb), None)
@@ -373,7 +379,7 @@ class Executor:
     def _specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         edge = self.edges[boundary]
         values = edge.act if d == "F" else edge.grad
-        return [(v.shape, v.dtype) for v in values]
+        return [(v.shape, self.precision.wire_dtype(v.dtype)) for v in values]
 
     def _post(self, d: str, *, peer: int, boundary: int, mb: int, doing: str) -> Pending | None:
         kind, header_kind, _ = ACT_KINDS[d]
@@ -591,12 +597,27 @@ class Executor:
         with self._timed("comm"):
             self._sync_tied()
         with self._timed("optim"):
+            if self.scaler is not None and self._overflowed():
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                return
             if self.keep_grads and self.stage is not None:
                 self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                    for n, p in self.stage.parameters()}
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+
+    def _overflowed(self) -> bool:
+        """Unscale this rank's gradients and agree with every stage rank whether any overflowed (fp16)."""
+        assert self.scaler is not None
+        flag = torch.tensor([float(self.scaler.unscale(self.params))], device=self.device)
+        if self.groups.trainers is not None:
+            comm.all_reduce_sum(flag, group=self.groups.trainers, ranks=self.groups.trainer_ranks,
+                                doing="agreeing whether any gradient overflowed")
+        overflow = bool(flag.item() > 0)
+        self.scaler.update(overflow)
+        return overflow
 
     def _losses(self) -> tuple[float, int]:
         """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.

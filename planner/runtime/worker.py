@@ -51,6 +51,7 @@ from planner.runtime.options import (
     check_model_allowed,
     parse_worker_args,
 )
+from planner.runtime.precision import LossScaler
 from planner.runtime.stage import (
     EdgeSpecs,
     SplitGraph,
@@ -169,7 +170,9 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
             ranks = tuple(sorted(r for k in stages for r in plan.stage_ranks(k)))
             tied.setdefault(ranks, []).append(name)
     tied_sets = sorted(tied)
-    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets], timeout_s=timeout_s)
+    # fp16 steps are skipped on every rank when any overflowed: the stage ranks agree in one group.
+    trainers = tuple(sorted(r for ranks in stage_sets for r in ranks)) if plan.config.dtype == "float16" else ()
+    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets, trainers], timeout_s=timeout_s)
     info = plan.ranks[rank]
     groups = Groups()
     if info.stage is not None:
@@ -178,6 +181,8 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
     for ranks, group in zip(tied_sets, made[len(stage_sets) + 1:]):
         if group is not None:
             groups.tied.append((group, ranks, tuple(tied[ranks])))
+    if info.stage is not None:
+        groups.trainers, groups.trainer_ranks = made[-1], trainers
     return groups
 
 
@@ -348,7 +353,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
 
-    first = _resume(plan, opts, env, stage, optimizer, verify)
+    first = _resume(plan, opts, env, stage, optimizer, verify, executor.scaler)
     for _ in range(first):
         if warmup is not None:
             warmup.step()  # the rate of the step the run resumes at
@@ -358,7 +363,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         metrics = executor.run_step(step, last_end, last_cpu)
         if warmup is not None:
             warmup.step()  # the next step's rate; the scheduler is a few float operations
-        _checkpoint(plan, opts, env, stage, optimizer, verify, step)
+        _checkpoint(plan, opts, env, stage, optimizer, verify, executor.scaler, step)
         last_end, last_cpu = time.perf_counter(), time.process_time()
         _log_bans(verify, env.rank)
         publish(collector.submit(metrics))
@@ -381,7 +386,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
 
 
 def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-            optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None) -> int:
+            optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None,
+            scaler: LossScaler | None) -> int:
     """The first step to run: 0, or with ``--resume`` the one after the newest complete checkpoint
     (a verifier rank gets its ban evidence back: killing a rank to force a restart wipes no bans)."""
     if not opts.resume:
@@ -392,16 +398,21 @@ def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
                                   rank=env.rank)
     if verify is not None and verify.verifier is not None and "bans" in got.state:
         verify.verifier.restore_bans(got.state["bans"])
+    if scaler is not None and "loss_scale" in got.state:
+        scaler.restore(got.state["loss_scale"])
     return step + 1
 
 
 def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-                optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, step: int) -> None:
+                optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, scaler: LossScaler | None,
+                step: int) -> None:
     """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest."""
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
         return
     params = dict(stage.parameters()) if stage is not None else {}
     state = {"bans": verify.verifier.bans_state()} if verify is not None and verify.verifier is not None else {}
+    if scaler is not None:
+        state["loss_scale"] = scaler.state()
     checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
                          params=params, optimizer=optimizer, state=state)
     comm.barrier(ranks=range(env.world_size), doing=f"writing the checkpoint of step {step}")

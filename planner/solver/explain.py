@@ -37,7 +37,7 @@ def precheck(problem: Problem) -> None:
         raise InfeasiblePlanError(
             f"the model needs {_gb(static)} for weights, gradients and optimizer state; "
             f"the cluster's usable memory is {_gb(usable)}",
-            fix="add devices or use mixed precision / SGD (fewer bytes per parameter)")
+            fix="add devices, or plan with --optimizer sgd (8 fewer bytes per parameter)")
     biggest = max(c.mem_bytes for c in stage)
     for l in range(L):
         need = (problem.range_params(l, l) * problem.state_bytes_per_param + problem.range_act_bytes(l, l)
@@ -101,7 +101,7 @@ def explain_infeasible(problem: Problem, feasible: Feasible) -> InfeasiblePlanEr
         return InfeasiblePlanError(
             "the policy requires trusted first and last stages but no trusted device has room for them",
             found=f"trusted devices: {names or 'none'}",
-            fix="add trusted memory, use mixed precision / SGD, or relax trusted_endpoints")
+            fix="add trusted memory, plan with --optimizer sgd / --dtype bf16, or relax trusted_endpoints")
     return _memory_error(problem, stage)
 
 
@@ -119,21 +119,21 @@ def _memory_error(problem: Problem, stage: list) -> InfeasiblePlanError:
         return InfeasiblePlanError(
             f"block {problem.block_names[worst]} alone needs {_gb(block_need[worst])} (weights, gradients, "
             f"optimizer state and one microbatch of activations); the largest device has {_gb(largest)}",
-            fix="use larger devices, smaller microbatches, mixed precision or SGD")
+            fix="use larger devices, smaller microbatches, --dtype bf16/fp16 or --optimizer sgd")
     devices = sum(c.count for c in stage)
     in_flight = M if problem.schedule == "gpipe" else min(M, devices, L)
     total = f"{_gb(static)} of weights, gradients and optimizer state and {_gb(acts)} of activations per microbatch"
     if static + acts > usable:
         return InfeasiblePlanError(f"no placement fits in memory: the model needs {total}; the cluster's usable "
                                    f"memory is {_gb(usable)}",
-                                   fix="add devices, use smaller microbatches, mixed precision, or SGD")
+                                   fix="add devices, use smaller microbatches, --dtype bf16/fp16, or --optimizer sgd")
     return InfeasiblePlanError(
         f"no placement fits in memory: the model needs {total}, which fits in the cluster's {_gb(usable)} in "
         f"total but not split into stages: under {problem.schedule} a stage holds the activations of up to "
         f"{in_flight} microbatches in flight ({_gb(acts * in_flight)} for the whole model), and every stage "
         f"must fit on one device (at most {_gb(largest)})",
         fix="use smaller microbatches or shorter sequences (1F1B instead of GPipe), more or larger devices, "
-            "mixed precision, or SGD")
+            "--dtype bf16/fp16 (half the activation bytes), or --optimizer sgd")
 
 
 def _verification_error(problem: Problem, stage: list) -> InfeasiblePlanError:

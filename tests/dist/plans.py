@@ -54,7 +54,7 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
               schedule: str = "1f1b", optimizer: str = "sgd",
               verifiers: Sequence[tuple[int, int, tuple[str, ...]]] = (),
               device_types: Sequence[str] | None = None, verifier_host: bool = False,
-              verifier_config=None) -> Plan:
+              verifier_config=None, dtype: str = "float32") -> Plan:
     """A compiled plan. ``stages``: (first_block, last_block) per stage; ``replicas``: stage -> microbatch
     counts per replica; ``verifiers``: (boundary, device index, directions); devices are numbered in
     stage/replica order, then the verifier host's CPU (``len(devices)``)."""
@@ -76,7 +76,7 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
     solution = Solution(stages=tuple(placements), verifiers=vplace, num_microbatches=num_microbatches,
                         schedule=schedule, predicted_step_ms=0.0, memory_bytes=(), report=report)
     config = TrainingConfig(global_batch=microbatch * num_microbatches, microbatch_size=microbatch,
-                            schedule=schedule, optimizer=optimizer)
+                            schedule=schedule, optimizer=optimizer, dtype=dtype, mixed_precision=dtype != "float32")
     policy = VerificationPolicy(enabled=bool(verifiers), trusted_endpoints=False)
     ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
     return predict(compile_plan(solution, chain, cluster, config, policy, ref, verifier_config=verifier_config))
@@ -96,6 +96,7 @@ def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = N
     """
     from models.registry import build_model, loss_fn
     from planner.runtime.data import make_source
+    from planner.runtime.precision import LossScaler, Precision
     from planner.runtime.worker import make_lr_warmup, make_optimizer
 
     torch.set_num_threads(1)
@@ -104,16 +105,23 @@ def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = N
     model, source, loss_of = bundle.module, make_source(bundle, seq=ref.seq, seed=seed), loss_fn(bundle)
     opt = make_optimizer(plan.config.optimizer, list(model.parameters()), lr=lr)
     warmup = make_lr_warmup(opt, lr_warmup)
+    precision = Precision.of(plan.config.dtype)  # the whole model under autocast, fp32 master weights
+    scaler = LossScaler() if precision.scaled else None
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = source.batch(step, plan.config.global_batch)
         mbs, total = plan.config.microbatch_size, 0.0
         for lo in range(0, plan.config.global_batch, mbs):
-            loss = loss_of(model(*(t[lo:lo + mbs] for t in inputs)), targets[lo:lo + mbs]) / plan.num_microbatches
-            loss.backward()
+            with precision.autocast(torch.device("cpu")):
+                loss = loss_of(model(*(t[lo:lo + mbs] for t in inputs)), targets[lo:lo + mbs]) / plan.num_microbatches
+            (loss * (scaler.scale if scaler else 1.0)).backward()
             total += float(loss.detach())
         losses.append(total)
         # every name of a tied parameter (a stage may know it by either)
+        if scaler is not None:
+            overflow = scaler.unscale(list(model.parameters()))
+            scaler.update(overflow)
+            assert not overflow, "the reference overflowed: pick a case that does not"
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         opt.zero_grad(set_to_none=True)

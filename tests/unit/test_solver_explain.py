@@ -59,7 +59,7 @@ def test_model_larger_than_all_memory():
         api.solve(chain_of(5e9), small, CONFIG, time_limit_s=5, workers=1)  # 80 GB of Adam state vs 3 x 14.5 GB
     msg = _message(err.value)
     assert "the model needs 80.0 GB for weights" in msg and "usable memory is 46.4 GB" in msg
-    assert "mixed precision / SGD" in msg
+    assert "--optimizer sgd" in msg
 
 
 def test_trusted_endpoints_without_trusted_devices():
