@@ -1,9 +1,12 @@
-"""Model presets and ``build_model``: a preset name or ``package.module:factory`` -> ``ModelBundle``.
+"""Model presets and ``build_model``: a preset name, ``hf:CONFIG`` or ``package.module:factory`` -> ``ModelBundle``.
 
 ``build_model(spec, device="meta")`` constructs under ``torch.device("meta")``:
 no weight memory, so a 7B preset builds in well under a second. Any other
 device builds on meta too, then materialises (``to_empty``) and initialises
 deterministically from ``seed`` (see ``models.init_parameters``).
+``hf:`` specs and factories returning a ``transformers`` model are adapted by
+``models.hf`` (logits out, no mask tensors, per-layer rotary tables, the
+library's own loss).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import stable_seed
+from models import hf, stable_seed
 from models.cnn import CNN, CNNConfig
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
@@ -104,6 +107,9 @@ class ModelBundle:
     family: Family
     vocab_or_classes: int
     preset: Preset | None = None  # None for factory specs
+    # The model's own training loss (a transformers head's); None: cross entropy by family (``loss_fn``).
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, hash=False,
+                                                                              compare=False)
 
     def __post_init__(self) -> None:
         if self.family not in ("lm", "classifier"):
@@ -115,16 +121,20 @@ class ModelBundle:
 
 def build_model(spec: str, *, batch: int = 1, seq: int | None = None, device: str = "meta",
                 seed: int = 0) -> ModelBundle:
-    """Build a preset or a ``package.module:factory`` model with example inputs of ``batch`` x ``seq``.
+    """Build a preset, an ``hf:CONFIG`` or a ``package.module:factory`` model with example inputs of
+    ``batch`` x ``seq``.
 
-    ``seq`` is the sequence length for LMs (default: the preset's ``max_seq``) and
-    the image side for CNNs (default: the preset's ``image_size``); MLPs take none.
-    A factory is called with no arguments under ``torch.device(device)`` and a
-    seeded RNG; it returns a module or ``(module, example_inputs)``.
+    ``seq`` is the sequence length for LMs (default: the preset's ``max_seq``, a
+    transformers config's position limit up to 4096) and the image side for CNNs
+    (default: the preset's ``image_size``); MLPs take none. A factory is called
+    with no arguments under ``torch.device(device)`` and a seeded RNG; it returns
+    a module or ``(module, example_inputs)``. ``hf:`` is reserved (``models.hf``).
     """
     if batch < 1 or (seq is not None and seq < 1):
         raise InvalidInputError("batch/seq", expected="batch >= 1 and seq >= 1", found=f"batch={batch}, seq={seq}")
     dev = _device(device)
+    if hf.is_hf_spec(spec):
+        return _build_hf(spec, hf.build(spec, dev, seed), None, batch, seq, dev, seed)
     if ":" in spec:
         return _build_factory(spec, batch, seq, dev, seed)
     return _build_preset(spec, batch, seq, dev, seed)
@@ -141,7 +151,9 @@ def classifier_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def loss_fn(bundle: ModelBundle) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The training loss of ``bundle``: a module-level function, so it pickles to spawned ranks."""
+    """The training loss of ``bundle``: the model's own, else cross entropy by family (both pickle)."""
+    if bundle.loss is not None:
+        return bundle.loss
     return lm_loss if bundle.family == "lm" else classifier_loss
 
 
@@ -219,13 +231,44 @@ def _build_factory(spec: str, batch: int, seq: int | None, dev: torch.device, se
                                     fix=f"check that it runs on its own: {_repro(spec)}") from exc
     module, inputs = _split_factory_result(spec, made)
     if dev.type == "meta":
-        module = module.to(dev)  # drops any real weights the factory allocated anyway
+        module = _to_meta(module)  # drops any real weights the factory allocated anyway
+    if hf.is_hf_model(module):
+        return _build_hf(spec, module, inputs, batch, seq, dev, seed)
     if inputs is None:
         inputs = (_infer_input(spec, module, batch, seq, dev, seed),)
     inputs = tuple(t.to(dev) if dev.type == "meta" else t for t in inputs)
     family, width = _probe_family(spec, module, inputs)
     return ModelBundle(name=spec.rpartition(":")[2], spec=spec, module=module, example_inputs=inputs,
                        family=family, vocab_or_classes=width)
+
+
+def _to_meta(module: nn.Module) -> nn.Module:
+    """``module.to("meta")`` keeping tied parameters tied (``.to`` makes one new tensor per owner,
+    which would count a tied embedding twice)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((owner, name))
+    module = module.to("meta")
+    for refs in owners.values():
+        first_owner, first_name = refs[0]
+        for owner, name in refs[1:]:
+            owner._parameters[name] = first_owner._parameters[first_name]
+    return module
+
+
+def _build_hf(spec: str, module: nn.Module, inputs: tuple[torch.Tensor, ...] | None, batch: int,
+              seq: int | None, dev: torch.device, seed: int) -> ModelBundle:
+    """A transformers model, adapted in place (``models.hf.adapt``), with token-id example inputs."""
+    info = hf.adapt(module)
+    if inputs is None:
+        length = hf.example_seq(module, info, seq, spec)
+        inputs = (_example(dev, seed, (batch, length), torch.long, info.vocab_size),)
+    family, width = _probe_family(spec, module, inputs)
+    name = spec if hf.is_hf_spec(spec) else spec.rpartition(":")[2]
+    return ModelBundle(name=name, spec=spec, module=module, example_inputs=inputs, family=family,
+                       vocab_or_classes=width, loss=info.loss)
 
 
 def _resolve_factory(spec: str) -> Callable[[], object]:

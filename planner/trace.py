@@ -72,8 +72,11 @@ def graph_from_exported(exported: torch.export.ExportedProgram, *, name: str = "
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
               **sig.inputs_to_lifted_tensor_constants}
     builder = _Builder(name)
+    aliases = _unread_aliases(exported)
     for fx_node in exported.graph.nodes:
         if fx_node.op == "placeholder":
+            if fx_node.name in aliases:
+                continue  # another name of a tied parameter, which that parameter's own entry counts
             if fx_node.name in lifted:
                 builder.add_param(fx_node.name, lifted[fx_node.name], fx_node.meta["val"],
                                   trainable=fx_node.name in sig.inputs_to_parameters)
@@ -91,6 +94,23 @@ def graph_from_exported(exported: torch.export.ExportedProgram, *, name: str = "
                     if spec.kind == OutputKind.USER_OUTPUT and isinstance(spec.arg, TensorArgument)]
             builder.add_output(fx_node.name, user)
     return builder.graph(source)
+
+
+def _unread_aliases(exported: torch.export.ExportedProgram) -> set[str]:
+    """Placeholders of the extra names of tied parameters.
+
+    torch.export lifts every name of a tied parameter (``transformer.wte.weight`` and
+    ``lm_head.weight``) but routes all reads to one of them; the others are unread. Kept,
+    they would count the tied tensor twice (GPT-2 124M as 163M).
+    """
+    readers = {n.name: len(n.users) for n in exported.graph.nodes if n.op == "placeholder"}
+    state = exported.state_dict
+    groups: dict[int, list[str]] = {}
+    for placeholder, fqn in exported.graph_signature.inputs_to_parameters.items():
+        if fqn in state:
+            groups.setdefault(id(state[fqn]), []).append(placeholder)
+    return {p for group in groups.values() if len(group) > 1 and any(readers.get(q) for q in group)
+            for p in group if not readers.get(p)}
 
 
 # --- inputs --------------------------------------------------------------------
