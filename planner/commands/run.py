@@ -17,6 +17,7 @@ import psutil
 from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
+from planner.runtime.data import check_data_file
 from planner.runtime.launch import launch
 from planner.runtime.options import add_run_arguments, options_from_args
 from planner.runtime.weights_out import launch_saving_weights
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in outputs:
         if path is not None:
             check_writable(path, what=flag)  # before any rank starts
+    check_data_file(opts.data)  # a bad --data spec or file fails before the model is even built
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
     console = Console(stderr=False)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),

@@ -169,6 +169,16 @@ def make_source(bundle: "ModelBundle", *, kind: str = "auto", seq: int | None = 
     return SyntheticSource(bundle=bundle, seed=seed)
 
 
+def check_data_file(kind: str) -> None:
+    """What needs no model: the spec, and a data file's existence, size and format (the command line checks
+    this first, before the model is built; :func:`check_data` then checks the file against the model)."""
+    spec = parse_data_spec(kind)
+    if spec.kind == "text-file":
+        load_text_bytes(spec.target)
+    elif spec.kind == "tokens-file":
+        load_token_file(spec.target)
+
+
 def check_data(bundle: "ModelBundle", *, kind: str, seq: int | None = None) -> None:
     """What the launcher checks before any rank starts: the spec, and a data file against the model
     (a factory is imported by the ranks only, where its code is meant to run)."""

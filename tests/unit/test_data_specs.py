@@ -3,6 +3,7 @@ deterministic batches per (step, microbatch), and token ids bounded by the model
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 
 import numpy as np
@@ -19,6 +20,7 @@ from planner.runtime.data import (
     SyntheticSource,
     TextSource,
     check_data,
+    check_data_file,
     make_source,
     parse_data_spec,
 )
@@ -190,6 +192,9 @@ BAD = {"missing": "does not exist", "empty bin": "is empty", "empty text": "is e
        "other suffix": "a .npy or .bin file", "folder": "expected a file"}
 
 
+NEEDS_MODEL = {"short text", "short npy", "id >= vocab", "negative id"}
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_each_bad_file_is_one_clear_error(lm, tmp_path, case):
     spec = _write_bad(tmp_path, case)
@@ -197,6 +202,11 @@ def test_each_bad_file_is_one_clear_error(lm, tmp_path, case):
     assert BAD[case] in message, message
     with pytest.raises(InvalidInputError):  # the launcher's check says the same before any rank starts
         check_data(lm, kind=spec, seq=SEQ)
+    if case in NEEDS_MODEL:  # the command line's first check knows no sequence length or vocabulary
+        check_data_file(spec)
+    else:
+        with pytest.raises(InvalidInputError, match=re.escape(BAD[case])):
+            check_data_file(spec)
 
 
 def test_token_bounds_follow_the_model_vocabulary(tmp_path):
