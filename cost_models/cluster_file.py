@@ -32,12 +32,19 @@ from cost_models.devices import (
     load_profile_spec,
     suggest_device_names,
 )
+from cost_models.metis_profile import (
+    FIT_DTYPES,
+    GPTLayerShape,
+    calibrate_from_metis,
+    read_metis_profiles,
+)
 from planner.errors import InvalidInputError
 
 DEFAULT_INTRA_HOST = Link(bandwidth_gbps=256.0, latency_ms=0.01)  # PCIe 4.0 x16, ~32 GB/s
 DEFAULT_LINK = Link(bandwidth_gbps=10.0, latency_ms=1.0)  # 10 GbE within a site
 _HOST_KEYS = ("name", "region", "trust", "trusted", "role", "devices", "intra_host")
-_DEVICE_KEYS = ("type", "count", "efficiency", "spec")
+_DEVICE_KEYS = ("type", "count", "efficiency", "spec", "metis_profile")
+_METIS_KEYS = ("path", "hidden_size", "seq_len", "dtype")
 _LINKS_KEYS = ("intra_host", "default", "regions", "hosts")
 FieldPath = tuple[str | int, ...]
 
@@ -186,7 +193,32 @@ def _resolve_device(src: _Source, path: FieldPath, entry: Mapping[str, Any]) -> 
             raise src.error(path + ("efficiency",), "bad efficiency", expected="a fraction in (0, 1]",
                             found=repr(eff))
         spec = spec.with_efficiency(float(eff))
+    if "metis_profile" in entry:
+        spec = _metis_spec(src, path + ("metis_profile",), entry, spec)
     return spec
+
+
+def _metis_spec(src: _Source, path: FieldPath, entry: Mapping[str, Any], spec: DeviceSpec) -> DeviceSpec:
+    """``spec`` calibrated by Metis per-layer profiles: ``metis_profile: {path: FILE_OR_DIR, hidden_size: H,
+    seq_len: S, dtype: float16}`` (the shape Metis profiled at, which its files do not record)."""
+    for other in ("efficiency", "spec"):
+        if other in entry:
+            raise src.error(path, f"metis_profile with {other}", expected="one source of the device's efficiency",
+                            found=f"both metis_profile and {other}", fix=f"drop {other} or metis_profile")
+    m = _mapping(src, path, entry["metis_profile"], _METIS_KEYS)
+    where = _string(src, path, m, "path", "Metis profile path", "give a DeviceType.*.json file or its directory")
+    dtype = m.get("dtype", "float16")
+    if dtype not in FIT_DTYPES:
+        raise src.error(path + ("dtype",), "bad dtype", expected=" or ".join(FIT_DTYPES), found=repr(dtype))
+    for key in ("hidden_size", "seq_len"):
+        if key not in m:
+            raise src.error(path + (key,), f"missing {key}", expected="the shape Metis profiled the layers at",
+                            found="nothing", fix=f"add `{key}: <int>` (Metis's files do not record it)")
+    try:
+        shape = GPTLayerShape(hidden_size=m["hidden_size"], seq_len=m["seq_len"])
+        return calibrate_from_metis(spec, read_metis_profiles(src.base_dir / where), shape, dtype)[0]
+    except InvalidInputError as exc:
+        raise src.rewrap(path, exc) from None
 
 
 def _profile_spec(src: _Source, path: FieldPath, type_name: str) -> DeviceSpec:
