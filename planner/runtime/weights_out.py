@@ -5,9 +5,11 @@ last step (:mod:`planner.runtime.checkpoint`); a run that saves weights without 
 ``--checkpoint-dir`` takes that checkpoint in a hidden folder beside the output,
 removed afterwards. The launcher then merges the rank files into one file keyed by
 the unsplit model's own names: what ``model.state_dict()`` holds, a tied weight
-once under the name ``safetensors.torch.save_model`` keeps (the first in sorted
-order, the others recorded in the metadata), so
-``safetensors.torch.load_model(build_model(spec).module, PATH)`` loads it strictly.
+once under the name the model registers first (what ``named_parameters()``
+reports: the input embedding of a tied LM head, as Hugging Face keeps it; the
+other names are recorded in the metadata, as ``safetensors.torch.save_model``
+records them), so ``safetensors.torch.load_model(build_model(spec).module, PATH)``
+loads it strictly (an untied model: ``load_state_dict(load_file(PATH))`` too).
 Nothing crosses between processes but safetensors files; the output is written
 atomically, and everything that can be checked is checked before a rank starts.
 
@@ -72,8 +74,8 @@ def model_layout(plan: Plan, *, seed: int = 0) -> WeightLayout:
                                 fix="use --checkpoint-dir: its rank files hold every parameter by name")
     aliases, shapes, dtypes = {}, {}, {}
     for key, names in groups.items():
-        kept = sorted(names)[0]  # safetensors.torch.save_model's choice, so its load_model accepts the file
-        aliases[kept] = tuple(sorted(names))
+        kept = names[0]  # registration order: safetensors' load_model accepts any alias of a shared tensor
+        aliases[kept] = tuple(names)
         shapes[kept], dtypes[kept] = tuple(tensors[key].shape), tensors[key].dtype
     return WeightLayout(aliases=aliases, shapes=shapes, dtypes=dtypes)
 
