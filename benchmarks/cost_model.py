@@ -24,7 +24,17 @@
    allocations; process RSS mixes in the allocator's caching and library
    pages, so it is printed for reference only.)
 
-Run: ``python benchmarks/cost_model.py [--quick]``. Prints tables and writes
+4. Half precision from the catalog, against a published measurement: Metis's
+   shipped A100 profiles (SamsungLabs/Metis ``profile_data_samples/``, Megatron
+   GPT layers of hidden 4096 at seq 1024, fp16; give the directory with
+   ``--metis DIR``). Each tp1 file's transformer-layer forward+backward time
+   beside what ``cost_models.compute`` prices for that layer on the catalog's
+   A100s in float16 (``cost_models.metis_profile.priced_layer_ms``), and the
+   FLOP rate it reached (24*b*s*h^2 + 4*b*s^2*h forward, twice that backward).
+   Goal: within 30%. ``--metis-only`` runs just this row and updates its key of
+   the results file.
+
+Run: ``python benchmarks/cost_model.py [--quick] [--metis DIR [--metis-only]]``. Prints tables and writes
 ``benchmarks/results/cost_model.json``. Timings are noisy on a shared machine.
 """
 from __future__ import annotations
@@ -48,9 +58,19 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.compute import block_bwd_ms, block_fwd_ms  # noqa: E402
-from cost_models.devices import DeviceSpec  # noqa: E402
+from cost_models.devices import (
+    CATALOG,  # noqa: E402
+    DeviceSpec,  # noqa: E402
+)
 from cost_models.measured import BlockSample, fit_calibration  # noqa: E402
 from cost_models.memory import in_flight_microbatches, stage_memory  # noqa: E402
+from cost_models.metis_profile import (  # noqa: E402
+    GPTLayerShape,
+    calibrate_from_metis,
+    layer_tflops,
+    priced_layer_ms,
+    read_metis_profiles,
+)
 from cost_models.training import TrainingConfig  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.profiling.profile import (  # noqa: E402
@@ -68,6 +88,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
 EVALUATION = (("gpt-small", 2, 64), ("llama-tiny", 4, 32))
 CROSS_CALIBRATION = (("gpt-small", 1, 32), ("gpt-tiny", 2, 32))
 TIME_GOAL, MEMORY_GOAL = 0.15, 0.20
+# Metis's GPT "1.5B" (scripts/cost_het_cluster.sh): the shape its A100 profiles were taken at, in fp16.
+METIS_SHAPE, METIS_DTYPE, METIS_GOAL = GPTLayerShape(hidden_size=4096, seq_len=1024), "float16", 0.30
 # Process CPU time with one torch thread: the other jobs on this shared 2-core machine would
 # otherwise inflate wall times by up to 2-3x, at random, between and within rounds.
 CLOCK = "cpu"
@@ -164,6 +186,51 @@ def evaluate_time(rounds: int, repeats: int, console: Console) -> dict:
         result[name] = {"calibrated_on": [list(c) for c in configs], "efficiency": spec.efficiency,
                         "op_overhead_ms": spec.op_overhead_ms, "models": models}
     return result
+
+
+def evaluate_metis(directory: Path) -> dict:
+    """Catalog (and, for information, in-sample Metis-calibrated) A100 fp16 layer times vs Metis's tp1 files."""
+    profiles = [p for p in read_metis_profiles(directory) if p.tp == 1]
+    rows = []
+    for name in ("A100-40GB", "A100-80GB"):
+        catalog = CATALOG[name]
+        calibrated, cal = calibrate_from_metis(catalog, profiles, METIS_SHAPE, METIS_DTYPE)
+        for prof in sorted(profiles, key=lambda q: q.batch_size):
+            layers = list(prof.transformer_layers)
+            measured = statistics.mean(prof.layer_compute_ms[i] for i in layers)
+            predicted = priced_layer_ms(catalog, METIS_SHAPE, prof.batch_size, METIS_DTYPE)
+            err = predicted / measured - 1
+            rows.append({"device": name, "file": Path(prof.path).name, "batch": prof.batch_size,
+                         "measured_ms": measured, "measured_tflops": layer_tflops(prof, METIS_SHAPE, layers[0]),
+                         "catalog_efficiency": catalog.efficiency_for(METIS_DTYPE), "catalog_ms": predicted,
+                         "rel_err": err, "meets_goal": abs(err) <= METIS_GOAL,
+                         "fp32_efficiency_ms": priced_layer_ms(catalog.with_efficiency(catalog.efficiency),
+                                                              METIS_SHAPE, prof.batch_size, METIS_DTYPE),
+                         "calibrated_efficiency": calibrated.efficiency_for(METIS_DTYPE),
+                         "calibrated_op_overhead_ms": cal.op_overhead_ms,
+                         "calibrated_ms": priced_layer_ms(calibrated, METIS_SHAPE, prof.batch_size, METIS_DTYPE)})
+    return {"source": str(directory), "shape": {"hidden_size": METIS_SHAPE.hidden_size, "seq_len": METIS_SHAPE.seq_len},
+            "dtype": METIS_DTYPE, "goal": METIS_GOAL, "rows": rows}
+
+
+def _metis_table(metis: dict) -> Table:
+    t = Table(title="one GPT layer (h 4096, s 1024) fwd+bwd on A100 fp16: catalog vs Metis's measurement")
+    for col in ("device", "batch", "measured ms", "TFLOP/s", "catalog ms (eff)", "error",
+                f"goal <= {METIS_GOAL:.0%}", "at fp32's eff", "calibrated ms (eff)"):
+        t.add_column(col)
+    for r in metis["rows"]:
+        t.add_row(r["device"], str(r["batch"]), f"{r['measured_ms']:.1f}", f"{r['measured_tflops']:.1f}",
+                  f"{r['catalog_ms']:.1f} ({r['catalog_efficiency']:.2f})", f"{r['rel_err']:+.1%}",
+                  "yes" if r["meets_goal"] else "NO", f"{r['fp32_efficiency_ms']:.1f}",
+                  f"{r['calibrated_ms']:.1f} ({r['calibrated_efficiency']:.3f})")
+    return t
+
+
+def _write_results(out: Path, doc: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, out)
 
 
 class LiveStorageBytes(TorchDispatchMode):
@@ -267,11 +334,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (even: fit, odd: test)")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 3 repeats and a smaller memory case")
+    ap.add_argument("--metis", type=Path, help="Metis's profile_data_samples/ directory (row 4)")
+    ap.add_argument("--metis-only", action="store_true", help="only row 4; update its key of the results file")
     ap.add_argument("-o", "--output", default=str(RESULTS))
     args = ap.parse_args(argv)
+    console = Console(width=110)  # wide enough for the tables when piped
+    metis = evaluate_metis(args.metis) if args.metis else None  # a bad directory fails before any timing
+    if metis is not None:
+        console.print(_metis_table(metis))
+    if args.metis_only:
+        if metis is None:
+            ap.error("--metis-only needs --metis DIR")
+        out = Path(args.output)
+        doc = json.loads(out.read_text()) if out.is_file() else {"benchmark": "cost_model"}
+        _write_results(out, {**doc, "metis": metis})
+        console.print(f"updated {out} (metis)")
+        return 0
     torch.set_num_threads(1)  # the cpu clock needs one thread
     repeats = 3 if args.quick else args.repeats
-    console = Console(width=110)  # wide enough for the tables when piped
     t0 = time.perf_counter()
     timing = evaluate_time(2 if args.quick else args.rounds, repeats, console)
     memory = evaluate_memory(console, batch=1 if args.quick else 2, seq=64 if args.quick else 128)
@@ -300,11 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "cost_model", "torch": torch.__version__, "threads": 1, "clock": CLOCK, "repeats": repeats,
            "cpu_count": os.cpu_count(), "elapsed_s": time.perf_counter() - t0, "time": timing, "memory": memory,
            "note": "measured on a shared 2-core machine while other jobs ran: timings are noisy"}
+    if metis is not None:
+        doc["metis"] = metis
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, out)
+    _write_results(out, doc)
     console.print(f"wrote {out}")
     return 0
 

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import jsonschema
 
+from cost_models.compute import BWD_OPS_FACTOR, BWD_TRAFFIC_FACTOR, roofline_ms
 from cost_models.devices import DeviceSpec
 from cost_models.measured import BlockSample, Calibration, fit_calibration
 from planner.errors import InvalidInputError
@@ -142,6 +143,13 @@ def gpt_layer_figures(shape: GPTLayerShape, batch: int, dtype: str) -> LayerFigu
     elements = 12 * h * h + 13 * h + GPT_LAYER_ACT_ELEMENTS_PER_TOKEN_H * b * s * h
     return LayerFigures(fwd_flops=fwd, bwd_flops=2 * fwd, mem_traffic_bytes=elements * dtype_bytes(dtype),
                         n_ops=GPT_LAYER_OPS)
+
+
+def priced_layer_ms(spec: DeviceSpec, shape: GPTLayerShape, batch: int, dtype: str) -> float:
+    """Forward + backward of one GPT layer on ``spec`` as :mod:`cost_models.compute` prices a block."""
+    f = gpt_layer_figures(shape, batch, dtype)
+    return (roofline_ms(f.fwd_flops, f.mem_traffic_bytes, f.n_ops, spec, dtype)
+            + roofline_ms(f.bwd_flops, BWD_TRAFFIC_FACTOR * f.mem_traffic_bytes, BWD_OPS_FACTOR * f.n_ops, spec, dtype))
 
 
 def layer_tflops(profile: MetisProfile, shape: GPTLayerShape, layer: int) -> float:

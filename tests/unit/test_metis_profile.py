@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from cost_models.cluster_file import load_cluster, parse_cluster
-from cost_models.compute import BWD_OPS_FACTOR, BWD_TRAFFIC_FACTOR, roofline_ms
 from cost_models.devices import CATALOG
 from cost_models.metis_profile import (
     GPTLayerShape,
     calibrate_from_metis,
     gpt_layer_figures,
     layer_tflops,
+    priced_layer_ms,
     read_metis_profile,
     read_metis_profiles,
 )
@@ -55,10 +55,7 @@ def metis_dir(tmp_path: Path) -> Path:
 
 
 def catalog_layer_ms(spec, batch: int, dtype: str = "float16") -> float:
-    """Forward + backward of one GPT layer as the cost model prices it (cost_models.compute's roofline)."""
-    f = gpt_layer_figures(SHAPE, batch, dtype)
-    return (roofline_ms(f.fwd_flops, f.mem_traffic_bytes, f.n_ops, spec, dtype)
-            + roofline_ms(f.bwd_flops, BWD_TRAFFIC_FACTOR * f.mem_traffic_bytes, BWD_OPS_FACTOR * f.n_ops, spec, dtype))
+    return priced_layer_ms(spec, SHAPE, batch, dtype)
 
 
 def test_reads_the_files_of_a_directory(metis_dir: Path) -> None:
