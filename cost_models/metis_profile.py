@@ -166,9 +166,6 @@ def _bad(path: Path, what: str, *, expected: str, found: str, fix: str | None = 
 
 
 def _load_json(path: Path) -> Any:
-    if not path.is_file():
-        raise _bad(path, "", expected="an existing file", found="no such file",
-                   fix="check the path (relative to the cluster file)")
     if path.stat().st_size > MAX_FILE_BYTES:
         raise _bad(path, "", expected=f"a profile of at most {MAX_FILE_BYTES >> 20} MiB",
                    found=f"{path.stat().st_size} bytes")
@@ -189,6 +186,9 @@ def _check_schema(path: Path, doc: Any) -> None:
 def read_metis_profile(path: str | Path) -> MetisProfile:
     """One Metis profile file, validated: its name gives the device, tp and batch size."""
     p = Path(path)
+    if not p.is_file():
+        raise _bad(p, "", expected="an existing file (or a directory of them)", found="no such file",
+                   fix="check the path (relative to the cluster file)")
     name = FILE_NAME.fullmatch(p.name)
     if name is None:
         raise _bad(p, "file name", expected="DeviceType.{device}_tp{tp}_bs{batch}.json (Metis's naming)",
@@ -249,31 +249,36 @@ def _normalised(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def _single_device_tp1(profiles: Sequence[MetisProfile], spec: DeviceSpec) -> None:
-    devices = sorted({p.device for p in profiles})
-    if len(devices) != 1:
-        raise InvalidInputError(f"Metis profiles for {spec.name}", expected="the files of one device type",
-                                found=", ".join(devices), fix="point it at one device's files")
-    if _normalised(devices[0]) not in _normalised(spec.name):
+def _own_tp1_files(profiles: Sequence[MetisProfile], spec: DeviceSpec) -> list[MetisProfile]:
+    """The tp1 files of ``spec``'s device type among ``profiles`` (Metis keeps every device's files in one
+    directory): ``DeviceType.A100`` is an ``A100-40GB``; the longest matching name wins (``A100-80GB``
+    over ``A100``)."""
+    matching = [p for p in profiles if _normalised(p.device) in _normalised(spec.name)]
+    if not matching:
         raise InvalidInputError(f"Metis profiles for {spec.name}", expected="files of that device type",
-                                found=f"DeviceType.{devices[0]}", fix="give each device type its own profiles")
-    if all(p.tp != 1 for p in profiles):
+                                found=", ".join(sorted({f"DeviceType.{p.device}" for p in profiles})),
+                                fix="point it at this device type's profiles")
+    device = max((p.device for p in matching), key=lambda d: len(_normalised(d)))
+    own = [p for p in matching if p.device == device]
+    tp1 = [p for p in own if p.tp == 1]
+    if not tp1:
         raise InvalidInputError(f"Metis profiles for {spec.name}", expected="tp1 files (one device per layer)",
-                                found=", ".join(sorted({f"tp{p.tp}" for p in profiles})),
+                                found=", ".join(sorted({f"tp{p.tp}" for p in own})),
                                 fix="profile with tensor parallelism 1: at tp > 1 a layer's time includes "
                                     "its all-reduces")
+    return tp1
 
 
 def calibrate_from_metis(spec: DeviceSpec, profiles: Sequence[MetisProfile], shape: GPTLayerShape,
                          dtype: str = "float16") -> tuple[DeviceSpec, Calibration]:
     """``spec`` with the efficiency of ``dtype`` (and of the other half-precision dtype, where it has the same
-    peak) and the per-op overhead fitted to the transformer layers of ``profiles``' tp1 files."""
+    peak) and the per-op overhead fitted to the transformer layers of the tp1 files of ``spec``'s device
+    type among ``profiles``."""
     if dtype not in FIT_DTYPES:
         raise InvalidInputError("Metis profile dtype", expected=f"one of {', '.join(FIT_DTYPES)}", found=repr(dtype))
     if not profiles:
         raise InvalidInputError(f"Metis profiles for {spec.name}", expected="at least one file", found="none")
-    _single_device_tp1(profiles, spec)
-    tp1 = [p for p in profiles if p.tp == 1]
+    tp1 = _own_tp1_files(profiles, spec)
     peak = spec.flops_per_s(dtype)
     cal = fit_calibration(metis_samples(tp1, shape, dtype), peak_flops=peak, mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s)
     files = ", ".join(sorted(Path(p.path).name for p in tp1))

@@ -184,6 +184,16 @@ def test_missing_file_and_empty_directory(tmp_path: Path) -> None:
         read_metis_profiles(tmp_path)
 
 
+def test_a_directory_of_several_devices_gives_each_its_own(metis_dir: Path) -> None:
+    other = _with(metis_doc(1, 1), [1.0] + [10.0] * 8 + [1.0], "execution_time", "layer_compute_total_ms")
+    _write(metis_dir, "DeviceType.H100_tp1_bs1.json", other)
+    profiles = read_metis_profiles(metis_dir)
+    a100, _ = calibrate_from_metis(CATALOG["A100-80GB"], profiles, SHAPE)
+    h100, _ = calibrate_from_metis(CATALOG["H100-80GB"], profiles, SHAPE)
+    assert 0.13 < a100.efficiency_for("float16") < 0.16
+    assert priced_layer_ms(h100, SHAPE, 1, "float16") == pytest.approx(10.0, rel=0.05)
+
+
 def test_calibration_refuses_what_does_not_fit(metis_dir: Path, tmp_path: Path) -> None:
     profiles = read_metis_profiles(metis_dir)
     with pytest.raises(InvalidInputError, match="files of that device type"):
@@ -202,7 +212,7 @@ def test_calibration_refuses_what_does_not_fit(metis_dir: Path, tmp_path: Path) 
     ("{path: metis, hidden_size: 4096, seq_len: 1024}\n        efficiency: 0.3", "metis_profile with efficiency"),
     ("{path: metis, seq_len: 1024}", "missing hidden_size"),
     ("{path: metis, hidden_size: 4096, seq_len: 1024, dtype: int8}", "bad dtype"),
-    ("{path: nowhere.json, hidden_size: 4096, seq_len: 1024}", "file name"),
+    ("{path: nowhere.json, hidden_size: 4096, seq_len: 1024}", "no such file"),
     ("{path: metis, hidden_size: 4096, seq_len: 1024, batch: 2}", "unknown key"),
 ])
 def test_bad_metis_entries_in_a_cluster_file(metis_dir: Path, entry: str, match: str) -> None:
