@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx
 import onnx.utils
@@ -204,7 +204,7 @@ def stage_cuts(source: OnnxImport, stage_nodes: Sequence[frozenset[str]],
     return tuple(reversed(cuts))
 
 
-def _walk_back(outputs: Sequence[str], k: int, stage_of: Any, producer: Mapping[str, int],
+def _walk_back(outputs: Sequence[str], k: int, stage_of: Callable[[str], int | None], producer: Mapping[str, int],
                g: onnx.GraphProto) -> set[str]:
     """Values from earlier stages (or the model's input) that stage ``k`` needs to compute ``outputs``."""
     needed: set[str] = set()
