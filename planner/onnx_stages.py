@@ -130,7 +130,8 @@ def _onnx_source(plan: Plan, plan_path: Path | None) -> OnnxImport:
     candidates = [spec] + ([plan_path.parent / spec] if plan_path is not None and not spec.is_absolute() else [])
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
-        raise InvalidInputError(f"the plan's model {plan.model.spec!r}", expected="the ONNX file the plan was made from",
+        raise InvalidInputError(f"the plan's model {plan.model.spec!r}",
+                                expected="the ONNX file the plan was made from",
                                 found="no such file" + (f" here or beside {plan_path}" if plan_path else ""),
                                 fix="run from the folder you planned in, or put the .onnx and its .onnx.data "
                                     "beside the plan")
@@ -272,7 +273,8 @@ def _write_stage(source: OnnxImport, cut: StageCut, folder: Path) -> tuple[str, 
         stage = onnx.utils.Extractor(source.model).extract_model(list(cut.inputs), list(cut.outputs))
     except ValueError as exc:
         raise InvalidInputError(f"stage {cut.index} of {source.path}", expected="values with inferred shapes",
-                                found=str(exc).splitlines()[0], fix="export the model with fixed input shapes") from None
+                                found=str(exc).splitlines()[0],
+                                fix="export the model with fixed input shapes") from None
     stage.graph.name = f"stage{cut.index}"
     onnx.helper.set_model_props(stage, {"stagewise.stage": str(cut.index), "stagewise.blocks": ",".join(cut.blocks)})
     # Only this stage's weights are read, so one stage at a time is ever in memory.

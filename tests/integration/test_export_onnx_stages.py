@@ -64,7 +64,8 @@ def _bad_output(kind: str, d: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind, needle", [
-    ("onnx-name", "a folder for the stage files"), ("under-file", "not a folder"), ("foreign-folder", "holds other files"),
+    ("onnx-name", "a folder for the stage files"), ("under-file", "not a folder"),
+    ("foreign-folder", "holds other files"),
 ])
 def test_a_bad_output_folder_is_one_line_and_leaves_nothing(run_cli, planned, tmp_path, kind, needle):
     folder, _, _ = planned
