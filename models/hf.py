@@ -98,6 +98,7 @@ class HFLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses = importlib.import_module("transformers.loss.loss_utils").LOSS_MAPPING
         fn = losses[_LOSSES[self.task]]
+        logits, targets = logits.contiguous(), targets.contiguous()  # the library flattens with .view
         if self.task == "causal-lm":
             return fn(logits, None, vocab_size=int(logits.shape[-1]), shift_labels=targets)
         if self.task == "masked-lm":
