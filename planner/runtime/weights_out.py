@@ -35,7 +35,7 @@ from planner.outputs import atomic_file, check_writable
 from planner.plan import Plan
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
-from planner.runtime.launch import launch
+from planner.runtime.launch import launch, refuse_onnx_model
 from planner.runtime.membership import check_signature
 from planner.runtime.options import RunOptions, check_model_allowed
 from planner.secret import run_secret
@@ -84,6 +84,7 @@ def prepare(opts: RunOptions, path: str | os.PathLike) -> tuple[Path, WeightLayo
     """Before any rank starts: the output writable, the plan as signed, the model allowed and savable."""
     target = check_writable(path, what="--save-weights")
     plan = load_plan(opts.plan)
+    refuse_onnx_model(plan.model.spec)  # the launcher's own first refusal, before this builds the model
     check_signature(opts.plan, run_secret(opts.secret_file))  # before anything of the plan is built
     check_model_allowed(plan.model.spec, opts.model)
     return target, model_layout(plan, seed=opts.seed)
