@@ -145,22 +145,32 @@ def stage_comm_buffer_bytes(chain: BlockChain, lo: int, hi: int, config: Trainin
 
 
 def stage_memory(chain: BlockChain, lo: int, hi: int, config: TrainingConfig, in_flight_mb: int,
-                 comm_buffer_bytes: int | None = None, *, sgd_momentum: bool = False) -> MemoryBreakdown:
+                 comm_buffer_bytes: int | None = None, *, sgd_momentum: bool = False,
+                 recompute: bool = False) -> MemoryBreakdown:
     """Peak memory of a stage over blocks ``lo..hi`` holding ``in_flight_mb`` microbatches' activations.
 
-    ``comm_buffer_bytes`` defaults to :func:`stage_comm_buffer_bytes`.
+    ``comm_buffer_bytes`` defaults to :func:`stage_comm_buffer_bytes`. ``recompute``: each block is
+    checkpointed, so a microbatch in flight holds only the blocks' inputs, and the block recomputing in
+    a backward holds its full activations once.
     """
     if in_flight_mb < 1:
         raise InvalidInputError("in-flight microbatches", expected=">= 1", found=str(in_flight_mb))
     params = stage_param_count(chain, lo, hi)
     per = bytes_per_param(config, sgd_momentum=sgd_momentum)
-    saved = sum(b.saved_act_bytes for b in chain.blocks[lo:hi + 1]) * activation_scale(chain, config)
+    scale = activation_scale(chain, config)
+    saved = sum(b.saved_act_bytes for b in chain.blocks[lo:hi + 1]) * scale
+    peak = 0.0
+    if recompute:
+        first = chain.input_bytes * config.microbatch_size / chain.microbatch_size if lo == 0 \
+            else chain.blocks[lo - 1].out_bytes * scale
+        saved = first + sum(b.out_bytes for b in chain.blocks[lo:hi]) * scale
+        peak = max(b.saved_act_bytes for b in chain.blocks[lo:hi + 1]) * scale
     buffers = stage_comm_buffer_bytes(chain, lo, hi, config) if comm_buffer_bytes is None else comm_buffer_bytes
     if buffers < 0:
         raise InvalidInputError("comm_buffer_bytes", expected=">= 0", found=str(buffers))
     return MemoryBreakdown(weights_bytes=params * per.weights, grads_bytes=params * per.grads,
                            optimizer_bytes=params * per.optimizer,
-                           activations_bytes=round(saved) * in_flight_mb, buffers_bytes=int(buffers))
+                           activations_bytes=round(saved) * in_flight_mb + round(peak), buffers_bytes=int(buffers))
 
 
 def usable_memory_bytes(spec: DeviceSpec) -> int:

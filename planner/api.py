@@ -41,7 +41,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
-               replicas: int | None = None) -> Any:
+               replicas: int | None = None, recompute: str = "auto") -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -55,6 +55,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     programs and the fastest is returned (``choose_by_simulation``).
     ``dtype``: the compute dtype (``bf16``/``fp16``/``fp32`` or the full names); ``auto`` takes
     ``cost_models.precision.default_dtype`` of the cluster. Low precision trains with fp32 master weights.
+    ``recompute``: activation recomputation per stage where memory binds (``auto``), ``never`` or ``always``.
     """
 
     spec_cluster = _cluster(cluster)
@@ -77,7 +78,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
-                                    stages=stages, replicas=replicas)
+                                    stages=stages, replicas=replicas, recompute_mode=recompute)
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
@@ -123,7 +124,7 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
               policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
               optimizer: str = "adam", dtype: str = "auto", workers: int = 2, name: str | None = None,
               spec: str | None = None, gap_tolerance: float | None = None, stages: int | None = None,
-              replicas: int | None = None) -> Any:
+              replicas: int | None = None, recompute: str = "auto") -> Any:
     """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.
 
     Returns a :class:`planner.plan.Plan`; ``plan.save(path)`` writes it.
@@ -140,4 +141,5 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
     return plan_chain(chain, cluster, spec=spec or f"python:{type(model).__module__}.{type(model).__name__}",
                       seq=seq, schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,
                       policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
-                      dtype=dtype, workers=workers, gap_tolerance=gap_tolerance, stages=stages, replicas=replicas)
+                      dtype=dtype, workers=workers, gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
+                      recompute=recompute)

@@ -81,7 +81,8 @@ def _memory(solution: Solution, chain: BlockChain, cluster: ClusterSpec,
         limits = st.in_flight or tuple(memory.in_flight_microbatches(config.schedule, S, st.index, m)
                                        for m in st.microbatches)
         for d, in_flight in zip(st.devices, limits):
-            br = memory.stage_memory(chain, st.first_block, st.last_block, config, in_flight)
+            br = memory.stage_memory(chain, st.first_block, st.last_block, config, in_flight,
+                                     recompute=bool(st.recompute))
             used[d] = used.get(d, 0) + br.total_bytes
     for v in solution.verifiers:
         nbytes = _boundary_bytes(chain, config, solution.stages[v.boundary].last_block)

@@ -67,7 +67,7 @@ def _stages(solution: Solution, chain: BlockChain) -> tuple[StageInfo, ...]:
     for st in solution.stages:
         in_bytes = chain.input_bytes if st.first_block == 0 else chain.blocks[st.first_block - 1].out_bytes
         out.append(StageInfo(index=st.index, blocks=chain.blocks[st.first_block:st.last_block + 1],
-                             in_bytes=in_bytes))
+                             in_bytes=in_bytes, recompute=bool(st.recompute)))
     return tuple(out)
 
 
@@ -105,7 +105,8 @@ def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
     stages = _stages(solution, chain)
     ranks, verifiers = _ranks(solution, cluster)
     costs = CostModel(chain=chain, stage_ranges=tuple((s.first_block, s.last_block) for s in stages),
-                      ranks=ranks, verifiers=verifiers, cluster=cluster, config=config)
+                      ranks=ranks, verifiers=verifiers, cluster=cluster, config=config,
+                      recompute=tuple(s.recompute for s in stages))
     programs = build_programs(solution.schedule, len(stages), ranks, verifiers, costs)
     placeholder = Predicted(step_ms=0.0, bubble_fraction=0.0, peak_mem_bytes=(0,) * len(ranks))
     plan = Plan(model=model_ref, cluster=cluster.to_dict(), config=config, policy=policy,

@@ -31,9 +31,11 @@ class CostModel:
 
     def __init__(self, *, chain: BlockChain, stage_ranges: tuple[tuple[int, int], ...],
                  ranks: tuple[RankInfo, ...], verifiers: tuple[VerifierInfo, ...], cluster: ClusterSpec,
-                 config: TrainingConfig) -> None:
+                 config: TrainingConfig, recompute: tuple[bool, ...] = ()) -> None:
+        """``recompute``: per stage, whether its backward runs its forward again (default: none does)."""
         self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
         self.ranges = stage_ranges
+        self.recompute = recompute or (False,) * len(stage_ranges)
         self._links: dict[tuple[int, int], Link] = {}
         dtype, traced = config.dtype, memory.trace_dtype(chain)
         scale = activation_scale(chain, config)
@@ -49,14 +51,17 @@ class CostModel:
                 self._local.append((0.0, 0.0))
                 continue
             lo, hi = stage_ranges[r.stage]
-            self._fwd.append(compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
-            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced))
+            fwd = compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced)
+            self._fwd.append(fwd)
+            again = fwd if self.recompute[r.stage] else 0.0  # the checkpointed forward runs again
+            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced) + again)
             self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
                                         param_tensors=stage_param_tensors(chain, lo, hi)))
             # What an emulating rehearsal computes for this stage: its cost on the fastest planned
             # device (planner.runtime.emulate's reference); the rest of the pass is padding.
-            self._local.append(min(((compute.range_fwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced),
-                                     compute.range_bwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced))
+            self._local.append(min(((f := compute.range_fwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced),
+                                     compute.range_bwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced)
+                                     + (f if self.recompute[r.stage] else 0.0))
                                     for s in planned), key=sum))
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
@@ -111,7 +116,8 @@ class CostModel:
         if info.stage is None:
             return verifier_state
         lo, hi = self.ranges[info.stage]
-        br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1))
+        br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1),
+                                 recompute=self.recompute[info.stage])
         acts = br.activations_bytes if peak_in_flight else 0
         return br.static_bytes + br.buffers_bytes + acts + verifier_state
 
@@ -119,7 +125,7 @@ class CostModel:
     def for_plan(cls, plan: Plan) -> "CostModel":
         return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
                    ranks=plan.ranks, verifiers=plan.verifiers, cluster=parse_cluster(plan.cluster),
-                   config=plan.config)
+                   config=plan.config, recompute=tuple(s.recompute for s in plan.stages))
 
     @classmethod
     def for_rehearsal(cls, plan: Plan, local: DeviceSpec, *, emulate: bool, slowdown: float = 1.0) -> "CostModel":
@@ -144,7 +150,7 @@ class CostModel:
                       for h in planned_cluster.hosts)
         here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())
         costs = cls(chain=planned.chain, stage_ranges=planned.ranges, ranks=plan.ranks, verifiers=plan.verifiers,
-                    cluster=here, config=plan.config)
+                    cluster=here, config=plan.config, recompute=planned.recompute)
         for r, info in enumerate(plan.ranks):
             if info.stage is None or not emulate:
                 continue

@@ -46,7 +46,7 @@ from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-SCHEMA_VERSION = 2  # 2: verifier_config holds every monitor setting
+SCHEMA_VERSION = 3  # 2: verifier_config holds every monitor setting; 3: stages say whether they recompute
 _REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -92,12 +92,14 @@ class StageInfo:
     ``boundary_nodes`` name the producers of the activation sent on.
     ``in_bytes`` is what the stage receives per microbatch (the model input
     for stage 0); ``out_bytes`` what it sends on (its last block's). Totals
-    (``fwd_flops``, ``param_bytes``, ...) sum the blocks.
+    (``fwd_flops``, ``param_bytes``, ...) sum the blocks. ``recompute``: every block is checkpointed
+    (its forward runs again in the backward; only block inputs stay saved).
     """
 
     index: int
     blocks: tuple[Block, ...]
     in_bytes: int
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -380,8 +382,8 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "config": plan.config.to_dict(),
         "policy": plan.policy.to_dict(),
         "verifier_config": plan.verifier_config.to_dict(),
-        "stages": [{"index": st.index, "in_bytes": st.in_bytes, "blocks": [_plain(b) for b in st.blocks]}
-                   for st in plan.stages],
+        "stages": [{"index": st.index, "in_bytes": st.in_bytes, "recompute": st.recompute,
+                    "blocks": [_plain(b) for b in st.blocks]} for st in plan.stages],
         "chain_microbatch_size": plan.chain_microbatch_size,
         "tied_params": [_plain(t) for t in plan.tied_params],
         "ranks": [_plain(r) for r in plan.ranks],
@@ -420,7 +422,7 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             config=TrainingConfig.from_dict(data["config"]),
             policy=VerificationPolicy.from_dict(data["policy"]),
             verifier_config=VerifierConfig.from_dict(data["verifier_config"]),
-            stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"],
+            stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"], recompute=st["recompute"],
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),
             chain_microbatch_size=data["chain_microbatch_size"],

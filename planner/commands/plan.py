@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="compute dtype, with fp32 master weights (default auto: bf16 where every GPU has it, "
                         "else fp16 with loss scaling; fp32 without GPUs)")
+    p.add_argument("--recompute", choices=("auto", "never", "always"), default="auto",
+                   help="activation recomputation per stage (default auto: searched where memory is tight, kept "
+                        "on the stages whose devices need it)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="optimizer the memory model and the run use (default adam: 8 more bytes per parameter)")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
                           progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas,
-                          dtype=args.dtype, optimizer=args.optimizer)
+                          dtype=args.dtype, optimizer=args.optimizer, recompute=args.recompute)
     path = plan.save(args.output, secret=key)
     _report(out, plan, path)
     return 0
@@ -120,14 +123,14 @@ def _report(console, plan, path) -> None:
                       f"{100 * max(0.0, 1 - r.bound_ms / r.objective_ms):.1f}% of the best the cost model allows "
                       f"(its simulation within {100 * max(0.0, 1 - r.bound_ms / sim):.1f}%)")
     table = Table(title="stages")
-    for col in ("stage", "blocks", "first..last", "devices", "microbatches"):
+    for col in ("stage", "blocks", "first..last", "devices", "microbatches", "recompute"):
         table.add_column(col, justify="left" if col in ("first..last", "devices") else "right")
     for st in plan.stages:
         ranks = plan.stage_ranks(st.index)
         devices = ", ".join(f"{plan.ranks[k].device} ({plan.ranks[k].device_type})" for k in ranks)
         mbs = "/".join(str(len(plan.ranks[k].microbatches)) for k in ranks)
         table.add_row(str(st.index), str(st.last_block - st.first_block + 1),
-                      f"{st.blocks[0].name}..{st.blocks[-1].name}", devices, mbs)
+                      f"{st.blocks[0].name}..{st.blocks[-1].name}", devices, mbs, "yes" if st.recompute else "no")
     console.print(table)
     if plan.verifiers:
         console.print("verifiers: " + ", ".join(f"boundary {v.boundary} on {v.device} ({'+'.join(v.directions)})"

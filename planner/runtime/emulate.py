@@ -72,10 +72,10 @@ class Emulation:
 
 
 def stage_ms(stage: "StageInfo", spec: "DeviceSpec", dtype: str) -> tuple[float, float]:
-    """(forward, backward) ms of one microbatch of ``stage`` on ``spec``: the planner's own block costs."""
-
-    return (sum(block_fwd_ms(b, spec, dtype) for b in stage.blocks),
-            sum(block_bwd_ms(b, spec, dtype) for b in stage.blocks))
+    """(forward, backward) ms of one microbatch of ``stage`` on ``spec``: the planner's own block costs
+    (a recomputing stage's backward runs its forward again)."""
+    fwd = sum(block_fwd_ms(b, spec, dtype) for b in stage.blocks)
+    return fwd, sum(block_bwd_ms(b, spec, dtype) for b in stage.blocks) + (fwd if stage.recompute else 0.0)
 
 
 def emulation_for(plan: "Plan", rank: int, *, slowdown: float = 1.0) -> Emulation:

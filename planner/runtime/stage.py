@@ -27,7 +27,6 @@ from torch import nn
 
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.plan import Plan
-from planner.runtime.data import plan_example_inputs
 from planner.trace import graph_from_exported
 
 # Sentinel stage index of the model's user inputs: "defined before stage 0".
@@ -81,7 +80,7 @@ class StageRuntime:
 
     index: int
     num_stages: int
-    module: fx.GraphModule
+    module: nn.Module  # the stage's GraphModule, or its blocks checkpointed (planner.runtime.recompute)
     inputs: tuple[ValueSpec, ...]
     outputs: tuple[ValueSpec, ...]
 
@@ -404,44 +403,10 @@ def check_fingerprint(ep: torch.export.ExportedProgram, plan: "Plan") -> None:
             fix="regenerate the plan with `stagewise plan` for this model and batch/sequence size")
 
 
-def _at_batch(inputs: Sequence[torch.Tensor], batch: int) -> tuple[torch.Tensor, ...]:
-    """Placeholder inputs of another batch size (export reads shapes and dtypes only)."""
-    return tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in inputs)
-
-
 def plan_node_names(plan: "Plan") -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(st.node_names) for st in plan.stages)
 
 
-def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
-               example_inputs: Sequence[torch.Tensor] | None = None,
-               check: bool = True) -> StageRuntime:
-    """Build ``rank``'s stage of ``plan`` from the full ``model`` (parameters shared, names kept).
-
-    ``example_inputs`` are one microbatch of model inputs; by default they are
-    made from the plan (the synthetic batch of its model spec). The plan's
-    fingerprint is checked against a fresh trace first (``check=False`` skips
-    it when the caller has just done so).
-    """
-    if not 0 <= rank < len(plan.ranks):
-        raise InvalidInputError("rank", expected=f"0..{len(plan.ranks) - 1}", found=str(rank))
-    info = plan.ranks[rank]
-    if info.stage is None:
-        raise InvalidInputError(f"rank {rank} runs no stage (it is a verifier-only rank)",
-                                fix="call apply_plan only on stage ranks")
-    if example_inputs is None:
-        example_inputs = plan_example_inputs(plan)
-    example_inputs = tuple(example_inputs)
-    ep = export_model(model, example_inputs)
-    if check:  # before anything else: a plan for another model must not get further
-        same_batch = example_inputs[0].shape[0] == plan.model.batch
-        check_fingerprint(ep if same_batch else export_model(model, _at_batch(example_inputs, plan.model.batch)),
-                          plan)
-    split = split_graph(model, example_inputs, plan_node_names(plan), ep=ep)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    return build_stage(split, info.stage, model, device=device)
-
-
 __all__ = ["ValueSpec", "StageRuntime", "SplitGraph", "export_model", "split_graph", "stage_edges",
-           "build_stage", "stage_state_names", "materialize", "EdgeSpecs", "check_fingerprint", "apply_plan",
+           "build_stage", "stage_state_names", "materialize", "EdgeSpecs", "check_fingerprint",
            "INPUT_STAGE"]

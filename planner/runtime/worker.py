@@ -52,11 +52,11 @@ from planner.runtime.options import (
     parse_worker_args,
 )
 from planner.runtime.precision import LossScaler
+from planner.runtime.recompute import build_plan_stage
 from planner.runtime.stage import (
     EdgeSpecs,
     SplitGraph,
     StageRuntime,
-    build_stage,
     check_fingerprint,
     export_model,
     has_constants,
@@ -146,7 +146,7 @@ def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> Ran
         model = build_model(ref.spec, batch=mbs, seq=ref.seq, device=str(device), seed=opts.seed).module
         if has_constants(split):
             split = split_graph(model, tuple(t.to(device) for t in bundle.example_inputs), plan_node_names(plan))
-    stage = build_stage(split, info.stage, model, device=device)
+    stage = build_plan_stage(split, plan, info.stage, model, device=device)
     batches = loss = None
     if stage.is_first or stage.is_last:
         source = make_source(bundle, kind=opts.data, seq=ref.seq, seed=opts.seed)

@@ -53,6 +53,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
+from planner.solver import recompute
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
@@ -68,7 +69,12 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.problem import (
+    Problem,
+    build_problem,
+    recompute_problem,
+    scale_chain,
+)
 from planner.solver.search import baselines as base
 from planner.solver.search.chain_dp import homogeneous_dp
 from planner.solver.search.grid import best_grid, cheapest, grid_candidates, shaped
@@ -201,6 +207,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     search met, and bound that cost (``bound.relax.comm_free_for_bound``) in the time held back for it. With a
     ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``)."""
     start = time.perf_counter()
+    relaxed = recompute.bound_problem(problem)  # bounds every mix of stages with and without recompute
     if shape != (None, None):
         precheck(problem)
         placement = shaped(problem, stages=shape[0], replicas=shape[1], time_budget_s=time_limit_s / 2)
@@ -213,7 +220,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
         found = _search(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
                         seen)
     if found.placement is None:
-        return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(problem))
+        return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     left = time_limit_s - (time.perf_counter() - start)
@@ -221,10 +228,12 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
-    valid = max(simple_lower_bound_ms(problem), found.valid_bound_ms)
+    placement, program_ms = recompute.mix(problem, placement)
+    # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
+    valid = max(simple_lower_bound_ms(relaxed), found.valid_bound_ms if relaxed is problem else 0.0)
     left = time_limit_s - (time.perf_counter() - start)
     if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
-        free = comm_free_for_bound(merged_for_bound(problem) or problem)
+        free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)
         valid = max(valid, lagrange_bound(free, incumbent_ms=program_ms, time_budget_s=left, target_gap=gap_tolerance,
                                           plans=False).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
@@ -338,7 +347,8 @@ def _to_solution(outcome: _Outcome, bound_ms: float, notes: tuple[str, ...], sol
     notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms)
     report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
                          solve_s=solve_s, notes=notes)
-    stages = tuple(dataclasses.replace(st, in_flight=n) for st, n in zip(placement.stages, priced.in_flight))
+    stages = tuple(dataclasses.replace(st, in_flight=n, recompute=outcome.problem.tables(st.recompute).recompute)
+                   for st, n in zip(placement.stages, priced.in_flight))
     return Solution(stages=stages, verifiers=placement.verifiers,
                     num_microbatches=placement.num_microbatches, schedule=outcome.problem.schedule,
                     predicted_step_ms=priced.step_ms,
@@ -349,18 +359,21 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
           policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0, workers: int = 2,
           microbatch_sizes: Sequence[int] | None = None, max_replicas: int | None = None,
           progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE,
-          stages: int | None = None, replicas: int | None = None) -> Solution:
+          stages: int | None = None, replicas: int | None = None, recompute_mode: str = "auto") -> Solution:
     """The best placement within ``time_limit_s`` with a proven bound (see the module docstring).
 
     ``microbatch_sizes``: candidates for the microbatch size (each must divide
     ``config.global_batch``); default: ``config.microbatch_size`` only. The
     returned solution's ``num_microbatches`` tells which one won. ``stages`` /
     ``replicas``: fix the pipeline's depth / every stage's replica count.
+    ``recompute_mode``: ``auto`` searches activation recomputation too where memory is tight
+    (``planner.solver.recompute``), ``never`` / ``always`` as named.
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                               microbatch_sizes=microbatch_sizes, max_replicas=max_replicas, progress=progress,
-                              gap_tolerance=gap_tolerance, stages=stages, replicas=replicas)
+                              gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
+                              recompute_mode=recompute_mode)
     if isinstance(result, InfeasiblePlanError):
         raise result
     return result
@@ -371,7 +384,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      workers: int = 2, microbatch_sizes: Sequence[int] | None = None,
                      max_replicas: int | None = None, progress: Progress | None = None,
                      gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
-                     replicas: int | None = None) -> Solution | InfeasiblePlanError:
+                     replicas: int | None = None, recompute_mode: str = "auto") -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
     warm_kernels()  # the first call on a machine compiles the DP kernels (seconds): not the solve's time
     warm_partition()
@@ -386,15 +399,19 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                                     f"{config.global_batch}", fix="pick sizes that divide the global batch")
     outcomes: list[_Outcome] = []
     first_error: InfeasiblePlanError | None = None
-    for i, mb in enumerate(sizes):
-        share = (time_limit_s - (time.perf_counter() - start)) / (len(sizes) - i)
-        problem, _, _ = problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)
+    jobs = [p for mb in sizes
+            for p in recompute.variants(problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)[0],
+                                        recompute_mode)]
+    for i, problem in enumerate(jobs):
+        share = (time_limit_s - (time.perf_counter() - start)) / (len(jobs) - i)
         try:
             outcomes.append(_solve_problem(problem, max(0.2, share), workers,
                                            f"M={problem.num_microbatches}", progress, gap_tolerance,
                                            (stages, replicas)))
         except InfeasiblePlanError as exc:
             first_error = first_error or exc
+            if recompute_mode == "auto" and not problem.recompute and not any(p.twin is problem for p in jobs):
+                jobs.append(recompute_problem(problem))  # it may fit with recomputation
             outcomes.append(_Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,
                                      method="precheck", cpsat_status="INFEASIBLE", solve_s=0.0,
                                      valid_bound_ms=math.inf))
@@ -410,7 +427,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
     M = best.problem.num_microbatches
     notes = (f"microbatches {M} (size {config.global_batch // M})",
              f"best plan from {best.method}",
-             *(f"M={o.problem.num_microbatches}: program {'%.3f ms' % o.program_ms if o.placement else 'no plan'}"
+             *(f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {'%.3f ms' % o.program_ms if o.placement else 'no plan'}"
                f", bound {o.valid_bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound "
                f"{o.bound_ms:.3f} ms, CP-SAT {o.cpsat_status}" for o in outcomes))
     return _to_solution(best, bound, notes, time.perf_counter() - start, "cpsat", status)

@@ -156,6 +156,7 @@ def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, sh
     ``in_flight`` microbatches' activations at most (default: the schedule's least)."""
     if in_flight is None:
         in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
+    problem = problem.tables(st.recompute)
     return (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
             + problem.range_act_bytes(st.first_block, st.last_block) * in_flight
             + problem.buffer_bytes(st.first_block, st.last_block))
@@ -181,7 +182,8 @@ def evaluate(problem: Problem, placement: Placement) -> Evaluation:
         worst = 0.0
         for dev, m in zip(st.devices, st.microbatches):
             cls = problem.class_of(dev)
-            per_mb = problem.range_time_ms(st.first_block, st.last_block, cls) + _send_ms(problem, placement, k, dev)
+            per_mb = (problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, cls)
+                      + _send_ms(problem, placement, k, dev))
             worst = max(worst, (m * per_mb + M * vload.get(dev, 0.0)) / M)
             mem[dev] = stage_memory_bytes(problem, st, S, m) + vstate.get(dev, 0)
         stage_ms.append(worst)

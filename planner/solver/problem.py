@@ -90,6 +90,13 @@ class Problem:
     times) and ``out_bytes_int`` (rounded up, for memory). Per class pair,
     ``links[a][b]`` joins two *distinct* devices of those classes.
     ``state_bytes_per_param`` = weights + gradients + optimizer state.
+
+    ``recompute``: every block's forward runs again in its backward (``torch.utils.checkpoint`` per
+    block), so ``time_ms``/``bwd_ms`` include a second forward, ``act_bytes`` hold only each block's
+    input, and a stage also holds one microbatch's full activations of the block recomputing: every
+    device class's ``mem_bytes`` keeps the largest block's aside (one rule every search applies).
+    ``twin``: the same problem with the other choice, so a plan can mix stages that recompute and
+    stages that do not (``tables``).
     """
 
     name: str
@@ -115,6 +122,8 @@ class Problem:
     optim_traffic_per_param: int = 0
     optim_kernels_per_tensor: int = 0
     param_tensors: np.ndarray | None = None
+    recompute: bool = False
+    twin: "Problem | None" = None
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
@@ -149,6 +158,15 @@ class Problem:
         object.__setattr__(self, "_act_prefix", np.concatenate([[0], np.cumsum(self.act_bytes)]))
         object.__setattr__(self, "_class_of", {d: c.index for c in self.classes for d in c.device_ids})
         object.__setattr__(self, "_transfers", {})
+
+    def tables(self, recompute: bool | None) -> "Problem":
+        """The problem whose cost tables price a stage with this recompute choice (None: this problem's)."""
+        if recompute is None or recompute == self.recompute:
+            return self
+        if self.twin is None:
+            raise InvalidInputError("stage recompute choice", expected=f"recompute={self.recompute} in this problem",
+                                    found=f"recompute={recompute}", fix="build the problem with its twin")
+        return self.twin
 
     # --- sizes and lookups ------------------------------------------------
     @property
@@ -361,3 +379,16 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         optim_traffic_per_param=optim.traffic_bytes_per_param(config),
         optim_kernels_per_tensor=OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1),
         param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64))
+
+
+def recompute_problem(base: Problem) -> Problem:
+    """``base`` with every block recomputed in its backward (see :class:`Problem`); its twin is ``base``."""
+    if base.recompute:
+        return base
+    bwd = base._bwd_prefix[1:] - base._bwd_prefix[:-1]
+    fwd = base.time_ms - bwd
+    inputs = np.concatenate([[base.input_bytes], base.out_bytes_int[:-1]]).astype(np.int64)
+    peak = int(base.act_bytes.max())  # the block recomputing holds its activations once
+    classes = tuple(dataclasses.replace(c, mem_bytes=max(0, c.mem_bytes - peak)) for c in base.classes)
+    return dataclasses.replace(base, time_ms=base.time_ms + fwd, bwd_ms=bwd + fwd, act_bytes=inputs,
+                               classes=classes, recompute=True, twin=base)

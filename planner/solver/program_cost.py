@@ -105,9 +105,10 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 verdict = problem.link(v.device, consumer).latency_ms
                 at = dst if direction == "act" else src
                 cls = problem.class_of(consumer)
-                own = problem.range_bwd_ms(at.first_block, at.last_block, cls)
+                tables = problem.tables(at.recompute)
+                own = tables.range_bwd_ms(at.first_block, at.last_block, cls)
                 if direction == "act":
-                    own = problem.range_time_ms(at.first_block, at.last_block, cls) - own
+                    own = tables.range_time_ms(at.first_block, at.last_block, cls) - own
                 arrival = comm.transfer_ms(nbytes, problem.link(sender, consumer)) if sender != consumer else 0.0
                 key = (k, direction)
                 out.wait[key] = max(out.wait.get(key, 0.0), copy + check + verdict - arrival - own)
@@ -116,6 +117,7 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
 
 def _memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> int:
     """The most microbatches' activations replica ``dev`` of ``st`` can hold beside its static memory."""
+    problem = problem.tables(st.recompute)
     act = problem.range_act_bytes(st.first_block, st.last_block)
     static = (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
               + problem.buffer_bytes(st.first_block, st.last_block) + vstate)
@@ -301,10 +303,10 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
-    fb = [[problem.range_time_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
-          for st in stages]
-    bw = [[problem.range_bwd_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices]
-          for st in stages]
+    fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
+           for d in st.devices] for st in stages]
+    bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
+           for d in st.devices] for st in stages]
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)

@@ -16,7 +16,8 @@ class StagePlacement:
     With several devices the stage is replicated: replica ``i`` runs
     ``microbatches[i]`` of the step's microbatches and the replicas all-reduce
     their gradients. ``in_flight[i]``: the most microbatches replica ``i`` may hold
-    in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``).
+    in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``). ``recompute``: whether its
+    blocks' forwards run again in the backward (None: as the problem it was planned in, ``Problem.recompute``).
     """
 
     index: int
@@ -25,6 +26,7 @@ class StagePlacement:
     devices: tuple[str, ...]
     microbatches: tuple[int, ...]
     in_flight: tuple[int, ...] = ()
+    recompute: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.last_block:

@@ -54,10 +54,11 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
               schedule: str = "1f1b", optimizer: str = "sgd",
               verifiers: Sequence[tuple[int, int, tuple[str, ...]]] = (),
               device_types: Sequence[str] | None = None, verifier_host: bool = False,
-              verifier_config=None, dtype: str = "float32") -> Plan:
+              verifier_config=None, dtype: str = "float32", recompute: Sequence[int] = ()) -> Plan:
     """A compiled plan. ``stages``: (first_block, last_block) per stage; ``replicas``: stage -> microbatch
     counts per replica; ``verifiers``: (boundary, device index, directions); devices are numbered in
-    stage/replica order, then the verifier host's CPU (``len(devices)``)."""
+    stage/replica order, then the verifier host's CPU (``len(devices)``); ``recompute``: the stages whose
+    blocks are checkpointed."""
     from planner.compile import compile_plan
 
     chain = chain_for(spec, batch=microbatch, seq=seq)
@@ -70,7 +71,8 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
         counts = replicas.get(k, (num_microbatches,))
         devs = tuple(ids[next_dev:next_dev + len(counts)])
         next_dev += len(counts)
-        placements.append(StagePlacement(index=k, first_block=lo, last_block=hi, devices=devs, microbatches=counts))
+        placements.append(StagePlacement(index=k, first_block=lo, last_block=hi, devices=devs, microbatches=counts,
+                                         recompute=k in recompute))
     vplace = tuple(VerifierPlacement(boundary=b, device=ids[d], directions=dirs) for b, d, dirs in verifiers)
     report = SolveReport(method="hand", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
     solution = Solution(stages=tuple(placements), verifiers=vplace, num_microbatches=num_microbatches,

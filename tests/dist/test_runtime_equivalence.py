@@ -2,8 +2,8 @@
 several optimizer steps (gloo on CPU, one process per rank, each with one thread).
 
 Parametrized economically: every preset, 2 and 4 ranks, uneven stages, GPipe and 1F1B, SGD and
-Adam, a replicated stage, a weight tied across stages and a learning-rate warm-up, without the full
-cross product.
+Adam, a replicated stage, a weight tied across stages, a learning-rate warm-up and stages that
+recompute their activations, without the full cross product.
 """
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ CASES = {
     "gpt-3ranks-replicated-adam": ("gpt-tiny", 16, 2, 4, [(0, 2), (3, 5)], {1: (2, 2)}, "1f1b", "adam", 3),
     # embedding tied to the LM head: the first and last stage sum that weight's gradients
     "tied-gpt-2ranks-1f1b-adam": ("tests.dist.plans:tied_gpt", 16, 2, 2, [(0, 1), (2, 3)], None, "1f1b", "adam", 2),
+    # activation recomputation: the checkpointed stages compute the same gradients
+    "llama-3ranks-recompute-adam": ("llama-tiny", 16, 1, 4, [(0, 1), (2, 3), (4, 5)], None, "1f1b", "adam", 2),
+    "gpt-3ranks-replicated-recompute-sgd": ("gpt-tiny", 16, 2, 4, [(0, 2), (3, 5)], {1: (2, 2)}, "1f1b", "sgd", 2),
 }
+RECOMPUTE = {"llama-3ranks-recompute-adam": (0, 1), "gpt-3ranks-replicated-recompute-sgd": (0, 1)}
 LR_WARMUP = {"mlp-2ranks-gpipe-adam": 2}  # steps of linear warm-up (`--lr-warmup`): rates 1/2, 1, 1
 
 
@@ -33,7 +37,8 @@ LR_WARMUP = {"mlp-2ranks-gpipe-adam": 2}  # steps of linear warm-up (`--lr-warmu
 def test_pipeline_matches_single_process_reference(case, tmp_path):
     spec, seq, mbs, m, stages, replicas, schedule, optimizer, steps = CASES[case]
     plan = make_plan(spec, microbatch=mbs, num_microbatches=m, seq=seq, stages=stages, replicas=replicas,
-                     schedule=schedule, optimizer=optimizer)
+                     schedule=schedule, optimizer=optimizer, recompute=RECOMPUTE.get(case, ()))
+    assert [st.recompute for st in plan.stages] == [k in RECOMPUTE.get(case, ()) for k in range(len(stages))]
     path = plan.save(tmp_path / "plan.json")
     warmup = LR_WARMUP.get(case, 0)
     factory = spec if ":" in spec else None  # the test names the factory it trusts, as a user would (--model)

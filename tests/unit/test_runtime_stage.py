@@ -146,7 +146,7 @@ def test_meta_export_and_partial_materialisation_match_the_full_model():
 
 def test_apply_plan_builds_the_ranks_stage_and_refuses_another_model():
     from models.mlp import MLP, MLPConfig
-    from planner.runtime.stage import apply_plan
+    from planner.runtime.apply import apply_plan
     from tests.dist.plans import make_plan
 
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])

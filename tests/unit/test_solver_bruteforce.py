@@ -59,9 +59,10 @@ def instance(seed: int, *, twists: bool = False):
     return chain, cluster, config, policy
 
 
-def _solve(chain, cluster, config, policy):
+def _solve(chain, cluster, config, policy, recompute_mode="never"):
+    """The enumeration covers plans without recomputation: so does the solve compared with it."""
     try:
-        return api.solve(chain, cluster, config, policy, time_limit_s=20, workers=1)
+        return api.solve(chain, cluster, config, policy, time_limit_s=20, workers=1, recompute_mode=recompute_mode)
     except InfeasiblePlanError:
         return None
 
@@ -80,6 +81,10 @@ def test_solver_matches_brute_force_and_checker(seed, twists):
         assert fluid_bottleneck_ms(problem) <= evaluate(problem, optimal).bottleneck_ms * (1 + 1e-9)
     if math.isinf(best):
         assert sol is None, "the solver found a plan the enumeration says cannot exist"
+        rescued = _solve(chain, cluster, config, policy, "auto")  # recomputation may fit where nothing else does
+        if rescued is not None:
+            assert any(st.recompute for st in rescued.stages)
+            assert check_solution(rescued, chain, cluster, config, policy).ok
         return
     assert sol is not None, f"no plan, but enumeration found {best:.3f} ms"
     found = api._search(problem, 20, 1, "test", None, api.GAP_TOLERANCE, [])  # the closed form's optimum
