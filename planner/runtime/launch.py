@@ -30,13 +30,17 @@ from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
-from planner.model_io import is_onnx_spec
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
 from planner.runtime.data import check_data
 from planner.runtime.membership import check_signature
-from planner.runtime.options import EVENT_PREFIX, RunOptions, check_model_allowed
+from planner.runtime.options import (
+    EVENT_PREFIX,
+    RunOptions,
+    check_model_allowed,
+    refuse_onnx_model,
+)
 from planner.runtime.worker import check_model
 from planner.secret import run_secret
 
@@ -64,16 +68,6 @@ def preflight(opts: RunOptions):
                                     found=f"the checkpoint of step {done} is already the last",
                                     fix=f"raise --steps above {done + 1}")
     return plan
-
-
-def refuse_onnx_model(spec: str) -> None:
-    """A plan made from an ONNX file cannot run here: the runtime splits and trains a torch model."""
-    if is_onnx_spec(spec):
-        raise InvalidInputError(f"the plan's model {spec!r} is an ONNX file",
-                                expected="a plan made from a preset or package.module:factory (the torch runtime "
-                                         "trains torch models)",
-                                fix=f"plan and run the model spec {spec} was exported from, or write the stage "
-                                    f"files with `stagewise export-onnx --plan PLAN -o DIR`")
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Sequence
 
 from planner.errors import InvalidInputError
+from planner.model_io import is_onnx_spec
 
 EVENT_PREFIX = "@stagewise "
 FAULT_KINDS = ("die", "hang", "raise")
@@ -195,9 +196,20 @@ def is_factory_spec(spec: str) -> bool:
     return ":" in spec and not spec.startswith("python:")
 
 
+def refuse_onnx_model(spec: str) -> None:
+    """A plan made from an ONNX file cannot run here: the runtime splits and trains a torch model."""
+    if is_onnx_spec(spec):
+        raise InvalidInputError(f"the plan's model {spec!r} is an ONNX file",
+                                expected="a plan made from a preset or package.module:factory (the torch runtime "
+                                         "trains torch models)",
+                                fix=f"plan and run the model spec {spec} was exported from, or write the stage "
+                                    f"files with `stagewise export-onnx --plan PLAN -o DIR`")
+
+
 def check_model_allowed(plan_spec: str, named: str | None) -> None:
     """Refuse a plan whose model is a factory the user did not name: the plan file is data, and
     ``stagewise run`` imports code only on the user's word, before anything of the plan runs."""
+    refuse_onnx_model(plan_spec)  # every path to a rank's model passes here (torchrun's too)
     if not is_factory_spec(plan_spec):
         return
     if named != plan_spec:

@@ -35,9 +35,9 @@ from planner.outputs import atomic_file, check_writable
 from planner.plan import Plan
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
-from planner.runtime.launch import launch, refuse_onnx_model
+from planner.runtime.launch import launch
 from planner.runtime.membership import check_signature
-from planner.runtime.options import RunOptions, check_model_allowed
+from planner.runtime.options import RunOptions, check_model_allowed, refuse_onnx_model
 from planner.secret import run_secret
 
 
