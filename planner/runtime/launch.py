@@ -33,12 +33,13 @@ from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
-from planner.runtime.data import check_data
+from planner.runtime.data import check_data, parse_data_spec
 from planner.runtime.membership import check_signature
 from planner.runtime.options import (
     EVENT_PREFIX,
     RunOptions,
     check_model_allowed,
+    is_factory_spec,
     refuse_onnx_model,
 )
 from planner.runtime.worker import check_model
@@ -150,7 +151,9 @@ def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, s
     cwd = os.getcwd()
     # Factories the user named (--model, --data, --loss MODULE:FN) may sit next to the caller: only then is
     # the current folder on the workers' path (python -P below keeps it off otherwise).
-    named = [s for s in (opts.model, opts.data, opts.loss) if s and ":" in s]
+    named = [s for s in (opts.model, opts.loss) if s and is_factory_spec(s)]
+    if opts.data and parse_data_spec(opts.data).kind == "factory":
+        named.append(opts.data)
     if named:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STAGEWISE_EVENTS": "1",

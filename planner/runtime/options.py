@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+from models.hf import is_hf_spec
 from planner.errors import InvalidInputError
 from planner.model_io import is_onnx_spec
 
@@ -192,8 +193,9 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
 
 
 def is_factory_spec(spec: str) -> bool:
-    """A ``package.module:factory`` spec (importing it runs the user's code), not a preset."""
-    return ":" in spec and not spec.startswith("python:")
+    """A ``package.module:factory`` spec (importing it runs the user's code), not a preset or an ``hf:``
+    config (built by ``transformers`` from data, no user code)."""
+    return ":" in spec and not spec.startswith("python:") and not is_hf_spec(spec)
 
 
 def refuse_onnx_model(spec: str) -> None:
