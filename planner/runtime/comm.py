@@ -166,8 +166,6 @@ class Groups:
     stage_ranks: tuple[int, ...] = ()
     verifiers: dist.ProcessGroup | None = None      # all verifier ranks, for exchanging flags
     verifier_ranks: tuple[int, ...] = ()
-    trainers: dist.ProcessGroup | None = None       # every stage rank, to agree on fp16 overflows
-    trainer_ranks: tuple[int, ...] = ()
     tied: list[tuple[dist.ProcessGroup, tuple[int, ...], tuple[str, ...]]] = field(default_factory=list)
 
 
@@ -208,7 +206,9 @@ def barrier(*, ranks: Sequence[int], doing: str) -> None:
         raise failure(exc, peer=None, doing=f"{doing} (ranks {list(ranks)})") from exc
 
 
-def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup, ranks: Sequence[int], doing: str) -> None:
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, ranks: Sequence[int],
+                   doing: str) -> None:
+    """Sum ``tensor`` over ``group`` (None: every rank)."""
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     except BACKEND_ERRORS as exc:

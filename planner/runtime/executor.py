@@ -118,7 +118,8 @@ class Executor:
         self.defer_verdicts = defer_verdicts
         self.num_mb = plan.num_microbatches
         self.precision = Precision.of(plan.config.dtype)
-        self.scaler = LossScaler() if self.precision.scaled and stage is not None else None
+        # Every rank tracks the fp16 loss scale: verifiers score gradients unscaled, whatever the scale.
+        self.scaler = LossScaler() if self.precision.scaled else None
         tied_names = {n for _, _, names in groups.tied for n in names}
         named = dict(stage.parameters()) if stage is not None else {}
         # Tied parameters are summed across their stages' ranks instead (one all-reduce covers replicas too).
@@ -171,6 +172,8 @@ class Executor:
                 self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
         self._settle_all()
         self._finish_sends()
+        if self.scaler is not None and self.stage is None:
+            self._overflowed()  # a verifier-only rank joins the step's overflow vote (stage ranks did in OPTIM)
         banned = self._end_verification(step)
         if self.attacks is not None:
             self.attacks.end_step()
@@ -252,8 +255,10 @@ class Executor:
         inputs = [t.detach().requires_grad_(spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
         t0, c0 = time.perf_counter(), time.thread_time()
+        # Received in the compute dtype, fed in the traced one (the graph may assert it), differentiably.
+        args = [t.to(spec.dtype) if t.is_floating_point() else t for t, spec in zip(inputs, stage.inputs)]
         with torch.enable_grad(), self.precision.autocast(self.device):
-            outputs = tuple(stage.module(*inputs))
+            outputs = tuple(stage.module(*args))
             if not stage.is_last:
                 outputs = self.precision.to_wire(outputs)
             else:
@@ -479,6 +484,8 @@ class Executor:
             tensors = self._take((d, mb))
             tainted_in = self.taint_in.get((d, mb), False)
             sender = self.plan.owner(sender_stage, mb)
+        if d == "B" and self.scaler is not None:  # fp16 gradients carry the loss scale: score them without it
+            tensors = [t.float() / self.scaler.scale for t in tensors]
         with self._timed("verify"):
             flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
                                                  tainted=tainted_in)
@@ -609,11 +616,12 @@ class Executor:
                 self.optimizer.zero_grad(set_to_none=True)
 
     def _overflowed(self) -> bool:
-        """Unscale this rank's gradients and agree with every stage rank whether any overflowed (fp16)."""
+        """Unscale this rank's gradients and agree with every rank whether any overflowed (fp16): one vote
+        per step on every rank, so all of them move the scale alike."""
         assert self.scaler is not None
         flag = torch.tensor([float(self.scaler.unscale(self.params))], device=self.device)
-        if self.groups.trainers is not None:
-            comm.all_reduce_sum(flag, group=self.groups.trainers, ranks=self.groups.trainer_ranks,
+        if self.plan.num_ranks > 1:
+            comm.all_reduce_sum(flag, group=None, ranks=range(self.plan.num_ranks),
                                 doing="agreeing whether any gradient overflowed")
         overflow = bool(flag.item() > 0)
         self.scaler.update(overflow)

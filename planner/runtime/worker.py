@@ -170,9 +170,7 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
             ranks = tuple(sorted(r for k in stages for r in plan.stage_ranks(k)))
             tied.setdefault(ranks, []).append(name)
     tied_sets = sorted(tied)
-    # fp16 steps are skipped on every rank when any overflowed: the stage ranks agree in one group.
-    trainers = tuple(sorted(r for ranks in stage_sets for r in ranks)) if plan.config.dtype == "float16" else ()
-    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets, trainers], timeout_s=timeout_s)
+    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets], timeout_s=timeout_s)
     info = plan.ranks[rank]
     groups = Groups()
     if info.stage is not None:
@@ -181,8 +179,6 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
     for ranks, group in zip(tied_sets, made[len(stage_sets) + 1:]):
         if group is not None:
             groups.tied.append((group, ranks, tuple(tied[ranks])))
-    if info.stage is not None:
-        groups.trainers, groups.trainer_ranks = made[-1], trainers
     return groups
 
 

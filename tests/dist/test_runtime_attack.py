@@ -21,7 +21,7 @@ M, ATTACK_START, STEPS = 4, 2, 5
 def test_corrupting_rank_is_caught_dropped_and_banned(tmp_path):
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=M, stages=[(0, 1), (2, 3), (4, 5)],
                      verifiers=[(0, 3, ("act", "grad")), (1, 3, ("act", "grad"))], verifier_host=True,
-                     verifier_config=VerifierConfig(warmup=2))
+                     verifier_config=VerifierConfig(warmup=2, ban_false_steps=100))  # ban after 2 blamed steps
     assert plan.ranks[3].stage is None and plan.ranks[3].verifies == (0, 1)
     path = plan.save(tmp_path / "plan.json")
     attack = f"rank=1,kind=scale,factor=inf,start={ATTACK_START},dir=act"

@@ -24,6 +24,19 @@ CASES = {
 }
 
 
+def test_fp16_with_a_verifier_rank_runs_and_scores_unscaled_gradients(tmp_path):
+    """A verifier-only rank joins every step's overflow vote (else the stage ranks would wait on it) and
+    scores gradients without the loss scale; the run still equals the mixed-precision reference."""
+    plan = make_plan("gpt-tiny", microbatch=2, num_microbatches=2, seq=16, stages=[(0, 2), (3, 5)],
+                     optimizer="sgd", dtype="float16", verifiers=[(0, 2, ("act", "grad"))], verifier_host=True)
+    assert plan.num_ranks == 3 and plan.ranks[2].stage is None
+    path = plan.save(tmp_path / "plan.json")
+    result = launch(RunOptions(plan=str(path), steps=3, timeout_s=60))
+    losses, _, _ = reference_run(plan, steps=3)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=2e-2, atol=1e-3)
+    assert result["flags"] == 0
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
