@@ -405,16 +405,15 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
     for i, problem in enumerate(jobs):
         share = (time_limit_s - (time.perf_counter() - start)) / (len(jobs) - i)
         try:
-            outcomes.append(_solve_problem(problem, max(0.2, share), workers,
-                                           f"M={problem.num_microbatches}", progress, gap_tolerance,
-                                           (stages, replicas)))
+            outcome = _solve_problem(problem, max(0.2, share), workers, f"M={problem.num_microbatches}", progress,
+                                     gap_tolerance, (stages, replicas))
         except InfeasiblePlanError as exc:
             first_error = first_error or exc
-            if recompute_mode == "auto" and not problem.recompute and not any(p.twin is problem for p in jobs):
-                jobs.append(recompute_problem(problem))  # it may fit with recomputation
-            outcomes.append(_Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,
-                                     method="precheck", cpsat_status="INFEASIBLE", solve_s=0.0,
-                                     valid_bound_ms=math.inf))
+            outcome = _Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,
+                               method="precheck", cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf)
+        outcomes.append(outcome)
+        if outcome.placement is None and recompute_mode == "auto" and not problem.recompute:
+            jobs.append(recompute_problem(problem))  # nothing fits without recomputation: it may with it
     found = [o for o in outcomes if o.placement is not None]
     if not found:
         if first_error is not None:

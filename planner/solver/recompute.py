@@ -1,11 +1,13 @@
 """Activation recomputation as the solver decides it: per stage, where memory binds.
 
 A stage that recomputes keeps only each block's input per microbatch in flight and runs every block's
-forward again in its backward (``torch.utils.checkpoint`` per block at run time). The search runs on a
-problem whose every stage recomputes (``recompute_problem``) when memory is tight; its plan then stops
-recomputing on every stage whose devices hold the activations anyway (``mix``), so only the stages where
-memory binds pay the second forward. Bounds of that search use times without recomputation and the
-memory with it (``bound_problem``): they hold for every mix.
+forward again in its backward (``torch.utils.checkpoint`` per block at run time). Under ``auto`` the
+search runs on a problem whose every stage recomputes (``recompute_problem``) when no plan fits without
+(``planner.solver.api``); its plan then stops recomputing on every stage whose devices hold the
+activations anyway (``mix``), so only the stages where memory binds pay the second forward. Bounds of
+that search use times without recomputation and the memory with it (``bound_problem``): they hold for
+every mix. (Both problems searched within one budget would halve each search, and recomputation costs
+a second forward: it is searched only where nothing fits without it, and kept only where it must be.)
 """
 from __future__ import annotations
 
@@ -16,29 +18,15 @@ from planner.solver.objective import Placement, price_program, violations
 from planner.solver.problem import Problem, recompute_problem
 
 RECOMPUTE_MODES: tuple[str, ...] = ("auto", "never", "always")
-# Under ``auto``, recomputation is searched too when the model's weights, optimizer state and two
-# microbatches' activations take this share of the memory of the devices that can run stages.
-PRESSURE = 0.5
 
 
 def variants(problem: Problem, mode: str) -> list[Problem]:
-    """The problems to search for one microbatch size under ``mode``."""
+    """The problems to search first for one microbatch size under ``mode`` (``auto`` adds the recomputing
+    one when this finds no plan)."""
     if mode not in RECOMPUTE_MODES:
         raise InvalidInputError(f"recompute mode {mode!r}", expected=" or ".join(RECOMPUTE_MODES),
                                 fix="pass --recompute auto (the default), never or always")
-    if mode == "never":
-        return [problem]
-    if mode == "always":
-        return [recompute_problem(problem)]
-    return [problem, recompute_problem(problem)] if memory_pressure(problem) >= PRESSURE else [problem]
-
-
-def memory_pressure(problem: Problem) -> float:
-    """The model's static memory plus two microbatches' activations over the stage devices' memory."""
-    L = problem.num_blocks
-    need = problem.range_params(0, L - 1) * problem.state_bytes_per_param + 2 * problem.range_act_bytes(0, L - 1)
-    have = sum(c.mem_bytes * c.count for c in problem.classes if c.stage_capable)
-    return need / have if have > 0 else float("inf")
+    return [recompute_problem(problem)] if mode == "always" else [problem]
 
 
 def bound_problem(problem: Problem) -> Problem:

@@ -79,10 +79,11 @@ def test_auto_recomputes_only_the_stages_whose_memory_binds():
     assert plan.report.bound_ms <= plan.report.objective_ms
 
 
-def test_auto_does_not_search_recomputation_when_memory_is_loose():
+def test_auto_searches_without_recomputation_first():
     loose = random_chain(np.random.default_rng(0), 8, param_scale=1e6, act_scale=1e6, out_scale=1e5, uniform=True)
     base = build_problem(loose, _four_t4s(), CONFIG, VerificationPolicy())
     assert [p.recompute for p in variants(base, "auto")] == [False]
+    assert [p.recompute for p in variants(base, "never")] == [False]
     assert [p.recompute for p in variants(base, "always")] == [True]
     with pytest.raises(InvalidInputError, match="recompute mode"):
         variants(base, "sometimes")
