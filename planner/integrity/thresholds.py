@@ -20,16 +20,16 @@ class IQRFence:
     """Rolling window of honest scores and the fence derived from it.
 
     ``fence = max(Q3 + k * IQR, floor, ratio * median)``. ``min_samples``
-    scores are needed before the fence exists (``ready``); until then nothing
-    exceeds it. The ``ratio`` term keeps a fence learnt in a calm stretch of
+    scores are needed before the fence exists (``ready``); until then the
+    ``fallback`` fence stands in (if given and ready), else nothing exceeds it. The ``ratio`` term keeps a fence learnt in a calm stretch of
     training from flagging the next, livelier one: honest score levels move by
     tens of percent as training goes on, corruptions move them by multiples.
     """
 
-    __slots__ = ("_fence", "_scores", "_sorted", "floor", "k", "min_samples", "ratio", "window")
+    __slots__ = ("_fence", "_scores", "_sorted", "fallback", "floor", "k", "min_samples", "ratio", "window")
 
     def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0,
-                 ratio: float = 0.0) -> None:
+                 ratio: float = 0.0, fallback: IQRFence | None = None) -> None:
         if window < 4:
             raise InvalidInputError("verifier window", expected=">= 4 scores", found=str(window),
                                     fix="use a window of 64-128 scores")
@@ -47,6 +47,7 @@ class IQRFence:
         self.k = float(k)
         self.min_samples = min_samples
         self.floor = float(floor)
+        self.fallback = fallback
         self._scores: deque[float] = deque()
         self._sorted: list[float] = []      # the same scores, kept sorted for the quartiles
         self._fence: float | None = None    # cached until the window changes
@@ -84,9 +85,10 @@ class IQRFence:
         return self.quantile(0.25), self.quantile(0.75)
 
     def fence(self) -> float | None:
-        """``max(Q3 + k * IQR, floor, ratio * median)``, or None before ``min_samples`` scores."""
+        """``max(Q3 + k * IQR, floor, ratio * median)``; before ``min_samples`` scores, the
+        fallback's fence (None without one)."""
         if not self.ready:
-            return None
+            return None if self.fallback is None else self.fallback.fence()
         if self._fence is None:
             q1, q3 = self.quartiles()
             self._fence = max(q3 + self.k * (q3 - q1), self.floor, self.ratio * self.quantile(0.5))

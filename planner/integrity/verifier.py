@@ -25,6 +25,7 @@ whether the sender corrupted it:
    input's. Within a step every sample is scored against the reference of the
    step's start; the samples that pass are folded in when the step closes, after each
    sender's step *as a whole* passed the same tests with its own fences (the
+   per-sample ones until those have ``min_samples`` steps; the
    average of four microbatches is half as noisy: that is what catches subtle
    attacks). Flagged and tainted samples never update the averages, the
    windows, the history or the predictors.
@@ -182,16 +183,23 @@ class Monitor:
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
         self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances if name not in STEP_ONLY}
-        self.step_fences = {name: self._fence(name, cfg.step_floors)
+        # A step's fence learns one score per step: it is ready ``min_samples`` steps after the
+        # warm-up, its per-sample twin four times sooner. Until then the twin judges the step's
+        # average (a looser fence than the step's own will be: an average is less noisy than
+        # any of its samples). Without it, every sample held for its step's average (one test
+        # a little over its fence) was folded in unjudged: a stale worker's outputs (the delay
+        # attack, link share 1.0-1.5 against a fence of 0.6, just under GROSS) taught the link
+        # fence and the surrogate their own scores within two steps and were never flagged again.
+        self.step_fences = {name: self._fence(name, cfg.step_floors, self.fences.get(name))
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
         self.flagged = 0
         self.tainted = 0
         self.step_flags = 0
 
-    def _fence(self, name: str, floors: Mapping[str, float]) -> IQRFence:
+    def _fence(self, name: str, floors: Mapping[str, float], fallback: IQRFence | None = None) -> IQRFence:
         return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
-                        floor=floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0))
+                        floor=floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0), fallback=fallback)
 
     def _seed(self, salt: int) -> int:
         # Distinct, fixed projections per monitor: the same on every rank and run.

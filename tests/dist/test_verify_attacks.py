@@ -56,7 +56,7 @@ FAST = ("grad-sign-flip", "delay")
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in ATTACKS])
 def test_attacker_is_banned_within_10_steps_and_alone(plan_path, name):
-    result = run(plan_path, START + 5, ATTACKS[name])
+    result = run(plan_path, START + 10, ATTACKS[name])
     assert result["banned"] == [ATTACKER], json.dumps(result["banned"])
     events = verifier_events(result)
     ban = next(e for e in events if e["type"] == "ban")

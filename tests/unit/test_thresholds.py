@@ -20,6 +20,18 @@ def test_no_fence_before_min_samples() -> None:
     assert fence.ready and fence.fence() is not None
 
 
+def test_a_fallback_fence_stands_in_until_the_window_fills() -> None:
+    twin = IQRFence(window=16, k=3.0, min_samples=2, floor=0.5)
+    fence = IQRFence(window=16, k=3.0, min_samples=4, fallback=twin)
+    assert fence.fence() is None and not fence.exceeds(1e9)   # neither is ready
+    twin.update(0.1)
+    twin.update(0.1)
+    assert fence.fence() == 0.5 and fence.exceeds(0.6) and not fence.exceeds(0.4)
+    for score in (1.0, 2.0, 3.0, 4.0):
+        fence.update(score)
+    assert fence.fence() == pytest.approx(3.25 + 3.0 * 1.5)    # its own window, once it has one
+
+
 def test_fence_is_q3_plus_k_iqr_by_hand() -> None:
     fence = IQRFence(window=8, k=3.0, min_samples=1)
     for score in range(1, 9):                  # 1..8: Q1 = 2.75, Q3 = 6.25 (linear interpolation)

@@ -424,11 +424,50 @@ def test_one_test_a_little_over_its_fence_holds_a_sample_instead_of_dropping_it(
     assert mon.exceeded({"link": GROSS * link}, 20) == ("link",)
     assert mon.exceeded({"link": 1.5 * link, "residual": 1.1 * residual}, 20) == ("link", "residual")
     assert mon.exceeded({"replay": 1.01 * mon.fences["replay"].fence()}, 20) == ("replay",)
-    # The step's average is judged on its own fences, one test enough.
+    # The step's average is judged on its own fences, one test enough; before they have their
+    # ``min_samples`` steps, on the per-sample ones.
+    assert mon.exceeded({"link": 1.5 * link}, 20, per_sample=False) == ("link",)
+    assert mon.exceeded({"link": 0.9 * link}, 20, per_sample=False) == ()
     for value in (0.05, 0.06, 0.07, 0.08) * 4:
         for name in mon.step_fences:
             mon.step_fences[name].update(value)
     assert mon.exceeded({"link": 1.5 * mon.step_fences["link"].fence()}, 20, per_sample=False) == ("link",)
+
+
+def run_noisy_stage(steps: int, attacker: Attacker | None) -> tuple[Verifier, dict[int, list[dict]]]:
+    """A stage whose output the linear surrogate explains only roughly (link share ~0.17, like
+    gpt-tiny's ~0.1-0.17): its link fence stands at ``ratio`` times that, and the output of
+    another batch scores between the fence and ``GROSS`` times it: held, not dropped."""
+    gen = torch.Generator().manual_seed(5)
+    mix = torch.randn(16, 16, generator=gen) / 4
+    v = Verifier({"warmup": 5, "distances": ["link"]}, [(0, "act"), (1, "act")])
+    flags = {}
+    for step in range(steps):
+        for mb in range(MBS):
+            x = torch.randn(64, 16, generator=gen)
+            y = x + torch.tanh(x @ mix) + 0.5 * torch.randn(64, 16, generator=gen)
+            if attacker is not None:
+                y = attacker.apply(y, direction="act", step=step, mb=mb)
+            v.check(0, "act", x, step=step, mb=mb, sender=0)
+            v.check(1, "act", y, step=step, mb=mb, sender=1)
+        flags[step] = v.flag_events(step)
+        v.end_step(step, [flags[step]])
+    return v, flags
+
+
+def test_held_samples_are_judged_before_the_step_fences_fill() -> None:
+    """A step's own fences learn one score per step (ready ``min_samples`` steps after the
+    warm-up); until then the per-sample fences judge its average. Before, every held sample was
+    folded in unjudged: a stale worker starting right after the warm-up (gpt-tiny, link share
+    1.0-1.5 against a fence of 0.6) taught the link fence and the surrogate its own outputs
+    within two steps (fence 0.6 -> 4.4) and was never flagged again."""
+    v, flags = run_noisy_stage(16, None)
+    assert not any(flags.values()) and v.banned == set()
+    v, flags = run_noisy_stage(16, Attacker(parse_attack("rank=1,start=6,kind=delay,steps=2"), seed=0))
+    assert not v.monitor(1, "act").step_fences["link"].ready      # judged on the per-sample fence
+    assert all(any(e["reasons"] == ["link"] and e["sender"] == 1 for e in flags[s]) for s in range(6, 16))
+    assert v.banned == {1} and next(e for e in v.events if e["type"] == "ban")["step"] == 10
+    assert v.monitor(1, "act").fences["link"].fence() < 1.0       # it learnt no stale output
 
 
 def test_drift_catches_a_sender_that_keeps_every_sample_inside_its_fence() -> None:
