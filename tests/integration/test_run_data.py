@@ -16,6 +16,7 @@ from safetensors.torch import load_model
 import planner.runtime.data as data
 from models.registry import build_model
 from tests.dist.plans import make_plan, reference_run
+from tests.integration.test_cli_run import _one_line_error
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 STEPS = 2
@@ -24,14 +25,6 @@ STEPS = 2
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "planner", "run", *args], capture_output=True, text=True,
                           env=ENV, timeout=300)
-
-
-def _one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("stagewise run: error: "), proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
