@@ -396,6 +396,36 @@ def _own_rotary_tables(model: nn.Module) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------- tokenizer
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_folder(spec: str) -> Path | None:
+    """The model folder of an ``hf:`` spec when it holds a tokenizer (read offline), else None."""
+    if not is_hf_spec(spec):
+        return None
+    hs = parse_hf_spec(spec)
+    if not hs.is_path:
+        return None
+    folder = Path(hs.source)
+    folder = folder if folder.is_dir() else folder.parent
+    return folder if any((folder / name).is_file() for name in _TOKENIZER_FILES) else None
+
+
+def tokenize(folder: Path, text: str) -> list[int]:
+    """``text`` as the token ids of the tokenizer saved in ``folder`` (offline, no remote code)."""
+    library = transformers()
+    try:
+        with quiet():
+            tok = library.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInputError(f"the tokenizer in {str(folder)!r}", expected="a tokenizer transformers can load "
+                                "offline", found=_first_line(exc),
+                                fix="save one with tokenizer.save_pretrained(folder), or pass --data tokens:FILE.npy")
+
+
 # ---------------------------------------------------------------------------- the library
 
 def transformers() -> Any:

@@ -12,9 +12,9 @@ Sources:
   least 256 tokens;
 * ``synthetic``: ``models.data.synthetic_batch`` (a learnable teacher rule)
   for everything else;
-* ``text:FILE``: the bytes of the user's text file, for language models with a
-  vocabulary of at least 256 (byte-level, as the presets are; a model's own
-  tokenizer is not used yet);
+* ``text:FILE``: the user's text file encoded by the model's own tokenizer when
+  its ``hf:`` model folder holds one (read offline), else its bytes, for
+  language models with a vocabulary of at least 256 (byte-level, as the presets are);
 * ``tokens:FILE``: the user's token ids, a flat ``.npy`` array or a nanoGPT-style
   ``.bin`` (raw uint16), every id checked against the model's vocabulary;
 * ``package.module:factory``: the hook for the Python API. ``factory(bundle,
@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
+from models import hf
 from models.data import (
     ByteTextDataset,
     TokenWindows,
@@ -199,6 +202,16 @@ def _file_windows(bundle: "ModelBundle", spec: DataSpec, seq_len: int) -> TokenW
         raise InvalidInputError(f"--data {name} for {bundle.name}", expected="a language model taking token ids "
                                 "[batch, seq]", found=f"{bundle.family} with {len(bundle.example_inputs)} input(s)",
                                 fix="use --data synthetic or a package.module:factory")
+    folder = hf.tokenizer_folder(bundle.spec)
+    if spec.kind == "text-file" and folder is not None:  # the model's own tokenizer, saved beside its config
+        load_text_bytes(spec.target)  # the file's checks (exists, not empty, a file)
+        text = Path(spec.target).read_text(encoding="utf-8", errors="replace")
+        ids = np.asarray(hf.tokenize(folder, text), dtype=np.int64)
+        if ids.size and int(ids.max()) >= vocab:
+            raise InvalidInputError(f"--data {name} tokenised by {str(folder)!r}", expected=f"token ids below the "
+                                    f"model's vocabulary {vocab}", found=f"up to {int(ids.max())}",
+                                    fix="save the tokenizer that belongs to this config in the model folder")
+        return TokenWindows(ids, seq_len, name=name)
     if spec.kind == "text-file":
         if vocab < 256:  # byte-level: every byte value must be a token
             raise InvalidInputError(f"--data {name} for {bundle.name}", expected="a vocabulary of at least 256 "
