@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "run here (every rank on this machine, padded like --emulate-speed pads it)")
     p.add_argument("--save-weights", metavar="PATH", help="after the last step, write the trained weights as "
                    "one safetensors state dict in the model's own layout (names of the unsplit model, a tied "
-                   "weight once; load with safetensors.torch.load_model)")
+                   "weight once; load with safetensors.torch.load_model); for an hf: model, a save_pretrained "
+                   "folder (from_pretrained loads it)")
     p.set_defaults(handler=run)
 
 

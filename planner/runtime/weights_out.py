@@ -13,8 +13,10 @@ loads it strictly (an untied model: ``load_state_dict(load_file(PATH))`` too).
 Nothing crosses between processes but safetensors files; the output is written
 atomically, and everything that can be checked is checked before a rank starts.
 
-Hugging Face models (``hf:`` specs) get the same single file for now; a
-``save_pretrained`` folder (config and tokenizer beside the weights) is future work.
+A Hugging Face model (an ``hf:`` spec) gets a ``save_pretrained`` folder instead:
+``config.json`` and ``model.safetensors`` under the library's own names, which
+``AutoModelFor...from_pretrained(PATH)`` loads (its tied head from the embedding).
+The folder is written beside the target and renamed into place.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save as save_tensors
 
+from models.hf import is_hf_spec
 from models.registry import build_model
 from planner.errors import InvalidInputError, RankFailureError
 from planner.outputs import atomic_file, check_writable
@@ -82,8 +85,8 @@ def model_layout(plan: Plan, *, seed: int = 0) -> WeightLayout:
 
 def prepare(opts: RunOptions, path: str | os.PathLike) -> tuple[Path, WeightLayout]:
     """Before any rank starts: the output writable, the plan as signed, the model allowed and savable."""
-    target = check_writable(path, what="--save-weights")
     plan = load_plan(opts.plan)
+    target = _check_folder(path) if is_hf_spec(plan.model.spec) else check_writable(path, what="--save-weights")
     refuse_onnx_model(plan.model.spec)  # the launcher's own first refusal, before this builds the model
     check_signature(opts.plan, run_secret(opts.secret_file))  # before anything of the plan is built
     check_model_allowed(plan.model.spec, opts.model)
@@ -122,6 +125,35 @@ def write_weights(path: str | os.PathLike, state: dict[str, torch.Tensor], *, la
     return Path(path)
 
 
+def _check_folder(path: str | os.PathLike) -> Path:
+    """A save_pretrained folder's target: new or empty, in a writable place."""
+    target = Path(path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InvalidInputError(f"--save-weights {os.fspath(path)!r} for a Hugging Face model",
+                                expected="a new or empty folder (a save_pretrained folder is written there)",
+                                found="a file" if not target.is_dir() else "a folder with files in it",
+                                fix="name a new folder")
+    check_writable(target / "config.json", what="--save-weights")
+    return target
+
+
+def write_pretrained(path: str | os.PathLike, state: dict[str, torch.Tensor], *, plan: Plan) -> Path:
+    """An ``hf:`` model's weights as a ``save_pretrained`` folder (the model built on meta: no copy)."""
+    target = Path(path)
+    model = build_model(plan.model.spec, batch=plan.model.batch, seq=plan.model.seq, device="meta").module
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging, state_dict=dict(state))  # the library empties the dict it is given
+        if target.exists():
+            target.rmdir()  # empty, as prepare checked
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
 def launch_saving_weights(opts: RunOptions, path: str | os.PathLike, *,
                           on_event: Callable[[dict[str, Any]], None] | None = None,
                           log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -140,7 +172,11 @@ def launch_saving_weights(opts: RunOptions, path: str | os.PathLike, *,
                                    expected="a complete checkpoint", found="none",
                                    fix="check that every rank finished the run")
         state = consolidate(opts.checkpoint_dir, step=last, layout=layout)
-        write_weights(target, state, layout=layout, plan=load_plan(opts.plan), step=last)
+        plan = load_plan(opts.plan)
+        if is_hf_spec(plan.model.spec):
+            write_pretrained(target, state, plan=plan)
+        else:
+            write_weights(target, state, layout=layout, plan=plan, step=last)
     finally:
         if hidden is not None:
             shutil.rmtree(hidden, ignore_errors=True)

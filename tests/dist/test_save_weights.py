@@ -89,3 +89,21 @@ def test_what_cannot_be_saved_is_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(InvalidInputError, match=r"buffers \['scale'\]"):
         launch_saving_weights(RunOptions(plan=str(path), steps=1, model=spec), tmp_path / "w.safetensors")
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_an_hf_models_weights_come_out_as_a_save_pretrained_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    # no dropout: the reference draws other random numbers than the ranks do
+    spec = "hf:gpt2?n_layer=2,n_embd=32,n_head=2,vocab_size=256,n_positions=32,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
+    plan = make_plan(spec, microbatch=2, num_microbatches=2, seq=16, stages=[(0, 2), (3, 5)], optimizer="adam")
+    path = plan.save(tmp_path / "plan.json")
+    (tmp_path / "not-empty").mkdir()
+    (tmp_path / "not-empty" / "x").write_text("x")
+    with pytest.raises(InvalidInputError, match="a new or empty folder"):
+        launch_saving_weights(RunOptions(plan=str(path), steps=2, timeout_s=60), tmp_path / "not-empty")
+    out = tmp_path / "trained"
+    launch_saving_weights(RunOptions(plan=str(path), steps=2, timeout_s=60), out)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    _, _, params = reference_run(plan, steps=2)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # the stock class
+    _assert_equals_reference(loaded, params)
