@@ -17,11 +17,18 @@ from planner.errors import PlannerError
 COMMANDS = (trace, profile, plan, show, simulate, run, export_onnx)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line too (argparse would print the whole usage before it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="stagewise",
         description="Plan, simulate and run pipeline training on heterogeneous, partly untrusted devices.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
     for command in COMMANDS:
         command.register(sub)
     return parser

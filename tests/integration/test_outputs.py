@@ -63,3 +63,13 @@ def test_a_plan_with_a_non_finite_figure_is_refused(tmp_path):
     path.write_text(text)
     with pytest.raises(InvalidInputError, match="non-finite number NaN"):
         load_plan(path)
+
+
+@pytest.mark.parametrize("args", [("plan", "gpt-tiny", "--dtype", "fp8"), ("plan", "gpt-tiny", "--recompute", "maybe"),
+                                  ("run",), ()])
+def test_a_usage_error_is_one_line(args):
+    """argparse would print the whole usage first: a usage error is one line and exit 2 like any other."""
+    proc = subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0] and "--help" in lines[0], proc.stderr
