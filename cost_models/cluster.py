@@ -19,6 +19,7 @@ lives in ``cost_models.cluster_file``; this module holds the value types.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -228,6 +229,15 @@ class ClusterSpec:
             return hit
         hit = self._region_links.get(frozenset((a.region, b.region)))
         return hit if hit is not None else self.default
+
+    def without_hosts(self, names: set[str]) -> "ClusterSpec":
+        """This cluster less the hosts ``names`` (lost or excluded machines) and the links only they used."""
+        hosts = tuple(h for h in self.hosts if h.name not in names)
+        regions = {h.region for h in hosts}
+        return dataclasses.replace(
+            self, hosts=hosts,
+            regions=tuple(r for r in self.regions if set(r.between) <= regions),
+            host_links=tuple(h for h in self.host_links if not set(h.between) & names))
 
     # --- (de)serialisation ----------------------------------------------
     def to_dict(self) -> dict[str, Any]:

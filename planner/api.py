@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec
-from cost_models.cluster_file import load_cluster
+from cost_models.cluster_file import load_cluster, parse_cluster
 from cost_models.memory import trace_dtype
 from cost_models.precision import resolve_dtype
 from cost_models.training import TrainingConfig
@@ -143,3 +143,37 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
                       policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
                       dtype=dtype, workers=workers, gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
                       recompute=recompute)
+
+
+def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Sequence[str] = (), reason: str,
+           time_limit_s: float = 30.0, workers: int = 2, progress: Any = None) -> Any:
+    """A fresh plan for ``plan``'s model and training on its cluster less some machines: hosts that were
+    lost, or whole trust domains (a banned worker's, when the policy excludes its domain).
+
+    The solve is a fresh one with the full time limit (the same standard as the first plan); the new
+    plan keeps the model, batch, optimizer, precision, policy and verifier settings, and its report's
+    first note says what changed and why. Its checkpoints are the old plan's (they are keyed by
+    parameter name, so ``stagewise run NEW --resume`` re-shards them onto the new stages).
+    """
+    cluster = parse_cluster(plan.cluster)
+    names = {h.name for h in cluster.hosts}
+    domains = {h.trust for h in cluster.hosts}
+    for what, asked, known in (("host", exclude_hosts, names), ("trust domain", exclude_domains, domains)):
+        unknown = sorted(set(asked) - known)
+        if unknown:
+            raise InvalidInputError(f"exclude {what} {unknown[0]!r}", expected=f"one of {', '.join(sorted(known))}",
+                                    fix="name a host (or trust domain) of the plan's cluster")
+    gone = {h.name for h in cluster.hosts if h.name in exclude_hosts or h.trust in exclude_domains}
+    if not gone:
+        raise InvalidInputError("replan", expected="at least one host or trust domain to exclude", found="none",
+                                fix="pass --exclude HOST or --exclude-domain TRUST")
+    if gone == names:
+        raise InfeasiblePlanError("every host of the cluster is excluded", fix="exclude fewer hosts")
+    new = plan_chain(plan.chain(), cluster.without_hosts(gone), spec=plan.model.spec, seq=plan.model.seq,
+                     schedule=plan.config.schedule, global_batch=plan.config.global_batch, policy=plan.policy,
+                     time_limit_s=time_limit_s, optimizer=plan.config.optimizer, dtype=plan.config.dtype,
+                     workers=workers, progress=progress)
+    note = (f"replanned without {', '.join(sorted(gone))}: {reason} (the previous plan: {plan.num_ranks} ranks, "
+            f"simulated step {plan.predicted.step_ms:.3f} ms)")
+    report = dataclasses.replace(new.report, notes=(note, *new.report.notes))
+    return dataclasses.replace(new, report=report, verifier_config=plan.verifier_config)

@@ -10,11 +10,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from planner.commands import export_onnx, plan, profile, run, show, simulate, trace
+from planner.commands import (
+    export_onnx,
+    plan,
+    profile,
+    replan,
+    run,
+    show,
+    simulate,
+    trace,
+)
 from planner.errors import PlannerError
 
 # Order is the order shown in --help.
-COMMANDS = (trace, profile, plan, show, simulate, run, export_onnx)
+COMMANDS = (trace, profile, plan, show, simulate, run, replan, export_onnx)
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -106,8 +106,12 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
         _drain(events, on_event)
         failures = [r for r in ranks if r.proc.returncode != 0]
         if failures:
+            hints = [f"see the rank logs in {run_dir}" if log_dir else "",
+                     f"to go on without the failed rank's host: stagewise replan {opts.plan} --exclude HOST -o "
+                     f"NEW.json, then stagewise run NEW.json --resume --checkpoint-dir {opts.checkpoint_dir}"
+                     if opts.checkpoint_dir else ""]
             error = RankFailureError(diagnose(ranks, run_dir, opts.timeout_s),
-                                     fix=f"see the rank logs in {run_dir}" if log_dir else None)
+                                     fix="; ".join(h for h in hints if h) or None)
             _failure_report(opts, str(error))
             raise error
         return json.loads(result_path.read_text(encoding="utf-8"))

@@ -1,0 +1,50 @@
+"""``stagewise replan PLAN --exclude HOST``: plan again without lost or banned machines."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from planner.api import replan
+from planner.commands.plan import _report
+from planner.outputs import check_writable
+from planner.plan_load import load_plan
+from planner.runtime.membership import check_signature
+from planner.secret import run_secret
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "replan", help="plan again without lost or banned hosts; resume the run on the new plan",
+        description="Solve PLAN's model and training again on its cluster less the excluded hosts (or whole "
+                    "trust domains), with the full time limit, and write the new plan, signed. Then "
+                    "`stagewise run NEW --resume --checkpoint-dir DIR` continues from the old run's newest "
+                    "checkpoint, re-sharded onto the new stages.")
+    p.add_argument("plan", help="the plan the run was using (signed by this run's secret)")
+    p.add_argument("--exclude", action="append", default=[], metavar="HOST",
+                   help="a host to leave out (repeatable): one that died, hung or was banned")
+    p.add_argument("--exclude-domain", action="append", default=[], metavar="TRUST",
+                   help="a whole trust domain to leave out (repeatable): a banned worker's, when it is not trusted")
+    p.add_argument("--why", default="excluded by the operator", help="the reason, recorded in the new plan")
+    p.add_argument("-o", "--output", required=True, help="where to write the new plan")
+    p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds (default 30)")
+    p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--secret-file", metavar="FILE", help="the run secret (as for `stagewise plan`)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    check_writable(args.output, what="plan output")
+    key = run_secret(args.secret_file)
+    check_signature(args.plan, key)  # a plan edited since it was signed is not planned again and re-signed
+    old = load_plan(args.plan)
+    start = time.perf_counter()
+    new = replan(old, exclude_hosts=args.exclude, exclude_domains=args.exclude_domain, reason=args.why,
+                 time_limit_s=args.time_limit, workers=args.workers)
+    path = new.save(args.output, secret=key)
+    console = Console()
+    _report(console, new, path)
+    console.print(f"simulated step {new.predicted.step_ms:.3f} ms on {new.num_ranks} ranks, was "
+                  f"{old.predicted.step_ms:.3f} ms on {old.num_ranks} ({time.perf_counter() - start:.1f} s)")
+    return 0

@@ -1,0 +1,72 @@
+"""Re-planning around a lost host: the run checkpoints, a host goes, `replan` solves again without it,
+and the resumed run on the new plan ends with the weights of a run that never lost anything (gloo, one
+process per rank, one thread each)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cost_models.cluster_file import parse_cluster
+from planner.api import plan_chain, replan
+from planner.errors import InfeasiblePlanError, InvalidInputError
+from planner.model_io import load_chain
+from planner.runtime.launch import launch
+from planner.runtime.options import RunOptions
+from planner.solver.policy import VerificationPolicy
+from tests.dist.plans import load_dumps
+
+torch.set_num_threads(1)
+STEPS = 4
+
+
+def _cluster():
+    host = lambda name: {"name": name, "region": "lab", "trust": "operator", "trusted": True,  # noqa: E731
+                         "devices": [{"type": "CPU", "count": 1}]}
+    return parse_cluster({"name": "three", "hosts": [host("h0"), host("h1"), host("h2")],
+                          "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+
+
+@pytest.fixture(scope="module")
+def first_plan():
+    _, chain = load_chain("gpt-tiny", batch=2, seq=16)
+    return plan_chain(chain, _cluster(), spec="gpt-tiny", seq=16, global_batch=4, microbatch_size=2,
+                      policy=VerificationPolicy(enabled=False), time_limit_s=2, workers=1, dtype="fp32",
+                      optimizer="adam", stages=3)
+
+
+def _params(folder, num_ranks) -> dict[str, torch.Tensor]:
+    out = {}
+    for d in load_dumps(folder, num_ranks):
+        out.update(d["params"])
+    return out
+
+
+def test_a_run_resumed_on_a_replan_ends_where_an_unbroken_one_does(first_plan, tmp_path):
+    assert {r.host for r in first_plan.ranks} == {"h0", "h1", "h2"}
+    first = first_plan.save(tmp_path / "first.json")
+    launch(RunOptions(plan=str(first), steps=STEPS, timeout_s=60, dump=str(tmp_path / "straight")))
+    straight = _params(tmp_path / "straight", first_plan.num_ranks)
+
+    ckpt = tmp_path / "ckpt"
+    launch(RunOptions(plan=str(first), steps=2, timeout_s=60, checkpoint_dir=str(ckpt), checkpoint_every=1))
+    second = replan(first_plan, exclude_hosts=["h2"], reason="rank 2 died at step 2", time_limit_s=2, workers=1)
+    assert "h2" not in {r.host for r in second.ranks}
+    assert second.report.notes[0].startswith("replanned without h2: rank 2 died at step 2")
+    assert (second.config.global_batch, second.config.optimizer, second.config.dtype) == (4, "adam", "float32")
+    path = second.save(tmp_path / "second.json")
+    result = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, checkpoint_dir=str(ckpt), resume=True,
+                               dump=str(tmp_path / "resumed")))
+    assert result["steps"] == STEPS - 2
+    resumed = _params(tmp_path / "resumed", second.num_ranks)
+    assert set(resumed) == set(straight)
+    for name, p in resumed.items():
+        torch.testing.assert_close(p, straight[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_bad_exclusions_are_refused(first_plan):
+    with pytest.raises(InvalidInputError, match="exclude host 'h9'"):
+        replan(first_plan, exclude_hosts=["h9"], reason="x")
+    with pytest.raises(InvalidInputError, match="at least one host"):
+        replan(first_plan, reason="x")
+    with pytest.raises(InfeasiblePlanError, match="every host"):
+        replan(first_plan, exclude_domains=["operator"], reason="x")
