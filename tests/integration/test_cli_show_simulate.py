@@ -47,7 +47,7 @@ def _broken(tmp_path: Path, how: str) -> Path:
         path.write_text(text[: len(text) * 2 // 3])
         return path
     if how == "version":
-        data["schema_version"] = 3
+        data["schema_version"] = 99
     elif how == "no-program":
         data["programs"][1] = []
     elif how == "unmatched-send":
@@ -59,7 +59,7 @@ def _broken(tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("how,message", [
     ("truncated", "is not valid JSON"),
-    ("version", "schema_version; expected 2; found 3"),
+    ("version", "schema_version; expected 3; found 99"),
     ("no-program", "rank 1 has no program"),
     ("unmatched-send", "invalid plan program: rank 0 instruction"),
     ("missing", "does not exist"),
