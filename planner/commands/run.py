@@ -14,10 +14,12 @@ from typing import Any
 
 import psutil
 
+from planner.errors import InvalidInputError
 from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.data import check_data_file
+from planner.runtime.elastic import launch_replanning
 from planner.runtime.launch import launch
 from planner.runtime.options import add_run_arguments, options_from_args
 from planner.runtime.weights_out import launch_saving_weights
@@ -39,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "one safetensors state dict in the model's own layout (names of the unsplit model, a tied "
                    "weight once; load with safetensors.torch.load_model); for an hf: model, a save_pretrained "
                    "folder (from_pretrained loads it)")
+    p.add_argument("--replan-on-failure", type=int, default=0, metavar="N",
+                   help="when a rank dies, hangs or fails, re-plan without its host and resume from the newest "
+                        "checkpoint, up to N times (needs --checkpoint-dir; default 0: the run stops)")
     p.set_defaults(handler=run)
 
 
@@ -54,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
 
     opts = options_from_args(args)
+    if args.replan_on_failure and args.save_weights:
+        raise InvalidInputError("--replan-on-failure with --save-weights", expected="one of them", found="both",
+                                fix="save the weights from the checkpoints afterwards")
+    if args.replan_on_failure < 0:
+        raise InvalidInputError("--replan-on-failure", expected="a count >= 0", found=str(args.replan_on_failure))
     outputs = (("--report", opts.report), ("--metrics", opts.metrics), ("--save-weights", args.save_weights))
     for flag, path in outputs:
         if path is not None:
@@ -75,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, completed=event["step"] + 1,
                             description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
 
-        if args.save_weights is None:
+        if args.replan_on_failure:
+            result = launch_replanning(opts, max_replans=args.replan_on_failure, on_event=on_event,
+                                       log_dir=args.log_dir)
+        elif args.save_weights is None:
             result = launch(opts, on_event=on_event, log_dir=args.log_dir)
         else:
             result = launch_saving_weights(opts, args.save_weights, on_event=on_event, log_dir=args.log_dir)
@@ -83,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if result.get("banned"):
         console.print(f"[bold yellow]banned ranks {result['banned']}[/]: they kept running "
                       "(replanning around a banned rank is future work)")
+    for r in result.get("replans", ()):
+        console.print(f"re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
+                      f"({r['ranks']} ranks, resumed after step {r['resumed_after_step']})")
     if opts.report:
         console.print(f"report written to {opts.report}")
     if result.get("weights"):

@@ -110,8 +110,8 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
                      f"to go on without the failed rank's host: stagewise replan {opts.plan} --exclude HOST -o "
                      f"NEW.json, then stagewise run NEW.json --resume --checkpoint-dir {opts.checkpoint_dir}"
                      if opts.checkpoint_dir else ""]
-            error = RankFailureError(diagnose(ranks, run_dir, opts.timeout_s),
-                                     fix="; ".join(h for h in hints if h) or None)
+            root, cause = root_cause(ranks, run_dir, opts.timeout_s)
+            error = RunFailure(cause, rank=root, fix="; ".join(h for h in hints if h) or None)
             _failure_report(opts, str(error))
             raise error
         return json.loads(result_path.read_text(encoding="utf-8"))
@@ -244,8 +244,21 @@ def _last_line(path: Path) -> str:
     return lines[-1][:240] if lines else ""
 
 
+class RunFailure(RankFailureError):
+    """A run stopped by a rank's failure; ``rank`` is the one whose failure stopped it."""
+
+    def __init__(self, what: str, *, rank: int, fix: str | None = None) -> None:
+        super().__init__(what, fix=fix)
+        self.rank = rank
+
+
 def diagnose(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> str:
     """One line naming the root cause: a rank that died, raised, or hung; then what the others saw."""
+    return root_cause(ranks, run_dir, timeout_s)[1]
+
+
+def root_cause(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> tuple[int, str]:
+    """The rank whose failure stopped the run, and :func:`diagnose`'s line."""
     records = _records(run_dir)
     died = [r for r in ranks if r.proc.returncode not in (0, None) and not r.killed and r.rank not in records]
     raised = [r for r in ranks if r.rank in records and records[r.rank]["kind"] != "RankFailureError"]
@@ -273,4 +286,4 @@ def diagnose(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> str:
                                                          if root_rank in records else "")
     others = [r.rank for r in ranks if r.rank != root.rank and r.proc.returncode != 0]
     seen = f"; ranks {others} stopped after losing their peers" if others else ""
-    return cause + seen
+    return root.rank, cause + seen

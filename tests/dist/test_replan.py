@@ -10,8 +10,9 @@ from cost_models.cluster_file import parse_cluster
 from planner.api import plan_chain, replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.model_io import load_chain
+from planner.runtime.elastic import launch_replanning
 from planner.runtime.launch import launch
-from planner.runtime.options import RunOptions
+from planner.runtime.options import FaultSpec, RunOptions
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import load_dumps
 
@@ -24,6 +25,15 @@ def _cluster():
                          "devices": [{"type": "CPU", "count": 1}]}
     return parse_cluster({"name": "three", "hosts": [host("h0"), host("h1"), host("h2")],
                           "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+
+
+@pytest.fixture(scope="module")
+def straight(first_plan, tmp_path_factory):
+    """The run that never loses a host: its weights after STEPS steps."""
+    tmp = tmp_path_factory.mktemp("straight")
+    launch(RunOptions(plan=str(first_plan.save(tmp / "first.json")), steps=STEPS, timeout_s=60,
+                      dump=str(tmp / "dump")))
+    return _params(tmp / "dump", first_plan.num_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +51,15 @@ def _params(folder, num_ranks) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_run_resumed_on_a_replan_ends_where_an_unbroken_one_does(first_plan, tmp_path):
+def _assert_same(resumed, straight):
+    assert set(resumed) == set(straight)
+    for name, p in resumed.items():
+        torch.testing.assert_close(p, straight[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_run_resumed_on_a_replan_ends_where_an_unbroken_one_does(first_plan, straight, tmp_path):
     assert {r.host for r in first_plan.ranks} == {"h0", "h1", "h2"}
     first = first_plan.save(tmp_path / "first.json")
-    launch(RunOptions(plan=str(first), steps=STEPS, timeout_s=60, dump=str(tmp_path / "straight")))
-    straight = _params(tmp_path / "straight", first_plan.num_ranks)
-
     ckpt = tmp_path / "ckpt"
     launch(RunOptions(plan=str(first), steps=2, timeout_s=60, checkpoint_dir=str(ckpt), checkpoint_every=1))
     second = replan(first_plan, exclude_hosts=["h2"], reason="rank 2 died at step 2", time_limit_s=2, workers=1)
@@ -57,10 +70,21 @@ def test_a_run_resumed_on_a_replan_ends_where_an_unbroken_one_does(first_plan, t
     result = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, checkpoint_dir=str(ckpt), resume=True,
                                dump=str(tmp_path / "resumed")))
     assert result["steps"] == STEPS - 2
-    resumed = _params(tmp_path / "resumed", second.num_ranks)
-    assert set(resumed) == set(straight)
-    for name, p in resumed.items():
-        torch.testing.assert_close(p, straight[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    _assert_same(_params(tmp_path / "resumed", second.num_ranks), straight)
+
+
+def test_a_run_replans_itself_when_a_host_dies(first_plan, straight, tmp_path):
+    """--replan-on-failure: the rank on h2 dies at step 2; the launcher excludes h2, re-plans, resumes."""
+    doomed = next(r.rank for r in first_plan.ranks if r.host == "h2")
+    path = first_plan.save(tmp_path / "first.json")
+    result = launch_replanning(RunOptions(plan=str(path), steps=STEPS, timeout_s=30, checkpoint_dir=str(tmp_path / "c"),
+                                          checkpoint_every=1, fault=FaultSpec(rank=doomed, kind="die", step=2),
+                                          dump=str(tmp_path / "dump")), max_replans=1, time_limit_s=2)
+    (replanned,) = result["replans"]
+    assert replanned["excluded"] == "h2" and replanned["resumed_after_step"] == 1
+    assert f"rank {doomed} died" in replanned["after"]
+    assert result["steps"] == STEPS - 2
+    _assert_same(_params(tmp_path / "dump", replanned["ranks"]), straight)
 
 
 def test_bad_exclusions_are_refused(first_plan):
