@@ -143,14 +143,16 @@ def write_pretrained(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
     model = build_model(plan.model.spec, batch=plan.model.batch, seq=plan.model.seq, device="meta").module
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    moved = False
     try:
         model.save_pretrained(staging, state_dict=dict(state))  # the library empties the dict it is given
         if target.exists():
             target.rmdir()  # empty, as prepare checked
         staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        moved = True
+    finally:
+        if not moved:  # no half-written folder left behind, whatever stopped it
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
