@@ -157,6 +157,13 @@ class _Lowering:
     def _ready_time(self, rank: int, stage: int, op: str, mb: int) -> float | None:
         """Earliest start of compute ``op``/``mb`` on ``rank``, or None if its input is not placed yet."""
         src = self._source(stage, op, mb)
+        if op == "B" and stage == self.num_stages - 1 and stage > 0:
+            # The last stage's backward uses its checked input: it waits for that verdict (as it runs).
+            key = (stage - 1, "F", mb)
+            if key[:2] in self.checker and self.checker[key[:2]] != rank:
+                if key not in self.st.verdict:
+                    return None
+                return max(self.st.clock[rank], self.st.verdict[key], self.b_gate.get(rank, 0.0))
         if src is None:
             return self.st.clock[rank]
         pstage, _ = src
@@ -166,8 +173,6 @@ class _Lowering:
         key = (self._boundary(stage, op), op, mb)
         if key[:2] in self.checker and self.checker[key[:2]] != rank and key not in self.st.verdict:
             return None  # its verdict is placed first; it gates what the pass sends, not the pass
-        if op == "B" and stage == self.num_stages - 1:  # ... but the last stage's backward uses it
-            ready = max(ready, self.st.verdict.get((stage - 1, "F", mb), 0.0))
         return max(self.st.clock[rank], ready, self.b_gate.get(rank, 0.0) if op == "B" else 0.0)
 
     # --- emission --------------------------------------------------------

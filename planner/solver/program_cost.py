@@ -234,6 +234,29 @@ def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths,
     return out
 
 
+def _drain(bottleneck: tuple[int, int, float], limits, p: _Paths, bw, stages, routes) -> list[float]:
+    """When each stage up to the bottleneck's ends the backwards of the microbatches the bottleneck replica
+    still holds after its last forward: they leave it one backward apart and queue, stage by stage, on the
+    upstream replicas they are routed through (a slower upstream replica fed only by the bottleneck's
+    microbatches works them off one after another, after the bottleneck is done)."""
+    kb, last, forward_end = bottleneck
+    iq = owners(tuple(len(ids) for ids in routes[kb]))[last][0]
+    ids, b = routes[kb][iq], bw[kb][iq]
+    held = ids[-min(limits[kb][iq], len(ids)):]
+    late = max(0.0, p.down[held[-1]][kb] - (len(held) - 1) * b)
+    end = {x: forward_end + (j + 1) * b + late for j, x in enumerate(held)}
+    out = [0.0] * (kb + 1)
+    out[kb] = max(end.values())
+    for k in range(kb - 1, -1, -1):
+        owner, free, nxt = owners(stages[k].microbatches), {}, {}
+        for x in sorted(held, key=lambda x: end[x] + p.hop_b[x][k]):
+            i = owner[x][0]
+            nxt[x] = free[i] = max(free.get(i, 0.0), end[x] + p.hop_b[x][k]) + bw[k][i]
+        end = nxt
+        out[k] = max(end.values())
+    return out
+
+
 def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify_load: dict[str, float],
                      verifier_state: dict[str, int]):
     """Per stage replica: (busy, the path outside it, name), its in-flight limit, and where its last forward
@@ -258,6 +281,8 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             f = t - b
             if n >= m:  # every microbatch in flight at once: one wait, after the forwards or before the backwards
                 idle = max(m * f + trips[1] + b, f + trips[0] + m * b) - m * t
+            elif period > t:  # throttled: n chains of pass, round trip, pass; the last chain starts passes late
+                idle = math.ceil(m / n) * (t + trip) + ((m - 1) % n) * t - m * period
             else:
                 idle = max(0.0, trips[0] - (n - 1) * f) + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
@@ -318,6 +343,10 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
         pipe = max(pipe, phases)
     else:
         finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
+        if name in last_forward:
+            drained = _drain(last_forward[name], limits, p, bw, stages, routes)
+            pipe = max(pipe, drained[0])
+            finishes = [max(f, d) for f, d in zip(finishes, drained)] + finishes[len(drained):]
     last = len(p.fwd) - 1
     for k, st in enumerate(stages):  # a replica that checks gradients all-reduces after its last check
         for dev in st.devices:

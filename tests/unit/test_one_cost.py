@@ -3,9 +3,9 @@
 On random wide-area clusters (2-4 regions over 0.2-5 Gb/s links, hosts of 1-4 GPUs of three types, untrusted
 volunteers checked by verifiers): the solver's plans, chosen by simulation among the solver's and every
 baseline's, are never slower in simulation than a baseline, and their objective is the simulated step within
-5% on most clusters and within 10% on every one here (in the clusters' default half precision, and
-with recomputation); over random valid placements (uneven replica counts,
-mixed devices in a stage, verifiers anywhere allowed) the closed form stays within 5% on most.
+5% on every cluster here (in the clusters' default half precision, and with recomputation where activations
+crowd memory); over random valid placements (uneven replica counts, mixed devices in a stage,
+verifiers anywhere allowed) the closed form stays within 5% on most.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.unit.solver_fixtures import random_chain
 
 torch.set_num_threads(1)
 
-SEEDS = range(12)
+SEEDS = range(16)
 
 
 def _off(objective_ms: float, simulated_ms: float) -> float:
@@ -50,8 +50,7 @@ def solved():
 
 def test_solver_plans_run_as_priced(solved):
     off = {seed: _off(p.report.objective_ms, simulate(p).step_ms) for seed, p in solved.items()}
-    assert max(off.values()) <= 0.10, off
-    assert sum(v <= 0.05 for v in off.values()) >= 0.8 * len(off), off
+    assert max(off.values()) <= 0.05, off
 
 
 def test_recomputing_plans_run_as_priced():
