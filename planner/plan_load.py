@@ -61,7 +61,17 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
     Raises InvalidInputError (unreadable, truncated or malformed file, invalid
     programs) or PlanMismatchError (unknown schema version, other model).
     """
-    source = f"plan file {os.fspath(path)}"
+    return plan_from_text(read_plan_text(path), source=plan_source(path), model=model)
+
+
+def plan_source(path: str | os.PathLike) -> str:
+    """How errors name a plan file."""
+    return f"plan file {os.fspath(path)}"
+
+
+def read_plan_text(path: str | os.PathLike) -> str:
+    """A plan file's text, read once (whoever checks its signature parses the plan from these same bytes)."""
+    source = plan_source(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -70,6 +80,11 @@ def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"{source} cannot be read", expected="a readable UTF-8 JSON file", found=str(exc),
                                 fix="check the file's permissions, or re-create it with `stagewise plan`") from None
+    return text
+
+
+def plan_from_text(text: str, *, source: str, model: Any = None) -> Plan:
+    """:func:`load_plan` on a plan file's text already read; ``source`` names the file in errors."""
     try:
         data = json.loads(text, parse_constant=_non_finite)
     except json.JSONDecodeError as exc:

@@ -7,8 +7,7 @@ import time
 from planner.api import replan
 from planner.commands.plan import _report
 from planner.outputs import check_writable
-from planner.plan_load import load_plan
-from planner.runtime.membership import check_signature
+from planner.runtime.membership import load_signed_plan
 from planner.secret import run_secret
 
 
@@ -37,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable(args.output, what="plan output")
     key = run_secret(args.secret_file)
-    check_signature(args.plan, key)  # a plan edited since it was signed is not planned again and re-signed
-    old = load_plan(args.plan)
+    old, _ = load_signed_plan(args.plan, key)  # a plan edited since it was signed is not planned again and re-signed
     start = time.perf_counter()
     new = replan(old, exclude_hosts=args.exclude, exclude_domains=args.exclude_domain, reason=args.why,
                  time_limit_s=args.time_limit, workers=args.workers)

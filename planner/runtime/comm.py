@@ -13,7 +13,9 @@ closed by peer") and one that hangs trips the process group's timeout.
 from __future__ import annotations
 
 import enum
+import os
 import re
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Sequence
@@ -170,14 +172,57 @@ class Groups:
 
 
 def init_process_group(*, backend: str, rank: int, world_size: int, timeout_s: float,
-                       init_method: str | None = None) -> None:
+                       init_method: str | None = None, store: dist.Store | None = None) -> None:
     """``init_process_group`` with the runtime's timeout (a hung peer fails the wait after ``timeout_s``)."""
     kwargs = {"init_method": init_method} if init_method else {}
+    if store is not None:
+        kwargs["store"] = dist.PrefixStore("default_pg", store)  # the keys env:// would use
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
     except BACKEND_ERRORS as exc:
         raise failure(exc, peer=None, doing="joining the process group (rendezvous)") from exc
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> dist.Store:
+    """A store for ranks that all run on this machine: rank 0 hosts it on a socket bound to the loopback
+    address (torch's own binds every interface), the others connect to it there."""
+    try:
+        if rank != 0:
+            return dist.TCPStore(LOOPBACK, port, world_size, False, timedelta(seconds=timeout_s))
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOOPBACK, port))
+        listener.listen(max(128, world_size))
+        # The store takes the descriptor over (and closes it): Python must not close it too.
+        return dist.TCPStore(LOOPBACK, port, world_size, True, timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=listener.detach())
+    except (OSError, *BACKEND_ERRORS) as exc:
+        raise failure(exc, peer=None if rank else 0, doing=f"opening the run's store on {LOOPBACK}:{port}") from exc
+
+
+def env_store(*, launcher_rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store ``env://`` makes (under torchrun: a client of its agent's store), for the rank the
+    launcher gave this process, which decides where that store lives whatever rank the plan gives it."""
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=launcher_rank, world_size=world_size,
+                                           timeout=timedelta(seconds=timeout_s)))
+    except BACKEND_ERRORS as exc:
+        raise failure(exc, peer=None, doing="reaching the launcher's store (rendezvous)") from exc
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def keep_gloo_on_loopback() -> None:
+    """gloo binds its own sockets to the interface GLOO_SOCKET_IFNAME names (default: the address the host
+    name resolves to, often a public one): for ranks that all run here, the loopback interface."""
+    names = [name for _, name in socket.if_nameindex()]
+    loop = next((n for n in ("lo", "lo0") if n in names), None)
+    if loop is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loop
 
 
 def new_groups(rank_sets: Sequence[Sequence[int]], *, timeout_s: float) -> list[dist.ProcessGroup | None]:

@@ -31,10 +31,9 @@ from typing import Any, Callable, Sequence
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
-from planner.plan_load import load_plan
-from planner.runtime import checkpoint
+from planner.runtime import checkpoint, hosts
 from planner.runtime.data import check_data, parse_data_spec
-from planner.runtime.membership import check_signature
+from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import (
     EVENT_PREFIX,
     RunOptions,
@@ -51,9 +50,8 @@ _KILL_GRACE_S = 5.0
 # --------------------------------------------------------------------------- preflight
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
-    plan = load_plan(opts.plan)
+    plan, _ = load_signed_plan(opts.plan, run_secret(opts.secret_file))  # as signed, before anything of it runs
     refuse_onnx_model(plan.model.spec)
-    check_signature(opts.plan, run_secret(opts.secret_file))  # the plan as signed, before anything of it runs
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
@@ -162,7 +160,7 @@ def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, s
         env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STAGEWISE_EVENTS": "1",
                 "STAGEWISE_ERROR_DIR": str(run_dir), "STAGEWISE_RESULT": str(result_path),
-                "OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1"})
+                "OMP_NUM_THREADS": str(opts.threads), "PYTHONUNBUFFERED": "1", **hosts.local_run_env()})
     return env
 
 

@@ -1,7 +1,8 @@
 """Before a run trains, every rank proves it was invited and holds the same signed plan.
 
 The plan file's signature (HMAC-SHA256 with the run secret over its canonical content,
-``planner.secret``) is checked on every rank before anything of the plan runs. Then, on the
+``planner.secret``) is checked on every rank before anything of the plan runs, on the bytes the
+plan is parsed from (the file is read once: :func:`load_signed_plan`). Then, on the
 fresh process group, rank 0 draws a nonce and every rank answers with
 ``HMAC(secret, nonce | rank | plan hash)``; every rank checks every answer, so a rank that
 does not hold the secret (an outsider who reached the rendezvous) or holds another plan
@@ -14,23 +15,44 @@ import json
 import os
 import secrets
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from planner import secret as run_secret
 from planner.errors import InvalidInputError, RankFailureError
+from planner.plan import Plan
+from planner.plan_load import plan_from_text, plan_source, read_plan_text
 from planner.runtime import comm
 
 NONCE_BYTES = 32
 
 
+def load_signed_plan(path: str | os.PathLike, key: bytes) -> tuple[Plan, str]:
+    """The plan in ``path`` and its hash, from one read of the file: the signature is checked on the very
+    bytes the plan is parsed from, so a file swapped between two reads cannot slip a plan past the check."""
+    text = read_plan_text(path)
+    plan = plan_from_text(text, source=plan_source(path))  # schema and trust errors read better than a bad MAC
+    return plan, _checked_digest(text, key, source=plan_source(path))
+
+
 def check_signature(path: str | os.PathLike, key: bytes) -> str:
-    """The plan's hash, once its file's signature is checked against ``key``."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    """The plan's hash, once its file's signature is checked against ``key`` (for callers that use no
+    more of the file; one that parses the plan too uses :func:`load_signed_plan`)."""
+    return _checked_digest(read_plan_text(path), key, source=plan_source(path))
+
+
+def _checked_digest(text: str, key: bytes, *, source: str) -> str:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{source} is not valid JSON (truncated or corrupted?)",
+                                found=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+                                fix="re-create it with `stagewise plan`") from None
+    if not isinstance(data, dict):
+        raise InvalidInputError(source, expected="a JSON object", found=type(data).__name__,
+                                fix="re-create it with `stagewise plan`")
     signature = data.pop("signature", None)
-    source = f"plan file {os.fspath(path)}"
     if signature is None:
         raise InvalidInputError(f"{source} is not signed", expected="a plan signed with the run secret",
                                 fix="re-create it with `stagewise plan` (or Plan.save) on a host holding the secret")

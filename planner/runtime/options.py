@@ -73,6 +73,7 @@ class RunOptions:
     checkpoint_every: int = 10      # steps between checkpoints (and one after the last step)
     resume: bool = False            # continue from the newest complete checkpoint in checkpoint_dir
     secret_file: str | None = None  # the run secret (default: STAGEWISE_SECRET, else this user's local one)
+    host: str | None = None         # under torchrun: this host's name in the plan (planner.runtime.hosts)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -189,6 +190,9 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
                                      description="One rank of a Stagewise plan (start with torchrun or "
                                                  "`stagewise run`).", allow_abbrev=False)
     add_run_arguments(parser)
+    parser.add_argument("--host", metavar="NAME", help="this host's name in the plan: its processes run the plan's "
+                        "ranks on that host, in rank order by local rank (default: $STAGEWISE_HOST; a plan with "
+                        "one host needs none)")
     return options_from_args(parser.parse_args(argv))
 
 

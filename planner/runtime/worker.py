@@ -15,6 +15,7 @@ unpipelined model's); models without that ability are built whole on the CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,13 +31,12 @@ from models.registry import build_model
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.outputs import write_atomic
-from planner.plan_load import load_plan
-from planner.runtime import checkpoint, comm, messages
+from planner.runtime import checkpoint, comm, hosts, messages
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
-from planner.runtime.membership import check_signature, prove_membership
+from planner.runtime.membership import load_signed_plan, prove_membership
 from planner.runtime.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -301,12 +301,13 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     """The whole life of one rank. Returns rank 0's result dict (None elsewhere)."""
 
     torch.set_num_threads(opts.threads)
-    plan = load_plan(opts.plan)
     key = run_secret(opts.secret_file)
-    plan_digest = check_signature(opts.plan, key)  # before anything of the plan runs
+    plan, plan_digest = load_signed_plan(opts.plan, key)  # before anything of the plan runs; one read
     if env.world_size != plan.num_ranks:
         raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
+    placement = hosts.place(plan, host=opts.host, launcher_rank=env.rank, local_rank=env.local_rank)
+    launcher_rank, env = env.rank, dataclasses.replace(env, rank=placement.rank)  # the plan's rank from here on
     validate_attacks(opts.attacks, plan.num_ranks)
     device = _device(opts, env)
     if device.type == "cuda":
@@ -315,7 +316,8 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     emulation = emulation_for(plan, env.rank, slowdown=opts.emulate_slowdown) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    comm.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout_s=opts.timeout_s)
+    hosts.join(placement, backend=backend, launcher_rank=launcher_rank, world_size=env.world_size,
+               timeout_s=opts.timeout_s)
     prove_membership(key, plan_digest, rank=env.rank, world_size=env.world_size)
     result = _run(plan, opts, env, setup, emulation, verifying)
     # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
