@@ -1,13 +1,25 @@
-"""``torchrun ... -m planner.runtime PLAN --steps N``: one rank of a plan under torchrun.
+"""``torchrun ... -m planner.runtime PLAN --host NAME --steps N``: one rank of a plan under torchrun.
 
-Example, two "hosts" on one machine (run each line in its own shell)::
+Each host is started with its own name in the plan's cluster (``--host NAME`` or
+``STAGEWISE_HOST=NAME``; a plan with one host needs none) and ``--nproc-per-node`` equal to the
+number of ranks the plan gives that host. Its processes run those ranks, in rank order by
+``LOCAL_RANK``: c10d's rendezvous orders nodes by address and ignores ``--node-rank``, so
+torchrun's own ``RANK`` only finds the store (``planner/runtime/hosts.py``). A host name the plan
+does not have, a process count that differs, or a name given to two hosts is refused, named.
 
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 -m planner.runtime plan.json --steps 5
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 -m planner.runtime plan.json --steps 5
+Every host holds the run secret the plan was signed with (``--secret-file`` or
+``STAGEWISE_SECRET``: copy one secret file to each invited host). ``PYTHONSAFEPATH=1`` keeps the
+current folder off the ranks' import path.
 
-Rank 0 prints one line per step and predicted vs measured step time at the end.
+Example, two "hosts" of a plan with hosts ``h0`` and ``h1`` on one machine (each line in its own shell)::
+
+    PYTHONSAFEPATH=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 -m planner.runtime plan.json --host h0 --steps 5
+    PYTHONSAFEPATH=1 torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 -m planner.runtime plan.json --host h1 --steps 5
+
+The plan's rank 0 prints one line per step and predicted vs measured step time at the end; every
+process says which plan rank it runs (on stderr).
 """
 import sys
 

@@ -1,8 +1,9 @@
 """One rank of a running plan: build its stage, join the process group, run the steps.
 
 Started by the local launcher (``stagewise run``) or by ``torchrun`` (``python
--m planner.runtime``); both pass the rank through the usual environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+-m planner.runtime``); both pass the usual environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The plan's rank a process runs
+comes from ``planner.runtime.hosts`` (under torchrun: the host's name and the local rank).
 
 Order matters: the plan is loaded, the model rebuilt from ``plan.model.spec``
 and its fingerprint checked against a fresh export *before* the process group
