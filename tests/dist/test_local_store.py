@@ -79,12 +79,12 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     def watch() -> None:
         while not done.is_set():
             seen.update(_ranks_listening())
-            done.wait(0.005)
+            done.wait(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        launch(RunOptions(plan=str(path), steps=30), on_event=lambda e: seen.update(_ranks_listening()))
+        launch(RunOptions(plan=str(path), steps=10), on_event=lambda e: seen.update(_ranks_listening()))
     finally:
         done.set()
         watcher.join()
