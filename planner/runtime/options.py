@@ -110,7 +110,8 @@ class RunOptions:
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
                             ("--fault", self.fault), ("--model", self.model),
-                            ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file)):
+                            ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file),
+                            ("--host", self.host)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:

@@ -16,7 +16,7 @@ def test_worker_argv_round_trips_every_option():
                       metrics="m.jsonl", report="r.json",
                       attacks=("rank=1,kind=zeros", "rank=2,kind=noise"), verify=False, seed=3, data="synthetic",
                       loss="a.b:c", lr=0.5, lr_warmup=20, dump="d", fault=FaultSpec(rank=1, kind="hang", step=2),
-                      threads=2, backend="gloo")
+                      threads=2, backend="gloo", host="h0")
     assert parse_worker_args(opts.worker_argv()) == opts
     assert parse_worker_args(["p.json"]) == RunOptions(plan="p.json")
 
@@ -29,7 +29,7 @@ def test_no_worker_flag_is_claimed_by_torchrun():
     ours = [o for o in RunOptions(plan="p", emulate=True, emulate_slowdown=2.0, verify=False, metrics="m",
                                   report="r", loss="a:b",
                                   lr=1.0, lr_warmup=3, dump="d", fault=FaultSpec(rank=0, kind="die"),
-                                  attacks=("x",)).worker_argv() if o.startswith("--")]
+                                  attacks=("x",), host="h").worker_argv() if o.startswith("--")]
     clashes = [(o, t) for o in ours for t in theirs if t.startswith(o)]
     assert not clashes
 
