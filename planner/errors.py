@@ -47,3 +47,13 @@ class PlanMismatchError(PlannerError):
 
 class RankFailureError(PlannerError):
     """A rank of a running plan died, hung or reported an error."""
+
+
+class ProtocolError(RankFailureError):
+    """A rank sent what the runtime's protocol does not allow (a malformed message): ``peer`` names the
+    sender, which is treated as faulty (the launcher blames it, a re-plan excludes its host)."""
+
+    def __init__(self, what: str, *, sender: int, expected: str | None = None, found: str | None = None,
+                 fix: str | None = None) -> None:
+        super().__init__(what, expected=expected, found=found, fix=fix)
+        self.peer = sender

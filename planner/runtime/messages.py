@@ -3,7 +3,7 @@
 A rank's message is UTF-8 JSON, gathered as ``uint8`` tensors after their lengths
 (so a length past :data:`MAX_MESSAGE_BYTES` fails on every rank alike, before
 anything that large is allocated), then parsed and checked against a JSON schema.
-A malformed message is a :class:`RankFailureError` naming its sender.
+A malformed message is a :class:`planner.errors.ProtocolError` naming its sender (treated as faulty).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jsonschema
 import torch
 import torch.distributed as dist
 
-from planner.errors import RankFailureError
+from planner.errors import ProtocolError
 from planner.runtime import comm
 
 MAX_MESSAGE_BYTES = 16 << 20  # a run summary with every verifier event of a long run stays far below
@@ -31,15 +31,18 @@ def decode(data: bytes, *, sender: int, what: str, schema: Mapping[str, Any]) ->
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise RankFailureError(f"rank {sender} sent a malformed {what}", expected="UTF-8 JSON",
-                               found=str(exc), fix=f"check rank {sender}'s host: it does not run this runtime")
+        raise _malformed(sender, what, expected="UTF-8 JSON", found=str(exc)) from None
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(value))
     if error is not None:
         where = "/".join(map(str, error.absolute_path)) or "the message"
-        raise RankFailureError(f"rank {sender} sent a malformed {what}", expected=f"{where}: {error.validator} "
-                               f"{error.validator_value!r}"[:200], found=repr(error.instance)[:200],
-                               fix=f"check rank {sender}'s host: it does not run this runtime")
+        raise _malformed(sender, what, expected=f"{where}: {error.validator} {error.validator_value!r}"[:200],
+                         found=repr(error.instance)[:200])
     return value
+
+
+def _malformed(sender: int, what: str, *, expected: str, found: str) -> ProtocolError:
+    return ProtocolError(f"rank {sender} sent a malformed {what}", sender=sender, expected=expected, found=found,
+                         fix=f"check rank {sender}'s host: it does not run this runtime")
 
 
 def all_gather_json(obj: Any, *, group: dist.ProcessGroup | None, ranks: Sequence[int], what: str,
@@ -53,9 +56,7 @@ def all_gather_json(obj: Any, *, group: dist.ProcessGroup | None, ranks: Sequenc
     lengths = [int(s.item()) for s in sizes]
     for sender, n in zip(ranks, lengths):
         if not 0 <= n <= MAX_MESSAGE_BYTES:
-            raise RankFailureError(f"rank {sender} announced a {what} of {n} bytes",
-                                   expected=f"at most {MAX_MESSAGE_BYTES} bytes", found=str(n),
-                                   fix=f"check rank {sender}'s host: it does not run this runtime")
+            raise _malformed(sender, what, expected=f"at most {MAX_MESSAGE_BYTES} bytes", found=f"{n} bytes announced")
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if data:
