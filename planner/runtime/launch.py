@@ -242,6 +242,9 @@ def _last_line(path: Path) -> str:
     return lines[-1][:240] if lines else ""
 
 
+_LOST_PEER = ("RankFailureError", "ProtocolError")  # errors that name another rank as the cause
+
+
 class RunFailure(RankFailureError):
     """A run stopped by a rank's failure; ``rank`` is the one whose failure stopped it."""
 
@@ -259,9 +262,13 @@ def root_cause(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> tuple
     """The rank whose failure stopped the run, and :func:`diagnose`'s line."""
     records = _records(run_dir)
     died = [r for r in ranks if r.proc.returncode not in (0, None) and not r.killed and r.rank not in records]
-    raised = [r for r in ranks if r.rank in records and records[r.rank]["kind"] != "RankFailureError"]
+    raised = [r for r in ranks if r.rank in records and records[r.rank]["kind"] not in _LOST_PEER]
     hung = [r for r in ranks if r.killed]
-    if died:
+    broke = [rec for rec in records.values() if rec["kind"] == "ProtocolError" and rec.get("peer") is not None]
+    if broke:  # a rank that sent what the protocol forbids is at fault, whatever else failed after it
+        root = ranks[broke[0]["peer"]]
+        cause = f"rank {root.rank} broke the protocol ({broke[0]['error'].split(';')[0]})"
+    elif died:
         root = died[0]
         code = root.proc.returncode
         detail = _last_line(root.log_path)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.runtime.launch import _Rank, diagnose
+from planner.runtime.launch import _Rank, diagnose, root_cause
 from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
 
 
@@ -101,3 +101,13 @@ def test_verifier_warmup_covers_the_lr_warmup():
     assert monitor_config(plan, 0)["warmup"] == 5
     assert monitor_config(plan, 0, lr_warmup=20)["warmup"] == 20
     assert monitor_config(plan, 0, lr_warmup=3)["warmup"] == 5
+
+
+def test_diagnosis_blames_the_sender_of_a_malformed_message_not_its_reader(tmp_path):
+    """Rank 0 read a malformed message from rank 2 and stopped; rank 1 then lost rank 0. The sender is the
+    root cause (a re-plan excludes its host), even though it exited cleanly."""
+    ranks = [_rank(tmp_path, 0, 3), _rank(tmp_path, 1, 3), _rank(tmp_path, 2, 0)]
+    _record(tmp_path, 0, "ProtocolError", "rank 2 sent a malformed flags; expected UTF-8 JSON", 2)
+    _record(tmp_path, 1, "RankFailureError", "rank 0 died", 0)
+    root, line = root_cause(ranks, tmp_path, 10)
+    assert root == 2 and line.startswith("rank 2 broke the protocol (rank 2 sent a malformed flags)")
