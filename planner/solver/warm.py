@@ -3,9 +3,9 @@
 A :class:`WarmStart` is the old plan's stage partition and placement (per stage its blocks and devices).
 :func:`warm_placements` repairs it to a problem's devices by the simplest valid repair: a lost device
 leaves its stage's replica group (the microbatches spread over the replicas left, in the old shares); a
-stage left with no device takes the free stage device (freed capacity: one the old plan did not use, a
-re-admitted host's) that runs its blocks fastest, a trusted one at a trusted endpoint, else its blocks
-join the neighbouring stage. Verifiers are placed again greedily (``verifiers.assign_verifiers``). The
+stage left with no device takes as many free devices (freed capacity: devices the old plan did not use, a
+re-admitted host's) as it had replicas, of the one class that runs its blocks fastest that way (trusted
+at a trusted endpoint), else its blocks join the neighbouring stage. Verifiers are placed again greedily (``verifiers.assign_verifiers``). The
 repair, and the same devices with the cuts chosen again for them (``seq_partition.partition_min_step``),
 are the search's first incumbents (``api._search``); one that breaks memory or the policy is skipped.
 """
@@ -79,12 +79,9 @@ def _repair(problem: Problem, warm: WarmStart) -> list[tuple[WarmStage, tuple[st
     for k, (st, devs) in enumerate(kept):
         if not devs:
             end = k in (0, len(kept) - 1) and pol.enabled and pol.trusted_endpoints
-            fits = [d for d in free if problem.classes[problem.class_of(d)].trusted or not end]
-            if fits:
-                pick = min(fits, key=lambda d: problem.range_time_ms(st.first_block, st.last_block,
-                                                                      problem.class_of(d)))
-                free.remove(pick)
-                devs = (pick,)
+            devs = _free_group(problem, st, [d for d in free if problem.classes[problem.class_of(d)].trusted
+                                             or not end])
+            free = [d for d in free if d not in devs]
         if devs:
             out.append((st, devs))
         elif out:  # no device for it: its blocks join the previous stage
@@ -98,6 +95,20 @@ def _repair(problem: Problem, warm: WarmStart) -> list[tuple[WarmStage, tuple[st
         (head, _), (nxt, ndevs) = out[0], out[1]
         out[:2] = [(_widened(nxt, head.first_block, nxt.last_block), ndevs)]
     return out or None
+
+
+def _free_group(problem: Problem, st: WarmStage, free: list[str]) -> tuple[str, ...]:
+    """Up to the stage's old replica count of free devices of one class, the class whose share of the
+    stage's work per replica is least (empty when nothing is free)."""
+    by_class: dict[int, list[str]] = {}
+    for d in free:
+        by_class.setdefault(problem.class_of(d), []).append(d)
+    if not by_class:
+        return ()
+    r = len(st.devices)
+    cls = min(by_class, key=lambda c: (problem.range_time_ms(st.first_block, st.last_block, c)
+                                       / min(r, len(by_class[c])), c))
+    return tuple(by_class[cls][:r])
 
 
 def _widened(st: WarmStage, first: int, last: int) -> WarmStage:

@@ -45,6 +45,12 @@ def test_an_orphaned_stage_takes_the_fastest_free_device():
     assert _shape(placement)[1] == ((2, 3), ("h1/0", "h2/0"), (3, 1))  # untouched: the old shares
 
 
+def test_an_orphaned_replicated_stage_takes_as_many_free_devices_of_one_class():
+    cl = cluster([("h0", TEST_DEVICE, 1), ("h3", TEST_DEVICE, 1), ("slow", SLOW_DEVICE, 1), ("pair", TEST_DEVICE, 2)])
+    placement = _repaired(problem_for(CHAIN, cl, config(4), OFF, 2)[0])
+    assert _shape(placement)[1] == ((2, 3), ("pair/0", "pair/1"), (2, 2))  # new devices: the mean share each
+
+
 def test_an_orphaned_stage_without_a_free_device_joins_its_neighbour():
     assert _shape(_repaired(_problem(("h0", "h1", "h2")))) == [((0, 1), ("h0/0",), (4,)),
                                                              ((2, 5), ("h1/0", "h2/0"), (3, 1))]
