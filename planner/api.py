@@ -160,7 +160,9 @@ def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Seq
     excluded before, less those re-admitted (``readmit_hosts``: excluded by mistake).
 
     The solve has the full time limit (the same standard as the first plan), warm-started from the old
-    plan's stages repaired to the devices left (``planner.solver.warm``; ``warm=False``: a cold solve).
+    plan: its microbatch size and its stages repaired to the devices left (``planner.solver.warm``).
+    ``warm=False``: a cold solve over every microbatch size, as a fresh plan (at 176 devices the search's
+    setup alone, per microbatch size, outlasts a 10 s limit: benchmarks/warm_replan.py).
     The new plan keeps the model, batch, optimizer, precision, policy and verifier settings and the full
     cluster; its ``excluded_hosts`` say what it leaves out, its history gains an entry (``event``:
     ``failure``, ``ban``, ``manual`` or ``readmit``; default ``readmit`` when only re-admitting, else
@@ -178,6 +180,7 @@ def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Seq
         raise InfeasiblePlanError("every host of the cluster is excluded", fix="exclude fewer hosts")
     new = plan_chain(plan.chain(), cluster.without_hosts(set(excluded)), spec=plan.model.spec, seq=plan.model.seq,
                      schedule=plan.config.schedule, global_batch=plan.config.global_batch, policy=plan.policy,
+                     microbatch_size=plan.config.microbatch_size if warm else None,
                      time_limit_s=time_limit_s, optimizer=plan.config.optimizer, dtype=plan.config.dtype,
                      workers=workers, progress=progress, warm_start=warm_start_of(plan) if warm else None)
     changes = ([f"without {', '.join(sorted(gone))}"] if gone else []) + \
