@@ -61,7 +61,7 @@ def _lost_hosts(plan) -> list[tuple[str, str]]:
     return out
 
 
-def _row(plan, wall_s: float, cpu_s: float, **extra) -> dict:
+def _row(plan, wall_s: float, cpu_s: float | None, **extra) -> dict:
     r = plan.report
     best = next((n[len("best plan from "):] for n in r.notes if n.startswith("best plan from ")), r.method)
     return {**extra, "wall_s": wall_s, "cpu_s": cpu_s, "solve_s": r.solve_s, "objective_ms": r.objective_ms,
@@ -71,7 +71,7 @@ def _row(plan, wall_s: float, cpu_s: float, **extra) -> dict:
 
 def _print(row: dict) -> None:
     print(f"{row['lost']:>24} {row['run']:>7} {row['limit_s']:3.0f} s  wall {row['wall_s']:6.1f} s  "
-          f"cpu {row['cpu_s']:6.1f} s  "
+          f"cpu {'n/a' if row['cpu_s'] is None else format(row['cpu_s'], '6.1f'):>6} s  "
           f"solver {row['solve_s']:6.1f} s  obj {row['objective_ms']:10.1f} ms  sim {row['simulated_ms']:10.1f} ms  "
           f"bound {row['bound_ms'] or 0:9.1f} ms  S={row['stages']:<3} M={row['microbatches']:<3} "
           f"ranks={row['ranks']:<4} {row['found_by']}", flush=True)
@@ -82,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", type=float, nargs="+", default=[10.0], help="re-plan time limits (s)")
     parser.add_argument("--fresh", type=float, default=30.0, help="time limit of the fresh plans (s)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--first", metavar="PATH", help="the original plan: read it from PATH if it is there "
+                        "(its row then repeats the time recorded in PATH's report), else plan it and save it there")
     args = parser.parse_args(argv)
 
     from planner.api import plan_chain, replan
+    from planner.plan import Plan
     from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
     from planner.solver.policy import VerificationPolicy
     from planner.solver.search.seq_partition_kernel import warm as warm_partition
@@ -94,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     chain, cluster = _case()
     policy = VerificationPolicy()
     clock = time.perf_counter(), time.process_time()
-    first = plan_chain(chain, cluster, spec="bench:chain", global_batch=32, policy=policy,
-                       time_limit_s=args.fresh, workers=args.workers)
-    rows = [_row(first, time.perf_counter() - clock[0], time.process_time() - clock[1], lost="(original plan)",
-                 host=None, run="fresh", limit_s=args.fresh)]
+    if args.first and Path(args.first).is_file():
+        first = Plan.from_dict(json.loads(Path(args.first).read_text()))
+        rows = [_row(first, first.report.solve_s, None, lost="(original plan, read)", host=None, run="fresh",
+                     limit_s=args.fresh)]
+    else:
+        first = plan_chain(chain, cluster, spec="bench:chain", global_batch=32, policy=policy,
+                           time_limit_s=args.fresh, workers=args.workers)
+        rows = [_row(first, time.perf_counter() - clock[0], time.process_time() - clock[1],
+                     lost="(original plan)", host=None, run="fresh", limit_s=args.fresh)]
+        if args.first:
+            first.save(args.first, sign=False)
     _print(rows[-1])
 
     def cold_same_m(host: str, limit: float):  # replan's solve with the old microbatch size, not warm-started

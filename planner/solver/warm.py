@@ -5,9 +5,11 @@ A :class:`WarmStart` is the old plan's stage partition and placement (per stage 
 leaves its stage's replica group (the microbatches spread over the replicas left, in the old shares); a
 stage left with no device takes as many free devices (freed capacity: devices the old plan did not use, a
 re-admitted host's) as it had replicas, of the one class that runs its blocks fastest that way (trusted
-at a trusted endpoint), else its blocks join the neighbouring stage. Verifiers are placed again greedily (``verifiers.assign_verifiers``). The
-repair, and the same devices with the cuts chosen again for them (``seq_partition.partition_min_step``),
-are the search's first incumbents (``api._search``); one that breaks memory or the policy is skipped.
+at a trusted endpoint), else its blocks join the neighbouring stage. A second repair also tops up every
+stage that lost replicas the same way (one class, up to the number lost). Verifiers are placed again
+greedily (``verifiers.assign_verifiers``). Each repair, and the same devices with the cuts chosen again for
+them (``seq_partition.partition_min_step``), are the search's first incumbents (``api._search``); one that
+breaks memory or the policy is skipped.
 """
 from __future__ import annotations
 
@@ -49,14 +51,24 @@ def warm_placements(problem: Problem, warm: WarmStart) -> list[tuple[Placement, 
     """Valid starting plans for ``problem`` from ``warm``, priced by the search's closed form."""
     if not warm.stages or warm.stages[-1].last_block != problem.num_blocks - 1:
         return []  # another chain: nothing to start from
-    groups = _repair(problem, warm)
-    if groups is None:
-        return []
+    out: list[tuple[Placement, float, str]] = []
+    tried: list = []
+    for top_up in (False, True):
+        groups = _repair(problem, warm, top_up=top_up)
+        if groups is not None and groups not in tried:
+            tried.append(groups)
+            out += _candidates(problem, groups, "warm-start, topped up" if top_up else "warm-start")
+    return out
+
+
+def _candidates(problem: Problem, groups: list[tuple[WarmStage, tuple[str, ...]]],
+                how: str) -> list[tuple[Placement, float, str]]:
+    """The repaired stages as they are and with their cuts chosen again, where valid."""
     out = []
     ranges = [(s.first_block, s.last_block) for s, _ in groups]
     found = _placed(problem, ranges, [d for _, d in groups], [s for s, _ in groups])
     if found is not None:
-        out.append((*found, "warm-start"))
+        out.append((*found, how))
     classes = [{problem.class_of(d) for d in devs} for _, devs in groups]
     if all(len(c) == 1 for c in classes):  # the cuts chosen again for the repaired devices
         cut = partition_min_step(problem, tuple(Group(cls=min(c), replicas=len(devs))
@@ -64,12 +76,13 @@ def warm_placements(problem: Problem, warm: WarmStart) -> list[tuple[Placement, 
         if cut is not None and list(cut) != ranges:
             found = _placed(problem, list(cut), [d for _, d in groups], [s for s, _ in groups])
             if found is not None:
-                out.append((*found, "warm-start, re-partitioned"))
+                out.append((*found, f"{how}, re-partitioned"))
     return out
 
 
-def _repair(problem: Problem, warm: WarmStart) -> list[tuple[WarmStage, tuple[str, ...]]] | None:
-    """Per stage left, (the old stage with its blocks, the devices it keeps); None when nothing is left."""
+def _repair(problem: Problem, warm: WarmStart, *, top_up: bool) -> list[tuple[WarmStage, tuple[str, ...]]] | None:
+    """Per stage left, (the old stage with its blocks, the devices it keeps or takes); None when nothing is
+    left. ``top_up``: a stage that lost some replicas takes free devices for them too."""
     known = set(problem.device_ids)
     capable = {d for c in problem.classes if c.stage_capable for d in c.device_ids}
     kept = [(st, tuple(d for d in st.devices if d in known and d in capable)) for st in warm.stages]
@@ -77,11 +90,13 @@ def _repair(problem: Problem, warm: WarmStart) -> list[tuple[WarmStage, tuple[st
     pol = problem.policy
     out: list[tuple[WarmStage, tuple[str, ...]]] = []
     for k, (st, devs) in enumerate(kept):
-        if not devs:
+        lost = len(st.devices) - len(devs)
+        if lost and (top_up or not devs):
             end = k in (0, len(kept) - 1) and pol.enabled and pol.trusted_endpoints
-            devs = _free_group(problem, st, [d for d in free if problem.classes[problem.class_of(d)].trusted
-                                             or not end])
-            free = [d for d in free if d not in devs]
+            extra = _free_group(problem, st, [d for d in free if problem.classes[problem.class_of(d)].trusted
+                                              or not end], lost)
+            devs += extra
+            free = [d for d in free if d not in extra]
         if devs:
             out.append((st, devs))
         elif out:  # no device for it: its blocks join the previous stage
@@ -97,18 +112,19 @@ def _repair(problem: Problem, warm: WarmStart) -> list[tuple[WarmStage, tuple[st
     return out or None
 
 
-def _free_group(problem: Problem, st: WarmStage, free: list[str]) -> tuple[str, ...]:
-    """Up to the stage's old replica count of free devices of one class, the class whose share of the
-    stage's work per replica is least (empty when nothing is free)."""
+def _free_group(problem: Problem, st: WarmStage, free: list[str], count: int) -> tuple[str, ...]:
+    """Up to ``count`` free devices of one class that can hold the stage's weights and optimizer state, the
+    class whose share of the stage's work per device taken is least (empty when none is free)."""
+    state_bytes = problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
     by_class: dict[int, list[str]] = {}
     for d in free:
-        by_class.setdefault(problem.class_of(d), []).append(d)
+        if problem.classes[problem.class_of(d)].mem_bytes >= state_bytes:
+            by_class.setdefault(problem.class_of(d), []).append(d)
     if not by_class:
         return ()
-    r = len(st.devices)
     cls = min(by_class, key=lambda c: (problem.range_time_ms(st.first_block, st.last_block, c)
-                                       / min(r, len(by_class[c])), c))
-    return tuple(by_class[cls][:r])
+                                       / min(count, len(by_class[c])), c))
+    return tuple(by_class[cls][:count])
 
 
 def _widened(st: WarmStage, first: int, last: int) -> WarmStage:

@@ -51,6 +51,14 @@ def test_an_orphaned_replicated_stage_takes_as_many_free_devices_of_one_class():
     assert _shape(placement)[1] == ((2, 3), ("pair/0", "pair/1"), (2, 2))  # new devices: the mean share each
 
 
+def test_a_stage_that_lost_replicas_is_also_topped_up_from_free_devices():
+    problem = _problem(("h0", "h1", "h3", "spare"))
+    found = warm_placements(problem, OLD)
+    assert [how for _, _, how in found][:2] == ["warm-start", "warm-start, topped up"]
+    assert _shape(found[0][0])[1] == ((2, 3), ("h1/0",), (4,))
+    assert _shape(found[1][0])[1] == ((2, 3), ("h1/0", "spare/0"), (2, 2))  # old share 3, the mean 2 for spare
+
+
 def test_an_orphaned_stage_without_a_free_device_joins_its_neighbour():
     assert _shape(_repaired(_problem(("h0", "h1", "h2")))) == [((0, 1), ("h0/0",), (4,)),
                                                              ((2, 5), ("h1/0", "h2/0"), (3, 1))]
