@@ -19,11 +19,12 @@ from planner.coarsen import coarsen
 from planner.compile import compile_plan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
-from planner.plan import ModelRef
+from planner.plan import HistoryEntry, ModelRef, utc_stamp
 from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
+from planner.solver.warm import WarmStage, WarmStart
 from planner.trace import trace
 
 DEFAULT_MICROBATCHES = 8  # global batch = this many traced microbatches when not given
@@ -41,7 +42,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
-               replicas: int | None = None, recompute: str = "auto") -> Any:
+               replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -56,6 +57,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     ``dtype``: the compute dtype (``bf16``/``fp16``/``fp32`` or the full names); ``auto`` takes
     ``cost_models.precision.default_dtype`` of the cluster. Low precision trains with fp32 master weights.
     ``recompute``: activation recomputation per stage where memory binds (``auto``), ``never`` or ``always``.
+    ``warm_start``: an old plan's stages for the solver to start from (``planner.solver.warm``; a re-plan's).
+    The plan's history starts with this plan (``planned``, now).
     """
 
     spec_cluster = _cluster(cluster)
@@ -78,16 +81,20 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
-                                    stages=stages, replicas=replicas, recompute_mode=recompute)
+                                    stages=stages, replicas=replicas, recompute_mode=recompute,
+                                    warm_start=warm_start)
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
     ref = ModelRef(spec=spec, name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
                    seq=seq, dtype=trace_dtype(chain))
 
+    first = (HistoryEntry(event="planned", when_utc=utc_stamp(), reason=f"planned on {spec_cluster.name}"),)
+
     def compiled(sol: Any) -> Any:
         assert_valid(sol, scaled, spec_cluster, config, policy)  # independent memory/coverage check
-        return predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref))
+        return dataclasses.replace(predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref)),
+                                   history=first)
 
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
@@ -145,35 +152,84 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
                       recompute=recompute)
 
 
-def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Sequence[str] = (), reason: str,
-           time_limit_s: float = 30.0, workers: int = 2, progress: Any = None) -> Any:
-    """A fresh plan for ``plan``'s model and training on its cluster less some machines: hosts that were
-    lost, or whole trust domains (a banned worker's, when the policy excludes its domain).
+def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Sequence[str] = (),
+           readmit_hosts: Sequence[str] = (), reason: str, event: str | None = None, time_limit_s: float = 30.0,
+           workers: int = 2, progress: Any = None, warm: bool = True) -> Any:
+    """A new plan for ``plan``'s model and training on its cluster less some machines: hosts that were
+    lost, whole trust domains (a banned worker's, when the policy excludes its domain), and the hosts
+    excluded before, less those re-admitted (``readmit_hosts``: excluded by mistake).
 
-    The solve is a fresh one with the full time limit (the same standard as the first plan); the new
-    plan keeps the model, batch, optimizer, precision, policy and verifier settings, and its report's
-    first note says what changed and why. Its checkpoints are the old plan's (they are keyed by
-    parameter name, so ``stagewise run NEW --resume`` re-shards them onto the new stages).
+    The solve has the full time limit (the same standard as the first plan), warm-started from the old
+    plan: its microbatch size and its stages repaired to the devices left (``planner.solver.warm``).
+    ``warm=False``: a cold solve over every microbatch size, as a fresh plan (at 176 devices the search's
+    setup alone, per microbatch size, outlasts a 10 s limit: benchmarks/warm_replan.py).
+    The new plan keeps the model, batch, optimizer, precision, policy and verifier settings and the full
+    cluster; its ``excluded_hosts`` say what it leaves out, its history gains an entry (``event``:
+    ``failure``, ``ban``, ``manual`` or ``readmit``; default ``readmit`` when only re-admitting, else
+    ``failure``) and its report's first note says what changed and why. Its checkpoints are the old
+    plan's (keyed by parameter name, so ``stagewise run NEW --resume`` re-shards them onto the new stages).
     """
+    gone, back = _host_changes(plan, exclude_hosts, exclude_domains, readmit_hosts)
+    event = event or ("readmit" if back and not gone else "failure")
+    entry = HistoryEntry(event=event, when_utc=utc_stamp(), reason=reason, excluded_hosts=tuple(sorted(gone)),
+                         excluded_domains=tuple(sorted(set(exclude_domains))), readmitted_hosts=tuple(sorted(back)),
+                         previous_ranks=plan.num_ranks, previous_step_ms=plan.predicted.step_ms)
+    excluded = tuple(sorted((set(plan.excluded_hosts) | gone) - back))
+    cluster = parse_cluster(plan.cluster)
+    if len(excluded) == len(cluster.hosts):
+        raise InfeasiblePlanError("every host of the cluster is excluded", fix="exclude fewer hosts")
+    new = plan_chain(plan.chain(), cluster.without_hosts(set(excluded)), spec=plan.model.spec, seq=plan.model.seq,
+                     schedule=plan.config.schedule, global_batch=plan.config.global_batch, policy=plan.policy,
+                     microbatch_size=plan.config.microbatch_size if warm else None,
+                     time_limit_s=time_limit_s, optimizer=plan.config.optimizer, dtype=plan.config.dtype,
+                     workers=workers, progress=progress, warm_start=warm_start_of(plan) if warm else None)
+    changes = ([f"without {', '.join(sorted(gone))}"] if gone else []) + \
+        ([f"with {', '.join(sorted(back))} re-admitted"] if back else [])
+    note = (f"replanned {' and '.join(changes)}: {reason} (the previous plan: {plan.num_ranks} ranks, "
+            f"simulated step {plan.predicted.step_ms:.3f} ms)")
+    report = dataclasses.replace(new.report, notes=(note, *new.report.notes))
+    return dataclasses.replace(new, report=report, verifier_config=plan.verifier_config, cluster=plan.cluster,
+                               excluded_hosts=excluded, history=(*plan.history, entry))
+
+
+def _host_changes(plan: Any, exclude_hosts: Sequence[str], exclude_domains: Sequence[str],
+                  readmit_hosts: Sequence[str]) -> tuple[set[str], set[str]]:
+    """(hosts newly excluded, hosts re-admitted), every name checked against the plan's full cluster."""
     cluster = parse_cluster(plan.cluster)
     names = {h.name for h in cluster.hosts}
     domains = {h.trust for h in cluster.hosts}
-    for what, asked, known in (("host", exclude_hosts, names), ("trust domain", exclude_domains, domains)):
+    for what, asked, known in (("exclude host", exclude_hosts, names), ("exclude trust domain", exclude_domains,
+                                                                       domains), ("readmit host", readmit_hosts, names)):
         unknown = sorted(set(asked) - known)
         if unknown:
-            raise InvalidInputError(f"exclude {what} {unknown[0]!r}", expected=f"one of {', '.join(sorted(known))}",
+            raise InvalidInputError(f"{what} {unknown[0]!r}", expected=f"one of {', '.join(sorted(known))}",
                                     fix="name a host (or trust domain) of the plan's cluster")
-    gone = {h.name for h in cluster.hosts if h.name in exclude_hosts or h.trust in exclude_domains}
-    if not gone:
-        raise InvalidInputError("replan", expected="at least one host or trust domain to exclude", found="none",
-                                fix="pass --exclude HOST or --exclude-domain TRUST")
-    if gone == names:
-        raise InfeasiblePlanError("every host of the cluster is excluded", fix="exclude fewer hosts")
-    new = plan_chain(plan.chain(), cluster.without_hosts(gone), spec=plan.model.spec, seq=plan.model.seq,
-                     schedule=plan.config.schedule, global_batch=plan.config.global_batch, policy=plan.policy,
-                     time_limit_s=time_limit_s, optimizer=plan.config.optimizer, dtype=plan.config.dtype,
-                     workers=workers, progress=progress)
-    note = (f"replanned without {', '.join(sorted(gone))}: {reason} (the previous plan: {plan.num_ranks} ranks, "
-            f"simulated step {plan.predicted.step_ms:.3f} ms)")
-    report = dataclasses.replace(new.report, notes=(note, *new.report.notes))
-    return dataclasses.replace(new, report=report, verifier_config=plan.verifier_config)
+    already = set(plan.excluded_hosts)
+    for host in exclude_hosts:
+        if host in already:
+            raise InvalidInputError(f"exclude host {host!r}", expected="a host the plan still runs on",
+                                    found="excluded already", fix="drop it from --exclude")
+    for host in readmit_hosts:
+        if host not in already:
+            raise InvalidInputError(f"readmit host {host!r}", expected="a host the plan excludes (" +
+                                    (", ".join(sorted(already)) or "none") + ")", found="not excluded",
+                                    fix="re-admit only a host excluded earlier (see `stagewise show PLAN`)")
+    both = set(readmit_hosts) & ({*exclude_hosts} | {h.name for h in cluster.hosts if h.trust in exclude_domains})
+    if both:
+        raise InvalidInputError(f"host {sorted(both)[0]!r}", expected="excluded or re-admitted",
+                                found="both", fix="name it once")
+    gone = {h.name for h in cluster.hosts if h.name in exclude_hosts or h.trust in exclude_domains} - already
+    if not gone and not readmit_hosts:
+        raise InvalidInputError("replan", expected="at least one host or trust domain to exclude, or a host to "
+                                "re-admit", found="none", fix="pass --exclude HOST, --exclude-domain TRUST or "
+                                "--readmit HOST")
+    return gone, set(readmit_hosts)
+
+
+def warm_start_of(plan: Any) -> WarmStart:
+    """``plan``'s stage partition and placement, for the solver to start a re-plan from."""
+    return WarmStart(stages=tuple(
+        WarmStage(first_block=st.first_block, last_block=st.last_block,
+                  devices=tuple(plan.ranks[r].device for r in plan.stage_ranks(st.index)),
+                  shares=tuple(len(plan.ranks[r].microbatches) for r in plan.stage_ranks(st.index)))
+        for st in plan.stages))

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from cost_models import comm, compute, memory
 from cost_models.cluster import ClusterSpec, Link
-from cost_models.cluster_file import parse_cluster
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
 from cost_models.optim import optim_ms
@@ -124,7 +123,7 @@ class CostModel:
     @classmethod
     def for_plan(cls, plan: Plan) -> "CostModel":
         return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
-                   ranks=plan.ranks, verifiers=plan.verifiers, cluster=parse_cluster(plan.cluster),
+                   ranks=plan.ranks, verifiers=plan.verifiers, cluster=plan.effective_cluster(),
                    config=plan.config, recompute=tuple(s.recompute for s in plan.stages))
 
     @classmethod
@@ -145,7 +144,7 @@ class CostModel:
                                     found=f"{slowdown} ({'with' if emulate else 'without'} emulated speeds)")
         planned = cls.for_plan(plan)
         link = Link(bandwidth_gbps=local.p2p_bandwidth_gbps, latency_ms=local.p2p_latency_ms)
-        planned_cluster = parse_cluster(plan.cluster)
+        planned_cluster = plan.effective_cluster()
         hosts = tuple(replace(h, devices=tuple(replace(d, spec=local) for d in h.devices), intra_host=None)
                       for h in planned_cluster.hosts)
         here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())

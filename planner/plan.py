@@ -24,12 +24,15 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
 import jsonschema
 
+from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner import secret as run_secret
 from planner.errors import InvalidInputError, PlanMismatchError
@@ -46,7 +49,8 @@ from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-SCHEMA_VERSION = 3  # 2: verifier_config holds every monitor setting; 3: stages say whether they recompute
+# 2: verifier_config holds every monitor setting; 3: stages say whether they recompute; 4: excluded hosts and history
+SCHEMA_VERSION = 4
 _REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -219,6 +223,74 @@ class Predicted:
                                     found=f"{self.step_ms}, {self.bubble_fraction}")
 
 
+HISTORY_EVENTS = ("planned", "failure", "ban", "manual", "readmit")
+_WHEN_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def utc_stamp(moment: datetime | None = None) -> str:
+    """``moment`` (default: now) as the history's UTC time stamp, e.g. ``2026-12-03T09:34:24Z``."""
+    return (moment or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime(_WHEN_FORMAT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HistoryEntry:
+    """One step of a plan's history: what happened, to which hosts, why, when, and what the plan was before.
+
+    ``event``: ``planned`` (the original plan), ``failure`` (re-planned after a lost host), ``ban`` (after a
+    ban), ``manual`` (hosts excluded by the operator) or ``readmit`` (hosts put back). ``excluded_hosts``
+    are every host the step left out (those of ``excluded_domains`` included); ``readmitted_hosts`` those it
+    put back. ``previous_ranks`` / ``previous_step_ms``: the replaced plan's rank count and simulated step
+    (None for ``planned``).
+    """
+
+    event: str
+    when_utc: str
+    reason: str
+    excluded_hosts: tuple[str, ...] = ()
+    excluded_domains: tuple[str, ...] = ()
+    readmitted_hosts: tuple[str, ...] = ()
+    previous_ranks: int | None = None
+    previous_step_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.event not in HISTORY_EVENTS:
+            raise InvalidInputError("plan history event", expected=" or ".join(HISTORY_EVENTS), found=repr(self.event))
+        try:
+            datetime.strptime(self.when_utc, _WHEN_FORMAT)
+        except (TypeError, ValueError):
+            raise InvalidInputError("plan history time", expected="UTC as YYYY-MM-DDTHH:MM:SSZ",
+                                    found=repr(self.when_utc)) from None
+        original = self.event == "planned"
+        changed = bool(self.excluded_hosts or self.readmitted_hosts)
+        if original == changed or original != (self.previous_ranks is None) or \
+                (self.previous_ranks is None) != (self.previous_step_ms is None):
+            raise InvalidInputError(f"plan history entry {self.event!r} of {self.when_utc}",
+                                    expected="the original plan with no hosts and no previous plan, or a change "
+                                             "of hosts with the previous plan's ranks and step",
+                                    found=f"hosts excluded {list(self.excluded_hosts)}, re-admitted "
+                                          f"{list(self.readmitted_hosts)}, previous ranks {self.previous_ranks}")
+        if (self.event == "readmit") != (bool(self.readmitted_hosts) and not self.excluded_hosts):
+            raise InvalidInputError(f"plan history entry {self.event!r} of {self.when_utc}",
+                                    expected="readmit exactly when hosts are re-admitted and none excluded",
+                                    found=f"excluded {list(self.excluded_hosts)}, "
+                                          f"re-admitted {list(self.readmitted_hosts)}")
+        if set(self.excluded_hosts) & set(self.readmitted_hosts):
+            raise InvalidInputError("plan history entry", expected="a host excluded or re-admitted, not both",
+                                    found=repr(sorted(set(self.excluded_hosts) & set(self.readmitted_hosts))))
+
+    def summary(self) -> str:
+        """One line: ``2026-12-03T09:34:24Z ban: excluded vol3 (domain vol3): flagged 9 times (was 8 ranks, ...)``."""
+        what = []
+        if self.excluded_hosts:
+            domains = f" (domain {', '.join(self.excluded_domains)})" if self.excluded_domains else ""
+            what.append(f"excluded {', '.join(self.excluded_hosts)}{domains}")
+        if self.readmitted_hosts:
+            what.append(f"re-admitted {', '.join(self.readmitted_hosts)}")
+        was = "" if self.previous_step_ms is None else \
+            f" (was {self.previous_ranks} ranks, simulated step {self.previous_step_ms:.3f} ms)"
+        return f"{self.when_utc} {self.event}: {'; '.join(what + [self.reason])}{was}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """The whole plan; see the module docstring. ``programs[r]`` is rank r's program.
@@ -226,6 +298,10 @@ class Plan:
     The stages' block figures are per microbatch of ``chain_microbatch_size``
     samples (the solver may have rescaled the traced chain to the configured
     microbatch); ``model.batch`` stays the batch the fingerprint was traced at.
+
+    ``cluster`` is the cluster as given; the plan runs on it less ``excluded_hosts`` (lost or banned
+    machines, which a re-admission can put back): :meth:`effective_cluster`, which everything that runs,
+    simulates or checks the plan reads. ``history``: what made the plan and every change since.
     """
 
     model: ModelRef
@@ -241,6 +317,8 @@ class Plan:
     chain_microbatch_size: int
     tied_params: tuple[TiedParam, ...] = ()
     verifier_config: VerifierConfig = VerifierConfig()
+    excluded_hosts: tuple[str, ...] = ()
+    history: tuple[HistoryEntry, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -252,7 +330,19 @@ class Plan:
         if self.chain_microbatch_size < 1:
             raise InvalidInputError("plan chain_microbatch_size", expected=">= 1",
                                     found=str(self.chain_microbatch_size))
+        self._check_excluded()
         self._check_layout()
+
+    def _check_excluded(self) -> None:
+        hosts = {h.get("name") for h in self.cluster.get("hosts", ()) if isinstance(h, Mapping)}
+        if list(self.excluded_hosts) != sorted(set(self.excluded_hosts)) or not set(self.excluded_hosts) <= hosts:
+            raise InvalidInputError("plan excluded_hosts", expected="distinct host names of the plan's cluster, sorted",
+                                    found=repr(list(self.excluded_hosts)), fix=_REPLAN)
+        running = sorted({r.host for r in self.ranks} & set(self.excluded_hosts))
+        if running:
+            raise InvalidInputError(f"plan ranks on excluded host {running[0]}",
+                                    expected="ranks on the hosts left in the plan only", found=repr(running),
+                                    fix="re-plan with `stagewise replan` (it places ranks on the remaining hosts)")
 
     def _check_layout(self) -> None:
         next_block = 0
@@ -292,6 +382,10 @@ class Plan:
                                     found=str(len(self.predicted.peak_mem_bytes)))
 
     # --- queries -----------------------------------------------------------
+    def effective_cluster(self) -> ClusterSpec:
+        """The cluster the plan runs on: ``cluster`` less ``excluded_hosts`` (and the links only they used)."""
+        return parse_cluster(self.cluster).without_hosts(set(self.excluded_hosts))
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -379,6 +473,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "schema_version": plan.schema_version,
         "model": _plain(plan.model),
         "cluster": plan.cluster,
+        "excluded_hosts": list(plan.excluded_hosts),
         "config": plan.config.to_dict(),
         "policy": plan.policy.to_dict(),
         "verifier_config": plan.verifier_config.to_dict(),
@@ -391,6 +486,7 @@ def _plan_to_dict(plan: Plan) -> dict[str, Any]:
         "programs": [list(format_program(p)) for p in plan.programs],
         "report": _plain(plan.report),
         "predicted": _plain(plan.predicted),
+        "history": [_plain(e) for e in plan.history],
     }
 
 
@@ -419,6 +515,7 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             schema_version=version,
             model=ModelRef(**data["model"]),
             cluster=data["cluster"],
+            excluded_hosts=tuple(data["excluded_hosts"]),
             config=TrainingConfig.from_dict(data["config"]),
             policy=VerificationPolicy.from_dict(data["policy"]),
             verifier_config=VerifierConfig.from_dict(data["verifier_config"]),
@@ -432,6 +529,7 @@ def _plan_from_dict(data: Mapping[str, Any], source: str) -> Plan:
             programs=tuple(programs),
             report=SolveReport(**_tupled(data["report"])),
             predicted=Predicted(**_tupled(data["predicted"])),
+            history=tuple(HistoryEntry(**_tupled(e)) for e in data["history"]),
         )
     except InvalidInputError as exc:
         if exc.what.startswith(source):

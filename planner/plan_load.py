@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from cost_models.cluster_file import parse_cluster
 from models.registry import infer_example_inputs
 from planner.check import trust_problems
 from planner.errors import InvalidInputError, PlanMismatchError
@@ -42,7 +41,7 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
 def _check_trust(plan: Plan, source: str) -> None:
     """Re-run the trust check of plan time on the plan as read: an edited file that puts an untrusted
     device in a trusted role, or drops a verifier an untrusted sender needs, is refused."""
-    cluster = parse_cluster(plan.cluster)
+    cluster = plan.effective_cluster()  # a rank on an excluded host is refused by Plan itself
     devices = tuple(tuple(plan.ranks[r].device for r in plan.stage_ranks(k)) for k in range(plan.num_stages))
     problems = trust_problems(devices, plan.verifiers, cluster, plan.policy)
     if problems:

@@ -45,6 +45,15 @@ def stage_table(plan, costs):
     return table
 
 
+def history_lines(plan) -> list[str]:
+    """The hosts the plan leaves out, ``history (N):`` and one line per entry, oldest first."""
+    excluded = [f"excluded hosts: {', '.join(plan.excluded_hosts)}"] if plan.excluded_hosts else []
+    if not plan.history:
+        return excluded
+    return [*excluded, f"history ({len(plan.history)}):",
+            *(f"  {i}. {e.summary()}" for i, e in enumerate(plan.history, 1))]
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -55,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
                   f"microbatches of {plan.config.microbatch_size}; solver: {plan.report.method} "
                   f"{plan.report.status}, objective {plan.report.objective_ms:.3f} ms")
     console.print(stage_table(plan, costs))
+    for line in history_lines(plan):  # soft wrap: one terminal line per entry, whatever its width
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(rank_table(plan, result, costs, f"ranks: step {result.step_ms:.3f} ms, "
                                                   f"bubble {100 * result.bubble_fraction:.1f}%"))
     out = Path(args.out) if args.out is not None else Path(args.plan).resolve().parent

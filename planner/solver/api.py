@@ -83,6 +83,7 @@ from planner.solver.search.polish import polish
 from planner.solver.search.seq_partition_kernel import warm as warm_partition
 from planner.solver.search.sequences import search_sequences
 from planner.solver.solution import Solution, SolveReport, StagePlacement
+from planner.solver.warm import WarmStart, warm_placements
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
 Progress = Callable[[str, float | None, float | None, float], None]
@@ -202,7 +203,7 @@ def _homogeneous_exact(problem: Problem) -> Placement | None:
 
 def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: str,
                    progress: Progress | None, gap_tolerance: float = GAP_TOLERANCE,
-                   shape: tuple[int | None, int | None] = (None, None)) -> _Outcome:
+                   shape: tuple[int | None, int | None] = (None, None), warm: WarmStart | None = None) -> _Outcome:
     """Search (``_search``), then keep the plan whose compiled programs cost least among every valid plan the
     search met, and bound that cost (``bound.relax.comm_free_for_bound``) in the time held back for it. With a
     ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``)."""
@@ -218,7 +219,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     else:
         seen = []
         found = _search(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
-                        seen)
+                        seen, warm)
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
     pick = cheapest(problem, seen + [found.placement])[0]
@@ -241,8 +242,9 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
 
 
 def _search(problem: Problem, time_limit_s: float, workers: int, label: str, progress: Progress | None,
-            gap_tolerance: float, seen: list[Placement]) -> _Outcome:
-    """The search for ``problem`` under the closed form, adding every valid plan it meets to ``seen``."""
+            gap_tolerance: float, seen: list[Placement], warm: WarmStart | None = None) -> _Outcome:
+    """The search for ``problem`` under the closed form, adding every valid plan it meets to ``seen``; a
+    ``warm`` start (an old plan repaired, ``solver.warm``) joins the first incumbents."""
     start = time.perf_counter()
     precheck(problem)
     exact = _homogeneous_exact(problem)
@@ -255,6 +257,7 @@ def _search(problem: Problem, time_limit_s: float, workers: int, label: str, pro
         return _Outcome(problem=problem, placement=exact, step_ms=ev.step_ms, bound_ms=ev.step_ms,
                         method="dp-exact", cpsat_status="SKIPPED", solve_s=time.perf_counter() - start)
     cands = _incumbents(problem, max(0.2, HEURISTIC_SHARE * time_limit_s))
+    cands += warm_placements(problem, warm) if warm is not None else []
     seen.extend(p for p, _, _ in cands)
     one_stage = min((s for p, s, _ in cands if p.num_stages == 1), default=math.inf)
     placement, step, how = _best(cands)
@@ -359,7 +362,8 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
           policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0, workers: int = 2,
           microbatch_sizes: Sequence[int] | None = None, max_replicas: int | None = None,
           progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE,
-          stages: int | None = None, replicas: int | None = None, recompute_mode: str = "auto") -> Solution:
+          stages: int | None = None, replicas: int | None = None, recompute_mode: str = "auto",
+          warm_start: WarmStart | None = None) -> Solution:
     """The best placement within ``time_limit_s`` with a proven bound (see the module docstring).
 
     ``microbatch_sizes``: candidates for the microbatch size (each must divide
@@ -367,13 +371,14 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
     returned solution's ``num_microbatches`` tells which one won. ``stages`` /
     ``replicas``: fix the pipeline's depth / every stage's replica count.
     ``recompute_mode``: ``auto`` searches activation recomputation too where memory is tight
-    (``planner.solver.recompute``), ``never`` / ``always`` as named.
+    (``planner.solver.recompute``), ``never`` / ``always`` as named. ``warm_start``: an old plan's stages
+    (a re-plan's), repaired to this cluster and tried first (``planner.solver.warm``).
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                               microbatch_sizes=microbatch_sizes, max_replicas=max_replicas, progress=progress,
                               gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
-                              recompute_mode=recompute_mode)
+                              recompute_mode=recompute_mode, warm_start=warm_start)
     if isinstance(result, InfeasiblePlanError):
         raise result
     return result
@@ -384,7 +389,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      workers: int = 2, microbatch_sizes: Sequence[int] | None = None,
                      max_replicas: int | None = None, progress: Progress | None = None,
                      gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
-                     replicas: int | None = None, recompute_mode: str = "auto") -> Solution | InfeasiblePlanError:
+                     replicas: int | None = None, recompute_mode: str = "auto",
+                     warm_start: WarmStart | None = None) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
     warm_kernels()  # the first call on a machine compiles the DP kernels (seconds): not the solve's time
     warm_partition()
@@ -406,7 +412,7 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
         share = (time_limit_s - (time.perf_counter() - start)) / (len(jobs) - i)
         try:
             outcome = _solve_problem(problem, max(0.2, share), workers, f"M={problem.num_microbatches}", progress,
-                                     gap_tolerance, (stages, replicas))
+                                     gap_tolerance, (stages, replicas), warm_start)
         except InfeasiblePlanError as exc:
             first_error = first_error or exc
             outcome = _Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,

@@ -1,10 +1,13 @@
-"""`stagewise replan`: a signed plan solved again without a host, written signed; bad exclusions and a
-plan edited since signing are one line and exit 2, with no file written."""
+"""`stagewise replan`: a signed plan solved again without a host, written signed, then with the host
+re-admitted (the history says so, `show` prints it); bad exclusions, bad re-admissions and a plan edited
+since signing are one line and exit 2, with no file written."""
 from __future__ import annotations
 
 import json
 
 import pytest
+
+from planner.plan_load import load_plan
 
 CLUSTER = """name: three
 hosts:
@@ -37,8 +40,33 @@ def test_replan_without_a_host(run_cli, plan_path, tmp_path):
     assert "replanned without h2" in proc.stdout
 
 
+def test_exclude_then_readmit_puts_the_host_back_with_its_history(run_cli, plan_path, tmp_path):
+    without, back = tmp_path / "without.json", tmp_path / "back.json"
+    proc = run_cli("replan", str(plan_path), "--exclude", "h2", "--why", "rig banned", "--time-limit", "3",
+                   "-o", str(without))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("replan", str(without), "--readmit", "h2", "--why", "banned by mistake", "--time-limit", "3",
+                   "-o", str(back))
+    assert proc.returncode == 0, proc.stderr
+    assert load_plan(without).excluded_hosts == ("h2",)
+    plan = load_plan(back)
+    assert plan.excluded_hosts == () and "h2" in {h.name for h in plan.effective_cluster().hosts}
+    assert [(e.event, e.excluded_hosts, e.readmitted_hosts, e.reason) for e in plan.history][1:] == [
+        ("manual", ("h2",), (), "rig banned"), ("readmit", (), ("h2",), "banned by mistake")]
+    assert plan.history[0].event == "planned" and plan.history[2].previous_ranks == load_plan(without).num_ranks
+    proc = run_cli("show", str(back), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("history (3):")
+    assert [line.split()[:3:2] for line in lines[at + 1:at + 4]] == [["1.", "planned:"], ["2.", "manual:"],
+                                                                   ["3.", "readmit:"]]
+    assert "re-admitted h2; banned by mistake (was " in lines[at + 3]
+
+
 @pytest.mark.parametrize("extra,message", [(("--exclude", "h9"), "exclude host 'h9'"),
                                            (("--exclude-domain", "nobody"), "exclude trust domain 'nobody'"),
+                                           (("--readmit", "h1"), "readmit host 'h1'"),
+                                           (("--readmit", "h9"), "readmit host 'h9'"),
                                            ((), "at least one host")])
 def test_bad_exclusions_are_one_line(run_cli, plan_path, tmp_path, extra, message):
     new = tmp_path / "new.json"

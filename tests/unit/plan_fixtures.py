@@ -12,6 +12,7 @@ the meta device: a few seconds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from cost_models.cluster_file import default_cluster, parse_cluster
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
 from planner.ir import Block, BlockChain
-from planner.plan import ModelRef, Plan
+from planner.plan import HistoryEntry, ModelRef, Plan
 from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import (
@@ -126,7 +127,8 @@ def golden_plan() -> Plan:
                    4, splits=[(4,), (3, 1), (4,)],
                    verifiers=(VerifierPlacement(boundary=0, device="verifier/0", directions=("grad",)),
                               VerifierPlacement(boundary=1, device="trusted-d/0")))
-    return compile_simple(ch, cl, sol)
+    first = HistoryEntry(event="planned", when_utc="2026-01-01T00:00:00Z", reason="planned on test")  # fixed time
+    return dataclasses.replace(compile_simple(ch, cl, sol), history=(first,))
 
 
 def doc_plan() -> Plan:
