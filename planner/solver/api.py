@@ -91,6 +91,8 @@ Progress = Callable[[str, float | None, float | None, float], None]
 # Of each M's time budget, for the sequence search that seeds the bound and CP-SAT: small, as the bound's first
 # DPs soon find far better plans than it does (tuning history: benchmarks/README.md).
 HEURISTIC_SHARE = 0.05
+# The uniform grids that seed the search get twice the sequence search's time (every shape: ~4 s at 176 devices).
+GRID_BUDGET_FACTOR = 2.0
 MODEL_SIZE_LIMIT = 4_000  # blocks x stage slots up to which the CP-SAT model covers every stage count
 SLOT_CAP = 20  # slots of the smaller model beyond that: CP-SAT improves plans far better there
 LAGRANGE_SHARE = 0.75  # of each M's time budget on large models, for the sequence-DP bound and its plans
@@ -172,7 +174,7 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
             out.append((placement, ev.step_ms, f"baseline:{name}"))
     # Every uniform pp x dp grid, the cheapest few also with their blocks split for their devices: the
     # search starts no worse than ppdp or a fixed shape would.
-    for placement in grid_candidates(problem):
+    for placement in grid_candidates(problem, time_budget_s=GRID_BUDGET_FACTOR * budget_s):
         out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
     found = search_sequences(problem, time_budget_s=budget_s)
     if found is not None:

@@ -111,20 +111,27 @@ def _sole_receiver(stage: StagePlacement, device: str) -> bool:
     return stage.devices == (device,)
 
 
+def _slowest_transfer_ms(problem: Problem, nbytes: float, dev: str, peers: tuple[str, ...]) -> float:
+    """The slowest transfer from ``dev`` to any of ``peers``: links depend on device classes only, so one
+    per class (a wide replica group has far fewer classes than devices)."""
+    one_per_class = {problem.class_of(d): d for d in peers}
+    return max(problem.transfer_ms(nbytes, dev, d) for d in one_per_class.values())
+
+
 def _send_ms(problem: Problem, placement: Placement, k: int, dev: str) -> float:
     """Per-microbatch send time of replica ``dev`` of stage ``k`` (activation, gradient, verifier copies)."""
     stages, S = placement.stages, placement.num_stages
     total = 0.0
     if k < S - 1:
         nbytes = problem.boundary_bytes(stages[k].last_block)
-        total += max(problem.transfer_ms(nbytes, dev, d) for d in stages[k + 1].devices)
+        total += _slowest_transfer_ms(problem, nbytes, dev, stages[k + 1].devices)
         v = placement.verifier_of(k)
         if v is not None and "act" in v.directions and v.device != dev \
                 and not _sole_receiver(stages[k + 1], v.device):
             total += problem.transfer_ms(nbytes, dev, v.device)
     if k > 0:
         nbytes = problem.boundary_bytes(stages[k - 1].last_block)
-        total += max(problem.transfer_ms(nbytes, dev, d) for d in stages[k - 1].devices)
+        total += _slowest_transfer_ms(problem, nbytes, dev, stages[k - 1].devices)
         v = placement.verifier_of(k - 1)
         if v is not None and "grad" in v.directions and v.device != dev \
                 and not _sole_receiver(stages[k - 1], v.device):
@@ -178,12 +185,16 @@ def evaluate(problem: Problem, placement: Placement) -> Evaluation:
     vload = _verify_load(problem, placement)
     vstate = _verifier_state(problem, placement)
     stage_ms, mem, over = [], {}, []
+    checkers = {v.device for v in placement.verifiers}
+    sends: dict[tuple, float] = {}  # replicas of one class send alike (unless one is a verifier): price once
     for k, st in enumerate(placement.stages):
         worst = 0.0
         for dev, m in zip(st.devices, st.microbatches):
             cls = problem.class_of(dev)
-            per_mb = (problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, cls)
-                      + _send_ms(problem, placement, k, dev))
+            key = (k, dev) if dev in checkers else (k, cls)
+            if key not in sends:
+                sends[key] = _send_ms(problem, placement, k, dev)
+            per_mb = problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, cls) + sends[key]
             worst = max(worst, (m * per_mb + M * vload.get(dev, 0.0)) / M)
             mem[dev] = stage_memory_bytes(problem, st, S, m) + vstate.get(dev, 0)
         stage_ms.append(worst)

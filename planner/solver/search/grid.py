@@ -14,6 +14,8 @@ also re-partitioned for its devices and its cuts polished, the cheapest kept.
 """
 from __future__ import annotations
 
+import time
+
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver.objective import (
     Placement,
@@ -71,16 +73,22 @@ def _checked(problem: Problem, stages: tuple[StagePlacement, ...]) -> Placement 
     return None if violations(problem, placement) else placement
 
 
-def grids(problem: Problem, *, stages: int | None = None, replicas: int | None = None) -> list[Placement]:
-    """Every valid grid (of the given shape, where given)."""
+def grids(problem: Problem, *, stages: int | None = None, replicas: int | None = None,
+          time_budget_s: float | None = None) -> list[Placement]:
+    """Every valid grid (of the given shape, where given); within ``time_budget_s`` those that use the most
+    devices first (on hundreds of devices there are over a thousand shapes)."""
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
     D = sum(c.count for c in problem.classes if c.stage_capable)
+    shapes = [(pp, dp) for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1))
+              for dp in ([replicas] if replicas else range(1, D // pp + 1))]
     out = []
-    for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1)):
-        for dp in ([replicas] if replicas else range(1, D // pp + 1)):
-            for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
-                found = _grid(problem, pp, dp, together=together)
-                if found is not None:
-                    out.append(found)
+    for pp, dp in sorted(shapes, key=lambda s: (-s[0] * s[1], s[0])):
+        if deadline is not None and out and time.perf_counter() > deadline:
+            break
+        for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
+            found = _grid(problem, pp, dp, together=together)
+            if found is not None:
+                out.append(found)
     return out
 
 
@@ -95,9 +103,9 @@ def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED)
     return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
 
 
-def grid_candidates(problem: Problem, *, repartition: int = 3) -> list[Placement]:
+def grid_candidates(problem: Problem, *, repartition: int = 3, time_budget_s: float | None = None) -> list[Placement]:
     """The likeliest valid grids, and the ``repartition`` cheapest re-partitioned for their devices."""
-    found = cheapest(problem, grids(problem))
+    found = cheapest(problem, grids(problem, time_budget_s=time_budget_s))
     return found + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition]) if p is not None]
 
 
