@@ -9,7 +9,9 @@ both). It follows rank 0's progress events and returns rank 0's result.
 If a rank fails, the others fail too within the process-group timeout (each
 names the peer it lost); the launcher stops whatever still runs, finds the
 root cause (a rank that died, raised, or hung) and raises one
-:class:`RankFailureError` naming it.
+:class:`RankFailureError` naming it. A run the verifiers stopped by banning a rank
+raises :class:`RunBanned` instead: which rank, its host, its first flagged step and
+the ban step, and rank 0's result up to the ban.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.runtime import checkpoint, hosts
+from planner.runtime.bans import BanNotice, RankBannedError
 from planner.runtime.data import check_data, parse_data_spec
 from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import (
@@ -103,6 +106,9 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
         reader.join(timeout=5)
         _drain(events, on_event)
         failures = [r for r in ranks if r.proc.returncode != 0]
+        banned = _banned(run_dir, result_path)
+        if banned is not None:
+            raise banned  # rank 0's report already says so
         if failures:
             hints = [f"see the rank logs in {run_dir}" if log_dir else "",
                      f"to go on without the failed rank's host: stagewise replan {opts.plan} --exclude HOST -o "
@@ -251,6 +257,27 @@ class RunFailure(RankFailureError):
     def __init__(self, what: str, *, rank: int, fix: str | None = None) -> None:
         super().__init__(what, fix=fix)
         self.rank = rank
+
+
+class RunBanned(RunFailure):
+    """A run the verifiers stopped by banning ``notices``' ranks (on ``hosts``); ``result`` is rank 0's
+    result up to the ban (losses, verification events), when it wrote one."""
+
+    def __init__(self, error: RankBannedError, *, result: dict[str, Any] | None) -> None:
+        super().__init__(error.what, rank=error.notices[0].rank, fix=error.fix)
+        self.notices, self.hosts, self.result = error.notices, error.hosts, result
+
+
+def _banned(run_dir: Path, result_path: Path) -> RunBanned | None:
+    """The ban that stopped the run, from the ranks' error records (every rank leaves the same one)."""
+    for record in _records(run_dir).values():
+        if record.get("kind") == RankBannedError.__name__ and record.get("bans"):
+            notices = tuple(BanNotice(**{k: int(v) for k, v in n.items()}) for n in record["bans"])
+            hosts = {int(r): str(h) for r, h in record.get("hosts", {}).items()}
+            error = RankBannedError(notices, hosts=hosts, fix=record.get("fix"))
+            result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+            return RunBanned(error, result=result)
+    return None
 
 
 def diagnose(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> str:
