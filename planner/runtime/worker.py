@@ -230,6 +230,9 @@ class Progress:
         self.emit("done", result)
         if not self.events:
             print(format_comparison(result), flush=True)
+            if result.get("untrained_steps"):
+                print(f"steps {result['untrained_steps']} trained nothing (every microbatch was dropped by "
+                      "verification): the run is not complete", flush=True)
 
 
 def format_comparison(result: dict[str, Any]) -> str:
