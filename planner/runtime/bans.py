@@ -71,11 +71,14 @@ def decode(summed: torch.Tensor, *, first_stage_ranks: Collection[int]) -> StepV
 
 
 def replan_hint(plan_path: str, host: str, checkpoint_dir: str | None) -> str:
-    """The commands that go on without a banned (or lost) host."""
-    folder = checkpoint_dir or "DIR"
-    return (f"re-plan around it: stagewise run {plan_path} --replan-on-failure 1 --checkpoint-dir {folder}"
-            f"{'' if checkpoint_dir else ' (from the start: no checkpoint was taken)'}, or stagewise replan "
-            f"{plan_path} --exclude {host} -o NEW.json and stagewise run NEW.json --resume --checkpoint-dir {folder}")
+    """The commands that go on without a banned host (the later checkpoints are set aside by then, so
+    ``--resume`` starts from the clean one)."""
+    if checkpoint_dir is None:
+        resume = "stagewise run NEW.json (from the start: this run took no checkpoints)"
+    else:
+        resume = f"stagewise run NEW.json --resume --checkpoint-dir {checkpoint_dir} (from the last clean checkpoint)"
+    return (f"stagewise replan {plan_path} --exclude {host} -o NEW.json, then {resume}; with --replan-on-failure 1 "
+            "--checkpoint-dir DIR a run re-plans around a banned rank by itself")
 
 
 def describe(notice: BanNotice, host: str) -> str:

@@ -40,6 +40,7 @@ def test_corrupting_rank_is_caught_dropped_and_banned_and_the_run_stops(tmp_path
     message = str(stopped.value)
     assert f"rank 1 (host h1) banned at step {BAN_STEP}, first flagged at step {ATTACK_START}" in message
     assert "--replan-on-failure 1" in message and "stagewise replan" in message and "--exclude h1" in message
+    assert "stagewise run NEW.json (from the start" in message   # no checkpoints to resume from
     result = stopped.value.result
     assert result["banned"] == [1] and result["steps"] == BAN_STEP + 1   # nothing ran after the ban step
     attacked = next(r for r in result["ranks"] if r["rank"] == 1)["attacked"]

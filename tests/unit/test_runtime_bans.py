@@ -29,5 +29,6 @@ def test_the_stop_line_names_the_rank_its_host_and_the_commands_that_go_on_witho
     notice = BanNotice(rank=2, first_flagged_step=6, ban_step=9)
     assert describe(notice, "h2") == "rank 2 (host h2) banned at step 9, first flagged at step 6"
     hint = replan_hint("plan.json", "h2", "ckpt")
-    assert "stagewise run plan.json --replan-on-failure 1 --checkpoint-dir ckpt" in hint
-    assert "stagewise replan plan.json --exclude h2" in hint
+    assert "stagewise replan plan.json --exclude h2 -o NEW.json" in hint
+    assert "stagewise run NEW.json --resume --checkpoint-dir ckpt" in hint and "--replan-on-failure 1" in hint
+    assert "--resume" not in replan_hint("plan.json", "h2", None)
