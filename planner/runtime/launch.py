@@ -90,6 +90,7 @@ class _Rank:
 def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | None = None,
            log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run ``opts.plan`` locally; return rank 0's result (step times, losses, predicted vs measured)."""
+    started = time.time()  # a report older than this is an earlier run's
     plan = preflight(opts)
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stagewise-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,11 +117,11 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
                      if opts.checkpoint_dir else ""]
             root, cause = root_cause(ranks, run_dir, opts.timeout_s)
             error = RunFailure(cause, rank=root, fix="; ".join(h for h in hints if h) or None)
-            _failure_report(opts, str(error))
+            _failure_report(opts, str(error), started=started)
             raise error
         return json.loads(result_path.read_text(encoding="utf-8"))
     except KeyboardInterrupt:
-        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped")
+        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped", started=started)
         raise
     finally:
         if previous is not None:
@@ -147,11 +148,22 @@ def _stop_on_sigterm():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _failure_report(opts: RunOptions, error: str) -> None:
-    """A failed run still leaves a report (``--report``): what went wrong."""
-    if opts.report:
-        write_atomic(opts.report, json.dumps({"plan": os.fspath(opts.plan), "failed": True, "error": error},
-                                             indent=1) + "\n")
+def _failure_report(opts: RunOptions, error: str, *, started: float) -> None:
+    """A failed run still leaves a report (``--report``): what went wrong, beside the steps it finished
+    (rank 0 rewrites the report as the run goes; an earlier run's report is not taken for this one's)."""
+    if not opts.report:
+        return
+    record: dict[str, Any] = {}
+    try:
+        path = Path(opts.report)
+        earlier = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_mtime >= started else None
+        if isinstance(earlier, dict) and earlier.get("in_progress"):
+            record = earlier
+    except (OSError, ValueError):
+        pass
+    record.update({"plan": os.fspath(opts.plan), "failed": True, "error": error})
+    record.pop("in_progress", None)
+    write_atomic(opts.report, json.dumps(record, indent=1) + "\n")
 
 
 def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, str]:

@@ -471,7 +471,7 @@ class _ProgressReport:
 
     def __init__(self, plan, opts: RunOptions, summaries: list[StepSummary], executor: Executor) -> None:
         self.plan, self.opts, self.summaries, self.executor = plan, opts, summaries, executor
-        self.last = time.monotonic()
+        self.last = -math.inf  # the first finished step is written at once
 
     def __call__(self, force: bool) -> None:
         if not self.summaries or (not force and time.monotonic() - self.last < self.PERIOD_S):
