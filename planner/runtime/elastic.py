@@ -54,7 +54,8 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
             if len(replans) >= max_replans or not checkpoint.complete_steps(opts.checkpoint_dir):
                 raise
             host = load_plan(opts.plan).ranks[failure.rank].host
-            opts = _replan(opts, key, replans, {"after": failure.what, "excluded": host}, time_limit_s)
+            opts = _replan(opts, key, replans, {"after": failure.what, "excluded": host, "event": "failure"},
+                           time_limit_s)
         else:
             if replans:
                 result["recovered"] = "; ".join(f"{r['after']} -> re-planned without {r['excluded']}, resumed "
@@ -71,7 +72,7 @@ def _ban_event(opts: RunOptions, banned: RunBanned) -> dict[str, Any]:
     first = min(n.first_flagged_step for n in banned.notices)
     checkpoint.set_aside(opts.checkpoint_dir, from_step=first)  # rank 0 did it when it stopped; once more is a no-op
     reason = "; ".join(describe(n, plan.ranks[n.rank].host) for n in banned.notices)
-    return {"after": reason, "excluded": ", ".join(hosts), "hosts": hosts,
+    return {"after": reason, "excluded": ", ".join(hosts), "hosts": hosts, "event": "ban",
             "banned": [n.to_dict() for n in banned.notices]}
 
 
@@ -80,7 +81,8 @@ def _replan(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], event: 
     """Re-plan without the event's hosts, record it in ``replans``, and return the options that resume."""
     plan = load_plan(opts.plan)
     hosts = event.pop("hosts", [event["excluded"]])
-    new = replan(plan, exclude_hosts=hosts, exclude_domains=(), reason=event["after"], time_limit_s=time_limit_s)
+    new = replan(plan, exclude_hosts=hosts, exclude_domains=(), reason=event["after"], event=event["event"],
+                 time_limit_s=time_limit_s)
     path = Path(opts.checkpoint_dir) / f"plan-replan-{len(replans) + 1}.json"
     new.save(path, secret=key)
     steps = checkpoint.complete_steps(opts.checkpoint_dir)

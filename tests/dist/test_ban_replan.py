@@ -110,6 +110,8 @@ def test_a_banned_attacker_is_planned_out_and_the_run_resumes_from_the_last_clea
     new_plan = load_plan(opts.plan)
     assert "h1" not in {r.host for r in new_plan.ranks}
     assert new_plan.report.notes[0].startswith("replanned without h1: rank 1 (host h1) banned")
+    assert new_plan.history[-1].event == "ban" and new_plan.history[-1].excluded_hosts == ("h1",)
+    assert replanned["event"] == "ban"
     # the checkpoints the attacker had a hand in were set aside, none of them resumed from
     tainted = sorted(p.name for p in ckpt.glob("step-*.tainted"))
     assert tainted == [f"step-{s:08d}.tainted" for s in range(first, banned_at)]
