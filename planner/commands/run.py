@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "folder (from_pretrained loads it)")
     p.add_argument("--replan-on-failure", type=int, default=0, metavar="N",
                    help="when a rank dies, hangs or fails, re-plan without its host and resume from the newest "
-                        "checkpoint, up to N times (needs --checkpoint-dir; default 0: the run stops)")
+                        "checkpoint; when the verifiers ban a rank, the same from the last checkpoint before its "
+                        "first flagged step; up to N times (needs --checkpoint-dir; default 0: the run stops)")
     p.set_defaults(handler=run)
 
 
@@ -93,16 +94,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = launch_saving_weights(opts, args.save_weights, on_event=on_event, log_dir=args.log_dir)
     console.print(summary_table(result, here))
-    if result.get("banned"):
-        console.print(f"[bold yellow]banned ranks {result['banned']}[/]: they kept running "
-                      "(replanning around a banned rank is future work)")
     for r in result.get("replans", ()):
-        console.print(f"re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
-                      f"({r['ranks']} ranks, resumed after step {r['resumed_after_step']})")
+        start = "from the start" if r["resumed_after_step"] is None else f"after step {r['resumed_after_step']}"
+        console.print(f"recovered: re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
+                      f"({r['ranks']} ranks, resumed {start})")
     if opts.report:
         console.print(f"report written to {opts.report}")
     if result.get("weights"):
         console.print(f"trained weights written to {result['weights']}")
+    untrained = result.get("untrained_steps") or []
+    if untrained:  # every microbatch of these steps was dropped: the model is short of them
+        console.print(f"[bold red]steps {untrained} trained nothing[/] (every microbatch was dropped by "
+                      "verification): the run is not complete")
+        return 1
     return 0
 
 
@@ -146,4 +150,8 @@ def summary_table(result: dict[str, Any], here=None):
         table.add_row("verifier flags", str(result.get("flags", 0)))
         table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
         table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")
+    if result.get("replans"):
+        table.add_row("re-plans (recovered)", str(len(result["replans"])))
+    if result.get("untrained_steps"):
+        table.add_row("steps that trained nothing", ", ".join(map(str, result["untrained_steps"])))
     return table

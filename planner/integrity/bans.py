@@ -15,6 +15,11 @@ honest senders stay under ``p0`` is measured on clean runs (``benchmarks/verific
 which also give the bound at the measured rate. An attacker blamed every step is banned
 after ``ceil(h / ln(p1/p0))`` steps (5 at the defaults); one blamed in a share ``r`` of
 them after about ``h / (r ln(p1/p0) + (1-r) ln((1-p1)/(1-p0)))``.
+
+A sender's *first flagged step* is where the run of evidence that banned it began: the first step it
+was blamed since its evidence was last zero (a CUSUM at zero has forgotten everything before). Until
+the evidence returns to zero, the sender's flag is unresolved: the newest checkpoint before that step
+is the run's last clean one (``planner.runtime.checkpoint`` keeps it).
 """
 from __future__ import annotations
 
@@ -30,29 +35,48 @@ class BanTest:
         self.level = math.log(false_steps)
         self.evidence: dict[int, float] = {}
         self.banned: set[int] = set()
+        self.since: dict[int, int] = {}             # sender -> first step of its current run of evidence
+        self.bans: dict[int, tuple[int, int]] = {}  # banned sender -> (first flagged step, ban step)
+        self._clock = 0                             # the next step, when the caller does not say
 
-    def step(self, blamed: set[int]) -> list[int]:
-        """Update every sender with evidence (and the blamed ones); the newly banned, in rank order."""
+    def step(self, blamed: set[int], *, at: int | None = None) -> list[int]:
+        """Update every sender with evidence (and the blamed ones) for step ``at`` (default: the step after
+        the previous call's); the newly banned, in rank order."""
+        now = self._clock if at is None else int(at)
+        self._clock = now + 1
         new = []
         for sender in sorted(set(self.evidence) | blamed):
             value = max(0.0, self.evidence.get(sender, 0.0) + (self.up if sender in blamed else self.down))
             if value > 0.0:
+                self.since.setdefault(sender, now)
                 self.evidence[sender] = value
             else:
                 self.evidence.pop(sender, None)
+                self.since.pop(sender, None)
             if sender not in self.banned and value >= self.level:
                 self.banned.add(sender)
+                self.bans[sender] = (self.since[sender], now)
                 new.append(sender)
         return new
 
+    def unresolved(self) -> dict[int, int]:
+        """Sender -> first flagged step, for every sender with evidence that has not returned to zero,
+        and every banned one (its flag is resolved by planning it out, not by time)."""
+        return {**self.since, **{s: first for s, (first, _) in self.bans.items()}}
+
     def to_json(self) -> dict:
         """The evidence and the bans, to carry across a resume (a restart must not wipe them)."""
-        return {"evidence": {str(k): v for k, v in self.evidence.items()}, "banned": sorted(self.banned)}
+        return {"evidence": {str(k): v for k, v in self.evidence.items()}, "banned": sorted(self.banned),
+                "since": {str(k): v for k, v in self.since.items()},
+                "bans": {str(k): list(v) for k, v in self.bans.items()}, "clock": self._clock}
 
     def restore(self, data: dict) -> None:
         self.evidence = {int(k): float(v) for k, v in data.get("evidence", {}).items()}
         self.banned.clear()
         self.banned.update(int(r) for r in data.get("banned", []))
+        self.since = {int(k): int(v) for k, v in data.get("since", {}).items()}
+        self.bans = {int(k): (int(v[0]), int(v[1])) for k, v in data.get("bans", {}).items()}
+        self._clock = int(data.get("clock", 0))
 
     def steps_to_ban(self, blamed_share: float) -> float:
         """About how many steps a sender blamed in ``blamed_share`` of its steps takes to be banned

@@ -554,12 +554,21 @@ class Verifier:
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:
                 steps.append(step)
-        for sender in self._bans.step(blamed):
+        for sender in self._bans.step(blamed, at=step):
             self.events.append({"type": "ban", "step": int(step), "sender": sender,
+                                "first_flagged_step": self._bans.bans[sender][0],
                                 "blamed_steps": list(self._blamed_steps.get(sender, [])[-20:]),
                                 "evidence": round(self._bans.evidence[sender], 3)})
         self._step_flags.pop(step, None)
         return set(self.banned)
+
+    def unresolved(self) -> dict[int, int]:
+        """Sender -> first flagged step of every sender whose flags are not resolved (``BanTest.unresolved``)."""
+        return self._bans.unresolved()
+
+    def ban_records(self) -> dict[int, tuple[int, int]]:
+        """Banned sender -> (its first flagged step, the step it was banned at)."""
+        return dict(self._bans.bans)
 
     def bans_state(self) -> dict[str, Any]:
         """The ban test's evidence and bans and the blame history, for a checkpoint."""

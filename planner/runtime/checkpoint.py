@@ -9,14 +9,18 @@ in a format that runs no code when read (safetensors). Because tensors are keyed
 by parameter name, a checkpoint resumes any stage layout of the same model: a
 rank reads the names it needs from whichever rank's file holds them. The step is
 the data position too (each step's batches are a function of the step).
-Only the ``keep`` newest complete checkpoints stay.
+Only the ``KEEP`` newest complete checkpoints stay, and while a verifier's flag on some sender is
+unresolved, also the last clean one: the newest taken before that sender's first flagged step
+(:func:`prunable`), which is where a run resumes if the sender gets banned. When a ban stops a run,
+the checkpoints taken from the first flagged step on are set aside (:func:`set_aside`: renamed, kept
+for a look, never resumed from), so the newest complete checkpoint left is the clean one.
 """
 from __future__ import annotations
 
 import json
 import re
 import shutil
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +68,10 @@ def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
     return path
 
 
-def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str) -> None:
-    """Rank 0, once every rank has written: mark the checkpoint complete, then prune older ones."""
+def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str,
+             keep_before: int | None = None) -> None:
+    """Rank 0, once every rank has written: mark the checkpoint complete, then prune older ones
+    (``keep_before``: the earliest first flagged step of an unresolved flag, see :func:`prunable`)."""
     folder = step_folder(root, step)
     missing = [r for r in range(num_ranks) if not (folder / f"rank{r}.safetensors").is_file()]
     if missing:
@@ -74,8 +80,35 @@ def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str) -
     manifest = {"step": step, "num_ranks": num_ranks, "fingerprint": fingerprint}
     with atomic_file(folder / MANIFEST) as fh:
         json.dump(manifest, fh)
-    for old in [s for s in complete_steps(root) if s < step][:-(KEEP - 1) or None]:
+    for old in prunable(complete_steps(root), keep_before=keep_before):
         shutil.rmtree(step_folder(root, old), ignore_errors=True)
+
+
+def prunable(steps: Sequence[int], *, keep_before: int | None = None) -> list[int]:
+    """Of the complete checkpoints ``steps``, those to delete: all but the ``KEEP`` newest and, while a
+    flag first raised at step ``keep_before`` is unresolved, the newest one before that step (the last
+    clean checkpoint: the one taken after step ``c`` holds no update of step ``c + 1`` or later)."""
+    ordered = sorted(steps)
+    keep = set(ordered[-KEEP:])
+    if keep_before is not None:
+        clean = [s for s in ordered if s < keep_before]
+        keep.update(clean[-1:])
+    return [s for s in ordered if s not in keep]
+
+
+def set_aside(root: str | Path, *, from_step: int) -> list[Path]:
+    """Rename the complete checkpoints of ``from_step`` and later to ``step-N.tainted`` (a banned sender
+    had a hand in them); nothing loads them any more. Returns their new paths."""
+    moved = []
+    for step in complete_steps(root):
+        if step >= from_step:
+            folder = step_folder(root, step)
+            target, n = folder.with_name(folder.name + ".tainted"), 1
+            while target.exists():
+                target, n = folder.with_name(f"{folder.name}.tainted{n}"), n + 1
+            folder.rename(target)
+            moved.append(target)
+    return moved
 
 
 def complete_steps(root: str | Path) -> list[int]:

@@ -19,7 +19,13 @@ microbatch was already dropped upstream). A verifier scores the copy it gets
 and sends ``[flagged, tainted]`` to the consumer. A flagged or tainted
 microbatch is dropped: the consumer zeroes the tensor, the last stage
 multiplies its loss by 0, and the taint header it sends on is 1. At the end of
-the step the verifier ranks exchange their flags and resolve blame and bans.
+the step the verifier ranks exchange their flags and resolve blame and bans, and every rank
+learns the outcome in one small all-reduce (``planner.runtime.bans``): the bans, the
+senders whose flags are unresolved, and how many microbatches trained.
+
+A parameter to whose gradient no microbatch contributed this step (all of its
+stage's, or of its tied group's, were dropped) gets no optimizer step: its
+gradient is zero, and Adam's momentum would still move it.
 
 Deferred verdicts (the default): the consumer only posts the verdict's receive
 at ``VERDICT`` and computes with the tensor at once, so the check runs while it
@@ -52,6 +58,7 @@ import torch
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
+from planner.runtime import bans as ban_exchange
 from planner.runtime import comm, messages
 from planner.runtime.comm import Groups, Kind, Pending
 from planner.runtime.deferred import HeldBackward, ReplayPoint, merge_grads
@@ -133,6 +140,11 @@ class Executor:
         self._next_recvs = _next_recvs(self.program)
         self._grad_last_use = self._last_uses_of_input_grads()
         self._thread_mark: float | None = None  # this thread's CPU clock when its previous step ended
+        # What the end-of-step exchange told every rank (verified runs only; see planner.runtime.bans).
+        self.bans: dict[int, ban_exchange.BanNotice] = {}
+        self.unresolved: dict[int, int] = {}   # sender -> first flagged step, while its flags stand
+        self.untrained_steps: list[int] = []   # steps in which no microbatch trained
+        self._first_stage_ranks = tuple(self.plan.stage_ranks(0))
 
     # ------------------------------------------------------------------ setup
     def _check_program(self) -> None:
@@ -207,6 +219,7 @@ class Executor:
         self.verdicts: dict[tuple[str, int], Pending] = {}   # deferred verdicts, posted and not yet awaited
         self.replays: dict[int, ReplayPoint] = {}            # forwards that may have to run again
         self.held: HeldBackward | None = None
+        self.stage_trained: int | None = None  # microbatches that trained on this stage's replicas (all-reduced)
 
     def _dispatch(self, ins: Instruction) -> None:
         op = ins.op
@@ -564,9 +577,38 @@ class Executor:
                 self._conclude(d, mb, self.verdicts.pop((d, mb)))
 
     def _end_verification(self, step: int) -> set[int]:
-        """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
-        if self.verify is None or self.verify.verifier is None:
+        """Verifier ranks exchange flags and resolve blame; then every rank learns the bans, the
+        unresolved flags and whether the step trained anything. Returns the ranks banned so far."""
+        if self.verify is None:
             return set()
+        self._resolve_blame(step)
+        lead = self.verify.verifier is not None and self.rank == min(self.groups.verifier_ranks)
+        mine = ban_exchange.encode(
+            self.plan.num_ranks, rank=self.rank, lead=lead,
+            unresolved=self.verify.verifier.unresolved() if lead else {},
+            bans=self.verify.verifier.ban_records() if lead else {}, trained=self._trained_here())
+        with self._timed("comm"):
+            summed = mine.to(self.device)
+            comm.all_reduce_sum(summed, group=None, ranks=range(self.plan.num_ranks),
+                                doing="sharing the step's bans with every rank")
+        got = ban_exchange.decode(summed.cpu(), first_stage_ranks=self._first_stage_ranks)
+        self.bans, self.unresolved = got.bans, got.unresolved
+        if got.trained == 0:
+            self.untrained_steps.append(step)
+        return set(self.bans)
+
+    def _trained_here(self) -> int:
+        """This rank's microbatches of the step that were not dropped (0 on a verifier-only rank)."""
+        if self.stage is None:
+            return 0
+        dropped = self.dropped_f | self.dropped_b
+        return sum(1 for mb in self.info.microbatches if mb not in dropped)
+
+    def _resolve_blame(self, step: int) -> None:
+        """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
+        assert self.verify is not None
+        if self.verify.verifier is None:
+            return
         with self._timed("verify"):
             flags = self.verify.step_flags(step)
         with self._timed("comm"):
@@ -577,8 +619,7 @@ class Executor:
             else:
                 gathered = [flags]
         with self._timed("verify"):
-            banned = self.verify.end_step(step, gathered)   # blame and bans: verification work too
-        return banned
+            self.verify.end_step(step, gathered)   # blame and bans: verification work too
 
     # ------------------------------------------------------------------ gradients and optimizer
     def _allreduce(self) -> None:
@@ -586,23 +627,45 @@ class Executor:
         if self.groups.stage is None or not self.replica_params:
             return
         with self._timed("comm"):
-            flat = comm.flat_grads(self.replica_params)
-            comm.all_reduce_sum(flat, group=self.groups.stage, ranks=self.groups.stage_ranks,
-                                doing=f"all-reducing stage {self.info.stage}'s gradients")
-            comm.unflatten_grads(flat, self.replica_params)
+            self.stage_trained = self._sum_grads(self.replica_params, group=self.groups.stage,
+                                                 ranks=self.groups.stage_ranks,
+                                                 doing=f"all-reducing stage {self.info.stage}'s gradients")
 
-    def _sync_tied(self) -> None:
+    def _sum_grads(self, params: Sequence[torch.nn.Parameter], *, group, ranks: Sequence[int], doing: str) -> int:
+        """Sum ``params``' gradients over ``group``; with verification, also how many microbatches trained
+        on its ranks (one more element in the same message)."""
+        flat = comm.flat_grads(params)
+        if self.verifying:
+            flat = torch.cat([flat, flat.new_tensor([float(self._trained_here())])])
+        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        trained = self._trained_here()
+        if self.verifying:
+            trained, flat = int(round(float(flat[-1]))), flat[:-1]
+        comm.unflatten_grads(flat, params)
+        return trained
+
+    def _sync_tied(self) -> list[torch.nn.Parameter]:
+        """Sum the tied parameters' gradients across their stages; returns those no microbatch trained."""
         named = dict(self.stage.parameters()) if self.stage is not None else {}
+        idle = []
         for group, ranks, names in self.groups.tied:
             params = [named[n] for n in names]
-            flat = comm.flat_grads(params)
-            comm.all_reduce_sum(flat, group=group, ranks=ranks, doing="summing tied parameters' gradients")
-            comm.unflatten_grads(flat, params)
+            if not self._sum_grads(params, group=group, ranks=ranks, doing="summing tied parameters' gradients"):
+                idle.extend(params)
+        return idle
+
+    def _idle_params(self, tied_idle: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The parameters no microbatch of this step trained (verified runs: every one dropped)."""
+        if not self.verifying or self.stage is None:
+            return []
+        trained = self.stage_trained if self.stage_trained is not None else self._trained_here()
+        return (list(self.replica_params) if trained == 0 else []) + tied_idle
 
     def _optim(self) -> None:
         self._settle_all()
         with self._timed("comm"):
-            self._sync_tied()
+            tied_idle = self._sync_tied()
+        idle = self._idle_params(tied_idle)
         with self._timed("optim"):
             if self.scaler is not None and self._overflowed():
                 if self.optimizer is not None:
@@ -611,8 +674,11 @@ class Executor:
             if self.keep_grads and self.stage is not None:
                 self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                    for n, p in self.stage.parameters()}
+            for p in idle:
+                p.grad = None  # no step for it: the optimizer skips a parameter without a gradient
             if self.optimizer is not None:
-                self.optimizer.step()
+                if len(idle) < len(self.params):
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
 
     def _overflowed(self) -> bool:

@@ -9,7 +9,9 @@ both). It follows rank 0's progress events and returns rank 0's result.
 If a rank fails, the others fail too within the process-group timeout (each
 names the peer it lost); the launcher stops whatever still runs, finds the
 root cause (a rank that died, raised, or hung) and raises one
-:class:`RankFailureError` naming it.
+:class:`RankFailureError` naming it. A run the verifiers stopped by banning a rank
+raises :class:`RunBanned` instead: which rank, its host, its first flagged step and
+the ban step, and rank 0's result up to the ban.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.runtime import checkpoint, hosts
+from planner.runtime.bans import BanNotice, RankBannedError
 from planner.runtime.data import check_data, parse_data_spec
 from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import (
@@ -87,6 +90,7 @@ class _Rank:
 def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | None = None,
            log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run ``opts.plan`` locally; return rank 0's result (step times, losses, predicted vs measured)."""
+    started = time.time()  # a report older than this is an earlier run's
     plan = preflight(opts)
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stagewise-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +107,9 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
         reader.join(timeout=5)
         _drain(events, on_event)
         failures = [r for r in ranks if r.proc.returncode != 0]
+        banned = _banned(run_dir, result_path)
+        if banned is not None:
+            raise banned  # rank 0's report already says so
         if failures:
             hints = [f"see the rank logs in {run_dir}" if log_dir else "",
                      f"to go on without the failed rank's host: stagewise replan {opts.plan} --exclude HOST -o "
@@ -110,11 +117,11 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
                      if opts.checkpoint_dir else ""]
             root, cause = root_cause(ranks, run_dir, opts.timeout_s)
             error = RunFailure(cause, rank=root, fix="; ".join(h for h in hints if h) or None)
-            _failure_report(opts, str(error))
+            _failure_report(opts, str(error), started=started)
             raise error
         return json.loads(result_path.read_text(encoding="utf-8"))
     except KeyboardInterrupt:
-        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped")
+        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped", started=started)
         raise
     finally:
         if previous is not None:
@@ -141,11 +148,22 @@ def _stop_on_sigterm():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _failure_report(opts: RunOptions, error: str) -> None:
-    """A failed run still leaves a report (``--report``): what went wrong."""
-    if opts.report:
-        write_atomic(opts.report, json.dumps({"plan": os.fspath(opts.plan), "failed": True, "error": error},
-                                             indent=1) + "\n")
+def _failure_report(opts: RunOptions, error: str, *, started: float) -> None:
+    """A failed run still leaves a report (``--report``): what went wrong, beside the steps it finished
+    (rank 0 rewrites the report as the run goes; an earlier run's report is not taken for this one's)."""
+    if not opts.report:
+        return
+    record: dict[str, Any] = {}
+    try:
+        path = Path(opts.report)
+        earlier = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_mtime >= started else None
+        if isinstance(earlier, dict) and earlier.get("in_progress"):
+            record = earlier
+    except (OSError, ValueError):
+        pass
+    record.update({"plan": os.fspath(opts.plan), "failed": True, "error": error})
+    record.pop("in_progress", None)
+    write_atomic(opts.report, json.dumps(record, indent=1) + "\n")
 
 
 def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, str]:
@@ -251,6 +269,27 @@ class RunFailure(RankFailureError):
     def __init__(self, what: str, *, rank: int, fix: str | None = None) -> None:
         super().__init__(what, fix=fix)
         self.rank = rank
+
+
+class RunBanned(RunFailure):
+    """A run the verifiers stopped by banning ``notices``' ranks (on ``hosts``); ``result`` is rank 0's
+    result up to the ban (losses, verification events), when it wrote one."""
+
+    def __init__(self, error: RankBannedError, *, result: dict[str, Any] | None) -> None:
+        super().__init__(error.what, rank=error.notices[0].rank, fix=error.fix)
+        self.notices, self.hosts, self.result = error.notices, error.hosts, result
+
+
+def _banned(run_dir: Path, result_path: Path) -> RunBanned | None:
+    """The ban that stopped the run, from the ranks' error records (every rank leaves the same one)."""
+    for record in _records(run_dir).values():
+        if record.get("kind") == RankBannedError.__name__ and record.get("bans"):
+            notices = tuple(BanNotice(**{k: int(v) for k, v in n.items()}) for n in record["bans"])
+            hosts = {int(r): str(h) for r, h in record.get("hosts", {}).items()}
+            error = RankBannedError(notices, hosts=hosts, fix=record.get("fix"))
+            result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+            return RunBanned(error, result=result)
+    return None
 
 
 def diagnose(ranks: Sequence[_Rank], run_dir: Path, timeout_s: float) -> str:

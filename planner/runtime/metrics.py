@@ -126,13 +126,16 @@ def measured_step_ms(steps: Sequence[StepSummary], *, warmup: int = 1) -> float:
 
 
 class MetricsWriter:
-    """Appends JSON lines to a file (or nothing, with no path). The file is opened at the first step's
-    rows, so a run that fails before any step completes leaves an earlier run's file as it was; a
-    non-finite figure (a diverged loss) is written as null, valid JSON."""
+    """Writes JSON lines to a file (or nothing, with no path); a non-finite figure (a diverged loss) is
+    written as null, valid JSON. Nothing is ever truncated: a resumed run (``append``) adds to the rows
+    of the steps before it; a fresh run over a file with rows first moves that file to ``NAME.N`` (the
+    first free N), so each file holds one run. The file is opened at the first step's rows, so a run
+    that fails before any step completes leaves everything as it was."""
 
     def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
         self.path = Path(path) if path else None
-        self._mode = "a" if append else "w"  # a resumed run adds to the rows of the steps before it
+        self.append = append
+        self.moved_to: Path | None = None  # where an earlier run's file went
         self._fh: IO[str] | None = None
 
     def write(self, rows: Iterable[StepMetrics]) -> None:
@@ -140,7 +143,10 @@ class MetricsWriter:
             return
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open(self._mode, encoding="utf-8")
+            if not self.append and self.path.is_file() and self.path.stat().st_size > 0:
+                self.moved_to = _free_name(self.path)
+                self.path.rename(self.moved_to)
+            self._fh = self.path.open("a", encoding="utf-8")
         for row in rows:
             self._fh.write(json.dumps(_finite(row.to_json()), allow_nan=False) + "\n")
         self._fh.flush()
@@ -149,6 +155,13 @@ class MetricsWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def _free_name(path: Path) -> Path:
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
 
 
 def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:

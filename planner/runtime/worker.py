@@ -33,6 +33,7 @@ from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.outputs import write_atomic
 from planner.runtime import checkpoint, comm, hosts, messages
+from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.emulate import Emulation, emulation_for
@@ -52,7 +53,6 @@ from planner.runtime.options import (
     check_model_allowed,
     parse_worker_args,
 )
-from planner.runtime.precision import LossScaler
 from planner.runtime.recompute import build_plan_stage
 from planner.runtime.stage import (
     EdgeSpecs,
@@ -230,6 +230,9 @@ class Progress:
         self.emit("done", result)
         if not self.events:
             print(format_comparison(result), flush=True)
+            if result.get("untrained_steps"):
+                print(f"steps {result['untrained_steps']} trained nothing (every microbatch was dropped by "
+                      "verification): the run is not complete", flush=True)
 
 
 def format_comparison(result: dict[str, Any]) -> str:
@@ -352,41 +355,67 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
 
-    first = _resume(plan, opts, env, stage, optimizer, verify, executor.scaler)
+    rank0_report = _ProgressReport(plan, opts, summaries, executor) if env.rank == 0 and opts.report else None
+
+    first = _resume(plan, opts, env, stage, optimizer, verify, executor)
     for _ in range(first):
         if warmup is not None:
             warmup.step()  # the rate of the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()
+    bans: list[BanNotice] = []
     for step in range(first, opts.steps):
         _inject_fault(opts.fault, env.rank, step)
         metrics = executor.run_step(step, last_end, last_cpu)
         if warmup is not None:
             warmup.step()  # the next step's rate; the scheduler is a few float operations
-        _checkpoint(plan, opts, env, stage, optimizer, verify, executor.scaler, step)
+        # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
+        bans = sorted(executor.bans.values(), key=lambda n: n.rank)
+        if not bans:
+            _checkpoint(plan, opts, env, stage, optimizer, verify, executor, step)
         last_end, last_cpu = time.perf_counter(), time.process_time()
-        _log_bans(verify, env.rank)
         publish(collector.submit(metrics))
+        if rank0_report is not None:
+            rank0_report(False)
+        if bans:
+            break
     publish(collector.finish())
     writer.close()
     final = _rank_final(env, executor, emulation, verify, attacks)
     gathered = gather_finals(final, env)
     if opts.dump:
         _dump(opts.dump, env.rank, executor)
+    hosts = {n.rank: plan.ranks[n.rank].host for n in bans}
+    stop = _ban_stop(plan, opts, bans, hosts) if bans else None
     if env.rank != 0:
+        if stop is not None:
+            raise stop
         return None
-    result = _result(plan, opts, summaries, gathered, emulation_on=opts.emulate)
+    result = _result(plan, opts, summaries, gathered, emulation_on=opts.emulate, executor=executor)
+    if stop is not None:
+        result.update(failed=True, error=str(stop), stopped_by_bans=[n.to_dict() for n in bans])
+        moved = checkpoint.set_aside(opts.checkpoint_dir, from_step=min(n.first_flagged_step for n in bans)) \
+            if opts.checkpoint_dir else []
+        result["tainted_checkpoints"] = [str(m) for m in moved]
     if opts.report:
         _write_json(opts.report, result)
     if os.environ.get("STAGEWISE_RESULT"):
         _write_json(os.environ["STAGEWISE_RESULT"], result)
+    if stop is not None:
+        print(f"stagewise run: {stop}", file=sys.stderr, flush=True)
+        raise stop
     progress.done({k: result[k] for k in ("predicted_step_ms", "measured_step_ms", "emulated", "final_loss",
-                                          "banned", "flags")})
+                                          "banned", "flags", "untrained_steps")})
     return result
 
 
+def _layout(plan) -> list[list[Any]]:
+    """Who each rank is (host, device, stage): ban evidence is per rank, so it only carries over a resume
+    onto the same layout (a re-planned run numbers its ranks afresh)."""
+    return [[r.host, r.device, r.stage] for r in plan.ranks]
+
+
 def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-            optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None,
-            scaler: LossScaler | None) -> int:
+            optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, executor: Executor) -> int:
     """The first step to run: 0, or with ``--resume`` the one after the newest complete checkpoint
     (a verifier rank gets its ban evidence back: killing a rank to force a restart wipes no bans)."""
     if not opts.resume:
@@ -395,40 +424,62 @@ def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
     params = dict(stage.parameters()) if stage is not None else {}
     got = checkpoint.restore_rank(opts.checkpoint_dir, step=step, params=params, optimizer=optimizer,
                                   rank=env.rank)
-    if verify is not None and verify.verifier is not None and "bans" in got.state:
+    same_layout = got.state.get("layout", _layout(plan)) == _layout(plan)
+    if verify is not None and verify.verifier is not None and "bans" in got.state and same_layout:
         verify.verifier.restore_bans(got.state["bans"])
-    if scaler is not None and "loss_scale" in got.state:
-        scaler.restore(got.state["loss_scale"])
+    if executor.scaler is not None and "loss_scale" in got.state:
+        executor.scaler.restore(got.state["loss_scale"])
+    executor.untrained_steps = [int(s) for s in got.state.get("untrained_steps", [])]
     return step + 1
 
 
 def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
-                optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, scaler: LossScaler | None,
+                optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, executor: Executor,
                 step: int) -> None:
-    """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest."""
+    """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest
+    (and, while a verifier's flag is unresolved, keeps the last checkpoint before it)."""
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
         return
     params = dict(stage.parameters()) if stage is not None else {}
-    state = {"bans": verify.verifier.bans_state()} if verify is not None and verify.verifier is not None else {}
-    if scaler is not None:
-        state["loss_scale"] = scaler.state()
+    state: dict[str, Any] = {"layout": _layout(plan), "untrained_steps": list(executor.untrained_steps)}
+    if verify is not None and verify.verifier is not None:
+        state["bans"] = verify.verifier.bans_state()
+    if executor.scaler is not None:
+        state["loss_scale"] = executor.scaler.state()
     checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
                          params=params, optimizer=optimizer, state=state)
     comm.barrier(ranks=range(env.world_size), doing=f"writing the checkpoint of step {step}")
     if env.rank == 0:
         checkpoint.complete(opts.checkpoint_dir, step=step, num_ranks=env.world_size,
-                            fingerprint=plan.model.fingerprint)
+                            fingerprint=plan.model.fingerprint,
+                            keep_before=min(executor.unresolved.values(), default=None))
 
 
-def _log_bans(verify: VerifyHooks | None, rank: int) -> None:
-    """Say clearly, once, when this verifier bans a rank (the run goes on: replanning is future work)."""
-    if verify is None:
-        return
-    for step, banned in verify.new_bans[verify.logged_bans:]:
-        print(f"stagewise run: rank {rank} (verifier): banned rank {banned} at step {step}; it keeps running "
-              "(replanning around a banned rank is future work) and its further flags are logged",
-              file=sys.stderr, flush=True)
-    verify.logged_bans = len(verify.new_bans)
+def _ban_stop(plan, opts: RunOptions, bans: list[BanNotice], hosts: dict[int, str]) -> RankBannedError:
+    """The error every rank stops with after a ban: which rank, where, when, and how to go on."""
+    # Stop rather than drop its work and go on: a sole-replica stage's ban would train nothing, and the
+    # clean checkpoint is what the operator re-plans from either way.
+    hint = replan_hint(os.fspath(opts.plan), sorted(set(hosts.values()))[0], opts.checkpoint_dir)
+    return RankBannedError(tuple(bans), hosts=hosts, fix=hint)
+
+
+class _ProgressReport:
+    """Rank 0 rewrites ``--report`` as the run goes (at most every ``PERIOD_S``), so a run that fails
+    still leaves one with the steps it finished."""
+
+    PERIOD_S = 2.0
+
+    def __init__(self, plan, opts: RunOptions, summaries: list[StepSummary], executor: Executor) -> None:
+        self.plan, self.opts, self.summaries, self.executor = plan, opts, summaries, executor
+        self.last = -math.inf  # the first finished step is written at once
+
+    def __call__(self, force: bool) -> None:
+        if not self.summaries or (not force and time.monotonic() - self.last < self.PERIOD_S):
+            return
+        self.last = time.monotonic()
+        partial = _result(self.plan, self.opts, self.summaries, [], emulation_on=self.opts.emulate,
+                          executor=self.executor)
+        _write_json(self.opts.report, {**partial, "in_progress": True})
 
 
 # What every rank sends rank 0 at the end (``_rank_final``), checked on receipt.
@@ -467,8 +518,8 @@ def _rank_final(env: RankEnv, ex: Executor, emulation: Emulation, verify, attack
 
 
 def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
-            emulation_on: bool) -> dict[str, Any]:
-    measured = measured_step_ms(summaries)
+            emulation_on: bool, executor: Executor) -> dict[str, Any]:
+    measured = measured_step_ms(summaries) if summaries else math.nan
     banned = sorted({r for f in ranks for _, r in f["bans"]})
     flags = sum(f["verification"].get("flags", 0) for f in ranks)
     losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
@@ -481,7 +532,8 @@ def _result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[di
             "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
             "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
-            "note": "banned ranks keep running: replanning around them is future work" if banned else ""}
+            # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
+            "untrained_steps": list(executor.untrained_steps)}
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -505,6 +557,10 @@ def write_error(rank: int, exc: BaseException) -> None:
         return
     record = {"rank": rank, "kind": type(exc).__name__, "error": str(exc),
               "peer": getattr(exc, "peer", None)}
+    if isinstance(exc, RankBannedError):
+        record["bans"] = [n.to_dict() for n in exc.notices]
+        record["hosts"] = {str(r): h for r, h in exc.hosts.items()}
+        record["fix"] = exc.fix
     _write_json(os.path.join(folder, f"rank{rank}.json"), record)
 
 
@@ -513,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     env = RankEnv.from_environ()
     try:
         run_rank(opts, env)
+    except RankBannedError as exc:
+        write_error(env.rank, exc)
+        return BANNED_EXIT
     except PlannerError as exc:
         write_error(env.rank, exc)
         print(f"stagewise run: rank {env.rank}: error: {exc}", file=sys.stderr, flush=True)

@@ -25,11 +25,13 @@ from planner.solver.solution import (
 )
 
 
-def local_cluster(n: int, *, device_types: Sequence[str] | None = None, verifier_host: bool = False) -> ClusterSpec:
-    """``n`` devices on one trusted host (all CPU unless ``device_types`` says otherwise)."""
+def local_cluster(n: int, *, device_types: Sequence[str] | None = None, verifier_host: bool = False,
+                  untrusted: Sequence[int] = ()) -> ClusterSpec:
+    """``n`` devices, one per host ``h<i>`` (all CPU unless ``device_types`` says otherwise), trusted
+    except the hosts ``untrusted`` (trust domain ``rented``)."""
     types = list(device_types or ["CPU"] * n)
-    hosts = [{"name": f"h{i}", "region": "local", "trust": "operator", "trusted": True,
-              "devices": [{"type": t, "count": 1}]} for i, t in enumerate(types)]
+    hosts = [{"name": f"h{i}", "region": "local", "trust": "rented" if i in untrusted else "operator",
+              "trusted": i not in untrusted, "devices": [{"type": t, "count": 1}]} for i, t in enumerate(types)]
     if verifier_host:
         hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
                       "role": "verifier"})
@@ -54,17 +56,18 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
               schedule: str = "1f1b", optimizer: str = "sgd",
               verifiers: Sequence[tuple[int, int, tuple[str, ...]]] = (),
               device_types: Sequence[str] | None = None, verifier_host: bool = False,
-              verifier_config=None, dtype: str = "float32", recompute: Sequence[int] = ()) -> Plan:
+              verifier_config=None, dtype: str = "float32", recompute: Sequence[int] = (),
+              untrusted: Sequence[int] = ()) -> Plan:
     """A compiled plan. ``stages``: (first_block, last_block) per stage; ``replicas``: stage -> microbatch
     counts per replica; ``verifiers``: (boundary, device index, directions); devices are numbered in
     stage/replica order, then the verifier host's CPU (``len(devices)``); ``recompute``: the stages whose
-    blocks are checkpointed."""
+    blocks are checkpointed; ``untrusted``: device indices whose hosts are not trusted."""
     from planner.compile import compile_plan
 
     chain = chain_for(spec, batch=microbatch, seq=seq)
     replicas = replicas or {}
     n_dev = sum(len(replicas.get(k, (num_microbatches,))) for k in range(len(stages)))
-    cluster = local_cluster(n_dev, device_types=device_types, verifier_host=verifier_host)
+    cluster = local_cluster(n_dev, device_types=device_types, verifier_host=verifier_host, untrusted=untrusted)
     ids = [d.id for d in cluster.devices]
     placements, next_dev = [], 0
     for k, (lo, hi) in enumerate(stages):

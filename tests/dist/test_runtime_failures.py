@@ -37,6 +37,20 @@ def test_failed_rank_is_named_and_the_others_stop(plan_path, tmp_path, kind, exp
         assert any("did not answer within the timeout" in r["error"] for r in records.values())
 
 
+def test_a_failed_run_leaves_a_report_with_the_steps_it_finished(plan_path, tmp_path):
+    """Rank 0 rewrites --report as the run goes: a rank dying at step 3 leaves one with the steps rank 0
+    had published, beside the error."""
+    report = tmp_path / "report.json"
+    opts = RunOptions(plan=str(plan_path), steps=5, timeout_s=TIMEOUT_S, report=str(report),
+                      fault=FaultSpec(rank=1, kind="die", step=3))
+    with pytest.raises(RankFailureError):
+        launch(opts)
+    data = json.loads(report.read_text())
+    assert data["failed"] and "rank 1 died" in data["error"] and "in_progress" not in data
+    assert 1 <= data["steps"] <= 3 and len(data["losses"]) == data["steps"]
+    assert all(loss is not None for loss in data["losses"])
+
+
 def test_plan_for_another_model_is_refused_before_any_process_starts(tmp_path):
     plan = make_plan("gpt-tiny", microbatch=2, num_microbatches=2, seq=16, stages=[(0, 2), (3, 5)])
     changed = dataclasses.replace(plan, model=dataclasses.replace(plan.model, seq=8))  # the model now sees T=8

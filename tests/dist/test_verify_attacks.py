@@ -3,7 +3,8 @@
 Ranks 0-3 run the stages (embed+layer 0 | layer 1 | layer 2 | layer 3+head); rank 4 is a
 trusted CPU verifier that checks every boundary in both directions. Rank 1, a middle stage,
 carries out one attack from step ``START``: each of the seven single attacks must get it
-banned within 10 steps, and nobody else. The slow tests check that a clean run of 200 steps
+banned within 10 steps, and nobody else; the ban stops the run at the ban step (``RunBanned``,
+with rank 0's result up to it). The slow tests check that a clean run of 200 steps
 bans nobody, and that with verification off the same attacks visibly damage the loss.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import pytest
 
 from planner.integrity.verifier import blame
-from planner.runtime.launch import launch
+from planner.runtime.launch import RunBanned, launch
 from planner.runtime.options import RunOptions
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import make_plan
@@ -40,8 +41,13 @@ def plan_path(tmp_path_factory):
 
 
 def run(plan_path, steps: int, attack: str | None = None, *, verify: bool = True) -> dict:
+    """The run's result; for a run a ban stopped, its result up to the ban, with ``stopped_by_bans``."""
     attacks = (f"rank={ATTACKER},start={START},{attack}",) if attack else ()
-    return launch(RunOptions(plan=str(plan_path), steps=steps, timeout_s=120, attacks=attacks, verify=verify))
+    try:
+        return launch(RunOptions(plan=str(plan_path), steps=steps, timeout_s=120, attacks=attacks, verify=verify))
+    except RunBanned as stopped:
+        assert stopped.result is not None
+        return stopped.result
 
 
 def verifier_events(result: dict) -> list[dict]:
@@ -61,6 +67,9 @@ def test_attacker_is_banned_within_10_steps_and_alone(plan_path, name):
     events = verifier_events(result)
     ban = next(e for e in events if e["type"] == "ban")
     assert ban["sender"] == ATTACKER and ban["step"] - START < 10
+    (stop,) = result["stopped_by_bans"]   # the run stopped at the ban step, nothing ran after it
+    assert stop["rank"] == ATTACKER and stop["ban_step"] == ban["step"] and result["steps"] == ban["step"] + 1
+    assert START <= stop["first_flagged_step"] == ban["first_flagged_step"] <= ban["step"]
     assert not [e for e in events if e["type"] == "flag" and e["step"] < START], "flags before the attack"
     blamed = blame(e for e in events if e["type"] == "flag")
     assert blamed == {ATTACKER}

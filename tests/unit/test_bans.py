@@ -55,3 +55,19 @@ def test_the_evidence_and_the_bans_survive_a_restart():
     again = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
     again.restore(saved)
     assert again.banned == {2} and again.evidence == test.evidence and 3 in again.evidence
+
+
+def test_the_first_flagged_step_is_where_the_run_of_evidence_that_banned_began():
+    test = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e3)     # 3 blamed steps in a row ban
+    blamed_at = {1, 6, 7, 8}                                                # step 1's evidence dies away
+    for step in range(10):
+        test.step({4} if step in blamed_at else set(), at=step)
+        if step == 4:
+            assert test.unresolved() == {}                                  # back at zero: resolved
+        if step == 7:
+            assert test.unresolved() == {4: 6} and not test.banned
+    assert test.banned == {4} and test.bans == {4: (6, 8)}
+    assert test.unresolved() == {4: 6}
+    again = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e3)
+    again.restore(test.to_json())
+    assert again.bans == test.bans and again.unresolved() == test.unresolved()

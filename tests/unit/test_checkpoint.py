@@ -21,3 +21,36 @@ def test_a_rank_file_round_trips_parameters_optimizer_state_and_extra_state(tmp_
     torch.testing.assert_close(fresh.detach(), w.detach())
     torch.testing.assert_close(opt2.state[fresh]["exp_avg"], opt.state[w]["exp_avg"])
     assert got.state == {"bans": {"banned": [2]}}
+
+
+def _take(root, step: int, *, keep_before: int | None = None) -> None:
+    w = torch.nn.Parameter(torch.full((2,), float(step)))
+    checkpoint.save_rank(root, step=step, rank=0, fingerprint="f", params={"w": w}, optimizer=None)
+    checkpoint.complete(root, step=step, num_ranks=1, fingerprint="f", keep_before=keep_before)
+
+
+def test_pruning_keeps_the_newest_two_and_the_last_clean_one_while_a_flag_is_unresolved():
+    assert checkpoint.prunable([1, 2, 3, 4, 5]) == [1, 2, 3]
+    # a sender first flagged at step 3: the checkpoint after step 2 is the last one it had no hand in
+    assert checkpoint.prunable([1, 2, 3, 4, 5], keep_before=3) == [1, 3]
+    assert checkpoint.prunable([1, 2, 3, 4, 5], keep_before=5) == [1, 2, 3]   # 4 is clean and among the newest
+    assert checkpoint.prunable([4, 5, 6], keep_before=2) == [4]                # none is clean: nothing extra kept
+    assert checkpoint.prunable([2], keep_before=3) == []
+
+
+def test_the_clean_checkpoint_survives_a_run_of_flagged_steps_and_is_the_newest_once_the_rest_are_set_aside(
+        tmp_path):
+    for step in range(3):
+        _take(tmp_path, step)
+    for step in range(3, 7):                                  # flagged from step 3 on, unresolved
+        _take(tmp_path, step, keep_before=3)
+    assert checkpoint.complete_steps(tmp_path) == [2, 5, 6]
+    moved = checkpoint.set_aside(tmp_path, from_step=3)       # banned: its first flagged step was 3
+    assert [p.name for p in moved] == ["step-00000005.tainted", "step-00000006.tainted"]
+    assert checkpoint.complete_steps(tmp_path) == [2]
+    assert checkpoint.latest(tmp_path, fingerprint="f") == 2  # what --resume loads now
+    assert checkpoint.set_aside(tmp_path, from_step=3) == []  # once more is a no-op
+    _take(tmp_path, 7)                                        # a flag resolved: the usual two stay
+    _take(tmp_path, 8)
+    _take(tmp_path, 9)
+    assert checkpoint.complete_steps(tmp_path) == [8, 9]

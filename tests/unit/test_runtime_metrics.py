@@ -76,3 +76,21 @@ def test_a_diverged_loss_is_written_as_null_and_a_run_without_steps_keeps_the_ol
     w.close()
     assert json.loads(path.read_text())["loss_sum"] is None
     assert math.isnan(read_metrics(path)[0].loss_sum)           # and read back as NaN
+
+
+def test_a_rerun_never_truncates_the_file_a_resumed_run_appends_and_a_fresh_one_moves_the_old_aside(tmp_path):
+    path = tmp_path / "m.jsonl"
+    first = [_row(0, 0, 1.0), _row(1, 0, 1.0)]
+    w = MetricsWriter(path)
+    w.write(first)
+    w.close()
+    w = MetricsWriter(path, append=True)                         # --resume: the rows of the steps after
+    w.write([_row(2, 0, 1.0)])
+    w.close()
+    assert [r.step for r in read_metrics(path)] == [0, 1, 2]
+    w = MetricsWriter(path)                                      # a fresh run over it
+    w.write([_row(0, 0, 2.0)])
+    w.close()
+    assert w.moved_to == tmp_path / "m.jsonl.1"
+    assert [r.step for r in read_metrics(tmp_path / "m.jsonl.1")] == [0, 1, 2]
+    assert [r.step_ms for r in read_metrics(path)] == [2.0]
