@@ -21,11 +21,13 @@ Per strength, pooled over seeds:
 
     python benchmarks/verification_sweep.py            # writes benchmarks/results/verification_sweep.{json,png}
     python benchmarks/verification_sweep.py --quick    # a smoke run of a few points (writes nothing unless --out)
+    python benchmarks/verification_sweep.py --replot benchmarks/results/verification_sweep.json   # the PNG only
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -211,16 +213,21 @@ def plot(report: dict[str, Any], out: Path) -> None:
         twin = ax.twinx()
         damage = [r["damage_unverified"] for r in rows]
         twin.plot(x, damage, color="tab:red", marker="^", label="damage")
-        twin.set_ylim(min(-0.02, *damage) * 1.1, max(2 * HARMLESS_NATS, *damage) * 1.1)
+        missed = [i for i, r in enumerate(rows) if not all(r["attacker_banned"])]
+        twin.scatter(missed, [damage[i] for i in missed], s=150, marker="X", color="black", zorder=3,
+                     label="not banned (a seed)")
+        twin.set_yscale("symlog", linthresh=HARMLESS_NATS)   # linear up to the line, then log
+        twin.set_ylim(min(-HARMLESS_NATS, *damage), max(2 * HARMLESS_NATS, *damage) * 1.5)
         twin.axhline(HARMLESS_NATS, color="tab:red", lw=0.8, ls="--")
         twin.set_ylabel("damage unverified (val loss, nats)", color="tab:red")
-        handles = ax.get_legend_handles_labels()
-        more = twin.get_legend_handles_labels()
-        ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7, loc="center left")
-    for ax in list(axes.flat)[len(families):]:
+        handles, labels = (a + b for a, b in zip(ax.get_legend_handles_labels(), twin.get_legend_handles_labels()))
+    spare = list(axes.flat)[len(families):]
+    for ax in spare:
         ax.axis("off")
+    # one legend for all panels: in a spare panel, else under the last one's title
+    (spare[0] if spare else ax).legend(handles, labels, loc="center" if spare else "upper left", fontsize=8)
     fig.suptitle("Verification strength sweep (gpt-tiny, emulated 4-stage pipeline, attacker rank 1; "
-                 f"dashed red: damage {HARMLESS_NATS} nats)", fontsize=10)
+                 f"dashed red: damage {HARMLESS_NATS} nats; damage axis linear below it, log above)", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -235,10 +242,14 @@ def _worst(values: list[int | None], never: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few points, one seed, short runs")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside JSON from its results")
     parser.add_argument("--out", default=None,
                         help="the JSON to write (the PNG beside it); default benchmarks/results/"
                              "verification_sweep.json, none with --quick")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return 0
     torch.set_num_threads(1)
     if args.quick:
         report = sweep(SweepConfig(seeds=(0,), start=15, attack_steps=15), QUICK)
