@@ -49,6 +49,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,10 @@ class Pipeline:
         return sorted(blame(flags)), self.verifier.end_step(step, [flags])
 
 
-def run(cfg: RunConfig, *, keep_events: bool = False) -> RunResult:
-    pipe = Pipeline(cfg)
+def run(cfg: RunConfig, *, keep_events: bool = False, pipeline: Callable[[RunConfig], Pipeline] = Pipeline
+        ) -> RunResult:
+    """One emulated run; ``pipeline`` builds the pipeline (a subclass places the verifiers otherwise)."""
+    pipe = pipeline(cfg)
     train = ByteTextDataset(cfg.seq, "train")
     val_idx, val_tgt = ByteTextDataset(cfg.seq, "val").batch(0, 64, seed=1000 + cfg.seed)
     attacker = pipe.attacker
