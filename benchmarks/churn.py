@@ -1,0 +1,414 @@
+"""Churn benchmark (issue 21): how fast a run recovers from a lost worker, and what that buys under churn.
+
+Part 1, re-plan time. For three plans, plan once, drop one host the plan runs on, and time
+``planner.api.replan`` (wall and CPU time of the whole re-plan: solve, compile, simulate, baselines); its
+objective and simulated step against a fresh plan of the reduced cluster at the same time limit:
+
+* 8 devices: the packaged ``default`` cluster (2 A100, 2 volunteers' RTX3090, 2 T4, an L4, a CPU verifier
+  host) with gpt-medium in fp32, global batch 16 (the README's main job); a volunteer is lost;
+* 64 devices: DT-FM's ``worldwide`` case (``benchmarks/clusters/dtfm-worldwide.yaml``, 64 one-V100 hosts)
+  with gpt-1.3b, 512 x 2048 tokens, fp16, no verification (as ``benchmarks/peers.py``); the host of a
+  middle stage's rank is lost;
+* 176 devices: the solver benchmark's 1000-block x 176-device case (``benchmarks/warm_replan.py``'s builders:
+  a tiered cluster, a seeded GPT-like chain, global batch 32); the host ``warm_replan`` loses first.
+
+Part 2, end-to-end recovery of a local 4-rank run: gpt-tiny on four one-CPU hosts (4 stages, one thread per
+rank), ``launch_replanning`` with one re-plan allowed (``--replan-on-failure 1``), the default ``--timeout``
+(60 s) and re-plan time limit (30 s), checkpoints every 5 steps. When rank 0 reports step K the benchmark
+SIGKILLs the rank of a middle stage. The launcher records no timestamps of its own, so they come from this
+process's clock: the kill; the start and end of the ``replan`` call (the benchmark wraps
+``planner.runtime.elastic.replan`` to time it, nothing else changes); rank 0's first step event after the
+resume (its events are polled every 50 ms). Detection = kill -> re-plan starts (the launcher stopping the
+others and naming the root cause included); reload = re-plan ends -> first resumed step reported, less that
+step's own period (process start, rendezvous, checkpoint load and re-sharding). The same plan also runs
+without a failure, for the step time and the start-up cost.
+
+Part 3, throughput under churn: a model computed from the measured pieces (``ChurnCase``; tested by
+``tests/unit/test_churn_model.py``). A run of T steps loses a worker every N steps; checkpoints every C steps;
+a failure strikes uniformly within a checkpoint interval, so C/2 steps are redone on average:
+
+* Stagewise: each failure costs detection + re-plan + reload (measured) and C/2 redone steps; every step
+  after the first failure runs at the re-planned plan's simulated step (the pool is one host short from
+  then on: a replacement is planned in at the next re-plan, at no extra cost);
+* checkpoint-restart (torchrun elastic): each failure costs detection + a W = 60 s wait for a replacement +
+  reload and C/2 redone steps, all at the original plan's step;
+* no failures: T steps at the original step.
+Checkpoint writes cost the same in both and are left out. Throughput = T x global batch / time (samples/s);
+ratios are the same in tokens. The local run also checks the model: its wall time predicted from its pieces
+against the measured one.
+
+Goals: re-plan <= 10 s at 176 devices; end-to-end recovery of the local run <= 30 s; under churn >= 1.5x
+the throughput of checkpoint-restart.
+
+Run: ``python benchmarks/churn.py [--quick] [--limit S] [--output PATH]``. Prints tables and writes
+``benchmarks/results/churn.json`` (``--quick``: the 8-device case, a short local run and nothing written
+unless ``--output`` is given). Wall times are noisy on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results" / "churn.json"
+GOALS = {"replan_176_s": 10.0, "local_recovery_s": 30.0, "churn_vs_restart": 1.5}
+WAIT_S = 60.0          # checkpoint-restart: the wait for a replacement device
+CHECKPOINT_EVERY = 10  # the runtime's default --checkpoint-every
+CHURN_STEPS = 1000
+CHURN_EVERY = (20, 50, 100)
+
+
+# --------------------------------------------------------------------------- the churn model
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChurnCase:
+    """A run of ``steps`` steps that loses a worker every ``every`` steps, and the measured pieces."""
+
+    steps: int
+    every: int
+    checkpoint_every: int
+    step_s: float            # the original plan's step
+    replanned_step_s: float  # the re-planned plan's step (one host fewer)
+    detect_s: float          # failure -> the launcher has stopped the run and named the rank
+    replan_s: float          # the re-plan's wall time
+    reload_s: float          # new processes, rendezvous, checkpoint load (to the first resumed step)
+    wait_s: float = WAIT_S   # checkpoint-restart: waiting for a replacement device
+    samples_per_step: int = 1
+
+    @property
+    def failures(self) -> int:
+        """Failures strike after every ``every`` completed steps, before the last step."""
+        return (self.steps - 1) // self.every
+
+    @property
+    def redone_steps(self) -> float:
+        """Steps redone per failure: half a checkpoint interval on average."""
+        return self.checkpoint_every / 2
+
+
+def stagewise_s(c: ChurnCase) -> float:
+    """Re-plan on the remaining devices and resume from the newest checkpoint."""
+    before = min(c.steps, c.every) * c.step_s
+    after = max(c.steps - c.every, 0) * c.replanned_step_s
+    per_failure = c.detect_s + c.replan_s + c.reload_s + c.redone_steps * c.replanned_step_s
+    return before + after + c.failures * per_failure
+
+
+def restart_s(c: ChurnCase) -> float:
+    """Wait for a replacement and restart the original plan from its last checkpoint."""
+    per_failure = c.detect_s + c.wait_s + c.reload_s + c.redone_steps * c.step_s
+    return c.steps * c.step_s + c.failures * per_failure
+
+
+def steady_s(c: ChurnCase) -> float:
+    return c.steps * c.step_s
+
+
+def churn_row(c: ChurnCase) -> dict[str, Any]:
+    """Times, throughputs (samples/s) and the ratios the goal reads."""
+    times = {"stagewise_s": stagewise_s(c), "restart_s": restart_s(c), "no_failure_s": steady_s(c)}
+    rate = {k.replace("_s", "_samples_per_s"): c.steps * c.samples_per_step / v for k, v in times.items()}
+    return {**asdict(c), "failures_count": c.failures, **times, **rate,
+            "stagewise_vs_restart": times["restart_s"] / times["stagewise_s"],
+            "stagewise_vs_no_failure": times["no_failure_s"] / times["stagewise_s"]}
+
+
+# --------------------------------------------------------------------------- part 1: re-plan time
+def _timed(fn, *args, **kwargs):
+    clock = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - clock[0], time.process_time() - clock[1]
+
+
+def _used_hosts(plan) -> dict[str, int]:
+    """Stage ranks per host."""
+    out: dict[str, int] = {}
+    for r in plan.ranks:
+        if r.stage is not None:
+            out[r.host] = out.get(r.host, 0) + 1
+    return out
+
+
+def _middle_host(plan) -> str:
+    """The host of the first rank of the middle stage (a worker neither end of the pipeline needs)."""
+    stage = plan.num_stages // 2
+    return next(r.host for r in plan.ranks if r.stage == stage)
+
+
+def _case_8(limit: float):
+    from planner.model_io import load_chain
+    _, chain = load_chain("gpt-medium", batch=None, seq=None)
+    kwargs = dict(spec="gpt-medium", global_batch=16, dtype="fp32")
+
+    def lose(plan):  # a volunteer when the plan uses one: those are the devices that come and go
+        hosts = _used_hosts(plan)
+        return next((h for h in sorted(hosts) if h.startswith("volunteer")), _middle_host(plan))
+    return "default cluster, gpt-medium fp32, batch 16", chain, "default", kwargs, lose
+
+
+def _case_64(limit: float):
+    import cost_models
+    from planner.model_io import load_chain
+    from planner.solver.policy import VerificationPolicy
+    _, chain = load_chain("gpt-1.3b", batch=1, seq=2048)
+    cluster = cost_models.load_cluster(ROOT / "benchmarks" / "clusters" / "dtfm-worldwide.yaml")
+    kwargs = dict(spec="gpt-1.3b", seq=2048, global_batch=512, dtype="float16",
+                  policy=VerificationPolicy(enabled=False))
+    return "DT-FM worldwide (64 V100), gpt-1.3b fp16, 512 x 2048", chain, cluster, kwargs, _middle_host
+
+
+def _case_176(limit: float):
+    from benchmarks.warm_replan import _case, _lost_hosts
+
+    from planner.solver.policy import VerificationPolicy
+    chain, cluster = _case()
+    kwargs = dict(spec="bench:chain", global_batch=32, policy=VerificationPolicy())
+    return ("solver benchmark 1000x176 (tiered, seeded chain), batch 32", chain, cluster, kwargs,
+            lambda plan: _lost_hosts(plan)[0][1])
+
+
+def replan_case(devices: int, limit: float, first_limit: float, workers: int) -> dict[str, Any]:
+    from planner.api import plan_chain, replan
+
+    build = {8: _case_8, 64: _case_64, 176: _case_176}[devices]
+    label, chain, cluster, kwargs, lose = build(limit)
+    first, first_wall, first_cpu = _timed(plan_chain, chain, cluster, time_limit_s=first_limit, workers=workers,
+                                          **kwargs)
+    host = lose(first)
+    new, wall, cpu = _timed(replan, first, exclude_hosts=[host], reason=f"benchmark: {host} lost",
+                            time_limit_s=limit, workers=workers)
+    from cost_models.cluster_file import parse_cluster
+    reduced = parse_cluster(first.cluster).without_hosts({host})
+    fresh, fresh_wall, fresh_cpu = _timed(plan_chain, chain, reduced, time_limit_s=limit, workers=workers,
+                                          **kwargs)
+    row = {"devices": devices, "case": label, "lost_host": host, "limit_s": limit, "first_limit_s": first_limit,
+           "first": _plan_row(first, first_wall, first_cpu), "replan": _plan_row(new, wall, cpu),
+           "fresh": _plan_row(fresh, fresh_wall, fresh_cpu),
+           "global_batch": first.config.global_batch}
+    row["replan_vs_fresh_objective"] = new.report.objective_ms / fresh.report.objective_ms - 1
+    row["replan_vs_fresh_simulated"] = new.predicted.step_ms / fresh.predicted.step_ms - 1
+    return row
+
+
+def _plan_row(plan, wall_s: float, cpu_s: float) -> dict[str, Any]:
+    r = plan.report
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "solve_s": r.solve_s, "objective_ms": r.objective_ms,
+            "simulated_ms": plan.predicted.step_ms, "ranks": plan.num_ranks, "stages": plan.num_stages,
+            "method": r.method}
+
+
+def _print_replan(row: dict[str, Any]) -> None:
+    for name in ("first", "replan", "fresh"):
+        p = row[name]
+        limit = row["first_limit_s"] if name == "first" else row["limit_s"]
+        print(f"{row['devices']:>4} {name:>7} {limit:4.0f} s  wall {p['wall_s']:7.1f} s  cpu {p['cpu_s']:7.1f} s  "
+              f"obj {p['objective_ms']:11.1f} ms  sim {p['simulated_ms']:11.1f} ms  S={p['stages']:<3} "
+              f"ranks={p['ranks']:<4}{'  lost ' + row['lost_host'] if name == 'replan' else ''}", flush=True)
+    print(f"{row['devices']:>4} re-plan vs fresh: objective {100 * row['replan_vs_fresh_objective']:+.2f}%, "
+          f"simulated {100 * row['replan_vs_fresh_simulated']:+.2f}%", flush=True)
+
+
+# --------------------------------------------------------------------------- part 2: a local run
+def _local_plan(folder: Path):
+    from cost_models.cluster_file import parse_cluster
+    from planner.api import plan_chain
+    from planner.model_io import load_chain
+    from planner.solver.policy import VerificationPolicy
+    hosts = [{"name": f"h{i}", "region": "lab", "trust": "operator", "trusted": True,
+              "devices": [{"type": "CPU", "count": 1}]} for i in range(4)]
+    cluster = parse_cluster({"name": "four", "hosts": hosts,
+                             "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+    _, chain = load_chain("gpt-tiny", batch=2, seq=32)
+    plan = plan_chain(chain, cluster, spec="gpt-tiny", seq=32, global_batch=8, microbatch_size=2,
+                      policy=VerificationPolicy(enabled=False), time_limit_s=5, workers=1, dtype="fp32",
+                      optimizer="adam", stages=4)
+    return plan, plan.save(folder / "plan.json")
+
+
+def _children_ranks() -> dict[int, int]:
+    """RANK -> pid of this process's children that are ranks (the launcher starts them from here)."""
+    out = {}
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[rank] = int(pid)
+    return out
+
+
+def local_run(steps: int, kill_at: int, every: int) -> dict[str, Any]:
+    import planner.runtime.elastic as elastic
+    from planner.runtime.launch import launch
+    from planner.runtime.metrics import read_metrics
+    from planner.runtime.options import RunOptions
+
+    folder = Path(tempfile.mkdtemp(prefix="churn-"))
+    plan, path = _local_plan(folder)
+    victim = next(r.rank for r in plan.ranks if r.stage == plan.num_stages // 2)
+
+    # Without a failure: the step time and what starting a run costs.
+    t0 = time.perf_counter()
+    straight = launch(RunOptions(plan=str(path), steps=steps, metrics=str(folder / "straight.jsonl"),
+                                 checkpoint_dir=str(folder / "c0"), checkpoint_every=every))
+    straight_s = time.perf_counter() - t0
+
+    marks: dict[str, float] = {}
+    first_resumed: dict[str, Any] = {}
+    real_replan = elastic.replan
+
+    def timed_replan(*args, **kwargs):
+        marks["replan_start"] = time.perf_counter()
+        try:
+            return real_replan(*args, **kwargs)
+        finally:
+            marks["replan_end"] = time.perf_counter()
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") != "step":
+            return
+        if "kill" not in marks and event["step"] == kill_at:
+            os.kill(_children_ranks()[victim], signal.SIGKILL)
+            marks["kill"] = time.perf_counter()
+        elif "replan_end" in marks and not first_resumed:
+            marks["first_step"] = time.perf_counter()
+            first_resumed.update(event)
+
+    opts = RunOptions(plan=str(path), steps=steps, metrics=str(folder / "churn.jsonl"),
+                      checkpoint_dir=str(folder / "c1"), checkpoint_every=every)
+    elastic.replan = timed_replan
+    try:
+        t0 = time.perf_counter()
+        result = elastic.launch_replanning(opts, max_replans=1, on_event=on_event)
+        churn_s = time.perf_counter() - t0
+    finally:
+        elastic.replan = real_replan
+    (replanned,) = result["replans"]
+    first_step_s = first_resumed["step_ms"] / 1000
+    pieces = {"detect_s": marks["replan_start"] - marks["kill"],
+              "replan_s": marks["replan_end"] - marks["replan_start"],
+              "reload_s": marks["first_step"] - marks["replan_end"] - first_step_s,
+              "first_step_s": first_step_s}
+    pieces["recovery_s"] = marks["first_step"] - marks["kill"]
+    rows = read_metrics(folder / "churn.jsonl")
+    resumed_at = replanned["resumed_after_step"] + 1
+    step_s = straight["measured_step_ms"] / 1000
+    replanned_step_s = result["measured_step_ms"] / 1000
+    startup_s = straight_s - steps * step_s
+    # The model's wall time for this run: start-up, the steps before the kill at the old plan's step, the
+    # recovery, and every step from the checkpoint on at the new plan's.
+    predicted_s = (startup_s + (kill_at + 1) * step_s + pieces["detect_s"] + pieces["replan_s"]
+                   + pieces["reload_s"] + (steps - resumed_at) * replanned_step_s)
+    return {"plan": {"model": "gpt-tiny", "hosts": 4, "ranks": plan.num_ranks, "stages": plan.num_stages,
+                     "global_batch": plan.config.global_batch, "seq": plan.model.seq,
+                     "simulated_step_ms": plan.predicted.step_ms},
+            "steps": steps, "killed_rank": victim, "killed_after_step": kill_at, "checkpoint_every": every,
+            "timeout_s": opts.timeout_s, "after": replanned["after"], "excluded": replanned["excluded"],
+            "resumed_at_step": resumed_at, "replanned_ranks": replanned["ranks"],
+            "replanned_simulated_step_ms": replanned["simulated_step_ms"],
+            **pieces, "straight_wall_s": straight_s, "churn_wall_s": churn_s, "step_s": step_s,
+            "replanned_step_s": replanned_step_s, "startup_s": startup_s, "model_predicted_wall_s": predicted_s,
+            "model_vs_measured": predicted_s / churn_s - 1, "metrics_rows": len(rows),
+            "samples_per_step": plan.config.global_batch}
+
+
+def _print_local(r: dict[str, Any]) -> None:
+    print(f"local {r['plan']['ranks']}-rank gpt-tiny: rank {r['killed_rank']} SIGKILLed after step "
+          f"{r['killed_after_step']}; {r['after']}", flush=True)
+    print(f"  detection {r['detect_s']:.2f} s  re-plan {r['replan_s']:.2f} s  reload {r['reload_s']:.2f} s  "
+          f"(+ first step {r['first_step_s']:.3f} s)  failure -> first resumed step {r['recovery_s']:.2f} s "
+          f"(goal <= {GOALS['local_recovery_s']:g} s)", flush=True)
+    print(f"  step {1000 * r['step_s']:.1f} ms on 4 ranks, {1000 * r['replanned_step_s']:.1f} ms on "
+          f"{r['replanned_ranks']}; wall {r['straight_wall_s']:.1f} s straight, {r['churn_wall_s']:.1f} s with the "
+          f"failure; model {r['model_predicted_wall_s']:.1f} s ({100 * r['model_vs_measured']:+.1f}%)", flush=True)
+
+
+# --------------------------------------------------------------------------- part 3: the model's table
+def churn_table(replans: list[dict[str, Any]], local: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    sources = [(f"{r['devices']} devices", r["first"]["simulated_ms"] / 1000, r["replan"]["simulated_ms"] / 1000,
+                r["replan"]["wall_s"], r["global_batch"]) for r in replans]
+    sources.append(("local 4-rank run (measured steps)", local["step_s"], local["replanned_step_s"],
+                    local["replan_s"], local["samples_per_step"]))
+    for label, step_s, new_step_s, replan_s, batch in sources:
+        for every in CHURN_EVERY:
+            case = ChurnCase(steps=CHURN_STEPS, every=every, checkpoint_every=CHECKPOINT_EVERY, step_s=step_s,
+                             replanned_step_s=new_step_s, detect_s=local["detect_s"], replan_s=replan_s,
+                             reload_s=local["reload_s"], samples_per_step=batch)
+            rows.append({"plan": label, **churn_row(case)})
+    return rows
+
+
+def _print_churn(row: dict[str, Any]) -> None:
+    print(f"{row['plan']:>34} N={row['every']:<4} step {row['step_s']:7.3f} -> {row['replanned_step_s']:7.3f} s  "
+          f"samples/s: stagewise {row['stagewise_samples_per_s']:9.2f}  restart {row['restart_samples_per_s']:9.2f}"
+          f"  none {row['no_failure_samples_per_s']:9.2f}  stagewise/restart {row['stagewise_vs_restart']:5.2f}x  "
+          f"stagewise/none {row['stagewise_vs_no_failure']:5.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the 8-device case and a short local run; writes nothing "
+                    "unless --output is given")
+    ap.add_argument("--limit", type=float, default=5.0, help="the re-plan's (and the fresh plan's) time limit (s)")
+    ap.add_argument("--first-limit", type=float, default=30.0, help="the original plans' time limit (s)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--devices", type=int, nargs="+", choices=(8, 64, 176), default=None)
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(1)
+    devices = args.devices or ([8] if args.quick else [8, 64, 176])
+    first_limit = min(args.first_limit, args.limit) if args.quick else args.first_limit
+    print(f"== re-plan after losing one host (re-plan and fresh at {args.limit:g} s, first plan at "
+          f"{first_limit:g} s, {args.workers} workers)", flush=True)
+    replans = []
+    for n in devices:
+        replans.append(replan_case(n, args.limit, first_limit, args.workers))
+        _print_replan(replans[-1])
+    print("== end-to-end recovery of a local run", flush=True)
+    local = local_run(steps=15 if args.quick else 30, kill_at=5 if args.quick else 10, every=5)
+    _print_local(local)
+    print(f"== throughput under churn (model; T={CHURN_STEPS} steps, checkpoint every {CHECKPOINT_EVERY}, "
+          f"restart waits {WAIT_S:g} s)", flush=True)
+    churn = churn_table(replans, local)
+    for row in churn:
+        _print_churn(row)
+    r176 = next((r for r in replans if r["devices"] == 176), None)
+    summary = {"replan_176_wall_s": r176["replan"]["wall_s"] if r176 else None,
+               "local_recovery_s": local["recovery_s"],
+               "min_stagewise_vs_restart": min(r["stagewise_vs_restart"] for r in churn)}
+    print("== summary", json.dumps(summary), flush=True)
+    out = args.output or (None if args.quick else RESULTS)
+    if out is None:
+        return 0
+    doc = {"benchmark": "churn", "goals": GOALS, "summary": summary, "replan": replans, "local": local,
+           "churn": churn, "model": __doc__.split("Part 3, ")[1].split("Goals:")[0].strip(),
+           "limit_s": args.limit, "first_limit_s": first_limit, "workers": args.workers, "quick": args.quick,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "note": "wall-clock times measured on a shared machine (other jobs running): noisy",
+           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+                   + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
