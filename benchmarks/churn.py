@@ -214,7 +214,7 @@ def replan_case(devices: int, limit: float, first_limit: float, workers: int) ->
                             time_limit_s=limit, workers=workers, warm=True)
     fresh, fresh_wall, fresh_cpu = _timed(replan, first, exclude_hosts=[host], reason=f"benchmark: {host} lost",
                                           time_limit_s=limit, workers=workers, warm=False)
-    row = {"devices": devices, "case": label, "lost_host": host, "limit_s": limit, "first_limit_s": first_limit,
+    row = {"devices": devices, "case": label, "load_average": os.getloadavg(), "lost_host": host, "limit_s": limit, "first_limit_s": first_limit,
            "first": _plan_row(first, first_wall, first_cpu), "replan": _plan_row(new, wall, cpu),
            "fresh": _plan_row(fresh, fresh_wall, fresh_cpu),
            "global_batch": first.config.global_batch}
@@ -375,7 +375,7 @@ def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, An
                      "global_batch": plan.config.global_batch, "seq": plan.model.seq,
                      "simulated_step_ms": plan.predicted.step_ms},
             "steps": steps, "killed_rank": victim, "killed_after_step": kill_at, "checkpoint_every": every,
-            "straight_wall_s": straight_s, "step_s": step_s, "samples_per_step": plan.config.global_batch,
+            "straight_wall_s": straight_s, "load_average": os.getloadavg(), "step_s": step_s, "samples_per_step": plan.config.global_batch,
             "trials": runs, **mean}
 
 
