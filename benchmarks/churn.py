@@ -12,7 +12,8 @@ warm-started from the old plan, ``replan(warm=True)``, the runtime's default; th
   with gpt-1.3b, 512 x 2048 tokens, fp16, no verification (as ``benchmarks/peers.py``); the host of a
   middle stage's rank is lost;
 * 176 devices: the solver benchmark's 1000-block x 176-device case (``benchmarks/warm_replan.py``'s builders:
-  a tiered cluster, a seeded GPT-like chain, global batch 32); the host ``warm_replan`` loses first.
+  a tiered cluster, a seeded GPT-like chain, global batch 32); the host ``warm_replan`` loses first (a
+  volunteer the plan uses, else the data-centre host with most of its ranks: 8 GPUs at once).
 
 Part 2, end-to-end recovery of a local 4-rank run: gpt-tiny on four one-CPU hosts (4 stages, one thread per
 rank), ``launch_replanning`` with one re-plan allowed (``--replan-on-failure 1``), the default ``--timeout``
@@ -21,8 +22,8 @@ SIGKILLs the rank of a middle stage. The launcher records no timestamps of its o
 process's clock: the kill; the start and end of the ``replan`` call (the benchmark wraps
 ``planner.runtime.elastic.replan`` to time it, nothing else changes); rank 0's first step event after the
 resume (its events are polled every 50 ms); and the times the surviving ranks wrote their error records (file
-times) and exited (polled every 20 ms). Detection = kill -> re-plan starts (the others noticing, exiting, and the launcher naming the root
-cause); reload = re-plan ends -> first resumed step reported, less that
+times) and exited (polled every 20 ms). Detection = kill -> re-plan starts (the others noticing, exiting,
+and the launcher naming the root cause); reload = re-plan ends -> first resumed step reported, less that
 step's own period (process start, rendezvous, checkpoint load and re-sharding). The same plan also runs
 once without a failure (its step time), and the run with a failure is repeated (``--trials``, 2): each
 run's wall time from rank 0's first step event to its last is predicted from the steps and the other
@@ -41,8 +42,8 @@ a failure strikes uniformly within a checkpoint interval, so C/2 steps are redon
   reload and C/2 redone steps, all at the original plan's step;
 * no failures: T steps at the original step.
 Checkpoint writes cost the same in both and are left out. Throughput = T x global batch / time (samples/s);
-ratios are the same in tokens. The local run also checks the model: its wall time predicted from its pieces
-against the measured one.
+ratios are the same in tokens. Detection and reload are the local run's (mean over the trials) for every
+plan; the re-plan time and the steps are each plan's own (simulated steps; the local row: measured steps).
 
 Goals: re-plan <= 10 s at 176 devices; end-to-end recovery of the local run <= 30 s; under churn >= 1.5x
 the throughput of checkpoint-restart.
