@@ -215,7 +215,8 @@ def replan_case(devices: int, limit: float, first_limit: float, workers: int) ->
                             time_limit_s=limit, workers=workers, warm=True)
     fresh, fresh_wall, fresh_cpu = _timed(replan, first, exclude_hosts=[host], reason=f"benchmark: {host} lost",
                                           time_limit_s=limit, workers=workers, warm=False)
-    row = {"devices": devices, "case": label, "load_average": os.getloadavg(), "lost_host": host, "limit_s": limit, "first_limit_s": first_limit,
+    row = {"devices": devices, "case": label, "load_average": os.getloadavg(), "lost_host": host,
+           "limit_s": limit, "first_limit_s": first_limit,
            "first": _plan_row(first, first_wall, first_cpu), "replan": _plan_row(new, wall, cpu),
            "fresh": _plan_row(fresh, fresh_wall, fresh_cpu),
            "global_batch": first.config.global_batch}
@@ -376,7 +377,8 @@ def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, An
                      "global_batch": plan.config.global_batch, "seq": plan.model.seq,
                      "simulated_step_ms": plan.predicted.step_ms},
             "steps": steps, "killed_rank": victim, "killed_after_step": kill_at, "checkpoint_every": every,
-            "straight_wall_s": straight_s, "load_average": os.getloadavg(), "step_s": step_s, "samples_per_step": plan.config.global_batch,
+            "straight_wall_s": straight_s, "load_average": os.getloadavg(), "step_s": step_s,
+            "samples_per_step": plan.config.global_batch,
             "trials": runs, **mean}
 
 
@@ -385,8 +387,8 @@ def _print_local(r: dict[str, Any]) -> None:
           f"rank {r['killed_rank']} SIGKILLed when rank 0 reports step {r['killed_after_step']}); without a "
           f"failure: step {1000 * r['step_s']:.1f} ms, wall {r['straight_wall_s']:.1f} s", flush=True)
     for t in r["trials"]:
-        check = (f"; span model {t['model_span_s']:.1f} s vs {t['span_s']:.1f} s ({100 * t['model_vs_measured_span']:+.1f}%)"
-                 if "model_span_s" in t else "")
+        check = (f"; span model {t['model_span_s']:.1f} s vs {t['span_s']:.1f} s "
+                 f"({100 * t['model_vs_measured_span']:+.1f}%)" if "model_span_s" in t else "")
         print(f"  detection {t['detect_s']:5.2f} s  re-plan {t['replan_s']:5.2f} s  reload {t['reload_s']:5.2f} s  "
               f"(+ first step {t['first_step_s']:.3f} s)  failure -> first resumed step {t['recovery_s']:5.2f} s  "
               f"(goal <= {GOALS['local_recovery_s']:g} s); step {1000 * t['replanned_step_s']:.1f} ms on "
