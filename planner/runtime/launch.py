@@ -94,6 +94,8 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
     plan = preflight(opts)
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stagewise-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("rank*.json"):  # a reused --log-dir's (or a re-planned run's) earlier error records
+        stale.unlink()
     result_path = run_dir / "result.json"
     env = _base_env(opts, run_dir, result_path)
     ranks: list[_Rank] = []
