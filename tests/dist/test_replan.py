@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from cost_models.cluster_file import parse_cluster
+from cost_models.devices import CATALOG
 from planner.api import plan_chain, replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.model_io import load_chain
+from planner.plan_load import load_plan
 from planner.runtime.elastic import launch_replanning
 from planner.runtime.launch import launch
 from planner.runtime.options import FaultSpec, RunOptions
@@ -94,3 +96,35 @@ def test_bad_exclusions_are_refused(first_plan):
         replan(first_plan, reason="x")
     with pytest.raises(InfeasiblePlanError, match="every host"):
         replan(first_plan, exclude_domains=["operator"], reason="x")
+
+
+def test_a_lost_verifier_is_placed_again_and_the_run_goes_on(tmp_path):
+    """The verifier is no single point of failure: its rank dies at step 2, the launcher excludes its host,
+    the re-plan puts the checks on the other verifier host, and the run ends with the weights of one that
+    never lost it (honest ranks: verification leaves the weights alone)."""
+    _, chain = load_chain("gpt-tiny", batch=2, seq=16)
+    # Workers hold 70% of the model's training state (16 B/param): every plan spans all three hosts and the
+    # untrusted one's boundaries are checked: the re-plan must place those checks again.
+    small = {**CATALOG["CPU"].to_dict(), "mem_bytes": int(0.7 * 4 * chain.param_bytes)}
+    host = lambda name, trusted=True, role="worker": {  # noqa: E731
+        "name": name, "region": "lab", "trust": "operator" if trusted else f"vol-{name}", "trusted": trusted,
+        "role": role, "devices": [{"type": "CPU", "count": 1, **({"spec": small} if role == "worker" else {})}]}
+    cluster = parse_cluster({"name": "checked", "hosts": [host("h0"), host("h1", trusted=False), host("h2"),
+                                                          host("v0", role="verifier"), host("v1", role="verifier")],
+                             "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+    plan = plan_chain(chain, cluster, spec="gpt-tiny", seq=16, global_batch=4, microbatch_size=2,
+                      policy=VerificationPolicy(verifier_placement="cpu"), time_limit_s=2, workers=1, dtype="fp32",
+                      optimizer="adam", stages=3)
+    checker = next(r for r in plan.ranks if r.stage is None)
+    lost, spare = checker.host, ({"v0", "v1"} - {checker.host}).pop()
+    first = plan.save(tmp_path / "first.json")
+    launch(RunOptions(plan=str(first), steps=STEPS, timeout_s=60, dump=str(tmp_path / "straight")))
+    result = launch_replanning(RunOptions(plan=str(first), steps=STEPS, timeout_s=30, checkpoint_dir=str(tmp_path / "c"),
+                                          checkpoint_every=1, fault=FaultSpec(rank=checker.rank, kind="die", step=2),
+                                          dump=str(tmp_path / "dump")), max_replans=1, time_limit_s=2)
+    (replanned,) = result["replans"]
+    assert replanned["excluded"] == lost
+    second = load_plan(replanned["plan"])
+    assert {r.host for r in second.ranks if r.stage is None} == {spare}
+    assert {v.boundary for v in second.verifiers} == {v.boundary for v in plan.verifiers}
+    _assert_same(_params(tmp_path / "dump", second.num_ranks), _params(tmp_path / "straight", plan.num_ranks))
