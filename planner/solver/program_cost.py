@@ -23,9 +23,15 @@ replicated stage's gradients once its replicas are done. Priced the same way
   outlasts the backwards it still holds: ``pipe = max over resources of
   (busy + the path outside it)``.
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
-  a replica to ``n`` microbatches per ``fb + D``. The limit is the schedule's
-  least (``planner.schedules.max_in_flight``) raised, as far as the device's
-  memory allows, to ``1 + QUEUEING * D / fb``.
+  a replica to ``n`` microbatches per ``fb + D``: ``n`` chains of pass, round
+  trip, pass, the last chain starting late. The limit is the schedule's least
+  (``planner.schedules.max_in_flight``) raised, as far as the device's memory
+  allows, to ``1 + QUEUEING * D / fb``. Not priced: a throttled replica whose
+  round trip runs through another throttled stage also queues for that
+  stage's processor (two llama-7b plans simulate 8-11% slower than priced).
+* The **drain** (``_drain``): the backwards the bottleneck replica still holds
+  after its last forward leave it one backward apart and queue, stage by
+  stage, on the upstream replicas they are routed through.
 * Stage ``k``'s all-reduce starts when its own last backward ends: upstream of
   the bottleneck as the last gradient drains through it, downstream once the
   bottleneck's last forwards made their round trips there (``_finishes``); a
