@@ -44,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, default=None, metavar="N", help="fix the number of pipeline stages")
     p.add_argument("--replicas", type=int, default=None, metavar="N", help="fix every stage's replica count")
     p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
+    p.add_argument("--ban-excludes-domain", action="store_true",
+                   help="a banned worker's whole trust domain is planned out when the run re-plans around it")
     p.add_argument("--secret-file", metavar="FILE", help="the run secret to sign the plan with (default: "
                    "$STAGEWISE_SECRET, else ~/.config/stagewise/secret, created on first use)")
     p.set_defaults(handler=run)
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     out = Console()
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
     _, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
-    policy = VerificationPolicy(enabled=not args.no_verify)
+    policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain)
     start = time.perf_counter()
     with err.status("solving...") as status:
         def progress(label: str, obj: float | None, bound: float | None, elapsed: float) -> None:

@@ -72,7 +72,11 @@ def _ban_event(opts: RunOptions, banned: RunBanned) -> dict[str, Any]:
     first = min(n.first_flagged_step for n in banned.notices)
     checkpoint.set_aside(opts.checkpoint_dir, from_step=first)  # rank 0 did it when it stopped; once more is a no-op
     reason = "; ".join(describe(n, plan.ranks[n.rank].host) for n in banned.notices)
-    return {"after": reason, "excluded": ", ".join(hosts), "hosts": hosts, "event": "ban",
+    # The policy may hold a whole trust domain (one operator's machines) answerable for its host's attack.
+    domains = sorted({h.trust for h in plan.effective_cluster().hosts if h.name in hosts}
+                     if plan.policy.ban_excludes_domain else ())
+    excluded = ", ".join(hosts + [f"trust domain {d}" for d in domains])
+    return {"after": reason, "excluded": excluded, "hosts": hosts, "domains": domains, "event": "ban",
             "banned": [n.to_dict() for n in banned.notices]}
 
 
@@ -81,8 +85,8 @@ def _replan(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], event: 
     """Re-plan without the event's hosts, record it in ``replans``, and return the options that resume."""
     plan = load_plan(opts.plan)
     hosts = event.pop("hosts", [event["excluded"]])
-    new = replan(plan, exclude_hosts=hosts, exclude_domains=(), reason=event["after"], event=event["event"],
-                 time_limit_s=time_limit_s)
+    new = replan(plan, exclude_hosts=hosts, exclude_domains=event.pop("domains", ()), reason=event["after"],
+                 event=event["event"], time_limit_s=time_limit_s)
     path = Path(opts.checkpoint_dir) / f"plan-replan-{len(replans) + 1}.json"
     new.save(path, secret=key)
     steps = checkpoint.complete_steps(opts.checkpoint_dir)

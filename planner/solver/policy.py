@@ -17,7 +17,9 @@ class VerificationPolicy:
     and gradients when ``check_gradients``) by a verifier on a trusted device
     outside the sender's trust domain. ``verifier_placement``: ``stage`` =
     only on trusted devices that run a stage, ``cpu`` = only on CPU-only
-    trusted verifier hosts, ``any`` = either.
+    trusted verifier hosts, ``any`` = either. ``ban_excludes_domain``: a ban
+    re-plans without the banned host's whole trust domain (one operator's
+    machines), not the host alone.
     """
 
     enabled: bool = True
@@ -25,6 +27,7 @@ class VerificationPolicy:
     check_gradients: bool = True
     max_boundaries_per_verifier: int | None = None
     verifier_placement: VerifierPlacement = "any"
+    ban_excludes_domain: bool = False
 
     def __post_init__(self) -> None:
         if self.verifier_placement not in ("any", "stage", "cpu"):
@@ -38,7 +41,7 @@ class VerificationPolicy:
         return {"enabled": self.enabled, "trusted_endpoints": self.trusted_endpoints,
                 "check_gradients": self.check_gradients,
                 "max_boundaries_per_verifier": self.max_boundaries_per_verifier,
-                "verifier_placement": self.verifier_placement}
+                "verifier_placement": self.verifier_placement, "ban_excludes_domain": self.ban_excludes_domain}
 
     @classmethod
     def from_dict(cls, d: dict) -> "VerificationPolicy":
