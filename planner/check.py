@@ -97,7 +97,8 @@ def _coverage(solution: Solution, cluster: ClusterSpec, policy: VerificationPoli
 def trust_problems(stage_devices: tuple[tuple[str, ...], ...], verifiers: Sequence[Any], cluster: ClusterSpec,
                    policy: VerificationPolicy) -> list[str]:
     """What breaks the trust policy: untrusted endpoints, boundaries an untrusted device sends on without
-    a trusted verifier outside its domain. ``verifiers``: anything with boundary, device and directions."""
+    a trusted verifier outside its domain. ``verifiers``: anything with boundary, device and directions
+    (and ``watch_only``)."""
     out: list[str] = []
     stages = [SimpleNamespace(index=k, devices=devs) for k, devs in enumerate(stage_devices)]
     if policy.enabled and policy.trusted_endpoints:
@@ -117,7 +118,9 @@ def trust_problems(stage_devices: tuple[tuple[str, ...], ...], verifiers: Sequen
         need = [k for k, devs in senders.items() if any(not cluster.device(d).trusted for d in devs)
                 and (k == "act" or policy.check_gradients)]
         for direction in need:
-            checkers = [v for v in by_boundary.get(b, []) if direction in v.directions]
+            # a watch-only copy is never flagged: it checks nothing
+            checkers = [v for v in by_boundary.get(b, []) if direction in v.directions
+                        and direction not in getattr(v, "watch_only", ())]
             if not checkers:
                 out.append(f"boundary {b} ({direction}) has an untrusted sender and no verifier")
                 continue

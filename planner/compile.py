@@ -87,7 +87,8 @@ def _ranks(solution: Solution, cluster: ClusterSpec) -> tuple[tuple[RankInfo, ..
             rank_of_device[v.device] = len(rows)
             rows.append(dict(rank=len(rows), device=v.device))
     verifiers = tuple(sorted((VerifierInfo(boundary=v.boundary, rank=rank_of_device[v.device], device=v.device,
-                                           directions=tuple(v.directions)) for v in solution.verifiers),
+                                           directions=tuple(v.directions), watch_only=tuple(v.watch_only))
+                              for v in solution.verifiers),
                              key=lambda v: v.boundary))
     ranks = []
     for row in rows:

@@ -49,8 +49,9 @@ from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import SolveReport
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
-# 2: verifier_config holds every monitor setting; 3: stages say whether they recompute; 4: excluded hosts and history
-SCHEMA_VERSION = 4
+# 2: verifier_config holds every monitor setting; 3: stages say whether they recompute; 4: excluded hosts and history;
+# 5: verifiers' watch_only directions (link test inputs)
+SCHEMA_VERSION = 5
 _REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -196,17 +197,29 @@ class RankInfo:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifierInfo:
-    """The verifier of boundary ``boundary`` (stage b -> b+1) runs on ``rank``."""
+    """The verifier of boundary ``boundary`` (stage b -> b+1) runs on ``rank``. ``watch_only``: the
+    directions it sees only as a link test's input (a trusted sender's), never flagging them."""
 
     boundary: int
     rank: int
     device: str
     directions: tuple[str, ...] = DIRECTIONS
+    watch_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.directions or any(d not in DIRECTIONS for d in self.directions):
             raise InvalidInputError(f"verifier of boundary {self.boundary} directions",
                                     expected="a non-empty subset of act, grad", found=repr(self.directions))
+        if not set(self.watch_only) <= set(self.directions):
+            raise InvalidInputError(f"verifier of boundary {self.boundary} watch_only",
+                                    expected=f"a subset of its directions {list(self.directions)}",
+                                    found=repr(self.watch_only), fix="re-run `stagewise plan`")
+
+    def label(self) -> str:
+        """``act+grad``, or ``grad; act for the link test`` where a trusted sender's copy is only watched."""
+        checked = "+".join(d for d in self.directions if d not in self.watch_only)
+        watched = "+".join(self.watch_only)
+        return f"{checked}; {watched} for the link test" if watched else checked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

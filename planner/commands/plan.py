@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true", help="plan without integrity verifiers")
     p.add_argument("--ban-excludes-domain", action="store_true",
                    help="a banned worker's whole trust domain is planned out when the run re-plans around it")
+    p.add_argument("--link-tests-cost", type=float, default=0.05, metavar="FRACTION",
+                   help="the share of step time worth paying for verifiers that keep every untrusted stage's "
+                        "link and residual tests (default 0.05: 5%%; 0: only where free)")
     p.add_argument("--secret-file", metavar="FILE", help="the run secret to sign the plan with (default: "
                    "$STAGEWISE_SECRET, else ~/.config/stagewise/secret, created on first use)")
     p.set_defaults(handler=run)
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     out = Console()
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
     _, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
-    policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain)
+    policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain,
+                                link_test_cost=args.link_tests_cost)
     start = time.perf_counter()
     with err.status("solving...") as status:
         def progress(label: str, obj: float | None, bound: float | None, elapsed: float) -> None:
@@ -135,7 +139,7 @@ def _report(console, plan, path) -> None:
                       f"{st.blocks[0].name}..{st.blocks[-1].name}", devices, mbs, "yes" if st.recompute else "no")
     console.print(table)
     if plan.verifiers:
-        console.print("verifiers: " + ", ".join(f"boundary {v.boundary} on {v.device} ({'+'.join(v.directions)})"
+        console.print("verifiers: " + ", ".join(f"boundary {v.boundary} on {v.device} ({v.label()})"
                                                for v in plan.verifiers))
     for note in r.notes:
         console.print(f"  {note}")

@@ -39,7 +39,7 @@ def stage_table(plan, costs):
         times = "/".join(f"{costs.compute_ms(r, 'F') + costs.compute_ms(r, 'B'):.1f}" for r in ranks)
         out_mib = costs.boundary_bytes[st.index] / 2**20 if st.index < plan.num_stages - 1 else 0.0
         v = plan.verifier(st.index)
-        checker = f"r{v.rank} {'+'.join(v.directions)}" if v is not None else "-"
+        checker = f"r{v.rank} {v.label()}" if v is not None else "-"
         table.add_row(str(st.index), blocks, f"{st.param_count / 1e6:.1f}", devices, times, f"{out_mib:.2f}",
                       checker)
     return table

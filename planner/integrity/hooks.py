@@ -75,8 +75,10 @@ class VerifyHooks:
         :func:`monitor_config`)."""
 
         self.rank = rank
-        pairs = [(v.boundary, d) for v in plan.verifiers if v.rank == rank for d in v.directions]
-        self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs) if pairs else None
+        mine = [v for v in plan.verifiers if v.rank == rank]
+        pairs = [(v.boundary, d) for v in mine for d in v.directions]
+        watched = [(v.boundary, d) for v in mine for d in v.watch_only]
+        self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs, watched) if pairs else None
         self._labels = _Labels(plan, seed=seed, data=data) if pairs and data is not None else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen

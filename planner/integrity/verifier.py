@@ -127,6 +127,7 @@ class _Fit:
     update: tuple[torch.Tensor, ...]
     moment: torch.Tensor | None = None
     input_dlog: float | None = None
+    input_sender: int | None = None   # who sent the stage's input (None: a trusted sender, watched)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,10 +153,12 @@ class Monitor:
     that test is flagged for the step and its samples are not folded in.
     """
 
-    def __init__(self, cfg: VerifierConfig, boundary: int, direction: str) -> None:
+    def __init__(self, cfg: VerifierConfig, boundary: int, direction: str, *, watch_only: bool = False) -> None:
         self.cfg = cfg
         self.boundary = boundary
         self.direction = direction
+        self.watch_only = watch_only  # a trusted sender's: learnt from, never failing a test
+        self._upstream: dict[int, int] = {}  # sender -> the input sender its running link flags are laid on
         self.beta = cfg.beta_act if direction == "act" else cfg.beta_grad
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
@@ -229,11 +232,11 @@ class Monitor:
         return summary, rows, subset
 
     def fits(self, rows: torch.Tensor, labels: torch.Tensor | None,
-             stage_input: tuple[torch.Tensor, float | None] | None) -> dict[str, _Fit]:
+             stage_input: tuple[torch.Tensor, float | None, int | None] | None) -> dict[str, _Fit]:
         """The sample's evidence for the label table and for the stage's linear surrogate
         (each only with aligned labels / the stage's input rows of the same microbatch,
-        ``stage_input``: those rows and their size change)."""
-        inputs, input_dlog = stage_input if stage_input is not None else (None, None)
+        ``stage_input``: those rows, their size change and their sender)."""
+        inputs, input_dlog, input_sender = stage_input if stage_input is not None else (None, None, None)
         fits: dict[str, _Fit] = {}
         buckets = None if labels is None or "binding" not in self.fences else pred.label_buckets(labels, len(rows))
         if buckets is not None:
@@ -251,7 +254,8 @@ class Monitor:
                     weights = self._link_w
             parts, update = pred.link_fit(inputs, rows, weights)
             num, den, moment = parts if parts is not None else (0.0, 0.0, None)
-            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog)
+            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog,
+                                input_sender=input_sender)
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
@@ -310,7 +314,7 @@ class Monitor:
         return self.first_step is None or step < self.first_step + self.cfg.warmup
 
     def exceeded(self, scores: Mapping[str, float], step: int, *, per_sample: bool = True) -> tuple[str, ...]:
-        if self.warming(step):
+        if self.warming(step) or self.watch_only:
             return ()
         fences = self.fences if per_sample else self.step_fences
         return evidence.flag_reasons(scores, fences, per_sample=per_sample)
@@ -338,9 +342,10 @@ class Monitor:
         """Keep a sample that passed until its step closes."""
         self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits))
 
-    def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...]]]:
+    def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...], int | None]]:
         """Close the open step: test each sender's step as a whole, fold in the samples
-        of the senders that pass; returns ``(sender, scores, reasons)`` of those that fail."""
+        of the senders that pass; returns ``(sender, scores, reasons, upstream)`` of those that
+        fail (``upstream``: see :func:`upstream_culprit`)."""
         if self.step is None:
             return []
         step, self.step = self.step, None
@@ -349,7 +354,7 @@ class Monitor:
         by_sender: dict[int, list[_Sample]] = {}
         for sample in pending:
             by_sender.setdefault(sample.sender, []).append(sample)
-        failed: list[tuple[int, dict[str, float], tuple[str, ...]]] = []
+        failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
         for sender, samples in by_sender.items():
             scores = self.score(dist.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
                                 per_sample=False)
@@ -358,18 +363,29 @@ class Monitor:
                 scores["drift"] = self.drift(sender).step(scores["residual"])
             reasons = self.exceeded(scores, step, per_sample=False)
             if reasons:
-                failed.append((sender, scores, reasons))
+                failed.append((sender, scores, reasons, self.culprit(sender, [x.fits for x in samples], reasons)))
                 continue
+            self._upstream.pop(sender, None)
             for name, value in scores.items():
                 self.step_fences[name].update(value)
             if drifting:
                 self.drift(sender).learn(scores["residual"])
-        bad = {sender for sender, _, _ in failed}
+        bad = {sender for sender, *_ in failed}
         self.step_flags += len(bad)
         for sample in pending:
             if sample.sender not in bad:
                 self._fold(sample.summary, sample.scores, sample.fits)
         return failed
+
+    def culprit(self, sender: int, fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
+        """:func:`upstream_culprit`, carried on while ``sender``'s link flags run unbroken: the input's
+        monitor learns the moved size within a step or two, but the flags it caused go on."""
+        up = upstream_culprit(fits, reasons)
+        if up is None and reasons and set(reasons) <= _LINKED_REASONS:
+            up = self._upstream.get(sender)
+        if up is not None:
+            self._upstream[sender] = up
+        return up
 
     def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
               fits: Mapping[str, _Fit] | None = None) -> None:
@@ -423,17 +439,25 @@ class Verifier:
     """The monitors of the boundaries one verifier rank checks, plus blame and bans.
 
     ``config``: the plan's ``verifier_config`` (see :class:`VerifierConfig`).
-    ``boundaries``: ``(boundary index, "act" | "grad")`` pairs this verifier checks.
+    ``boundaries``: ``(boundary index, "act" | "grad")`` pairs this verifier checks. ``watched``: those
+    of them whose sender is trusted, seen only as the next stage's link-test input: scored and learnt
+    from, never flagged (a trusted sender is not to blame).
     """
 
-    def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]]) -> None:
+    def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]],
+                 watched: Sequence[tuple[int, str]] = ()) -> None:
         self.config = VerifierConfig.from_dict(config)
+        self.watched = {(int(b), d) for b, d in watched}
+        if not self.watched <= {(int(b), d) for b, d in boundaries}:
+            raise InvalidInputError("verifier watched boundaries", expected=f"some of {sorted(boundaries)}",
+                                    found=repr(sorted(self.watched)))
         self._monitors: dict[tuple[int, str], Monitor] = {}
         for boundary, direction in boundaries:
             if direction not in DIRECTIONS:
                 raise InvalidInputError(f"verifier boundary {boundary} direction", expected="act or grad",
                                         found=repr(direction))
-            self._monitors[(int(boundary), direction)] = Monitor(self.config, int(boundary), direction)
+            self._monitors[(int(boundary), direction)] = Monitor(
+                self.config, int(boundary), direction, watch_only=(int(boundary), direction) in self.watched)
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
         # Accepted rows and their size change, as the next stage's input for its link test.
@@ -478,14 +502,16 @@ class Verifier:
         # (a stage's input and output rows must stay aligned for its link test).
         summarized = mon.summarize(tensor, subset_seed=dist.stable_mix(self.config.seed, step, mb))
         if summarized is None:
-            return self._flag(mon, step, mb, sender, {}, ("shape",))
+            return Verdict(flagged=False, tainted=tainted, scores={}) if mon.watch_only else \
+                self._flag(mon, step, mb, sender, {}, ("shape",))
         summary, rows, subset = summarized
         if labels is not None and subset is not None and labels.numel() == tensor.numel() // dist.feature_size(tensor):
             labels = labels.reshape(-1)[subset]   # one label per row: keep those of the subset
         # Any inf or NaN element makes its feature's std NaN (inf - inf, or NaN, around the
         # mean): one cheap test.
         if not math.isfinite(float(summary.std.sum())):
-            return self._flag(mon, step, mb, sender, {}, ("nonfinite",))
+            return Verdict(flagged=False, tainted=tainted, scores={}) if mon.watch_only else \
+                self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
         scores = mon.score(summary, (fits,))
         if tainted:
@@ -496,37 +522,42 @@ class Verifier:
             return Verdict(flagged=False, tainted=True, scores=scores)
         reasons = mon.exceeded(scores, step)
         if reasons:
-            return self._flag(mon, step, mb, sender, scores, reasons)
+            return self._flag(mon, step, mb, sender, scores, reasons, upstream=mon.culprit(sender, [fits], reasons))
         mon.hold(sender, summary, scores, fits)
         if _input_key(boundary, direction, forward=False) in self._monitors:
-            self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary))
+            self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary),
+                                                             None if mon.watch_only else sender)
         return Verdict(flagged=False, tainted=False, scores=scores)
 
     def _flag(self, mon: Monitor, step: int, mb: int, sender: int, scores: dict[str, float],
-              reasons: tuple[str, ...]) -> Verdict:
+              reasons: tuple[str, ...], *, upstream: int | None = None) -> Verdict:
         mon.flagged += 1
-        event = self._event("flag", mon, step, mb, sender, scores, reasons)
+        event = self._event("flag", mon, step, mb, sender, scores, reasons, upstream=upstream)
         self.events.append(event)
         self._step_flags.setdefault(step, []).append(event)
         return Verdict(flagged=True, tainted=True, scores=scores, reasons=reasons)
 
     def _close(self, mon: Monitor) -> None:
         step = mon.step
-        for sender, scores, reasons in mon.close():
-            event = self._event("flag", mon, step, STEP_MB, sender, scores, reasons, per_sample=False)
+        for sender, scores, reasons, upstream in mon.close():
+            event = self._event("flag", mon, step, STEP_MB, sender, scores, reasons, per_sample=False,
+                                upstream=upstream)
             self.events.append(event)
             self._step_flags.setdefault(step, []).append(event)
 
     @staticmethod
     def _event(kind: str, mon: Monitor, step: int, mb: int, sender: int, scores: Mapping[str, float],
-               reasons: tuple[str, ...], *, per_sample: bool = True) -> dict[str, Any]:
+               reasons: tuple[str, ...], *, per_sample: bool = True, upstream: int | None = None) -> dict[str, Any]:
         fences = mon.fence_values(per_sample=per_sample)
-        return {"type": kind, "step": int(step), "mb": int(mb), "boundary": mon.boundary,
-                "direction": mon.direction, "sender": int(sender),
-                "scope": "microbatch" if per_sample else "step",
-                "scores": {k: round(float(v), 6) for k, v in scores.items()},
-                "fences": {k: (None if v is None else round(v, 6)) for k, v in fences.items()},
-                "reasons": list(reasons)}
+        event = {"type": kind, "step": int(step), "mb": int(mb), "boundary": mon.boundary,
+                 "direction": mon.direction, "sender": int(sender),
+                 "scope": "microbatch" if per_sample else "step",
+                 "scores": {k: round(float(v), 6) for k, v in scores.items()},
+                 "fences": {k: (None if v is None else round(v, 6)) for k, v in fences.items()},
+                 "reasons": list(reasons)}
+        if upstream is not None:
+            event["upstream"] = int(upstream)
+        return event
 
     def flag_events(self, step: int) -> list[dict[str, Any]]:
         """This verifier's flags of ``step`` as plain dicts (exchanged as JSON: ``FLAG_EVENTS_SCHEMA``).
@@ -607,9 +638,34 @@ def _flatten(events: Iterable[Any]) -> Iterable[Mapping[str, Any]]:
 
 def _upstream_key(event: Mapping[str, Any]) -> tuple[int, int]:
     # Causal order of a microbatch: activations cross boundaries 0, 1, ... then
-    # gradients cross them back from the last boundary down to 0.
-    b = int(event["boundary"])
-    return (0, b) if event["direction"] == "act" else (1, -b)
+    # gradients cross them back from the last boundary down to 0. A flag laid on its
+    # stage's input (``upstream``) stands where that input crossed.
+    b, d = int(event["boundary"]), event["direction"]
+    if "upstream" in event:
+        b, d = _input_key(b, d)
+    return (0, b) if d == "act" else (1, -b)
+
+
+# The link-derived tests judge a stage's output against a surrogate of its input; fed an input whose
+# size moved this many e-folds from its reference (0.35: -30% or +42%; damping by 0.5 is 0.69), they
+# judge the input, not the stage.
+UPSTREAM_EFOLDS = 0.35
+_LINKED_REASONS = frozenset({"link", "residual", "drift"})
+
+
+def upstream_culprit(fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
+    """The sender of the flagged samples' input when only link-derived tests failed and that input
+    (untrusted, as the samples saw it) moved more than ``UPSTREAM_EFOLDS`` in size: a stage that damps
+    or inflates what it sends just under its own fences makes the honest stage after it fail its
+    link test, and the blame is the input's. None otherwise."""
+    links = [f.get("link") for f in fits]
+    if not reasons or not set(reasons) <= _LINKED_REASONS or any(
+            f is None or f.input_dlog is None or f.input_sender is None for f in links):
+        return None
+    if abs(sum(f.input_dlog for f in links) / len(links)) <= UPSTREAM_EFOLDS:
+        return None
+    senders = [f.input_sender for f in links]
+    return max(set(senders), key=senders.count)
 
 
 # What a verifier rank sends the others each step (``flag_events``), checked on receipt.
@@ -626,6 +682,7 @@ FLAG_EVENTS_SCHEMA = {
             "scores": {"type": "object", "additionalProperties": {"type": "number"}},
             "fences": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
             "reasons": {"type": "array", "items": {"type": "string"}},
+            "upstream": {"type": "integer", "minimum": 0},
         },
     },
 }
@@ -637,7 +694,8 @@ def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
     A step-level flag (a sender's step as a whole) stands for every microbatch of its step, and
     is itself outranked by any flag upstream in its step: a stage that damps or skews its output
     just under the per-sample fences makes the honest stages after it look odd, and their flags
-    must not outrank the upstream one that caused them.
+    must not outrank the upstream one that caused them. A flag laid on its stage's input
+    (``upstream``, see :func:`upstream_culprit`) blames that input's sender, where that input crossed.
     """
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in flags:
@@ -652,4 +710,4 @@ def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
             for candidate in rivals:
                 if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
                     first[key] = candidate
-    return {int(e["sender"]) for e in first.values()}
+    return {int(e.get("upstream", e["sender"])) for e in first.values()}

@@ -60,6 +60,7 @@ from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
 from planner.solver.cpsat.model import num_slots, solve_cpsat
 from planner.solver.explain import explain_infeasible, precheck
 from planner.solver.idle import idle_reasons
+from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import (
     Placement,
     evaluate,
@@ -344,12 +345,13 @@ def _search(problem: Problem, time_limit_s: float, workers: int, label: str, pro
 
 def _to_solution(outcome: _Outcome, bound_ms: float, notes: tuple[str, ...], solve_s: float,
                  method: str, status: str) -> Solution:
-    placement = outcome.placement
-    assert placement is not None
+    assert outcome.placement is not None
+    placement = keep_link_tests(outcome.problem, outcome.placement)
     priced = price_program(outcome.problem, placement)
     gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
         if priced.step_ms > 0 else 0.0
-    notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms)
+    notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms) + \
+        lost_link_tests(outcome.problem, placement)
     report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
                          solve_s=solve_s, notes=notes)
     stages = tuple(dataclasses.replace(st, in_flight=n, recompute=outcome.problem.tables(st.recompute).recompute)

@@ -253,7 +253,7 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
         v = placement.verifier_of(b)
         if not need:
             continue
-        if v is None or not set(need) <= set(v.directions):
+        if v is None or not set(need) <= set(v.directions) - set(v.watch_only):
             out.append(f"boundary {b} is not checked in {need}")
             continue
         c = problem.classes[problem.class_of(v.device)]

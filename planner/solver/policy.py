@@ -19,7 +19,9 @@ class VerificationPolicy:
     only on trusted devices that run a stage, ``cpu`` = only on CPU-only
     trusted verifier hosts, ``any`` = either. ``ban_excludes_domain``: a ban
     re-plans without the banned host's whole trust domain (one operator's
-    machines), not the host alone.
+    machines), not the host alone. ``link_test_cost``: the share of step time a verifier placement that
+    keeps the untrusted stages' link and residual tests may cost over the cheapest one (beyond it the plan
+    keeps the cheaper placement and says which tests it lost; damping by 0.5 passes the weaker tests).
     """
 
     enabled: bool = True
@@ -28,11 +30,15 @@ class VerificationPolicy:
     max_boundaries_per_verifier: int | None = None
     verifier_placement: VerifierPlacement = "any"
     ban_excludes_domain: bool = False
+    link_test_cost: float = 0.05
 
     def __post_init__(self) -> None:
         if self.verifier_placement not in ("any", "stage", "cpu"):
             raise InvalidInputError("verifier_placement", expected="any, stage or cpu",
                                     found=repr(self.verifier_placement))
+        if not 0.0 <= self.link_test_cost <= 10.0:
+            raise InvalidInputError("link_test_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
+                                    found=str(self.link_test_cost))
         if self.max_boundaries_per_verifier is not None and self.max_boundaries_per_verifier < 1:
             raise InvalidInputError("max_boundaries_per_verifier", expected=">= 1 or unset",
                                     found=str(self.max_boundaries_per_verifier))
@@ -41,7 +47,8 @@ class VerificationPolicy:
         return {"enabled": self.enabled, "trusted_endpoints": self.trusted_endpoints,
                 "check_gradients": self.check_gradients,
                 "max_boundaries_per_verifier": self.max_boundaries_per_verifier,
-                "verifier_placement": self.verifier_placement, "ban_excludes_domain": self.ban_excludes_domain}
+                "verifier_placement": self.verifier_placement, "ban_excludes_domain": self.ban_excludes_domain,
+                "link_test_cost": self.link_test_cost}
 
     @classmethod
     def from_dict(cls, d: dict) -> "VerificationPolicy":

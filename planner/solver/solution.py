@@ -51,11 +51,16 @@ class StagePlacement:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifierPlacement:
-    """The verifier of the boundary between stage ``boundary`` and ``boundary + 1``."""
+    """The verifier of the boundary between stage ``boundary`` and ``boundary + 1``.
+
+    ``watch_only``: those of ``directions`` whose sender is trusted, copied here only as the input of the
+    next untrusted stage's link and residual tests (seen, never flagged).
+    """
 
     boundary: int
     device: str
     directions: tuple[Direction, ...] = ("act", "grad")
+    watch_only: tuple[Direction, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

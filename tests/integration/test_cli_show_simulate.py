@@ -59,7 +59,7 @@ def _broken(tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("how,message", [
     ("truncated", "is not valid JSON"),
-    ("version", "schema_version; expected 4; found 99"),
+    ("version", "schema_version; expected 5; found 99"),
     ("no-program", "rank 1 has no program"),
     ("unmatched-send", "invalid plan program: rank 0 instruction"),
     ("missing", "does not exist"),
