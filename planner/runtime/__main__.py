@@ -20,6 +20,18 @@ Example, two "hosts" of a plan with hosts ``h0`` and ``h1`` on one machine (each
 
 The plan's rank 0 prints one line per step and predicted vs measured step time at the end; every
 process says which plan rank it runs (on stderr).
+
+Elastic (hosts that fail or join; ``planner/runtime/torchrun_elastic.py``): start every host with
+``--nnodes MIN:MAX --max-restarts N``, ``--nproc-per-node`` its device count, and ``--elastic
+--checkpoint-dir DIR`` on storage every host reaches; the host that serves the rendezvous endpoint
+(``--rdzv-conf is_host=1``) must outlive the run. When a host is lost or joins, torchrun restarts the
+workers; at each start they agree on the hosts present, torchrun's rank 0 re-plans if the plan needs
+a host that is gone (or one it excluded is back), signs it and writes ``DIR/plan-elastic-<start>.json``,
+and every rank resumes from the newest complete checkpoint::
+
+    PYTHONSAFEPATH=1 torchrun --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 --rdzv-conf is_host=1 \
+        -m planner.runtime plan.json --host h0 --steps 500 --elastic --checkpoint-dir /shared/ckpt
 """
 import sys
 

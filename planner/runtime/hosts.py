@@ -58,9 +58,10 @@ def host_ranks(plan, host: str) -> tuple[int, ...]:
 
 
 def place(plan, *, host: str | None, launcher_rank: int, local_rank: int,
-          environ: Mapping[str, str] = os.environ) -> Placement:
+          environ: Mapping[str, str] = os.environ, elastic: bool = False) -> Placement | None:
     """This process's plan rank: the launcher's rank under the local launcher, else the ``local_rank``-th
-    of the ranks the plan gives the named host (``host``, else ``$STAGEWISE_HOST``)."""
+    of the ranks the plan gives the named host (``host``, else ``$STAGEWISE_HOST``). ``elastic``: a host
+    may have more processes than ranks (the plan changes from start to start): those beyond get None."""
     if environ.get(LOCAL_RUN_ENV) == "1":
         return Placement(rank=launcher_rank, host=plan.ranks[launcher_rank].host, local=True)
     hosts = plan_hosts(plan)
@@ -74,11 +75,13 @@ def place(plan, *, host: str | None, launcher_rank: int, local_rank: int,
                                         "the plan's)")
         host = hosts[0]
     ranks = host_ranks(plan, host)
+    if elastic and local_rank >= len(ranks):
+        return None
     if not ranks:
         raise InvalidInputError(f"host {host!r}", expected=f"one of the plan's hosts ({', '.join(hosts)})",
                                 found="a host the plan gives no rank", fix="check --host / $STAGEWISE_HOST")
     nproc = environ.get("LOCAL_WORLD_SIZE")  # torchrun's --nproc-per-node
-    if (nproc is not None and nproc != str(len(ranks))) or not 0 <= local_rank < len(ranks):
+    if (nproc is not None and nproc != str(len(ranks)) and not elastic) or not 0 <= local_rank < len(ranks):
         raise InvalidInputError(f"host {host!r} runs ranks {list(ranks)} of the plan",
                                 expected=f"{len(ranks)} processes on it (--nproc-per-node {len(ranks)})",
                                 found=f"{nproc} (local rank {local_rank})" if nproc else f"local rank {local_rank}",
@@ -97,8 +100,10 @@ def claim(store: dist.Store, placement: Placement) -> None:
                                 fix="check the --host / $STAGEWISE_HOST each host was started with")
 
 
-def join(placement: Placement, *, backend: str, launcher_rank: int, world_size: int, timeout_s: float) -> None:
-    """Form the default process group with the plan's ranks (see the module docstring)."""
+def join(placement: Placement, *, backend: str, launcher_rank: int, world_size: int, timeout_s: float,
+         launcher_world_size: int | None = None) -> None:
+    """Form the default process group with the plan's ranks (see the module docstring).
+    ``launcher_world_size``: torchrun's process count, where it differs from the plan's (elastic starts)."""
     if placement.local:
         comm.keep_gloo_on_loopback()
         port = os.environ.get("MASTER_PORT", "")
@@ -109,7 +114,8 @@ def join(placement: Placement, *, backend: str, launcher_rank: int, world_size: 
     else:
         print(f"stagewise: host {placement.host!r}: launcher rank {launcher_rank} runs the plan's rank "
               f"{placement.rank}", file=sys.stderr, flush=True)  # the operator sees the layout taken
-        store = comm.env_store(launcher_rank=launcher_rank, world_size=world_size, timeout_s=timeout_s)
+        store = comm.env_store(launcher_rank=launcher_rank, world_size=launcher_world_size or world_size,
+                               timeout_s=timeout_s)
     claim(store, placement)
     comm.init_process_group(backend=backend, rank=placement.rank, world_size=world_size, timeout_s=timeout_s,
                             store=store)

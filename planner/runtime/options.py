@@ -74,6 +74,8 @@ class RunOptions:
     resume: bool = False            # continue from the newest complete checkpoint in checkpoint_dir
     secret_file: str | None = None  # the run secret (default: STAGEWISE_SECRET, else this user's local one)
     host: str | None = None         # under torchrun: this host's name in the plan (planner.runtime.hosts)
+    elastic: bool = False           # under torchrun's elastic restarts: re-plan for the hosts present
+    replan_time_limit_s: float = 30.0  # the solver's limit when an elastic start re-plans
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -98,6 +100,11 @@ class RunOptions:
         if self.resume and self.checkpoint_dir is None:
             raise InvalidInputError("--resume", expected="--checkpoint-dir DIR as well",
                                     found="no checkpoint folder", fix="add --checkpoint-dir with the earlier run's folder")
+        if self.elastic and self.checkpoint_dir is None:
+            raise InvalidInputError("--elastic", expected="--checkpoint-dir DIR as well (on storage every host "
+                                    "reaches)", found="no checkpoint folder", fix="add --checkpoint-dir SHARED/DIR")
+        if self.replan_time_limit_s <= 0:
+            raise InvalidInputError("--replan-time-limit", expected="> 0 seconds", found=str(self.replan_time_limit_s))
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
@@ -194,6 +201,11 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
     parser.add_argument("--host", metavar="NAME", help="this host's name in the plan: its processes run the plan's "
                         "ranks on that host, in rank order by local rank (default: $STAGEWISE_HOST; a plan with "
                         "one host needs none)")
+    parser.add_argument("--elastic", action="store_true", help="under torchrun --nnodes MIN:MAX --max-restarts N: "
+                        "each start re-plans for the hosts present and resumes from --checkpoint-dir "
+                        "(planner/runtime/torchrun_elastic.py)")
+    parser.add_argument("--replan-time-limit", dest="replan_time_limit_s", type=float, default=30.0, metavar="S",
+                        help="the solver's time limit when an elastic start re-plans (default 30)")
     return options_from_args(parser.parse_args(argv))
 
 

@@ -32,7 +32,7 @@ from models.registry import build_model
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.outputs import write_atomic
-from planner.runtime import checkpoint, comm, hosts, messages
+from planner.runtime import checkpoint, comm, hosts, messages, torchrun_elastic
 from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.comm import Groups, Kind
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
@@ -306,12 +306,21 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
 
     torch.set_num_threads(opts.threads)
     key = run_secret(opts.secret_file)
+    if opts.elastic:  # torchrun's elastic start: the plan for the hosts present (it may re-plan)
+        start = torchrun_elastic.agree(opts, launcher_rank=env.rank, world_size=env.world_size, key=key)
+        opts = dataclasses.replace(opts, plan=start.plan, resume=start.resume)
     plan, plan_digest = load_signed_plan(opts.plan, key)  # before anything of the plan runs; one read
-    if env.world_size != plan.num_ranks:
+    if env.world_size != plan.num_ranks and not opts.elastic:
         raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
-    placement = hosts.place(plan, host=opts.host, launcher_rank=env.rank, local_rank=env.local_rank)
-    launcher_rank, env = env.rank, dataclasses.replace(env, rank=placement.rank)  # the plan's rank from here on
+    placement = hosts.place(plan, host=opts.host, launcher_rank=env.rank, local_rank=env.local_rank,
+                            elastic=opts.elastic)
+    if placement is None:
+        print(f"stagewise: process {env.local_rank} of host {opts.host}: the plan {opts.plan} runs no rank here; "
+              "exiting", file=sys.stderr, flush=True)
+        return None
+    launcher_rank, launcher_world = env.rank, env.world_size  # the plan's rank and world from here on
+    env = dataclasses.replace(env, rank=placement.rank, world_size=plan.num_ranks)
     validate_attacks(opts.attacks, plan.num_ranks)
     device = _device(opts, env)
     if device.type == "cuda":
@@ -321,7 +330,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     hosts.join(placement, backend=backend, launcher_rank=launcher_rank, world_size=env.world_size,
-               timeout_s=opts.timeout_s)
+               timeout_s=opts.timeout_s, launcher_world_size=launcher_world)
     prove_membership(key, plan_digest, rank=env.rank, world_size=env.world_size)
     result = _run(plan, opts, env, setup, emulation, verifying)
     # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
