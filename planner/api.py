@@ -117,7 +117,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         return plan
     # The baselines' enumerations stop in time to compile two plans as long as this one took.
     found = solver_api.baselines(solver_api.BASELINE_NAMES, chain, spec_cluster, config, policy,
-                                 deadline=deadline.less(2 * (time.perf_counter() - start)))
+                                 deadline=deadline.less(2 * (time.perf_counter() - start)),
+                                 within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
 
 

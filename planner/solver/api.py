@@ -475,14 +475,15 @@ def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: Trainin
     problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
     precheck(problem)
     _check_names((name,))
-    return _baseline_solution(name, problem, deadline, start)
+    return _baseline_solution(_baseline_outcome(name, problem, deadline), start)
 
 
 def baselines(names: Sequence[str], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-              policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None
-              ) -> list[Solution]:
+              policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None,
+              within_ms: float = math.inf) -> list[Solution]:
     """The named baselines' plans that exist here, in the order named, priced as :func:`baseline`'s, on one set
-    of cost tables (a name whose plan breaks memory or the policy is left out).
+    of cost tables; a name whose plan breaks memory or the policy, or is priced above ``within_ms`` (it cannot
+    win: its report, which explains every idle device, is not worth the seconds), is left out.
 
     Past ``deadline``, ppdp's grids and dp's caps stop, each with the best found by then: the first valid grid
     and the smallest bottleneck's partition at least; the other baselines take milliseconds.
@@ -497,9 +498,11 @@ def baselines(names: Sequence[str], chain: BlockChain, cluster: ClusterSpec, con
     out = []
     for name in names:
         try:
-            out.append(_baseline_solution(name, problem, deadline, start))
+            outcome = _baseline_outcome(name, problem, deadline)
         except InfeasiblePlanError:
             continue
+        if outcome.program_ms <= within_ms:
+            out.append(_baseline_solution(outcome, start))
     return out
 
 
@@ -509,15 +512,18 @@ def _check_names(names: Sequence[str]) -> None:
             raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINE_NAMES))
 
 
-def _baseline_solution(name: str, problem: Problem, deadline: Deadline | None, start: float) -> Solution:
+def _baseline_outcome(name: str, problem: Problem, deadline: Deadline | None) -> _Outcome:
     placement = best_grid(problem, deadline) if name == "ppdp" else base.baseline_placement(name, problem, deadline)
     ev = evaluate(problem, placement)
     bad = violations(problem, placement, ev)
     if bad:
         raise InfeasiblePlanError(f"the {name} baseline has no valid plan here", found="; ".join(bad[:3]),
                                   fix="use the solver (it places stages to fit memory and the policy)")
-    outcome = _Outcome(problem=problem, placement=placement, step_ms=ev.step_ms, bound_ms=math.inf,
-                       method=f"baseline:{name}", cpsat_status="", solve_s=0.0,
-                       program_ms=price_program(problem, placement).step_ms)
-    return _to_solution(outcome, None, (f"baseline {name}",), time.perf_counter() - start,
-                        f"baseline:{name}", "FEASIBLE")
+    return _Outcome(problem=problem, placement=placement, step_ms=ev.step_ms, bound_ms=math.inf,
+                    method=f"baseline:{name}", cpsat_status="", solve_s=0.0,
+                    program_ms=price_program(problem, placement).step_ms)
+
+
+def _baseline_solution(outcome: _Outcome, start: float) -> Solution:
+    name = outcome.method.removeprefix("baseline:")
+    return _to_solution(outcome, None, (f"baseline {name}",), time.perf_counter() - start, outcome.method, "FEASIBLE")

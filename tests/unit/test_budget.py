@@ -141,3 +141,12 @@ def test_a_spent_budget_still_gives_a_plan_chosen_by_simulation(case):
                       started_s=time.perf_counter() - 100.0)
     assert plan.predicted.step_ms > 0
     assert any(n.startswith("chosen by simulation") for n in plan.report.notes)
+
+
+def test_baselines_priced_past_what_can_win_are_left_out(case):
+    chain, cluster, config, _ = case
+    full = solver_api.baselines(solver_api.BASELINE_NAMES, chain, cluster, config, POLICY)
+    cap = sorted(s.predicted_step_ms for s in full)[len(full) // 2]
+    kept = solver_api.baselines(solver_api.BASELINE_NAMES, chain, cluster, config, POLICY, within_ms=cap)
+    assert [s.report.method for s in kept] == [s.report.method for s in full if s.predicted_step_ms <= cap]
+    assert 0 < len(kept) < len(full)
