@@ -6,8 +6,9 @@ traces with ``planner.model_io.load_chain`` and calls it).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec
 from cost_models.cluster_file import load_cluster, parse_cluster
@@ -24,11 +25,16 @@ from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
+from planner.solver.search.deadline import Deadline
 from planner.solver.warm import WarmStage, WarmStart
 from planner.trace import trace
 
 DEFAULT_MICROBATCHES = 8  # global batch = this many traced microbatches when not given
-RIVAL_MARGIN = 1.2  # baselines priced within this factor of the solver's plan are compiled and simulated
+RIVAL_MARGIN = 1.2  # baselines priced within this factor of the fastest simulated plan are compiled and simulated
+# Of the time limit, kept back from the solve for the baselines that follow it (their enumerations, compiling
+# and simulating those that can win), at most RIVALS_MAX_S: 176 devices need about 3 s.
+RIVALS_SHARE = 0.1
+RIVALS_MAX_S = 5.0
 
 
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
@@ -42,7 +48,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                policy: VerificationPolicy | None = None, time_limit_s: float = 30.0, baseline: str | None = None,
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
-               replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None) -> Any:
+               replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None,
+               started_s: float | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -59,8 +66,14 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     ``recompute``: activation recomputation per stage where memory binds (``auto``), ``never`` or ``always``.
     ``warm_start``: an old plan's stages for the solver to start from (``planner.solver.warm``; a re-plan's).
     The plan's history starts with this plan (``planned``, now).
-    """
 
+    ``time_limit_s`` is a budget for the whole call, counted from ``started_s`` (``time.perf_counter``; default
+    now: a caller that traced the model first passes when it started): the solve (less ``RIVALS_SHARE`` when
+    baselines follow it), the baselines' enumerations (the best found by the limit), compiling and simulating.
+    Past it come what each step cannot split: one DP or CP-SAT call in the solve, compiling the plans that
+    can still win.
+    """
+    deadline = Deadline((time.perf_counter() if started_s is None else started_s) + time_limit_s)
     spec_cluster = _cluster(cluster)
     policy = policy or VerificationPolicy()
     dtype = resolve_dtype(dtype, spec_cluster)
@@ -73,13 +86,15 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
         config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
                                 dtype=dtype, mixed_precision=mixed)
-        solution = solver_api.baseline(baseline, chain, spec_cluster, config, policy)
+        solution = solver_api.baseline(baseline, chain, spec_cluster, config, policy, deadline=deadline)
     else:
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
                                 optimizer=optimizer, dtype=dtype, mixed_precision=mixed)
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
-        solution = solver_api.solve(chain, spec_cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
+        kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if stages is None and replicas is None else 0.0
+        solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers,
+                                    time_limit_s=max(0.0, deadline.left_s() - kept),
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
                                     stages=stages, replicas=replicas, recompute_mode=recompute,
                                     warm_start=warm_start)
@@ -96,19 +111,28 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         return dataclasses.replace(predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref)),
                                    history=first)
 
+    start = time.perf_counter()
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
-    rivals = []
-    for name in solver_api.BASELINE_NAMES:
-        try:
-            rival = solver_api.baseline(name, chain, spec_cluster, config, policy)
-        except InfeasiblePlanError:
-            continue
-        # Simulate the close ones: a priced program 20% dearer is not faster (objectives are within 10%).
-        if rival.predicted_step_ms <= RIVAL_MARGIN * solution.predicted_step_ms:
-            rivals.append(compiled(rival))
-    return choose_by_simulation(plan, rivals)
+    # The baselines' enumerations stop in time to compile two plans as long as this one took.
+    found = solver_api.baselines(solver_api.BASELINE_NAMES, chain, spec_cluster, config, policy,
+                                 deadline=deadline.less(2 * (time.perf_counter() - start)),
+                                 within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
+    return choose_by_simulation(plan, _rivals(plan, found, compiled))
+
+
+def _rivals(plan: Any, found: Sequence[Any], compiled: Callable[[Any], Any]) -> list[Any]:
+    """The baselines' plans (``found``: solutions) that can still beat ``plan`` in simulation, compiled and
+    simulated, cheapest first: those priced within ``RIVAL_MARGIN`` of the fastest simulated so far (a
+    program priced 20% dearer does not simulate faster: objectives are within 5% of their simulation)."""
+    best_ms, out = plan.predicted.step_ms, []
+    for rival in sorted(found, key=lambda s: s.predicted_step_ms):
+        if rival.predicted_step_ms > RIVAL_MARGIN * best_ms:
+            break
+        out.append(compiled(rival))
+        best_ms = min(best_ms, out[-1].predicted.step_ms)
+    return out
 
 
 def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
@@ -139,6 +163,7 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
     no plan fits the cluster and policy.
     """
 
+    started = time.perf_counter()  # the time limit counts the trace too
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     graph = trace(model, inputs, name=name or type(model).__name__)
     chain = coarsen(graph)
@@ -149,7 +174,7 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
                       seq=seq, schedule=schedule, global_batch=global_batch, microbatch_size=microbatch_size,
                       policy=policy, time_limit_s=time_limit_s, baseline=baseline, optimizer=optimizer,
                       dtype=dtype, workers=workers, gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
-                      recompute=recompute)
+                      recompute=recompute, started_s=started)
 
 
 def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Sequence[str] = (),

@@ -78,6 +78,7 @@ from planner.solver.problem import (
 )
 from planner.solver.search import baselines as base
 from planner.solver.search.chain_dp import homogeneous_dp
+from planner.solver.search.deadline import Deadline
 from planner.solver.search.grid import best_grid, cheapest, grid_candidates, shaped
 from planner.solver.search.local import improve
 from planner.solver.search.polish import polish
@@ -159,7 +160,9 @@ def _best(cands: Sequence[tuple[Placement, float, str]]) -> tuple[Placement | No
 
 
 def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, float, str]]:
-    """One-stage plans, the baselines and the sequence search: valid plans with their step times."""
+    """One-stage plans, the baselines and the sequence search: valid plans with their step times. The ``dp``
+    baseline's DP stops at ``budget_s``, the grids at ``GRID_BUDGET_FACTOR`` times it (the best found by then)."""
+    deadline = Deadline.after(budget_s)
     out = []
     for placement in base.single_stage_placements(problem):
         ev = evaluate(problem, placement)
@@ -167,7 +170,7 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
             out.append((placement, ev.step_ms, "data-parallel"))
     for name in base.BASELINES:
         try:
-            placement = base.baseline_placement(name, problem)
+            placement = base.baseline_placement(name, problem, deadline)
         except InfeasiblePlanError:
             continue
         ev = evaluate(problem, placement)
@@ -175,7 +178,7 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
             out.append((placement, ev.step_ms, f"baseline:{name}"))
     # Every uniform pp x dp grid, the cheapest few also with their blocks split for their devices: the
     # search starts no worse than ppdp or a fixed shape would.
-    for placement in grid_candidates(problem, time_budget_s=GRID_BUDGET_FACTOR * budget_s):
+    for placement in grid_candidates(problem, deadline=Deadline.after(GRID_BUDGET_FACTOR * budget_s)):
         out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
     found = search_sequences(problem, time_budget_s=budget_s)
     if found is not None:
@@ -396,9 +399,10 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      replicas: int | None = None, recompute_mode: str = "auto",
                      warm_start: WarmStart | None = None) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
-    warm_kernels()  # the first call on a machine compiles the DP kernels (seconds): not the solve's time
-    warm_partition()
     start = time.perf_counter()
+    # The first call on a machine compiles the DP kernels (seconds; numba's cache after): part of the budget.
+    warm_kernels()
+    warm_partition()
     if not 0.0 <= gap_tolerance < 1.0:
         raise InvalidInputError("gap tolerance", expected="a relative gap in [0, 1), e.g. 1e-4",
                                 found=repr(gap_tolerance), fix="pass a small non-negative number")
@@ -461,25 +465,65 @@ BASELINE_NAMES = (*base.BASELINES, "ppdp")
 
 
 def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-             policy: VerificationPolicy = VerificationPolicy()) -> Solution:
-    """A baseline's placement priced by the solver's objective (``bound_ms`` and ``gap`` are None).
+             policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None) -> Solution:
+    """A baseline's placement priced by the solver's objective (``bound_ms`` and ``gap`` are None); ``deadline``
+    as in :func:`baselines`.
 
     Raises :class:`InfeasiblePlanError` when the baseline's placement breaks memory or the policy.
     """
     start = time.perf_counter()
     problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
     precheck(problem)
-    if name not in BASELINE_NAMES:
-        raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINE_NAMES))
-    placement = best_grid(problem) if name == "ppdp" else base.baseline_placement(name, problem)
+    _check_names((name,))
+    return _baseline_solution(_baseline_outcome(name, problem, deadline), start)
+
+
+def baselines(names: Sequence[str], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+              policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None,
+              within_ms: float = math.inf) -> list[Solution]:
+    """The named baselines' plans that exist here, in the order named, priced as :func:`baseline`'s, on one set
+    of cost tables; a name whose plan breaks memory or the policy, or is priced above ``within_ms`` (it cannot
+    win: its report, which explains every idle device, is not worth the seconds), is left out.
+
+    Past ``deadline``, ppdp's grids and dp's caps stop, each with the best found by then: the first valid grid
+    and the smallest bottleneck's partition at least; the other baselines take milliseconds.
+    """
+    start = time.perf_counter()
+    _check_names(names)
+    problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
+    try:
+        precheck(problem)
+    except InfeasiblePlanError:
+        return []
+    out = []
+    for name in names:
+        try:
+            outcome = _baseline_outcome(name, problem, deadline)
+        except InfeasiblePlanError:
+            continue
+        if outcome.program_ms <= within_ms:
+            out.append(_baseline_solution(outcome, start))
+    return out
+
+
+def _check_names(names: Sequence[str]) -> None:
+    for name in names:
+        if name not in BASELINE_NAMES:
+            raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINE_NAMES))
+
+
+def _baseline_outcome(name: str, problem: Problem, deadline: Deadline | None) -> _Outcome:
+    placement = best_grid(problem, deadline) if name == "ppdp" else base.baseline_placement(name, problem, deadline)
     ev = evaluate(problem, placement)
     bad = violations(problem, placement, ev)
     if bad:
         raise InfeasiblePlanError(f"the {name} baseline has no valid plan here", found="; ".join(bad[:3]),
                                   fix="use the solver (it places stages to fit memory and the policy)")
-    outcome = _Outcome(problem=problem, placement=placement, step_ms=ev.step_ms, bound_ms=math.inf,
-                       method=f"baseline:{name}", cpsat_status="", solve_s=0.0,
-                       program_ms=price_program(problem, placement).step_ms)
-    sol = _to_solution(outcome, None, (f"baseline {name}",), time.perf_counter() - start,
-                       f"baseline:{name}", "FEASIBLE")
-    return sol
+    return _Outcome(problem=problem, placement=placement, step_ms=ev.step_ms, bound_ms=math.inf,
+                    method=f"baseline:{name}", cpsat_status="", solve_s=0.0,
+                    program_ms=price_program(problem, placement).step_ms)
+
+
+def _baseline_solution(outcome: _Outcome, start: float) -> Solution:
+    name = outcome.method.removeprefix("baseline:")
+    return _to_solution(outcome, None, (f"baseline {name}",), time.perf_counter() - start, outcome.method, "FEASIBLE")

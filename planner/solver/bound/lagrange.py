@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from ortools.linear_solver import pywraplp
@@ -206,7 +207,8 @@ class LagrangeBound:
         # Bottleneck caps above incumbent / (M - 1) cannot beat the incumbent (M = 1: no fill term, one cap).
         top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
         ar_top = dp.max_allreduce_ms()
-        lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top)
+        lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top,
+                                                                             self.deadline)
         # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
         boxes = self.boxes = CapBoxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
                                       open_top=math.isfinite(top) and not math.isfinite(best_ms))
@@ -318,11 +320,15 @@ class _KelleyMaster:
         return self.z.solution_value(), np.array([v.solution_value() for v in self.lam])
 
 
-def _smallest_feasible_cap(dp: SequenceDP | LazyDP, lo: float, hi: float, ar_cap: float) -> float:
-    """A cap below which no relaxed plan exists (so no plan at all): bisection, feasibility needs no prices."""
+def _smallest_feasible_cap(dp: SequenceDP | LazyDP, lo: float, hi: float, ar_cap: float,
+                           late: Callable[[], bool] = lambda: False) -> float:
+    """A cap below which no relaxed plan exists (so no plan at all): bisection, feasibility needs no prices;
+    stopped once ``late()`` (a lower cap, still valid: a DP takes a fraction of a second on hundreds of devices)."""
     if not math.isfinite(hi) or dp.run(hi, np.zeros(dp.C), ar_cap) is None:
         return lo
     for _ in range(FEASIBILITY_STEPS):
+        if late():
+            break
         mid = 0.5 * (lo + hi)
         if dp.run(mid, np.zeros(dp.C), ar_cap) is None:
             lo = mid

@@ -29,6 +29,7 @@ from planner.solver.objective import (
 )
 from planner.solver.problem import Problem
 from planner.solver.search.chain_dp import homogeneous_dp
+from planner.solver.search.deadline import Deadline
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 
@@ -117,8 +118,9 @@ def _stages(problem: Problem, ranges: tuple[tuple[int, int], ...],
                  for k, ((s, e), d) in enumerate(zip(ranges, devices)))
 
 
-def baseline_placement(name: str, problem: Problem) -> Placement:
-    """The ``name`` baseline's placement (verifiers included). Raises when it cannot satisfy the policy."""
+def baseline_placement(name: str, problem: Problem, deadline: Deadline | None = None) -> Placement:
+    """The ``name`` baseline's placement (verifiers included). Raises when it cannot satisfy the policy.
+    ``deadline``: for ``dp``, whose DP then stops at the best partition found by then."""
     if name not in BASELINES:
         raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINES))
     devices = stage_devices_in_order(problem)
@@ -134,7 +136,7 @@ def baseline_placement(name: str, problem: Problem) -> Placement:
     elif name == "greedy":
         ranges = _proportional_ranges(problem, devices)
     else:
-        ranges, devices = _dp_ranges(problem, devices)
+        ranges, devices = _dp_ranges(problem, devices, deadline)
     stages = _stages(problem, ranges, devices)
     verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
     if verifiers is None:
@@ -143,9 +145,10 @@ def baseline_placement(name: str, problem: Problem) -> Placement:
     return Placement(stages=stages, verifiers=verifiers, num_microbatches=problem.num_microbatches)
 
 
-def _dp_ranges(problem: Problem, devices: tuple[str, ...]) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+def _dp_ranges(problem: Problem, devices: tuple[str, ...],
+               deadline: Deadline | None) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
     cls = problem.class_of(devices[0])
-    part = homogeneous_dp(problem, cls, len(devices))
+    part = homogeneous_dp(problem, cls, len(devices), deadline)
     if part is None:
         raise InfeasiblePlanError("baseline dp: no partition fits in memory on devices like "
                                   f"{problem.classes[cls].spec.name}",

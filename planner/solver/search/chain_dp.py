@@ -23,6 +23,7 @@ import numpy as np
 from cost_models import comm
 from cost_models.cluster import Link
 from planner.solver.problem import Problem
+from planner.solver.search.deadline import Deadline
 
 INF = float("inf")
 
@@ -150,12 +151,16 @@ def _best_sum(tab: _Tables, max_stages: int, cap_ms: float) -> tuple[float, tupl
     return total, tuple(ranges)
 
 
-def homogeneous_dp(problem: Problem, cls: int, num_devices: int) -> ChainPartition | None:
+def homogeneous_dp(problem: Problem, cls: int, num_devices: int,
+                   deadline: Deadline | None = None) -> ChainPartition | None:
     """Exact min of ``F`` over partitions into at most ``num_devices`` one-device stages on class ``cls``.
 
     Assumes what a homogeneous cluster gives: every stage on a device of
     ``cls``, every boundary over ``problem.links[cls][cls]``, no verification
     load (trusted devices). Returns None when no partition fits in memory.
+    Once ``deadline`` has passed, the best partition of the caps tried so far
+    (the smallest bottleneck's at least; on hundreds of devices and few
+    microbatches the larger caps take seconds).
     """
     L, M = problem.num_blocks, problem.num_microbatches
     S_max = min(num_devices, L)
@@ -188,17 +193,18 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int) -> ChainPartiti
     limit = (best.step_ms - floor_sum) / (M - 1)
     cands = _candidate_caps(tab, t_star, limit)
     i = 0
-    while i < len(cands) and total > floor_sum + 1e-12:
+    late = deadline.passed if deadline is not None else lambda: False
+    while i < len(cands) and total > floor_sum + 1e-12 and not late():
         # Gallop to the first cap whose best sum drops below ``total``, then bisect.
         step, lo, hi = 1, i, None
-        while lo + step < len(cands) and cands[lo + step] <= limit:
+        while lo + step < len(cands) and cands[lo + step] <= limit and not late():
             if _best_sum(tab, S_max, float(cands[lo + step]))[0] < total - 1e-12:
                 hi = lo + step
                 break
             lo, step = lo + step, step * 2
-        if hi is None:
+        if hi is None or late():
             break
-        while hi - lo > 1:
+        while hi - lo > 1 and not late():
             mid = (lo + hi) // 2
             if _best_sum(tab, S_max, float(cands[mid]))[0] < total - 1e-12:
                 hi = mid

@@ -7,14 +7,16 @@ puts trusted devices at both ends when the policy wants trusted endpoints, and
 gives stage ``k`` an even share of the blocks and either the ``k``-th run of
 ``dp`` devices (replicas together: all-reduces on fast links) or every
 ``pp``-th device from the ``k``-th (pipelines together: a host or region runs
-whole pipelines, their transfers on fast links, the all-reduces across). ``grids`` lists every valid one; ``best_grid`` is the baseline: the
-one whose compiled programs cost least (``objective.price_program``).
+whole pipelines, their transfers on fast links, the all-reduces across). ``grids`` lists every valid one
+(before a deadline: those found by then); ``best_grid`` is the baseline: the one whose compiled programs
+cost least (``objective.price_program``). A grid whose stages cannot hold their weights and activations
+on their devices is dropped before its verifiers are placed (most of the shapes of a large pool).
 ``shaped`` serves ``--stages``/``--replicas``: the grids of that shape, each
 also re-partitioned for its devices and its cuts polished, the cheapest kept.
 """
 from __future__ import annotations
 
-import time
+import math
 
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver.objective import (
@@ -22,10 +24,12 @@ from planner.solver.objective import (
     evaluate,
     even_split,
     price_program,
+    stage_memory_bytes,
     violations,
 )
 from planner.solver.problem import Problem
 from planner.solver.search.chain_dp import Group
+from planner.solver.search.deadline import Deadline
 from planner.solver.search.polish import polish
 from planner.solver.search.seq_partition import partition_min_step
 from planner.solver.solution import StagePlacement
@@ -37,14 +41,20 @@ def _even_ranges(num_blocks: int, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, b - 1) for a, b in zip(bounds, bounds[1:]))
 
 
-def _ordered(problem: Problem, count: int) -> list[str] | None:
-    """The ``count`` fastest stage devices by region and host, trusted ones at the ends when required."""
+def _by_speed(problem: Problem) -> list[tuple[float, int, str]]:
+    """Every stage device as (whole-chain time, class, id), fastest first."""
+    return sorted((problem.range_time_ms(0, problem.num_blocks - 1, c.index), c.index, d)
+                  for c in problem.classes if c.stage_capable for d in c.device_ids)
+
+
+def _ordered(problem: Problem, count: int, fastest: list[tuple[float, int, str]] | None = None) -> list[str] | None:
+    """The ``count`` fastest stage devices (of ``fastest``, ``_by_speed``) by region and host, trusted ones at
+    the ends when required."""
     pol = problem.policy
-    capable = [(problem.range_time_ms(0, problem.num_blocks - 1, c.index), c.index, d)
-               for c in problem.classes if c.stage_capable for d in c.device_ids]
+    capable = _by_speed(problem) if fastest is None else fastest
     if len(capable) < count:
         return None
-    chosen = sorted(capable)[:count]
+    chosen = capable[:count]
     placed = [d for _, _, d in sorted(chosen, key=lambda x: (problem.classes[x[1]].name, x[2]))]
     if not (pol.enabled and pol.trusted_endpoints):
         return placed
@@ -54,15 +64,35 @@ def _ordered(problem: Problem, count: int) -> list[str] | None:
     return trusted[:half] + rest + trusted[half:]
 
 
-def _grid(problem: Problem, pp: int, dp: int, *, together: str) -> Placement | None:
+def _grid(problem: Problem, pp: int, dp: int, *, together: str,
+          fastest: list[tuple[float, int, str]] | None = None) -> Placement | None:
     M, L = problem.num_microbatches, problem.num_blocks
-    devices = _ordered(problem, pp * dp)
-    if devices is None or pp > L or dp > M:
+    if pp > L or dp > M:
+        return None
+    devices = _ordered(problem, pp * dp, fastest)
+    if devices is None:
         return None
     groups = [devices[k * dp:(k + 1) * dp] if together == "replicas" else devices[k::pp] for k in range(pp)]
     stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
                                   microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
-    return _checked(problem, stages)
+    return _checked(problem, stages) if _may_fit(problem, stages) else None
+
+
+def _may_fit(problem: Problem, stages: tuple[StagePlacement, ...]) -> bool:
+    """Trusted endpoints where the policy wants them, every replica's stage within its device's memory (verifier
+    state aside): the rules of ``violations`` that rule out most grids, without placing verifiers or pricing."""
+    pol = problem.policy
+    if pol.enabled and pol.trusted_endpoints and not all(
+            problem.classes[problem.class_of(d)].trusted for st in (stages[0], stages[-1]) for d in st.devices):
+        return False
+    need: dict[tuple[int, int], int] = {}
+    for st in stages:
+        for d, m in zip(st.devices, st.microbatches):
+            if (st.index, m) not in need:
+                need[st.index, m] = stage_memory_bytes(problem, st, len(stages), m)
+            if need[st.index, m] > problem.classes[problem.class_of(d)].mem_bytes:
+                return False
+    return True
 
 
 def _checked(problem: Problem, stages: tuple[StagePlacement, ...]) -> Placement | None:
@@ -74,22 +104,36 @@ def _checked(problem: Problem, stages: tuple[StagePlacement, ...]) -> Placement 
 
 
 def grids(problem: Problem, *, stages: int | None = None, replicas: int | None = None,
-          time_budget_s: float | None = None) -> list[Placement]:
-    """Every valid grid (of the given shape, where given); within ``time_budget_s`` those that use the most
-    devices first (on hundreds of devices there are over a thousand shapes)."""
-    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+          deadline: Deadline | None = None) -> list[Placement]:
+    """Every valid grid (of the given shape, where given), the likeliest shapes first (``_compute_ms``: on
+    hundreds of devices there are over a thousand shapes); once ``deadline`` has passed, those found so far
+    (at least the first valid one, when there is one)."""
     D = sum(c.count for c in problem.classes if c.stage_capable)
     shapes = [(pp, dp) for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1))
               for dp in ([replicas] if replicas else range(1, D // pp + 1))]
-    out = []
-    for pp, dp in sorted(shapes, key=lambda s: (-s[0] * s[1], s[0])):
-        if deadline is not None and out and time.perf_counter() > deadline:
+    fastest = _by_speed(problem)
+    out: list[Placement] = []
+    for pp, dp in sorted(shapes, key=lambda s: (_compute_ms(problem, s[0], s[1], fastest), -s[0] * s[1], s[0])):
+        if deadline is not None and out and deadline.passed():
             break
         for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
-            found = _grid(problem, pp, dp, together=together)
+            found = _grid(problem, pp, dp, together=together, fastest=fastest)
             if found is not None:
                 out.append(found)
     return out
+
+
+def _compute_ms(problem: Problem, pp: int, dp: int, fastest: list[tuple[float, int, str]]) -> float:
+    """The shape's step with compute alone, every stage on the slowest of its ``pp * dp`` devices: (microbatches
+    per replica + pp - 1) x the slowest stage. Cheap; on the solver benchmark's 176-device pool it ranks the
+    best grid among the first dozen shapes at every microbatch count, where most devices first put it up to
+    450th of about 550 (a deadline then stopped the enumeration long before it)."""
+    M, L = problem.num_microbatches, problem.num_blocks
+    if pp > L or dp > M or pp * dp > len(fastest):
+        return math.inf
+    cls = fastest[pp * dp - 1][1]
+    slowest = max(problem.range_time_ms(a, b, cls) for a, b in _even_ranges(L, pp))
+    return (math.ceil(M / dp) + pp - 1) * slowest
 
 
 # Grids priced as programs (costly on large clusters and many microbatches): the likeliest by the closed form.
@@ -103,15 +147,17 @@ def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED)
     return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
 
 
-def grid_candidates(problem: Problem, *, repartition: int = 3, time_budget_s: float | None = None) -> list[Placement]:
-    """The likeliest valid grids, and the ``repartition`` cheapest re-partitioned for their devices."""
-    found = cheapest(problem, grids(problem, time_budget_s=time_budget_s))
+def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadline | None = None) -> list[Placement]:
+    """The likeliest valid grids (found by ``deadline``), and the ``repartition`` cheapest re-partitioned for
+    their devices."""
+    found = cheapest(problem, grids(problem, deadline=deadline))
     return found + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition]) if p is not None]
 
 
-def best_grid(problem: Problem) -> Placement:
-    """The ``ppdp`` baseline: of the likeliest valid grids, the one whose programs cost least."""
-    found = grids(problem)
+def best_grid(problem: Problem, deadline: Deadline | None = None) -> Placement:
+    """The ``ppdp`` baseline: of the likeliest valid grids (found by ``deadline``), the one whose programs cost
+    least."""
+    found = grids(problem, deadline=deadline)
     if not found:
         raise InfeasiblePlanError("baseline ppdp: no uniform pp x dp grid fits memory and the policy here",
                                   fix="use the solver (it places stages unevenly to fit)")

@@ -1,0 +1,145 @@
+"""Plan time: the wall time of the whole ``plan`` command against its time limit (issue 18, item 5).
+
+Each trial is a fresh process doing what ``stagewise plan`` does (``planner/commands/plan.py``): import,
+build the block chain (trace the model), ``planner.api.plan_chain`` (solve, the baselines, compile, simulate,
+choose by simulation), sign and write the plan. The parent times the process from its start to its exit; the
+child reports its phases. Cases:
+
+* ``176``: the solver benchmark's 1000-block x 176-device pool (``benchmarks/warm_replan.py``'s ``_case``:
+  trusted data-centre hosts, 132 untrusted volunteers in two regions, a CPU verifier host), global batch 32,
+  verification on; its chain is built, not traced;
+* ``worldwide``: DT-FM's worldwide case (``benchmarks/clusters/dtfm-worldwide.yaml``: 64 V100s in 8 cities),
+  GPT-3 1.3B traced at seq 2048, global batch 512, fp16, no verification (as ``benchmarks/peers.py``).
+
+The limit counts from the trace (as ``stagewise plan`` counts it). Reported per trial: the process's wall
+time, its excess over the limit (goal: at most ``OVERHEAD_GOAL_S``) and what the excess is made of: the
+interpreter's start and the imports, then the budgeted part past the limit (tracing or building the chain
+and ``plan_chain``: the solver's last indivisible steps, compiling the plans that can still win); writing the
+plan; the plan's simulated step and objective. Wall times are noisy on a shared machine: each case runs
+``--trials`` times.
+
+Run: ``python benchmarks/plan_time.py [--limits 30 60] [--trials 2] [--cases 176,worldwide]``. Prints a table
+and writes ``benchmarks/results/plan_time.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "plan_time.json"
+CASES = ("176", "worldwide")
+OVERHEAD_GOAL_S = 5.0
+SECRET = "plan-time-benchmark-secret-0123456789"  # the child signs its plan as the CLI does; a throwaway key
+
+
+def _chain_and_kwargs(case: str):
+    """(chain, cluster, plan_chain keyword arguments) of a case; the chain traced or built here."""
+    if case == "176":
+        sys.path.insert(0, str(ROOT))
+        from benchmarks.warm_replan import _case
+        from planner.solver.policy import VerificationPolicy
+        chain, cluster = _case()
+        return chain, cluster, dict(spec="bench:chain", global_batch=32, policy=VerificationPolicy())
+    import cost_models
+    from planner.model_io import load_chain
+    from planner.solver.policy import VerificationPolicy
+    _, chain = load_chain("gpt-1.3b", batch=1, seq=2048)  # as the CLI: at 1 sample, the solver rescales
+    cluster = cost_models.load_cluster(ROOT / "benchmarks" / "clusters" / "dtfm-worldwide.yaml")
+    return chain, cluster, dict(spec="gpt-1.3b", seq=2048, global_batch=512, dtype="float16",
+                                policy=VerificationPolicy(enabled=False))
+
+
+def child(case: str, limit: float, out: Path) -> int:
+    """One ``plan``: its phases on stdout as JSON (seconds from this function's start)."""
+    start = time.perf_counter()
+    import torch
+
+    from planner.api import plan_chain
+    from planner.secret import run_secret
+    torch.set_num_threads(1)
+    imported = time.perf_counter()
+    chain, cluster, kwargs = _chain_and_kwargs(case)
+    built = time.perf_counter()
+    plan = plan_chain(chain, cluster, time_limit_s=limit, started_s=imported, **kwargs)  # as the CLI: from the trace
+    planned = time.perf_counter()
+    plan.save(out, secret=run_secret())
+    saved = time.perf_counter()
+    r = plan.report
+    print(json.dumps({"imports_s": imported - start, "chain_s": built - imported, "plan_chain_s": planned - built,
+                      "save_s": saved - planned, "solve_s": r.solve_s, "simulated_ms": plan.predicted.step_ms,
+                      "objective_ms": r.objective_ms, "bound_ms": r.bound_ms, "method": r.method,
+                      "stages": plan.num_stages, "microbatches": plan.num_microbatches,
+                      "chosen": r.notes[-1] if r.notes else ""}))
+    return 0
+
+
+def trial(case: str, limit: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "STAGEWISE_SECRET": SECRET, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", case, "--time-limit", str(limit),
+               "--out", str(Path(tmp) / "plan.json")]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{case} at {limit} s failed: {done.stderr[-2000:]}")
+    inner = json.loads(done.stdout.strip().splitlines()[-1])
+    inside = inner["imports_s"] + inner["chain_s"] + inner["plan_chain_s"] + inner["save_s"]
+    return {"case": case, "time_limit_s": limit, "wall_s": wall, "over_limit_s": wall - limit,
+            "start_and_imports_s": wall - inside + inner["imports_s"],
+            "budgeted_over_limit_s": inner["chain_s"] + inner["plan_chain_s"] - limit, **inner}
+
+
+def _print(row: dict) -> None:
+    print(f"{row['case']:>10} limit {row['time_limit_s']:4.0f} s  wall {row['wall_s']:6.1f} s "
+          f"({row['over_limit_s']:+5.1f} s: start+imports {row['start_and_imports_s']:4.1f}, chain+plan_chain "
+          f"{row['budgeted_over_limit_s']:+5.1f} (chain {row['chain_s']:4.1f}), save {row['save_s']:.1f})  "
+          f"solve {row['solve_s']:5.1f} s  simulated {row['simulated_ms']:9.1f} ms  objective "
+          f"{row['objective_ms']:9.1f} ms  {row['method']}  load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limits", type=float, nargs="+", default=[30.0, 60.0])
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--time-limit", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.time_limit, args.out)
+    rows = []
+    for case in args.cases.split(","):
+        for limit in args.limits:
+            for _ in range(args.trials):
+                rows.append(trial(case, limit))
+                rows[-1]["load_1min"] = os.getloadavg()[0]
+                _print(rows[-1])
+    worst = max(r["over_limit_s"] for r in rows)
+    summary = {"worst_over_limit_s": worst, "goal_over_limit_s": OVERHEAD_GOAL_S, "goal_met": worst <= OVERHEAD_GOAL_S,
+               "worst_budgeted_over_limit_s": max(r["budgeted_over_limit_s"] for r in rows),
+               "start_and_imports_s": [min(r["start_and_imports_s"] for r in rows),
+                                       max(r["start_and_imports_s"] for r in rows)],
+               "load_1min": [min(r["load_1min"] for r in rows), max(r["load_1min"] for r in rows)]}
+    print("== summary", json.dumps(summary))
+    doc = {"benchmark": "plan_time", "summary": summary, "rows": rows,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "note": "wall-clock times on a shared 2-core machine (other jobs running): noisy",
+           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
