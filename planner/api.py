@@ -184,8 +184,8 @@ def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Seq
     lost, whole trust domains (a banned worker's, when the policy excludes its domain), and the hosts
     excluded before, less those re-admitted (``readmit_hosts``: excluded by mistake).
 
-    The solve has the full time limit (the same standard as the first plan), warm-started from the old
-    plan: its microbatch size and its stages repaired to the devices left (``planner.solver.warm``).
+    The re-plan has a first plan's time limit (the same standard; its baselines take their reserve of it),
+    warm-started from the old plan: its microbatch size and its stages repaired to the devices left (``planner.solver.warm``).
     ``warm=False``: a cold solve over every microbatch size, as a fresh plan (at 176 devices the search's
     setup alone, per microbatch size, outlasts a 10 s limit: benchmarks/warm_replan.py).
     The new plan keeps the model, batch, optimizer, precision, policy and verifier settings and the full
