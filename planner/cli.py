@@ -12,6 +12,7 @@ import sys
 
 from planner.commands import (
     export_onnx,
+    join,
     plan,
     profile,
     replan,
@@ -23,7 +24,7 @@ from planner.commands import (
 from planner.errors import PlannerError
 
 # Order is the order shown in --help.
-COMMANDS = (trace, profile, plan, show, simulate, run, replan, export_onnx)
+COMMANDS = (trace, profile, plan, show, simulate, run, replan, join, export_onnx)
 
 
 class _OneLineParser(argparse.ArgumentParser):

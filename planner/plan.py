@@ -236,7 +236,7 @@ class Predicted:
                                     found=f"{self.step_ms}, {self.bubble_fraction}")
 
 
-HISTORY_EVENTS = ("planned", "failure", "ban", "manual", "readmit")
+HISTORY_EVENTS = ("planned", "failure", "ban", "manual", "readmit", "join")
 _WHEN_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -250,9 +250,10 @@ class HistoryEntry:
     """One step of a plan's history: what happened, to which hosts, why, when, and what the plan was before.
 
     ``event``: ``planned`` (the original plan), ``failure`` (re-planned after a lost host), ``ban`` (after a
-    ban), ``manual`` (hosts excluded by the operator) or ``readmit`` (hosts put back). ``excluded_hosts``
-    are every host the step left out (those of ``excluded_domains`` included); ``readmitted_hosts`` those it
-    put back. ``previous_ranks`` / ``previous_step_ms``: the replaced plan's rank count and simulated step
+    ban), ``manual`` (hosts excluded by the operator), ``readmit`` (hosts put back) or ``join`` (hosts that
+    joined a running run at a checkpoint: excluded ones back, or new ones added to the cluster).
+    ``excluded_hosts`` are every host the step left out (those of ``excluded_domains`` included);
+    ``readmitted_hosts`` those it put back (for ``join``: those that joined). ``previous_ranks`` / ``previous_step_ms``: the replaced plan's rank count and simulated step
     (None for ``planned``).
     """
 
@@ -282,7 +283,12 @@ class HistoryEntry:
                                              "of hosts with the previous plan's ranks and step",
                                     found=f"hosts excluded {list(self.excluded_hosts)}, re-admitted "
                                           f"{list(self.readmitted_hosts)}, previous ranks {self.previous_ranks}")
-        if (self.event == "readmit") != (bool(self.readmitted_hosts) and not self.excluded_hosts):
+        back_only = bool(self.readmitted_hosts) and not self.excluded_hosts
+        if self.event == "join" and not back_only:
+            raise InvalidInputError(f"plan history entry 'join' of {self.when_utc}",
+                                    expected="hosts that joined and none excluded",
+                                    found=f"excluded {list(self.excluded_hosts)}, joined {list(self.readmitted_hosts)}")
+        if self.event != "join" and (self.event == "readmit") != back_only:
             raise InvalidInputError(f"plan history entry {self.event!r} of {self.when_utc}",
                                     expected="readmit exactly when hosts are re-admitted and none excluded",
                                     found=f"excluded {list(self.excluded_hosts)}, "
@@ -298,7 +304,7 @@ class HistoryEntry:
             domains = f" (domain {', '.join(self.excluded_domains)})" if self.excluded_domains else ""
             what.append(f"excluded {', '.join(self.excluded_hosts)}{domains}")
         if self.readmitted_hosts:
-            what.append(f"re-admitted {', '.join(self.readmitted_hosts)}")
+            what.append(f"{'joined' if self.event == 'join' else 're-admitted'} {', '.join(self.readmitted_hosts)}")
         was = "" if self.previous_step_ms is None else \
             f" (was {self.previous_ranks} ranks, simulated step {self.previous_step_ms:.3f} ms)"
         return f"{self.when_utc} {self.event}: {'; '.join(what + [self.reason])}{was}"

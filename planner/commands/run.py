@@ -44,7 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replan-on-failure", type=int, default=0, metavar="N",
                    help="when a rank dies, hangs or fails, re-plan without its host and resume from the newest "
                         "checkpoint; when the verifiers ban a rank, the same from the last checkpoint before its "
-                        "first flagged step; up to N times (needs --checkpoint-dir; default 0: the run stops)")
+                        "first flagged step; up to N times (needs --checkpoint-dir; default 0: the run stops). "
+                        "The run also plans in hosts that join (see --join-dir)")
+    p.add_argument("--join-dir", metavar="DIR", help="watch DIR for join requests (`stagewise join`): a host "
+                   "re-admitted or new is planned in at the next checkpoint, and the run resumes there on the new "
+                   "plan (default with --replan-on-failure: CHECKPOINT_DIR/joins; joins do not count against N)")
     p.set_defaults(handler=run)
 
 
@@ -60,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
 
 
     opts = options_from_args(args)
-    if args.replan_on_failure and args.save_weights:
-        raise InvalidInputError("--replan-on-failure with --save-weights", expected="one of them", found="both",
+    elastic = bool(args.replan_on_failure or args.join_dir)
+    if elastic and args.save_weights:
+        flag = "--replan-on-failure" if args.replan_on_failure else "--join-dir"
+        raise InvalidInputError(f"{flag} with --save-weights", expected="one of them", found="both",
                                 fix="save the weights from the checkpoints afterwards")
     if args.replan_on_failure < 0:
         raise InvalidInputError("--replan-on-failure", expected="a count >= 0", found=str(args.replan_on_failure))
@@ -86,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, completed=event["step"] + 1,
                             description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
 
-        if args.replan_on_failure:
+        if elastic:
             result = launch_replanning(opts, max_replans=args.replan_on_failure, on_event=on_event,
-                                       log_dir=args.log_dir)
+                                       log_dir=args.log_dir, join_dir=args.join_dir)
         elif args.save_weights is None:
             result = launch(opts, on_event=on_event, log_dir=args.log_dir)
         else:
@@ -96,8 +102,16 @@ def run(args: argparse.Namespace) -> int:
     console.print(summary_table(result, here))
     for r in result.get("replans", ()):
         start = "from the start" if r["resumed_after_step"] is None else f"after step {r['resumed_after_step']}"
-        console.print(f"recovered: re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
-                      f"({r['ranks']} ranks, resumed {start})")
+        if r["event"] == "join":
+            console.print(f"joined: {r['after']} -> re-planned with {', '.join(r['joined'])} at the checkpoint -> "
+                          f"{r['plan']} ({r['ranks']} ranks, resumed {start})")
+        else:
+            console.print(f"recovered: re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
+                          f"({r['ranks']} ranks, resumed {start})")
+    for r in result.get("joins_rejected", ()):
+        console.print(f"join request rejected: {r['file']}: {r['error']}")
+    for path in result.get("joins_waiting", ()):
+        console.print(f"join request not acted on (the run ended before its next checkpoint): {path}")
     if opts.report:
         console.print(f"report written to {opts.report}")
     if result.get("weights"):
@@ -150,8 +164,12 @@ def summary_table(result: dict[str, Any], here=None):
         table.add_row("verifier flags", str(result.get("flags", 0)))
         table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
         table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")
-    if result.get("replans"):
-        table.add_row("re-plans (recovered)", str(len(result["replans"])))
+    replans = result.get("replans") or []
+    recovered = sum(1 for r in replans if r["event"] != "join")
+    if recovered:
+        table.add_row("re-plans (recovered)", str(recovered))
+    if len(replans) > recovered:
+        table.add_row("re-plans (hosts joined)", str(len(replans) - recovered))
     if result.get("untrained_steps"):
         table.add_row("steps that trained nothing", ", ".join(map(str, result["untrained_steps"])))
     return table

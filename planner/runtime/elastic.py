@@ -1,30 +1,53 @@
-"""A run that goes on when a host fails or a rank is banned: re-plan without it and resume.
+"""A run that goes on when a host fails, a rank is banned or a host joins: re-plan and resume.
 
 ``launch`` stops every rank when one dies, hangs or raises, and names the rank whose failure stopped
 the run (:class:`planner.runtime.launch.RunFailure`). Here that rank's host is excluded, the solver
 plans again on the hosts that are left (``planner.api.replan``: a fresh solve under the same time
-limit, the reason recorded, the plan signed), and the run resumes on the new plan from the newest
-complete checkpoint, re-sharded by parameter name onto the new stages, so no finished step is lost.
+limit, warm-started from the old plan, the reason recorded, the plan signed), and the run resumes on the
+new plan from the newest complete checkpoint, re-sharded by parameter name onto the new stages, so no
+finished step is lost.
 
 A ban (:class:`planner.runtime.launch.RunBanned`) is handled the same way, except that the run
 resumes from the last clean checkpoint: the newest one taken before the banned sender's first
 flagged step (rank 0 set the later ones aside when it stopped), or from the start if there is none.
-The verification policy has no setting that names a banned worker's trust domain for exclusion, so
-only its host is excluded (``stagewise replan --exclude-domain`` does the rest by hand).
+The banned host is excluded, and with it its whole trust domain when the plan's policy says
+``ban_excludes_domain`` (``stagewise plan --ban-excludes-domain``: one operator's machines answer for
+an attack from one of them); the reason names the domain.
+
+Joins. The launcher watches the run's join folder (``<checkpoint-dir>/joins``, or ``join_dir``) for
+requests that ``stagewise join`` writes (:mod:`planner.runtime.joins`: signed with the run secret,
+data only). A bad request is reported and set aside (``.rejected``); the run goes on. While a valid one
+waits, the launcher asks the ranks to stop after their next checkpoint (``launch(stop_at_checkpoint=)``):
+they stop together right after its manifest is written, before starting the next step, so no work is
+thrown away. The launcher then re-plans with the hosts that asked (``replan(readmit_hosts=,
+add_hosts=, event="join")``: the same time limit and warm start as the other re-plans, signed), marks
+the requests ``.joined`` and resumes from that checkpoint on the new plan. If that re-plan fails, the
+requests are rejected and the run resumes on the plan it had. Joins do not count against
+``max_replans``: that bounds how often a run recovers from faults, which can recur on their own; a join
+happens only on a request signed by someone who holds the run secret.
+
+Procedure (one machine, ``stagewise run``): start the run with ``--checkpoint-dir DIR`` and
+``--replan-on-failure N`` (or ``--join-dir``); when a host is ready (an excluded one repaired, or a new
+one), ``stagewise join PLAN --host NAME --checkpoint-dir DIR`` (re-admission) or ``stagewise join PLAN
+--describe HOST.yaml --checkpoint-dir DIR`` (a new host, one host entry of a cluster file), PLAN being
+the plan the run is on now (the last ``DIR/plan-replan-N.json`` it printed, else the one it started
+with). The run plans the host in at its next checkpoint; its summary lists the join. Across hosts under
+torchrun nothing watches the folder (see ``planner/runtime/__main__.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from planner.api import replan
-from planner.errors import InvalidInputError
-from planner.outputs import write_atomic
+from planner.errors import InvalidInputError, PlannerError
+from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
-from planner.runtime import checkpoint
+from planner.runtime import checkpoint, joins
 from planner.runtime.bans import describe
 from planner.runtime.launch import RunBanned, RunFailure, launch
 from planner.runtime.options import RunOptions
@@ -33,36 +56,68 @@ from planner.secret import run_secret
 
 def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float = 30.0,
                       on_event: Callable[[dict[str, Any]], None] | None = None,
-                      log_dir: str | None = None) -> dict[str, Any]:
+                      log_dir: str | None = None, join_dir: str | None = None) -> dict[str, Any]:
     """``launch(opts)``; after a failure with a checkpoint to resume from, or a ban, up to ``max_replans``
-    times: exclude the failed or banned rank's host, re-plan, resume. The result lists the re-plans
-    (``replans``) and says what happened (``recovered``)."""
+    times: exclude the failed or banned rank's host, re-plan, resume; at the checkpoint after a valid join
+    request (in ``join_dir``, default ``<checkpoint-dir>/joins``): re-plan with the host, resume. The result
+    lists the re-plans (``replans``) and says what happened (``recovered``, ``joined``, ``joins_rejected``,
+    ``joins_waiting``: valid requests the run ended before acting on)."""
     if opts.checkpoint_dir is None:
-        raise InvalidInputError("--replan-on-failure", expected="--checkpoint-dir DIR (a re-planned run resumes "
-                                "from its checkpoints)", found="no checkpoint folder",
+        raise InvalidInputError("--replan-on-failure or --join-dir", expected="--checkpoint-dir DIR (a re-planned "
+                                "run resumes from its checkpoints)", found="no checkpoint folder",
                                 fix="add --checkpoint-dir DIR [--checkpoint-every N]")
     key = run_secret(opts.secret_file)
+    folder = Path(join_dir) if join_dir is not None else Path(opts.checkpoint_dir) / joins.FOLDER
+    check_writable(folder / "request.json", what="--join-dir")
+    folder.mkdir(parents=True, exist_ok=True)  # where the operator drops requests: there from the start
     replans: list[dict[str, Any]] = []
+    rejected: list[dict[str, str]] = []
+    clock = _FirstStep(on_event)
     while True:
+        watcher = joins.JoinWatcher(folder=folder, plan=load_plan(opts.plan), key=key, rejected=rejected)
         try:
-            result = {**launch(opts, on_event=on_event, log_dir=log_dir), "replans": replans}
+            result = launch(opts, on_event=clock, log_dir=log_dir, stop_at_checkpoint=watcher.waiting)
         except RunBanned as banned:
-            if len(replans) >= max_replans:
+            if _recoveries(replans) >= max_replans:
                 raise
             opts = _replan(opts, key, replans, _ban_event(opts, banned), time_limit_s)
         except RunFailure as failure:
-            if len(replans) >= max_replans or not checkpoint.complete_steps(opts.checkpoint_dir):
+            if _recoveries(replans) >= max_replans or not checkpoint.complete_steps(opts.checkpoint_dir):
                 raise
             host = load_plan(opts.plan).ranks[failure.rank].host
             opts = _replan(opts, key, replans, {"after": failure.what, "excluded": host, "event": "failure"},
                            time_limit_s)
         else:
-            if replans:
-                result["recovered"] = "; ".join(f"{r['after']} -> re-planned without {r['excluded']}, resumed "
-                                                f"after step {r['resumed_after_step']}" for r in replans)
-                if opts.report:  # rank 0 wrote the last leg's report: add how the run got there
-                    write_atomic(opts.report, json.dumps(result, indent=1, default=str) + "\n")
-            return result
+            if result.get("stopped_at_checkpoint") is None:
+                return _summary(opts, result, replans, watcher)
+            opts = _join(opts, key, replans, watcher, time_limit_s, clock)
+
+
+def _recoveries(replans: list[dict[str, Any]]) -> int:
+    """The re-plans that count against ``max_replans``: those after a failure or a ban, not joins."""
+    return sum(1 for r in replans if r["event"] != "join")
+
+
+def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, Any]],
+             watcher: joins.JoinWatcher) -> dict[str, Any]:
+    """The last leg's result, with every plan change of the run and what became of the join requests."""
+    result = {**result, "replans": replans}
+    recovered = [r for r in replans if r["event"] != "join"]
+    joined = [r for r in replans if r["event"] == "join"]
+    if recovered:
+        result["recovered"] = "; ".join(f"{r['after']} -> re-planned without {r['excluded']}, resumed after step "
+                                        f"{r['resumed_after_step']}" for r in recovered)
+    if joined:
+        result["joined"] = "; ".join(f"{r['after']} -> re-planned with {', '.join(r['joined'])}, resumed after "
+                                     f"step {r['resumed_after_step']}" for r in joined)
+    waiting = [str(j.path) for j in watcher.take()]  # the run ended before a checkpoint could take them
+    if waiting:
+        result["joins_waiting"] = waiting
+    if watcher.rejected:
+        result["joins_rejected"] = list(watcher.rejected)
+    if opts.report and (replans or waiting or watcher.rejected):  # rank 0 wrote the last leg's report only
+        write_atomic(opts.report, json.dumps(result, indent=1, default=str) + "\n")
+    return result
 
 
 def _ban_event(opts: RunOptions, banned: RunBanned) -> dict[str, Any]:
@@ -87,15 +142,77 @@ def _replan(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], event: 
     hosts = event.pop("hosts", [event["excluded"]])
     new = replan(plan, exclude_hosts=hosts, exclude_domains=event.pop("domains", ()), reason=event["after"],
                  event=event["event"], time_limit_s=time_limit_s)
+    return _adopt(opts, key, replans, new, event, change=f"re-planned without host {event['excluded']}")
+
+
+def _join(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], watcher: joins.JoinWatcher,
+          time_limit_s: float, clock: "_FirstStep") -> RunOptions:
+    """The ranks stopped after a checkpoint for the join requests waiting: re-plan with their hosts and
+    return the options that resume from that checkpoint (on the same plan if the requests are gone or
+    the re-plan fails)."""
+    stopped_s = time.time()
+    same = dataclasses.replace(opts, resume=True)
+    waiting = watcher.take()  # checked again, now: one may have been withdrawn
+    if not waiting:
+        print("stagewise run: the join requests were withdrawn; resuming on the same plan", file=sys.stderr,
+              flush=True)
+        return same
+    hosts = [j.request.host for j in waiting]
+    reason = "; ".join(j.request.describe() for j in waiting)
+    start = time.perf_counter()
+    try:
+        new = replan(load_plan(opts.plan), readmit_hosts=[j.request.host for j in waiting if j.request.readmission],
+                     add_hosts=[j.request.new_host for j in waiting if not j.request.readmission], reason=reason,
+                     event="join", time_limit_s=time_limit_s)
+    except PlannerError as exc:
+        for j in waiting:
+            watcher.reject(j.path, f"re-planning with {', '.join(hosts)} failed: {exc}")
+        return same
+    replan_s = time.perf_counter() - start
+    watcher.accept(waiting)
+    written = min(j.written_s for j in waiting)
+    entry = {"after": reason, "event": "join", "joined": hosts, "excluded": "",
+             "request_to_stop_s": round(stopped_s - written, 3), "replan_s": round(replan_s, 3)}
+    resumed = _adopt(opts, key, replans, new, entry, change=f"re-planned with {', '.join(hosts)}")
+    clock.arm(entry, requested_s=written, stopped_s=stopped_s)
+    return resumed
+
+
+def _adopt(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], new, event: dict[str, Any], *,
+           change: str) -> RunOptions:
+    """Save the re-planned ``new`` (signed) beside the checkpoints, record ``event`` in ``replans``, and
+    return the options that resume on it."""
     path = Path(opts.checkpoint_dir) / f"plan-replan-{len(replans) + 1}.json"
     new.save(path, secret=key)
     steps = checkpoint.complete_steps(opts.checkpoint_dir)
     step = steps[-1] if steps else None  # no clean checkpoint: the new plan starts from the first step
-    replans.append({**event, "plan": str(path), "ranks": new.num_ranks, "resumed_after_step": step,
-                    "simulated_step_ms": round(new.predicted.step_ms, 3)})
+    event.update({"plan": str(path), "ranks": new.num_ranks, "resumed_after_step": step,
+                  "simulated_step_ms": round(new.predicted.step_ms, 3)})
+    replans.append(event)
     where = f"resuming after step {step}" if steps else "starting again from step 0 (no clean checkpoint)"
-    print(f"stagewise run: {event['after']}; re-planned without host {event['excluded']} ({new.num_ranks} ranks, "
-          f"{path}); {where}", file=sys.stderr, flush=True)
+    print(f"stagewise run: {event['after']}; {change} ({new.num_ranks} ranks, {path}); {where}", file=sys.stderr,
+          flush=True)
     # The new plan runs from the checkpoint; a rehearsed fault or attack named a rank of the old one.
     return dataclasses.replace(opts, plan=str(path), resume=bool(steps), fault=None, attacks=())
 
+
+class _FirstStep:
+    """Passes rank 0's events on; after a join, records in its entry when the first step on the new plan
+    was reported, counted from the request's writing and from the ranks' stop."""
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], None] | None) -> None:
+        self.on_event = on_event
+        self.armed: tuple[dict[str, Any], float, float] | None = None
+
+    def arm(self, entry: dict[str, Any], *, requested_s: float, stopped_s: float) -> None:
+        self.armed = (entry, requested_s, stopped_s)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if self.armed is not None and event.get("event") == "step":
+            entry, requested_s, stopped_s = self.armed
+            now = time.time()
+            entry.update(request_to_first_step_s=round(now - requested_s, 3),
+                         stop_to_first_step_s=round(now - stopped_s, 3))
+            self.armed = None
+        if self.on_event is not None:
+            self.on_event(event)

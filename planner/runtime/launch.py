@@ -12,6 +12,11 @@ root cause (a rank that died, raised, or hung) and raises one
 :class:`RankFailureError` naming it. A run the verifiers stopped by banning a rank
 raises :class:`RunBanned` instead: which rank, its host, its first flagged step and
 the ban step, and rank 0's result up to the ban.
+
+``stop_at_checkpoint`` (a host joins, ``planner.runtime.elastic``) is polled while the ranks run; once it
+says yes, the launcher leaves a stop file the ranks read at their next checkpoint, and they all stop right
+after it is complete, cleanly (rank 0's result says ``stopped_at_checkpoint``): no step after the
+checkpoint is started, so nothing trained is thrown away.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from planner.runtime.options import (
     is_factory_spec,
     refuse_onnx_model,
 )
-from planner.runtime.worker import check_model
+from planner.runtime.worker import STOP_ENV, check_model
 from planner.secret import run_secret
 
 _KILL_GRACE_S = 5.0
@@ -88,16 +93,22 @@ class _Rank:
 
 
 def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | None = None,
-           log_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Run ``opts.plan`` locally; return rank 0's result (step times, losses, predicted vs measured)."""
+           log_dir: str | os.PathLike | None = None,
+           stop_at_checkpoint: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run ``opts.plan`` locally; return rank 0's result (step times, losses, predicted vs measured).
+    ``stop_at_checkpoint``: see the module docstring."""
     started = time.time()  # a report older than this is an earlier run's
     plan = preflight(opts)
     run_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="stagewise-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("rank*.json"):  # a reused --log-dir's (or a re-planned run's) earlier error records
         stale.unlink()
+    stop_path = run_dir / "stop-at-checkpoint"
+    stop_path.unlink(missing_ok=True)
     result_path = run_dir / "result.json"
     env = _base_env(opts, run_dir, result_path)
+    if stop_at_checkpoint is not None:
+        env[STOP_ENV] = str(stop_path)
     ranks: list[_Rank] = []
     previous = _stop_on_sigterm()
     try:
@@ -105,7 +116,8 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
         events: queue.Queue = queue.Queue()
         reader = threading.Thread(target=_read_events, args=(ranks[0].proc.stdout, events), daemon=True)
         reader.start()
-        _supervise(ranks, events, on_event, opts.timeout_s, run_dir)
+        poll = None if stop_at_checkpoint is None else _stop_asker(stop_path, stop_at_checkpoint)
+        _supervise(ranks, events, on_event, opts.timeout_s, run_dir, poll=poll)
         reader.join(timeout=5)
         _drain(events, on_event)
         failures = [r for r in ranks if r.proc.returncode != 0]
@@ -215,8 +227,19 @@ def _drain(events: queue.Queue, on_event: Callable[[dict[str, Any]], None] | Non
             on_event(event)
 
 
-def _supervise(ranks: list[_Rank], events: queue.Queue, on_event, timeout_s: float, run_dir: Path) -> None:
-    """Wait for every rank; once one fails, stop the rest when they are hung.
+def _stop_asker(stop_path: Path, wanted: Callable[[], bool]) -> Callable[[], None]:
+    """What the supervisor polls: leave the stop file once ``wanted`` says so (and ask no more)."""
+
+    def poll() -> None:
+        if not stop_path.exists() and wanted():
+            stop_path.touch()
+
+    return poll
+
+
+def _supervise(ranks: list[_Rank], events: queue.Queue, on_event, timeout_s: float, run_dir: Path,
+               poll: Callable[[], None] | None = None) -> None:
+    """Wait for every rank; once one fails, stop the rest when they are hung (``poll``: called each turn).
 
     A rank still running after a failure is stopped when another rank's error
     names it as the peer it lost (it hung), or at the latest after the
@@ -225,6 +248,8 @@ def _supervise(ranks: list[_Rank], events: queue.Queue, on_event, timeout_s: flo
     first_failure: float | None = None
     while any(r.proc.poll() is None for r in ranks):
         _drain(events, on_event)
+        if poll is not None and first_failure is None:
+            poll()
         if first_failure is None and any(r.proc.returncode not in (None, 0) for r in ranks):
             first_failure = time.monotonic()
         if first_failure is not None:

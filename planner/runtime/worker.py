@@ -372,6 +372,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             warmup.step()  # the rate of the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()
     bans: list[BanNotice] = []
+    stopped = False
     for step in range(first, opts.steps):
         _inject_fault(opts.fault, env.rank, step)
         metrics = executor.run_step(step, last_end, last_cpu)
@@ -379,13 +380,13 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             warmup.step()  # the next step's rate; the scheduler is a few float operations
         # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
         bans = sorted(executor.bans.values(), key=lambda n: n.rank)
-        if not bans:
-            _checkpoint(plan, opts, env, stage, optimizer, verify, executor, step)
+        stopped = not bans and _checkpoint(plan, opts, env, stage, optimizer, verify, executor, step) \
+            and step < opts.steps - 1
         last_end, last_cpu = time.perf_counter(), time.process_time()
         publish(collector.submit(metrics))
         if rank0_report is not None:
             rank0_report(False)
-        if bans:
+        if bans or stopped:
             break
     publish(collector.finish())
     writer.close()
@@ -400,6 +401,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             raise stop
         return None
     result = _result(plan, opts, summaries, gathered, emulation_on=opts.emulate, executor=executor)
+    if stopped:  # every rank stopped after this checkpoint, as the launcher asked (a host joins)
+        result["stopped_at_checkpoint"] = step
     if stop is not None:
         result.update(failed=True, error=str(stop), stopped_by_bans=[n.to_dict() for n in bans])
         moved = checkpoint.set_aside(opts.checkpoint_dir, from_step=min(n.first_flagged_step for n in bans)) \
@@ -442,13 +445,18 @@ def _resume(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
     return step + 1
 
 
+STOP_ENV = "STAGEWISE_STOP_FILE"  # set by the local launcher: the file whose presence asks the ranks to stop
+
+
 def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
                 optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, executor: Executor,
-                step: int) -> None:
+                step: int) -> bool:
     """Every ``checkpoint_every`` steps and after the last: each rank writes its file, rank 0 the manifest
-    (and, while a verifier's flag is unresolved, keeps the last checkpoint before it)."""
+    (and, while a verifier's flag is unresolved, keeps the last checkpoint before it). True when the ranks
+    agreed to stop after it: the local launcher asked for that (``STOP_ENV``'s file exists) when one rank
+    reached the checkpoint; the agreement is the sum that replaces a barrier, so every rank decides alike."""
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
-        return
+        return False
     params = dict(stage.parameters()) if stage is not None else {}
     state: dict[str, Any] = {"layout": _layout(plan), "untrained_steps": list(executor.untrained_steps)}
     if verify is not None and verify.verifier is not None:
@@ -457,11 +465,15 @@ def _checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None
         state["loss_scale"] = executor.scaler.state()
     checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
                          params=params, optimizer=optimizer, state=state)
-    comm.barrier(ranks=range(env.world_size), doing=f"writing the checkpoint of step {step}")
+    asked = os.environ.get(STOP_ENV)
+    votes = torch.tensor([1.0 if asked and os.path.exists(asked) else 0.0], device=executor.device)
+    comm.all_reduce_sum(votes, group=None, ranks=range(env.world_size),
+                        doing=f"writing the checkpoint of step {step}")  # every rank has written its file
     if env.rank == 0:
         checkpoint.complete(opts.checkpoint_dir, step=step, num_ranks=env.world_size,
                             fingerprint=plan.model.fingerprint,
                             keep_before=min(executor.unresolved.values(), default=None))
+    return bool(votes.item() > 0)
 
 
 def _ban_stop(plan, opts: RunOptions, bans: list[BanNotice], hosts: dict[int, str]) -> RankBannedError:
