@@ -135,7 +135,8 @@ def normalised_host(plan, data: Mapping[str, Any], *, source: str, base_dir: Pat
     try:
         cluster = parse_cluster({**plan.cluster, "hosts": [*hosts, dict(data)]}, base_dir=base_dir)
     except InvalidInputError as exc:
-        what = exc.what.replace(f"cluster: hosts[{len(hosts)}]", f"host {data.get('name')!r}", 1)
+        where, name = f"cluster: hosts[{len(hosts)}]", f"host {data.get('name')!r}"  # the parser's path: name it
+        what = exc.what.replace(f"{where}.", f"{name}: ", 1).replace(where, name, 1)
         raise InvalidInputError(f"{source}: {what}", expected=exc.expected, found=exc.found, fix=exc.fix) from None
     return cluster.host(str(data["name"])).to_dict()
 

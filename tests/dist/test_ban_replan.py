@@ -24,6 +24,7 @@ from planner.runtime.launch import launch
 from planner.runtime.options import RunOptions
 from planner.runtime.worker import make_optimizer
 from planner.verifier_config import VerifierConfig
+from tests.dist.by_hand import from_checkpoint_by_hand
 from tests.dist.plans import load_dumps, make_plan, reference_run
 
 torch.set_num_threads(1)
@@ -36,37 +37,6 @@ def _params(folder, num_ranks) -> dict[str, torch.Tensor]:
     for d in load_dumps(folder, num_ranks):
         out.update(d["params"])
     return out
-
-
-def _from_checkpoint_by_hand(root, step: int, plan, steps: int) -> dict[str, torch.Tensor]:
-    """The whole model in this process: parameters and Adam state read from the checkpoint's rank files
-    by name, then steps ``step + 1 .. steps - 1`` on ``plan``'s batch (its microbatches accumulated)."""
-    cfg = plan.config
-    bundle = build_model(plan.model.spec, batch=cfg.microbatch_size, seq=plan.model.seq, device="cpu", seed=0)
-    model = bundle.module
-    named = dict(model.named_parameters())
-    loaded = checkpoint.read_params(root, step=step, names=named)
-    assert loaded.keys() == named.keys()
-    with torch.no_grad():
-        for n, t in loaded.items():
-            named[n].copy_(t)
-    opt = make_optimizer(cfg.optimizer, list(named.values()), lr=None)
-    for path in checkpoint.rank_files(root, step=step):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith("optim/"):
-                    name, _, k = key.removeprefix("optim/").rpartition("/")
-                    opt.state[named[name]][k] = f.get_tensor(key)
-    assert len(opt.state) == len(named)
-    source, loss_of = make_source(bundle, seq=plan.model.seq, seed=0), loss_fn(bundle)
-    for s in range(step + 1, steps):
-        inputs, targets = source.batch(s, cfg.global_batch)
-        for lo in range(0, cfg.global_batch, cfg.microbatch_size):
-            hi = lo + cfg.microbatch_size
-            (loss_of(model(*(t[lo:hi] for t in inputs)), targets[lo:hi]) / plan.num_microbatches).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {n: p.detach() for n, p in named.items()}
 
 
 def test_a_banned_attacker_is_planned_out_and_the_run_resumes_from_the_last_clean_checkpoint(tmp_path, monkeypatch):
@@ -118,7 +88,7 @@ def test_a_banned_attacker_is_planned_out_and_the_run_resumes_from_the_last_clea
     assert result["steps"] == STEPS - first and result["untrained_steps"] == [] and result["banned"] == []
     assert "banned at step" in result["recovered"]
 
-    want = _from_checkpoint_by_hand(clean, first - 1, new_plan, STEPS)
+    want = from_checkpoint_by_hand(clean, first - 1, new_plan, STEPS)
     got = _params(tmp_path / "dump", new_plan.num_ranks)
     assert got.keys() == want.keys()
     for name, p in got.items():
