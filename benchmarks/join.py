@@ -1,0 +1,145 @@
+"""Join benchmark (issue 21, item 4): how long a host that asks into a running run waits to be training.
+
+A local run of gpt-tiny (global batch 4, microbatches of 2, fp32, Adam, one thread per rank) on three
+one-CPU hosts h0..h2 of a four-host cluster: h3, six times faster than the others, is excluded when the
+run starts. ``launch_replanning`` as ``stagewise run --replan-on-failure 1`` runs it (the default re-plan
+time limit, 30 s), with a checkpoint every ``--checkpoint-every`` steps. When rank 0 reports step
+``--at`` the benchmark writes a join request for h3 as ``stagewise join`` does; the launcher polls its
+join folder every 0.5 s, asks the ranks to stop after their next checkpoint, re-plans with h3 and resumes.
+
+Each trial's figures come from the run's own record of the join (``result["replans"]``), measured with
+this machine's clock from the request file's time: request -> the ranks stopped after the checkpoint
+(the wait for the checkpoint, at most ``--checkpoint-every`` steps, plus up to one poll); the re-plan's
+wall time; the ranks' stop -> rank 0's first step event on the new plan (re-plan, new processes,
+rendezvous, checkpoint reload and re-sharding, and that first step); and request -> that first step in
+all. ``redone`` checks that no step was run twice: the resumed run starts right after the checkpoint it
+stopped at (steps before + steps after = ``--steps``). For scale, each trial also starts the first plan
+afresh, as ``stagewise run`` does, and times launch -> rank 0's first step event (``fresh_start_s``): what
+the join's restart costs beyond its re-plan, under the machine's load at that moment.
+
+Run: ``python benchmarks/join.py [--trials N] [--checkpoint-every C] [--output PATH]``; prints a table
+and writes ``benchmarks/results/join.json``. Wall times are noisy on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results" / "join.json"
+
+
+def first_plan():
+    """Three stages on h0, h1, h2 of a cluster whose fastest host, h3, the plan leaves out."""
+    from cost_models.cluster_file import parse_cluster
+    from cost_models.devices import CATALOG
+    from planner.api import plan_chain
+    from planner.model_io import load_chain
+    from planner.solver.policy import VerificationPolicy
+
+    _, chain = load_chain("gpt-tiny", batch=2, seq=16)
+
+    def host(name: str, efficiency: float) -> dict:
+        spec = {**CATALOG["CPU"].to_dict(), "efficiency": efficiency, "mem_bytes": int(0.7 * 4 * chain.param_bytes)}
+        return {"name": name, "region": "lab", "trust": "operator", "trusted": True,
+                "devices": [{"type": "CPU", "count": 1, "spec": spec}]}
+
+    cluster = parse_cluster({"name": "four", "hosts": [host("h0", 0.05), host("h1", 0.05), host("h2", 0.05),
+                                                       host("h3", 0.3)],
+                             "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+    plan = plan_chain(chain, cluster.without_hosts({"h3"}), spec="gpt-tiny", seq=16, global_batch=4,
+                      microbatch_size=2, policy=VerificationPolicy(enabled=False), time_limit_s=10, dtype="fp32",
+                      optimizer="adam", stages=3)
+    return dataclasses.replace(plan, cluster=cluster.to_dict(), excluded_hosts=("h3",))
+
+
+def fresh_start_s(path: Path) -> float:
+    """A plain run of the plan: launch -> rank 0's first step event."""
+    from planner.runtime.launch import launch
+    from planner.runtime.options import RunOptions
+
+    start, first = time.perf_counter(), []
+    launch(RunOptions(plan=str(path), steps=2, timeout_s=60),
+           on_event=lambda e: first.append(time.perf_counter() - start) if e.get("event") == "step" else None)
+    return round(first[0], 3)
+
+
+def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
+    from planner.runtime import elastic, joins
+    from planner.runtime.options import RunOptions
+    from planner.secret import run_secret
+
+    key = run_secret()
+    path = plan.save(folder / "plan.json", secret=key)
+    fresh = fresh_start_s(path)
+    ckpt = folder / "ckpt"
+    asked: list[float] = []
+
+    def on_event(event: dict) -> None:  # rank 0 reported step `at`: the host asks in
+        if event.get("event") == "step" and event["step"] >= at and not asked:
+            asked.append(time.time())
+            joins.write_request(ckpt / joins.FOLDER, joins.make_request(plan, host="h3", why="benchmark"), key)
+
+    start = time.perf_counter()
+    result = elastic.launch_replanning(RunOptions(plan=str(path), steps=steps, timeout_s=60,
+                                                  checkpoint_dir=str(ckpt), checkpoint_every=every),
+                                       max_replans=1, on_event=on_event)
+    wall = time.perf_counter() - start
+    (join,) = result["replans"]
+    resumed = join["resumed_after_step"]
+    return {"asked_after_step": at, "stopped_after_step": resumed, "ranks_before": plan.num_ranks,
+            "ranks_after": join["ranks"], "request_to_stop_s": join["request_to_stop_s"],
+            "replan_s": join["replan_s"], "stop_to_first_step_s": join["stop_to_first_step_s"],
+            "request_to_first_step_s": join["request_to_first_step_s"], "fresh_start_s": fresh,
+            "redone_steps": resumed + 1 + result["steps"] - steps, "measured_step_ms": result["measured_step_ms"],
+            "run_wall_s": round(wall, 2), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--at", type=int, default=5, help="the step after which the join request is written")
+    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--output", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    plan = first_plan()
+    rows = []
+    for k in range(args.trials):
+        with tempfile.TemporaryDirectory(prefix="stagewise-join-") as tmp:
+            rows.append(trial(plan, Path(tmp), steps=args.steps, at=args.at, every=args.checkpoint_every))
+        print(f"trial {k + 1}: {rows[-1]}", flush=True)
+    keys = ("request_to_stop_s", "replan_s", "stop_to_first_step_s", "request_to_first_step_s", "fresh_start_s")
+    print(f"\n{'':28}" + "".join(f"{k:>25}" for k in keys))
+    for k, r in enumerate(rows, 1):
+        print(f"{'trial ' + str(k) + ' (stop after ' + str(r['stopped_after_step']) + ')':28}"
+              + "".join(f"{r[key]:>25.2f}" for key in keys))
+    summary = {key: round(statistics.median(r[key] for r in rows), 3) for key in keys}
+    print(f"{'median':28}" + "".join(f"{summary[key]:>25.2f}" for key in keys))
+    print(f"steps redone: {[r['redone_steps'] for r in rows]}; ranks {rows[0]['ranks_before']} -> "
+          f"{[r['ranks_after'] for r in rows]}")
+    doc = {"benchmark": "join", "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
+           "cpus": os.cpu_count(), "load_avg_1m": [r["load_avg_1m"] for r in rows], "steps": args.steps,
+           "asked_after_step": args.at, "checkpoint_every": args.checkpoint_every, "trials": rows,
+           "median": summary}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
