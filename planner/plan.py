@@ -253,8 +253,8 @@ class HistoryEntry:
     ban), ``manual`` (hosts excluded by the operator), ``readmit`` (hosts put back) or ``join`` (hosts that
     joined a running run at a checkpoint: excluded ones back, or new ones added to the cluster).
     ``excluded_hosts`` are every host the step left out (those of ``excluded_domains`` included);
-    ``readmitted_hosts`` those it put back (for ``join``: those that joined). ``previous_ranks`` / ``previous_step_ms``: the replaced plan's rank count and simulated step
-    (None for ``planned``).
+    ``readmitted_hosts`` those it put back (for ``join``: those that joined). ``previous_ranks`` /
+    ``previous_step_ms``: the replaced plan's rank count and simulated step (None for ``planned``).
     """
 
     event: str

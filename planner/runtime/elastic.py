@@ -31,8 +31,10 @@ Procedure (one machine, ``stagewise run``): start the run with ``--checkpoint-di
 one), ``stagewise join PLAN --host NAME --checkpoint-dir DIR`` (re-admission) or ``stagewise join PLAN
 --describe HOST.yaml --checkpoint-dir DIR`` (a new host, one host entry of a cluster file), PLAN being
 the plan the run is on now (the last ``DIR/plan-replan-N.json`` it printed, else the one it started
-with). The run plans the host in at its next checkpoint; its summary lists the join. Across hosts under
-torchrun nothing watches the folder (see ``planner/runtime/__main__.py``).
+with). The run plans the host in at its next checkpoint; its summary lists the join. Across hosts,
+torchrun's elastic rendezvous does the same for a host of the cluster that comes back
+(``planner.runtime.torchrun_elastic``, which redoes the work since the newest checkpoint); join requests
+are the local launcher's.
 """
 from __future__ import annotations
 
