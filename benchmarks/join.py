@@ -4,18 +4,20 @@ A local run of gpt-tiny (global batch 4, microbatches of 2, fp32, Adam, one thre
 one-CPU hosts h0..h2 of a four-host cluster: h3, six times faster than the others, is excluded when the
 run starts. ``launch_replanning`` as ``stagewise run --replan-on-failure 1`` runs it (the default re-plan
 time limit, 30 s), with a checkpoint every ``--checkpoint-every`` steps. When rank 0 reports step
-``--at`` the benchmark writes a join request for h3 as ``stagewise join`` does; the launcher polls its
-join folder every 0.5 s, asks the ranks to stop after their next checkpoint, re-plans with h3 and resumes.
+``--at`` the benchmark writes a join request for h3 as ``stagewise join`` does; the launcher, which looks
+at its join folder every 0.1 s, asks the ranks to stop after their next checkpoint, re-plans with h3 and
+resumes there.
 
-Each trial's figures come from the run's own record of the join (``result["replans"]``), measured with
-this machine's clock from the request file's time: request -> the ranks stopped after the checkpoint
-(the wait for the checkpoint, at most ``--checkpoint-every`` steps, plus up to one poll); the re-plan's
-wall time; the ranks' stop -> rank 0's first step event on the new plan (re-plan, new processes,
-rendezvous, checkpoint reload and re-sharding, and that first step); and request -> that first step in
-all. ``redone`` checks that no step was run twice: the resumed run starts right after the checkpoint it
+Each trial's figures come from the run's own record of the join (``result["replans"]``), on this
+machine's clock, from the request file's time: request -> the checkpoint the ranks stopped after is
+complete (its manifest's time: the wait for the next checkpoint, at most ``--checkpoint-every`` steps);
+-> every rank has exited (``shutdown_s``: the run summary gathered, process groups torn down); the
+re-plan's wall time; re-plan -> rank 0's first step event on the new plan (``restart_s``: new processes,
+rendezvous, checkpoint reload and re-sharding, that first step); and request -> that first step in all.
+``redone`` checks that no step was run twice: the resumed run starts right after the checkpoint it
 stopped at (steps before + steps after = ``--steps``). For scale, each trial also starts the first plan
 afresh, as ``stagewise run`` does, and times launch -> rank 0's first step event (``fresh_start_s``): what
-the join's restart costs beyond its re-plan, under the machine's load at that moment.
+a restart costs under the machine's load at that moment.
 
 Run: ``python benchmarks/join.py [--trials N] [--checkpoint-every C] [--output PATH]``; prints a table
 and writes ``benchmarks/results/join.json``. Wall times are noisy on a shared machine.
@@ -36,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "join.json"
+KEYS = ("request_to_checkpoint_s", "shutdown_s", "replan_s", "restart_s", "request_to_first_step_s", "fresh_start_s")
 
 
 def first_plan():
@@ -97,9 +100,7 @@ def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
     (join,) = result["replans"]
     resumed = join["resumed_after_step"]
     return {"asked_after_step": at, "stopped_after_step": resumed, "ranks_before": plan.num_ranks,
-            "ranks_after": join["ranks"], "request_to_stop_s": join["request_to_stop_s"],
-            "replan_s": join["replan_s"], "stop_to_first_step_s": join["stop_to_first_step_s"],
-            "request_to_first_step_s": join["request_to_first_step_s"], "fresh_start_s": fresh,
+            "ranks_after": join["ranks"], **{k: join[k] for k in KEYS[:-1]}, "fresh_start_s": fresh,
             "redone_steps": resumed + 1 + result["steps"] - steps, "measured_step_ms": result["measured_step_ms"],
             "run_wall_s": round(wall, 2), "load_avg_1m": round(os.getloadavg()[0], 2)}
 
@@ -122,13 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="stagewise-join-") as tmp:
             rows.append(trial(plan, Path(tmp), steps=args.steps, at=args.at, every=args.checkpoint_every))
         print(f"trial {k + 1}: {rows[-1]}", flush=True)
-    keys = ("request_to_stop_s", "replan_s", "stop_to_first_step_s", "request_to_first_step_s", "fresh_start_s")
-    print(f"\n{'':28}" + "".join(f"{k:>25}" for k in keys))
+    print(f"\n{'':28}" + "".join(f"{k.removesuffix('_s'):>24}" for k in KEYS))
     for k, r in enumerate(rows, 1):
         print(f"{'trial ' + str(k) + ' (stop after ' + str(r['stopped_after_step']) + ')':28}"
-              + "".join(f"{r[key]:>25.2f}" for key in keys))
-    summary = {key: round(statistics.median(r[key] for r in rows), 3) for key in keys}
-    print(f"{'median':28}" + "".join(f"{summary[key]:>25.2f}" for key in keys))
+              + "".join(f"{r[key]:>24.2f}" for key in KEYS))
+    summary = {key: round(statistics.median(r[key] for r in rows), 3) for key in KEYS}
+    print(f"{'median':28}" + "".join(f"{summary[key]:>24.2f}" for key in KEYS))
     print(f"steps redone: {[r['redone_steps'] for r in rows]}; ranks {rows[0]['ranks_before']} -> "
           f"{[r['ranks_after'] for r in rows]}")
     doc = {"benchmark": "join", "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),

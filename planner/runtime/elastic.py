@@ -92,7 +92,7 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
         else:
             if result.get("stopped_at_checkpoint") is None:
                 return _summary(opts, result, replans, watcher)
-            opts = _join(opts, key, replans, watcher, time_limit_s, clock)
+            opts = _join(opts, key, replans, watcher, time_limit_s, clock, step=result["stopped_at_checkpoint"])
 
 
 def _recoveries(replans: list[dict[str, Any]]) -> int:
@@ -148,10 +148,11 @@ def _replan(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], event: 
 
 
 def _join(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], watcher: joins.JoinWatcher,
-          time_limit_s: float, clock: "_FirstStep") -> RunOptions:
-    """The ranks stopped after a checkpoint for the join requests waiting: re-plan with their hosts and
-    return the options that resume from that checkpoint (on the same plan if the requests are gone or
-    the re-plan fails)."""
+          time_limit_s: float, clock: _FirstStep, *, step: int) -> RunOptions:
+    """The ranks stopped after the checkpoint of ``step`` for the join requests waiting: re-plan with their
+    hosts and return the options that resume from that checkpoint (on the same plan if the requests are
+    gone or the re-plan fails). The join's entry times it: request -> checkpoint complete (its manifest's
+    time) -> ranks exited -> re-plan -> first step reported on the new plan."""
     stopped_s = time.time()
     same = dataclasses.replace(opts, resume=True)
     waiting = watcher.take()  # checked again, now: one may have been withdrawn
@@ -173,10 +174,12 @@ def _join(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], watcher: 
     replan_s = time.perf_counter() - start
     watcher.accept(waiting)
     written = min(j.written_s for j in waiting)
+    taken_s = (checkpoint.step_folder(opts.checkpoint_dir, step) / checkpoint.MANIFEST).stat().st_mtime
     entry = {"after": reason, "event": "join", "joined": hosts, "excluded": "",
-             "request_to_stop_s": round(stopped_s - written, 3), "replan_s": round(replan_s, 3)}
+             "request_to_checkpoint_s": round(taken_s - written, 3), "shutdown_s": round(stopped_s - taken_s, 3),
+             "replan_s": round(replan_s, 3)}
     resumed = _adopt(opts, key, replans, new, entry, change=f"re-planned with {', '.join(hosts)}")
-    clock.arm(entry, requested_s=written, stopped_s=stopped_s)
+    clock.arm(entry, requested_s=written, replanned_s=time.time())
     return resumed
 
 
@@ -200,21 +203,21 @@ def _adopt(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], new, eve
 
 class _FirstStep:
     """Passes rank 0's events on; after a join, records in its entry when the first step on the new plan
-    was reported, counted from the request's writing and from the ranks' stop."""
+    was reported: ``restart_s`` after the re-plan (new processes, rendezvous, reload, that step) and
+    ``request_to_first_step_s`` after the request was written."""
 
     def __init__(self, on_event: Callable[[dict[str, Any]], None] | None) -> None:
         self.on_event = on_event
         self.armed: tuple[dict[str, Any], float, float] | None = None
 
-    def arm(self, entry: dict[str, Any], *, requested_s: float, stopped_s: float) -> None:
-        self.armed = (entry, requested_s, stopped_s)
+    def arm(self, entry: dict[str, Any], *, requested_s: float, replanned_s: float) -> None:
+        self.armed = (entry, requested_s, replanned_s)
 
     def __call__(self, event: dict[str, Any]) -> None:
         if self.armed is not None and event.get("event") == "step":
-            entry, requested_s, stopped_s = self.armed
+            entry, requested_s, replanned_s = self.armed
             now = time.time()
-            entry.update(request_to_first_step_s=round(now - requested_s, 3),
-                         stop_to_first_step_s=round(now - stopped_s, 3))
+            entry.update(restart_s=round(now - replanned_s, 3), request_to_first_step_s=round(now - requested_s, 3))
             self.armed = None
         if self.on_event is not None:
             self.on_event(event)

@@ -261,7 +261,7 @@ class JoinWatcher:
     folder: Path
     plan: Any
     key: bytes
-    period_s: float = 0.5
+    period_s: float = 0.1  # a listing of an empty folder; a valid request is read again only until the stop
     rejected: list[dict[str, str]] = field(default_factory=list)
     _last: float = float("-inf")
     _found: bool = False
