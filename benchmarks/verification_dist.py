@@ -153,8 +153,8 @@ def _env() -> dict[str, str]:
 
 def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None, work: Path) -> dict[str, Any]:
     """One ``stagewise run``; its row."""
-    tag = f"{shape}-s{seed}-{attack or 'clean'}-{steps}"
-    report_path, log_path = work / f"{tag}.report.json", work / f"{tag}.log"
+    report_path = work / report_name(shape, seed, attack, steps)
+    log_path = report_path.with_name(report_path.name.replace(".report.json", ".log"))
     report_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "planner", "run", str(plan), "--steps", str(steps), "--lr", str(LR),
            "--seed", str(seed), "--report", str(report_path)]
@@ -174,16 +174,39 @@ def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None
     if not report_path.exists():
         tail = output.strip().splitlines()[-3:]
         return {**row, "error": " | ".join(tail) or "no report"}
-    report = json.loads(report_path.read_text())
-    plan_data = json.loads(plan.read_text())
-    row.update(summarize(report, plan_data))
+    return scored(row, json.loads(report_path.read_text()), json.loads(plan.read_text()))
+
+
+def report_name(shape: str, seed: int, attack: str | None, steps: int) -> str:
+    return f"{shape}-s{seed}-{attack or 'clean'}-{steps}.report.json"
+
+
+def scored(row: dict[str, Any], report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """``row`` (what was run, how it exited) with what the run's report says."""
+    attack = None if row["attack"] == "none" else row["attack"]
+    row = {**row, **summarize(report, plan)}
     if attack is not None:
         row["flag_rate_per_sample"] = row.pop("fpr_per_sample")   # most of an attacked run's flags are true ones
-        row.update(attack_metrics(report, row, attack_rank(attack), attack_start(attack)))
+        row.update(attack_metrics(report, row, attack_rank(attack), attack_start(attack),
+                                  plan["config"]["global_batch"] // plan["config"]["microbatch_size"]))
     else:
-        row["goal"] = row["fpr_per_sample"] <= FPR_GOAL and not row["banned"] and row["steps_run"] == steps
+        row["goal"] = row["fpr_per_sample"] <= FPR_GOAL and not row["banned"] and row["steps_run"] == row["steps"]
     row["ban_events"] = _events_of_interest(report, row, attack)
     return row
+
+
+def rescore(out: Path, work: Path) -> list[dict[str, Any]]:
+    """The rows of ``out`` scored again from the reports and plans kept in ``work`` (no run)."""
+    run_keys = ("shape", "seed", "attack", "attack_spec", "steps", "exit_code", "duration_s")
+    rows = []
+    for old in json.loads(out.read_text())["rows"]:
+        path = work / report_name(old["shape"], old["seed"], None if old["attack"] == "none" else old["attack"],
+                                  old["steps"])
+        if "error" in old or not path.exists():
+            continue
+        rows.append(scored({k: old[k] for k in run_keys}, json.loads(path.read_text()),
+                           json.loads((work / f"{old['shape']}.json").read_text())))
+    return rows
 
 
 def summarize(report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +231,30 @@ def summarize(report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
                 {s for s, n in enumerate(report["dropped"]) if n}),
             "blamed_pairs": sum(len(v) for v in blamed.values()), "blamed_steps": blamed,
             "fpr_per_sample": round(flags_mb / max(1, checks), 6), "banned": report["banned"], "bans": bans,
-            "events_truncated": truncated, "final_loss": report["final_loss"],
+            **_evidence(report, blamed), "events_truncated": truncated, "final_loss": report["final_loss"],
             "step_ms_median": round(report["measured_step_ms"], 1)}
+
+
+def _evidence(report: dict[str, Any], blamed: dict[str, list[int]]) -> dict[str, Any]:
+    """Per blamed sender: its share of the steps after the warm-up it was blamed in (the ban test assumes an
+    honest one at most ``ban_honest_rate``) and the peak of its ban evidence, replayed with the run's ban test,
+    against the level that bans (``ln(ban_false_steps)``)."""
+    from planner.integrity.bans import BanTest
+
+    ranks = _verifier_ranks(report)
+    if not ranks:
+        return {}
+    cfg = ranks[0]["verification"]["config"]
+    test = BanTest(honest_rate=cfg["ban_honest_rate"], attack_rate=cfg["ban_attack_rate"],
+                   false_steps=cfg["ban_false_steps"])
+    peak: dict[str, float] = {}
+    for step in range(report["steps"]):
+        test.step({int(k) for k, steps in blamed.items() if step in steps}, at=step)
+        for sender, value in test.evidence.items():
+            peak[str(sender)] = max(peak.get(str(sender), 0.0), value)
+    judged = max(1, report["steps"] - int(cfg["warmup"]))
+    return {"blame_rate": {k: round(len(v) / judged, 4) for k, v in blamed.items()},
+            "peak_evidence": {k: round(v, 2) for k, v in sorted(peak.items())}, "ban_level": round(test.level, 2)}
 
 
 def _verifier_ranks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -237,42 +282,57 @@ def _flag_events(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for r in _verifier_ranks(report) for e in r["verification"].get("events", ()) if e["type"] == "flag"]
 
 
-def attack_metrics(report: dict[str, Any], row: dict[str, Any], attacker: int, start: int) -> dict[str, Any]:
-    """The attacker's ban against the attack's start; precision/recall/F1 of dropped vs attacked microbatches."""
+def attack_metrics(report: dict[str, Any], row: dict[str, Any], attacker: int, start: int,
+                   microbatches: int) -> dict[str, Any]:
+    """The attacker's ban against the attack's start; precision/recall/F1 of dropped vs attacked microbatches.
+
+    The dropped microbatches are those of the verifiers' microbatch flags. A rank reports only its latest
+    events (``planner.integrity.hooks.SUMMARY_EVENTS``): when some flags are missing and the attack corrupted
+    every microbatch of every step from its first, a drop is attacked exactly when its step is at or after
+    that one, so the report's drops per step give the same counts (``pr_from: counts``)."""
     log = next((r["attacked"] for r in report["ranks"] if r["rank"] == attacker), [])
     attacked = {(s, mb) for s, mb, _, _ in log}
     dropped = {(e["step"], e["mb"]) for e in _flag_events(report) if e["scope"] == "microbatch"}
-    hit = len(attacked & dropped)
-    precision = hit / len(dropped) if dropped else None
-    recall = hit / len(attacked) if attacked else None
-    f1 = 2 * hit / (len(attacked) + len(dropped)) if attacked or dropped else None
+    first = min((s for s, _ in attacked), default=None)
+    if len(dropped) == row["flags_microbatch"]:
+        source, hit, n_dropped = "events", len(attacked & dropped), len(dropped)
+    elif first is not None and attacked == {(s, mb) for s in range(first, row["steps_run"])
+                                            for mb in range(microbatches)}:
+        source, n_dropped = "counts", sum(report["dropped"])
+        hit = sum(report["dropped"][first:])
+    else:
+        source, hit, n_dropped = "unavailable", None, None
+    precision = hit / n_dropped if hit is not None and n_dropped else None
+    recall = hit / len(attacked) if hit is not None and attacked else None
+    f1 = 2 * hit / (len(attacked) + n_dropped) if hit is not None and (attacked or n_dropped) else None
     ban = next((b for b in row["bans"] if b["sender"] == attacker), None)
     honest = [b for b in row["bans"] if b["sender"] != attacker]
     delay = None if ban is None else ban["step"] - start
-    return {"attacker": attacker, "attack_start": start,
-            "first_attacked_step": min((s for s, _ in attacked), default=None),
-            "attacked_microbatches": len(attacked), "dropped_identified": len(dropped),
-            "false_drops": len(dropped - attacked), "missed_microbatches": len(attacked - dropped),
+    return {"attacker": attacker, "attack_start": start, "first_attacked_step": first,
+            "attacked_microbatches": len(attacked), "dropped_counted": n_dropped, "pr_from": source,
+            "false_drops": None if hit is None else n_dropped - hit,
+            "missed_microbatches": None if hit is None else len(attacked) - hit,
             "attacker_ban_step": None if ban is None else ban["step"], "ban_delay_steps": delay,
             "honest_banned": honest, "precision": _r(precision), "recall": _r(recall), "f1": _r(f1),
             "goal": delay is not None and delay <= BAN_WITHIN and not honest,
-            "goal_f1": f1 is not None and f1 >= F1_GOAL and not row["events_truncated"]}
+            "goal_f1": f1 is not None and f1 >= F1_GOAL}
 
 
 def _events_of_interest(report: dict[str, Any], row: dict[str, Any], attack: str | None) -> list[dict[str, Any]]:
-    """The flag events around a ban that should not have happened (or after an attack that went unbanned)."""
+    """The flag events around what missed the goal, in step order: from an honest ban's first flagged step to it,
+    from an attack's start to the attacker's late ban or the run's end, or a clean run's every flag."""
     if row.get("goal"):
         return []
     attacker = attack_rank(attack) if attack else None
     windows = [(max(0, b["first_flagged_step"] - 1), b["step"]) for b in row["bans"] if b["sender"] != attacker]
-    if attacker is not None and row.get("attacker_ban_step") is None:
-        windows.append((attack_start(attack), row["steps_run"]))
+    if attacker is not None and (row["ban_delay_steps"] is None or row["ban_delay_steps"] > BAN_WITHIN):
+        windows.append((attack_start(attack), row["attacker_ban_step"] or row["steps_run"]))
+    if attacker is None and not windows:
+        windows.append((0, row["steps_run"]))
     keys = ("step", "mb", "boundary", "direction", "sender", "scope", "reasons", "upstream")
-    kept = [{k: e[k] for k in keys if k in e} for e in sorted(_flag_events(report), key=lambda e: (e["step"], e["mb"]))
-            if any(lo <= e["step"] <= hi for lo, hi in windows)]
-    if not windows and row["flags_microbatch"] + row["flags_step"]:
-        kept = [{k: e[k] for k in keys if k in e} for e in _flag_events(report)]   # clean-run flags over the goal
-    return kept[:EVENTS_KEPT]
+    events = sorted(_flag_events(report), key=lambda e: (e["step"], e["mb"], e["boundary"], e["direction"]))
+    return [{k: e[k] for k in keys if k in e} for e in events
+            if any(lo <= e["step"] <= hi for lo, hi in windows)][:EVENTS_KEPT]
 
 
 def _r(x: float | None) -> float | None:
@@ -302,11 +362,24 @@ HEADER = (f"{'shape':<10} {'seed':>4} {'attack':<10} {'steps':>9} {'checks':>6} 
           f"{'drop':>5} {'fpr%':>7} {'bans r@step':>12} {'ban-st':>6} P     R     F1")
 
 
-def merge(out: Path, rows: list[dict[str, Any]]) -> None:
-    """Rows merged into ``out`` by (shape, seed, attack); a summary of everything there."""
+def plan_summary(path: Path) -> dict[str, Any]:
+    """What a shape's plan is: each stage's blocks and ranks, the verifiers, the notes, the predicted step."""
+    plan = json.loads(path.read_text())
+    ranks = {}
+    for r in plan["ranks"]:
+        ranks.setdefault(r["stage"], []).append(f"{r['rank']}:{r['host']}")
+    return {"stages": [{"blocks": [b["name"] for b in st["blocks"]], "ranks": ranks.get(st["index"], [])}
+                       for st in plan["stages"]],
+            "verifiers": plan["verifiers"], "notes": plan["report"].get("notes", []),
+            "method": plan["report"]["method"], "predicted_step_ms": round(plan["predicted"]["step_ms"], 2)}
+
+
+def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None:
+    """Rows merged into ``out`` by (shape, seed, attack), with the shapes' plans; a summary of everything there."""
     import torch
 
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    data["plans"] = {**data.get("plans", {}), **{shape: plan_summary(p) for shape, p in plans.items()}}
     new = {(r["shape"], r["seed"], r["attack"]) for r in rows}
     data["rows"] = sorted([r for r in data["rows"] if (r["shape"], r["seed"], r["attack"]) not in new] + rows,
                           key=lambda r: (r["attack"] != "none", r["attack"], SHAPES.index(r["shape"]), r["seed"]))
@@ -321,7 +394,7 @@ def merge(out: Path, rows: list[dict[str, Any]]) -> None:
         "clean_goal_met": sum(r["goal"] for r in clean),
         "attack_runs": len(attacks), "attack_goal_met": sum(r["goal"] for r in attacks),
         "attack_f1_goal_met": sum(r["goal_f1"] for r in attacks),
-        "attacks_missed": [(r["shape"], r["attack"]) for r in attacks if not r["goal"]],
+        "attacks_missed": [(r["shape"], r["seed"], r["attack"]) for r in attacks if not r["goal"]],
         "errors": [(r["shape"], r["seed"], r["attack"]) for r in data["rows"] if "error" in r]}
     data["setup"] = {"cluster": str(CLUSTER.relative_to(ROOT)), "model": "gpt-tiny", "lr": LR,
                      "attack_start": ATTACK_START, "delay_start": DELAY_START, "ban_within": BAN_WITHIN,
@@ -342,11 +415,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="attacks to run ('none': no attack runs)")
     parser.add_argument("--attack-shapes", nargs="+", choices=SHAPES, default=list(ATTACK_SHAPES))
     parser.add_argument("--attack-steps", type=int, default=60)
-    parser.add_argument("--attack-seed", type=int, default=0)
+    parser.add_argument("--attack-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--no-clean", action="store_true", help="attack runs only")
     parser.add_argument("--work", help="folder for the plans, reports and logs (default: a temporary one)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification_dist.json"))
+    parser.add_argument("--rescore", action="store_true",
+                        help="run nothing: score the rows of --out again from the reports kept in --work")
     args = parser.parse_args(argv)
+    if args.rescore:
+        if not args.work:
+            parser.error("--rescore needs --work (the folder of an earlier invocation)")
+        rows = rescore(Path(args.out), Path(args.work))
+        print(HEADER)
+        for row in rows:
+            print_row(row)
+        merge(Path(args.out), rows, {shape: Path(args.work) / f"{shape}.json" for shape in SHAPES
+                                     if (Path(args.work) / f"{shape}.json").exists()})
+        print(json.dumps(json.loads(Path(args.out).read_text())["summary"]))
+        return 0
     attacks = [a for a in args.attacks if a != "none"]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="verification_dist-"))
     clean_shapes = [] if args.no_clean else args.shapes
@@ -354,11 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                               key=SHAPES.index), work)
     print(f"plans and logs in {work}\n{HEADER}", flush=True)
     runs = [(s, seed, None, args.steps) for s in clean_shapes for seed in args.seeds] + \
-           [(s, args.attack_seed, a, args.attack_steps) for a in attacks for s in args.attack_shapes]
+           [(s, seed, a, args.attack_steps) for seed in args.attack_seeds for a in attacks for s in args.attack_shapes]
     for shape, seed, attack, steps in runs:
         row = run_one(plans[shape], shape=shape, seed=seed, steps=steps, attack=attack, work=work)
         print_row(row)
-        merge(Path(args.out), [row])
+        merge(Path(args.out), [row], {shape: plans[shape]})
+    print(json.dumps(json.loads(Path(args.out).read_text())["summary"]))
     return 0
 
 
