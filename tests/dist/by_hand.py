@@ -2,11 +2,14 @@
 optimizer state read by hand from a checkpoint's rank files, trained for the remaining steps."""
 from __future__ import annotations
 
+import shutil
+
 import torch
 from safetensors import safe_open
 
 from models.registry import build_model, loss_fn
-from planner.runtime import checkpoint
+from planner.runtime import checkpoint, elastic
+from planner.runtime.launch import launch
 from planner.runtime.data import make_source
 from planner.runtime.worker import make_optimizer
 
@@ -40,3 +43,19 @@ def from_checkpoint_by_hand(root, step: int, plan, steps: int) -> dict[str, torc
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach() for n, p in named.items()}
+
+
+def keep_resumed_checkpoints(monkeypatch, clean) -> list:
+    """Make the re-planning launcher copy each checkpoint it resumes from into ``clean`` (pruning removes
+    it later) before it resumes; returns the list it appends (step, options) to."""
+    resumed: list = []
+
+    def keeping(opts, **kwargs):
+        if opts.resume:
+            step = checkpoint.complete_steps(opts.checkpoint_dir)[-1]
+            shutil.copytree(checkpoint.step_folder(opts.checkpoint_dir, step), checkpoint.step_folder(clean, step))
+            resumed.append((step, opts))
+        return launch(opts, **kwargs)
+
+    monkeypatch.setattr(elastic, "launch", keeping)
+    return resumed

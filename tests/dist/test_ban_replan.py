@@ -24,7 +24,7 @@ from planner.runtime.launch import launch
 from planner.runtime.options import RunOptions
 from planner.runtime.worker import make_optimizer
 from planner.verifier_config import VerifierConfig
-from tests.dist.by_hand import from_checkpoint_by_hand
+from tests.dist.by_hand import from_checkpoint_by_hand, keep_resumed_checkpoints
 from tests.dist.plans import load_dumps, make_plan, reference_run
 
 torch.set_num_threads(1)
@@ -47,16 +47,7 @@ def test_a_banned_attacker_is_planned_out_and_the_run_resumes_from_the_last_clea
     path = plan.save(tmp_path / "plan.json")
     ckpt, clean = tmp_path / "ckpt", tmp_path / "clean"
 
-    resumed = []
-
-    def keep_the_resumed_checkpoint(opts, **kwargs):  # pruning removes it later: copy it for the reference
-        if opts.resume:
-            step = checkpoint.complete_steps(opts.checkpoint_dir)[-1]
-            shutil.copytree(checkpoint.step_folder(opts.checkpoint_dir, step), checkpoint.step_folder(clean, step))
-            resumed.append((step, opts))
-        return launch(opts, **kwargs)
-
-    monkeypatch.setattr(elastic, "launch", keep_the_resumed_checkpoint)
+    resumed = keep_resumed_checkpoints(monkeypatch, clean)
     # Half the microbatches corrupted: the steps after the first flag still train on the others, so the
     # checkpoints taken then differ from the clean one.
     attack = f"rank={ATTACKER},kind=scale,factor=inf,start={ATTACK_START},p=0.5,dir=act"

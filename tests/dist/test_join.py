@@ -28,7 +28,7 @@ from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import RunOptions
 from planner.secret import run_secret
 from planner.solver.policy import VerificationPolicy
-from tests.dist.by_hand import from_checkpoint_by_hand
+from tests.dist.by_hand import from_checkpoint_by_hand, keep_resumed_checkpoints
 from tests.dist.plans import load_dumps
 
 torch.set_num_threads(1)
@@ -81,16 +81,7 @@ def test_a_host_that_joins_mid_run_is_planned_in_at_the_next_checkpoint(tmp_path
     (ckpt / joins.FOLDER).mkdir(parents=True)
     (ckpt / joins.FOLDER / "note.yaml").write_text("host: h3\n")  # not signed: not a request
 
-    resumed = []
-
-    def keep_the_resumed_checkpoint(opts, **kwargs):  # pruning removes it later: copy it for the reference
-        if opts.resume:
-            step = checkpoint.complete_steps(opts.checkpoint_dir)[-1]
-            shutil.copytree(checkpoint.step_folder(opts.checkpoint_dir, step), checkpoint.step_folder(clean, step))
-            resumed.append((step, opts))
-        return launch(opts, **kwargs)
-
-    monkeypatch.setattr(elastic, "launch", keep_the_resumed_checkpoint)
+    resumed = keep_resumed_checkpoints(monkeypatch, clean)
     done = threading.Event()
     asker = _ask_after_first_checkpoint(ckpt, plan, key, done)
     try:
