@@ -32,9 +32,9 @@ one), ``stagewise join PLAN --host NAME --checkpoint-dir DIR`` (re-admission) or
 --describe HOST.yaml --checkpoint-dir DIR`` (a new host, one host entry of a cluster file), PLAN being
 the plan the run is on now (the last ``DIR/plan-replan-N.json`` it printed, else the one it started
 with). The run plans the host in at its next checkpoint; its summary lists the join. Across hosts,
-torchrun's elastic rendezvous does the same for a host of the cluster that comes back
-(``planner.runtime.torchrun_elastic``, which redoes the work since the newest checkpoint); join requests
-are the local launcher's.
+torchrun's elastic rendezvous does the same when a host joins (one of the cluster that comes back, or
+a new one a signed request in ``DIR/joins`` describes: ``planner.runtime.torchrun_elastic``), redoing
+the work since the newest checkpoint: torchrun restarts every worker when a node joins.
 """
 from __future__ import annotations
 

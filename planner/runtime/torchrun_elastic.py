@@ -9,9 +9,12 @@ agree on the plan before anything of it runs:
    store under this start's number (``TORCHELASTIC_RESTART_COUNT``), and waits for all of them;
 2. torchrun's rank 0 takes the newest plan (the last one an elastic start wrote into the checkpoint
    folder, else ``PLAN``); if a host it uses is missing or has fewer processes than its ranks, or a
-   host it excludes is back, it re-plans (``planner.api.replan``: the old plan's history and
-   microbatch size, warm-started, the reason recorded), signs the new plan with the run secret and
-   writes it to ``SHARED/plan-elastic-<start>.json``; then it names the plan in the store;
+   host it excludes is back, or a host new to the cluster is there with a signed join request
+   describing it (``stagewise join PLAN --describe HOST.yaml --checkpoint-dir SHARED``), it re-plans
+   (``planner.api.replan``: the old plan's history and microbatch size, warm-started, the reason
+   recorded), signs the new plan with the run secret and writes it to
+   ``SHARED/plan-elastic-<start>.json``; then it names the plan in the store. A host neither in the
+   cluster nor described so stops the start, named;
 3. every process reads that plan and checks its signature (a plan no member signed is refused), and
    the run resumes from the newest complete checkpoint when there is one (re-sharded by parameter
    name onto the new stages). A host's processes beyond the plan's ranks on it exit at once (0).
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from planner.api import replan
 from planner.errors import InvalidInputError
-from planner.runtime import checkpoint, comm
+from planner.runtime import checkpoint, comm, joins
 from planner.runtime.hosts import HOST_ENV, host_ranks, plan_hosts
 from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import RunOptions
@@ -99,18 +102,21 @@ def _decide(opts: RunOptions, key: bytes, present: dict[str, int], start: str) -
     plan, _ = load_signed_plan(path, key)
     known = {h.name for h in plan.effective_cluster().hosts} | set(plan.excluded_hosts)
     strangers = sorted(set(present) - known)
-    if strangers:
-        raise InvalidInputError(f"host {strangers[0]!r}", expected=f"a host of the plan's cluster "
-                                f"({', '.join(sorted(known))})", found="a stranger",
-                                fix="add it to the cluster file and plan again, or start it with its name there")
+    added = _described(opts, key, plan, strangers)
+    unknown = [h for h in strangers if h not in added]
+    if unknown:
+        raise InvalidInputError(f"host {unknown[0]!r}", expected=f"a host of the plan's cluster "
+                                f"({', '.join(sorted(known))}) or one a signed join request describes",
+                                found="a stranger", fix="describe it: stagewise join PLAN --describe HOST.yaml "
+                                f"--checkpoint-dir {opts.checkpoint_dir}")
     lost = sorted(h for h in plan_hosts(plan) if present.get(h, 0) < len(host_ranks(plan, h)))
     back = sorted(h for h in plan.excluded_hosts if h in present)
-    if not lost and not back:
+    if not lost and not back and not added:
         return path
-    reason = "; ".join([f"elastic start {start}: "
-                        + ", ".join([f"{h} gone or short of processes" for h in lost] + [f"{h} back" for h in back])])
-    new = replan(plan, exclude_hosts=lost, readmit_hosts=back, reason=reason,
-                 event="failure" if lost else "readmit", time_limit_s=opts.replan_time_limit_s)
+    reason = f"elastic start {start}: " + ", ".join([f"{h} gone or short of processes" for h in lost]
+                                                     + [f"{h} back" for h in back] + [f"{h} joined" for h in added])
+    new = replan(plan, exclude_hosts=lost, readmit_hosts=back, add_hosts=list(added.values()), reason=reason,
+                 event="failure" if lost else "join" if added else "readmit", time_limit_s=opts.replan_time_limit_s)
     short = sorted(h for h in plan_hosts(new) if present.get(h, 0) < len(host_ranks(new, h)))
     if short:
         raise InvalidInputError(f"host {short[0]!r}", expected=f"{len(host_ranks(new, short[0]))} processes for "
@@ -119,3 +125,18 @@ def _decide(opts: RunOptions, key: bytes, present: dict[str, int], start: str) -
     out = Path(opts.checkpoint_dir) / f"plan-elastic-{start}.json"
     new.save(out, secret=key)
     return str(out)
+
+
+def _described(opts: RunOptions, key: bytes, plan, strangers: list[str]) -> dict[str, dict]:
+    """Host -> its description, for each of ``strangers`` a signed, valid join request in the checkpoint
+    folder's join folder describes (requests that do not apply are left to the local launcher's rules)."""
+    out: dict[str, dict] = {}
+    for path in joins.pending(Path(opts.checkpoint_dir) / joins.FOLDER):
+        try:
+            request = joins.read_request(path, key)
+            joins.check_request(plan, request)
+        except InvalidInputError:
+            continue
+        if request.new_host is not None and request.host in strangers:
+            out[request.host] = dict(request.new_host)
+    return out

@@ -13,7 +13,7 @@ from planner.api import plan_chain
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
 from planner.plan_load import load_plan
-from planner.runtime import torchrun_elastic
+from planner.runtime import joins, torchrun_elastic
 from planner.runtime.hosts import place
 from planner.runtime.options import RunOptions
 from planner.secret import run_secret
@@ -78,3 +78,16 @@ def test_processes_beyond_a_host_s_ranks_are_told_to_go(plan):
     assert place(plan, host="h1", launcher_rank=1, local_rank=2, environ=env, elastic=True) is None
     with pytest.raises(InvalidInputError, match="--nproc-per-node 1"):
         place(plan, host="h1", launcher_rank=0, local_rank=0, environ=env)
+
+
+def test_a_host_new_to_the_cluster_joins_with_a_signed_description(tmp_path, plan):
+    opts = _opts(tmp_path, plan)
+    desc = tmp_path / "h9.yaml"
+    desc.write_text("name: h9\nregion: lab\ntrust: operator\ntrusted: true\ndevices: [{type: CPU, count: 1}]\n")
+    folder = tmp_path / "ckpt" / joins.FOLDER
+    folder.mkdir(parents=True)
+    joins.write_request(folder, joins.make_request(plan, description=desc), run_secret(None))
+    start = _agree(opts, {"h0": 1, "h1": 1, "h9": 1})
+    new = load_plan(start.plan)
+    assert "h9" in {h["name"] for h in new.cluster["hosts"]}
+    assert new.history[-1].event == "join" and "h9 joined" in new.history[-1].reason
