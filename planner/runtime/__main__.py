@@ -26,8 +26,9 @@ Elastic (hosts that fail or join; ``planner/runtime/torchrun_elastic.py``): star
 --checkpoint-dir DIR`` on storage every host reaches; the host that serves the rendezvous endpoint
 (``--rdzv-conf is_host=1``) must outlive the run. When a host is lost or joins, torchrun restarts the
 workers; at each start they agree on the hosts present, torchrun's rank 0 re-plans if the plan needs
-a host that is gone (or one it excluded is back, or a new one a signed join request describes), signs it and writes ``DIR/plan-elastic-<start>.json``,
-and every rank resumes from the newest complete checkpoint::
+a host that is gone (or one it excluded is back, or a new one a signed join request describes), signs
+the plan and writes ``DIR/plan-elastic-<start>.json``, and every rank resumes from the newest complete
+checkpoint::
 
     PYTHONSAFEPATH=1 torchrun --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint 127.0.0.1:29400 --rdzv-id job1 --rdzv-conf is_host=1 \
