@@ -447,17 +447,17 @@ class Verifier:
     def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]],
                  watched: Sequence[tuple[int, str]] = ()) -> None:
         self.config = VerifierConfig.from_dict(config)
-        self.watched = {(int(b), d) for b, d in watched}
-        if not self.watched <= {(int(b), d) for b, d in boundaries}:
+        watch = {(int(b), d) for b, d in watched}  # each monitor keeps its own flag
+        if not watch <= {(int(b), d) for b, d in boundaries}:
             raise InvalidInputError("verifier watched boundaries", expected=f"some of {sorted(boundaries)}",
-                                    found=repr(sorted(self.watched)))
+                                    found=repr(sorted(watch)))
         self._monitors: dict[tuple[int, str], Monitor] = {}
         for boundary, direction in boundaries:
             if direction not in DIRECTIONS:
                 raise InvalidInputError(f"verifier boundary {boundary} direction", expected="act or grad",
                                         found=repr(direction))
             self._monitors[(int(boundary), direction)] = Monitor(
-                self.config, int(boundary), direction, watch_only=(int(boundary), direction) in self.watched)
+                self.config, int(boundary), direction, watch_only=(int(boundary), direction) in watch)
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
         # Accepted rows and their size change, as the next stage's input for its link test.
