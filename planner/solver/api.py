@@ -30,7 +30,7 @@ fixed in an outer loop, the time split evenly):
    grid, ``grid``), the one whose compiled programs cost least
    (``objective.price_program``: the reported objective), hill-climbs on that
    cost (``polish``) and bounds it with free links (``bound.relax.comm_free_for_bound``)
-   in the ``VALID_BOUND_SHARE`` of the time held back.
+   in the ``VALID_BOUND_SHARE`` of the time held back (``POLISH_SHARE`` of it for the hill-climb).
 
 What the search's bound bounds (kept in the notes): the closed form
 ``objective.evaluate`` of every plan of the search space described in
@@ -109,9 +109,11 @@ CPSAT_PROVES_LIMIT = 600  # blocks x stage slots up to which CP-SAT proves optim
 # Blocks x stage slots above which CP-SAT's last seconds go to the local search: at that size CP-SAT finds no
 # plan within a solve's budget, where the local search keeps improving.
 CPSAT_HOPELESS = 10_000
-# Of each M's time budget, held back to bound the cost of the compiled programs (the search's bounds are on
-# its closed form, which prices sends as busy time the programs overlap: ``bound.relax.comm_free_for_bound``).
-VALID_BOUND_SHARE = 0.15
+# Of each M's time budget, held back to hill-climb on the cost of the compiled programs (``polish``: the
+# objective itself; on DT-FM's spot case it needs ~2 s of a 7 s share to converge) and bound that cost (the
+# search's bounds are on its closed form, which prices sends as busy time: ``bound.relax.comm_free_for_bound``).
+VALID_BOUND_SHARE = 0.3
+POLISH_SHARE = 2 / 3  # of the time held back
 
 
 def microbatch_candidates(global_batch: int, *, max_count: int = 6) -> tuple[int, ...]:
@@ -231,7 +233,7 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     left = time_limit_s - (time.perf_counter() - start)
-    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, left / 2), cuts_only=shape != (None, None))
+    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * left), cuts_only=shape != (None, None))
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
@@ -412,28 +414,31 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
             raise InvalidInputError(f"microbatch size {mb}", expected=f"a divisor of the global batch "
                                     f"{config.global_batch}", fix="pick sizes that divide the global batch")
     outcomes: list[_Outcome] = []
-    first_error: InfeasiblePlanError | None = None
-    jobs = [p for mb in sizes
-            for p in recompute.variants(problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)[0],
-                                        recompute_mode)]
+    errors: list[InfeasiblePlanError] = []
+    auto = recompute_mode == "auto"
+    # What totals rule out is set aside first, so the time is shared among the problems that can have plans.
+    jobs = _triaged([p for mb in sizes for p in recompute.variants(
+        problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)[0], recompute_mode)],
+        auto, outcomes, errors)
     for i, problem in enumerate(jobs):
         share = (time_limit_s - (time.perf_counter() - start)) / (len(jobs) - i)
         try:
             outcome = _solve_problem(problem, max(0.2, share), workers, f"M={problem.num_microbatches}", progress,
                                      gap_tolerance, (stages, replicas), warm_start)
         except InfeasiblePlanError as exc:
-            first_error = first_error or exc
-            outcome = _Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf,
-                               method="precheck", cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf)
+            errors.append(exc)
+            outcome = _ruled_out(problem)
         outcomes.append(outcome)
-        if outcome.placement is None and recompute_mode == "auto" and not problem.recompute:
-            jobs.append(recompute_problem(problem))  # nothing fits without recomputation: it may with it
+        if outcome.placement is None and auto and not problem.recompute:
+            # Nothing fits without recomputation: it may with it.
+            jobs += _triaged([recompute_problem(problem)], auto, outcomes, errors)
     found = [o for o in outcomes if o.placement is not None]
     if not found:
-        if first_error is not None:
-            return first_error
+        if errors:
+            return errors[0]
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
-    best = min(found, key=lambda o: o.program_ms)
+    best = _polished(min(found, key=lambda o: o.program_ms), time_limit_s - (time.perf_counter() - start),
+                     cuts_only=(stages, replicas) != (None, None))
     bound = min(o.valid_bound_ms for o in outcomes)  # bounds the compiled programs' cost at every M
     gap = (best.program_ms - bound) / best.program_ms if best.program_ms > 0 else 0.0
     status = "OPTIMAL" if gap <= gap_tolerance else "FEASIBLE"
@@ -444,6 +449,41 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                f", bound {o.valid_bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound "
                f"{o.bound_ms:.3f} ms, CP-SAT {o.cpsat_status}" for o in outcomes))
     return _to_solution(best, bound, notes, time.perf_counter() - start, "cpsat", status)
+
+
+def _polished(best: _Outcome, left_s: float, *, cuts_only: bool) -> _Outcome:
+    """``best`` hill-climbed further in the time the microbatch counts left unused (those ruled out or proven
+    early): each count's own hill-climb gets a small share, and the best count is where it pays."""
+    if left_s <= 0.1:
+        return best
+    placement, ms = polish(best.problem, best.placement, time_budget_s=left_s, cuts_only=cuts_only)
+    if ms >= best.program_ms:
+        return best
+    how = best.method if best.method.endswith("polished") else f"{best.method}, polished"
+    return dataclasses.replace(best, placement=placement, program_ms=ms, method=how,
+                               valid_bound_ms=min(best.valid_bound_ms, ms))
+
+
+def _ruled_out(problem: Problem) -> _Outcome:
+    return _Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf, method="precheck",
+                    cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf)
+
+
+def _triaged(problems: list[Problem], auto: bool, outcomes: list[_Outcome],
+             errors: list[InfeasiblePlanError]) -> list[Problem]:
+    """The problems ``explain.precheck`` passes; each one it rules out joins ``outcomes`` and ``errors`` (under
+    ``auto``, with its recomputing twin triaged in turn)."""
+    kept = []
+    for problem in problems:
+        try:
+            precheck(problem)
+            kept.append(problem)
+        except InfeasiblePlanError as exc:
+            errors.append(exc)
+            outcomes.append(_ruled_out(problem))
+            if auto and not problem.recompute:
+                kept += _triaged([recompute_problem(problem)], auto, outcomes, errors)
+    return kept
 
 
 def _quick_feasible(workers: int) -> Callable[[Problem], bool]:
