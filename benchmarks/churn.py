@@ -41,6 +41,10 @@ a failure strikes uniformly within a checkpoint interval, so C/2 steps are redon
 * checkpoint-restart (torchrun elastic): each failure costs detection + a W = 60 s wait for a replacement +
   reload and C/2 redone steps, all at the original plan's step;
 * no failures: T steps at the original step.
+Two more columns bound what recovery could buy: ``no_redo`` (Stagewise resuming from the surviving replicas'
+state with nothing redone: not built; it needs every lost stage kept by a replica) and ``ceiling``
+(failures that cost nothing: restart time over the no-failure time, the most any recovery can reach; where
+it is under 1.5x, the goal cannot be met against a 60 s wait).
 Checkpoint writes cost the same in both and are left out. Throughput = T x global batch / time (samples/s);
 ratios are the same in tokens. Detection and reload are the local run's (mean over the trials) for every
 plan; the re-plan time and the steps are each plan's own (simulated steps; the local row: measured steps).
@@ -48,13 +52,15 @@ plan; the re-plan time and the steps are each plan's own (simulated steps; the l
 Goals: re-plan <= 10 s at 176 devices; end-to-end recovery of the local run <= 30 s; under churn >= 1.5x
 the throughput of checkpoint-restart.
 
-Run: ``python benchmarks/churn.py [--quick] [--limit S] [--output PATH]``. Prints tables and writes
+Run: ``python benchmarks/churn.py [--quick] [--limit S] [--output PATH]`` (``--remodel``: part 3 again from
+the measurements in the results file). Prints tables and writes
 ``benchmarks/results/churn.json`` (``--quick``: the 8-device case, a short local run and nothing written
 unless ``--output`` is given). Wall times are noisy on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -93,6 +99,7 @@ class ChurnCase:
     reload_s: float          # new processes, rendezvous, checkpoint load (to the first resumed step)
     wait_s: float = WAIT_S   # a replacement device comes this long after a failure
     samples_per_step: int = 1
+    redone_share: float = 0.5  # of a checkpoint interval, redone per failure (0: a resume from surviving replicas)
 
     @property
     def failures(self) -> int:
@@ -102,7 +109,7 @@ class ChurnCase:
     @property
     def redone_steps(self) -> float:
         """Steps redone per failure: half a checkpoint interval on average."""
-        return self.checkpoint_every / 2
+        return self.checkpoint_every * self.redone_share
 
 
 def _after_failure_s(c: ChurnCase, steps: int, rejoin: bool) -> float:
@@ -144,9 +151,14 @@ def churn_row(c: ChurnCase) -> dict[str, Any]:
     times = {"stagewise_s": stagewise_s(c), "stagewise_no_rejoin_s": stagewise_s(c, rejoin=False),
              "restart_s": restart_s(c), "no_failure_s": steady_s(c)}
     rate = {k.removesuffix("_s") + "_samples_per_s": c.steps * c.samples_per_step / v for k, v in times.items()}
+    restart = times["restart_s"]
     return {**asdict(c), "failures_count": c.failures, **times, **rate,
-            "stagewise_vs_restart": times["restart_s"] / times["stagewise_s"],
-            "stagewise_vs_no_failure": times["no_failure_s"] / times["stagewise_s"]}
+            "stagewise_vs_restart": restart / times["stagewise_s"],
+            "stagewise_vs_no_failure": times["no_failure_s"] / times["stagewise_s"],
+            # Stagewise resuming without redoing steps (every lost stage kept by a surviving replica): not built.
+            "no_redo_vs_restart": restart / stagewise_s(dataclasses.replace(c, redone_share=0.0)),
+            # What any recovery could reach: failures that cost nothing at all.
+            "ceiling_vs_restart": restart / times["no_failure_s"]}
 
 
 # --------------------------------------------------------------------------- part 1: re-plan time
@@ -421,7 +433,37 @@ def _print_churn(row: dict[str, Any]) -> None:
           f"samples/s: stagewise {row['stagewise_samples_per_s']:9.2f}  restart {row['restart_samples_per_s']:9.2f}"
           f"  none {row['no_failure_samples_per_s']:9.2f}  (no rejoin {row['stagewise_no_rejoin_samples_per_s']:9.2f})"
           f"  stagewise/restart {row['stagewise_vs_restart']:5.2f}x  "
-          f"stagewise/none {row['stagewise_vs_no_failure']:5.2f}", flush=True)
+          f"stagewise/none {row['stagewise_vs_no_failure']:5.2f}  (no redo {row['no_redo_vs_restart']:5.2f}x, "
+          f"ceiling {row['ceiling_vs_restart']:5.2f}x)", flush=True)
+
+
+def _summary(replans, local, churn) -> dict[str, Any]:
+    r176 = next((r for r in replans if r["devices"] == 176), None)
+    return {"replan_176_wall_s": r176["replan"]["wall_s"] if r176 else None,
+            "local_recovery_mean_s": local["recovery_s"],
+            "local_recovery_max_s": max(t["recovery_s"] for t in local["trials"]),
+            "stagewise_vs_restart": {f"{r['plan']} N={r['every']}": r["stagewise_vs_restart"] for r in churn},
+            "ceiling_vs_restart": {f"{r['plan']} N={r['every']}": r["ceiling_vs_restart"] for r in churn}}
+
+
+def _write(out: Path, doc: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+                   + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+def _remodel(path: Path) -> int:
+    doc = json.loads(path.read_text())
+    doc["churn"] = churn_table(doc["replan"], doc["local"])
+    for row in doc["churn"]:
+        _print_churn(row)
+    doc["summary"] = _summary(doc["replan"], doc["local"], doc["churn"])
+    doc["model"] = __doc__.split("Part 3, ")[1].split("Goals:")[0].strip()
+    _write(path, doc)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2, help="local runs that lose a rank (default 2; each checks "
                     "the model's recovery figure with the others')")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--remodel", action="store_true", help="recompute part 3 from the measurements already in "
+                    "the results file (parts 1 and 2 are not rerun) and rewrite it")
     args = ap.parse_args(argv)
+    if args.remodel:
+        return _remodel(args.output or RESULTS)
     import torch
 
     from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
@@ -460,11 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     churn = churn_table(replans, local)
     for row in churn:
         _print_churn(row)
-    r176 = next((r for r in replans if r["devices"] == 176), None)
-    summary = {"replan_176_wall_s": r176["replan"]["wall_s"] if r176 else None,
-               "local_recovery_mean_s": local["recovery_s"],
-               "local_recovery_max_s": max(t["recovery_s"] for t in local["trials"]),
-               "stagewise_vs_restart": {f"{r['plan']} N={r['every']}": r["stagewise_vs_restart"] for r in churn}}
+    summary = _summary(replans, local, churn)
     print("== summary", json.dumps(summary), flush=True)
     out = args.output or (None if args.quick else RESULTS)
     if out is None:
@@ -476,12 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                        "load_average_at_end": os.getloadavg()},
            "note": "wall-clock times measured on a shared machine (other jobs running): noisy",
            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
-                   + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    _write(out, doc)
     return 0
 
 
