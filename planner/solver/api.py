@@ -1,7 +1,8 @@
 """Entry points: :func:`solve`, :func:`baseline`, :func:`solve_or_explain`.
 
 A solve, for each candidate microbatch count ``M`` (decomposition: ``M`` is
-fixed in an outer loop, the time split evenly):
+fixed in an outer loop, the time split evenly among the counts ``explain.precheck``
+does not rule out; what they leave unused hill-climbs the best count's plan, ``_polished``):
 
 1. builds the cost tables (``problem.build_problem``) and rejects what totals
    already rule out (``explain.precheck``);
