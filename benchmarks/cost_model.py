@@ -73,14 +73,9 @@ from cost_models.metis_profile import (  # noqa: E402
 )
 from cost_models.training import TrainingConfig  # noqa: E402
 from models.registry import build_model  # noqa: E402
-from planner.profiling.profile import (  # noqa: E402
-    UnitTiming,
-    measure_matmul_flops,
-    measure_memory_bandwidth,
-    model_chain,
-    pair_samples,
-    time_units,
-)
+from planner.profiling.profile import model_chain, pair_samples  # noqa: E402
+from planner.profiling.throughput import measure_matmul_flops, measure_memory_bandwidth  # noqa: E402
+from planner.profiling.units import UnitTiming, time_units  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
 # (model, batch, seq). Evaluation: gpt-small at a short shape and llama-tiny. Cross-shape

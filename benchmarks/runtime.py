@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         link = local_link(first)
         out["local_link"] = link
         from cost_models.measured import load_message_cost, load_sharing
-        from planner.profiling.profile import measure_core_sharing
+        from planner.profiling.sharing import measure_core_sharing
         sharing = load_sharing(first)
         previous = measure_core_sharing(model=MODEL, batch=MICROBATCH, seq=SEQ, processes=2 * cores,
                                         window_s=sharing.window_s, rounds=sharing.rounds, microbatches=1)

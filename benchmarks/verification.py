@@ -65,7 +65,7 @@ from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.verifier import Verifier, blame
-from planner.runtime.worker import make_lr_warmup
+from planner.runtime.rank_setup import make_lr_warmup
 from planner.simulate import predict
 from planner.verifier_config import VerifierConfig
 

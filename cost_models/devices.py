@@ -8,7 +8,7 @@ tensor-core half precision reaches a far smaller fraction of its peak than
 FP32 does. Catalog entries carry vendor datasheet figures and typical
 efficiencies; a profile JSON written by ``stagewise profile`` carries figures
 measured on this machine and an efficiency fitted to measured block times (see
-``planner/profiling/profile.py``); a Metis profile calibrates one dtype
+``planner/profiling/``); a Metis profile calibrates one dtype
 (``cost_models/metis_profile.py``).
 
 The catalog's figures, with their datasheet sources and conventions (dense

@@ -8,7 +8,7 @@
   (:func:`sharing_speeds`);
 - :func:`load_sharing` / :func:`load_message_cost`: those tables from a profile document.
 
-Nothing here times hardware (``planner.profiling.profile`` alone does); the simulator and the CLI use these
+Nothing here times hardware (``planner.profiling`` alone does); the simulator and the CLI use these
 values without importing the measuring code.
 """
 from __future__ import annotations

@@ -11,12 +11,8 @@ from models.registry import PRESETS
 from planner.commands._common import add_shape_arguments, check_positive
 from planner.errors import InvalidInputError
 from planner.outputs import check_writable
-from planner.profiling.profile import (
-    STATISTICS,
-    ProfileSettings,
-    profile_device,
-    write_profile,
-)
+from planner.profiling.clocks import STATISTICS
+from planner.profiling.profile import ProfileSettings, profile_device, write_profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

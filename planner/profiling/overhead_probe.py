@@ -1,6 +1,6 @@
 """Executor probe: the CPU time the runtime's own executor costs per message and per pass, beyond the passes.
 
-Run by ``planner.profiling.profile.measure_executor`` (cost models may not import
+Run by ``planner.profiling.probes.measure_executor`` (cost models may not import
 ``planner.runtime``)::
 
     python -m planner.profiling.overhead_probe --model gpt-tiny --batch 2 --seq 32 --microbatches 4 --steps 6

@@ -49,7 +49,8 @@ from planner.runtime.options import (
     is_factory_spec,
     refuse_onnx_model,
 )
-from planner.runtime.worker import STOP_ENV, check_model
+from planner.runtime.rank_checkpoint import STOP_ENV
+from planner.runtime.rank_setup import check_model
 from planner.secret import run_secret
 
 _KILL_GRACE_S = 5.0

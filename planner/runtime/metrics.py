@@ -12,7 +12,7 @@ all of their work; 0 where that does not hold): beside ``compute_ms`` it shows
 how much of the compute's wall time the rank spent descheduled. Likewise
 ``thread_cpu_ms`` (the executing thread's CPU time over the step) and the
 ``*_cpu_ms`` of waits, posting, verification and the optimizer: ``own_cpu_ms``,
-what is left, is the executor's own CPU time (``planner.profiling.profile``'s
+what is left, is the executor's own CPU time (``planner.profiling.probes``'s
 executor probe prices it per message). The numbers travel to rank 0
 as one small float64 tensor per step (a point-to-point send, so collecting
 them never synchronises the pipeline), and rank 0 writes one JSON line per

@@ -1,6 +1,6 @@
 """Point-to-point probe: ping-pong between two processes over torch.distributed.
 
-Run once per rank by ``planner.profiling.profile.measure_p2p`` (cost models may not
+Run once per rank by ``planner.profiling.probes.measure_p2p`` (cost models may not
 import ``torch.distributed``; only ``planner/runtime`` does)::
 
     python -m planner.runtime.p2p_probe --rank R --world-size 2 \\

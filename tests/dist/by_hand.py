@@ -11,7 +11,7 @@ from models.registry import build_model, loss_fn
 from planner.runtime import checkpoint, elastic
 from planner.runtime.launch import launch
 from planner.runtime.data import make_source
-from planner.runtime.worker import make_optimizer
+from planner.runtime.rank_setup import make_optimizer
 
 
 def from_checkpoint_by_hand(root, step: int, plan, steps: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ thread each), measured by the profile's own entry point (a subprocess), priced i
 from __future__ import annotations
 
 from cost_models.measured import MessageCost, with_executor_cost
-from planner.profiling.profile import measure_executor
+from planner.profiling.probes import measure_executor
 
 
 def test_the_probe_runs_a_tiny_plan_and_reports_positive_executor_cpu():

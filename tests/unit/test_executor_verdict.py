@@ -1,5 +1,5 @@
 """Deferred verdicts: a backward held apart from the accumulated gradients, then merged or dropped,
-leaves exactly the gradients of waiting for the verdict first (planner.runtime.executor.merge_grads)."""
+leaves exactly the gradients of waiting for the verdict first (planner.runtime.deferred.merge_grads)."""
 from __future__ import annotations
 
 import pytest

@@ -12,15 +12,14 @@ from cost_models.devices import PROFILE_SCHEMA, DeviceSpec, get_device_spec
 from cost_models.measured import BlockSample, fit_calibration, fit_p2p
 from planner.errors import InvalidInputError
 from planner.ir import Block
-from planner.profiling.profile import (
-    ProfileSettings,
+from planner.profiling.clocks import summarize_ms
+from planner.profiling.profile import ProfileSettings, write_profile
+from planner.profiling.throughput import (
     measure_matmul_flops,
     measure_memory_bandwidth,
     measure_optimizer_op_ms,
-    summarize_ms,
-    time_units,
-    write_profile,
 )
+from planner.profiling.units import time_units
 from tests.unit.toy_models import ToyLM
 
 torch.set_num_threads(1)
@@ -200,7 +199,7 @@ def test_sharing_speeds_are_per_round_ratios_capped_and_non_increasing() -> None
 @pytest.mark.slow
 def test_measure_core_sharing_runs_processes_at_once() -> None:
     from cost_models.measured import load_sharing
-    from planner.profiling.profile import measure_core_sharing
+    from planner.profiling.sharing import measure_core_sharing
 
     table = measure_core_sharing(model="gpt-tiny", batch=1, seq=16, processes=2, window_s=0.3, rounds=1,
                                  microbatches=2)

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 import planner.profiling.profile as prof
+import planner.profiling.units as units
 from cost_models.devices import DeviceSpec
 from cost_models.measured import Calibration
 from planner.errors import InvalidInputError
-from planner.profiling.profile import EVICT_BYTES, ProfileSettings, time_units
+from planner.profiling.profile import EVICT_BYTES, ProfileSettings
+from planner.profiling.units import time_units
 from tests.unit.toy_models import ToyLM
 
 torch.set_num_threads(1)
@@ -28,8 +30,8 @@ def _record(model: nn.Module, monkeypatch: pytest.MonkeyPatch, events: list[str]
         return (lambda: events.append("sweep")) if evict_bytes > 0 else (lambda: None)
 
     ticks = iter(range(10**6))
-    monkeypatch.setattr(prof, "_sweeper", sweeper)
-    monkeypatch.setattr(prof, "_clock", lambda clock: lambda: events.append("tick") or float(next(ticks)))
+    monkeypatch.setattr(units, "_sweeper", sweeper)
+    monkeypatch.setattr(units, "clock_reader", lambda clock: lambda: events.append("tick") or float(next(ticks)))
 
     def on_forward(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
         events.append("fwd")
@@ -73,8 +75,8 @@ def test_the_real_sweeper_sweeps_a_buffer_of_the_size_asked() -> None:
 
     torch.ones, saved = ones, torch.ones
     try:
-        sweep = prof._sweeper(1 << 20, torch.device("cpu"))
-        none = prof._sweeper(0, torch.device("cpu"))
+        sweep = units._sweeper(1 << 20, torch.device("cpu"))
+        none = units._sweeper(0, torch.device("cpu"))
     finally:
         torch.ones = saved
     assert allocated == [(1 << 20) // 4]  # float32 elements; nothing for 0

@@ -51,7 +51,7 @@ def test_bad_options_are_refused(bad):
 def test_lr_warmup_raises_the_rate_linearly_then_holds_it():
     import torch
 
-    from planner.runtime.worker import make_lr_warmup
+    from planner.runtime.rank_setup import make_lr_warmup
 
     opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.4)
     warmup = make_lr_warmup(opt, 4)
