@@ -20,7 +20,8 @@ Clean runs (no attacker) report, per run: steps, checks, flags (per microbatch a
 microbatches, blamed (step, sender) pairs, bans, and the per-sample false-positive rate (microbatch
 flags / checks; goal <= 0.1% and nobody banned). Attack runs (``ATTACKS``) report the attacker's ban
 step relative to the attack's start (goal: within 10 steps, no honest rank banned) and the precision,
-recall and F1 of the dropped microbatches against the attacked ones (the attacker's log); a run stops
+recall and F1 of the dropped microbatches against the attacked ones (the attacker's log), and over
+(step, sender) pairs as ``verification.py`` scores the emulation (blamed against attacked); a run stops
 at a ban, so both count up to the ban step. Where an honest rank is banned or the attacker is not, the
 row keeps the flag events around it (boundary, direction, reasons, upstream).
 
@@ -335,6 +336,23 @@ def _events_of_interest(report: dict[str, Any], row: dict[str, Any], attack: str
             if any(lo <= e["step"] <= hi for lo, hi in windows)][:EVENTS_KEPT]
 
 
+def pair_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """Precision, recall and F1 over (step, sender) pairs, as ``verification.py`` scores the emulation: the
+    attacked pairs are the attacker's steps from its first attacked one to the run's end (a run stops at a
+    ban), the predicted ones every (step, sender) the verifiers blamed in the run, before the attack too."""
+    first, attacker = row.get("first_attacked_step"), row.get("attacker")
+    if first is None or attacker is None:
+        return {"pair_precision": None, "pair_recall": None, "pair_f1": None, "goal_pair_f1": False}
+    positives = {(s, attacker) for s in range(first, row["steps_run"])}
+    predicted = {(s, int(who)) for who, steps in row["blamed_steps"].items() for s in steps}
+    hit = len(positives & predicted)
+    precision = hit / len(predicted) if predicted else None
+    recall = hit / len(positives) if positives else None
+    f1 = 2 * hit / (len(positives) + len(predicted)) if positives or predicted else None
+    return {"pair_precision": _r(precision), "pair_recall": _r(recall), "pair_f1": _r(f1),
+            "goal_pair_f1": f1 is not None and f1 >= F1_GOAL}
+
+
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -386,6 +404,8 @@ def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None
     ok = [r for r in data["rows"] if "error" not in r]
     clean = [r for r in ok if r["attack"] == "none"]
     attacks = [r for r in ok if r["attack"] != "none"]
+    for r in attacks:
+        r.update(pair_metrics(r))
     data["summary"] = {
         "clean_runs": len(clean), "clean_checks": sum(r["checks"] for r in clean),
         "clean_flags_microbatch": sum(r["flags_microbatch"] for r in clean),
@@ -394,6 +414,7 @@ def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None
         "clean_goal_met": sum(r["goal"] for r in clean),
         "attack_runs": len(attacks), "attack_goal_met": sum(r["goal"] for r in attacks),
         "attack_f1_goal_met": sum(r["goal_f1"] for r in attacks),
+        "attack_pair_f1_goal_met": sum(r["goal_pair_f1"] for r in attacks),
         "attacks_missed": [(r["shape"], r["seed"], r["attack"]) for r in attacks if not r["goal"]],
         "errors": [(r["shape"], r["seed"], r["attack"]) for r in data["rows"] if "error" in r]}
     data["setup"] = {"cluster": str(CLUSTER.relative_to(ROOT)), "model": "gpt-tiny", "lr": LR,
