@@ -8,7 +8,9 @@ incomplete and never read. Files are written atomically (``planner.outputs``)
 in a format that runs no code when read (safetensors). Because tensors are keyed
 by parameter name, a checkpoint resumes any stage layout of the same model: a
 rank reads the names it needs from whichever rank's file holds them. The step is
-the data position too (each step's batches are a function of the step).
+the data position too (each step's batches are a function of the step). A checkpoint that the
+survivors of a failure left (:mod:`planner.runtime.survivors`) lists in its manifest the ranks whose
+files make it (``ranks``); one without that key has a file from each of its ``num_ranks`` ranks.
 Only the ``KEEP`` newest complete checkpoints stay, and while a verifier's flag on some sender is
 unresolved, also the last clean one: the newest taken before that sender's first flagged step
 (:func:`prunable`), which is where a run resumes if the sender gets banned. When a ban stops a run,
@@ -53,6 +55,17 @@ def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
               params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
               state: dict | None = None) -> Path:
     """Write this rank's file of the checkpoint after ``step`` (its optimizer update included)."""
+    path = step_folder(root, step) / f"rank{rank}.safetensors"
+    write_rank_file(path, step=step, rank=rank, fingerprint=fingerprint, params=params, optimizer=optimizer,
+                    state=state, rng=torch.get_rng_state())
+    return path
+
+
+def write_rank_file(path: str | Path, *, step: int, rank: int, fingerprint: str,
+                    params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                    state: dict | None, rng: torch.Tensor) -> None:
+    """One rank file (atomically): ``params``, their optimizer state by name, the CPU RNG state ``rng``;
+    the step, rank, model fingerprint and ``state`` (JSON) as metadata."""
     tensors = {f"param/{n}": p.detach().cpu().contiguous() for n, p in params.items()}
     if optimizer is not None:
         name_of = {id(p): n for n, p in params.items()}
@@ -60,24 +73,27 @@ def save_rank(root: str | Path, *, step: int, rank: int, fingerprint: str,
             for key, value in per_param.items():
                 if torch.is_tensor(value):
                     tensors[f"optim/{name_of[id(p)]}/{key}"] = value.detach().cpu().contiguous()
-    tensors["rng/cpu"] = torch.get_rng_state()
+    tensors["rng/cpu"] = rng
     meta = {"step": str(step), "rank": str(rank), "fingerprint": fingerprint, "state": json.dumps(state or {})}
-    path = step_folder(root, step) / f"rank{rank}.safetensors"
     with atomic_file(path, binary=True) as fh:
         fh.write(save_tensors(tensors, metadata=meta))
-    return path
 
 
 def complete(root: str | Path, *, step: int, num_ranks: int, fingerprint: str,
-             keep_before: int | None = None) -> None:
+             keep_before: int | None = None, ranks: Sequence[int] | None = None) -> None:
     """Rank 0, once every rank has written: mark the checkpoint complete, then prune older ones
-    (``keep_before``: the earliest first flagged step of an unresolved flag, see :func:`prunable`)."""
+    (``keep_before``: the earliest first flagged step of an unresolved flag, see :func:`prunable`).
+    ``ranks``: the ranks whose files make the checkpoint when not all ``num_ranks`` wrote one (the
+    survivors of a failure, :mod:`planner.runtime.survivors`); the manifest lists them."""
     folder = step_folder(root, step)
-    missing = [r for r in range(num_ranks) if not (folder / f"rank{r}.safetensors").is_file()]
+    listed = sorted(ranks) if ranks is not None else list(range(num_ranks))
+    missing = [r for r in listed if not (folder / f"rank{r}.safetensors").is_file()]
     if missing:
-        raise InvalidInputError(f"checkpoint {folder}", expected=f"a file from each of {num_ranks} ranks",
+        raise InvalidInputError(f"checkpoint {folder}", expected=f"a file from each of ranks {listed}",
                                 found=f"none from ranks {missing}", fix="check that every rank shares the folder")
-    manifest = {"step": step, "num_ranks": num_ranks, "fingerprint": fingerprint}
+    manifest: dict = {"step": step, "num_ranks": num_ranks, "fingerprint": fingerprint}
+    if ranks is not None:
+        manifest["ranks"] = listed
     with atomic_file(folder / MANIFEST) as fh:
         json.dump(manifest, fh)
     for old in prunable(complete_steps(root), keep_before=keep_before):
@@ -143,8 +159,9 @@ def rank_files(root: str | Path, *, step: int) -> list[Path]:
     """The rank files of the complete checkpoint after ``step``, as its manifest lists them (the run's
     own files only, never a stray one in the folder)."""
     folder = step_folder(root, step)
-    num_ranks = int(json.loads((folder / MANIFEST).read_text())["num_ranks"])
-    return [folder / f"rank{r}.safetensors" for r in range(num_ranks)]
+    manifest = json.loads((folder / MANIFEST).read_text())
+    listed = manifest["ranks"] if "ranks" in manifest else range(int(manifest["num_ranks"]))  # older: every rank
+    return [folder / f"rank{int(r)}.safetensors" for r in listed]
 
 
 def read_params(root: str | Path, *, step: int, names: Collection[str]) -> dict[str, torch.Tensor]:

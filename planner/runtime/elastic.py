@@ -5,7 +5,9 @@ the run (:class:`planner.runtime.launch.RunFailure`). Here that rank's host is e
 plans again on the hosts that are left (``planner.api.replan``: a fresh solve under the same time
 limit, warm-started from the old plan, the reason recorded, the plan signed), and the run resumes on the
 new plan from the newest complete checkpoint, re-sharded by parameter name onto the new stages, so no
-finished step is lost.
+finished step is lost. Before it re-plans, the launcher makes the state the surviving ranks left (their
+last completed step) that newest checkpoint when it is whole and newer (:mod:`planner.runtime.survivors`):
+then no step is redone; else it discards it and says why in the run's history.
 
 A ban (:class:`planner.runtime.launch.RunBanned`) is handled the same way, except that the run
 resumes from the last clean checkpoint: the newest one taken before the banned sender's first
@@ -49,7 +51,7 @@ from planner.api import replan
 from planner.errors import InvalidInputError, PlannerError
 from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
-from planner.runtime import checkpoint, joins
+from planner.runtime import checkpoint, joins, survivors
 from planner.runtime.bans import describe
 from planner.runtime.launch import RunBanned, RunFailure, launch
 from planner.runtime.options import RunOptions
@@ -77,6 +79,7 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
     clock = _FirstStep(on_event)
     while True:
         watcher = joins.JoinWatcher(folder=folder, plan=load_plan(opts.plan), key=key, rejected=rejected)
+        survivors.clear(opts.checkpoint_dir)  # an earlier leg's survivor files are no state of this one
         try:
             result = launch(opts, on_event=clock, log_dir=log_dir, stop_at_checkpoint=watcher.waiting)
         except RunBanned as banned:
@@ -84,11 +87,16 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
                 raise
             opts = _replan(opts, key, replans, _ban_event(opts, banned), time_limit_s)
         except RunFailure as failure:
+            old = load_plan(opts.plan)
+            kept = survivors.settle(opts.checkpoint_dir, old)  # before the check: it may be the only checkpoint
+            said = f"{kept.why}: resuming from it" if kept.step is not None else \
+                f"survivor checkpoint discarded: {kept.why}"
+            print(f"stagewise run: {said}", file=sys.stderr, flush=True)
             if _recoveries(replans) >= max_replans or not checkpoint.complete_steps(opts.checkpoint_dir):
                 raise
-            host = load_plan(opts.plan).ranks[failure.rank].host
-            opts = _replan(opts, key, replans, {"after": failure.what, "excluded": host, "event": "failure"},
-                           time_limit_s)
+            event = {"after": failure.what, "excluded": old.ranks[failure.rank].host, "event": "failure",
+                     **kept.entry()}
+            opts = _replan(opts, key, replans, event, time_limit_s)
         else:
             if result.get("stopped_at_checkpoint") is None:
                 return _summary(opts, result, replans, watcher)
@@ -108,7 +116,7 @@ def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, A
     joined = [r for r in replans if r["event"] == "join"]
     if recovered:
         result["recovered"] = "; ".join(f"{r['after']} -> re-planned without {r['excluded']}, resumed after step "
-                                        f"{r['resumed_after_step']}" for r in recovered)
+                                        f"{r['resumed_after_step']}{_source(r)}" for r in recovered)
     if joined:
         result["joined"] = "; ".join(f"{r['after']} -> re-planned with {', '.join(r['joined'])}, resumed after "
                                      f"step {r['resumed_after_step']}" for r in joined)
@@ -120,6 +128,15 @@ def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, A
     if opts.report and (replans or waiting or watcher.rejected):  # rank 0 wrote the last leg's report only
         write_atomic(opts.report, json.dumps(result, indent=1, default=str) + "\n")
     return result
+
+
+def _source(entry: dict[str, Any]) -> str:
+    """Where a recovery's state came from, when the survivors of a failure had a say."""
+    if "survivors" in entry:
+        return f" from the survivors' state ({entry['survivors_note']})"
+    if "survivors_discarded" in entry:
+        return f" from its newest checkpoint (survivor checkpoint discarded: {entry['survivors_discarded']})"
+    return ""
 
 
 def _ban_event(opts: RunOptions, banned: RunBanned) -> dict[str, Any]:

@@ -40,6 +40,16 @@ def resume_step(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None
     return step + 1
 
 
+def rank_state(plan, verify: VerifyHooks | None, executor: Executor) -> dict[str, Any]:
+    """What a checkpoint keeps of a rank beside its tensors (a survivor's file too)."""
+    state: dict[str, Any] = {"layout": rank_layout(plan), "untrained_steps": list(executor.untrained_steps)}
+    if verify is not None and verify.verifier is not None:
+        state["bans"] = verify.verifier.bans_state()
+    if executor.scaler is not None:
+        state["loss_scale"] = executor.scaler.state()
+    return state
+
+
 STOP_ENV = "STAGEWISE_STOP_FILE"  # set by the local launcher: the file whose presence asks the ranks to stop
 
 
@@ -53,13 +63,8 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
         return False
     params = dict(stage.parameters()) if stage is not None else {}
-    state: dict[str, Any] = {"layout": rank_layout(plan), "untrained_steps": list(executor.untrained_steps)}
-    if verify is not None and verify.verifier is not None:
-        state["bans"] = verify.verifier.bans_state()
-    if executor.scaler is not None:
-        state["loss_scale"] = executor.scaler.state()
     checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
-                         params=params, optimizer=optimizer, state=state)
+                         params=params, optimizer=optimizer, state=rank_state(plan, verify, executor))
     asked = os.environ.get(STOP_ENV)
     votes = torch.tensor([1.0 if asked and os.path.exists(asked) else 0.0], device=executor.device)
     comm.all_reduce_sum(votes, group=None, ranks=range(env.world_size),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
-from planner.runtime import checkpoint, hosts, torchrun_elastic
+from planner.runtime import checkpoint, hosts, survivors, torchrun_elastic
 from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
@@ -39,7 +39,7 @@ from planner.runtime.metrics import (
 )
 from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
 from planner.runtime.progress import MetricsCollector, Progress
-from planner.runtime.rank_checkpoint import resume_step, save_checkpoint
+from planner.runtime.rank_checkpoint import rank_state, resume_step, save_checkpoint
 from planner.runtime.rank_setup import (
     RankEnv,
     RankSetup,
@@ -145,21 +145,31 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     last_end, last_cpu = time.perf_counter(), time.process_time()
     bans: list[BanNotice] = []
     stopped = False
-    for step in range(first, opts.steps):
-        _inject_fault(opts.fault, env.rank, step)
-        metrics = executor.run_step(step, last_end, last_cpu)
-        if warmup is not None:
-            warmup.step()  # the next step's rate; the scheduler is a few float operations
-        # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
-        bans = sorted(executor.bans.values(), key=lambda n: n.rank)
-        stopped = not bans and save_checkpoint(plan, opts, env, stage, optimizer, verify, executor, step) \
-            and step < opts.steps - 1
-        last_end, last_cpu = time.perf_counter(), time.process_time()
-        publish(collector.submit(metrics))
-        if rank0_report is not None:
-            rank0_report(False)
-        if bans or stopped:
-            break
+    tracker = survivors.Tracker(executor, first=first)
+    try:
+        for step in range(first, opts.steps):
+            _inject_fault(opts.fault, env.rank, step)
+            metrics = executor.run_step(step, last_end, last_cpu)
+            tracker.completed(step)
+            if warmup is not None:
+                warmup.step()  # the next step's rate; the scheduler is a few float operations
+            # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
+            bans = sorted(executor.bans.values(), key=lambda n: n.rank)
+            stopped = not bans and save_checkpoint(plan, opts, env, stage, optimizer, verify, executor, step) \
+                and step < opts.steps - 1
+            last_end, last_cpu = time.perf_counter(), time.process_time()
+            publish(collector.submit(metrics))
+            if rank0_report is not None:
+                rank0_report(False)
+            if bans or stopped:
+                break
+    except RankFailureError:  # a peer died or hung: leave this rank's state, so the resume redoes nothing
+        if opts.checkpoint_dir is not None:
+            survivors.leave(opts.checkpoint_dir, tracker, rank=env.rank, fingerprint=plan.model.fingerprint,
+                            params=dict(stage.parameters()) if stage is not None else {},
+                            state=rank_state(plan, verify, executor),
+                            keep_before=min(executor.unresolved.values(), default=None))
+        raise
     publish(collector.finish())
     writer.close()
     final = rank_final(env, executor, emulation, verify, attacks)
