@@ -81,7 +81,9 @@ def leave(root: str | Path, tracker: Tracker, *, rank: int, fingerprint: str, pa
     failure is what the rank reports."""
     folder = Path(root) / FOLDER
     note: dict[str, Any] = {"rank": rank, "step": None, "why": "", "keep_before": keep_before}
+    own = folder / f"rank{rank}.safetensors"
     try:
+        own.unlink(missing_ok=True)  # only what this call writes speaks for the rank
         if tracker.updating:
             note["why"] = f"rank {rank} had begun step {tracker.done + 1}'s optimizer update"
         elif tracker.done < tracker.first:
@@ -90,7 +92,7 @@ def leave(root: str | Path, tracker: Tracker, *, rank: int, fingerprint: str, pa
             kept = {**state, "untrained_steps": tracker.untrained}
             if tracker.loss_scale is not None:
                 kept["loss_scale"] = tracker.loss_scale
-            checkpoint.write_rank_file(folder / f"rank{rank}.safetensors", step=tracker.done, rank=rank,
+            checkpoint.write_rank_file(own, step=tracker.done, rank=rank,
                                        fingerprint=fingerprint, params=params, optimizer=tracker.executor.optimizer,
                                        state=kept, rng=tracker.rng)
             note["step"] = tracker.done
