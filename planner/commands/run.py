@@ -19,7 +19,7 @@ from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.data import check_data_file
-from planner.runtime.elastic import launch_replanning
+from planner.runtime.elastic import launch_replanning, resumed_from
 from planner.runtime.launch import launch
 from planner.runtime.options import add_run_arguments, options_from_args
 from planner.runtime.weights_out import launch_saving_weights
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{r['plan']} ({r['ranks']} ranks, resumed {start})")
         else:
             console.print(f"recovered: re-planned without host {r['excluded']} after: {r['after']} -> {r['plan']} "
-                          f"({r['ranks']} ranks, resumed {start})")
+                          f"({r['ranks']} ranks, resumed {start}{resumed_from(r)})")
     for r in result.get("joins_rejected", ()):
         console.print(f"join request rejected: {r['file']}: {r['error']}")
     for path in result.get("joins_waiting", ()):

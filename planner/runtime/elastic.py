@@ -88,7 +88,7 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
             opts = _replan(opts, key, replans, _ban_event(opts, banned), time_limit_s)
         except RunFailure as failure:
             old = load_plan(opts.plan)
-            kept = survivors.settle(opts.checkpoint_dir, old)  # before the check: it may be the only checkpoint
+            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1)  # before the check: it may be the only checkpoint
             said = f"{kept.why}: resuming from it" if kept.step is not None else \
                 f"survivor checkpoint discarded: {kept.why}"
             print(f"stagewise run: {said}", file=sys.stderr, flush=True)
@@ -116,7 +116,7 @@ def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, A
     joined = [r for r in replans if r["event"] == "join"]
     if recovered:
         result["recovered"] = "; ".join(f"{r['after']} -> re-planned without {r['excluded']}, resumed after step "
-                                        f"{r['resumed_after_step']}{_source(r)}" for r in recovered)
+                                        f"{r['resumed_after_step']}{resumed_from(r)}" for r in recovered)
     if joined:
         result["joined"] = "; ".join(f"{r['after']} -> re-planned with {', '.join(r['joined'])}, resumed after "
                                      f"step {r['resumed_after_step']}" for r in joined)
@@ -130,7 +130,7 @@ def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, A
     return result
 
 
-def _source(entry: dict[str, Any]) -> str:
+def resumed_from(entry: dict[str, Any]) -> str:
     """Where a recovery's state came from, when the survivors of a failure had a say."""
     if "survivors" in entry:
         return f" from the survivors' state ({entry['survivors_note']})"

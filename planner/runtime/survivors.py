@@ -129,10 +129,10 @@ class Decision:
 
 
 def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_stages: int,
-           newest: int | None) -> Decision:
+           newest: int | None, last_step: int) -> Decision:
     """Whether the survivors' files make a checkpoint to resume from (the module docstring's a, b, c).
     ``stage_of``: the old plan's stage of each rank (None: a verifier); ``newest``: the newest complete
-    checkpoint's step (None: there is none)."""
+    checkpoint's step (None: there is none); ``last_step``: the run's last (a resume needs a step left)."""
     wrote = sorted((n for n in notes if n.step is not None), key=lambda n: n.rank)
     declined = "".join(f"; {n.why}" for n in notes if n.step is None and n.why)
     if not wrote:
@@ -151,6 +151,9 @@ def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_sta
     if newest is not None and step <= newest:
         return Decision(step=None, why=f"the survivors' step {step} is no newer than the newest checkpoint "
                                        f"(step {newest})")
+    if step >= last_step:
+        return Decision(step=None, why=f"the survivors had finished the last step ({step}): a resume needs one "
+                                       "left to run")
     ranks = tuple(n.rank for n in wrote)
     verifiers = [r for r, k in sorted(stage_of.items()) if k is None and r not in ranks]
     fresh = f"; verifier rank{'s' if len(verifiers) > 1 else ''} {', '.join(map(str, verifiers))} left no " \
@@ -199,14 +202,15 @@ def _file_matches(path: Path, note: Note, fingerprint: str) -> bool:
                                                                            fingerprint)
 
 
-def settle(root: str | Path, plan: "Plan") -> Decision:
-    """After a failure of a run on ``plan``: mark the survivor checkpoint complete when :func:`decide`
-    accepts it, else discard it; the survivors' folder is gone afterwards."""
+def settle(root: str | Path, plan: "Plan", *, last_step: int) -> Decision:
+    """After a failure of a run on ``plan`` (whose last step is ``last_step``): mark the survivor
+    checkpoint complete when :func:`decide` accepts it, else discard it; the survivors' folder is gone
+    afterwards."""
     fingerprint = plan.model.fingerprint
     notes = read_notes(root, num_ranks=plan.num_ranks, fingerprint=fingerprint)
     done = checkpoint.complete_steps(root)
     decision = decide(notes, stage_of={r.rank: r.stage for r in plan.ranks}, num_stages=plan.num_stages,
-                      newest=done[-1] if done else None)
+                      newest=done[-1] if done else None, last_step=last_step)
     if decision.step is not None:
         target = checkpoint.step_folder(root, decision.step)
         target.mkdir(parents=True, exist_ok=True)

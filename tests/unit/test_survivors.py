@@ -14,7 +14,7 @@ STAGE_OF = {0: 0, 1: 0, 2: 1, 3: None}  # two replicas of stage 0, one of stage 
 
 
 def _decide(*notes: Note, newest: int | None = 9):
-    return decide(notes, stage_of=STAGE_OF, num_stages=2, newest=newest)
+    return decide(notes, stage_of=STAGE_OF, num_stages=2, newest=newest, last_step=15)
 
 
 def test_the_survivors_state_is_taken_when_the_steps_agree_every_stage_is_covered_and_it_is_newer():
@@ -44,6 +44,8 @@ def test_anything_less_falls_back_to_the_newest_checkpoint_and_says_why():
     stale = _decide(Note(rank=0, step=9), Note(rank=2, step=9))
     assert stale.step is None and stale.why == "the survivors' step 9 is no newer than the newest checkpoint (step 9)"
     assert _decide().why == "no surviving rank left its state"
+    done = _decide(Note(rank=0, step=15), Note(rank=2, step=15))     # nothing left to resume
+    assert done.step is None and done.why.startswith("the survivors had finished the last step (15)")
 
 
 def _rank(tmp_path, rank: int, *, value: float, steps: int, first: int = 0, fingerprint: str = "f"):
@@ -72,7 +74,7 @@ def test_settled_survivor_files_resume_as_a_checkpoint_listing_only_their_ranks(
     w1, _, _ = _rank(tmp_path, 1, value=2.0, steps=4)
     note = json.loads((tmp_path / survivors.FOLDER / "rank0.json").read_text())
     assert note == {"rank": 0, "step": 3, "why": "", "keep_before": None}
-    got = survivors.settle(tmp_path, _plan([0, 1, 1]))              # rank 2 (a twin of rank 1) died
+    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9)              # rank 2 (a twin of rank 1) died
     assert (got.step, got.ranks) == (3, (0, 1))
     assert checkpoint.complete_steps(tmp_path) == [3]
     assert [p.name for p in checkpoint.rank_files(tmp_path, step=3)] == ["rank0.safetensors", "rank1.safetensors"]
@@ -104,7 +106,7 @@ def test_a_note_that_does_not_match_its_file_or_the_model_counts_as_none(tmp_pat
     notes = survivors.read_notes(tmp_path, num_ranks=3, fingerprint="f")
     assert notes == [Note(rank=0, step=2), Note(rank=1, step=None, why="rank 1's file does not match its note"),
                      Note(rank=2, step=None, why="rank 2's note is unreadable")]
-    got = survivors.settle(tmp_path, _plan([0, 1, 1]))
+    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9)
     assert got.step is None and got.why.startswith("stage 1 left no survivor file")
     assert checkpoint.complete_steps(tmp_path) == [] and not (tmp_path / survivors.FOLDER).exists()
 
