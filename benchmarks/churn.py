@@ -27,7 +27,11 @@ and the launcher naming the root cause); reload = re-plan ends -> first resumed 
 step's own period (process start, rendezvous, checkpoint load and re-sharding). The same plan also runs
 once without a failure (its step time), and the run with a failure is repeated (``--trials``, 2): each
 run's wall time from rank 0's first step event to its last is predicted from the steps and the other
-runs' recovery, a check of the model's recovery figure on a real churn run.
+runs' recovery, a check of the model's recovery figure on a real churn run. ``--survivors`` runs only a
+variant (added to the results file as ``local_survivors``): the same model and batch on a hand-made plan whose
+middle stage has two replicas, losing a replica (the survivors' state is whole: the resume redoes nothing)
+or the last stage's only rank (it is not: the checkpoint is used); per run, the steps redone (the newest step
+a survivor had completed less the step resumed after) beside the same timings.
 
 Part 3, throughput under churn: a model computed from the measured pieces (``ChurnCase``; tested by
 ``tests/unit/test_churn_model.py``). A run of T steps loses a worker every N steps; checkpoints every C steps;
@@ -42,7 +46,8 @@ a failure strikes uniformly within a checkpoint interval, so C/2 steps are redon
   reload and C/2 redone steps, all at the original plan's step;
 * no failures: T steps at the original step.
 Two more columns bound what recovery could buy: ``no_redo`` (Stagewise resuming from the surviving replicas'
-state with nothing redone: not built; it needs every lost stage kept by a replica) and ``ceiling``
+state with nothing redone: ``planner.runtime.survivors``; it needs every lost stage kept by a replica and
+the survivors stopped after the same step) and ``ceiling``
 (failures that cost nothing: restart time over the no-failure time, the most any recovery can reach; where
 it is under 1.5x, the goal cannot be met against a 60 s wait).
 Checkpoint writes cost the same in both and are left out. Throughput = T x global batch / time (samples/s);
@@ -155,7 +160,7 @@ def churn_row(c: ChurnCase) -> dict[str, Any]:
     return {**asdict(c), "failures_count": c.failures, **times, **rate,
             "stagewise_vs_restart": restart / times["stagewise_s"],
             "stagewise_vs_no_failure": times["no_failure_s"] / times["stagewise_s"],
-            # Stagewise resuming without redoing steps (every lost stage kept by a surviving replica): not built.
+            # Stagewise resuming without redoing steps (every lost stage kept by a surviving replica).
             "no_redo_vs_restart": restart / stagewise_s(dataclasses.replace(c, redone_share=0.0)),
             # What any recovery could reach: failures that cost nothing at all.
             "ceiling_vs_restart": restart / times["no_failure_s"]}
@@ -348,7 +353,9 @@ def _churn_trial(path: Path, folder: Path, steps: int, kill_at: int, every: int,
         elastic.replan = real_replan
     (replanned,) = result["replans"]
     first_step_s = first_resumed["step_ms"] / 1000
-    return {"after": replanned["after"], "excluded": replanned["excluded"],
+    kept = replanned.get("survivors_note") or f"discarded: {replanned.get('survivors_discarded')}"
+    return {"after": replanned["after"], "excluded": replanned["excluded"], "victim": victim,
+            "killed_after_step": kill_at, "survivors": kept, "redone_steps": replanned.get("redone_steps"),
             "resumed_at_step": replanned["resumed_after_step"] + 1, "replanned_ranks": replanned["ranks"],
             "replanned_simulated_step_ms": replanned["simulated_step_ms"], "timeout_s": opts.timeout_s,
             "detect_s": marks["replan_start"] - marks["kill"],
@@ -412,6 +419,40 @@ def _print_local(r: dict[str, Any]) -> None:
           f"recovery {r['recovery_s']:.2f} s", flush=True)
 
 
+def _replicated_plan(folder: Path):
+    """The local run's model and batch on 4 one-CPU hosts with the middle stage on two of them (the hand-made
+    plans of the runtime tests), so a lost replica leaves its stage's state with its twin."""
+    from tests.dist.plans import make_plan
+    plan = make_plan("gpt-tiny", microbatch=2, num_microbatches=4, seq=32, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={1: (2, 2)}, optimizer="adam")
+    return plan, plan.save(folder / "plan.json")
+
+
+def survivors_run(steps: int, every: int, kills: list[tuple[int, int]]) -> dict[str, Any]:
+    """Runs of the replicated plan that each lose a rank (``kills``: (rank, rank 0's reported step)) and
+    resume from the survivors' state when it is whole (a lost replica) or from the checkpoint (a lost sole
+    stage rank): per run, the steps redone and the recovery times."""
+    folder = Path(tempfile.mkdtemp(prefix="churn-survivors-"))
+    plan, path = _replicated_plan(folder)
+    runs = [_churn_trial(path, folder / f"t{i}", steps, kill_at, every, victim)
+            for i, (victim, kill_at) in enumerate(kills)]
+    return {"plan": {"model": "gpt-tiny", "hosts": 4, "ranks": plan.num_ranks, "stages": plan.num_stages,
+                     "stage_of_rank": [r.stage for r in plan.ranks], "global_batch": plan.config.global_batch,
+                     "seq": plan.model.seq},
+            "steps": steps, "checkpoint_every": every, "load_average": os.getloadavg(), "trials": runs,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _print_survivors(r: dict[str, Any]) -> None:
+    print(f"local {r['plan']['ranks']}-rank gpt-tiny, stages of the ranks {r['plan']['stage_of_rank']} ({r['steps']} "
+          f"steps; checkpoints every {r['checkpoint_every']})", flush=True)
+    for t in r["trials"]:
+        print(f"  rank {t['victim']} SIGKILLed at rank 0's step {t['killed_after_step']}: resumed at step "
+              f"{t['resumed_at_step']}, redone {t['redone_steps']} steps; detection {t['detect_s']:5.2f} s  re-plan "
+              f"{t['replan_s']:5.2f} s  reload {t['reload_s']:5.2f} s  failure -> first resumed step "
+              f"{t['recovery_s']:5.2f} s; survivors: {t['survivors']}", flush=True)
+
+
 # --------------------------------------------------------------------------- part 3: the model's table
 def churn_table(replans: list[dict[str, Any]], local: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
@@ -466,6 +507,18 @@ def _remodel(path: Path) -> int:
     return 0
 
 
+def _survivors_only(path: Path) -> int:
+    import torch
+    torch.set_num_threads(1)
+    print("== local runs that lose a replica (rank 2: its twin is rank 1) or a sole stage rank (rank 3)", flush=True)
+    result = survivors_run(steps=30, every=CHECKPOINT_EVERY, kills=[(2, 12), (2, 15), (3, 15)])
+    _print_survivors(result)
+    doc = json.loads(path.read_text()) if path.is_file() else {"benchmark": "churn"}
+    doc["local_survivors"] = result
+    _write(path, doc)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the 8-device case and a short local run; writes nothing "
@@ -479,9 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--remodel", action="store_true", help="recompute part 3 from the measurements already in "
                     "the results file (parts 1 and 2 are not rerun) and rewrite it")
+    ap.add_argument("--survivors", action="store_true", help="only runs of a plan with a replicated stage that "
+                    "lose a replica (twice) or a sole stage rank, resuming from the survivors' state when it is "
+                    "whole; adds them to the results file as local_survivors (the rest is not rerun)")
     args = ap.parse_args(argv)
     if args.remodel:
         return _remodel(args.output or RESULTS)
+    if args.survivors:
+        return _survivors_only(args.output or RESULTS)
     import torch
 
     from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels

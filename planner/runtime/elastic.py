@@ -210,6 +210,9 @@ def _adopt(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], new, eve
     step = steps[-1] if steps else None  # no clean checkpoint: the new plan starts from the first step
     event.update({"plan": str(path), "ranks": new.num_ranks, "resumed_after_step": step,
                   "simulated_step_ms": round(new.predicted.step_ms, 3)})
+    reached = event.get("survivors_reached_step")
+    if reached is not None:  # steps a survivor had completed that the new plan trains again (at least)
+        event["redone_steps"] = max(0, reached - (step if step is not None else -1))
     replans.append(event)
     where = f"resuming after step {step}" if steps else "starting again from step 0 (no clean checkpoint)"
     print(f"stagewise run: {event['after']}; {change} ({new.num_ranks} ranks, {path}); {where}", file=sys.stderr,

@@ -115,17 +115,21 @@ class Note:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
-    """``step``: the survivor checkpoint's step, now complete (None: not used); ``why``: one line."""
+    """``step``: the survivor checkpoint's step, now complete (None: not used); ``why``: one line;
+    ``reached``: the newest step a surviving rank had completed (None: none said), which the resume
+    redoes nothing beyond."""
 
     step: int | None
     ranks: tuple[int, ...] = ()
     why: str
+    reached: int | None = None
 
     def entry(self) -> dict[str, Any]:
         """The re-plan history's fields for it."""
         if self.step is None:
-            return {"survivors_discarded": self.why}
-        return {"survivors": {"step": self.step, "ranks": list(self.ranks)}, "survivors_note": self.why}
+            return {"survivors_discarded": self.why, "survivors_reached_step": self.reached}
+        return {"survivors": {"step": self.step, "ranks": list(self.ranks)}, "survivors_note": self.why,
+                "survivors_reached_step": self.reached}
 
 
 def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_stages: int,
@@ -140,26 +144,26 @@ def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_sta
     steps = sorted({n.step for n in wrote})
     if len(steps) > 1:
         each = ", ".join(f"rank {n.rank} after step {n.step}" for n in wrote)
-        return Decision(step=None, why=f"the survivors stopped at different steps ({each})")
+        return Decision(step=None, why=f"the survivors stopped at different steps ({each})", reached=steps[-1])
     step = steps[0]
     covered = {stage_of.get(n.rank) for n in wrote}
     lost = [k for k in range(num_stages) if k not in covered]
     if lost:
         ranks = [r for r, k in sorted(stage_of.items()) if k in lost]
         return Decision(step=None, why=f"stage{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} left no "
-                                       f"survivor file (ranks {ranks}){declined}")
+                                       f"survivor file (ranks {ranks}){declined}", reached=step)
     if newest is not None and step <= newest:
         return Decision(step=None, why=f"the survivors' step {step} is no newer than the newest checkpoint "
-                                       f"(step {newest})")
+                                       f"(step {newest})", reached=step)
     if step >= last_step:
         return Decision(step=None, why=f"the survivors had finished the last step ({step}): a resume needs one "
-                                       "left to run")
+                                       "left to run", reached=step)
     ranks = tuple(n.rank for n in wrote)
     verifiers = [r for r, k in sorted(stage_of.items()) if k is None and r not in ranks]
     fresh = f"; verifier rank{'s' if len(verifiers) > 1 else ''} {', '.join(map(str, verifiers))} left no " \
             "state: the resumed run's monitor starts fresh" if verifiers else ""
     return Decision(step=step, ranks=ranks, why=f"ranks {', '.join(map(str, ranks))} left their state after step "
-                                                f"{step}{fresh}")
+                                                f"{step}{fresh}", reached=step)
 
 
 def read_notes(root: str | Path, *, num_ranks: int, fingerprint: str) -> list[Note]:

@@ -67,6 +67,7 @@ def test_a_lost_replica_resumes_from_the_survivors_state_and_redoes_nothing(tmp_
     assert replanned["excluded"] == "h1" and "rank 1 died" in replanned["after"]
     assert replanned["survivors"] == {"step": DIES_AT - 1, "ranks": [0, 2]}
     assert replanned["resumed_after_step"] == DIES_AT - 1        # the last step completed before the failure
+    assert replanned["redone_steps"] == 0
     assert "resumed after step 13 from the survivors' state (ranks 0, 2 left" in result["recovered"]
     ((step, _),) = resumed
     assert step == DIES_AT - 1
@@ -93,6 +94,7 @@ def test_a_stage_whose_only_replica_died_falls_back_to_the_checkpoint(tmp_path, 
     assert "survivors" not in replanned
     assert replanned["survivors_discarded"].startswith("stage 1 left no survivor file (ranks [2])")
     assert replanned["resumed_after_step"] == EVERY - 1          # the checkpoint on disk, as before
+    assert replanned["redone_steps"] == DIES_AT - EVERY          # steps 10 to 13 again
     assert "survivor checkpoint discarded" in result["recovered"]
     ((step, _),) = resumed
     assert step == EVERY - 1

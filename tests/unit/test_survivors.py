@@ -21,7 +21,8 @@ def test_the_survivors_state_is_taken_when_the_steps_agree_every_stage_is_covere
     got = _decide(Note(rank=0, step=13), Note(rank=2, step=13), Note(rank=3, step=13))
     assert (got.step, got.ranks) == (13, (0, 2, 3))
     assert got.entry() == {"survivors": {"step": 13, "ranks": [0, 2, 3]},
-                           "survivors_note": "ranks 0, 2, 3 left their state after step 13"}
+                           "survivors_note": "ranks 0, 2, 3 left their state after step 13",
+                           "survivors_reached_step": 13}
     assert _decide(Note(rank=1, step=13), Note(rank=2, step=13), newest=None).step == 13  # no checkpoint yet
     lost_verifier = _decide(Note(rank=0, step=13), Note(rank=2, step=13))
     assert lost_verifier.step == 13 and "verifier rank 3 left no state: the resumed run's monitor starts fresh" \
@@ -33,7 +34,7 @@ def test_anything_less_falls_back_to_the_newest_checkpoint_and_says_why():
     assert mismatch.step is None
     assert mismatch.why == ("the survivors stopped at different steps (rank 0 after step 13, rank 1 after step 13, "
                             "rank 2 after step 14)")
-    assert mismatch.entry() == {"survivors_discarded": mismatch.why}
+    assert mismatch.entry() == {"survivors_discarded": mismatch.why, "survivors_reached_step": 14}
     lost = _decide(Note(rank=0, step=13), Note(rank=1, step=13), Note(rank=3, step=13))
     assert lost.step is None and lost.why == "stage 1 left no survivor file (ranks [2])"
     declined = _decide(Note(rank=0, step=13), Note(rank=2, step=None, why="rank 2 had begun step 14's optimizer update"))
