@@ -88,7 +88,8 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
             opts = _replan(opts, key, replans, _ban_event(opts, banned), time_limit_s)
         except RunFailure as failure:
             old = load_plan(opts.plan)
-            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1)  # before the check: it may be the only checkpoint
+            # Before the check below: the survivors' state may be the run's only checkpoint.
+            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1)
             said = f"{kept.why}: resuming from it" if kept.step is not None else \
                 f"survivor checkpoint discarded: {kept.why}"
             print(f"stagewise run: {said}", file=sys.stderr, flush=True)
@@ -135,7 +136,7 @@ def resumed_from(entry: dict[str, Any]) -> str:
     if "survivors" in entry:
         return f" from the survivors' state ({entry['survivors_note']})"
     if "survivors_discarded" in entry:
-        return f" from its newest checkpoint (survivor checkpoint discarded: {entry['survivors_discarded']})"
+        return f" from the newest checkpoint (survivor checkpoint discarded: {entry['survivors_discarded']})"
     return ""
 
 
