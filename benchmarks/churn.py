@@ -38,7 +38,8 @@ Part 3, throughput under churn: a model computed from the measured pieces (``Chu
 a failure strikes uniformly within a checkpoint interval, so C/2 steps are redone on average:
 
 * Stagewise: each failure costs detection + re-plan + reload (measured) and C/2 redone steps, redone at the
-  re-planned plan's simulated step; the run goes on at that step. A replacement device comes W = 60 s after
+  re-planned plan's simulated step, or none where every stage on the lost host keeps a replica elsewhere
+  (``lost_stages_kept``: the run resumes from the survivors' state, ``planner.runtime.survivors``); the run goes on at that step. A replacement device comes W = 60 s after
   the failure; when it pays, it is planned back in at the first checkpoint after that (a re-plan + reload,
   nothing detected or redone) and the rest of the interval runs at the original step; ``no_rejoin``: it
   never is (every step after the first failure at the re-planned step);
@@ -104,7 +105,9 @@ class ChurnCase:
     reload_s: float          # new processes, rendezvous, checkpoint load (to the first resumed step)
     wait_s: float = WAIT_S   # a replacement device comes this long after a failure
     samples_per_step: int = 1
-    redone_share: float = 0.5  # of a checkpoint interval, redone per failure (0: a resume from surviving replicas)
+    # Of a checkpoint interval, redone per failure by Stagewise (0: every stage on the lost host kept a replica
+    # elsewhere, so the run resumes from the survivors' state); checkpoint-restart always redoes half.
+    redone_share: float = 0.5
 
     @property
     def failures(self) -> int:
@@ -113,7 +116,7 @@ class ChurnCase:
 
     @property
     def redone_steps(self) -> float:
-        """Steps redone per failure: half a checkpoint interval on average."""
+        """Steps Stagewise redoes per failure: half a checkpoint interval on average, or none."""
         return self.checkpoint_every * self.redone_share
 
 
@@ -143,7 +146,7 @@ def stagewise_s(c: ChurnCase, *, rejoin: bool = True) -> float:
 
 def restart_s(c: ChurnCase) -> float:
     """Wait for a replacement and restart the original plan from its last checkpoint."""
-    per_failure = c.detect_s + c.wait_s + c.reload_s + c.redone_steps * c.step_s
+    per_failure = c.detect_s + c.wait_s + c.reload_s + c.checkpoint_every / 2 * c.step_s
     return c.steps * c.step_s + c.failures * per_failure
 
 
@@ -237,6 +240,9 @@ def replan_case(devices: int, limit: float, first_limit: float, workers: int) ->
            "first": _plan_row(first, first_wall, first_cpu), "replan": _plan_row(new, wall, cpu),
            "fresh": _plan_row(fresh, fresh_wall, fresh_cpu),
            "global_batch": first.config.global_batch}
+    row["lost_stages_kept"] = all(any(first.ranks[r].host != host for r in first.stage_ranks(k))
+                                  for k in range(first.num_stages)
+                                  if any(first.ranks[r].host == host for r in first.stage_ranks(k)))
     row["replan_vs_fresh_objective"] = new.report.objective_ms / fresh.report.objective_ms - 1
     row["replan_vs_fresh_simulated"] = new.predicted.step_ms / fresh.predicted.step_ms - 1
     return row
@@ -457,14 +463,14 @@ def _print_survivors(r: dict[str, Any]) -> None:
 def churn_table(replans: list[dict[str, Any]], local: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     sources = [(f"{r['devices']} devices", r["first"]["simulated_ms"] / 1000, r["replan"]["simulated_ms"] / 1000,
-                r["replan"]["wall_s"], r["global_batch"]) for r in replans]
+                r["replan"]["wall_s"], r["global_batch"], r.get("lost_stages_kept", False)) for r in replans]
     sources.append(("local 4-rank run (measured steps)", local["step_s"], local["replanned_step_s"],
-                    local["replan_s"], local["samples_per_step"]))
-    for label, step_s, new_step_s, replan_s, batch in sources:
+                    local["replan_s"], local["samples_per_step"], False))  # its lost rank is a sole stage rank
+    for label, step_s, new_step_s, replan_s, batch, kept in sources:
         for every in CHURN_EVERY:
             case = ChurnCase(steps=CHURN_STEPS, every=every, checkpoint_every=CHECKPOINT_EVERY, step_s=step_s,
                              replanned_step_s=new_step_s, detect_s=local["detect_s"], replan_s=replan_s,
-                             reload_s=local["reload_s"], samples_per_step=batch)
+                             reload_s=local["reload_s"], samples_per_step=batch, redone_share=0.0 if kept else 0.5)
             rows.append({"plan": label, **churn_row(case)})
     return rows
 
@@ -496,8 +502,12 @@ def _write(out: Path, doc: dict[str, Any]) -> None:
     print(f"wrote {out}")
 
 
-def _remodel(path: Path) -> int:
+def _remodel(path: Path, devices: list[int] | None, limit: float, first_limit: float, workers: int) -> int:
     doc = json.loads(path.read_text())
+    for n in devices or ():  # these re-plan cases measured again, the local runs kept
+        row = replan_case(n, limit, first_limit, workers)
+        _print_replan(row)
+        doc["replan"] = [row if r["devices"] == n else r for r in doc["replan"]]
     doc["churn"] = churn_table(doc["replan"], doc["local"])
     for row in doc["churn"]:
         _print_churn(row)
@@ -519,6 +529,16 @@ def _survivors_only(path: Path) -> int:
     return 0
 
 
+def _warm() -> None:
+    import torch
+
+    from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
+    from planner.solver.search.seq_partition_kernel import warm as warm_partition
+    torch.set_num_threads(1)
+    warm_kernels()  # compiled once per machine: not part of any plan's time
+    warm_partition()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the 8-device case and a short local run; writes nothing "
@@ -531,22 +551,16 @@ def main(argv: list[str] | None = None) -> int:
                     "the model's recovery figure with the others')")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--remodel", action="store_true", help="recompute part 3 from the measurements already in "
-                    "the results file (parts 1 and 2 are not rerun) and rewrite it")
+                    "the results file and rewrite it (part 2 is not rerun; part 1 only for --devices, if given)")
     ap.add_argument("--survivors", action="store_true", help="only runs of a plan with a replicated stage that "
                     "lose a replica (twice) or a sole stage rank, resuming from the survivors' state when it is "
                     "whole; adds them to the results file as local_survivors (the rest is not rerun)")
     args = ap.parse_args(argv)
-    if args.remodel:
-        return _remodel(args.output or RESULTS)
     if args.survivors:
         return _survivors_only(args.output or RESULTS)
-    import torch
-
-    from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
-    from planner.solver.search.seq_partition_kernel import warm as warm_partition
-    torch.set_num_threads(1)
-    warm_kernels()  # compiled once per machine: not part of any plan's time
-    warm_partition()
+    _warm()
+    if args.remodel:
+        return _remodel(args.output or RESULTS, args.devices, args.limit, args.first_limit, args.workers)
     devices = args.devices or ([8] if args.quick else [8, 64, 176])
     first_limit = min(args.first_limit, args.limit) if args.quick else args.first_limit
     print(f"== re-plan after losing one host (re-plan and fresh at {args.limit:g} s, first plan at "
