@@ -13,8 +13,8 @@ from planner.errors import InvalidInputError
 
 DIRECTIONS = ("act", "grad")  # what a verifier can check at a boundary: activations forward, gradients back
 
-ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "binding", "link", "residual", "drift",
-                 "replay")
+ALL_DISTANCES = ("mad", "l2", "scale", "gain", "sign", "skew", "swd", "spectral", "binding", "link", "residual",
+                 "drift", "replay")
 # Fence floors, set on gpt-tiny training (benchmarks/verification.py; figures: benchmarks/README.md):
 # sign and skew above 0.5 mean "points the other way than the reference" (one
 # microbatch's skew is noisy: 0.9); a scale floor of 1.0 tolerates honest
@@ -23,17 +23,23 @@ ALL_DISTANCES = ("mad", "l2", "scale", "sign", "skew", "swd", "spectral", "bindi
 # "rows of other data"; residual 3 is twice its honest worst; drift 8 is the
 # CUSUM's alarm level (``Cusum``, one sample per step of a sender): above clean
 # training's drift, below what a residual held at 2x its median reaches in a few steps;
-# replay 6 only flags copies within 1e-6 of cosine 1.
-DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0, "spectral": 0.2,
-                  "binding": 1.0, "link": 0.3, "residual": 3.0, "drift": 8.0, "replay": 6.0}
-# A step's average is less noisy than one microbatch: it may be held closer.
-DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "skew": 0.6, "spectral": 0.12, "link": 0.2, "residual": 2.5}
+# replay 6 only flags copies within 1e-6 of cosine 1. ``gain`` is ``scale`` where the
+# sending stage's input is at hand: the stage's own share of the size change, its input's
+# removed (``Monitor.score``); a sample's may reach 1.0 honestly (0.91 at most on gpt-tiny).
+DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "gain": 1.0, "sign": 0.5, "skew": 0.9, "swd": 0.0,
+                  "spectral": 0.2, "binding": 1.0, "link": 0.3, "residual": 3.0, "drift": 8.0, "replay": 6.0}
+# A step's average is less noisy than one microbatch: it may be held closer. A step's gain
+# is held at 0.5 e-folds (x1.65 or x0.61), where its raw scale needs 1.0 for the spikes a
+# loss spike sends through every stage: with the input's share removed, honest steps stayed
+# under 0.4 (gpt-tiny, lr 1e-3, every boundary; at 1.0 a sender scaling its gradients by 3,
+# 1.1 e-folds, passed whenever its input moved 0.1 e-folds and was learnt for good).
+DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "gain": 0.5, "skew": 0.6, "spectral": 0.12, "link": 0.2, "residual": 2.5}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
 # the data and with bursts of training instability (gradients above all), so
 # they only flag gross corruption; the spectral share is stable from batch to
 # batch and is the sensitive test.
-DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0, "spectral": 2.5,
-                  "binding": 2.5, "link": 5.0, "residual": 3.0, "drift": 0.0, "replay": 3.0}
+DEFAULT_RATIOS = {"mad": 5.0, "l2": 5.0, "scale": 5.0, "gain": 5.0, "sign": 3.0, "skew": 3.0, "swd": 5.0,
+                  "spectral": 2.5, "binding": 2.5, "link": 5.0, "residual": 3.0, "drift": 0.0, "replay": 3.0}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

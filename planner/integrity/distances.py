@@ -337,7 +337,12 @@ def log_size_change(x: Summary, ref: Reference) -> float:
     since the reference. A stage's own share of a size change is its output's minus its
     input's (``Monitor.score``): a loss spike's gradients grow on their way back through
     every stage, and each stage only passes on, and amplifies, what it received."""
-    return math.log(_size(_np(x.mean), _np(x.std))) - ref.log_rms
+    return log_size(x) - ref.log_rms
+
+
+def log_size(x: Summary) -> float:
+    """``ln(rms(x))``: with a stage's input's, its log gain (``Monitor.score``)."""
+    return math.log(_size(_np(x.mean), _np(x.std)))
 
 
 def scale_change(x: Summary, ref: Summary) -> float:

@@ -19,6 +19,7 @@ No state here: the monitors (``verify``) keep the tables, moments and rings.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -167,3 +168,10 @@ def replay_score(sketch: torch.Tensor, past: torch.Tensor, past_norms: torch.Ten
     cos = ((past @ sketch) / norms.clamp_min(EPS)).clamp(0.0, 1.0)
     gap = float(1.0 - cos.max())
     return min(REPLAY_SCORE_CAP, -math.log10(max(gap, 10.0 ** -REPLAY_SCORE_CAP)))
+
+
+def sketch_fingerprint(sketch: torch.Tensor) -> int:
+    """A 64-bit digest of a sketch's exact values: a replayed tensor gives back its own sketch
+    bit for bit (``distances.summarize_rows``), an honest one never repeats another's."""
+    data = sketch.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

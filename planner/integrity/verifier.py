@@ -42,6 +42,7 @@ far from. The statistics above are what stays stable from batch to batch.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,12 @@ PER_SAMPLE_ONLY = ("replay",)
 STEP_ONLY = ("drift",)
 DRIFT_CAP = 8.0   # the most one step adds to the CUSUM, in robust deviations (before the allowance)
 STEP_MB = -1                   # the "microbatch" of a step-level flag
+# The replay test compares a sample with the last ``replay_window`` sketches by cosine (near
+# copies), and with this many times as many by exact fingerprint: a stale worker sends its own
+# old results bit for bit, and at 16 microbatches a step the ring of 256 reaches back only 16
+# steps (a replay of 20-step-old activations went unseen, gpt-tiny on four T4 hosts, 2026-12-03).
+# 128 x 256 fingerprints: 2048 steps of 16 microbatches, about 2 MB a monitor.
+EXACT_REPLAY_FACTOR = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +119,28 @@ class _Ring:
         return self._norms[: len(self)]
 
 
+class _Copies:
+    """Fingerprints of the last ``capacity`` sketches (``predictors.sketch_fingerprint``): exact
+    replays from further back than the sketch ring reaches, at 8 bytes a sample."""
+
+    def __init__(self, capacity: int) -> None:
+        self._order: deque[int] = deque()
+        self._seen: set[int] = set()
+        self._capacity = capacity
+
+    def __contains__(self, sketch: torch.Tensor) -> bool:
+        return pred.sketch_fingerprint(sketch) in self._seen
+
+    def push(self, sketch: torch.Tensor) -> None:
+        key = pred.sketch_fingerprint(sketch)
+        if key in self._seen:
+            return
+        self._order.append(key)
+        self._seen.add(key)
+        if len(self._order) > self._capacity:
+            self._seen.discard(self._order.popleft())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Fit:
     """One sample's evidence for a learnt predictor of its rows (``binding``: the
@@ -120,7 +149,8 @@ class _Fit:
     sample adds to the predictor if it is accepted and (``link`` only) the
     residual's second moment ``[K, K]`` (None before the surrogate exists) and
     the stage input's signed size change (``distances.log_size_change``; None
-    before the input's monitor had a reference)."""
+    before the input's monitor had a reference) and the stage's log gain on this sample
+    (``ln rms(output) - ln rms(input)``)."""
 
     num: float
     den: float
@@ -128,6 +158,7 @@ class _Fit:
     moment: torch.Tensor | None = None
     input_dlog: float | None = None
     input_sender: int | None = None   # who sent the stage's input (None: a trusted sender, watched)
+    gain: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,11 +208,13 @@ class Monitor:
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = dist.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
+        self._copies = _Copies(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
         self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
         self._seen = torch.zeros(pred.LABEL_BUCKETS)
         self._centre: torch.Tensor | None = None
         self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
         self._link_w: torch.Tensor | None = None
+        self._gain: float | None = None               # EMA of honest samples' log gain (``_Fit.gain``)
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
@@ -232,11 +265,13 @@ class Monitor:
         return summary, rows, subset
 
     def fits(self, rows: torch.Tensor, labels: torch.Tensor | None,
-             stage_input: tuple[torch.Tensor, float | None, int | None] | None) -> dict[str, _Fit]:
+             stage_input: tuple[torch.Tensor, float | None, float, int | None] | None,
+             log_size: float | None = None) -> dict[str, _Fit]:
         """The sample's evidence for the label table and for the stage's linear surrogate
         (each only with aligned labels / the stage's input rows of the same microbatch,
-        ``stage_input``: those rows, their size change and their sender)."""
-        inputs, input_dlog, input_sender = stage_input if stage_input is not None else (None, None, None)
+        ``stage_input``: those rows, their size change, their log size and their sender;
+        ``log_size``: the sample's, for the stage's gain)."""
+        inputs, input_dlog, input_size, input_sender = stage_input if stage_input is not None else (None,) * 4
         fits: dict[str, _Fit] = {}
         buckets = None if labels is None or "binding" not in self.fences else pred.label_buckets(labels, len(rows))
         if buckets is not None:
@@ -255,7 +290,8 @@ class Monitor:
             parts, update = pred.link_fit(inputs, rows, weights)
             num, den, moment = parts if parts is not None else (0.0, 0.0, None)
             fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog,
-                                input_sender=input_sender)
+                                input_sender=input_sender,
+                                gain=None if log_size is None else log_size - input_size)
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
@@ -272,21 +308,31 @@ class Monitor:
                 self._basis, self._basis_step = dist.principal_basis(self.ref.cov), self._age_step()
             self._ref = dist.reference(self.ref, spectral=spectral, basis=self._basis)
         scores = dist.summary_scores(summary, self._ref, tuple(names))
-        if "scale" in scores:
-            # With the stage's input at hand, its own share of the size change, per e-fold its
-            # input moved: a loss spike's gradients grow on their way back through every stage
-            # (d=256, lr 1e-3 after a 20-step lr warm-up: +0.3, +0.7, +1.5 e-folds at boundaries
-            # 2, 1, 0; the last over the 1.0 floor 7 times in 30 steps, and a ban), and a stage
-            # amplifies the spike it receives about twofold (input +1.1, output +2.1: +1.0 of its
-            # own; at most 0.5 per 1 + |input e-folds| in those runs). A sender that rescales
-            # what it sends moves this by the whole factor whenever its input is calm.
-            grown = [f["link"].input_dlog for f in fits if "link" in f]
-            if fits and len(grown) == len(fits) and None not in grown:
-                d_in = sum(grown) / len(grown)
-                scores["scale"] = abs(dist.log_size_change(summary, self._ref) - d_in) / (1.0 + abs(d_in))
+        links = [f["link"] for f in fits if "link" in f]
+        if ("scale" in names or "gain" in names) and self._gain is not None and links and len(links) == len(fits) \
+                and all(f.input_dlog is not None and f.gain is not None for f in links):
+            # With the stage's input at hand, the stage's own share of a size change: its log gain
+            # (output's log size minus its input's, per sample) against the honest samples' (an
+            # EMA, learnt only from accepted ones, so an attacker's gain is never taught), per
+            # e-fold its input moved (``gain``, with fences of its own). A loss spike's gradients
+            # grow on their way back through every stage (d=256, lr 1e-3 after a 20-step lr
+            # warm-up: +0.3, +0.7, +1.5 e-folds at boundaries 2, 1, 0; the last over the raw 1.0
+            # floor 7 times in 30 steps, and a ban), and a stage amplifies the spike it receives
+            # about twofold (input +1.1, output +2.1: +1.0 of its own; at most 0.5 per
+            # 1 + |input e-folds| in those runs). A sender that rescales what it sends moves its
+            # gain by the whole factor. (Before, the own share was the output's size change minus
+            # the input's, each against its own reference: once the output's stopped learning, a
+            # flagged sender's, every honest move of the input's counted as the stage's.) A plan
+            # made before ``gain`` scores it as ``scale``.
+            d_in = sum(f.input_dlog for f in links) / len(links)
+            own = sum(f.gain for f in links) / len(links) - self._gain
+            scores.pop("scale", None)
+            scores["gain" if "gain" in names else "scale"] = abs(own) / (1.0 + abs(d_in))
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
             scores["replay"] = pred.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
+            if summary.sketch.numel() and summary.sketch in self._copies:
+                scores["replay"] = pred.REPLAY_SCORE_CAP
         for name in ("binding", "link"):
             parts = [f[name] for f in fits if name in f]
             den = sum(p.den for p in parts)
@@ -400,6 +446,9 @@ class Monitor:
                 self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, (sxx, sxy)))
             self._link_w = None
             self._fold_residual(fits["link"].moment)
+            gain = fits["link"].gain
+            if gain is not None:
+                self._gain = gain if self._gain is None else self.beta * self._gain + (1 - self.beta) * gain
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
         self._ref = None  # its derived terms follow the reference
         for name, value in scores.items():
@@ -409,6 +458,7 @@ class Monitor:
             if length not in self._history:
                 self._history[length] = _Ring(self.cfg.replay_window, length)
             self._history[length].push(summary.sketch)
+            self._copies.push(summary.sketch)
 
     def _fold_residual(self, moment: torch.Tensor | None) -> None:
         if moment is None or float(moment.trace()) <= 0.0:
@@ -460,8 +510,8 @@ class Verifier:
                 self.config, int(boundary), direction, watch_only=(int(boundary), direction) in watch)
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
-        # Accepted rows and their size change, as the next stage's input for its link test.
-        self._rows: dict[tuple[tuple[int, str], int, int], tuple[torch.Tensor, float | None]] = {}
+        # Accepted rows, their size change, log size and sender, as the next stage's input for its link test.
+        self._rows: dict[tuple[tuple[int, str], int, int], tuple[torch.Tensor, float | None, float, int | None]] = {}
         self._blamed_steps: dict[int, list[int]] = {}
         self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
                              false_steps=self.config.ban_false_steps)
@@ -512,7 +562,8 @@ class Verifier:
         if not math.isfinite(float(summary.std.sum())):
             return Verdict(flagged=False, tainted=tainted, scores={}) if mon.watch_only else \
                 self._flag(mon, step, mb, sender, {}, ("nonfinite",))
-        fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)))
+        fits = mon.fits(rows, labels, self._rows.get((_input_key(boundary, direction), step, mb)),
+                        log_size=dist.log_size(summary))
         scores = mon.score(summary, (fits,))
         if tainted:
             # Its input was already dropped upstream: whatever it looks like, the
@@ -525,7 +576,7 @@ class Verifier:
             return self._flag(mon, step, mb, sender, scores, reasons, upstream=mon.culprit(sender, [fits], reasons))
         mon.hold(sender, summary, scores, fits)
         if _input_key(boundary, direction, forward=False) in self._monitors:
-            self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary),
+            self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary), dist.log_size(summary),
                                                              None if mon.watch_only else sender)
         return Verdict(flagged=False, tainted=False, scores=scores)
 
@@ -696,6 +747,11 @@ def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
     just under the per-sample fences makes the honest stages after it look odd, and their flags
     must not outrank the upstream one that caused them. A flag laid on its stage's input
     (``upstream``, see :func:`upstream_culprit`) blames that input's sender, where that input crossed.
+    A replay (``evidence.DECISIVE``) is never outranked: nothing upstream makes a sender send back an
+    exact copy of its own earlier tensor, and a stale worker's effect on the honest stages around it
+    (through the gradients their training took from its stale tensors) flags them upstream of it in
+    later steps (split placement, seed 1, 2026-12-03: the stale rank was never blamed; its honest
+    neighbour upstream was, and banned).
     """
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in flags:
@@ -710,4 +766,6 @@ def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
             for candidate in rivals:
                 if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
                     first[key] = candidate
-    return {int(e.get("upstream", e["sender"])) for e in first.values()}
+    proof = {int(e["sender"]) for events in by_step.values() for e in events
+             if evidence.DECISIVE.intersection(e.get("reasons", ()))}
+    return {int(e.get("upstream", e["sender"])) for e in first.values()} | proof

@@ -361,10 +361,10 @@ def run_scaled_stage(input_efolds: float, output_efolds: float, *, at: int = 14)
 def test_scale_is_the_stage_s_own_share_of_the_size_change() -> None:
     """A loss spike's gradients grow through every stage, each amplifying what it received
     (d=256, lr 1e-3: input +1.1, output +2.1 e-folds); the scale test reads the stage's own
-    share per e-fold its input moved. A sender that rescales what it sends is still caught."""
+    share per e-fold its input moved (``gain``). A sender that rescales what it sends is still caught."""
     assert run_scaled_stage(0.0, 0.0) == []
     assert run_scaled_stage(1.1, 2.1) == []                   # absolute: 2.1 e-folds, twice the floor
-    assert all("scale" in reasons for _, _, reasons in run_scaled_stage(0.0, 3.0)) and run_scaled_stage(0.0, 3.0)
+    assert all("gain" in reasons for _, _, reasons in run_scaled_stage(0.0, 3.0)) and run_scaled_stage(0.0, 3.0)
 
 
 # ---------------------------------------------------------------------------- the link's residual and its drift

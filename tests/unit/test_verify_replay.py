@@ -1,0 +1,46 @@
+"""Replays from further back than the sketch ring, and blame that a replay keeps. A stale worker sent its
+20-step-old activations (gpt-tiny on four T4 hosts, split placement, 16 microbatches a step: the ring of
+256 sketches reached back 16 steps); it was never flagged, and its honest neighbour upstream was banned."""
+from __future__ import annotations
+
+import torch
+
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.verifier import STEP_MB, _Copies, blame
+from tests.unit.test_verify import MBS, make, run
+
+torch.set_num_threads(1)
+
+
+def test_a_replay_older_than_the_ring_is_caught_by_its_fingerprint() -> None:
+    v = make(replay_window=8)                       # the ring holds 2 steps of 4 microbatches
+    attacker = Attacker(parse_attack("rank=1,start=12,kind=delay,steps=5"), seed=0)
+    flags = run(v, 17, attacker=attacker, labels=False)
+    assert not any(flags[s] for s in range(12))
+    replays = {(e["step"], e["mb"]) for s in range(12, 17) for e in flags[s] if "replay" in e["reasons"]}
+    assert replays == {(s, mb) for s in range(12, 17) for mb in range(MBS)}
+    assert v.banned == {1}
+
+
+def test_the_fingerprint_memory_forgets_the_oldest_first() -> None:
+    copies = _Copies(2)
+    a, b, c = (torch.full((8,), float(i)) for i in range(3))
+    for sketch in (a, b, c):
+        copies.push(sketch)
+    assert a not in copies and b in copies and c in copies
+    assert torch.full((8,), 2.0 + 1e-6) not in copies      # exact copies only: the ring sees near ones
+
+
+def flag(step: int, mb: int, boundary: int, direction: str, sender: int, *reasons: str) -> dict:
+    return {"type": "flag", "step": step, "mb": mb, "boundary": boundary, "direction": direction,
+            "sender": sender, "reasons": list(reasons)}
+
+
+def test_a_replay_is_blamed_whatever_was_flagged_upstream() -> None:
+    """The stale worker's effect on its honest neighbour (trained on gradients of its stale tensors) flags
+    the neighbour's output, upstream of the replay in the step: both are blamed, not the neighbour alone."""
+    upstream = flag(50, STEP_MB, 1, "act", 1, "skew")
+    replay = flag(50, 3, 2, "act", 2, "replay")
+    assert blame([upstream, replay]) == {1, 2}
+    assert blame([flag(50, 3, 1, "act", 1, "link", "l2"), replay]) == {1, 2}
+    assert blame([upstream, flag(50, 3, 2, "act", 2, "link", "l2")]) == {1}   # anything else: upstream wins
