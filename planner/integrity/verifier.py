@@ -74,8 +74,8 @@ STEP_MB = -1                   # the "microbatch" of a step-level flag
 # copies), and with this many times as many by exact fingerprint: a stale worker sends its own
 # old results bit for bit, and at 16 microbatches a step the ring of 256 reaches back only 16
 # steps (a replay of 20-step-old activations went unseen, gpt-tiny on four T4 hosts, 2026-12-03).
-# 128 x 256 fingerprints: 2048 steps of 16 microbatches, about 2 MB a monitor.
-EXACT_REPLAY_FACTOR = 128
+# 64 x 256 fingerprints: 1024 steps of 16 microbatches, about 1.8 MB a monitor.
+EXACT_REPLAY_FACTOR = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
