@@ -31,7 +31,8 @@ DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "gain": 1.0, "sign": 0.5,
 # A step's average is less noisy than one microbatch: it may be held closer. A step's gain
 # is held at 0.5 e-folds (x1.65 or x0.61), where its raw scale needs 1.0 for the spikes a
 # loss spike sends through every stage: with the input's share removed, honest steps stayed
-# under 0.16 (gpt-tiny on four T4 hosts, lr 1e-3, seeds 0 and 1, 200 steps, every boundary;
+# at most 0.22 (gpt-tiny on four T4 hosts, linked and replicated plans, lr 1e-3, seeds 0 and 1,
+# 200 steps, every boundary;
 # at 1.0, a sender scaling its gradients by 3, 1.1 e-folds, passed once and was learnt).
 DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "gain": 0.5, "skew": 0.6, "spectral": 0.12, "link": 0.2, "residual": 2.5}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
