@@ -234,7 +234,8 @@ def _solve_problem(problem: Problem, time_limit_s: float, workers: int, label: s
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     left = time_limit_s - (time.perf_counter() - start)
-    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * left), cuts_only=shape != (None, None))
+    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * left),
+                                    cuts_only=shape != (None, None))
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"

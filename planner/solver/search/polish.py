@@ -4,10 +4,11 @@ The search's DPs and CP-SAT optimise the closed form ``objective.evaluate``;
 where it and the programs' cost (``objective.price_program``) disagree, the
 plan they return can sit a few steps from a cheaper program (fewer replicas
 where the pipeline's fill dominates, a cut moved by a block). Neighbours: a
-cut moved by one block either way, a stage's blocks shifted by one (two cuts moved together: on DT-FM's spot
-case no single cut move improves a plan 1.6% dearer than this reaches), two neighbouring stages merged on either's
-devices (their boundary's verifier dropped), one replica fewer on a stage, one
-more from the free devices of its class. Each valid neighbour is priced; the best
+cut moved by one block either way, a stage's blocks shifted by one (two cuts
+moved together: on DT-FM's spot case no single cut move improves a plan 1.6%
+dearer than this reaches), two neighbouring stages merged on either's devices
+(their boundary's verifier dropped), one replica fewer on a stage, one more
+from the free devices of its class. Each valid neighbour is priced; the best
 improvement is taken until none improves or the time is up.
 """
 from __future__ import annotations
