@@ -97,3 +97,18 @@ def test_an_untrusted_device_is_idle_for_trust_under_trusted_endpoints():
     plan = grids(problem, stages=1, replicas=1)[0]
     notes = idle_reasons(problem, plan, price_program(problem, plan).step_ms)
     assert any("untrusted" in n and "trust:" in n for n in notes), notes
+
+
+def test_polish_shifts_a_stage_by_a_block(problem):
+    from planner.solver.search.polish import _neighbours
+    start = next(p for p in grids(problem) if p.num_stages >= 3)
+    cuts = [s.last_block for s in start.stages]
+    moved = [[s.last_block for s in n.stages] for n in _neighbours(problem, start, cuts_only=True)]
+    for k in range(1, len(cuts) - 1):  # both of stage k's cuts moved together, either way
+        for shift in (-1, 1):
+            want = cuts[:k - 1] + [cuts[k - 1] + shift, cuts[k] + shift] + cuts[k + 1:]
+            lengths_ok = all(b > a for a, b in zip([-1] + want, want))
+            assert (want in moved) == lengths_ok
+    for n in _neighbours(problem, start, cuts_only=True):  # every block in exactly one stage, in order
+        assert n.stages[0].first_block == 0 and n.stages[-1].last_block == problem.num_blocks - 1
+        assert all(a.last_block + 1 == b.first_block for a, b in zip(n.stages, n.stages[1:]))
