@@ -14,8 +14,6 @@ from models.registry import build_model
 from planner.commands._common import BUILDABLE_MODEL_HELP, SEQ_HELP
 from planner.errors import InvalidInputError
 from planner.model_io import is_onnx_spec
-from planner.onnx_import import export_onnx
-from planner.onnx_stages import check_output_folder, export_stages
 from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.runtime.options import check_model_allowed
@@ -66,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     check_writable(out, what="-o")
     check_writable(out.with_name(out.name + ".data"), what="the weights file beside -o")
 
+    # onnx takes ~0.8 s to import: only this command needs it.
+    from planner.onnx_import import export_onnx
+
     batch = _BATCH_DEFAULT if args.batch is None else args.batch
     bundle = build_model(args.model, batch=batch, seq=args.seq, device="cpu", seed=args.seed)
     export_onnx(bundle.module, bundle.example_inputs, out)
@@ -84,6 +85,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         if value is not None:
             raise InvalidInputError(f"{flag} with --plan", expected="the plan's shapes",
                                     found=f"{flag} {value}", fix=f"drop {flag}: the plan fixes it")
+    # onnx takes ~0.8 s to import: only this command needs it.
+    from planner.onnx_stages import check_output_folder, export_stages
+
     out = Path(args.output)
     if out.suffix.lower() == ".onnx":
         raise InvalidInputError(f"-o {args.output!r} with --plan", expected="a folder for the stage files",

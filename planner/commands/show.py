@@ -10,7 +10,6 @@ from pathlib import Path
 
 from planner.commands._common import add_plan_argument, load_and_simulate, rank_table
 from planner.errors import InvalidInputError
-from planner.gantt import write_gantt
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--out {out}", expected="a folder", found="a file",
                                 fix="pass a folder to --out, or omit it to write beside the plan")
     try:
+        # matplotlib takes ~0.6 s to import: only when drawing.
+        from planner.gantt import write_gantt
+
         written = write_gantt(plan, result, out / f"{Path(args.plan).stem}-gantt")
     except OSError as exc:
         raise InvalidInputError(f"cannot write the Gantt chart into {out}", expected="a writable folder",
