@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from typing import Any
 
 from planner.errors import InvalidInputError
@@ -13,6 +15,25 @@ from planner.simulate import SimResult, simulate
 MODEL_HELP = "preset name, package.module:factory, or path to a .onnx file"
 BUILDABLE_MODEL_HELP = "preset name or package.module:factory"
 SEQ_HELP = "sequence length (LMs) or image side (CNNs)"
+
+
+def process_started_s() -> float:
+    """When this process started, on the ``time.perf_counter`` clock: a user's ``--time-limit`` counts from
+    the moment they ran the command, so the interpreter's start and the imports are inside it."""
+    return time.perf_counter() - process_age_s()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started."""
+    try:  # Linux: start in clock ticks since boot (field 22 of stat) against the uptime, 10 ms resolution
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        import psutil  # elsewhere: the creation time, whole seconds of boot time on some systems
+        return max(0.0, time.time() - psutil.Process().create_time())
 
 
 def add_model_argument(p: argparse.ArgumentParser, *, onnx: bool = True) -> None:

@@ -5,7 +5,12 @@ import argparse
 import time
 
 from planner.api import plan_chain
-from planner.commands._common import SEQ_HELP, add_model_argument, check_positive
+from planner.commands._common import (
+    SEQ_HELP,
+    add_model_argument,
+    check_positive,
+    process_started_s,
+)
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
 from planner.outputs import check_writable
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     key = run_secret(args.secret_file)  # a bad secret fails before the solve too
     err = Console(stderr=True)
     out = Console()
-    started = time.perf_counter()  # --time-limit counts the trace too
+    started = process_started_s()  # --time-limit counts the start-up and the trace too
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
     _, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
     policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain,
