@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="microbatches per step (default: the solver chooses among the divisors of the batch)")
     p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
     p.add_argument("--time-limit", type=float, default=30.0,
-                   help="time limit of the whole plan: trace, solve, baselines, compile (default 30 s)")
+                   help="time limit of the whole command, counted from its start: imports, trace, solve, baselines, "
+                        "compile (default 30 s)")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--gap", type=float, default=None, metavar="FRACTION",
                    help="stop once the plan is proven within this share of optimal (default 1e-4: 0.01%%)")
