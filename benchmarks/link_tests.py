@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.memory import trace_dtype  # noqa: E402
 from cost_models.training import TrainingConfig  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
-from planner.plan import ModelRef  # noqa: E402
+from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict  # noqa: E402
 from planner.solver.link_tests import keep_link_tests, lost_link_tests  # noqa: E402
 from planner.solver.objective import price_program  # noqa: E402

@@ -36,7 +36,7 @@ from cost_models.training import TrainingConfig  # noqa: E402
 from planner.api import plan_chain  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
 from planner.model_io import load_chain  # noqa: E402
-from planner.plan import ModelRef  # noqa: E402
+from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict, simulate  # noqa: E402
 from planner.solver.objective import even_split  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402

@@ -35,7 +35,8 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
 from planner.ir import Block, BlockChain  # noqa: E402
-from planner.plan import ModelRef, load_plan  # noqa: E402
+from planner.plan_load import load_plan  # noqa: E402
+from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict, simulate  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402
 from planner.solver.solution import (  # noqa: E402

@@ -168,7 +168,7 @@ def config(schedule: str = "1f1b"):
 
 def compile_solution(solution, ch, cl, folder: Path, name: str) -> Path:
     from planner.compile import compile_plan
-    from planner.plan import ModelRef
+    from planner.plan_values import ModelRef
     from planner.solver.policy import VerificationPolicy
     ref = ModelRef(spec=MODEL, name="bench-gpt", fingerprint=ch.fingerprint, batch=MICROBATCH, seq=SEQ)
     plan = predict(compile_plan(solution, ch, cl, config(solution.schedule), VerificationPolicy(enabled=False), ref))

@@ -85,7 +85,7 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
     the solver's plan compiled and simulated: the planning API has no replica cap)."""
     from planner.api import plan_chain
     from planner.compile import compile_plan
-    from planner.plan import ModelRef
+    from planner.plan_values import ModelRef
     from planner.solver import api
     from planner.solver.problem import scale_chain
     from planner.solver.solution import Solution, StagePlacement, VerifierPlacement

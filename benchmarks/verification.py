@@ -411,7 +411,7 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     from models.registry import build_model
     from planner.coarsen import coarsen
     from planner.compile import compile_plan
-    from planner.plan import ModelRef
+    from planner.plan_values import ModelRef
     from planner.solver.policy import VerificationPolicy
     from planner.solver.solution import (
         Solution,

@@ -106,7 +106,8 @@ def _replicated():
     from planner.check import assert_valid
     from planner.compile import compile_plan
     from planner.model_io import load_chain
-    from planner.plan import HistoryEntry, ModelRef, utc_stamp
+    from planner.plan_history import HistoryEntry, utc_stamp
+    from planner.plan_values import ModelRef
     from planner.simulate import predict
     from planner.solver.link_tests import keep_link_tests, lost_link_tests
     from planner.solver.objective import Placement, price_program, program_memory

@@ -20,7 +20,8 @@ from planner.coarsen import coarsen
 from planner.compile import compile_plan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
-from planner.plan import HistoryEntry, ModelRef, utc_stamp
+from planner.plan_history import HistoryEntry, utc_stamp
+from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver.policy import VerificationPolicy

@@ -15,7 +15,8 @@ from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.instruction_costs import CostModel
 from planner.ir import BlockChain
-from planner.plan import ModelRef, Plan, Predicted, RankInfo, StageInfo, VerifierInfo
+from planner.plan import Plan
+from planner.plan_values import ModelRef, Predicted, RankInfo, StageInfo, VerifierInfo
 from planner.schedules import build_programs, max_in_flight
 from planner.solver.policy import VerificationPolicy
 from planner.solver.routing import route

@@ -17,7 +17,8 @@ from cost_models.training import TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.ir import BlockChain
-from planner.plan import Plan, RankInfo, VerifierInfo
+from planner.plan import Plan
+from planner.plan_values import RankInfo, VerifierInfo
 
 
 def stage_param_tensors(chain: BlockChain, lo: int, hi: int) -> int:

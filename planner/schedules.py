@@ -37,7 +37,7 @@ from typing import Protocol
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.plan import RankInfo, VerifierInfo
+from planner.plan_values import RankInfo, VerifierInfo
 
 
 def max_in_flight(schedule: str, stage: int, num_stages: int, num_mbs: int) -> int:

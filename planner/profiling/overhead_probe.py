@@ -41,8 +41,8 @@ from planner.coarsen import coarsen
 from planner.compile import compile_plan
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
-from planner.plan import ModelRef
 from planner.plan_load import load_plan
+from planner.plan_values import ModelRef
 from planner.runtime.launch import launch
 from planner.runtime.metrics import read_metrics
 from planner.runtime.options import RunOptions

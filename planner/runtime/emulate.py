@@ -37,7 +37,8 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.compute import block_bwd_ms, block_fwd_ms
 from cost_models.devices import DeviceSpec
 from planner.errors import InvalidInputError
-from planner.plan import Plan, StageInfo
+from planner.plan import Plan
+from planner.plan_values import StageInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

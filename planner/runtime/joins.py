@@ -34,7 +34,7 @@ from cost_models.cluster_file import parse_cluster
 from planner import secret
 from planner.errors import InvalidInputError
 from planner.outputs import write_atomic
-from planner.plan import utc_stamp
+from planner.plan_history import utc_stamp
 
 FOLDER = "joins"  # under the checkpoint folder, unless --join-dir names another
 KIND = "stagewise join request"

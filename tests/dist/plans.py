@@ -14,7 +14,8 @@ import torch
 from cost_models.cluster import ClusterSpec
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.plan import ModelRef, Plan
+from planner.plan import Plan
+from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import (

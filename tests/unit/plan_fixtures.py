@@ -23,7 +23,9 @@ from cost_models.cluster_file import default_cluster, parse_cluster
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
 from planner.ir import Block, BlockChain
-from planner.plan import HistoryEntry, ModelRef, Plan
+from planner.plan import Plan
+from planner.plan_history import HistoryEntry
+from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import (

@@ -10,7 +10,7 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
-from planner.plan import ModelRef
+from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.policy import VerificationPolicy

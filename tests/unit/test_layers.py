@@ -27,8 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.solver.search",),
     ("planner.solver.bound", "planner.solver.cpsat"),
     ("planner.solver",),                                                             # the orchestrator, report
-    ("planner.plan", "planner.plan_load", "planner.validate", "planner.instruction_costs", "planner.schedules",
-     "planner.compile", "planner.check", "planner.onnx_stages"),
+    ("planner.plan", "planner.plan_values", "planner.plan_history", "planner.plan_json", "planner.plan_load",
+     "planner.validate", "planner.instruction_costs", "planner.schedules", "planner.compile", "planner.check",
+     "planner.onnx_stages"),
     ("planner.simulate", "planner.gantt", "planner.rehearsal"),
     ("planner.api",),
     ("planner.runtime.data", "planner.runtime.options"),                             # what a run trains on, its options

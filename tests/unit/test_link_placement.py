@@ -13,7 +13,7 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.check import trust_problems
 from planner.errors import InvalidInputError
-from planner.plan import VerifierInfo
+from planner.plan_values import VerifierInfo
 from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import price_program
 from planner.solver.policy import VerificationPolicy

@@ -11,7 +11,8 @@ from plan_fixtures import GOLDEN_PATH, golden_plan
 
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.ir import Graph, Node, TensorMeta
-from planner.plan import SCHEMA_VERSION, Plan, plan_schema
+from planner.plan import Plan
+from planner.plan_json import SCHEMA_VERSION, plan_schema
 from planner.plan_load import load_plan
 
 
@@ -163,7 +164,6 @@ def test_non_string_instruction_is_rejected(plan, tmp_path):
 
 def test_the_schema_names_every_verifier_setting():
     """The plan schema lists the verifier settings by name: it must follow VerifierConfig."""
-    from planner.plan import plan_schema
     from planner.verifier_config import VerifierConfig
 
     names = plan_schema()["properties"]["verifier_config"]["propertyNames"]["enum"]

@@ -18,7 +18,8 @@ from plan_fixtures import (
 from planner.api import plan_chain, replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.instruction_costs import CostModel
-from planner.plan import HistoryEntry, Plan
+from planner.plan import Plan
+from planner.plan_history import HistoryEntry
 from planner.plan_load import load_plan
 from planner.solver.policy import VerificationPolicy
 

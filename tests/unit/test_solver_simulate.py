@@ -17,7 +17,7 @@ import torch
 from cost_models.memory import trace_dtype
 from cost_models.training import TrainingConfig
 from planner.compile import compile_plan
-from planner.plan import ModelRef
+from planner.plan_values import ModelRef
 from planner.simulate import predict, simulate
 from planner.solver import api
 from planner.solver.policy import VerificationPolicy
