@@ -589,7 +589,8 @@ def prediction(tmp: Path, ch, link, ranges, steps: int, repeats: int, cores: int
 def planning(tmp: Path, ch, profile: Path, link, steps: int, repeats: int, cores: int, machine: Machine,
              quiet: dict[str, float]) -> dict[str, Any]:
     """3. the solver's plan vs the uniform and parameter-balanced baselines', emulated, interleaved."""
-    from planner.solver.api import baseline, solve
+    from planner.solver.api import solve
+    from planner.solver.baseline_plans import baseline
     from planner.solver.policy import VerificationPolicy
     cl = cluster(profile, [1.0, SLOW], link)
     cfg, policy = config(), VerificationPolicy(enabled=False)

@@ -164,7 +164,7 @@ def example_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     
     from planner.errors import InfeasiblePlanError
     from planner.model_io import load_chain
-    from planner.solver import api
+    from planner.solver import api, baseline_plans
     from planner.solver.policy import VerificationPolicy
     from planner.solver.search.baselines import BASELINES
 
@@ -203,7 +203,7 @@ def example_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
                        check_ok=_checked(sol, chain, cluster, config, pol))
             for name in BASELINES:
                 try:
-                    b = api.baseline(name, chain, cluster, config, pol)
+                    b = baseline_plans.baseline(name, chain, cluster, config, pol)
                     row[f"{name}_ms"] = b.predicted_step_ms
                     row[f"{name}_x"] = b.predicted_step_ms / sol.predicted_step_ms
                 except InfeasiblePlanError as exc:

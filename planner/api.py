@@ -24,6 +24,7 @@ from planner.plan_history import HistoryEntry, utc_stamp
 from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver import api as solver_api
+from planner.solver import baseline_plans
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
 from planner.solver.search.deadline import Deadline
@@ -87,7 +88,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
         config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
                                 dtype=dtype, mixed_precision=mixed)
-        solution = solver_api.baseline(baseline, chain, spec_cluster, config, policy, deadline=deadline)
+        solution = baseline_plans.baseline(baseline, chain, spec_cluster, config, policy, deadline=deadline)
     else:
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
@@ -117,9 +118,9 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None or stages is not None or replicas is not None:
         return plan
     # The baselines' enumerations stop in time to compile two plans as long as this one took.
-    found = solver_api.baselines(solver_api.BASELINE_NAMES, chain, spec_cluster, config, policy,
-                                 deadline=deadline.less(2 * (time.perf_counter() - start)),
-                                 within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
+    found = baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
+                                     deadline=deadline.less(2 * (time.perf_counter() - start)),
+                                     within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
 
 

@@ -8,8 +8,8 @@ re-admitted host's) as it had replicas, of the one class that runs its blocks fa
 at a trusted endpoint), else its blocks join the neighbouring stage. A second repair also tops up every
 stage that lost replicas the same way (one class, up to the number lost). Verifiers are placed again
 greedily (``verifiers.assign_verifiers``). Each repair, and the same devices with the cuts chosen again for
-them (``seq_partition.partition_min_step``), are the search's first incumbents (``api._search``); one that
-breaks memory or the policy is skipped.
+them (``seq_partition.partition_min_step``), are the search's first incumbents
+(``count_search.search_count``); one that breaks memory or the policy is skipped.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import pytest
 from cost_models.training import TrainingConfig
 from planner.api import RIVAL_MARGIN, _rivals, plan_chain
 from planner.solver import api as solver_api
+from planner.solver import baseline_plans
 from planner.solver.objective import price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
@@ -105,9 +106,9 @@ def test_the_dp_baseline_past_its_deadline_keeps_its_first_partition(monkeypatch
 
 def test_every_baseline_past_the_deadline_still_gives_its_plan(case):
     chain, cluster, config, problem = case
-    names = solver_api.BASELINE_NAMES
-    full = solver_api.baselines(names, chain, cluster, config, POLICY)
-    quick = solver_api.baselines(names, chain, cluster, config, POLICY, deadline=PASSED)
+    names = baseline_plans.BASELINE_NAMES
+    full = baseline_plans.baselines(names, chain, cluster, config, POLICY)
+    quick = baseline_plans.baselines(names, chain, cluster, config, POLICY, deadline=PASSED)
     assert [s.report.method for s in quick] == [s.report.method for s in full] and quick
     for fast, slow in zip(quick, full):
         assert fast.predicted_step_ms >= slow.predicted_step_ms * (1 - 1e-12)
@@ -145,8 +146,8 @@ def test_a_spent_budget_still_gives_a_plan_chosen_by_simulation(case):
 
 def test_baselines_priced_past_what_can_win_are_left_out(case):
     chain, cluster, config, _ = case
-    full = solver_api.baselines(solver_api.BASELINE_NAMES, chain, cluster, config, POLICY)
+    full = baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, cluster, config, POLICY)
     cap = sorted(s.predicted_step_ms for s in full)[len(full) // 2]
-    kept = solver_api.baselines(solver_api.BASELINE_NAMES, chain, cluster, config, POLICY, within_ms=cap)
+    kept = baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, cluster, config, POLICY, within_ms=cap)
     assert [s.report.method for s in kept] == [s.report.method for s in full if s.predicted_step_ms <= cap]
     assert 0 < len(kept) < len(full)

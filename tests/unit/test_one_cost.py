@@ -16,7 +16,7 @@ import torch
 from planner.api import plan_chain
 from planner.errors import InfeasiblePlanError
 from planner.simulate import simulate
-from planner.solver.api import BASELINE_NAMES
+from planner.solver.baseline_plans import BASELINE_NAMES
 from tests.unit.program_fixtures import POLICY, compiled_case, wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
 

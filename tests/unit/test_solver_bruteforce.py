@@ -17,7 +17,8 @@ import torch
 from cost_models.training import TrainingConfig
 from planner.check import check_solution
 from planner.errors import InfeasiblePlanError
-from planner.solver import api
+from planner.solver import api, baseline_plans
+from planner.solver.count_search import search_count
 from planner.solver.objective import (
     evaluate,
     fluid_bottleneck_ms,
@@ -87,7 +88,7 @@ def test_solver_matches_brute_force_and_checker(seed, twists):
             assert check_solution(rescued, chain, cluster, config, policy).ok
         return
     assert sol is not None, f"no plan, but enumeration found {best:.3f} ms"
-    found = api._search(problem, 20, 1, "test", None, api.GAP_TOLERANCE, [])  # the closed form's optimum
+    found = search_count(problem, 20, 1, "test", None, api.GAP_TOLERANCE, [])  # the closed form's optimum
     assert best * (1 - 1e-9) <= found.step_ms <= best * (1 + REL_TOL)
     assert found.bound_ms <= best * (1 + 1e-9)
     program_best, _ = brute_force(problem, program=True)
@@ -99,7 +100,7 @@ def test_solver_matches_brute_force_and_checker(seed, twists):
     assert report.ok, report.problems
     for name in BASELINES:
         try:
-            b = api.baseline(name, chain, cluster, config, policy)
+            b = baseline_plans.baseline(name, chain, cluster, config, policy)
         except InfeasiblePlanError:
             continue
         assert sol.predicted_step_ms <= b.predicted_step_ms * (1 + REL_TOL), name  # both priced as programs

@@ -7,6 +7,7 @@ import torch
 
 from cost_models.training import TrainingConfig
 from planner.solver import api
+from planner.solver.count_search import search_count
 from planner.solver.cpsat.model import solve_cpsat
 from planner.solver.objective import Placement, evaluate, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -69,7 +70,7 @@ def test_cpsat_equals_dp_on_homogeneous_chains(seed, blocks, devices):
 
 def test_solver_uses_the_exact_dp_when_it_covers_the_space():
     chain, cluster, config, problem = homogeneous(3, 200, 8, uniform=True)
-    found = api._search(problem, 10, 1, "test", None, api.GAP_TOLERANCE, [])
+    found = search_count(problem, 10, 1, "test", None, api.GAP_TOLERANCE, [])
     part = homogeneous_dp(problem, 0, 8)
     assert found.method == "dp-exact" and found.bound_ms == found.step_ms
     assert found.step_ms == pytest.approx(part.step_ms, rel=1e-12)

@@ -9,7 +9,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.solver import api
+from planner.solver import api, baseline_plans
 from planner.solver.policy import VerificationPolicy
 from tests.unit.solver_fixtures import random_chain
 
@@ -90,7 +90,7 @@ def test_baseline_that_breaks_memory_says_so():
     uneven = cluster(host("a", "A100-80GB"), host("b", "T4"), host("c", "T4"), host("d", "A100-80GB"))
     chain = random_chain(np.random.default_rng(1), 8, param_scale=1.2e9, act_scale=1e6, uniform=True)
     with pytest.raises(InfeasiblePlanError, match="the uniform baseline has no valid plan here"):
-        api.baseline("uniform", chain, uneven, CONFIG, VerificationPolicy(enabled=False))
+        baseline_plans.baseline("uniform", chain, uneven, CONFIG, VerificationPolicy(enabled=False))
     sol = api.solve(chain, uneven, CONFIG, VerificationPolicy(enabled=False), time_limit_s=10, workers=1)
     assert sol.predicted_step_ms > 0
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from planner.solver import api
+from planner.solver import api, count_search
 from planner.solver.objective import evaluate, violations
 from planner.solver.search import local
 from planner.solver.search.chain_dp import Group
@@ -148,7 +148,7 @@ def test_where_cpsat_cannot_help_the_local_search_takes_its_time_and_the_plan_is
     from planner.solver.policy import VerificationPolicy
     from tests.unit.solver_fixtures import random_chain, tiered_cluster
 
-    monkeypatch.setattr(api, "CPSAT_HOPELESS", 0)
+    monkeypatch.setattr(count_search, "CPSAT_HOPELESS", 0)
     rng = np.random.default_rng(5)
     cluster = tiered_cluster(16)
     mem = max(d.spec.mem_bytes for d in cluster.stage_devices)

@@ -1,0 +1,60 @@
+"""One microbatch count's result (:class:`Outcome`), and the :class:`Solution` a chosen one becomes."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.solver.idle import idle_reasons
+from planner.solver.link_tests import keep_link_tests, lost_link_tests
+from planner.solver.objective import Placement, price_program, program_memory
+from planner.solver.problem import Problem
+from planner.solver.solution import Solution, SolveReport
+
+# (label, objective ms or None, bound ms or None, elapsed s): called while solving.
+Progress = Callable[[str, float | None, float | None, float], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """One M's result: the best plan found (or None), bounds, and what produced them.
+
+    ``step_ms`` and ``bound_ms``: the search's closed form (``objective.evaluate``) of the plan and a bound on
+    it; ``program_ms``: the cost of the plan's compiled programs (``objective.price_program``), the plan
+    chosen among every valid plan the search met by it; ``valid_bound_ms``: a bound on that cost of any plan.
+    """
+
+    problem: Problem
+    placement: Placement | None
+    step_ms: float
+    bound_ms: float
+    method: str
+    cpsat_status: str
+    solve_s: float
+    program_ms: float = math.inf
+    valid_bound_ms: float = 0.0
+
+
+def ruled_out(problem: Problem) -> Outcome:
+    return Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf, method="precheck",
+                   cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf)
+
+
+def to_solution(outcome: Outcome, bound_ms: float | None, notes: tuple[str, ...], solve_s: float,
+                method: str, status: str) -> Solution:
+    assert outcome.placement is not None
+    placement = keep_link_tests(outcome.problem, outcome.placement)
+    priced = price_program(outcome.problem, placement)
+    gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
+        if priced.step_ms > 0 else 0.0
+    notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms) + \
+        lost_link_tests(outcome.problem, placement)
+    report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
+                         solve_s=solve_s, notes=notes)
+    stages = tuple(dataclasses.replace(st, in_flight=n, recompute=outcome.problem.tables(st.recompute).recompute)
+                   for st, n in zip(placement.stages, priced.in_flight))
+    return Solution(stages=stages, verifiers=placement.verifiers,
+                    num_microbatches=placement.num_microbatches, schedule=outcome.problem.schedule,
+                    predicted_step_ms=priced.step_ms,
+                    memory_bytes=program_memory(outcome.problem, placement, priced.in_flight), report=report)
