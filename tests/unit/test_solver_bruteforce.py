@@ -31,7 +31,7 @@ from tests.unit.solver_fixtures import random_chain, random_cluster
 
 torch.set_num_threads(1)
 
-REL_TOL = 1e-4  # CP-SAT works on costs floored at cpsat.COST_RESOLUTION of the chain's time
+REL_TOL = 1e-4  # CP-SAT works on costs floored at cpsat.structure.COST_RESOLUTION of the chain's time
 # The returned plan's program cost over the enumerated optimum of that cost: measured at most 1.167 (one
 # instance of 48; the rest within 1.031) when the search optimised the closed form alone.
 PROGRAM_TOL = 0.2
