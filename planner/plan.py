@@ -34,7 +34,9 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner import secret as run_secret
 from planner.errors import InvalidInputError, PlanMismatchError
-from planner.instructions import Instruction, format_instruction, parse_instruction  # noqa: F401 (documented)
+
+# The string form is documented as plan.py's too (docs/CONTRACTS.md): re-exported.
+from planner.instructions import Instruction, format_instruction, parse_instruction  # noqa: F401
 from planner.ir import BlockChain, TiedParam
 from planner.outputs import write_atomic
 from planner.plan_history import HistoryEntry
