@@ -23,10 +23,12 @@ replicated stage's gradients once its replicas are done. Priced the same way
   outlasts the backwards it still holds: ``pipe = max over resources of
   (busy + the path outside it)``.
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
-  a replica to ``n`` microbatches per ``fb + D``: ``n`` chains of pass, round
-  trip, pass, the last chain starting late. The limit is the schedule's least
-  (``planner.schedules.max_in_flight``) raised, as far as the device's memory
-  allows, to ``1 + QUEUEING * D / fb``. With another throttled stage downstream
+  a replica to ``n`` microbatches per ``fb + D + W``: ``n`` chains of pass,
+  round trip (the mean over its microbatches) and the wait ``W`` behind other
+  microbatches downstream, pass; the last chain starting late. The limit is
+  the schedule's least (``planner.schedules.max_in_flight``) raised, as far as
+  the device's memory allows, to ``1 + QUEUEING * D / fb`` (all in
+  ``in_flight``). With another throttled stage downstream
   the chains do not stay bunched: the returns come back spread over the period,
   so the last forward ends the busy time and its round trip and backward follow
   it (llama-7b, bf16, 2048 tokens on 40 consumer GPUs: priced 10.8% under its
@@ -47,14 +49,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models import comm, memory
+from cost_models import comm
+from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
 from planner.solver.solution import StagePlacement, VerifierPlacement
-
-# A microbatch's round trip downstream also waits in busy ranks' queues: allow this many times the bare
-# trip's worth of microbatches in flight where memory has room.
-QUEUEING = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,18 +120,6 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 key = (k, direction)
                 out.wait[key] = max(out.wait.get(key, 0.0), copy + check + verdict - arrival - own)
     return out
-
-
-def _memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> int:
-    """The most microbatches' activations replica ``dev`` of ``st`` can hold beside its static memory."""
-    problem = problem.tables(st.recompute)
-    act = problem.range_act_bytes(st.first_block, st.last_block)
-    static = (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
-              + problem.buffer_bytes(st.first_block, st.last_block) + vstate)
-    room = problem.classes[problem.class_of(dev)].mem_bytes - static
-    if act <= 0:
-        return 1 << 30
-    return max(0, room // act)
 
 
 @dataclass(slots=True)
@@ -272,8 +259,8 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
     S, M = len(stages), len(p.fwd)
     busy: list[tuple[float, float, str]] = []
     last_forward: dict[str, tuple[int, int, float]] = {}
-    limits = [tuple(_limit(problem, st, k, dev, ids, t, p, verifier_state)
-                    for dev, ids, t in zip(st.devices, routes[k], fb[k])) for k, st in enumerate(stages)]
+    limits = [tuple(limit(problem, stages, k, i, routes[k][i], fb, bw, p.down, verifier_state)
+                    for i in range(len(st.devices))) for k, st in enumerate(stages)]
     throttled = [any(period > t for (_, period), t in zip(limits[k], fb[k])) for k in range(S)]
     for k, st in enumerate(stages):
         for i, (dev, ids, t, b) in enumerate(zip(st.devices, routes[k], fb[k], bw[k])):
@@ -287,7 +274,7 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             if n >= m:  # every microbatch in flight at once: one wait, after the forwards or before the backwards
                 idle = max(m * f + trips[1] + b, f + trips[0] + m * b) - m * t
             elif period > t:  # throttled: n chains of pass, round trip, pass; the last chain starts passes late
-                idle = math.ceil(m / n) * (t + trip) + ((m - 1) % n) * t - m * period
+                idle = math.ceil(m / n) * n * period + ((m - 1) % n) * t - m * period  # a chain lasts n periods
                 if any(throttled[k + 1:]):  # a throttled stage downstream spreads the chains over the period:
                     idle = max(idle, trip + t - period)  # the last forward ends the busy time, its trip follows
             else:
@@ -300,18 +287,6 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             last_forward[name] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
                                   - max(p.down[last][k], (n - 1) * b))
     return busy, [tuple(n for n, _ in row) for row in limits], last_forward
-
-
-def _limit(problem: Problem, st, k: int, dev: str, ids, t: float, p: _Paths,
-           verifier_state: dict[str, int]) -> tuple[int, float]:
-    """(in-flight limit, period per microbatch) of one stage replica: the schedule's least raised, as far as
-    memory allows, to what covers its round trip; below that, ``n`` microbatches per pass and round trip."""
-    S, m = len(p.fwd[0]), len(ids)
-    trip = max(p.down[x][k] for x in ids)
-    least = memory.in_flight_microbatches(problem.schedule, S, k, m)
-    need = m if problem.schedule == "gpipe" or t <= 0 else min(m, 1 + math.ceil(QUEUEING * trip / t))
-    n = max(least, min(need, _memory_cap(problem, st, dev, verifier_state.get(dev, 0))))
-    return n, (t if n >= need else max(t, (t + trip) / n))
 
 
 def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float]):
