@@ -14,18 +14,19 @@ they meet downstream behind other microbatches' passes. Its forward reaches
 each downstream replica at a random phase of that replica's rhythm: the
 replica is busy with other microbatches' backwards a fraction ``rate x b`` of
 the time, the rate set by ``period``, and the forward then waits half a
-backward: ``W = c / period``, a quadratic in ``period``. No queue beyond
-the block in progress: the arrivals are nearly periodic. And no wait at the
-last stage, which runs each backward right after its forward: a replica
-visited once per trip with periodic arrivals is a D/D/1 queue; the wait comes
-where a trip's forward meets the backwards coming back.
+backward; its backward meets their forwards alike. So ``W = c / period``, a
+quadratic in ``period``. No queue beyond the pass in progress: the arrivals
+are nearly periodic. And no wait at the last stage, which runs each backward
+right after its forward: a replica visited once per trip with periodic
+arrivals is a D/D/1 queue; the waits come where forwards going down meet
+backwards coming back.
 
 llama-7b, fp32, 2048 tokens on 40 consumer GPUs (``benchmarks/mixed_7b.py``):
-stage 16, 4 in flight, ran one microbatch per 340 ms in simulation (its
-first microbatch of each 4 waited a whole backward at stage 17); priced
-299 ms with no wait, 320 with this. Counting the last stage's blocks too gave
-345 there but over-priced random throttled placements (up to +28%); a closed
-queueing network with deterministic residuals (mean value analysis) gave 394.
+stage 16, 4 in flight, ran one microbatch per 340 ms in simulation (the first
+microbatch of each 4 waited a whole backward at stage 17); priced 299 ms with
+no wait, 325 with this. Counting the last stage's passes too gave 345 there
+but over-priced random throttled placements (up to +28%); a closed queueing
+network with deterministic residuals (mean value analysis) gave 394.
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def interference(stages, fb, bw, k: int, ids) -> float:
         # at a replica visited once per trip do not wait (D/D/1); the others see forwards and backwards.
         for j in range(k + 1, S - 1):
             i = owner[j][x][0]
-            # Busy with backwards (len(ids) / M) * share * b / period of the time; the wait then: half a backward.
-            c += stages[j].microbatches[i] / M * bw[j][i] * bw[j][i] / 2
+            f, b = fb[j][i] - bw[j][i], bw[j][i]
+            # Busy with others' backwards (len(ids) / M) * share * b / period of the time, when the forward
+            # waits half a backward; the same for the backward behind others' forwards.
+            c += stages[j].microbatches[i] / M * (b * b + f * f) / 2
     return c / M
 
 
