@@ -274,7 +274,7 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             if n >= m:  # every microbatch in flight at once: one wait, after the forwards or before the backwards
                 idle = max(m * f + trips[1] + b, f + trips[0] + m * b) - m * t
             elif period > t:  # throttled: n chains of pass, round trip, pass; the last chain starts passes late
-                idle = math.ceil(m / n) * n * period + ((m - 1) % n) * t - m * period  # a chain lasts n periods
+                idle = (math.ceil(m / n) * n - m) * period + ((m - 1) % n) * t  # a chain: n periods
                 if any(throttled[k + 1:]):  # a throttled stage downstream spreads the chains over the period:
                     idle = max(idle, trip + t - period)  # the last forward ends the busy time, its trip follows
             else:
