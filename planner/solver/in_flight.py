@@ -25,8 +25,8 @@ llama-7b, fp32, 2048 tokens on 40 consumer GPUs (``benchmarks/mixed_7b.py``):
 stage 16, 4 in flight, ran one microbatch per 340 ms in simulation (the first
 microbatch of each 4 waited a whole backward at stage 17); priced 299 ms with
 no wait, 325 with this. Counting the last stage's passes too gave 345 there
-but over-priced random throttled placements (up to +28%); a closed queueing
-network with deterministic residuals (mean value analysis) gave 394.
+but over-priced random placements with forced windows (up to +28%); a closed
+queueing network with deterministic residuals (mean value analysis) gave 394.
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def _priced_and_simulated(num_microbatches: int, act_bytes: float):
 
 @pytest.mark.parametrize("num_microbatches", [32, 64])
 def test_a_throttled_stage_feeding_busy_stages_is_priced_as_it_runs(num_microbatches):
-    """Memory holds 4 microbatches on stage 0 where its round trip wants 9: stage 0 paces the step, and its
+    """Memory holds 4 microbatches on stage 0 where its round trip wants 10: stage 0 paces the step, and its
     round trips wait behind the backwards coming back through stage 1 (as fast as stage 0, so as busy) and
     stage 2, and the forwards going down. Priced without those waits: 6.7% (32) and 9.0% (64) under the
     simulated step."""
