@@ -341,11 +341,12 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             pipe = max(pipe, drained[0])
             finishes = [max(f, d) for f, d in zip(finishes, drained)] + finishes[len(drained):]
     last = len(p.fwd) - 1
+    sent = list(finishes)  # the checks wait on the senders' own finishes, whatever order the checks come in
     for k, st in enumerate(stages):  # a replica that checks gradients all-reduces after its last check
         for dev in st.devices:
             for b, direction in traffic.checks.get(dev, ()):
                 if direction == "grad":
-                    finishes[k] = max(finishes[k], finishes[b + 1] + p.hop_b[last][b])
+                    finishes[k] = max(finishes[k], sent[b + 1] + p.hop_b[last][b])
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
     step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
