@@ -91,7 +91,8 @@ from planner.instructions import (
     format_instruction,
     message_keys,
 )
-from planner.plan import Plan, Predicted
+from planner.plan import Plan
+from planner.plan_values import Predicted
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
