@@ -24,12 +24,16 @@ class IQRFence:
     ``fallback`` fence stands in (if given and ready), else nothing exceeds it. The ``ratio`` term keeps a fence learnt in a calm stretch of
     training from flagging the next, livelier one: honest score levels move by
     tens of percent as training goes on, corruptions move them by multiples.
+    ``capped``: the fence is never above the fallback's (a step's average is less noisy
+    than any of its samples, so the samples' fence bounds the average's; see
+    ``Monitor.step_fences``).
     """
 
-    __slots__ = ("_fence", "_scores", "_sorted", "fallback", "floor", "k", "min_samples", "ratio", "window")
+    __slots__ = ("_fence", "_scores", "_sorted", "capped", "fallback", "floor", "k", "min_samples", "ratio",
+                 "window")
 
     def __init__(self, *, window: int, k: float, min_samples: int, floor: float = 0.0,
-                 ratio: float = 0.0, fallback: IQRFence | None = None) -> None:
+                 ratio: float = 0.0, fallback: IQRFence | None = None, capped: bool = False) -> None:
         if window < 4:
             raise InvalidInputError("verifier window", expected=">= 4 scores", found=str(window),
                                     fix="use a window of 64-128 scores")
@@ -48,6 +52,7 @@ class IQRFence:
         self.min_samples = min_samples
         self.floor = float(floor)
         self.fallback = fallback
+        self.capped = capped and fallback is not None
         self._scores: deque[float] = deque()
         self._sorted: list[float] = []      # the same scores, kept sorted for the quartiles
         self._fence: float | None = None    # cached until the window changes
@@ -85,13 +90,18 @@ class IQRFence:
         return self.quantile(0.25), self.quantile(0.75)
 
     def fence(self) -> float | None:
-        """``max(Q3 + k * IQR, floor, ratio * median)``; before ``min_samples`` scores, the
-        fallback's fence (None without one)."""
+        """``max(Q3 + k * IQR, floor, ratio * median)``, at most the fallback's if ``capped``; before
+        ``min_samples`` scores, the fallback's fence (None without one)."""
         if not self.ready:
             return None if self.fallback is None else self.fallback.fence()
         if self._fence is None:
             q1, q3 = self.quartiles()
             self._fence = max(q3 + self.k * (q3 - q1), self.floor, self.ratio * self.quantile(0.5))
+        if self.capped:
+            assert self.fallback is not None
+            cap = self.fallback.fence()
+            if cap is not None and cap < self._fence:
+                return cap
         return self._fence
 
     def exceeds(self, score: float) -> bool:

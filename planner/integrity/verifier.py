@@ -226,6 +226,12 @@ class Monitor:
         # a little over its fence) was folded in unjudged: a stale worker's outputs (the delay
         # attack, link share 1.0-1.5 against a fence of 0.6, just under GROSS) taught the link
         # fence and the surrogate their own scores within two steps and were never flagged again.
+        # Once ready, a step's fence is also capped by its per-sample twin: the window of step scores
+        # reaches back ``window`` steps, into early training's turbulence, while the samples' window
+        # holds the last few steps (at 16 microbatches a step, four). Honest step averages of the
+        # spectral share sat at 0.07 under a step fence of 0.46 learnt from steps 5-12, and noise at
+        # 4% of the energy (0.45) passed as a step while its samples failed 0.2 one by one, was
+        # folded in and learnt (split placement, seed 1, 2026-12-03).
         self.step_fences = {name: self._fence(name, cfg.step_floors, self.fences.get(name))
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
@@ -235,7 +241,8 @@ class Monitor:
 
     def _fence(self, name: str, floors: Mapping[str, float], fallback: IQRFence | None = None) -> IQRFence:
         return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
-                        floor=floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0), fallback=fallback)
+                        floor=floors.get(name, 0.0), ratio=self.cfg.ratios.get(name, 0.0), fallback=fallback,
+                        capped=fallback is not None)
 
     def _seed(self, salt: int) -> int:
         # Distinct, fixed projections per monitor: the same on every rank and run.
