@@ -35,6 +35,16 @@ DEFAULT_FLOORS = {"mad": 0.0, "l2": 0.0, "scale": 1.0, "gain": 1.0, "sign": 0.5,
 # 200 steps, every boundary;
 # at 1.0, a sender scaling its gradients by 3, 1.1 e-folds, passed once and was learnt).
 DEFAULT_STEP_FLOORS = {**DEFAULT_FLOORS, "gain": 0.5, "skew": 0.6, "spectral": 0.12, "link": 0.2, "residual": 2.5}
+# Floors that replace the two above for activations (per sample and per step). An activation's
+# size moves only as fast as the weights: loss spikes grow the gradients on their way back, not
+# the activations. The raw scale's 1.0 was set for gradients; without the stage's input (no
+# ``gain``) it let a sender damp its activations by 0.5 (0.69 e-folds) for good: the first step
+# passed, was learnt within the step, and the sender was never banned (split placement of
+# issue 20, all seeds). Honest activations stayed at most 0.35 per sample and 0.23 per step (the
+# first step after the warm-up; later under 0.1; gpt-tiny on the split placement, 16 microbatches
+# of one sequence, seeds 0, 1 and 3): 0.5 (x0.61 or x1.65) is the step gain's floor, with the
+# same room over the honest worst.
+DEFAULT_ACT_FLOORS = {"scale": 0.5}
 # Fence ratios (fence >= ratio * median): the magnitude distances swing with
 # the data and with bursts of training instability (gradients above all), so
 # they only flag gross corruption; the spectral share is stable from batch to
@@ -49,8 +59,8 @@ class VerifierConfig:
 
     ``beta_act``/``beta_grad``: EMA factors per accepted microbatch. ``window``:
     scores per fence. ``iqr_k``: the fence is ``Q3 + iqr_k * IQR``, at least
-    ``floors[d]`` (``step_floors[d]`` for a step's average) and ``ratios[d]``
-    times the window's median. ``warmup`` counts steps from the first step a
+    ``floors[d]`` (``step_floors[d]`` for a step's average; ``act_floors[d]`` for both
+    on activations, where given) and ``ratios[d]`` times the window's median. ``warmup`` counts steps from the first step a
     monitor sees: they are taken as honest and only teach the references.
     ``min_samples`` scores are needed before a fence exists. Bans follow a
     sequential test per sender (``planner.integrity.bans``): a CUSUM of the
@@ -86,6 +96,7 @@ class VerifierConfig:
     floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
     step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
     ratios: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RATIOS))
+    act_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_ACT_FLOORS))
     projections: int = 16
     quantiles: int = 32
     replay_window: int = 256
@@ -106,7 +117,7 @@ class VerifierConfig:
         if not self.iqr_k > 0:
             raise InvalidInputError("verifier_config.iqr_k", expected="a number > 0 (e.g. 3.0)",
                                     found=str(self.iqr_k))
-        for table in ("floors", "step_floors", "ratios"):
+        for table in ("floors", "step_floors", "ratios", "act_floors"):
             for name, value in getattr(self, table).items():
                 if not value >= 0:
                     raise InvalidInputError(f"verifier_config.{table}.{name}", expected="a number >= 0",
@@ -129,7 +140,7 @@ class VerifierConfig:
         if not self.ban_false_steps > 1.0:
             raise InvalidInputError("verifier_config.ban_false_steps", expected="a number of steps > 1 (e.g. 1e5)",
                                     found=str(self.ban_false_steps))
-        unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios)
+        unknown = [d for d in (*self.distances, *self.floors, *self.step_floors, *self.ratios, *self.act_floors)
                    if d not in ALL_DISTANCES]
         if unknown or not self.distances:
             raise InvalidInputError("verifier_config.distances", expected=f"a non-empty subset of {ALL_DISTANCES}",
@@ -151,6 +162,8 @@ class VerifierConfig:
             d["step_floors"] = {**DEFAULT_STEP_FLOORS, **dict(d["step_floors"])}
         if "ratios" in d:
             d["ratios"] = {**DEFAULT_RATIOS, **dict(d["ratios"])}
+        if "act_floors" in d:
+            d["act_floors"] = dict(d["act_floors"])   # replaces the defaults: {} keeps the shared floors
         try:
             return cls(**d)
         except (TypeError, ValueError) as exc:

@@ -218,7 +218,10 @@ class Monitor:
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
-        self.fences = {name: self._fence(name, cfg.floors) for name in cfg.distances if name not in STEP_ONLY}
+        floors, step_floors = cfg.floors, cfg.step_floors
+        if direction == "act":
+            floors, step_floors = {**floors, **cfg.act_floors}, {**step_floors, **cfg.act_floors}
+        self.fences = {name: self._fence(name, floors) for name in cfg.distances if name not in STEP_ONLY}
         # A step's fence learns one score per step: it is ready ``min_samples`` steps after the
         # warm-up, its per-sample twin four times sooner. Until then the twin judges the step's
         # average (a looser fence than the step's own will be: an average is less noisy than
@@ -232,7 +235,7 @@ class Monitor:
         # spectral share sat at 0.07 under a step fence of 0.46 learnt from steps 5-12, and noise at
         # 4% of the energy (0.45) passed as a step while its samples failed 0.2 one by one, was
         # folded in and learnt (split placement, seed 1, 2026-12-03).
-        self.step_fences = {name: self._fence(name, cfg.step_floors, self.fences.get(name))
+        self.step_fences = {name: self._fence(name, step_floors, self.fences.get(name))
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
         self.flagged = 0
