@@ -124,3 +124,18 @@ def test_cusum_one_outlier_is_capped_and_out_of_control_samples_do_not_teach() -
     assert cusum.z(1.0) == pytest.approx(before)
     with pytest.raises(InvalidInputError, match="drift"):
         Cusum(window=8, k=0.0)
+
+
+def test_a_capped_fence_is_never_above_its_twins() -> None:
+    twin = IQRFence(window=16, k=3.0, min_samples=2, floor=0.2)
+    step = IQRFence(window=16, k=3.0, min_samples=4, floor=0.1, fallback=twin, capped=True)
+    for score in (0.5, 0.6, 0.1, 0.1):        # early turbulence in the step window: its own fence 1.8
+        step.update(score)
+    assert step.fence() > 1.0                  # the twin is not ready: nothing to cap with yet
+    twin.update(0.05)
+    twin.update(0.06)
+    assert step.fence() == pytest.approx(0.2) and step.exceeds(0.45)
+    loose = IQRFence(window=16, k=3.0, min_samples=4, floor=0.1, fallback=twin)
+    for score in (0.5, 0.6, 0.1, 0.1):
+        loose.update(score)
+    assert loose.fence() > 1.0 and not loose.exceeds(0.45)  # uncapped: the early window's fence

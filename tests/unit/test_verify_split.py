@@ -1,0 +1,56 @@
+"""Monitors without the sending stage's input (a split placement: no link, residual or gain test):
+activation floors of their own, and step fences no looser than their samples'."""
+from __future__ import annotations
+
+import torch
+
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.verifier import Verifier
+from planner.verifier_config import DEFAULT_FLOORS, VerifierConfig
+from tests.unit.test_verify import Stream, run
+
+torch.set_num_threads(1)
+
+
+def test_activations_have_a_scale_floor_of_their_own() -> None:
+    v = Verifier({"warmup": 5}, [(0, "act"), (0, "grad")])
+    act, grad = v.monitor(0, "act"), v.monitor(0, "grad")
+    assert act.fences["scale"].floor == act.step_fences["scale"].floor == 0.5
+    assert grad.fences["scale"].floor == grad.step_fences["scale"].floor == DEFAULT_FLOORS["scale"]
+    assert act.fences["mad"].floor == grad.fences["mad"].floor     # only the floors named are replaced
+    shared = Verifier({"warmup": 5, "act_floors": {}}, [(0, "act")])
+    assert shared.monitor(0, "act").fences["scale"].floor == DEFAULT_FLOORS["scale"]
+    cfg = VerifierConfig.from_dict({"act_floors": {"scale": 0.4}})
+    assert VerifierConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_damped_activations_are_flagged_every_step_and_their_sender_banned() -> None:
+    # 0.5 is 0.69 e-folds: inside the raw scale's floor of 1.0 (set for gradients), so without the
+    # stage's input the first damped step passed, was learnt, and the damping was never seen again.
+    v = Verifier({"warmup": 5}, [(0, "act")])
+    attacker = Attacker(parse_attack("rank=1,start=12,kind=scale,factor=0.5"), seed=0)
+    flags = run(v, 22, attacker=attacker)
+    assert not any(flags[s] for s in range(12))
+    for step in range(12, 22):
+        if 1 in v.banned and step > min(s for s, _ in v.ban_records().values()):
+            break
+        assert any(e["sender"] == 1 and "scale" in e["reasons"] for e in flags[step]), (step, flags[step])
+    first, banned_at = v.ban_records()[1]
+    assert first == 12 and banned_at - 12 <= 10
+
+
+def test_a_step_fence_is_never_looser_than_its_samples() -> None:
+    v = Verifier({"warmup": 5}, [(0, "act")])
+    stream = Stream(3)
+    for step in range(30):
+        for mb in range(4):
+            # turbulent early steps (a size that swings) fill the step window with large scores
+            x, lab = stream.sample(step)
+            v.check(0, "act", x * (1.0 + (0.3 * (-1) ** step if step < 14 else 0.0)), step=step, mb=mb, sender=1,
+                    labels=lab)
+        v.end_step(step, [v.flag_events(step)])
+    mon = v.monitor(0, "act")
+    sample, whole = mon.fence_values(), mon.fence_values(per_sample=False)
+    for name, fence in whole.items():
+        if fence is not None and sample.get(name) is not None:
+            assert fence <= sample[name] + 1e-12, name
