@@ -64,7 +64,7 @@ from cost_models.cluster_file import parse_cluster
 from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
 from planner.integrity.attacks import Attacker, parse_attack
-from planner.integrity.verifier import Verifier, blame
+from planner.integrity.verifier import Verifier
 from planner.runtime.rank_setup import make_lr_warmup
 from planner.simulate import predict
 from planner.verifier_config import VerifierConfig
@@ -214,7 +214,8 @@ class Pipeline:
         if self.verifier is None:
             return [], set()
         flags = self.verifier.flag_events(step)
-        return sorted(blame(flags)), self.verifier.end_step(step, [flags])
+        banned = self.verifier.end_step(step, [flags])
+        return sorted(self.verifier.last_blamed), banned   # the blame the ban test counts
 
 
 def run(cfg: RunConfig, *, keep_events: bool = False, pipeline: Callable[[RunConfig], Pipeline] = Pipeline

@@ -523,6 +523,8 @@ class Verifier:
         # Accepted rows, their size change, log size and sender, as the next stage's input for its link test.
         self._rows: dict[tuple[tuple[int, str], int, int], tuple[torch.Tensor, float | None, float, int | None]] = {}
         self._blamed_steps: dict[int, list[int]] = {}
+        self._lone: dict[int, float] = {}     # sender -> its flagged microbatches of the last step, not blamed
+        self.last_blamed: set[int] = set()    # the senders the last ``end_step`` blamed
         self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
                              false_steps=self.config.ban_false_steps)
         self.banned: set[int] = self._bans.banned
@@ -641,7 +643,10 @@ class Verifier:
         the same input, so every verifier reaches the same bans.
         """
         flags = [e for e in _flatten(all_flag_events) if int(e["step"]) == step]
-        blamed = blame(flags)
+        weights = blame_weights(flags)
+        blamed = {s for s, n in weights.items() if n + self._lone.get(s, 0.0) >= BLAME_MICROBATCHES}
+        self._lone = {s: n for s, n in weights.items() if s not in blamed}
+        self.last_blamed = set(blamed)
         for sender in sorted(blamed):
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:
@@ -664,11 +669,13 @@ class Verifier:
 
     def bans_state(self) -> dict[str, Any]:
         """The ban test's evidence and bans and the blame history, for a checkpoint."""
-        return {**self._bans.to_json(), "blamed_steps": {str(k): v for k, v in self._blamed_steps.items()}}
+        return {**self._bans.to_json(), "blamed_steps": {str(k): v for k, v in self._blamed_steps.items()},
+                "lone_flags": {str(k): v for k, v in self._lone.items()}}
 
     def restore_bans(self, data: Mapping[str, Any]) -> None:
         self._bans.restore(dict(data))
         self._blamed_steps = {int(k): [int(s) for s in v] for k, v in data.get("blamed_steps", {}).items()}
+        self._lone = {int(k): float(v) for k, v in data.get("lone_flags", {}).items()}
 
     def summary(self) -> dict[str, Any]:
         """Counts, current fences and bans, for logs and the ``--report`` file."""
@@ -750,7 +757,14 @@ FLAG_EVENTS_SCHEMA = {
 
 
 def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
-    """Senders to blame: per (step, microbatch), only the most upstream flag's sender.
+    """Senders to blame: per (step, microbatch), only the most upstream flag's sender (see
+    :func:`blame_weights`)."""
+    return set(blame_weights(flags))
+
+
+def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """Per sender to blame, how many (step, microbatch) pairs its flags are the most upstream of
+    (``math.inf`` where that is a step-level flag or a replay: its whole step).
 
     A step-level flag (a sender's step as a whole) stands for every microbatch of its step, and
     is itself outranked by any flag upstream in its step: a stage that damps or skews its output
@@ -776,6 +790,26 @@ def blame(flags: Iterable[Mapping[str, Any]]) -> set[int]:
             for candidate in rivals:
                 if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
                     first[key] = candidate
-    proof = {int(e["sender"]) for events in by_step.values() for e in events
-             if evidence.DECISIVE.intersection(e.get("reasons", ()))}
-    return {int(e.get("upstream", e["sender"])) for e in first.values()} | proof
+    weights: dict[int, float] = {}
+    for (_, mb), event in first.items():
+        who = int(event.get("upstream", event["sender"]))
+        whole = mb == STEP_MB or int(event["mb"]) == STEP_MB
+        weights[who] = math.inf if whole else weights.get(who, 0.0) + 1.0
+    for events in by_step.values():
+        for e in events:
+            if evidence.DECISIVE.intersection(e.get("reasons", ())):
+                weights[int(e["sender"])] = math.inf
+    return weights
+
+
+# Blame that counts as evidence against a sender (``Verifier.end_step``): its step as a whole
+# (a step-level flag, a replay), or flagged microbatches adding up to this many over its last two
+# steps. One lone flagged microbatch is dropped but is no evidence: honest training makes a
+# microbatch like no other now and then (gpt-tiny, 16 microbatches of one sequence, 200 clean
+# steps: 5-10 per run, never two in one step of one sender; the link at 35x its fence on step 6's
+# thirteenth, a loss spike's gradient at 2.4x its size fence), and each one added to the ban test's
+# count of blamed steps (5.6% of one honest sender's steps against its 5% bound, linked placement,
+# seed 3). An attack the monitors see corrupts every microbatch it touches (issue 20's suite: 5-16 of
+# 16 flagged a step, or a step-level flag); one that corrupts one microbatch a step is dropped every
+# time, and is blamed from its second.
+BLAME_MICROBATCHES = 2

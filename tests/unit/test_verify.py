@@ -199,7 +199,7 @@ def test_a_step_level_flag_upstream_takes_the_blame_from_its_downstream_microbat
 
 def test_a_sender_blamed_every_step_is_banned_by_the_sequential_test() -> None:
     v = Verifier({}, [(1, "act")])   # defaults: p0 0.05, p1 0.6, 1e5 steps: ceil(ln 1e5 / ln 12) = 5 blamed steps
-    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender)], []]   # as gathered
+    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender), flag(step, 1, 1, "act", sender)], []]  # gathered
     assert [v.end_step(s, nested(s, 2)) for s in range(4)] == [set()] * 4
     assert v.end_step(4, nested(4, 2)) == {2}
     assert v.end_step(5, []) == {2}                             # the banned set is cumulative
@@ -208,9 +208,25 @@ def test_a_sender_blamed_every_step_is_banned_by_the_sequential_test() -> None:
     assert v.end_step(3, nested(9, 1)) == {2}                   # events of another step are ignored
 
 
+def test_a_lone_flagged_microbatch_is_dropped_but_no_evidence() -> None:
+    v = Verifier({}, [(1, "act")])
+    lone = lambda step: [[flag(step, 3, 1, "act", 2)], []]
+    for step in range(0, 40, 2):                                # one flagged microbatch every other step
+        v.end_step(step, lone(step))
+        assert v.last_blamed == set() and v.end_step(step + 1, []) == set()
+    assert v.summary()["blamed_steps"] == {}
+    v.end_step(40, lone(40))
+    v.end_step(41, lone(41))                                    # two in a row: its second step is blamed
+    assert v.last_blamed == {2} and v.summary()["blamed_steps"] == {"2": [41]}
+    v.end_step(42, [[flag(42, STEP_MB, 1, "act", 2)], []])      # a step-level flag: its whole step
+    assert v.last_blamed == {2}
+    v.end_step(43, [[flag(43, 0, 1, "act", 2), flag(43, 5, 1, "act", 2)], []])   # two microbatches of a step
+    assert v.last_blamed == {2} and v.summary()["blamed_steps"] == {"2": [41, 42, 43]}
+
+
 def test_clean_steps_wear_evidence_down() -> None:
     v = Verifier({}, [(1, "act")])
-    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender)], []]
+    nested = lambda step, sender: [[flag(step, 0, 1, "act", sender), flag(step, 1, 1, "act", sender)], []]
     for step in range(300):                                     # blamed one step in five: drift < 0
         assert v.end_step(step, nested(step, 2) if step % 5 == 0 else []) == set()
     for step in range(300, 303):                                # three in a row after a clean stretch
@@ -533,7 +549,10 @@ def test_verify_hooks_hand_the_monitors_the_microbatch_labels() -> None:
 def test_a_verifiers_bans_and_blame_history_survive_a_checkpoint() -> None:
     v = Verifier({}, [(1, "act")])
     for s in range(5):
-        v.end_step(s, [[flag(s, 0, 1, "act", 2)]])
+        v.end_step(s, [[flag(s, 0, 1, "act", 2), flag(s, 1, 1, "act", 2)]])
+    v.end_step(5, [[flag(5, 0, 1, "act", 3)]])                     # a lone flag, carried to the next step
     again = Verifier({}, [(1, "act")])
     again.restore_bans(json.loads(json.dumps(v.bans_state())))   # as the checkpoint's JSON carries it
     assert again.banned == {2} and again.summary()["blamed_steps"] == {"2": [0, 1, 2, 3, 4]}
+    again.end_step(6, [[flag(6, 2, 1, "act", 3)]])
+    assert again.last_blamed == {3}
