@@ -54,3 +54,23 @@ def test_a_step_fence_is_never_looser_than_its_samples() -> None:
     for name, fence in whole.items():
         if fence is not None and sample.get(name) is not None:
             assert fence <= sample[name] + 1e-12, name
+
+
+def test_a_step_is_vouched_for_by_the_surrogate_as_its_samples_are() -> None:
+    # An honest shift the stage's surrogate explains sample by sample (link well under its fence)
+    # must not fail as a step because the step's own link fence is tighter.
+    mon = Verifier({"warmup": 0}, [(0, "act")]).monitor(0, "act")
+    mon.first_step = 0
+    for value in (0.05, 0.06, 0.07, 0.08) * 4:
+        for name in mon.fences:
+            mon.fences[name].update(value)
+        for name in mon.step_fences:
+            mon.step_fences[name].update(value / 5)
+    sample_link, step_link = mon.fences["link"].fence(), mon.step_fences["link"].fence()
+    assert step_link < sample_link
+    link = 0.45 * sample_link                 # under half the samples' link fence, over half the step's
+    assert 0.5 * step_link < link < step_link
+    shifted = {"spectral": 0.5, "link": link}
+    assert mon.exceeded(shifted, 20) == ()                       # a sample: vouched for
+    assert mon.exceeded(shifted, 20, per_sample=False) == ()     # its step: vouched for alike
+    assert mon.exceeded({"spectral": 0.5, "link": 0.6 * sample_link}, 20, per_sample=False) == ("spectral",)
