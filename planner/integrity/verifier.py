@@ -790,11 +790,17 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
             for candidate in rivals:
                 if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
                     first[key] = candidate
+    # Each winning flag counts once, by its own scope: a microbatch's flag that outranks a step-level
+    # one downstream is one microbatch of evidence, not a step's (linked placement, seed 3, gradients
+    # scaled by 3: an honest stage's lone flag upstream took a whole step of the attacker's blame).
     weights: dict[int, float] = {}
-    for (_, mb), event in first.items():
+    counted: set[int] = set()
+    for event in first.values():
+        if id(event) in counted:
+            continue
+        counted.add(id(event))
         who = int(event.get("upstream", event["sender"]))
-        whole = mb == STEP_MB or int(event["mb"]) == STEP_MB
-        weights[who] = math.inf if whole else weights.get(who, 0.0) + 1.0
+        weights[who] = math.inf if int(event["mb"]) == STEP_MB else weights.get(who, 0.0) + 1.0
     for events in by_step.values():
         for e in events:
             if evidence.DECISIVE.intersection(e.get("reasons", ())):
