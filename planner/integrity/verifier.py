@@ -783,9 +783,15 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
     first: dict[tuple[int, int], Mapping[str, Any]] = {}
     for events in by_step.values():
         whole = [e for e in events if int(e["mb"]) == STEP_MB]
+        # A step-level flag competes with the step's other step-level flags and with the microbatch flags
+        # of senders flagged on BLAME_MICROBATCHES microbatches or more: one odd microbatch upstream
+        # explains its own microbatch downstream, not a whole step's average (linked placement, seed 3,
+        # gradients scaled by 3: an honest stage's lone flag upstream took the attacker's whole step).
+        many = _senders_with(events, BLAME_MICROBATCHES)
+        weighty = [e for e in events if int(e["mb"]) == STEP_MB or int(e.get("upstream", e["sender"])) in many]
         for event in events:
-            # a step-level flag competes with every flag of its step; a microbatch's, with the step-level ones
-            rivals = events if int(event["mb"]) == STEP_MB else (event, *whole)
+            # a microbatch's flag competes with the step-level ones
+            rivals = weighty if int(event["mb"]) == STEP_MB else (event, *whole)
             key = (int(event["step"]), int(event["mb"]))
             for candidate in rivals:
                 if key not in first or _upstream_key(candidate) < _upstream_key(first[key]):
@@ -806,6 +812,15 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
             if evidence.DECISIVE.intersection(e.get("reasons", ())):
                 weights[int(e["sender"])] = math.inf
     return weights
+
+
+def _senders_with(events: Sequence[Mapping[str, Any]], count: int) -> set[int]:
+    """The senders (or the inputs' senders flags are laid on) flagged on ``count`` microbatches or more."""
+    per: dict[int, set[int]] = {}
+    for e in events:
+        if int(e["mb"]) != STEP_MB:
+            per.setdefault(int(e.get("upstream", e["sender"])), set()).add(int(e["mb"]))
+    return {who for who, mbs in per.items() if len(mbs) >= count}
 
 
 # Blame that counts as evidence against a sender (``Verifier.end_step``): its step as a whole

@@ -194,7 +194,9 @@ def test_a_step_level_flag_upstream_takes_the_blame_from_its_downstream_microbat
     damped = [flag(5, STEP_MB, 1, "act", 1)] + [flag(5, mb, 2, "act", 2) for mb in range(4)]
     assert blame(damped) == {1}
     assert blame(damped + [flag(6, 0, 2, "act", 2)]) == {1, 2}     # another step is another matter
-    assert blame([flag(5, STEP_MB, 2, "act", 2), flag(5, 0, 1, "act", 1)]) == {1}  # the upstream flag wins
+    # upstream flags on several microbatches win the step; a lone one only its own microbatch
+    assert blame([flag(5, STEP_MB, 2, "act", 2), flag(5, 0, 1, "act", 1), flag(5, 1, 1, "act", 1)]) == {1}
+    assert blame([flag(5, STEP_MB, 2, "act", 2), flag(5, 0, 1, "act", 1)]) == {1, 2}
 
 
 def test_a_sender_blamed_every_step_is_banned_by_the_sequential_test() -> None:

@@ -2,6 +2,8 @@
 activation floors of their own, and step fences no looser than their samples'."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from planner.integrity.attacks import Attacker, parse_attack
@@ -76,7 +78,7 @@ def test_a_step_is_vouched_for_by_the_surrogate_as_its_samples_are() -> None:
     assert mon.exceeded({"spectral": 0.5, "link": 0.6 * sample_link}, 20, per_sample=False) == ("spectral",)
 
 
-def test_a_lone_flag_that_outranks_a_step_flag_downstream_is_one_microbatch_of_evidence() -> None:
+def test_a_lone_flag_upstream_neither_takes_nor_hides_a_step_flag_downstream() -> None:
     from planner.integrity.verifier import STEP_MB, blame_weights
 
     def flag(step: int, mb: int, boundary: int, direction: str, sender: int) -> dict:
@@ -86,9 +88,9 @@ def test_a_lone_flag_that_outranks_a_step_flag_downstream_is_one_microbatch_of_e
 
     lone_upstream = flag(23, 2, 1, "act", 1)            # an honest stage's odd microbatch, forward
     attacker_step = flag(23, STEP_MB, 1, "grad", 2)     # the attacker's step, backward
-    assert blame_weights([lone_upstream, attacker_step]) == {1: 1.0}
+    assert blame_weights([lone_upstream, attacker_step]) == {1: 1.0, 2: math.inf}
     v = Verifier({}, [(1, "act"), (1, "grad")])
     v.end_step(23, [[lone_upstream, attacker_step]])
-    assert v.last_blamed == set()                        # the lone flag alone is no evidence
+    assert v.last_blamed == {2}                          # the lone flag alone is no evidence
     damper = [flag(5, mb, 1, "act", 1) for mb in (0, 1, 2)]
     assert blame_weights([*damper, flag(5, STEP_MB, 2, "act", 2)]) == {1: 3.0}   # upstream flags still win
