@@ -54,9 +54,7 @@ def flag_reasons(scores: Mapping[str, float], fences: Mapping[str, IQRFence], *,
 def vouched(scores: Mapping[str, float], fences: Mapping[str, IQRFence]) -> bool:
     """True when the stage's surrogate explains the sample (see ``SHIFT_TESTS``). A step's average
     is vouched for as its samples are, on their fence (a step's own link fence is capped by it and
-    often tighter): else an honest shift the surrogate explains sample by sample failed as a step
-    (gradients of boundary 0, linked placement, seed 3, steps 49-51: spectral 0.44-0.50 against a
-    step fence of 0.17, three blamed steps, evidence 10.7 of the 11.5 that bans; 2026-12-03)."""
+    often tighter): else an honest shift the surrogate explains sample by sample fails as a step."""
     fence = fences.get("link")
     limit = fence.fence() if fence is not None and "link" in scores else None
     if limit is not None and fence is not None and fence.fallback is not None:
@@ -70,12 +68,9 @@ def convincing(scores: Mapping[str, float], reasons: tuple[str, ...], fences: Ma
     (``DECISIVE``), or excesses that multiply to ``GROSS`` or more (each test's score over its
     fence; one test alone: ``GROSS`` times its fence, see ``GROSS``).
 
-    Two tests a little over their fences were enough once; but the tests come in related pairs
-    (mad and l2 read one shape difference, link and residual one surrogate, spectral and residual
-    the energy off the principal directions), so that was one excess counted twice. In clean runs
-    of 200 steps (gpt-tiny, 16 microbatches of one sequence, three placements, seeds 0, 1 and 3)
-    half of all dropped microbatches were such pairs, at 1.003-1.6x each (products 1.04-1.68),
-    while the attacks' samples score 2.5x and more on one test (link 3.6-52x, spectral 2.5-3x)."""
+    Not "two tests over": the tests come in related pairs (mad and l2, link and residual, spectral
+    and residual), so two small excesses were often one excess counted twice (figures:
+    benchmarks/README.md, tuning notes)."""
     if DECISIVE.intersection(reasons):
         return True
     excess = 0.0

@@ -231,10 +231,7 @@ class Monitor:
         # fence and the surrogate their own scores within two steps and were never flagged again.
         # Once ready, a step's fence is also capped by its per-sample twin: the window of step scores
         # reaches back ``window`` steps, into early training's turbulence, while the samples' window
-        # holds the last few steps (at 16 microbatches a step, four). Honest step averages of the
-        # spectral share sat at 0.07 under a step fence of 0.46 learnt from steps 5-12, and noise at
-        # 4% of the energy (0.45) passed as a step while its samples failed 0.2 one by one, was
-        # folded in and learnt (split placement, seed 1, 2026-12-03).
+        # holds the last few; else noise whose samples failed one by one passed as a step and was learnt.
         self.step_fences = {name: self._fence(name, step_floors, self.fences.get(name))
                             for name in cfg.distances if name not in PER_SAMPLE_ONLY}
         self.checked = 0
@@ -825,12 +822,7 @@ def _senders_with(events: Sequence[Mapping[str, Any]], count: int) -> set[int]:
 
 # Blame that counts as evidence against a sender (``Verifier.end_step``): its step as a whole
 # (a step-level flag, a replay), or flagged microbatches adding up to this many over its last two
-# steps. One lone flagged microbatch is dropped but is no evidence: honest training makes a
-# microbatch like no other now and then (gpt-tiny, 16 microbatches of one sequence, 200 clean
-# steps: 5-10 per run, never two in one step of one sender; the link at 35x its fence on step 6's
-# thirteenth, a loss spike's gradient at 2.4x its size fence), and each one added to the ban test's
-# count of blamed steps (5.6% of one honest sender's steps against its 5% bound, linked placement,
-# seed 3). An attack the monitors see corrupts every microbatch it touches (issue 20's suite: 5-16 of
-# 16 flagged a step, or a step-level flag); one that corrupts one microbatch a step is dropped every
-# time, and is blamed from its second.
+# steps. A lone flagged microbatch is dropped but is no evidence: honest training makes an odd one
+# now and then, never two of one sender in a step in the clean runs, while the attacks flag 5-16 of
+# 16 (benchmarks/README.md, tuning notes); one corrupted microbatch a step is blamed from its second.
 BLAME_MICROBATCHES = 2
