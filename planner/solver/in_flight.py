@@ -21,6 +21,18 @@ right after its forward: a replica visited once per trip with periodic
 arrivals is a D/D/1 queue; the waits come where forwards going down meet
 backwards coming back.
 
+**Lock step.** A downstream replica busy nearly all of the throttled period
+has no idle time to absorb a phase offset: in steady state the arrivals lock
+to its rhythm at a fixed offset, and a pass that meets one in progress meets
+it every round and waits the whole of it, not half (the constructed pipeline
+of identical blocks in ``tests/unit/test_throttled_pricing.py``: stage 1 as
+fast as stage 0, and each group's forwards there waited most of a backward).
+So a replica at utilisation ``rho`` at the period charges ``1 + rho ** 8``
+times the random-phase wait (only the nearly saturated lock), scaled down for
+a replica that runs few rounds of its window (the lock forms over the first
+rounds; the first round meets an empty pipeline). ``W`` is then no longer
+quadratic but still grows as the period falls: bisected.
+
 llama-7b, fp32, 2048 tokens on 40 consumer GPUs (``benchmarks/mixed_7b.py``):
 stage 16, 4 in flight, ran one microbatch per 340 ms in simulation (the first
 microbatch of each 4 waited a whole backward at stage 17); priced 299 ms with
@@ -40,6 +52,13 @@ from planner.solver.solution import StagePlacement
 # A microbatch's round trip downstream also waits in busy ranks' queues: allow this many times the bare
 # trip's worth of microbatches in flight where memory has room.
 QUEUEING = 2.0
+# A downstream replica at utilisation rho charges 1 + rho ** LOCK_POWER times the random-phase wait: only a
+# nearly saturated one locks in step (8 fitted on forced-window random placements; 4 to 12 score alike).
+LOCK_POWER = 8
+# The lock is full after this many rounds of the window (the first meets an empty pipeline downstream).
+LOCK_ROUNDS = 2
+# Halvings of the bracket of the throttled period: 2**-30 of it is far below a microsecond.
+BISECTIONS = 30
 
 
 def memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> int:
@@ -54,11 +73,12 @@ def memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> i
     return max(0, room // act)
 
 
-def interference(stages, fb, bw, k: int, ids) -> float:
-    """``c`` (ms^2): microbatches ``ids`` of one replica of stage ``k``, run one per ``period`` ms, wait
-    ``c / period`` ms on average downstream behind other microbatches' passes (see the module docstring)."""
-    S, M, c = len(stages), sum(stages[0].microbatches), 0.0
+def _terms(stages, fb, bw, k: int, ids) -> list[tuple[float, float]]:
+    """Per downstream replica that microbatches ``ids`` of one replica of stage ``k`` visit: (``a``, its busy
+    ms per step). At random phases they wait ``sum(a) / period`` ms on average (see the module docstring)."""
+    S, M = len(stages), sum(stages[0].microbatches)
     owner = [owners(st.microbatches) for st in stages]
+    out: dict[tuple[int, int], float] = {}
     for x in ids:
         # Not the last stage: it runs each backward right after its forward, one visit, and periodic arrivals
         # at a replica visited once per trip do not wait (D/D/1); the others see forwards and backwards.
@@ -67,8 +87,16 @@ def interference(stages, fb, bw, k: int, ids) -> float:
             f, b = fb[j][i] - bw[j][i], bw[j][i]
             # Busy with others' backwards (len(ids) / M) * share * b / period of the time, when the forward
             # waits half a backward; the same for the backward behind others' forwards.
-            c += stages[j].microbatches[i] / M * (b * b + f * f) / 2
-    return c / M
+            out[(j, i)] = out.get((j, i), 0.0) + stages[j].microbatches[i] / M * (b * b + f * f) / 2 / M
+    return [(a, stages[j].microbatches[i] * fb[j][i]) for (j, i), a in out.items()]
+
+
+def interference(terms, m: int, n: int, period: float) -> float:
+    """``c`` (ms^2): a replica running ``m`` microbatches, ``n`` in flight, one per ``period`` ms, waits
+    ``c / period`` ms per round trip behind other microbatches' passes downstream (``terms``: ``_terms``)."""
+    # The lock forms over the first rounds of the window: a replica running few rounds keeps random phases.
+    lock = max(0.0, 1 - LOCK_ROUNDS * n / m)
+    return sum(a * (1 + lock * min(1.0, busy / (m * period)) ** LOCK_POWER) for a, busy in terms)
 
 
 def limit(problem: Problem, stages, k: int, i: int, ids, fb, bw, down, verifier_state: dict[str, int]
@@ -83,5 +111,13 @@ def limit(problem: Problem, stages, k: int, i: int, ids, fb, bw, down, verifier_
     if n >= need:
         return n, t
     chain = t + sum(down[x][k] for x in ids) / m  # the slots cycle through all its microbatches' trips
-    c = interference(stages, fb, bw, k, ids)
-    return n, max(t, (chain + math.sqrt(chain * chain + 4 * n * c)) / (2 * n))  # n P = chain + c / P
+    terms = _terms(stages, fb, bw, k, ids)
+    if n * t >= chain + interference(terms, m, n, t) / t:  # its slots cover the trips and their waits
+        return n, t
+    plain = sum(a for a, _ in terms)
+    # n P = chain + c(P) / P rises with P, and c lies between the random-phase wait and twice it: bisect.
+    lo, hi = (max(t, (chain + math.sqrt(chain * chain + 4 * n * c)) / (2 * n)) for c in (plain, 2 * plain))
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if n * mid < chain + interference(terms, m, n, mid) / mid else (lo, mid)
+    return n, hi
