@@ -2,7 +2,8 @@
 
 A replica of a 1F1B stage holds at most ``n`` microbatches between its forward
 and its backward: the schedule's least (``planner.schedules.max_in_flight``),
-raised as far as its memory allows to ``1 + QUEUEING * D / t``, what covers
+raised as far as its memory (and the placement's own limit, where it carries
+one) allows to ``1 + QUEUEING * D / t``, what covers
 the round trip ``D`` downstream of it with room for queueing (``t``: its
 forward + backward). Below that it is **throttled**: each of its ``n`` slots
 cycles through pass, round trip, pass, so by Little's law
@@ -107,7 +108,10 @@ def limit(problem: Problem, stages, k: int, i: int, ids, fb, bw, down, verifier_
     trip = max(down[x][k] for x in ids)
     least = memory.in_flight_microbatches(problem.schedule, len(stages), k, m)
     need = m if problem.schedule == "gpipe" or t <= 0 else min(m, 1 + math.ceil(QUEUEING * trip / t))
-    n = max(least, min(need, memory_cap(problem, st, st.devices[i], verifier_state.get(st.devices[i], 0))))
+    cap = memory_cap(problem, st, st.devices[i], verifier_state.get(st.devices[i], 0))
+    if st.in_flight:  # a placement that carries its limits (a plan's) runs with them at most
+        cap = min(cap, st.in_flight[i])
+    n = max(least, min(need, cap))
     if n >= need:
         return n, t
     chain = t + sum(down[x][k] for x in ids) / m  # the slots cycle through all its microbatches' trips

@@ -25,8 +25,9 @@ OFF = VerificationPolicy(enabled=False)
 LAYOUT = ((0, 1, 1), (2, 3, 1), (4, 6, 2), (7, 9, 2))
 
 
-def _priced_and_simulated(num_microbatches: int, act_bytes: float):
-    """(priced program, simulated step ms) of ``LAYOUT`` on one host of six RTX 3090s, identical blocks."""
+def _priced_and_simulated(num_microbatches: int, act_bytes: float, limits=None):
+    """(priced program, simulated step ms) of ``LAYOUT`` on one host of six RTX 3090s, identical blocks
+    (``limits``: in-flight limits the placement carries, per stage)."""
     cluster = parse_cluster({"name": "lab", "links": {"intra_host": {"bandwidth_gbps": 64.0, "latency_ms": 0.01}},
                              "hosts": [{"name": "h", "region": "r", "trust": "op", "trusted": True,
                                         "devices": [{"type": "RTX3090", "count": 6}]}]})
@@ -39,6 +40,9 @@ def _priced_and_simulated(num_microbatches: int, act_bytes: float):
                                   microbatches=even_split(num_microbatches, r)) for k, (a, b, r) in enumerate(LAYOUT))
     placement = Placement(stages=stages, verifiers=(), num_microbatches=num_microbatches)
     assert not violations(problem, placement)
+    if limits is not None:
+        placement = dataclasses.replace(placement, stages=tuple(
+            dataclasses.replace(st, in_flight=n) for st, n in zip(stages, limits)))
     priced = price_program(problem, placement)
     report = SolveReport(method="hand", status="FEASIBLE", objective_ms=priced.step_ms, bound_ms=None, gap=None,
                          solve_s=0.0)
@@ -68,3 +72,15 @@ def test_a_throttled_stage_locked_in_step_with_an_equal_stage_is_priced_as_it_ru
     priced, simulated_ms = _priced_and_simulated(64, 2.0e9)
     assert priced.in_flight[0] == (5,) and priced.bottleneck == "stage 0 on h/0"
     assert abs(priced.step_ms - simulated_ms) <= 0.05 * simulated_ms, (priced.step_ms, simulated_ms)
+
+
+def test_the_limits_a_placement_carries_cap_its_windows_as_memory_does():
+    """With room for 6 in flight on stage 0, a placement carrying window 5 (what 2.0e9 bytes of activations
+    leave) is priced as the placement whose memory holds 5: limits are caps, and the pricing is idempotent."""
+    memory_bound, _ = _priced_and_simulated(64, 2.0e9)
+    roomy, _ = _priced_and_simulated(64, 1.7e9)
+    assert roomy.in_flight[0] == (6,) and memory_bound.in_flight[0] == (5,)
+    capped, _ = _priced_and_simulated(64, 1.7e9, limits=memory_bound.in_flight)
+    assert capped.in_flight == memory_bound.in_flight and capped.step_ms == memory_bound.step_ms
+    again, _ = _priced_and_simulated(64, 1.7e9, limits=roomy.in_flight)
+    assert again.in_flight == roomy.in_flight and again.step_ms == roomy.step_ms
