@@ -49,6 +49,7 @@ queueing network with deterministic residuals (mean value analysis) gave 394.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from cost_models import memory
 from planner.solver.problem import Problem
@@ -63,8 +64,8 @@ QUEUEING = 2.0
 LOCK_POWER = 8
 # The lock is full after this many rounds of the window (the first meets an empty pipeline downstream).
 LOCK_ROUNDS = 2
-# Halvings of the bracket of the throttled period: 2**-30 of it is far below a microsecond.
-BISECTIONS = 30
+# Halvings of the bracket of the throttled period (at most 0.4 of it wide): 2**-12 of it is below 0.01%.
+BISECTIONS = 12
 
 
 def memory_cap(problem: Problem, st: StagePlacement, dev: str, vstate: int) -> int:
@@ -83,25 +84,29 @@ def _terms(stages, fb, bw, k: int, ids) -> list[tuple[float, float]]:
     """Per downstream replica that microbatches ``ids`` of one replica of stage ``k`` visit: (``a``, its busy
     ms per step). At random phases they wait ``sum(a) / period`` ms on average (see the module docstring)."""
     S, M = len(stages), sum(stages[0].microbatches)
-    owner = [owners(st.microbatches) for st in stages]
-    out: dict[tuple[int, int], float] = {}
-    for x in ids:
-        # Not the last stage: it runs each backward right after its forward, one visit, and periodic arrivals
-        # at a replica visited once per trip do not wait (D/D/1); the others see forwards and backwards.
-        for j in range(k + 1, S - 1):
-            i = owner[j][x][0]
+    out = []
+    # Not the last stage: it runs each backward right after its forward, one visit, and periodic arrivals at a
+    # replica visited once per trip do not wait (D/D/1); the others see forwards and backwards.
+    for j in range(k + 1, S - 1):
+        owner, shares = owners(stages[j].microbatches), stages[j].microbatches
+        for i, visits in Counter(owner[x][0] for x in ids).items():
             f, b = fb[j][i] - bw[j][i], bw[j][i]
             # Busy with others' backwards (len(ids) / M) * share * b / period of the time, when the forward
             # waits half a backward; the same for the backward behind others' forwards.
-            out[(j, i)] = out.get((j, i), 0.0) + stages[j].microbatches[i] / M * (b * b + f * f) / 2 / M
-    return [(a, stages[j].microbatches[i] * fb[j][i]) for (j, i), a in out.items()]
+            out.append((visits * shares[i] / M * (b * b + f * f) / 2 / M, shares[i] * fb[j][i]))
+    return out
+
+
+def _lock(m: int, n: int) -> float:
+    """How far the lock has formed for a replica running ``m`` microbatches, ``n`` in flight (0 to 1)."""
+    # The lock forms over the first rounds of the window: a replica running few rounds keeps random phases.
+    return max(0.0, 1 - LOCK_ROUNDS * n / m)
 
 
 def interference(terms, m: int, n: int, period: float) -> float:
     """``c`` (ms^2): a replica running ``m`` microbatches, ``n`` in flight, one per ``period`` ms, waits
     ``c / period`` ms per round trip behind other microbatches' passes downstream (``terms``: ``_terms``)."""
-    # The lock forms over the first rounds of the window: a replica running few rounds keeps random phases.
-    lock = max(0.0, 1 - LOCK_ROUNDS * n / m)
+    lock = _lock(m, n)
     return sum(a * (1 + lock * min(1.0, busy / (m * period)) ** LOCK_POWER) for a, busy in terms)
 
 
@@ -123,10 +128,10 @@ def limit(problem: Problem, stages, k: int, i: int, ids, fb, bw, down, verifier_
     terms = _terms(stages, fb, bw, k, ids)
     if n * t >= chain + interference(terms, m, n, t) / t:  # its slots cover the trips and their waits
         return n, t
-    plain = sum(a for a, _ in terms)
-    # n P = chain + c(P) / P rises with P, and c lies between the random-phase wait and twice it: bisect.
-    lo, hi = (max(t, (chain + math.sqrt(chain * chain + 4 * n * c)) / (2 * n)) for c in (plain, 2 * plain))
-    for _ in range(BISECTIONS):
+    plain, lock = sum(a for a, _ in terms), _lock(m, n)
+    # n P = chain + c(P) / P rises with P, and c lies between the random-phase wait and 1 + lock times it: bisect.
+    lo, hi = (max(t, (chain + math.sqrt(chain * chain + 4 * n * c)) / (2 * n)) for c in (plain, (1 + lock) * plain))
+    for _ in range(BISECTIONS if lock > 0 else 0):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if n * mid < chain + interference(terms, m, n, mid) / mid else (lo, mid)
     return n, hi
