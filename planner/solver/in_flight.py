@@ -4,8 +4,9 @@ A replica of a 1F1B stage holds at most ``n`` microbatches between its forward
 and its backward: the schedule's least (``planner.schedules.max_in_flight``),
 raised as far as its memory (and the placement's own limit, where it carries
 one) allows to ``1 + QUEUEING * D / t``, what covers the round trip ``D``
-downstream of it with room for queueing (``t``: its forward + backward). Below that it is **throttled**: each of its ``n`` slots
-cycles through pass, round trip, pass, so by Little's law
+downstream of it with room for queueing (``t``: its forward + backward).
+Below that it is **throttled**: each of its ``n`` slots cycles through pass,
+round trip, pass, so by Little's law
 
     ``n * period = t + D + W``
 
@@ -24,27 +25,13 @@ backwards coming back.
 **Lock step.** A downstream replica busy nearly all of the throttled period
 has no idle time to absorb a phase offset: in steady state the arrivals lock
 to its rhythm at a fixed offset, and a pass that meets one in progress meets
-it every round and waits the whole of it, not half (the constructed pipeline
-of identical blocks in ``tests/unit/test_throttled_pricing.py``: stage 1 as
-fast as stage 0, and each group's forwards there waited most of a backward).
-So a replica at utilisation ``rho`` at the period charges ``1 + rho ** 8``
-times the random-phase wait (only the nearly saturated lock), scaled down for
-a replica that runs few rounds of its window (the lock forms over the first
-rounds; the first round meets an empty pipeline). ``W`` is then no longer
-quadratic but still grows as the period falls: bisected. The constructed
-pipeline at window 5, 64 microbatches: 5.2% under its simulated step with
-half a pass, 3.9% under with the lock; random placements with random windows
-(``benchmarks/throttled_windows.py``): mean |error| 0.76% to 0.71% (lab) and
-1.21% to 1.17% (wide). A whole pass wherever a replica is as loaded as the
-throttled one fixed the constructed case but over-priced short runs (lab: 241
-of 266 within 5%, against 256), hence the rounds.
-
-llama-7b, fp32, 2048 tokens on 40 consumer GPUs (``benchmarks/mixed_7b.py``):
-stage 16, 4 in flight, ran one microbatch per 340 ms in simulation (the first
-microbatch of each 4 waited a whole backward at stage 17); priced 299 ms with
-no wait, 325 with this. Counting the last stage's passes too gave 345 there
-but over-priced random placements with forced windows (up to +28%); a closed
-queueing network with deterministic residuals (mean value analysis) gave 394.
+it every round and waits the whole of it, not half. So a replica at
+utilisation ``rho`` at the period charges ``1 + rho ** LOCK_POWER`` times the
+random-phase wait, scaled down for a replica that runs few rounds of its
+window (the lock forms over the first rounds; the first meets an empty
+pipeline). ``W`` is then no longer quadratic but still grows as the period
+falls: bisected. Figures: benchmarks/README.md (2026-12-03, night) and
+``benchmarks/throttled_windows.py``.
 """
 from __future__ import annotations
 
