@@ -29,11 +29,16 @@ from cost_models.training import TrainingConfig  # noqa: E402
 from planner.compile import compile_plan  # noqa: E402
 from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict  # noqa: E402
-from planner.solver.objective import Placement, even_split, price_program, violations  # noqa: E402
+from planner.solver.objective import Placement, price_program, violations  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402
 from planner.solver.problem import build_problem, scale_chain  # noqa: E402
-from planner.solver.solution import Solution, SolveReport, StagePlacement  # noqa: E402
-from tests.unit.program_fixtures import POLICY, random_placement, wide_area_cluster  # noqa: E402
+from planner.solver.solution import Solution, SolveReport  # noqa: E402
+from tests.unit.program_fixtures import (  # noqa: E402
+    POLICY,
+    random_placement,
+    stages_of,
+    wide_area_cluster,
+)
 from tests.unit.solver_fixtures import random_chain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throttled_windows.json"
@@ -61,12 +66,7 @@ def deep_placement(rng: np.random.Generator, problem, cluster) -> Placement | No
     for _ in range(int(rng.integers(0, max(0, (len(gpus) - S) // 2) + 1))):
         counts[int(rng.integers(S))] += 1
     order = gpus if rng.random() < 0.5 else list(rng.permutation(gpus))
-    stages, start = [], 0
-    for k, (a, b) in enumerate(zip([0] + cuts, cuts + [L])):
-        devs = tuple(order[start:start + min(counts[k], M)])
-        start += counts[k]
-        stages.append(StagePlacement(index=k, first_block=a, last_block=b - 1, devices=devs,
-                                     microbatches=even_split(M, len(devs))))
+    stages = stages_of(cuts, counts, order, L, M)
     placement = Placement(stages=tuple(stages), verifiers=(), num_microbatches=M)
     return None if violations(problem, placement) else placement
 

@@ -48,6 +48,18 @@ def wide_area_cluster(rng: np.random.Generator, num_devices: int) -> ClusterSpec
     return parse_cluster({"name": "wide", "hosts": hosts, "links": links})
 
 
+def stages_of(cuts: list[int], counts: list[int], order: list[str], L: int, M: int) -> list[StagePlacement]:
+    """Stages of ``L`` blocks cut at ``cuts``, stage k on the next ``counts[k]`` devices of ``order`` (at
+    most ``M``), the microbatches split evenly among them."""
+    stages, start = [], 0
+    for k, (a, b) in enumerate(zip([0] + cuts, cuts + [L])):
+        devs = tuple(order[start:start + min(counts[k], M)])
+        start += counts[k]
+        stages.append(StagePlacement(index=k, first_block=a, last_block=b - 1, devices=devs,
+                                     microbatches=even_split(M, len(devs))))
+    return stages
+
+
 def random_placement(rng: np.random.Generator, problem, cluster: ClusterSpec) -> Placement | None:
     """Contiguous stages on shuffled devices with uneven replica counts, a verifier per checked boundary."""
     L, M = problem.num_blocks, problem.num_microbatches
@@ -58,12 +70,7 @@ def random_placement(rng: np.random.Generator, problem, cluster: ClusterSpec) ->
     counts = [1] * S
     for _ in range(int(rng.integers(0, len(gpus) - S + 1))):
         counts[int(rng.integers(S))] += 1
-    stages, start = [], 0
-    for k, (a, b) in enumerate(zip([0] + cuts, cuts + [L])):
-        devs = tuple(order[start:start + min(counts[k], M)])
-        start += counts[k]
-        stages.append(StagePlacement(index=k, first_block=a, last_block=b - 1, devices=devs,
-                                     microbatches=even_split(M, len(devs))))
+    stages = stages_of(cuts, counts, order, L, M)
     verifiers = []
     for b in range(S - 1):
         need = tuple(d for d, st in (("act", stages[b]), ("grad", stages[b + 1]))
