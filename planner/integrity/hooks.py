@@ -25,7 +25,7 @@ import torch
 from models.registry import build_model
 from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
-from planner.integrity.verifier import (
+from planner.integrity.blame import (
     FLAG_EVENTS_SCHEMA as FLAG_EVENTS_SCHEMA,  # the flags exchange, for the executor
 )
 from planner.integrity.verifier import Verifier

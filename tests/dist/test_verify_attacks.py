@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from planner.integrity.verifier import blame
+from planner.integrity.blame import blame
 from planner.runtime.launch import RunBanned, launch
 from planner.runtime.options import RunOptions
 from planner.verifier_config import VerifierConfig

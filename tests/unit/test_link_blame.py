@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from planner.integrity.verifier import Monitor, Verifier, _Fit, blame, upstream_culprit
+from planner.integrity.blame import blame
+from planner.integrity.monitor import Monitor, _Fit, upstream_culprit
+from planner.integrity.verifier import Verifier
 from planner.verifier_config import VerifierConfig
 
 torch.set_num_threads(1)

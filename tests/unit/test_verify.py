@@ -10,7 +10,8 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
-from planner.integrity.verifier import STEP_MB, Verifier, blame
+from planner.integrity.blame import STEP_MB, blame
+from planner.integrity.verifier import Verifier
 from planner.verifier_config import VerifierConfig
 
 torch.set_num_threads(1)

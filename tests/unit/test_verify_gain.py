@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from planner.integrity.verifier import STEP_MB, Verifier
+from planner.integrity.blame import STEP_MB
+from planner.integrity.verifier import Verifier
 from planner.verifier_config import VerifierConfig
 
 torch.set_num_threads(1)

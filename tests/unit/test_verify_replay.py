@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from planner.integrity.attacks import Attacker, parse_attack
-from planner.integrity.verifier import STEP_MB, _Copies, blame
+from planner.integrity.blame import STEP_MB, blame
+from planner.integrity.monitor import _Copies
 from tests.unit.test_verify import MBS, make, run
 
 torch.set_num_threads(1)

@@ -79,7 +79,7 @@ def test_a_step_is_vouched_for_by_the_surrogate_as_its_samples_are() -> None:
 
 
 def test_a_lone_flag_upstream_neither_takes_nor_hides_a_step_flag_downstream() -> None:
-    from planner.integrity.verifier import STEP_MB, blame_weights
+    from planner.integrity.blame import STEP_MB, blame_weights
 
     def flag(step: int, mb: int, boundary: int, direction: str, sender: int) -> dict:
         return {"type": "flag", "step": step, "mb": mb, "boundary": boundary, "direction": direction,
