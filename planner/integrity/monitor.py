@@ -130,7 +130,7 @@ class Monitor:
         self.boundary = boundary
         self.direction = direction
         self.watch_only = watch_only  # a trusted sender's: learnt from, never failing a test
-        self._upstream: dict[int, int] = {}  # sender -> the input sender its running link flags are laid on
+        self._runs: dict[int, int | None] = {}  # sender -> where its unbroken run of flags is laid (None: its own)
         self.beta = cfg.beta_act if direction == "act" else cfg.beta_grad
         self.ref: dist.Summary | None = None
         self.first_step: int | None = None
@@ -359,7 +359,7 @@ class Monitor:
             if reasons:
                 failed.append((sender, scores, reasons, self.culprit(sender, [x.fits for x in samples], reasons)))
                 continue
-            self._upstream.pop(sender, None)
+            self._runs.pop(sender, None)
             for name, value in scores.items():
                 self.step_fences[name].update(value)
             if drifting:
@@ -372,14 +372,16 @@ class Monitor:
         return failed
 
     def culprit(self, sender: int, fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
-        """:func:`upstream_culprit`, carried on while ``sender``'s link flags run unbroken: the input's
-        monitor learns the moved size within a step or two, but the flags it caused go on."""
-        up = upstream_culprit(fits, reasons)
-        if up is None and reasons and set(reasons) <= _LINKED_REASONS:
-            up = self._upstream.get(sender)
-        if up is not None:
-            self._upstream[sender] = up
-        return up
+        """Where a flag of ``sender``'s is laid (None: on ``sender``): a run of its flags, unbroken by a
+        step that passes, stays where its first flag pointed (:func:`upstream_culprit`), its link flags
+        laid on the input's sender. The input's monitor learns a moved size within a step or two, but
+        the flags it caused go on; and a run that began while its input kept its size is the sender's
+        own, whatever its input does later (a sign-flipping attacker's flags, laid on the honest stage
+        after it from the step its input grew 0.36 e-folds in training: emulation, seed 0, 2026-12-03)."""
+        if sender not in self._runs:
+            self._runs[sender] = upstream_culprit(fits, reasons)
+        up = self._runs[sender]
+        return up if up is not None and set(reasons) <= _LINKED_REASONS else None
 
     def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
               fits: Mapping[str, _Fit] | None = None) -> None:

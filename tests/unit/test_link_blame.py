@@ -73,8 +73,20 @@ def test_the_input_s_blame_runs_on_while_the_flags_do() -> None:
     assert mon.culprit(2, [_fit(-0.69)], ["link"]) == 1
     assert mon.culprit(2, [_fit(-0.05)], ["link"]) == 1            # input size learnt, flags unbroken
     assert mon.culprit(2, [_fit(-0.05)], ["mad"]) is None          # another test's flag is the sender's
-    mon._upstream.pop(2)                                           # what a passed step does (close())
+    mon._runs.pop(2)                                               # what a passed step does (close())
     assert mon.culprit(2, [_fit(-0.05)], ["link"]) is None
+
+
+def test_a_run_of_flags_that_began_as_the_sender_s_own_stays_its_own() -> None:
+    """A sign-flipping attacker is flagged on every microbatch from the attack's start, its input at its
+    usual size; when that input later grows in training, the run is still the attacker's, not the honest
+    input sender's."""
+    mon = Monitor(VerifierConfig(), 0, "grad")
+    assert mon.culprit(1, [_fit(0.02, 2)], ["skew", "link"]) is None
+    assert mon.culprit(1, [_fit(0.01, 2)], ["link"]) is None
+    assert mon.culprit(1, [_fit(0.40, 2)], ["link"]) is None       # the input grew: still the sender's run
+    mon._runs.pop(1)                                               # a passed step ends the run
+    assert mon.culprit(1, [_fit(0.40, 2)], ["link"]) == 2
 
 
 def test_blame_lays_an_upstream_flag_where_its_input_crossed() -> None:
