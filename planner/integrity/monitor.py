@@ -42,16 +42,26 @@ class _Ring:
     def __init__(self, capacity: int, length: int) -> None:
         self._data = torch.zeros(capacity, length)
         self._norms = torch.zeros(capacity)
+        self._keys: list[int | None] = [None] * capacity   # each row's data key (``_Copies``)
         self._count = 0
 
     def __len__(self) -> int:
         return min(self._count, self._data.shape[0])
 
-    def push(self, sketch: torch.Tensor) -> None:
+    def push(self, sketch: torch.Tensor, data_key: int | None = None) -> None:
         slot = self._count % self._data.shape[0]
         self._data[slot] = sketch
         self._norms[slot] = sketch.norm()
+        self._keys[slot] = data_key
         self._count += 1
+
+    def others(self, data_key: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and norms of other data than ``data_key``'s (all of them when it is None)."""
+        rows, norms = self.rows(), self.norms()
+        if data_key is None:
+            return rows, norms
+        keep = torch.tensor([k != data_key for k in self._keys[: len(self)]], dtype=torch.bool)
+        return (rows, norms) if bool(keep.all()) else (rows[keep], norms[keep])
 
     def rows(self) -> torch.Tensor:
         return self._data[: len(self)]
@@ -62,24 +72,32 @@ class _Ring:
 
 class _Copies:
     """Fingerprints of the last ``capacity`` sketches (``predictors.sketch_fingerprint``): exact
-    replays from further back than the sketch ring reaches, at 8 bytes a sample."""
+    replays from further back than the sketch ring reaches, at about 16 bytes a sample.
+
+    Each keeps the key of the data it was computed from (``predictors.ids_fingerprint`` of the
+    microbatch's labels; None: unknown): a copy of an earlier tensor *of the same data* is what a
+    frozen stage sends when its data comes round again (fine-tuning with the bottom layers frozen,
+    an epoch of 6 steps: the honest first stage was flagged on every microbatch from the second
+    epoch and banned; emulation, 2026-12-03), not a replay."""
 
     def __init__(self, capacity: int) -> None:
         self._order: deque[int] = deque()
-        self._seen: set[int] = set()
+        self._seen: dict[int, int | None] = {}
         self._capacity = capacity
 
-    def __contains__(self, sketch: torch.Tensor) -> bool:
-        return pred.sketch_fingerprint(sketch) in self._seen
+    def copied(self, sketch: torch.Tensor, data_key: int | None = None) -> bool:
+        """Whether ``sketch`` is an exact copy of one computed from other data (or unknown data)."""
+        key = pred.sketch_fingerprint(sketch)
+        return key in self._seen and (data_key is None or self._seen[key] != data_key)
 
-    def push(self, sketch: torch.Tensor) -> None:
+    def push(self, sketch: torch.Tensor, data_key: int | None = None) -> None:
         key = pred.sketch_fingerprint(sketch)
         if key in self._seen:
             return
         self._order.append(key)
-        self._seen.add(key)
+        self._seen[key] = data_key
         if len(self._order) > self._capacity:
-            self._seen.discard(self._order.popleft())
+            self._seen.pop(self._order.popleft(), None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +128,7 @@ class _Sample:
     summary: dist.Summary
     scores: dict[str, float]
     fits: dict[str, _Fit]
+    data_key: int | None = None
 
 
 class Monitor:
@@ -243,9 +262,10 @@ class Monitor:
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
-              per_sample: bool = True) -> dict[str, float]:
+              per_sample: bool = True, data_key: int | None = None) -> dict[str, float]:
         """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
-        (empty before the first step closed)."""
+        (empty before the first step closed); ``data_key``: which data the sample is of (a
+        replay is a copy of another data's tensor, see ``_Copies``)."""
         if self.ref is None:
             return {}
         names = self.fences if per_sample else self.step_fences
@@ -278,8 +298,8 @@ class Monitor:
             scores["gain" if "gain" in names else "scale"] = abs(own) / (1.0 + abs(d_in))
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
-            scores["replay"] = pred.replay_score(summary.sketch, ring.rows(), ring.norms()) if ring else 0.0
-            if summary.sketch.numel() and summary.sketch in self._copies:
+            scores["replay"] = pred.replay_score(summary.sketch, *ring.others(data_key)) if ring else 0.0
+            if summary.sketch.numel() and self._copies.copied(summary.sketch, data_key):
                 scores["replay"] = pred.REPLAY_SCORE_CAP
         for name in ("binding", "link"):
             parts = [f[name] for f in fits if name in f]
@@ -332,9 +352,10 @@ class Monitor:
                                         min_samples=self.cfg.min_samples, min_spread=spread)
         return self._drift[sender]
 
-    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit]) -> None:
+    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit],
+             data_key: int | None = None) -> None:
         """Keep a sample that passed until its step closes."""
-        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits))
+        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key))
 
     def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...], int | None]]:
         """Close the open step: test each sender's step as a whole, fold in the samples
@@ -368,7 +389,7 @@ class Monitor:
         self.step_flags += len(bad)
         for sample in pending:
             if sample.sender not in bad:
-                self._fold(sample.summary, sample.scores, sample.fits)
+                self._fold(sample.summary, sample.scores, sample.fits, sample.data_key)
         return failed
 
     def culprit(self, sender: int, fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
@@ -384,7 +405,7 @@ class Monitor:
         return up if up is not None and set(reasons) <= _LINKED_REASONS else None
 
     def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
-              fits: Mapping[str, _Fit] | None = None) -> None:
+              fits: Mapping[str, _Fit] | None = None, data_key: int | None = None) -> None:
         """Fold an honest sample into the average, the windows, the history and the predictors."""
         fits = fits or {}
         if "binding" in fits:
@@ -407,8 +428,8 @@ class Monitor:
         if length:
             if length not in self._history:
                 self._history[length] = _Ring(self.cfg.replay_window, length)
-            self._history[length].push(summary.sketch)
-            self._copies.push(summary.sketch)
+            self._history[length].push(summary.sketch, data_key)
+            self._copies.push(summary.sketch, data_key)
 
     def _fold_residual(self, moment: torch.Tensor | None) -> None:
         if moment is None or float(moment.trace()) <= 0.0:

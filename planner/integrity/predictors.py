@@ -175,3 +175,9 @@ def sketch_fingerprint(sketch: torch.Tensor) -> int:
     bit for bit (``distances.summarize_rows``), an honest one never repeats another's."""
     data = sketch.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def ids_fingerprint(ids: torch.Tensor) -> int:
+    """A 64-bit digest of a microbatch's label ids: which data a boundary tensor was computed from."""
+    data = ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

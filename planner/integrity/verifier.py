@@ -50,6 +50,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
+from planner.integrity import predictors as pred
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
     BLAME_MICROBATCHES,
@@ -138,6 +139,7 @@ class Verifier:
         a check for nothing).
         """
         mon = self.monitor(boundary, direction)
+        data_key = None if labels is None else pred.ids_fingerprint(labels)   # which data: see ``_Copies``
         if input_key(boundary, direction) in self._monitors:
             labels = None
         mon.checked += 1
@@ -162,7 +164,7 @@ class Verifier:
                 self._flag(mon, step, mb, sender, {}, ("nonfinite",))
         fits = mon.fits(rows, labels, self._rows.get((input_key(boundary, direction), step, mb)),
                         log_size=dist.log_size(summary))
-        scores = mon.score(summary, (fits,))
+        scores = mon.score(summary, (fits,), data_key=data_key)
         if tainted:
             # Its input was already dropped upstream: whatever it looks like, the
             # sender is not to blame, and it must not teach the reference.
@@ -172,7 +174,7 @@ class Verifier:
         reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons, upstream=mon.culprit(sender, [fits], reasons))
-        mon.hold(sender, summary, scores, fits)
+        mon.hold(sender, summary, scores, fits, data_key)
         if input_key(boundary, direction, forward=False) in self._monitors:
             self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary), dist.log_size(summary),
                                                              None if mon.watch_only else sender)

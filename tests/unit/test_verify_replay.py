@@ -8,7 +8,7 @@ import torch
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import STEP_MB, blame
 from planner.integrity.monitor import _Copies
-from tests.unit.test_verify import MBS, make, run
+from tests.unit.test_verify import MBS, Stream, make, run
 
 torch.set_num_threads(1)
 
@@ -28,8 +28,37 @@ def test_the_fingerprint_memory_forgets_the_oldest_first() -> None:
     a, b, c = (torch.full((8,), float(i)) for i in range(3))
     for sketch in (a, b, c):
         copies.push(sketch)
-    assert a not in copies and b in copies and c in copies
-    assert torch.full((8,), 2.0 + 1e-6) not in copies      # exact copies only: the ring sees near ones
+    assert not copies.copied(a) and copies.copied(b) and copies.copied(c)
+    assert not copies.copied(torch.full((8,), 2.0 + 1e-6))  # exact copies only: the ring sees near ones
+
+
+def test_a_copy_of_the_same_data_s_tensor_is_no_replay() -> None:
+    copies = _Copies(4)
+    copies.push(torch.ones(8), data_key=7)
+    assert not copies.copied(torch.ones(8), data_key=7)     # a frozen stage, its data come round again
+    assert copies.copied(torch.ones(8), data_key=8)         # another microbatch's tensor sent back
+    assert copies.copied(torch.ones(8))                     # unknown data: any copy is a replay
+
+
+def test_a_frozen_stage_whose_data_come_round_again_is_not_flagged() -> None:
+    """Fine-tuning with the bottom layers frozen on a small dataset: every epoch (3 steps here) the
+    first stage sends bit for bit what it sent the epoch before, for the same data. Sending one of
+    those tensors for other data is still a replay."""
+    stream = Stream(0)
+    epoch = {(s, mb): stream.sample(0) for s in range(3) for mb in range(MBS)}   # one frozen model
+    v = make()
+    for step in range(15):
+        for mb in range(MBS):
+            x, lab = epoch[(step % 3, mb)]
+            if step == 14 and mb == 0:
+                x = epoch[(1, 2)][0]                        # a copy of another microbatch's tensor
+            v.check(0, "act", x, step=step, mb=mb, sender=1, labels=lab)
+        flags = v.flag_events(step)
+        v.end_step(step, [flags])
+        if step < 14:
+            assert not flags, flags[:2]
+    assert [e["mb"] for e in flags] == [0] and "replay" in flags[0]["reasons"]
+    assert v.banned == set()
 
 
 def flag(step: int, mb: int, boundary: int, direction: str, sender: int, *reasons: str) -> dict:
