@@ -86,7 +86,11 @@ class _Copies:
         self._capacity = capacity
 
     def copied(self, sketch: torch.Tensor, data_key: int | None = None) -> bool:
-        """Whether ``sketch`` is an exact copy of one computed from other data (or unknown data)."""
+        """Whether ``sketch`` is an exact copy of one computed from other data (or unknown data). All
+        zeros is nobody's copy: a microbatch with no target to learn sends zero gradients honestly (the
+        other tests judge a sender of zeros)."""
+        if not bool(sketch.any()):
+            return False
         key = pred.sketch_fingerprint(sketch)
         return key in self._seen and (data_key is None or self._seen[key] != data_key)
 

@@ -38,6 +38,8 @@ def test_a_copy_of_the_same_data_s_tensor_is_no_replay() -> None:
     assert not copies.copied(torch.ones(8), data_key=7)     # a frozen stage, its data come round again
     assert copies.copied(torch.ones(8), data_key=8)         # another microbatch's tensor sent back
     assert copies.copied(torch.ones(8))                     # unknown data: any copy is a replay
+    copies.push(torch.zeros(8), data_key=1)
+    assert not copies.copied(torch.zeros(8), data_key=2)    # zeros (no target to learn) copy nobody
 
 
 def test_a_frozen_stage_whose_data_come_round_again_is_not_flagged() -> None:
