@@ -33,6 +33,15 @@ DRIFT_CAP = 8.0   # the most one step adds to the CUSUM, in robust deviations (b
 # steps (a replay of 20-step-old activations went unseen, gpt-tiny on four T4 hosts, 2026-12-03).
 # 64 x 256 fingerprints: 1024 steps of 16 microbatches, about 1.8 MB a monitor.
 EXACT_REPLAY_FACTOR = 64
+# The link share divides what the stage's surrogate leaves unexplained by the sample's own spread
+# around its mean. A window of one repeated byte ("####...", "----...") has almost none: its
+# stage-output rows differ only by position (centred share of the unit rows 0.3-3% against 49%
+# typical; 3-30% against 96% for gradients), so an ordinary residual read as a link share of 0.6-5.8,
+# over GROSS times the floor: 16 of the 17 honest microbatch flags of the replicated gpt-tiny runs
+# (seeds 0, 1, 3, lr 1e-3, 200 steps; 4 flags with this floor). The share is read against at least this
+# fraction of the honest samples' spread (an EMA, learnt from accepted samples only), so it stays the
+# share of an ordinary sample's variation; a sample spread at least that much is scored as before.
+LINK_SPREAD_FLOOR = 0.5
 
 
 class _Ring:
@@ -122,6 +131,7 @@ class _Fit:
     input_dlog: float | None = None
     input_sender: int | None = None   # who sent the stage's input (None: a trusted sender, watched)
     gain: float | None = None
+    spread: float | None = None       # the sample's own centred energy per row (``den`` before LINK_SPREAD_FLOOR)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +189,7 @@ class Monitor:
         self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
         self._link_w: torch.Tensor | None = None
         self._gain: float | None = None               # EMA of honest samples' log gain (``_Fit.gain``)
+        self._spread: float | None = None             # EMA of honest samples' ``_Fit.spread``
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
@@ -260,9 +271,12 @@ class Monitor:
                     weights = self._link_w
             parts, update = pred.link_fit(inputs, rows, weights)
             num, den, moment = parts if parts is not None else (0.0, 0.0, None)
+            spread = (den if parts is not None else pred.centred_energy(rows)) / len(rows)
+            if parts is not None and self._spread is not None:
+                den = max(den, LINK_SPREAD_FLOOR * self._spread * len(rows))
             fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog,
                                 input_sender=input_sender,
-                                gain=None if log_size is None else log_size - input_size)
+                                gain=None if log_size is None else log_size - input_size, spread=spread)
         return fits
 
     def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
@@ -424,6 +438,10 @@ class Monitor:
             gain = fits["link"].gain
             if gain is not None:
                 self._gain = gain if self._gain is None else self.beta * self._gain + (1 - self.beta) * gain
+            spread = fits["link"].spread
+            if spread is not None:
+                self._spread = spread if self._spread is None else \
+                    self.beta * self._spread + (1 - self.beta) * spread
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
         self._ref = None  # its derived terms follow the reference
         for name, value in scores.items():

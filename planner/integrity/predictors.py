@@ -113,8 +113,12 @@ def _parts(x1: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> tu
     guess = x1 @ weights
     resid = outputs - predictor_gain(outputs, guess) * guess
     moment = resid.T @ resid
-    centred = outputs - outputs.mean(dim=0)
-    return float(moment.trace()), float(centred.square().sum()), moment
+    return float(moment.trace()), centred_energy(outputs), moment
+
+
+def centred_energy(rows: torch.Tensor) -> float:
+    """``||rows - mean(rows)||^2``: the link share's denominator (the sample's own variation)."""
+    return float((rows - rows.mean(dim=0)).square().sum())
 
 
 def link_fit(inputs: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor | None
