@@ -43,6 +43,7 @@ import torch
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
+from planner.integrity import summaries as summ
 from planner.integrity.thresholds import IQRFence
 from planner.verifier_config import DEFAULT_FLOORS, DEFAULT_RATIOS, DEFAULT_STEP_FLOORS
 
@@ -249,11 +250,11 @@ class AdaptiveState:
         self.margin = float(params["margin"])
         self.full = params.get("model", "summary") == "full"
         self.seed = seed
-        self.ref: dist.Summary | None = None
+        self.ref: summ.Summary | None = None
         self._reference: dist.Reference | None = None
         self._dirs: torch.Tensor | None = None
         self._spectral: torch.Tensor | None = None
-        self._levels = dist.quantile_levels(32)
+        self._levels = summ.quantile_levels(32)
         names = (*self._NAMES, *self._LINKED) if self.full else self._NAMES
         self._fences = {name: IQRFence(window=64, k=3.0, min_samples=8) for name in names}
         self._link: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -261,12 +262,12 @@ class AdaptiveState:
         self._resid: torch.Tensor | None = None
         self._whitener: torch.Tensor | None = None
 
-    def _summary(self, x: torch.Tensor) -> tuple[dist.Summary, torch.Tensor]:
+    def _summary(self, x: torch.Tensor) -> tuple[summ.Summary, torch.Tensor]:
         if self._dirs is None:
-            dim = dist.feature_size(x)
-            self._dirs = dist.random_directions(dim, 16, stable_seed("adaptive", self.seed))
-            self._spectral = dist.spectral_projection(dim, stable_seed("adaptive-spectral", self.seed))
-        return dist.summarize_rows(x, directions=self._dirs, levels=self._levels, spectral=self._spectral)
+            dim = summ.feature_size(x)
+            self._dirs = summ.random_directions(dim, 16, stable_seed("adaptive", self.seed))
+            self._spectral = summ.spectral_projection(dim, stable_seed("adaptive-spectral", self.seed))
+        return summ.summarize_rows(x, directions=self._dirs, levels=self._levels, spectral=self._spectral)
 
     def _rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """The verifier's view of the stage input's rows (unit RMS, in the spectral basis)."""
@@ -274,19 +275,19 @@ class AdaptiveState:
             return None
         return self._summary(x)[1]
 
-    def _scores(self, summary: dist.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> dict[str, float]:
+    def _scores(self, summary: summ.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> dict[str, float]:
         assert self.ref is not None, "scores need a reference"
         if self._reference is None:
             self._reference = dist.reference(self.ref)
         scores = dist.summary_scores(summary, self._reference, self._NAMES)
         if inputs is not None and self._link_w is not None and len(inputs) == len(rows):
             num, den, moment = pred.link_parts(inputs, rows, self._link_w)
-            scores["link"] = num / max(den, dist.EPS)
+            scores["link"] = num / max(den, summ.EPS)
             if self._whitener is not None:
                 scores["residual"] = pred.residual_shape(moment, self._whitener)
         return scores
 
-    def _fold(self, summary: dist.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> None:
+    def _fold(self, summary: summ.Summary, rows: torch.Tensor, inputs: torch.Tensor | None) -> None:
         if self.ref is not None:
             for name, value in self._scores(summary, rows, inputs).items():
                 self._fences[name].update(value)
@@ -298,7 +299,7 @@ class AdaptiveState:
     def _fold_link(self, inputs: torch.Tensor, rows: torch.Tensor) -> None:
         if self._link_w is not None:
             moment = pred.link_parts(inputs, rows, self._link_w)[2]
-            shape = moment / moment.trace().clamp_min(dist.EPS)
+            shape = moment / moment.trace().clamp_min(summ.EPS)
             self._resid = shape if self._resid is None else self.beta * self._resid + (1 - self.beta) * shape
             self._whitener = pred.residual_whitener(self._resid)
         stats = pred.link_stats(inputs, rows)

@@ -11,6 +11,7 @@ import torch
 from planner.integrity import distances as dist
 from planner.integrity import evidence
 from planner.integrity import predictors as pred
+from planner.integrity import summaries as summ
 from planner.integrity.thresholds import Cusum, IQRFence
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -139,7 +140,7 @@ class _Sample:
     """A sample that passed its own checks, held until its step closes."""
 
     sender: int
-    summary: dist.Summary
+    summary: summ.Summary
     scores: dict[str, float]
     fits: dict[str, _Fit]
     data_key: int | None = None
@@ -165,7 +166,7 @@ class Monitor:
         self.watch_only = watch_only  # a trusted sender's: learnt from, never failing a test
         self._runs: dict[int, int | None] = {}  # sender -> where its unbroken run of flags is laid (None: its own)
         self.beta = cfg.beta_act if direction == "act" else cfg.beta_grad
-        self.ref: dist.Summary | None = None
+        self.ref: summ.Summary | None = None
         self.first_step: int | None = None
         self.step: int | None = None  # the open step
         self._closed_step = -1          # the last step closed
@@ -180,7 +181,7 @@ class Monitor:
         self._basis_step = -1
         self._whitener_step = -1
         self._sketch_at: dict[int, torch.Tensor] = {}
-        self._levels = dist.quantile_levels(cfg.quantiles)
+        self._levels = summ.quantile_levels(cfg.quantiles)
         self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
         self._copies = _Copies(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
         self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
@@ -224,25 +225,25 @@ class Monitor:
         return self.cfg.seed * 1_000_003 + self.boundary * 2 + DIRECTIONS.index(self.direction) + salt
 
     def summarize(self, tensor: torch.Tensor, subset_seed: int = 0
-                  ) -> tuple[dist.Summary, torch.Tensor, torch.Tensor | None] | None:
+                  ) -> tuple[summ.Summary, torch.Tensor, torch.Tensor | None] | None:
         """The sample's summary, unit rows and the subset of rows they are (see
         ``distances.summarize_rows`` and ``distances.row_subset``; ``subset_seed`` picks
         the subset of a large tensor), or None if its feature size differs from earlier
         samples'."""
-        rows_dim = dist.feature_size(tensor)
+        rows_dim = summ.feature_size(tensor)
         if self._dirs is None:
-            self._dirs = dist.random_directions(rows_dim, self.cfg.projections, self._seed(0))
-            self.spectral = dist.spectral_projection(rows_dim, self._seed(3))
+            self._dirs = summ.random_directions(rows_dim, self.cfg.projections, self._seed(0))
+            self.spectral = summ.spectral_projection(rows_dim, self._seed(3))
         elif self._dirs.shape[0] != rows_dim:
             return None
         sketch_at = None
         if "replay" in self.fences:
             numel = tensor.numel()
             if numel not in self._sketch_at:
-                self._sketch_at[numel] = dist.sketch_positions(numel, dist.SKETCH_SIZE, self._seed(7))
+                self._sketch_at[numel] = summ.sketch_positions(numel, summ.SKETCH_SIZE, self._seed(7))
             sketch_at = self._sketch_at[numel]
-        subset = dist.row_subset(tensor.numel() // rows_dim, subset_seed)
-        summary, rows = dist.summarize_rows(tensor, directions=self._dirs, levels=self._levels,
+        subset = summ.row_subset(tensor.numel() // rows_dim, subset_seed)
+        summary, rows = summ.summarize_rows(tensor, directions=self._dirs, levels=self._levels,
                                             spectral=self.spectral, sketch_at=sketch_at, subset=subset)
         return summary, rows, subset
 
@@ -279,7 +280,7 @@ class Monitor:
                                 gain=None if log_size is None else log_size - input_size, spread=spread)
         return fits
 
-    def score(self, summary: dist.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
+    def score(self, summary: summ.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
               per_sample: bool = True, data_key: int | None = None) -> dict[str, float]:
         """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
         (empty before the first step closed); ``data_key``: which data the sample is of (a
@@ -332,7 +333,7 @@ class Monitor:
                 scores["residual"] = pred.residual_shape(sum(moments), self._whitener)
         return scores
 
-    def size_change(self, summary: dist.Summary) -> float | None:
+    def size_change(self, summary: summ.Summary) -> float | None:
         """``summary``'s signed size change against this step's reference (None before one)."""
         return None if self._ref is None else dist.log_size_change(summary, self._ref)
 
@@ -370,7 +371,7 @@ class Monitor:
                                         min_samples=self.cfg.min_samples, min_spread=spread)
         return self._drift[sender]
 
-    def hold(self, sender: int, summary: dist.Summary, scores: dict[str, float], fits: dict[str, _Fit],
+    def hold(self, sender: int, summary: summ.Summary, scores: dict[str, float], fits: dict[str, _Fit],
              data_key: int | None = None) -> None:
         """Keep a sample that passed until its step closes."""
         self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key))
@@ -389,7 +390,7 @@ class Monitor:
             by_sender.setdefault(sample.sender, []).append(sample)
         failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
         for sender, samples in by_sender.items():
-            scores = self.score(dist.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
+            scores = self.score(summ.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
                                 per_sample=False)
             drifting = "drift" in self.step_fences and "residual" in scores and not self.warming(step)
             if drifting:
@@ -422,7 +423,7 @@ class Monitor:
         up = self._runs[sender]
         return up if up is not None and set(reasons) <= _LINKED_REASONS else None
 
-    def _fold(self, summary: dist.Summary, scores: Mapping[str, float],
+    def _fold(self, summary: summ.Summary, scores: Mapping[str, float],
               fits: Mapping[str, _Fit] | None = None, data_key: int | None = None) -> None:
         """Fold an honest sample into the average, the windows, the history and the predictors."""
         fits = fits or {}

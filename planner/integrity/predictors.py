@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from planner.integrity.distances import EPS
+from planner.integrity.summaries import EPS
 
 REPLAY_SCORE_CAP = 12.0  # -log10(1 - cos) of an exact replay, capped
 LABEL_BUCKETS = 4096     # label ids are folded into this many rows of the binding table
@@ -176,7 +176,7 @@ def replay_score(sketch: torch.Tensor, past: torch.Tensor, past_norms: torch.Ten
 
 def sketch_fingerprint(sketch: torch.Tensor) -> int:
     """A 64-bit digest of a sketch's exact values: a replayed tensor gives back its own sketch
-    bit for bit (``distances.summarize_rows``), an honest one never repeats another's."""
+    bit for bit (``summaries.summarize_rows``), an honest one never repeats another's."""
     data = sketch.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 

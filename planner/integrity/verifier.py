@@ -5,7 +5,7 @@ forward, gradients backward) and decides, without recomputing anything,
 whether the sender corrupted it:
 
 1. Per (boundary, direction) a :class:`Monitor` keeps an exponential moving
-   average of the tensors' distribution summary (``distances.Summary``;
+   average of the tensors' distribution summary (``summaries.Summary``;
    activations beta 0.9, gradients 0.8), a history of sketches of recent
    tensors and two learnt predictors of the rows: a label table (with the
    microbatch's token ids) and a linear surrogate of the sending stage (from
@@ -53,6 +53,7 @@ import torch
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
+from planner.integrity import summaries as summ
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
     BLAME_MICROBATCHES,
@@ -154,12 +155,12 @@ class Verifier:
             mon.step = step
         # One subset of a large tensor's rows per microbatch, shared by all its boundaries
         # (a stage's input and output rows must stay aligned for its link test).
-        summarized = mon.summarize(tensor, subset_seed=dist.stable_mix(self.config.seed, step, mb))
+        summarized = mon.summarize(tensor, subset_seed=summ.stable_mix(self.config.seed, step, mb))
         if summarized is None:
             return Verdict(flagged=False, tainted=tainted, scores={}) if mon.watch_only else \
                 self._flag(mon, step, mb, sender, {}, ("shape",))
         summary, rows, subset = summarized
-        if labels is not None and subset is not None and labels.numel() == tensor.numel() // dist.feature_size(tensor):
+        if labels is not None and subset is not None and labels.numel() == tensor.numel() // summ.feature_size(tensor):
             labels = labels.reshape(-1)[subset]   # one label per row: keep those of the subset
         # Any inf or NaN element makes its feature's std NaN (inf - inf, or NaN, around the
         # mean): one cheap test.

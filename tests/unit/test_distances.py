@@ -9,14 +9,15 @@ import torch
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
+from planner.integrity import summaries as summ
 
 torch.set_num_threads(1)
 
 
-def summary(mean, std, *, skew=None, quantiles=None, pmean=None, cov=None, sketch=()) -> dist.Summary:
+def summary(mean, std, *, skew=None, quantiles=None, pmean=None, cov=None, sketch=()) -> summ.Summary:
     mean = torch.tensor(mean, dtype=torch.float32)
     std = torch.tensor(std, dtype=torch.float32)
-    return dist.Summary(
+    return summ.Summary(
         mean=mean, std=std,
         skew=torch.zeros_like(mean) if skew is None else torch.tensor(skew, dtype=torch.float32),
         quantiles=torch.zeros(1, 2) if quantiles is None else torch.tensor(quantiles, dtype=torch.float32),
@@ -26,21 +27,21 @@ def summary(mean, std, *, skew=None, quantiles=None, pmean=None, cov=None, sketc
 
 
 def test_rows_use_last_dim_and_channels_of_feature_maps() -> None:
-    assert dist.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)
+    assert summ.as_rows(torch.zeros(2, 3, 5)).shape == (6, 5)
     fmap = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
-    rows = dist.as_rows(fmap)
+    rows = summ.as_rows(fmap)
     assert rows.shape == (32, 3)
     assert torch.equal(rows[:, 1].sort().values, fmap[:, 1].reshape(-1).sort().values)
-    assert dist.feature_size(fmap) == 3 and dist.feature_size(torch.zeros(7, 5)) == 5
+    assert summ.feature_size(fmap) == 3 and summ.feature_size(torch.zeros(7, 5)) == 5
     with pytest.raises(InvalidInputError, match="boundary tensor"):
-        dist.as_rows(torch.tensor(1.0))
+        summ.as_rows(torch.tensor(1.0))
     with pytest.raises(InvalidInputError):
-        dist.feature_size(torch.zeros(0, 4))
+        summ.feature_size(torch.zeros(0, 4))
 
 
 def test_summarize_moments_quantiles_and_covariance() -> None:
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0], [7.0, 2.0]])
-    s = dist.summarize(x, directions=torch.eye(2), levels=dist.quantile_levels(4),
+    s = summ.summarize(x, directions=torch.eye(2), levels=summ.quantile_levels(4),
                        sketch_at=torch.tensor([0, 3]))
     assert torch.allclose(s.mean, torch.tensor([4.0, 2.0]))
     assert torch.allclose(s.std, torch.tensor([math.sqrt(5.0), math.sqrt(2.0)]))
@@ -52,10 +53,10 @@ def test_summarize_moments_quantiles_and_covariance() -> None:
 
 def test_skewness_sign_and_constant_features() -> None:
     x = torch.tensor([[0.0, 5.0], [0.0, 5.0], [0.0, 5.0], [3.0, 5.0]])  # right-skewed, constant
-    s = dist.summarize(x, directions=torch.eye(2), levels=dist.quantile_levels(2))
+    s = summ.summarize(x, directions=torch.eye(2), levels=summ.quantile_levels(2))
     assert s.skew[0] == pytest.approx(1.0 / math.sqrt(3.0) * 2.0, rel=1e-5)  # Bernoulli: (1-2p)/sqrt(p(1-p)), p=1/4
     assert s.skew[1] == 0.0
-    flipped = dist.summarize(-x, directions=torch.eye(2), levels=dist.quantile_levels(2))
+    flipped = summ.summarize(-x, directions=torch.eye(2), levels=summ.quantile_levels(2))
     assert flipped.skew[0] == pytest.approx(-float(s.skew[0]), rel=1e-6)
 
 
@@ -76,7 +77,7 @@ def test_scale_change_by_hand() -> None:
     assert dist.rms(ref) == pytest.approx(1.0)
     assert dist.scale_change(summary([0.0, 0.0], [math.e, math.e]), ref) == pytest.approx(1.0, rel=1e-6)
     assert dist.scale_change(summary([0.0, 0.0], [0.5, 0.5]), ref) == pytest.approx(math.log(2.0), rel=1e-6)
-    assert dist.scale_change(summary([0.0, 0.0], [0.0, 0.0]), ref) == pytest.approx(-math.log(dist.EPS))
+    assert dist.scale_change(summary([0.0, 0.0], [0.0, 0.0]), ref) == pytest.approx(-math.log(summ.EPS))
 
 
 def test_sign_flip_ratio_weighs_by_reference_mean() -> None:
@@ -140,44 +141,44 @@ def test_replay_score() -> None:
 def test_mean_summary_blend_and_helpers() -> None:
     a = summary([0.0, 2.0], [1.0, 1.0])
     b = summary([2.0, 4.0], [3.0, 1.0])
-    m = dist.mean_summary([a, b])
+    m = summ.mean_summary([a, b])
     assert torch.equal(m.mean, torch.tensor([1.0, 3.0])) and torch.equal(m.std, torch.tensor([2.0, 1.0]))
     e = a.blend(b, 0.75)
     assert torch.allclose(e.mean, torch.tensor([0.5, 2.5])) and torch.allclose(e.std, torch.tensor([1.5, 1.0]))
     with pytest.raises(InvalidInputError):
-        dist.mean_summary([])
-    d1, d2 = dist.random_directions(8, 4, seed=3), dist.random_directions(8, 4, seed=3)
+        summ.mean_summary([])
+    d1, d2 = summ.random_directions(8, 4, seed=3), summ.random_directions(8, 4, seed=3)
     assert torch.equal(d1, d2) and torch.allclose(d1.norm(dim=0), torch.ones(4))
-    pos = dist.sketch_positions(10_000, 64, seed=1)
-    assert pos.numel() == 64 and torch.equal(pos, dist.sketch_positions(10_000, 64, seed=1))
-    assert torch.equal(dist.sketch_positions(5, 64, seed=1), torch.arange(5))
-    assert dist.spectral_projection(64, seed=0) is None
-    assert dist.spectral_projection(1000, seed=0).shape == (1000, dist.MAX_SPECTRAL_DIMS)
+    pos = summ.sketch_positions(10_000, 64, seed=1)
+    assert pos.numel() == 64 and torch.equal(pos, summ.sketch_positions(10_000, 64, seed=1))
+    assert torch.equal(summ.sketch_positions(5, 64, seed=1), torch.arange(5))
+    assert summ.spectral_projection(64, seed=0) is None
+    assert summ.spectral_projection(1000, seed=0).shape == (1000, summ.MAX_SPECTRAL_DIMS)
     values = torch.tensor([[3.0], [1.0], [2.0], [4.0]])
-    assert torch.equal(dist.sorted_quantiles(values, dist.quantile_levels(4)), torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    assert torch.equal(summ.sorted_quantiles(values, summ.quantile_levels(4)), torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
 
 
 def test_noise_raises_the_spectral_residual_of_low_rank_rows() -> None:
     gen = torch.Generator().manual_seed(0)
     basis = torch.randn(32, 3, generator=gen)
     honest = [torch.randn(64, 3, generator=gen) @ basis.T for _ in range(4)]
-    dirs, levels = dist.random_directions(32, 8, 0), dist.quantile_levels(8)
-    sums = [dist.summarize(h, directions=dirs, levels=levels) for h in honest]
-    ref = dist.mean_summary(sums[:3])
+    dirs, levels = summ.random_directions(32, 8, 0), summ.quantile_levels(8)
+    sums = [summ.summarize(h, directions=dirs, levels=levels) for h in honest]
+    ref = summ.mean_summary(sums[:3])
     b = dist.principal_basis(ref.cov)
     clean = dist.spectral_residual(sums[3], ref, b)
     noisy_rows = honest[3] + 0.3 * honest[3].std() * torch.randn(64, 32, generator=gen)
-    noisy = dist.spectral_residual(dist.summarize(noisy_rows, directions=dirs, levels=levels), ref, b)
+    noisy = dist.spectral_residual(summ.summarize(noisy_rows, directions=dirs, levels=levels), ref, b)
     assert clean < 0.01 and noisy > 0.05
 
 
 def test_summary_scores_in_one_pass_equal_each_distance() -> None:
     gen = torch.Generator().manual_seed(1)
-    dirs, levels = dist.random_directions(24, 8, 0), dist.quantile_levels(16)
+    dirs, levels = summ.random_directions(24, 8, 0), summ.quantile_levels(16)
     rows = torch.randn(128, 6, generator=gen) @ torch.randn(6, 24, generator=gen)
-    ref = dist.summarize(rows.exp(), directions=dirs, levels=levels)
+    ref = summ.summarize(rows.exp(), directions=dirs, levels=levels)
     for other in (rows.exp() * 1.7 + 0.2 * torch.randn(128, 24, generator=gen), -rows.exp(), torch.zeros(128, 24)):
-        x = dist.summarize(other, directions=dirs, levels=levels)
+        x = summ.summarize(other, directions=dirs, levels=levels)
         fast = dist.summary_scores(x, dist.reference(ref))
         slow = {name: dist.DISTANCES[name](x, ref) for name in dist.DISTANCES}
         slow["spectral"] = dist.spectral_residual(x, ref, dist.principal_basis(ref.cov))
@@ -219,15 +220,15 @@ def test_link_fit_is_link_parts_and_link_stats_in_one() -> None:
 
 
 def test_row_subsets_are_fixed_by_their_seed_and_only_for_large_tensors() -> None:
-    assert dist.row_subset(dist.MAX_PROJECTED_ROWS, seed=1) is None
-    rows = dist.MAX_PROJECTED_ROWS * 3
-    a, b = dist.row_subset(rows, seed=1), dist.row_subset(rows, seed=1)
-    assert torch.equal(a, b) and a.numel() == dist.MAX_PROJECTED_ROWS
+    assert summ.row_subset(summ.MAX_PROJECTED_ROWS, seed=1) is None
+    rows = summ.MAX_PROJECTED_ROWS * 3
+    a, b = summ.row_subset(rows, seed=1), summ.row_subset(rows, seed=1)
+    assert torch.equal(a, b) and a.numel() == summ.MAX_PROJECTED_ROWS
     assert torch.equal(a, a.unique()) and int(a.max()) < rows                 # sorted, distinct, in range
-    assert not torch.equal(a, dist.row_subset(rows, seed=dist.stable_mix(0, 5, 1)))
-    assert dist.stable_mix(0, 5, 1) == dist.stable_mix(0, 5, 1) != dist.stable_mix(0, 1, 5)
+    assert not torch.equal(a, summ.row_subset(rows, seed=summ.stable_mix(0, 5, 1)))
+    assert summ.stable_mix(0, 5, 1) == summ.stable_mix(0, 5, 1) != summ.stable_mix(0, 1, 5)
     big = torch.randn(rows, 8)
-    s = dist.summarize(big, directions=dist.random_directions(8, 4, 0), levels=dist.quantile_levels(8), subset=a)
+    s = summ.summarize(big, directions=summ.random_directions(8, 4, 0), levels=summ.quantile_levels(8), subset=a)
     assert torch.allclose(s.mean, big.mean(dim=0))            # the per-feature mean still sees every row
     spread = (big[a] - big.mean(dim=0)).square().mean(dim=0).sqrt()
     assert torch.allclose(s.std, spread, atol=1e-5)            # the spread: the subset only
@@ -236,28 +237,28 @@ def test_row_subsets_are_fixed_by_their_seed_and_only_for_large_tensors() -> Non
 
 def test_a_replayed_large_tensor_gives_back_its_sketch_whatever_subset_it_draws() -> None:
     gen = torch.Generator().manual_seed(4)
-    rows = dist.MAX_PROJECTED_ROWS * 2
+    rows = summ.MAX_PROJECTED_ROWS * 2
     x = torch.randn(2, rows // 2, 16, generator=gen) * 3.0 + 1.0
-    at = dist.sketch_positions(x.numel(), 64, seed=0)
-    dirs, levels = dist.random_directions(16, 4, 0), dist.quantile_levels(8)
-    first, again = (dist.summarize(x, directions=dirs, levels=levels, sketch_at=at,
-                                   subset=dist.row_subset(rows, seed=seed)) for seed in (1, 2))
+    at = summ.sketch_positions(x.numel(), 64, seed=0)
+    dirs, levels = summ.random_directions(16, 4, 0), summ.quantile_levels(8)
+    first, again = (summ.summarize(x, directions=dirs, levels=levels, sketch_at=at,
+                                   subset=summ.row_subset(rows, seed=seed)) for seed in (1, 2))
     assert not torch.equal(first.std, again.std)                              # two subsets...
     assert torch.equal(first.sketch, again.sketch)                            # ...one sketch: a replay scores the cap
     assert pred.replay_score(again.sketch, first.sketch[None]) == pred.REPLAY_SCORE_CAP
-    flat = dist.as_rows(x)
+    flat = summ.as_rows(x)
     assert torch.allclose(first.sketch, flat.reshape(-1)[at] - flat.mean(dim=0)[at % 16])
 
 
 def test_one_projection_for_quantiles_and_spectral_basis_matches_two() -> None:
     gen = torch.Generator().manual_seed(5)
-    dim = dist.MAX_SPECTRAL_DIMS * 3
+    dim = summ.MAX_SPECTRAL_DIMS * 3
     x = torch.randn(96, 8, generator=gen) @ torch.randn(8, dim, generator=gen)
-    dirs, levels = dist.random_directions(dim, 4, 0), dist.quantile_levels(8)
-    spectral = dist.spectral_projection(dim, 1)
-    s, unit = dist.summarize_rows(x, directions=dirs, levels=levels, spectral=spectral)
-    assert torch.allclose(s.quantiles, dist.sorted_quantiles(x @ dirs, levels), rtol=1e-4, atol=1e-4)
+    dirs, levels = summ.random_directions(dim, 4, 0), summ.quantile_levels(8)
+    spectral = summ.spectral_projection(dim, 1)
+    s, unit = summ.summarize_rows(x, directions=dirs, levels=levels, spectral=spectral)
+    assert torch.allclose(s.quantiles, summ.sorted_quantiles(x @ dirs, levels), rtol=1e-4, atol=1e-4)
     prows = x @ spectral
     assert torch.allclose(s.pmean, prows.mean(dim=0), rtol=1e-4, atol=1e-4)
     assert torch.allclose(s.cov, prows.T.cov(correction=0), rtol=1e-3, atol=1e-3)
-    assert unit.shape == (96, dist.MAX_SPECTRAL_DIMS)
+    assert unit.shape == (96, summ.MAX_SPECTRAL_DIMS)
