@@ -2,7 +2,6 @@
 checks, and the per-sample and step-level tests against them (``verifier`` says how they fit together)."""
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ from planner.integrity import distances as dist
 from planner.integrity import evidence
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
+from planner.integrity.history import CopyMemory, SketchRing
 from planner.integrity.thresholds import Cusum, IQRFence
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -43,75 +43,6 @@ EXACT_REPLAY_FACTOR = 64
 # fraction of the honest samples' spread (an EMA, learnt from accepted samples only), so it stays the
 # share of an ordinary sample's variation; a sample spread at least that much is scored as before.
 LINK_SPREAD_FLOOR = 0.5
-
-
-class _Ring:
-    """The last ``capacity`` sketches in one preallocated ``[capacity, length]`` tensor,
-    with their norms (a replay test reads every row each check)."""
-
-    def __init__(self, capacity: int, length: int) -> None:
-        self._data = torch.zeros(capacity, length)
-        self._norms = torch.zeros(capacity)
-        self._keys: list[int | None] = [None] * capacity   # each row's data key (``_Copies``)
-        self._count = 0
-
-    def __len__(self) -> int:
-        return min(self._count, self._data.shape[0])
-
-    def push(self, sketch: torch.Tensor, data_key: int | None = None) -> None:
-        slot = self._count % self._data.shape[0]
-        self._data[slot] = sketch
-        self._norms[slot] = sketch.norm()
-        self._keys[slot] = data_key
-        self._count += 1
-
-    def others(self, data_key: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows and norms of other data than ``data_key``'s (all of them when it is None)."""
-        rows, norms = self.rows(), self.norms()
-        if data_key is None:
-            return rows, norms
-        keep = torch.tensor([k != data_key for k in self._keys[: len(self)]], dtype=torch.bool)
-        return (rows, norms) if bool(keep.all()) else (rows[keep], norms[keep])
-
-    def rows(self) -> torch.Tensor:
-        return self._data[: len(self)]
-
-    def norms(self) -> torch.Tensor:
-        return self._norms[: len(self)]
-
-
-class _Copies:
-    """Fingerprints of the last ``capacity`` sketches (``predictors.sketch_fingerprint``): exact
-    replays from further back than the sketch ring reaches, at about 16 bytes a sample.
-
-    Each keeps the key of the data it was computed from (``predictors.ids_fingerprint`` of the
-    microbatch's labels; None: unknown): a copy of an earlier tensor *of the same data* is what a
-    frozen stage sends when its data comes round again (fine-tuning with the bottom layers frozen,
-    an epoch of 6 steps: the honest first stage was flagged on every microbatch from the second
-    epoch and banned; emulation, 2026-12-03), not a replay."""
-
-    def __init__(self, capacity: int) -> None:
-        self._order: deque[int] = deque()
-        self._seen: dict[int, int | None] = {}
-        self._capacity = capacity
-
-    def copied(self, sketch: torch.Tensor, data_key: int | None = None) -> bool:
-        """Whether ``sketch`` is an exact copy of one computed from other data (or unknown data). All
-        zeros is nobody's copy: a microbatch with no target to learn sends zero gradients honestly (the
-        other tests judge a sender of zeros)."""
-        if not bool(sketch.any()):
-            return False
-        key = pred.sketch_fingerprint(sketch)
-        return key in self._seen and (data_key is None or self._seen[key] != data_key)
-
-    def push(self, sketch: torch.Tensor, data_key: int | None = None) -> None:
-        key = pred.sketch_fingerprint(sketch)
-        if key in self._seen:
-            return
-        self._order.append(key)
-        self._seen[key] = data_key
-        if len(self._order) > self._capacity:
-            self._seen.pop(self._order.popleft(), None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,8 +113,8 @@ class Monitor:
         self._whitener_step = -1
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = summ.quantile_levels(cfg.quantiles)
-        self._history: dict[int, _Ring] = {}  # sketch length -> recent sketches
-        self._copies = _Copies(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
+        self._history: dict[int, SketchRing] = {}  # sketch length -> recent sketches
+        self._copies = CopyMemory(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
         self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
         self._seen = torch.zeros(pred.LABEL_BUCKETS)
         self._centre: torch.Tensor | None = None
@@ -284,7 +215,7 @@ class Monitor:
               per_sample: bool = True, data_key: int | None = None) -> dict[str, float]:
         """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
         (empty before the first step closed); ``data_key``: which data the sample is of (a
-        replay is a copy of another data's tensor, see ``_Copies``)."""
+        replay is a copy of another data's tensor, see ``history.CopyMemory``)."""
         if self.ref is None:
             return {}
         names = self.fences if per_sample else self.step_fences
@@ -450,7 +381,7 @@ class Monitor:
         length = summary.sketch.numel()
         if length:
             if length not in self._history:
-                self._history[length] = _Ring(self.cfg.replay_window, length)
+                self._history[length] = SketchRing(self.cfg.replay_window, length)
             self._history[length].push(summary.sketch, data_key)
             self._copies.push(summary.sketch, data_key)
 

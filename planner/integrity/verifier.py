@@ -144,7 +144,7 @@ class Verifier:
         a check for nothing).
         """
         mon = self.monitor(boundary, direction)
-        data_key = None if labels is None else pred.ids_fingerprint(labels)   # which data: see ``_Copies``
+        data_key = None if labels is None else pred.ids_fingerprint(labels)   # which data: see ``history.CopyMemory``
         if input_key(boundary, direction) in self._monitors:
             labels = None
         mon.checked += 1

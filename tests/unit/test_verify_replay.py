@@ -7,7 +7,7 @@ import torch
 
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import STEP_MB, blame
-from planner.integrity.monitor import _Copies
+from planner.integrity.history import CopyMemory
 from tests.unit.test_verify import MBS, Stream, make, run
 
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ def test_a_replay_older_than_the_ring_is_caught_by_its_fingerprint() -> None:
 
 
 def test_the_fingerprint_memory_forgets_the_oldest_first() -> None:
-    copies = _Copies(2)
+    copies = CopyMemory(2)
     a, b, c = (torch.full((8,), float(i)) for i in range(3))
     for sketch in (a, b, c):
         copies.push(sketch)
@@ -33,7 +33,7 @@ def test_the_fingerprint_memory_forgets_the_oldest_first() -> None:
 
 
 def test_a_copy_of_the_same_data_s_tensor_is_no_replay() -> None:
-    copies = _Copies(4)
+    copies = CopyMemory(4)
     copies.push(torch.ones(8), data_key=7)
     assert not copies.copied(torch.ones(8), data_key=7)     # a frozen stage, its data come round again
     assert copies.copied(torch.ones(8), data_key=8)         # another microbatch's tensor sent back
