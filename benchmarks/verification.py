@@ -5,9 +5,8 @@ Real training of gpt-tiny on byte text (``models.data.ByteTextDataset``) as a
 exactly the calls the distributed runtime makes (``Attacker.apply`` on the
 sending rank, ``Verifier.check`` on one verifier that checks every boundary in
 both directions, ``flag_events`` + ``end_step`` at the end of each step); a
-flagged microbatch is dropped downstream, a step the verifier rejects (a
-winning step-level flag) applies no optimizer update, and a banned rank is
-planned around (its stage runs honestly from then on). Rank r runs stage r, boundary b sits
+flagged microbatch is dropped downstream, and a banned rank is planned around
+(its stage runs honestly from then on). Rank r runs stage r, boundary b sits
 between ranks b and b + 1, the attacker is rank 1 (a middle stage). The
 monitors get the configuration a plan gets by default (``planner.plan.
 VerifierConfig``), and the microbatch's token ids as labels (as
@@ -127,7 +126,6 @@ class RunResult:
     checks: int
     verify_ms: float
     flag_events: list[dict] = field(default_factory=list)   # the verifier's flags (run(keep_events=True))
-    rejected_steps: list[int] = field(default_factory=list)  # steps the verifier rejected: no optimizer update
 
 
 def wide_tiny(d_model: int) -> torch.nn.Module:
@@ -244,10 +242,7 @@ def run(cfg: RunConfig, *, keep_events: bool = False, pipeline: Callable[[RunCon
             result.ban_step = step
             if cfg.replan:
                 pipe.attacker = None      # planned around: an honest device takes the stage over
-        if pipe.verifier is not None and pipe.verifier.last_rejected:
-            result.rejected_steps.append(step)   # its gradients are discarded, as the runtime does
-        else:
-            pipe.opt.step()
+        pipe.opt.step()
         if pipe.lr_warmup is not None:
             pipe.lr_warmup.step()
         result.step_ms.append(1e3 * (time.process_time() - t0))

@@ -107,7 +107,6 @@ def clean_run(shape: str, *, steps: int, seed: int, progress_every: int = 0) -> 
             "fpr_per_sample": round(counts["flags_microbatch"] / max(1, counts["checks"]), 6),
             "fpr_pairs": round(counts["blamed_pairs"] / max(1, pairs), 6), "pairs": pairs,
             "senders": sorted(sender_ranks), "banned": result.banned,
-            "rejected_steps": len(result.rejected_steps),   # honest steps whose update a false step flag skipped
             "blamed_steps": {str(k): v for k, v in pipe.verifier.summary()["blamed_steps"].items()},
             "val_loss": round(result.val_loss, 4), "duration_s": round(time.perf_counter() - t0, 1)}
 

@@ -229,8 +229,7 @@ def summarize(report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     blamed = _blamed_steps(report)
     bans = _bans(report)
     return {"steps_run": report["steps"], "checks": checks, "flags_microbatch": flags_mb, "flags_step": flags_step,
-            "tainted": tainted, "dropped": sum(report["dropped"]), "rejected_steps": report.get("rejected_steps", []),
-            "flagged_steps": sorted(
+            "tainted": tainted, "dropped": sum(report["dropped"]), "flagged_steps": sorted(
                 {s for s, n in enumerate(report["dropped"]) if n}),
             "blamed_pairs": sum(len(v) for v in blamed.values()), "blamed_steps": blamed,
             "fpr_per_sample": round(flags_mb / max(1, checks), 6), "banned": report["banned"], "bans": bans,
@@ -289,17 +288,15 @@ def attack_metrics(report: dict[str, Any], row: dict[str, Any], attacker: int, s
                    microbatches: int) -> dict[str, Any]:
     """The attacker's ban against the attack's start; precision/recall/F1 of dropped vs attacked microbatches.
 
-    The dropped microbatches are those of the verifiers' microbatch flags and every microbatch of a step the
-    verifiers rejected (a winning step-level flag: no rank applied its update). A rank reports only its latest
+    The dropped microbatches are those of the verifiers' microbatch flags. A rank reports only its latest
     events (``planner.integrity.hooks.SUMMARY_EVENTS``): when some flags are missing and the attack corrupted
     every microbatch of every step from its first, a drop is attacked exactly when its step is at or after
     that one, so the report's drops per step give the same counts (``pr_from: counts``)."""
     log = next((r["attacked"] for r in report["ranks"] if r["rank"] == attacker), [])
     attacked = {(s, mb) for s, mb, _, _ in log}
-    flagged = {(e["step"], e["mb"]) for e in _flag_events(report) if e["scope"] == "microbatch"}
-    dropped = flagged | {(s, mb) for s in report.get("rejected_steps", ()) for mb in range(microbatches)}
+    dropped = {(e["step"], e["mb"]) for e in _flag_events(report) if e["scope"] == "microbatch"}
     first = min((s for s, _ in attacked), default=None)
-    if len(flagged) == row["flags_microbatch"]:
+    if len(dropped) == row["flags_microbatch"]:
         source, hit, n_dropped = "events", len(attacked & dropped), len(dropped)
     elif first is not None and attacked == {(s, mb) for s in range(first, row["steps_run"])
                                             for mb in range(microbatches)}:

@@ -172,6 +172,4 @@ def summary_table(result: dict[str, Any], here=None):
         table.add_row("re-plans (hosts joined)", str(len(replans) - recovered))
     if result.get("untrained_steps"):
         table.add_row("steps that trained nothing", ", ".join(map(str, result["untrained_steps"])))
-    if result.get("rejected_steps"):
-        table.add_row("steps rejected (update skipped)", ", ".join(map(str, result["rejected_steps"])))
     return table

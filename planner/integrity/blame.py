@@ -14,7 +14,7 @@ from planner.integrity import evidence
 from planner.verifier_config import DIRECTIONS
 
 __all__ = ["BLAME_MICROBATCHES", "FLAG_EVENTS_SCHEMA", "STEP_MB", "blame", "blame_weights",
-           "flatten_events", "input_key", "step_blamed"]
+           "flatten_events", "input_key"]
 
 STEP_MB = -1   # the "microbatch" of a step-level flag
 
@@ -84,39 +84,9 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
     later steps (split placement, seed 1, 2026-12-03: the stale rank was never blamed; its honest
     neighbour upstream was, and banned).
     """
-    by_step = _by_step(flags)
-    weights: dict[int, float] = {}
-    for event in _winners(by_step):
-        who = _culprit(event)
-        weights[who] = math.inf if int(event["mb"]) == STEP_MB else weights.get(who, 0.0) + 1.0
-    for events in by_step.values():
-        for e in events:
-            if evidence.DECISIVE.intersection(e.get("reasons", ())):
-                weights[int(e["sender"])] = math.inf
-    return weights
-
-
-def step_blamed(flags: Iterable[Mapping[str, Any]]) -> set[int]:
-    """The senders a winning step-level flag blames (their weight in :func:`blame_weights` is ``math.inf``
-    because their step *as a whole* failed): evidence against every microbatch of the step, none of
-    which was dropped for it, so the step must not train the model (``Verifier.last_rejected``).
-    A replay is left out: its flag is a microbatch's, and that microbatch was dropped at once."""
-    return {_culprit(e) for e in _winners(_by_step(flags)) if int(e["mb"]) == STEP_MB}
-
-
-def _culprit(event: Mapping[str, Any]) -> int:
-    return int(event.get("upstream", event["sender"]))
-
-
-def _by_step(flags: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in flags:
         by_step.setdefault(int(event["step"]), []).append(event)
-    return by_step
-
-
-def _winners(by_step: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
-    """The distinct flags that are the most upstream of some (step, microbatch) (see :func:`blame_weights`)."""
     first: dict[tuple[int, int], Mapping[str, Any]] = {}
     for events in by_step.values():
         whole = [e for e in events if int(e["mb"]) == STEP_MB]
@@ -136,7 +106,19 @@ def _winners(by_step: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[Mapping
     # Each winning flag counts once, by its own scope: a microbatch's flag that outranks a step-level
     # one downstream is one microbatch of evidence, not a step's (linked placement, seed 3, gradients
     # scaled by 3: an honest stage's lone flag upstream took a whole step of the attacker's blame).
-    return list({id(event): event for event in first.values()}.values())
+    weights: dict[int, float] = {}
+    counted: set[int] = set()
+    for event in first.values():
+        if id(event) in counted:
+            continue
+        counted.add(id(event))
+        who = int(event.get("upstream", event["sender"]))
+        weights[who] = math.inf if int(event["mb"]) == STEP_MB else weights.get(who, 0.0) + 1.0
+    for events in by_step.values():
+        for e in events:
+            if evidence.DECISIVE.intersection(e.get("reasons", ())):
+                weights[int(e["sender"])] = math.inf
+    return weights
 
 
 def _senders_with(events: Sequence[Mapping[str, Any]], count: int) -> set[int]:

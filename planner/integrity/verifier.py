@@ -32,10 +32,8 @@ whether the sender corrupted it:
 4. At the end of a step all verifiers' flags are gathered; per microbatch only
    the most upstream flagged sender is blamed (a corruption upstream makes
    everything downstream look odd). A flagged microbatch is dropped at once;
-   a step whose blame holds a winning step-level flag is rejected as a whole
-   (no rank applies its optimizer update); a ban needs accumulated evidence:
-   a sequential test per sender on how often it is blamed (``bans``), with a
-   stated bound on honest senders' false bans.
+   a ban needs accumulated evidence: a sequential test per sender on how often
+   it is blamed (``bans``), with a stated bound on honest senders' false bans.
 
 Why summaries rather than raw tensors: consecutive microbatches hold different
 data, so an elementwise average of them is a blur that every honest tensor is
@@ -61,7 +59,6 @@ from planner.integrity.blame import (
     blame_weights,
     flatten_events,
     input_key,
-    step_blamed,
 )
 from planner.integrity.monitor import Monitor
 from planner.verifier_config import DIRECTIONS, VerifierConfig
@@ -116,7 +113,6 @@ class Verifier:
         self._blamed_steps: dict[int, list[int]] = {}
         self._lone: dict[int, float] = {}     # sender -> its flagged microbatches of the last step, not blamed
         self.last_blamed: set[int] = set()    # the senders the last ``end_step`` blamed
-        self.last_rejected = False            # whether the last ``end_step`` rejected its step (no update)
         self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
                              false_steps=self.config.ban_false_steps)
         self.banned: set[int] = self._bans.banned
@@ -229,8 +225,7 @@ class Verifier:
         return [dict(e) for e in self._step_flags.get(step, ())]
 
     def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:
-        """Resolve blame for ``step`` from every verifier's flags; return all banned ranks. Sets
-        ``last_blamed`` and ``last_rejected`` (a winning step-level flag: the step must not train).
+        """Resolve blame for ``step`` from every verifier's flags; return all banned ranks.
 
         ``all_flag_events``: the flags of every verifier rank, flat or one list
         per rank (as the exchange returns them). Every verifier gets
@@ -241,9 +236,6 @@ class Verifier:
         blamed = {s for s, n in weights.items() if n + self._lone.get(s, 0.0) >= BLAME_MICROBATCHES}
         self._lone = {s: n for s, n in weights.items() if s not in blamed}
         self.last_blamed = set(blamed)
-        # A step-level flag blames a whole step none of whose microbatches was dropped for it: the step
-        # must not train the model (its optimizer update is skipped, like an fp16 overflow's).
-        self.last_rejected = bool(step_blamed(flags))
         for sender in sorted(blamed):
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:

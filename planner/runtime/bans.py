@@ -2,14 +2,12 @@
 
 The verifier ranks decide bans (``planner.integrity``); the stage ranks must know them too, at
 once, or a banned sender keeps training the model. So at the end of each verified step every rank
-joins one all-reduce of ``3 x num_ranks + 1`` integers (:func:`encode` / :func:`decode`):
+joins one all-reduce of ``3 x num_ranks`` integers (:func:`encode` / :func:`decode`):
 
 * per sender, its first flagged step + 1 while its flags are unresolved (0: none), and
 * per sender, the step it was banned at + 1 (0: not banned), both from the lowest verifier rank
   alone (every verifier reaches the same bans from the same gathered flags), and
-* per rank, how many of its microbatches trained this step (not dropped), from each stage rank, and
-* whether the step is rejected (a sender's step as a whole failed its tests), from the lead verifier:
-  then no rank applies the step's optimizer update, which the stage ranks defer to after this exchange.
+* per rank, how many of its microbatches trained this step (not dropped), from each stage rank.
 
 A ban stops the run at the end of the step that decided it, on every rank alike
 (:class:`RankBannedError`): from then on nothing the banned sender produced trains the model,
@@ -47,19 +45,17 @@ class StepVerdicts:
     unresolved: dict[int, int]      # sender -> first flagged step, while its flags stand (banned ones too)
     bans: dict[int, BanNotice]      # every sender banned so far
     trained: int                    # microbatches of the step that trained on the first stage
-    rejected: bool                  # the step must not train the model (no optimizer update anywhere)
 
 
 def encode(num_ranks: int, *, rank: int, lead: bool, unresolved: Mapping[int, int],
-           bans: Mapping[int, tuple[int, int]], trained: int, rejected: bool) -> torch.Tensor:
+           bans: Mapping[int, tuple[int, int]], trained: int) -> torch.Tensor:
     """This rank's share of the step's exchange (``lead``: the verifier rank that speaks for all)."""
-    out = torch.zeros(3 * num_ranks + 1, dtype=torch.int64)
+    out = torch.zeros(3 * num_ranks, dtype=torch.int64)
     if lead:
         for sender, first in unresolved.items():
             out[sender] = first + 1
         for sender, (_, step) in bans.items():
             out[num_ranks + sender] = step + 1
-        out[3 * num_ranks] = int(rejected)
     out[2 * num_ranks + rank] = trained
     return out
 
@@ -67,12 +63,11 @@ def encode(num_ranks: int, *, rank: int, lead: bool, unresolved: Mapping[int, in
 def decode(summed: torch.Tensor, *, first_stage_ranks: Collection[int]) -> StepVerdicts:
     """The exchange summed over every rank, read back."""
     values = [int(v) for v in summed.tolist()]
-    n = (len(values) - 1) // 3
+    n = len(values) // 3
     unresolved = {r: values[r] - 1 for r in range(n) if values[r] > 0}
     bans = {r: BanNotice(rank=r, first_flagged_step=unresolved.get(r, values[n + r] - 1), ban_step=values[n + r] - 1)
             for r in range(n) if values[n + r] > 0}
-    return StepVerdicts(unresolved=unresolved, bans=bans, trained=sum(values[2 * n + r] for r in first_stage_ranks),
-                        rejected=values[3 * n] > 0)
+    return StepVerdicts(unresolved=unresolved, bans=bans, trained=sum(values[2 * n + r] for r in first_stage_ranks))
 
 
 def replan_hint(plan_path: str, host: str, checkpoint_dir: str | None) -> str:

@@ -97,7 +97,6 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         self.bans: dict[int, ban_exchange.BanNotice] = {}
         self.unresolved: dict[int, int] = {}   # sender -> first flagged step, while its flags stand
         self.untrained_steps: list[int] = []   # steps in which no microbatch trained
-        self.rejected_steps: list[int] = []    # steps the verifiers rejected: no rank applied their update
         self._first_stage_ranks = tuple(self.plan.stage_ranks(0))
 
     # ------------------------------------------------------------------ setup
@@ -141,7 +140,6 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         if self.scaler is not None and self.stage is None:
             self._overflowed()  # a verifier-only rank joins the step's overflow vote (stage ranks did in OPTIM)
         banned = self._end_verification(step)
-        self._update()  # a verified step's optimizer update, now that every rank knows whether it is rejected
         if self.attacks is not None:
             self.attacks.end_step()
         loss_sum, loss_count = self._losses()
@@ -153,7 +151,7 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
                            compute_ms=1e3 * t.compute, compute_cpu_ms=1e3 * t.compute_cpu, pad_ms=1e3 * t.pad,
                            wait_ms=1e3 * t.wait,
                            comm_ms=1e3 * t.comm, verify_ms=1e3 * t.verify, optim_ms=1e3 * t.optim,
-                           loss_sum=loss_sum, loss_count=loss_count, dropped=self._dropped_count(),
+                           loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
                            flagged=self.flagged, banned=len(banned), thread_cpu_ms=1e3 * thread_cpu,
                            wait_cpu_ms=1e3 * t.wait_cpu, comm_cpu_ms=1e3 * t.comm_cpu,
                            verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu)
@@ -175,14 +173,6 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         self.replays: dict[int, ReplayPoint] = {}            # forwards that may have to run again
         self.held: HeldBackward | None = None
         self.stage_trained: int | None = None  # microbatches that trained on this stage's replicas (all-reduced)
-        self.rejected = False                  # the verifiers rejected the step (known at its end)
-        self.update_pending: bool | None = None  # OPTIM's deferred update: whether it steps (verified runs)
-
-    def _dropped_count(self) -> int:
-        """This rank's microbatches the step dropped: all of them when the step was rejected."""
-        if self.rejected and self.stage is not None:
-            return len(self.info.microbatches)
-        return len(self.dropped_f | self.dropped_b)
 
     def _dispatch(self, ins: Instruction) -> None:
         op = ins.op

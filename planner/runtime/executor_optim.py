@@ -4,14 +4,6 @@ the optimizer step and the step's losses.
 A parameter to whose gradient no microbatch contributed this step (all of its
 stage's, or of its tied group's, were dropped) gets no optimizer step: its
 gradient is zero, and Adam's momentum would still move it.
-
-A verified run does everything of ``OPTIM`` at ``OPTIM`` (the sums, the fp16
-overflow vote, the idle parameters) except the update itself, which waits for
-the end-of-step exchange (``executor_verify``): a step the verifiers reject (a
-sender's step as a whole failed its tests) is then skipped on every rank, its
-gradients discarded, as an fp16 overflow's are. Buffers the step's forwards
-changed in place (BatchNorm's running statistics) are not restored by a
-rejection. An unverified run updates at ``OPTIM``, as before.
 """
 from __future__ import annotations
 
@@ -83,27 +75,10 @@ class GradientSteps:
                                    for n, p in self.stage.parameters()}
             for p in idle:
                 p.grad = None  # no step for it: the optimizer skips a parameter without a gradient
-            if self.optimizer is None:
-                return
-            if self.verifying:  # the verifiers' verdict on the step decides (``_update``)
-                self.update_pending = len(idle) < len(self.params)
-                return
-            if len(idle) < len(self.params):
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def _update(self) -> None:
-        """The optimizer update ``OPTIM`` left to the end of a verified step: applied unless every rank
-        learnt that the step is rejected; the gradients are discarded either way."""
-        pending, self.update_pending = self.update_pending, None
-        if pending is None or self.optimizer is None:
-            return
-        with self._timed("optim"):
-            if pending and not self.rejected:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.rejected and self.keep_grads:  # what the step applied: nothing
-                self.last_grads = {n: torch.zeros_like(g) for n, g in self.last_grads.items()}
+            if self.optimizer is not None:
+                if len(idle) < len(self.params):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
 
     def _overflowed(self) -> bool:
         """Unscale this rank's gradients and agree with every rank whether any overflowed (fp16): one vote
@@ -121,11 +96,10 @@ class GradientSteps:
         """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.
 
         ``step_losses`` keeps this rank's share of the step objective (sum / M, dropped ones as 0),
-        which is what the gradients of the step are gradients of; a rejected step keeps none.
+        which is what the gradients of the step are gradients of.
         """
         if self.stage is None or not self.stage.is_last:
             return 0.0, 0
-        kept = [] if self.rejected else [float(loss.detach()) for mb, loss in self.losses.items()
-                                         if mb not in self.dropped_f]
+        kept = [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
         self.step_losses.append(sum(kept) / self.num_mb)
         return sum(kept), len(kept)

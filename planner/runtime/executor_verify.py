@@ -8,9 +8,7 @@ microbatch is dropped: the consumer zeroes the tensor, the last stage
 multiplies its loss by 0, and the taint header it sends on is 1. At the end of
 the step the verifier ranks exchange their flags and resolve blame and bans, and every rank
 learns the outcome in one small all-reduce (``planner.runtime.bans``): the bans, the
-senders whose flags are unresolved, how many microbatches trained, and whether the step is
-rejected (a sender's step as a whole failed its tests). A verified run's optimizer update
-waits for that exchange (``executor_optim``): a rejected step updates nothing on any rank.
+senders whose flags are unresolved, and how many microbatches trained.
 
 Deferred verdicts (the default): the consumer only posts the verdict's receive
 at ``VERDICT`` and computes with the tensor at once, so the check runs while it
@@ -154,8 +152,7 @@ class Verification:
 
     def _end_verification(self, step: int) -> set[int]:
         """Verifier ranks exchange flags and resolve blame; then every rank learns the bans, the
-        unresolved flags, whether the step trained anything and whether it is rejected (``self.rejected``).
-        Returns the ranks banned so far."""
+        unresolved flags and whether the step trained anything. Returns the ranks banned so far."""
         if self.verify is None:
             return set()
         self._resolve_blame(step)
@@ -163,18 +160,15 @@ class Verification:
         mine = ban_exchange.encode(
             self.plan.num_ranks, rank=self.rank, lead=lead,
             unresolved=self.verify.verifier.unresolved() if lead else {},
-            bans=self.verify.verifier.ban_records() if lead else {}, trained=self._trained_here(),
-            rejected=self.verify.verifier.last_rejected if lead else False)
+            bans=self.verify.verifier.ban_records() if lead else {}, trained=self._trained_here())
         with self._timed("comm"):
             summed = mine.to(self.device)
             comm.all_reduce_sum(summed, group=None, ranks=range(self.plan.num_ranks),
                                 doing="sharing the step's bans with every rank")
         got = ban_exchange.decode(summed.cpu(), first_stage_ranks=self._first_stage_ranks)
-        self.bans, self.unresolved, self.rejected = got.bans, got.unresolved, got.rejected
+        self.bans, self.unresolved = got.bans, got.unresolved
         if got.trained == 0:
             self.untrained_steps.append(step)
-        if got.rejected:
-            self.rejected_steps.append(step)
         return set(self.bans)
 
     def _trained_here(self) -> int:

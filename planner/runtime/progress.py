@@ -39,9 +39,6 @@ class Progress:
             if result.get("untrained_steps"):
                 print(f"steps {result['untrained_steps']} trained nothing (every microbatch was dropped by "
                       "verification): the run is not complete", flush=True)
-            if result.get("rejected_steps"):
-                print(f"steps {result['rejected_steps']} were rejected by verification (a sender's step as a "
-                      "whole failed its tests): their updates were skipped", flush=True)
 
 
 def format_comparison(result: dict[str, Any]) -> str:

@@ -37,14 +37,12 @@ def resume_step(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None
     if executor.scaler is not None and "loss_scale" in got.state:
         executor.scaler.restore(got.state["loss_scale"])
     executor.untrained_steps = [int(s) for s in got.state.get("untrained_steps", [])]
-    executor.rejected_steps = [int(s) for s in got.state.get("rejected_steps", [])]
     return step + 1
 
 
 def rank_state(plan, verify: VerifyHooks | None, executor: Executor) -> dict[str, Any]:
     """What a checkpoint keeps of a rank beside its tensors (a survivor's file too)."""
-    state: dict[str, Any] = {"layout": rank_layout(plan), "untrained_steps": list(executor.untrained_steps),
-                             "rejected_steps": list(executor.rejected_steps)}
+    state: dict[str, Any] = {"layout": rank_layout(plan), "untrained_steps": list(executor.untrained_steps)}
     if verify is not None and verify.verifier is not None:
         state["bans"] = verify.verifier.bans_state()
     if executor.scaler is not None:

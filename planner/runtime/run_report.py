@@ -90,9 +90,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
             "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
-            "untrained_steps": list(executor.untrained_steps),
-            # Steps the verifiers rejected (a sender's step as a whole failed): no rank applied their update.
-            "rejected_steps": list(executor.rejected_steps)}
+            "untrained_steps": list(executor.untrained_steps)}
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -9,31 +9,20 @@ from planner.runtime.bans import BanNotice, decode, describe, encode, replan_hin
 
 def test_the_lead_verifier_speaks_for_the_bans_and_every_rank_for_what_it_trained():
     n = 4  # ranks 0-2 run stages 0-2 (rank 0 the first), rank 3 is the verifier
-    shares = [encode(n, rank=r, lead=False, unresolved={}, bans={}, trained=t, rejected=False)
-              for r, t in ((0, 3), (1, 3), (2, 4))]
-    shares.append(encode(n, rank=3, lead=True, unresolved={1: 6, 2: 8}, bans={1: (6, 9)}, trained=0,
-                         rejected=False))
+    shares = [encode(n, rank=r, lead=False, unresolved={}, bans={}, trained=t) for r, t in ((0, 3), (1, 3), (2, 4))]
+    shares.append(encode(n, rank=3, lead=True, unresolved={1: 6, 2: 8}, bans={1: (6, 9)}, trained=0))
     got = decode(torch.stack(shares).sum(0), first_stage_ranks=(0,))
     assert got.bans == {1: BanNotice(rank=1, first_flagged_step=6, ban_step=9)}
     assert got.unresolved == {1: 6, 2: 8}
-    assert got.trained == 3 and not got.rejected
+    assert got.trained == 3
 
 
 def test_a_flag_at_step_zero_and_a_step_that_trained_nothing_are_told_apart_from_none():
-    share = encode(2, rank=0, lead=True, unresolved={1: 0}, bans={1: (0, 0)}, trained=0, rejected=False)
+    share = encode(2, rank=0, lead=True, unresolved={1: 0}, bans={1: (0, 0)}, trained=0)
     got = decode(share, first_stage_ranks=(0,))
     assert got.bans == {1: BanNotice(rank=1, first_flagged_step=0, ban_step=0)} and got.trained == 0
-    assert decode(encode(2, rank=0, lead=False, unresolved={}, bans={}, trained=2, rejected=False),
+    assert decode(encode(2, rank=0, lead=False, unresolved={}, bans={}, trained=2),
                   first_stage_ranks=(0,)).bans == {}
-
-
-def test_only_the_lead_verifier_rejects_a_step_for_every_rank():
-    n = 3  # ranks 0-1 run stages 0-1, rank 2 is the verifier
-    shares = [encode(n, rank=r, lead=False, unresolved={}, bans={}, trained=4, rejected=True) for r in (0, 1)]
-    assert not decode(torch.stack(shares).sum(0), first_stage_ranks=(0,)).rejected  # a stage rank has no say
-    shares.append(encode(n, rank=2, lead=True, unresolved={1: 5}, bans={}, trained=0, rejected=True))
-    got = decode(torch.stack(shares).sum(0), first_stage_ranks=(0,))
-    assert got.rejected and got.trained == 4 and got.unresolved == {1: 5} and got.bans == {}
 
 
 def test_the_stop_line_names_the_rank_its_host_and_the_commands_that_go_on_without_it():
