@@ -177,11 +177,14 @@ def replay_score(sketch: torch.Tensor, past: torch.Tensor, past_norms: torch.Ten
 def sketch_fingerprint(sketch: torch.Tensor) -> int:
     """A 64-bit digest of a sketch's exact values: a replayed tensor gives back its own sketch
     bit for bit (``summaries.summarize_rows``), an honest one never repeats another's."""
-    data = sketch.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return _digest(sketch, torch.float32)
 
 
 def ids_fingerprint(ids: torch.Tensor) -> int:
     """A 64-bit digest of a microbatch's label ids: which data a boundary tensor was computed from."""
-    data = ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return _digest(ids, torch.int64)
+
+
+def _digest(t: torch.Tensor, dtype: torch.dtype) -> int:
+    data = t.detach().to("cpu", dtype).contiguous().numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
