@@ -76,7 +76,9 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
     A step-level flag (a sender's step as a whole) stands for every microbatch of its step, and
     is itself outranked by any flag upstream in its step: a stage that damps or skews its output
     just under the per-sample fences makes the honest stages after it look odd, and their flags
-    must not outrank the upstream one that caused them. A flag laid on its stage's input
+    must not outrank the upstream one that caused them. An alert (a step's flag by shape tests
+    alone where no verifier sees the stage's input, ``evidence.UNLINKED_SHIFT``) outranks as any
+    step-level flag but blames nobody. A flag laid on its stage's input
     (``upstream``, see :func:`upstream_culprit`) blames that input's sender, where that input crossed.
     A replay (``evidence.DECISIVE``) is never outranked: nothing upstream makes a sender send back an
     exact copy of its own earlier tensor, and a stale worker's effect on the honest stages around it
@@ -112,6 +114,8 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
         if id(event) in counted:
             continue
         counted.add(id(event))
+        if _alert(event):
+            continue   # an alert explains what it outranks downstream, but is no evidence itself
         who = int(event.get("upstream", event["sender"]))
         weights[who] = math.inf if int(event["mb"]) == STEP_MB else weights.get(who, 0.0) + 1.0
     for events in by_step.values():
@@ -119,6 +123,11 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
             if evidence.DECISIVE.intersection(e.get("reasons", ())):
                 weights[int(e["sender"])] = math.inf
     return weights
+
+
+def _alert(event: Mapping[str, Any]) -> bool:
+    """A step's flag by shape tests alone, without the stage's input (``evidence.alert_only``)."""
+    return int(event["mb"]) == STEP_MB and evidence.alert_only(event.get("scores", {}), event.get("reasons", ()))
 
 
 def _senders_with(events: Sequence[Mapping[str, Any]], count: int) -> set[int]:

@@ -36,6 +36,16 @@ LINK_VOUCH = 0.5
 # sender whose step fails is blamed for it. A replay above its fence is a copy: proof alone.
 GROSS = 2.5
 DECISIVE = frozenset({"replay"})
+# Where no verifier sees a stage's input (verifiers split across its boundaries), nothing vouches for
+# a shift of the shape of its output: a stage's honest change reads as one. In the split placement of
+# the emulation (4 microbatches a step, lr 1e-3) the gradients rank 1 sends grew 2.4x and changed
+# shape at a loss wave (spectral share 0.04 -> 0.33, swd 1.2-1.5x its fence, seeds 2 and 3) and stayed
+# so: its steps were flagged for 277 and 349 steps running and it was banned; seed 0's moved for 8 steps
+# (spectral 1.1-1.6x its fence) and it was banned too. A bias of 0.3 of the activations' size scores
+# the same (spectral 1.0-2.0x). Such a step-level flag is an alert: its step teaches the reference
+# (so the monitor follows the change) and blames nobody; a ban needs a test that tells a stage from
+# its corruption (the link, the label table, the size and sign tests, a replay, a gross microbatch).
+UNLINKED_SHIFT = frozenset({"mad", "l2", "swd", "spectral", "skew"})
 
 
 def flag_reasons(scores: Mapping[str, float], fences: Mapping[str, IQRFence], *,
@@ -49,6 +59,12 @@ def flag_reasons(scores: Mapping[str, float], fences: Mapping[str, IQRFence], *,
     if per_sample and reasons and not convincing(scores, reasons, fences):
         return ()
     return reasons
+
+
+def alert_only(scores: Mapping[str, float], reasons: tuple[str, ...] | list[str]) -> bool:
+    """True for a step's flag by shape tests alone on a monitor without the stage's input (no
+    ``link`` score): an alert, no evidence against the sender (see ``UNLINKED_SHIFT``)."""
+    return bool(reasons) and UNLINKED_SHIFT.issuperset(reasons) and "link" not in scores
 
 
 def vouched(scores: Mapping[str, float], fences: Mapping[str, IQRFence]) -> bool:

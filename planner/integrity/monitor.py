@@ -320,6 +320,7 @@ class Monitor:
         for sample in pending:
             by_sender.setdefault(sample.sender, []).append(sample)
         failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
+        alerts: set[int] = set()
         for sender, samples in by_sender.items():
             scores = self.score(summ.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
                                 per_sample=False)
@@ -329,6 +330,8 @@ class Monitor:
             reasons = self.exceeded(scores, step, per_sample=False)
             if reasons:
                 failed.append((sender, scores, reasons, self.culprit(sender, [x.fits for x in samples], reasons)))
+                if evidence.alert_only(scores, reasons):
+                    alerts.add(sender)   # its samples teach the reference, its scores not the step fences
                 continue
             self._runs.pop(sender, None)
             for name, value in scores.items():
@@ -338,7 +341,7 @@ class Monitor:
         bad = {sender for sender, *_ in failed}
         self.step_flags += len(bad)
         for sample in pending:
-            if sample.sender not in bad:
+            if sample.sender not in bad - alerts:
                 self._fold(sample.summary, sample.scores, sample.fits, sample.data_key)
         return failed
 

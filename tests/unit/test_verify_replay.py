@@ -71,7 +71,7 @@ def flag(step: int, mb: int, boundary: int, direction: str, sender: int, *reason
 def test_a_replay_is_blamed_whatever_was_flagged_upstream() -> None:
     """The stale worker's effect on its honest neighbour (trained on gradients of its stale tensors) flags
     the neighbour's output, upstream of the replay in the step: both are blamed, not the neighbour alone."""
-    upstream = flag(50, STEP_MB, 1, "act", 1, "skew")
+    upstream = flag(50, STEP_MB, 1, "act", 1, "scale")
     replay = flag(50, 3, 2, "act", 2, "replay")
     assert blame([upstream, replay]) == {1, 2}
     assert blame([flag(50, 3, 1, "act", 1, "link", "l2"), replay]) == {1, 2}

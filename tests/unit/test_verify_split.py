@@ -94,3 +94,30 @@ def test_a_lone_flag_upstream_neither_takes_nor_hides_a_step_flag_downstream() -
     assert v.last_blamed == {2}                          # the lone flag alone is no evidence
     damper = [flag(5, mb, 1, "act", 1) for mb in (0, 1, 2)]
     assert blame_weights([*damper, flag(5, STEP_MB, 2, "act", 2)]) == {1: 3.0}   # upstream flags still win
+
+
+def test_a_shape_shift_without_the_stage_s_input_is_an_alert_the_monitor_follows() -> None:
+    # An honest stage whose gradients take on energy in new directions at step 14 and keep it (gpt-tiny's
+    # rank 1 at a loss wave, split placement): only shape tests object, nothing vouches for or against
+    # it. Its steps are flagged as alerts that blame nobody, and the monitor learns the new shape.
+    from planner.integrity.blame import blame_weights
+    from tests.unit.test_verify import D, MBS
+
+    v = Verifier({"warmup": 5}, [(0, "grad")])
+    stream, gen = Stream(1), torch.Generator().manual_seed(4)
+    new = torch.linalg.qr(torch.randn(D, 3, generator=gen))[0].T       # 3 directions, zero mean
+    alerts = []
+    for step in range(60):
+        for mb in range(MBS):
+            x, lab = stream.sample(step)
+            if step >= 14:
+                x = x + 1.5 * x.std() * torch.randn(*x.shape[:-1], 3, generator=gen) @ new
+            v.check(0, "grad", x, step=step, mb=mb, sender=1, labels=lab)
+        events = v.flag_events(step)
+        assert all(e["scope"] == "step" and set(e["reasons"]) <= {"mad", "l2", "swd", "spectral", "skew"}
+                   for e in events), events
+        assert blame_weights(events) == {}
+        alerts += [step for e in events]
+        v.end_step(step, [events])
+    assert alerts and min(alerts) == 14 and max(alerts) < 30, alerts   # seen, then learnt
+    assert not v.banned and not v.ban_records()
