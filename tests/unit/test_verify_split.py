@@ -7,9 +7,10 @@ import math
 import torch
 
 from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.blame import blame_weights
 from planner.integrity.verifier import Verifier
 from planner.verifier_config import DEFAULT_FLOORS, VerifierConfig
-from tests.unit.test_verify import Stream, run
+from tests.unit.test_verify import MBS, D, Stream, run
 
 torch.set_num_threads(1)
 
@@ -100,9 +101,6 @@ def test_a_shape_shift_without_the_stage_s_input_is_an_alert_the_monitor_follows
     # An honest stage whose gradients take on energy in new directions at step 14 and keep it (gpt-tiny's
     # rank 1 at a loss wave, split placement): only shape tests object, nothing vouches for or against
     # it. Its steps are flagged as alerts that blame nobody, and the monitor learns the new shape.
-    from planner.integrity.blame import blame_weights
-    from tests.unit.test_verify import D, MBS
-
     v = Verifier({"warmup": 5}, [(0, "grad")])
     stream, gen = Stream(1), torch.Generator().manual_seed(4)
     new = torch.linalg.qr(torch.randn(D, 3, generator=gen))[0].T       # 3 directions, zero mean
