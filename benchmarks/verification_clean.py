@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.verification import Pipeline, RunConfig, _write, run  # noqa: E402
+from planner.integrity.evidence import alert_only  # noqa: E402
 from planner.integrity.verifier import Verifier  # noqa: E402
 
 ALL = tuple((b, d) for b in range(3) for d in ("act", "grad"))
@@ -60,7 +61,9 @@ class ShapedPipeline(Pipeline):
         self.verifiers = [Verifier(config, list(keys)) for keys in groups]
         self.route = {key: v for v, keys in zip(self.verifiers, groups) for key in keys}
         self.verifier = self.verifiers[0]         # every verifier reaches the same bans
-        self.counts = {"checks": 0, "flags_microbatch": 0, "flags_step": 0, "dropped": 0, "blamed_pairs": 0}
+        self.counts = {"checks": 0, "flags_microbatch": 0, "flags_step": 0, "alerts": 0, "dropped": 0,
+                       "blamed_pairs": 0}
+        self.reasons: dict[str, int] = {}    # test -> flags it took part in (microbatch and step)
         self.progress_every, self.shape, self.t0 = progress_every, shape, time.perf_counter()
 
     def _check(self, boundary: int, direction: str, x: torch.Tensor, *, step: int, mb: int, sender: int,
@@ -79,6 +82,10 @@ class ShapedPipeline(Pipeline):
         flags = [v.flag_events(step) for v in self.verifiers]
         flat = [e for group in flags for e in group]
         self.counts["flags_step"] += sum(1 for e in flat if e["scope"] == "step")
+        self.counts["alerts"] += sum(1 for e in flat if e["scope"] == "step" and alert_only(e["scores"], e["reasons"]))
+        for e in flat:
+            for reason in e["reasons"]:
+                self.reasons[reason] = self.reasons.get(reason, 0) + 1
         banned = set().union(*(v.end_step(step, flags) for v in self.verifiers))
         blamed = sorted(self.verifier.last_blamed)   # every verifier blames alike; what the ban test counts
         self.counts["blamed_pairs"] += len(blamed)
@@ -106,7 +113,7 @@ def clean_run(shape: str, *, steps: int, seed: int, progress_every: int = 0) -> 
     return {"shape": shape, "steps": steps, "seed": seed, **counts,
             "fpr_per_sample": round(counts["flags_microbatch"] / max(1, counts["checks"]), 6),
             "fpr_pairs": round(counts["blamed_pairs"] / max(1, pairs), 6), "pairs": pairs,
-            "senders": sorted(sender_ranks), "banned": result.banned,
+            "senders": sorted(sender_ranks), "banned": result.banned, "flag_reasons": dict(sorted(pipe.reasons.items())),
             "blamed_steps": {str(k): v for k, v in pipe.verifier.summary()["blamed_steps"].items()},
             "val_loss": round(result.val_loss, 4), "duration_s": round(time.perf_counter() - t0, 1)}
 
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         row["goal_fpr_per_sample"] = row["fpr_per_sample"] <= FPR_GOAL and not row["banned"]
         print(f"{shape}: {row['steps']} steps, seed {row['seed']}: {row['checks']} checks, "
               f"{row['flags_microbatch']} microbatch flags ({100 * row['fpr_per_sample']:.3f}%), "
-              f"{row['flags_step']} step flags, {row['dropped']} dropped, {row['blamed_pairs']} blamed pairs "
+              f"{row['flags_step']} step flags ({row['alerts']} alerts), {row['dropped']} dropped, {row['blamed_pairs']} blamed pairs "
               f"({100 * row['fpr_pairs']:.3f}%), banned {row['banned']}, {row['duration_s']:.0f} s", flush=True)
         report = json.loads(out.read_text()) if out.exists() else {"rows": []}
         report["rows"] = [r for r in report["rows"]

@@ -62,7 +62,8 @@ class VerifierConfig:
     log-likelihood ratio of "blamed this step" under ``ban_attack_rate`` against
     ``ban_honest_rate``, banning at ``ln(ban_false_steps)``, so that an honest sender
     blamed in at most ``ban_honest_rate`` of its steps is banned once in
-    ``ban_false_steps`` steps or fewer, on average. ``distances``:
+    ``ban_false_steps`` steps or fewer, on average; replay flags feed a CUSUM of their
+    own, tuned to ``ban_replay_rate`` (see ``planner.integrity.bans``). ``distances``:
     the tests to run (``ALL_DISTANCES``). ``projections``/``quantiles``: the
     sliced-Wasserstein resolution; ``replay_window``: sketches remembered;
     ``drift_k``: the CUSUM's allowance per step (in robust standard deviations
@@ -87,6 +88,7 @@ class VerifierConfig:
     ban_false_steps: float = 1e5   # expected steps before an honest sender is banned, at least
     ban_honest_rate: float = 0.05  # the per-step blame rate honest senders stay under (clean runs: benchmarks/)
     ban_attack_rate: float = 0.6   # the per-step blame rate the test is tuned to catch fastest
+    ban_replay_rate: float = 0.001  # the per-step rate of honest senders' replay flags (a CUSUM of its own)
     distances: tuple[str, ...] = ALL_DISTANCES
     floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FLOORS))
     step_floors: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_STEP_FLOORS))
@@ -132,6 +134,10 @@ class VerifierConfig:
             raise InvalidInputError("verifier_config.ban_honest_rate / ban_attack_rate",
                                     expected="0 < ban_honest_rate < ban_attack_rate < 1 (e.g. 0.05 / 0.6)",
                                     found=f"{self.ban_honest_rate} / {self.ban_attack_rate}")
+        if not 0.0 < self.ban_replay_rate < 0.1:
+            raise InvalidInputError("verifier_config.ban_replay_rate",
+                                    expected="a rate in (0, 0.1): replays are rare in honest training (e.g. 0.001)",
+                                    found=str(self.ban_replay_rate))
         if not self.ban_false_steps > 1.0:
             raise InvalidInputError("verifier_config.ban_false_steps", expected="a number of steps > 1 (e.g. 1e5)",
                                     found=str(self.ban_false_steps))

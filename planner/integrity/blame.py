@@ -14,7 +14,7 @@ from planner.integrity import evidence
 from planner.verifier_config import DIRECTIONS
 
 __all__ = ["BLAME_MICROBATCHES", "FLAG_EVENTS_SCHEMA", "STEP_MB", "blame", "blame_weights",
-           "flatten_events", "input_key"]
+           "flatten_events", "input_key", "replayed"]
 
 STEP_MB = -1   # the "microbatch" of a step-level flag
 
@@ -123,6 +123,11 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
             if evidence.DECISIVE.intersection(e.get("reasons", ())):
                 weights[int(e["sender"])] = math.inf
     return weights
+
+
+def replayed(flags: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The senders of a replay among ``flags`` (proof alone: see ``bans``)."""
+    return {int(e["sender"]) for e in flags if evidence.DECISIVE.intersection(e.get("reasons", ()))}
 
 
 def _alert(event: Mapping[str, Any]) -> bool:

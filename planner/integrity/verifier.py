@@ -59,6 +59,7 @@ from planner.integrity.blame import (
     blame_weights,
     flatten_events,
     input_key,
+    replayed,
 )
 from planner.integrity.monitor import Monitor
 from planner.verifier_config import DIRECTIONS, VerifierConfig
@@ -114,7 +115,7 @@ class Verifier:
         self._lone: dict[int, float] = {}     # sender -> its flagged microbatches of the last step, not blamed
         self.last_blamed: set[int] = set()    # the senders the last ``end_step`` blamed
         self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
-                             false_steps=self.config.ban_false_steps)
+                             false_steps=self.config.ban_false_steps, replay_rate=self.config.ban_replay_rate)
         self.banned: set[int] = self._bans.banned
 
     def monitor(self, boundary: int, direction: str) -> Monitor:
@@ -240,11 +241,12 @@ class Verifier:
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:
                 steps.append(step)
-        for sender in self._bans.step(blamed, at=step):
+        for sender in self._bans.step(blamed, replayed=replayed(flags), at=step):
             self.events.append({"type": "ban", "step": int(step), "sender": sender,
                                 "first_flagged_step": self._bans.bans[sender][0],
                                 "blamed_steps": list(self._blamed_steps.get(sender, [])[-20:]),
-                                "evidence": round(self._bans.evidence[sender], 3)})
+                                "evidence": round(self._bans.evidence.get(sender, 0.0), 3),
+                                "replay_evidence": round(self._bans.replays.get(sender, 0.0), 3)})
         self._step_flags.pop(step, None)
         return set(self.banned)
 

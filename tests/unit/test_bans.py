@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from planner.errors import InvalidInputError
 from planner.integrity.bans import BanTest
 
 
@@ -71,3 +72,54 @@ def test_the_first_flagged_step_is_where_the_run_of_evidence_that_banned_began()
     again = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e3)
     again.restore(test.to_json())
     assert again.bans == test.bans and again.unresolved() == test.unresolved()
+
+
+def _replay_run(test: BanTest, blame_share: float, replay_share: float, steps: int, seed: int) -> list[int]:
+    """Ban steps of sender 5, blamed in ``blame_share`` of its steps and replay-flagged (and blamed) in
+    ``replay_share``; the test restarted after each ban."""
+    rng, bans, fresh = random.Random(seed), [], test.to_json()
+    for step in range(steps):
+        replay = rng.random() < replay_share
+        blamed = replay or rng.random() < blame_share
+        if test.step({5} if blamed else set(), replayed={5} if replay else set()):
+            bans.append(step)
+            test.restore(fresh)
+    return bans
+
+
+def test_a_stale_worker_caught_in_a_third_of_its_steps_is_banned_within_ten():
+    """A replay of a tenth of four microbatches a step shows in a third of the steps: the blame CUSUM
+    alone takes 16-26 steps (its drift is 0.27 a step); the replay CUSUM bans within ten."""
+    plain = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
+    assert plain.steps_to_ban(0.34) > 30
+    delays = []
+    for seed in range(20):
+        test = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5, replay_rate=0.001)
+        rng = random.Random(seed)
+        for step in range(200):
+            replay = rng.random() < 0.34
+            if test.step({5} if replay else set(), replayed={5} if replay else set()):
+                break
+        delays.append(step + 1)
+    assert sum(delays) / len(delays) <= 10, delays
+
+
+def test_honest_replay_flags_at_the_design_rate_wait_longer_than_the_bound():
+    """Honest senders blamed at the blame test's design rate and replay-flagged at the replay test's:
+    with both CUSUMs sharing the bound (1e3 here, so the simulation sees bans), the mean run is longer."""
+    make = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e3, replay_rate=0.001)
+    bans = _replay_run(make, 0.05, 0.001, 400_000, seed=3)
+    gaps = [b - a for a, b in zip([-1, *bans], bans)]
+    assert len(gaps) >= 20 and sum(gaps) / len(gaps) >= 1e3
+
+
+def test_the_replay_evidence_survives_a_restart_and_bans_alone():
+    test = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5, replay_rate=0.001)
+    test.step({6}, replayed={6}, at=10)
+    again = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5, replay_rate=0.001)
+    again.restore(test.to_json())
+    assert again.replays == test.replays and again.replays[6] > 0
+    banned_at = next(step for step in range(11, 20) if again.step({6}, replayed={6}, at=step))
+    assert banned_at == 12 and again.bans[6] == (10, 12)       # three replayed steps: proof enough
+    with pytest.raises(InvalidInputError, match="replay rate"):
+        BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5, replay_rate=0.5)
