@@ -87,7 +87,9 @@ class Monitor:
     accepted summaries): averaging four microbatches halves the noise, which
     is what exposes attacks too subtle for any single microbatch (a gradient
     sign flip late in training, low-level noise). A sender whose step fails
-    that test is flagged for the step and its samples are not folded in.
+    that test is flagged for the step and its samples are not folded in,
+    unless the flag is an alert (``evidence.alert_only``: the reference must
+    follow a change nothing can tell from an honest one).
     """
 
     def __init__(self, cfg: VerifierConfig, boundary: int, direction: str, *, watch_only: bool = False) -> None:
@@ -309,7 +311,7 @@ class Monitor:
 
     def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...], int | None]]:
         """Close the open step: test each sender's step as a whole, fold in the samples
-        of the senders that pass; returns ``(sender, scores, reasons, upstream)`` of those that
+        of the senders that pass (or raise only an alert); returns ``(sender, scores, reasons, upstream)`` of those that
         fail (``upstream``: see :func:`upstream_culprit`)."""
         if self.step is None:
             return []
