@@ -240,7 +240,7 @@ def summarize(report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
 def _evidence(report: dict[str, Any], blamed: dict[str, list[int]]) -> dict[str, Any]:
     """Per blamed sender: its share of the steps after the warm-up it was blamed in (the ban test assumes an
     honest one at most ``ban_honest_rate``) and the peak of its ban evidence, replayed with the run's ban test,
-    against the level that bans (``ln(ban_false_steps)``)."""
+    against the level at which that CUSUM bans (``BanTest.level``)."""
     from planner.integrity.bans import BanTest
 
     ranks = _verifier_ranks(report)
@@ -248,7 +248,7 @@ def _evidence(report: dict[str, Any], blamed: dict[str, list[int]]) -> dict[str,
         return {}
     cfg = ranks[0]["verification"]["config"]
     test = BanTest(honest_rate=cfg["ban_honest_rate"], attack_rate=cfg["ban_attack_rate"],
-                   false_steps=cfg["ban_false_steps"])
+                   false_steps=cfg["ban_false_steps"], replay_rate=cfg.get("ban_replay_rate"))
     peak: dict[str, float] = {}
     for step in range(report["steps"]):
         test.step({int(k) for k, steps in blamed.items() if step in steps}, at=step)
