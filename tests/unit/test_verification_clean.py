@@ -53,3 +53,15 @@ def test_senders_per_shape():
     assert _senders("one-verifier") == {0, 1, 2, 3}
     assert _senders("split") == {1, 2}
     assert _senders("replicated") == {0, 1, 2, 3, 4}
+
+
+def test_an_honest_change_on_the_split_placement_is_an_alert_and_bans_nobody():
+    # Seed 2: at step 30 stage 1's gradients grow 2.4x and change shape for good (a loss wave); with no
+    # verifier seeing both of its sides the step-level shape tests flag it. Those flags once locked the
+    # monitor out (flagged every step from 32) and banned the honest rank 1 at step 36.
+    from benchmarks.verification_clean import clean_run
+
+    torch.set_num_threads(1)
+    row = clean_run("split", steps=60, seed=2)
+    assert row["banned"] == [] and row["blamed_pairs"] == 0, row
+    assert row["alerts"] >= 1 and row["flags_step"] <= 10, row            # seen, then followed
