@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.verification import Pipeline, RunConfig, _write, run  # noqa: E402
-from planner.integrity.evidence import alert_only  # noqa: E402
+from planner.integrity.blame import is_alert  # noqa: E402
 from planner.integrity.verifier import Verifier  # noqa: E402
 
 ALL = tuple((b, d) for b in range(3) for d in ("act", "grad"))
@@ -82,7 +82,7 @@ class ShapedPipeline(Pipeline):
         flags = [v.flag_events(step) for v in self.verifiers]
         flat = [e for group in flags for e in group]
         self.counts["flags_step"] += sum(1 for e in flat if e["scope"] == "step")
-        self.counts["alerts"] += sum(1 for e in flat if e["scope"] == "step" and alert_only(e["scores"], e["reasons"]))
+        self.counts["alerts"] += sum(1 for e in flat if is_alert(e))
         for e in flat:
             for reason in e["reasons"]:
                 self.reasons[reason] = self.reasons.get(reason, 0) + 1

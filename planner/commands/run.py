@@ -162,6 +162,9 @@ def summary_table(result: dict[str, Any], here=None):
         table.add_row("boundaries verified", ", ".join(map(str, checked)))
     if checked or result.get("attacks") or result.get("flags"):
         table.add_row("verifier flags", str(result.get("flags", 0)))
+        if result.get("alerts"):
+            table.add_row("  of which alerts (a shift no test can pin on its sender: no evidence)",
+                          str(result["alerts"]))
         table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
         table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")
     replans = result.get("replans") or []

@@ -14,7 +14,7 @@ from planner.integrity import evidence
 from planner.verifier_config import DIRECTIONS
 
 __all__ = ["BLAME_MICROBATCHES", "FLAG_EVENTS_SCHEMA", "STEP_MB", "blame", "blame_weights",
-           "flatten_events", "input_key", "replayed"]
+           "flatten_events", "input_key", "is_alert", "replayed"]
 
 STEP_MB = -1   # the "microbatch" of a step-level flag
 
@@ -114,7 +114,7 @@ def blame_weights(flags: Iterable[Mapping[str, Any]]) -> dict[int, float]:
         if id(event) in counted:
             continue
         counted.add(id(event))
-        if _alert(event):
+        if is_alert(event):
             continue   # an alert explains what it outranks downstream, but is no evidence itself
         who = int(event.get("upstream", event["sender"]))
         weights[who] = math.inf if int(event["mb"]) == STEP_MB else weights.get(who, 0.0) + 1.0
@@ -130,7 +130,7 @@ def replayed(flags: Iterable[Mapping[str, Any]]) -> set[int]:
     return {int(e["sender"]) for e in flags if evidence.DECISIVE.intersection(e.get("reasons", ()))}
 
 
-def _alert(event: Mapping[str, Any]) -> bool:
+def is_alert(event: Mapping[str, Any]) -> bool:
     """A step's flag by shape tests alone, without the stage's input (``evidence.alert_only``)."""
     return int(event["mb"]) == STEP_MB and evidence.alert_only(event.get("scores", {}), event.get("reasons", ()))
 

@@ -59,6 +59,7 @@ from planner.integrity.blame import (
     blame_weights,
     flatten_events,
     input_key,
+    is_alert,
     replayed,
 )
 from planner.integrity.monitor import Monitor
@@ -277,5 +278,6 @@ class Verifier:
         return {"monitors": monitors, "banned": sorted(self.banned),
                 "blamed_steps": {str(k): list(v) for k, v in sorted(self._blamed_steps.items())},
                 "flags": sum(1 for e in self.events if e["type"] == "flag"),
+                "alerts": sum(1 for e in self.events if e["type"] == "flag" and is_alert(e)),
                 "config": self.config.to_dict()}
 

@@ -46,7 +46,8 @@ RANK_FINAL_SCHEMA = {
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "stage": {"type": ["integer", "null"], "minimum": 0},
         "device_type": {"type": "string"}, "fwd_factor": {"type": "number"}, "bwd_factor": {"type": "number"},
-        "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0}}},
+        "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0},
+                                                          "alerts": {"type": "integer", "minimum": 0}}},
         "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
                                             "maxItems": 2}},
         "attacked": {"type": "array", "items": {"type": "array"}},
@@ -79,6 +80,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
     measured = measured_step_ms(summaries) if summaries else math.nan
     banned = sorted({r for f in ranks for _, r in f["bans"]})
     flags = sum(f["verification"].get("flags", 0) for f in ranks)
+    alerts = sum(f["verification"].get("alerts", 0) for f in ranks)
     losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
@@ -87,7 +89,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
             "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
             "losses": losses,
             "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
-            "banned": banned, "flags": flags, "attacks": list(opts.attacks), "ranks": ranks,
+            "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
             "untrained_steps": list(executor.untrained_steps)}

@@ -198,7 +198,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         print(f"stagewise run: {stop}", file=sys.stderr, flush=True)
         raise stop
     progress.done({k: result[k] for k in ("predicted_step_ms", "measured_step_ms", "emulated", "final_loss",
-                                          "banned", "flags", "untrained_steps")})
+                                          "banned", "flags", "alerts", "untrained_steps")})
     return result
 
 
