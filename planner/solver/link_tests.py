@@ -51,7 +51,8 @@ def lost_link_tests(problem: Problem, placement: Placement) -> tuple[str, ...]:
                     f"boundary {b} on {after.device if after else 'no verifier'}"
             if before is None or after is None or before.device != after.device:
                 out.append(f"stage {b}: no link or residual test on its outputs ({where}); a shift of their "
-                           "shape is only an alert there, never evidence for a ban")
+                           "shape is only an alert there, never evidence for a ban, and outputs that keep it (stale, "
+                           "adaptive) pass unseen")
                 continue
             missing = [d for d, v in (("act", before), ("grad", after)) if d not in v.directions
                        and (d == "act" or problem.policy.check_gradients)]
