@@ -133,8 +133,8 @@ class _Paths:
     fwd: list[list[float]]
     bwd: list[list[float]]
     down: list[list[float]]
-    late_f: list[list[float]]
-    late_b: list[list[float]]
+    late_f: dict[int, list[float]]   # only for the first microbatch of some replica
+    late_b: dict[int, list[float]]   # only for the last microbatch of some replica
     hop_f: list[list[float]]
     hop_b: list[list[float]]
 
@@ -142,25 +142,56 @@ class _Paths:
 def _paths(problem: Problem, stages, routes, fb, bw, wait) -> _Paths:
     S, M = len(stages), sum(stages[0].microbatches)
     owner = [owners(st.microbatches) for st in stages]
-    out = _Paths(*([[0.0] * S for _ in range(M)] for _ in range(7)))
+    # Microbatches on the same replicas share their paths (without replicas, all of them do): compute each
+    # route once; only the queueing behind a replica's other microbatches depends on the microbatch.
+    hops: dict[tuple[int, int, int], float] = {}
+    by_route: dict[tuple[int, ...], tuple[list[float], ...]] = {}
+    out = _Paths(fwd=[None] * M, bwd=[None] * M, down=[None] * M, late_f={}, late_b={}, hop_f=[None] * M,
+                 hop_b=[None] * M)
     for m in range(M):
-        rep = [owner[k][m][0] for k in range(S)]
-        hop_f, hop_b = out.hop_f[m], out.hop_b[m]
-        for k in range(S - 1):
-            a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
-            ms = comm.transfer_ms(problem.boundary_bytes(stages[k].last_block), problem.link(a, b))
-            hop_f[k] = ms + wait.get((k, "act"), 0.0)
-            hop_b[k] = ms + wait.get((k, "grad"), 0.0)
-        for k in range(1, S):
-            i, pos = owner[k - 1][m]
-            count = stages[k - 1].microbatches[i]
-            out.fwd[m][k] = out.fwd[m][k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop_f[k - 1]
-            out.bwd[m][k] = out.bwd[m][k - 1] + bw[k - 1][i] + hop_b[k - 1]
-            out.late_f[m][k] = max(out.late_f[m][k - 1], pos * (fb[k - 1][i] - bw[k - 1][i]))
-            out.late_b[m][k] = max(out.late_b[m][k - 1], (count - 1 - pos) * bw[k - 1][i])
-        for k in range(S - 2, -1, -1):
-            out.down[m][k] = out.down[m][k + 1] + fb[k + 1][rep[k + 1]] + hop_f[k] + hop_b[k]
+        rep = tuple(owner[k][m][0] for k in range(S))
+        shared = by_route.get(rep)
+        if shared is None:
+            shared = by_route[rep] = _route_paths(problem, stages, rep, fb, bw, wait, hops)
+        out.fwd[m], out.bwd[m], out.down[m], out.hop_f[m], out.hop_b[m] = shared
+    # Queueing is read only for a replica's first microbatch (forwards) and its last (backwards).
+    for m in {ids[0] for rs in routes for ids in rs}:
+        out.late_f[m] = _late(S, [pos * (fb[k][i] - bw[k][i]) for k, (i, pos) in enumerate(own[m] for own in owner)])
+    for m in {ids[-1] for rs in routes for ids in rs}:
+        out.late_b[m] = _late(S, [(stages[k].microbatches[i] - 1 - pos) * bw[k][i]
+                                  for k, (i, pos) in enumerate(own[m] for own in owner)])
     return out
+
+
+def _late(S: int, held: list[float]) -> list[float]:
+    """Per stage k, the longest hold of any stage before it (``held[j]``: stage j's)."""
+    out = [0.0] * S
+    for k in range(1, S):
+        out[k] = max(out[k - 1], held[k - 1])
+    return out
+
+
+def _route_paths(problem: Problem, stages, rep: tuple[int, ...], fb, bw, wait,
+                 hops: dict[tuple[int, int, int], float]) -> tuple[list[float], ...]:
+    """``fwd``, ``bwd``, ``down``, ``hop_f``, ``hop_b`` of a microbatch routed through replicas ``rep``
+    (shared between the microbatches on that route: read only)."""
+    S = len(stages)
+    fwd, bwd, down, hop_f, hop_b = ([0.0] * S for _ in range(5))
+    for k in range(S - 1):
+        ms = hops.get((k, rep[k], rep[k + 1]))
+        if ms is None:
+            a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
+            ms = hops[k, rep[k], rep[k + 1]] = comm.transfer_ms(problem.boundary_bytes(stages[k].last_block),
+                                                                 problem.link(a, b))
+        hop_f[k] = ms + wait.get((k, "act"), 0.0)
+        hop_b[k] = ms + wait.get((k, "grad"), 0.0)
+    for k in range(1, S):
+        i = rep[k - 1]
+        fwd[k] = fwd[k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop_f[k - 1]
+        bwd[k] = bwd[k - 1] + bw[k - 1][i] + hop_b[k - 1]
+    for k in range(S - 2, -1, -1):
+        down[k] = down[k + 1] + fb[k + 1][rep[k + 1]] + hop_f[k] + hop_b[k]
+    return fwd, bwd, down, hop_f, hop_b
 
 
 def _queued(stages, routes, fb, k: int, i: int, at: int) -> float:
