@@ -77,10 +77,12 @@ class _Traffic:
     kinds: dict[tuple[str, str], set[tuple[int, str]]]
     checks: dict[str, set[tuple[int, str]]]
     wait: dict[tuple[int, str], float]  # (boundary, act|grad) -> ms
+    messages: dict[tuple[str, str], int]  # messages per directed device pair
+    copied_in: dict[tuple[int, int], set[tuple[str, str]]]  # (stage, replica) -> links copying its checked inputs
 
 
 def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
-    out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait={})
+    out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait={}, messages={}, copied_in={})
     by_boundary = {v.boundary: v for v in verifiers}
 
     def put(a: str, b: str, nbytes: float, count: int, kind: tuple[int, str]) -> float:
@@ -89,6 +91,7 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
         link = problem.link(a, b)
         ms = count * 1e3 * nbytes / link.bytes_per_s
         out.wire[(a, b)] = out.wire.get((a, b), 0.0) + ms
+        out.messages[(a, b)] = out.messages.get((a, b), 0) + count
         out.by_direction[(*kind, a, b)] = out.by_direction.get((*kind, a, b), 0.0) + ms
         out.kinds.setdefault((a, b), set()).add(kind)
         return comm.transfer_ms(nbytes, link)
@@ -108,6 +111,8 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 if v.device == consumer:
                     continue
                 copy = put(sender, v.device, nbytes, n, (k, direction)) if v.device != sender else 0.0
+                if direction == "act" and v.device != sender:
+                    out.copied_in.setdefault((k + 1, j), set()).add((sender, v.device))
                 check = problem.verify_ms(nbytes, problem.class_of(v.device))
                 verdict = problem.link(v.device, consumer).latency_ms
                 at = dst if direction == "act" else src
@@ -284,7 +289,7 @@ def _drain(bottleneck: tuple[int, int, float], limits, p: _Paths, bw, stages, ro
 
 
 def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify_load: dict[str, float],
-                     verifier_state: dict[str, int]):
+                     verifier_state: dict[str, int], traffic: _Traffic):
     """Per stage replica: (busy, the path outside it, name), its in-flight limit, and where its last forward
     ends (its stage, that microbatch, the time)."""
     S, M = len(stages), len(p.fwd)
@@ -309,7 +314,8 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
                 if any(throttled[k + 1:]):  # a throttled stage downstream spreads the chains over the period:
                     idle = max(idle, trip + t - period)  # the last forward ends the busy time, its trip follows
             else:
-                idle = max(0.0, trips[0] - (n - 1) * f) + max(0.0, trips[1] - (n - 1) * b)
+                idle = max(0.0, trips[0] - (n - 1) * f, _verdict_stall(traffic, k, i, f, n, trips[0])) \
+                    + max(0.0, trips[1] - (n - 1) * b)
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
             name = f"stage {k} on {dev}"
@@ -318,6 +324,21 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             last_forward[name] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
                                   - max(p.down[last][k], (n - 1) * b))
     return busy, [tuple(n for n, _ in row) for row in limits], last_forward
+
+
+def _verdict_stall(traffic: _Traffic, k: int, i: int, f: float, n: int, trip: float) -> float:
+    """How long replica ``i`` of stage ``k`` stalls in its warm-up on verdicts whose copies queue on a link slower
+    than its forwards: it passes each result on only after its input's verdict, and the copies reach the
+    verifier one per ``w`` (that link's wire time per message), so each warm-up forward that the first
+    gradient's return (``f + trip``) does not cut short waits ``w - f`` longer than the one before."""
+    links = traffic.copied_in.get((k, i))
+    if not links:
+        return 0.0
+    w = max(traffic.wire[pair] / traffic.messages[pair] for pair in links)
+    if w <= f:
+        return 0.0
+    forwards = min(n, 1 + math.floor((f + trip) / w))
+    return (forwards - 1) * (w - f)
 
 
 def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float]):
@@ -359,7 +380,8 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)
-    busy, limits, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, verifier_state)
+    busy, limits, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, verifier_state,
+                                                  traffic)
     busy += _message_resources(stages, traffic, p, verify_load)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":
