@@ -1,28 +1,21 @@
 """One microbatch count's plan, and the best count's finished.
 
 :func:`solve_count`: the search (``count_search``) or the grids of a fixed shape, then, of every valid plan
-met, the cheapest by the cost of their compiled programs (``objective.price_program``) hill-climbed on that
-cost (``polish``, from the cheapest few while the time lasts), its stages' recomputation mixed
-(``recompute.mix``), and that cost bounded with free links.
+met, the one whose compiled programs cost least (``objective.price_program``), hill-climbed on that cost
+(``polish``), its stages' recomputation mixed (``recompute.mix``), and that cost bounded with free links.
 :func:`polish_best`: the best count's plan hill-climbed further in the time the other counts left unused.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 from planner.solver import recompute
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
-from planner.solver.objective import (
-    Placement,
-    evaluate,
-    price_program,
-    simple_lower_bound_ms,
-)
+from planner.solver.objective import evaluate, price_program, simple_lower_bound_ms
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem
 from planner.solver.search.grid import cheapest, shaped
@@ -34,7 +27,6 @@ from planner.solver.warm import WarmStart
 # search's bounds are on its closed form, which prices sends as busy time: ``bound.relax.comm_free_for_bound``).
 VALID_BOUND_SHARE = 0.3
 POLISH_SHARE = 2 / 3  # of the time held back
-POLISH_STARTS = 4     # distinct plans hill-climbed from, cheapest first, while that time lasts
 
 
 def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
@@ -58,18 +50,14 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                              seen, warm)
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
-    starts = cheapest(problem, seen + [found.placement])
-    pick = starts[0]
+    pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     left = time_limit_s - (time.perf_counter() - start)
-    proven = found.valid_bound_ms if relaxed is problem else 0.0  # a climb that reaches it within the gap is done
-    placement, polished_ms, nth = _polish_from(problem, starts, time.perf_counter() + max(0.05, POLISH_SHARE * left),
-                                               done=lambda ms: ms - proven <= gap_tolerance * ms,
-                                               cuts_only=shape != (None, None))
+    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * left),
+                                    cuts_only=shape != (None, None))
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
-        program_ms, how = polished_ms, f"{how}, polished" + (f" (climbed from the plan ranked {nth + 1} by cost)"
-                                                             if nth else "")
+        program_ms, how = polished_ms, f"{how}, polished"
     placement, program_ms = recompute.mix(problem, placement)
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     valid = max(simple_lower_bound_ms(relaxed), found.valid_bound_ms if relaxed is problem else 0.0)
@@ -80,28 +68,6 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                                           plans=False).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
-
-
-def _polish_from(problem: Problem, starts: list[Placement], deadline: float, *, done: Callable[[float], bool],
-                 cuts_only: bool) -> tuple[Placement, float, int]:
-    """The cheapest plan hill-climbing reaches from the first ``POLISH_STARTS`` distinct ``starts`` (cheapest
-    first) by ``deadline`` or until one is ``done`` (proven optimal), its program cost and which start it came
-    from. The first gets the whole time, the others what it leaves: a climb often stops within a second, and
-    from the cheapest start it can stop on a dearer plan than from the next (``tests/unit/test_one_cost.py``'s
-    random clusters at 2 s: 2-22% faster plans on 5 of 16)."""
-    best, best_ms, nth = starts[0], float("inf"), 0
-    tried: set[Placement] = set()
-    for i, placement in enumerate(starts):
-        if tried and (len(tried) >= POLISH_STARTS or time.perf_counter() >= deadline or done(best_ms)):
-            break
-        if placement in tried:
-            continue
-        tried.add(placement)
-        plan, ms = polish(problem, placement, time_budget_s=max(0.05, deadline - time.perf_counter()),
-                          cuts_only=cuts_only)
-        if ms < best_ms * (1 - 1e-9):
-            best, best_ms, nth = plan, ms, i
-    return best, best_ms, nth
 
 
 def polish_best(best: Outcome, left_s: float, *, cuts_only: bool) -> Outcome:
