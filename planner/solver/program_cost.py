@@ -19,9 +19,10 @@ replicated stage's gradients once its replicas are done. Priced the same way
   latency and the verdict wait the consumer's own pass does not hide.
 * A resource works no sooner than its first microbatch reaches it and no
   later than its last one leaves; a stage replica also idles while its first
-  gradient's round trip outlasts its warm-up forwards and while its last one's
-  outlasts the backwards it still holds: ``pipe = max over resources of
-  (busy + the path outside it)``.
+  gradient's round trip outlasts its warm-up forwards (or its warm-up waits on
+  verdicts whose copies queue on a link slower than its forwards:
+  ``_verdict_stall``) and while its last one's outlasts the backwards it still
+  holds: ``pipe = max over resources of (busy + the path outside it)``.
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
   a replica to ``n`` microbatches per ``fb + D + W``: ``n`` chains of pass,
   round trip (the mean over its microbatches) and the wait ``W`` behind other
