@@ -51,7 +51,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
                replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None,
-               started_s: float | None = None) -> Any:
+               started_s: float | None = None, model: ModelRef | None = None) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -67,6 +67,10 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     ``cost_models.precision.default_dtype`` of the cluster. Low precision trains with fp32 master weights.
     ``recompute``: activation recomputation per stage where memory binds (``auto``), ``never`` or ``always``.
     ``warm_start``: an old plan's stages for the solver to start from (``planner.solver.warm``; a re-plan's).
+    ``model``: the plan's model reference when ``chain`` is not a fresh trace (a re-plan passes its old plan's
+    chain, rescaled to that plan's microbatch, and its model): the fingerprint stays paired with the batch it
+    was traced at, which the chain no longer says. By default the chain is the trace: ``spec``, ``seq`` and
+    the chain's fingerprint at its own microbatch size.
     The plan's history starts with this plan (``planned``, now).
 
     ``time_limit_s`` is a budget for the whole call, counted from ``started_s`` (``time.perf_counter``; default
@@ -103,8 +107,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
-    ref = ModelRef(spec=spec, name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
-                   seq=seq, dtype=trace_dtype(chain))
+    ref = model or ModelRef(spec=spec, name=chain.model_name, fingerprint=chain.fingerprint,
+                            batch=chain.microbatch_size, seq=seq, dtype=trace_dtype(chain))
 
     first = (HistoryEntry(event="planned", when_utc=utc_stamp(), reason=f"planned on {spec_cluster.name}"),)
 
@@ -214,7 +218,8 @@ def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Seq
                      schedule=plan.config.schedule, global_batch=plan.config.global_batch, policy=plan.policy,
                      microbatch_size=plan.config.microbatch_size if warm else None,
                      time_limit_s=time_limit_s, optimizer=plan.config.optimizer, dtype=plan.config.dtype,
-                     workers=workers, progress=progress, warm_start=warm_start_of(plan) if warm else None)
+                     workers=workers, progress=progress, warm_start=warm_start_of(plan) if warm else None,
+                     model=plan.model)
     changes = ([f"without {', '.join(sorted(gone))}"] if gone else []) + \
         ([f"with {', '.join(sorted(back))} {'joined' if event == 'join' else 're-admitted'}"] if back else [])
     note = (f"replanned {' and '.join(changes)}: {reason} (the previous plan: {plan.num_ranks} ranks, "
