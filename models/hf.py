@@ -64,6 +64,10 @@ ATTENTION = "stagewise_sdpa"
 # Default sequence length: the config's position limit, capped (Qwen2 allows 32768).
 MAX_DEFAULT_SEQ = 4096
 _TASK_KEY = "task"
+# Config sizes (the library's standard names; a config's attribute_map aliases them) that must be >= 1.
+_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "max_position_embeddings")
+_CODE_KEYS = frozenset({"auto_map", "trust_remote_code", "custom_pipelines"})  # how a config asks for its own code
 _MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
              "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
 _AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
@@ -171,6 +175,11 @@ def load_config(hs: HFSpec) -> Any:
     library = transformers()
     mapping = library.models.auto.configuration_auto.CONFIG_MAPPING
     values = _read_json(hs) if hs.is_path else {"model_type": hs.source}
+    code_keys = sorted(k for k in (*values, *dict(hs.overrides)) if k in _CODE_KEYS)
+    if code_keys:  # a config names custom code only through these keys; none is ever honoured
+        raise InvalidInputError(f"model spec {hs.spec!r} names custom code ({code_keys[0]})",
+                                expected="a config of a model type transformers ships (data only)",
+                                fix=f"remove {code_keys[0]} from the config: Stagewise never runs a model's own code")
     model_type = values.pop("model_type", None)
     if model_type not in mapping:
         close = difflib.get_close_matches(str(model_type), list(mapping.keys()), n=3)

@@ -29,6 +29,9 @@ from models.mlp import MLP, MLPConfig
 from planner.errors import InvalidInputError, PlannerError
 
 Family = Literal["lm", "classifier"]
+SpecKind = Literal["preset", "hf", "onnx", "api", "factory"]
+API_PREFIX = "python:"  # planner.api labels a plan of an in-memory model so; reserved, like hf:
+ONNX_SUFFIX = ".onnx"
 ModelConfig = Union[GPTConfig, LlamaConfig, MLPConfig, CNNConfig]
 
 _MODEL_CLASSES: Mapping[type, type[nn.Module]] = {
@@ -128,16 +131,50 @@ def build_model(spec: str, *, batch: int = 1, seq: int | None = None, device: st
     transformers config's position limit up to 4096) and the image side for CNNs
     (default: the preset's ``image_size``); MLPs take none. A factory is called
     with no arguments under ``torch.device(device)`` and a seeded RNG; it returns
-    a module or ``(module, example_inputs)``. ``hf:`` is reserved (``models.hf``).
+    a module or ``(module, example_inputs)``. ``hf:`` is reserved (``models.hf``); ``python:`` labels and
+    ``.onnx`` files are refused (:func:`spec_kind`).
     """
     if batch < 1 or (seq is not None and seq < 1):
         raise InvalidInputError("batch/seq", expected="batch >= 1 and seq >= 1", found=f"batch={batch}, seq={seq}")
     dev = _device(device)
-    if hf.is_hf_spec(spec):
+    kind = spec_kind(spec)
+    if kind == "hf":
         return _build_hf(spec, hf.build(spec, dev, seed), None, batch, seq, dev, seed)
-    if ":" in spec:
+    if kind in ("api", "onnx"):
+        raise _unbuildable(spec, kind)
+    if kind == "factory":
         return _build_factory(spec, batch, seq, dev, seed)
     return _build_preset(spec, batch, seq, dev, seed)
+
+
+def spec_kind(spec: str) -> SpecKind:
+    """What a model spec names, by one rule that ``build_model`` dispatches on: ``hf`` (a transformers
+    config: data), ``onnx`` (a file, read by ``planner.model_io``), ``api`` (the label ``python:MODULE.CLASS``
+    of a plan made from an in-memory model: never imported), ``factory`` (``package.module:factory``: importing
+    it runs code) or ``preset`` (anything else: looked up in ``PRESETS``, never imported)."""
+    if hf.is_hf_spec(spec):
+        return "hf"
+    if spec.lower().endswith(ONNX_SUFFIX):
+        return "onnx"
+    if spec.startswith(API_PREFIX):
+        return "api"
+    return "factory" if ":" in spec else "preset"
+
+
+def is_data_spec(spec: str) -> bool:
+    """A spec that builds a model from data alone (a known preset, an ``hf:`` config, an ONNX file): the only
+    kind a plan file may name without the operator naming it too (every other spec could import code)."""
+    kind = spec_kind(spec)
+    return kind in ("hf", "onnx") or (kind == "preset" and spec in PRESETS)
+
+
+def _unbuildable(spec: str, kind: SpecKind) -> InvalidInputError:
+    if kind == "onnx":
+        return InvalidInputError(f"model {spec!r} is an ONNX file", expected="a preset, hf: config or "
+                                 "package.module:factory", fix="read it with planner.model_io.load_graph")
+    return InvalidInputError(f"model {spec!r} names a model the Python API planned in memory",
+                             expected="a preset, hf: config or package.module:factory (a python: label is "
+                                      "never imported)", fix="pass the model itself (apply_plan), or plan a factory")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -273,9 +310,10 @@ def _build_hf(spec: str, module: nn.Module, inputs: tuple[torch.Tensor, ...] | N
 
 def _resolve_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise InvalidInputError(f"model spec {spec!r}", expected="package.module:factory",
-                                found=f"module {module_name!r}, factory {attr_path!r}", fix="name both parts")
+    if not _dotted(module_name) or not _dotted(attr_path):
+        raise InvalidInputError(f"model spec {spec!r}", expected="package.module:factory (dotted Python names, "
+                                "no spaces)", found=f"module {module_name!r}, factory {attr_path!r}",
+                                fix="name both parts exactly")
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
@@ -301,6 +339,10 @@ def _resolve_factory(spec: str) -> Callable[[], object]:
         raise InvalidInputError(f"model factory {spec!r}", expected="a callable returning an nn.Module",
                                 found=type(target).__name__)
     return target
+
+
+def _dotted(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ from torch import nn
 from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.runtime.data import plan_example_inputs
+from planner.runtime.options import is_factory_spec
 from planner.runtime.recompute import build_plan_stage
 from planner.runtime.stage import (
     StageRuntime,
@@ -36,6 +37,9 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
         raise InvalidInputError(f"rank {rank} runs no stage (it is a verifier-only rank)",
                                 fix="call apply_plan only on stage ranks")
     if example_inputs is None:
+        if is_factory_spec(plan.model.spec):  # a plan file never makes this process import code
+            raise InvalidInputError(f"apply_plan: the plan's model {plan.model.spec!r} is not a preset or an hf: "
+                                    "config", fix="pass example_inputs= (one microbatch of the model's inputs)")
         example_inputs = plan_example_inputs(plan)
     example_inputs = tuple(example_inputs)
     ep = export_model(model, example_inputs)

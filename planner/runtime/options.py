@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-from models.hf import is_hf_spec
+from models.registry import is_data_spec
 from planner.errors import InvalidInputError
 from planner.model_io import is_onnx_spec
 
@@ -210,9 +210,9 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
 
 
 def is_factory_spec(spec: str) -> bool:
-    """A ``package.module:factory`` spec (importing it runs the user's code), not a preset or an ``hf:``
-    config (built by ``transformers`` from data, no user code)."""
-    return ":" in spec and not spec.startswith("python:") and not is_hf_spec(spec)
+    """Anything but a known preset, an ``hf:`` config or an ONNX file (``models.registry.is_data_spec``): an
+    allowlist, so no prefix or spelling a plan invents counts as data."""
+    return not is_data_spec(spec)
 
 
 def refuse_onnx_model(spec: str) -> None:
@@ -232,7 +232,15 @@ def check_model_allowed(plan_spec: str, named: str | None) -> None:
     if not is_factory_spec(plan_spec):
         return
     if named != plan_spec:
-        raise InvalidInputError(f"the plan's model is the factory {plan_spec!r}",
-                                expected=f"--model {plan_spec} on the command line to allow importing it",
-                                found="no --model" if named is None else f"--model {named}",
-                                fix=f"if you trust that code, run again with --model {plan_spec}")
+        what = f"is the factory {plan_spec!r}" if ":" in plan_spec else \
+            f"{plan_spec!r} is not a preset, an hf: config or an ONNX file"
+        shown = _shown(plan_spec)
+        raise InvalidInputError(f"the plan's model {what}",
+                                expected=f"--model {shown} on the command line to allow importing it",
+                                found="no --model" if named is None else f"--model {_shown(named)}",
+                                fix=f"if you trust that code, run again with --model {shown}")
+def _shown(spec: str) -> str:
+    """A spec as typed on a command line, quoted where it holds spaces or control characters (one line)."""
+    return spec if spec.isprintable() and not any(c.isspace() for c in spec) else repr(spec)
+
+
