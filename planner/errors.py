@@ -57,3 +57,13 @@ class ProtocolError(RankFailureError):
                  fix: str | None = None) -> None:
         super().__init__(what, expected=expected, found=found, fix=fix)
         self.peer = sender
+
+
+class CheckpointError(InvalidInputError):
+    """A checkpoint that cannot be trusted (corrupt, unsigned, or a file that is not what its manifest
+    says); ``writer`` names the rank whose file it is, when a file is to blame (never the reader)."""
+
+    def __init__(self, what: str, *, writer: int | None = None, expected: str | None = None,
+                 found: str | None = None, fix: str | None = None) -> None:
+        super().__init__(what, expected=expected, found=found, fix=fix)
+        self.writer = writer

@@ -1,14 +1,16 @@
 """What every rank learns at the end of a verified step, and the stop a ban causes.
 
 The verifier ranks decide bans (``planner.integrity``); the stage ranks must know them too, at
-once, or a banned sender keeps training the model. So at the end of each verified step every rank
-joins one all-reduce of ``3 x num_ranks`` integers (:func:`encode` / :func:`decode`):
+once, or a banned sender keeps training the model. So at the end of each verified step the lowest
+verifier rank (trusted: ``planner.runtime.control``) sends every rank, point to point, one tensor of
+``2 x num_ranks + 1`` integers (:func:`encode` / :func:`decode`):
 
-* per sender, its first flagged step + 1 while its flags are unresolved (0: none), and
-* per sender, the step it was banned at + 1 (0: not banned), both from the lowest verifier rank
-  alone (every verifier reaches the same bans from the same gathered flags), and
-* per rank, how many of its microbatches trained this step (not dropped), from each stage rank.
+* per sender, its first flagged step + 1 while its flags are unresolved (0: none),
+* per sender, the step it was banned at + 1 (0: not banned), and
+* how many microbatches of the step trained on the first stage (each first-stage rank, trusted too,
+  tells the lead verifier its own count first).
 
+No other rank adds anything to it: nothing an untrusted rank sends can ban, un-ban or excuse anyone.
 A ban stops the run at the end of the step that decided it, on every rank alike
 (:class:`RankBannedError`): from then on nothing the banned sender produced trains the model,
 and the launcher can re-plan without its host (``--replan-on-failure``) and resume from the last
@@ -16,7 +18,7 @@ clean checkpoint, the newest one taken before the sender's first flagged step.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,27 +49,26 @@ class StepVerdicts:
     trained: int                    # microbatches of the step that trained on the first stage
 
 
-def encode(num_ranks: int, *, rank: int, lead: bool, unresolved: Mapping[int, int],
-           bans: Mapping[int, tuple[int, int]], trained: int) -> torch.Tensor:
-    """This rank's share of the step's exchange (``lead``: the verifier rank that speaks for all)."""
-    out = torch.zeros(3 * num_ranks, dtype=torch.int64)
-    if lead:
-        for sender, first in unresolved.items():
-            out[sender] = first + 1
-        for sender, (_, step) in bans.items():
-            out[num_ranks + sender] = step + 1
-    out[2 * num_ranks + rank] = trained
+def encode(num_ranks: int, *, unresolved: Mapping[int, int], bans: Mapping[int, tuple[int, int]],
+           trained: int) -> torch.Tensor:
+    """The lead verifier's verdict of a step (``bans``: sender -> (first flagged step, ban step))."""
+    out = torch.zeros(2 * num_ranks + 1, dtype=torch.int64)
+    for sender, first in unresolved.items():
+        out[sender] = first + 1
+    for sender, (_, step) in bans.items():
+        out[num_ranks + sender] = step + 1
+    out[2 * num_ranks] = trained
     return out
 
 
-def decode(summed: torch.Tensor, *, first_stage_ranks: Collection[int]) -> StepVerdicts:
-    """The exchange summed over every rank, read back."""
-    values = [int(v) for v in summed.tolist()]
-    n = len(values) // 3
+def decode(verdict: torch.Tensor) -> StepVerdicts:
+    """The lead verifier's verdict, read back."""
+    values = [int(v) for v in verdict.tolist()]
+    n = (len(values) - 1) // 2
     unresolved = {r: values[r] - 1 for r in range(n) if values[r] > 0}
     bans = {r: BanNotice(rank=r, first_flagged_step=unresolved.get(r, values[n + r] - 1), ban_step=values[n + r] - 1)
             for r in range(n) if values[n + r] > 0}
-    return StepVerdicts(unresolved=unresolved, bans=bans, trained=sum(values[2 * n + r] for r in first_stage_ranks))
+    return StepVerdicts(unresolved=unresolved, bans=bans, trained=values[2 * n])
 
 
 def replan_hint(plan_path: str, host: str, checkpoint_dir: str | None) -> str:

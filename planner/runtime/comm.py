@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     VERDICT_ACT = 4  # 2 ints from a verifier: [flagged, tainted]
     VERDICT_GRAD = 5
     METRICS = 6      # per-step metrics of a rank, to rank 0
+    CONTROL = 7      # a decision or its evidence (``planner.runtime.control``); the boundary field names it
 
 
 # Bit widths of the tag fields; the total stays below 2**31 (gloo and MPI take an int tag).

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,7 @@ from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint, joins, survivors
 from planner.runtime.bans import describe
-from planner.runtime.launch import RunBanned, RunFailure, launch
+from planner.runtime.launch import RunBanned, RunFailure, _stop_on_sigterm, launch
 from planner.runtime.options import RunOptions
 from planner.secret import run_secret
 
@@ -76,20 +77,42 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
     folder.mkdir(parents=True, exist_ok=True)  # where the operator drops requests: there from the start
     replans: list[dict[str, Any]] = []
     rejected: list[dict[str, str]] = []
-    clock = _FirstStep(on_event)
+    legs = _Legs(on_event)
+    clock = _FirstStep(legs)
+    previous = _stop_on_sigterm()  # a SIGTERM while re-planning, between launches, is an interrupt too
+    try:
+        return _legs_until_done(opts, key, folder, replans, rejected, legs, clock, max_replans, time_limit_s,
+                                log_dir)
+    except (PlannerError, KeyboardInterrupt) as stop:
+        _stopped_report(opts, stop, replans, legs)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _legs_until_done(opts: RunOptions, key: bytes, folder: Path, replans: list[dict[str, Any]],
+                     rejected: list[dict[str, str]], legs: _Legs, clock: _FirstStep, max_replans: int,
+                     time_limit_s: float, log_dir: str | None) -> dict[str, Any]:
+    """Run leg after leg (a launch on one plan) until one finishes; see :func:`launch_replanning`."""
     while True:
-        watcher = joins.JoinWatcher(folder=folder, plan=load_plan(opts.plan), key=key, rejected=rejected)
+        plan = load_plan(opts.plan)
+        watcher = joins.JoinWatcher(folder=folder, plan=plan, key=key, rejected=rejected)
         survivors.clear(opts.checkpoint_dir)  # an earlier leg's survivor files are no state of this one
+        legs.begin(opts, ranks=plan.num_ranks)
+        before = len(replans)
         try:
             result = launch(opts, on_event=clock, log_dir=log_dir, stop_at_checkpoint=watcher.waiting)
         except RunBanned as banned:
+            legs.end("ban")
             if _recoveries(replans) >= max_replans:
                 raise
             opts = _replan(opts, key, replans, _ban_event(opts, banned), time_limit_s)
         except RunFailure as failure:
             old = load_plan(opts.plan)
             # Before the check below: the survivors' state may be the run's only checkpoint.
-            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1)
+            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1, key=key)
+            legs.end("failure", reached=kept.reached)
             said = f"{kept.why}: resuming from it" if kept.step is not None else \
                 f"survivor checkpoint discarded: {kept.why}"
             print(f"stagewise run: {said}", file=sys.stderr, flush=True)
@@ -98,10 +121,25 @@ def launch_replanning(opts: RunOptions, *, max_replans: int, time_limit_s: float
             event = {"after": failure.what, "excluded": old.ranks[failure.rank].host, "event": "failure",
                      **kept.entry()}
             opts = _replan(opts, key, replans, event, time_limit_s)
+        except KeyboardInterrupt:
+            legs.end("interrupted")
+            raise
+        except PlannerError:  # refused before its ranks started (preflight)
+            legs.end("failed")
+            raise
         else:
             if result.get("stopped_at_checkpoint") is None:
-                return _summary(opts, result, replans, watcher)
+                legs.end("finished")
+                return _summary(opts, result, replans, watcher, legs)
+            legs.end("join")
             opts = _join(opts, key, replans, watcher, time_limit_s, clock, step=result["stopped_at_checkpoint"])
+        legs.resumed(_resume_step(opts), entry=replans[-1] if len(replans) > before else None)
+
+
+def _resume_step(opts: RunOptions) -> int | None:
+    """The step after which the next leg starts: its newest checkpoint when it resumes, else none."""
+    steps = checkpoint.complete_steps(opts.checkpoint_dir) if opts.resume else []
+    return steps[-1] if steps else None
 
 
 def _recoveries(replans: list[dict[str, Any]]) -> int:
@@ -110,9 +148,9 @@ def _recoveries(replans: list[dict[str, Any]]) -> int:
 
 
 def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, Any]],
-             watcher: joins.JoinWatcher) -> dict[str, Any]:
-    """The last leg's result, with every plan change of the run and what became of the join requests."""
-    result = {**result, "replans": replans}
+             watcher: joins.JoinWatcher, legs: _Legs) -> dict[str, Any]:
+    """The last leg's result, with every leg and plan change of the run and what became of the join requests."""
+    result = {**result, **_whole_run(replans, legs)}
     recovered = [r for r in replans if r["event"] != "join"]
     joined = [r for r in replans if r["event"] == "join"]
     if recovered:
@@ -126,9 +164,40 @@ def _summary(opts: RunOptions, result: dict[str, Any], replans: list[dict[str, A
         result["joins_waiting"] = waiting
     if watcher.rejected:
         result["joins_rejected"] = list(watcher.rejected)
-    if opts.report and (replans or waiting or watcher.rejected):  # rank 0 wrote the last leg's report only
+    if opts.report:  # rank 0 wrote the last leg's report only
         write_atomic(opts.report, json.dumps(result, indent=1, default=str) + "\n")
     return result
+
+
+def _whole_run(replans: list[dict[str, Any]], legs: _Legs) -> dict[str, Any]:
+    """What covers every leg of the run: the legs, the re-plans, the steps run in all and those run again."""
+    done = legs.records()
+    return {"replans": replans, "legs": done, "steps_run": sum(leg["steps"] for leg in done),
+            "steps_redone": sum(leg["redone_steps"] for leg in done)}
+
+
+def _stopped_report(opts: RunOptions, stop: BaseException, replans: list[dict[str, Any]], legs: _Legs) -> None:
+    """A run that stops for good (a failure past ``max_replans``, a re-plan that fails, an interrupt) leaves a
+    report of every leg: the last leg's own (the launcher's or rank 0's, when written in this run) with the
+    legs and re-plans, and what stopped it."""
+    if not opts.report:
+        return
+    record: dict[str, Any] | None = None
+    try:
+        path = Path(opts.report)
+        earlier = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_mtime >= legs.started_s else None
+        record = earlier if isinstance(earlier, dict) else None
+    except (OSError, ValueError):
+        pass
+    interrupted = isinstance(stop, KeyboardInterrupt)
+    ran = isinstance(stop, RunFailure) or len(legs.legs) > 1 or any(leg["steps"] for leg in legs.legs)
+    if record is None and not (interrupted or ran):
+        return  # refused before any rank started, as a plain run's bad input leaves no report
+    record = record or {"plan": str(legs.legs[-1]["plan"]) if legs.legs else None}
+    record.pop("in_progress", None)
+    record.update(failed=True, interrupted=interrupted, **_whole_run(replans, legs),
+                  error="interrupted (SIGINT or SIGTERM): every rank was stopped" if interrupted else str(stop))
+    write_atomic(opts.report, json.dumps(record, indent=1, default=str) + "\n")
 
 
 def resumed_from(entry: dict[str, Any]) -> str:
@@ -211,15 +280,57 @@ def _adopt(opts: RunOptions, key: bytes, replans: list[dict[str, Any]], new, eve
     step = steps[-1] if steps else None  # no clean checkpoint: the new plan starts from the first step
     event.update({"plan": str(path), "ranks": new.num_ranks, "resumed_after_step": step,
                   "simulated_step_ms": round(new.predicted.step_ms, 3)})
-    reached = event.get("survivors_reached_step")
-    if reached is not None:  # steps a survivor had completed that the new plan trains again (at least)
-        event["redone_steps"] = max(0, reached - (step if step is not None else -1))
-    replans.append(event)
+    replans.append(event)  # its redone_steps: set by _Legs.resumed, once the leg it ends is counted
     where = f"resuming after step {step}" if steps else "starting again from step 0 (no clean checkpoint)"
     print(f"stagewise run: {event['after']}; {change} ({new.num_ranks} ranks, {path}); {where}", file=sys.stderr,
           flush=True)
     # The new plan runs from the checkpoint; a rehearsed fault or attack named a rank of the old one.
     return dataclasses.replace(opts, plan=str(path), resume=bool(steps), fault=None, attacks=())
+
+
+class _Legs:
+    """The run's legs (one launch each, on one plan): passes rank 0's events on and records, per leg, its
+    plan, the steps it ran (``first_step`` .. ``last_step``: the newest step it completed, by rank 0's reports
+    or, after a failure, the survivors' notes, which are ahead of rank 0's reports by a step), how it ended,
+    and ``redone_steps``: how many of its steps the next leg trains again (those after its resume step)."""
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], None] | None) -> None:
+        self.on_event = on_event
+        self.started_s = time.time()  # a report older than this is an earlier run's
+        self.legs: list[dict[str, Any]] = []
+        self.reported: list[int] = []
+
+    def begin(self, opts: RunOptions, *, ranks: int) -> None:
+        self.reported = []
+        after = _resume_step(opts)
+        self.legs.append({"leg": len(self.legs) + 1, "plan": str(opts.plan), "ranks": ranks,
+                          "resumed_after_step": after, "first_step": 0 if after is None else after + 1,
+                          "last_step": None, "steps": 0, "ended": "running", "redone_steps": 0})
+
+    def end(self, how: str, *, reached: int | None = None) -> None:
+        """The current leg ended ``how``; ``reached``: the newest step a survivor of a failure completed."""
+        leg = self.legs[-1]
+        last = max((s for s in (*self.reported, reached) if s is not None), default=None)
+        if last is not None and last >= leg["first_step"]:
+            leg.update(last_step=last, steps=last - leg["first_step"] + 1)
+        leg["ended"] = how
+
+    def resumed(self, step: int | None, *, entry: dict[str, Any] | None) -> None:
+        """The next leg resumes after ``step`` (None: from the start); ``entry``: the re-plan between them."""
+        leg = self.legs[-1]
+        start = step + 1 if step is not None else 0
+        leg["redone_steps"] = 0 if leg["last_step"] is None else max(0, leg["last_step"] - start + 1)
+        if entry is not None:
+            entry["redone_steps"] = leg["redone_steps"]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(leg) for leg in self.legs]
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "step":
+            self.reported.append(int(event["step"]))
+        if self.on_event is not None:
+            self.on_event(event)
 
 
 class _FirstStep:

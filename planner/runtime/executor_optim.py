@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from planner.runtime import comm
+from planner.runtime import comm, control
 
 
 class GradientSteps:
@@ -81,16 +81,28 @@ class GradientSteps:
                 self.optimizer.zero_grad(set_to_none=True)
 
     def _overflowed(self) -> bool:
-        """Unscale this rank's gradients and agree with every rank whether any overflowed (fp16): one vote
-        per step on every rank, so all of them move the scale alike."""
+        """Unscale this rank's gradients and vote whether any overflowed (fp16): the control rank hears
+        every vote and sends one decision to all, so every rank moves the scale alike and no rank's vote
+        can cancel another's. A rank whose own gradients overflowed skips its update whatever it hears."""
         assert self.scaler is not None
-        flag = torch.tensor([float(self.scaler.unscale(self.params))], device=self.device)
+        mine = bool(self.scaler.unscale(self.params))
+        decided = mine
         if self.plan.num_ranks > 1:
-            comm.all_reduce_sum(flag, group=None, ranks=range(self.plan.num_ranks),
-                                doing="agreeing whether any gradient overflowed")
-        overflow = bool(flag.item() > 0)
-        self.scaler.update(overflow)
-        return overflow
+            ctl, everyone = control.control_rank(self.plan), range(self.plan.num_ranks)
+            vote = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
+            got = control.gather_to(vote, dst=ctl, me=self.rank, ranks=everyone, topic=control.Topic.OVERFLOW,
+                                    device=self.device, doing="voting whether any gradient overflowed")
+            decision = None
+            if got is not None:
+                votes = control.checked_ints(got, what="overflow vote", expected="0 or 1",
+                                             allowed=lambda _, v: v in (0, 1))
+                decision = torch.tensor([int(any(votes.values()))], dtype=torch.int64, device=self.device)
+            decided = bool(control.send_from(decision, src=ctl, me=self.rank, ranks=everyone,
+                                             topic=control.Topic.OVERFLOW, shape=(1,), dtype=torch.int64,
+                                             device=self.device, doing="hearing whether any gradient overflowed")
+                           .item())
+        self.scaler.update(decided)
+        return decided or mine
 
     def _losses(self) -> tuple[float, int]:
         """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.

@@ -7,8 +7,8 @@ and sends ``[flagged, tainted]`` to the consumer. A flagged or tainted
 microbatch is dropped: the consumer zeroes the tensor, the last stage
 multiplies its loss by 0, and the taint header it sends on is 1. At the end of
 the step the verifier ranks exchange their flags and resolve blame and bans, and every rank
-learns the outcome in one small all-reduce (``planner.runtime.bans``): the bans, the
-senders whose flags are unresolved, and how many microbatches trained.
+learns the outcome from the lead verifier alone, point to point (``planner.runtime.bans``): the
+bans, the senders whose flags are unresolved, and how many microbatches trained.
 
 Deferred verdicts (the default): the consumer only posts the verdict's receive
 at ``VERDICT`` and computes with the tensor at once, so the check runs while it
@@ -36,7 +36,7 @@ import torch
 from planner.instructions import Instruction
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
 from planner.runtime import bans as ban_exchange
-from planner.runtime import comm, messages
+from planner.runtime import comm, control, messages
 from planner.runtime.comm import Pending
 from planner.runtime.deferred import merge_grads
 from planner.runtime.executor_p2p import ACT_KINDS
@@ -151,25 +151,45 @@ class Verification:
                 self._conclude(d, mb, self.verdicts.pop((d, mb)))
 
     def _end_verification(self, step: int) -> set[int]:
-        """Verifier ranks exchange flags and resolve blame; then every rank learns the bans, the
-        unresolved flags and whether the step trained anything. Returns the ranks banned so far."""
+        """Verifier ranks exchange flags and resolve blame; then the lead verifier, having heard how many
+        microbatches trained from the first-stage ranks, sends every rank the step's verdict (bans,
+        unresolved flags, what trained). Returns the ranks banned so far."""
         if self.verify is None:
             return set()
         self._resolve_blame(step)
-        lead = self.verify.verifier is not None and self.rank == min(self.groups.verifier_ranks)
-        mine = ban_exchange.encode(
-            self.plan.num_ranks, rank=self.rank, lead=lead,
-            unresolved=self.verify.verifier.unresolved() if lead else {},
-            bans=self.verify.verifier.ban_records() if lead else {}, trained=self._trained_here())
+        lead = min(self.groups.verifier_ranks)
         with self._timed("comm"):
-            summed = mine.to(self.device)
-            comm.all_reduce_sum(summed, group=None, ranks=range(self.plan.num_ranks),
-                                doing="sharing the step's bans with every rank")
-        got = ban_exchange.decode(summed.cpu(), first_stage_ranks=self._first_stage_ranks)
+            trained = self._gather_trained(lead, step)
+            verdict = None
+            if self.rank == lead:
+                verifier = self.verify.verifier
+                verdict = ban_exchange.encode(self.plan.num_ranks, unresolved=verifier.unresolved(),
+                                              bans=verifier.ban_records(), trained=trained).to(self.device)
+            verdict = control.send_from(verdict, src=lead, me=self.rank, ranks=range(self.plan.num_ranks),
+                                        topic=control.Topic.VERDICTS, shape=(2 * self.plan.num_ranks + 1,),
+                                        dtype=torch.int64, device=self.device,
+                                        doing=f"hearing step {step}'s verdict from the lead verifier rank {lead}")
+        got = ban_exchange.decode(verdict.cpu())
         self.bans, self.unresolved = got.bans, got.unresolved
         if got.trained == 0:
             self.untrained_steps.append(step)
         return set(self.bans)
+
+    def _gather_trained(self, lead: int, step: int) -> int:
+        """At the lead verifier: how many microbatches trained on the first stage, as its (trusted) ranks
+        count them; a count past a rank's microbatches is a protocol breach. 0 elsewhere."""
+        senders = sorted({*self._first_stage_ranks, lead})
+        if self.rank not in senders:
+            return 0
+        mine = torch.tensor([self._trained_here()], dtype=torch.int64, device=self.device)
+        got = control.gather_to(mine, dst=lead, me=self.rank, ranks=senders, topic=control.Topic.TRAINED,
+                                device=self.device, doing=f"counting what trained in step {step}")
+        if got is None:
+            return 0
+        counts = control.checked_ints(
+            got, what="count of trained microbatches", expected="at most the rank's microbatches of a step",
+            allowed=lambda r, v: 0 <= v <= len(self.plan.ranks[r].microbatches))
+        return sum(v for r, v in counts.items() if r in self._first_stage_ranks)
 
     def _trained_here(self) -> int:
         """This rank's microbatches of the step that were not dropped (0 on a verifier-only rank)."""

@@ -40,6 +40,7 @@ from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.runtime import checkpoint, hosts
 from planner.runtime.bans import BanNotice, RankBannedError
+from planner.runtime.control import CONTROL_RANK
 from planner.runtime.data import check_data, parse_data_spec
 from planner.runtime.membership import load_signed_plan
 from planner.runtime.options import (
@@ -59,7 +60,8 @@ _KILL_GRACE_S = 5.0
 # --------------------------------------------------------------------------- preflight
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
-    plan, _ = load_signed_plan(opts.plan, run_secret(opts.secret_file))  # as signed, before anything of it runs
+    key = run_secret(opts.secret_file)
+    plan, _ = load_signed_plan(opts.plan, key)  # as signed, before anything of it runs
     refuse_onnx_model(plan.model.spec)
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
@@ -70,7 +72,7 @@ def preflight(opts: RunOptions):
     if opts.checkpoint_dir is not None:
         checkpoint.check_folder(opts.checkpoint_dir, resume=opts.resume)
     if opts.resume:
-        done = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint)  # there is one to resume
+        done = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint, key=key).step
         if done + 1 >= opts.steps:
             raise InvalidInputError(f"--resume at step {done + 1}", expected=f"fewer than --steps ({opts.steps})",
                                     found=f"the checkpoint of step {done} is already the last",
@@ -136,7 +138,8 @@ def launch(opts: RunOptions, *, on_event: Callable[[dict[str, Any]], None] | Non
             raise error
         return json.loads(result_path.read_text(encoding="utf-8"))
     except KeyboardInterrupt:
-        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped", started=started)
+        _failure_report(opts, "interrupted (SIGINT or SIGTERM): every rank was stopped", started=started,
+                        interrupted=True)
         raise
     finally:
         if previous is not None:
@@ -163,7 +166,7 @@ def _stop_on_sigterm():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _failure_report(opts: RunOptions, error: str, *, started: float) -> None:
+def _failure_report(opts: RunOptions, error: str, *, started: float, interrupted: bool = False) -> None:
     """A failed run still leaves a report (``--report``): what went wrong, beside the steps it finished
     (rank 0 rewrites the report as the run goes; an earlier run's report is not taken for this one's)."""
     if not opts.report:
@@ -176,7 +179,7 @@ def _failure_report(opts: RunOptions, error: str, *, started: float) -> None:
             record = earlier
     except (OSError, ValueError):
         pass
-    record.update({"plan": os.fspath(opts.plan), "failed": True, "error": error})
+    record.update({"plan": os.fspath(opts.plan), "failed": True, "interrupted": interrupted, "error": error})
     record.pop("in_progress", None)
     write_atomic(opts.report, json.dumps(record, indent=1) + "\n")
 
@@ -265,14 +268,16 @@ def _supervise(ranks: list[_Rank], events: queue.Queue, on_event, timeout_s: flo
 
 
 def _records(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """The error records the ranks left (rank -> {kind, error, peer})."""
+    """The error records the ranks left (rank -> {kind, error, peer}), each from its own file: a record
+    that claims another rank's name is not that rank's."""
     out: dict[int, dict[str, Any]] = {}
     for path in run_dir.glob("rank*.json"):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue  # being written right now: read it on the next poll
-        out[int(record["rank"])] = record
+        if isinstance(record, dict) and path.stem == f"rank{record.get('rank')}":
+            out[int(record["rank"])] = record
     return out
 
 
@@ -309,8 +314,10 @@ class RunBanned(RunFailure):
 
 
 def _banned(run_dir: Path, result_path: Path) -> RunBanned | None:
-    """The ban that stopped the run, from the ranks' error records (every rank leaves the same one)."""
-    for record in _records(run_dir).values():
+    """The ban that stopped the run, from the control rank's error record alone (every rank leaves the
+    same one, but only the control rank's comes from a trusted process)."""
+    record = _records(run_dir).get(CONTROL_RANK)
+    if record is not None:
         if record.get("kind") == RankBannedError.__name__ and record.get("bans"):
             notices = tuple(BanNotice(**{k: int(v) for k, v in n.items()}) for n in record["bans"])
             hosts = {int(r): str(h) for r, h in record.get("hosts", {}).items()}

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from planner.errors import RankFailureError
+from planner.errors import ProtocolError
 from planner.outputs import write_atomic
-from planner.runtime import messages
+from planner.runtime import control
 from planner.runtime.emulate import Emulation
 from planner.runtime.executor import Executor
 from planner.runtime.metrics import StepSummary, measured_step_ms
@@ -55,15 +55,25 @@ RANK_FINAL_SCHEMA = {
 }
 
 
-def gather_finals(final: dict[str, Any], env: RankEnv) -> list[dict[str, Any]]:
-    """Every rank's final record, as JSON (a rank's record says which rank it is: checked too)."""
-    got = messages.all_gather_json(final, group=None, ranks=range(env.world_size), what="run summary",
-                                   schema=RANK_FINAL_SCHEMA, doing="gathering the run summaries")
+def gather_finals(final: dict[str, Any], env: RankEnv, plan, device: torch.device) -> list[dict[str, Any]] | None:
+    """Every rank's final record at the control rank, point to point (None elsewhere). A record must say
+    which rank it is, and only a verifier rank may report bans: a rank that claims otherwise broke the
+    protocol and is named."""
+    got = control.json_to(final, dst=control.control_rank(plan), me=env.rank, ranks=range(env.world_size),
+                          what="run summary", schema=RANK_FINAL_SCHEMA, device=device,
+                          doing="gathering the run summaries")
+    if got is None:
+        return None
+    verifiers = {v.rank for v in plan.verifiers}
     for sender, record in enumerate(got):
         if record["rank"] != sender:
-            raise RankFailureError(f"rank {sender} sent the run summary of rank {record['rank']}",
-                                   expected=f"rank {sender}", found=str(record["rank"]),
-                                   fix=f"check rank {sender}'s host: it does not run this runtime")
+            raise ProtocolError(f"rank {sender} sent the run summary of rank {record['rank']}", sender=sender,
+                                expected=f"rank {sender}", found=str(record["rank"]),
+                                fix=f"check rank {sender}'s host: it does not run this runtime")
+        if record["bans"] and sender not in verifiers:
+            raise ProtocolError(f"rank {sender} reported bans, which only verifier ranks decide", sender=sender,
+                                expected="no bans from a rank that verifies nothing", found=str(record["bans"])[:200],
+                                fix=f"check rank {sender}'s host: it does not run this runtime")
     return got
 
 

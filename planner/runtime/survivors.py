@@ -206,7 +206,7 @@ def _file_matches(path: Path, note: Note, fingerprint: str) -> bool:
                                                                            fingerprint)
 
 
-def settle(root: str | Path, plan: "Plan", *, last_step: int) -> Decision:
+def settle(root: str | Path, plan: "Plan", *, last_step: int, key: bytes) -> Decision:
     """After a failure of a run on ``plan`` (whose last step is ``last_step``): mark the survivor
     checkpoint complete when :func:`decide` accepts it, else discard it; the survivors' folder is gone
     afterwards."""
@@ -221,7 +221,7 @@ def settle(root: str | Path, plan: "Plan", *, last_step: int) -> Decision:
         for rank in decision.ranks:  # a rank file left there by the step's unfinished checkpoint holds the same
             os.replace(Path(root) / FOLDER / f"rank{rank}.safetensors", target / f"rank{rank}.safetensors")
         flags = [n.keep_before for n in notes if n.keep_before is not None]
-        checkpoint.complete(root, step=decision.step, num_ranks=plan.num_ranks, fingerprint=fingerprint,
+        checkpoint.complete(root, step=decision.step, layout=checkpoint.Layout.of(plan), key=key,
                             keep_before=min(flags, default=None), ranks=decision.ranks)
     clear(root)
     return decision

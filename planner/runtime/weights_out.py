@@ -92,10 +92,10 @@ def prepare(opts: RunOptions, path: str | os.PathLike) -> tuple[Path, WeightLayo
     return target, model_layout(plan, seed=opts.seed)
 
 
-def consolidate(root: str | Path, *, step: int, layout: WeightLayout) -> dict[str, torch.Tensor]:
+def consolidate(root: str | Path, *, step: int, layout: WeightLayout, key: bytes) -> dict[str, torch.Tensor]:
     """The model's state dict from the checkpoint after ``step``: every parameter from whichever rank
-    held it (under any of its names), checked against the model's shapes and dtypes."""
-    found = checkpoint.read_params(root, step=step, names=layout.all_names)
+    owned it (under any of its names), checked against the model's shapes and dtypes."""
+    found = checkpoint.read_params(root, step=step, names=layout.all_names, key=key)
     out: dict[str, torch.Tensor] = {}
     for kept, names in layout.aliases.items():
         held = next((found[n] for n in names if n in found), None)
@@ -172,7 +172,7 @@ def launch_saving_weights(opts: RunOptions, path: str | os.PathLike, *,
             raise RankFailureError(f"the checkpoint after the last step ({last}) in {opts.checkpoint_dir}",
                                    expected="a complete checkpoint", found="none",
                                    fix="check that every rank finished the run")
-        state = consolidate(opts.checkpoint_dir, step=last, layout=layout)
+        state = consolidate(opts.checkpoint_dir, step=last, layout=layout, key=run_secret(opts.secret_file))
         plan = load_plan(opts.plan)
         if is_hf_spec(plan.model.spec):
             write_pretrained(target, state, plan=plan)

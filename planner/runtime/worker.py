@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
-from planner.runtime import checkpoint, hosts, survivors, torchrun_elastic
+from planner.runtime import checkpoint, control, hosts, survivors, torchrun_elastic
 from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
@@ -100,6 +100,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     setup = prepare_rank(plan, env.rank, opts, device)
     emulation = emulation_for(plan, env.rank, slowdown=opts.emulate_slowdown) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
+    control.check_authorities(plan, verifying=verifying)
     backend = "nccl" if device.type == "cuda" else "gloo"
     hosts.join(placement, backend=backend, launcher_rank=launcher_rank, world_size=env.world_size,
                timeout_s=opts.timeout_s, launcher_world_size=launcher_world)
@@ -173,7 +174,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     publish(collector.finish())
     writer.close()
     final = rank_final(env, executor, emulation, verify, attacks)
-    gathered = gather_finals(final, env)
+    gathered = gather_finals(final, env, plan, executor.device)
     if opts.dump:
         dump_rank(opts.dump, env.rank, executor)
     hosts = {n.rank: plan.ranks[n.rank].host for n in bans}

@@ -64,10 +64,14 @@ def _rank(tmp_path, rank: int, *, value: float, steps: int, first: int = 0, fing
     return w, opt, tracker
 
 
+KEY = b"k" * 32
+
+
 def _plan(stages, fingerprint="f"):
-    ranks = [SimpleNamespace(rank=r, stage=k) for r, k in enumerate(stages)]
+    ranks = [SimpleNamespace(rank=r, stage=k, host=f"h{r}", device=f"h{r}/0") for r, k in enumerate(stages)]
     return SimpleNamespace(ranks=ranks, num_ranks=len(ranks), num_stages=len({k for k in stages if k is not None}),
-                           model=SimpleNamespace(fingerprint=fingerprint))
+                           model=SimpleNamespace(fingerprint=fingerprint), stages=(), tied_params=(),
+                           effective_cluster=lambda: SimpleNamespace(device=lambda d: SimpleNamespace(trusted=True)))
 
 
 def test_settled_survivor_files_resume_as_a_checkpoint_listing_only_their_ranks(tmp_path):
@@ -75,17 +79,17 @@ def test_settled_survivor_files_resume_as_a_checkpoint_listing_only_their_ranks(
     w1, _, _ = _rank(tmp_path, 1, value=2.0, steps=4)
     note = json.loads((tmp_path / survivors.FOLDER / "rank0.json").read_text())
     assert note == {"rank": 0, "step": 3, "why": "", "keep_before": None}
-    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9)              # rank 2 (a twin of rank 1) died
+    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9, key=KEY)              # rank 2 (a twin of rank 1) died
     assert (got.step, got.ranks) == (3, (0, 1))
     assert checkpoint.complete_steps(tmp_path) == [3]
     assert [p.name for p in checkpoint.rank_files(tmp_path, step=3)] == ["rank0.safetensors", "rank1.safetensors"]
     assert not (tmp_path / survivors.FOLDER).exists()
     fresh = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.Adam([fresh], lr=0.1)
-    checkpoint.restore_rank(tmp_path, step=3, params={"w0": fresh}, optimizer=opt, rank=0)
+    checkpoint.restore_rank(tmp_path, step=3, params={"w0": fresh}, optimizer=opt, rank=0, key=KEY)
     torch.testing.assert_close(fresh.detach(), w0.detach())
     torch.testing.assert_close(opt.state[fresh]["exp_avg"], opt0.state[w0]["exp_avg"])
-    assert checkpoint.read_params(tmp_path, step=3, names={"w1"})["w1"].tolist() == w1.tolist()
+    assert checkpoint.read_params(tmp_path, step=3, names={"w1"}, key=KEY)["w1"].tolist() == w1.tolist()
 
 
 def test_a_rank_inside_its_optimizer_update_or_with_no_new_step_writes_no_file(tmp_path):
@@ -107,14 +111,14 @@ def test_a_note_that_does_not_match_its_file_or_the_model_counts_as_none(tmp_pat
     notes = survivors.read_notes(tmp_path, num_ranks=3, fingerprint="f")
     assert notes == [Note(rank=0, step=2), Note(rank=1, step=None, why="rank 1's file does not match its note"),
                      Note(rank=2, step=None, why="rank 2's note is unreadable")]
-    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9)
+    got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9, key=KEY)
     assert got.step is None and got.why.startswith("stage 1 left no survivor file")
     assert checkpoint.complete_steps(tmp_path) == [] and not (tmp_path / survivors.FOLDER).exists()
 
 
-def test_a_manifest_without_a_rank_list_names_every_rank(tmp_path):
+def test_a_manifest_lists_every_rank_that_wrote_a_file(tmp_path):
     for rank in range(2):
         checkpoint.save_rank(tmp_path, step=1, rank=rank, fingerprint="f", params={}, optimizer=None)
-    checkpoint.complete(tmp_path, step=1, num_ranks=2, fingerprint="f")
-    assert "ranks" not in json.loads((checkpoint.step_folder(tmp_path, 1) / checkpoint.MANIFEST).read_text())
+    checkpoint.complete(tmp_path, step=1, layout=checkpoint.Layout.of(_plan([0, 1])), key=KEY)
+    assert json.loads((checkpoint.step_folder(tmp_path, 1) / checkpoint.MANIFEST).read_text())["ranks"] == [0, 1]
     assert [p.name for p in checkpoint.rank_files(tmp_path, step=1)] == ["rank0.safetensors", "rank1.safetensors"]
