@@ -366,3 +366,16 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 def default_cluster() -> ClusterSpec:
     """The embedded default cluster (``cost_models/clusters/default.yaml``)."""
     return load_cluster(DEFAULT_CLUSTER_PATH)
+
+
+def cluster_source(cluster: str | Path | None) -> str | None:
+    """Where a cluster argument reads from, as a plan records it: a packaged name (``default`` for None), a
+    file's absolute path, or None for anything else (an in-memory ``ClusterSpec``)."""
+    if cluster is None:
+        return DEFAULT_CLUSTER_PATH.stem
+    if not isinstance(cluster, (str, Path)):
+        return None
+    p = Path(cluster)
+    if not p.exists() and p.suffix == "" and len(p.parts) == 1 and (PACKAGED_CLUSTERS_DIR / f"{p.name}.yaml").is_file():
+        return p.name
+    return str(p.resolve())

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from cost_models.cluster import DEFAULT_CLUSTER_PATH, ClusterSpec
-from cost_models.cluster_file import load_cluster, parse_cluster
+from cost_models.cluster_file import cluster_source, load_cluster, parse_cluster
 from cost_models.memory import trace_dtype
 from cost_models.precision import resolve_dtype
 from cost_models.training import TrainingConfig
@@ -81,6 +81,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     """
     deadline = Deadline((time.perf_counter() if started_s is None else started_s) + time_limit_s)
     spec_cluster = _cluster(cluster)
+    source = cluster_source(cluster)  # recorded: a run checks who is trusted against that file, not the copy
     policy = policy or VerificationPolicy()
     dtype = resolve_dtype(dtype, spec_cluster)
     mixed = dtype != "float32"  # low-precision compute keeps fp32 master weights (planner.runtime.precision)
@@ -115,7 +116,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     def compiled(sol: Any) -> Any:
         assert_valid(sol, scaled, spec_cluster, config, policy)  # independent memory/coverage check
         return dataclasses.replace(predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref)),
-                                   history=first)
+                                   history=first, cluster_source=source)
 
     start = time.perf_counter()
     plan = compiled(solution)
@@ -226,7 +227,8 @@ def replan(plan: Any, *, exclude_hosts: Sequence[str] = (), exclude_domains: Seq
             f"simulated step {plan.predicted.step_ms:.3f} ms)")
     report = dataclasses.replace(new.report, notes=(note, *new.report.notes))
     return dataclasses.replace(new, report=report, verifier_config=plan.verifier_config, cluster=full,
-                               excluded_hosts=excluded, history=(*plan.history, entry))
+                               excluded_hosts=excluded, history=(*plan.history, entry),
+                               cluster_source=plan.cluster_source)
 
 
 def _host_changes(plan: Any, exclude_hosts: Sequence[str], exclude_domains: Sequence[str],

@@ -9,7 +9,10 @@ as the simulator counts it). Trust is read from the cluster's devices (their
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -175,3 +178,67 @@ def assert_valid(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
         raise InvalidInputError("solution check failed", found="; ".join(report.problems[:5]),
                                 fix="re-solve; this plan breaks memory or verification rules")
     return report
+
+
+# ---------------------------------------------------------------------------- the operator's trust
+
+TRUST_HOST_KEYS = ("trust", "trusted", "role")
+TRUST_POLICY_KEYS = ("enabled", "trusted_endpoints", "check_gradients", "max_boundaries_per_verifier",
+                     "verifier_placement", "ban_excludes_domain")
+# What a plan may not relax without the operator's word (`run --no-verify`); the rest only narrows the search.
+_REQUIRED_POLICY = ("enabled", "trusted_endpoints", "check_gradients")
+
+
+def _host_trust(host: Mapping[str, Any]) -> dict[str, Any]:
+    return {"trust": host.get("trust"), "trusted": bool(host.get("trusted", False)),
+            "role": host.get("role", "worker")}
+
+
+def trust_part(cluster: Mapping[str, Any], policy: VerificationPolicy) -> dict[str, Any]:
+    """The part of a cluster (``ClusterSpec.to_dict()`` form) and policy that decides who is trusted with what."""
+    hosts = {h["name"]: _host_trust(h) for h in cluster.get("hosts", ()) if isinstance(h, Mapping)}
+    return {"hosts": dict(sorted(hosts.items())), "policy": {k: policy.to_dict()[k] for k in TRUST_POLICY_KEYS}}
+
+
+def trust_digest(cluster: Mapping[str, Any], policy: VerificationPolicy) -> str:
+    """sha256 of :func:`trust_part` (canonical JSON): what a plan pins of the cluster it was made on."""
+    canonical = json.dumps(trust_part(cluster, policy), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def trust_changes(plan_cluster: Mapping[str, Any], operator: Mapping[str, Any]) -> list[str]:
+    """How a plan's embedded cluster differs from the operator's in who is trusted: a host's trust domain,
+    ``trusted`` or ``role``; a host the operator's cluster lacks (one that joined) may only be an untrusted
+    worker."""
+    mine = {h["name"]: _host_trust(h) for h in operator.get("hosts", ()) if isinstance(h, Mapping)}
+    out: list[str] = []
+    for host in plan_cluster.get("hosts", ()):
+        name, claimed = host.get("name"), _host_trust(host)
+        theirs = mine.get(name)
+        if theirs is None:
+            if claimed["trusted"] or claimed["role"] != "worker":
+                out.append(f"host {name}: not in the operator's cluster, trusted {str(claimed['trusted']).lower()} "
+                           f"role {claimed['role']} in the plan")
+            continue
+        out.extend(f"host {name}: {key} {_shown(theirs[key])} in the operator's cluster, {_shown(claimed[key])} "
+                   f"in the plan" for key in TRUST_HOST_KEYS if theirs[key] != claimed[key])
+    return out
+
+
+def operator_policy(plan_policy: VerificationPolicy, *, verify: bool) -> VerificationPolicy:
+    """The policy a run holds a plan to: the plan's own, but never weaker than the default's checks unless the
+    operator switches verification off for this run."""
+    if not verify:
+        return dataclasses.replace(plan_policy, enabled=False)
+    return dataclasses.replace(plan_policy, **{k: True for k in _REQUIRED_POLICY})
+
+
+def policy_changes(plan_policy: VerificationPolicy, operator: VerificationPolicy) -> list[str]:
+    """The trust settings the plan relaxes below the operator's policy (``enabled false`` ...)."""
+    mine, theirs = operator.to_dict(), plan_policy.to_dict()
+    return [f"policy {k} {_shown(mine[k])} for the operator, {_shown(theirs[k])} in the plan"
+            for k in _REQUIRED_POLICY if mine[k] and not theirs[k]]
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)

@@ -33,6 +33,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner import secret as run_secret
+from planner.check import trust_digest
 from planner.errors import InvalidInputError, PlanMismatchError
 
 # The string form is documented as plan.py's too (docs/CONTRACTS.md): re-exported.
@@ -61,7 +62,8 @@ class Plan:
     samples (the solver may have rescaled the traced chain to the configured
     microbatch); ``model.batch`` stays the batch the fingerprint was traced at.
 
-    ``cluster`` is the cluster as given; the plan runs on it less ``excluded_hosts`` (lost or banned
+    ``cluster`` is the cluster as given (``cluster_source`` says where it was read from: a run checks who is
+    trusted against that file, or the operator's ``--cluster``, not against this copy); the plan runs on it less ``excluded_hosts`` (lost or banned
     machines, which a re-admission can put back): :meth:`effective_cluster`, which everything that runs,
     simulates or checks the plan reads. ``history``: what made the plan and every change since.
     """
@@ -81,6 +83,7 @@ class Plan:
     verifier_config: VerifierConfig = VerifierConfig()
     excluded_hosts: tuple[str, ...] = ()
     history: tuple[HistoryEntry, ...] = ()
+    cluster_source: str | None = None  # the operator's cluster file (or packaged name) the plan was made from
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -190,6 +193,10 @@ class Plan:
                           blocks=tuple(b for st in self.stages for b in st.blocks),
                           input_bytes=self.stages[0].in_bytes, microbatch_size=self.chain_microbatch_size,
                           tied_params=self.tied_params, meta=(("dtype", self.model.dtype),))
+
+    def trust_digest(self) -> str:
+        """sha256 of who the plan's cluster trusts and its policy (``planner.check.trust_part``), pinned in the file."""
+        return trust_digest(self.cluster, self.policy)
 
     def verifier(self, boundary: int) -> VerifierInfo | None:
         for v in self.verifiers:

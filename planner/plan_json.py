@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping
 import jsonschema
 
 from cost_models.training import TrainingConfig
+from planner.check import trust_digest
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.instructions import format_program, parse_program
 from planner.ir import Block, TiedParam
@@ -59,6 +60,8 @@ def plan_to_dict(plan: Mapping[str, Any]) -> dict[str, Any]:
         "report": _plain(plan["report"]),
         "predicted": _plain(plan["predicted"]),
         "history": [_plain(e) for e in plan["history"]],
+        "cluster_source": plan["cluster_source"],
+        "trust_digest": trust_digest(plan["cluster"], plan["policy"]),
     }
 
 
@@ -116,7 +119,9 @@ def plan_fields(data: Mapping[str, Any], source: str) -> dict[str, Any]:
             report=SolveReport(**_tupled(data["report"])),
             predicted=Predicted(**_tupled(data["predicted"])),
             history=tuple(HistoryEntry(**_tupled(e)) for e in data["history"]),
+            cluster_source=data.get("cluster_source"),  # absent in older plans
         )
+
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cost_models.cluster import ClusterSpec
+from cost_models.cluster_file import load_cluster
 from models.registry import infer_example_inputs
-from planner.check import trust_problems
+from planner.check import operator_policy, policy_changes, trust_changes, trust_problems
 from planner.errors import InvalidInputError, PlanMismatchError
 from planner.plan import Plan
+from planner.solver.policy import VerificationPolicy
 from planner.trace import trace
 from planner.validate import validate_programs
 
@@ -38,29 +42,80 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
     return trace(module, inputs, name=plan.model.name).fingerprint()
 
 
-def _check_trust(plan: Plan, source: str) -> None:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperatorTrust:
+    """What the operator says when a plan runs: ``cluster``, the cluster file or packaged name to trust (None:
+    the one the plan records having been made from), and ``verify`` (false: `run --no-verify`)."""
+
+    cluster: str | None = None
+    verify: bool = True
+
+
+def _check_trust(plan: Plan, source: str, policy: VerificationPolicy | None = None) -> None:
     """Re-run the trust check of plan time on the plan as read: an edited file that puts an untrusted
     device in a trusted role, or drops a verifier an untrusted sender needs, is refused."""
     cluster = plan.effective_cluster()  # a rank on an excluded host is refused by Plan itself
     devices = tuple(tuple(plan.ranks[r].device for r in plan.stage_ranks(k)) for k in range(plan.num_stages))
-    problems = trust_problems(devices, plan.verifiers, cluster, plan.policy)
+    problems = trust_problems(devices, plan.verifiers, cluster, policy or plan.policy)
     if problems:
         raise InvalidInputError(f"{source} breaks its trust policy: {problems[0]}"
                                 + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
                                 fix="re-create the plan with `stagewise plan`; plans are not edited by hand")
 
 
+def _check_operator_trust(plan: Plan, source: str, operator: OperatorTrust) -> None:
+    """Who is trusted comes from the operator's cluster and the policy from the operator's run, not from the
+    plan's own copy (every invited worker holds the secret that signs plans): a plan whose copy differs, or
+    that relaxes the policy, is refused naming the first change."""
+    where = operator.cluster or plan.cluster_source
+    if where is not None:
+        changes = trust_changes(plan.cluster, _operator_cluster(where, given=operator.cluster is not None).to_dict())
+        if changes:
+            raise InvalidInputError(f"{source} differs from the operator's cluster {where}: {changes[0]}"
+                                    + (f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""),
+                                    fix="re-plan on the operator's cluster with `stagewise plan`, or pass the "
+                                        "cluster the plan was made on with --cluster")
+    policy = operator_policy(plan.policy, verify=operator.verify)
+    relaxed = policy_changes(plan.policy, policy)
+    cluster = plan.effective_cluster()
+    if not plan.policy.enabled and policy.enabled and any(
+            not cluster.device(r.device).trusted for r in plan.ranks if r.stage is not None):
+        raise InvalidInputError(f"{source} relaxes the operator's policy: {relaxed[0]} (and runs stages on "
+                                "untrusted devices)", fix="re-plan with verification, or run it with --no-verify "
+                                "if you mean it unverified")
+    try:
+        _check_trust(plan, source, policy)
+    except InvalidInputError as exc:
+        if relaxed:
+            raise InvalidInputError(f"{source} relaxes the operator's policy: {relaxed[0]} ({exc.what})",
+                                    fix="re-plan with verification, or run it with --no-verify if you "
+                                        "mean it unverified") from None
+        raise
+
+
+def _operator_cluster(where: str, *, given: bool) -> ClusterSpec:
+    try:
+        return load_cluster(where)
+    except InvalidInputError as exc:
+        if given:
+            raise
+        raise InvalidInputError(f"the operator's cluster {where!r}, recorded in the plan, cannot be read: {exc.what}",
+                                expected=exc.expected, found=exc.found,
+                                fix="pass the cluster the plan was made on with --cluster NAME|FILE") from None
+
+
 def _non_finite(token: str) -> Any:
     raise ValueError(f"non-finite number {token}")
 
 
-def load_plan(path: str | os.PathLike, model: Any = None) -> Plan:
-    """Read, schema-check and validate a plan file; with ``model``, check it is that model's plan.
+def load_plan(path: str | os.PathLike, model: Any = None, *, operator: OperatorTrust | None = None) -> Plan:
+    """Read, schema-check and validate a plan file; with ``model``, check it is that model's plan; with
+    ``operator`` (a run's), check its trust against the operator's cluster and policy, not its own copy.
 
     Raises InvalidInputError (unreadable, truncated or malformed file, invalid
     programs) or PlanMismatchError (unknown schema version, other model).
     """
-    return plan_from_text(read_plan_text(path), source=plan_source(path), model=model)
+    return plan_from_text(read_plan_text(path), source=plan_source(path), model=model, operator=operator)
 
 
 def plan_source(path: str | os.PathLike) -> str:
@@ -82,7 +137,7 @@ def read_plan_text(path: str | os.PathLike) -> str:
     return text
 
 
-def plan_from_text(text: str, *, source: str, model: Any = None) -> Plan:
+def plan_from_text(text: str, *, source: str, model: Any = None, operator: OperatorTrust | None = None) -> Plan:
     """:func:`load_plan` on a plan file's text already read; ``source`` names the file in errors."""
     try:
         data = json.loads(text, parse_constant=_non_finite)
@@ -95,7 +150,10 @@ def plan_from_text(text: str, *, source: str, model: Any = None) -> Plan:
                                 fix="re-create it with `stagewise plan`") from None
     plan = Plan.from_dict(data, source=source)
     validate_programs(plan)
-    _check_trust(plan, source)
+    if operator is None:
+        _check_trust(plan, source)
+    else:
+        _check_operator_trust(plan, source, operator)
     if model is not None:
         expected = _expected_fingerprint(model, plan)
         if expected != plan.model.fingerprint:

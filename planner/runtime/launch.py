@@ -42,7 +42,7 @@ from planner.runtime import checkpoint, hosts
 from planner.runtime.bans import BanNotice, RankBannedError
 from planner.runtime.control import CONTROL_RANK
 from planner.runtime.data import check_data, parse_data_spec
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.membership import load_signed_plan, operator_trust
 from planner.runtime.options import (
     EVENT_PREFIX,
     RunOptions,
@@ -61,7 +61,7 @@ _KILL_GRACE_S = 5.0
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
     key = run_secret(opts.secret_file)
-    plan, _ = load_signed_plan(opts.plan, key)  # as signed, before anything of it runs
+    plan, _ = load_signed_plan(opts.plan, key, operator=operator_trust(opts))  # as signed, before anything runs
     refuse_onnx_model(plan.model.spec)
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)

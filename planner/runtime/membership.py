@@ -22,18 +22,25 @@ import torch.distributed as dist
 from planner import secret as run_secret
 from planner.errors import InvalidInputError, RankFailureError
 from planner.plan import Plan
-from planner.plan_load import plan_from_text, plan_source, read_plan_text
+from planner.plan_load import OperatorTrust, plan_from_text, plan_source, read_plan_text
 from planner.runtime import comm
 
 NONCE_BYTES = 32
 
 
-def load_signed_plan(path: str | os.PathLike, key: bytes) -> tuple[Plan, str]:
+def load_signed_plan(path: str | os.PathLike, key: bytes, *,
+                     operator: OperatorTrust | None = None) -> tuple[Plan, str]:
     """The plan in ``path`` and its hash, from one read of the file: the signature is checked on the very
-    bytes the plan is parsed from, so a file swapped between two reads cannot slip a plan past the check."""
+    bytes the plan is parsed from, so a file swapped between two reads cannot slip a plan past the check.
+    ``operator``: a run's (:func:`operator_trust`), whose cluster and policy the plan's trust is checked against."""
     text = read_plan_text(path)
-    plan = plan_from_text(text, source=plan_source(path))  # schema and trust errors read better than a bad MAC
+    plan = plan_from_text(text, source=plan_source(path), operator=operator)  # reads better than a bad MAC
     return plan, _checked_digest(text, key, source=plan_source(path))
+
+
+def operator_trust(opts) -> OperatorTrust:
+    """The operator's word on trust for a run with options ``opts`` (``--cluster``, ``--no-verify``)."""
+    return OperatorTrust(cluster=opts.cluster, verify=opts.verify)
 
 
 def check_signature(path: str | os.PathLike, key: bytes) -> str:

@@ -77,6 +77,7 @@ class RunOptions:
     elastic: bool = False           # under torchrun's elastic restarts: re-plan for the hosts present
     replan_time_limit_s: float = 30.0  # the solver's limit when an elastic start re-plans
 
+    cluster: str | None = None      # the operator's cluster the plan's trust is checked against (planner.plan_load)
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
@@ -118,7 +119,7 @@ class RunOptions:
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
                             ("--fault", self.fault), ("--model", self.model),
                             ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file),
-                            ("--host", self.host)):
+                            ("--host", self.host), ("--cluster", self.cluster)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -188,6 +189,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     names = {f.name for f in fields(RunOptions)}
+    parser.add_argument("--cluster", metavar="NAME|FILE", help="the operator's cluster (packaged name or file): who "
+                        "is trusted comes from it, not from the plan's copy (default: the one the plan was made from)")
     values = {k: v for k, v in vars(args).items() if k in names}
     values["attacks"] = tuple(values.get("attacks") or ())
     return RunOptions(**values)

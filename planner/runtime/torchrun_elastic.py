@@ -38,7 +38,7 @@ from planner.api import replan
 from planner.errors import InvalidInputError
 from planner.runtime import checkpoint, comm, joins
 from planner.runtime.hosts import HOST_ENV, host_ranks, plan_hosts
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.membership import load_signed_plan, operator_trust
 from planner.runtime.options import RunOptions
 
 PREFIX = "stagewise/elastic"
@@ -99,7 +99,7 @@ def newest_plan(opts: RunOptions) -> str:
 def _decide(opts: RunOptions, key: bytes, present: dict[str, int], start: str) -> str:
     """The newest plan if the hosts present can run it, else a re-plan for them (signed, written)."""
     path = newest_plan(opts)
-    plan, _ = load_signed_plan(path, key)
+    plan, _ = load_signed_plan(path, key, operator=operator_trust(opts))
     known = {h.name for h in plan.effective_cluster().hosts} | set(plan.excluded_hosts)
     strangers = sorted(set(present) - known)
     added = _described(opts, key, plan, strangers)

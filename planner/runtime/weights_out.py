@@ -39,7 +39,7 @@ from planner.plan import Plan
 from planner.plan_load import load_plan
 from planner.runtime import checkpoint
 from planner.runtime.launch import launch
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.membership import load_signed_plan, operator_trust
 from planner.runtime.options import RunOptions, check_model_allowed, refuse_onnx_model
 from planner.secret import run_secret
 
@@ -85,7 +85,7 @@ def model_layout(plan: Plan, *, seed: int = 0) -> WeightLayout:
 
 def prepare(opts: RunOptions, path: str | os.PathLike) -> tuple[Path, WeightLayout]:
     """Before any rank starts: the output writable, the plan as signed, the model allowed and savable."""
-    plan, _ = load_signed_plan(opts.plan, run_secret(opts.secret_file))  # before anything of the plan is built
+    plan, _ = load_signed_plan(opts.plan, run_secret(opts.secret_file), operator=operator_trust(opts))  # before a build
     target = _check_folder(path) if is_hf_spec(plan.model.spec) else check_writable(path, what="--save-weights")
     refuse_onnx_model(plan.model.spec)  # the launcher's own first refusal, before this builds the model
     check_model_allowed(plan.model.spec, opts.model)

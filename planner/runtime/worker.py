@@ -30,7 +30,7 @@ from planner.runtime import checkpoint, control, hosts, survivors, torchrun_elas
 from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
-from planner.runtime.membership import load_signed_plan, prove_membership
+from planner.runtime.membership import load_signed_plan, operator_trust, prove_membership
 from planner.runtime.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -81,7 +81,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     if opts.elastic:  # torchrun's elastic start: the plan for the hosts present (it may re-plan)
         start = torchrun_elastic.agree(opts, launcher_rank=env.rank, world_size=env.world_size, key=key)
         opts = dataclasses.replace(opts, plan=start.plan, resume=start.resume)
-    plan, plan_digest = load_signed_plan(opts.plan, key)  # before anything of the plan runs; one read
+    plan, plan_digest = load_signed_plan(opts.plan, key, operator=operator_trust(opts))  # before it runs; one read
     if env.world_size != plan.num_ranks and not opts.elastic:
         raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
