@@ -202,10 +202,36 @@ def load_config(hs: HFSpec) -> Any:
                                     "see the model's config.json for its keys")
     try:
         with quiet():
-            return config_class.from_dict({**values, **dict(hs.overrides)})
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            config = config_class.from_dict({**values, **dict(hs.overrides)})
+    except (ValueError, TypeError, KeyError, AttributeError, *_strict_errors()) as exc:
         raise InvalidInputError(f"config of {hs.spec!r}", expected="values the model accepts",
-                                found=_first_line(exc)) from None
+                                found=_one_line(exc)) from None
+    _check_sizes(config, hs)
+    return config
+
+
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's error for a config field of the wrong type (transformers 5 validates them; it is
+    no ValueError), where the installed version has it."""
+    try:
+        errors = importlib.import_module("huggingface_hub.errors")
+    except ImportError:
+        return ()
+    strict = getattr(errors, "StrictDataclassError", None)
+    return (strict,) if isinstance(strict, type) and issubclass(strict, Exception) else ()
+
+
+def _check_sizes(config: Any, hs: HFSpec) -> None:
+    """Refuse a layer count or width below 1: the library builds a model of 0 layers without a word."""
+    aliases = getattr(config, "attribute_map", None) or {}
+    for name in _SIZE_KEYS:
+        value = getattr(config, name, None)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            continue
+        if isinstance(value, (int, float)):  # bools and floats too; other shapes (per-layer lists) pass
+            key = aliases.get(name, name)
+            raise InvalidInputError(f"{key}={value!r} in model spec {hs.spec!r}", expected="a whole number >= 1",
+                                    fix=f"e.g. {key}=2")
 
 
 def _read_json(hs: HFSpec) -> dict[str, Any]:
@@ -266,9 +292,10 @@ def build(spec: str, device: torch.device, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         try:
             model = auto.from_config(config, attn_implementation=ATTENTION)
-        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, AssertionError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, AssertionError,
+                ArithmeticError, *_strict_errors()) as exc:
             raise InvalidInputError(f"cannot build {spec!r}", expected="a config the model accepts",
-                                    found=_first_line(exc)) from None
+                                    found=_one_line(exc)) from None
     return model
 
 
@@ -463,6 +490,12 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The whole message on one line (huggingface_hub puts the useful part on the second)."""
+    text = " ".join(str(exc).split())
+    return text or f"{type(exc).__name__} with no message"
 
 
 def _first_line(exc: BaseException) -> str:

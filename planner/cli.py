@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except PlannerError as exc:  # a type= parser's error (argparse reports only ValueError and TypeError)
+        print(f"stagewise: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(args.handler(args) or 0)
     except PlannerError as exc:

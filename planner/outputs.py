@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +33,22 @@ def check_writable(path: str | os.PathLike, *, what: str) -> Path:
     folder = target.parent
     while not folder.exists():  # the nearest existing folder must let us create the rest
         folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    if not folder.is_dir() or not _can_create_in(folder):
         raise InvalidInputError(f"{what} {os.fspath(path)!r} cannot be written", expected="a writable folder",
                                 found=f"{folder} is not writable", fix="choose another path")
     return target
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in ``folder``, by creating one: ``os.access`` tells root yes for /proc
+    and for read-only mounts."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".stagewise-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def temp_path_for(target: Path) -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any
@@ -54,6 +55,17 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             raise InvalidInputError(flag, expected=">= 1", found=str(value), fix=f"pass {flag} 1 or more")
+
+
+def check_seconds(args: argparse.Namespace, *names: str) -> None:
+    """Raise for any of the duration options ``names`` that is not a finite number of seconds above 0
+    (nan and inf included: a limit of nan never ends a search; unset options pass)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            flag = "--" + name.replace("_", "-")
+            raise InvalidInputError(flag, expected="a finite number of seconds > 0", found=str(value),
+                                    fix=f"pass e.g. {flag} 30")
 
 
 def add_plan_argument(p: argparse.ArgumentParser) -> None:

@@ -9,12 +9,14 @@ from planner.commands._common import (
     SEQ_HELP,
     add_model_argument,
     check_positive,
+    check_seconds,
     process_started_s,
 )
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
 from planner.outputs import check_writable
 from planner.secret import run_secret
+from planner.solver.api import MAX_MICROBATCHES
 from planner.solver.policy import VerificationPolicy
 
 
@@ -63,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _check_args(args: argparse.Namespace) -> int | None:
 
-    check_positive(args, "global_batch")
+    check_positive(args, "global_batch", "workers")
     for name in ("stages", "replicas"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -71,12 +73,19 @@ def _check_args(args: argparse.Namespace) -> int | None:
     if args.baseline is not None and (args.stages is not None or args.replicas is not None):
         raise InvalidInputError("--baseline with --stages/--replicas", expected="one of them",
                                 found="both", fix="a baseline fixes its own shape: drop --stages/--replicas")
-    if args.time_limit <= 0:
-        raise InvalidInputError("--time-limit", expected="a positive number of seconds", found=str(args.time_limit))
+    check_seconds(args, "time_limit")
     if args.gap is not None and not 0.0 <= args.gap < 1.0:
         raise InvalidInputError("--gap", expected="a relative gap in [0, 1), e.g. 0.01 for 1%", found=str(args.gap))
     if args.microbatches is None:
+        if args.baseline is not None and args.global_batch > MAX_MICROBATCHES:  # a baseline's default is 1 sample
+            raise InvalidInputError(f"--baseline with --global-batch {args.global_batch} and no --microbatches",
+                                    expected=f"at most {MAX_MICROBATCHES} microbatches per step",
+                                    fix="pass --microbatches M (a divisor of the global batch)")
         return None
+    if args.microbatches > MAX_MICROBATCHES:
+        raise InvalidInputError(f"--microbatches {args.microbatches}", expected=f"at most {MAX_MICROBATCHES} "
+                                "(the runtime numbers a step's microbatches in 13 bits)",
+                                fix="use fewer, larger microbatches")
     if args.microbatches < 1 or args.global_batch % args.microbatches:
         raise InvalidInputError(f"--microbatches {args.microbatches}",
                                 expected=f"a divisor of --global-batch {args.global_batch}",

@@ -6,6 +6,7 @@ import argparse
 import time
 
 from planner.api import replan
+from planner.commands._common import check_positive, check_seconds
 from planner.commands.plan import _report
 from planner.outputs import check_writable
 from planner.runtime.membership import load_signed_plan
@@ -42,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    check_positive(args, "workers")
+    check_seconds(args, "time_limit")
     check_writable(args.output, what="plan output")
     key = run_secret(args.secret_file)
     # a plan edited since it was signed, or unlike the operator's cluster, is not planned again and re-signed

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from cost_models.measured import load_message_cost, load_sharing
 from planner.commands._common import (
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
 
     check_positive(args, "cores")
+    if not (math.isfinite(args.emulate_slowdown) and args.emulate_slowdown >= 1.0):
+        raise InvalidInputError("--emulate-slowdown", expected="a finite factor >= 1", found=str(args.emulate_slowdown))
     if args.rehearse is not None:
         return _rehearse(args, load_plan(args.plan))
     if args.emulate_slowdown != 1.0:

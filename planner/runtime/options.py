@@ -6,6 +6,7 @@ rank parses the same flags itself, so both paths share this one parser.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -81,15 +82,15 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
-        if self.timeout_s <= 0:
-            raise InvalidInputError("--timeout", expected="> 0 seconds", found=str(self.timeout_s))
+        if not _finite_above_zero(self.timeout_s):
+            raise InvalidInputError("--timeout", expected="a finite number of seconds > 0", found=str(self.timeout_s))
         if self.threads < 1:
             raise InvalidInputError("--threads", expected=">= 1", found=str(self.threads))
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InvalidInputError("--backend", expected="auto, gloo or nccl", found=repr(self.backend))
-        if self.lr is not None and self.lr <= 0:
-            raise InvalidInputError("--lr", expected="> 0", found=str(self.lr))
-        if not self.emulate_slowdown >= 1.0:
+        if self.lr is not None and not _finite_above_zero(self.lr):
+            raise InvalidInputError("--lr", expected="a finite number > 0", found=str(self.lr))
+        if not (math.isfinite(self.emulate_slowdown) and self.emulate_slowdown >= 1.0):
             raise InvalidInputError("--emulate-slowdown", expected="a factor >= 1 (1: the fastest planned device "
                                     "runs at this machine's speed)", found=str(self.emulate_slowdown))
         if self.emulate_slowdown > 1.0 and not self.emulate:
@@ -104,8 +105,9 @@ class RunOptions:
         if self.elastic and self.checkpoint_dir is None:
             raise InvalidInputError("--elastic", expected="--checkpoint-dir DIR as well (on storage every host "
                                     "reaches)", found="no checkpoint folder", fix="add --checkpoint-dir SHARED/DIR")
-        if self.replan_time_limit_s <= 0:
-            raise InvalidInputError("--replan-time-limit", expected="> 0 seconds", found=str(self.replan_time_limit_s))
+        if not _finite_above_zero(self.replan_time_limit_s):
+            raise InvalidInputError("--replan-time-limit", expected="a finite number of seconds > 0",
+                                    found=str(self.replan_time_limit_s))
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
@@ -137,6 +139,10 @@ class RunOptions:
         if self.resume:
             argv.append("--resume")
         return argv
+
+
+def _finite_above_zero(value: float) -> bool:
+    return math.isfinite(value) and value > 0
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,7 +177,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="raise the learning rate linearly to --lr over the first STEPS steps (default 0: none)")
     parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
                         "and losses to DIR/rank<R>.pt (to compare with a reference)")
-    parser.add_argument("--fault", type=FaultSpec.parse, metavar="RANK:KIND[:STEP]",
+    parser.add_argument("--fault", type=_fault_argument, metavar="RANK:KIND[:STEP]",
                         help="rehearse a failure: die, hang or raise on RANK at STEP (default 1)")
     parser.add_argument("--model", metavar="MODULE:FN", help="the model factory to import for a plan made from one "
                         "(it must equal the plan's model spec: a plan file alone never makes a rank import code)")
@@ -185,6 +191,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "plan is signed with (default: $STAGEWISE_SECRET, else ~/.config/stagewise/secret)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
+
+
+def _fault_argument(text: str) -> FaultSpec:
+    """``FaultSpec.parse`` for argparse, which makes a usage error (one line, exit 2) only of these errors."""
+    try:
+        return FaultSpec.parse(text)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:

@@ -80,11 +80,16 @@ from planner.solver.warm import WarmStart
 # A plan within this share of the bound is reported OPTIMAL and ends the search for its M: the costs
 # are models (a few percent off a measured step), and proving the last 0.01% can take the whole budget.
 GAP_TOLERANCE = 1e-4
+# Microbatches per step a plan may have: the runtime's message tags hold 13 bits of microbatch index
+# (planner.runtime.comm.MAX_MICROBATCHES), and pricing a program costs time in proportion to its count.
+MAX_MICROBATCHES = 8192
 
 
 def microbatch_candidates(global_batch: int, *, max_count: int = 6) -> tuple[int, ...]:
-    """Microbatch sizes worth trying: divisors of the global batch, spread from 1 to the whole batch."""
-    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    """Microbatch sizes worth trying: divisors of the global batch that leave at most ``MAX_MICROBATCHES``
+    per step, spread from the smallest to the whole batch (found in at most that many steps, any batch)."""
+    counts = [m for m in range(1, min(global_batch, MAX_MICROBATCHES) + 1) if global_batch % m == 0]
+    divisors = sorted(global_batch // m for m in counts)
     if len(divisors) <= max_count:
         return tuple(divisors)
     picks = {divisors[round(i * (len(divisors) - 1) / (max_count - 1))] for i in range(max_count)}
