@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         path = probe_plan(args.model, batch=args.batch, seq=args.seq, microbatches=args.microbatches,
                           folder=folder)
         metrics = folder / "metrics.jsonl"
+        # --model is the operator's word (`stagewise profile --model`): a factory's plan runs only when named
         launch(RunOptions(plan=str(path), steps=args.steps, timeout_s=args.timeout_s, metrics=str(metrics),
-                          threads=1, backend="gloo"), log_dir=folder / "logs")
+                          threads=1, backend="gloo", model=args.model), log_dir=folder / "logs")
         report = summarize(load_plan(path), read_metrics(metrics), args.warmup)
     print(json.dumps({"model": args.model, "batch": args.batch, "seq": args.seq,
                       "microbatches": args.microbatches, "steps": args.steps, **report}), flush=True)
