@@ -140,8 +140,11 @@ def summary_table(result: dict[str, Any], here=None):
     from rich.table import Table
 
     pred, meas = result["predicted_step_ms"], result["measured_step_ms"]
-    table = Table(title=f"{result['model']}: {result['num_ranks']} ranks, {result['schedule']}, "
-                        f"{result['steps']} steps" + (", emulated speeds" if result.get("emulated") else ""))
+    legs = result.get("legs") or []
+    steps = f"{result['steps']} steps" if len(legs) < 2 else \
+        f"{result['steps_run']} steps in {len(legs)} legs (the last: {result['steps']})"
+    table = Table(title=f"{result['model']}: {result['num_ranks']} ranks, {result['schedule']}, {steps}"
+                        + (", emulated speeds" if result.get("emulated") else ""))
     table.add_column("")
     table.add_column("value", justify="right")
     # The plan's own prediction is for its planned devices: shown, never divided into a local run.
@@ -173,6 +176,19 @@ def summary_table(result: dict[str, Any], here=None):
         table.add_row("re-plans (recovered)", str(recovered))
     if len(replans) > recovered:
         table.add_row("re-plans (hosts joined)", str(len(replans) - recovered))
+    if len(legs) > 1:
+        for leg in legs:
+            table.add_row(*leg_row(leg))
+        table.add_row("steps run, all legs (redone ones included)", str(result["steps_run"]))
+        table.add_row("steps redone", str(result["steps_redone"]))
     if result.get("untrained_steps"):
         table.add_row("steps that trained nothing", ", ".join(map(str, result["untrained_steps"])))
     return table
+
+
+def leg_row(leg: dict[str, Any]) -> tuple[str, str]:
+    """One leg of a recovered run (``planner.runtime.elastic``): its plan and how it went, for the table."""
+    span = f"steps {leg['first_step']}-{leg['last_step']}" if leg["steps"] else "no step"
+    redone = f", {leg['redone_steps']} redone" if leg["redone_steps"] else ""
+    return (f"leg {leg['leg']}: {leg['ranks']} ranks ({leg['plan']})",
+            f"{span} ({leg['steps']}), ended: {leg['ended']}{redone}")
