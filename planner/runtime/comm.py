@@ -188,21 +188,28 @@ def init_process_group(*, backend: str, rank: int, world_size: int, timeout_s: f
 LOOPBACK = "127.0.0.1"
 
 
-def loopback_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> dist.Store:
-    """A store for ranks that all run on this machine: rank 0 hosts it on a socket bound to the loopback
-    address (torch's own binds every interface), the others connect to it there."""
+def bound_store(*, rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> dist.Store:
+    """The run's own store: rank 0 hosts it on a socket bound to ``addr`` alone (torch's own binds every
+    interface), the others connect to it there. It holds bytes (rank claims, gloo's addresses), never a
+    pickle; a stranger who reaches it can disturb the start, not pass the membership proof."""
     try:
         if rank != 0:
-            return dist.TCPStore(LOOPBACK, port, world_size, False, timedelta(seconds=timeout_s))
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            return dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((LOOPBACK, port))
+        listener.bind((addr, port))
         listener.listen(max(128, world_size))
         # The store takes the descriptor over (and closes it): Python must not close it too.
-        return dist.TCPStore(LOOPBACK, port, world_size, True, timedelta(seconds=timeout_s),
+        return dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout_s),
                              wait_for_workers=False, master_listen_fd=listener.detach())
     except (OSError, *BACKEND_ERRORS) as exc:
-        raise failure(exc, peer=None if rank else 0, doing=f"opening the run's store on {LOOPBACK}:{port}") from exc
+        raise failure(exc, peer=None if rank else 0, doing=f"opening the run's store on {addr}:{port}") from exc
+
+
+def loopback_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> dist.Store:
+    """A store for ranks that all run on this machine, bound to the loopback address."""
+    return bound_store(rank=rank, world_size=world_size, addr=LOOPBACK, port=port, timeout_s=timeout_s)
 
 
 def env_store(*, launcher_rank: int, world_size: int, timeout_s: float) -> dist.Store:

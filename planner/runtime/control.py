@@ -41,6 +41,7 @@ class Topic(enum.IntEnum):
     CHECKPOINT = 3   # a rank wrote its checkpoint file; then the control rank's stop decision
     SUMMARY = 4      # a rank's final summary (JSON), to the control rank
     RESUME = 5       # the checkpoint step every rank resumes from
+    MEMBERSHIP = 6   # rank 0's nonce, each rank's proof of the run secret, rank 0's finding
 
 
 def control_rank(plan: "Plan") -> int:
@@ -73,26 +74,27 @@ def _tag_args(topic: Topic, index: int = 0) -> dict[str, Any]:
 
 
 def send_from(value: torch.Tensor | None, *, src: int, me: int, ranks: Sequence[int], topic: Topic,
-              shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, doing: str) -> torch.Tensor:
+              shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, doing: str,
+              index: int = 0) -> torch.Tensor:
     """``src``'s ``value`` on every rank of ``ranks``: sent point to point by ``src``, received from
-    ``src`` alone."""
+    ``src`` alone (``index``: which message of the topic)."""
     if me == src:
         assert value is not None and tuple(value.shape) == shape
-        sends = [comm.send([value], peer=r, doing=doing, **_tag_args(topic)) for r in ranks if r != src]
+        sends = [comm.send([value], peer=r, doing=doing, **_tag_args(topic, index)) for r in ranks if r != src]
         for pending in sends:
             pending.wait()
         return value
-    return comm.recv([(shape, dtype)], peer=src, device=device, doing=doing, **_tag_args(topic)).wait()[0]
+    return comm.recv([(shape, dtype)], peer=src, device=device, doing=doing, **_tag_args(topic, index)).wait()[0]
 
 
 def gather_to(value: torch.Tensor, *, dst: int, me: int, ranks: Sequence[int], topic: Topic,
-              device: torch.device, doing: str) -> dict[int, torch.Tensor] | None:
+              device: torch.device, doing: str, index: int = 0) -> dict[int, torch.Tensor] | None:
     """Every rank's ``value`` (one shape and dtype on all) at ``dst``, by sender; None elsewhere."""
     if me != dst:
-        comm.send([value], peer=dst, doing=doing, **_tag_args(topic)).wait()
+        comm.send([value], peer=dst, doing=doing, **_tag_args(topic, index)).wait()
         return None
     posted = {r: comm.recv([(tuple(value.shape), value.dtype)], peer=r, device=device, doing=doing,
-                           **_tag_args(topic)) for r in ranks if r != dst}
+                           **_tag_args(topic, index)) for r in ranks if r != dst}
     got = {r: p.wait()[0] for r, p in posted.items()}
     got[dst] = value
     return dict(sorted(got.items()))

@@ -13,6 +13,11 @@ gives (a client of torchrun's agent store, or where torchrun shares none, one ho
 rank 0, whose place torchrun's ``RANK`` says); before the group forms, every process claims its
 plan rank in that store, so two processes given one host name are refused instead of hanging.
 
+Without torchrun (``--store ADDR:PORT``), the operator starts one process per rank of each host
+(``LOCAL_RANK=i`` for the i-th), and the plan's rank 0 serves the run's own store on ADDR alone:
+nothing in it is ever unpickled (c10d's dynamic rendezvous, torchrun's ``--rdzv-backend c10d``,
+unpickles what its store holds), and a stranger who writes into it cannot pass the membership proof.
+
 The local launcher (``stagewise run``, ``STAGEWISE_LOCAL_RUN=1``) runs every rank on this machine:
 its ``RANK`` is the plan's rank, rank 0 hosts the store on a loopback socket and gloo binds the
 loopback interface, so nothing of the run listens beyond this machine.
@@ -101,10 +106,16 @@ def claim(store: dist.Store, placement: Placement) -> None:
 
 
 def join(placement: Placement, *, backend: str, launcher_rank: int, world_size: int, timeout_s: float,
-         launcher_world_size: int | None = None) -> None:
+         launcher_world_size: int | None = None, store_at: tuple[str, int] | None = None) -> None:
     """Form the default process group with the plan's ranks (see the module docstring).
-    ``launcher_world_size``: torchrun's process count, where it differs from the plan's (elastic starts)."""
-    if placement.local:
+    ``launcher_world_size``: torchrun's process count, where it differs from the plan's (elastic starts).
+    ``store_at``: the run's own store (``--store ADDR:PORT``), served by the plan's rank 0, instead of
+    torchrun's."""
+    if store_at is not None:
+        print(f"stagewise: host {placement.host!r} runs the plan's rank {placement.rank}", file=sys.stderr, flush=True)
+        store = comm.bound_store(rank=placement.rank, world_size=world_size, addr=store_at[0], port=store_at[1],
+                                 timeout_s=timeout_s)
+    elif placement.local:
         comm.keep_gloo_on_loopback()
         port = os.environ.get("MASTER_PORT", "")
         if not port.isdigit():

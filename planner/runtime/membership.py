@@ -4,9 +4,9 @@ The plan file's signature (HMAC-SHA256 with the run secret over its canonical co
 ``planner.secret``) is checked on every rank before anything of the plan runs, on the bytes the
 plan is parsed from (the file is read once: :func:`load_signed_plan`). Then, on the
 fresh process group, rank 0 draws a nonce and every rank answers with
-``HMAC(secret, nonce | rank | plan hash)``; every rank checks every answer, so a rank that
-does not hold the secret (an outsider who reached the rendezvous) or holds another plan
-stops the run, named, before any tensor of the model is exchanged.
+``HMAC(secret, nonce | rank | plan hash)``, point to point; rank 0 checks every answer and proves
+itself to every rank, so a rank that does not hold the secret (an outsider who reached the
+rendezvous) or holds another plan stops the run, named, before any tensor of the model is exchanged.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import hmac
 import json
 import os
 import secrets
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from planner import secret as run_secret
 from planner.errors import InvalidInputError, RankFailureError
 from planner.plan import Plan
 from planner.plan_load import OperatorTrust, plan_from_text, plan_source, read_plan_text
-from planner.runtime import comm
+from planner.runtime import control
 
 NONCE_BYTES = 32
 
@@ -72,20 +71,36 @@ def _checked_digest(text: str, key: bytes, *, source: str) -> str:
 
 def prove_membership(key: bytes, plan_digest: str, *, rank: int, world_size: int) -> None:
     """Every rank proves it holds ``key`` and the plan whose hash is ``plan_digest``; raises naming the
-    ranks that do not (on every rank alike)."""
+    ranks that do not (on every rank alike). Point to point with rank 0, which checks every answer and
+    proves itself to each rank: a collective would let a rank alter the others' answers on their way."""
     ranks = list(range(world_size))
-    nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
-    if rank == 0:
-        nonce = torch.frombuffer(bytearray(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8).clone()
     device = _device()
-    nonce = nonce.to(device)
-    _collective(lambda: dist.broadcast(nonce, src=0), ranks)
+    doing = f"proving membership (ranks {ranks})"
+    nonce = None
+    if rank == 0:
+        nonce = torch.frombuffer(bytearray(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8).to(device)
+    nonce = control.send_from(nonce, src=0, me=rank, ranks=ranks, topic=control.Topic.MEMBERSHIP,
+                              shape=(NONCE_BYTES,), dtype=torch.uint8, device=device, doing=doing)
     raw = bytes(nonce.cpu().numpy())
     mine = torch.frombuffer(bytearray(run_secret.proof(key, raw, rank, plan_digest)), dtype=torch.uint8).to(device)
-    answers = [torch.empty_like(mine) for _ in ranks]
-    _collective(lambda: dist.all_gather(answers, mine), ranks)
-    bad = [r for r, got in zip(ranks, answers)
-           if not hmac.compare_digest(bytes(got.cpu().numpy()), run_secret.proof(key, raw, r, plan_digest))]
+    answers = control.gather_to(mine, dst=0, me=rank, ranks=ranks, topic=control.Topic.MEMBERSHIP, device=device,
+                                doing=doing, index=1)
+    finding = None
+    if answers is not None:
+        finding = torch.tensor([int(not hmac.compare_digest(bytes(got.cpu().numpy()),
+                                                             run_secret.proof(key, raw, r, plan_digest)))
+                                for r, got in answers.items()], dtype=torch.int64, device=device)
+    finding = control.send_from(finding, src=0, me=rank, ranks=ranks, topic=control.Topic.MEMBERSHIP,
+                                shape=(world_size,), dtype=torch.int64, device=device, doing=doing, index=2)
+    bad = [r for r, wrong in zip(ranks, finding.tolist()) if wrong]
+    if rank != 0:
+        zero = control.send_from(None, src=0, me=rank, ranks=ranks, topic=control.Topic.MEMBERSHIP,
+                                 shape=tuple(mine.shape), dtype=torch.uint8, device=device, doing=doing, index=3)
+        if not hmac.compare_digest(bytes(zero.cpu().numpy()), run_secret.proof(key, raw, 0, plan_digest)):
+            bad = sorted({0, *bad})
+    else:
+        control.send_from(mine, src=0, me=rank, ranks=ranks, topic=control.Topic.MEMBERSHIP,
+                          shape=tuple(mine.shape), dtype=torch.uint8, device=device, doing=doing, index=3)
     if bad:
         raise RankFailureError(f"ranks {bad} did not prove they hold the run secret and this plan",
                                expected="every rank started with the same secret and plan file",
@@ -98,10 +113,3 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _collective(run, ranks: Sequence[int]) -> None:
-    try:
-        run()
-    except comm.BACKEND_ERRORS as exc:
-        raise comm.failure(exc, peer=None, doing=f"proving membership (ranks {list(ranks)})") from exc

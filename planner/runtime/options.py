@@ -77,8 +77,9 @@ class RunOptions:
     host: str | None = None         # under torchrun: this host's name in the plan (planner.runtime.hosts)
     elastic: bool = False           # under torchrun's elastic restarts: re-plan for the hosts present
     replan_time_limit_s: float = 30.0  # the solver's limit when an elastic start re-plans
-
     cluster: str | None = None      # the operator's cluster the plan's trust is checked against (planner.plan_load)
+    store: tuple[str, int] | None = None  # the run's own store (address, port) instead of torchrun's
+
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
@@ -189,6 +190,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "--checkpoint-dir, to --steps in all (any stage layout of the same model)")
     parser.add_argument("--secret-file", metavar="FILE", help="the run secret every rank proves it holds and the "
                         "plan is signed with (default: $STAGEWISE_SECRET, else ~/.config/stagewise/secret)")
+    parser.add_argument("--cluster", metavar="NAME|FILE", help="the operator's cluster (packaged name or file): who "
+                        "is trusted comes from it, not from the plan's copy (default: the one the plan was made from)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 
@@ -203,8 +206,6 @@ def _fault_argument(text: str) -> FaultSpec:
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     names = {f.name for f in fields(RunOptions)}
-    parser.add_argument("--cluster", metavar="NAME|FILE", help="the operator's cluster (packaged name or file): who "
-                        "is trusted comes from it, not from the plan's copy (default: the one the plan was made from)")
     values = {k: v for k, v in vars(args).items() if k in names}
     values["attacks"] = tuple(values.get("attacks") or ())
     return RunOptions(**values)
@@ -223,7 +224,18 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
                         "(planner/runtime/torchrun_elastic.py)")
     parser.add_argument("--replan-time-limit", dest="replan_time_limit_s", type=float, default=30.0, metavar="S",
                         help="the solver's time limit when an elastic start re-plans (default 30)")
+    parser.add_argument("--store", metavar="ADDR:PORT", type=_store_argument,
+                        help="without torchrun: the run's own store, which the host of the plan's rank 0 serves on "
+                             "ADDR:PORT (bound to that address alone) and the others reach there; start one "
+                             "process per rank of the host, LOCAL_RANK=i for the i-th (planner/runtime/hosts.py)")
     return options_from_args(parser.parse_args(argv))
+
+
+def _store_argument(text: str) -> tuple[str, int]:
+    addr, _, port = text.rpartition(":")
+    if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--store {text!r}: expected ADDR:PORT, e.g. 10.0.0.5:29500")
+    return addr.strip("[]"), int(port)
 
 
 def is_factory_spec(spec: str) -> bool:
@@ -242,6 +254,11 @@ def refuse_onnx_model(spec: str) -> None:
                                     f"files with `stagewise export-onnx --plan PLAN -o DIR`")
 
 
+def _shown(spec: str) -> str:
+    """A spec as typed on a command line, quoted where it holds spaces or control characters (one line)."""
+    return spec if spec.isprintable() and not any(c.isspace() for c in spec) else repr(spec)
+
+
 def check_model_allowed(plan_spec: str, named: str | None) -> None:
     """Refuse a plan whose model is a factory the user did not name: the plan file is data, and
     ``stagewise run`` imports code only on the user's word, before anything of the plan runs."""
@@ -256,8 +273,3 @@ def check_model_allowed(plan_spec: str, named: str | None) -> None:
                                 expected=f"--model {shown} on the command line to allow importing it",
                                 found="no --model" if named is None else f"--model {_shown(named)}",
                                 fix=f"if you trust that code, run again with --model {shown}")
-def _shown(spec: str) -> str:
-    """A spec as typed on a command line, quoted where it holds spaces or control characters (one line)."""
-    return spec if spec.isprintable() and not any(c.isspace() for c in spec) else repr(spec)
-
-

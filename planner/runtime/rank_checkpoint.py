@@ -13,6 +13,7 @@ from planner.errors import CheckpointError, ProtocolError
 from planner.integrity.hooks import VerifyHooks
 from planner.runtime import checkpoint, control
 from planner.runtime.executor import Executor
+from planner.runtime.forgery import Forgery
 from planner.runtime.options import RunOptions
 from planner.runtime.rank_setup import RankEnv
 from planner.runtime.stage import StageRuntime
@@ -83,7 +84,7 @@ STOP_ENV = "STAGEWISE_STOP_FILE"  # set by the local launcher: the file whose pr
 
 def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None,
                     optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, executor: Executor,
-                    step: int) -> bool:
+                    step: int, forge: Forgery | None = None) -> bool:
     """Every ``checkpoint_every`` steps and after the last: each rank writes its file and sends its sha256
     to the control rank, which writes the signed manifest (and, while a verifier's flag is unresolved,
     keeps the last checkpoint before it). True when the ranks are to stop after it: the control rank
@@ -92,7 +93,8 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
         return False
     params = dict(stage.parameters()) if stage is not None else {}
     digest = checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
-                                  params=params, optimizer=optimizer, state=rank_state(plan, verify, executor))
+                                  params=forge.planted(plan, params) if forge else params, optimizer=optimizer,
+                                  state=rank_state(plan, verify, executor))
     ctl, everyone, device = control.control_rank(plan), range(env.world_size), executor.device
     mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8).to(device)
     got = control.gather_to(mine, dst=ctl, me=env.rank, ranks=everyone, topic=control.Topic.CHECKPOINT,
@@ -107,4 +109,6 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
         stop = torch.tensor([int(bool(asked and os.path.exists(asked)))], dtype=torch.int64, device=device)
     stop = control.send_from(stop, src=ctl, me=env.rank, ranks=everyone, topic=control.Topic.CHECKPOINT, shape=(1,),
                              dtype=torch.int64, device=device, doing=f"completing the checkpoint of step {step}")
+    if forge is not None:
+        forge.swap(opts.checkpoint_dir, step, plan.model.fingerprint, params)
     return bool(stop.item())

@@ -45,7 +45,10 @@ class RankEnv:
     local_rank: int
 
     @classmethod
-    def from_environ(cls) -> "RankEnv":
+    def from_environ(cls, *, own_store: bool = False) -> "RankEnv":
+        """``own_store``: started without a launcher (``--store``): only ``LOCAL_RANK`` (default 0) is set."""
+        if own_store:
+            return cls(rank=0, world_size=0, local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0))
         try:
             return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                        local_rank=int(os.environ.get("LOCAL_RANK", "0")))

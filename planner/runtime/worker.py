@@ -27,6 +27,7 @@ import torch.distributed as dist
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.runtime import checkpoint, control, hosts, survivors, torchrun_elastic
+from planner.runtime.forgery import Forgery
 from planner.runtime.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.runtime.emulate import Emulation, emulation_for
 from planner.runtime.executor import Executor
@@ -82,6 +83,8 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
         start = torchrun_elastic.agree(opts, launcher_rank=env.rank, world_size=env.world_size, key=key)
         opts = dataclasses.replace(opts, plan=start.plan, resume=start.resume)
     plan, plan_digest = load_signed_plan(opts.plan, key, operator=operator_trust(opts))  # before it runs; one read
+    if opts.store is not None:  # no launcher: the plan's world, this process's place by --host and LOCAL_RANK
+        env = dataclasses.replace(env, world_size=plan.num_ranks)
     if env.world_size != plan.num_ranks and not opts.elastic:
         raise InvalidInputError(f"world size for plan {opts.plan}", expected=f"{plan.num_ranks} ranks",
                                 found=str(env.world_size), fix=f"start {plan.num_ranks} processes in all")
@@ -103,7 +106,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     control.check_authorities(plan, verifying=verifying)
     backend = "nccl" if device.type == "cuda" else "gloo"
     hosts.join(placement, backend=backend, launcher_rank=launcher_rank, world_size=env.world_size,
-               timeout_s=opts.timeout_s, launcher_world_size=launcher_world)
+               timeout_s=opts.timeout_s, launcher_world_size=launcher_world, store_at=opts.store)
     prove_membership(key, plan_digest, rank=env.rank, world_size=env.world_size)
     result = _run(plan, opts, env, setup, emulation, verifying)
     # Only a clean finish tears the group down: after a failure, tearing down waits on dead peers,
@@ -147,16 +150,21 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     bans: list[BanNotice] = []
     stopped = False
     tracker = survivors.Tracker(executor, first=first)
+    forge = Forgery.for_rank(env.rank)  # tests only: this rank plays a hostile worker's patched process
+    forged: list = []  # its forged sends, never received
     try:
         for step in range(first, opts.steps):
             _inject_fault(opts.fault, env.rank, step)
             metrics = executor.run_step(step, last_end, last_cpu)
+            if forge is not None:
+                forged.extend(forge.verdict(plan, step, executor.device))
             tracker.completed(step)
             if warmup is not None:
                 warmup.step()  # the next step's rate; the scheduler is a few float operations
             # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
             bans = sorted(executor.bans.values(), key=lambda n: n.rank)
-            stopped = not bans and save_checkpoint(plan, opts, env, stage, optimizer, verify, executor, step) \
+            stopped = not bans and save_checkpoint(plan, opts, env, stage, optimizer, verify, executor, step,
+                                                      forge=forge) \
                 and step < opts.steps - 1
             last_end, last_cpu = time.perf_counter(), time.process_time()
             publish(collector.submit(metrics))
@@ -174,6 +182,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     publish(collector.finish())
     writer.close()
     final = rank_final(env, executor, emulation, verify, attacks)
+    if forge is not None:
+        final = forge.summary(final)
     gathered = gather_finals(final, env, plan, executor.device)
     if opts.dump:
         dump_rank(opts.dump, env.rank, executor)
@@ -218,16 +228,19 @@ def write_error(rank: int, exc: BaseException) -> None:
         return
     record = {"rank": rank, "kind": type(exc).__name__, "error": str(exc),
               "peer": getattr(exc, "peer", None)}
+    forge = Forgery.for_rank(rank)
     if isinstance(exc, RankBannedError):
         record["bans"] = [n.to_dict() for n in exc.notices]
         record["hosts"] = {str(r): h for r, h in exc.hosts.items()}
         record["fix"] = exc.fix
+    if forge is not None:
+        record = forge.record(record)
     write_json(os.path.join(folder, f"rank{rank}.json"), record)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_worker_args(argv)
-    env = RankEnv.from_environ()
+    env = RankEnv.from_environ(own_store=opts.store is not None)
     try:
         run_rank(opts, env)
     except RankBannedError as exc:

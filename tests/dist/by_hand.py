@@ -12,6 +12,7 @@ from planner.runtime import checkpoint, elastic
 from planner.runtime.launch import launch
 from planner.runtime.data import make_source
 from planner.runtime.rank_setup import make_optimizer
+from planner.secret import run_secret
 
 
 def from_checkpoint_by_hand(root, step: int, plan, steps: int) -> dict[str, torch.Tensor]:
@@ -21,7 +22,7 @@ def from_checkpoint_by_hand(root, step: int, plan, steps: int) -> dict[str, torc
     bundle = build_model(plan.model.spec, batch=cfg.microbatch_size, seq=plan.model.seq, device="cpu", seed=0)
     model = bundle.module
     named = dict(model.named_parameters())
-    loaded = checkpoint.read_params(root, step=step, names=named)
+    loaded = checkpoint.read_params(root, step=step, names=named, key=run_secret())
     assert loaded.keys() == named.keys()
     with torch.no_grad():
         for n, t in loaded.items():
