@@ -21,6 +21,13 @@ Example, two "hosts" of a plan with hosts ``h0`` and ``h1`` on one machine (each
 The plan's rank 0 prints one line per step and predicted vs measured step time at the end; every
 process says which plan rank it runs (on stderr).
 
+c10d's dynamic rendezvous unpickles what its store holds, and the store listens on every interface
+with no credential (SECURITY.md): on a network others reach, start each rank without torchrun, with
+the run's own store, which the host of the plan's rank 0 serves on the address given, alone::
+
+    LOCAL_RANK=0 PYTHONSAFEPATH=1 python -m planner.runtime plan.json --host h0 --store 10.0.0.5:29500 --steps 5
+    LOCAL_RANK=0 PYTHONSAFEPATH=1 python -m planner.runtime plan.json --host h1 --store 10.0.0.5:29500 --steps 5
+
 Elastic (hosts that fail or join; ``planner/runtime/torchrun_elastic.py``): start every host with
 ``--nnodes MIN:MAX --max-restarts N``, ``--nproc-per-node`` its device count, and ``--elastic
 --checkpoint-dir DIR`` on storage every host reaches; the host that serves the rendezvous endpoint
