@@ -55,7 +55,7 @@ kept in the JSON. Repeats are interleaved across configurations and
 summarised by their median.
 
     python benchmarks/runtime.py            # writes benchmarks/results/runtime.json
-    python benchmarks/runtime.py --quick    # fewer steps and repeats (a smoke run)
+    python benchmarks/runtime.py --quick    # fewer steps and repeats (a smoke run): writes nothing
 
 Run from the repository root: the ranks import this file's model factory.
 """
@@ -294,7 +294,7 @@ def run_plan(plan_path: Path, steps: int, *, emulate: bool, messages=None) -> di
     probe = _LoadProbe()
     metrics = plan_path.with_suffix(".metrics.jsonl")
     result = launch(RunOptions(plan=str(plan_path), steps=steps, timeout_s=120, emulate=emulate,
-                               metrics=str(metrics)), on_event=probe)
+                               metrics=str(metrics), model=MODEL), on_event=probe)
     rows = read_metrics(metrics)
     own = sum(r.cpu_ms for r in rows if r.step >= 2)
     load = probe.external_cores(own)
@@ -636,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", type=int, default=LAYERS // 2, help=argparse.SUPPRESS)
     ap.add_argument("--sections", default="overhead,prediction,planning",
                     help="comma-separated subset of overhead, prediction, planning (default: all three)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help=f"result JSON (default {RESULTS.relative_to(ROOT)})")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"result JSON (default {RESULTS.relative_to(ROOT)}; with --quick: none written)")
     args = ap.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if not sections or sections - {"overhead", "prediction", "planning"}:
@@ -644,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_worker:
         torch_worker(args.torch_worker, args.steps, args.split)
         return 0
-    steps = args.steps or (4 if args.quick else 16)
+    steps = args.steps or (3 if args.quick else 16)
     repeats = args.repeats or (1 if args.quick else 4)
     quiet = {"max_load": args.max_external_load, "retries": args.retries if args.retries is not None
              else (0 if args.quick else 2)}
@@ -655,6 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": steps, "repeats": repeats, "threads_per_rank": 1, "cpu_count": cores,
                            "max_external_load_cores": quiet["max_load"], "retries": quiet["retries"],
                            "load_avg_at_start": list(os.getloadavg())}
+    if args.quick:  # a smoke run: the overhead section on a light profile, nothing else measured
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            out["vs_torch_pipelining"] = _quick_overhead(Path(tmp_dir), steps, repeats)
+        _print(console, out)
+        return _write(console, out, args.out)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         console.print("profiling this CPU (single thread), its cores shared, and gloo between two local processes ...")
@@ -688,7 +694,24 @@ def main(argv: list[str] | None = None) -> int:
             out["solver_vs_baselines"] = planning(tmp, ch, first, link, steps, repeats, cores, machine, quiet)
     out["load_avg_at_end"] = list(os.getloadavg())
     _print(console, out)
-    target = args.out.resolve()
+    return _write(console, out, args.out or RESULTS)
+
+
+def _quick_overhead(tmp: Path, steps: int, repeats: int) -> dict[str, Any]:
+    """Section 1 on a profile of the blocks alone and a nominal local link (no p2p, sharing or executor probe)."""
+    from planner.profiling.profile import ProfileSettings, profile_device, write_profile
+    settings = replace(ProfileSettings.quick(MODEL), batch=MICROBATCH, seq=SEQ, p2p=False, sharing=False)
+    profile = write_profile(profile_device(settings), tmp / "cpu-quick.json")
+    link = {"bandwidth_gbps": 10.0, "latency_ms": 0.05}
+    half = LAYERS // 2
+    return overhead(tmp, chain(), profile, link, [(0, half), (half + 1, LAYERS + 1)], steps, repeats)
+
+
+def _write(console, out: dict[str, Any], path: Path | None) -> int:
+    """Write the results JSON atomically (``path`` None: a quick run, nothing written)."""
+    if path is None:
+        return 0
+    target = path.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = target.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(out, indent=1) + "\n")
