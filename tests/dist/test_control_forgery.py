@@ -24,7 +24,7 @@ def verified(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("forgery")
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=4, stages=[(0, 1), (2, 3), (4, 5)],
                      verifiers=[(0, 3, ("act", "grad")), (1, 3, ("act", "grad"))], verifier_host=True,
-                     verifier_config=VerifierConfig(warmup=2, ban_false_steps=100))
+                     verifier_config=VerifierConfig(warmup=2, ban_false_steps=100), untrusted=(1,))
     assert not plan.effective_cluster().device(plan.ranks[1].device).trusted
     path = plan.save(tmp / "plan.json")
     launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, dump=str(tmp / "clean")))
