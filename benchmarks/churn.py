@@ -20,7 +20,7 @@ rank), ``launch_replanning`` with one re-plan allowed (``--replan-on-failure 1``
 (60 s) and re-plan time limit (30 s), checkpoints every 5 steps. When rank 0 reports step K the benchmark
 SIGKILLs the rank of a middle stage. The launcher records no timestamps of its own, so they come from this
 process's clock: the kill; the start and end of the ``replan`` call (the benchmark wraps
-``planner.runtime.elastic.replan`` to time it, nothing else changes); rank 0's first step event after the
+``planner.runtime.launcher.elastic.replan`` to time it, nothing else changes); rank 0's first step event after the
 resume (its events are polled every 50 ms); and the times the surviving ranks wrote their error records (file
 times) and exited (polled every 20 ms). Detection = kill -> re-plan starts (the others noticing, exiting,
 and the launcher naming the root cause); reload = re-plan ends -> first resumed step reported, less that
@@ -39,7 +39,7 @@ a failure strikes uniformly within a checkpoint interval, so C/2 steps are redon
 
 * Stagewise: each failure costs detection + re-plan + reload (measured) and C/2 redone steps, redone at the
   re-planned plan's simulated step, or none where every stage on the lost host keeps a replica elsewhere
-  (``lost_stages_kept``: the run resumes from the survivors' state, ``planner.runtime.survivors``); the run goes on at that step. A replacement device comes W = 60 s after
+  (``lost_stages_kept``: the run resumes from the survivors' state, ``planner.runtime.recovery.survivors``); the run goes on at that step. A replacement device comes W = 60 s after
   the failure; when it pays, it is planned back in at the first checkpoint after that (a re-plan + reload,
   nothing detected or redone) and the rest of the interval runs at the original step; ``no_rejoin``: it
   never is (every step after the first failure at the re-planned step);
@@ -47,7 +47,7 @@ a failure strikes uniformly within a checkpoint interval, so C/2 steps are redon
   reload and C/2 redone steps, all at the original plan's step;
 * no failures: T steps at the original step.
 Two more columns bound what recovery could buy: ``no_redo`` (Stagewise resuming from the surviving replicas'
-state with nothing redone: ``planner.runtime.survivors``; it needs every lost stage kept by a replica and
+state with nothing redone: ``planner.runtime.recovery.survivors``; it needs every lost stage kept by a replica and
 the survivors stopped after the same step) and ``ceiling``
 (failures that cost nothing: restart time over the no-failure time, the most any recovery can reach; where
 it is under 1.5x, the goal cannot be met against a 60 s wait).
@@ -315,7 +315,7 @@ def _watch_exits(pids: dict[int, int], since: float, out: dict[str, float]) -> N
 
 def _churn_trial(path: Path, folder: Path, steps: int, kill_at: int, every: int, victim: int) -> dict[str, Any]:
     """One run that loses ``victim`` (SIGKILL) when rank 0 reports step ``kill_at`` and re-plans itself."""
-    import planner.runtime.elastic as elastic
+    import planner.runtime.launcher.elastic as elastic
     from planner.runtime.options import RunOptions
 
     marks: dict[str, float] = {}
@@ -375,7 +375,7 @@ def _churn_trial(path: Path, folder: Path, steps: int, kill_at: int, every: int,
 
 def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, Any]:
     """The plan without a failure once, then ``trials`` runs that lose a middle-stage rank."""
-    from planner.runtime.launch import launch
+    from planner.runtime.launcher.launch import launch
     from planner.runtime.options import RunOptions
 
     folder = Path(tempfile.mkdtemp(prefix="churn-"))

@@ -67,7 +67,7 @@ def first_plan():
 
 def fresh_start_s(path: Path) -> float:
     """A plain run of the plan: launch -> rank 0's first step event."""
-    from planner.runtime.launch import launch
+    from planner.runtime.launcher.launch import launch
     from planner.runtime.options import RunOptions
 
     start, first = time.perf_counter(), []
@@ -77,7 +77,8 @@ def fresh_start_s(path: Path) -> float:
 
 
 def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
-    from planner.runtime import elastic, joins
+    from planner.runtime.launcher import elastic
+    from planner.runtime.recovery import joins
     from planner.runtime.options import RunOptions
     from planner.secret import run_secret
 

@@ -288,8 +288,8 @@ class MeasuredPasses:
 
 def run_plan(plan_path: Path, steps: int, *, emulate: bool, messages=None) -> dict[str, Any]:
     """One local run: median step period after the first step, per-rank breakdown, external load."""
-    from planner.runtime.launch import launch
-    from planner.runtime.metrics import read_metrics
+    from planner.runtime.launcher.launch import launch
+    from planner.runtime.rank.metrics import read_metrics
     from planner.runtime.options import RunOptions
     probe = _LoadProbe()
     metrics = plan_path.with_suffix(".metrics.jsonl")
@@ -322,7 +322,7 @@ def run_quiet(attempt: Callable[[], dict[str, Any]], *, max_load: float, retries
 
 def run_torch_pipelining(steps: int, split_layer: int) -> dict[str, Any]:
     """The same split with torch.distributed.pipelining's Schedule1F1B, two processes."""
-    from planner.runtime.launch import free_port
+    from planner.runtime.launcher.launch import free_port
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -65,7 +65,7 @@ from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.verifier import Verifier
-from planner.runtime.rank_setup import make_lr_warmup
+from planner.runtime.rank.rank_setup import make_lr_warmup
 from planner.simulate import predict
 from planner.verifier_config import VerifierConfig
 
@@ -497,7 +497,7 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
 
 def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0) -> dict[str, float]:
     """One ``stagewise run``: verification off, on (deferred verdicts) or on waiting first."""
-    from planner.runtime.launch import launch
+    from planner.runtime.launcher.launch import launch
     from planner.runtime.options import RunOptions
 
     result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, verify=mode != "off",

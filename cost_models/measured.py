@@ -64,7 +64,7 @@ class MessageCost:
     posting it and moving its bytes through the backend (gloo's threads, the kernel's socket copies).
 
     ``send_ms + nbytes * send_ms_per_mib / 2**20`` on the sender, likewise ``recv_*`` on the receiver,
-    fitted over message sizes (:func:`fit_message_cost`) of what ``planner.runtime.p2p_probe`` measures:
+    fitted over message sizes (:func:`fit_message_cost`) of what ``planner.runtime.rank.p2p_probe`` measures:
     messages posted with the runtime's own calls, each right after a sweep that leaves the caches as
     a pass does (posting from cold caches costs a few times what a tight loop of posts does). Ranks that
     share a machine's cores pay it out of their compute (``planner.simulate.simulate(plan, messages=...)``).

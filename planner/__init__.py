@@ -19,7 +19,7 @@ _LAZY = {
     "make_plan": ("planner.api", "make_plan"),
     "load_plan": ("planner.plan_load", "load_plan"),
     "Plan": ("planner.plan", "Plan"),
-    "apply_plan": ("planner.runtime.apply", "apply_plan"),
+    "apply_plan": ("planner.runtime.rank.apply", "apply_plan"),
 }
 
 

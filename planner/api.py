@@ -84,7 +84,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     source = cluster_source(cluster)  # recorded: a run checks who is trusted against that file, not the copy
     policy = policy or VerificationPolicy()
     dtype = resolve_dtype(dtype, spec_cluster)
-    mixed = dtype != "float32"  # low-precision compute keeps fp32 master weights (planner.runtime.precision)
+    mixed = dtype != "float32"  # low-precision compute keeps fp32 master weights (planner.runtime.rank.precision)
     batch = global_batch or DEFAULT_MICROBATCHES * chain.microbatch_size
     if microbatch_size is not None and (microbatch_size < 1 or batch % microbatch_size):
         raise InvalidInputError(f"microbatch size {microbatch_size}", expected=f"a divisor of the global batch {batch}",

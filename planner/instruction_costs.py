@@ -58,7 +58,7 @@ class CostModel:
             self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
                                         param_tensors=stage_param_tensors(chain, lo, hi)))
             # What an emulating rehearsal computes for this stage: its cost on the fastest planned
-            # device (planner.runtime.emulate's reference); the rest of the pass is padding.
+            # device (planner.runtime.rank.emulate's reference); the rest of the pass is padding.
             self._local.append(min(((f := compute.range_fwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced),
                                      compute.range_bwd_ms(chain, lo, hi, s, dtype, trace_dtype=traced)
                                      + (f if self.recompute[r.stage] else 0.0))
@@ -132,7 +132,7 @@ class CostModel:
         """The costs of running ``plan`` on one machine whose device is ``local`` (a profile with its
         point-to-point link measured): ``stagewise run``, every rank there, talking over that link.
 
-        ``emulate`` (``--emulate-speed``): each stage pass is padded as ``planner.runtime.emulate``
+        ``emulate`` (``--emulate-speed``): each stage pass is padded as ``planner.runtime.rank.emulate``
         pads it, to its planned device's time over the fastest planned device's for the stage, times
         ``slowdown`` (``--emulate-slowdown``); simulate with ``emulated=True`` so the padding holds no core.
         """

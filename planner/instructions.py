@@ -1,7 +1,7 @@
 """The instruction set of a plan's per-rank programs, and its short string form.
 
 Every rank runs one program: a tuple of :class:`Instruction`. The runtime
-(``planner.runtime.executor``) and the simulator (``planner.simulate``) both
+(``planner.runtime.rank.executor``) and the simulator (``planner.simulate``) both
 interpret these programs, so what is predicted is what runs.
 
 Semantics (shared by the runtime, the simulator and the validator):

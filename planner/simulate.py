@@ -331,7 +331,7 @@ def _run_dedicated(run: _Run) -> None:
 class _Pass:
     """A pass in progress on shared cores: when it started, the work it still needs (ms on a core of its
     own), the CPU time it has had so far, and ``factor``: an emulated slower device pads the pass, once
-    its work is done, until it has lasted ``factor`` x that CPU time (as ``planner.runtime.emulate``
+    its work is done, until it has lasted ``factor`` x that CPU time (as ``planner.runtime.rank.emulate``
     does; a core slowed by company inflates the CPU time, time-slicing does not). ``until`` is set then."""
 
     start: float

@@ -1,15 +1,15 @@
 """``stagewise join PLAN --host NAME | --describe HOST.yaml --checkpoint-dir DIR``: ask a host into a running
 run. The request is checked against the run's plan, signed with the run secret and written atomically into
 the run's join folder; the run (``stagewise run --replan-on-failure N`` or ``--join-dir``) plans the host in
-at its next checkpoint (``planner.runtime.joins``, ``planner.runtime.elastic``)."""
+at its next checkpoint (``planner.runtime.recovery.joins``, ``planner.runtime.launcher.elastic``)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 from planner.errors import InvalidInputError
-from planner.runtime import joins
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.recovery import joins
+from planner.runtime.launcher.membership import load_signed_plan
 from planner.secret import run_secret
 
 

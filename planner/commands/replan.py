@@ -10,7 +10,7 @@ from planner.commands._common import check_positive, check_seconds
 from planner.commands.plan import _report
 from planner.outputs import check_writable
 from planner.plan_load import OperatorTrust
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.launcher.membership import load_signed_plan
 from planner.secret import run_secret
 
 

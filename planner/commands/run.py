@@ -19,10 +19,10 @@ from planner.outputs import check_writable
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal
 from planner.runtime.data import check_data_file
-from planner.runtime.elastic import launch_replanning, resumed_from
-from planner.runtime.launch import launch
+from planner.runtime.launcher.elastic import launch_replanning, resumed_from
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import add_run_arguments, options_from_args
-from planner.runtime.weights_out import launch_saving_weights
+from planner.runtime.launcher.weights_out import launch_saving_weights
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -187,7 +187,7 @@ def summary_table(result: dict[str, Any], here=None):
 
 
 def leg_row(leg: dict[str, Any]) -> tuple[str, str]:
-    """One leg of a recovered run (``planner.runtime.elastic``): its plan and how it went, for the table."""
+    """One leg of a recovered run (``planner.runtime.launcher.elastic``): its plan and how it went, for the table."""
     span = f"steps {leg['first_step']}-{leg['last_step']}" if leg["steps"] else "no step"
     redone = f", {leg['redone_steps']} redone" if leg["redone_steps"] else ""
     return (f"leg {leg['leg']}: {leg['ranks']} ranks ({leg['plan']})",

@@ -28,7 +28,7 @@ split between the two (``REPLAY_SHARE`` of it to replays: levels ``ln(F / (1 - s
 A sender's *first flagged step* is where the run of evidence that banned it began: the first step it
 was blamed since its evidence was last zero (a CUSUM at zero has forgotten everything before). Until
 the evidence returns to zero, the sender's flag is unresolved: the newest checkpoint before that step
-is the run's last clean one (``planner.runtime.checkpoint`` keeps it).
+is the run's last clean one (``planner.runtime.recovery.checkpoint`` keeps it).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ It compiles a 2-stage 1F1B plan of the model (its blocks split in half, one
 CPU rank per stage) and runs it with the real runtime (``launch``: two gloo
 processes, one thread each) for ``--steps`` steps. Every rank records, per
 step, the CPU time of the thread that runs its program, split as the executor
-books it (``planner.runtime.metrics.StepMetrics``): what is left outside the
+books it (``planner.runtime.rank.metrics.StepMetrics``): what is left outside the
 passes, waits, verification and the optimizer (``own_cpu_ms``) is the
 executor's own work; the part of it spent posting messages (``comm_cpu_ms``,
 the runtime's ``comm.send``/``recv`` and the executor's bookkeeping around
@@ -43,8 +43,8 @@ from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan_load import load_plan
 from planner.plan_values import ModelRef
-from planner.runtime.launch import launch
-from planner.runtime.metrics import read_metrics
+from planner.runtime.launcher.launch import launch
+from planner.runtime.rank.metrics import read_metrics
 from planner.runtime.options import RunOptions
 from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy

@@ -29,11 +29,11 @@ def _posting_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def measure_p2p(*, sizes: Sequence[int], repeats: int, backend: str, timeout_s: float, posts: int = 8) -> P2PResult:
-    """Ping-pong between two ``planner.runtime.p2p_probe`` processes, then the CPU time of ``posts``
+    """Ping-pong between two ``planner.runtime.rank.p2p_probe`` processes, then the CPU time of ``posts``
     messages posted back to back per size and side (0: not measured); rank 0 reports JSON on stdout."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "planner.runtime.p2p_probe", "--world-size", "2",
+    cmd = [sys.executable, "-m", "planner.runtime.rank.p2p_probe", "--world-size", "2",
            "--init-method", f"tcp://127.0.0.1:{port}", "--backend", backend,
            "--sizes", ",".join(str(s) for s in sizes), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
            "--posts", str(posts), "--post-sizes", ",".join(str(s) for s in _posting_sizes(sizes))]

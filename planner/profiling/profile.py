@@ -14,7 +14,7 @@ What is measured (``profile_device``):
   a rank of a run finds its weights cold, not as a tight loop leaves them;
 - point-to-point bandwidth and latency between two local processes over
   ``torch.distributed`` (gloo; NCCL with two or more GPUs), by running
-  ``python -m planner.runtime.p2p_probe`` twice as subprocesses, and the CPU
+  ``python -m planner.runtime.rank.p2p_probe`` twice as subprocesses, and the CPU
   time a message costs the sending and the receiving process
   (:class:`~cost_models.measured.MessageCost`: posting it, and the backend's threads moving its bytes);
 - the CPU time the runtime's executor itself costs per message instruction and

@@ -4,7 +4,7 @@ Each host is started with its own name in the plan's cluster (``--host NAME`` or
 ``STAGEWISE_HOST=NAME``; a plan with one host needs none) and ``--nproc-per-node`` equal to the
 number of ranks the plan gives that host. Its processes run those ranks, in rank order by
 ``LOCAL_RANK``: c10d's rendezvous orders nodes by address and ignores ``--node-rank``, so
-torchrun's own ``RANK`` only finds the store (``planner/runtime/hosts.py``). A host name the plan
+torchrun's own ``RANK`` only finds the store (``planner/runtime/launcher/hosts.py``). A host name the plan
 does not have, a process count that differs, or a name given to two hosts is refused, named.
 
 Every host holds the run secret the plan was signed with (``--secret-file`` or
@@ -28,7 +28,7 @@ the run's own store, which the host of the plan's rank 0 serves on the address g
     LOCAL_RANK=0 PYTHONSAFEPATH=1 python -m planner.runtime plan.json --host h0 --store 10.0.0.5:29500 --steps 5
     LOCAL_RANK=0 PYTHONSAFEPATH=1 python -m planner.runtime plan.json --host h1 --store 10.0.0.5:29500 --steps 5
 
-Elastic (hosts that fail or join; ``planner/runtime/torchrun_elastic.py``): start every host with
+Elastic (hosts that fail or join; ``planner/runtime/launcher/torchrun_elastic.py``): start every host with
 ``--nnodes MIN:MAX --max-restarts N``, ``--nproc-per-node`` its device count, and ``--elastic
 --checkpoint-dir DIR`` on storage every host reaches; the host that serves the rendezvous endpoint
 (``--rdzv-conf is_host=1``) must outlive the run. When a host is lost or joins, torchrun restarts the
@@ -43,6 +43,6 @@ checkpoint::
 """
 import sys
 
-from planner.runtime.worker import main
+from planner.runtime.launcher.worker import main
 
 sys.exit(main())

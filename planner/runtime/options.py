@@ -74,7 +74,7 @@ class RunOptions:
     checkpoint_every: int = 10      # steps between checkpoints (and one after the last step)
     resume: bool = False            # continue from the newest complete checkpoint in checkpoint_dir
     secret_file: str | None = None  # the run secret (default: STAGEWISE_SECRET, else this user's local one)
-    host: str | None = None         # under torchrun: this host's name in the plan (planner.runtime.hosts)
+    host: str | None = None         # under torchrun: this host's name in the plan (planner.runtime.launcher.hosts)
     elastic: bool = False           # under torchrun's elastic restarts: re-plan for the hosts present
     replan_time_limit_s: float = 30.0  # the solver's limit when an elastic start re-plans
     cluster: str | None = None      # the operator's cluster the plan's trust is checked against (planner.plan_load)
@@ -221,13 +221,13 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> RunOptions:
                         "one host needs none)")
     parser.add_argument("--elastic", action="store_true", help="under torchrun --nnodes MIN:MAX --max-restarts N: "
                         "each start re-plans for the hosts present and resumes from --checkpoint-dir "
-                        "(planner/runtime/torchrun_elastic.py)")
+                        "(planner/runtime/launcher/torchrun_elastic.py)")
     parser.add_argument("--replan-time-limit", dest="replan_time_limit_s", type=float, default=30.0, metavar="S",
                         help="the solver's time limit when an elastic start re-plans (default 30)")
     parser.add_argument("--store", metavar="ADDR:PORT", type=_store_argument,
                         help="without torchrun: the run's own store, which the host of the plan's rank 0 serves on "
                              "ADDR:PORT (bound to that address alone) and the others reach there; start one "
-                             "process per rank of the host, LOCAL_RANK=i for the i-th (planner/runtime/hosts.py)")
+                             "process per rank of the host, LOCAL_RANK=i for the i-th (planner/runtime/launcher/hosts.py)")
     return options_from_args(parser.parse_args(argv))
 
 

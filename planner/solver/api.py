@@ -81,7 +81,7 @@ from planner.solver.warm import WarmStart
 # are models (a few percent off a measured step), and proving the last 0.01% can take the whole budget.
 GAP_TOLERANCE = 1e-4
 # Microbatches per step a plan may have: the runtime's message tags hold 13 bits of microbatch index
-# (planner.runtime.comm.MAX_MICROBATCHES), and pricing a program costs time in proportion to its count.
+# (planner.runtime.wire.comm.MAX_MICROBATCHES), and pricing a program costs time in proportion to its count.
 MAX_MICROBATCHES = 8192
 
 

@@ -102,8 +102,8 @@ def reference_run(plan: Plan, *, steps: int, seed: int = 0, lr: float | None = N
     """
     from models.registry import build_model, loss_fn
     from planner.runtime.data import make_source
-    from planner.runtime.precision import LossScaler, Precision
-    from planner.runtime.rank_setup import make_lr_warmup, make_optimizer
+    from planner.runtime.rank.precision import LossScaler, Precision
+    from planner.runtime.rank.rank_setup import make_lr_warmup, make_optimizer
 
     torch.set_num_threads(1)
     ref = plan.model

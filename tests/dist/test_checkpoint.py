@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime import checkpoint
-from planner.runtime.launch import launch
+from planner.runtime.recovery import checkpoint
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from tests.dist.plans import load_dumps, make_plan
 

@@ -1,4 +1,4 @@
-"""The control plane against a hostile worker (``planner.runtime.forgery``): rank 1, a volunteer's
+"""The control plane against a hostile worker (``planner.runtime.recovery.forgery``): rank 1, a volunteer's
 untrusted rank, forges verdicts, its run summary, its error record and its checkpoint files. Each
 forgery is ignored (the honest ranks end with an unforged run's parameters), refused, or stops the run
 naming rank 1; never does it ban, un-ban or poison anyone else."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.forgery import ENV_VAR
-from planner.runtime.launch import RunBanned, RunFailure, launch
+from planner.runtime.recovery.forgery import ENV_VAR
+from planner.runtime.launcher.launch import RunBanned, RunFailure, launch
 from planner.runtime.options import RunOptions
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import load_dumps, make_plan

@@ -7,7 +7,7 @@ import os
 import threading
 from pathlib import Path
 
-from planner.runtime.launch import launch
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from tests.dist.plans import make_plan
 

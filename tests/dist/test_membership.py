@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.runtime.membership import prove_membership
+from planner.runtime.launcher.membership import prove_membership
 from tests.dist.two_ranks import two_ranks
 
 KEY = b"0123456789abcdef0123456789abcdef"

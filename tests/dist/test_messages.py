@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from planner.errors import RankFailureError
-from planner.runtime import messages
+from planner.runtime.wire import messages
 from tests.dist.two_ranks import two_ranks
 
 SCHEMA = {"type": "object", "required": ["rank", "loss"], "additionalProperties": False,

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from planner.runtime.launch import free_port
+from planner.runtime.launcher.launch import free_port
 from tests.dist.plans import load_dumps, make_plan, reference_run
 
 STEPS = 2

@@ -12,8 +12,8 @@ from planner.api import plan_chain, replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.model_io import load_chain
 from planner.plan_load import load_plan
-from planner.runtime.elastic import launch_replanning
-from planner.runtime.launch import launch
+from planner.runtime.launcher.elastic import launch_replanning
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import FaultSpec, RunOptions
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import load_dumps

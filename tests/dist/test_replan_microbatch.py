@@ -16,8 +16,8 @@ import torch
 from cost_models.cluster_file import parse_cluster
 from planner.api import plan_chain, replan
 from planner.plan_load import load_plan
-from planner.runtime.elastic import launch_replanning
-from planner.runtime.launch import launch
+from planner.runtime.launcher.elastic import launch_replanning
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import FaultSpec, RunOptions
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import chain_for, load_dumps, reference_run

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from planner.runtime.launch import RunBanned, launch
+from planner.runtime.launcher.launch import RunBanned, launch
 from planner.runtime.options import RunOptions
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import make_plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.runtime.launch import launch
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from tests.dist.plans import load_dumps, make_plan, reference_run
 

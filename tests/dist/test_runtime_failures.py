@@ -8,7 +8,7 @@ import json
 import pytest
 
 from planner.errors import PlanMismatchError, RankFailureError
-from planner.runtime.launch import launch
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import FaultSpec, RunOptions
 from tests.dist.plans import make_plan
 

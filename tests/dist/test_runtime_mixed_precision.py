@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models.registry import build_model
-from planner.runtime.launch import launch
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from tests.dist.plans import load_dumps, make_plan, reference_run
 

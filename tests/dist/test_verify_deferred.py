@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from planner.plan_load import load_plan
-from planner.runtime.launch import launch
+from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import load_dumps, make_plan

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from planner.cli import main
-from planner.runtime import joins
+from planner.runtime.recovery import joins
 from planner.secret import run_secret
 from tests.dist.plans import make_plan
 

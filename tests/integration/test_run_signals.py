@@ -16,7 +16,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 
 
 def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
-    return [p for p in launcher.children(recursive=True) if "planner.runtime.worker" in " ".join(p.cmdline())]
+    return [p for p in launcher.children(recursive=True) if "planner.runtime.launcher.worker" in " ".join(p.cmdline())]
 
 
 def test_sigterm_stops_every_rank_and_writes_the_report(tmp_path):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.runtime import checkpoint
+from planner.runtime.recovery import checkpoint
 
 KEY = b"k" * 32
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planner.errors import CheckpointError, InvalidInputError
-from planner.runtime import checkpoint
+from planner.runtime.recovery import checkpoint
 
 KEY = b"k" * 32
 # rank 0 (trusted) runs the embedding and the head, rank 1 (a volunteer) the middle layer

@@ -1,11 +1,11 @@
 """Deferred verdicts: a backward held apart from the accumulated gradients, then merged or dropped,
-leaves exactly the gradients of waiting for the verdict first (planner.runtime.deferred.merge_grads)."""
+leaves exactly the gradients of waiting for the verdict first (planner.runtime.rank.deferred.merge_grads)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from planner.runtime.deferred import merge_grads
+from planner.runtime.rank.deferred import merge_grads
 
 
 class _Stage(torch.nn.Module):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from plan_fixtures import golden_plan
 
 from planner.errors import InvalidInputError
-from planner.runtime.hosts import HOST_ENV, LOCAL_RUN_ENV, Placement, claim, place
+from planner.runtime.launcher.hosts import HOST_ENV, LOCAL_RUN_ENV, Placement, claim, place
 
 
 def _on_hosts(plan, hosts: dict[int, str]):

@@ -5,7 +5,7 @@ import pytest
 
 from planner.errors import InvalidInputError
 from planner.outputs import check_writable
-from planner.runtime import comm
+from planner.runtime.wire import comm
 from planner.solver.api import MAX_MICROBATCHES, microbatch_candidates
 
 

@@ -12,7 +12,7 @@ from plan_fixtures import TEST_DEVICE, block, chain, cluster, compile_simple, so
 from planner.api import plan_chain, replan
 from planner.errors import InvalidInputError
 from planner.plan_history import HistoryEntry
-from planner.runtime import joins
+from planner.runtime.recovery import joins
 from planner.solver.policy import VerificationPolicy
 
 KEY, OTHER_KEY = b"k" * 32, b"o" * 32

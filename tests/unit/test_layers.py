@@ -35,7 +35,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.api",),
     ("planner.runtime.data", "planner.runtime.options"),                             # what a run trains on, its options
     ("planner.integrity",),                                                          # the verifier, beside the runtime
-    ("planner.runtime",),
+    ("planner.runtime.wire",),            # transfers, control messages (one author each), the verdict format
+    ("planner.runtime.rank",),            # one rank's executor: stage, compute, p2p, verification, optimizer
+    ("planner.runtime.recovery",),        # checkpoints, survivors' state, joins
+    ("planner.runtime.outputs",),         # what a run reports
+    ("planner.runtime.launcher", "planner.runtime"),  # the processes, hosts, membership, re-planning legs
     ("planner.profiling",),                                                          # the only code that times hardware
     ("planner.commands", "planner.cli", "planner.__main__", "planner"),
 )

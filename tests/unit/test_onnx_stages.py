@@ -27,7 +27,7 @@ from planner.onnx_stages import (
     export_stages,
     stage_cuts,
 )
-from planner.runtime.launch import preflight
+from planner.runtime.launcher.launch import preflight
 from planner.runtime.options import RunOptions
 from planner.trace import trace
 

@@ -13,7 +13,7 @@ from cost_models.cluster_file import cluster_source
 from planner import secret
 from planner.errors import InvalidInputError
 from planner.plan_load import OperatorTrust, load_plan
-from planner.runtime.membership import load_signed_plan
+from planner.runtime.launcher.membership import load_signed_plan
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import local_cluster, make_plan
 

@@ -10,8 +10,8 @@ from cost_models import memory
 from cost_models.training import TrainingConfig
 from planner.api import plan_chain
 from planner.errors import InfeasiblePlanError, InvalidInputError
-from planner.runtime.recompute import Checkpointed, build_plan_stage
-from planner.runtime.stage import (
+from planner.runtime.rank.recompute import Checkpointed, build_plan_stage
+from planner.runtime.rank.stage import (
     build_stage,
     export_model,
     plan_node_names,

@@ -15,7 +15,7 @@ from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan_load import load_plan
 from planner.rehearsal import predict_rehearsal, profile_warnings
-from planner.runtime.emulate import emulation_for
+from planner.runtime.rank.emulate import emulation_for
 from planner.simulate import simulate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

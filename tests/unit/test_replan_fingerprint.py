@@ -9,7 +9,7 @@ from cost_models.cluster_file import parse_cluster
 from models.registry import build_model
 from planner.api import plan_chain, replan
 from planner.plan_load import load_plan
-from planner.runtime.rank_setup import check_model
+from planner.runtime.rank.rank_setup import check_model
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import chain_for
 

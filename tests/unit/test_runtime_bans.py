@@ -1,8 +1,8 @@
 """The verdict the lead verifier sends every rank at the end of a verified step
-(``planner.runtime.bans``): the bans, the unresolved flags and how many microbatches trained."""
+(``planner.runtime.wire.bans``): the bans, the unresolved flags and how many microbatches trained."""
 from __future__ import annotations
 
-from planner.runtime.bans import BanNotice, decode, describe, encode, replan_hint
+from planner.runtime.wire.bans import BanNotice, decode, describe, encode, replan_hint
 
 
 def test_the_lead_verifiers_verdict_round_trips_bans_unresolved_flags_and_what_trained():

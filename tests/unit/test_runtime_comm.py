@@ -1,4 +1,4 @@
-"""Message tags and failure messages of planner.runtime.comm (no process group needed)."""
+"""Message tags and failure messages of planner.runtime.wire.comm (no process group needed)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError, RankFailureError
-from planner.runtime.comm import (
+from planner.runtime.wire.comm import (
     MAX_BOUNDARIES,
     MAX_MICROBATCHES,
     MAX_TENSORS,

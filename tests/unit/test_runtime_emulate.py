@@ -1,4 +1,4 @@
-"""Compute padding for rehearsing heterogeneous plans (planner.runtime.emulate)."""
+"""Compute padding for rehearsing heterogeneous plans (planner.runtime.rank.emulate)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ import pytest
 from cost_models.devices import get_device_spec
 from planner.errors import InvalidInputError
 from planner.plan import Plan
-from planner.runtime.emulate import Emulation, emulation_for, stage_ms
+from planner.runtime.rank.emulate import Emulation, emulation_for, stage_ms
 from tests.dist.plans import make_plan
 
 

@@ -1,4 +1,4 @@
-"""Run options, fault specs and failure diagnosis of the local launcher (planner.runtime.launch)."""
+"""Run options, fault specs and failure diagnosis of the local launcher (planner.runtime.launcher.launch)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.runtime.launch import _Rank, diagnose, root_cause
+from planner.runtime.launcher.launch import _Rank, diagnose, root_cause
 from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
 
 
@@ -51,7 +51,7 @@ def test_bad_options_are_refused(bad):
 def test_lr_warmup_raises_the_rate_linearly_then_holds_it():
     import torch
 
-    from planner.runtime.rank_setup import make_lr_warmup
+    from planner.runtime.rank.rank_setup import make_lr_warmup
 
     opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.4)
     warmup = make_lr_warmup(opt, 4)

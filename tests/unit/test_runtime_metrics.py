@@ -1,4 +1,4 @@
-"""Per-step metrics: tensor round trip, step summaries, JSON lines (planner.runtime.metrics)."""
+"""Per-step metrics: tensor round trip, step summaries, JSON lines (planner.runtime.rank.metrics)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from planner.errors import InvalidInputError
-from planner.runtime.metrics import (
+from planner.runtime.rank.metrics import (
     MetricsWriter,
     StepMetrics,
     measured_step_ms,

@@ -1,4 +1,4 @@
-"""Splitting an exported model into stage modules (planner.runtime.stage), in one process."""
+"""Splitting an exported model into stage modules (planner.runtime.rank.stage), in one process."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ from torch import nn
 
 from models.registry import build_model
 from planner.errors import PlanMismatchError
-from planner.runtime.stage import (
+from planner.runtime.rank.stage import (
     build_stage,
     export_model,
     materialize,
@@ -146,7 +146,7 @@ def test_meta_export_and_partial_materialisation_match_the_full_model():
 
 def test_apply_plan_builds_the_ranks_stage_and_refuses_another_model():
     from models.mlp import MLP, MLPConfig
-    from planner.runtime.apply import apply_plan
+    from planner.runtime.rank.apply import apply_plan
     from tests.dist.plans import make_plan
 
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)])

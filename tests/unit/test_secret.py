@@ -10,7 +10,7 @@ import pytest
 from plan_fixtures import golden_plan
 
 from planner.errors import InvalidInputError
-from planner.runtime.membership import check_signature, load_signed_plan
+from planner.runtime.launcher.membership import check_signature, load_signed_plan
 from planner.secret import ENV_VAR, local_secret_path, run_secret
 from planner.secret import digest as digest_of
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from planner.runtime import checkpoint, survivors
-from planner.runtime.survivors import Note, decide
+from planner.runtime.recovery import checkpoint, survivors
+from planner.runtime.recovery.survivors import Note, decide
 
 STAGE_OF = {0: 0, 1: 0, 2: 1, 3: None}  # two replicas of stage 0, one of stage 1, a verifier
 

@@ -1,0 +1,119 @@
+"""What a run reports: every rank's final record gathered on rank 0, the result (``--report``, rewritten
+as the run goes, and ``STAGEWISE_RESULT``) and each rank's ``--dump`` file."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from planner.errors import ProtocolError
+from planner.outputs import write_atomic
+from planner.runtime.wire import control
+from planner.runtime.rank.emulate import Emulation
+from planner.runtime.rank.executor import Executor
+from planner.runtime.rank.metrics import StepSummary, measured_step_ms
+from planner.runtime.options import RunOptions
+from planner.runtime.rank.rank_setup import RankEnv
+
+
+class ProgressReport:
+    """Rank 0 rewrites ``--report`` as the run goes (at most every ``PERIOD_S``), so a run that fails
+    still leaves one with the steps it finished."""
+
+    PERIOD_S = 2.0
+
+    def __init__(self, plan, opts: RunOptions, summaries: list[StepSummary], executor: Executor) -> None:
+        self.plan, self.opts, self.summaries, self.executor = plan, opts, summaries, executor
+        self.last = -math.inf  # the first finished step is written at once
+
+    def __call__(self, force: bool) -> None:
+        if not self.summaries or (not force and time.monotonic() - self.last < self.PERIOD_S):
+            return
+        self.last = time.monotonic()
+        partial = build_result(self.plan, self.opts, self.summaries, [], emulation_on=self.opts.emulate,
+                               executor=self.executor)
+        write_json(self.opts.report, {**partial, "in_progress": True})
+
+
+# What every rank sends rank 0 at the end (``rank_final``), checked on receipt.
+RANK_FINAL_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["rank", "stage", "device_type", "fwd_factor", "bwd_factor", "verification", "bans", "attacked"],
+    "properties": {
+        "rank": {"type": "integer", "minimum": 0}, "stage": {"type": ["integer", "null"], "minimum": 0},
+        "device_type": {"type": "string"}, "fwd_factor": {"type": "number"}, "bwd_factor": {"type": "number"},
+        "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0},
+                                                          "alerts": {"type": "integer", "minimum": 0}}},
+        "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                                            "maxItems": 2}},
+        "attacked": {"type": "array", "items": {"type": "array"}},
+    },
+}
+
+
+def gather_finals(final: dict[str, Any], env: RankEnv, plan, device: torch.device) -> list[dict[str, Any]] | None:
+    """Every rank's final record at the control rank, point to point (None elsewhere). A record must say
+    which rank it is, and only a verifier rank may report bans: a rank that claims otherwise broke the
+    protocol and is named."""
+    got = control.json_to(final, dst=control.control_rank(plan), me=env.rank, ranks=range(env.world_size),
+                          what="run summary", schema=RANK_FINAL_SCHEMA, device=device,
+                          doing="gathering the run summaries")
+    if got is None:
+        return None
+    verifiers = {v.rank for v in plan.verifiers}
+    for sender, record in enumerate(got):
+        if record["rank"] != sender:
+            raise ProtocolError(f"rank {sender} sent the run summary of rank {record['rank']}", sender=sender,
+                                expected=f"rank {sender}", found=str(record["rank"]),
+                                fix=f"check rank {sender}'s host: it does not run this runtime")
+        if record["bans"] and sender not in verifiers:
+            raise ProtocolError(f"rank {sender} reported bans, which only verifier ranks decide", sender=sender,
+                                expected="no bans from a rank that verifies nothing", found=str(record["bans"])[:200],
+                                fix=f"check rank {sender}'s host: it does not run this runtime")
+    return got
+
+
+def rank_final(env: RankEnv, ex: Executor, emulation: Emulation, verify, attacks) -> dict[str, Any]:
+    return {"rank": env.rank, "stage": ex.info.stage, "device_type": ex.info.device_type,
+            "fwd_factor": emulation.fwd_factor, "bwd_factor": emulation.bwd_factor,
+            "verification": verify.summary() if verify is not None else {},
+            "bans": list(verify.new_bans) if verify is not None else [],
+            "attacked": [list(e) for e in attacks.log()] if attacks is not None else []}
+
+
+def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
+                 emulation_on: bool, executor: Executor) -> dict[str, Any]:
+    measured = measured_step_ms(summaries) if summaries else math.nan
+    banned = sorted({r for f in ranks for _, r in f["bans"]})
+    flags = sum(f["verification"].get("flags", 0) for f in ranks)
+    alerts = sum(f["verification"].get("alerts", 0) for f in ranks)
+    losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
+    return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
+            "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
+            "emulate_slowdown": opts.emulate_slowdown if emulation_on else 1.0,
+            "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
+            "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
+            "losses": losses,
+            "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
+            "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
+            "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
+            # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
+            "untrained_steps": list(executor.untrained_steps)}
+
+
+def write_json(path: str, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def dump_rank(folder: str, rank: int, ex: Executor) -> None:
+    """Final parameters, last-step gradients and losses of this rank (for comparing with a reference)."""
+    os.makedirs(folder, exist_ok=True)
+    params = {n: p.detach().cpu().clone() for n, p in ex.stage.parameters()} if ex.stage is not None else {}
+    grads = {n: g.cpu() for n, g in ex.last_grads.items()}
+    torch.save({"rank": rank, "stage": ex.info.stage, "params": params, "grads": grads,
+                "losses": list(ex.step_losses)}, os.path.join(folder, f"rank{rank}.pt"))
+

@@ -1,0 +1,117 @@
+"""The executor's end of step for gradients: sums over replicas and tied stages, the fp16 overflow vote,
+the optimizer step and the step's losses.
+
+A parameter to whose gradient no microbatch contributed this step (all of its
+stage's, or of its tied group's, were dropped) gets no optimizer step: its
+gradient is zero, and Adam's momentum would still move it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from planner.runtime.wire import comm, control
+
+
+class GradientSteps:
+    """Gradient all-reduces, the optimizer step and the losses.
+
+    Mixed into :class:`~planner.runtime.rank.executor.Executor`, whose per-step state (``_reset``) it reads
+    and writes.
+    """
+
+    def _allreduce(self) -> None:
+        self._settle_all()
+        if self.groups.stage is None or not self.replica_params:
+            return
+        with self._timed("comm"):
+            self.stage_trained = self._sum_grads(self.replica_params, group=self.groups.stage,
+                                                 ranks=self.groups.stage_ranks,
+                                                 doing=f"all-reducing stage {self.info.stage}'s gradients")
+
+    def _sum_grads(self, params: Sequence[torch.nn.Parameter], *, group, ranks: Sequence[int], doing: str) -> int:
+        """Sum ``params``' gradients over ``group``; with verification, also how many microbatches trained
+        on its ranks (one more element in the same message)."""
+        flat = comm.flat_grads(params)
+        if self.verifying:
+            flat = torch.cat([flat, flat.new_tensor([float(self._trained_here())])])
+        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        trained = self._trained_here()
+        if self.verifying:
+            trained, flat = int(round(float(flat[-1]))), flat[:-1]
+        comm.unflatten_grads(flat, params)
+        return trained
+
+    def _sync_tied(self) -> list[torch.nn.Parameter]:
+        """Sum the tied parameters' gradients across their stages; returns those no microbatch trained."""
+        named = dict(self.stage.parameters()) if self.stage is not None else {}
+        idle = []
+        for group, ranks, names in self.groups.tied:
+            params = [named[n] for n in names]
+            if not self._sum_grads(params, group=group, ranks=ranks, doing="summing tied parameters' gradients"):
+                idle.extend(params)
+        return idle
+
+    def _idle_params(self, tied_idle: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The parameters no microbatch of this step trained (verified runs: every one dropped)."""
+        if not self.verifying or self.stage is None:
+            return []
+        trained = self.stage_trained if self.stage_trained is not None else self._trained_here()
+        return (list(self.replica_params) if trained == 0 else []) + tied_idle
+
+    def _optim(self) -> None:
+        self._settle_all()
+        with self._timed("comm"):
+            tied_idle = self._sync_tied()
+        idle = self._idle_params(tied_idle)
+        with self._timed("optim"):
+            if self.scaler is not None and self._overflowed():
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                return
+            if self.keep_grads and self.stage is not None:
+                self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                                   for n, p in self.stage.parameters()}
+            for p in idle:
+                p.grad = None  # no step for it: the optimizer skips a parameter without a gradient
+            if self.optimizer is not None:
+                if len(idle) < len(self.params):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+
+    def _overflowed(self) -> bool:
+        """Unscale this rank's gradients and vote whether any overflowed (fp16): the control rank hears
+        every vote and sends one decision to all, so every rank moves the scale alike and no rank's vote
+        can cancel another's. A rank whose own gradients overflowed skips its update whatever it hears."""
+        assert self.scaler is not None
+        mine = bool(self.scaler.unscale(self.params))
+        decided = mine
+        if self.plan.num_ranks > 1:
+            ctl, everyone = control.control_rank(self.plan), range(self.plan.num_ranks)
+            vote = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
+            got = control.gather_to(vote, dst=ctl, me=self.rank, ranks=everyone, topic=control.Topic.OVERFLOW,
+                                    device=self.device, doing="voting whether any gradient overflowed")
+            decision = None
+            if got is not None:
+                votes = control.checked_ints(got, what="overflow vote", expected="0 or 1",
+                                             allowed=lambda _, v: v in (0, 1))
+                decision = torch.tensor([int(any(votes.values()))], dtype=torch.int64, device=self.device)
+            decided = bool(control.send_from(decision, src=ctl, me=self.rank, ranks=everyone,
+                                             topic=control.Topic.OVERFLOW, shape=(1,), dtype=torch.int64,
+                                             device=self.device, doing="hearing whether any gradient overflowed")
+                           .item())
+        self.scaler.update(decided)
+        return decided or mine
+
+    def _losses(self) -> tuple[float, int]:
+        """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.
+
+        ``step_losses`` keeps this rank's share of the step objective (sum / M, dropped ones as 0),
+        which is what the gradients of the step are gradients of.
+        """
+        if self.stage is None or not self.stage.is_last:
+            return 0.0, 0
+        kept = [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
+        self.step_losses.append(sum(kept) / self.num_mb)
+        return sum(kept), len(kept)

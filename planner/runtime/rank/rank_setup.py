@@ -1,0 +1,177 @@
+"""What a rank builds to run its part of a plan: its checked stage, its subgroups, its optimizer.
+
+The model is rebuilt from ``plan.model.spec`` and its fingerprint checked
+against a fresh export before the process group is joined (``prepare_rank``).
+Each rank builds the model on the meta device and materialises only its own
+stage's parameters (``models`` initialise weights by name, so they equal the
+unpipelined model's); models without that ability are built whole on the CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from models.registry import build_model
+from planner.errors import InvalidInputError
+from planner.runtime.wire import comm
+from planner.runtime.wire.comm import Groups
+from planner.runtime.data import PlanBatches, make_source, resolve_loss
+from planner.runtime.options import RunOptions, check_model_allowed
+from planner.runtime.rank.recompute import build_plan_stage
+from planner.runtime.rank.stage import (
+    EdgeSpecs,
+    SplitGraph,
+    StageRuntime,
+    check_fingerprint,
+    export_model,
+    has_constants,
+    materialize,
+    plan_node_names,
+    split_graph,
+    stage_edges,
+    stage_state_names,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEnv:
+    """This process's place in the launcher's world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls, *, own_store: bool = False) -> "RankEnv":
+        """``own_store``: started without a launcher (``--store``): only ``LOCAL_RANK`` (default 0) is set."""
+        if own_store:
+            return cls(rank=0, world_size=0, local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0))
+        try:
+            return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        except (KeyError, ValueError) as exc:
+            raise InvalidInputError("rank environment", expected="RANK and WORLD_SIZE set (by torchrun or "
+                                    "`stagewise run`)", found=f"missing or bad {exc}",
+                                    fix="start ranks with `stagewise run` or torchrun") from None
+
+
+@dataclass(slots=True)
+class RankSetup:
+    """Everything a rank builds before joining the process group."""
+
+    split: SplitGraph
+    stage: StageRuntime | None
+    edges: dict[int, EdgeSpecs]
+    batches: PlanBatches | None
+    loss_fn: Any
+    device: torch.device
+
+
+def rank_device(opts: RunOptions, env: RankEnv) -> torch.device:
+    if opts.backend == "nccl" or (opts.backend == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def check_model(plan, *, seed: int = 0, model: str | None = None):
+    """Rebuild the plan's model on the meta device, export it and compare fingerprints.
+
+    Returns ``(bundle, exported program)``; raises PlanMismatchError if the
+    model the spec builds today is not the one the plan was made for.
+    """
+
+    ref = plan.model
+    check_model_allowed(ref.spec, model)
+    bundle = build_model(ref.spec, batch=ref.batch, seq=ref.seq, device="meta", seed=seed)
+    ep = export_model(bundle.module, bundle.example_inputs)
+    check_fingerprint(ep, plan)
+    return bundle, ep
+
+
+def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> RankSetup:
+    """Rebuild the model, check the fingerprint, split it and build this rank's stage."""
+
+    ref = plan.model
+    bundle, ep = check_model(plan, seed=opts.seed, model=opts.model)
+    mbs = plan.config.microbatch_size
+    if mbs != ref.batch:  # traced at another batch: export again at the microbatch shape
+        bundle = build_model(ref.spec, batch=mbs, seq=ref.seq, device="meta", seed=opts.seed)
+        ep = export_model(bundle.module, bundle.example_inputs)
+    split = split_graph(bundle.module, bundle.example_inputs, plan_node_names(plan), ep=ep)
+    edges = {b: EdgeSpecs(act=tuple(split.specs[n] for n in stage_edges(split, b + 1)[0]))
+             for b in range(plan.num_stages - 1)}
+    info = plan.ranks[rank]
+    if info.stage is None:
+        return RankSetup(split=split, stage=None, edges=edges, batches=None, loss_fn=None, device=device)
+    model = bundle.module
+    # Presets initialise by parameter name, so a rank can materialise its own stage only and still hold
+    # exactly the weights of `build_model(spec, device="cpu", seed=seed)`. A factory's weights come from
+    # running it under the seed, so those ranks build the whole model.
+    if bundle.preset is not None and callable(getattr(model, "init_weights", None)) and not has_constants(split):
+        materialize(model, stage_state_names(split, info.stage), device)
+        model.init_weights(opts.seed)
+    else:
+        model = build_model(ref.spec, batch=mbs, seq=ref.seq, device=str(device), seed=opts.seed).module
+        if has_constants(split):
+            split = split_graph(model, tuple(t.to(device) for t in bundle.example_inputs), plan_node_names(plan))
+    stage = build_plan_stage(split, plan, info.stage, model, device=device)
+    batches = loss = None
+    if stage.is_first or stage.is_last:
+        source = make_source(bundle, kind=opts.data, seq=ref.seq, seed=opts.seed)
+        batches = PlanBatches(source, global_batch=plan.config.global_batch, microbatch_size=mbs, device=device)
+        loss = resolve_loss(bundle, opts.loss) if stage.is_last else None
+    return RankSetup(split=split, stage=stage, edges=edges, batches=batches, loss_fn=loss, device=device)
+
+
+def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
+    """Create every subgroup on every rank in one order: replicated stages, verifiers, tied parameters."""
+    stage_sets = [plan.stage_ranks(k) for k in range(plan.num_stages)]
+    verifier_ranks = tuple(sorted({v.rank for v in plan.verifiers}))
+    users: dict[str, set[int]] = {}
+    for k in range(plan.num_stages):
+        for name in stage_state_names(split, k):
+            users.setdefault(name, set()).add(k)
+    tied: dict[tuple[int, ...], list[str]] = {}
+    params = {target for kind, target in split.state.values() if kind == "param"}
+    for name, stages in sorted(users.items()):
+        if len(stages) > 1 and name in params:  # a tied parameter: its stages sum its gradient
+            ranks = tuple(sorted(r for k in stages for r in plan.stage_ranks(k)))
+            tied.setdefault(ranks, []).append(name)
+    tied_sets = sorted(tied)
+    made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets], timeout_s=timeout_s)
+    info = plan.ranks[rank]
+    groups = Groups()
+    if info.stage is not None:
+        groups.stage, groups.stage_ranks = made[info.stage], stage_sets[info.stage]
+    groups.verifiers, groups.verifier_ranks = made[len(stage_sets)], verifier_ranks
+    for ranks, group in zip(tied_sets, made[len(stage_sets) + 1:]):
+        if group is not None:
+            groups.tied.append((group, ranks, tuple(tied[ranks])))
+    return groups
+
+
+DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3}
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *,
+                   lr: float | None) -> torch.optim.Optimizer | None:
+    """SGD or Adam over this rank's parameters (the plan's ``config.optimizer``; lr default per DEFAULT_LR)."""
+    params = list(params)
+    if not params:
+        return None
+    if name not in DEFAULT_LR:
+        raise InvalidInputError("optimizer", expected="sgd or adam", found=repr(name))
+    rate = DEFAULT_LR[name] if lr is None else lr
+    return torch.optim.SGD(params, lr=rate) if name == "sgd" else torch.optim.Adam(params, lr=rate)
+
+
+def make_lr_warmup(optimizer: torch.optim.Optimizer | None,
+                   steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A linear learning-rate warm-up: step ``k`` (from 0) trains at ``lr * min(1, (k + 1) / steps)``, as
+    most recipes start, since full-rate Adam steps on a fresh model can spike the loss. None: no warm-up."""
+    if optimizer is None or steps <= 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / steps))
