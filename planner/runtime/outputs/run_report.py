@@ -59,7 +59,7 @@ def gather_finals(final: dict[str, Any], env: RankEnv, plan, device: torch.devic
     """Every rank's final record at the control rank, point to point (None elsewhere). A record must say
     which rank it is, and only a verifier rank may report bans: a rank that claims otherwise broke the
     protocol and is named."""
-    got = control.json_to(final, dst=control.control_rank(plan), me=env.rank, ranks=range(env.world_size),
+    got = control.json_to(final, dst=control.CONTROL_RANK, me=env.rank, ranks=range(env.world_size),
                           what="run summary", schema=RANK_FINAL_SCHEMA, device=device,
                           doing="gathering the run summaries")
     if got is None:

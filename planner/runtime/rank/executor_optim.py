@@ -88,7 +88,7 @@ class GradientSteps:
         mine = bool(self.scaler.unscale(self.params))
         decided = mine
         if self.plan.num_ranks > 1:
-            ctl, everyone = control.control_rank(self.plan), range(self.plan.num_ranks)
+            ctl, everyone = control.CONTROL_RANK, range(self.plan.num_ranks)
             vote = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
             got = control.gather_to(vote, dst=ctl, me=self.rank, ranks=everyone, topic=control.Topic.OVERFLOW,
                                     device=self.device, doing="voting whether any gradient overflowed")

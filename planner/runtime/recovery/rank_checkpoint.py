@@ -56,7 +56,7 @@ def resume_step(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None
 def _agreed_resume_step(plan, opts: RunOptions, env: RankEnv, device: torch.device, key: bytes) -> int:
     """The control rank checks the checkpoints (signatures, every file's hash), says which newer ones it
     refused and why, and sends every rank the step to resume from."""
-    ctl = control.control_rank(plan)
+    ctl = control.CONTROL_RANK
     chosen = None
     if env.rank == ctl:
         found = checkpoint.latest(opts.checkpoint_dir, fingerprint=plan.model.fingerprint, key=key)
@@ -96,7 +96,7 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
     digest = checkpoint.save_rank(opts.checkpoint_dir, step=step, rank=env.rank, fingerprint=plan.model.fingerprint,
                                   params=forge.planted(plan, params) if forge else params, optimizer=optimizer,
                                   state=rank_state(plan, verify, executor))
-    ctl, everyone, device = control.control_rank(plan), range(env.world_size), executor.device
+    ctl, everyone, device = control.CONTROL_RANK, range(env.world_size), executor.device
     mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8).to(device)
     got = control.gather_to(mine, dst=ctl, me=env.rank, ranks=everyone, topic=control.Topic.CHECKPOINT,
                             device=device, doing=f"writing the checkpoint of step {step}")

@@ -10,7 +10,7 @@ naming the sender), decides, and sends the decision to each rank (:func:`send_fr
 receives for control messages from the deciding rank only, so what another rank sends in its name is
 never read.
 
-The deciding rank is :func:`control_rank` (rank 0, which runs the first stage on a trusted device) for
+The deciding rank is :data:`CONTROL_RANK` (rank 0, which runs the first stage on a trusted device) for
 the run's own decisions, and the lowest verifier rank for verdicts; :func:`check_authorities` refuses a
 verified plan where either is untrusted.
 """
@@ -29,7 +29,7 @@ from planner.runtime.wire import comm, messages
 if TYPE_CHECKING:
     from planner.plan import Plan
 
-CONTROL_RANK = 0
+CONTROL_RANK = 0  # decides for the run (fp16 overflow, checkpoints, the resume step, the result)
 
 
 class Topic(enum.IntEnum):
@@ -38,16 +38,10 @@ class Topic(enum.IntEnum):
     VERDICTS = 0     # the lead verifier's bans, unresolved flags and trained count of a step
     TRAINED = 1      # a first-stage rank's count of microbatches that trained this step
     OVERFLOW = 2     # a rank's fp16 overflow vote, and the control rank's decision
-    CHECKPOINT = 3   # a rank wrote its checkpoint file; then the control rank's stop decision
+    CHECKPOINT = 3   # the sha256 of a rank's checkpoint file; then the control rank's stop decision
     SUMMARY = 4      # a rank's final summary (JSON), to the control rank
     RESUME = 5       # the checkpoint step every rank resumes from
     MEMBERSHIP = 6   # rank 0's nonce, each rank's proof of the run secret, rank 0's finding
-
-
-def control_rank(plan: "Plan") -> int:
-    """The rank that decides for the run (fp16 overflow, checkpoints, the result)."""
-    del plan
-    return CONTROL_RANK
 
 
 def trusted_ranks(plan: "Plan") -> frozenset[int]:
@@ -61,7 +55,7 @@ def check_authorities(plan: "Plan", *, verifying: bool) -> None:
     if not verifying:
         return
     trusted = trusted_ranks(plan)
-    deciders = {control_rank(plan), *(v.rank for v in plan.verifiers)}
+    deciders = {CONTROL_RANK, *(v.rank for v in plan.verifiers)}
     bad = sorted(deciders - trusted)
     if bad:
         raise InvalidInputError(f"plan ranks {bad}", expected="the control rank (0) and the verifier ranks on "
