@@ -7,6 +7,7 @@ placement as drawn) after ``keep_link_tests`` at several ``link_test_cost`` shar
 placement keeping the most tests, its objective against the simulated step of its compiled programs.
 
     python benchmarks/link_tests.py [--seeds 60] [--out benchmarks/results/link_tests.json]
+    python benchmarks/link_tests.py --quick   # a smoke run: the first few seeds, nothing written
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tests.unit.program_fixtures import POLICY, random_placement, wide_area_clus
 from tests.unit.solver_fixtures import random_chain  # noqa: E402
 
 SHARES = (0.0, 0.05, 0.2, 10.0)
+QUICK_SEEDS = 4
 
 
 def simulated_ms(problem, placement, chain, cluster, config, policy) -> tuple[float, float]:
@@ -78,10 +80,14 @@ def case(seed: int) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=60)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "link_tests.json"))
+    parser.add_argument("--seeds", type=int, default=None, help="random cases drawn (default 60; --quick: 4)")
+    parser.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/link_tests.json, "
+                                                    "none with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: the first few seeds, nothing written")
     args = parser.parse_args()
-    rows = [r for r in (case(s) for s in range(args.seeds)) if r is not None]
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else 60)
+    out = args.out or (None if args.quick else str(Path(__file__).parent / "results" / "link_tests.json"))
+    rows = [r for r in (case(s) for s in range(seeds)) if r is not None]
     print(f"{'seed':>5} {'lost':>5} " + " ".join(f"{'left@' + format(s, 'g'):>9} {'x@' + format(s, 'g'):>7}"
                                             for s in SHARES) + f" {'obj-sim':>8}")
     for r in rows:
@@ -93,7 +99,8 @@ def main() -> None:
                "within_5pct": sum(abs(r["objective_vs_simulated"]) <= 0.05 for r in rows),
                "worst_objective_vs_simulated": max((r["objective_vs_simulated"] for r in rows), key=abs, default=None)}
     print(summary)
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    if out is not None:
+        Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

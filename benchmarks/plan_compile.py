@@ -13,7 +13,8 @@ same layout without replicas, verifiers or communication equals the closed
 form (M + S - 1)(t_f + t_b).
 
 Run: ``python benchmarks/plan_compile.py [--quick]``. Prints a table and writes
-``benchmarks/results/plan_compile.json``. Timings are noisy on a shared machine.
+``benchmarks/results/plan_compile.json`` (``--quick``: the small cases, nothing written). Timings are noisy on a
+shared machine.
 """
 from __future__ import annotations
 
@@ -64,9 +65,11 @@ def _chain(n_blocks: int, out_bytes: int) -> BlockChain:
                       input_bytes=4096, microbatch_size=1)
 
 
-def _cluster(n_gpus: int, bandwidth_gbps: float, latency_ms: float) -> ClusterSpec:
+def _cluster(n_gpus: int, bandwidth_gbps: float, latency_ms: float,
+             trusted: frozenset[str] = frozenset()) -> ClusterSpec:
     link = {"bandwidth_gbps": bandwidth_gbps, "latency_ms": latency_ms}
-    hosts = [{"name": f"g{i}", "region": "r", "trust": f"g{i}", "trusted": i == 0 or i == n_gpus - 1,
+    hosts = [{"name": f"g{i}", "region": "r", "trust": f"g{i}",
+              "trusted": f"g{i}" in trusted or i == 0 or i == n_gpus - 1,
               "devices": [{"type": GPU["name"], "spec": GPU, "count": 1}]} for i in range(n_gpus)]
     hosts.append({"name": "verifier", "region": "r", "trust": "op", "trusted": True, "role": "verifier",
                   "devices": [{"type": CPU["name"], "spec": CPU, "count": 1}]})
@@ -92,10 +95,16 @@ def _solution(S: int, M: int, *, replicas: bool, verify: bool) -> tuple[Solution
                     predicted_step_ms=0.0, memory_bytes=(), report=report), dev
 
 
+def _trusted_hosts(sol: Solution) -> frozenset[str]:
+    """Stage 0 and the odd stages run on trusted hosts: the verifiers above (an odd stage checks the even boundary
+    before it, the CPU host the rest) then satisfy the trust policy that ``load_plan`` checks."""
+    return frozenset(d.split("/")[0] for st in sol.stages if st.index == 0 or st.index % 2 for d in st.devices)
+
+
 def _case(S: int, M: int, folder: Path) -> dict:
     ch = _chain(2 * S, out_bytes=2**22)
     sol, n_gpus = _solution(S, M, replicas=True, verify=True)
-    cluster = _cluster(n_gpus, 100.0, 0.05)
+    cluster = _cluster(n_gpus, 100.0, 0.05, _trusted_hosts(sol))
     cfg = TrainingConfig(global_batch=M, microbatch_size=1, schedule="1f1b")
     ref = ModelRef(spec="bench", name="bench", fingerprint=ch.fingerprint, batch=1)
     t0 = time.perf_counter()
@@ -127,7 +136,7 @@ def _case(S: int, M: int, folder: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only the small cases")
+    parser.add_argument("--quick", action="store_true", help="only the small cases; writes nothing")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         all(r["closed_form_rel_err"] < 1e-9 for r in rows)
     console.print(f"goal (largest case compile <= {COMPILE_GOAL_S} s, load <= {LOAD_GOAL_S} s, closed form exact): "
                   f"{'met' if ok else 'NOT met'}")
+    if args.quick:  # a smoke run: nothing written, and a slow shared machine does not fail it
+        print("quick run: nothing written")
+        return 0 if all(r["closed_form_rel_err"] < 1e-9 for r in rows) else 1
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"benchmark": "plan_compile", "quick": args.quick, "goal_met": ok,
                                    "goals": {"compile_s": COMPILE_GOAL_S, "load_s": LOAD_GOAL_S},

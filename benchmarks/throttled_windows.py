@@ -9,6 +9,7 @@ blocks) on 1-3 hosts of eight GPUs; ``wide``, the one-cost tests' wide-area plac
 (``tests.unit.program_fixtures``). Goal: every objective within 5% of its simulated step.
 
     python benchmarks/throttled_windows.py [--seeds 600] [--out benchmarks/results/throttled_windows.json]
+    python benchmarks/throttled_windows.py --quick   # a smoke run: a few seeds per family, nothing written
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from tests.unit.program_fixtures import (  # noqa: E402
 from tests.unit.solver_fixtures import random_chain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throttled_windows.json"
+QUICK_SEEDS = 6
 MAX_WINDOW = 8  # limits drawn from 1..MAX_WINDOW: most replicas of these pipelines want more in flight
 
 
@@ -116,14 +118,19 @@ def summary(errors: list[float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=600, help="random placements drawn per family")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--seeds", type=int, default=None, help="random placements drawn per family (default 600; "
+                                                                  f"--quick: {QUICK_SEEDS})")
+    parser.add_argument("--out", default=None, help="the JSON to write (default benchmarks/results/"
+                                                    "throttled_windows.json, none with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few seeds per family, nothing written")
     args = parser.parse_args()
-    doc = {"date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "max_window": MAX_WINDOW, "families": {}}
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else 600)
+    out = args.out or (None if args.quick else str(RESULTS))
+    doc = {"date": time.strftime("%Y-%m-%d"), "seeds": seeds, "max_window": MAX_WINDOW, "families": {}}
     print(f"{'family':8} {'cases':>5} {'within 5%':>9} {'mean |err| %':>12} {'mean err %':>10} {'worst %':>14}")
     for family in ("lab", "wide"):
         rows = []
-        for seed in range(args.seeds):
+        for seed in range(seeds):
             got = case(seed, family)
             if got is not None:
                 rows.append({"seed": seed, "objective_ms": round(got[0], 1), "simulated_ms": round(got[1], 1),
@@ -132,7 +139,8 @@ def main() -> None:
         doc["families"][family] = {"summary": s, "rows": rows}
         print(f"{family:8} {s['cases']:5d} {s['within_5pct']:9d} {s['mean_abs_err_pct']:12.3f} {s['mean_err_pct']:10.3f}"
               f" {s['worst_under_pct']:6.1f} / {s['worst_over_pct']:+.1f}")
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if out is not None:
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

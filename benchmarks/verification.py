@@ -35,7 +35,7 @@ verification, for gpt-tiny and GPTs of d=384 and d=768, with the verifier on a s
 or on a CPU-only verifier host.
 
     python benchmarks/verification.py            # writes benchmarks/results/verification.json
-    python benchmarks/verification.py --quick    # a smoke run
+    python benchmarks/verification.py --quick    # a smoke run of every section, tiny: writes nothing unless --out
     python benchmarks/verification.py --only detection --out FILE   # all but `stagewise run` on vs off
     python benchmarks/verification.py --only clean_wide --out FILE  # rerun only the wide clean runs, merged into FILE
     python benchmarks/verification.py --only overhead [--models gpt-tiny] [--reps 2] [--wait-first]
@@ -86,6 +86,7 @@ ATTACKS: dict[str, str] = {
 }
 GOALS = {"f1": 0.95, "fpr": 0.005, "overhead": 0.05}
 ATTACKER = 1
+RESULTS = ROOT / "benchmarks" / "results" / "verification.json"
 
 
 def plan_default_config() -> dict[str, Any]:
@@ -300,6 +301,11 @@ def median_step_ms(results: list[RunResult]) -> float:
 # Three seeds each: one seed's FPR hid a run whose drift test locked out (seed 2 at lr 1e-3).
 WIDE_CLEAN = {"d_model": 256, "microbatch_size": 12, "steps": 100, "lrs": ((1e-3, 0), (3e-4, 0), (1e-3, 20)),
               "seeds": (0, 1, 2)}
+# --quick: every section on its smallest case (the monitors' 5 warm-up steps, then a few attacked ones)
+QUICK: dict[str, Any] = {"steps": 10, "start": 6, "attacks": ("zeros", "grad-sign-flip"), "overhead_steps": 3,
+                         "wide": {**WIDE_CLEAN, "microbatch_size": 2, "steps": 6, "lrs": ((1e-3, 0),), "seeds": (0,)},
+                         "cost": {"widths": (64,), "seq": 32, "steps": 2},
+                         "distributed": {"hosts": (False,), "depth": 2}}
 
 
 def wide_clean(*, d_model: int, microbatch_size: int, steps: int, lrs: tuple[tuple[float, int], ...],
@@ -404,9 +410,9 @@ OVERHEAD_MODELS: dict[str, tuple[str, int | None, int]] = {
     "gpt-tiny": ("gpt-tiny", None, 30), "gpt d=384": (WIDE_GPT, WIDE_SEQ, 8), "gpt d=768": (WIDER_GPT, WIDE_SEQ, 6)}
 
 
-def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None) -> Path:
-    """A 4-stage, 4-microbatch plan of ``spec`` on local CPUs whose verifier checks every
-    boundary both ways: a CPU-only verifier host (rank 4) if ``host``, else rank 0 (the
+def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None, depth: int = 4) -> Path:
+    """A ``depth``-stage, 4-microbatch plan of ``spec`` on local CPUs whose verifier checks every
+    boundary both ways: a CPU-only verifier host (rank ``depth``) if ``host``, else rank 0 (the
     first stage's device, trusted) as the tests' plans and a small deployment would."""
     from cost_models.training import TrainingConfig
     from models.registry import build_model
@@ -426,7 +432,7 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     bundle = build_model(spec, batch=microbatch, seq=seq, device="meta")
     chain = coarsen(trace(bundle.module, bundle.example_inputs, name=spec))
     hosts = [{"name": f"h{i}", "region": "local", "trust": "operator", "trusted": True,
-              "devices": [{"type": "CPU", "count": 1}]} for i in range(4)]
+              "devices": [{"type": "CPU", "count": 1}]} for i in range(depth)]
     if host:
         hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
                       "role": "verifier"})
@@ -435,12 +441,14 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
                                                "default": {"bandwidth_gbps": 10, "latency_ms": 0.05}}})
     ids = [d.id for d in cluster.devices]
     layers = len(chain.blocks) - 2                       # embed, layers..., head
-    cuts = [1 + round(k * layers / 4) for k in range(5)]
-    ranges = [(0 if k == 0 else cuts[k], len(chain.blocks) - 1 if k == 3 else cuts[k + 1] - 1) for k in range(4)]
+    cuts = [1 + round(k * layers / depth) for k in range(depth + 1)]
+    ranges = [(0 if k == 0 else cuts[k], len(chain.blocks) - 1 if k == depth - 1 else cuts[k + 1] - 1)
+              for k in range(depth)]
     stages = tuple(StagePlacement(index=k, first_block=lo, last_block=hi, devices=(ids[k],), microbatches=(count,))
                    for k, (lo, hi) in enumerate(ranges))
-    verifier = ids[4] if host else ids[0]
-    checks = tuple(VerifierPlacement(boundary=b, device=verifier, directions=("act", "grad")) for b in range(3))
+    verifier = ids[depth] if host else ids[0]
+    checks = tuple(VerifierPlacement(boundary=b, device=verifier, directions=("act", "grad"))
+                   for b in range(depth - 1))
     report = SolveReport(method="hand", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
     solution = Solution(stages=stages, verifiers=checks, num_microbatches=count, schedule="1f1b",
                         predicted_step_ms=0.0, memory_bytes=(), report=report)
@@ -453,7 +461,8 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
 
 
 def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps: int,
-                         wait_first: bool = False, slowdown: float = 1.0) -> list[dict[str, Any]]:
+                         wait_first: bool = False, slowdown: float = 1.0,
+                         hosts: tuple[bool, ...] = (False, True), depth: int = 4) -> list[dict[str, Any]]:
     """Step time of ``stagewise run`` with and without verification (the same plan, runs
     interleaved so that the machine's load drifts into both alike): per model and verifier
     placement, the median over runs of each run's median step (wall) and of its CPU time
@@ -462,22 +471,23 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
     before using the tensor (``--wait-verdicts``, the executor's old way). ``slowdown`` > 1:
     every stage's compute emulated ``slowdown`` times slower than this CPU (``stagewise run
     --emulate-speed --emulate-slowdown``), so its core idles during compute as a GPU's host
-    CPU does, and the checks can overlap it as they would there."""
+    CPU does, and the checks can overlap it as they would there. ``hosts``: the verifier placements timed
+    (True: on a CPU verifier host, False: on stage rank 0); ``depth``: the plans' stages."""
     import tempfile
 
     modes = ("off", "on") + (("wait",) if wait_first else ())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, seq, steps) in models.items():
-            for host in (False, True):
-                path = overhead_plan(spec, Path(tmp), host=host, seq=seq)
+            for host in hosts:
+                path = overhead_plan(spec, Path(tmp), host=host, seq=seq, depth=depth)
                 runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
                 for _ in range(reps):
                     for mode in modes:
                         runs[mode].append(_overhead_run(path, steps, mode, slowdown))
                 ms = {m: statistics.median(r["ms"] for r in runs[m]) for m in modes}
                 cpu = {m: statistics.median(r["cpu"] for r in runs[m]) for m in modes}
-                row = {"model": name, "verifier": "CPU host (rank 4)" if host else "stage rank 0",
+                row = {"model": name, "verifier": f"CPU host (rank {depth})" if host else "stage rank 0",
                        "steps": steps, "runs": reps, "slowdown": slowdown, "step_ms_verify_on": round(ms["on"], 1),
                        "step_ms_verify_off": round(ms["off"], 1), "overhead": round(ms["on"] / ms["off"] - 1.0, 4),
                        "cpu_ms_verify_on": round(cpu["on"], 1), "cpu_ms_verify_off": round(cpu["off"], 1),
@@ -510,7 +520,11 @@ def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0) -> d
 
 def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, attacks: dict[str, str],
               labels: bool, distributed: dict[str, tuple[str, int | None, int]], reps: int,
-              wide: dict[str, Any] | None = None) -> dict[str, Any]:
+              wide: dict[str, Any] | None = None, cost: dict[str, Any] | None = None,
+              distributed_shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every section; ``cost``: check_cost's arguments (default: widths 64, 256 and, with more than four
+    attacks, 768); ``distributed_shape``: distributed_overhead's ``hosts`` and ``depth`` (default: both
+    verifier placements, 4 stages)."""
     base = RunConfig(steps=steps, start=start, labels=labels)
     clean_cfg = RunConfig(steps=clean_steps, start=start, labels=labels)
     clean_on = [run(_with(clean_cfg, seed=s)) for s in seeds]
@@ -534,8 +548,9 @@ def benchmark(*, steps: int, clean_steps: int, seeds: list[int], start: int, att
         "attacks": {},
     }
     report["clean_wide"] = wide_clean(**wide) if wide else []
-    report["overhead"]["at_width"] = check_cost((64, 256, 768) if len(attacks) > 4 else (64, 256))
-    report["overhead"]["distributed"] = distributed_overhead(distributed, reps=reps)
+    report["overhead"]["at_width"] = check_cost(**(cost or {"widths": (64, 256, 768) if len(attacks) > 4
+                                                            else (64, 256)}))
+    report["overhead"]["distributed"] = distributed_overhead(distributed, reps=reps, **(distributed_shape or {}))
     clean_val = _mean(r.val_loss for r in short_clean)
     for name, spec in attacks.items():
         on = [run(_with(base, seed=s, attack=spec)) for s in seeds]            # the attacker never stops
@@ -612,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-labels", dest="labels", action="store_false",
                         help="do not give the monitors the token ids")
     parser.add_argument("--reps", type=int, default=2, help="runs per setting of the distributed overhead")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification.json"))
+    parser.add_argument("--out", default=None, help="the JSON to write or merge into (default "
+                                                    "benchmarks/results/verification.json, none with --quick)")
     parser.add_argument("--only", choices=("all", "overhead", "detection", "clean_wide"), default="all",
                         help="overhead: rerun only the distributed overhead (`stagewise run` on vs off) and "
                              "merge it into --out; detection: everything but the distributed overhead; "
@@ -626,23 +642,25 @@ def main(argv: list[str] | None = None) -> int:
                              "CPU (results in overhead.distributed_emulated)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    out = Path(args.out) if args.out else (None if args.quick else RESULTS)
     if args.only == "overhead":
-        return only_overhead(Path(args.out), reps=args.reps, models=args.models, wait_first=args.wait_first,
-                             slowdown=args.slowdown)
+        return only_overhead(out, reps=args.reps, models=args.models, wait_first=args.wait_first,
+                             slowdown=args.slowdown, steps=QUICK["overhead_steps"] if args.quick else None)
     if args.only == "clean_wide":
-        quick_wide = {**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),), "seeds": (0,)}
-        return only_clean_wide(Path(args.out), wide=quick_wide if args.quick else WIDE_CLEAN)
+        return only_clean_wide(out, wide=QUICK["wide"] if args.quick else WIDE_CLEAN)
     detection_only = args.only == "detection"
     if args.quick:
-        attacks = {k: ATTACKS[k] for k in ("zeros", "grad-sign-flip", "delay", "noise")}
-        report = benchmark(steps=30, clean_steps=40, seeds=[0], start=15, attacks=attacks, labels=args.labels,
-                           distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None, 12)}, reps=1,
-                           wide={**WIDE_CLEAN, "steps": 40, "lrs": ((1e-3, 0),), "seeds": (0,)})
+        attacks = {k: ATTACKS[k] for k in QUICK["attacks"]}
+        report = benchmark(steps=QUICK["steps"], clean_steps=QUICK["steps"], seeds=[0], start=QUICK["start"],
+                           attacks=attacks, labels=args.labels, reps=1,
+                           distributed={} if detection_only else {"gpt-tiny": ("gpt-tiny", None,
+                                                                               QUICK["overhead_steps"])},
+                           wide=QUICK["wide"], cost=QUICK["cost"], distributed_shape=QUICK["distributed"])
     else:
         report = benchmark(steps=60, clean_steps=200, seeds=[0, 1], start=20, attacks=ATTACKS, labels=args.labels,
                            distributed={} if detection_only else {m: OVERHEAD_MODELS[m] for m in args.models},
                            reps=args.reps, wide=WIDE_CLEAN)
-    old = json.loads(Path(args.out).read_text()) if detection_only and Path(args.out).exists() else {}
+    old = json.loads(out.read_text()) if detection_only and out is not None and out.exists() else {}
     for key, value in old.get("overhead", {}).items():
         if key.startswith("distributed"):   # --only detection times no distributed run: the last stays
             report["overhead"][key] = value
@@ -656,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                          "note": "timings on a shared, loaded machine are noisy"}
     print_table(report)
-    _write(report, Path(args.out))
+    if out is not None:
+        _write(report, out)
     return 0
 
 
@@ -664,15 +683,17 @@ def distributed_goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
     return {f"{r['model']} / {r['verifier']}": r["overhead"] <= GOALS["overhead"] for r in rows}
 
 
-def only_overhead(out: Path, *, reps: int, models: list[str], wait_first: bool, slowdown: float = 1.0) -> int:
+def only_overhead(out: Path | None, *, reps: int, models: list[str], wait_first: bool, slowdown: float = 1.0,
+                  steps: int | None = None) -> int:
     """Rerun the distributed overhead alone and merge it into the report at ``out`` (the
-    detection results there are kept); records how long it took and the machine's load.
-    With a ``slowdown`` the rows go to ``distributed_emulated`` (see :func:`distributed_overhead`)."""
+    detection results there are kept; None: nothing written); records how long it took and the machine's load.
+    With a ``slowdown`` the rows go to ``distributed_emulated`` (see :func:`distributed_overhead`).
+    ``steps``: steps per run instead of each model's own (a smoke run)."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    rows = distributed_overhead({m: OVERHEAD_MODELS[m] for m in models}, reps=reps, wait_first=wait_first,
-                                slowdown=slowdown)
+    chosen = {m: OVERHEAD_MODELS[m][:2] + (steps or OVERHEAD_MODELS[m][2],) for m in models}
+    rows = distributed_overhead(chosen, reps=reps, wait_first=wait_first, slowdown=slowdown)
     duration_s = time.perf_counter() - t0
-    report = json.loads(out.read_text()) if out.exists() else {"overhead": {}, "goals": {}}
+    report = json.loads(out.read_text()) if out is not None and out.exists() else {"overhead": {}, "goals": {}}
     section = "distributed" if slowdown == 1.0 else "distributed_emulated"
     # Rows of the models not rerun stay; the rerun ones replace theirs (in OVERHEAD_MODELS' order).
     kept = [r for r in report["overhead"].get(section, []) if r["model"] not in models]
@@ -701,21 +722,23 @@ def only_overhead(out: Path, *, reps: int, models: list[str], wait_first: bool, 
               + (f"; waiting first {row['step_ms_wait_first']:.1f} ms ({100 * row['overhead_wait_first']:+.1f}% "
                  f"wall, {100 * row['cpu_overhead_wait_first']:+.1f}% CPU)" if "step_ms_wait_first" in row else ""))
     print(f"took {duration_s:.0f} s; load average before {load_before}, after {os.getloadavg()}")
-    _write(report, out)
+    if out is not None:
+        _write(report, out)
     return 0
 
 
-def only_clean_wide(out: Path, *, wide: dict[str, Any]) -> int:
+def only_clean_wide(out: Path | None, *, wide: dict[str, Any]) -> int:
     """Rerun the wide clean runs alone and merge them into the report at ``out`` (its other
-    sections are kept)."""
+    sections are kept; None: nothing written)."""
     rows = wide_clean(**wide)
-    report = json.loads(out.read_text()) if out.exists() else {}
+    report = json.loads(out.read_text()) if out is not None and out.exists() else {}
     report["clean_wide"] = rows
     report.setdefault("goals", {})["fpr_wide"] = {_wide_key(r): r["fpr"] <= GOALS["fpr"]
                                                   for r in rows}
     for row in rows:
         print(_wide_line(row))
-    _write(report, out)
+    if out is not None:
+        _write(report, out)
     return 0
 
 

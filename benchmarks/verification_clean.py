@@ -20,6 +20,7 @@ per-sample false-positive rate (flagged checks / checks) and the rate over
 
     python benchmarks/verification_clean.py                       # 10^4 steps per shape
     python benchmarks/verification_clean.py --steps 200 --shapes split --out FILE
+    python benchmarks/verification_clean.py --quick           # a smoke run: a few steps per shape, nothing written
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ SHAPES: dict[str, tuple[tuple[tuple[tuple[int, str], ...], ...], dict[int, int]]
     "replicated": ((ALL,), {1: 4}),
 }
 FPR_GOAL = 0.001   # per sample (issue 20)
+QUICK_STEPS = 8
+RESULTS = ROOT / "benchmarks" / "results" / "verification_clean.json"
 
 
 class ShapedPipeline(Pipeline):
@@ -127,22 +130,27 @@ def _senders(shape: str) -> set[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per shape (default 10^4; --quick: {QUICK_STEPS})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--progress-every", type=int, default=1000, help="print the counts every N steps")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification_clean.json"),
-                        help="rows are merged into this JSON (one per shape, steps and seed)")
+    parser.add_argument("--out", default=None, help="rows are merged into this JSON (one per shape, steps and seed; "
+                                                    "default benchmarks/results/verification_clean.json, none with "
+                                                    "--quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps per shape, nothing written")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    out = Path(args.out)
+    steps = args.steps or (QUICK_STEPS if args.quick else 10_000)
+    out = Path(args.out) if args.out else (None if args.quick else RESULTS)
     for shape in args.shapes:
-        row = clean_run(shape, steps=args.steps, seed=args.seed, progress_every=args.progress_every)
+        row = clean_run(shape, steps=steps, seed=args.seed, progress_every=args.progress_every)
         row["goal_fpr_per_sample"] = row["fpr_per_sample"] <= FPR_GOAL and not row["banned"]
         print(f"{shape}: {row['steps']} steps, seed {row['seed']}: {row['checks']} checks, "
               f"{row['flags_microbatch']} microbatch flags ({100 * row['fpr_per_sample']:.3f}%), "
               f"{row['flags_step']} step flags ({row['alerts']} alerts), {row['dropped']} dropped, {row['blamed_pairs']} blamed pairs "
               f"({100 * row['fpr_pairs']:.3f}%), banned {row['banned']}, {row['duration_s']:.0f} s", flush=True)
+        if out is None:
+            continue
         report = json.loads(out.read_text()) if out.exists() else {"rows": []}
         report["rows"] = [r for r in report["rows"]
                           if (r["shape"], r["steps"], r["seed"]) != (shape, row["steps"], row["seed"])] + [row]

@@ -20,7 +20,8 @@ Per strength, pooled over seeds:
   minus a clean run's of the same length and seed (the mean over seeds).
 
     python benchmarks/verification_sweep.py            # writes benchmarks/results/verification_sweep.{json,png}
-    python benchmarks/verification_sweep.py --quick    # a smoke run of a few points (writes nothing unless --out)
+    python benchmarks/verification_sweep.py --quick    # a smoke run of a few points (JSON and PNG to a temporary
+                                                       # folder unless --out)
     python benchmarks/verification_sweep.py --replot benchmarks/results/verification_sweep.json   # the PNG only
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,16 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return 0
     torch.set_num_threads(1)
-    if args.quick:
-        report = sweep(SweepConfig(seeds=(0,), start=15, attack_steps=15), QUICK)
+    if args.quick:  # past the monitors' 5 warm-up steps, a few attacked ones
+        report = sweep(SweepConfig(seeds=(0,), start=6, attack_steps=5), QUICK)
     else:
         report = sweep(SweepConfig(), {family: strengths for family, (_, strengths, _) in FAMILIES.items()})
     print_table(report)
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "verification_sweep.json"))
-    if out:
-        _write(report, Path(out))
-        plot(report, Path(out).with_suffix(".png"))
+    if args.out or not args.quick:
+        _save(report, Path(args.out or ROOT / "benchmarks" / "results" / "verification_sweep.json"))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:  # a smoke run writes and draws too, but not into results/
+            _save(report, Path(tmp) / "verification_sweep.json")
     return 0
+
+
+def _save(report: dict[str, Any], out: Path) -> None:
+    """The JSON at ``out``, the PNG beside it."""
+    _write(report, out)
+    plot(report, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
