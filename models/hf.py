@@ -437,15 +437,22 @@ def _own_rotary_tables(model: nn.Module) -> bool:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def tokenizer_folder(spec: str) -> Path | None:
-    """The model folder of an ``hf:`` spec when it holds a tokenizer (read offline), else None."""
+def model_folder(spec: str) -> Path | None:
+    """The folder of an ``hf:`` path spec (the folder itself, or the one holding its config file), else None."""
     if not is_hf_spec(spec):
         return None
     hs = parse_hf_spec(spec)
     if not hs.is_path:
         return None
     folder = Path(hs.source)
-    folder = folder if folder.is_dir() else folder.parent
+    return folder if folder.is_dir() else folder.parent
+
+
+def tokenizer_folder(spec: str) -> Path | None:
+    """The model folder of an ``hf:`` spec when it holds a tokenizer (read offline), else None."""
+    folder = model_folder(spec)
+    if folder is None:
+        return None
     return folder if any((folder / name).is_file() for name in _TOKENIZER_FILES) else None
 
 

@@ -17,6 +17,7 @@ from planner.model_io import is_onnx_spec
 
 EVENT_PREFIX = "@stagewise "
 FAULT_KINDS = ("die", "hang", "raise")
+INIT_KINDS = ("pretrained", "random")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +80,7 @@ class RunOptions:
     replan_time_limit_s: float = 30.0  # the solver's limit when an elastic start re-plans
     cluster: str | None = None      # the operator's cluster the plan's trust is checked against (planner.plan_load)
     store: tuple[str, int] | None = None  # the run's own store (address, port) instead of torchrun's
+    init: str = "pretrained"        # an hf:DIR model starts from the folder's weights; "random": from its seed
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -109,6 +111,8 @@ class RunOptions:
         if not _finite_above_zero(self.replan_time_limit_s):
             raise InvalidInputError("--replan-time-limit", expected="a finite number of seconds > 0",
                                     found=str(self.replan_time_limit_s))
+        if self.init not in INIT_KINDS:
+            raise InvalidInputError("--init", expected=" or ".join(INIT_KINDS), found=repr(self.init))
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
@@ -139,6 +143,8 @@ class RunOptions:
             argv += ["--checkpoint-every", str(self.checkpoint_every)]
         if self.resume:
             argv.append("--resume")
+        if self.init != "pretrained":
+            argv += ["--init", self.init]
         return argv
 
 
@@ -192,6 +198,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "plan is signed with (default: $STAGEWISE_SECRET, else ~/.config/stagewise/secret)")
     parser.add_argument("--cluster", metavar="NAME|FILE", help="the operator's cluster (packaged name or file): who "
                         "is trusted comes from it, not from the plan's copy (default: the one the plan was made from)")
+    parser.add_argument("--init", choices=INIT_KINDS, default="pretrained",
+                        help="pretrained (default): an hf:DIR model starts from the folder's safetensors weights "
+                             "(a model without saved weights from its seed); random: from the seed's weights. "
+                             "A resumed run starts from its checkpoint either way")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 

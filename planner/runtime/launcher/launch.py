@@ -52,7 +52,7 @@ from planner.runtime.options import (
     refuse_onnx_model,
 )
 from planner.runtime.recovery.rank_checkpoint import STOP_ENV
-from planner.runtime.rank.rank_setup import check_model
+from planner.runtime.rank.rank_setup import check_model, check_pretrained
 from planner.secret import run_secret
 
 _KILL_GRACE_S = 5.0
@@ -69,6 +69,7 @@ def preflight(opts: RunOptions):
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
     bundle, _ = check_model(plan, seed=opts.seed, model=opts.model)
+    check_pretrained(plan, opts, bundle.module)  # saved weights that do not fit the config: before any rank starts
     check_data(bundle, kind=opts.data, seq=plan.model.seq)  # a bad --data file fails here, not on a rank
     if opts.checkpoint_dir is not None:
         checkpoint.check_folder(opts.checkpoint_dir, resume=opts.resume)

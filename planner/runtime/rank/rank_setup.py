@@ -5,6 +5,8 @@ against a fresh export before the process group is joined (``prepare_rank``).
 Each rank builds the model on the meta device and materialises only its own
 stage's parameters (``models`` initialise weights by name, so they equal the
 unpipelined model's); models without that ability are built whole on the CPU.
+An ``hf:DIR`` model then reads its stage's tensors from the folder's weights
+(``models.hf_weights``), unless ``--init random`` or a resumed run (whose checkpoint wins).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from models.hf import model_folder
+from models.hf_weights import WeightFiles, check_weights, find_weights, load_weights
 from models.registry import build_model
 from planner.errors import InvalidInputError
 from planner.runtime.wire import comm
@@ -91,6 +95,25 @@ def check_model(plan, *, seed: int = 0, model: str | None = None):
     return bundle, ep
 
 
+def pretrained_weights(spec: str, opts: RunOptions) -> WeightFiles | None:
+    """The saved weights a run starts from: an ``hf:DIR`` folder's, unless ``--init random``, or a resumed run
+    (it loads its checkpoint instead, so reading the folder's would be wasted)."""
+    if opts.init != "pretrained" or opts.resume:
+        return None
+    folder = model_folder(spec)
+    return find_weights(folder) if folder is not None else None
+
+
+def check_pretrained(plan, opts: RunOptions, model: torch.nn.Module) -> bool:
+    """Before any rank starts: the folder's weights hold every parameter of the plan's ``model`` (built on
+    meta is enough: headers only are read) at its shape. True when the run starts from saved weights."""
+    weights = pretrained_weights(plan.model.spec, opts)
+    if weights is None:
+        return False
+    check_weights(model, weights, what=f"--init pretrained for {plan.model.spec}")
+    return True
+
+
 def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> RankSetup:
     """Rebuild the model, check the fingerprint, split it and build this rank's stage."""
 
@@ -117,6 +140,9 @@ def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> Ran
         model = build_model(ref.spec, batch=mbs, seq=ref.seq, device=str(device), seed=opts.seed).module
         if has_constants(split):
             split = split_graph(model, tuple(t.to(device) for t in bundle.example_inputs), plan_node_names(plan))
+    weights = pretrained_weights(ref.spec, opts)
+    if weights is not None:
+        load_weights(model, weights, stage_state_names(split, info.stage), what=f"--init pretrained for {ref.spec}")
     stage = build_plan_stage(split, plan, info.stage, model, device=device)
     batches = loss = None
     if stage.is_first or stage.is_last:
