@@ -12,7 +12,8 @@ Goal (issue 22): the 7B model plans in bf16 with recomputation where needed on t
 under capacity on every device, objective within 5% of the simulated step.
 
 Run: ``python benchmarks/mixed_7b.py [--time-limit S] [--seqs 2048,4096]``; prints a table and writes
-``benchmarks/results/mixed_7b.json``.
+``benchmarks/results/mixed_7b.json`` (``--quick``: the same path on ``llama-tiny`` at sequence 128, 1 s per plan,
+nothing written).
 """
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ CLUSTER = ROOT / "benchmarks" / "clusters" / "consumer-40.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_7b.json"
 GLOBAL_BATCH = 64
 CASES = (("fp32", "never"), ("fp32", "auto"), ("bf16", "never"), ("bf16", "auto"))
+MODEL = "llama-7b"
+QUICK = {"model": "llama-tiny", "seqs": "128", "time_limit": 1.0}   # a smoke run: seconds, not minutes
 
 
-def _row(chain, cluster, seq: int, dtype: str, recompute: str, time_limit_s: float) -> dict:
+def _row(chain, cluster, seq: int, dtype: str, recompute: str, time_limit_s: float, model: str = MODEL) -> dict:
     start = time.perf_counter()
     row = {"seq": seq, "dtype": dtype, "recompute": recompute}
     try:
-        plan = plan_chain(chain, cluster, spec="llama-7b", seq=seq, global_batch=GLOBAL_BATCH, microbatch_size=1,
+        plan = plan_chain(chain, cluster, spec=model, seq=seq, global_batch=GLOBAL_BATCH, microbatch_size=1,
                           time_limit_s=time_limit_s, dtype=dtype, recompute=recompute)
     except InfeasiblePlanError as exc:
         return {**row, "plan": None, "why": str(exc).split(";")[0], "wall_s": round(time.perf_counter() - start, 1)}
@@ -64,17 +67,23 @@ def _row(chain, cluster, seq: int, dtype: str, recompute: str, time_limit_s: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--time-limit", type=float, default=30.0)
-    ap.add_argument("--seqs", default="2048,4096")
+    ap.add_argument("--time-limit", type=float, default=None, help=f"per plan (s; default 30, --quick: "
+                                                                   f"{QUICK['time_limit']:g})")
+    ap.add_argument("--seqs", default=None, help=f"default 2048,4096 (--quick: {QUICK['seqs']})")
+    ap.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK['model']} instead of {MODEL}, "
+                    "nothing written")
     args = ap.parse_args()
+    model = QUICK["model"] if args.quick else MODEL
+    seqs = args.seqs or (QUICK["seqs"] if args.quick else "2048,4096")
+    time_limit = args.time_limit or (QUICK["time_limit"] if args.quick else 30.0)
     cluster = load_cluster(CLUSTER)
     rows = []
-    for seq in (int(s) for s in args.seqs.split(",")):
+    for seq in (int(s) for s in seqs.split(",")):
         t0 = time.perf_counter()
-        _, chain = load_chain("llama-7b", batch=1, seq=seq)
+        _, chain = load_chain(model, batch=1, seq=seq)
         trace_s = time.perf_counter() - t0
         for dtype, recompute in CASES:
-            row = {**_row(chain, cluster, seq, dtype, recompute, args.time_limit), "trace_s": round(trace_s, 1)}
+            row = {**_row(chain, cluster, seq, dtype, recompute, time_limit, model), "trace_s": round(trace_s, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     head = ("seq", "dtype", "recompute", "plan", "stages", "recompute_stages", "objective_ms", "simulated_ms",
@@ -84,8 +93,11 @@ def main() -> None:
         cells = [("yes" if row["plan"] else "no: " + row["why"][:48]) if k == "plan" else str(row.get(k, "-"))
                  for k in head]
         print("| " + " | ".join(cells) + " |")
+    if args.quick:
+        print("quick run: nothing written")
+        return
     RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-                                   "time_limit_s": args.time_limit, "global_batch": GLOBAL_BATCH,
+                                   "time_limit_s": time_limit, "global_batch": GLOBAL_BATCH,
                                    "cluster": CLUSTER.name, "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -20,7 +20,9 @@ imports took; the plan's simulated step and objective. Wall times are noisy on a
 runs ``--trials`` times.
 
 Run: ``python benchmarks/plan_time.py [--limits 30 60] [--trials 2] [--cases 176,worldwide]``. Prints a table
-and writes ``benchmarks/results/plan_time.json``.
+and writes ``benchmarks/results/plan_time.json``. ``--quick``: a smoke run of both kinds of case, small (``48x40``:
+the same pool's generator at 48 blocks x 40 devices; ``worldwide-tiny``: gpt-tiny traced on the worldwide
+cluster), one trial at a 1 s limit, nothing written.
 """
 from __future__ import annotations
 
@@ -37,24 +39,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "plan_time.json"
 CASES = ("176", "worldwide")
+QUICK_CASES = ("48x40", "worldwide-tiny")
 OVERHEAD_GOAL_S = 5.0
 SECRET = "plan-time-benchmark-secret-0123456789"  # the child signs its plan as the CLI does; a throwaway key
 
 
 def _chain_and_kwargs(case: str):
     """(chain, cluster, plan_chain keyword arguments) of a case; the chain traced or built here."""
-    if case == "176":
+    if case in ("176", "48x40"):
         sys.path.insert(0, str(ROOT))
-        from benchmarks.warm_replan import _case
+        from benchmarks.warm_replan import QUICK_BLOCKS, QUICK_DEVICES, _case
         from planner.solver.policy import VerificationPolicy
-        chain, cluster = _case()
+        chain, cluster = _case() if case == "176" else _case(QUICK_BLOCKS, QUICK_DEVICES)
         return chain, cluster, dict(spec="bench:chain", global_batch=32, policy=VerificationPolicy())
     import cost_models
     from planner.model_io import load_chain
     from planner.solver.policy import VerificationPolicy
-    _, chain = load_chain("gpt-1.3b", batch=1, seq=2048)  # as the CLI: at 1 sample, the solver rescales
+    model, seq = ("gpt-1.3b", 2048) if case == "worldwide" else ("gpt-tiny", 32)
+    _, chain = load_chain(model, batch=1, seq=seq)  # as the CLI: at 1 sample, the solver rescales
     cluster = cost_models.load_cluster(ROOT / "benchmarks" / "clusters" / "dtfm-worldwide.yaml")
-    return chain, cluster, dict(spec="gpt-1.3b", seq=2048, global_batch=512, dtype="float16",
+    return chain, cluster, dict(spec=model, seq=seq, global_batch=512, dtype="float16",
                                 policy=VerificationPolicy(enabled=False))
 
 
@@ -112,19 +116,23 @@ def _print(row: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limits", type=float, nargs="+", default=[30.0, 60.0])
-    ap.add_argument("--trials", type=int, default=2)
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--limits", type=float, nargs="+", default=None, help="default 30 60 (--quick: 1)")
+    ap.add_argument("--trials", type=int, default=None, help="default 2 (--quick: 1)")
+    ap.add_argument("--cases", default=None, help=f"default {','.join(CASES)} (--quick: {','.join(QUICK_CASES)})")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the small cases, one trial, nothing written")
+    ap.add_argument("--child", choices=CASES + QUICK_CASES, help=argparse.SUPPRESS)
     ap.add_argument("--time-limit", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.time_limit, args.out)
+    cases = args.cases or ",".join(QUICK_CASES if args.quick else CASES)
+    limits = args.limits or ([1.0] if args.quick else [30.0, 60.0])
+    trials = args.trials or (1 if args.quick else 2)
     rows = []
-    for case in args.cases.split(","):
-        for limit in args.limits:
-            for _ in range(args.trials):
+    for case in cases.split(","):
+        for limit in limits:
+            for _ in range(trials):
                 rows.append(trial(case, limit))
                 rows[-1]["load_1min"] = os.getloadavg()[0]
                 _print(rows[-1])
@@ -135,6 +143,9 @@ def main() -> int:
                                        max(r["start_and_imports_s"] for r in rows)],
                "load_1min": [min(r["load_1min"] for r in rows), max(r["load_1min"] for r in rows)]}
     print("== summary", json.dumps(summary))
+    if args.quick:
+        print("quick run: nothing written")
+        return 0
     doc = {"benchmark": "plan_time", "summary": summary, "rows": rows,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
            "note": "wall-clock times on a shared 2-core machine (other jobs running): noisy",

@@ -24,8 +24,9 @@ homogeneous 1000 blocks optimal in < 1 s; >= 1.5x better than the uniform
 and parameter-balanced baselines on the heterogeneous example clusters.
 
 Run: ``python benchmarks/solver.py [--quick] [--time-limit S] [--workers N]``.
-Prints tables and writes ``benchmarks/results/solver.json``. Times are
-wall-clock and noisy on a shared machine.
+Prints tables and writes ``benchmarks/results/solver.json`` (``--quick``: a smoke run
+of both parts on the smallest cases, gpt-tiny for the presets, 2 s limits, nothing
+written). Times are wall-clock and noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "solver.json"
 SCALE_CASES = ((48, 8), (200, 16), (200, 64), (1000, 64), (1000, 176))
 PRESETS = ("gpt-1.3b", "llama-7b")
+HOMOGENEOUS_BLOCKS = 1000
+# --quick: the smallest scale case, a short homogeneous chain, a tiny preset, short limits
+PRESET_SEQ = 1024
+QUICK = {"scale_cases": SCALE_CASES[:1], "homogeneous_blocks": 48, "presets": ("gpt-tiny",), "seq": 32,
+         "time_limit": 2.0}
 GOALS = {"max_gap_up_to_1000x64": 0.01, "homogeneous_1000_optimal_s": 1.0, "min_speedup_vs_uniform_params": 1.5}
 
 
@@ -122,7 +128,7 @@ def scale_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     )
 
     rows = []
-    cases = SCALE_CASES[:3] if quick else SCALE_CASES
+    cases = QUICK["scale_cases"] if quick else SCALE_CASES
     policy, config = VerificationPolicy(), _config()
     for blocks, devices in cases:
         rng = np.random.default_rng(blocks * 1000 + devices)
@@ -140,9 +146,10 @@ def scale_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     # The plan path re-checks every plan (planner.check.assert_valid) before compiling it.
     rng = np.random.default_rng(7)
     cluster = homogeneous_cluster(16, host_size=16)
-    chain = random_chain(rng, 1000, param_scale=2.0 * 80e9 / 16 / 1000, act_scale=2e7, flop_scale=2.4e10,
+    blocks = QUICK["homogeneous_blocks"] if quick else HOMOGENEOUS_BLOCKS
+    chain = random_chain(rng, blocks, param_scale=2.0 * 80e9 / 16 / blocks, act_scale=2e7, flop_scale=2.4e10,
                          out_scale=2e7, uniform=True)
-    for label, replicas in (("homogeneous 1000x16, no replicas", 1), ("homogeneous 1000x16, replicas", None)):
+    for label, replicas in ((f"homogeneous {blocks}x16, no replicas", 1), (f"homogeneous {blocks}x16, replicas", None)):
         start = time.perf_counter()
         sol, sim = _plan_and_simulate(chain, cluster, config, policy, time_limit, workers, max_replicas=replicas)
         wall = time.perf_counter() - start
@@ -170,10 +177,10 @@ def example_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
 
     rows = []
     clusters = sorted(PACKAGED_CLUSTERS_DIR.glob("*.yaml"))
-    presets = PRESETS[:1] if quick else PRESETS
+    presets = QUICK["presets"] if quick else PRESETS
     policy, config = VerificationPolicy(), _config()
     for preset in presets:
-        _, chain = load_chain(preset, batch=1, seq=1024)
+        _, chain = load_chain(preset, batch=1, seq=QUICK["seq"] if quick else PRESET_SEQ)
         for path in clusters:
             cluster = load_cluster(path)
             row = {"cluster": path.stem, "model": preset, "blocks": len(chain.blocks),
@@ -240,21 +247,26 @@ def _summary(scale: list[dict], examples: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the three smallest scale cases and one preset")
-    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the smallest scale case, a short homogeneous "
+                    "chain, gpt-tiny on the example clusters, 2 s limits; nothing written")
+    ap.add_argument("--time-limit", type=float, default=None, help="default 30 s (--quick: 2 s)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
-    print(f"== scale (time limit {args.time_limit:.0f} s, {args.workers} workers)")
-    scale = scale_part(args.time_limit, args.workers, args.quick)
+    time_limit = args.time_limit or (QUICK["time_limit"] if args.quick else 30.0)
+    print(f"== scale (time limit {time_limit:.0f} s, {args.workers} workers)")
+    scale = scale_part(time_limit, args.workers, args.quick)
     print("== baselines / solver on the example clusters (iteration time ratio: > 1 means the solver is faster)")
-    examples = example_part(args.time_limit, args.workers, args.quick)
+    examples = example_part(time_limit, args.workers, args.quick)
     summary = _summary(scale, examples)
     print("== summary", json.dumps(summary, indent=1))
+    if args.quick:
+        print("quick run: nothing written")
+        return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "solver", "goals": GOALS, "summary": summary, "scale": scale, "examples": examples,
-           "time_limit_s": args.time_limit, "workers": args.workers, "quick": args.quick,
+           "time_limit_s": time_limit, "workers": args.workers, "quick": args.quick,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
            "note": "wall-clock times measured on a shared machine (other jobs running): noisy",
            "when": time.strftime("%Y-%m-%d %H:%M:%S")}

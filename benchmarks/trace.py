@@ -14,9 +14,10 @@ process's high-water mark) belongs to that case alone:
   process (weights stay on disk: the graph is read without external data).
 
 Run: ``python benchmarks/trace.py [--quick] [--only presets|hf|onnx ...]``
-(``--quick`` skips the ONNX case, whose export writes ~650 MB; ``--only`` runs
+(``--quick``: a smoke run, every group on a tiny model, nothing written; ``--only`` runs
 those groups and keeps the other cases' last figures, each case saying when it
-was measured). Prints a table and writes ``benchmarks/results/trace.json``.
+was measured; ``--only presets hf`` skips the ONNX case, whose export writes ~650 MB).
+Prints a table and writes ``benchmarks/results/trace.json``.
 Times are wall-clock and noisy on a shared machine; the memory figures are not.
 """
 from __future__ import annotations
@@ -43,6 +44,10 @@ TRACE_CASES = (("trace llama-7b", "presets", "llama-7b", 1, 4096), ("trace gpt-1
                ("trace hf gpt2-124m", "hf", "hf:gpt2", 1, 1024),
                ("trace hf llama-7b", "hf", HF_LLAMA_7B, 1, 4096))
 ONNX_CASE = ("gpt-small", 1, 128)
+# --quick: the same steps on tiny models (seconds each)
+QUICK_TRACE_CASES = (("trace gpt-tiny", "presets", "gpt-tiny", 1, 32),
+                     ("trace hf gpt2 1 layer", "hf", "hf:gpt2?n_layer=1,n_embd=64,n_head=2,vocab_size=256", 1, 32))
+QUICK_ONNX_CASE = ("gpt-tiny", 1, 32)
 GROUPS = ("presets", "hf", "onnx")
 
 
@@ -88,14 +93,14 @@ def child_onnx(path: str) -> dict:
             "params": graph.param_count, "fwd_tflops": graph.fwd_flops / 1e12}
 
 
-def export_gpt_small(folder: Path) -> Path:
+def export_gpt_small(folder: Path, case: tuple[str, int, int] = ONNX_CASE) -> Path:
     import torch
 
     torch.set_num_threads(1)
     from models.registry import build_model
     from planner.onnx_import import export_onnx
 
-    spec, batch, seq = ONNX_CASE
+    spec, batch, seq = case
     bundle = build_model(spec, batch=batch, seq=seq, device="cpu")
     return export_onnx(bundle.module, bundle.example_inputs, folder / f"{spec}.onnx")
 
@@ -111,7 +116,8 @@ def _run_child(*args: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the ONNX case (export writes ~650 MB)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: every group on a tiny model, nothing "
+                        "written")
     parser.add_argument("--only", nargs="+", choices=GROUPS, help="run these case groups; keep the others' figures")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,19 +128,21 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    groups = set(args.only or GROUPS) - ({"onnx"} if args.quick else set())
-    cases: dict[str, dict] = _kept_cases(groups) if args.only else {}
+    groups = set(args.only or GROUPS)
+    cases: dict[str, dict] = _kept_cases(groups) if args.only and not args.quick else {}
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
-    for name, group, spec, batch, seq in TRACE_CASES:
+    for name, group, spec, batch, seq in QUICK_TRACE_CASES if args.quick else TRACE_CASES:
         if group in groups:
             cases[name] = {"spec": spec, "batch": batch, "seq": seq, "when": now,
                            **_run_child("trace", spec, str(batch), str(seq))}
     if "onnx" in groups:
-        with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+        onnx_case = QUICK_ONNX_CASE if args.quick else ONNX_CASE
+        # gpt-small's export (~650 MB) goes beside the repository, not into a small /tmp
+        with tempfile.TemporaryDirectory(dir=None if args.quick else ROOT / "benchmarks") as tmp:
             t0 = time.perf_counter()
-            path = export_gpt_small(Path(tmp))
+            path = export_gpt_small(Path(tmp), onnx_case)
             export_s = time.perf_counter() - t0
-            spec, batch, seq = ONNX_CASE
+            spec, batch, seq = onnx_case
             cases[f"onnx import {spec}"] = {"spec": spec, "batch": batch, "seq": seq, "export_s": export_s,
                                             "when": now, **_run_child("onnx", str(path))}
     goals = {}
@@ -144,6 +152,9 @@ def main() -> int:
             goals[name] = {**goal, "trace_s": case["total_s"], "peak_rss_gb": case["peak_rss_gb"],
                            "met": case["total_s"] <= goal["max_s"] and case["peak_rss_gb"] <= goal["max_rss_gb"]}
     _print(cases, goals)
+    if args.quick:
+        print("quick run: nothing written")
+        return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "trace", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),

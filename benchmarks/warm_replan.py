@@ -13,7 +13,8 @@ compiled programs' cost), the simulated step, the proven bound, and which search
 176 devices, to the quality of a fresh plan with the same time limit.
 
 Run: ``python benchmarks/warm_replan.py [--limits 5 10] [--fresh 30] [--workers 2]``. Prints a table and writes
-``benchmarks/results/warm_replan.json``. Wall times are noisy on a shared machine.
+``benchmarks/results/warm_replan.json`` (``--quick``: a 48x40 case at 1 s, nothing written). Wall times are
+noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -29,19 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "warm_replan.json"
 BLOCKS, DEVICES = 1000, 176
+QUICK_BLOCKS, QUICK_DEVICES = 48, 40   # --quick: a small case whose lost data-centre host leaves one
 GOAL_REPLAN_S = 10.0
 
 
-def _case():
-    """The solver benchmark's 1000x176 chain and cluster (same seed and scales)."""
+def _case(blocks: int = BLOCKS, devices: int = DEVICES):
+    """The solver benchmark's chain and cluster of that size (same seed and scales; 1000x176 by default)."""
     import numpy as np
 
     from tests.unit.solver_fixtures import random_chain, tiered_cluster
-    rng = np.random.default_rng(BLOCKS * 1000 + DEVICES)
-    cluster = tiered_cluster(DEVICES)
+    rng = np.random.default_rng(blocks * 1000 + devices)
+    cluster = tiered_cluster(devices)
     mem = max(d.spec.mem_bytes for d in cluster.stage_devices)
-    chain = random_chain(rng, BLOCKS, param_scale=1.5 * mem / 16 / BLOCKS, act_scale=2e8 * 48 / BLOCKS,
-                         flop_scale=5e11 * 48 / BLOCKS, out_scale=2e7)
+    chain = random_chain(rng, blocks, param_scale=1.5 * mem / 16 / blocks, act_scale=2e8 * 48 / blocks,
+                         flop_scale=5e11 * 48 / blocks, out_scale=2e7)
     return chain, cluster
 
 
@@ -79,12 +81,19 @@ def _print(row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limits", type=float, nargs="+", default=[10.0], help="re-plan time limits (s)")
-    parser.add_argument("--fresh", type=float, default=30.0, help="time limit of the fresh plans (s)")
+    parser.add_argument("--limits", type=float, nargs="+", default=None, help="re-plan time limits (s; default "
+                                                                                "10, --quick: 1)")
+    parser.add_argument("--fresh", type=float, default=None, help="time limit of the fresh plans (s; default 30, "
+                                                                  "--quick: 1)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--first", metavar="PATH", help="the original plan: read it from PATH if it is there "
                         "(its row then repeats the time recorded in PATH's report), else plan it and save it there")
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: the {QUICK_BLOCKS}x{QUICK_DEVICES} case "
+                        "at short limits, nothing written")
     args = parser.parse_args(argv)
+    args.limits = args.limits or ([1.0] if args.quick else [10.0])
+    args.fresh = args.fresh or (1.0 if args.quick else 30.0)
+    blocks, devices = (QUICK_BLOCKS, QUICK_DEVICES) if args.quick else (BLOCKS, DEVICES)
 
     from planner.api import plan_chain, replan
     from planner.plan import Plan
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm_kernels()  # compiled once per machine: not part of any plan's time
     warm_partition()
-    chain, cluster = _case()
+    chain, cluster = _case(blocks, devices)
     policy = VerificationPolicy()
     clock = time.perf_counter(), time.process_time()
     if args.first and Path(args.first).is_file():
@@ -134,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             if r["run"] != "fresh":
                 summary[f"{host} {r['run']} {r['limit_s']:g}s objective vs fresh {args.fresh:g}s"] = \
                     r["objective_ms"] / fresh["objective_ms"] - 1
-    out = {"benchmark": "warm_replan", "case": f"{BLOCKS}x{DEVICES}", "goal_replan_s": GOAL_REPLAN_S,
+    for k, v in sorted(summary.items()):
+        print(f"{k}: {100 * v:+.2f}%")
+    if args.quick:
+        print("quick run: nothing written")
+        return 0
+    out = {"benchmark": "warm_replan", "case": f"{blocks}x{devices}", "goal_replan_s": GOAL_REPLAN_S,
            "rows": rows, "summary": summary, "limits_s": args.limits, "fresh_s": args.fresh,
            "workers": args.workers,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -142,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    for k, v in sorted(summary.items()):
-        print(f"{k}: {100 * v:+.2f}%")
     print(f"wrote {RESULTS}")
     return 0
 
