@@ -99,3 +99,20 @@ def test_no_weights_pickles_and_bad_indexes(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(InvalidInputError, match="expected a safetensors file"):
         find_weights(tmp_path)
+
+
+def test_init_reaches_the_ranks_and_a_resumed_run_reads_no_folder(tmp_path):
+    from planner.runtime.options import RunOptions, parse_worker_args
+    from planner.runtime.rank.rank_setup import pretrained_weights
+
+    _, folder = _saved(tmp_path)
+    for init in ("pretrained", "random"):
+        assert parse_worker_args(RunOptions(plan="p.json", init=init).worker_argv()).init == init
+    with pytest.raises(InvalidInputError, match="--init"):
+        RunOptions(plan="p.json", init="zeros")
+    spec = f"hf:{folder}"
+    assert pretrained_weights(spec, RunOptions(plan="p.json")).folder == folder
+    assert pretrained_weights(f"{spec}/config.json", RunOptions(plan="p.json")).folder == folder
+    assert pretrained_weights(spec, RunOptions(plan="p.json", init="random")) is None
+    assert pretrained_weights(spec, RunOptions(plan="p.json", resume=True, checkpoint_dir=str(tmp_path))) is None
+    assert pretrained_weights(GPT2, RunOptions(plan="p.json")) is None  # a model type: no folder
