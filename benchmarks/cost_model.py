@@ -35,7 +35,8 @@
    the results file.
 
 Run: ``python benchmarks/cost_model.py [--quick] [--metis DIR [--metis-only]]``. Prints tables and writes
-``benchmarks/results/cost_model.json``. Timings are noisy on a shared machine.
+``benchmarks/results/cost_model.json`` (``--quick``: a smoke run, both protocols and the memory case on tiny models,
+2 rounds of 1 repeat, nothing written unless ``-o``). Timings are noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
 # calibration: what `stagewise profile --quick` and a smaller gpt-small shape would see.
 EVALUATION = (("gpt-small", 2, 64), ("llama-tiny", 4, 32))
 CROSS_CALIBRATION = (("gpt-small", 1, 32), ("gpt-tiny", 2, 32))
+MEMORY_STAGE = ("gpt-small", 1, 6)  # (model, first block, last block): its layers.0..layers.5
+# --quick: the same protocols on tiny models (seconds, not minutes)
+QUICK = {"evaluation": (("gpt-tiny", 2, 32), ("llama-tiny", 4, 32)), "cross": (("gpt-tiny", 1, 16),),
+         "memory_stage": ("gpt-tiny", 1, 2), "memory_shape": (1, 32)}
 TIME_GOAL, MEMORY_GOAL = 0.15, 0.20
 # Metis's GPT "1.5B" (scripts/cost_het_cluster.sh): the shape its A100 profiles were taken at, in fp16.
 METIS_SHAPE, METIS_DTYPE, METIS_GOAL = GPTLayerShape(hidden_size=4096, seq_len=1024), "float16", 0.30
@@ -90,11 +95,10 @@ METIS_SHAPE, METIS_DTYPE, METIS_GOAL = GPTLayerShape(hidden_size=4096, seq_len=1
 CLOCK = "cpu"
 
 
-def _measure_rounds(rounds: int, repeats: int, console: Console) -> tuple[dict, list[dict]]:
+def _measure_rounds(rounds: int, repeats: int, console: Console, configs: tuple) -> tuple[dict, list[dict]]:
     """Every configuration timed once per round, rounds interleaved so drifting load from other
     processes hits all of them alike. Returns the chains and, per round, {(config, block): (fwd, bwd)}."""
     cpu = torch.device("cpu")
-    configs = EVALUATION + CROSS_CALIBRATION
     modules = {m: build_model(m, batch=max(c[1] for c in configs if c[0] == m),
                               seq=max(c[2] for c in configs if c[0] == m), device="cpu") for m, _, _ in configs}
     chains = {c: model_chain(c[0], batch=c[1], seq=c[2]) for c in configs}
@@ -143,9 +147,9 @@ def _calibrated_spec(samples, peak: float, bw: float) -> DeviceSpec:
                       measured=True)
 
 
-def _errors(spec: DeviceSpec, chains: dict, best: dict) -> list[dict]:
+def _errors(spec: DeviceSpec, chains: dict, best: dict, evaluation: tuple) -> list[dict]:
     out = []
-    for c in EVALUATION:
+    for c in evaluation:
         rows = []
         for b in chains[c].blocks:
             fwd, bwd = best[(c, b.name)]
@@ -158,24 +162,26 @@ def _errors(spec: DeviceSpec, chains: dict, best: dict) -> list[dict]:
     return out
 
 
-def evaluate_time(rounds: int, repeats: int, console: Console) -> dict:
+def evaluate_time(rounds: int, repeats: int, console: Console, evaluation: tuple = EVALUATION,
+                  cross: tuple = CROSS_CALIBRATION) -> dict:
     """Two protocols over the same measurements.
 
     ``calibrated``: efficiency and op overhead fitted on the evaluation models' blocks from the
     even rounds, predictions checked against the odd rounds (held-out measurements); the goal
     applies here. ``cross_shape``: fitted on other shapes/models only (gpt-small 1x32, gpt-tiny),
-    checked against the same odd rounds: how far one calibration carries.
+    checked against the same odd rounds: how far one calibration carries. (``evaluation``, ``cross``: the
+    (model, batch, seq) of each protocol.)
     """
-    chains, per_round = _measure_rounds(rounds, repeats, console)
+    chains, per_round = _measure_rounds(rounds, repeats, console, evaluation + cross)
     peak = max(r["peak"] for r in per_round)
     bw = max(r["bw"] for r in per_round)
     fit_rounds, test_rounds = range(0, rounds, 2), range(1, rounds, 2)
     test = _best(per_round, test_rounds)
     result: dict = {"matmul_fp32_flops_per_s": peak, "copy_bytes_per_s": bw, "rounds": rounds, "repeats": repeats}
-    for name, configs, rounds_used in (("calibrated", EVALUATION, fit_rounds),
-                                       ("cross_shape", CROSS_CALIBRATION, range(rounds))):
+    for name, configs, rounds_used in (("calibrated", evaluation, fit_rounds),
+                                       ("cross_shape", cross, range(rounds))):
         spec = _calibrated_spec(_samples(chains, _best(per_round, rounds_used), configs), peak, bw)
-        models = _errors(spec, chains, test)
+        models = _errors(spec, chains, test, evaluation)
         for m in models:
             m["meets_goal"] = m["median_abs_rel_err"] <= TIME_GOAL
         result[name] = {"calibrated_on": [list(c) for c in configs], "efficiency": spec.efficiency,
@@ -277,8 +283,8 @@ def _one_f_one_b(num_stages: int, stage: int, m: int) -> list[tuple[str, int]]:
     return order
 
 
-def evaluate_memory(console: Console, *, batch: int, seq: int) -> dict:
-    model, lo, hi, num_stages, stage_idx, m = "gpt-small", 1, 6, 3, 1, 4  # blocks layers.0..layers.5
+def evaluate_memory(console: Console, *, batch: int, seq: int, stage: tuple[str, int, int] = MEMORY_STAGE) -> dict:
+    (model, lo, hi), num_stages, stage_idx, m = stage, 3, 1, 4
     console.log(f"memory: stage {stage_idx} of {num_stages} ({model} blocks {lo}..{hi}), 1F1B, M={m}")
     chain = model_chain(model, batch=batch, seq=seq)
     config = TrainingConfig(global_batch=m * batch, microbatch_size=batch, schedule="1f1b", optimizer="adam")
@@ -288,14 +294,14 @@ def evaluate_memory(console: Console, *, batch: int, seq: int) -> dict:
     rss0 = psutil.Process().memory_info().rss
     bundle = build_model(model, batch=batch, seq=seq, device="meta")
     layers = [bundle.module.layers[i] for i in range(lo - 1, hi)]
-    stage = torch.nn.Sequential(*layers).to_empty(device="cpu")
+    module = torch.nn.Sequential(*layers).to_empty(device="cpu")
     with torch.no_grad():
-        for p in stage.parameters():
+        for p in module.parameters():
             p.normal_(0.0, 0.02)
-    opt = torch.optim.Adam(stage.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(module.parameters(), lr=1e-4)
     d_model = bundle.module.config.d_model
     tracker = LiveStorageBytes()
-    tracker.track(list(stage.parameters()) + list(stage.buffers()))
+    tracker.track(list(module.parameters()) + list(module.buffers()))
     gen = torch.Generator().manual_seed(0)
     with tracker:
         for step in range(2):
@@ -305,7 +311,7 @@ def evaluate_memory(console: Console, *, batch: int, seq: int) -> dict:
             for op, mb in _one_f_one_b(num_stages, stage_idx, m):
                 if op == "F":
                     x = torch.randn(batch, seq, d_model, generator=gen).requires_grad_(True)  # received activation
-                    inflight[mb] = (x, stage(x))
+                    inflight[mb] = (x, module(x))
                 else:
                     x, y = inflight.pop(mb)
                     grad = torch.randn(y.shape, generator=gen)  # received gradient
@@ -328,28 +334,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (even: fit, odd: test)")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 3 repeats and a smaller memory case")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny models, 2 rounds of 1 repeat; "
+                    "nothing written unless -o")
     ap.add_argument("--metis", type=Path, help="Metis's profile_data_samples/ directory (row 4)")
     ap.add_argument("--metis-only", action="store_true", help="only row 4; update its key of the results file")
-    ap.add_argument("-o", "--output", default=str(RESULTS))
+    ap.add_argument("-o", "--output", default=None, help="default benchmarks/results/cost_model.json (--quick: none)")
     args = ap.parse_args(argv)
     console = Console(width=110)  # wide enough for the tables when piped
+    output = args.output or (None if args.quick else str(RESULTS))
     metis = evaluate_metis(args.metis) if args.metis else None  # a bad directory fails before any timing
     if metis is not None:
         console.print(_metis_table(metis))
     if args.metis_only:
         if metis is None:
             ap.error("--metis-only needs --metis DIR")
-        out = Path(args.output)
+        if output is None:
+            return 0
+        out = Path(output)
         doc = json.loads(out.read_text()) if out.is_file() else {"benchmark": "cost_model"}
         _write_results(out, {**doc, "metis": metis})
         console.print(f"updated {out} (metis)")
         return 0
     torch.set_num_threads(1)  # the cpu clock needs one thread
-    repeats = 3 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats
     t0 = time.perf_counter()
-    timing = evaluate_time(2 if args.quick else args.rounds, repeats, console)
-    memory = evaluate_memory(console, batch=1 if args.quick else 2, seq=64 if args.quick else 128)
+    if args.quick:
+        timing = evaluate_time(2, repeats, console, QUICK["evaluation"], QUICK["cross"])
+        batch, seq = QUICK["memory_shape"]
+        memory = evaluate_memory(console, batch=batch, seq=seq, stage=QUICK["memory_stage"])
+    else:
+        timing = evaluate_time(args.rounds, repeats, console)
+        memory = evaluate_memory(console, batch=2, seq=128)
 
     table = Table(title="per-block fwd+bwd time on this CPU, predicted vs measured (held-out rounds)")
     for col in ("fit on", "eff", "op us", "model", "batch x seq", "median |err|", "max |err|",
@@ -377,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
            "note": "measured on a shared 2-core machine while other jobs ran: timings are noisy"}
     if metis is not None:
         doc["metis"] = metis
-    out = Path(args.output)
+    if output is None:
+        console.print("quick run: nothing written")
+        return 0
+    out = Path(output)
     _write_results(out, doc)
     console.print(f"wrote {out}")
     return 0

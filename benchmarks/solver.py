@@ -149,7 +149,8 @@ def scale_part(time_limit: float, workers: int, quick: bool) -> list[dict]:
     blocks = QUICK["homogeneous_blocks"] if quick else HOMOGENEOUS_BLOCKS
     chain = random_chain(rng, blocks, param_scale=2.0 * 80e9 / 16 / blocks, act_scale=2e7, flop_scale=2.4e10,
                          out_scale=2e7, uniform=True)
-    for label, replicas in ((f"homogeneous {blocks}x16, no replicas", 1), (f"homogeneous {blocks}x16, replicas", None)):
+    for label, replicas in ((f"homogeneous {blocks}x16, no replicas", 1),
+                            (f"homogeneous {blocks}x16, replicas", None)):
         start = time.perf_counter()
         sol, sim = _plan_and_simulate(chain, cluster, config, policy, time_limit, workers, max_replicas=replicas)
         wall = time.perf_counter() - start

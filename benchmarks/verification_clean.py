@@ -130,7 +130,8 @@ def _senders(shape: str) -> set[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help=f"steps per shape (default 10^4; --quick: {QUICK_STEPS})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps per shape (default 10^4; --quick: {QUICK_STEPS})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--progress-every", type=int, default=1000, help="print the counts every N steps")
