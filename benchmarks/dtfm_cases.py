@@ -22,11 +22,14 @@ link is constant becomes a ``links.regions`` entry, any other pair of GPUs a
 ``links.hosts`` entry (none are needed for these five cases).
 
 Run: ``python benchmarks/dtfm_cases.py`` (writes the five files, reloads each
-and checks every GPU pair's link against the matrices).
+and checks every GPU pair's link against the matrices; ``--quick``: the same into a
+temporary folder, each file compared with the one in ``benchmarks/clusters/``).
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 import time
 from collections import Counter
 from itertools import combinations
@@ -165,15 +168,30 @@ def check_cluster(path: Path, case: str) -> float:
     return load_s
 
 
-def main() -> None:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+def write_all(out_dir: Path) -> None:
+    """Write and check every case's file in ``out_dir``; say whether it equals the one in ``OUT_DIR``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     for case in CASES:
         text, n_regions, n_hosts = cluster_yaml(case)
-        path = OUT_DIR / f"dtfm-{case}.yaml"
+        path = out_dir / f"dtfm-{case}.yaml"
         path.write_text(text)
         load_s = check_cluster(path, case)
-        print(f"{path.relative_to(ROOT)}: {n_regions} region-pair and {n_hosts} host-pair links; "
-              f"load_cluster {load_s * 1e3:.1f} ms; all {N_GPUS * (N_GPUS - 1) // 2} pairs match")
+        kept = OUT_DIR / path.name
+        same = "" if out_dir == OUT_DIR else \
+            f"; {'same as' if kept.is_file() and kept.read_text() == text else 'DIFFERS from'} {kept.relative_to(ROOT)}"
+        print(f"{path.name}: {n_regions} region-pair and {n_hosts} host-pair links; "
+              f"load_cluster {load_s * 1e3:.1f} ms; all {N_GPUS * (N_GPUS - 1) // 2} pairs match{same}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="write into a temporary folder, not benchmarks/clusters/")
+    args = ap.parse_args()
+    if not args.quick:
+        write_all(OUT_DIR)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write_all(Path(tmp))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ case it runs DT-FM's GCMA search (seeded: their code assigns ``random.seed = i``
 instead of calling it), prices its best layout and a few random layouts with
 their code and with ``dtfm_cost`` on matrices read back from
 ``benchmarks/clusters/dtfm-<case>.yaml``, and writes ``benchmarks/results/dtfm_scheduler.json``.
+
+``--quick`` writes nothing: with ``--dtfm-src``, a tiny search (2 trails of a population of 4) priced both
+ways; without it, ``dtfm_cost`` of the layouts recorded in the results file against the cost DT-FM's code gave
+them there (the re-implementation checked without DT-FM's code at hand).
 """
 from __future__ import annotations
 
@@ -53,6 +57,8 @@ import dtfm_cases  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "dtfm_scheduler.json"
 SOURCE_COMMIT = dtfm_cases.SOURCE[2]
+QUICK_SEARCH = {"trails": 2, "population": 4, "random_layouts": 1}
+MAX_REL_DIFF = 1e-9  # --quick: ours and theirs agree to rounding
 
 
 def _has_perfect_matching(ok: np.ndarray) -> bool:
@@ -193,15 +199,42 @@ print(json.dumps(out))
 '''
 
 
+def recorded_check() -> int:
+    """``dtfm_cost`` of every layout the results file records against the cost DT-FM's code gave it there."""
+    recorded = json.loads(RESULTS.read_text())["cases"]
+    worst = 0.0
+    for case in dtfm_cases.CASES:
+        delay, bw = matrices_from_cluster(ROOT / "benchmarks" / "clusters" / f"dtfm-{case}.yaml")
+        rows = [(recorded[case]["best_groups"], recorded[case]["their_cost_s"])]
+        rows += [(r["groups"], r["their_cost_s"]) for r in recorded[case]["random_layouts"]]
+        errs = [abs(dtfm_cost(g, delay, bw) / theirs - 1) for g, theirs in rows]
+        worst = max(worst, *errs)
+        print(f"{case:13s} {len(rows)} recorded layouts: max rel diff {max(errs):.1e}")
+    print(f"quick run (recorded layouts, no DT-FM source): max relative difference {worst:.1e}; nothing written")
+    return 0 if worst <= MAX_REL_DIFF else 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtfm-src", required=True, help="DT-FM's scheduler/heuristic_evolutionary_solver folder")
+    ap.add_argument("--dtfm-src", help="DT-FM's scheduler/heuristic_evolutionary_solver folder (required "
+                                       "unless --quick)")
     ap.add_argument("--python", default=sys.executable, help="a Python with numpy and scipy for DT-FM's code")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trails", type=int, default=200)
-    ap.add_argument("--population", type=int, default=100)
-    ap.add_argument("--random-layouts", type=int, default=2)
+    ap.add_argument("--trails", type=int, default=None, help=f"default 200 (--quick: {QUICK_SEARCH['trails']})")
+    ap.add_argument("--population", type=int, default=None,
+                    help=f"default 100 (--quick: {QUICK_SEARCH['population']})")
+    ap.add_argument("--random-layouts", type=int, default=None,
+                    help=f"default 2 (--quick: {QUICK_SEARCH['random_layouts']})")
+    ap.add_argument("--quick", action="store_true", help="a smoke run writing nothing (see the module's doc)")
     args = ap.parse_args()
+    if args.quick and not args.dtfm_src:
+        sys.exit(recorded_check())
+    if not args.dtfm_src:
+        ap.error("--dtfm-src is required (or --quick)")
+    defaults = QUICK_SEARCH if args.quick else {"trails": 200, "population": 100, "random_layouts": 2}
+    args.trails = args.trails or defaults["trails"]
+    args.population = args.population or defaults["population"]
+    args.random_layouts = args.random_layouts or defaults["random_layouts"]
     rng = np.random.default_rng(args.seed)
     layouts = {c: [rng.permutation(64).reshape(8, 8).tolist() for _ in range(args.random_layouts)]
                for c in dtfm_cases.CASES}
@@ -231,6 +264,9 @@ def main() -> None:
                        "max_rel_diff": max(errs)}
         print(f"{case:13s} theirs {t['cost']:10.6f} s  ours {our_cost:10.6f} s  rel diff {max(errs):.1e}  "
               f"search {t['wall_s']:.1f} s")
+    if args.quick:
+        print(f"quick run: max relative difference {worst:.1e}; nothing written")
+        sys.exit(0 if worst <= MAX_REL_DIFF else 1)
     RESULTS.write_text(json.dumps({
         "benchmark": "dtfm_scheduler", "source": {"repo": dtfm_cases.SOURCE[0], "commit": SOURCE_COMMIT,
                                                   "path": "scheduler/heuristic_evolutionary_solver/scheduler.py"},

@@ -14,7 +14,8 @@ own communication cost model (``dtfm_cost``: it cannot price unequal groups). Go
 plan no dearer than DT-FM's under DT-FM's model; the free plan no slower than ppdp and DT-FM's layout under
 our simulator; objective within 5% of simulated; planning within 60 s. Writes ``results/peers.json``.
 
-Run: ``python benchmarks/peers.py [--time-limit 45] [--cases worldwide,...]``
+Run: ``python benchmarks/peers.py [--time-limit 45] [--cases worldwide,...]`` (``--quick``: the worldwide case
+with gpt-small at sequence 128, 1 s limits, nothing written)
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ from planner.solver.solution import Solution, SolveReport, StagePlacement  # noq
 
 CASES = ("datacenter", "spot", "universities", "regional", "worldwide")
 BATCH, SEQ, DTYPE = 512, 2048, "float16"
+MODEL = "gpt-1.3b"
+# --quick: a model with more blocks than DT-FM's 8 stages, short sequences, one case
+QUICK = {"model": "gpt-small", "seq": 128, "time_limit": 1.0, "cases": "worldwide"}
 POLICY = VerificationPolicy(enabled=False)
 
 
@@ -54,7 +58,8 @@ def _groups(plan, index_of: dict[str, int]) -> list[list[int]] | None:
     return groups if len(groups) == 8 and all(len(g) == 8 for g in groups) else None
 
 
-def _dtfm_layout(chain, cluster, groups: list[list[int]], order: list[int], microbatch: int):
+def _dtfm_layout(chain, cluster, groups: list[list[int]], order: list[int], microbatch: int, model: str = MODEL,
+                 seq: int = SEQ):
     """DT-FM's layout as our plan: stage k = group order[k], an even share of the blocks."""
     ids = [d.id for d in cluster.stage_devices]
     L, S = len(chain.blocks), len(order)
@@ -67,8 +72,8 @@ def _dtfm_layout(chain, cluster, groups: list[list[int]], order: list[int], micr
     sol = Solution(stages=stages, verifiers=(), num_microbatches=M, schedule="1f1b", predicted_step_ms=0.0,
                    memory_bytes=(), report=report)
     config = TrainingConfig(global_batch=BATCH, microbatch_size=microbatch, dtype=DTYPE)
-    ref = ModelRef(spec="gpt-1.3b", name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
-                   seq=SEQ, dtype=trace_dtype(chain))
+    ref = ModelRef(spec=model, name=chain.model_name, fingerprint=chain.fingerprint, batch=chain.microbatch_size,
+                   seq=seq, dtype=trace_dtype(chain))
     return predict(compile_plan(sol, scale_chain(chain, microbatch), cluster, config, POLICY, ref))
 
 
@@ -85,7 +90,8 @@ def _row(name: str, plan, wall_s: float | None, delay, bw, index_of) -> dict:
             "dtfm_cost_s": None if groups is None else dtfm_cost(groups, delay, bw)}
 
 
-def run_case(case: str, chain, time_limit_s: float, scheduler: dict) -> list[dict]:
+def run_case(case: str, chain, time_limit_s: float, scheduler: dict, model: str = MODEL, seq: int = SEQ
+             ) -> list[dict]:
     path = HERE / "clusters" / f"dtfm-{case}.yaml"
     cluster = cost_models.load_cluster(path)
     delay, bw = matrices_from_cluster(path)
@@ -93,7 +99,7 @@ def run_case(case: str, chain, time_limit_s: float, scheduler: dict) -> list[dic
     rows = []
     for name, kwargs in (("free", {}), ("8x8", {"stages": 8, "replicas": 8}), ("ppdp", {"baseline": "ppdp"})):
         start = time.perf_counter()
-        plan = plan_chain(chain, cluster, spec="gpt-1.3b", seq=SEQ, global_batch=BATCH, policy=POLICY,
+        plan = plan_chain(chain, cluster, spec=model, seq=seq, global_batch=BATCH, policy=POLICY,
                           time_limit_s=time_limit_s, dtype=DTYPE, **kwargs)
         rows.append(_row(name, plan, time.perf_counter() - start, delay, bw, index_of))
         print(f"  {case:12s} {name:5s} simulated {rows[-1]['simulated_s']:8.2f} s  objective "
@@ -102,7 +108,7 @@ def run_case(case: str, chain, time_limit_s: float, scheduler: dict) -> list[dic
         if name == "free":
             microbatch = plan.config.microbatch_size
     theirs = scheduler["cases"][case]
-    plan = _dtfm_layout(chain, cluster, theirs["best_groups"], theirs["their_stage_order"], microbatch)
+    plan = _dtfm_layout(chain, cluster, theirs["best_groups"], theirs["their_stage_order"], microbatch, model, seq)
     rows.append(_row("dtfm", plan, theirs["search_wall_s"], delay, bw, index_of))
     rows[-1]["dtfm_cost_theirs_s"] = theirs["their_cost_s"]
     print(f"  {case:12s} dtfm  simulated {rows[-1]['simulated_s']:8.2f} s  dtfm-model {rows[-1]['dtfm_cost_s']:8.2f} s",
@@ -112,15 +118,23 @@ def run_case(case: str, chain, time_limit_s: float, scheduler: dict) -> list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--time-limit", type=float, default=45.0)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--time-limit", type=float, default=None, help=f"default 45 s (--quick: {QUICK['time_limit']:g})")
+    ap.add_argument("--cases", default=None, help=f"default {','.join(CASES)} (--quick: {QUICK['cases']})")
+    ap.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK['model']} at sequence {QUICK['seq']}, "
+                    "nothing written")
     args = ap.parse_args()
+    model, seq = (QUICK["model"], QUICK["seq"]) if args.quick else (MODEL, SEQ)
+    time_limit = args.time_limit or (QUICK["time_limit"] if args.quick else 45.0)
+    cases = args.cases or (QUICK["cases"] if args.quick else ",".join(CASES))
     scheduler = json.loads((HERE / "results" / "dtfm_scheduler.json").read_text())
-    _, chain = load_chain("gpt-1.3b", batch=1, seq=SEQ)
-    out = {"benchmark": "peers", "model": "gpt-1.3b", "global_batch": BATCH, "seq": SEQ, "dtype": DTYPE,
-           "time_limit_s": args.time_limit, "date": time.strftime("%Y-%m-%d"), "cases": {}}
-    for case in args.cases.split(","):
-        out["cases"][case] = run_case(case, chain, args.time_limit, scheduler)
+    _, chain = load_chain(model, batch=1, seq=seq)
+    out = {"benchmark": "peers", "model": model, "global_batch": BATCH, "seq": seq, "dtype": DTYPE,
+           "time_limit_s": time_limit, "date": time.strftime("%Y-%m-%d"), "cases": {}}
+    for case in cases.split(","):
+        out["cases"][case] = run_case(case, chain, time_limit, scheduler, model, seq)
+    if args.quick:
+        print("quick run: nothing written")
+        return
     target = HERE / "results" / "peers.json"
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {target}")
