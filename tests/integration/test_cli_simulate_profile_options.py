@@ -75,7 +75,7 @@ def test_simulate_rehearse_prints_the_run_on_the_profiled_machine():
 @pytest.mark.parametrize("args,phrase", [
     (("--rehearse", "missing.json"), "an existing profile JSON file"),
     (("--emulate-slowdown", "2"), "--rehearse PROFILE as well"),
-    (("--rehearse", str(PROFILE), "--emulate-slowdown", "0.5"), "a factor >= 1"),
+    (("--rehearse", str(PROFILE), "--emulate-slowdown", "0.5"), "factor >= 1"),
     (("--rehearse", str(PROFILE), "--messages", str(PROFILE)), "--rehearse takes it from its profile"),
     (("--cores", "0"), "--cores; expected >= 1; found 0"),
     (("--sharing", "PROFILE"), "a profile with a core sharing table"),
