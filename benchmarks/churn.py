@@ -60,8 +60,9 @@ the throughput of checkpoint-restart.
 
 Run: ``python benchmarks/churn.py [--quick] [--limit S] [--output PATH]`` (``--remodel``: part 3 again from
 the measurements in the results file). Prints tables and writes
-``benchmarks/results/churn.json`` (``--quick``: the 8-device case, a short local run and nothing written
-unless ``--output`` is given). Wall times are noisy on a shared machine.
+``benchmarks/results/churn.json`` (``--quick``, a smoke run: the 8-device cluster with gpt-tiny at 1 s limits,
+one local run of 3 ranks whose no-failure step is the run's own, nothing written unless ``--output`` is given).
+Wall times are noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ WAIT_S = 60.0          # checkpoint-restart: the wait for a replacement device
 CHECKPOINT_EVERY = 10  # the runtime's default --checkpoint-every
 CHURN_STEPS = 1000
 CHURN_EVERY = (20, 50, 100)
+# --quick: gpt-tiny for part 1; part 2's run on 3 hosts, killed after its first checkpoint (its steps take
+# milliseconds: many are left for the kill to land before the run ends)
+QUICK = {"model": "gpt-tiny", "limit": 1.0, "hosts": 3, "steps": 40, "kill_at": 6, "every": 5}
 
 
 # --------------------------------------------------------------------------- the churn model
@@ -191,15 +195,15 @@ def _middle_host(plan) -> str:
     return next(r.host for r in plan.ranks if r.stage == stage)
 
 
-def _case_8(limit: float):
+def _case_8(limit: float, model: str = "gpt-medium"):
     from planner.model_io import load_chain
-    _, chain = load_chain("gpt-medium", batch=None, seq=None)
-    kwargs = dict(spec="gpt-medium", global_batch=16, dtype="fp32")
+    _, chain = load_chain(model, batch=None, seq=None)
+    kwargs = dict(spec=model, global_batch=16, dtype="fp32")
 
     def lose(plan):  # a volunteer when the plan uses one: those are the devices that come and go
         hosts = _used_hosts(plan)
         return next((h for h in sorted(hosts) if h.startswith("volunteer")), _middle_host(plan))
-    return "default cluster, gpt-medium fp32, batch 16", chain, "default", kwargs, lose
+    return f"default cluster, {model} fp32, batch 16", chain, "default", kwargs, lose
 
 
 def _case_64(limit: float):
@@ -222,11 +226,13 @@ def _case_176(limit: float):
             lambda plan: _lost_hosts(plan)[0][1])
 
 
-def replan_case(devices: int, limit: float, first_limit: float, workers: int) -> dict[str, Any]:
+def replan_case(devices: int, limit: float, first_limit: float, workers: int, quick: bool = False
+                ) -> dict[str, Any]:
+    """One re-plan case (``quick``: the 8-device cluster with a tiny model)."""
     from planner.api import plan_chain, replan
 
     build = {8: _case_8, 64: _case_64, 176: _case_176}[devices]
-    label, chain, cluster, kwargs, lose = build(limit)
+    label, chain, cluster, kwargs, lose = _case_8(limit, QUICK["model"]) if quick else build(limit)
     first, first_wall, first_cpu = _timed(plan_chain, chain, cluster, time_limit_s=first_limit, workers=workers,
                                           **kwargs)
     host = lose(first)
@@ -267,19 +273,19 @@ def _print_replan(row: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- part 2: a local run
-def _local_plan(folder: Path):
+def _local_plan(folder: Path, hosts_count: int = 4):
     from cost_models.cluster_file import parse_cluster
     from planner.api import plan_chain
     from planner.model_io import load_chain
     from planner.solver.policy import VerificationPolicy
     hosts = [{"name": f"h{i}", "region": "lab", "trust": "operator", "trusted": True,
-              "devices": [{"type": "CPU", "count": 1}]} for i in range(4)]
+              "devices": [{"type": "CPU", "count": 1}]} for i in range(hosts_count)]
     cluster = parse_cluster({"name": "four", "hosts": hosts,
                              "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
     _, chain = load_chain("gpt-tiny", batch=2, seq=32)
     plan = plan_chain(chain, cluster, spec="gpt-tiny", seq=32, global_batch=8, microbatch_size=2,
                       policy=VerificationPolicy(enabled=False), time_limit_s=5, workers=1, dtype="fp32",
-                      optimizer="adam", stages=4)
+                      optimizer="adam", stages=hosts_count)
     return plan, plan.save(folder / "plan.json")
 
 
@@ -373,20 +379,29 @@ def _churn_trial(path: Path, folder: Path, steps: int, kill_at: int, every: int,
             "replanned_step_s": result["measured_step_ms"] / 1000}
 
 
-def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, Any]:
-    """The plan without a failure once, then ``trials`` runs that lose a middle-stage rank."""
+def local_run(steps: int, kill_at: int, every: int, trials: int, *, hosts: int = 4, straight: bool = True
+              ) -> dict[str, Any]:
+    """The plan (``hosts`` stages) without a failure once, then ``trials`` runs that lose a middle-stage rank.
+    ``straight`` false (a smoke run): no run without a failure; the step before the kill is the first trial's
+    re-planned step."""
+    with tempfile.TemporaryDirectory(prefix="churn-") as tmp:
+        return _local_run(Path(tmp), steps, kill_at, every, trials, hosts, straight)
+
+
+def _local_run(folder: Path, steps: int, kill_at: int, every: int, trials: int, hosts: int, straight: bool
+               ) -> dict[str, Any]:
     from planner.runtime.launcher.launch import launch
     from planner.runtime.options import RunOptions
 
-    folder = Path(tempfile.mkdtemp(prefix="churn-"))
-    plan, path = _local_plan(folder)
+    plan, path = _local_plan(folder, hosts)
     victim = next(r.rank for r in plan.ranks if r.stage == plan.num_stages // 2)
     t0 = time.perf_counter()
-    straight = launch(RunOptions(plan=str(path), steps=steps, checkpoint_dir=str(folder / "c0"),
+    if straight:
+        done = launch(RunOptions(plan=str(path), steps=steps, checkpoint_dir=str(folder / "c0"),
                                  checkpoint_every=every))
     straight_s = time.perf_counter() - t0
-    step_s = straight["measured_step_ms"] / 1000
     runs = [_churn_trial(path, folder / f"t{i}", steps, kill_at, every, victim) for i in range(trials)]
+    step_s = done["measured_step_ms"] / 1000 if straight else runs[0]["replanned_step_s"]
     for i, run in enumerate(runs):
         # The model checked on this run: rank 0's events from the first step to the last, predicted from the
         # steps (the old plan's before the kill, this run's re-planned step after the checkpoint) and the
@@ -398,11 +413,11 @@ def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, An
             run["model_vs_measured_span"] = run["model_span_s"] / run["span_s"] - 1
     mean = {k: sum(r[k] for r in runs) / len(runs)
             for k in ("detect_s", "replan_s", "reload_s", "recovery_s", "replanned_step_s")}
-    return {"plan": {"model": "gpt-tiny", "hosts": 4, "ranks": plan.num_ranks, "stages": plan.num_stages,
+    return {"plan": {"model": "gpt-tiny", "hosts": hosts, "ranks": plan.num_ranks, "stages": plan.num_stages,
                      "global_batch": plan.config.global_batch, "seq": plan.model.seq,
                      "simulated_step_ms": plan.predicted.step_ms},
             "steps": steps, "killed_rank": victim, "killed_after_step": kill_at, "checkpoint_every": every,
-            "straight_wall_s": straight_s, "load_average": os.getloadavg(), "step_s": step_s,
+            "straight_wall_s": straight_s if straight else None, "load_average": os.getloadavg(), "step_s": step_s,
             "samples_per_step": plan.config.global_batch,
             "trials": runs, **mean}
 
@@ -410,7 +425,9 @@ def local_run(steps: int, kill_at: int, every: int, trials: int) -> dict[str, An
 def _print_local(r: dict[str, Any]) -> None:
     print(f"local {r['plan']['ranks']}-rank gpt-tiny ({r['steps']} steps; checkpoints every {r['checkpoint_every']}; "
           f"rank {r['killed_rank']} SIGKILLed when rank 0 reports step {r['killed_after_step']}); without a "
-          f"failure: step {1000 * r['step_s']:.1f} ms, wall {r['straight_wall_s']:.1f} s", flush=True)
+          f"failure: step {1000 * r['step_s']:.1f} ms, "
+          + ("not run (the trial's step)" if r["straight_wall_s"] is None else f"wall {r['straight_wall_s']:.1f} s"),
+          flush=True)
     for t in r["trials"]:
         check = (f"; span model {t['model_span_s']:.1f} s vs {t['span_s']:.1f} s "
                  f"({100 * t['model_vs_measured_span']:+.1f}%)" if "model_span_s" in t else "")
@@ -464,8 +481,9 @@ def churn_table(replans: list[dict[str, Any]], local: dict[str, Any]) -> list[di
     rows = []
     sources = [(f"{r['devices']} devices", r["first"]["simulated_ms"] / 1000, r["replan"]["simulated_ms"] / 1000,
                 r["replan"]["wall_s"], r["global_batch"], r.get("lost_stages_kept", False)) for r in replans]
-    sources.append(("local 4-rank run (measured steps)", local["step_s"], local["replanned_step_s"],
-                    local["replan_s"], local["samples_per_step"], False))  # its lost rank is a sole stage rank
+    # the local run's lost rank is a sole stage rank
+    sources.append((f"local {local['plan']['hosts']}-rank run (measured steps)", local["step_s"],
+                    local["replanned_step_s"], local["replan_s"], local["samples_per_step"], False))
     for label, step_s, new_step_s, replan_s, batch, kept in sources:
         for every in CHURN_EVERY:
             case = ChurnCase(steps=CHURN_STEPS, every=every, checkpoint_every=CHECKPOINT_EVERY, step_s=step_s,
@@ -541,9 +559,10 @@ def _warm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the 8-device case and a short local run; writes nothing "
-                    "unless --output is given")
-    ap.add_argument("--limit", type=float, default=5.0, help="the re-plan's (and the fresh plan's) time limit (s)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: the 8-device cluster with gpt-tiny and a "
+                    "short local run of 3 ranks; writes nothing unless --output is given")
+    ap.add_argument("--limit", type=float, default=None, help="the re-plan's (and the fresh plan's) time limit (s; "
+                    f"default 5, --quick: {QUICK['limit']:g})")
     ap.add_argument("--first-limit", type=float, default=30.0, help="the original plans' time limit (s)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--devices", type=int, nargs="+", choices=(8, 64, 176), default=None)
@@ -561,17 +580,21 @@ def main(argv: list[str] | None = None) -> int:
     _warm()
     if args.remodel:
         return _remodel(args.output or RESULTS, args.devices, args.limit, args.first_limit, args.workers)
+    args.limit = args.limit or (QUICK["limit"] if args.quick else 5.0)
     devices = args.devices or ([8] if args.quick else [8, 64, 176])
     first_limit = min(args.first_limit, args.limit) if args.quick else args.first_limit
     print(f"== re-plan after losing one host (re-plan and fresh at {args.limit:g} s, first plan at "
           f"{first_limit:g} s, {args.workers} workers)", flush=True)
     replans = []
     for n in devices:
-        replans.append(replan_case(n, args.limit, first_limit, args.workers))
+        replans.append(replan_case(n, args.limit, first_limit, args.workers, quick=args.quick and n == 8))
         _print_replan(replans[-1])
     print("== end-to-end recovery of a local run", flush=True)
-    local = local_run(steps=15 if args.quick else 30, kill_at=5 if args.quick else 10, every=5,
-                      trials=1 if args.quick else args.trials)
+    if args.quick:
+        local = local_run(steps=QUICK["steps"], kill_at=QUICK["kill_at"], every=QUICK["every"], trials=1,
+                          hosts=QUICK["hosts"], straight=False)
+    else:
+        local = local_run(steps=30, kill_at=10, every=5, trials=args.trials)
     _print_local(local)
     print(f"== throughput under churn (model; T={CHURN_STEPS} steps, checkpoint every {CHECKPOINT_EVERY}, "
           f"restart waits {WAIT_S:g} s)", flush=True)

@@ -20,7 +20,9 @@ afresh, as ``stagewise run`` does, and times launch -> rank 0's first step event
 a restart costs under the machine's load at that moment.
 
 Run: ``python benchmarks/join.py [--trials N] [--checkpoint-every C] [--output PATH]``; prints a table
-and writes ``benchmarks/results/join.json``. Wall times are noisy on a shared machine.
+and writes ``benchmarks/results/join.json`` (``--quick``: one trial of 4 steps, the join asked before the
+start (``--at -1``), a checkpoint every 2 steps, no fresh start timed, nothing written unless ``--output``).
+Wall times are noisy on a shared machine.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "join.json"
 KEYS = ("request_to_checkpoint_s", "shutdown_s", "replan_s", "restart_s", "request_to_first_step_s", "fresh_start_s")
+FULL = {"trials": 3, "steps": 40, "at": 5, "checkpoint_every": 10}
+# --quick: gpt-tiny's steps take milliseconds here, faster than the launcher looks at its join folder: the
+# request is written before the run starts (at -1), so that the ranks stop at the first checkpoint
+QUICK = {"trials": 1, "steps": 4, "at": -1, "checkpoint_every": 2}
 
 
 def first_plan():
@@ -76,7 +82,7 @@ def fresh_start_s(path: Path) -> float:
     return round(first[0], 3)
 
 
-def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
+def trial(plan, folder: Path, *, steps: int, at: int, every: int, fresh_start: bool = True) -> dict:
     from planner.runtime.launcher import elastic
     from planner.runtime.recovery import joins
     from planner.runtime.options import RunOptions
@@ -84,7 +90,7 @@ def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
 
     key = run_secret()
     path = plan.save(folder / "plan.json", secret=key)
-    fresh = fresh_start_s(path)
+    fresh = fresh_start_s(path) if fresh_start else None
     ckpt = folder / "ckpt"
     asked: list[float] = []
 
@@ -93,6 +99,9 @@ def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
             asked.append(time.time())
             joins.write_request(ckpt / joins.FOLDER, joins.make_request(plan, host="h3", why="benchmark"), key)
 
+    if at < 0:  # asked before the first step
+        asked.append(time.time())
+        joins.write_request(ckpt / joins.FOLDER, joins.make_request(plan, host="h3", why="benchmark"), key)
     start = time.perf_counter()
     result = elastic.launch_replanning(RunOptions(plan=str(path), steps=steps, timeout_s=60,
                                                   checkpoint_dir=str(ckpt), checkpoint_every=every),
@@ -108,12 +117,19 @@ def trial(plan, folder: Path, *, steps: int, at: int, every: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--at", type=int, default=5, help="the step after which the join request is written")
-    ap.add_argument("--checkpoint-every", type=int, default=10)
-    ap.add_argument("--output", default=str(RESULTS))
+    ap.add_argument("--trials", type=int, default=None, help=f"default 3 (--quick: {QUICK['trials']})")
+    ap.add_argument("--steps", type=int, default=None, help=f"default 40 (--quick: {QUICK['steps']})")
+    ap.add_argument("--at", type=int, default=None, help="the step after which the join request is written "
+                                                         f"(-1: before the start; default 5, --quick: {QUICK['at']})")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help=f"default 10 (--quick: {QUICK['checkpoint_every']})")
+    ap.add_argument("--output", default=None, help="default benchmarks/results/join.json (--quick: none)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one short trial, nothing written")
     args = ap.parse_args(argv)
+    given = {"trials": args.trials, "steps": args.steps, "at": args.at, "checkpoint_every": args.checkpoint_every}
+    base = QUICK if args.quick else FULL
+    args.trials, args.steps, args.at, args.checkpoint_every = (given[k] or base[k] for k in given)
+    output = args.output or (None if args.quick else str(RESULTS))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -122,24 +138,38 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for k in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="stagewise-join-") as tmp:
-            rows.append(trial(plan, Path(tmp), steps=args.steps, at=args.at, every=args.checkpoint_every))
+            rows.append(trial(plan, Path(tmp), steps=args.steps, at=args.at, every=args.checkpoint_every,
+                              fresh_start=not args.quick))
         print(f"trial {k + 1}: {rows[-1]}", flush=True)
     print(f"\n{'':28}" + "".join(f"{k.removesuffix('_s'):>24}" for k in KEYS))
     for k, r in enumerate(rows, 1):
         print(f"{'trial ' + str(k) + ' (stop after ' + str(r['stopped_after_step']) + ')':28}"
-              + "".join(f"{r[key]:>24.2f}" for key in KEYS))
-    summary = {key: round(statistics.median(r[key] for r in rows), 3) for key in KEYS}
-    print(f"{'median':28}" + "".join(f"{summary[key]:>24.2f}" for key in KEYS))
+              + "".join(_cell(r[key]) for key in KEYS))
+    summary = {key: _median(r[key] for r in rows) for key in KEYS}
+    print(f"{'median':28}" + "".join(_cell(summary[key]) for key in KEYS))
     print(f"steps redone: {[r['redone_steps'] for r in rows]}; ranks {rows[0]['ranks_before']} -> "
           f"{[r['ranks_after'] for r in rows]}")
     doc = {"benchmark": "join", "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_avg_1m": [r["load_avg_1m"] for r in rows], "steps": args.steps,
            "asked_after_step": args.at, "checkpoint_every": args.checkpoint_every, "trials": rows,
            "median": summary}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"written to {args.output}")
+    if output is None:
+        print("quick run: nothing written")
+        return 0
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"written to {output}")
     return 0
+
+
+def _median(values) -> float | None:
+    """The median of the values measured (None where none was: a quick run times no fresh start)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+def _cell(value: float | None) -> str:
+    return f"{'n/a' if value is None else format(value, '.2f'):>24}"
 
 
 if __name__ == "__main__":
