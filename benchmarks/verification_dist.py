@@ -27,6 +27,8 @@ row keeps the flag events around it (boundary, direction, reasons, upstream).
 
     python benchmarks/verification_dist.py                          # everything (about an hour here)
     python benchmarks/verification_dist.py --shapes split --seeds 0 --steps 12 --attacks none --out F.json
+    python benchmarks/verification_dist.py --quick   # a smoke run: the split and replicated plans made, one
+                                                     # short clean run of split; everything in a temporary folder
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CLUSTER = ROOT / "benchmarks" / "clusters" / "four-t4.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "verification_dist.json"
 SHAPES = ("split", "linked", "replicated")
 ATTACK_SHAPES = ("split", "linked")
 # name -> the --attack spec without its start; every attack starts at ATTACK_START, a replay at DELAY_START
@@ -65,6 +68,8 @@ LR = 1e-3
 # The replicated shape's one verifier for both sides of stage 1 costs 4.1x the split placement's step (the linked
 # 4-stage shape's, 2.9x: within plan --link-tests-cost 3): the share that keeps its link tests.
 LINK_COST_REPLICATED = 5.0
+# --quick: the plans of these shapes made (the hand-made one included), one clean run of the first
+QUICK = {"shapes": ("split", "replicated"), "steps": 8}
 
 
 def attack_start(name: str) -> int:
@@ -440,10 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--no-clean", action="store_true", help="attack runs only")
     parser.add_argument("--work", help="folder for the plans, reports and logs (default: a temporary one)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verification_dist.json"))
+    parser.add_argument("--out", default=None, help="the JSON rows are merged into (default benchmarks/results/"
+                                                    "verification_dist.json; --quick: one in its temporary folder)")
     parser.add_argument("--rescore", action="store_true",
                         help="run nothing: score the rows of --out again from the reports kept in --work")
+    parser.add_argument("--quick", action="store_true", help="a smoke run (see above); writes nothing outside its "
+                        "temporary folder unless --out or --work")
     args = parser.parse_args(argv)
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="verification_dist-") as tmp:
+            return quick(Path(args.work or tmp), Path(args.out) if args.out else Path(tmp) / "verification_dist.json")
+    args.out = args.out or str(RESULTS)
     if args.rescore:
         if not args.work:
             parser.error("--rescore needs --work (the folder of an earlier invocation)")
@@ -469,6 +481,18 @@ def main(argv: list[str] | None = None) -> int:
         merge(Path(args.out), [row], {shape: plans[shape]})
     print(json.dumps(json.loads(Path(args.out).read_text())["summary"]))
     return 0
+
+
+def quick(work: Path, out: Path) -> int:
+    """Make the plans of ``QUICK["shapes"]``, run the first shape clean for a few steps, merge its row into ``out``."""
+    plans = make_plans(list(QUICK["shapes"]), work)
+    shape = QUICK["shapes"][0]
+    print(HEADER, flush=True)
+    row = run_one(plans[shape], shape=shape, seed=0, steps=QUICK["steps"], attack=None, work=work)
+    print_row(row)
+    merge(out, [row], plans)
+    print(json.dumps(json.loads(out.read_text())["summary"]))
+    return 1 if "error" in row else 0
 
 
 if __name__ == "__main__":
