@@ -8,8 +8,8 @@ import argparse
 from pathlib import Path
 
 from planner.errors import InvalidInputError
-from planner.runtime.recovery import joins
 from planner.runtime.launcher.membership import load_signed_plan
+from planner.runtime.recovery import joins
 from planner.secret import run_secret
 
 

@@ -21,8 +21,8 @@ from planner.rehearsal import predict_rehearsal
 from planner.runtime.data import check_data_file
 from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
-from planner.runtime.options import add_run_arguments, options_from_args
 from planner.runtime.launcher.weights_out import launch_saving_weights
+from planner.runtime.options import add_run_arguments, options_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -44,8 +44,8 @@ from planner.instruction_costs import CostModel
 from planner.plan_load import load_plan
 from planner.plan_values import ModelRef
 from planner.runtime.launcher.launch import launch
-from planner.runtime.rank.metrics import read_metrics
 from planner.runtime.options import RunOptions
+from planner.runtime.rank.metrics import read_metrics
 from planner.simulate import predict
 from planner.solver.policy import VerificationPolicy
 from planner.solver.solution import Solution, SolveReport, StagePlacement

@@ -8,11 +8,11 @@ import torch
 from safetensors import safe_open
 
 from models.registry import build_model, loss_fn
-from planner.runtime.recovery import checkpoint
+from planner.runtime.data import make_source
 from planner.runtime.launcher import elastic
 from planner.runtime.launcher.launch import launch
-from planner.runtime.data import make_source
 from planner.runtime.rank.rank_setup import make_optimizer
+from planner.runtime.recovery import checkpoint
 from planner.secret import run_secret
 
 

@@ -18,12 +18,12 @@ from safetensors import safe_open
 
 from models.registry import build_model, loss_fn
 from planner.plan_load import load_plan
-from planner.runtime.recovery import checkpoint
-from planner.runtime.launcher import elastic
 from planner.runtime.data import make_source
+from planner.runtime.launcher import elastic
 from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
 from planner.runtime.rank.rank_setup import make_optimizer
+from planner.runtime.recovery import checkpoint
 from planner.verifier_config import VerifierConfig
 from tests.dist.by_hand import from_checkpoint_by_hand, keep_resumed_checkpoints
 from tests.dist.plans import load_dumps, make_plan, reference_run

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.recovery import checkpoint
 from planner.runtime.launcher.launch import launch
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint
 from tests.dist.plans import load_dumps, make_plan
 
 torch.set_num_threads(1)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from planner.errors import InvalidInputError
-from planner.runtime.recovery.forgery import ENV_VAR
 from planner.runtime.launcher.launch import RunBanned, RunFailure, launch
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery.forgery import ENV_VAR
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import load_dumps, make_plan
 

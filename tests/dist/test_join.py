@@ -22,11 +22,11 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.devices import CATALOG
 from planner.api import plan_chain
 from planner.model_io import load_chain
-from planner.runtime.recovery import checkpoint, joins
 from planner.runtime.launcher import elastic
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.membership import load_signed_plan
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint, joins
 from planner.secret import run_secret
 from planner.solver.policy import VerificationPolicy
 from tests.dist.by_hand import from_checkpoint_by_hand, keep_resumed_checkpoints

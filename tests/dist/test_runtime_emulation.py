@@ -5,8 +5,8 @@ from __future__ import annotations
 from cost_models.devices import get_device_spec
 from planner.plan import Plan
 from planner.runtime.launcher.launch import launch
-from planner.runtime.rank.metrics import read_metrics
 from planner.runtime.options import RunOptions
+from planner.runtime.rank.metrics import read_metrics
 from tests.dist.plans import make_plan
 
 

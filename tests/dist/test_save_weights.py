@@ -11,9 +11,9 @@ from torch import nn
 
 from models.registry import build_model
 from planner.errors import InvalidInputError
-from planner.runtime.recovery import checkpoint
-from planner.runtime.options import RunOptions
 from planner.runtime.launcher.weights_out import launch_saving_weights
+from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint
 from tests.dist.plans import make_plan, reference_run
 
 torch.set_num_threads(1)

@@ -17,9 +17,9 @@ from collections import Counter
 import torch
 
 from planner.plan_load import load_plan
-from planner.runtime.recovery import checkpoint, survivors
 from planner.runtime.launcher import elastic
 from planner.runtime.options import FaultSpec, RunOptions
+from planner.runtime.recovery import checkpoint, survivors
 from tests.dist.by_hand import from_checkpoint_by_hand, keep_resumed_checkpoints
 from tests.dist.plans import load_dumps, make_plan, reference_run
 

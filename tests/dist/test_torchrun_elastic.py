@@ -16,9 +16,9 @@ from cost_models.cluster_file import parse_cluster
 from planner.api import plan_chain
 from planner.model_io import load_chain
 from planner.plan_load import load_plan
-from planner.runtime.recovery import checkpoint
 from planner.runtime.launcher.launch import free_port, launch
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint
 from planner.solver.policy import VerificationPolicy
 from tests.dist.plans import load_dumps
 

@@ -6,10 +6,10 @@ import pytest
 from cost_models.cluster_file import parse_cluster
 from planner.api import plan_chain
 from planner.model_io import load_chain
-from planner.runtime.wire.bans import BanNotice, RankBannedError
 from planner.runtime.launcher.elastic import _ban_event
 from planner.runtime.launcher.launch import RunBanned
 from planner.runtime.options import RunOptions
+from planner.runtime.wire.bans import BanNotice, RankBannedError
 from planner.solver.policy import VerificationPolicy
 
 

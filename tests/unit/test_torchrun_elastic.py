@@ -13,10 +13,10 @@ from planner.api import plan_chain
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
 from planner.plan_load import load_plan
-from planner.runtime.recovery import joins
 from planner.runtime.launcher import torchrun_elastic
 from planner.runtime.launcher.hosts import place
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import joins
 from planner.secret import run_secret
 from planner.solver.policy import VerificationPolicy
 

@@ -52,10 +52,10 @@ from planner.api import replan
 from planner.errors import InvalidInputError, PlannerError
 from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
-from planner.runtime.recovery import checkpoint, joins, survivors
-from planner.runtime.wire.bans import describe
 from planner.runtime.launcher.launch import RunBanned, RunFailure, _stop_on_sigterm, launch
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint, joins, survivors
+from planner.runtime.wire.bans import describe
 from planner.secret import run_secret
 
 

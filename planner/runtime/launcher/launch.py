@@ -38,11 +38,8 @@ from typing import Any, Callable, Sequence
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
-from planner.runtime.recovery import checkpoint
-from planner.runtime.launcher import hosts
-from planner.runtime.wire.bans import BanNotice, RankBannedError
-from planner.runtime.wire.control import CONTROL_RANK
 from planner.runtime.data import check_data, parse_data_spec
+from planner.runtime.launcher import hosts
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust
 from planner.runtime.options import (
     EVENT_PREFIX,
@@ -51,8 +48,11 @@ from planner.runtime.options import (
     is_factory_spec,
     refuse_onnx_model,
 )
-from planner.runtime.recovery.rank_checkpoint import STOP_ENV
 from planner.runtime.rank.rank_setup import check_model, check_pretrained
+from planner.runtime.recovery import checkpoint
+from planner.runtime.recovery.rank_checkpoint import STOP_ENV
+from planner.runtime.wire.bans import BanNotice, RankBannedError
+from planner.runtime.wire.control import CONTROL_RANK
 from planner.secret import run_secret
 
 _KILL_GRACE_S = 5.0

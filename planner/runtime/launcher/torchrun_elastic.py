@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from planner.api import replan
 from planner.errors import InvalidInputError
-from planner.runtime.recovery import checkpoint, joins
-from planner.runtime.wire import comm
 from planner.runtime.launcher.hosts import HOST_ENV, host_ranks, plan_hosts
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust
 from planner.runtime.options import RunOptions
+from planner.runtime.recovery import checkpoint, joins
+from planner.runtime.wire import comm
 
 PREFIX = "stagewise/elastic"
 PLAN_GLOB = "plan-elastic-*.json"

@@ -37,10 +37,10 @@ from planner.errors import InvalidInputError, RankFailureError
 from planner.outputs import atomic_file, check_writable
 from planner.plan import Plan
 from planner.plan_load import load_plan
-from planner.runtime.recovery import checkpoint
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust
 from planner.runtime.options import RunOptions, check_model_allowed, refuse_onnx_model
+from planner.runtime.recovery import checkpoint
 from planner.secret import run_secret
 
 

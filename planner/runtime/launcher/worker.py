@@ -26,23 +26,26 @@ import torch.distributed as dist
 
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
-from planner.runtime.recovery import checkpoint, survivors
-from planner.runtime.wire import control
 from planner.runtime.launcher import hosts, torchrun_elastic
-from planner.runtime.recovery.forgery import Forgery
-from planner.runtime.wire.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
+from planner.runtime.launcher.membership import load_signed_plan, operator_trust, prove_membership
+from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
+from planner.runtime.outputs.progress import MetricsCollector, Progress
+from planner.runtime.outputs.run_report import (
+    ProgressReport,
+    build_result,
+    dump_rank,
+    gather_finals,
+    rank_final,
+    write_json,
+)
 from planner.runtime.rank.emulate import Emulation, emulation_for
 from planner.runtime.rank.executor import Executor
-from planner.runtime.launcher.membership import load_signed_plan, operator_trust, prove_membership
 from planner.runtime.rank.metrics import (
     MetricsWriter,
     StepMetrics,
     StepSummary,
     summarize_step,
 )
-from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
-from planner.runtime.outputs.progress import MetricsCollector, Progress
-from planner.runtime.recovery.rank_checkpoint import rank_state, resume_step, save_checkpoint
 from planner.runtime.rank.rank_setup import (
     RankEnv,
     RankSetup,
@@ -52,14 +55,11 @@ from planner.runtime.rank.rank_setup import (
     prepare_rank,
     rank_device,
 )
-from planner.runtime.outputs.run_report import (
-    ProgressReport,
-    build_result,
-    dump_rank,
-    gather_finals,
-    rank_final,
-    write_json,
-)
+from planner.runtime.recovery import checkpoint, survivors
+from planner.runtime.recovery.forgery import Forgery
+from planner.runtime.recovery.rank_checkpoint import rank_state, resume_step, save_checkpoint
+from planner.runtime.wire import control
+from planner.runtime.wire.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.secret import run_secret
 
 

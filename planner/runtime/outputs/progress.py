@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from planner.runtime.options import EVENT_PREFIX
+from planner.runtime.rank.metrics import StepMetrics, StepSummary
 from planner.runtime.wire import comm
 from planner.runtime.wire.comm import Kind
-from planner.runtime.rank.metrics import StepMetrics, StepSummary
-from planner.runtime.options import EVENT_PREFIX
 
 
 class Progress:

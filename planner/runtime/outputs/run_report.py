@@ -12,12 +12,12 @@ import torch
 
 from planner.errors import ProtocolError
 from planner.outputs import write_atomic
-from planner.runtime.wire import control
+from planner.runtime.options import RunOptions
 from planner.runtime.rank.emulate import Emulation
 from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.metrics import StepSummary, measured_step_ms
-from planner.runtime.options import RunOptions
 from planner.runtime.rank.rank_setup import RankEnv
+from planner.runtime.wire import control
 
 
 class ProgressReport:

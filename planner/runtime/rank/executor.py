@@ -27,8 +27,6 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime.wire import bans as ban_exchange
-from planner.runtime.wire.comm import Groups, Pending
 from planner.runtime.rank.deferred import HeldBackward, ReplayPoint
 from planner.runtime.rank.emulate import Emulation
 from planner.runtime.rank.executor_compute import ComputeSteps, StepTimers
@@ -38,6 +36,8 @@ from planner.runtime.rank.executor_verify import Verification
 from planner.runtime.rank.metrics import StepMetrics
 from planner.runtime.rank.precision import LossScaler, Precision
 from planner.runtime.rank.stage import EdgeSpecs, StageRuntime
+from planner.runtime.wire import bans as ban_exchange
+from planner.runtime.wire.comm import Groups, Pending
 
 if TYPE_CHECKING:
     from planner.integrity.hooks import AttackHooks, VerifyHooks

@@ -20,8 +20,6 @@ from models.hf import model_folder
 from models.hf_weights import WeightFiles, check_weights, find_weights, load_weights
 from models.registry import build_model
 from planner.errors import InvalidInputError
-from planner.runtime.wire import comm
-from planner.runtime.wire.comm import Groups
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
 from planner.runtime.options import RunOptions, check_model_allowed
 from planner.runtime.rank.recompute import build_plan_stage
@@ -38,6 +36,8 @@ from planner.runtime.rank.stage import (
     stage_edges,
     stage_state_names,
 )
+from planner.runtime.wire import comm
+from planner.runtime.wire.comm import Groups
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,8 +24,8 @@ import torch
 
 from models.registry import build_model
 from planner.errors import InvalidInputError
-from planner.runtime.wire import bans as ban_exchange
 from planner.runtime.recovery import checkpoint
+from planner.runtime.wire import bans as ban_exchange
 from planner.runtime.wire import comm, control
 
 ENV_VAR = "STAGEWISE_TEST_FORGE"

@@ -11,13 +11,13 @@ import torch
 
 from planner.errors import CheckpointError, ProtocolError
 from planner.integrity.hooks import VerifyHooks
-from planner.runtime.recovery import checkpoint
-from planner.runtime.wire import control
-from planner.runtime.rank.executor import Executor
-from planner.runtime.recovery.forgery import Forgery
 from planner.runtime.options import RunOptions
+from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.rank_setup import RankEnv
 from planner.runtime.rank.stage import StageRuntime
+from planner.runtime.recovery import checkpoint
+from planner.runtime.recovery.forgery import Forgery
+from planner.runtime.wire import control
 from planner.secret import run_secret
 
 
