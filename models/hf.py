@@ -320,6 +320,11 @@ def adapt(model: nn.Module) -> HFModel:
                    sliding_window=window if isinstance(window, int) else None, loss=loss)
 
 
+def adapt_if_hf(model: nn.Module) -> HFModel | None:
+    """:func:`adapt` a transformers model (as ``hf:`` specs and factories are); None for any other module."""
+    return adapt(model) if is_hf_model(model) else None
+
+
 def example_seq(model: nn.Module, info: HFModel, seq: int | None, spec: str) -> int:
     """The sequence length to trace at: ``seq`` checked against the model's limits, or its default."""
     limit = getattr(model.config, "max_position_embeddings", None)

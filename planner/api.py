@@ -15,11 +15,13 @@ from cost_models.cluster_file import cluster_source, load_cluster, parse_cluster
 from cost_models.memory import trace_dtype
 from cost_models.precision import resolve_dtype
 from cost_models.training import TrainingConfig
+from models import hf
 from planner.check import assert_valid
 from planner.coarsen import coarsen
 from planner.compile import compile_plan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.ir import BlockChain
+from planner.meta_twin import on_meta
 from planner.plan_history import HistoryEntry, utc_stamp
 from planner.plan_values import ModelRef
 from planner.simulate import predict
@@ -165,6 +167,8 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
               replicas: int | None = None, recompute: str = "auto") -> Any:
     """Trace ``model`` at ``example_inputs`` (their batch is the traced microbatch), solve, compile.
 
+    A stock transformers ``PreTrainedModel`` is adapted in place first (``models.hf.adapt``, as for ``hf:``
+    specs). The trace runs on meta copies of the weights (``planner.meta_twin``): real or meta, the same plan.
     Returns a :class:`planner.plan.Plan`; ``plan.save(path)`` writes it.
     Raises :class:`planner.errors.InfeasiblePlanError` with the reason when
     no plan fits the cluster and policy.
@@ -172,7 +176,9 @@ def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path
 
     started = time.perf_counter()  # the time limit counts the trace too
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    graph = trace(model, inputs, name=name or type(model).__name__)
+    hf.adapt_if_hf(model)  # a stock transformers model, adapted as the CLI adapts hf: specs
+    with on_meta(model, inputs) as meta_inputs:  # the graph every rank exports, whatever the weights are on
+        graph = trace(model, meta_inputs, name=name or type(model).__name__)
     chain = coarsen(graph)
     first = inputs[0] if inputs else None
     seq = int(first.shape[1]) if first is not None and getattr(first, "ndim", 0) == 2 \

@@ -11,9 +11,11 @@ import torch
 
 from cost_models.cluster import ClusterSpec
 from cost_models.cluster_file import load_cluster
+from models import hf
 from models.registry import infer_example_inputs
 from planner.check import operator_policy, policy_changes, trust_changes, trust_problems
 from planner.errors import InvalidInputError, PlanMismatchError
+from planner.meta_twin import on_meta
 from planner.plan import Plan
 from planner.solver.policy import VerificationPolicy
 from planner.trace import trace
@@ -34,12 +36,15 @@ def _expected_fingerprint(model: Any, plan: Plan) -> str:
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], torch.nn.Module):
         module, inputs = model
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        hf.adapt_if_hf(module)
     elif isinstance(model, torch.nn.Module):
+        hf.adapt_if_hf(model)  # as the plan's trace did
         module, inputs = model, infer_example_inputs(model, batch=plan.model.batch, seq=plan.model.seq)
     else:
         raise InvalidInputError("load_plan model=", expected="an nn.Module, (nn.Module, example_inputs), a traced "
                                 "Graph, a BlockChain or a fingerprint string", found=type(model).__name__)
-    return trace(module, inputs, name=plan.model.name).fingerprint()
+    with on_meta(module, inputs) as meta_inputs:  # as the plan was traced, whatever the weights are on
+        return trace(module, meta_inputs, name=plan.model.name).fingerprint()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.errors", "planner.ir", "planner.instructions", "planner.verifier_config", "planner.outputs",
      "planner.secret"),                                                              # base
     ("models",),                                                                     # reference models, data
-    ("planner.flops", "planner.trace", "planner.onnx_import", "planner.coarsen", "planner.model_io"),
+    ("planner.flops", "planner.trace", "planner.onnx_import", "planner.coarsen", "planner.model_io",
+     "planner.meta_twin"),
     ("cost_models",),
     ("planner.solver.problem", "planner.solver.solution", "planner.solver.policy", "planner.solver.routing",
      "planner.solver.in_flight", "planner.solver.program_cost", "planner.solver.objective",
@@ -39,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.runtime.rank",),            # one rank's executor: stage, compute, p2p, verification, optimizer
     ("planner.runtime.recovery",),        # checkpoints, survivors' state, joins
     ("planner.runtime.outputs",),         # what a run reports
-    ("planner.runtime.launcher", "planner.runtime"),  # the processes, hosts, membership, re-planning legs
+    ("planner.runtime.launcher", "planner.runtime", "planner.train"),  # the processes, hosts, membership, re-planning legs
     ("planner.profiling",),                                                          # the only code that times hardware
     ("planner.commands", "planner.cli", "planner.__main__", "planner"),
 )

@@ -6,7 +6,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from models.hf import adapt_if_hf
 from planner.errors import InvalidInputError
+from planner.meta_twin import on_meta
 from planner.plan import Plan
 from planner.runtime.data import plan_example_inputs
 from planner.runtime.options import is_factory_spec
@@ -15,6 +17,7 @@ from planner.runtime.rank.stage import (
     StageRuntime,
     check_fingerprint,
     export_model,
+    has_constants,
     plan_node_names,
     split_graph,
 )
@@ -28,7 +31,9 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
     ``example_inputs`` are one microbatch of model inputs; by default they are
     made from the plan (the synthetic batch of its model spec). The plan's
     fingerprint is checked against a fresh trace first (``check=False`` skips
-    it when the caller has just done so).
+    it when the caller has just done so). A transformers model is adapted in place, as
+    :func:`planner.make_plan` adapts it; the graph is exported on meta copies of the weights
+    and the stage binds the model's own (real or meta) tensors.
     """
     if not 0 <= rank < len(plan.ranks):
         raise InvalidInputError("rank", expected=f"0..{len(plan.ranks) - 1}", found=str(rank))
@@ -42,13 +47,17 @@ def apply_plan(model: nn.Module, plan: "Plan", rank: int, *,
                                     "config", fix="pass example_inputs= (one microbatch of the model's inputs)")
         example_inputs = plan_example_inputs(plan)
     example_inputs = tuple(example_inputs)
-    ep = export_model(model, example_inputs)
-    if check:  # before anything else: a plan for another model must not get further
-        same_batch = example_inputs[0].shape[0] == plan.model.batch
-        check_fingerprint(ep if same_batch else export_model(model, _at_batch(example_inputs, plan.model.batch)),
-                          plan)
-    split = split_graph(model, example_inputs, plan_node_names(plan), ep=ep)
+    adapt_if_hf(model)
+    with on_meta(model, example_inputs) as meta_inputs:  # the graph the plan was traced from (planner.meta_twin)
+        ep = export_model(model, meta_inputs)
+        if check:  # before anything else: a plan for another model must not get further
+            same_batch = example_inputs[0].shape[0] == plan.model.batch
+            check_fingerprint(ep if same_batch else export_model(model, _at_batch(meta_inputs, plan.model.batch)),
+                              plan)
+        split = split_graph(model, meta_inputs, plan_node_names(plan), ep=ep)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if has_constants(split) and device.type != "meta":  # constants' data: only a real export holds it (as on a rank)
+        split = split_graph(model, example_inputs, plan_node_names(plan))
     return build_plan_stage(split, plan, info.stage, model, device=device)
 
 

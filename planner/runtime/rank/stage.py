@@ -243,7 +243,7 @@ def _value_specs(ep: torch.export.ExportedProgram, state: Mapping[str, tuple[str
                 kind, target = state[node.name]
                 trainable = kind == "param" and model.get_parameter(target).requires_grad
                 meta_env[node.name] = (torch.empty(val.shape, dtype=val.dtype, device="meta").requires_grad_(trainable)
-                                       if isinstance(val, torch.Tensor) else ep.constants.get(target, val))
+                                       if isinstance(val, torch.Tensor) else _on_meta(ep.constants.get(target, val)))
             elif isinstance(val, torch.Tensor):
                 meta_env[node.name] = torch.empty(val.shape, dtype=val.dtype, device="meta")
             else:
@@ -270,6 +270,18 @@ class _MetaInterpreter(fx.Interpreter):
         out = super().run_node(n)
         self.env_by_name[n.name] = out
         return out
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # A model exported with real weights bakes its device into ops (``inv_freq.to(cpu)``): keep them on meta.
+        return super().call_function(target, _on_device(args, _META), _on_device(kwargs, _META))
+
+
+_META = torch.device("meta")
+
+
+def _on_meta(value: Any) -> Any:
+    """A real constant as a meta tensor of its shape (a meta run cannot mix it with meta values)."""
+    return torch.empty_like(value, device=_META) if isinstance(value, torch.Tensor) else value
 
 
 def stage_edges(split: SplitGraph, k: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
