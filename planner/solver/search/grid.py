@@ -1,9 +1,11 @@
 """Uniform pp x dp grids (Megatron-style): the ``ppdp`` baseline and plans of a shape the user fixes.
 
 A grid of ``pp`` stages with ``dp`` replicas each takes the ``pp * dp`` fastest
-stage devices, orders them by region and host (so a stage's replicas share a
-host or a region where they can, and its all-reduce stays on fast links),
-puts trusted devices at both ends when the policy wants trusted endpoints, and
+stage devices (where the policy wants trusted endpoints: the ``2 * dp`` fastest
+trusted ones for the end stages, the fastest of the rest for the middle; where
+those cannot hold their stages, the devices with the most memory instead),
+orders them by region and host (so a stage's replicas share a host or a region
+where they can, and its all-reduce stays on fast links), and
 gives stage ``k`` an even share of the blocks and either the ``k``-th run of
 ``dp`` devices (replicas together: all-reduces on fast links) or every
 ``pp``-th device from the ``k``-th (pipelines together: a host or region runs
@@ -47,35 +49,63 @@ def _by_speed(problem: Problem) -> list[tuple[float, int, str]]:
                   for c in problem.classes if c.stage_capable for d in c.device_ids)
 
 
-def _ordered(problem: Problem, count: int, fastest: list[tuple[float, int, str]] | None = None) -> list[str] | None:
-    """The ``count`` fastest stage devices (of ``fastest``, ``_by_speed``) by region and host, trusted ones at
-    the ends when required."""
+def _by_place(problem: Problem, devices: list[str]) -> list[str]:
+    """``devices`` by region and host (so a stage's replicas share a host or region where they can)."""
+    return sorted(devices, key=lambda d: (problem.classes[problem.class_of(d)].name, d))
+
+
+def _order(problem: Problem, fastest: list[tuple[float, int, str]], by: str) -> list[str]:
+    """The stage devices in the order a grid takes them: fastest first (``by="speed"``) or with the most memory
+    first (``by="memory"``: where the fastest cannot hold their stages)."""
+    order = fastest if by == "speed" else sorted(fastest, key=lambda x: (-problem.classes[x[1]].mem_bytes, x[0]))
+    return [d for _, _, d in order]
+
+
+def _groups(problem: Problem, pp: int, dp: int, together: str, order: list[str]) -> list[list[str]] | None:
+    """Stage device groups of a ``pp`` x ``dp`` grid, taking devices in ``order``. Where the policy wants trusted
+    endpoints the end stages take the first trusted devices and the middle stages the first of the rest (trusted
+    ones left over included); else the first ``pp * dp``. ``together``: ``replicas`` (a stage's replicas side by
+    side) or ``pipelines`` (every ``pp``-th device of the stages that share a pool)."""
     pol = problem.policy
-    capable = _by_speed(problem) if fastest is None else fastest
-    if len(capable) < count:
-        return None
-    chosen = capable[:count]
-    placed = [d for _, _, d in sorted(chosen, key=lambda x: (problem.classes[x[1]].name, x[2]))]
     if not (pol.enabled and pol.trusted_endpoints):
-        return placed
-    trusted = [d for d in placed if problem.classes[problem.class_of(d)].trusted]
-    rest = [d for d in placed if d not in trusted]
-    half = len(trusted) // 2
-    return trusted[:half] + rest + trusted[half:]
+        return _split(problem, order[:pp * dp], pp, dp, together)
+    trusted = [d for d in order if problem.classes[problem.class_of(d)].trusted]
+    ends = dp * min(pp, 2)
+    if len(trusted) < ends:
+        return None
+    taken = set(trusted[:ends])
+    end_groups = _split(problem, trusted[:ends], min(pp, 2), dp, "replicas")
+    inner = _split(problem, [d for d in order if d not in taken][:(pp - 2) * dp], pp - 2, dp, together) \
+        if pp > 2 else []
+    if end_groups is None or inner is None:
+        return None
+    return [end_groups[0], *inner, *end_groups[1:]]
+
+
+def _split(problem: Problem, devices: list[str], parts: int, dp: int, together: str) -> list[list[str]] | None:
+    if len(devices) < parts * dp:
+        return None
+    placed = _by_place(problem, devices)
+    return [placed[k * dp:(k + 1) * dp] if together == "replicas" else placed[k::parts] for k in range(parts)]
 
 
 def _grid(problem: Problem, pp: int, dp: int, *, together: str,
           fastest: list[tuple[float, int, str]] | None = None) -> Placement | None:
+    """The grid on the fastest devices that may hold it (trusted ones at the ends where the policy says so),
+    else on those with the most memory."""
     M, L = problem.num_microbatches, problem.num_blocks
     if pp > L or dp > M:
         return None
-    devices = _ordered(problem, pp * dp, fastest)
-    if devices is None:
-        return None
-    groups = [devices[k * dp:(k + 1) * dp] if together == "replicas" else devices[k::pp] for k in range(pp)]
-    stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
-                                  microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
-    return _checked(problem, stages) if _may_fit(problem, stages) else None
+    fastest = _by_speed(problem) if fastest is None else fastest
+    for by in ("speed", "memory"):
+        groups = _groups(problem, pp, dp, together, _order(problem, fastest, by))
+        if groups is None:
+            return None
+        stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
+                                      microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
+        if _may_fit(problem, stages):
+            return _checked(problem, stages)
+    return None
 
 
 def _may_fit(problem: Problem, stages: tuple[StagePlacement, ...]) -> bool:
@@ -196,9 +226,42 @@ def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_b
     found = grids(problem, stages=stages, replicas=replicas)
     if not found:
         shape = f"{stages or 'any number of'} stages of {replicas or 'any number of'} replicas"
-        raise InfeasiblePlanError(f"no plan with {shape} fits memory and the verification policy here",
-                                  fix="allow more stages (less memory per device) or drop the constraint")
+        why, fix = _no_grid(problem, stages, replicas) if stages and replicas else \
+            ("fits memory and the verification policy here", "allow more stages (less memory per device) or drop "
+             "the constraint")
+        raise InfeasiblePlanError(f"no plan with {shape} {why}", fix=fix)
     found = cheapest(problem, found)
     found += [p for p in map(lambda g: _repartitioned(problem, g), found) if p is not None]
     best = min(found, key=lambda p: price_program(problem, p).step_ms)
     return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True)[0]
+
+
+def _no_grid(problem: Problem, pp: int, dp: int) -> tuple[str, str]:
+    """Why no ``pp`` x ``dp`` grid is valid, and what would make one: the first constraint that binds of
+    trusted end stages, memory (on the fastest devices and on those with the most memory) and verifier sites."""
+    pol, fastest = problem.policy, _by_speed(problem)
+    trusted = sum(1 for _, c, _ in fastest if problem.classes[c].trusted)
+    ends = dp * min(pp, 2)
+    if pol.enabled and pol.trusted_endpoints and trusted < ends:
+        return (f"has trusted end stages: they need {ends} trusted stage devices ({dp} replicas each), the cluster "
+                f"has {trusted}", f"ask for at most {max(1, trusted // min(pp, 2))} replicas, or add trusted devices")
+    worst = None
+    for by in ("speed", "memory"):
+        for together in ("replicas", "pipelines"):
+            groups = _groups(problem, pp, dp, together, _order(problem, fastest, by))
+            if groups is None:
+                continue
+            stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
+                                          microbatches=even_split(problem.num_microbatches, dp))
+                           for k, (a, b) in enumerate(_even_ranges(problem.num_blocks, pp)))
+            if _may_fit(problem, stages):
+                return ("has a verifier for every boundary an untrusted device sends on: a verifier sits on a "
+                        "single-replica stage at the boundary, the first or the last stage, or a CPU verifier host",
+                        "add a trusted CPU verifier host (role: verifier) or use fewer replicas")
+            over = max((stage_memory_bytes(problem, st, pp, m) / problem.classes[problem.class_of(d)].mem_bytes,
+                        st.index) for st in stages for d, m in zip(st.devices, st.microbatches))
+            worst = over if worst is None else min(worst, over)
+    if worst is not None:
+        return (f"fits memory: stage {worst[1]} needs {worst[0]:.2f}x its device's memory on the best grid found",
+                "allow more stages (less memory per device) or recomputation (--recompute always)")
+    return ("fits the policy here", "drop the constraint")
