@@ -6,7 +6,7 @@ compute dtype (4 for float32, 2 for bfloat16/float16):
 ====================  =======  =====  ==================================  =====
 config                weights  grads  optimizer state                     total
 ====================  =======  =====  ==================================  =====
-fp32, Adam            4        4      8  (two fp32 moments)               16
+fp32, Adam or AdamW   4        4      8  (two fp32 moments)               16
 fp32, SGD             4        4      0  (4 with momentum)                8/12
 mixed bf16, Adam      2        2      12 (fp32 master 4 + two moments 8)  16
 mixed bf16, SGD       2        2      4  (fp32 master; +4 momentum)       8/12
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from cost_models.compute import check_block_range
 from cost_models.devices import DeviceSpec
-from cost_models.training import SCHEDULES, TrainingConfig
+from cost_models.training import ADAM_LIKE, SCHEDULES, TrainingConfig
 from planner.errors import InvalidInputError
 from planner.ir import BlockChain, dtype_bytes
 
@@ -84,7 +84,7 @@ def bytes_per_param(config: TrainingConfig, *, sgd_momentum: bool = False) -> By
     low_precision = w < 4
     master = 4 if (config.mixed_precision and low_precision) else 0
     state_elem = 4 if (config.mixed_precision or not low_precision) else w
-    moments = 2 if config.optimizer == "adam" else (1 if sgd_momentum else 0)
+    moments = 2 if config.optimizer in ADAM_LIKE else (1 if sgd_momentum else 0)
     return BytesPerParam(weights=w, grads=w, optimizer=master + moments * state_elem)
 
 

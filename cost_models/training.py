@@ -7,17 +7,18 @@ from typing import Literal
 from planner.errors import InvalidInputError
 
 Schedule = Literal["1f1b", "gpipe"]
-Optimizer = Literal["sgd", "adam"]
+Optimizer = Literal["sgd", "adam", "adamw"]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Element-wise kernels per parameter tensor of one optimizer step as torch runs it on one device
 # (``torch.optim``'s per-tensor loop): Adam steps its counter, updates both moments (lerp_, mul_,
 # addcmul_), forms the denominator (sqrt, div, add_), reads the step count back and updates the
-# weight (addcdiv_); plain SGD is one add_.
-OPTIM_OPS_PER_TENSOR = {"adam": 9, "sgd": 1}
+# weight (addcdiv_); AdamW decays the weight first (one mul_ more); plain SGD is one add_.
+OPTIM_OPS_PER_TENSOR = {"adam": 9, "adamw": 10, "sgd": 1}
+ADAM_LIKE: frozenset[str] = frozenset({"adam", "adamw"})  # two moments per parameter
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

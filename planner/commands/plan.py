@@ -36,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", choices=("auto", "never", "always"), default="auto",
                    help="activation recomputation per stage (default auto: searched where memory is tight, kept "
                         "on the stages whose devices need it)")
-    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
-                   help="optimizer the memory model and the run use (default adam: 8 more bytes per parameter)")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam",
+                   help="optimizer the memory model and the run use (default adam; adam and adamw: 8 more bytes "
+                        "per parameter; adamw's decay: `stagewise run --weight-decay`)")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step (default: the solver chooses among the divisors of the batch)")

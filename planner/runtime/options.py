@@ -18,6 +18,7 @@ from planner.model_io import is_onnx_spec
 EVENT_PREFIX = "@stagewise "
 FAULT_KINDS = ("die", "hang", "raise")
 INIT_KINDS = ("pretrained", "random")
+LR_SCHEDULES = ("constant", "linear", "cosine")  # after the warm-up: hold --lr, or decay it to 0 at --steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +67,9 @@ class RunOptions:
     loss: str | None = None
     lr: float | None = None
     lr_warmup: int = 0
+    lr_schedule: str = "constant"
+    weight_decay: float = 0.0
+    clip_grad: float | None = None  # clip the gradients' global norm (all stages) to this
     dump: str | None = None
     fault: FaultSpec | None = None
     threads: int = 1
@@ -116,6 +120,14 @@ class RunOptions:
         if self.lr_warmup < 0:
             raise InvalidInputError("--lr-warmup", expected="a number of steps >= 0 (0: none)",
                                     found=str(self.lr_warmup))
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise InvalidInputError("--lr-schedule", expected=", ".join(LR_SCHEDULES), found=repr(self.lr_schedule))
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise InvalidInputError("--weight-decay", expected="a finite number >= 0 (0: none)",
+                                    found=str(self.weight_decay))
+        if self.clip_grad is not None and not _finite_above_zero(self.clip_grad):
+            raise InvalidInputError("--clip-grad", expected="a finite gradient norm > 0",
+                                    found=str(self.clip_grad), fix="drop --clip-grad to train unclipped")
 
     def worker_argv(self) -> list[str]:
         """The command-line form of these options (parsed back by :func:`parse_worker_args`)."""
@@ -124,6 +136,8 @@ class RunOptions:
                 "--backend", self.backend]
         for flag, value in (("--metrics", self.metrics), ("--report", self.report), ("--loss", self.loss),
                             ("--lr", self.lr), ("--lr-warmup", self.lr_warmup or None), ("--dump", self.dump),
+                            ("--weight-decay", repr(self.weight_decay) if self.weight_decay else None),
+                            ("--clip-grad", None if self.clip_grad is None else repr(self.clip_grad)),
                             ("--fault", self.fault), ("--model", self.model),
                             ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file),
                             ("--host", self.host), ("--cluster", self.cluster)):
@@ -145,6 +159,8 @@ class RunOptions:
             argv.append("--resume")
         if self.init != "pretrained":
             argv += ["--init", self.init]
+        if self.lr_schedule != "constant":
+            argv += ["--lr-schedule", self.lr_schedule]
         return argv
 
 
@@ -182,6 +198,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, help="learning rate (default 1e-3 Adam, 1e-2 SGD)")
     parser.add_argument("--lr-warmup", type=int, default=0, dest="lr_warmup", metavar="STEPS",
                         help="raise the learning rate linearly to --lr over the first STEPS steps (default 0: none)")
+    parser.add_argument("--lr-schedule", default="constant", metavar="|".join(LR_SCHEDULES),
+                        help="after the warm-up: constant (default) keeps --lr; linear and cosine decay it to 0 "
+                             "at --steps (torch.optim.lr_scheduler)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+                        help="the optimizer's weight decay (default 0; decoupled with plan --optimizer adamw, "
+                             "an L2 term with adam and sgd, as torch.optim does)")
+    parser.add_argument("--clip-grad", type=float, metavar="NORM", help="clip the gradients to this global norm "
+                        "over all stages before each step (torch.nn.utils.clip_grad_norm_; default: no clipping)")
     parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
                         "and losses to DIR/rank<R>.pt (to compare with a reference)")
     parser.add_argument("--fault", type=_fault_argument, metavar="RANK:KIND[:STEP]",

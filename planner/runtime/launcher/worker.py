@@ -50,7 +50,7 @@ from planner.runtime.rank.rank_setup import (
     RankEnv,
     RankSetup,
     make_groups,
-    make_lr_warmup,
+    make_lr_schedule,
     make_optimizer,
     prepare_rank,
     rank_device,
@@ -122,15 +122,15 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     groups = make_groups(plan, setup.split, env.rank, opts.timeout_s)
     stage = setup.stage
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
-                               lr=opts.lr)
-    warmup = make_lr_warmup(optimizer, opts.lr_warmup)
+                               lr=opts.lr, weight_decay=opts.weight_decay)
+    lr_schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule, total_steps=opts.steps)
     verify = (VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data, lr_warmup=opts.lr_warmup)
               if verifying else None)
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
-                        defer_verdicts=not opts.wait_verdicts)
+                        defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad)
     collector = MetricsCollector(env.rank, env.world_size, setup.device)
     progress = Progress(events=os.environ.get("STAGEWISE_EVENTS") == "1", steps=opts.steps)
     writer = MetricsWriter(opts.metrics if env.rank == 0 else None, append=opts.resume)
@@ -146,8 +146,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
 
     first = resume_step(plan, opts, env, stage, optimizer, verify, executor)
     for _ in range(first):
-        if warmup is not None:
-            warmup.step()  # the rate of the step the run resumes at
+        if lr_schedule is not None:
+            lr_schedule.step()  # the rate of the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()
     bans: list[BanNotice] = []
     stopped = False
@@ -161,8 +161,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             if forge is not None:
                 forged.extend(forge.verdict(plan, step, executor.device))
             tracker.completed(step)
-            if warmup is not None:
-                warmup.step()  # the next step's rate; the scheduler is a few float operations
+            if lr_schedule is not None:
+                lr_schedule.step()  # the next step's rate; the scheduler is a few float operations
             # Every rank learnt the step's bans in it: all stop here, and no checkpoint holds the banned step.
             bans = sorted(executor.bans.values(), key=lambda n: n.rank)
             stopped = not bans and save_checkpoint(plan, opts, env, stage, optimizer, verify, executor, step,

@@ -54,8 +54,9 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
                  optimizer: torch.optim.Optimizer | None, groups: Groups, device: torch.device,
                  verify: "VerifyHooks | None" = None, attacks: "AttackHooks | None" = None,
                  emulation: Emulation = Emulation(), keep_grads: bool = False,
-                 defer_verdicts: bool = True) -> None:
-        """``defer_verdicts``: compute before a verifier's verdict arrives (see ``executor_verify``)."""
+                 defer_verdicts: bool = True, clip_grad: float | None = None) -> None:
+        """``defer_verdicts``: compute before a verifier's verdict arrives (see ``executor_verify``);
+        ``clip_grad``: the global gradient norm to clip to (``executor_optim``)."""
         self.plan = plan
         self.rank = rank
         self.info = plan.ranks[rank]
@@ -75,6 +76,7 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         # emulation can only scale wall time.
         self._pass_on_this_thread = device.type == "cpu" and torch.get_num_threads() == 1
         self.keep_grads = keep_grads
+        self.clip_grad = clip_grad
         self.defer_verdicts = defer_verdicts
         self.num_mb = plan.num_microbatches
         self.precision = Precision.of(plan.config.dtype)
@@ -137,8 +139,8 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
                 self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
         self._settle_all()
         self._finish_sends()
-        if self.scaler is not None and self.stage is None:
-            self._overflowed()  # a verifier-only rank joins the step's overflow vote (stage ranks did in OPTIM)
+        if self.stage is None:
+            self._end_step_without_stage()  # the overflow vote and the norm the stage ranks joined in OPTIM
         banned = self._end_verification(step)
         if self.attacks is not None:
             self.attacks.end_step()

@@ -1,5 +1,5 @@
 """The executor's end of step for gradients: sums over replicas and tied stages, the fp16 overflow vote,
-the optimizer step and the step's losses.
+clipping to a global norm, the optimizer step and the step's losses.
 
 A parameter to whose gradient no microbatch contributed this step (all of its
 stage's, or of its tied group's, were dropped) gets no optimizer step: its
@@ -7,11 +7,15 @@ gradient is zero, and Adam's momentum would still move it.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from planner.errors import ProtocolError
 from planner.runtime.wire import comm, control
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard: the scale is NORM / (total norm + CLIP_EPS)
 
 
 class GradientSteps:
@@ -70,7 +74,9 @@ class GradientSteps:
                 if self.optimizer is not None:
                     self.optimizer.zero_grad(set_to_none=True)
                 return
-            if self.keep_grads and self.stage is not None:
+            if self.clip_grad is not None:
+                self._clip()
+            if self.keep_grads and self.stage is not None:  # the gradients the optimizer steps with
                 self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                    for n, p in self.stage.parameters()}
             for p in idle:
@@ -79,6 +85,56 @@ class GradientSteps:
                 if len(idle) < len(self.params):
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+
+    def _end_step_without_stage(self) -> None:
+        """A verifier-only rank joins the step's decisions the stage ranks took in OPTIM: the overflow vote,
+        then (where the step goes ahead) the global norm, with no gradients of its own."""
+        if self.scaler is not None and self._overflowed():
+            return
+        if self.clip_grad is not None:
+            self._clip()
+
+    def _norm_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this rank counts in the global norm: each once in the whole run,
+        on the lowest rank holding it (replicas and tied stages hold the same summed gradient)."""
+        if self.stage is None:
+            return []
+        holders = {n: ranks for _, ranks, names in self.groups.tied for n in names}
+        stage_ranks = self.groups.stage_ranks or (self.rank,)
+        return [p for n, p in self.stage.parameters() if min(holders.get(n, stage_ranks)) == self.rank]
+
+    def _clip(self) -> None:
+        """Scale this rank's gradients by min(1, NORM / (global norm + eps)), as clip_grad_norm_ would over
+        the whole model. The global norm is one control exchange: every rank sends its squared norm to the
+        control rank, which checks and sums them and sends the total back (no collective an untrusted
+        rank could add to)."""
+        grads = [p.grad for p in self._norm_params() if p.grad is not None]
+        mine = sum((g.detach().double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = float(mine)
+        if self.plan.num_ranks > 1:
+            total = self._global_square_norm(mine.reshape(1).to(self.device))
+        scale = min(1.0, self.clip_grad / (math.sqrt(total) + CLIP_EPS))
+        if scale < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def _global_square_norm(self, mine: torch.Tensor) -> float:
+        ctl, everyone = control.CONTROL_RANK, range(self.plan.num_ranks)
+        got = control.gather_to(mine, dst=ctl, me=self.rank, ranks=everyone, topic=control.Topic.CLIP,
+                                device=self.device, doing="sending the squared norm of this rank's gradients")
+        total = None
+        if got is not None:
+            for sender, t in got.items():
+                value = float(t.reshape(-1)[0])
+                if not (math.isfinite(value) and value >= 0):
+                    raise ProtocolError(f"rank {sender} sent an impossible squared gradient norm", sender=sender,
+                                        expected="a finite number >= 0", found=str(value),
+                                        fix=f"check rank {sender}'s host (or lower --lr if its gradients diverged)")
+            total = torch.stack([t.reshape(()) for t in got.values()]).sum().reshape(1)
+        return float(control.send_from(total, src=ctl, me=self.rank, ranks=everyone, topic=control.Topic.CLIP,
+                                       shape=(1,), dtype=torch.float64, device=self.device,
+                                       doing="hearing the gradients' global norm")[0])
 
     def _overflowed(self) -> bool:
         """Unscale this rank's gradients and vote whether any overflowed (fp16): the control rank hears

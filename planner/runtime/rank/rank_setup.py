@@ -10,6 +10,7 @@ An ``hf:DIR`` model then reads its stage's tensors from the folder's weights
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,7 +22,7 @@ from models.hf_weights import WeightFiles, check_weights, find_weights, load_wei
 from models.registry import build_model
 from planner.errors import InvalidInputError
 from planner.runtime.data import PlanBatches, make_source, resolve_loss
-from planner.runtime.options import RunOptions, check_model_allowed
+from planner.runtime.options import LR_SCHEDULES, RunOptions, check_model_allowed
 from planner.runtime.rank.recompute import build_plan_stage
 from planner.runtime.rank.stage import (
     EdgeSpecs,
@@ -179,25 +180,54 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
     return groups
 
 
-DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3}
+DEFAULT_LR: dict[str, float] = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
+OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *,
-                   lr: float | None) -> torch.optim.Optimizer | None:
-    """SGD or Adam over this rank's parameters (the plan's ``config.optimizer``; lr default per DEFAULT_LR)."""
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float | None,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer | None:
+    """SGD, Adam or AdamW over this rank's parameters (the plan's ``config.optimizer``; lr default per
+    DEFAULT_LR). ``weight_decay`` is each class's own: decoupled in AdamW, an L2 term in Adam and SGD."""
     params = list(params)
     if not params:
         return None
-    if name not in DEFAULT_LR:
-        raise InvalidInputError("optimizer", expected="sgd or adam", found=repr(name))
+    if name not in OPTIMIZER_CLASSES:
+        raise InvalidInputError("optimizer", expected=", ".join(OPTIMIZER_CLASSES), found=repr(name))
     rate = DEFAULT_LR[name] if lr is None else lr
-    return torch.optim.SGD(params, lr=rate) if name == "sgd" else torch.optim.Adam(params, lr=rate)
+    return OPTIMIZER_CLASSES[name](params, lr=rate, weight_decay=weight_decay)
+
+
+def lr_factor(step: int, *, warmup: int, schedule: str, total_steps: int) -> float:
+    """The learning rate of ``step`` (from 0) over --lr: ``(step + 1) / warmup`` during the warm-up, then
+    constant 1, or linear or cosine from 1 at the warm-up's end to 0 at ``total_steps``. Closed form, so a
+    resumed run gets its step's rate by counting steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if schedule == "linear":
+        return 1.0 - done
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * done))
+    raise InvalidInputError("--lr-schedule", expected="constant, linear or cosine", found=repr(schedule))
+
+
+def make_lr_schedule(optimizer: torch.optim.Optimizer | None, *, warmup: int, schedule: str = "constant",
+                     total_steps: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's learning-rate schedule (see :func:`lr_factor`); stepped once after each optimizer step.
+    None: the rate never changes (no optimizer, or no warm-up and a constant schedule)."""
+    if schedule not in LR_SCHEDULES:
+        raise InvalidInputError("--lr-schedule", expected=", ".join(LR_SCHEDULES), found=repr(schedule))
+    if optimizer is None or (warmup <= 0 and schedule == "constant"):
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_factor(k, warmup=warmup, schedule=schedule, total_steps=total_steps))
 
 
 def make_lr_warmup(optimizer: torch.optim.Optimizer | None,
                    steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
     """A linear learning-rate warm-up: step ``k`` (from 0) trains at ``lr * min(1, (k + 1) / steps)``, as
     most recipes start, since full-rate Adam steps on a fresh model can spike the loss. None: no warm-up."""
-    if optimizer is None or steps <= 0:
-        return None
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / steps))
+    return make_lr_schedule(optimizer, warmup=steps)

@@ -29,7 +29,7 @@ from planner.runtime.wire import comm, messages
 if TYPE_CHECKING:
     from planner.plan import Plan
 
-CONTROL_RANK = 0  # decides for the run (fp16 overflow, checkpoints, the resume step, the result)
+CONTROL_RANK = 0  # decides for the run (fp16 overflow, the clipping norm, checkpoints, the resume step, the result)
 
 
 class Topic(enum.IntEnum):
@@ -42,6 +42,7 @@ class Topic(enum.IntEnum):
     SUMMARY = 4      # a rank's final summary (JSON), to the control rank
     RESUME = 5       # the checkpoint step every rank resumes from
     MEMBERSHIP = 6   # rank 0's nonce, each rank's proof of the run secret, rank 0's finding
+    CLIP = 7         # a rank's squared gradient norm, and the control rank's total (--clip-grad)
 
 
 def trusted_ranks(plan: "Plan") -> frozenset[int]:

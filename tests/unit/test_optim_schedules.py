@@ -1,0 +1,77 @@
+"""The run's optimizers and learning-rate schedules (``rank_setup``), their options and AdamW's memory price."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cost_models.memory import bytes_per_param
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.runtime.options import RunOptions, parse_worker_args
+from planner.runtime.rank.rank_setup import lr_factor, make_lr_schedule, make_optimizer
+
+
+def _rates(schedule, steps: int, *, start: int = 0) -> list[float]:
+    """The rate of each step from ``start`` on, stepping a fresh scheduler ``start`` times first as a resumed
+    worker does."""
+    opt = make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_lr_schedule(opt, total_steps=steps, **schedule)
+    out = []
+    for k in range(steps):
+        if k >= start:
+            out.append(opt.param_groups[0]["lr"])
+        opt.step()  # no gradient: no update, but torch wants the optimizer stepped before its scheduler
+        sched.step()
+    return out
+
+
+def test_warmup_then_cosine_and_linear_reach_zero_at_the_last_step():
+    cosine = _rates({"warmup": 2, "schedule": "cosine"}, 6)
+    assert cosine == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5,
+                                    0.5 * (1 + math.cos(3 * math.pi / 4))])
+    assert _rates({"warmup": 0, "schedule": "linear"}, 4) == pytest.approx([1.0, 0.75, 0.5, 0.25])
+    assert _rates({"warmup": 3, "schedule": "constant"}, 4) == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    assert lr_factor(10, warmup=2, schedule="cosine", total_steps=6) == pytest.approx(0.0)  # past --steps: 0
+
+
+def test_a_resumed_schedule_continues_where_it_stopped():
+    schedule = {"warmup": 2, "schedule": "cosine"}
+    assert _rates(schedule, 7, start=3) == pytest.approx(_rates(schedule, 7)[3:])
+
+
+def test_no_schedule_without_warmup_or_decay_and_unknown_schedule_refused():
+    opt = make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert make_lr_schedule(opt, warmup=0, schedule="constant", total_steps=5) is None
+    assert make_lr_schedule(None, warmup=2, schedule="cosine", total_steps=5) is None
+    with pytest.raises(InvalidInputError, match="--lr-schedule"):
+        make_lr_schedule(opt, warmup=2, schedule="step", total_steps=5)
+
+
+def test_adamw_takes_the_weight_decay_and_unknown_optimizers_are_refused():
+    opt = make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(1))], lr=None, weight_decay=0.05)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.param_groups[0]["weight_decay"] == 0.05 and opt.param_groups[0]["lr"] == 1e-3
+    with pytest.raises(InvalidInputError, match="optimizer"):
+        make_optimizer("lion", [torch.nn.Parameter(torch.zeros(1))], lr=None)
+
+
+def test_adamw_state_is_priced_as_adams():
+    for dtype, mixed in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
+        adam, adamw = (bytes_per_param(TrainingConfig(global_batch=4, microbatch_size=2, optimizer=o, dtype=dtype,
+                                                      mixed_precision=mixed)) for o in ("adam", "adamw"))
+        assert adamw == adam
+
+
+def test_options_round_trip_through_the_worker_command_line():
+    opts = RunOptions(plan="p.json", lr_schedule="linear", weight_decay=0.01, clip_grad=1.5, lr_warmup=3)
+    assert parse_worker_args(opts.worker_argv()) == opts
+    assert parse_worker_args(RunOptions(plan="p.json").worker_argv()) == RunOptions(plan="p.json")
+
+
+@pytest.mark.parametrize(("field", "value"), [("weight_decay", -1.0), ("weight_decay", math.inf),
+                                              ("clip_grad", 0.0), ("clip_grad", math.nan), ("lr_schedule", "exp")])
+def test_bad_options_are_refused_by_name(field, value):
+    with pytest.raises(InvalidInputError, match="--" + field.replace("_", "-")):
+        RunOptions(plan="p.json", **{field: value})
