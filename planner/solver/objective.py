@@ -283,11 +283,12 @@ def fluid_bottleneck_ms(problem: Problem) -> float:
 
 
 def simple_lower_bound_ms(problem: Problem) -> float:
-    """A lower bound on ``F`` valid for every plan (any stage count, replicas, verifiers): the fluid LP."""
-    return _fluid_lp(problem, with_fill=True)
+    """A lower bound on ``F`` valid for every plan (any stage count, replicas, verifiers): the fluid LP; infinite
+    where the LP proves no plan holds its blocks in memory (such a microbatch count must not bound the others)."""
+    return _fluid_lp(problem, with_fill=True, infeasible=math.inf)
 
 
-def _fluid_lp(problem: Problem, *, with_fill: bool) -> float:
+def _fluid_lp(problem: Problem, *, with_fill: bool, infeasible: float = 0.0) -> float:
     """min ``sum_lc x_lc h_c time_lc + (M - 1) T`` (or ``T`` alone) over fractional block -> class assignments.
 
     Why it bounds every plan: give block ``l`` to its stage's class (``x`` 0/1).
@@ -298,8 +299,9 @@ def _fluid_lp(problem: Problem, *, with_fill: bool) -> float:
     at most ``n_c T`` of per-microbatch work: ``sum_l x_lc time_lc <= n_c T``.
     Each device holds its blocks' weights, gradients, optimizer state and at
     least one microbatch of activations: ``sum_l x_lc mem_l <= n_c cap_c``.
-    ``T`` is also at least the slowest block's best time. Returns 0 when the
-    LP has no answer (the trivial bound).
+    ``T`` is also at least the slowest block's best time. Returns ``infeasible``
+    when the LP proves there is no assignment (no plan exists), 0 when it has no
+    answer otherwise (the trivial bound).
     """
     M, L = problem.num_microbatches, problem.num_blocks
     stage = [c for c in problem.classes if c.stage_capable]
@@ -329,7 +331,10 @@ def _fluid_lp(problem: Problem, *, with_fill: bool) -> float:
             if with_fill:
                 obj.SetCoefficient(x, share[c.index] * tl)
     obj.SetMinimization()
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+    status = lp.Solve()
+    if status == pywraplp.Solver.INFEASIBLE:
+        return infeasible
+    if status != pywraplp.Solver.OPTIMAL:
         return 0.0
     return max(0.0, obj.Value() * (1 - 1e-7))  # shave the LP tolerance: stays a valid bound
 
