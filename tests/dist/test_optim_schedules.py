@@ -1,7 +1,8 @@
 """AdamW with weight decay, a warm-up then a cosine schedule, and clipping to a global gradient norm: the
 pipelined run equals a single-process torch loop built from torch's own classes (``torch.optim.AdamW``,
 ``LinearLR`` then ``CosineAnnealingLR``, ``clip_grad_norm_``), on 2 and 3 stages, a replicated stage with
-a verifier-only rank, and a weight tied across stages (each counted once in the global norm).
+a verifier-only rank, and a weight tied across stages (each counted once in the global norm); and a run
+that dies mid-schedule and resumes ends where an unbroken one does.
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import math
 import pytest
 import torch
 
+from planner.errors import RankFailureError
 from planner.runtime.launcher.launch import launch
-from planner.runtime.options import RunOptions
+from planner.runtime.options import FaultSpec, RunOptions
 from tests.dist.plans import load_dumps, make_plan
 
 torch.set_num_threads(1)
@@ -86,3 +88,24 @@ def test_adamw_cosine_clipping_match_torch(case, tmp_path):
             torch.testing.assert_close(p, params[name], rtol=1e-4, atol=1e-4, msg=lambda msg: f"{name}: {msg}")
         covered |= set(d["params"])
     assert {id(params[n]) for n in covered} == {id(p) for p in params.values()}  # every parameter on some rank
+
+
+def test_a_run_resumed_mid_schedule_ends_where_an_unbroken_one_does(tmp_path):
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 3), (4, 5)], optimizer="adamw")
+    path = plan.save(tmp_path / "plan.json")
+
+    def opts(**kw) -> RunOptions:
+        return RunOptions(plan=str(path), steps=STEPS, timeout_s=30, lr=LR, weight_decay=WEIGHT_DECAY,
+                          lr_warmup=WARMUP, lr_schedule="cosine", clip_grad=CLIP, **kw)
+
+    launch(opts(dump=str(tmp_path / "straight")))
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailureError):  # dies after the checkpoint of step 1, as the cosine starts
+        launch(opts(checkpoint_dir=ckpt, checkpoint_every=1, fault=FaultSpec(rank=1, kind="die", step=2)))
+    result = launch(opts(checkpoint_dir=ckpt, resume=True, dump=str(tmp_path / "resumed")))
+    assert result["steps"] == STEPS - 2
+    straight, resumed = ({n: p for d in load_dumps(tmp_path / f, plan.num_ranks) for n, p in d["params"].items()}
+                         for f in ("straight", "resumed"))
+    assert set(resumed) == set(straight)
+    for name, p in resumed.items():
+        torch.testing.assert_close(p, straight[name], msg=lambda msg: f"{name}: {msg}")
