@@ -2,7 +2,9 @@
 
 For a representative device of each kind the reasons are tried in order:
 it cannot hold the smallest stage (memory); no stage of the plan may take it
-as a replica (trust, memory with the stage's state, verification); or, joining
+as a replica, each stage's rule named (trust: an end stage; verification: no
+verifier site for the stage with it, its verifiers placed again; memory with
+the stage's state); or, joining
 any stage as one more replica, the compiled programs would cost more (its
 links: the all-reduce and transfers it adds, its speed, the checks it needs):
 the best such step is given.
@@ -20,6 +22,7 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.problem import Problem
+from planner.solver.verifiers import assign_verifiers
 
 
 def _kinds(problem: Problem, placement: Placement) -> dict[tuple, list[str]]:
@@ -43,6 +46,26 @@ def _with_replica(placement: Placement, k: int, device: str) -> Placement:
     return dataclasses.replace(placement, stages=placement.stages[:k] + (grown,) + placement.stages[k + 1:])
 
 
+def _reverified(problem: Problem, placement: Placement) -> Placement | None:
+    """``placement`` with its verifiers placed again for its stages (None: some boundary has no site)."""
+    verifiers = assign_verifiers(problem, placement.stages, placement.num_microbatches)
+    return None if verifiers is None else dataclasses.replace(placement, verifiers=verifiers)
+
+
+def _why_not(problem: Problem, placement: Placement, k: int, device: str, grown: Placement | None) -> str:
+    """The rule that keeps ``device`` out of stage ``k`` as one more replica: trust, verifier sites or memory."""
+    cls, pol, last = problem.classes[problem.class_of(device)], problem.policy, placement.num_stages - 1
+    if pol.enabled and pol.trusted_endpoints and not cls.trusted and k in (0, last):
+        return "trust: the end stages take trusted devices only"
+    if grown is None:
+        return (f"verification: no trusted verifier outside its trust domain can check stage {k} with it (verifiers "
+                "sit on single-replica stages at a boundary, the first or last stage, or CPU verifier hosts)")
+    broken = violations(problem, grown)
+    if any("memory" in v for v in broken):
+        return f"memory: stage {k} with its state does not fit it"
+    return broken[0] if broken else "no rule"
+
+
 PRICED_TRIES = 24  # programs priced in all (each is a plan of the whole cluster): the stages tried per kind
 
 
@@ -60,13 +83,13 @@ def idle_reasons(problem: Problem, placement: Placement, step_ms: float) -> tupl
             out.append(f"{head}: memory, the smallest stage needs {smallest / 1e9:.1f} GB, it has "
                        f"{cls.mem_bytes / 1e9:.1f} GB usable")
             continue
-        tries = [_with_replica(placement, k, d) for k in range(placement.num_stages)
-                 if len(placement.stages[k].devices) < placement.num_microbatches]
-        valid = [p for p in tries if not violations(problem, p)]
+        ks = [k for k in range(placement.num_stages) if len(placement.stages[k].devices) < placement.num_microbatches]
+        tries = [_reverified(problem, _with_replica(placement, k, d)) for k in ks]
+        valid = [p for p in tries if p is not None and not violations(problem, p)]
         if not valid:
-            why = "trust: the policy keeps the plan's stages (its endpoints) off untrusted devices" if not trusted \
-                else "memory or verification: no stage of the plan can take it as a replica"
-            out.append(f"{head}: {why}; no plan the search met with a stage of its own cost less")
+            why = "; ".join(dict.fromkeys(_why_not(problem, placement, k, d, p) for k, p in zip(ks, tries))) \
+                or "every stage already runs a replica per microbatch"
+            out.append(f"{head}: no stage can take it as a replica ({why})")
             continue
         # the stages whose closed form it helps most are tried first
         valid.sort(key=lambda p: evaluate(problem, p).step_ms)
