@@ -59,7 +59,8 @@ def torch_reference(plan, *, steps: int):
         opt.zero_grad(set_to_none=True)
         schedule.step()
     clones: dict[int, torch.Tensor] = {}  # aliases of a tied parameter share one clone (compare by id)
-    params = {n: clones.setdefault(id(p), p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {n: clones.setdefault(id(p), p.detach().clone())
+              for n, p in model.named_parameters(remove_duplicate=False)}
     return losses, grads, params, norms
 
 

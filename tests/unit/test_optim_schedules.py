@@ -1,16 +1,21 @@
-"""The run's optimizers and learning-rate schedules (``rank_setup``), their options and AdamW's memory price."""
+"""The run's optimizers and learning-rate schedules (``rank_setup``), their options, AdamW's memory price and
+the clipping exchange's checks (``executor_optim``)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cost_models.memory import bytes_per_param
 from cost_models.training import TrainingConfig
-from planner.errors import InvalidInputError
+from planner.errors import InvalidInputError, ProtocolError
 from planner.runtime.options import RunOptions, parse_worker_args
+from planner.runtime.rank.executor_optim import GradientSteps
 from planner.runtime.rank.rank_setup import lr_factor, make_lr_schedule, make_optimizer
+from planner.runtime.wire import control
+from planner.runtime.wire.comm import Groups
 
 
 def _rates(schedule, steps: int, *, start: int = 0) -> list[float]:
@@ -75,3 +80,53 @@ def test_options_round_trip_through_the_worker_command_line():
 def test_bad_options_are_refused_by_name(field, value):
     with pytest.raises(InvalidInputError, match="--" + field.replace("_", "-")):
         RunOptions(plan="p.json", **{field: value})
+
+
+class _Clipper(GradientSteps):
+    """The executor's clipping alone: ``rank`` of a plan of ``num_ranks``, holding ``params`` by name."""
+
+    def __init__(self, rank: int, num_ranks: int, params: dict[str, torch.nn.Parameter], *,
+                 stage_ranks: tuple[int, ...] = (), tied: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = ()):
+        self.rank, self.clip_grad, self.device = rank, 1.0, torch.device("cpu")
+        self.plan = SimpleNamespace(num_ranks=num_ranks)
+        self.stage = SimpleNamespace(parameters=lambda: list(params.items()))
+        self.params = list(params.values())
+        self.groups = Groups(stage_ranks=stage_ranks, tied=[(None, ranks, names) for ranks, names in tied])
+
+
+def _param(*values: float) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(len(values)))
+    p.grad = torch.tensor(values)
+    return p
+
+
+def _square_norm(value: float) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float64)
+
+
+def test_each_parameter_counts_once_on_the_lowest_rank_holding_it():
+    params = {"own": _param(1.0), "tied": _param(2.0)}
+    second_replica = _Clipper(2, 4, params, stage_ranks=(1, 2))
+    first_replica = _Clipper(1, 4, params, stage_ranks=(1, 2), tied=(((0, 1, 2), ("tied",)),))
+    assert second_replica._norm_params() == []
+    assert first_replica._norm_params() == [params["own"]]  # the tied one counts on rank 0
+    assert _Clipper(0, 4, params, stage_ranks=(0,), tied=(((0, 1, 2), ("tied",)),))._norm_params() == \
+        list(params.values())
+
+
+def test_the_control_rank_sums_the_squared_norms_and_clips_everyone(monkeypatch):
+    sent = {}
+    monkeypatch.setattr(control, "gather_to", lambda value, **kw: {0: value, 1: _square_norm(12.0)})
+    monkeypatch.setattr(control, "send_from", lambda value, **kw: sent.setdefault("total", value))
+    params = {"w": _param(2.0)}  # 4 here + 12 from rank 1: global norm 4, scale 1 / (4 + 1e-6)
+    _Clipper(0, 2, params, stage_ranks=(0,))._clip()
+    assert float(sent["total"]) == 16.0
+    torch.testing.assert_close(params["w"].grad, torch.tensor([2.0 / (4.0 + 1e-6)]))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_an_impossible_squared_norm_is_a_protocol_error_naming_its_sender(monkeypatch, bad):
+    monkeypatch.setattr(control, "gather_to", lambda value, **kw: {0: value, 1: _square_norm(bad)})
+    with pytest.raises(ProtocolError, match="rank 1 sent an impossible squared gradient norm") as info:
+        _Clipper(0, 2, {"w": _param(1.0)}, stage_ranks=(0,))._clip()
+    assert info.value.peer == 1
