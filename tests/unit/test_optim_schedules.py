@@ -19,14 +19,12 @@ from planner.runtime.wire.comm import Groups
 
 
 def _rates(schedule, steps: int, *, start: int = 0) -> list[float]:
-    """The rate of each step from ``start`` on, stepping a fresh scheduler ``start`` times first as a resumed
-    worker does."""
+    """The rate of each step from ``start`` on, as a worker resumed at ``start`` sets them."""
     opt = make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = make_lr_schedule(opt, total_steps=steps, **schedule)
+    sched = make_lr_schedule(opt, total_steps=steps, first_step=start, **schedule)
     out = []
-    for k in range(steps):
-        if k >= start:
-            out.append(opt.param_groups[0]["lr"])
+    for _ in range(start, steps):
+        out.append(opt.param_groups[0]["lr"])
         opt.step()  # no gradient: no update, but torch wants the optimizer stepped before its scheduler
         sched.step()
     return out

@@ -123,7 +123,6 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     stage = setup.stage
     optimizer = make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()] if stage else [],
                                lr=opts.lr, weight_decay=opts.weight_decay)
-    lr_schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule, total_steps=opts.steps)
     verify = (VerifyHooks(plan, env.rank, seed=opts.seed, data=opts.data, lr_warmup=opts.lr_warmup)
               if verifying else None)
     attacks = AttackHooks(opts.attacks, env.rank, seed=opts.seed) if opts.attacks else None
@@ -145,9 +144,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     rank0_report = ProgressReport(plan, opts, summaries, executor) if env.rank == 0 and opts.report else None
 
     first = resume_step(plan, opts, env, stage, optimizer, verify, executor)
-    for _ in range(first):
-        if lr_schedule is not None:
-            lr_schedule.step()  # the rate of the step the run resumes at
+    lr_schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
+                                   total_steps=opts.steps, first_step=first)  # from the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()
     bans: list[BanNotice] = []
     stopped = False

@@ -215,15 +215,16 @@ def lr_factor(step: int, *, warmup: int, schedule: str, total_steps: int) -> flo
 
 
 def make_lr_schedule(optimizer: torch.optim.Optimizer | None, *, warmup: int, schedule: str = "constant",
-                     total_steps: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The run's learning-rate schedule (see :func:`lr_factor`); stepped once after each optimizer step.
-    None: the rate never changes (no optimizer, or no warm-up and a constant schedule)."""
+                     total_steps: int = 0, first_step: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's learning-rate schedule (see :func:`lr_factor`) from ``first_step`` (a resumed run's first),
+    stepped once after each optimizer step. None: the rate never changes (no optimizer, or no warm-up and
+    a constant schedule)."""
     if schedule not in LR_SCHEDULES:
         raise InvalidInputError("--lr-schedule", expected=", ".join(LR_SCHEDULES), found=repr(schedule))
     if optimizer is None or (warmup <= 0 and schedule == "constant"):
         return None
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: lr_factor(k, warmup=warmup, schedule=schedule, total_steps=total_steps))
+        optimizer, lambda k: lr_factor(first_step + k, warmup=warmup, schedule=schedule, total_steps=total_steps))
 
 
 def make_lr_warmup(optimizer: torch.optim.Optimizer | None,
