@@ -113,11 +113,11 @@ class GradientSteps:
         total = float(mine)
         if self.plan.num_ranks > 1:
             total = self._global_square_norm(mine.reshape(1).to(self.device))
-        scale = min(1.0, self.clip_grad / (math.sqrt(total) + CLIP_EPS))
-        if scale < 1.0:
+        norm = math.sqrt(total)
+        if math.isfinite(norm) and norm + CLIP_EPS > self.clip_grad:  # else the scale is 1 (nan: rank 0 diverged)
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(scale)
+                    p.grad.mul_(self.clip_grad / (norm + CLIP_EPS))
 
     def _global_square_norm(self, mine: torch.Tensor) -> float:
         ctl, everyone = control.CONTROL_RANK, range(self.plan.num_ranks)
@@ -127,6 +127,8 @@ class GradientSteps:
         if got is not None:
             for sender, t in got.items():
                 value = float(t.reshape(-1)[0])
+                if sender == ctl:
+                    continue  # its own sum, not a message
                 if not (math.isfinite(value) and value >= 0):
                     raise ProtocolError(f"rank {sender} sent an impossible squared gradient norm", sender=sender,
                                         expected="a finite number >= 0", found=str(value),
