@@ -122,9 +122,17 @@ def test_the_control_rank_sums_the_squared_norms_and_clips_everyone(monkeypatch)
     torch.testing.assert_close(params["w"].grad, torch.tensor([2.0 / (4.0 + 1e-6)]))
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
-def test_an_impossible_squared_norm_is_a_protocol_error_naming_its_sender(monkeypatch, bad):
-    monkeypatch.setattr(control, "gather_to", lambda value, **kw: {0: value, 1: _square_norm(bad)})
+def test_a_negative_squared_norm_is_a_protocol_error_naming_its_sender(monkeypatch):
+    monkeypatch.setattr(control, "gather_to", lambda value, **kw: {0: value, 1: _square_norm(-1.0)})
     with pytest.raises(ProtocolError, match="rank 1 sent an impossible squared gradient norm") as info:
         _Clipper(0, 2, {"w": _param(1.0)}, stage_ranks=(0,))._clip()
     assert info.value.peer == 1
+
+
+@pytest.mark.parametrize("diverged", [math.nan, math.inf])
+def test_a_diverged_norm_blames_nobody_and_clips_nothing(monkeypatch, diverged):
+    monkeypatch.setattr(control, "gather_to", lambda value, **kw: {0: value, 1: _square_norm(diverged)})
+    monkeypatch.setattr(control, "send_from", lambda value, **kw: value)
+    params = {"w": _param(3.0)}
+    _Clipper(0, 2, params, stage_ranks=(0,))._clip()
+    assert params["w"].grad.tolist() == [3.0]
