@@ -20,7 +20,7 @@ _LAZY = {
     "load_plan": ("planner.plan_load", "load_plan"),
     "Plan": ("planner.plan", "Plan"),
     "apply_plan": ("planner.runtime.rank.apply", "apply_plan"),
-    "train": ("planner.train", "train"),
+    "train": ("planner.driver", "train"),
 }
 
 

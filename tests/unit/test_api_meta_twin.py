@@ -8,7 +8,7 @@ from torch import nn
 
 from planner.errors import InvalidInputError
 from planner.meta_twin import on_meta
-from planner.train import _data_spec, _with_saved_model
+from planner.driver import _data_spec, _with_saved_model
 
 
 def _tied() -> nn.Module:

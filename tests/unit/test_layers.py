@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.runtime.rank",),            # one rank's executor: stage, compute, p2p, verification, optimizer
     ("planner.runtime.recovery",),        # checkpoints, survivors' state, joins
     ("planner.runtime.outputs",),         # what a run reports
-    ("planner.runtime.launcher", "planner.runtime", "planner.train"),  # the processes, hosts, membership, re-planning legs
+    ("planner.runtime.launcher", "planner.runtime", "planner.driver"),  # the processes, hosts, membership, re-planning legs
     ("planner.profiling",),                                                          # the only code that times hardware
     ("planner.commands", "planner.cli", "planner.__main__", "planner"),
 )
