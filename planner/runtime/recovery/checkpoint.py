@@ -313,23 +313,23 @@ def rank_files(root: str | Path, *, step: int) -> list[Path]:
     return [step_folder(root, step) / name for name in sorted(manifest["files"])]
 
 
-def _by_owner(root: str | Path, *, step: int, key: bytes, names: Collection[str]) -> dict[Path, set[str]]:
-    """Which of ``names`` to read from which (checked) rank file: each from its owner's alone."""
-    manifest = read_manifest(root, step=step, key=key)
-    wanted: dict[Path, set[str]] = {}
+def _by_owner(root: str | Path, *, step: int, manifest: Mapping[str, Any], names: Collection[str]
+              ) -> dict[Path, set[str]]:
+    """Which of ``names`` to read from which rank file, each from its owner's alone (each file checked once)."""
+    by_file: dict[str, set[str]] = {}
     for name in names:
         owner = manifest["owners"].get(name)
         if owner is not None:
-            path = check_file(root, step=step, manifest=manifest, name=f"rank{owner}.safetensors")
-            wanted.setdefault(path, set()).add(name)
-    return wanted
+            by_file.setdefault(f"rank{owner}.safetensors", set()).add(name)
+    return {check_file(root, step=step, manifest=manifest, name=f): mine for f, mine in by_file.items()}
 
 
 def read_params(root: str | Path, *, step: int, names: Collection[str], key: bytes) -> dict[str, torch.Tensor]:
     """The parameters ``names`` of the checkpoint after ``step``, each from its owner's file; names no
     rank owns are left out."""
     found: dict[str, torch.Tensor] = {}
-    for path, mine in _by_owner(root, step=step, key=key, names=names).items():
+    manifest = read_manifest(root, step=step, key=key)
+    for path, mine in _by_owner(root, step=step, manifest=manifest, names=names).items():
         with safe_open(str(path), framework="pt") as f:
             found.update({n: f.get_tensor(f"param/{n}") for n in mine if f"param/{n}" in f.keys()})
     return found
@@ -341,7 +341,9 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
     ``step``, each from its owner's file; this rank's RNG state and extra state if it wrote a file."""
     folder = step_folder(root, step)
     found: dict[str, torch.Tensor] = {}
-    for path, mine in _by_owner(root, step=step, key=key, names=params).items():
+    manifest = read_manifest(root, step=step, key=key)
+    owned = _by_owner(root, step=step, manifest=manifest, names=params)
+    for path, mine in owned.items():
         with safe_open(str(path), framework="pt") as f:
             for k in f.keys():
                 kind, _, rest = k.partition("/")
@@ -349,10 +351,11 @@ def restore_rank(root: str | Path, *, step: int, params: dict[str, torch.Tensor]
                 if name in mine:
                     found[k] = f.get_tensor(k)
     state: dict = {}
-    manifest = read_manifest(root, step=step, key=key)
     own = f"rank{rank}.safetensors"
     if own in manifest["files"]:
-        with safe_open(str(check_file(root, step=step, manifest=manifest, name=own)), framework="pt") as f:
+        path = step_folder(root, step) / own
+        checked = path if path in owned else check_file(root, step=step, manifest=manifest, name=own)
+        with safe_open(str(checked), framework="pt") as f:
             state = json.loads((f.metadata() or {}).get("state", "{}"))
             found["rng/cpu"] = f.get_tensor("rng/cpu")
     missing = [n for n in params if f"param/{n}" not in found]
