@@ -189,6 +189,8 @@ def _stopped_report(opts: RunOptions, stop: BaseException, replans: list[dict[st
         record = earlier if isinstance(earlier, dict) else None
     except (OSError, ValueError):
         pass
+    if record is not None and legs.legs and record.get("plan") == legs.legs[-1]["plan"]:
+        legs.caught_up(int(record.get("steps") or 0))  # its report can be ahead of the events a stop cut short
     interrupted = isinstance(stop, KeyboardInterrupt)
     ran = isinstance(stop, RunFailure) or len(legs.legs) > 1 or any(leg["steps"] for leg in legs.legs)
     if record is None and not (interrupted or ran):
@@ -314,6 +316,12 @@ class _Legs:
         if last is not None and last >= leg["first_step"]:
             leg.update(last_step=last, steps=last - leg["first_step"] + 1)
         leg["ended"] = how
+
+    def caught_up(self, steps: int) -> None:
+        """Rank 0's own report says the current leg completed ``steps`` steps: at least that many ran."""
+        leg = self.legs[-1]
+        if steps > leg["steps"]:
+            leg.update(steps=steps, last_step=leg["first_step"] + steps - 1)
 
     def resumed(self, step: int | None, *, entry: dict[str, Any] | None) -> None:
         """The next leg resumes after ``step`` (None: from the start); ``entry``: the re-plan between them."""
