@@ -74,6 +74,8 @@ _AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelFor
                  "sequence-classification": "AutoModelForSequenceClassification"}
 _LOSSES = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "sequence-classification": "ForSequenceClassification"}
 _INSTALL = "pip install -e '.[hf]' (or pip install 'transformers>=4.53')"
+SUPPORTED = ("decoder-only causal LMs (gpt2, llama, mistral, qwen2, ...) and encoders with a masked-LM or "
+             "sequence-classification head (bert, roberta, ...)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,8 +255,21 @@ def _read_json(hs: HFSpec) -> dict[str, Any]:
     return values
 
 
+def refuse_unsupported(config: Any) -> None:
+    """Refuse by name a model kind Stagewise cannot split: encoder-decoders take two input streams."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return
+    auto = transformers().models.auto.modeling_auto
+    arch = (getattr(config, "architectures", None) or [None])[0] or \
+        auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) or config.model_type
+    raise InvalidInputError(f"{arch} (encoder-decoder) is not supported", expected=f"one of: {SUPPORTED}",
+                            found=f"model type {config.model_type!r}, an encoder-decoder",
+                            fix="pick a decoder-only or encoder-only model")
+
+
 def choose_task(config: Any, requested: str | None) -> str:
     """The head: the requested one, else the config's ``architectures``, else by model type."""
+    refuse_unsupported(config)
     names = _head_names(config.model_type)
     if requested is not None:
         if names.get(requested) is None:
@@ -268,8 +283,9 @@ def choose_task(config: Any, requested: str | None) -> str:
     for task in ("masked-lm", "causal-lm", "sequence-classification"):  # encoders are masked LMs
         if names.get(task):
             return task
-    raise InvalidInputError(f"model type {config.model_type!r}",
-                            expected="one with a causal-LM, masked-LM or sequence-classification head",
+    raise InvalidInputError(f"model type {config.model_type!r} is not supported",
+                            expected="a model with a causal-LM, masked-LM or sequence-classification head: "
+                            + SUPPORTED,
                             found="none of them")
 
 
@@ -342,12 +358,13 @@ def example_seq(model: nn.Module, info: HFModel, seq: int | None, spec: str) -> 
 
 def _task_of(model: nn.Module) -> str:
     name = type(model).__name__
+    refuse_unsupported(model.config)
     for task, head in _head_names(model.config.model_type).items():
         if head == name:
             return task
-    raise InvalidInputError(f"transformers model {name}",
+    raise InvalidInputError(f"transformers model {name} is not supported",
                             expected="a model with a causal-LM, masked-LM or sequence-classification head "
-                            "(AutoModelForCausalLM / ForMaskedLM / ForSequenceClassification)",
+                            f"(AutoModelForCausalLM / ForMaskedLM / ForSequenceClassification): {SUPPORTED}",
                             found=f"{name} ({model.config.model_type})")
 
 

@@ -22,6 +22,7 @@ from planner.commands import (
     trace,
 )
 from planner.errors import PlannerError
+from planner.outputs import plain_output
 
 # Order is the order shown in --help.
 COMMANDS = (trace, profile, plan, show, simulate, run, replan, join, export_onnx)
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_output()  # piped: whole tables, no third-party progress bars
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

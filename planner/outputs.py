@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -77,3 +78,25 @@ def write_atomic(path: str | os.PathLike, text: str) -> Path:
     with atomic_file(path) as fh:
         fh.write(text)
     return Path(path)
+
+
+PIPED_COLUMNS = 200  # rich's width when stdout is no terminal (its fallback, 80, cuts tables mid-row)
+_QUIET_LIBRARIES = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def plain_output(stdout: IO[str] | None = None, environ: dict[str, str] | None = None) -> bool:
+    """When ``stdout`` is no terminal (a pipe, a file, a CI log): wide tables and no third-party progress bars
+    or advice, through the environment the libraries read (children inherit it); a user's own setting wins.
+    Returns whether it applied."""
+    stream = sys.stdout if stdout is None else stdout
+    env = os.environ if environ is None else environ
+    try:
+        if stream.isatty():
+            return False
+    except (AttributeError, ValueError):  # a closed or replaced stream: no terminal either
+        pass
+    env.setdefault("COLUMNS", str(PIPED_COLUMNS))
+    for key, value in _QUIET_LIBRARIES.items():
+        env.setdefault(key, value)
+    return True

@@ -48,6 +48,21 @@ def add_shape_arguments(p: argparse.ArgumentParser, *, batch_help: str, batch_de
     p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
 
 
+def token_seq(graph: Any) -> int | None:
+    """The sequence length a language model was traced at: its one input is a batch of token ids
+    (integers, batch x seq); None for any other model."""
+    inputs = graph.inputs()
+    if len(inputs) != 1 or len(inputs[0].outputs) != 1:
+        return None
+    meta = inputs[0].outputs[0]
+    return meta.shape[1] if len(meta.shape) == 2 and meta.dtype.startswith(("int", "uint")) else None
+
+
+def seq_text(seq: int | None) -> str:
+    """``, seq T`` for a language model, else nothing."""
+    return f", seq {seq}" if seq is not None else ""
+
+
 def check_positive(args: argparse.Namespace, *names: str) -> None:
     """Raise for any of the integer options ``names`` given as less than 1 (unset options pass)."""
     for name in names:

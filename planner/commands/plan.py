@@ -11,6 +11,8 @@ from planner.commands._common import (
     check_positive,
     check_seconds,
     process_started_s,
+    seq_text,
+    token_seq,
 )
 from planner.errors import InvalidInputError
 from planner.model_io import load_chain
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     out = Console()
     started = process_started_s()  # --time-limit counts the start-up and the trace too
     # Trace at the microbatch size when it is fixed, else at 1 sample (the solver rescales).
-    _, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
+    graph, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
+    seq = args.seq if args.seq is not None else token_seq(graph)  # recorded: the plan rebuilds the traced shape
     policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain,
                                 link_test_cost=args.link_tests_cost)
     start = time.perf_counter()
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 parts.append(f"bound {bound:.3f} ms")
             status.update(f"solving {'  '.join(parts)}  [{time.perf_counter() - start:.1f} s]")
 
-        plan = plan_chain(chain, args.cluster, spec=args.model, seq=args.seq, schedule=args.schedule,
+        plan = plan_chain(chain, args.cluster, spec=args.model, seq=seq, schedule=args.schedule,
                           global_batch=args.global_batch, microbatch_size=microbatch_size, policy=policy,
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
                           progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas,
@@ -140,7 +143,7 @@ def _report(console, plan, path) -> None:
     sim = plan.predicted.step_ms
     diff = (r.objective_ms - sim) / sim if sim > 0 else 0.0
     console.print(f"{plan.num_stages} stages, {plan.num_microbatches} microbatches of "
-                  f"{plan.config.microbatch_size}, {plan.config.schedule}, {plan.config.dtype}, "
+                  f"{plan.config.microbatch_size}{seq_text(plan.model.seq)}, {plan.config.schedule}, {plan.config.dtype}, "
                   f"{plan.config.optimizer}; simulated step {sim:.3f} ms "
                   f"(objective {100 * diff:+.1f}% of it)")
     if r.bound_ms is not None and sim > 0:

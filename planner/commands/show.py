@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from planner.commands._common import add_plan_argument, load_and_simulate, rank_table
+from planner.commands._common import add_plan_argument, load_and_simulate, rank_table, seq_text
 from planner.errors import InvalidInputError
 
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     plan, costs, result = load_and_simulate(args.plan)
     console = Console()
     console.print(f"[bold]{plan.model.name}[/] ({plan.model.spec}), {plan.schedule}, {plan.num_microbatches} "
-                  f"microbatches of {plan.config.microbatch_size}; solver: {plan.report.method} "
+                  f"microbatches of {plan.config.microbatch_size}{seq_text(plan.model.seq)}; solver: {plan.report.method} "
                   f"{plan.report.status}, objective {plan.report.objective_ms:.3f} ms")
     console.print(stage_table(plan, costs))
     for line in history_lines(plan):  # soft wrap: one terminal line per entry, whatever its width

@@ -6,7 +6,7 @@ import json
 import sys
 
 from planner.coarsen import GRANULARITIES, chain_to_dict
-from planner.commands._common import add_model_argument, add_shape_arguments
+from planner.commands._common import add_model_argument, add_shape_arguments, seq_text, token_seq
 from planner.ir import BlockChain, Graph
 from planner.model_io import load_chain
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         payload["graph"] = {"name": graph.name, "source": graph.source, "nodes": len(graph),
                             "fwd_flops": graph.fwd_flops, "bwd_flops": graph.bwd_flops,
                             "param_count": graph.param_count, "param_bytes": graph.param_bytes,
-                            "buffer_bytes": graph.buffer_bytes}
+                            "buffer_bytes": graph.buffer_bytes, "seq": token_seq(graph)}
         json.dump(payload, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
@@ -55,7 +55,7 @@ def _print_table(graph: Graph, chain: BlockChain) -> None:
     from rich.table import Table
 
     table = Table(title=f"{graph.name} ({graph.source}): {len(graph)} ops -> {len(chain)} blocks, "
-                        f"microbatch {chain.microbatch_size}")
+                        f"microbatch {chain.microbatch_size}{seq_text(token_seq(graph))}")
     for col in ("#", "block", "nodes", "params", "fwd GFLOPs", "bwd GFLOPs", "saved act MB", "out MB"):
         table.add_column(col, justify="left" if col == "block" else "right")
     for b in chain.blocks:
