@@ -59,7 +59,8 @@ def _why_not(problem: Problem, placement: Placement, k: int, device: str, grown:
         return "trust: the end stages take trusted devices only"
     if grown is None:
         return (f"verification: no trusted verifier outside its trust domain can check stage {k} with it (verifiers "
-                "sit on single-replica stages at a boundary, the first or last stage, or CPU verifier hosts)")
+                "sit on the trusted devices of the stages at a boundary, of the first or last stage, or on CPU verifier "
+                "hosts)")
     broken = violations(problem, grown)
     if any("memory" in v for v in broken):
         return f"memory: stage {k} with its state does not fit it"

@@ -77,7 +77,7 @@ class _Traffic:
     by_direction: dict[tuple[int, str, str, str], float]  # (boundary, act|grad, src, dst) -> its wire time
     kinds: dict[tuple[str, str], set[tuple[int, str]]]
     checks: dict[str, set[tuple[int, str]]]
-    wait: dict[tuple[int, str], float]  # (boundary, act|grad) -> ms
+    wait: dict[tuple[int, str, str], float]  # (boundary, act|grad, consumer) -> ms
     messages: dict[tuple[str, str], int]  # messages per directed device pair
     copied_in: dict[tuple[int, int], set[tuple[str, str]]]  # (stage, replica) -> links copying its checked inputs
 
@@ -123,7 +123,7 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 if direction == "act":
                     own = tables.range_time_ms(at.first_block, at.last_block, cls) - own
                 arrival = comm.transfer_ms(nbytes, problem.link(sender, consumer)) if sender != consumer else 0.0
-                key = (k, direction)
+                key = (k, direction, consumer)  # a consumer that checks its own input waits on no verdict
                 out.wait[key] = max(out.wait.get(key, 0.0), copy + check + verdict - arrival - own)
     return out
 
@@ -184,13 +184,13 @@ def _route_paths(problem: Problem, stages, rep: tuple[int, ...], fb, bw, wait,
     S = len(stages)
     fwd, bwd, down, hop_f, hop_b = ([0.0] * S for _ in range(5))
     for k in range(S - 1):
+        a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
         ms = hops.get((k, rep[k], rep[k + 1]))
         if ms is None:
-            a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
             ms = hops[k, rep[k], rep[k + 1]] = comm.transfer_ms(problem.boundary_bytes(stages[k].last_block),
                                                                  problem.link(a, b))
-        hop_f[k] = ms + wait.get((k, "act"), 0.0)
-        hop_b[k] = ms + wait.get((k, "grad"), 0.0)
+        hop_f[k] = ms + wait.get((k, "act", b), 0.0)
+        hop_b[k] = ms + wait.get((k, "grad", a), 0.0)
     for k in range(1, S):
         i = rep[k - 1]
         fwd[k] = fwd[k - 1] + fb[k - 1][i] - bw[k - 1][i] + hop_f[k - 1]
@@ -370,6 +370,46 @@ def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[s
     return out
 
 
+def _check_queues(problem: Problem, stages, verifiers, p: _Paths, bw) -> list[tuple[float, float, str]]:
+    """(when its last check's consequences end, 0, name) of every device checking a replicated stage's
+    boundary: its checks queue in the order their inputs arrive, which differs by route (a twin's microbatch
+    may reach it only after a slower route's verdicts), so the stream, not the device's own path, can pace it."""
+    S, M = len(stages), len(p.fwd)
+    owner = [owners(st.microbatches) for st in stages]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for x in range(M):
+        groups.setdefault(tuple(owner[k][x][0] for k in range(S)), []).append(x)
+    jobs: dict[str, list[tuple[float, float, float]]] = {}
+    for v in verifiers:
+        k = v.boundary
+        if len(stages[k].devices) == 1 and len(stages[k + 1].devices) == 1:
+            continue
+        nbytes = problem.boundary_bytes(stages[k].last_block)
+        check = problem.verify_ms(nbytes, problem.class_of(v.device))
+        for rep, ids in groups.items():
+            x, i, j = ids[0], rep[k], rep[k + 1]
+            a, b = stages[k].devices[i], stages[k + 1].devices[j]
+            for direction in v.directions:
+                if direction == "act":
+                    sender, consumer, leave = a, b, p.fwd[x][k + 1] - p.hop_f[x][k]
+                    trail = p.down[x][k + 1] + bw[k + 1][j] + p.bwd[x][k + 1]
+                else:
+                    sender, consumer = b, a
+                    leave = p.fwd[x][k + 1] + p.down[x][k] - p.hop_f[x][k] - p.hop_b[x][k]
+                    trail = bw[k][i] + p.bwd[x][k]
+                copy = comm.transfer_ms(nbytes, problem.link(sender, v.device)) if sender != v.device else 0.0
+                verdict = problem.link(v.device, consumer).latency_ms if consumer != v.device else 0.0
+                jobs.setdefault(v.device, []).append((leave + copy, len(ids) * check, verdict + trail))
+    out = []
+    for dev, queue in jobs.items():
+        clock = end = 0.0
+        for arrival, work, trail in sorted(queue):
+            clock = max(clock, arrival) + work
+            end = max(end, clock + trail)
+        out.append((end, 0.0, f"checks on {dev}"))
+    return out
+
+
 def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
@@ -384,6 +424,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     busy, limits, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, verifier_state,
                                                   traffic)
     busy += _message_resources(stages, traffic, p, verify_load)
+    busy += _check_queues(problem, stages, verifiers, p, bw)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":
         phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic)

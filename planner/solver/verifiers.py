@@ -10,9 +10,10 @@ def verifier_sites(problem: Problem, stages: tuple[StagePlacement, ...], boundar
                    need: tuple[str, ...]) -> tuple[str, ...]:
     """Devices allowed to check ``boundary`` (in the solver's search space), cheapest-first order not implied.
 
-    The ends of the boundary, the first and the last stage (single-replica
-    stages only), and CPU verifier hosts; each trusted, outside the checked
-    senders' trust domain, and allowed by the policy's placement.
+    The devices of the boundary's two stages and of the first and the last
+    stage (every replica: a replica checks its twins' microbatches too), and
+    CPU verifier hosts; each trusted, outside the checked senders' trust
+    domain, and allowed by the policy's placement.
     """
     S, pol = len(stages), problem.policy
     senders = (stages[boundary].devices if "act" in need else ()) + \
@@ -21,8 +22,7 @@ def verifier_sites(problem: Problem, stages: tuple[StagePlacement, ...], boundar
     out: list[str] = []
     if pol.verifier_placement in ("any", "stage"):
         for k in dict.fromkeys((boundary, boundary + 1, 0, S - 1)):
-            if len(stages[k].devices) == 1:
-                out.append(stages[k].devices[0])
+            out.extend(stages[k].devices)
     if pol.verifier_placement in ("any", "cpu"):
         out.extend(d for c in problem.classes if c.verifier_host for d in c.device_ids)
     ok = []

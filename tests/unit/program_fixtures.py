@@ -94,12 +94,64 @@ def compiled_case(seed: int, *, schedule: str = "1f1b"):
     placement = random_placement(rng, problem, cluster)
     if placement is None:
         return None
+    return _compiled(problem, placement, chain, cluster, config, POLICY)
+
+
+def untrusted_pool(rng: np.random.Generator) -> ClusterSpec:
+    """A SENTINEL-like pool in small: one trusted host of 2-4 GPUs, 2-5 volunteer hosts of 1-2 GPUs (two
+    types), each its own trust domain, no CPU verifier host: only the trusted GPUs can verify."""
+    hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True,
+              "devices": [{"type": str(rng.choice(["A100-80GB", "A100-40GB", "RTX3090"])),
+                           "count": int(rng.integers(2, 5))}]}]
+    kinds = list(rng.choice(GPU_TYPES, size=2, replace=False))
+    for i in range(int(rng.integers(2, 6))):
+        hosts.append({"name": f"v{i}", "region": f"r{i % 2}", "trust": f"v{i}",
+                      "devices": [{"type": str(rng.choice(kinds)), "count": int(rng.integers(1, 3))}]})
+    links = {"intra_host": {"bandwidth_gbps": 100.0, "latency_ms": 0.01},
+             "default": {"bandwidth_gbps": float(rng.choice([0.2, 1.0, 5.0])),
+                         "latency_ms": float(rng.choice([1.0, 5.0, 40.0]))}}
+    return parse_cluster({"name": "pool", "hosts": hosts, "links": links})
+
+
+def replicated_untrusted_case(seed: int):
+    """(priced program, compiled plan) of trusted replicated ends around replicated untrusted middle stages,
+    verifiers placed by the solver's greedy (on the trusted stage devices), or None if the draw fails."""
+    from planner.solver.verifiers import assign_verifiers
+    rng = np.random.default_rng(seed)
+    cluster = untrusted_pool(rng)
+    chain = random_chain(rng, int(rng.integers(6, 16)), param_scale=float(rng.choice([2e7, 1e8])), act_scale=5e7,
+                         out_scale=float(rng.choice([1e6, 1e7])))
+    config = TrainingConfig(global_batch=int(rng.choice([8, 16, 32])), microbatch_size=1)
+    policy = VerificationPolicy()
+    problem = build_problem(scale_chain(chain, 1), cluster, config, policy)
+    L, M = problem.num_blocks, problem.num_microbatches
+    trusted = [d.id for d in cluster.hosts[0].devices]
+    untrusted = [d.id for h in cluster.hosts[1:] for d in h.devices]
+    S = int(rng.integers(3, min(5, L) + 1))
+    cuts = sorted(rng.choice(np.arange(1, L), size=S - 1, replace=False).tolist())
+    split = int(rng.integers(1, len(trusted)))
+    groups = [trusted[:split], *(list(g) for g in np.array_split(rng.permutation(untrusted), S - 2)), trusted[split:]]
+    if any(not g for g in groups):
+        return None
+    order = [str(d) for g in groups for d in g]
+    stages = tuple(stages_of(cuts, [len(g) for g in groups], order, L, M))
+    verifiers = assign_verifiers(problem, stages, M)
+    if verifiers is None:
+        return None
+    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
+    if violations(problem, placement):
+        return None
+    return _compiled(problem, placement, chain, cluster, config, policy)
+
+
+def _compiled(problem, placement: Placement, chain, cluster: ClusterSpec, config: TrainingConfig,
+              policy: VerificationPolicy):
     priced = price_program(problem, placement)
     stages = tuple(dataclasses.replace(st, in_flight=n) for st, n in zip(placement.stages, priced.in_flight))
     report = SolveReport(method="random", status="FEASIBLE", objective_ms=priced.step_ms, bound_ms=None, gap=None,
                          solve_s=0.0)
     sol = Solution(stages=stages, verifiers=placement.verifiers, num_microbatches=placement.num_microbatches,
-                   schedule=schedule, predicted_step_ms=priced.step_ms, memory_bytes=(), report=report)
+                   schedule=config.schedule, predicted_step_ms=priced.step_ms, memory_bytes=(), report=report)
     ref = ModelRef(spec="tests:chain", name=chain.model_name, fingerprint=chain.fingerprint,
                    batch=chain.microbatch_size, dtype=trace_dtype(chain))
-    return priced, predict(compile_plan(sol, scale_chain(chain, 1), cluster, config, POLICY, ref))
+    return priced, predict(compile_plan(sol, scale_chain(chain, 1), cluster, config, policy, ref))

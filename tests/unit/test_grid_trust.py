@@ -28,10 +28,10 @@ def _pool(verifier_host: bool, trusted_hosts: int = 2) -> dict:
                       "default": {"bandwidth_gbps": 1, "latency_ms": 5}}}
 
 
-def _problem(cluster: dict):
+def _problem(cluster: dict, policy: VerificationPolicy = VerificationPolicy()):  # trusted ends by default
     chain = random_chain(np.random.default_rng(5), 12, param_scale=2e7, act_scale=5e7, out_scale=1e6)
     return build_problem(scale_chain(chain, 1), parse_cluster(cluster), TrainingConfig(global_batch=16,
-                                                                                      microbatch_size=1), VerificationPolicy())  # trusted ends
+                                                                                      microbatch_size=1), policy)
 
 
 def _trusted(problem, device: str) -> bool:
@@ -53,12 +53,22 @@ def test_the_fastest_devices_are_volunteers_so_the_ends_take_trusted_ones_and_th
     assert (plan.num_stages, {len(st.devices) for st in plan.stages}) == (4, {2})
 
 
-@pytest.mark.parametrize("cluster, shape, phrase", [
-    (_pool(verifier_host=True, trusted_hosts=1), (3, 2), "need 4 trusted stage devices (2 replicas each), the "
-                                                          "cluster has 2"),
-    (_pool(verifier_host=False), (4, 2), "has a verifier for every boundary"),
+def test_without_a_verifier_host_the_replicated_trusted_ends_verify():
+    """No CPU verifier host: the trusted end stages' replicas check the untrusted middle's boundaries."""
+    problem = _problem(_pool(verifier_host=False))
+    plan = shaped(problem, stages=4, replicas=2, time_budget_s=1.0)
+    ends = set(plan.stages[0].devices + plan.stages[-1].devices)
+    assert plan.verifiers and all(v.device in ends for v in plan.verifiers)
+    assert {v.boundary for v in plan.verifiers} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("cluster, shape, policy, phrase", [
+    (_pool(verifier_host=True, trusted_hosts=1), (3, 2), VerificationPolicy(),
+     "need 4 trusted stage devices (2 replicas each), the cluster has 2"),
+    (_pool(verifier_host=False), (4, 2), VerificationPolicy(verifier_placement="cpu"),
+     "has a verifier for every boundary"),
 ])
-def test_no_grid_names_the_constraint_that_binds(cluster, shape, phrase):
+def test_no_grid_names_the_constraint_that_binds(cluster, shape, policy, phrase):
     with pytest.raises(InfeasiblePlanError) as err:
-        shaped(_problem(cluster), stages=shape[0], replicas=shape[1], time_budget_s=1.0)
+        shaped(_problem(cluster, policy), stages=shape[0], replicas=shape[1], time_budget_s=1.0)
     assert phrase in str(err.value)

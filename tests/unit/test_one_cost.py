@@ -112,3 +112,22 @@ def test_the_price_does_not_depend_on_the_hash_seed():
     prices = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in (1, 2)}
     assert len(prices) == 1, prices
+
+
+def test_verifiers_on_replicated_trusted_stages_are_priced_as_they_run():
+    """Untrusted replicated middle stages watched from the trusted replicated ends (no CPU verifier host): a
+    verifier checks its twins' microbatches too, which queue behind each other in arrival order."""
+    from tests.unit.program_fixtures import replicated_untrusted_case
+    off, shared = [], 0
+    for seed in range(40):
+        got = replicated_untrusted_case(seed)
+        if got is not None:
+            priced, plan = got
+            off.append(_off(priced.step_ms, simulate(plan).step_ms))
+            on = {v.device for v in plan.verifiers}
+            shared += any(sum(r.stage == k for r in plan.ranks) > 1 and any(r.device in on for r in plan.ranks
+                                                                            if r.stage == k)
+                          for k in (0, len(plan.stages) - 1))
+    assert len(off) >= 30 and shared >= 20, (len(off), shared)
+    assert np.mean(np.array(off) <= 0.05) >= 0.9, sorted(off)[-6:]
+    assert max(off) <= 0.2, sorted(off)[-6:]
