@@ -24,26 +24,31 @@ from planner.runtime.options import RunOptions
 
 MODEL_DIR = "model"      # inside the temporary folder: the saved transformers model
 TOKENS_FILE = "tokens.npy"  # inside the temporary folder: token ids given as an array
+EVAL_TOKENS_FILE = "eval-tokens.npy"  # the same for the validation data
 PLAN_FILE = "plan.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainResult:
-    """What a Python run returns: the loss and wall time of each step, and rank 0's whole result."""
+    """What a Python run returns: the loss and wall time of each step, the validation losses as (step,
+    loss) pairs, and rank 0's whole result."""
 
     losses: tuple[float | None, ...]
     step_ms: tuple[float, ...]
+    eval_losses: tuple[tuple[int, float | None], ...] = ()
     result: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
 
 
 def train(plan: Plan, model: nn.Module | None = None, *, steps: int = 5, data: str | Sequence[int] | Any = "auto",
           lr: float | None = None, seed: int = 0, verify: bool = True, timeout_s: float = 120.0,
-          threads: int = 1, log_dir: str | Path | None = None) -> TrainResult:
+          threads: int = 1, log_dir: str | Path | None = None, eval_data: str | Sequence[int] | Any = None,
+          eval_every: int | None = None, accumulate: int = 1) -> TrainResult:
     """Train ``model`` (a transformers ``PreTrainedModel``, its weights as they are now) under ``plan`` for
     ``steps`` steps, one local process per rank; ``model=None`` runs the plan's own spec (a preset or ``hf:``).
 
     ``data``: a ``--data`` spec (``auto``, ``synthetic``, ``tokens:FILE.npy``, ...) or the token ids
-    themselves (a flat integer array). ``lr``, ``seed``, ``verify``, ``timeout_s``, ``threads``: as
+    themselves (a flat integer array); ``eval_data`` the same for a validation loss after the last step and
+    every ``eval_every`` steps. ``lr``, ``seed``, ``verify``, ``timeout_s``, ``threads``, ``accumulate``: as
     ``stagewise run``'s. ``model`` is not changed: the trained weights stay with the ranks (``stagewise run
     --save-weights`` writes them).
     """
@@ -52,10 +57,13 @@ def train(plan: Plan, model: nn.Module | None = None, *, steps: int = 5, data: s
         run_plan = plan if model is None else _with_saved_model(plan, model, work / MODEL_DIR)
         path = run_plan.save(work / PLAN_FILE)  # signed with this machine's run secret, as the launcher checks
         opts = RunOptions(plan=str(path), steps=steps, lr=lr, seed=seed, verify=verify, timeout_s=timeout_s,
-                          threads=threads, data=_data_spec(data, work / TOKENS_FILE))
+                          threads=threads, data=_data_spec(data, work / TOKENS_FILE), eval_every=eval_every,
+                          eval_data=None if eval_data is None else _data_spec(eval_data, work / EVAL_TOKENS_FILE),
+                          accumulate=accumulate)
         result = launch(opts, log_dir=log_dir)
+    evals = tuple((e["step"], e["loss"]) for e in result.get("eval_losses") or ())
     return TrainResult(losses=tuple(result.get("losses") or ()), step_ms=tuple(result.get("step_ms") or ()),
-                       result=result)
+                       eval_losses=evals, result=result)
 
 
 def _with_saved_model(plan: Plan, model: nn.Module, folder: Path) -> Plan:

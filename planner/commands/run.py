@@ -23,6 +23,7 @@ from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.weights_out import launch_saving_weights
 from planner.runtime.options import add_run_arguments, options_from_args
+from planner.runtime.outputs.tensorboard import summary_writer_class
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             check_writable(path, what=flag)  # before any rank starts
     check_data_file(opts.data)  # a bad --data spec or file fails before the model is even built
+    if opts.eval_data is not None:
+        check_data_file(opts.eval_data)
+    if opts.tensorboard is not None:
+        summary_writer_class()  # the optional package is there, before any rank starts
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
     console = Console(stderr=False)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
@@ -88,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
                 return
             loss = event.get("loss")
             text = f"loss {loss:.4f}" if loss is not None else "loss n/a"
+            if "eval_loss" in event:
+                shown = event["eval_loss"]
+                text += f"  eval loss {shown:.4f}" if shown is not None else "  eval loss n/a"
             dropped = f"  dropped {event['dropped']}" if event.get("dropped") else ""
             progress.update(task, completed=event["step"] + 1,
                             description=f"{text}  {event['step_ms']:.1f} ms/step{dropped}")
@@ -160,6 +168,11 @@ def summary_table(result: dict[str, Any], here=None):
     loss = result.get("final_loss")
     table.add_row("final loss", "n/a" if loss is None or (isinstance(loss, float) and math.isnan(loss))
                   else f"{loss:.4f}")
+    evals = result.get("eval_losses") or []
+    if evals:
+        last = evals[-1]
+        table.add_row(f"validation loss (after step {last['step'] + 1})",
+                      "n/a" if last["loss"] is None else f"{last['loss']:.4f}")
     checked = result.get("verified_boundaries") or []
     if checked:
         table.add_row("boundaries verified", ", ".join(map(str, checked)))

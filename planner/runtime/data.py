@@ -260,6 +260,30 @@ class PlanBatches:
         return tuple(t[lo:hi] for t in inputs), targets[lo:hi]
 
 
+class PassBatches:
+    """A step's batches under gradient accumulation: pass ``k`` of optimizer step ``s`` trains on the data
+    of pipeline pass ``s * accumulate + k`` (set ``pass_index`` before each pass), so every pass of a run
+    sees its own batch and a resumed run the same ones."""
+
+    def __init__(self, batches: PlanBatches, accumulate: int) -> None:
+        self.batches, self.accumulate, self.pass_index = batches, accumulate, 0
+
+    def microbatch(self, step: int, mb: int) -> Batch:
+        return self.batches.microbatch(step * self.accumulate + self.pass_index, mb)
+
+
+EVAL_STEP = 0  # the validation set's one global batch: the eval source's batch of this index, every time
+
+
+def eval_batches(plan: "Plan", *, kind: str, seed: int = 0, device: torch.device | str = "cpu") -> PlanBatches:
+    """The fixed validation batch of ``plan`` from the ``--eval-data`` spec ``kind`` (the same global batch,
+    cut into the plan's microbatches, at every validation pass)."""
+    mbs = plan.config.microbatch_size
+    bundle = build_model(plan.model.spec, batch=mbs, seq=plan.model.seq, device="meta", seed=seed)
+    source = make_source(bundle, kind=kind, seq=plan.model.seq, seed=seed)
+    return PlanBatches(source, global_batch=plan.config.global_batch, microbatch_size=mbs, device=device)
+
+
 def plan_example_inputs(plan: "Plan", *, data: str = "auto", seed: int = 0) -> tuple[torch.Tensor, ...]:
     """One real microbatch of inputs for ``plan``'s model (what ``apply_plan`` exports at)."""
     bundle = build_model(plan.model.spec, batch=plan.model.batch, seq=plan.model.seq, device="meta")

@@ -85,6 +85,10 @@ class RunOptions:
     cluster: str | None = None      # the operator's cluster the plan's trust is checked against (planner.plan_load)
     store: tuple[str, int] | None = None  # the run's own store (address, port) instead of torchrun's
     init: str = "pretrained"        # an hf:DIR model starts from the folder's weights; "random": from its seed
+    eval_data: str | None = None    # a --data spec of the validation set (forward only, no optimizer step)
+    eval_every: int | None = None   # steps between validation passes (None: after the last step only)
+    tensorboard: str | None = None  # rank 0 logs scalars into this folder (torch.utils.tensorboard)
+    accumulate: int = 1             # pipeline passes (each the plan's microbatches) per optimizer step
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -128,6 +132,21 @@ class RunOptions:
         if self.clip_grad is not None and not _finite_above_zero(self.clip_grad):
             raise InvalidInputError("--clip-grad", expected="a finite gradient norm > 0",
                                     found=str(self.clip_grad), fix="drop --clip-grad to train unclipped")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise InvalidInputError("--eval-every", expected="a number of steps >= 1", found=str(self.eval_every))
+        if self.eval_every is not None and self.eval_data is None:
+            raise InvalidInputError("--eval-every", expected="--eval-data SPEC as well", found="no validation data",
+                                    fix="add --eval-data (a --data spec, e.g. tokens:VAL.npy)")
+        if self.accumulate < 1:
+            raise InvalidInputError("--accumulate", expected="a number of pipeline passes per optimizer step >= 1",
+                                    found=str(self.accumulate))
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether a validation pass follows ``step`` (from 0): every ``eval_every`` steps and after the last."""
+        if self.eval_data is None:
+            return False
+        every = self.eval_every is not None and (step + 1) % self.eval_every == 0
+        return every or step == self.steps - 1
 
     def worker_argv(self) -> list[str]:
         """The command-line form of these options (parsed back by :func:`parse_worker_args`)."""
@@ -140,7 +159,9 @@ class RunOptions:
                             ("--clip-grad", None if self.clip_grad is None else repr(self.clip_grad)),
                             ("--fault", self.fault), ("--model", self.model),
                             ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file),
-                            ("--host", self.host), ("--cluster", self.cluster)):
+                            ("--host", self.host), ("--cluster", self.cluster),
+                            ("--eval-data", self.eval_data), ("--eval-every", self.eval_every),
+                            ("--tensorboard", self.tensorboard)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -161,7 +182,18 @@ class RunOptions:
             argv += ["--init", self.init]
         if self.lr_schedule != "constant":
             argv += ["--lr-schedule", self.lr_schedule]
+        if self.accumulate != 1:
+            argv += ["--accumulate", str(self.accumulate)]
         return argv
+
+
+def check_accumulate(opts: RunOptions, *, verifying: bool) -> None:
+    """Accumulation with verification on is refused: verifiers score and ban per pipeline pass, while the
+    optimizer would step once per ``accumulate`` passes (their bookkeeping is not built for that)."""
+    if opts.accumulate > 1 and verifying:
+        raise InvalidInputError(f"--accumulate {opts.accumulate} with verification on",
+                                expected="--accumulate 1 on a verified plan", found="a plan with verifiers",
+                                fix="add --no-verify (trusted devices only) or drop --accumulate")
 
 
 def _finite_above_zero(value: float) -> bool:
@@ -206,6 +238,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "an L2 term with adam and sgd, as torch.optim does)")
     parser.add_argument("--clip-grad", type=float, metavar="NORM", help="clip the gradients to this global norm "
                         "over all stages before each step (torch.nn.utils.clip_grad_norm_; default: no clipping)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="run K pipeline passes (each the plan's microbatches) per optimizer step, their "
+                             "gradients averaged: one step on a K times larger batch (default 1; --steps and the "
+                             "schedule count optimizer steps; not with verification)")
+    parser.add_argument("--eval-data", metavar="SPEC", help="validation data (a --data spec): the pipeline runs "
+                        "forward only on one fixed global batch of it and reports the validation loss")
+    parser.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps "
+                        "(default: after the last step only; always after the last step)")
+    parser.add_argument("--tensorboard", metavar="DIR", help="log the training and validation loss, learning "
+                        "rate and step time to DIR (rank 0; needs `pip install tensorboard`)")
     parser.add_argument("--dump", metavar="DIR", help="save each rank's final parameters, last gradients "
                         "and losses to DIR/rank<R>.pt (to compare with a reference)")
     parser.add_argument("--fault", type=_fault_argument, metavar="RANK:KIND[:STEP]",

@@ -44,6 +44,7 @@ from planner.runtime.launcher.membership import load_signed_plan, operator_trust
 from planner.runtime.options import (
     EVENT_PREFIX,
     RunOptions,
+    check_accumulate,
     check_model_allowed,
     is_factory_spec,
     refuse_onnx_model,
@@ -71,6 +72,9 @@ def preflight(opts: RunOptions):
     bundle, _ = check_model(plan, seed=opts.seed, model=opts.model)
     check_pretrained(plan, opts, bundle.module)  # saved weights that do not fit the config: before any rank starts
     check_data(bundle, kind=opts.data, seq=plan.model.seq)  # a bad --data file fails here, not on a rank
+    if opts.eval_data is not None:
+        check_data(bundle, kind=opts.eval_data, seq=plan.model.seq)
+    check_accumulate(opts, verifying=opts.verify and plan.policy.enabled and bool(plan.verifiers))
     if opts.checkpoint_dir is not None:
         checkpoint.check_folder(opts.checkpoint_dir, resume=opts.resume)
     if opts.resume:
@@ -192,8 +196,7 @@ def _base_env(opts: RunOptions, run_dir: Path, result_path: Path) -> dict[str, s
     # Factories the user named (--model, --data, --loss MODULE:FN) may sit next to the caller: only then is
     # the current folder on the workers' path (python -P below keeps it off otherwise).
     named = [s for s in (opts.model, opts.loss) if s and is_factory_spec(s)]
-    if opts.data and parse_data_spec(opts.data).kind == "factory":
-        named.append(opts.data)
+    named += [d for d in (opts.data, opts.eval_data) if d and parse_data_spec(d).kind == "factory"]
     if named:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "STAGEWISE_EVENTS": "1",

@@ -28,8 +28,10 @@ from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.runtime.launcher import hosts, torchrun_elastic
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust, prove_membership
-from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
+from planner.runtime.data import eval_batches
+from planner.runtime.options import FaultSpec, RunOptions, check_accumulate, parse_worker_args
 from planner.runtime.outputs.progress import MetricsCollector, Progress
+from planner.runtime.outputs.tensorboard import Board
 from planner.runtime.outputs.run_report import (
     ProgressReport,
     build_result,
@@ -106,6 +108,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     emulation = emulation_for(plan, env.rank, slowdown=opts.emulate_slowdown) if opts.emulate else Emulation()
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
     control.check_authorities(plan, verifying=verifying)
+    check_accumulate(opts, verifying=verifying)
     backend = "nccl" if device.type == "cuda" else "gloo"
     hosts.join(placement, backend=backend, launcher_rank=launcher_rank, world_size=env.world_size,
                timeout_s=opts.timeout_s, launcher_world_size=launcher_world, store_at=opts.store)
@@ -129,10 +132,14 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     executor = Executor(plan=plan, rank=env.rank, stage=stage, edges=setup.edges, batches=setup.batches,
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
-                        defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad)
+                        defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad, accumulate=opts.accumulate)
+    ends = stage is not None and (stage.is_first or stage.is_last)  # the ranks that read data
+    eval_set = eval_batches(plan, kind=opts.eval_data, seed=opts.seed, device=setup.device) \
+        if opts.eval_data and ends else None
     collector = MetricsCollector(env.rank, env.world_size, setup.device)
     progress = Progress(events=os.environ.get("STAGEWISE_EVENTS") == "1", steps=opts.steps)
     writer = MetricsWriter(opts.metrics if env.rank == 0 else None, append=opts.resume)
+    board = Board(opts.tensorboard if env.rank == 0 else None)
     summaries: list[StepSummary] = []
 
     def publish(done: list[list[StepMetrics]]) -> None:
@@ -140,6 +147,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             writer.write(rows)
             summaries.append(summarize_step(rows))
             progress.step(summaries[-1])
+            board.write(summaries[-1])
 
     rank0_report = ProgressReport(plan, opts, summaries, executor) if env.rank == 0 and opts.report else None
 
@@ -156,6 +164,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         for step in range(first, opts.steps):
             _inject_fault(opts.fault, env.rank, step)
             metrics = executor.run_step(step, last_end, last_cpu)
+            if opts.evaluates_after(step):  # before the clocks restart: validation is no part of a step
+                metrics = executor.validated(metrics, eval_set)
             if forge is not None:
                 forged.extend(forge.verdict(plan, step, executor.device))
             tracker.completed(step)
@@ -181,6 +191,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         raise
     publish(collector.finish())
     writer.close()
+    board.close()
     final = rank_final(env, executor, emulation, verify, attacks)
     if forge is not None:
         final = forge.summary(final)

@@ -27,10 +27,14 @@ class Progress:
 
     def step(self, s: StepSummary) -> None:
         loss = s.loss if math.isfinite(s.loss) else None
-        self.emit("step", {"step": s.step, "loss": loss, "step_ms": s.step_ms, "dropped": s.dropped})
+        payload = {"step": s.step, "loss": loss, "step_ms": s.step_ms, "dropped": s.dropped}
+        if s.eval_loss is not None:
+            payload["eval_loss"] = s.eval_loss if math.isfinite(s.eval_loss) else None
+        self.emit("step", payload)
         if not self.events:
             text = "n/a" if loss is None else f"{loss:.4f}"
-            print(f"step {s.step + 1}/{self.steps}  loss {text}  step {s.step_ms:.1f} ms", flush=True)
+            shown = "" if s.eval_loss is None else f"  eval loss {s.eval_loss:.4f}"
+            print(f"step {s.step + 1}/{self.steps}  loss {text}{shown}  step {s.step_ms:.1f} ms", flush=True)
 
     def done(self, result: dict[str, Any]) -> None:
         self.emit("done", result)

@@ -92,13 +92,17 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
     flags = sum(f["verification"].get("flags", 0) for f in ranks)
     alerts = sum(f["verification"].get("alerts", 0) for f in ranks)
     losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
+    evals = [{"step": s.step, "loss": round(s.eval_loss, 6) if math.isfinite(s.eval_loss) else None}
+             for s in summaries if s.eval_loss is not None]
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
             "emulate_slowdown": opts.emulate_slowdown if emulation_on else 1.0,
             "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
             "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
             "losses": losses,
-            "final_loss": losses[-1] if losses else None, "dropped": [s.dropped for s in summaries],
+            "final_loss": losses[-1] if losses else None,
+            "eval_losses": evals, "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "lr": [s.lr for s in summaries], "accumulate": opts.accumulate, "dropped": [s.dropped for s in summaries],
             "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.

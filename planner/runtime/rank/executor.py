@@ -11,12 +11,14 @@ rank holds what its schedule keeps in flight, not the whole step.
 
 Gradient scaling: the last stage back-propagates ``loss_mb / M`` for each of
 the step's ``M`` microbatches, and replicas of a stage sum their gradients, so
-a step equals one step on the mean loss of the whole global batch.
+a step equals one step on the mean loss of the whole global batch. With gradient accumulation a step
+runs the program ``accumulate`` times (each pass on its own batch, all-reduce and optimizer on the last
+only) and averages the passes' gradients: one step on a batch ``accumulate`` times larger.
 
 The parts of a step live beside this module, one purpose each, mixed into
 :class:`Executor`: compute (``executor_compute``), transfers
 (``executor_p2p``), verification and deferred verdicts (``executor_verify``),
-gradient sums and the optimizer (``executor_optim``).
+gradient sums and the optimizer (``executor_optim``), validation passes (``executor_eval``).
 """
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from planner.instructions import Instruction
 from planner.runtime.rank.deferred import HeldBackward, ReplayPoint
 from planner.runtime.rank.emulate import Emulation
 from planner.runtime.rank.executor_compute import ComputeSteps, StepTimers
+from planner.runtime.rank.executor_eval import Evaluation
 from planner.runtime.rank.executor_optim import GradientSteps
 from planner.runtime.rank.executor_p2p import Transfers
 from planner.runtime.rank.executor_verify import Verification
 from planner.runtime.rank.metrics import StepMetrics
 from planner.runtime.rank.precision import LossScaler, Precision
 from planner.runtime.rank.stage import EdgeSpecs, StageRuntime
+from planner.runtime.data import PassBatches
 from planner.runtime.wire import bans as ban_exchange
 from planner.runtime.wire.comm import Groups, Pending
 
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
     from planner.runtime.data import PlanBatches
 
 
-class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
+class Executor(ComputeSteps, Transfers, Verification, GradientSteps, Evaluation):
     """Runs this rank's program step by step. One instance per rank and run."""
 
     def __init__(self, *, plan: "Plan", rank: int, stage: StageRuntime | None,
@@ -54,16 +58,22 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
                  optimizer: torch.optim.Optimizer | None, groups: Groups, device: torch.device,
                  verify: "VerifyHooks | None" = None, attacks: "AttackHooks | None" = None,
                  emulation: Emulation = Emulation(), keep_grads: bool = False,
-                 defer_verdicts: bool = True, clip_grad: float | None = None) -> None:
+                 defer_verdicts: bool = True, clip_grad: float | None = None, accumulate: int = 1) -> None:
         """``defer_verdicts``: compute before a verifier's verdict arrives (see ``executor_verify``);
-        ``clip_grad``: the global gradient norm to clip to (``executor_optim``)."""
+        ``clip_grad``: the global gradient norm to clip to (``executor_optim``); ``accumulate``: program
+        passes per optimizer step (refused with verification: ``options.check_accumulate``)."""
         self.plan = plan
         self.rank = rank
         self.info = plan.ranks[rank]
         self.program: tuple[Instruction, ...] = plan.programs[rank]
         self.stage = stage
         self.edges = edges
-        self.batches = batches
+        if accumulate > 1 and verify is not None:
+            raise InvalidInputError(f"--accumulate {accumulate} with verification on", expected="--accumulate 1",
+                                    fix="add --no-verify or drop --accumulate")
+        self.accumulate = accumulate
+        self.pass_batches = PassBatches(batches, accumulate) if batches is not None and accumulate > 1 else None
+        self.batches = self.pass_batches or batches
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.groups = groups
@@ -130,15 +140,12 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         (``time.perf_counter``, ``time.process_time``) when the previous step ended."""
         if self._thread_mark is None:
             self._thread_mark = time.thread_time()
-        self._reset(step)
-        for i, ins in enumerate(self.program):
-            if ins.op in ("F", "B"):
-                self._prefetch(i)
-            self._dispatch(ins)
-            if ins.op in ("SEND_B", "VERIFY_B") and self._grad_last_use.get(ins.mb) == i:
-                self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
-        self._settle_all()
-        self._finish_sends()
+        self.t = StepTimers()
+        self.flagged = 0
+        self.kept_losses: list[float] = []  # the step's kept microbatch losses, all passes (last stage)
+        for k in range(self.accumulate):
+            self._reset(step, k)
+            self._run_pass(last=k == self.accumulate - 1)
         if self.stage is None:
             self._end_step_without_stage()  # the overflow vote and the norm the stage ranks joined in OPTIM
         banned = self._end_verification(step)
@@ -156,11 +163,30 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
                            loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
                            flagged=self.flagged, banned=len(banned), thread_cpu_ms=1e3 * thread_cpu,
                            wait_cpu_ms=1e3 * t.wait_cpu, comm_cpu_ms=1e3 * t.comm_cpu,
-                           verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu)
+                           verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu, lr=self.step_lr)
 
-    def _reset(self, step: int) -> None:
+    def _run_pass(self, *, last: bool) -> None:
+        """One pass over the program; all but the step's last pass keep their gradients (no all-reduce,
+        no optimizer step)."""
+        for i, ins in enumerate(self.program):
+            if not last and ins.op in ("ALLREDUCE", "OPTIM"):
+                continue
+            if ins.op in ("F", "B"):
+                self._prefetch(i)
+            self._dispatch(ins)
+            if ins.op in ("SEND_B", "VERIFY_B") and self._grad_last_use.get(ins.mb) == i:
+                self.input_grads.pop(ins.mb, None)  # keep memory to the schedule's in-flight bound
+        self._settle_all()
+        self._finish_sends()
+        self._keep_pass_losses()
+
+    def _reset(self, step: int, pass_index: int = 0) -> None:
+        """The state of one pass over the program (the step's timers and flags span its passes)."""
         self.step = step
-        self.t = StepTimers()
+        self.pass_index = pass_index
+        self.averaged = False  # whether the passes' summed gradients were divided by their count yet
+        if self.pass_batches is not None:
+            self.pass_batches.pass_index = pass_index
         self.recvs: dict[tuple[str, int], Pending] = {}       # ("F"/"B", mb) -> posted receive
         self.received: dict[tuple[str, int], list[torch.Tensor]] = {}
         self.taint_in: dict[tuple[str, int], bool] = {}       # header of what this rank received
@@ -170,7 +196,6 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps):
         self.sends: list[Pending] = []
         self.dropped_f: set[int] = set()   # dropped on the way forward (zeroed, loss x 0)
         self.dropped_b: set[int] = set()   # gradient dropped on the way back
-        self.flagged = 0
         self.verdicts: dict[tuple[str, int], Pending] = {}   # deferred verdicts, posted and not yet awaited
         self.replays: dict[int, ReplayPoint] = {}            # forwards that may have to run again
         self.held: HeldBackward | None = None

@@ -27,6 +27,7 @@ class GradientSteps:
 
     def _allreduce(self) -> None:
         self._settle_all()
+        self._average_passes()
         if self.groups.stage is None or not self.replica_params:
             return
         with self._timed("comm"):
@@ -64,8 +65,23 @@ class GradientSteps:
         trained = self.stage_trained if self.stage_trained is not None else self._trained_here()
         return (list(self.replica_params) if trained == 0 else []) + tied_idle
 
+    def _average_passes(self) -> None:
+        """Gradient accumulation: the step's passes summed their mean gradients; their mean is the gradient
+        of the mean loss over all their microbatches (once, before the first sum over ranks)."""
+        if self.accumulate > 1 and not self.averaged:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.accumulate)
+        self.averaged = True
+
+    @property
+    def step_lr(self) -> float:
+        """The learning rate of this rank's optimizer (its first group's; 0 without one)."""
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
+
     def _optim(self) -> None:
         self._settle_all()
+        self._average_passes()
         with self._timed("comm"):
             tied_idle = self._sync_tied()
         idle = self._idle_params(tied_idle)
@@ -162,14 +178,20 @@ class GradientSteps:
         self.scaler.update(decided)
         return decided or mine
 
-    def _losses(self) -> tuple[float, int]:
-        """(sum, count) of the kept microbatches' losses on a last-stage rank; (0, 0) elsewhere.
+    def _keep_pass_losses(self) -> None:
+        """At the end of a pass: keep its kept microbatches' losses (a last-stage rank's)."""
+        if self.stage is not None and self.stage.is_last:
+            self.kept_losses += [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
 
-        ``step_losses`` keeps this rank's share of the step objective (sum / M, dropped ones as 0),
-        which is what the gradients of the step are gradients of.
+    def _losses(self) -> tuple[float, int]:
+        """(sum, count) of the step's kept microbatch losses, all passes, on a last-stage rank; (0, 0)
+        elsewhere.
+
+        ``step_losses`` keeps this rank's share of the step objective (sum / (M x passes), dropped ones
+        as 0), which is what the gradients of the step are gradients of.
         """
         if self.stage is None or not self.stage.is_last:
             return 0.0, 0
-        kept = [float(loss.detach()) for mb, loss in self.losses.items() if mb not in self.dropped_f]
-        self.step_losses.append(sum(kept) / self.num_mb)
+        kept = self.kept_losses
+        self.step_losses.append(sum(kept) / (self.num_mb * self.accumulate))
         return sum(kept), len(kept)

@@ -17,6 +17,10 @@ executor probe prices it per message). The numbers travel to rank 0
 as one small float64 tensor per step (a point-to-point send, so collecting
 them never synchronises the pipeline), and rank 0 writes one JSON line per
 rank and step.
+
+Beside each rank's own figures a row carries the step's figures (the same on every row of the step,
+never read back into :class:`StepMetrics`): ``loss``, the mean training loss of the step over all ranks,
+and ``eval_loss``, the validation loss after the step where one was measured (``--eval-every``).
 """
 from __future__ import annotations
 
@@ -36,7 +40,9 @@ from planner.errors import InvalidInputError
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepMetrics:
     """One rank's step. On a last-stage rank ``loss_sum``/``loss_count`` are the summed mean losses and
-    the number of its microbatches that were kept (not dropped by verification); 0 elsewhere."""
+    the number of its microbatches that were kept (not dropped by verification), and ``eval_loss_*`` the
+    same of the validation pass after the step (0 where none ran); 0 elsewhere. ``lr``: the learning rate
+    this rank's optimizer stepped with (0 without one)."""
 
     step: int
     rank: int
@@ -61,6 +67,9 @@ class StepMetrics:
     comm_cpu_ms: float = 0.0
     verify_cpu_ms: float = 0.0
     optim_cpu_ms: float = 0.0
+    eval_loss_sum: float = 0.0
+    eval_loss_count: int = 0
+    lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.rank < 0 or self.step_ms < 0:
@@ -100,7 +109,8 @@ class StepMetrics:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepSummary:
     """All ranks' view of one step: the mean loss over the kept microbatches (NaN if none was kept),
-    the slowest rank's period, the CPU time of all ranks, and the most microbatches any rank dropped."""
+    the slowest rank's period, the CPU time of all ranks, and the most microbatches any rank dropped;
+    the validation loss after the step (None where none ran) and rank 0's learning rate."""
 
     step: int
     loss: float
@@ -108,13 +118,18 @@ class StepSummary:
     cpu_ms: float  # summed over the ranks
     dropped: int
     ranks: tuple[StepMetrics, ...]
+    eval_loss: float | None = None
+    lr: float = 0.0
 
 
 def summarize_step(rows: Sequence[StepMetrics]) -> StepSummary:
     count = sum(r.loss_count for r in rows)
+    eval_count = sum(r.eval_loss_count for r in rows)
     return StepSummary(step=rows[0].step, loss=sum(r.loss_sum for r in rows) / count if count else math.nan,
                        step_ms=max(r.step_ms for r in rows), cpu_ms=sum(r.cpu_ms for r in rows),
-                       dropped=max((r.dropped for r in rows), default=0), ranks=tuple(rows))
+                       dropped=max((r.dropped for r in rows), default=0), ranks=tuple(rows),
+                       eval_loss=sum(r.eval_loss_sum for r in rows) / eval_count if eval_count else None,
+                       lr=rows[0].lr)
 
 
 def measured_step_ms(steps: Sequence[StepSummary], *, warmup: int = 1) -> float:
@@ -147,14 +162,27 @@ class MetricsWriter:
                 self.moved_to = _free_name(self.path)
                 self.path.rename(self.moved_to)
             self._fh = self.path.open("a", encoding="utf-8")
+        rows = list(rows)
+        steps = {s: _step_columns(summarize_step([r for r in rows if r.step == s])) for s in {r.step for r in rows}}
         for row in rows:
-            self._fh.write(json.dumps(_finite(row.to_json()), allow_nan=False) + "\n")
+            self._fh.write(json.dumps(_finite({**row.to_json(), **steps[row.step]}), allow_nan=False) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+STEP_COLUMNS = ("loss", "eval_loss")  # the step's figures on each of its rows (not StepMetrics fields)
+
+
+def _step_columns(s: StepSummary) -> dict[str, float]:
+    """The step's mean training loss, and its validation loss where one was measured."""
+    out = {"loss": round(s.loss, 6) if math.isfinite(s.loss) else s.loss}
+    if s.eval_loss is not None:
+        out["eval_loss"] = round(s.eval_loss, 6) if math.isfinite(s.eval_loss) else s.eval_loss
+    return out
 
 
 def _free_name(path: Path) -> Path:
@@ -171,7 +199,8 @@ def read_metrics(path: str | os.PathLike) -> list[StepMetrics]:
         for line in fh:
             if line.strip():
                 row = json.loads(line)
-                rows.append(StepMetrics(**{k: math.nan if v is None else v for k, v in row.items()}))
+                rows.append(StepMetrics(**{k: math.nan if v is None else v for k, v in row.items()
+                                           if k not in STEP_COLUMNS}))
     return rows
 
 
