@@ -380,8 +380,13 @@ def export_onnx(model: Any, example_inputs: Any, path: str | os.PathLike[str]) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         staged = tmp / target.name
-        _quiet_export(lambda: torch.onnx.export(model, inputs, str(staged), dynamo=True, external_data=True,
-                                                optimize=False, verbose=False), model)
+        training = model.training
+        model.eval()  # an ONNX file is for inference: dropout (GPT-2's) would make every run of it random
+        try:
+            _quiet_export(lambda: torch.onnx.export(model, inputs, str(staged), dynamo=True, external_data=True,
+                                                    optimize=False, verbose=False), model)
+        finally:
+            model.train(training)
         for f in sorted(tmp.iterdir(), key=lambda p: p.name == target.name):  # graph file last
             os.replace(f, target.parent / f.name)
     finally:

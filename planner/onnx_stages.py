@@ -157,14 +157,35 @@ def _torch_source(plan: Plan, workdir: Path, seed: int) -> tuple[OnnxImport, lis
     wanted = [b.name for st in plan.stages for b in st.blocks]
     for granularity in GRANULARITIES:  # the plan does not record the granularity it was coarsened at
         chain = coarsen(source.graph, granularity=granularity)
-        if [b.name for b in chain.blocks] == wanted:
-            blocks = iter(chain.blocks)
-            return source, [frozenset(n for _ in st.blocks for n in next(blocks).node_names) for st in plan.stages]
+        stage_of = _export_stages(chain.blocks, plan)
+        if stage_of is not None:
+            return source, [frozenset(n for b, k in zip(chain.blocks, stage_of) if k == st.index
+                                      for n in b.node_names) for st in plan.stages]
     raise InvalidInputError(f"the plan's blocks of {ref.spec!r}", expected="the blocks of its ONNX export "
                             f"({', '.join(wanted[:4])}{', ...' if len(wanted) > 4 else ''})",
                             found=f"{', '.join(b.name for b in coarsen(source.graph).blocks[:4])}, ... in the export",
                             fix="export the model with `stagewise export-onnx MODEL -o FILE.onnx`, plan that file, "
                                 "and export its plan")
+
+
+def _export_stages(exported: Sequence[Any], plan: Plan) -> list[int] | None:
+    """The plan's stage of each exported block, or None when the blocks do not map onto the plan's.
+
+    The export may lack a planned block or merge neighbours (``a..b``): the ONNX graph is of the eval model
+    (no dropout left to make a block of) and folds a block computed from weights and constants alone (GPT-2's
+    position table lookup at a fixed length) into static nodes, which every stage that reads them recomputes.
+    Each exported block must cover planned blocks in the plan's order, all in one stage."""
+    planned = [(b.name, st.index) for st in plan.stages for b in st.blocks]
+    position = {name: i for i, (name, _) in enumerate(planned)}
+    stages, after = [], -1
+    for block in exported:
+        first, _, last = ("", "", "") if block.name in position else block.name.partition("..")
+        span = (position.get(first or block.name), position.get(last or first or block.name))
+        if None in span or not after < span[0] <= span[1] or planned[span[0]][1] != planned[span[1]][1]:
+            return None
+        stages.append(planned[span[0]][1])
+        after = span[1]
+    return stages if stages else None
 
 
 # --------------------------------------------------------------------------- the cut
