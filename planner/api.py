@@ -29,6 +29,7 @@ from planner.solver import api as solver_api
 from planner.solver import baseline_plans
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
+from planner.solver.restrictions import Restriction, restrictions
 from planner.solver.search.deadline import Deadline
 from planner.solver.warm import WarmStage, WarmStart
 from planner.trace import trace
@@ -39,6 +40,9 @@ RIVAL_MARGIN = 1.2  # baselines priced within this factor of the fastest simulat
 # and simulating those that can win), at most RIVALS_MAX_S: 176 devices need about 3 s.
 RIVALS_SHARE = 0.1
 RIVALS_MAX_S = 5.0
+# Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``): a pool
+# planned whole is never slower than its trusted hosts alone, one device type, or the pool less a region.
+RESTRICTIONS_SHARE = 0.2
 
 
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
@@ -101,7 +105,10 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
                                 optimizer=optimizer, dtype=dtype, mixed_precision=mixed)
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
-        kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if stages is None and replicas is None else 0.0
+        free = stages is None and replicas is None
+        kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if free else 0.0
+        parts = restrictions(spec_cluster) if free and warm_start is None else ()
+        kept += RESTRICTIONS_SHARE * time_limit_s if parts else 0.0
         solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers,
                                     time_limit_s=max(0.0, deadline.left_s() - kept),
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
@@ -124,11 +131,27 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
+    found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
+                        time_limit_s=RESTRICTIONS_SHARE * time_limit_s)
     # The baselines' enumerations stop in time to compile two plans as long as this one took.
-    found = baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
-                                     deadline=deadline.less(2 * (time.perf_counter() - start)),
-                                     within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
+    found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
+                                      deadline=deadline.less(2 * (time.perf_counter() - start)),
+                                      within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
+
+
+def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
+                policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float) -> list[Any]:
+    """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at ``config``'s
+    microbatch size, the time shared evenly: rivals the full pool's plan must beat in simulation."""
+    out: list[Any] = []
+    for part in parts:
+        found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
+                                            time_limit_s=time_limit_s / len(parts), recompute_mode=recompute)
+        if not isinstance(found, InfeasiblePlanError):
+            method = f"{found.report.method} on {part.name}"
+            out.append(dataclasses.replace(found, report=dataclasses.replace(found.report, method=method)))
+    return out
 
 
 def _rivals(plan: Any, found: Sequence[Any], compiled: Callable[[Any], Any]) -> list[Any]:

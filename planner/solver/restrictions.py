@@ -1,0 +1,66 @@
+"""The natural restrictions of a pool: sub-clusters a planner should also plan, so that more devices never give
+a slower plan than fewer (the free search over a large pool can miss what a search over a part of it finds).
+
+Each restriction drops whole hosts (device ids stay those of the full cluster, so its plan runs there): the
+trusted hosts alone; the trusted hosts with the untrusted hosts of the fastest two device types together,
+and of each type (fastest first); the pool without each region that holds no trusted host. CPU verifier hosts stay in all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.cluster import ClusterSpec, Host
+
+MAX_RESTRICTIONS = 6  # each costs a solve: the likeliest come first (trusted only, then by device type)
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """A named part of a pool: ``cluster`` is the full one less ``dropped`` hosts."""
+
+    name: str
+    cluster: ClusterSpec
+    dropped: frozenset[str]
+
+
+def _speed(host: Host) -> float:
+    """A host's fastest device's float32 peak (FLOP/s): orders the device types."""
+    return max((dict(d.spec.peak_flops).get("float32", 0.0) for d in host.devices), default=0.0)
+
+
+def _type(host: Host) -> str:
+    return "+".join(sorted({d.type for d in host.devices}))
+
+
+def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
+    """Up to ``MAX_RESTRICTIONS`` distinct proper parts of ``cluster`` that keep a trusted stage device."""
+    workers = [h for h in cluster.hosts if h.role == "worker" and h.devices]
+    trusted = {h.name for h in workers if h.trusted}
+    untrusted = [h for h in workers if not h.trusted]
+    if not trusted or not untrusted:
+        return ()
+    by_type: dict[str, list[Host]] = {}
+    for h in sorted(untrusted, key=lambda h: (-_speed(h), _type(h))):
+        by_type.setdefault(_type(h), []).append(h)
+    kinds = list(by_type)
+    keep_sets: list[tuple[str, set[str]]] = [("trusted hosts only", set(trusted))]
+    if len(kinds) > 2:
+        keep_sets.append((f"trusted + {kinds[0]} + {kinds[1]}",
+                          trusted | {h.name for t in kinds[:2] for h in by_type[t]}))
+    keep_sets += [(f"trusted + {t}", trusted | {h.name for h in by_type[t]}) for t in kinds]
+    home = {h.region for h in workers if h.trusted}
+    for region in dict.fromkeys(h.region for h in untrusted):
+        if region not in home:
+            keep_sets.append((f"without region {region}", {h.name for h in workers if h.region != region}))
+    everyone = {h.name for h in workers}
+    out, seen = [], set()
+    for name, keep in keep_sets:
+        key = frozenset(keep)
+        if key in seen or key == everyone:
+            continue
+        seen.add(key)
+        dropped = frozenset(everyone - keep)
+        out.append(Restriction(name=name, cluster=cluster.without_hosts(set(dropped)), dropped=dropped))
+        if len(out) == MAX_RESTRICTIONS:
+            break
+    return tuple(out)

@@ -1,0 +1,39 @@
+"""The natural restrictions of a pool: whole hosts dropped, device ids kept, the trusted hosts in every one."""
+from __future__ import annotations
+
+from benchmarks.pools import sentinel
+from cost_models.cluster_file import parse_cluster
+from planner.solver.restrictions import MAX_RESTRICTIONS, restrictions
+
+
+def test_a_sentinel_pool_is_restricted_to_its_trusted_hosts_then_by_volunteer_type():
+    pool = sentinel(1.0, 1, trusted_hosts=2, volunteers=8, per_host=2)
+    parts = restrictions(pool)
+    names = [p.name for p in parts]
+    assert names[0] == "trusted hosts only"
+    assert {"trusted + RTX4090", "trusted + A10G", "trusted + RTX3090", "trusted + T4"} <= set(names)
+    assert len(parts) <= MAX_RESTRICTIONS
+    for part in parts:
+        kept = {h.name for h in part.cluster.hosts}
+        assert {"dc0", "dc1", "chk0"} <= kept                        # trusted and verifier hosts stay
+        assert kept | part.dropped == {h.name for h in pool.hosts}
+        for d in part.cluster.devices:                               # a plan of the part runs on the pool
+            assert pool.device(d.id).type == d.type
+    only = parts[0].cluster
+    assert all(h.trusted for h in only.hosts)
+
+
+def test_a_pool_without_untrusted_hosts_or_without_trusted_ones_has_no_restrictions():
+    assert restrictions(sentinel(1.0, 0, trusted_hosts=2, volunteers=0)) == ()
+    assert restrictions(sentinel(1.0, 0, trusted_hosts=0, volunteers=4)) == ()
+
+
+def test_regions_without_trusted_hosts_are_dropped_one_at_a_time():
+    hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True, "devices": [{"type": "A100-80GB"}]}]
+    hosts += [{"name": f"v{i}", "region": f"home{i % 3}", "trust": f"v{i}", "devices": [{"type": "T4"}]}
+              for i in range(6)]
+    pool = parse_cluster({"name": "p", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1}}})
+    parts = {p.name: p for p in restrictions(pool)}
+    assert set(parts) == {"trusted hosts only", "without region home0", "without region home1",
+                          "without region home2"}
+    assert parts["without region home1"].dropped == {"v1", "v4"}
