@@ -272,15 +272,19 @@ class PassBatches:
         return self.batches.microbatch(step * self.accumulate + self.pass_index, mb)
 
 
-EVAL_STEP = 0  # the validation set's one global batch: the eval source's batch of this index, every time
+# The validation batch's index: beyond any run's steps, so its draws differ from every training step's.
+EVAL_STEP = 10**12
 
 
 def eval_batches(plan: "Plan", *, kind: str, seed: int = 0, device: torch.device | str = "cpu") -> PlanBatches:
-    """The fixed validation batch of ``plan`` from the ``--eval-data`` spec ``kind`` (the same global batch,
-    cut into the plan's microbatches, at every validation pass)."""
+    """The fixed validation batch of ``plan`` from the ``--eval-data`` spec ``kind``: batch ``EVAL_STEP`` of
+    its source, cut into the plan's microbatches, the same at every validation pass. The built-in byte text
+    (``text``, or ``auto`` for a byte-level LM) reads its held-out files (``ByteTextDataset``'s val split)."""
     mbs = plan.config.microbatch_size
     bundle = build_model(plan.model.spec, batch=mbs, seq=plan.model.seq, device="meta", seed=seed)
     source = make_source(bundle, kind=kind, seq=plan.model.seq, seed=seed)
+    if isinstance(source, TextSource):
+        source = TextSource(seq_len=source.seq_len, seed=seed, dataset=ByteTextDataset(source.seq_len, "val"))
     return PlanBatches(source, global_batch=plan.config.global_batch, microbatch_size=mbs, device=device)
 
 

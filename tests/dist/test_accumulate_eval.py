@@ -119,3 +119,12 @@ def test_validation_loss_is_the_trained_models_forward_and_changes_no_training(t
     assert [per_step[s]["loss"] for s in range(STEPS)] == pytest.approx(evaluated["losses"], rel=1e-5)
     assert {s for s, r in per_step.items() if "eval_loss" in r} == {1, STEPS - 1}
     assert per_step[STEPS - 1]["eval_loss"] == pytest.approx(evaluated["final_eval_loss"], rel=1e-5)
+
+
+def test_the_python_driver_validates_and_accumulates(tmp_path):
+    import planner
+
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 3), (4, 5)])
+    out = planner.train(plan, steps=2, data="synthetic", eval_data="synthetic", accumulate=2, timeout_s=60)
+    assert len(out.losses) == 2 and out.result["accumulate"] == 2
+    assert [step for step, _ in out.eval_losses] == [1] and out.eval_losses[0][1] > 0

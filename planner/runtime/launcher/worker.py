@@ -31,7 +31,6 @@ from planner.runtime.launcher.membership import load_signed_plan, operator_trust
 from planner.runtime.data import eval_batches
 from planner.runtime.options import FaultSpec, RunOptions, check_accumulate, parse_worker_args
 from planner.runtime.outputs.progress import MetricsCollector, Progress
-from planner.runtime.outputs.tensorboard import Board
 from planner.runtime.outputs.run_report import (
     ProgressReport,
     build_result,
@@ -40,6 +39,7 @@ from planner.runtime.outputs.run_report import (
     rank_final,
     write_json,
 )
+from planner.runtime.outputs.tensorboard import Board
 from planner.runtime.rank.emulate import Emulation, emulation_for
 from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.metrics import (
