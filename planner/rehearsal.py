@@ -9,9 +9,15 @@ the rehearsal should measure: every rank's passes at the profiled speed,
 padded as the runtime pads them, messages over the measured local link, and,
 where the profile has them, the measured core sharing and per-message CPU
 costs (``planner.simulate``).
+
+On a CPU a float16 plan (the default for clusters with T4s or V100s) rehearses in bfloat16: CPUs have
+no float16 matmul kernels worth the name (~24x slower than bfloat16 here), and both are 16-bit formats
+with fp32 master weights, so the rehearsal still exercises the plan's mixed precision (loss scaling
+aside). ``--rehearse-dtype plan`` keeps the plan's dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -19,10 +25,13 @@ from pathlib import Path
 
 from cost_models.devices import load_profile_spec
 from cost_models.measured import load_message_cost, load_sharing
+from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan import Plan
 from planner.simulate import SimResult, simulate
 
+REHEARSE_DTYPES: tuple[str, ...] = ("auto", "plan", "bf16", "fp16", "fp32")  # --rehearse-dtype
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 FIT_ERROR_WARN = 0.4  # a median block-time error above this: the calibration does not describe the blocks
 BUSY_WARN = 0.25  # a machine this busy with other work: timings include that work
 
@@ -37,6 +46,44 @@ class Rehearsal:
     measured_sharing: bool      # core sharing from the profile (else even sharing)
     measured_messages: bool     # per-message CPU costs from the profile (else free)
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
+
+
+def local_device_type(backend: str = "auto") -> str:
+    """The device a local run's ranks compute on: ``cuda`` or ``cpu`` (as ``rank_device`` picks it)."""
+    import torch
+
+    return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def rehearsal_dtype(plan: Plan, requested: str = "auto", device_type: str = "cpu") -> str:
+    """The compute dtype a local run of ``plan`` uses: ``requested`` (``--rehearse-dtype``), where ``auto``
+    is the plan's own except float16 on a CPU, which runs as bfloat16 (module docstring)."""
+    if requested not in REHEARSE_DTYPES:
+        raise InvalidInputError("--rehearse-dtype", expected=" or ".join(REHEARSE_DTYPES), found=repr(requested))
+    if requested == "plan" or (requested == "auto" and not (device_type == "cpu"
+                                                              and plan.config.dtype == "float16")):
+        return plan.config.dtype
+    return "bfloat16" if requested == "auto" else _DTYPE_NAMES[requested]
+
+
+def as_rehearsed(plan: Plan, requested: str = "auto", device_type: str = "cpu") -> Plan:
+    """``plan`` computing in :func:`rehearsal_dtype` (the plan itself when that is its own)."""
+    dtype = rehearsal_dtype(plan, requested, device_type)
+    if dtype == plan.config.dtype:
+        return plan
+    config = dataclasses.replace(plan.config, dtype=dtype, mixed_precision=dtype != "float32")
+    return dataclasses.replace(plan, config=config)
+
+
+def rehearsal_note(plan: Plan, requested: str = "auto", device_type: str = "cpu") -> str | None:
+    """One line when the rehearsal computes in another dtype than the plan's, else None."""
+    dtype = rehearsal_dtype(plan, requested, device_type)
+    if dtype == plan.config.dtype:
+        return None
+    why = (f"the plan's {plan.config.dtype} runs ~24x slower on a CPU" if requested == "auto"
+           else "as --rehearse-dtype asks")
+    return (f"rehearsing in {dtype}, not the plan's {plan.config.dtype}: {why} "
+            f"(--rehearse-dtype plan keeps the plan's)")
 
 
 def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
@@ -55,12 +102,13 @@ def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
 
 
 def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0,
-                      cores: int | None = None, busy_now: float = 0.0) -> Rehearsal:
+                      cores: int | None = None, busy_now: float = 0.0, dtype: str = "auto") -> Rehearsal:
     """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
-    ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``), its ranks sharing ``cores`` processors
-    (default: the profile's sharing table's, else this machine's); ``busy_now``: the share of this
-    machine's processors others use now (it makes the prediction unreliable)."""
+    ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``; ``dtype``: ``--rehearse-dtype``), its ranks
+    sharing ``cores`` processors (default: the profile's sharing table's, else this machine's); ``busy_now``:
+    the share of this machine's processors others use now (it makes the prediction unreliable)."""
     spec = load_profile_spec(profile)   # checks the file; the document is then read once for the rest
+    plan = as_rehearsed(plan, dtype, spec.kind)
     doc = json.loads(Path(profile).read_text())
     sharing, messages = load_sharing(doc), load_message_cost(doc)
     if cores is None:

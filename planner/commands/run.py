@@ -17,7 +17,7 @@ import psutil
 from planner.errors import InvalidInputError
 from planner.outputs import check_writable
 from planner.plan_load import load_plan
-from planner.rehearsal import predict_rehearsal
+from planner.rehearsal import local_device_type, predict_rehearsal, rehearsal_note
 from planner.runtime.data import check_data_file
 from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         summary_writer_class()  # the optional package is there, before any rank starts
     here = _rehearsal(opts, args.rehearsal_profile)  # a bad profile fails before any process starts
     console = Console(stderr=False)
+    note = rehearsal_note(load_plan(opts.plan), opts.rehearse_dtype, local_device_type(opts.backend))
+    if note:
+        console.print(note, highlight=False)
     columns = (TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -139,7 +142,7 @@ def _rehearsal(opts, profile: str | None):
 
     busy = psutil.cpu_percent(interval=0.5) / 100  # others' work now makes the prediction here unreliable
     return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
-                             busy_now=busy)
+                             busy_now=busy, dtype=opts.rehearse_dtype)
 
 
 def summary_table(result: dict[str, Any], here=None):

@@ -14,6 +14,7 @@ from typing import Sequence
 from models.registry import is_data_spec
 from planner.errors import InvalidInputError
 from planner.model_io import is_onnx_spec
+from planner.rehearsal import REHEARSE_DTYPES
 
 EVENT_PREFIX = "@stagewise "
 FAULT_KINDS = ("die", "hang", "raise")
@@ -73,6 +74,7 @@ class RunOptions:
     dump: str | None = None
     fault: FaultSpec | None = None
     threads: int = 1
+    rehearse_dtype: str = "auto"    # the compute dtype here (planner.rehearsal): auto runs fp16 plans as bf16 on a CPU
     backend: str = "auto"
     model: str | None = None        # the model factory the user allows (a plan's spec is never imported alone)
     checkpoint_dir: str | None = None
@@ -95,6 +97,9 @@ class RunOptions:
             raise InvalidInputError("--steps", expected=">= 1", found=str(self.steps))
         if not _finite_above_zero(self.timeout_s):
             raise InvalidInputError("--timeout", expected="a finite number of seconds > 0", found=str(self.timeout_s))
+        if self.rehearse_dtype not in REHEARSE_DTYPES:
+            raise InvalidInputError("--rehearse-dtype", expected=" or ".join(REHEARSE_DTYPES),
+                                    found=repr(self.rehearse_dtype))
         if self.threads < 1:
             raise InvalidInputError("--threads", expected=">= 1", found=str(self.threads))
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -180,6 +185,8 @@ class RunOptions:
             argv.append("--resume")
         if self.init != "pretrained":
             argv += ["--init", self.init]
+        if self.rehearse_dtype != "auto":
+            argv += ["--rehearse-dtype", self.rehearse_dtype]
         if self.lr_schedule != "constant":
             argv += ["--lr-schedule", self.lr_schedule]
         if self.accumulate != 1:
@@ -269,6 +276,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a model without saved weights from its seed); random: from the seed's weights. "
                              "A resumed run starts from its checkpoint either way")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--rehearse-dtype", default="auto", metavar="|".join(REHEARSE_DTYPES),
+                        help="compute dtype of the ranks here (default auto: the plan's, but a float16 plan runs as "
+                             "bfloat16 on a CPU, where float16 is ~24x slower; plan: the plan's always)")
     parser.add_argument("--backend", default="auto", help="auto (NCCL with CUDA, else gloo), gloo or nccl")
 
 

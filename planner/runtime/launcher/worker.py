@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
+from planner.rehearsal import as_rehearsed
 from planner.runtime.launcher import hosts, torchrun_elastic
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust, prove_membership
 from planner.runtime.data import eval_batches
@@ -102,6 +103,7 @@ def run_rank(opts: RunOptions, env: RankEnv) -> dict[str, Any] | None:
     env = dataclasses.replace(env, rank=placement.rank, world_size=plan.num_ranks)
     validate_attacks(opts.attacks, plan.num_ranks)
     device = rank_device(opts, env)
+    plan = as_rehearsed(plan, opts.rehearse_dtype, device.type)  # a float16 plan on a CPU: bfloat16
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives use the current device
     setup = prepare_rank(plan, env.rank, opts, device)
