@@ -5,9 +5,9 @@ it cannot hold the smallest stage (memory); no stage of the plan may take it
 as a replica, each stage's rule named (trust: an end stage; verification: no
 verifier site for the stage with it, its verifiers placed again; memory with
 the stage's state); or, joining
-any stage as one more replica, the compiled programs would cost more (its
-links: the all-reduce and transfers it adds, its speed, the checks it needs):
-the best such step is given.
+any stage as one more replica, the compiled programs would cost more: the
+best such step is given with what paces it (a link of the device's, its own
+stage's speed, a verifier's checks, or the all-reduce it joins).
 """
 from __future__ import annotations
 
@@ -94,8 +94,25 @@ def idle_reasons(problem: Problem, placement: Placement, step_ms: float) -> tupl
             continue
         # the stages whose closed form it helps most are tried first
         valid.sort(key=lambda p: evaluate(problem, p).step_ms)
-        best = min(price_program(problem, p).step_ms for p in valid[:per_kind])
-        tried = "any stage" if len(valid) <= per_kind else f"the {per_kind} likeliest stages"
-        out.append(f"{head}: as one more replica of {tried} the step would be {best:.1f} ms, not "
-                   f"{step_ms:.1f} (its links, its speed or the checks it needs)")
+        best, grown = min(((price_program(problem, p), p) for p in valid[:per_kind]), key=lambda x: x[0].step_ms)
+        tried = "any stage" if len(valid) <= per_kind else \
+            "the likeliest stage" if per_kind == 1 else f"the {per_kind} likeliest stages"
+        out.append(f"{head}: as one more replica of {tried} the step would be {best.step_ms:.1f} ms, not "
+                   f"{step_ms:.1f} ({_binding(problem, placement, grown, best, d)})")
     return tuple(out)
+
+
+def _binding(problem: Problem, placement: Placement, grown: Placement, cost, device: str) -> str:
+    """What paces the plan with ``device`` in it: its links, its speed, the checks, or the all-reduce it joins."""
+    name = cost.bottleneck
+    if name.startswith("link") and device in name:
+        return f"links: {name} paces the step"
+    if name.startswith("stage") and name.endswith(f"on {device}"):
+        return f"speed: its {name.split(' on ')[0]} paces the step"
+    if name.startswith(("verifier", "checks")):
+        return f"verification: {name} paces the step"
+    before = price_program(problem, placement)
+    if cost.step_ms - cost.pipe_ms > before.step_ms - before.pipe_ms + 1e-9:
+        return (f"links: the all-reduce it joins adds {cost.step_ms - cost.pipe_ms:.1f} ms after the pipeline "
+                f"({before.step_ms - before.pipe_ms:.1f} without it)")
+    return f"{name} paces the step"
