@@ -78,7 +78,10 @@ class VerifyHooks:
         mine = [v for v in plan.verifiers if v.rank == rank]
         pairs = [(v.boundary, d) for v in mine for d in v.directions]
         watched = [(v.boundary, d) for v in mine for d in v.watch_only]
-        self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs, watched) if pairs else None
+        stage_of = {r.rank: r.stage for r in plan.ranks if r.stage is not None}
+        microbatches = {r.rank: len(r.microbatches) for r in plan.ranks if r.stage is not None}
+        self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs, watched, stage_of=stage_of,
+                                 microbatches=microbatches) if pairs else None
         self._labels = _Labels(plan, seed=seed, data=data) if pairs and data is not None else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen

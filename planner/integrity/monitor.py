@@ -2,6 +2,7 @@
 checks, and the per-sample and step-level tests against them (``verifier`` says how they fit together)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ EXACT_REPLAY_FACTOR = 64
 # fraction of the honest samples' spread (an EMA, learnt from accepted samples only), so it stays the
 # share of an ordinary sample's variation; a sample spread at least that much is scored as before.
 LINK_SPREAD_FLOOR = 0.5
+# A replica's step that fails a test its twin's step scores at least this share of the fence on moved with its
+# twin: after an attacker's ban (issue 37's shape, adaptive attack, seed 2) both replicas' steps failed the
+# label-binding test by 1.2-1.9x its fence, by turns, for 20 steps (flagged steps teach nothing, so the
+# reference never caught up) and the honest twin was banned.
+TWIN_SHARE = 0.8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +153,7 @@ class Monitor:
         self.flagged = 0
         self.tainted = 0
         self.step_flags = 0
+        self.twin_shared = 0   # step-level failures a twin shared (``_shared_by_twins``): not flagged
 
     def _fence(self, name: str, floors: Mapping[str, float], fallback: IQRFence | None = None) -> IQRFence:
         return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
@@ -323,13 +330,20 @@ class Monitor:
             by_sender.setdefault(sample.sender, []).append(sample)
         failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
         alerts: set[int] = set()
+        judged: dict[int, tuple[dict[str, float], tuple[str, ...], bool]] = {}
         for sender, samples in by_sender.items():
             scores = self.score(summ.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
                                 per_sample=False)
             drifting = "drift" in self.step_fences and "residual" in scores and not self.warming(step)
             if drifting:
                 scores["drift"] = self.drift(sender).step(scores["residual"])
-            reasons = self.exceeded(scores, step, per_sample=False)
+            judged[sender] = (scores, self.exceeded(scores, step, per_sample=False), drifting)
+        for sender, samples in by_sender.items():
+            scores, reasons, drifting = judged[sender]
+            if reasons and self._shared_by_twins(sender, reasons, judged):
+                self.twin_shared += 1
+                alerts.add(sender)   # the stage moved, not this replica: its samples teach the reference
+                continue
             if reasons:
                 failed.append((sender, scores, reasons, self.culprit(sender, [x.fits for x in samples], reasons)))
                 if evidence.alert_only(scores, reasons):
@@ -346,6 +360,20 @@ class Monitor:
             if sample.sender not in bad - alerts:
                 self._fold(sample.summary, sample.scores, sample.fits, sample.data_key)
         return failed
+
+    def _shared_by_twins(self, sender: int, reasons: tuple[str, ...],
+                         judged: Mapping[int, tuple[dict[str, float], tuple[str, ...], bool]]) -> bool:
+        """True when every test ``sender``'s step fails is also near its fence (``TWIN_SHARE``) on a twin's
+        step: the replicas of one stage share its weights and differ only by data, so a move they all
+        make is the stage's (or its input's), not one replica's corruption."""
+        twins = [scores for other, (scores, _, _) in judged.items() if other != sender]
+        if not twins or evidence.DECISIVE.intersection(reasons):
+            return False
+        for name in reasons:
+            limit = self.step_fences[name].fence() if name in self.step_fences else None
+            if limit is None or not any(TWIN_SHARE * limit <= s.get(name, 0.0) < math.inf for s in twins):
+                return False
+        return True
 
     def culprit(self, sender: int, fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
         """Where a flag of ``sender``'s is laid (None: on ``sender``): a run of its flags, unbroken by a

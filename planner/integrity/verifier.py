@@ -54,12 +54,13 @@ from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
-    BLAME_MICROBATCHES,
     STEP_MB,
     blame_weights,
+    culprit,
     flatten_events,
     input_key,
     is_alert,
+    needed,
     replayed,
 )
 from planner.integrity.monitor import Monitor
@@ -91,12 +92,20 @@ class Verifier:
     ``config``: the plan's ``verifier_config`` (see :class:`VerifierConfig`).
     ``boundaries``: ``(boundary index, "act" | "grad")`` pairs this verifier checks. ``watched``: those
     of them whose sender is trusted, seen only as the next stage's link-test input: scored and learnt
-    from, never flagged (a trusted sender is not to blame).
+    from, never flagged (a trusted sender is not to blame). ``stage_of`` (rank -> stage) and
+    ``microbatches`` (rank -> microbatches a step): the plan's, for blame among twins and by rate.
     """
 
     def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]],
-                 watched: Sequence[tuple[int, str]] = ()) -> None:
+                 watched: Sequence[tuple[int, str]] = (), *, stage_of: Mapping[int, int] | None = None,
+                 microbatches: Mapping[int, int] | None = None) -> None:
         self.config = VerifierConfig.from_dict(config)
+        # who is whose twin (rank -> stage) and each sender's microbatches a step: blame by rate, shared
+        # among twins (``blame.blame_weights``); the plan's, the same on every verifier
+        self.stage_of = {int(k): int(v) for k, v in (stage_of or {}).items()}
+        self.microbatches = {int(k): int(v) for k, v in (microbatches or {}).items()}
+        self._flag_since: dict[int, int] = {}   # sender -> first step of its current run of flags or alerts
+        self._ban_first: dict[int, int] = {}    # banned sender -> its first flagged step (``_flag_since``)
         watch = {(int(b), d) for b, d in watched}  # each monitor keeps its own flag
         if not watch <= {(int(b), d) for b, d in boundaries}:
             raise InvalidInputError("verifier watched boundaries", expected=f"some of {sorted(boundaries)}",
@@ -234,17 +243,24 @@ class Verifier:
         the same input, so every verifier reaches the same bans.
         """
         flags = [e for e in flatten_events(all_flag_events) if int(e["step"]) == step]
-        weights = blame_weights(flags)
-        blamed = {s for s, n in weights.items() if n + self._lone.get(s, 0.0) >= BLAME_MICROBATCHES}
+        weights = blame_weights(flags, stage_of=self.stage_of, microbatches=self.microbatches)
+        blamed = {s for s, n in weights.items() if n + self._lone.get(s, 0.0) >= needed(s, self.microbatches)}
         self._lone = {s: n for s, n in weights.items() if s not in blamed}
         self.last_blamed = set(blamed)
         for sender in sorted(blamed):
             steps = self._blamed_steps.setdefault(sender, [])
             if step not in steps:
                 steps.append(step)
-        for sender in self._bans.step(blamed, replayed=replayed(flags), at=step):
+        named = {culprit(e) for e in flags} | {int(e["sender"]) for e in flags}
+        for sender in named:
+            self._flag_since.setdefault(sender, step)
+        new = self._bans.step(blamed, replayed=replayed(flags), at=step)
+        for sender in [s for s in self._flag_since if s not in named and s not in self._bans.unresolved()]:
+            del self._flag_since[sender]   # no flag this step and no evidence left: its run of flags ended
+        for sender in new:
+            self._ban_first[sender] = min(self._bans.bans[sender][0], self._flag_since.get(sender, step))
             self.events.append({"type": "ban", "step": int(step), "sender": sender,
-                                "first_flagged_step": self._bans.bans[sender][0],
+                                "first_flagged_step": self._ban_first[sender],
                                 "blamed_steps": list(self._blamed_steps.get(sender, [])[-20:]),
                                 "evidence": round(self._bans.evidence.get(sender, 0.0), 3),
                                 "replay_evidence": round(self._bans.replays.get(sender, 0.0), 3)})
@@ -252,22 +268,29 @@ class Verifier:
         return set(self.banned)
 
     def unresolved(self) -> dict[int, int]:
-        """Sender -> first flagged step of every sender whose flags are not resolved (``BanTest.unresolved``)."""
-        return self._bans.unresolved()
+        """Sender -> first flagged step of every sender whose flags are not resolved (``BanTest.unresolved``):
+        the first step of its current run of flags or alerts, which may precede its first blamed step (a lone
+        flagged microbatch, an alert), so recovery resumes from before anything of it was flagged."""
+        return {s: min(first, self._flag_since.get(s, first), self._ban_first.get(s, first))
+                for s, first in self._bans.unresolved().items()}
 
     def ban_records(self) -> dict[int, tuple[int, int]]:
         """Banned sender -> (its first flagged step, the step it was banned at)."""
-        return dict(self._bans.bans)
+        return {s: (min(first, self._ban_first.get(s, first)), ban) for s, (first, ban) in self._bans.bans.items()}
 
     def bans_state(self) -> dict[str, Any]:
         """The ban test's evidence and bans and the blame history, for a checkpoint."""
         return {**self._bans.to_json(), "blamed_steps": {str(k): v for k, v in self._blamed_steps.items()},
-                "lone_flags": {str(k): v for k, v in self._lone.items()}}
+                "lone_flags": {str(k): v for k, v in self._lone.items()},
+                "flag_since": {str(k): v for k, v in self._flag_since.items()},
+                "ban_first": {str(k): v for k, v in self._ban_first.items()}}
 
     def restore_bans(self, data: Mapping[str, Any]) -> None:
         self._bans.restore(dict(data))
         self._blamed_steps = {int(k): [int(s) for s in v] for k, v in data.get("blamed_steps", {}).items()}
         self._lone = {int(k): float(v) for k, v in data.get("lone_flags", {}).items()}
+        self._flag_since = {int(k): int(v) for k, v in data.get("flag_since", {}).items()}
+        self._ban_first = {int(k): int(v) for k, v in data.get("ban_first", {}).items()}
 
     def summary(self) -> dict[str, Any]:
         """Counts, current fences and bans, for logs and the ``--report`` file."""
