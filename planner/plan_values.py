@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cost_models.codecs import check_codec
 from planner.errors import InvalidInputError
 from planner.ir import Block, dtype_bytes
 from planner.verifier_config import DIRECTIONS
@@ -63,6 +64,7 @@ class StageInfo:
     blocks: tuple[Block, ...]
     in_bytes: int
     recompute: bool = False
+    out_codec: str = "none"  # cost_models.codecs: how its activations (and their gradients back) travel
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -72,6 +74,7 @@ class StageInfo:
             raise InvalidInputError(f"stage {self.index} blocks", expected="consecutive block indices",
                                     found=repr(tuple(b.index for b in self.blocks)))
         _check_non_negative(f"stage {self.index}", self, ("in_bytes",))
+        check_codec(self.out_codec)
 
     @property
     def first_block(self) -> int:
