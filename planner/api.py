@@ -30,6 +30,7 @@ from planner.solver import baseline_plans
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
 from planner.solver.restrictions import Restriction, restrictions
+from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
 from planner.solver.warm import WarmStage, WarmStart
 from planner.trace import trace
@@ -57,7 +58,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
                replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None,
-               started_s: float | None = None, model: ModelRef | None = None) -> Any:
+               started_s: float | None = None, model: ModelRef | None = None, seed: int = 0) -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -110,10 +111,10 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         parts = restrictions(spec_cluster) if free and warm_start is None else ()
         kept += RESTRICTIONS_SHARE * time_limit_s if parts else 0.0
         solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers,
-                                    time_limit_s=max(0.0, deadline.left_s() - kept),
+                                    time_limit_s=max(0.0, time_limit_s - kept),  # work, not what the clock left
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
                                     stages=stages, replicas=replicas, recompute_mode=recompute,
-                                    warm_start=warm_start)
+                                    warm_start=warm_start, seed=seed)
     mb = batch // solution.num_microbatches
     config = dataclasses.replace(config, microbatch_size=mb)
     scaled = scale_chain(chain, mb)
@@ -127,15 +128,14 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         return dataclasses.replace(predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref)),
                                    history=first, cluster_source=source)
 
-    start = time.perf_counter()
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
                         time_limit_s=RESTRICTIONS_SHARE * time_limit_s)
-    # The baselines' enumerations stop in time to compile two plans as long as this one took.
+    # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
-                                      deadline=deadline.less(2 * (time.perf_counter() - start)),
+                                      deadline=Work(min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S), what="rivals"),
                                       within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
 

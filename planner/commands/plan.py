@@ -46,9 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="microbatches per step (default: the solver chooses among the divisors of the batch)")
     p.add_argument("--seq", type=int, default=None, help=SEQ_HELP)
     p.add_argument("--time-limit", type=float, default=30.0,
-                   help="time limit of the whole command, counted from its start: imports, trace, solve, baselines, "
-                        "compile (default 30 s)")
+                   help="time limit of the whole command: imports, trace, solve, baselines, compile (default 30 s); "
+                        "the search counts it in work, so a loaded machine plans the same, only slower (a wall-clock "
+                        "ceiling of 3x stops it, and the plan says so)")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the search's random seed (default 0): the same inputs and seed give the same plan")
     p.add_argument("--gap", type=float, default=None, metavar="FRACTION",
                    help="stop once the plan is proven within this share of optimal (default 1e-4: 0.01%%)")
     p.add_argument("--baseline", choices=("uniform", "params", "greedy", "dp", "ppdp"), default=None,
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
                           progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas,
                           dtype=args.dtype, optimizer=args.optimizer, recompute=args.recompute,
-                          started_s=started)
+                          started_s=started, seed=args.seed)
     path = plan.save(args.output, secret=key)
     _report(out, plan, path)
     return 0

@@ -72,6 +72,7 @@ from planner.solver.problem import (
     scale_chain,
 )
 from planner.solver.search import baselines as base
+from planner.solver.search.budget import Work, watch_ceiling
 from planner.solver.search.seq_partition_kernel import warm as warm_partition
 from planner.solver.search.sequences import search_sequences
 from planner.solver.solution import Solution
@@ -109,7 +110,7 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
           microbatch_sizes: Sequence[int] | None = None, max_replicas: int | None = None,
           progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE,
           stages: int | None = None, replicas: int | None = None, recompute_mode: str = "auto",
-          warm_start: WarmStart | None = None) -> Solution:
+          warm_start: WarmStart | None = None, seed: int = 0) -> Solution:
     """The best placement within ``time_limit_s`` with a proven bound (see the module docstring).
 
     ``microbatch_sizes``: candidates for the microbatch size (each must divide
@@ -118,13 +119,16 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
     ``replicas``: fix the pipeline's depth / every stage's replica count.
     ``recompute_mode``: ``auto`` searches activation recomputation too where memory is tight
     (``planner.solver.recompute``), ``never`` / ``always`` as named. ``warm_start``: an old plan's stages
-    (a re-plan's), repaired to this cluster and tried first (``planner.solver.warm``).
+    (a re-plan's), repaired to this cluster and tried first (``planner.solver.warm``). ``seed``: the randomised
+    steps' and CP-SAT's. The search is budgeted in work (``search.budget``), ``time_limit_s`` nominal seconds of it:
+    the same inputs and seed give the same plan on a quiet or a loaded machine, unless the wall-clock ceiling
+    (``budget.CEILING_FACTOR`` times the limit) stops it first, which the notes then say.
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                               microbatch_sizes=microbatch_sizes, max_replicas=max_replicas, progress=progress,
                               gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
-                              recompute_mode=recompute_mode, warm_start=warm_start)
+                              recompute_mode=recompute_mode, warm_start=warm_start, seed=seed)
     if isinstance(result, InfeasiblePlanError):
         raise result
     return result
@@ -136,8 +140,21 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      max_replicas: int | None = None, progress: Progress | None = None,
                      gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
                      replicas: int | None = None, recompute_mode: str = "auto",
-                     warm_start: WarmStart | None = None) -> Solution | InfeasiblePlanError:
+                     warm_start: WarmStart | None = None, seed: int = 0) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
+    with watch_ceiling() as cut:
+        result = _solve(chain, cluster, config, policy, time_limit_s, workers, microbatch_sizes, max_replicas,
+                        progress, gap_tolerance, (stages, replicas), recompute_mode, warm_start, seed)
+    if cut and isinstance(result, Solution):
+        note = (f"stopped by the wall-clock ceiling ({', '.join(cut)}): plan may differ from a quiet machine's",)
+        result = dataclasses.replace(result, report=dataclasses.replace(result.report, notes=result.report.notes + note))
+    return result
+
+
+def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, policy: VerificationPolicy,
+           time_limit_s: float, workers: int, microbatch_sizes: Sequence[int] | None, max_replicas: int | None,
+           progress: Progress | None, gap_tolerance: float, shape: tuple[int | None, int | None],
+           recompute_mode: str, warm_start: WarmStart | None, seed: int) -> Solution | InfeasiblePlanError:
     start = time.perf_counter()
     # The first call on a machine compiles the DP kernels (seconds; numba's cache after): part of the budget.
     warm_kernels()
@@ -157,11 +174,12 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
     jobs = _triaged([p for mb in sizes for p in recompute.variants(
         problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)[0], recompute_mode)],
         auto, outcomes, errors)
+    work = Work(time_limit_s, what="search")
     for i, problem in enumerate(jobs):
-        share = (time_limit_s - (time.perf_counter() - start)) / (len(jobs) - i)
+        share = work.left_s() / (len(jobs) - i)
         try:
             outcome = solve_count(problem, max(0.2, share), workers, f"M={problem.num_microbatches}", progress,
-                                  gap_tolerance, (stages, replicas), warm_start)
+                                  gap_tolerance, shape, warm_start, within=work, seed=seed)
         except InfeasiblePlanError as exc:
             errors.append(exc)
             outcome = ruled_out(problem)
@@ -174,8 +192,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
         if errors:
             return errors[0]
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
-    best = polish_best(min(found, key=lambda o: o.program_ms), time_limit_s - (time.perf_counter() - start),
-                       cuts_only=(stages, replicas) != (None, None))
+    best = polish_best(min(found, key=lambda o: o.program_ms), work.left_s(), cuts_only=shape != (None, None),
+                       within=work)
     bound = min(o.valid_bound_ms for o in outcomes)  # bounds the compiled programs' cost at every M
     gap = (best.program_ms - bound) / best.program_ms if best.program_ms > 0 else 0.0
     status = "OPTIMAL" if gap <= gap_tolerance else "FEASIBLE"

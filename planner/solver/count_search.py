@@ -24,8 +24,8 @@ from planner.solver.objective import (
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem
 from planner.solver.search import baselines as base
+from planner.solver.search.budget import Work
 from planner.solver.search.chain_dp import homogeneous_dp
-from planner.solver.search.deadline import Deadline
 from planner.solver.search.grid import grid_candidates
 from planner.solver.search.local import improve
 from planner.solver.search.sequences import search_sequences
@@ -58,10 +58,11 @@ def _best(cands: Sequence[tuple[Placement, float, str]]) -> tuple[Placement | No
     return best
 
 
-def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, float, str]]:
+def _incumbents(problem: Problem, budget_s: float, work: Work, seed: int) -> list[tuple[Placement, float, str]]:
     """One-stage plans, the baselines and the sequence search: valid plans with their step times. The ``dp``
-    baseline's DP stops at ``budget_s``, the grids at ``GRID_BUDGET_FACTOR`` times it (the best found by then)."""
-    deadline = Deadline.after(budget_s)
+    baseline's DP stops after ``budget_s`` nominal seconds of work, the grids after ``GRID_BUDGET_FACTOR`` times it
+    (the best found by then); all charged to ``work``."""
+    deadline = work.sub(budget_s, "baselines")
     out = []
     for placement in base.single_stage_placements(problem):
         ev = evaluate(problem, placement)
@@ -77,9 +78,9 @@ def _incumbents(problem: Problem, budget_s: float) -> list[tuple[Placement, floa
             out.append((placement, ev.step_ms, f"baseline:{name}"))
     # Every uniform pp x dp grid, the cheapest few also with their blocks split for their devices: the
     # search starts no worse than ppdp or a fixed shape would.
-    for placement in grid_candidates(problem, deadline=Deadline.after(GRID_BUDGET_FACTOR * budget_s)):
+    for placement in grid_candidates(problem, deadline=work.sub(GRID_BUDGET_FACTOR * budget_s, "grids")):
         out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
-    found = search_sequences(problem, time_budget_s=budget_s)
+    found = search_sequences(problem, time_budget_s=budget_s, seed=seed, within=work)
     if found is not None:
         out.append((found[0], found[1], "sequence-search"))
     return out
@@ -107,10 +108,13 @@ def _homogeneous_exact(problem: Problem) -> Placement | None:
 
 
 def search_count(problem: Problem, time_limit_s: float, workers: int, label: str, progress: Progress | None,
-                 gap_tolerance: float, seen: list[Placement], warm: WarmStart | None = None) -> Outcome:
+                 gap_tolerance: float, seen: list[Placement], warm: WarmStart | None = None, *,
+                 within: Work | None = None, seed: int = 0) -> Outcome:
     """The search for ``problem`` under the closed form, adding every valid plan it meets to ``seen``; a
-    ``warm`` start (an old plan repaired, ``solver.warm``) joins the first incumbents."""
+    ``warm`` start (an old plan repaired, ``solver.warm``) joins the first incumbents. ``time_limit_s``: nominal
+    seconds of work (``search.budget``), charged to ``within`` too; ``seed``: the randomised steps' seed."""
     start = time.perf_counter()
+    work = Work.of(time_limit_s, within, "search")
     precheck(problem)
     exact = _homogeneous_exact(problem)
     if exact is not None:
@@ -121,7 +125,7 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
         seen.append(exact)
         return Outcome(problem=problem, placement=exact, step_ms=ev.step_ms, bound_ms=ev.step_ms,
                        method="dp-exact", cpsat_status="SKIPPED", solve_s=time.perf_counter() - start)
-    cands = _incumbents(problem, max(0.2, HEURISTIC_SHARE * time_limit_s))
+    cands = _incumbents(problem, max(0.2, HEURISTIC_SHARE * time_limit_s), work, seed)
     cands += warm_placements(problem, warm) if warm is not None else []
     seen.extend(p for p, _, _ in cands)
     one_stage = min((s for p, s, _ in cands if p.num_stages == 1), default=math.inf)
@@ -145,10 +149,10 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
     coarse = None if exhaustive else merged_for_bound(problem)
     if coarse is not None:
         lb_all = max(lb_all, lagrange_bound(coarse, incumbent_ms=step, time_budget_s=lag_budget / 2,
-                                            target_gap=gap_tolerance, plans=False).bound_ms)
+                                            target_gap=gap_tolerance, plans=False, within=work).bound_ms)
         lag_budget /= 2
     lag = lagrange_bound(problem, incumbent_ms=step, time_budget_s=lag_budget, target_gap=gap_tolerance,
-                         workers=workers)
+                         workers=workers, within=work)
     lb_all = max(lb_all, lag.bound_ms)
     if lag.placement is not None:
         seen.append(lag.placement)
@@ -165,9 +169,9 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
         return step_ms - lb_all <= gap_tolerance * step_ms
 
     if placement is not None and not exhaustive and not proven(step):  # small models: CP-SAT proves it alone
-        left = time_limit_s - (time.perf_counter() - start) - 0.5  # a re-partition can outlast the deadline
-        better = improve(problem, placement, step, time_budget_s=left if hopeless else LOCAL_SHARE * time_limit_s,
-                         target_ms=lb_all / (1 - gap_tolerance))
+        better = improve(problem, placement, step,
+                         time_budget_s=work.left_s() if hopeless else LOCAL_SHARE * time_limit_s,
+                         target_ms=lb_all / (1 - gap_tolerance), seed=seed, within=work)
         if better is not None:
             seen.append(better[0])
             placement, step, how = better[0], better[1], "local-search"
@@ -179,9 +183,10 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
     hint = placement if placement is not None and placement.num_stages > 1 else None
     if K < K_full and (hint is None or hint.num_stages > K):
         # The slot model cannot hold the incumbent: seed it with the best plan that fits.
-        found = search_sequences(problem, time_budget_s=max(0.2, HEURISTIC_SHARE * time_limit_s), max_stages=K)
+        found = search_sequences(problem, time_budget_s=max(0.2, HEURISTIC_SHARE * time_limit_s), max_stages=K,
+                                 seed=seed, within=work)
         hint = found[0] if found is not None else None
-    left = time_limit_s - (time.perf_counter() - start)
+    left = work.left_s()
     status, cp_bound = "SKIPPED", math.inf if K_full < 2 else 0.0
     if placement is not None and proven(step):
         return Outcome(problem=problem, placement=placement, step_ms=step, bound_ms=min(lb_all, step),
@@ -189,7 +194,7 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
                        solve_s=time.perf_counter() - start)
     if K >= 2 and left > 0.5 and (K == K_full or hint is not None):
         res = solve_cpsat(problem, time_limit_s=left, workers=workers, hint=hint, max_slots=K, progress=report,
-                          gap_tolerance=gap_tolerance)
+                          gap_tolerance=gap_tolerance, seed=seed, within=work)
         status = res.status if K == K_full else f"{res.status} (<= {K} stages)"
         if K == K_full:
             cp_bound = res.bound_ms

@@ -45,7 +45,6 @@ whose weakest leaf's dual value is the box's.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,7 +62,8 @@ from planner.solver.bound.lazy_dp import LazyDP, layered_dp
 from planner.solver.bound.sequence_dp import Cut, Relaxed, SequenceDP
 from planner.solver.objective import Placement
 from planner.solver.problem import Problem
-from planner.solver.search.relaxed_plans import RelaxedPlans, repair
+from planner.solver.search.budget import Work, dp_units
+from planner.solver.search.relaxed_plans import LOCAL_TAIL, RelaxedPlans, repair
 
 __all__ = ["LagrangeBound", "LagrangeResult", "LazyDP", "Relaxed", "SequenceDP", "lagrange_bound", "layered_dp",
            "repair"]
@@ -96,15 +96,15 @@ class LagrangeBound:
     ``RelaxedPlans``) receives every relaxed answer met and holds the incumbent that prunes the boxes;
     without it the incumbent stays ``incumbent_ms``."""
 
-    def __init__(self, problem: Problem, *, incumbent_ms: float, time_budget_s: float, target_gap: float = 1e-3,
+    def __init__(self, problem: Problem, *, incumbent_ms: float, work: Work, target_gap: float = 1e-3,
                  iterations: int = 25, max_dps: int | None = None, plans: RelaxedPlans | None = None) -> None:
         self.problem, self.plans = problem, plans
-        self.time_budget_s, self.target_gap, self.iterations, self.max_dps = (time_budget_s, target_gap,
-                                                                              iterations, max_dps)
+        self.work, self.target_gap, self.iterations, self.max_dps = work, target_gap, iterations, max_dps
         self._incumbent_ms = incumbent_ms
-        self.start = time.perf_counter()
         self.dp = layered_dp(problem)
         self.full_dp = self.dp.base if isinstance(self.dp, LazyDP) else self.dp
+        base = self.full_dp
+        self._dp_units = dp_units(base.L, base.C, base.R, base.J)
         self.dps = 0
         self.lam_memo: list[tuple[tuple[float, float], np.ndarray]] = []
         self.pool: list[Cut] = []  # every relaxed plan met: cutting planes at every pair of caps it meets
@@ -118,9 +118,13 @@ class LagrangeBound:
         return self.plans.best_ms if self.plans is not None else self._incumbent_ms
 
     def deadline(self) -> bool:
-        """The time budget, or a DP count (deterministic, for tests and tuning)."""
-        return time.perf_counter() - self.start > self.time_budget_s or \
-            (self.max_dps is not None and self.dps >= self.max_dps)
+        """The work budget (``budget``: each DP charged), or a DP count (for tests and tuning)."""
+        return self.work.passed() or (self.max_dps is not None and self.dps >= self.max_dps)
+
+    def _bisect_late(self) -> bool:
+        """``deadline`` for the feasibility bisection, which runs one DP per step."""
+        self.work.charge(self._dp_units)
+        return self.deadline()
 
     def _met(self, relaxed: Relaxed) -> None:
         if self.plans is not None:
@@ -138,6 +142,7 @@ class LagrangeBound:
         while not pt.done:
             got = run.run(pt.cap, pt.lam, pt.ar_cap)
             self.dps += 1
+            self.work.charge(self._dp_units)
             pt.runs += 1
             if got is None:  # no sequence meets the caps, whatever the prices
                 pt.best, pt.done = INF, True
@@ -208,7 +213,7 @@ class LagrangeBound:
         top = INF if M == 1 else best_ms / (M - 1) if math.isfinite(best_ms) else 64 * dp.block_floor_ms()
         ar_top = dp.max_allreduce_ms()
         lo = dp.block_floor_ms() if M == 1 else _smallest_feasible_cap(dp, dp.block_floor_ms(), top, ar_top,
-                                                                             self.deadline)
+                                                                             self._bisect_late)
         # Without an incumbent nothing rules out plans above ``top``: they stay bounded by fill x top only.
         boxes = self.boxes = CapBoxes(lo=lo, top=max(top, lo), ar_top=ar_top, fill=M - 1,
                                       open_top=math.isfinite(top) and not math.isfinite(best_ms))
@@ -244,17 +249,20 @@ class LagrangeBound:
 
 def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: float,
                    target_gap: float = 1e-3, iterations: int = 25, max_dps: int | None = None,
-                   plans: bool = True, workers: int = 1) -> LagrangeResult:
+                   plans: bool = True, workers: int = 1, within: Work | None = None) -> LagrangeResult:
     """A lower bound on ``F`` over every plan, and the best valid plan its relaxed answers gave.
 
     ``plans=False``: the bound alone (for a relaxed problem, e.g. ``bound.relax.merged_for_bound``, whose plans are
     not plans of the real one and must not become the incumbent that prunes the boxes). ``workers >= 2``:
-    the relaxed plans are priced on a second thread while the DPs go on (``search.pricer``; the order in which
-    plans are priced then depends on timing, so results with a DP count are not repeatable).
+    the last ``LOCAL_TAIL`` of the work goes to the local search from the best plan (``search.local``).
+    ``time_budget_s``: nominal seconds of work (``search.budget``: each DP and each pricing charged), charged to
+    ``within`` too when given.
     """
-    sink = RelaxedPlans(problem, incumbent_ms=incumbent_ms, time_budget_s=time_budget_s,
-                        workers=workers) if plans else None
-    search = LagrangeBound(problem, incumbent_ms=incumbent_ms, time_budget_s=time_budget_s, target_gap=target_gap,
+    work = Work.of(time_budget_s, within, "bound")
+    local_s = LOCAL_TAIL * time_budget_s if plans and workers > 1 else 0.0
+    dp_work = work.sub(time_budget_s - local_s)
+    sink = RelaxedPlans(problem, incumbent_ms=incumbent_ms, work=dp_work, local_s=local_s) if plans else None
+    search = LagrangeBound(problem, incumbent_ms=incumbent_ms, work=dp_work, target_gap=target_gap,
                            iterations=iterations, max_dps=max_dps, plans=sink)
     try:
         bound = search.run()

@@ -9,6 +9,12 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from planner.solver.objective import Placement, even_split, required_directions
+from planner.solver.search.budget import (
+    CPSAT_DET_PER_S,
+    UNITS_PER_S,
+    Work,
+    record_ceiling,
+)
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
 
@@ -81,18 +87,41 @@ class HintMixin:
         return Placement(stages=stages, verifiers=tuple(verifiers), num_microbatches=M)
 
 
-def complete_hint(model: cp_model.CpModel, time_limit_s: float, workers: int) -> bool:
+def deterministic(solver: cp_model.CpSolver, seconds: float, workers: int, seed: int, work: Work) -> None:
+    """Limit ``solver`` to ``seconds`` nominal seconds of its deterministic time and make its search repeatable:
+    the subsolvers interleaved in fixed batches (for given ``workers``, the same answer under any load), the seed
+    given; the wall clock only as ``work``'s ceiling."""
+    solver.parameters.max_deterministic_time = max(0.01, seconds * CPSAT_DET_PER_S)
+    solver.parameters.max_time_in_seconds = max(0.05, work.ceiling_left_s())
+    solver.parameters.num_workers = max(1, workers)
+    solver.parameters.interleave_search = True
+    solver.parameters.random_seed = seed
+
+
+def stopped(solver: cp_model.CpSolver, status: int, work: Work) -> None:
+    """Charge ``work`` with what the solve spent (its deterministic time) and record when the wall-clock
+    ceiling, not that, ended it."""
+    det = solver.response_proto.deterministic_time
+    work.charge(det / CPSAT_DET_PER_S * UNITS_PER_S)
+    proven = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+    if not proven and det < 0.99 * solver.parameters.max_deterministic_time:
+        record_ceiling(work.what)
+
+
+def complete_hint(model: cp_model.CpModel, time_limit_s: float, workers: int, *, seed: int = 0,
+                  within: Work | None = None) -> bool:
     """Turn a hint on the decisions into a full assignment (CP-SAT then starts from that plan).
 
-    Solves once with the hinted variables fixed; on success every variable
-    gets its value as hint. Returns whether it succeeded.
+    Solves once with the hinted variables fixed (``time_limit_s`` nominal seconds of deterministic time); on
+    success every variable gets its value as hint. Returns whether it succeeded.
     """
+    work = Work.of(time_limit_s, within, "CP-SAT")
     solver = cp_model.CpSolver()
+    deterministic(solver, time_limit_s, workers, seed, work)
     solver.parameters.fix_variables_to_their_hinted_value = True
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-    solver.parameters.num_workers = max(1, workers)
     solver.parameters.stop_after_first_solution = False
     status = solver.solve(model)
+    stopped(solver, status, work)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False
     values = solver.response_proto.solution

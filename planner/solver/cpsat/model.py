@@ -13,8 +13,9 @@ fixed microbatch count ``M``:
   which is the symmetry breaking: a plan that only permutes identical devices
   is one assignment here;
 * the verifier of a checked boundary sits on one of its two end stages, on
-  the first or the last stage (single-replica stages, trusted, outside the
-  checked senders' trust domain), or on a CPU verifier host, as the policy's
+  the first or the last stage (single-replica stages here, trusted, outside the
+  checked senders' trust domain; the greedy of ``planner.solver.verifiers``
+  that the other searches use also places them on replicas), or on a CPU verifier host, as the policy's
   ``verifier_placement`` allows, at most ``max_boundaries_per_verifier`` per
   device.
 
@@ -53,11 +54,12 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from planner.solver.cpsat.costs import CostsMixin
-from planner.solver.cpsat.hint import HintMixin, complete_hint
+from planner.solver.cpsat.hint import HintMixin, complete_hint, deterministic, stopped
 from planner.solver.cpsat.structure import Structure
 from planner.solver.cpsat.verifiers import VerificationMixin
 from planner.solver.objective import Placement
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work
 
 # Above this many (block, slot) pairs CP-SAT starts from the hinted plan without presolve.
 PRESOLVE_LIMIT = 2000
@@ -107,12 +109,14 @@ def num_slots(problem: Problem) -> int:
 
 def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint: Placement | None = None,
                 max_slots: int | None = None, progress: Progress | None = None,
-                gap_tolerance: float = 0.0) -> CpsatResult:
+                gap_tolerance: float = 0.0, seed: int = 0, within: Work | None = None) -> CpsatResult:
     """Solve the model of the module docstring for pipelines of 2 to ``max_slots`` stages.
 
     ``bound_ms`` is a valid lower bound over those pipelines (``inf`` when
     proven infeasible); the search stops (OPTIMAL) once its plan is within
-    ``gap_tolerance`` of it.
+    ``gap_tolerance`` of it. ``time_limit_s``: nominal seconds, CP-SAT's deterministic time
+    (``deterministic``: the same answer on a loaded machine), charged to ``within`` when given, whose
+    wall-clock ceiling stops it too.
     """
     K = min(num_slots(problem), max_slots or num_slots(problem))
     start = time.perf_counter()
@@ -121,13 +125,13 @@ def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint
     b = _Builder(problem, K)
     b.build()
     hinted = False
+    work = Work.of(time_limit_s, within, "CP-SAT")
+    hint_s = min(5.0, 0.2 * time_limit_s) if hint is not None else 0.0
     if hint is not None:
         b.hint(hint)
-        hinted = complete_hint(b.m, min(5.0, 0.2 * time_limit_s), workers)
+        hinted = complete_hint(b.m, hint_s, workers, seed=seed, within=work)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - start))
-    solver.parameters.num_workers = max(1, workers)
-    solver.parameters.random_seed = 0
+    deterministic(solver, max(0.05, time_limit_s - hint_s), workers, seed, work)
     solver.parameters.relative_gap_limit = gap_tolerance
     if hinted and problem.num_blocks * K > PRESOLVE_LIMIT:
         # Presolve of a large model is slow and drops the hinted plan; search from the plan instead.
@@ -135,6 +139,7 @@ def solve_cpsat(problem: Problem, *, time_limit_s: float, workers: int = 2, hint
     if progress is not None:
         solver.best_bound_callback = lambda bound: progress(None, bound / b.U, time.perf_counter() - start)
     status = solver.solve(b.m, _Progress(b.U, progress))
+    stopped(solver, status, work)
     name = solver.status_name(status)
     placement = b.decode(solver) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status == cp_model.INFEASIBLE:

@@ -28,6 +28,7 @@ from planner.solver.objective import (
     even_split,
 )
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work
 from planner.solver.search.chain_dp import homogeneous_dp
 from planner.solver.search.deadline import Deadline
 from planner.solver.solution import StagePlacement
@@ -118,7 +119,7 @@ def _stages(problem: Problem, ranges: tuple[tuple[int, int], ...],
                  for k, ((s, e), d) in enumerate(zip(ranges, devices)))
 
 
-def baseline_placement(name: str, problem: Problem, deadline: Deadline | None = None) -> Placement:
+def baseline_placement(name: str, problem: Problem, deadline: Deadline | Work | None = None) -> Placement:
     """The ``name`` baseline's placement (verifiers included). Raises when it cannot satisfy the policy.
     ``deadline``: for ``dp``, whose DP then stops at the best partition found by then."""
     if name not in BASELINES:
@@ -146,7 +147,7 @@ def baseline_placement(name: str, problem: Problem, deadline: Deadline | None = 
 
 
 def _dp_ranges(problem: Problem, devices: tuple[str, ...],
-               deadline: Deadline | None) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+               deadline: Deadline | Work | None) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
     cls = problem.class_of(devices[0])
     part = homogeneous_dp(problem, cls, len(devices), deadline)
     if part is None:

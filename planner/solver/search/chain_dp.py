@@ -23,6 +23,7 @@ import numpy as np
 from cost_models import comm
 from cost_models.cluster import Link
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, chain_sum_units
 from planner.solver.search.deadline import Deadline
 
 INF = float("inf")
@@ -152,7 +153,7 @@ def _best_sum(tab: _Tables, max_stages: int, cap_ms: float) -> tuple[float, tupl
 
 
 def homogeneous_dp(problem: Problem, cls: int, num_devices: int,
-                   deadline: Deadline | None = None) -> ChainPartition | None:
+                   deadline: Deadline | Work | None = None) -> ChainPartition | None:
     """Exact min of ``F`` over partitions into at most ``num_devices`` one-device stages on class ``cls``.
 
     Assumes what a homogeneous cluster gives: every stage on a device of
@@ -176,9 +177,14 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int,
     floor_sum = float(tab.tp[-1])  # every partition computes the whole chain once
     best: ChainPartition | None = None
 
+    def best_sum(cap: float) -> tuple[float, tuple[tuple[int, int], ...]]:
+        if deadline is not None:
+            deadline.charge(chain_sum_units(L, S_max))
+        return _best_sum(tab, S_max, cap)
+
     def take(cap: float) -> float:
         nonlocal best
-        total, ranges = _best_sum(tab, S_max, cap)
+        total, ranges = best_sum(cap)
         if ranges:
             bott = max(_stage_ms(tab, s, e) for s, e in ranges)
             step = total + (M - 1) * bott
@@ -198,7 +204,7 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int,
         # Gallop to the first cap whose best sum drops below ``total``, then bisect.
         step, lo, hi = 1, i, None
         while lo + step < len(cands) and cands[lo + step] <= limit and not late():
-            if _best_sum(tab, S_max, float(cands[lo + step]))[0] < total - 1e-12:
+            if best_sum(float(cands[lo + step]))[0] < total - 1e-12:
                 hi = lo + step
                 break
             lo, step = lo + step, step * 2
@@ -206,7 +212,7 @@ def homogeneous_dp(problem: Problem, cls: int, num_devices: int,
             break
         while hi - lo > 1 and not late():
             mid = (lo + hi) // 2
-            if _best_sum(tab, S_max, float(cands[mid]))[0] < total - 1e-12:
+            if best_sum(float(cands[mid]))[0] < total - 1e-12:
                 hi = mid
             else:
                 lo = mid

@@ -1,7 +1,8 @@
 """A point in time that a planning step must finish by: the time limit as a budget shared by its steps.
 
 Steps that enumerate (grids, a DP's caps, the baselines) check it between candidates and return the best
-found so far once it has passed; the clock is injectable, so tests drive it without waiting.
+found so far once it has passed; the clock is injectable, so tests drive it without waiting. The solver's
+search passes a ``budget.Work`` in its place (the same ``passed``/``charge``): a budget in work, repeatable.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class Deadline:
 
     def passed(self) -> bool:
         return self.clock() >= self.at_s
+
+    def charge(self, units: float) -> None:
+        """Work is not counted against a deadline (``budget.Work`` counts it): the same calls serve both."""
 
     def less(self, seconds: float) -> Deadline:
         """``seconds`` before this deadline: time kept back for what follows."""

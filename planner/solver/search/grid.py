@@ -30,6 +30,7 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, grid_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.deadline import Deadline
 from planner.solver.search.polish import polish
@@ -134,10 +135,10 @@ def _checked(problem: Problem, stages: tuple[StagePlacement, ...]) -> Placement 
 
 
 def grids(problem: Problem, *, stages: int | None = None, replicas: int | None = None,
-          deadline: Deadline | None = None) -> list[Placement]:
+          deadline: Deadline | Work | None = None) -> list[Placement]:
     """Every valid grid (of the given shape, where given), the likeliest shapes first (``_compute_ms``: on
-    hundreds of devices there are over a thousand shapes); once ``deadline`` has passed, those found so far
-    (at least the first valid one, when there is one)."""
+    hundreds of devices there are over a thousand shapes); once ``deadline`` has passed (a ``Work`` budget:
+    spent, each grid built charged to it), those found so far (at least the first valid one, when there is one)."""
     D = sum(c.count for c in problem.classes if c.stage_capable)
     shapes = [(pp, dp) for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1))
               for dp in ([replicas] if replicas else range(1, D // pp + 1))]
@@ -147,6 +148,8 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
         if deadline is not None and out and deadline.passed():
             break
         for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
+            if deadline is not None:
+                deadline.charge(grid_units(problem.num_blocks, D))
             found = _grid(problem, pp, dp, together=together, fastest=fastest)
             if found is not None:
                 out.append(found)
@@ -177,14 +180,14 @@ def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED)
     return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
 
 
-def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadline | None = None) -> list[Placement]:
+def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadline | Work | None = None) -> list[Placement]:
     """The likeliest valid grids (found by ``deadline``), and the ``repartition`` cheapest re-partitioned for
     their devices."""
     found = cheapest(problem, grids(problem, deadline=deadline))
     return found + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition]) if p is not None]
 
 
-def best_grid(problem: Problem, deadline: Deadline | None = None) -> Placement:
+def best_grid(problem: Problem, deadline: Deadline | Work | None = None) -> Placement:
     """The ``ppdp`` baseline: of the likeliest valid grids (found by ``deadline``), the one whose programs cost
     least."""
     found = grids(problem, deadline=deadline)
@@ -209,8 +212,10 @@ def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
     return _checked(problem, stages)
 
 
-def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_budget_s: float) -> Placement:
-    """The cheapest plan of ``stages`` stages of ``replicas`` replicas each (either may be free)."""
+def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_budget_s: float,
+           within: Work | None = None) -> Placement:
+    """The cheapest plan of ``stages`` stages of ``replicas`` replicas each (either may be free); its cuts polished
+    in ``time_budget_s`` nominal seconds of work (charged to ``within`` too)."""
     D = sum(c.count for c in problem.classes if c.stage_capable)
     for name, value, most, of in (("--stages", stages, min(D, problem.num_blocks),
                                    f"the cluster's {D} stage devices, the model's {problem.num_blocks} blocks"),
@@ -233,7 +238,7 @@ def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_b
     found = cheapest(problem, found)
     found += [p for p in map(lambda g: _repartitioned(problem, g), found) if p is not None]
     best = min(found, key=lambda p: price_program(problem, p).step_ms)
-    return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True)[0]
+    return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True, within=within)[0]
 
 
 def _no_grid(problem: Problem, pp: int, dp: int) -> tuple[str, str]:
@@ -256,7 +261,8 @@ def _no_grid(problem: Problem, pp: int, dp: int) -> tuple[str, str]:
                            for k, (a, b) in enumerate(_even_ranges(problem.num_blocks, pp)))
             if _may_fit(problem, stages):
                 return ("has a verifier for every boundary an untrusted device sends on: a verifier sits on a "
-                        "single-replica stage at the boundary, the first or the last stage, or a CPU verifier host",
+                        "trusted device of a stage at the boundary, of the first or the last stage, or on a CPU "
+                        "verifier host, outside the senders' trust domains, where the policy allows",
                         "add a trusted CPU verifier host (role: verifier) or use fewer replicas")
             over = max((stage_memory_bytes(problem, st, pp, m) / problem.classes[problem.class_of(d)].mem_bytes,
                         st.index) for st in stages for d, m in zip(st.devices, st.microbatches))

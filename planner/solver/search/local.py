@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import numpy as np
 
 from planner.solver.objective import Placement
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, partition_units, screen_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.seq_partition import (
     copy_table,
@@ -118,24 +118,28 @@ def neighbours(problem: Problem, groups: tuple[Group, ...]) -> list[tuple[Group,
 
 
 def _descend(problem: Problem, groups: tuple[Group, ...], step_ms: float, plan, tried: set, rng, screens,
-             until: float):
+             work: Work):
     """First-improvement descent from ``groups`` (priced ``step_ms``, placed ``plan``) to a local optimum or
     the deadline: (groups, step, plan, whether the optimum was reached). ``screens``: (problem, copy table)
     to screen on, first choice (merged blocks on long chains) and fallback (the problem itself)."""
-    while time.perf_counter() < until:
+    L = problem.num_blocks
+    while not work.passed():
         cands = [c for c in neighbours(problem, groups) if c not in tried]
         order = rng.permutation(len(cands))
         moved = False
         screen, table = screens[0]
         ref = screen_step(screen, groups, table)  # the screen of where the search stands
+        work.charge(screen_units(screen.num_blocks, len(groups)))
         if not math.isfinite(ref):  # merged blocks can break a memory-tight plan's stages: screen unmerged
             screen, table = screens[1]
             ref = screen_step(screen, groups, table)
+            work.charge(screen_units(screen.num_blocks, len(groups)))
         for lo in range(0, len(cands), SCREEN_BATCH):
             screened = []
             for i in order[lo:lo + SCREEN_BATCH]:
                 screened.append((screen_step(screen, cands[i], table), int(i)))
-                if time.perf_counter() > until:
+                work.charge(screen_units(screen.num_blocks, len(cands[i])))
+                if work.passed():
                     break
             screened.sort()
             for value, i in screened[:SCREEN_TOP]:
@@ -143,18 +147,19 @@ def _descend(problem: Problem, groups: tuple[Group, ...], step_ms: float, plan, 
                     break
                 tried.add(cands[i])
                 got = sequence_placement(problem, cands[i], exact=True)
+                work.charge(partition_units(L, len(cands[i]), exact=True))
                 if got is not None and got[1] < step_ms - 1e-9:
                     plan, step_ms, groups, moved = got[0], got[1], cands[i], True
                     break
-            if moved or time.perf_counter() > until:
+            if moved or work.passed():
                 break
         if not moved:
-            return groups, step_ms, plan, time.perf_counter() <= until
+            return groups, step_ms, plan, not work.passed()
     return groups, step_ms, plan, False
 
 
 def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budget_s: float,
-            seed: int = 0, target_ms: float = 0.0) -> tuple[Placement, float] | None:
+            seed: int = 0, target_ms: float = 0.0, within: Work | None = None) -> tuple[Placement, float] | None:
     """A better plan than ``placement`` (priced ``step_ms``) found by the local search, or None; it stops at a
     plan priced ``target_ms`` or less (proven good enough).
 
@@ -162,8 +167,9 @@ def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budg
     exactly, and the first that improves moves the search: on long chains screening a whole neighbourhood
     before the first move would spend most of the budget. At a local optimum with time left, the search
     restarts from the best plan kicked by ``KICK_MOVES`` random moves (an iterated local search).
+    ``time_budget_s``: nominal seconds of work (``budget``), charged to ``within`` too when given.
     """
-    until = time.perf_counter() + time_budget_s
+    work = Work.of(time_budget_s, within, "local search")
     rng = np.random.default_rng(seed)
     fine = (problem, copy_table(problem))
     if problem.num_blocks <= SCREEN_BLOCKS:
@@ -176,9 +182,9 @@ def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budg
     best_groups, best_step, best_plan = groups, step_ms, None
     cur_groups, cur_step, cur_plan = groups, step_ms, placement
     stale = 0  # kicks since the best plan last improved
-    while time.perf_counter() < until and stale <= KICK_LIMIT and best_step > target_ms:
+    while not work.passed() and stale <= KICK_LIMIT and best_step > target_ms:
         cur_groups, cur_step, cur_plan, optimum = _descend(problem, cur_groups, cur_step, cur_plan, tried, rng,
-                                                           screens, until)
+                                                           screens, work)
         stale += 1
         if cur_step < best_step - 1e-9:
             best_groups, best_step, best_plan, stale = cur_groups, cur_step, cur_plan, 0
@@ -192,12 +198,15 @@ def improve(problem: Problem, placement: Placement, step_ms: float, *, time_budg
                 if not options:
                     break
                 cand = options[int(rng.integers(len(options)))]
-            got = sequence_placement(problem, cand, exact=True) if cand not in tried else None
+            got = None
+            if cand not in tried:
+                got = sequence_placement(problem, cand, exact=True)
+                work.charge(partition_units(problem.num_blocks, len(cand), exact=True))
             tried.add(cand)
             if got is not None:
                 kicked = (cand, got[1], got[0])
                 break
-        if kicked is None or time.perf_counter() >= until:
+        if kicked is None or work.passed():
             break
         cur_groups, cur_step, cur_plan = kicked
     return None if best_plan is None else (best_plan, best_step)

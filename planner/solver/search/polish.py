@@ -14,11 +14,11 @@ improvement is taken until none improves or the time is up.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, program_units
 from planner.solver.solution import StagePlacement
 
 
@@ -75,17 +75,21 @@ def _merged(placement: Placement, k: int) -> Iterator[Placement]:
 
 
 def polish(problem: Problem, placement: Placement, *, time_budget_s: float,
-           cuts_only: bool = False) -> tuple[Placement, float]:
-    """The best plan hill-climbing reaches from ``placement`` within the time, and its program cost
-    (``cuts_only``: keep the stages and their devices, move only the cuts)."""
-    deadline = time.perf_counter() + time_budget_s
+           cuts_only: bool = False, within: Work | None = None) -> tuple[Placement, float]:
+    """The best plan hill-climbing reaches from ``placement`` within ``time_budget_s`` nominal seconds of work
+    (``budget``; charged to ``within`` too), and its program cost (``cuts_only``: keep the stages and their
+    devices, move only the cuts)."""
+    work = Work.of(time_budget_s, within, "polish")
+    M = problem.num_microbatches
     best, best_ms = placement, price_program(problem, placement).step_ms
+    work.charge(program_units(M, placement.num_stages))
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and not work.passed():
         improved = False
         for cand in _neighbours(problem, best, cuts_only):
-            if time.perf_counter() >= deadline:
+            if work.passed():
                 break
+            work.charge(program_units(M, cand.num_stages))
             if violations(problem, cand):
                 continue
             ms = price_program(problem, cand).step_ms

@@ -3,31 +3,28 @@
 The Lagrangian bound (``bound.lagrange``) meets stage sequences that respect the
 device counts only on average. Each is priced as it is where it fits, and its
 class sequence, repaired to the counts, is re-partitioned (``seq_partition``)
-and priced again. With two workers the pricing runs on a second thread beside
-the bound's DPs (``pricer``) and, in the last part of the time, turns to the
-local search (``local``) from the best plan; with one it takes at most a share
-of the time, and the latest plans it skipped are priced at the end.
+and priced again, on the bound's thread, in at most a share of its work (``budget``:
+counted, not timed, so the same plans are priced on a loaded machine); the latest plans
+the share skipped are priced at the end. With two workers the bound's last share of work
+goes to the local search (``local``) from the best plan.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Protocol
 
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, partition_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import improve
-from planner.solver.search.pricer import BackgroundPricer
 from planner.solver.search.seq_partition import sequence_placement
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 
 LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
-PLAN_SHARE = 0.35  # of the bound's time, at most, spent turning relaxed answers into priced plans
-PRICER_BACKLOG = 64  # relaxed plans waiting for the pricing thread (workers >= 2), the oldest dropped past it
-PRICER_DUTY = 0.5  # the share of the time the pricing thread works (it rests the rest, leaving the DPs a core)
-LOCAL_TAIL = 0.35  # the last share of the time, in which the pricing thread runs the local search instead
+PLAN_SHARE = 0.35  # of the bound's work, at most, spent turning relaxed answers into priced plans
+LOCAL_TAIL = 0.35  # of the bound's work, kept for the local search at the end (workers >= 2)
 
 
 class RelaxedStages(Protocol):
@@ -91,52 +88,49 @@ def as_placement(problem: Problem, stages: tuple[tuple[int, int, int, int], ...]
 
 
 class RelaxedPlans:
-    """The incumbent a bound improves as it runs: ``consider`` each relaxed answer, ``finish`` at the end."""
+    """The incumbent a bound improves as it runs: ``consider`` each relaxed answer, ``finish`` at the end.
+    Pricing is charged to ``work`` (the bound's: the whole budget's work, where ``local_s`` of it is kept for the
+    local search at the end)."""
 
-    def __init__(self, problem: Problem, *, incumbent_ms: float, time_budget_s: float, workers: int = 1) -> None:
+    def __init__(self, problem: Problem, *, incumbent_ms: float, work: Work, local_s: float = 0.0) -> None:
         self.problem = problem
         self.best_plan: Placement | None = None
         self.best_ms = incumbent_ms
-        self._start = time.perf_counter()
-        self._budget_s = time_budget_s
+        self._work = work
+        self._local_s = local_s
         self._tried: set[tuple[Group, ...]] = set()
-        self._spent_s = 0.0  # pricing time on the bound's own thread: capped at PLAN_SHARE of the time so far
+        self._spent = 0.0  # pricing work: capped at PLAN_SHARE of the work spent so far
         # The DPs of the tightest boxes come last, and where the bound meets the optimum their plans are the
         # optimal ones: the latest the cap skipped are priced before the end.
         self._skipped: deque[RelaxedStages] = deque(maxlen=LAST_PLANS)
-        self._pricer = BackgroundPricer(self._price, backlog=PRICER_BACKLOG,
-                                        duty=PRICER_DUTY) if workers > 1 else None
-        self._local_at: float | None = time_budget_s * (1 - LOCAL_TAIL) if self._pricer is not None else None
 
     def consider(self, relaxed: RelaxedStages) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned (now or later)."""
-        elapsed = time.perf_counter() - self._start
-        if self._pricer is not None:
-            if self._local_at is not None and elapsed > self._local_at:
-                self._pricer.then(self._local_search)
-                self._local_at = None
-            self._pricer.submit(relaxed)
-            return
-        if self._spent_s > PLAN_SHARE * elapsed + 0.05:
+        if self._spent > PLAN_SHARE * self._work.spent + 5e4:
             self._skipped.append(relaxed)
             return
-        t0 = time.perf_counter()
-        try:
-            self._price(relaxed)
-        finally:
-            self._spent_s += time.perf_counter() - t0
+        self._price(relaxed)
 
     def finish(self) -> None:
-        """Stop the pricing thread (pricing the latest it holds) and price what the time cap skipped."""
-        if self._pricer is not None:
-            self._pricer.close(drain=LAST_PLANS)
+        """Price the latest plans the cap skipped, then (``local_s``) the local search from the best plan."""
         for relaxed in self._skipped:
             self._price(relaxed)
         self._skipped.clear()
+        if self._local_s > 0 and self.best_plan is not None:
+            better = improve(self.problem, self.best_plan, self.best_ms, time_budget_s=self._local_s,
+                             within=self._work)
+            if better is not None and better[1] < self.best_ms - 1e-9:
+                self.best_plan, self.best_ms = better
+
+    def _charge(self, units: float) -> None:
+        self._spent += units
+        self._work.charge(units)
 
     def _price(self, relaxed: RelaxedStages) -> None:
         cands = []
+        L = self.problem.num_blocks
         plan = as_placement(self.problem, relaxed.stages)
+        self._charge(partition_units(L, len(relaxed.stages), exact=False))
         if plan is not None:
             cands.append((plan, evaluate(self.problem, plan).step_ms))
         groups = repair(self.problem, relaxed.stages)
@@ -144,17 +138,9 @@ class RelaxedPlans:
             self._tried.add(groups)
             for exact in (False, True):
                 got = sequence_placement(self.problem, groups, exact=exact)
+                self._charge(partition_units(L, len(groups), exact=exact))
                 if got is not None:
                     cands.append(got)
         for plan, step in cands:
             if step < self.best_ms - 1e-9:
                 self.best_plan, self.best_ms = plan, step
-
-    def _local_search(self) -> None:
-        """The local search from the best plan until the time ends (on the pricing thread, beside the DPs:
-        the tail of the bound costs it a core it shares with pricing anyway)."""
-        left = self._budget_s - (time.perf_counter() - self._start)
-        if self.best_plan is not None and left > 0:
-            better = improve(self.problem, self.best_plan, self.best_ms, time_budget_s=left)
-            if better is not None and better[1] < self.best_ms - 1e-9:
-                self.best_plan, self.best_ms = better

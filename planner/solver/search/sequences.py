@@ -6,11 +6,10 @@ partitioned by ``chain_dp.partition_sequence`` and priced by ``seq_partition.seq
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, partition_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.seq_partition import sequence_placement
 
@@ -81,10 +80,13 @@ def _neighbours(problem: Problem, groups: tuple[Group, ...], rng: np.random.Gene
     return out
 
 
-def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0, max_stages: int | None = None):
+def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0, max_stages: int | None = None,
+                     within: Work | None = None):
     """Best (placement, step_ms) of at most ``max_stages`` stages found over seeded sequences and a
-    short randomised local search (None if no sequence fits)."""
-    start = time.perf_counter()
+    short randomised local search (None if no sequence fits), in ``time_budget_s`` nominal seconds of work
+    (``budget``; charged to ``within`` too)."""
+    work = Work.of(time_budget_s, within, "sequence search")
+    seeds = work.sub(time_budget_s / 2)
     cap = max_stages or problem.num_blocks
     best = None
     best_groups: tuple[Group, ...] | None = None
@@ -92,14 +94,15 @@ def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0, m
         if not _fits_counts(problem, groups):
             continue
         got = sequence_placement(problem, groups)
+        seeds.charge(partition_units(problem.num_blocks, len(groups), exact=False))
         if got is not None and (best is None or got[1] < best[1]):
             best, best_groups = got, groups
-        if time.perf_counter() - start > time_budget_s / 2:
+        if seeds.passed():
             break
     rng = np.random.default_rng(seed)
     tried: set[tuple[Group, ...]] = set()
     stale = 0  # rounds without a new candidate: the neighbourhood is exhausted
-    while best_groups is not None and time.perf_counter() - start < time_budget_s and stale < 30:
+    while best_groups is not None and not work.passed() and stale < 30:
         stale += 1
         for cand in _neighbours(problem, best_groups, rng, cap):
             if cand in tried:
@@ -107,6 +110,7 @@ def search_sequences(problem: Problem, *, time_budget_s: float, seed: int = 0, m
             tried.add(cand)
             stale = 0
             got = sequence_placement(problem, cand)
+            work.charge(partition_units(problem.num_blocks, len(cand), exact=False))
             if got is not None and got[1] < best[1] - 1e-9:
                 best, best_groups = got, cand
                 break

@@ -1,0 +1,128 @@
+"""Work budgets: a search step's allowance counted in work done, not seconds, so a loaded machine plans the same.
+
+Each operation a step repeats is charged a fixed estimate from its size (the ``*_units`` functions: microseconds of
+CPU on the development machine), and a nominal second of budget is ``UNITS_PER_S`` of them: what a second of wall
+time did there under its usual load (two cores shared by several processes). So ``--time-limit S`` does about
+``S`` seconds of work there, and the same work anywhere. The wall clock stays only as a ceiling
+(``CEILING_FACTOR`` times the nominal time of the whole solve): past it every step stops, and the stop is recorded
+(``watch_ceiling``) so the plan can say it may differ from a quiet machine's.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+
+UNITS_PER_S = 400_000  # CPU microseconds per nominal second: wall time ran ~2.5x CPU time there
+CEILING_FACTOR = 3.0  # the wall-clock safety stop, as a multiple of the nominal time
+CEILING_SLACK_S = 2.0  # added to the ceiling: start-up costs (kernel loading) that no budget counts
+# CP-SAT's deterministic time per nominal second: one of its "seconds" took about three of wall time there.
+CPSAT_DET_PER_S = 0.3
+
+_hits: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("stagewise_ceiling_hits", default=None)
+
+
+@contextlib.contextmanager
+def watch_ceiling() -> Iterator[list[str]]:
+    """Collect, in the yielded list, the names of the steps the wall-clock ceiling stopped meanwhile."""
+    hits: list[str] = []
+    token = _hits.set(hits)
+    try:
+        yield hits
+    finally:
+        _hits.reset(token)
+
+
+def record_ceiling(what: str) -> None:
+    """Note that the wall-clock ceiling, not the work budget, ended ``what``."""
+    hits = _hits.get()
+    if hits is not None and what not in hits:
+        hits.append(what)
+
+
+class Work:
+    """A budget of ``seconds`` of nominal work, spent by ``charge``; ``passed`` once spent or past the ceiling.
+
+    A sub-budget (``sub``) charges its parent too and shares its ceiling, so what a step leaves unused is known
+    exactly (``left_s``) without reading a clock. Mutable: one per running step, never shared between threads.
+    """
+
+    def __init__(self, seconds: float, *, what: str = "search", parent: Work | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.units = max(0.0, seconds) * UNITS_PER_S
+        self.spent = 0.0
+        self.what = what
+        self._parent = parent
+        self._clock = clock
+        self.ceiling_at = parent.ceiling_at if parent is not None else \
+            clock() + CEILING_FACTOR * max(0.0, seconds) + CEILING_SLACK_S
+
+    @staticmethod
+    def of(seconds: float, within: Work | None, what: str) -> Work:
+        """``seconds`` of work inside ``within`` (its ceiling), or a budget of its own when None."""
+        return within.sub(seconds, what) if within is not None else Work(seconds, what=what)
+
+    def sub(self, seconds: float, what: str | None = None) -> Work:
+        return Work(seconds, what=what or self.what, parent=self, clock=self._clock)
+
+    def charge(self, units: float) -> None:
+        self.spent += units
+        if self._parent is not None:
+            self._parent.charge(units)
+
+    def spent_s(self) -> float:
+        return self.spent / UNITS_PER_S
+
+    def left_s(self) -> float:
+        """Nominal seconds of work left (negative once overspent)."""
+        return (self.units - self.spent) / UNITS_PER_S
+
+    def ceiling_left_s(self) -> float:
+        return self.ceiling_at - self._clock()
+
+    def spent_out(self) -> bool:
+        return self.spent >= self.units
+
+    def passed(self) -> bool:
+        """Whether the step must stop: its work is spent, or (recorded) the wall-clock ceiling has passed."""
+        if self.spent >= self.units:
+            return True
+        if self._clock() >= self.ceiling_at:
+            record_ceiling(self.what)
+            return True
+        return False
+
+
+# Estimated costs (units) of the operations the searches repeat, from their sizes: L blocks, S stages,
+# M microbatches, D stage devices; fitted on CPU time at 48x8 to 1000x64 (benchmarks/solver.py's pools), each
+# within about 2x (the Python-bound ones raised by half: cache misses the fit did not see). The ceiling covers what they miss by far.
+
+def partition_units(num_blocks: int, num_stages: int, *, exact: bool) -> float:
+    """A sequence re-partitioned (``seq_partition.sequence_placement``; its DPs grow as L^1.5) and priced."""
+    return 900.0 + 2.2 * num_blocks ** 1.5 if exact else 300.0 + 0.6 * num_blocks ** 1.5
+
+
+def screen_units(num_blocks: int, num_stages: int) -> float:
+    """A sequence screened (``seq_partition.screen_step``)."""
+    return 150.0 + 0.45 * num_blocks * max(num_stages, 1) + 3.0 * num_blocks
+
+
+def program_units(num_microbatches: int, num_stages: int) -> float:
+    """A plan's compiled programs priced (``objective.price_program``), its violations checked."""
+    return 80.0 + 1.5 * num_microbatches * max(num_stages, 1)
+
+
+def grid_units(num_blocks: int, num_devices: int) -> float:
+    """A uniform grid built and checked (``grid._grid``)."""
+    return 20.0 + 5.0 * num_devices + 0.2 * num_blocks
+
+
+def dp_units(num_blocks: int, num_classes: int, replica_choices: int, layers: int) -> float:
+    """One sequence DP of the bound (``bound.sequence_dp``) and the cutting-plane LP after it."""
+    return 400.0 + 0.006 * num_blocks ** 1.5 * num_classes * replica_choices * layers
+
+
+def chain_sum_units(num_blocks: int, num_stages: int) -> float:
+    """One min-sum DP of the homogeneous chain partition (``chain_dp``)."""
+    return 100.0 + 0.09 * num_blocks * max(num_stages, 1)
