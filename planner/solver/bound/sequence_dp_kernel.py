@@ -267,7 +267,7 @@ def _state(s, qi, c, layer, cap, price, H, valid, cp, KMIN, KMAX, stack, HI, HS,
     return best, bk, br, bn, bh
 
 
-@njit(cache=True, nogil=True)  # nogil: relaxed plans are priced on another thread meanwhile (``pricer``)
+@njit(cache=True, nogil=True)  # nogil: other threads (CP-SAT's callbacks, a caller's) run meanwhile
 def sequence_dp(cap, price, H, valid, cp, FWD, FWD_MIN, FWD_MAX, KMIN, KMAX, BWD, EHI, LASTOK, trusted,
                 ends_trusted, lump, SPa, SPb, HI, HS, LV, limits_ready, V, V0, kind, pick_r, pick_n, pick_hi):
     """Fill every layer's ``V[layer, s, q, c]``, the first stage's ``V0[layer, c]`` and the choices.

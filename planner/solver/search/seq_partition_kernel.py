@@ -28,7 +28,7 @@ def _ar(AR0, AR1, PP, k, s, e):
     return AR0[k] + AR1[k] * params
 
 
-@njit(cache=True, nogil=True)  # nogil: run on the pricing thread beside the bound's DPs (``lagrange``)
+@njit(cache=True, nogil=True)  # nogil: other threads (CP-SAT's callbacks, a caller's) run meanwhile
 def min_bottleneck(H, CP, FWD, BWD, MP, INB, OUTB, MEMCAP, AR0, AR1, PP, ar_cap):
     """The smallest largest ``tau`` over partitions whose stages fit and all-reduce ``<= ar_cap`` (inf: none)."""
     S, L = CP.shape[0], CP.shape[1] - 1
