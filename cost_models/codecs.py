@@ -41,7 +41,7 @@ def wire_bytes(codec: str, nbytes: float, elem_bytes: int) -> float:
     n = nbytes / elem_bytes
     if codec == "fp8":
         return n + SCALE_BYTES
-    return n * BITS[codec] / 8 + SCALE_BYTES * math.ceil(n / BLOCK[codec])
+    return math.ceil(n * BITS[codec] / 8) + SCALE_BYTES * math.ceil(n / BLOCK[codec])  # int4: an odd count pads a nibble
 
 
 def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str) -> float:
