@@ -17,14 +17,20 @@ aside). ``--rehearse-dtype plan`` keeps the plan's dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from cost_models.devices import load_profile_spec
 from cost_models.measured import load_message_cost, load_sharing
+from models.hf import is_hf_spec
+from models.registry import PRESETS, ModelBundle, build_model
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan import Plan
@@ -45,13 +51,13 @@ class Rehearsal:
     device: str                 # the profiled device's name
     measured_sharing: bool      # core sharing from the profile (else even sharing)
     measured_messages: bool     # per-message CPU costs from the profile (else free)
+    dtype: str = "float32"      # the compute dtype the ranks run here
+    dtype_factor: float | None = None  # its passes over float32's, measured here (None: not measured)
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
 
 
 def local_device_type(backend: str = "auto") -> str:
     """The device a local run's ranks compute on: ``cuda`` or ``cpu`` (as ``rank_device`` picks it)."""
-    import torch
-
     return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
 
 
@@ -98,6 +104,10 @@ def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
         out.append(f"the machine was {100 * before:.0f}% busy with other work when profiled")
     if busy_now > BUSY_WARN:
         out.append(f"the machine is {100 * busy_now:.0f}% busy with other work now")
+    host = doc.get("host") or {}
+    if host.get("device") == "cpu" and (host.get("torch_threads") or 1) > 1:  # ranks compute on one thread each
+        out.append(f"the profile timed its blocks on {host['torch_threads']} torch threads, the ranks compute on 1 "
+                   "(profile with --threads 1)")
     return tuple(out)
 
 
@@ -114,7 +124,67 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     if cores is None:
         cores = sharing.cores if sharing is not None else os.cpu_count() or 1
     costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)
+    factor, unmodelled = None, ()
+    if spec.kind == "cpu" and plan.config.dtype != "float32":
+        factor = autocast_factor(plan)
+        if factor is None:
+            unmodelled = ((f"{plan.config.dtype} passes are priced at the profile's {plan.config.dtype} matmul "
+                           "peak (the profile times blocks in float32 only, and only a preset or hf: model is "
+                           "timed here)"),)
+        else:
+            fp32 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dtype="float32",
+                                                                        mixed_precision=False))
+            _price_local_passes(costs, CostModel.for_rehearsal(fp32, spec, emulate=False), factor)
     result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages)
-    warnings = profile_warnings(doc, busy_now=busy_now)
+    warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
-                     measured_messages=messages is not None, warnings=warnings)
+                     measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,
+                     dtype_factor=factor)
+
+
+def _price_local_passes(costs: CostModel, fp32: CostModel, factor: float) -> None:
+    """Each rank's passes here at ``factor`` x their float32 price (``fp32``: the plan priced here in float32,
+    unpadded), their padding kept: the profile's calibration is of float32 blocks."""
+    for r, info in enumerate(costs.ranks):
+        if info.stage is None:
+            continue
+        local_f, local_b = costs._local[r]
+        pad_f = costs._fwd[r] / local_f if local_f > 0 else 1.0
+        pad_b = costs._bwd[r] / local_b if local_b > 0 else 1.0
+        new_f, new_b = factor * fp32._fwd[r], factor * fp32._bwd[r]
+        costs._local[r] = (new_f, new_b)
+        costs._fwd[r], costs._bwd[r] = pad_f * new_f, pad_b * new_b
+
+
+def autocast_factor(plan: Plan, *, repeats: int = 5) -> float | None:
+    """How many times the CPU time of a forward and backward of the plan's model (one microbatch, one
+    thread, the least of ``repeats``) under autocast to its dtype is float32's, measured here; None for a
+    model that is no preset or hf: config (a plan never makes this process import code).
+
+    A CPU's matmul peak in bfloat16 (AMX) says little of small passes: autocast casts every weight on
+    every pass, and small matmuls do not reach the peak (gpt-tiny's passes take ~2.4x float32's here)."""
+    ref = plan.model
+    if ref.spec not in PRESETS and not is_hf_spec(ref.spec):
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank computes
+    try:
+        bundle = build_model(ref.spec, batch=plan.config.microbatch_size, seq=ref.seq, device="cpu", seed=0)
+        low = getattr(torch, plan.config.dtype)
+        fp32_s = _least_pass_s(bundle, None, repeats)
+        return _least_pass_s(bundle, low, repeats) / fp32_s if fp32_s > 0 else None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _least_pass_s(bundle: ModelBundle, dtype: torch.dtype | None, repeats: int) -> float:
+    best = float("inf")
+    for i in range(repeats + 1):  # the first warms up
+        start = time.thread_time()
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            out = bundle.module(*bundle.example_inputs)
+        out.float().sum().backward()
+        if i:
+            best = min(best, time.thread_time() - start)
+        bundle.module.zero_grad(set_to_none=True)
+    return best
