@@ -16,7 +16,7 @@ One profile of this machine (``stagewise profile --quick --sharing --threads 1``
 beside it; the prediction is for this machine alone.
 
     python benchmarks/rehearsal_fidelity.py           # writes benchmarks/results/rehearsal_fidelity.json
-    python benchmarks/rehearsal_fidelity.py --quick   # the README case, 3 steps: writes nothing
+    python benchmarks/rehearsal_fidelity.py --quick   # the README case, 3 steps, no sharing table: writes nothing
 """
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = args.profile
         if profile is None:
             profile = tmp / "profile.json"
-            _stagewise("profile", "--quick", "--sharing", "--threads", "1", "-o", str(profile))
+            sharing = () if args.quick else ("--sharing",)  # a smoke run: no core-sharing table (a minute)
+            _stagewise("profile", "--quick", *sharing, "--threads", "1", "-o", str(profile))
         rows = [run_case(case, profile, tmp, steps) for case in cases]
         profile_doc = json.loads(Path(profile).read_text())
     print_table(rows)
