@@ -89,7 +89,10 @@ def test_accumulating_k_passes_equals_one_step_on_a_k_times_larger_batch(case, t
 
 
 def test_validation_loss_is_the_trained_models_forward_and_changes_no_training(tmp_path):
-    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=3, stages=[(0, 3), (4, 5)])
+    # a replicated last stage (the validation microbatches follow the plan's routing) and a verifier-only
+    # rank, with verification on: it checks training sends only
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=3, stages=[(0, 3), (4, 5)], replicas={1: (1, 2)},
+                     verifiers=[(0, 3, ("act",))], verifier_host=True)
     path = plan.save(tmp_path / "plan.json")
 
     def run(name: str, **kw):
@@ -99,6 +102,7 @@ def test_validation_loss_is_the_trained_models_forward_and_changes_no_training(t
     evaluated = run("evaluated", eval_data="synthetic", eval_every=2, metrics=str(tmp_path / "m.jsonl"))
 
     assert evaluated["losses"] == plain["losses"]  # forward only, in eval mode, under no_grad
+    assert evaluated["flags"] == 0 and not evaluated["banned"] and evaluated["verified_boundaries"] == [0]
     assert [e["step"] for e in evaluated["eval_losses"]] == [1, STEPS - 1]  # every 2 steps, and after the last
     model, source, loss_of = _whole_model(plan)
     named = dict(model.named_parameters())
