@@ -84,6 +84,7 @@ GAP_TOLERANCE = 1e-4
 # Microbatches per step a plan may have: the runtime's message tags hold 13 bits of microbatch index
 # (planner.runtime.wire.comm.MAX_MICROBATCHES), and pricing a program costs time in proportion to its count.
 MAX_MICROBATCHES = 8192
+MIN_SHARE_S = 0.2  # nominal seconds of work each problem (a microbatch count, with or without recompute) gets at least
 
 
 def microbatch_candidates(global_batch: int, *, max_count: int = 6) -> tuple[int, ...]:
@@ -147,7 +148,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                         progress, gap_tolerance, (stages, replicas), recompute_mode, warm_start, seed)
     if cut and isinstance(result, Solution):
         note = (f"stopped by the wall-clock ceiling ({', '.join(cut)}): plan may differ from a quiet machine's",)
-        result = dataclasses.replace(result, report=dataclasses.replace(result.report, notes=result.report.notes + note))
+        report = dataclasses.replace(result.report, notes=result.report.notes + note)
+        result = dataclasses.replace(result, report=report)
     return result
 
 
@@ -174,11 +176,12 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     jobs = _triaged([p for mb in sizes for p in recompute.variants(
         problem_for(chain, cluster, config, policy, mb, max_replicas=max_replicas)[0], recompute_mode)],
         auto, outcomes, errors)
-    work = Work(time_limit_s, what="search")
+    # Each problem gets at least MIN_SHARE_S, past the limit where there are many: the ceiling allows for that.
+    work = Work(time_limit_s, what="search", ceiling_s=max(time_limit_s, MIN_SHARE_S * len(jobs)))
     for i, problem in enumerate(jobs):
         share = work.left_s() / (len(jobs) - i)
         try:
-            outcome = solve_count(problem, max(0.2, share), workers, f"M={problem.num_microbatches}", progress,
+            outcome = solve_count(problem, max(MIN_SHARE_S, share), workers, f"M={problem.num_microbatches}", progress,
                                   gap_tolerance, shape, warm_start, within=work, seed=seed)
         except InfeasiblePlanError as exc:
             errors.append(exc)

@@ -49,14 +49,15 @@ class Work:
     """
 
     def __init__(self, seconds: float, *, what: str = "search", parent: Work | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 ceiling_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.units = max(0.0, seconds) * UNITS_PER_S
         self.spent = 0.0
         self.what = what
         self._parent = parent
         self._clock = clock
+        nominal_s = max(0.0, seconds if ceiling_s is None else ceiling_s)  # the work the steps may really take
         self.ceiling_at = parent.ceiling_at if parent is not None else \
-            clock() + CEILING_FACTOR * max(0.0, seconds) + CEILING_SLACK_S
+            clock() + CEILING_FACTOR * nominal_s + CEILING_SLACK_S
 
     @staticmethod
     def of(seconds: float, within: Work | None, what: str) -> Work:
@@ -96,7 +97,8 @@ class Work:
 
 # Estimated costs (units) of the operations the searches repeat, from their sizes: L blocks, S stages,
 # M microbatches, D stage devices; fitted on CPU time at 48x8 to 1000x64 (benchmarks/solver.py's pools), each
-# within about 2x (the Python-bound ones raised by half: cache misses the fit did not see). The ceiling covers what they miss by far.
+# within about 2x (the Python-bound ones raised by half: cache misses the fit did not see). The ceiling covers
+# what they miss by far.
 
 def partition_units(num_blocks: int, num_stages: int, *, exact: bool) -> float:
     """A sequence re-partitioned (``seq_partition.sequence_placement``; its DPs grow as L^1.5) and priced."""

@@ -180,7 +180,8 @@ def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED)
     return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
 
 
-def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadline | Work | None = None) -> list[Placement]:
+def grid_candidates(problem: Problem, *, repartition: int = 3,
+                    deadline: Deadline | Work | None = None) -> list[Placement]:
     """The likeliest valid grids (found by ``deadline``), and the ``repartition`` cheapest re-partitioned for
     their devices."""
     found = cheapest(problem, grids(problem, deadline=deadline))
