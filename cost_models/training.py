@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cost_models.codecs import COMPRESS_CHOICES, check_codec
 from planner.errors import InvalidInputError
 
 Schedule = Literal["1f1b", "gpipe"]
@@ -35,6 +36,7 @@ class TrainingConfig:
     optimizer: Optimizer = "adam"
     dtype: ComputeDtype = "float32"
     mixed_precision: bool = False
+    compress: str = "none"  # boundary codecs: cost_models.codecs.COMPRESS_CHOICES
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.microbatch_size < 1:
@@ -50,6 +52,7 @@ class TrainingConfig:
             raise InvalidInputError("optimizer", expected=" or ".join(OPTIMIZERS), found=repr(self.optimizer))
         if self.dtype not in DTYPES:
             raise InvalidInputError("dtype", expected=" or ".join(DTYPES), found=repr(self.dtype))
+        check_codec(self.compress, allowed=COMPRESS_CHOICES)
 
     @property
     def num_microbatches(self) -> int:
@@ -58,7 +61,7 @@ class TrainingConfig:
     def to_dict(self) -> dict:
         return {"global_batch": self.global_batch, "microbatch_size": self.microbatch_size,
                 "schedule": self.schedule, "optimizer": self.optimizer, "dtype": self.dtype,
-                "mixed_precision": self.mixed_precision}
+                "mixed_precision": self.mixed_precision, "compress": self.compress}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainingConfig":

@@ -58,7 +58,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                optimizer: str = "adam", dtype: str = "auto", workers: int = 2,
                progress: Any = None, gap_tolerance: float | None = None, stages: int | None = None,
                replicas: int | None = None, recompute: str = "auto", warm_start: WarmStart | None = None,
-               started_s: float | None = None, model: ModelRef | None = None, seed: int = 0) -> Any:
+               started_s: float | None = None, model: ModelRef | None = None, seed: int = 0,
+               compress: str = "none") -> Any:
     """Solve (or run a baseline) for ``chain`` and compile the plan.
 
     ``global_batch`` defaults to ``DEFAULT_MICROBATCHES`` traced microbatches.
@@ -73,6 +74,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     ``dtype``: the compute dtype (``bf16``/``fp16``/``fp32`` or the full names); ``auto`` takes
     ``cost_models.precision.default_dtype`` of the cluster. Low precision trains with fp32 master weights.
     ``recompute``: activation recomputation per stage where memory binds (``auto``), ``never`` or ``always``.
+    ``compress``: boundary codecs (``cost_models.codecs``): ``none``, one codec everywhere, or ``auto``
+    (``planner.solver.codec_choice``).
     ``warm_start``: an old plan's stages for the solver to start from (``planner.solver.warm``; a re-plan's).
     ``model``: the plan's model reference when ``chain`` is not a fresh trace (a re-plan passes its old plan's
     chain, rescaled to that plan's microbatch, and its model): the fingerprint stays paired with the batch it
@@ -99,12 +102,13 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None:
         mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
         config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
+                                compress=compress,
                                 dtype=dtype, mixed_precision=mixed)
         solution = baseline_plans.baseline(baseline, chain, spec_cluster, config, policy, deadline=deadline)
     else:
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
         config = TrainingConfig(global_batch=batch, microbatch_size=sizes[0], schedule=schedule,
-                                optimizer=optimizer, dtype=dtype, mixed_precision=mixed)
+                                optimizer=optimizer, dtype=dtype, mixed_precision=mixed, compress=compress)
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         free = stages is None and replicas is None
         kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if free else 0.0

@@ -19,6 +19,7 @@ from planner.plan import Plan
 from planner.plan_values import ModelRef, Predicted, RankInfo, StageInfo, VerifierInfo
 from planner.schedules import build_programs, max_in_flight
 from planner.solver.policy import VerificationPolicy
+from planner.solver.problem import search_codec
 from planner.solver.routing import route
 from planner.solver.solution import Solution
 from planner.validate import validate_programs
@@ -63,12 +64,14 @@ def _check_inputs(solution: Solution, chain: BlockChain, cluster: ClusterSpec, c
                                 found=f"boundaries {sorted(bounds)}")
 
 
-def _stages(solution: Solution, chain: BlockChain) -> tuple[StageInfo, ...]:
+def _stages(solution: Solution, chain: BlockChain, config: TrainingConfig) -> tuple[StageInfo, ...]:
     out = []
+    last = len(solution.stages) - 1
     for st in solution.stages:
         in_bytes = chain.input_bytes if st.first_block == 0 else chain.blocks[st.first_block - 1].out_bytes
+        codec = "none" if st.index == last else st.out_codec or search_codec(config.compress)
         out.append(StageInfo(index=st.index, blocks=chain.blocks[st.first_block:st.last_block + 1],
-                             in_bytes=in_bytes, recompute=bool(st.recompute)))
+                             in_bytes=in_bytes, recompute=bool(st.recompute), out_codec=codec))
     return tuple(out)
 
 
@@ -104,11 +107,11 @@ def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
                  verifier_config: VerifierConfig | None = None) -> Plan:
     """The executable plan of ``solution`` (see the module docstring)."""
     _check_inputs(solution, chain, cluster, config, model_ref)
-    stages = _stages(solution, chain)
+    stages = _stages(solution, chain, config)
     ranks, verifiers = _ranks(solution, cluster)
     costs = CostModel(chain=chain, stage_ranges=tuple((s.first_block, s.last_block) for s in stages),
                       ranks=ranks, verifiers=verifiers, cluster=cluster, config=config,
-                      recompute=tuple(s.recompute for s in stages))
+                      recompute=tuple(s.recompute for s in stages), codecs=tuple(s.out_codec for s in stages))
     programs = build_programs(solution.schedule, len(stages), ranks, verifiers, costs)
     placeholder = Predicted(step_ms=0.0, bubble_fraction=0.0, peak_mem_bytes=(0,) * len(ranks))
     plan = Plan(model=model_ref, cluster=cluster.to_dict(), config=config, policy=policy,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import comm, compute, memory
+from cost_models.codecs import codec_ms, wire_bytes
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
@@ -16,7 +17,7 @@ from cost_models.optim import optim_ms
 from cost_models.training import TrainingConfig
 from cost_models.verify import VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
-from planner.ir import BlockChain
+from planner.ir import BlockChain, dtype_bytes
 from planner.plan import Plan
 from planner.plan_values import RankInfo, VerifierInfo
 
@@ -31,16 +32,19 @@ class CostModel:
 
     def __init__(self, *, chain: BlockChain, stage_ranges: tuple[tuple[int, int], ...],
                  ranks: tuple[RankInfo, ...], verifiers: tuple[VerifierInfo, ...], cluster: ClusterSpec,
-                 config: TrainingConfig, recompute: tuple[bool, ...] = ()) -> None:
-        """``recompute``: per stage, whether its backward runs its forward again (default: none does)."""
+                 config: TrainingConfig, recompute: tuple[bool, ...] = (), codecs: tuple[str, ...] = ()) -> None:
+        """``recompute``: per stage, whether its backward runs its forward again (default: none does);
+        ``codecs``: per stage, its output boundary's codec (``cost_models.codecs``; default: none)."""
         self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
         self.ranges = stage_ranges
         self.recompute = recompute or (False,) * len(stage_ranges)
         self._links: dict[tuple[int, int], Link] = {}
         dtype, traced = config.dtype, memory.trace_dtype(chain)
         scale = activation_scale(chain, config)
-        # Bytes crossing boundary b (stage b -> b+1), either direction.
+        # Bytes crossing boundary b (stage b -> b+1), either direction: decoded, and on the wire.
         self.boundary_bytes = tuple(chain.blocks[hi].out_bytes * scale for _, hi in stage_ranges[:-1])
+        self.codecs = codecs or ("none",) * len(stage_ranges)
+        self.wire_bytes = tuple(wire_bytes(c, b, dtype_bytes(dtype)) for c, b in zip(self.codecs, self.boundary_bytes))
         self.spec = tuple(cluster.device(r.device).spec for r in ranks)
         planned = {spec for r, spec in zip(ranks, self.spec) if r.stage is not None}
         self._fwd, self._bwd, self._optim, self._local = [], [], [], []
@@ -51,10 +55,11 @@ class CostModel:
                 self._local.append((0.0, 0.0))
                 continue
             lo, hi = stage_ranges[r.stage]
+            enc_f, enc_b = self._codec_ms(r.stage, spec)
             fwd = compute.range_fwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced)
-            self._fwd.append(fwd)
+            self._fwd.append(fwd + enc_f)
             again = fwd if self.recompute[r.stage] else 0.0  # the checkpointed forward runs again
-            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced) + again)
+            self._bwd.append(compute.range_bwd_ms(chain, lo, hi, spec, dtype, trace_dtype=traced) + again + enc_b)
             self._optim.append(optim_ms(memory.stage_param_count(chain, lo, hi), config, spec,
                                         param_tensors=stage_param_tensors(chain, lo, hi)))
             # What an emulating rehearsal computes for this stage: its cost on the fastest planned
@@ -65,6 +70,16 @@ class CostModel:
                                     for s in planned), key=sum))
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
+
+    def _codec_ms(self, stage: int, spec: DeviceSpec) -> tuple[float, float]:
+        """A stage pass's encoding and decoding: forward, its output's encode and its input's decode;
+        backward, the returning gradient's decode and the one it sends back's encode."""
+        bw = spec.mem_bw_bytes_per_s
+        out = (self.codecs[stage], self.boundary_bytes[stage]) if stage < len(self.boundary_bytes) else ("none", 0.0)
+        into = (self.codecs[stage - 1], self.boundary_bytes[stage - 1]) if stage > 0 else ("none", 0.0)
+        fwd = codec_ms(out[0], out[1], bw, "encode") + codec_ms(into[0], into[1], bw, "decode")
+        bwd = codec_ms(out[0], out[1], bw, "decode") + codec_ms(into[0], into[1], bw, "encode")
+        return fwd, bwd
 
     def _link(self, src: int, dst: int) -> Link:
         key = (src, dst)
@@ -84,7 +99,7 @@ class CostModel:
 
     def transfer_ms(self, src: int, dst: int, stage: int, op: str) -> float:
         boundary = stage if op == "F" else stage - 1
-        return comm.transfer_ms(self.boundary_bytes[boundary], self._link(src, dst))
+        return comm.transfer_ms(self.wire_bytes[boundary], self._link(src, dst))
 
     def verify_ms(self, rank: int, boundary: int, op: str) -> float:
         return verify_ms(self.boundary_bytes[boundary], self.spec[rank])
@@ -94,7 +109,7 @@ class CostModel:
 
     # --- the rest ---------------------------------------------------------
     def message_ms(self, kind: str, boundary: int, src: int, dst: int) -> float:
-        nbytes = VERDICT_BYTES if kind.startswith("V") else self.boundary_bytes[boundary]
+        nbytes = VERDICT_BYTES if kind.startswith("V") else self.wire_bytes[boundary]
         return comm.transfer_ms(nbytes, self._link(src, dst))
 
     def latency_ms(self, src: int, dst: int) -> float:
@@ -125,7 +140,8 @@ class CostModel:
     def for_plan(cls, plan: Plan) -> "CostModel":
         return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
                    ranks=plan.ranks, verifiers=plan.verifiers, cluster=plan.effective_cluster(),
-                   config=plan.config, recompute=tuple(s.recompute for s in plan.stages))
+                   config=plan.config, recompute=tuple(s.recompute for s in plan.stages),
+                   codecs=tuple(s.out_codec for s in plan.stages))
 
     @classmethod
     def for_rehearsal(cls, plan: Plan, local: DeviceSpec, *, emulate: bool, slowdown: float = 1.0) -> "CostModel":
@@ -150,7 +166,7 @@ class CostModel:
                       for h in planned_cluster.hosts)
         here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())
         costs = cls(chain=planned.chain, stage_ranges=planned.ranges, ranks=plan.ranks, verifiers=plan.verifiers,
-                    cluster=here, config=plan.config, recompute=planned.recompute)
+                    cluster=here, config=plan.config, recompute=planned.recompute, codecs=planned.codecs)
         for r, info in enumerate(plan.ranks):
             if info.stage is None or not emulate:
                 continue

@@ -215,7 +215,7 @@ class _Run:
         """The CPU time ``rank`` spends on the message of a ``SEND_*``/``RECV_*`` (its end of it)."""
         assert self.messages is not None
         ((side, key),) = message_keys(ins, rank)
-        nbytes = self.costs.boundary_bytes[key[1]]
+        nbytes = self.costs.wire_bytes[key[1]]
         bare = self.messages.send_cpu_ms(nbytes) if side == "send" else self.messages.recv_cpu_ms(nbytes)
         return bare + self.messages.executor_ms
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from cost_models.codecs import COMPRESS_CHOICES
 from planner.api import plan_chain
 from planner.commands._common import (
     SEQ_HELP,
@@ -35,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="compute dtype, with fp32 master weights (default auto: bf16 where every GPU has it, "
                         "else fp16 with loss scaling; fp32 without GPUs)")
+    p.add_argument("--compress", choices=COMPRESS_CHOICES, default="none",
+                   help="boundary codecs: none (default), fp8, int8 or int4 on every boundary, or auto: per boundary, "
+                        "int8 where it pays, fp8 or none elsewhere (activations and their gradients; checked decoded)")
     p.add_argument("--recompute", choices=("auto", "never", "always"), default="auto",
                    help="activation recomputation per stage (default auto: searched where memory is tight, kept "
                         "on the stages whose devices need it)")
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                           time_limit_s=args.time_limit, baseline=args.baseline, workers=args.workers,
                           progress=progress, gap_tolerance=args.gap, stages=args.stages, replicas=args.replicas,
                           dtype=args.dtype, optimizer=args.optimizer, recompute=args.recompute,
+                          compress=args.compress,
                           started_s=started, seed=args.seed)
     path = plan.save(args.output, secret=key)
     _report(out, plan, path)

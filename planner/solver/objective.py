@@ -123,14 +123,14 @@ def _send_ms(problem: Problem, placement: Placement, k: int, dev: str) -> float:
     stages, S = placement.stages, placement.num_stages
     total = 0.0
     if k < S - 1:
-        nbytes = problem.boundary_bytes(stages[k].last_block)
+        nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
         total += _slowest_transfer_ms(problem, nbytes, dev, stages[k + 1].devices)
         v = placement.verifier_of(k)
         if v is not None and "act" in v.directions and v.device != dev \
                 and not _sole_receiver(stages[k + 1], v.device):
             total += problem.transfer_ms(nbytes, dev, v.device)
     if k > 0:
-        nbytes = problem.boundary_bytes(stages[k - 1].last_block)
+        nbytes = problem.wire_bytes(stages[k - 1].last_block, stages[k - 1].out_codec)
         total += _slowest_transfer_ms(problem, nbytes, dev, stages[k - 1].devices)
         v = placement.verifier_of(k - 1)
         if v is not None and "grad" in v.directions and v.device != dev \
@@ -143,7 +143,7 @@ def _verify_load(problem: Problem, placement: Placement) -> dict[str, float]:
     """Per-microbatch verify time of every device that hosts verifiers."""
     load: dict[str, float] = {}
     for v in placement.verifiers:
-        nbytes = problem.boundary_bytes(placement.stages[v.boundary].last_block)
+        nbytes = problem.raw_bytes(placement.stages[v.boundary].last_block)  # checked decoded
         cls = problem.class_of(v.device)
         load[v.device] = load.get(v.device, 0.0) + len(v.directions) * problem.verify_ms(nbytes, cls)
     return load

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from planner.solver.codec_choice import choose_codecs
 from planner.solver.idle import idle_reasons
 from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import Placement, price_program, program_memory
@@ -44,7 +45,7 @@ def ruled_out(problem: Problem) -> Outcome:
 def to_solution(outcome: Outcome, bound_ms: float | None, notes: tuple[str, ...], solve_s: float,
                 method: str, status: str) -> Solution:
     assert outcome.placement is not None
-    placement = keep_link_tests(outcome.problem, outcome.placement)
+    placement = choose_codecs(outcome.problem, keep_link_tests(outcome.problem, outcome.placement))
     priced = price_program(outcome.problem, placement)
     gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
         if priced.step_ms > 0 else 0.0

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cost_models import comm, compute, memory, optim, verify
+from cost_models import codecs, comm, compute, memory, optim, verify
 from cost_models.cluster import ClusterSpec, Device, Link
 from cost_models.devices import DeviceSpec
 from cost_models.training import OPTIM_OPS_PER_TENSOR, TrainingConfig
@@ -124,12 +124,18 @@ class Problem:
     param_tensors: np.ndarray | None = None
     recompute: bool = False
     twin: "Problem | None" = None
+    # Boundary codec the search assumes (``cost_models.codecs``; ``auto``'s searches assume int8, the plan's
+    # stages then choose their own) and the bytes of one boundary value.
+    codec: str = "none"
+    elem_bytes: int = 4
+    compress: str = "none"  # what the user asked (``auto``: each stage's codec is chosen at the end)
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
     _act_prefix: np.ndarray = field(init=False, repr=False)
     _class_of: dict = field(init=False, repr=False)
     _transfers: dict = field(init=False, repr=False)
+    _wire: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         L, C = self.num_blocks, len(self.classes)
@@ -158,6 +164,9 @@ class Problem:
         object.__setattr__(self, "_act_prefix", np.concatenate([[0], np.cumsum(self.act_bytes)]))
         object.__setattr__(self, "_class_of", {d: c.index for c in self.classes for d in c.device_ids})
         object.__setattr__(self, "_transfers", {})
+        codecs.check_codec(self.codec)
+        object.__setattr__(self, "_wire", np.array([codecs.wire_bytes(self.codec, float(b), self.elem_bytes)
+                                                    for b in self.out_bytes], dtype=float))
 
     def tables(self, recompute: bool | None) -> "Problem":
         """The problem whose cost tables price a stage with this recompute choice (None: this problem's)."""
@@ -232,15 +241,31 @@ class Problem:
         return one - (two - one), (two - one) / 1e9 * self.grad_bytes_per_param
 
     def boundary_bytes(self, last_block: int) -> float:
-        """Bytes sent across the cut after ``last_block`` (activation forward, gradient back)."""
+        """Bytes sent across the cut after ``last_block`` (activation forward, gradient back), encoded with the
+        codec the search assumes."""
+        return float(self._wire[last_block])
+
+    def raw_bytes(self, last_block: int) -> float:
+        """The boundary tensor's own bytes (what a verifier checks, decoded)."""
         return float(self.out_bytes[last_block])
+
+    def wire_bytes(self, last_block: int, codec: str | None) -> float:
+        """The boundary's bytes on the wire under ``codec`` (None: the search's)."""
+        if codec is None or codec == self.codec:
+            return self.boundary_bytes(last_block)
+        return codecs.wire_bytes(codec, float(self.out_bytes[last_block]), self.elem_bytes)
+
+    def codec_ms(self, last_block: int, codec: str, cls: int, op: str) -> float:
+        """Encoding (``op="encode"``) or decoding the boundary after ``last_block`` on class ``cls``."""
+        return codecs.codec_ms(codec, float(self.out_bytes[last_block]),
+                               self.classes[cls].spec.mem_bw_bytes_per_s, op)
 
     def boundary_transfer_ms(self, link: Link) -> np.ndarray:
         """ms to send the boundary after each block ``e = 0..L-2`` over ``link`` (read-only): one table per
         link, shared by every stage sequence priced (pricing a plan built these entry by entry)."""
         got = self._transfers.get(link)
         if got is None:
-            got = comm.transfer_ms_array(self.out_bytes[:-1], link)
+            got = comm.transfer_ms_array(self._wire[:-1], link)
             got.flags.writeable = False
             self._transfers[link] = got
         return got
@@ -378,7 +403,14 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         schedule=config.schedule, policy=policy, max_replicas=max_replicas, bwd_ms=passes[:, :, 1].T.copy(),
         optim_traffic_per_param=optim.traffic_bytes_per_param(config),
         optim_kernels_per_tensor=OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1),
-        param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64))
+        param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64),
+        codec=search_codec(config.compress), elem_bytes=dtype_bytes(config.dtype), compress=config.compress)
+
+
+def search_codec(compress: str) -> str:
+    """The boundary codec the searches assume for ``--compress``: ``auto`` plans as if every boundary were
+    int8 (the cheapest it chooses from), then each stage keeps the least lossy codec that prices as well."""
+    return "int8" if compress == "auto" else compress
 
 
 def recompute_problem(base: Problem) -> Problem:

@@ -99,7 +99,7 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
 
     for k in range(len(stages) - 1):
         src, dst = stages[k], stages[k + 1]
-        nbytes = problem.boundary_bytes(src.last_block)
+        nbytes = problem.wire_bytes(src.last_block, src.out_codec)  # copies too: one encoded payload
         v = by_boundary.get(k)
         for (i, j), n in pair_counts(src.microbatches, dst.microbatches).items():
             a, b = src.devices[i], dst.devices[j]
@@ -114,7 +114,7 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
                 copy = put(sender, v.device, nbytes, n, (k, direction)) if v.device != sender else 0.0
                 if direction == "act" and v.device != sender:
                     out.copied_in.setdefault((k + 1, j), set()).add((sender, v.device))
-                check = problem.verify_ms(nbytes, problem.class_of(v.device))
+                check = problem.verify_ms(problem.raw_bytes(src.last_block), problem.class_of(v.device))
                 verdict = problem.link(v.device, consumer).latency_ms
                 at = dst if direction == "act" else src
                 cls = problem.class_of(consumer)
@@ -187,8 +187,8 @@ def _route_paths(problem: Problem, stages, rep: tuple[int, ...], fb, bw, wait,
         a, b = stages[k].devices[rep[k]], stages[k + 1].devices[rep[k + 1]]
         ms = hops.get((k, rep[k], rep[k + 1]))
         if ms is None:
-            ms = hops[k, rep[k], rep[k + 1]] = comm.transfer_ms(problem.boundary_bytes(stages[k].last_block),
-                                                                 problem.link(a, b))
+            nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
+            ms = hops[k, rep[k], rep[k + 1]] = comm.transfer_ms(nbytes, problem.link(a, b))
         hop_f[k] = ms + wait.get((k, "act", b), 0.0)
         hop_b[k] = ms + wait.get((k, "grad", a), 0.0)
     for k in range(1, S):
@@ -370,6 +370,30 @@ def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[s
     return out
 
 
+def codec_of(problem: Problem, st: StagePlacement) -> str:
+    """The codec of stage ``st``'s output boundary."""
+    return problem.codec if st.out_codec is None else st.out_codec
+
+
+def _add_codec_ms(problem: Problem, stages, fb, bw) -> None:
+    """Each replica's passes grow by its encoding and decoding: forward, its output's encode and its input's
+    decode; backward, the returning gradient's decode and the one it sends back's encode."""
+    S = len(stages)
+    for k, st in enumerate(stages):
+        out = codec_of(problem, st) if k < S - 1 else "none"
+        into = codec_of(problem, stages[k - 1]) if k > 0 else "none"
+        if out == "none" and into == "none":
+            continue
+        for i, d in enumerate(st.devices):
+            cls = problem.class_of(d)
+            f = (problem.codec_ms(st.last_block, out, cls, "encode") if out != "none" else 0.0) + \
+                (problem.codec_ms(stages[k - 1].last_block, into, cls, "decode") if into != "none" else 0.0)
+            b = (problem.codec_ms(st.last_block, out, cls, "decode") if out != "none" else 0.0) + \
+                (problem.codec_ms(stages[k - 1].last_block, into, cls, "encode") if into != "none" else 0.0)
+            fb[k][i] += f + b
+            bw[k][i] += b
+
+
 def _check_queues(problem: Problem, stages, verifiers, p: _Paths, bw) -> list[tuple[float, float, str]]:
     """(when its last check's consequences end, 0, name) of every device checking a replicated stage's
     boundary: its checks queue in the order their inputs arrive, which differs by route (a twin's microbatch
@@ -384,8 +408,8 @@ def _check_queues(problem: Problem, stages, verifiers, p: _Paths, bw) -> list[tu
         k = v.boundary
         if len(stages[k].devices) == 1 and len(stages[k + 1].devices) == 1:
             continue
-        nbytes = problem.boundary_bytes(stages[k].last_block)
-        check = problem.verify_ms(nbytes, problem.class_of(v.device))
+        nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
+        check = problem.verify_ms(problem.raw_bytes(stages[k].last_block), problem.class_of(v.device))
         for rep, ids in groups.items():
             x, i, j = ids[0], rep[k], rep[k + 1]
             a, b = stages[k].devices[i], stages[k + 1].devices[j]
@@ -418,6 +442,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
            for d in st.devices] for st in stages]
     bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
+    _add_codec_ms(problem, stages, fb, bw)
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)

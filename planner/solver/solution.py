@@ -18,6 +18,7 @@ class StagePlacement:
     their gradients. ``in_flight[i]``: the most microbatches replica ``i`` may hold
     in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``). ``recompute``: whether its
     blocks' forwards run again in the backward (None: as the problem it was planned in, ``Problem.recompute``).
+    ``out_codec``: how its activations and the gradients sent back for them travel (``cost_models.codecs``).
     """
 
     index: int
@@ -27,6 +28,7 @@ class StagePlacement:
     microbatches: tuple[int, ...]
     in_flight: tuple[int, ...] = ()
     recompute: bool | None = None
+    out_codec: str | None = None  # its boundary's codec (None: the problem's, ``Problem.codec``)
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.last_block:

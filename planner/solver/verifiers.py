@@ -145,8 +145,8 @@ class _Greedy:
         vcost = 0.0
         for b in chunk:
             carried = dirs[b][0]
-            nbytes = p.boundary_bytes(stages[b].last_block)
-            vcost += len(carried) * p.verify_ms(nbytes, p.class_of(v))
+            nbytes = p.wire_bytes(stages[b].last_block, stages[b].out_codec)  # copies travel encoded
+            vcost += len(carried) * p.verify_ms(p.raw_bytes(stages[b].last_block), p.class_of(v))
             for direction, src, dst in (("act", b, b + 1), ("grad", b + 1, b)):
                 if direction in carried and stages[dst].devices != (v,):
                     for dev, m in zip(stages[src].devices, stages[src].microbatches):

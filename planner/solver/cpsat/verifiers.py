@@ -24,7 +24,7 @@ class VerificationMixin:
         key = ("vv", c)
         tab = self._vv_tabs.get(c)
         if tab is None:
-            tab = np.array([self.units(p.verify_ms(p.boundary_bytes(e), c)) for e in range(self.L)])
+            tab = np.array([self.units(p.verify_ms(p.raw_bytes(e), c)) for e in range(self.L)])
             self._vv_tabs[c] = tab
         return self.element(key, j, tab)
 
