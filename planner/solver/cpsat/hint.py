@@ -101,10 +101,10 @@ def deterministic(solver: cp_model.CpSolver, seconds: float, workers: int, seed:
 def stopped(solver: cp_model.CpSolver, status: int, work: Work) -> None:
     """Charge ``work`` with what the solve spent (its deterministic time) and record when the wall-clock
     ceiling, not that, ended it."""
-    det = solver.response_proto.deterministic_time
-    work.charge(det / CPSAT_DET_PER_S * UNITS_PER_S)
+    det, limit = solver.response_proto.deterministic_time, solver.parameters.max_deterministic_time
+    work.charge(min(det, limit) / CPSAT_DET_PER_S * UNITS_PER_S)  # its count sums the workers': past the limit
     proven = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-    if not proven and det < 0.99 * solver.parameters.max_deterministic_time:
+    if not proven and solver.wall_time >= 0.99 * solver.parameters.max_time_in_seconds:
         record_ceiling(work.what)
 
 
