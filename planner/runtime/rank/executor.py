@@ -142,6 +142,7 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps, Evaluation)
             self._thread_mark = time.thread_time()
         self.t = StepTimers()
         self.flagged = 0
+        self.sent_bytes = {"F": 0, "B": 0}  # boundary payload bytes this step (executor_p2p)
         self.kept_losses: list[float] = []  # the step's kept microbatch losses, all passes (last stage)
         for k in range(self.accumulate):
             self._reset(step, k)
@@ -163,7 +164,8 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps, Evaluation)
                            loss_sum=loss_sum, loss_count=loss_count, dropped=len(self.dropped_f | self.dropped_b),
                            flagged=self.flagged, banned=len(banned), thread_cpu_ms=1e3 * thread_cpu,
                            wait_cpu_ms=1e3 * t.wait_cpu, comm_cpu_ms=1e3 * t.comm_cpu,
-                           verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu, lr=self.step_lr)
+                           verify_cpu_ms=1e3 * t.verify_cpu, optim_cpu_ms=1e3 * t.optim_cpu, lr=self.step_lr,
+                           sent_act_bytes=self.sent_bytes["F"], sent_grad_bytes=self.sent_bytes["B"])
 
     def _run_pass(self, *, last: bool) -> None:
         """One pass over the program; all but the step's last pass keep their gradients (no all-reduce,

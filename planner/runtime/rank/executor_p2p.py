@@ -1,12 +1,16 @@
 """The executor's point-to-point transfers: sends (non-blocking, released as they complete), receives
-posted ahead of the compute that needs them, and the taint header each carries when verifying."""
+posted ahead of the compute that needs them, and the taint header each carries when verifying.
+
+A boundary whose plan stage has an ``out_codec`` carries its tensors encoded (``planner.runtime.wire.codecs``),
+both ways: the sender encodes, the receiver decodes and computes on the decoded tensor, and a verifier decodes
+the same payload (or, as the sender, its own encoding) the same way, so it checks what the receiver uses."""
 from __future__ import annotations
 
 import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime.wire import comm
+from planner.runtime.wire import codecs, comm
 from planner.runtime.wire.comm import Kind, Pending
 
 ACT_KINDS = {"F": (Kind.ACT, Kind.TAINT_ACT, Kind.VERDICT_ACT), "B": (Kind.GRAD, Kind.TAINT_GRAD, Kind.VERDICT_GRAD)}
@@ -50,6 +54,33 @@ class Transfers:
             tensors = self.attacks.apply(tensors, op_direction=d, step=self.step, mb=mb)
         return tensors
 
+    def _codec(self, boundary: int) -> str:
+        return self.plan.stages[boundary].out_codec
+
+    def _encoded(self, d: str, boundary: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The payload tensors ``tensors`` travel as across ``boundary`` in direction ``d``."""
+        codec = self._codec(boundary)
+        return [p for t in tensors for p in codecs.encode(t, codec, d)]
+
+    def _decoded(self, d: str, boundary: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors a receiver computes on, from the payloads posted with :meth:`_wire_specs`."""
+        codec = self._codec(boundary)
+        out, i = [], 0
+        for shape, dtype in self._specs(d, boundary):
+            k = len(codecs.payload_specs(shape, dtype, codec))
+            out.append(codecs.decode(payloads[i:i + k], codec, shape, dtype, d))
+            i += k
+        return out
+
+    def _delivered(self, d: str, mb: int) -> list[torch.Tensor]:
+        """What the consumer of this rank's send for (d, mb) computes on: the sent tensors, encoded and decoded."""
+        assert self.stage is not None
+        boundary = self.stage.index if d == "F" else self.stage.index - 1
+        tensors = self._sent_tensors(d, mb)
+        if self._codec(boundary) == "none":
+            return tensors
+        return self._decoded(d, boundary, self._encoded(d, boundary, tensors))
+
     def _consumer(self, ins: Instruction) -> int:
         assert self.stage is not None and ins.mb is not None
         return self.plan.owner(self.stage.index + (1 if ins.direction == "F" else -1), ins.mb)
@@ -60,7 +91,9 @@ class Transfers:
             return  # a copy for a verifier, and verification is off
         self._settle_sent(d, ins.mb)
         kind, header_kind, _ = ACT_KINDS[d]
-        tensors = self._sent_tensors(d, ins.mb)
+        boundary = self._boundary(ins)
+        tensors = self._encoded(d, boundary, self._sent_tensors(d, ins.mb))
+        self.sent_bytes[d] += codecs.payload_bytes(tensors)
         header = None
         if self.verifying:
             dropped = ins.mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
@@ -68,7 +101,7 @@ class Transfers:
         if not tensors and header is None:
             return
         with self._timed("comm"):
-            self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=self._boundary(ins), mb=ins.mb,
+            self.sends.append(comm.send(tensors, peer=ins.peer, kind=kind, boundary=boundary, mb=ins.mb,
                                         header=header, header_kind=header_kind if header is not None else None,
                                         doing=f"sending {ins} (step {self.step})"))
             self._prune_sends()
@@ -78,9 +111,14 @@ class Transfers:
         values = edge.act if d == "F" else edge.grad
         return [(v.shape, self.precision.wire_dtype(v.dtype)) for v in values]
 
+    def _wire_specs(self, d: str, boundary: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The payloads the tensors of :meth:`_specs` travel as under the boundary's codec."""
+        codec = self._codec(boundary)
+        return [p for shape, dtype in self._specs(d, boundary) for p in codecs.payload_specs(shape, dtype, codec)]
+
     def _post(self, d: str, *, peer: int, boundary: int, mb: int, doing: str) -> Pending | None:
         kind, header_kind, _ = ACT_KINDS[d]
-        specs = self._specs(d, boundary)
+        specs = self._wire_specs(d, boundary)
         if not specs and not self.verifying:
             return None
         return comm.recv(specs, peer=peer, kind=kind, boundary=boundary, mb=mb, device=self.device, doing=doing,
@@ -126,7 +164,7 @@ class Transfers:
                 self.taint_in[key] = bool(header.item())
                 if self.taint_in[key]:
                     self._drop(key[0], key[1])
-            self.received[key] = tensors
+            self.received[key] = self._decoded(key[0], self._edge_of(key[0]), tensors)
         return self.received[key]
 
     def _edge_of(self, d: str) -> int:

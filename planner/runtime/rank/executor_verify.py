@@ -60,11 +60,11 @@ class Verification:
                                  doing=f"receiving the copy for {ins} (step {self.step})")
             assert pending is not None
             received = self._wait(pending)
-            tensors, tainted_in = received[:-1], bool(received[-1].item())
+            tensors, tainted_in = self._decoded(d, boundary, received[:-1]), bool(received[-1].item())
             sender = ins.peer
         elif self.info.stage == sender_stage:  # a trusted sender checking what it just sent
             self._settle_sent(d, mb)
-            tensors = self._sent_tensors(d, mb)
+            tensors = self._delivered(d, mb)
             tainted_in = mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
             sender = self.rank
         else:  # the consumer checking what it received

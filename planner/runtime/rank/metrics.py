@@ -42,7 +42,9 @@ class StepMetrics:
     """One rank's step. On a last-stage rank ``loss_sum``/``loss_count`` are the summed mean losses and
     the number of its microbatches that were kept (not dropped by verification), and ``eval_loss_*`` the
     same of the validation pass after the step (0 where none ran); 0 elsewhere. ``lr``: the learning rate
-    this rank's optimizer stepped with (0 without one)."""
+    this rank's optimizer stepped with (0 without one). ``sent_act_bytes``/``sent_grad_bytes``: the bytes of
+    the boundary payloads this rank sent (its stage's output, its input's gradient; verifier copies
+    included, headers not), as its boundary codecs encode them (``planner.runtime.wire.codecs``)."""
 
     step: int
     rank: int
@@ -70,6 +72,8 @@ class StepMetrics:
     eval_loss_sum: float = 0.0
     eval_loss_count: int = 0
     lr: float = 0.0
+    sent_act_bytes: int = 0
+    sent_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.rank < 0 or self.step_ms < 0:
