@@ -42,6 +42,9 @@ the reported bound does: the fluid LP and the Lagrangian bound with free links,
 the minimum over ``M``. With ``stages``/``replicas`` the plans are the grids of
 that shape (``grid.shaped``).
 
+Every time here is nominal seconds of work (``search.budget``: counted, not timed), so the same inputs and seed
+give the same plan on a loaded machine; the wall clock only stops a search at a ceiling, which the notes report.
+
 Here: the candidate counts, their triage and the time split among them. One count's search (steps 2-5)
 is ``count_search``, its plan (step 6) ``count_solve``; ``outcome`` holds a count's result and turns the
 chosen one into the :class:`Solution`.

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
-from planner.solver.search.budget import Work, partition_units
+from planner.solver.search.budget import UNITS_PER_S, Work, partition_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import improve
 from planner.solver.search.seq_partition import sequence_placement
@@ -24,6 +24,7 @@ from planner.solver.verifiers import assign_verifiers
 
 LAST_PLANS = 4  # relaxed plans the time cap skipped that are priced anyway at the end (the latest)
 PLAN_SHARE = 0.35  # of the bound's work, at most, spent turning relaxed answers into priced plans
+PLAN_HEADSTART_S = 0.05  # nominal seconds of pricing allowed before the share applies (the first DPs' plans)
 LOCAL_TAIL = 0.35  # of the bound's work, kept for the local search at the end (workers >= 2)
 
 
@@ -106,7 +107,7 @@ class RelaxedPlans:
 
     def consider(self, relaxed: RelaxedStages) -> None:
         """Price the relaxed plan as it is, and its repaired class sequence re-partitioned (now or later)."""
-        if self._spent > PLAN_SHARE * self._work.spent + 5e4:
+        if self._spent > PLAN_SHARE * self._work.spent + PLAN_HEADSTART_S * UNITS_PER_S:
             self._skipped.append(relaxed)
             return
         self._price(relaxed)
