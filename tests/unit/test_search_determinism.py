@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.solver import api
+from planner.solver import api, count_search
 from planner.solver.cpsat.model import solve_cpsat
 from planner.solver.policy import VerificationPolicy
 from planner.solver.search import budget
@@ -87,9 +87,17 @@ def test_cpsat_on_two_workers_is_repeatable_under_load(case):
         assert solved() == quiet
 
 
-def test_the_seed_reaches_the_search(case):
-    # Not a claim that seeds differ in outcome (they often agree): that the argument is taken and repeatable.
-    assert _plan(case, seed=7) == _plan(case, seed=7)
+def test_the_seed_reaches_the_randomised_steps_and_repeats(case, monkeypatch):
+    seeds = []
+
+    def spy(*args, **kw):
+        seeds.append(kw.get("seed"))
+        return search_sequences(*args, **kw)
+
+    monkeypatch.setattr(count_search, "search_sequences", spy)
+    first = _plan(case, seed=7)
+    assert seeds and set(seeds) == {7}
+    assert _plan(case, seed=7) == first
 
 
 def test_work_spent_in_a_sub_budget_is_spent_in_its_parent_too():
