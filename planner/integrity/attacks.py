@@ -27,7 +27,8 @@ adaptive      stays just inside the running average (see :class:`AdaptiveState`;
 
 Common keys: ``rank`` (required), ``kind`` (required), ``start`` (first
 attacked step, default 0), ``p`` (probability per microbatch, default 1.0),
-``dir`` (``act``, ``grad`` or ``both``). Everything is deterministic given the
+``dir`` (``act``, ``grad``, ``both``, or ``params``: the rank's gradient contribution to its
+stage's replicas' all-reduce, as ``gradient scale / sign flip / noise`` poisoning). Everything is deterministic given the
 seed: the random draws of a microbatch depend on (seed, step, mb, direction)
 only, never on the global torch RNG or on call order.
 """
@@ -65,6 +66,10 @@ KIND_PARAMS: Mapping[str, Mapping[str, Any]] = {
 GRAD_KINDS = ("sign_flip", "random_sign")
 MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "delay", "bias", "noise")
 TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
+# ``dir=params``: all-reduce poisoning, the attacker's gradient contribution to its stage's replicas' sum
+# (``both`` means act and grad only: a boundary tensor and a contribution are checked by different monitors)
+DIRECTIONS = ("act", "grad", "both", "params")
+PARAMS_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 INT_PARAMS = ("steps",)
 STR_PARAMS = ("target", "model")
 DISTANCE_NAMES = tuple(dist.DISTANCES)  # the distances the adaptive attacker estimates
@@ -91,15 +96,18 @@ class AttackSpec:
             raise InvalidInputError("attack key 'start'", expected="a step >= 0", found=str(self.start))
         if not 0.0 < self.p <= 1.0:
             raise InvalidInputError("attack key 'p'", expected="a probability in (0, 1]", found=str(self.p))
-        if self.direction not in ("act", "grad", "both"):
-            raise InvalidInputError("attack key 'dir'", expected="act, grad or both", found=repr(self.direction))
+        if self.direction not in DIRECTIONS:
+            raise InvalidInputError("attack key 'dir'", expected="act, grad, both or params", found=repr(self.direction))
+        if self.direction == "params" and self.kind not in PARAMS_KINDS:
+            raise InvalidInputError(f"attack kind {self.kind!r} with dir=params", expected=f"one of {PARAMS_KINDS}",
+                                    found=repr(self.kind), fix="dir=params poisons a replica's gradient contribution")
         _check_params(self.kind, dict(self.params))
 
     def param(self, name: str) -> Any:
         return dict(self.params)[name]
 
     def targets(self, direction: str) -> bool:
-        return self.direction in (direction, "both")
+        return self.direction == direction or (self.direction == "both" and direction in ("act", "grad"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "kind": self.kind, "start": self.start, "p": self.p,
@@ -373,8 +381,8 @@ class Attacker:
 
         ``stage_input``: what the stage computed ``tensor`` from (its input activation,
         or the gradient it received), for the white-box adaptive attacker only."""
-        if direction not in ("act", "grad"):
-            raise InvalidInputError("attack direction", expected="act or grad", found=repr(direction))
+        if direction not in ("act", "grad", "params"):
+            raise InvalidInputError("attack direction", expected="act, grad or params", found=repr(direction))
         honest = tensor.detach()
         if self.spec.kind in ("delay", "mixed"):
             self._remember(honest, direction, step, mb)

@@ -176,6 +176,14 @@ class AttackHooks:
             self._sent[key] = out
         return self._sent[key]
 
+    def poison_contribution(self, flat: torch.Tensor, *, step: int) -> torch.Tensor:
+        """This rank's gradient contribution to its stage's replicas' sum, as a ``dir=params`` attack rewrites it."""
+        out = flat
+        for attacker in self.attackers:
+            if attacker.spec.targets("params"):
+                out = attacker.apply(out, direction="params", step=step, mb=0)
+        return out
+
     def end_step(self) -> None:
         self._sent.clear()
 

@@ -235,6 +235,13 @@ class Verifier:
             del self._rows[key]
         return [dict(e) for e in self._step_flags.get(step, ())]
 
+    def add_flags(self, step: int, events: Iterable[Mapping[str, Any]]) -> None:
+        """Flag events of ``step`` judged elsewhere on this rank (a replica's gradient contribution,
+        ``contributions``), exchanged and blamed with the monitors' own."""
+        for event in events:
+            self.events.append(dict(event))
+            self._step_flags.setdefault(step, []).append(dict(event))
+
     def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:
         """Resolve blame for ``step`` from every verifier's flags; return all banned ranks.
 

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from planner.errors import ProtocolError
+from planner.runtime.rank import replica_checks
 from planner.runtime.wire import comm, control
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard: the scale is NORM / (total norm + CLIP_EPS)
@@ -41,7 +42,7 @@ class GradientSteps:
         flat = comm.flat_grads(params)
         if self.verifying:
             flat = torch.cat([flat, flat.new_tensor([float(self._trained_here())])])
-        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        replica_checks.reduce_replicas(self, flat, group=group, ranks=ranks, doing=doing)
         trained = self._trained_here()
         if self.verifying:
             trained, flat = int(round(float(flat[-1]))), flat[:-1]

@@ -36,6 +36,7 @@ import torch
 from planner.instructions import Instruction
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
 from planner.runtime.rank.deferred import merge_grads
+from planner.runtime.rank import replica_checks
 from planner.runtime.rank.executor_p2p import ACT_KINDS
 from planner.runtime.wire import bans as ban_exchange
 from planner.runtime.wire import comm, control, messages
@@ -156,6 +157,7 @@ class Verification:
         unresolved flags, what trained). Returns the ranks banned so far."""
         if self.verify is None:
             return set()
+        replica_checks.exchange(self, step)   # the replicas' gradient sketches join the step's flags
         self._resolve_blame(step)
         lead = min(self.groups.verifier_ranks)
         with self._timed("comm"):

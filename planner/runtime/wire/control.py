@@ -43,6 +43,7 @@ class Topic(enum.IntEnum):
     RESUME = 5       # the checkpoint step every rank resumes from
     MEMBERSHIP = 6   # rank 0's nonce, each rank's proof of the run secret, rank 0's finding
     CLIP = 7         # a rank's squared gradient norm, and the control rank's total (--clip-grad)
+    CONTRIB = 8      # a replica's sketch of its gradient contribution, to the lead verifier (one index a stage)
 
 
 def trusted_ranks(plan: "Plan") -> frozenset[int]:

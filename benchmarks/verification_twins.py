@@ -1,0 +1,192 @@
+"""Twins: verification of a replicated untrusted stage, where the attacker's twin must never be banned.
+
+The single-process emulation of ``benchmarks/verification.py`` (gpt-tiny, the runtime's own
+``Verifier.check`` / ``flag_events`` / ``end_step`` calls) in issue 37's shape: 3 stages, the middle one
+untrusted and replicated on ranks 1 and 3 (rank 1 sends the even microbatches' tensors, rank 3 the odd
+ones), 2 microbatches a step (one per replica), one verifier over boundary 0's gradients and boundary 1's
+activations (no link test). The attacker is rank 1; ``dir=params`` attacks corrupt its gradient
+contribution to the replicas' sum instead of a boundary tensor.
+
+Per replica the stage's parameter gradients of its own microbatches are its contribution; the
+contribution monitor (``planner.integrity.contributions``) sees a sketch of each before the sum, and
+``--robust`` sums them by centered clipping (``planner.integrity.robust_reduce``) instead.
+
+Per run: who was banned and when, flags per check, (step, sender) precision / recall / F1 of the blame
+against the attacked steps, and the validation loss.
+
+    python benchmarks/verification_twins.py --quick              # two attacks, one seed, 30 steps
+    python benchmarks/verification_twins.py --attacks mixed --seeds 0 1 2 --steps 80
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS  # noqa: E402
+from benchmarks.verification import Pipeline, RunConfig, run  # noqa: E402
+from planner.integrity import contributions as contrib  # noqa: E402
+from planner.integrity import robust_reduce  # noqa: E402
+from planner.integrity.attacks import Attacker, parse_attack  # noqa: E402
+from planner.integrity.verifier import Verifier  # noqa: E402
+
+TWIN = 3                               # the replica of stage 1 sending the odd microbatches
+ATTACKER = 1
+REPLICATED_STAGE = 1
+CHECKED = ((0, "grad"), (1, "act"))    # issue 37's placement: one verifier, no link test
+# the all-reduce poisoning attacks: one replica's gradient contribution
+PARAM_ATTACKS = {"params-scale3": "kind=scale,factor=3,dir=params", "params-sign": "kind=scale,factor=-1,dir=params",
+                 "params-noise": "kind=noise,std=1.0,dir=params"}
+ATTACKS = {**{k: v for k, v in BOUNDARY_ATTACKS.items() if k != "adaptive-whitebox"}, **PARAM_ATTACKS}
+QUICK = {"attacks": ("mixed", "params-scale3"), "seeds": (0,), "steps": 30, "start": 12}
+
+
+class TwinPipeline(Pipeline):
+    """Stage 1 on two replicas (by microbatch parity), its contributions seen before their sum."""
+
+    def __init__(self, cfg: RunConfig, *, robust: bool = False, monitor: bool = True) -> None:
+        super().__init__(cfg)
+        # the plan's view: who is whose twin, and each sender's microbatches a step
+        stage_of = {0: 0, ATTACKER: REPLICATED_STAGE, TWIN: REPLICATED_STAGE, 2: 2}
+        per_rank = {0: cfg.microbatches, ATTACKER: cfg.microbatches // 2, TWIN: cfg.microbatches // 2,
+                    2: cfg.microbatches}
+        self.verifier = Verifier(self.verifier.config.to_dict(), list(CHECKED), stage_of=stage_of,
+                                 microbatches=per_rank) if cfg.verify else None
+        self.contrib = contrib.ContributionMonitor(seed=cfg.seed) if cfg.verify and monitor else None
+        self.robust = robust
+        self._reference: torch.Tensor | None = None
+        self._radius: float | None = None
+        self.params = list(self.stages[REPLICATED_STAGE].parameters())
+        self.parts: dict[int, torch.Tensor] = {}
+        self.checks = self.flags = 0
+
+    def rank_of(self, stage: int, mb: int) -> int:
+        return TWIN if stage == REPLICATED_STAGE and mb % 2 else stage
+
+    def _check(self, boundary, direction, x, *, step, mb, sender, labels):
+        if self.verifier is None or (boundary, direction) not in CHECKED:
+            return True
+        verdict = self.verifier.check(boundary, direction, x, step=step, mb=mb, sender=self.rank_of(sender, mb),
+                                      labels=labels if self.cfg.labels else None)
+        self.checks += 1
+        self.flags += int(verdict.flagged)
+        return not verdict.tainted
+
+    def _send(self, x, rank, direction, step, mb, stage_input):
+        return super()._send(x, self.rank_of(rank, mb), direction, step, mb, stage_input)
+
+    def microbatch(self, idx, tgt, step, mb):
+        before = _flat(self.params)
+        out = super().microbatch(idx, tgt, step, mb)
+        rank = self.rank_of(REPLICATED_STAGE, mb)
+        self.parts[rank] = self.parts.get(rank, torch.zeros_like(before)) + (_flat(self.params) - before)
+        return out
+
+    def end_step(self, step: int) -> tuple[list[int], set[int]]:
+        parts = {r: self._poisoned(r, g, step) for r, g in sorted(self.parts.items())}
+        self.parts = {}
+        # a ban stops the run and it goes on without the banned host: its contribution is neither judged nor summed
+        trusted = [r for r in parts if self.verifier is None or r not in self.verifier.banned]
+        watched = {r: parts[r] for r in trusted}
+        events = self.contrib.check(REPLICATED_STAGE, watched, step=step) if self.contrib is not None else []
+        kept = [parts[r] for r in trusted] or list(parts.values())
+        if self.robust and self.contrib is not None:   # the history's reference and radius from before this step
+            total = robust_reduce.centered_clip(kept, reference=self._reference, history_radius=self._radius)
+        else:
+            total = sum(kept)
+        if self.contrib is not None:
+            self._reference, self._radius = self.contrib.center(REPLICATED_STAGE), self.contrib.radius(REPLICATED_STAGE)
+        _unflatten(total, self.params)
+        if self.verifier is None:
+            return [], set()
+        flags = self.verifier.flag_events(step)
+        banned = self.verifier.end_step(step, [flags, events])
+        return sorted(self.verifier.last_blamed), banned
+
+    def _poisoned(self, rank: int, grad: torch.Tensor, step: int) -> torch.Tensor:
+        attacker = self.attacker
+        if attacker is None or attacker.spec.rank != rank or not attacker.spec.targets("params"):
+            return grad
+        return attacker.apply(grad, direction="params", step=step, mb=0)
+
+
+def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params])
+
+
+def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
+def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: bool = False,
+             monitor: bool = True, verify: bool = True) -> dict[str, Any]:
+    """One run of the twins' shape; its bans, flags and blame scores."""
+    built: list[TwinPipeline] = []
+
+    def factory(cfg: RunConfig) -> TwinPipeline:
+        built.append(TwinPipeline(cfg, robust=robust, monitor=monitor))
+        return built[-1]
+
+    spec = ATTACKS[attack] if attack else None
+    # replan: a ban stops the run and it goes on without the banned host (the attacker attacks no more)
+    cfg = RunConfig(steps=steps, stages=3, microbatches=2, seed=seed, attack=spec, start=start, verify=verify,
+                    replan=True)
+    t0 = time.perf_counter()
+    result = run(cfg, pipeline=factory)
+    pipe = built[0]
+    attacked = set(result.attacked_steps)
+    blamed = {(s, who) for s, senders in result.blamed.items() for who in senders}
+    truth = {(s, ATTACKER) for s in attacked}
+    tp, fp, fn = len(truth & blamed), len(blamed - truth), len(truth - blamed)
+    f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+    bans = {} if pipe.verifier is None else {s: list(v) for s, v in pipe.verifier.ban_records().items()}
+    return {"attack": attack, "seed": seed, "steps": steps, "start": start, "robust": robust, "monitor": monitor,
+            "banned": sorted(bans), "bans": {str(k): v for k, v in bans.items()},
+            "attacker_ban_delay": (bans[ATTACKER][1] - start) if ATTACKER in bans else None,
+            "twin_banned": TWIN in bans, "checks": pipe.checks, "flags": pipe.flags,
+            "flag_pct": round(100 * pipe.flags / max(1, pipe.checks), 3), "tp": tp, "fp": fp, "fn": fn,
+            "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),
+            "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--attacks", nargs="+", choices=["none", *ATTACKS], default=None)
+    parser.add_argument("--seeds", nargs="+", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--start", type=int, default=20)
+    parser.add_argument("--robust", action="store_true", help="sum the replicas' gradients by centered clipping")
+    parser.add_argument("--no-monitor", action="store_true", help="no contribution monitor (the old verifier)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run (see above)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    attacks = args.attacks or (list(QUICK["attacks"]) if args.quick else ["none", *ATTACKS])
+    seeds = args.seeds or (list(QUICK["seeds"]) if args.quick else [0, 1, 2])
+    steps, start = (QUICK["steps"], QUICK["start"]) if args.quick else (args.steps, args.start)
+    rows = []
+    for attack in attacks:
+        for seed in seeds:
+            row = twin_run(None if attack == "none" else attack, seed=seed, steps=steps, start=start,
+                           robust=args.robust, monitor=not args.no_monitor)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

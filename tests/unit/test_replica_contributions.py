@@ -1,0 +1,118 @@
+"""Replicas check each other (issue 37): the gradient-contribution monitor and the centered-clipping sum."""
+from __future__ import annotations
+
+import math
+
+import jsonschema
+import pytest
+import torch
+
+from planner.errors import InvalidInputError
+from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights
+from planner.integrity.contributions import SKETCH_DIMS, ContributionMonitor, sketch
+from planner.integrity.robust_reduce import centered_clip, clip_radius
+
+DIM = 2000
+
+
+def honest(gen: torch.Generator, step: int, trend: torch.Tensor) -> torch.Tensor:
+    """One replica's gradient: a slowly shrinking shared direction plus its own data's, its size varying ~1.5x."""
+    size = math.exp(-0.02 * step + 0.3 * float(torch.randn((), generator=gen)))
+    own = torch.randn(DIM, generator=gen)
+    return size * (0.3 * trend + own / own.norm())
+
+
+def run(steps: int, *, attack=None, start: int = 30, replicas: int = 2, seed: int = 0) -> list[dict]:
+    """Every flag event of ``steps`` steps; ``attack`` rewrites replica 1's contribution from ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    trend = torch.randn(DIM, generator=gen)
+    trend /= trend.norm()
+    mon, events = ContributionMonitor(seed=seed), []
+    for step in range(steps):
+        parts = {r: honest(gen, step, trend) for r in range(1, replicas + 1)}
+        if attack is not None and step >= start:
+            parts[1] = attack(parts[1])
+        events += mon.check(1, parts, step=step)
+    return events
+
+
+def test_a_sketch_keeps_the_norm_and_reads_a_sign_flip():
+    x = torch.randn(10_000)
+    a, b = sketch(x, seed=3), sketch(-x, seed=3)
+    assert a.shape == (SKETCH_DIMS + 1,) and float(a[0]) == pytest.approx(float(x.norm()))
+    assert float(a[1:] @ b[1:]) / float(a[1:].norm() * b[1:].norm()) == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_honest_replicas_are_not_flagged_often_and_never_banned(seed):
+    events = run(200, seed=seed)
+    for e in events:
+        jsonschema.validate([e], FLAG_EVENTS_SCHEMA)
+    assert len(events) <= 4   # at most 1% of the 400 (step, replica) pairs: under the ban test's honest rate
+
+
+@pytest.mark.parametrize(("factor", "seed"), [(3.0, 0), (3.0, 1), (0.25, 2)])
+def test_a_rescaled_contribution_is_flagged_on_its_sender_not_its_twin(factor, seed):
+    events = run(40, attack=lambda g: factor * g, seed=seed)
+    late = [e for e in events if e["step"] >= 30]
+    assert late and {e["sender"] for e in late} == {1}
+    assert min(e["step"] for e in late) <= 34
+    assert all(blame_weights([e])[1] == math.inf for e in late)   # a whole step of its own evidence
+
+
+def test_with_three_replicas_the_odd_one_out_is_flagged():
+    late = [e for e in run(40, attack=lambda g: 4.0 * g, replicas=3) if e["step"] >= 30]
+    assert late and {e["sender"] for e in late} == {1}
+
+
+def test_a_non_finite_contribution_is_flagged_at_once():
+    events = run(3, attack=lambda g: g * math.nan, start=1)
+    assert {(e["step"], e["sender"], tuple(e["reasons"])) for e in events} == \
+        {(1, 1, ("contrib_nonfinite",)), (2, 1, ("contrib_nonfinite",))}
+
+
+def test_a_twin_made_non_finite_by_the_poisoned_sum_is_not_flagged():
+    mon, ok, bad = ContributionMonitor(), sketch(torch.ones(50), seed=0), torch.full((SKETCH_DIMS + 1,), math.nan)
+    assert [e["sender"] for e in mon.judge(1, {1: bad, 2: ok}, step=0)] == [1]
+    assert [e["sender"] for e in mon.judge(1, {1: bad, 2: bad}, step=1)] == [1]
+
+
+def test_a_sketch_of_the_wrong_size_is_refused():
+    with pytest.raises(InvalidInputError, match="sketch"):
+        ContributionMonitor().judge(1, {1: torch.zeros(3), 2: torch.zeros(3)}, step=0)
+
+
+def test_centered_clipping_sums_agreeing_replicas_and_bounds_an_outlier():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(500, generator=gen)
+    a, b = base + 0.1 * torch.randn(500, generator=gen), base + 0.1 * torch.randn(500, generator=gen)
+    assert torch.allclose(centered_clip([a, b], reference=(a + b) / 2), a + b, atol=1e-5)
+    poisoned = [a, -100.0 * b]
+    plain = (a + poisoned[1] - (a + b)).norm()
+    robust = (centered_clip(poisoned, reference=base, history_radius=float((a - base).norm()))
+              - (a + b)).norm()
+    assert robust < 0.05 * plain
+
+
+def test_centered_clipping_leaves_out_a_non_finite_contribution():
+    a = torch.ones(8)
+    out = centered_clip([a, torch.full((8,), math.inf), a])
+    assert torch.isfinite(out).all()
+
+
+def test_the_clip_radius_is_the_median_distance_capped_by_history():
+    assert clip_radius([1.0, 3.0, 100.0]) == 3.0
+    assert clip_radius([1.0, 100.0], history=2.0) == 3.0
+    with pytest.raises(InvalidInputError):
+        clip_radius([])
+
+
+def test_an_all_reduce_poisoning_attack_targets_the_contribution_only():
+    spec = parse_attack("rank=1,kind=scale,factor=3,dir=params")
+    assert spec.targets("params") and not spec.targets("act")
+    assert not parse_attack("rank=1,kind=zeros,dir=both").targets("params")
+    x = torch.ones(5)
+    assert torch.equal(Attacker(spec).apply(x, direction="params", step=0, mb=0), 3 * x)
+    with pytest.raises(InvalidInputError, match="dir=params"):
+        parse_attack("rank=1,kind=delay,dir=params")
