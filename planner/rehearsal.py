@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,7 @@ class Rehearsal:
     measured_messages: bool     # per-message CPU costs from the profile (else free)
     dtype: str = "float32"      # the compute dtype the ranks run here
     dtype_factor: float | None = None  # its passes over float32's, measured here (None: not measured)
+    costs: CostModel | None = field(default=None, compare=False)  # the prices simulated
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
 
 
@@ -139,7 +140,7 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,
-                     dtype_factor=factor)
+                     dtype_factor=factor, costs=costs)
 
 
 def _price_local_passes(costs: CostModel, fp32: CostModel, factor: float) -> None:
