@@ -11,7 +11,8 @@ Pools (built here, not files):
 
 Per pool: the planner's plan (``planner.api.plan_chain``, which also plans the pool's restrictions and the
 baselines and keeps the fastest simulated), its simulated step, the devices it uses (trusted / untrusted), its
-verifiers and where they sit, objective vs simulated, planning time; the trusted-only plan (the same call on
+verifiers and where they sit, objective vs simulated, the gap of the simulated step to the proven bound,
+planning time; the trusted-only plan (the same call on
 the trusted hosts alone) and the best of a few forced ``--stages/--replicas`` grids.
 
 Goals (issue 36): untrusted devices used whenever a plan with them simulates faster than the trusted-only
@@ -91,6 +92,8 @@ def _row(name: str, chain, cluster, model: str, seq: int, batch: int, dtype: str
             "replicas": [len(plan.stage_ranks(k)) for k in range(plan.num_stages)], **_uses(plan, cluster),
             "verifiers": len(plan.verifiers), "verifier_sites": len(verifiers),
             "on_cpu_hosts": sum(cpu for _, cpu in verifiers), "method": plan.report.method,
+            "bound_ms": round(plan.report.bound_ms, 3) if plan.report.bound_ms is not None else None,
+            "gap_of_simulated": round(1 - plan.report.bound_ms / sim, 4) if plan.report.bound_ms else None,
             "plan_s": round(plan_s, 1)}
 
 
@@ -165,8 +168,8 @@ def main() -> None:
         pools["hexiscale"] = _pool("hexiscale", hexiscale(), llama, "llama-7b", 2048, 64, "bf16", limit,
                                    ((4, 10), (8, 5), (10, 4), (20, 2)))
     checks = _checks(pools, pairs)
-    head = ("case", "simulated_ms", "objective_vs_simulated", "trusted", "untrusted", "stages", "verifiers",
-            "on_cpu_hosts", "method", "plan_s")
+    head = ("case", "simulated_ms", "objective_vs_simulated", "gap_of_simulated", "trusted", "untrusted", "stages",
+            "verifiers", "on_cpu_hosts", "method", "plan_s")
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for pool in pools.values():
         for row in [pool["free"], pool["trusted_only"], *pool["grids"]]:

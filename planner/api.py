@@ -29,6 +29,7 @@ from planner.solver import api as solver_api
 from planner.solver import baseline_plans
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
+from planner.solver.outcome import reordered
 from planner.solver.restrictions import Restriction, restrictions
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
@@ -136,7 +137,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None or stages is not None or replicas is not None:
         return plan
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
-                        time_limit_s=RESTRICTIONS_SHARE * time_limit_s)
+                        time_limit_s=RESTRICTIONS_SHARE * time_limit_s, seed=seed)
+    found += _reordered(solution, chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
                                       deadline=Work(min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S), what="rivals"),
@@ -144,14 +146,27 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
 
 
+def _reordered(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+               policy: VerificationPolicy) -> list[Any]:
+    """The solver's plan with its stage groups in their best order across regions (``search.stage_order``),
+    if that differs, as a rival (plans whose stages recompute keep their order)."""
+    if any(st.recompute for st in solution.stages):
+        return []
+    problem = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
+    found = reordered(problem, solution)
+    return [] if found is None else [found]
+
+
 def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
-                policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float) -> list[Any]:
+                policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float,
+                seed: int = 0) -> list[Any]:
     """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at ``config``'s
     microbatch size, the time shared evenly: rivals the full pool's plan must beat in simulation."""
     out: list[Any] = []
     for part in parts:
         found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
-                                            time_limit_s=time_limit_s / len(parts), recompute_mode=recompute)
+                                            time_limit_s=time_limit_s / len(parts), recompute_mode=recompute,
+                                            seed=seed)
         if not isinstance(found, InfeasiblePlanError):
             method = f"{found.report.method} on {part.name}"
             out.append(dataclasses.replace(found, report=dataclasses.replace(found.report, method=method)))

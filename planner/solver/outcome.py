@@ -11,6 +11,7 @@ from planner.solver.idle import idle_reasons
 from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
+from planner.solver.search.stage_order import reorder
 from planner.solver.solution import Solution, SolveReport
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
@@ -35,6 +36,20 @@ class Outcome:
     solve_s: float
     program_ms: float = math.inf
     valid_bound_ms: float = 0.0
+
+
+def reordered(problem: Problem, solution: Solution) -> Solution | None:
+    """``solution`` with its stage groups in the order that prices least (``search.stage_order``), or None
+    when that is the order it has: a rival for the caller to simulate (a new order's price is a model too)."""
+    stages = tuple(dataclasses.replace(st, in_flight=()) for st in solution.stages)
+    placement = reorder(problem, Placement(stages=stages, verifiers=solution.verifiers,
+                                           num_microbatches=solution.num_microbatches))
+    if placement is None:
+        return None
+    r = solution.report
+    outcome = Outcome(problem=problem, placement=placement, step_ms=math.inf, bound_ms=math.inf,
+                      method="stage order", cpsat_status="-", solve_s=r.solve_s)
+    return to_solution(outcome, r.bound_ms, r.notes, r.solve_s, f"{r.method}, stage groups reordered", r.status)
 
 
 def ruled_out(problem: Problem) -> Outcome:

@@ -52,3 +52,21 @@ def test_the_groups_are_ordered_along_the_fast_links():
 def test_an_order_already_best_is_kept():
     problem = _problem(0)
     assert reorder(problem, _placement(problem, REGIONS)) is None
+
+
+def test_a_planned_pipeline_sends_no_boundary_over_a_slow_link():
+    """The whole path (solver, its reordered rival, simulation): consecutive stages on neighbouring regions."""
+    from planner.api import plan_chain
+    hosts = [{"name": r, "region": r, "trust": "op", "trusted": True, "devices": [{"type": "A100-80GB", "count": 2}]}
+             for r in REGIONS]
+    pairs = [{"between": [a, b], "bandwidth_gbps": 10.0 if abs(i - j) == 1 else 0.1, "latency_ms": 5.0}
+             for (i, a), (j, b) in itertools.combinations(enumerate(REGIONS), 2)]
+    cluster = parse_cluster({"name": "line", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1},
+                                                                        "regions": pairs}})
+    chain = random_chain(np.random.default_rng(0), 12, param_scale=2e9, act_scale=5e7, out_scale=3e7)
+    plan = plan_chain(chain, cluster, spec="tests:chain", global_batch=8, microbatch_size=1, time_limit_s=2,
+                      policy=VerificationPolicy(enabled=False), workers=1)
+    regions = [{REGIONS.index(plan.ranks[r].host) for r in plan.stage_ranks(k)} for k in range(plan.num_stages)]
+    assert plan.num_stages >= 3
+    for a, b in zip(regions, regions[1:]):
+        assert all(abs(i - j) <= 1 for i in a for j in b), regions
