@@ -37,3 +37,25 @@ def test_regions_without_trusted_hosts_are_dropped_one_at_a_time():
     assert set(parts) == {"trusted hosts only", "without region home0", "without region home1",
                           "without region home2"}
     assert parts["without region home1"].dropped == {"v1", "v4"}
+
+
+def test_a_random_pool_planned_whole_is_never_slower_than_its_restrictions():
+    """Monotone by construction: each restriction's plan is a rival of the whole pool's, chosen by simulation,
+    so the pool's plan simulates no slower than that of its trusted hosts alone or any other part."""
+    import numpy as np
+
+    from planner.api import plan_chain
+    from planner.simulate import simulate
+    from tests.unit.program_fixtures import untrusted_pool
+    from tests.unit.solver_fixtures import random_chain
+    for seed in range(3):
+        rng = np.random.default_rng(200 + seed)
+        pool = untrusted_pool(rng)
+        chain = random_chain(rng, 10, param_scale=5e7, act_scale=5e7, out_scale=1e6)
+        whole = simulate(plan_chain(chain, pool, spec="tests:chain", global_batch=16, microbatch_size=1,
+                                    time_limit_s=2, workers=1)).step_ms
+        for part in restrictions(pool)[:2]:
+            alone = simulate(plan_chain(chain, part.cluster, spec="tests:chain", global_batch=16,
+                                        microbatch_size=1, time_limit_s=2 * 0.2 / len(restrictions(pool)),
+                                        workers=1)).step_ms
+            assert whole <= alone * (1 + 1e-9), (seed, part.name, whole, alone)
