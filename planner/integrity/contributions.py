@@ -116,9 +116,10 @@ class ContributionMonitor:
         if kept:
             mean = torch.stack(kept).mean(dim=0)
             old = self._centers.get(stage)
-            if old is not None:
-                radius = sum(float((c - old).norm()) for c in kept) / len(kept)
+            if old is not None:   # distances clipped to the radius: an outlier grows it 5% a step at most
                 was = self._radii.get(stage)
+                cap = math.inf if was is None else 1.5 * was
+                radius = sum(min(float((c - old).norm()), cap) for c in kept) / len(kept)
                 self._radii[stage] = radius if was is None else HISTORY_BETA * was + (1 - HISTORY_BETA) * radius
             self._centers[stage] = mean if old is None else HISTORY_BETA * old + (1 - HISTORY_BETA) * mean
         return events

@@ -91,6 +91,7 @@ class RunOptions:
     eval_every: int | None = None   # steps between validation passes (None: after the last step only)
     tensorboard: str | None = None  # rank 0 logs scalars into this folder (torch.utils.tensorboard)
     accumulate: int = 1             # pipeline passes (each the plan's microbatches) per optimizer step
+    robust_reduce: bool = False     # untrusted replicas' gradients summed by centered clipping (replica_checks)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -191,6 +192,8 @@ class RunOptions:
             argv += ["--lr-schedule", self.lr_schedule]
         if self.accumulate != 1:
             argv += ["--accumulate", str(self.accumulate)]
+        if self.robust_reduce:
+            argv.append("--robust-reduce")
         return argv
 
 
@@ -249,6 +252,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run K pipeline passes (each the plan's microbatches) per optimizer step, their "
                              "gradients averaged: one step on a K times larger batch (default 1; --steps and the "
                              "schedule count optimizer steps; not with verification)")
+    parser.add_argument("--robust-reduce", action="store_true", help="sum the gradients of a stage whose replicas "
+                        "include an untrusted one by centered clipping (Karimireddy et al. 2021) instead of an "
+                        "all-reduce: one replica moves the update by at most the clipping radius (an all-gather)")
     parser.add_argument("--eval-data", metavar="SPEC", help="validation data (a --data spec): the pipeline runs "
                         "forward only on one fixed global batch of it and reports the validation loss")
     parser.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps "

@@ -135,6 +135,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                         loss_fn=setup.loss_fn, optimizer=optimizer, groups=groups, device=setup.device,
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
                         defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad, accumulate=opts.accumulate)
+    executor.robust_reduce = opts.robust_reduce   # read by replica_checks.reduce_replicas
     ends = stage is not None and (stage.is_first or stage.is_last)  # the ranks that read data
     eval_set = eval_batches(plan, kind=opts.eval_data, seed=opts.seed, device=setup.device) \
         if opts.eval_data and ends else None

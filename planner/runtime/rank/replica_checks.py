@@ -82,8 +82,9 @@ def robust_sum(ex: Any, parts: Sequence[torch.Tensor], *, counted: bool) -> torc
     reference, radius = getattr(ex, "_robust_ref", None), getattr(ex, "_robust_radius", None)
     total = robust_reduce.centered_clip(grads, reference=reference, history_radius=radius)
     mean = total.float() / len(grads)
-    if reference is not None:
-        spread = sum(float((g.float() - reference).norm()) for g in grads) / len(grads)
+    if reference is not None:   # the radius learns distances clipped to it: an outlier grows it 5% a step at most
+        cap = robust_reduce.HISTORY_FACTOR * radius if radius is not None else float("inf")
+        spread = sum(min(float((g.float() - reference).norm()), cap) for g in grads) / len(grads)
         ex._robust_radius = spread if radius is None else HISTORY_BETA * radius + (1 - HISTORY_BETA) * spread
     ex._robust_ref = mean if reference is None else HISTORY_BETA * reference + (1 - HISTORY_BETA) * mean
     if not counted:
