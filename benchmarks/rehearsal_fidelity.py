@@ -122,7 +122,7 @@ def run_case(case: dict[str, Any], profile: Path, tmp: Path, steps: int) -> dict
         "measured_over_predicted": round(ratio, 3), "within_goal": abs(ratio - 1) <= GOAL,
         "planned_devices_ms": round(plan.predicted.step_ms, 2), "external_load_cores": round(external, 2),
         "warnings": list(here.warnings), "note_printed": "rehearsing in" in proc.stdout,
-        "dtype_factor": None if here.dtype_factor is None else round(here.dtype_factor, 3),
+        "pass_scale": None if here.pass_scale is None else round(here.pass_scale, 3),
         "compute_cpu_measured_ms": round(cpu_measured, 2), "compute_cpu_predicted_ms": round(cpu_predicted, 2),
         "compute_cpu_measured_over_predicted": round(cpu_measured / cpu_predicted, 3) if cpu_predicted else None,
         "measured_parts": parts,

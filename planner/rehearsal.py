@@ -38,6 +38,7 @@ from planner.simulate import SimResult, simulate
 
 REHEARSE_DTYPES: tuple[str, ...] = ("auto", "plan", "bf16", "fp16", "fp32")  # --rehearse-dtype
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+MAX_TIMED_PARAMS = 50_000_000  # a larger model is not timed before a rehearsal (it would take seconds)
 FIT_ERROR_WARN = 0.4  # a median block-time error above this: the calibration does not describe the blocks
 BUSY_WARN = 0.25  # a machine this busy with other work: timings include that work
 
@@ -52,7 +53,7 @@ class Rehearsal:
     measured_sharing: bool      # core sharing from the profile (else even sharing)
     measured_messages: bool     # per-message CPU costs from the profile (else free)
     dtype: str = "float32"      # the compute dtype the ranks run here
-    dtype_factor: float | None = None  # its passes over float32's, measured here (None: not measured)
+    pass_scale: float | None = None  # the passes measured here over the profile's float32 prices (None: not timed)
     costs: CostModel | None = field(default=None, compare=False)  # the prices simulated
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
 
@@ -125,57 +126,66 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     if cores is None:
         cores = sharing.cores if sharing is not None else os.cpu_count() or 1
     costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)
-    factor, unmodelled = None, ()
-    if spec.kind == "cpu" and plan.config.dtype != "float32":
-        factor = autocast_factor(plan)
-        if factor is None:
+    scale, unmodelled = None, ()
+    if spec.kind == "cpu":
+        fp32 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dtype="float32",
+                                                                    mixed_precision=False))
+        local = CostModel.for_rehearsal(fp32, spec, emulate=False)
+        scale = pass_scale(plan, local)
+        if scale is not None:
+            _price_local_passes(costs, local, scale)
+        elif plan.config.dtype != "float32":
             unmodelled = ((f"{plan.config.dtype} passes are priced at the profile's {plan.config.dtype} matmul "
-                           "peak (the profile times blocks in float32 only, and only a preset or hf: model is "
-                           "timed here)"),)
-        else:
-            fp32 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dtype="float32",
-                                                                        mixed_precision=False))
-            _price_local_passes(costs, CostModel.for_rehearsal(fp32, spec, emulate=False), factor)
+                           "peak (the profile times float32 blocks, and only a preset or hf: model up to "
+                           f"{MAX_TIMED_PARAMS / 1e6:.0f}M parameters is timed here)"),)
     result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages)
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,
-                     dtype_factor=factor, costs=costs)
+                     pass_scale=scale, costs=costs)
 
 
-def _price_local_passes(costs: CostModel, fp32: CostModel, factor: float) -> None:
-    """Each rank's passes here at ``factor`` x their float32 price (``fp32``: the plan priced here in float32,
-    unpadded), their padding kept: the profile's calibration is of float32 blocks."""
+def _price_local_passes(costs: CostModel, local: CostModel, scale: float) -> None:
+    """Each rank's passes here at ``scale`` x their float32 price from the profile (``local``: the plan priced
+    here in float32, unpadded), their padding kept."""
     for r, info in enumerate(costs.ranks):
         if info.stage is None:
             continue
         local_f, local_b = costs._local[r]
         pad_f = costs._fwd[r] / local_f if local_f > 0 else 1.0
         pad_b = costs._bwd[r] / local_b if local_b > 0 else 1.0
-        new_f, new_b = factor * fp32._fwd[r], factor * fp32._bwd[r]
+        new_f, new_b = scale * local._fwd[r], scale * local._bwd[r]
         costs._local[r] = (new_f, new_b)
         costs._fwd[r], costs._bwd[r] = pad_f * new_f, pad_b * new_b
 
 
-def autocast_factor(plan: Plan, *, repeats: int = 5) -> float | None:
-    """How many times the CPU time of a forward and backward of the plan's model (one microbatch, one
-    thread, the least of ``repeats``) under autocast to its dtype is float32's, measured here; None for a
-    model that is no preset or hf: config (a plan never makes this process import code).
+def pass_scale(plan: Plan, local: CostModel, *, repeats: int = 5) -> float | None:
+    """The CPU time of a forward and backward of the plan's whole model here (one microbatch, one thread as
+    every rank, its compute dtype, the least of ``repeats``) over the profile's float32 price of its stages
+    (``local``); None for a model that is no preset or hf: config (a plan never makes this process import
+    code) or is too large to time in a moment.
 
-    A CPU's matmul peak in bfloat16 (AMX) says little of small passes: autocast casts every weight on
-    every pass, and small matmuls do not reach the peak (gpt-tiny's passes take ~2.4x float32's here)."""
+    The profile fits its block model at one small shape in float32; the rehearsal runs the plan's microbatch,
+    and a CPU's bfloat16 is no faster for small passes for all its matmul peak (AMX): autocast casts every
+    weight on every pass (gpt-tiny's passes take ~2.4x float32's here). The profile still splits the time
+    between the stages and between forward and backward."""
     ref = plan.model
     if ref.spec not in PRESETS and not is_hf_spec(ref.spec):
         return None
+    chain = plan.chain()
+    if chain.param_count > MAX_TIMED_PARAMS:
+        return None
+    first = [next(r for r, info in enumerate(plan.ranks) if info.stage == k) for k in range(plan.num_stages)]
+    priced_ms = sum(local.compute_ms(r, "F") + local.compute_ms(r, "B") for r in first)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every rank computes
+    torch.set_num_threads(1)
     try:
         bundle = build_model(ref.spec, batch=plan.config.microbatch_size, seq=ref.seq, device="cpu", seed=0)
-        low = getattr(torch, plan.config.dtype)
-        fp32_s = _least_pass_s(bundle, None, repeats)
-        return _least_pass_s(bundle, low, repeats) / fp32_s if fp32_s > 0 else None
+        dtype = None if plan.config.dtype == "float32" else getattr(torch, plan.config.dtype)
+        measured_ms = 1e3 * _least_pass_s(bundle, dtype, repeats)
     finally:
         torch.set_num_threads(threads)
+    return measured_ms / priced_ms if priced_ms > 0 else None
 
 
 def _least_pass_s(bundle: ModelBundle, dtype: torch.dtype | None, repeats: int) -> float:

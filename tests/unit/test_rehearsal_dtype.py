@@ -10,7 +10,6 @@ from planner.errors import InvalidInputError
 from planner.plan_load import load_plan
 from planner.rehearsal import (
     as_rehearsed,
-    autocast_factor,
     predict_rehearsal,
     profile_warnings,
     rehearsal_dtype,
@@ -59,9 +58,8 @@ def test_the_ranks_get_the_choice_on_their_command_line():
 
 
 def test_a_model_not_timed_here_is_named_in_the_prediction(fp16_plan):
-    assert autocast_factor(as_rehearsed(fp16_plan)) is None  # a factory: never imported from a plan
-    here = predict_rehearsal(fp16_plan, PROFILE, emulate=True)
-    assert here.dtype == "bfloat16" and here.dtype_factor is None
+    here = predict_rehearsal(fp16_plan, PROFILE, emulate=True)  # a factory: never imported from a plan
+    assert here.dtype == "bfloat16" and here.pass_scale is None
     assert any("priced at the profile's bfloat16 matmul peak" in w for w in here.warnings)
 
 
