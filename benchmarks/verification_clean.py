@@ -61,7 +61,11 @@ class ShapedPipeline(Pipeline):
         super().__init__(cfg)
         groups, self.replicas = SHAPES[shape]
         config = self.verifier.config.to_dict()   # the run's monitors' config (warm-up stretched as the runtime does)
-        self.verifiers = [Verifier(config, list(keys)) for keys in groups]
+        # the plan's view for blame among twins: each sender's stage and microbatches a step
+        m = cfg.microbatches
+        stage_of = {**{s: s for s in range(cfg.stages)}, **{r: s for s, r in self.replicas.items()}}
+        per_rank = {r: m // 2 if s in self.replicas else m for r, s in stage_of.items()}
+        self.verifiers = [Verifier(config, list(keys), stage_of=stage_of, microbatches=per_rank) for keys in groups]
         self.route = {key: v for v, keys in zip(self.verifiers, groups) for key in keys}
         self.verifier = self.verifiers[0]         # every verifier reaches the same bans
         self.counts = {"checks": 0, "flags_microbatch": 0, "flags_step": 0, "alerts": 0, "dropped": 0,

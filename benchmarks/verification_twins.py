@@ -11,6 +11,8 @@ Per replica the stage's parameter gradients of its own microbatches are its cont
 contribution monitor (``planner.integrity.contributions``) sees a sketch of each before the sum, and
 ``--robust`` sums them by centered clipping (``planner.integrity.robust_reduce``) instead.
 
+A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors.
+
 Per run: who was banned and when, flags per check, (step, sender) precision / recall / F1 of the blame
 against the attacked steps, and the validation loss.
 
@@ -20,6 +22,7 @@ against the attacked steps, and the validation loss.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -47,6 +50,7 @@ CHECKED = ((0, "grad"), (1, "act"))    # issue 37's placement: one verifier, no 
 PARAM_ATTACKS = {"params-scale3": "kind=scale,factor=3,dir=params", "params-sign": "kind=scale,factor=-1,dir=params",
                  "params-noise": "kind=noise,std=1.0,dir=params"}
 ATTACKS = {**{k: v for k, v in BOUNDARY_ATTACKS.items() if k != "adaptive-whitebox"}, **PARAM_ATTACKS}
+SNAPSHOTS = 64                         # steps of model and optimizer state kept, to resume from before a first flag
 QUICK = {"attacks": ("mixed", "params-scale3"), "seeds": (0,), "steps": 30, "start": 12}
 
 
@@ -55,22 +59,30 @@ class TwinPipeline(Pipeline):
 
     def __init__(self, cfg: RunConfig, *, robust: bool = False, monitor: bool = True) -> None:
         super().__init__(cfg)
-        # the plan's view: who is whose twin, and each sender's microbatches a step
-        stage_of = {0: 0, ATTACKER: REPLICATED_STAGE, TWIN: REPLICATED_STAGE, 2: 2}
-        per_rank = {0: cfg.microbatches, ATTACKER: cfg.microbatches // 2, TWIN: cfg.microbatches // 2,
-                    2: cfg.microbatches}
-        self.verifier = Verifier(self.verifier.config.to_dict(), list(CHECKED), stage_of=stage_of,
-                                 microbatches=per_rank) if cfg.verify else None
+        self.config = self.verifier.config.to_dict() if self.verifier is not None else {}
+        self.replanned = False   # the attacker's ban re-planned the stage onto its twin alone
+        self.verifier = self._verifier() if cfg.verify else None
         self.contrib = contrib.ContributionMonitor(seed=cfg.seed) if cfg.verify and monitor else None
         self.robust = robust
         self._reference: torch.Tensor | None = None
         self._radius: float | None = None
         self.params = list(self.stages[REPLICATED_STAGE].parameters())
         self.parts: dict[int, torch.Tensor] = {}
+        self.snapshots: dict[int, tuple[dict, dict]] = {}
         self.checks = self.flags = 0
 
+    def _verifier(self) -> Verifier:
+        """The plan's view: who is whose twin, and each sender's microbatches a step (after the re-plan, the
+        twin sends all of the stage's)."""
+        m = self.cfg.microbatches
+        stage_of = {0: 0, TWIN: REPLICATED_STAGE, 2: 2, **({} if self.replanned else {ATTACKER: REPLICATED_STAGE})}
+        per_rank = {0: m, 2: m, **({TWIN: m} if self.replanned else {ATTACKER: m // 2, TWIN: m // 2})}
+        return Verifier(self.config, list(CHECKED), stage_of=stage_of, microbatches=per_rank)
+
     def rank_of(self, stage: int, mb: int) -> int:
-        return TWIN if stage == REPLICATED_STAGE and mb % 2 else stage
+        if stage != REPLICATED_STAGE:
+            return stage
+        return TWIN if self.replanned or mb % 2 else ATTACKER
 
     def _check(self, boundary, direction, x, *, step, mb, sender, labels):
         if self.verifier is None or (boundary, direction) not in CHECKED:
@@ -92,6 +104,9 @@ class TwinPipeline(Pipeline):
         return out
 
     def end_step(self, step: int) -> tuple[list[int], set[int]]:
+        # the state at the start of this step (before its update), as a checkpoint taken there would hold it
+        self.snapshots[step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
+        self.snapshots.pop(step - SNAPSHOTS, None)
         parts = {r: self._poisoned(r, g, step) for r, g in sorted(self.parts.items())}
         self.parts = {}
         # a ban stops the run and it goes on without the banned host: its contribution is neither judged nor summed
@@ -110,7 +125,24 @@ class TwinPipeline(Pipeline):
             return [], set()
         flags = self.verifier.flag_events(step)
         banned = self.verifier.end_step(step, [flags, events])
-        return sorted(self.verifier.last_blamed), banned
+        blamed = sorted(self.verifier.last_blamed)
+        if ATTACKER in banned and not self.replanned:
+            self._replan(self.verifier.ban_records()[ATTACKER][0])
+        return blamed, banned
+
+    def _replan(self, first_flagged: int) -> None:
+        """What ``--replan-on-failure`` does after a ban: a new plan without the banned host (its stage on the twin
+        alone), fresh monitors (the runtime does not checkpoint them), the ban record kept, and the model and
+        optimizer back at the start of the first flagged step (a checkpoint there; the data goes on)."""
+        model, optim = self.snapshots.get(first_flagged, self.snapshots[min(self.snapshots)])
+        self.model.load_state_dict(model)
+        self.opt.load_state_dict(optim)
+        self.opt.zero_grad(set_to_none=True)   # this step's gradients were the poisoned model's
+        old, self.replanned = self.verifier, True
+        self.verifier = self._verifier()
+        self.verifier.restore_bans(old.bans_state())
+        if self.contrib is not None:
+            self.contrib = contrib.ContributionMonitor(seed=self.cfg.seed)
 
     def _poisoned(self, rank: int, grad: torch.Tensor, step: int) -> torch.Tensor:
         attacker = self.attacker
