@@ -8,7 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from planner.commands._common import add_plan_argument, load_and_simulate, rank_table, seq_text
+from planner.commands._common import (
+    add_plan_argument,
+    load_and_simulate,
+    rank_table,
+    seq_text,
+)
 from planner.errors import InvalidInputError
 
 

@@ -6,7 +6,12 @@ import json
 import sys
 
 from planner.coarsen import GRANULARITIES, chain_to_dict
-from planner.commands._common import add_model_argument, add_shape_arguments, seq_text, token_seq
+from planner.commands._common import (
+    add_model_argument,
+    add_shape_arguments,
+    seq_text,
+    token_seq,
+)
 from planner.ir import BlockChain, Graph
 from planner.model_io import load_chain
 

@@ -12,7 +12,7 @@ from onnx.reference import ReferenceEvaluator
 
 pytest.importorskip("transformers")
 
-from models.registry import build_model  # noqa: E402
+from models.registry import build_model
 
 SPECS = {
     "gpt2": "hf:gpt2?n_layer=2,n_embd=32,n_head=2,n_positions=16,vocab_size=64",
