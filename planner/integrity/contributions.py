@@ -49,7 +49,7 @@ SERIES_STEPS = 64    # each replica's recent log norms, to tell which twin moved
 BEFORE_STEPS = 8     # how many steps before an alarm's onset a replica's level is read from
 HISTORY_BETA = 0.9   # the stage's slow log-norm history, which tells which twin moved (in-control steps only)
 CONTRIB_REASONS = ("contrib_norm", "contrib_dir", "contrib_nonfinite")
-_SKETCH_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
+SKETCH_CHUNK = 1 << 20   # coordinates hashed at a time: the sketch's working memory stays ~8 MB whatever the stage
 
 
 def sketch_seed(run_seed: int, stage: int) -> int:
@@ -57,23 +57,25 @@ def sketch_seed(run_seed: int, stage: int) -> int:
     return run_seed * 1_000_003 + 7919 * stage + 17
 
 
-def _buckets(numel: int, seed: int, device: torch.device) -> torch.Tensor:
-    """Bucket and sign of every coordinate as one int16 (``b`` or ``b + SKETCH_DIMS`` for a minus sign):
-    2 bytes a parameter on the gradient's device, made once per stage size."""
-    key = (numel, seed, str(device))
-    if key not in _SKETCH_CACHE:
-        gen = torch.Generator().manual_seed(seed)
-        _SKETCH_CACHE[key] = torch.randint(0, 2 * SKETCH_DIMS, (numel,), generator=gen, dtype=torch.int16).to(device)
-    return _SKETCH_CACHE[key]
+def _buckets(start: int, stop: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Bucket and sign of coordinates ``start..stop-1`` (``b`` or ``b + SKETCH_DIMS`` for a minus sign): a
+    multiplicative hash of the index, the same on every device, stored nowhere (a table would take bytes per
+    parameter of the stage)."""
+    idx = torch.arange(start, stop, dtype=torch.int64, device=device) + seed
+    mixed = torch.remainder(idx * 2654435761, 1 << 32)   # Knuth's multiplicative hash (int64 wraps alike)
+    return torch.remainder(mixed >> 13, 2 * SKETCH_DIMS)
 
 
 def sketch(flat: torch.Tensor, *, seed: int) -> torch.Tensor:
     """``[norm, count sketch of flat / norm]`` (``SKETCH_DIMS + 1`` float64, on the CPU): what a replica sends its
-    verifier. Computed where the gradient is (one pass; only the sketch leaves the device)."""
-    x = flat.detach().reshape(-1).float()
-    ids = _buckets(x.numel(), seed, x.device).long()
-    signed = torch.where(ids >= SKETCH_DIMS, -x, x)
-    out = torch.zeros(SKETCH_DIMS, dtype=torch.float32, device=x.device).index_add_(0, ids % SKETCH_DIMS, signed)
+    verifier. Computed where the gradient is, a chunk at a time (only the sketch leaves the device)."""
+    x = flat.detach().reshape(-1)
+    out = torch.zeros(SKETCH_DIMS, dtype=torch.float32, device=x.device)
+    for start in range(0, x.numel(), SKETCH_CHUNK):
+        part = x[start:start + SKETCH_CHUNK].float()
+        ids = _buckets(start, start + part.numel(), seed, x.device)
+        out.index_add_(0, ids % SKETCH_DIMS, torch.where(ids >= SKETCH_DIMS, -part, part))
+    x = x.float()
     out, norm = out.to("cpu", torch.float64), float(x.norm())
     unit = out / norm if norm > 0 and math.isfinite(norm) else out
     return torch.cat([torch.tensor([norm], dtype=torch.float64), unit])
