@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from cost_models import comm
+from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 
 CODECS: tuple[str, ...] = ("none", "fp8", "int8", "int4")
@@ -51,3 +53,68 @@ def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str) -> f
     if codec == "none":
         return 0.0
     return 1e3 * PASSES[op] * 2 * nbytes / mem_bw_bytes_per_s
+
+
+# --- a replicated stage's gradient all-reduce ---------------------------------------------------------------
+ALLREDUCE_CODECS: tuple[str, ...] = ("none", "powersgd")
+POWERSGD_RANK = 4
+# The IR has no parameter shapes (a block has its parameter count and names): every tensor of a block is taken
+# to hold the block's mean count, as a square matrix; tensors under this many values (LayerNorms, biases: the
+# 1-D ones the runtime sends whole) and ones the rank would not shrink go uncompressed.
+POWERSGD_MIN_VALUES = 4096
+POWERSGD_ALLREDUCES = 2   # P, then Q: two rounds, twice the ring's latency
+# Power iteration and orthogonalisation: 4 m n r FLOPs per matrix (P = M Q, Q = M^T P), Gram-Schmidt 2 m r^2,
+# and the error-feedback add and subtract: passes over the gradient at memory bandwidth.
+POWERSGD_GRAD_PASSES = 4
+
+
+def powersgd_tensor_values(n: float, rank: int = POWERSGD_RANK) -> float:
+    """fp32 values a tensor of ``n`` values sends under PowerSGD: ``rank * 2 sqrt(n)`` (``P`` and ``Q`` of a
+    square matrix), or ``n`` itself when small or when the rank would not shrink it."""
+    if n < POWERSGD_MIN_VALUES:
+        return n
+    return min(n, rank * 2.0 * math.sqrt(n))
+
+
+def powersgd_bytes(params: float, tensors: float, rank: int = POWERSGD_RANK) -> float:
+    """Bytes (fp32) a stage of ``params`` parameters in ``tensors`` tensors all-reduces under PowerSGD, each
+    tensor approximated as square with the mean count (``POWERSGD_MIN_VALUES``; within 2x of the true bytes on
+    GPT shapes: tests/unit/test_grad_codecs.py)."""
+    if params <= 0:
+        return 0.0
+    t = max(1.0, float(tensors))
+    return 4.0 * t * powersgd_tensor_values(params / t, rank)
+
+
+def powersgd_flops(params: float, tensors: float, rank: int = POWERSGD_RANK) -> float:
+    """FLOPs of one PowerSGD round on a stage (the square approximation of :func:`powersgd_bytes`)."""
+    if params <= 0:
+        return 0.0
+    t = max(1.0, float(tensors))
+    n = params / t
+    if powersgd_tensor_values(n, rank) >= n:
+        return 0.0
+    side = math.sqrt(n)
+    return t * (4.0 * n * rank + 2.0 * side * rank * rank)
+
+
+def powersgd_compute_ms(params: float, tensors: float, flops_per_s: float, mem_bw_bytes_per_s: float,
+                        rank: int = POWERSGD_RANK) -> float:
+    """Time one replica spends compressing and decompressing its stage's gradients: the matrix products at
+    ``flops_per_s`` (a device's effective rate) plus the error-feedback passes over the fp32 gradient."""
+    if params <= 0:
+        return 0.0
+    flops_ms = 1e3 * powersgd_flops(params, tensors, rank) / flops_per_s
+    return flops_ms + 1e3 * POWERSGD_GRAD_PASSES * 2 * 4.0 * params / mem_bw_bytes_per_s
+
+
+def powersgd_allreduce_ms(params: float, tensors: float, links: tuple[Link, ...], replicas: int, flops_per_s: float,
+                          mem_bw_bytes_per_s: float, rank: int = POWERSGD_RANK) -> float:
+    """A ring of ``replicas`` over ``links`` (``cost_models.cluster.Link``) all-reducing a stage's gradients
+    under PowerSGD: the compressed bytes, the ring latency once more (P then Q), and the slowest replica's
+    compression (``flops_per_s``/``mem_bw_bytes_per_s``: its effective fp32 rate and memory bandwidth)."""
+    if replicas < 2 or params <= 0:
+        return 0.0
+    wire = comm.allreduce_ms(powersgd_bytes(params, tensors, rank), links, replicas)
+    extra_latency = (POWERSGD_ALLREDUCES - 1) * 2.0 * (replicas - 1) * max(lk.latency_ms for lk in links)
+    return wire + extra_latency + powersgd_compute_ms(params, tensors, flops_per_s, mem_bw_bytes_per_s, rank)

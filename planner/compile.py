@@ -71,7 +71,8 @@ def _stages(solution: Solution, chain: BlockChain, config: TrainingConfig) -> tu
         in_bytes = chain.input_bytes if st.first_block == 0 else chain.blocks[st.first_block - 1].out_bytes
         codec = "none" if st.index == last else st.out_codec or search_codec(config.compress)
         out.append(StageInfo(index=st.index, blocks=chain.blocks[st.first_block:st.last_block + 1],
-                             in_bytes=in_bytes, recompute=bool(st.recompute), out_codec=codec))
+                             in_bytes=in_bytes, recompute=bool(st.recompute), out_codec=codec,
+                             allreduce_codec=st.allreduce_codec or "none"))
     return tuple(out)
 
 
@@ -111,7 +112,8 @@ def compile_plan(solution: Solution, chain: BlockChain, cluster: ClusterSpec, co
     ranks, verifiers = _ranks(solution, cluster)
     costs = CostModel(chain=chain, stage_ranges=tuple((s.first_block, s.last_block) for s in stages),
                       ranks=ranks, verifiers=verifiers, cluster=cluster, config=config,
-                      recompute=tuple(s.recompute for s in stages), codecs=tuple(s.out_codec for s in stages))
+                      recompute=tuple(s.recompute for s in stages), codecs=tuple(s.out_codec for s in stages),
+                      allreduce_codecs=tuple(s.allreduce_codec for s in stages))
     programs = build_programs(solution.schedule, len(stages), ranks, verifiers, costs)
     placeholder = Predicted(step_ms=0.0, bubble_fraction=0.0, peak_mem_bytes=(0,) * len(ranks))
     plan = Plan(model=model_ref, cluster=cluster.to_dict(), config=config, policy=policy,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import comm, compute, memory
-from cost_models.codecs import codec_ms, wire_bytes
+from cost_models.codecs import codec_ms, powersgd_allreduce_ms, wire_bytes
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
@@ -32,9 +32,11 @@ class CostModel:
 
     def __init__(self, *, chain: BlockChain, stage_ranges: tuple[tuple[int, int], ...],
                  ranks: tuple[RankInfo, ...], verifiers: tuple[VerifierInfo, ...], cluster: ClusterSpec,
-                 config: TrainingConfig, recompute: tuple[bool, ...] = (), codecs: tuple[str, ...] = ()) -> None:
+                 config: TrainingConfig, recompute: tuple[bool, ...] = (), codecs: tuple[str, ...] = (),
+                 allreduce_codecs: tuple[str, ...] = ()) -> None:
         """``recompute``: per stage, whether its backward runs its forward again (default: none does);
-        ``codecs``: per stage, its output boundary's codec (``cost_models.codecs``; default: none)."""
+        ``codecs``: per stage, its output boundary's codec (``cost_models.codecs``; default: none);
+        ``allreduce_codecs``: per stage, its replicas' gradient all-reduce codec (default: none)."""
         self.chain, self.ranks, self.cluster, self.config = chain, ranks, cluster, config
         self.ranges = stage_ranges
         self.recompute = recompute or (False,) * len(stage_ranges)
@@ -44,6 +46,7 @@ class CostModel:
         # Bytes crossing boundary b (stage b -> b+1), either direction: decoded, and on the wire.
         self.boundary_bytes = tuple(chain.blocks[hi].out_bytes * scale for _, hi in stage_ranges[:-1])
         self.codecs = codecs or ("none",) * len(stage_ranges)
+        self.allreduce_codecs = allreduce_codecs or ("none",) * len(stage_ranges)
         self.wire_bytes = tuple(wire_bytes(c, b, dtype_bytes(dtype)) for c, b in zip(self.codecs, self.boundary_bytes))
         self.spec = tuple(cluster.device(r.device).spec for r in ranks)
         planned = {spec for r, spec in zip(ranks, self.spec) if r.stage is not None}
@@ -120,9 +123,15 @@ class CostModel:
 
     def allreduce_ms(self, stage: int) -> float:
         lo, hi = self.ranges[stage]
-        grad_bytes = memory.stage_param_count(self.chain, lo, hi) * memory.bytes_per_param(self.config).grads
+        params = memory.stage_param_count(self.chain, lo, hi)
         devices = [r.device for r in self.ranks if r.stage == stage]
-        return comm.group_allreduce_ms(self.cluster, devices, grad_bytes)
+        if self.allreduce_codecs[stage] == "powersgd" and len(devices) > 1:
+            specs = [self.cluster.device(d).spec for d in devices]
+            slowest = min(specs, key=lambda s: s.effective_flops_per_s("float32"))
+            return powersgd_allreduce_ms(params, stage_param_tensors(self.chain, lo, hi),
+                                         comm.ring_links(self.cluster, devices), len(devices),
+                                         slowest.effective_flops_per_s("float32"), slowest.mem_bw_bytes_per_s)
+        return comm.group_allreduce_ms(self.cluster, devices, params * memory.bytes_per_param(self.config).grads)
 
     def memory_bytes(self, rank: int, peak_in_flight: int) -> int:
         """Peak bytes of ``rank`` holding at most ``peak_in_flight`` microbatches' activations at once."""
@@ -141,7 +150,8 @@ class CostModel:
         return cls(chain=plan.chain(), stage_ranges=tuple((s.first_block, s.last_block) for s in plan.stages),
                    ranks=plan.ranks, verifiers=plan.verifiers, cluster=plan.effective_cluster(),
                    config=plan.config, recompute=tuple(s.recompute for s in plan.stages),
-                   codecs=tuple(s.out_codec for s in plan.stages))
+                   codecs=tuple(s.out_codec for s in plan.stages),
+                   allreduce_codecs=tuple(s.allreduce_codec for s in plan.stages))
 
     @classmethod
     def for_rehearsal(cls, plan: Plan, local: DeviceSpec, *, emulate: bool, slowdown: float = 1.0) -> "CostModel":
@@ -166,7 +176,8 @@ class CostModel:
                       for h in planned_cluster.hosts)
         here = replace(planned_cluster, hosts=hosts, intra_host=link, default=link, regions=(), host_links=())
         costs = cls(chain=planned.chain, stage_ranges=planned.ranges, ranks=plan.ranks, verifiers=plan.verifiers,
-                    cluster=here, config=plan.config, recompute=planned.recompute, codecs=planned.codecs)
+                    cluster=here, config=plan.config, recompute=planned.recompute, codecs=planned.codecs,
+                    allreduce_codecs=planned.allreduce_codecs)
         for r, info in enumerate(plan.ranks):
             if info.stage is None or not emulate:
                 continue

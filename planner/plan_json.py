@@ -51,7 +51,8 @@ def plan_to_dict(plan: Mapping[str, Any]) -> dict[str, Any]:
         "policy": plan["policy"].to_dict(),
         "verifier_config": plan["verifier_config"].to_dict(),
         "stages": [{"index": st.index, "in_bytes": st.in_bytes, "recompute": st.recompute,
-                    "out_codec": st.out_codec, "blocks": [_plain(b) for b in st.blocks]} for st in plan["stages"]],
+                    "out_codec": st.out_codec, "allreduce_codec": st.allreduce_codec,
+                    "blocks": [_plain(b) for b in st.blocks]} for st in plan["stages"]],
         "chain_microbatch_size": plan["chain_microbatch_size"],
         "tied_params": [_plain(t) for t in plan["tied_params"]],
         "ranks": [_plain(r) for r in plan["ranks"]],
@@ -110,6 +111,7 @@ def plan_fields(data: Mapping[str, Any], source: str) -> dict[str, Any]:
             verifier_config=VerifierConfig.from_dict(data["verifier_config"]),
             stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"], recompute=st["recompute"],
                                    out_codec=st.get("out_codec", "none"),
+                                   allreduce_codec=st.get("allreduce_codec", "none"),
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),
             chain_microbatch_size=data["chain_microbatch_size"],

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cost_models.codecs import check_codec
+from cost_models.codecs import ALLREDUCE_CODECS, check_codec
 from planner.errors import InvalidInputError
 from planner.ir import Block, dtype_bytes
 from planner.verifier_config import DIRECTIONS
@@ -65,6 +65,7 @@ class StageInfo:
     in_bytes: int
     recompute: bool = False
     out_codec: str = "none"  # cost_models.codecs: how its activations (and their gradients back) travel
+    allreduce_codec: str = "none"  # cost_models.codecs.ALLREDUCE_CODECS: how its replicas all-reduce gradients
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -75,6 +76,7 @@ class StageInfo:
                                     found=repr(tuple(b.index for b in self.blocks)))
         _check_non_negative(f"stage {self.index}", self, ("in_bytes",))
         check_codec(self.out_codec)
+        check_codec(self.allreduce_codec, allowed=ALLREDUCE_CODECS)
 
     @property
     def first_block(self) -> int:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from cost_models import comm, memory
+from cost_models import codecs, comm, memory
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
@@ -170,13 +170,21 @@ def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, sh
 
 
 def allreduce_ms(problem: Problem, st: StagePlacement) -> float:
-    """Gradient all-reduce of a replicated stage: a ring over its replicas in order."""
+    """Gradient all-reduce of a replicated stage: a ring over its replicas in order (compressed under its
+    ``allreduce_codec``: ``cost_models.codecs.powersgd_allreduce_ms``)."""
     r = len(st.devices)
     if r < 2:
         return 0.0
     ring = tuple(problem.link(a, b) for a, b in zip(st.devices, st.devices[1:] + st.devices[:1]))
-    grad_bytes = problem.range_params(st.first_block, st.last_block) * problem.grad_bytes_per_param
-    return comm.allreduce_ms(grad_bytes, ring, r)
+    params = problem.range_params(st.first_block, st.last_block)
+    if st.allreduce_codec == "powersgd":
+        counts = problem.param_tensors
+        tensors = 1 if counts is None else int(counts[st.first_block:st.last_block + 1].sum())
+        slowest = min((problem.classes[problem.class_of(d)].spec for d in st.devices),
+                      key=lambda s: s.effective_flops_per_s("float32"))
+        return codecs.powersgd_allreduce_ms(params, tensors, ring, r, slowest.effective_flops_per_s("float32"),
+                                            slowest.mem_bw_bytes_per_s)
+    return comm.allreduce_ms(params * problem.grad_bytes_per_param, ring, r)
 
 
 def evaluate(problem: Problem, placement: Placement) -> Evaluation:

@@ -18,7 +18,8 @@ class StagePlacement:
     their gradients. ``in_flight[i]``: the most microbatches replica ``i`` may hold
     in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``). ``recompute``: whether its
     blocks' forwards run again in the backward (None: as the problem it was planned in, ``Problem.recompute``).
-    ``out_codec``: how its activations and the gradients sent back for them travel (``cost_models.codecs``).
+    ``out_codec``: how its activations and the gradients sent back for them travel (``cost_models.codecs``);
+    ``allreduce_codec``: how its replicas all-reduce their gradients (``none`` or ``powersgd``).
     """
 
     index: int
@@ -29,6 +30,7 @@ class StagePlacement:
     in_flight: tuple[int, ...] = ()
     recompute: bool | None = None
     out_codec: str | None = None  # its boundary's codec (None: the problem's, ``Problem.codec``)
+    allreduce_codec: str | None = None  # its replicas' gradient all-reduce codec (None: none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.last_block:
