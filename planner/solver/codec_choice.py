@@ -4,6 +4,11 @@
 least lossy codec (none, then fp8) replaces int8 wherever the compiled programs cost at most ``AUTO_SLACK`` more
 than the all-int8 plan: boundaries on fast links stay uncompressed, slow ones keep int8. int4 is never chosen
 by ``auto`` (its error is the one the convergence goal allows 3% for): ask for it by name.
+
+Under ``auto`` each replicated stage's gradient all-reduce may also run PowerSGD (``allreduce_codec``): all of
+them do if that prices the program more than ``AUTO_SLACK`` lower, then each goes back to ``none`` wherever
+that costs nothing (a stage whose all-reduce does not pace the step keeps exact gradients). Fixed boundary
+codecs leave every all-reduce uncompressed.
 """
 from __future__ import annotations
 
@@ -21,12 +26,36 @@ def with_codecs(placement: Placement, codecs: list[str]) -> Placement:
     return dataclasses.replace(placement, stages=stages)
 
 
+def with_allreduce_codecs(placement: Placement, codecs: list[str]) -> Placement:
+    stages = tuple(dataclasses.replace(st, allreduce_codec=c) for st, c in zip(placement.stages, codecs))
+    return dataclasses.replace(placement, stages=stages)
+
+
+def choose_allreduce_codecs(problem: Problem, placement: Placement) -> Placement:
+    """``placement`` with every stage's ``allreduce_codec`` set: PowerSGD where it pays (module docstring)."""
+    plain = ["none"] * placement.num_stages
+    replicated = [k for k, st in enumerate(placement.stages) if len(st.devices) > 1]
+    if problem.compress != "auto" or not replicated:
+        return with_allreduce_codecs(placement, plain)
+    base = price_program(problem, with_allreduce_codecs(placement, plain)).step_ms
+    codecs = ["powersgd" if k in replicated else "none" for k in range(placement.num_stages)]
+    best = price_program(problem, with_allreduce_codecs(placement, codecs)).step_ms
+    if best >= base * (1 - AUTO_SLACK):
+        return with_allreduce_codecs(placement, plain)
+    for k in replicated:
+        trial = codecs[:k] + ["none"] + codecs[k + 1:]
+        if price_program(problem, with_allreduce_codecs(placement, trial)).step_ms <= best:
+            codecs = trial
+    return with_allreduce_codecs(placement, codecs)
+
+
 def choose_codecs(problem: Problem, placement: Placement) -> Placement:
-    """``placement`` with every stage's ``out_codec`` set (the last stage's: none)."""
+    """``placement`` with every stage's ``out_codec`` set (the last stage's: none), then its all-reduce codecs
+    (:func:`choose_allreduce_codecs`)."""
     S = placement.num_stages
     codecs = [problem.codec] * (S - 1) + ["none"]
     if problem.compress != "auto":
-        return with_codecs(placement, codecs)
+        return choose_allreduce_codecs(problem, with_codecs(placement, codecs))
     limit = price_program(problem, with_codecs(placement, codecs)).step_ms * (1 + AUTO_SLACK)
     for k in range(S - 1):
         for codec in AUTO_ORDER:
@@ -34,4 +63,4 @@ def choose_codecs(problem: Problem, placement: Placement) -> Placement:
             if price_program(problem, with_codecs(placement, trial)).step_ms <= limit:
                 codecs = trial
                 break
-    return with_codecs(placement, codecs)
+    return choose_allreduce_codecs(problem, with_codecs(placement, codecs))
