@@ -27,8 +27,14 @@ import torch
 import torch.distributed as dist
 
 from planner.integrity import robust_reduce
-from planner.integrity.contributions import SKETCH_DIMS, ContributionMonitor, sketch, sketch_seed
+from planner.integrity.contributions import (
+    SKETCH_DIMS,
+    ContributionMonitor,
+    sketch,
+    sketch_seed,
+)
 from planner.runtime.wire import comm, control
+from planner.runtime.wire.grad_codecs import PowerSGDState
 
 HISTORY_BETA = 0.9   # the robust sum's reference (the EMA of its past results) and radius
 
@@ -50,22 +56,45 @@ def _watched(ex: Any) -> dict[int, tuple[int, ...]]:
     return ex._watched_stages
 
 
+def _powersgd(ex: Any, stage: int | None, ranks: Sequence[int]) -> PowerSGDState | None:
+    """This replica's PowerSGD state where ``ranks`` are its stage's replicas and the plan compresses their
+    all-reduce (made on first use from the replicated parameters' shapes, in ``_sum_grads``' order)."""
+    if stage is None or tuple(ranks) != tuple(ex.groups.stage_ranks) or len(ranks) < 2:
+        return None
+    if ex.plan.stages[stage].allreduce_codec != "powersgd":
+        return None
+    if getattr(ex, "_powersgd_state", None) is None:
+        ex._powersgd_state = PowerSGDState([p.shape for p in ex.replica_params])
+    return ex._powersgd_state
+
+
+def _sum(ex: Any, flat: torch.Tensor, state: PowerSGDState | None, *, group: Any, ranks: Sequence[int],
+         doing: str) -> None:
+    if state is None:
+        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        return
+    state.reduce(flat, lambda t: comm.all_reduce_sum(t, group=group, ranks=ranks, doing=f"{doing} (PowerSGD)"))
+
+
 def reduce_replicas(ex: Any, flat: torch.Tensor, *, group: Any, ranks: Sequence[int], doing: str) -> None:
-    """The sum of ``flat`` over ``group`` in place (the executor's all-reduce hook). On a replica of a watched
-    stage, summing its replicas' gradients (the trained count last when verifying), it first keeps the sketch
-    of its own contribution for :func:`exchange` (poisoned first where a ``dir=params`` attack runs here), and
-    sums by centered clipping where ``ex.robust_reduce`` is set."""
+    """The sum of ``flat`` over ``group`` in place (the executor's all-reduce hook), PowerSGD-compressed where
+    the plan's stage says so (``wire.grad_codecs``). On a replica of a watched stage, summing its replicas'
+    gradients (the trained count last when verifying), it first keeps the sketch of its own contribution for
+    :func:`exchange` (poisoned first where a ``dir=params`` attack runs here), and sums by centered clipping
+    where ``ex.robust_reduce`` is set: that sum needs every whole contribution, so it stays uncompressed
+    whatever the plan's codec (the plan then prices the all-reduce below what it costs)."""
     stage = ex.info.stage if ex.stage is not None else None
+    state = _powersgd(ex, stage, ranks)
     replicas = stage is not None and tuple(ranks) == tuple(ex.groups.stage_ranks) and stage in _watched(ex)
     if not replicas:
-        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        _sum(ex, flat, state, group=group, ranks=ranks, doing=doing)
         return
     grads = flat[:-1] if ex.verifying else flat
     if ex.attacks is not None and ex.attacks.active:
         grads.copy_(ex.attacks.poison_contribution(grads, step=ex.step))
     ex._replica_sketch = sketch(grads, seed=sketch_seed(0, stage))
     if not getattr(ex, "robust_reduce", False):
-        comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        _sum(ex, flat, state, group=group, ranks=ranks, doing=doing)
         return
     parts = [torch.empty_like(flat) for _ in ranks]
     try:
