@@ -23,6 +23,7 @@ from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.weights_out import launch_saving_weights
 from planner.runtime.options import add_run_arguments, options_from_args
+from planner.runtime.outputs.drops import DROP_LIMIT, DROPS_EXIT_CODE, drops_line, too_many_drops
 from planner.runtime.outputs.tensorboard import summary_writer_class
 
 
@@ -132,6 +133,13 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[bold red]steps {untrained} trained nothing[/] (every microbatch was dropped by "
                       "verification): the run is not complete")
         return 1
+    line = drops_line(result)
+    if line:
+        console.print(line, highlight=False)
+    if too_many_drops(result):
+        console.print(f"[bold red]more than {DROP_LIMIT:.0%} of the microbatches were dropped[/]: the model trained "
+                      f"on less data than asked (exit {DROPS_EXIT_CODE})")
+        return DROPS_EXIT_CODE
     return 0
 
 

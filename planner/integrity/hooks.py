@@ -28,11 +28,13 @@ from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import (
     FLAG_EVENTS_SCHEMA as FLAG_EVENTS_SCHEMA,  # the flags exchange, for the executor
 )
+from planner.integrity.drops import step_drops
 from planner.integrity.verifier import Verifier
 from planner.plan import Plan
 from planner.runtime.data import PlanBatches, make_source
 
 SUMMARY_EVENTS = 256  # verifier events a rank reports at the end of a run (the latest; all are counted)
+SUMMARY_DROPS = 4096  # dropped microbatches the lead verifier names in the run summary (the first; all are counted)
 
 
 def monitor_config(plan: Plan, seed: int, *, lr_warmup: int = 0) -> dict[str, Any]:
@@ -86,6 +88,8 @@ class VerifyHooks:
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen
         self.logged_bans = 0  # how many of new_bans the worker has announced
+        self.drops: list[dict[str, Any]] = []   # the lead verifier's: every dropped microbatch and why
+        self.drops_total = 0
 
     def check(self, boundary: int, op_direction: str, tensors: Sequence[torch.Tensor], *, step: int, mb: int,
               sender: int, tainted: bool) -> tuple[bool, bool]:
@@ -117,11 +121,19 @@ class VerifyHooks:
         self.banned = set(banned)
         return set(banned)
 
+    def record_drops(self, step: int, all_flags: Sequence[Any], *, dropped: int) -> None:
+        """At the lead verifier: name the step's dropped microbatches from every verifier's flags and the
+        trusted count of those that did not train (``drops.step_drops``)."""
+        drops = step_drops(step, all_flags, dropped=dropped)
+        self.drops_total += len(drops)
+        self.drops += drops[:max(0, SUMMARY_DROPS - len(self.drops))]
+
     def summary(self) -> dict[str, Any]:
         if self.verifier is None:
             return {}
         events = self.verifier.events  # the latest only: a long attacked run logs thousands
-        return {**self.verifier.summary(), "events": list(events[-SUMMARY_EVENTS:]), "events_total": len(events)}
+        return {**self.verifier.summary(), "events": list(events[-SUMMARY_EVENTS:]), "events_total": len(events),
+                "drops": list(self.drops), "drops_total": self.drops_total}
 
 
 class _Labels:

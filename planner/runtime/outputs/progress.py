@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from planner.runtime.options import EVENT_PREFIX
+from planner.runtime.outputs.drops import drops_line
 from planner.runtime.rank.metrics import StepMetrics, StepSummary
 from planner.runtime.wire import comm
 from planner.runtime.wire.comm import Kind
@@ -40,6 +41,9 @@ class Progress:
         self.emit("done", result)
         if not self.events:
             print(format_comparison(result), flush=True)
+            line = drops_line(result)
+            if line:
+                print(line, flush=True)
             if result.get("untrained_steps"):
                 print(f"steps {result['untrained_steps']} trained nothing (every microbatch was dropped by "
                       "verification): the run is not complete", flush=True)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from planner.errors import ProtocolError
+from planner.integrity.drops import DROPS_SCHEMA
 from planner.outputs import write_atomic
 from planner.runtime.options import RunOptions
 from planner.runtime.rank.emulate import Emulation
@@ -47,7 +48,9 @@ RANK_FINAL_SCHEMA = {
         "rank": {"type": "integer", "minimum": 0}, "stage": {"type": ["integer", "null"], "minimum": 0},
         "device_type": {"type": "string"}, "fwd_factor": {"type": "number"}, "bwd_factor": {"type": "number"},
         "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0},
-                                                          "alerts": {"type": "integer", "minimum": 0}}},
+                                                          "alerts": {"type": "integer", "minimum": 0},
+                                                          "drops": DROPS_SCHEMA,
+                                                          "drops_total": {"type": "integer", "minimum": 0}}},
         "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
                                             "maxItems": 2}},
         "attacked": {"type": "array", "items": {"type": "array"}},
@@ -85,6 +88,17 @@ def rank_final(env: RankEnv, ex: Executor, emulation: Emulation, verify, attacks
             "attacked": [list(e) for e in attacks.log()] if attacks is not None else []}
 
 
+def lead_drops(plan, opts: RunOptions, ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The dropped microbatches (the first ``SUMMARY_DROPS``) and their count, as the lead verifier (the
+    lowest verifier rank, trusted) decided them; any other rank's word on drops is not read."""
+    if not opts.verify or not plan.verifiers:
+        return [], 0
+    lead = min(v.rank for v in plan.verifiers)
+    record = next((f["verification"] for f in ranks if f["rank"] == lead), {})
+    drops = list(record.get("drops", []))
+    return drops, int(record.get("drops_total", len(drops)))
+
+
 def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
                  emulation_on: bool, executor: Executor) -> dict[str, Any]:
     measured = measured_step_ms(summaries) if summaries else math.nan
@@ -92,6 +106,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
     flags = sum(f["verification"].get("flags", 0) for f in ranks)
     alerts = sum(f["verification"].get("alerts", 0) for f in ranks)
     losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
+    drops, drops_total = lead_drops(plan, opts, ranks)
     evals = [{"step": s.step, "loss": round(s.eval_loss, 6) if math.isfinite(s.eval_loss) else None}
              for s in summaries if s.eval_loss is not None]
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
@@ -103,6 +118,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
             "final_loss": losses[-1] if losses else None,
             "eval_losses": evals, "final_eval_loss": evals[-1]["loss"] if evals else None,
             "lr": [s.lr for s in summaries], "accumulate": opts.accumulate, "dropped": [s.dropped for s in summaries],
+            "microbatches": len(summaries) * plan.num_microbatches, "drops": drops, "drops_total": drops_total,
             "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.

@@ -158,13 +158,14 @@ class Verification:
         if self.verify is None:
             return set()
         replica_checks.exchange(self, step)   # the replicas' gradient sketches join the step's flags
-        self._resolve_blame(step)
+        flags = self._resolve_blame(step)
         lead = min(self.groups.verifier_ranks)
         with self._timed("comm"):
             trained = self._gather_trained(lead, step)
             verdict = None
             if self.rank == lead:
                 verifier = self.verify.verifier
+                self.verify.record_drops(step, flags, dropped=self.plan.num_microbatches - trained)
                 verdict = ban_exchange.encode(self.plan.num_ranks, unresolved=verifier.unresolved(),
                                               bans=verifier.ban_records(), trained=trained).to(self.device)
             verdict = control.send_from(verdict, src=lead, me=self.rank, ranks=range(self.plan.num_ranks),
@@ -200,11 +201,12 @@ class Verification:
         dropped = self.dropped_f | self.dropped_b
         return sum(1 for mb in self.info.microbatches if mb not in dropped)
 
-    def _resolve_blame(self, step: int) -> None:
-        """Exchange flags among the verifier ranks and resolve blame (verifier ranks only)."""
+    def _resolve_blame(self, step: int) -> list:
+        """Exchange flags among the verifier ranks and resolve blame (verifier ranks only); returns every
+        verifier's flags of the step (none elsewhere)."""
         assert self.verify is not None
         if self.verify.verifier is None:
-            return
+            return []
         with self._timed("verify"):
             flags = self.verify.step_flags(step)
         with self._timed("comm"):
@@ -216,3 +218,4 @@ class Verification:
                 gathered = [flags]
         with self._timed("verify"):
             self.verify.end_step(step, gathered)   # blame and bans: verification work too
+        return gathered
