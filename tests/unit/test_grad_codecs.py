@@ -2,6 +2,7 @@
 replicas simulated in one process, and its price (``cost_models.codecs``) against real GPT shapes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -13,8 +14,13 @@ from cost_models.codecs import powersgd_allreduce_ms, powersgd_bytes
 from cost_models.comm import allreduce_ms
 from models.registry import build_model
 from planner.coarsen import coarsen
+from planner.instruction_costs import CostModel
 from planner.runtime.wire.grad_codecs import PowerSGDState
+from planner.solver.codec_choice import AUTO_SLACK, choose_codecs
+from planner.solver.objective import allreduce_ms, price_program
 from planner.trace import trace
+from tests.unit.program_fixtures import POLICY, _compiled
+from tests.unit.test_codec_planning import _case
 
 
 def _sum_over_replicas(states: list[PowerSGDState], flats: list[torch.Tensor]) -> None:
@@ -53,11 +59,12 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def test_a_low_rank_sum_comes_through_almost_exactly():
     gen = torch.Generator().manual_seed(0)
     grads = []
-    for _ in range(2):   # two replicas whose matrices share a rank-2 column space: their sum has rank <= 4
+    for r in range(2):   # two replicas whose matrices have rank 2 each: their sum has rank <= 4
         u = torch.randn(96, 2, generator=gen)
         v = torch.randn(64, 2, generator=gen)
         grads.append([u @ torch.randn(2, 80, generator=gen), torch.randn(80, generator=gen),
-                      (v @ torch.randn(2, 64, generator=gen)).reshape(64, 8, 8)])
+                      (v @ torch.randn(2, 64, generator=gen)).reshape(64, 8, 8),
+                      torch.tensor([2.0 + r])])   # a verified run's trained count rides last, summed exactly
     states = [PowerSGDState(SHAPES) for _ in grads]
     flats = [_flat(g) for g in grads]
     want = flats[0] + flats[1]
@@ -65,6 +72,7 @@ def test_a_low_rank_sum_comes_through_almost_exactly():
         flats = [_flat(g) for g in grads]
         _sum_over_replicas(states, flats)
     assert torch.equal(flats[0], flats[1])                      # every replica applies the same sum
+    assert float(flats[0][-1]) == 5.0
     torch.testing.assert_close(flats[0], want, rtol=1e-4, atol=1e-4)
 
 
@@ -123,3 +131,28 @@ def test_priced_bytes_and_time_grow_with_the_tensor_and_stay_under_uncompressed(
         prev_bytes, prev_ms = nbytes, ms
     assert powersgd_bytes(1000, 4) == 4000          # small tensors go whole
     assert math.isclose(powersgd_allreduce_ms(1e6, 1, slow, 1, 1e12, 1e11), 0.0)
+
+
+def test_auto_runs_powersgd_where_it_pays_and_fixed_codecs_never_do():
+    chosen = 0
+    for seed in range(12):
+        for compress in ("auto", "int8"):
+            problem, placement, chain, cluster, config = _case(seed, compress)
+            if placement is None:
+                continue
+            placement = choose_codecs(problem, placement)
+            codecs = [st.allreduce_codec for st in placement.stages]
+            if compress != "auto" or "powersgd" not in codecs:
+                assert set(codecs) == {"none"}
+                continue
+            chosen += 1
+            assert all(len(st.devices) > 1 for st in placement.stages if st.allreduce_codec == "powersgd")
+            plain = dataclasses.replace(placement, stages=tuple(dataclasses.replace(st, allreduce_codec="none")
+                                                                for st in placement.stages))
+            assert price_program(problem, placement).step_ms < (1 - AUTO_SLACK) * price_program(problem, plain).step_ms
+            _, plan = _compiled(problem, placement, chain, cluster, config, POLICY)
+            assert [st.allreduce_codec for st in plan.stages] == codecs
+            costs = CostModel.for_plan(plan)   # the simulator prices each all-reduce as the objective does
+            for k, st in enumerate(placement.stages):
+                assert costs.allreduce_ms(k) == pytest.approx(allreduce_ms(problem, st), rel=1e-9)
+    assert chosen >= 4
