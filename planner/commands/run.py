@@ -23,7 +23,12 @@ from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.weights_out import launch_saving_weights
 from planner.runtime.options import add_run_arguments, options_from_args
-from planner.runtime.outputs.drops import DROP_LIMIT, DROPS_EXIT_CODE, drops_line, too_many_drops
+from planner.runtime.outputs.drops import (
+    DROP_LIMIT,
+    DROPS_EXIT_CODE,
+    drops_line,
+    too_many_drops,
+)
 from planner.runtime.outputs.tensorboard import summary_writer_class
 
 
