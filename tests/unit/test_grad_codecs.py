@@ -16,8 +16,8 @@ from models.registry import build_model
 from planner.coarsen import coarsen
 from planner.instruction_costs import CostModel
 from planner.runtime.wire.grad_codecs import PowerSGDState
+from planner.solver import objective
 from planner.solver.codec_choice import AUTO_SLACK, choose_codecs
-from planner.solver.objective import allreduce_ms, price_program
 from planner.trace import trace
 from tests.unit.program_fixtures import POLICY, _compiled
 from tests.unit.test_codec_planning import _case
@@ -149,10 +149,11 @@ def test_auto_runs_powersgd_where_it_pays_and_fixed_codecs_never_do():
             assert all(len(st.devices) > 1 for st in placement.stages if st.allreduce_codec == "powersgd")
             plain = dataclasses.replace(placement, stages=tuple(dataclasses.replace(st, allreduce_codec="none")
                                                                 for st in placement.stages))
-            assert price_program(problem, placement).step_ms < (1 - AUTO_SLACK) * price_program(problem, plain).step_ms
+            priced = objective.price_program(problem, placement).step_ms
+            assert priced < (1 - AUTO_SLACK) * objective.price_program(problem, plain).step_ms
             _, plan = _compiled(problem, placement, chain, cluster, config, POLICY)
             assert [st.allreduce_codec for st in plan.stages] == codecs
             costs = CostModel.for_plan(plan)   # the simulator prices each all-reduce as the objective does
             for k, st in enumerate(placement.stages):
-                assert costs.allreduce_ms(k) == pytest.approx(allreduce_ms(problem, st), rel=1e-9)
+                assert costs.allreduce_ms(k) == pytest.approx(objective.allreduce_ms(problem, st), rel=1e-9)
     assert chosen >= 4
