@@ -63,8 +63,9 @@ def _powersgd(ex: Any, stage: int | None, ranks: Sequence[int]) -> PowerSGDState
         return None
     if ex.plan.stages[stage].allreduce_codec != "powersgd":
         return None
-    if getattr(ex, "_powersgd_state", None) is None:
-        ex._powersgd_state = PowerSGDState([p.shape for p in ex.replica_params])
+    shapes = tuple(p.shape for p in ex.replica_params)
+    if getattr(ex, "_powersgd_state", None) is None or ex._powersgd_state.shapes != shapes:  # new stage: fresh
+        ex._powersgd_state = PowerSGDState(shapes)
     return ex._powersgd_state
 
 
