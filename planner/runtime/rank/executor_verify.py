@@ -35,8 +35,8 @@ import torch
 
 from planner.instructions import Instruction
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
-from planner.runtime.rank.deferred import merge_grads
 from planner.runtime.rank import replica_checks
+from planner.runtime.rank.deferred import merge_grads
 from planner.runtime.rank.executor_p2p import ACT_KINDS
 from planner.runtime.wire import bans as ban_exchange
 from planner.runtime.wire import comm, control, messages
