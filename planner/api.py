@@ -45,6 +45,7 @@ RIVALS_MAX_S = 5.0
 # Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``): a pool
 # planned whole is never slower than its trusted hosts alone, one device type, or the pool less a region.
 RESTRICTIONS_SHARE = 0.2
+SHAPED_SHARE = 0.05  # of the time limit: the ppdp grid's shape solved as a fixed shape (``_grid_shaped``)
 
 
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
@@ -114,7 +115,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         free = stages is None and replicas is None
         kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if free else 0.0
         parts = restrictions(spec_cluster) if free and warm_start is None else ()
-        kept += RESTRICTIONS_SHARE * time_limit_s if parts else 0.0
+        kept += (RESTRICTIONS_SHARE * time_limit_s if parts else 0.0) + (SHAPED_SHARE * time_limit_s if free else 0.0)
         solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers,
                                     time_limit_s=max(0.0, time_limit_s - kept),  # work, not what the clock left
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
@@ -143,7 +144,26 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
                                       deadline=Work(min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S), what="rivals"),
                                       within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
+    found += _grid_shaped(found, chain, spec_cluster, config, policy, workers=workers, recompute=recompute,
+                          time_limit_s=SHAPED_SHARE * time_limit_s, seed=seed)
     return choose_by_simulation(plan, _rivals(plan, found, compiled))
+
+
+def _grid_shaped(found: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+                 policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float,
+                 seed: int) -> list[Any]:
+    """The ppdp baseline's shape solved as ``--stages/--replicas`` would (its blocks re-split for its devices,
+    its cuts polished): the free plan is never slower than that forced grid."""
+    grid = next((s for s in found if s.report.method == "baseline:ppdp"), None)
+    if grid is None or len({len(st.devices) for st in grid.stages}) != 1:
+        return []
+    shaped = solver_api.solve_or_explain(chain, cluster, config, policy, workers=workers, time_limit_s=time_limit_s,
+                                         stages=len(grid.stages), replicas=len(grid.stages[0].devices),
+                                         recompute_mode=recompute, seed=seed)
+    if isinstance(shaped, InfeasiblePlanError):
+        return []
+    method = f"{shaped.report.method} on the ppdp grid's shape"
+    return [dataclasses.replace(shaped, report=dataclasses.replace(shaped.report, method=method))]
 
 
 def _reordered(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
