@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -97,7 +98,10 @@ def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path):
     here = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0)
     assert here.result.step_ms > 2 * plan.predicted.step_ms
     row = next(line for line in proc.stdout.splitlines() if "predicted step here" in line)
-    assert f"{here.result.step_ms:.2f} ms" in row and f"profile {here.device}, {here.cores} cores" in row
+    assert f"profile {here.device}, {here.cores} cores" in row
+    # The prediction times the plan's model here (planner.rehearsal): two timings, alike within the noise.
+    printed = float(re.search(r"([0-9.]+) ms", row.split("│")[-2]).group(1))
+    assert printed == pytest.approx(here.result.step_ms, rel=0.25)
     assert "measured / predicted here" in proc.stdout
 
 
