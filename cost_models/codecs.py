@@ -58,6 +58,7 @@ def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str) -> f
 # --- a replicated stage's gradient all-reduce ---------------------------------------------------------------
 ALLREDUCE_CODECS: tuple[str, ...] = ("none", "powersgd")
 POWERSGD_RANK = 4
+POWERSGD_STATE_BYTES_PER_PARAM = 4   # the error-feedback buffer: one fp32 gradient copy (the Q's are small)
 # The IR has no parameter shapes (a block has its parameter count and names): every tensor of a block is taken
 # to hold the block's mean count, as a square matrix; tensors under this many values (LayerNorms, biases: the
 # 1-D ones the runtime sends whole) and ones the rank would not shrink go uncompressed.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import comm, compute, memory
-from cost_models.codecs import codec_ms, powersgd_allreduce_ms, wire_bytes
+from cost_models.codecs import POWERSGD_STATE_BYTES_PER_PARAM, codec_ms, powersgd_allreduce_ms, wire_bytes
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
@@ -143,7 +143,9 @@ class CostModel:
         br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1),
                                  recompute=self.recompute[info.stage])
         acts = br.activations_bytes if peak_in_flight else 0
-        return br.static_bytes + br.buffers_bytes + acts + verifier_state
+        feedback = POWERSGD_STATE_BYTES_PER_PARAM * memory.stage_param_count(self.chain, lo, hi) \
+            if self.allreduce_codecs[info.stage] == "powersgd" else 0  # its error-feedback buffer
+        return br.static_bytes + br.buffers_bytes + acts + verifier_state + feedback
 
     @classmethod
     def for_plan(cls, plan: Plan) -> "CostModel":

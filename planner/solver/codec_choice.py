@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.objective import Placement, price_program
+from planner.solver.objective import Placement, price_program, stage_memory_bytes
 from planner.solver.problem import Problem
 
 AUTO_SLACK = 0.005
@@ -38,7 +38,8 @@ def choose_allreduce_codecs(problem: Problem, placement: Placement) -> Placement
     if problem.compress != "auto" or not replicated:
         return with_allreduce_codecs(placement, plain)
     base = price_program(problem, with_allreduce_codecs(placement, plain)).step_ms
-    codecs = ["powersgd" if k in replicated else "none" for k in range(placement.num_stages)]
+    codecs = ["powersgd" if k in replicated and _fits(problem, placement, k) else "none"
+              for k in range(placement.num_stages)]
     best = price_program(problem, with_allreduce_codecs(placement, codecs)).step_ms
     if best >= base * (1 - AUTO_SLACK):
         return with_allreduce_codecs(placement, plain)
@@ -47,6 +48,13 @@ def choose_allreduce_codecs(problem: Problem, placement: Placement) -> Placement
         if price_program(problem, with_allreduce_codecs(placement, trial)).step_ms <= best:
             codecs = trial
     return with_allreduce_codecs(placement, codecs)
+
+
+def _fits(problem: Problem, placement: Placement, k: int) -> bool:
+    """Whether stage ``k``'s replicas still fit their memory with PowerSGD's error-feedback buffer."""
+    st = dataclasses.replace(placement.stages[k], allreduce_codec="powersgd")
+    return all(stage_memory_bytes(problem, st, placement.num_stages, m) <= problem.classes[problem.class_of(d)].mem_bytes
+               for d, m in zip(st.devices, st.microbatches))
 
 
 def choose_codecs(problem: Problem, placement: Placement) -> Placement:

@@ -42,6 +42,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from cost_models import codecs, comm, memory
+from cost_models.codecs import POWERSGD_STATE_BYTES_PER_PARAM
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
@@ -164,7 +165,8 @@ def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, sh
     if in_flight is None:
         in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
     problem = problem.tables(st.recompute)
-    return (problem.range_params(st.first_block, st.last_block) * problem.state_bytes_per_param
+    state = problem.state_bytes_per_param + (POWERSGD_STATE_BYTES_PER_PARAM if st.allreduce_codec == "powersgd" else 0)
+    return (problem.range_params(st.first_block, st.last_block) * state
             + problem.range_act_bytes(st.first_block, st.last_block) * in_flight
             + problem.buffer_bytes(st.first_block, st.last_block))
 
