@@ -179,7 +179,7 @@ def allreduce_ms(problem: Problem, st: StagePlacement) -> float:
         return 0.0
     ring = tuple(problem.link(a, b) for a, b in zip(st.devices, st.devices[1:] + st.devices[:1]))
     params = problem.range_params(st.first_block, st.last_block)
-    if st.allreduce_codec == "powersgd":
+    if (problem.allreduce_codec if st.allreduce_codec is None else st.allreduce_codec) == "powersgd":
         counts = problem.param_tensors
         tensors = 1 if counts is None else int(counts[st.first_block:st.last_block + 1].sum())
         slowest = min((problem.classes[problem.class_of(d)].spec for d in st.devices),

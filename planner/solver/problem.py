@@ -129,6 +129,9 @@ class Problem:
     codec: str = "none"
     elem_bytes: int = 4
     compress: str = "none"  # what the user asked (``auto``: each stage's codec is chosen at the end)
+    # Gradient bytes per parameter the searches' all-reduces move (None: ``grad_bytes_per_param``); under
+    # ``auto`` PowerSGD's, so the search explores the replication it makes affordable.
+    search_grad_bytes_per_param: float | None = None
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
@@ -238,7 +241,18 @@ class Problem:
         ring = (self.links[cls][cls],) * replicas
         one = comm.allreduce_ms(1e9, ring, replicas)
         two = comm.allreduce_ms(2e9, ring, replicas)
-        return one - (two - one), (two - one) / 1e9 * self.grad_bytes_per_param
+        return one - (two - one), (two - one) / 1e9 * self.ar_bytes_per_param
+
+    @property
+    def ar_bytes_per_param(self) -> float:
+        """Gradient bytes per parameter in the searches' all-reduces (``search_grad_bytes_per_param``)."""
+        return self.grad_bytes_per_param if self.search_grad_bytes_per_param is None \
+            else self.search_grad_bytes_per_param
+
+    @property
+    def allreduce_codec(self) -> str:
+        """The all-reduce codec a stage without its own (``StagePlacement.allreduce_codec`` None) is priced at."""
+        return "powersgd" if self.compress == "auto" else "none"
 
     def boundary_bytes(self, last_block: int) -> float:
         """Bytes sent across the cut after ``last_block`` (activation forward, gradient back), encoded with the
@@ -404,7 +418,15 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         optim_traffic_per_param=optim.traffic_bytes_per_param(config),
         optim_kernels_per_tensor=OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1),
         param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64),
-        codec=search_codec(config.compress), elem_bytes=dtype_bytes(config.dtype), compress=config.compress)
+        codec=search_codec(config.compress), elem_bytes=dtype_bytes(config.dtype), compress=config.compress,
+        search_grad_bytes_per_param=_powersgd_bytes_per_param(chain) if config.compress == "auto" else None)
+
+
+def _powersgd_bytes_per_param(chain: BlockChain) -> float:
+    """The whole model's PowerSGD bytes per parameter (``cost_models.codecs.powersgd_bytes``)."""
+    params = sum(b.param_count for b in chain.blocks)
+    tensors = sum(len(b.param_names) for b in chain.blocks)
+    return codecs.powersgd_bytes(params, tensors) / params if params else 0.0
 
 
 def search_codec(compress: str) -> str:

@@ -147,14 +147,14 @@ class CostsMixin:
         terms = [(k, c, r, lit) for k in range(self.K) for (c, r), lit in self.y[k].items() if r > 1]
         if not terms:
             return 0
-        total_grad = int(p.param_count.sum() + sum(t.param_count for t in p.tied)) * p.grad_bytes_per_param
+        total_grad = int(p.param_count.sum() + sum(t.param_count for t in p.tied)) * p.ar_bytes_per_param
         ar_hi = max(self.units(comm.allreduce_ms(total_grad, (p.links[c][c],) * r, r)) + 1
                     for _, c, r, _ in terms)
         ar = self.ivar(ar_hi, "AR")
         for k, c, r, lit in terms:
             ring = (p.links[c][c],) * r
             slope_ms = comm.allreduce_ms(1e9, ring, r) - comm.allreduce_ms(0.5e9, ring, r)  # per 0.5e9 bytes
-            per_param = slope_ms / 0.5e9 * p.grad_bytes_per_param * self.U
+            per_param = slope_ms / 0.5e9 * p.ar_bytes_per_param * self.U
             lat_units = self.units(2 * (r - 1) * ring[0].latency_ms)
             scale = 1 << max(0, math.ceil(math.log2(1.0 / (COST_RESOLUTION * max(per_param, 1e-30))))) \
                 if per_param > 0 else 1
