@@ -29,23 +29,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def stage_table(plan, costs):
-    """Per stage: blocks, parameters, devices, forward+backward time per microbatch, sends, verifier."""
+    """Per stage: blocks, parameters, devices, forward+backward time per microbatch, sends on the wire (and
+    their codec), the all-reduce's codec, verifier."""
     from rich.table import Table
 
     table = Table(title="stages")
-    for col in ("stage", "blocks", "params M", "devices", "F+B ms/mb", "sends MiB", "verifier"):
-        table.add_column(col, justify="left" if col in ("blocks", "devices", "verifier") else "right")
+    for col in ("stage", "blocks", "params M", "devices", "F+B ms/mb", "sends MiB", "codec", "all-reduce",
+                "verifier"):
+        table.add_column(col, justify="left" if col in ("blocks", "devices", "codec", "all-reduce", "verifier")
+                         else "right")
     for st in plan.stages:
         ranks = plan.stage_ranks(st.index)
         names = st.block_names
         blocks = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         devices = ",".join(plan.ranks[r].device_type for r in ranks)
         times = "/".join(f"{costs.compute_ms(r, 'F') + costs.compute_ms(r, 'B'):.1f}" for r in ranks)
-        out_mib = costs.boundary_bytes[st.index] / 2**20 if st.index < plan.num_stages - 1 else 0.0
+        last = st.index == plan.num_stages - 1
+        out_mib = 0.0 if last else costs.wire_bytes[st.index] / 2**20
         v = plan.verifier(st.index)
         checker = f"r{v.rank} {v.label()}" if v is not None else "-"
+        reduce = st.allreduce_codec if len(ranks) > 1 else "-"
         table.add_row(str(st.index), blocks, f"{st.param_count / 1e6:.1f}", devices, times, f"{out_mib:.2f}",
-                      checker)
+                      "-" if last else st.out_codec, reduce, checker)
     return table
 
 
