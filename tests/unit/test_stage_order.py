@@ -17,16 +17,19 @@ from tests.unit.solver_fixtures import random_chain
 REGIONS = ("east", "middle", "west", "far")
 
 
-def _problem(seed: int):
+def _line():
     """Four one-host regions in a line (east-middle-west-far, 10 Gb/s between neighbours, 0.1 Gb/s else)."""
     hosts = [{"name": r, "region": r, "trust": "op", "trusted": True, "devices": [{"type": "A100-80GB", "count": 2}]}
              for r in REGIONS]
     pairs = [{"between": [a, b], "bandwidth_gbps": 10.0 if abs(i - j) == 1 else 0.1, "latency_ms": 5.0}
              for (i, a), (j, b) in itertools.combinations(enumerate(REGIONS), 2)]
-    cluster = parse_cluster({"name": "line", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1},
-                                                                        "regions": pairs}})
+    return parse_cluster({"name": "line", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1},
+                                                                     "regions": pairs}})
+
+
+def _problem(seed: int):
     chain = random_chain(np.random.default_rng(seed), 12, param_scale=2e7, act_scale=5e7, out_scale=3e7)
-    return build_problem(scale_chain(chain, 1), cluster, TrainingConfig(global_batch=8, microbatch_size=1),
+    return build_problem(scale_chain(chain, 1), _line(), TrainingConfig(global_batch=8, microbatch_size=1),
                          VerificationPolicy(enabled=False))
 
 
@@ -57,14 +60,8 @@ def test_an_order_already_best_is_kept():
 def test_a_planned_pipeline_sends_no_boundary_over_a_slow_link():
     """The whole path (solver, its reordered rival, simulation): consecutive stages on neighbouring regions."""
     from planner.api import plan_chain
-    hosts = [{"name": r, "region": r, "trust": "op", "trusted": True, "devices": [{"type": "A100-80GB", "count": 2}]}
-             for r in REGIONS]
-    pairs = [{"between": [a, b], "bandwidth_gbps": 10.0 if abs(i - j) == 1 else 0.1, "latency_ms": 5.0}
-             for (i, a), (j, b) in itertools.combinations(enumerate(REGIONS), 2)]
-    cluster = parse_cluster({"name": "line", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1},
-                                                                        "regions": pairs}})
     chain = random_chain(np.random.default_rng(0), 12, param_scale=2e9, act_scale=5e7, out_scale=3e7)
-    plan = plan_chain(chain, cluster, spec="tests:chain", global_batch=8, microbatch_size=1, time_limit_s=2,
+    plan = plan_chain(chain, _line(), spec="tests:chain", global_batch=8, microbatch_size=1, time_limit_s=2,
                       policy=VerificationPolicy(enabled=False), workers=1)
     regions = [{REGIONS.index(plan.ranks[r].host) for r in plan.stage_ranks(k)} for k in range(plan.num_stages)]
     assert plan.num_stages >= 3
