@@ -27,9 +27,9 @@ from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver import baseline_plans
+from planner.solver.outcome import reordered
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
-from planner.solver.outcome import reordered
 from planner.solver.restrictions import Restriction, restrictions
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
@@ -104,8 +104,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None:
         mb = microbatch_size or (chain.microbatch_size if batch % chain.microbatch_size == 0 else 1)
         config = TrainingConfig(global_batch=batch, microbatch_size=mb, schedule=schedule, optimizer=optimizer,
-                                compress=compress,
-                                dtype=dtype, mixed_precision=mixed)
+                                dtype=dtype, mixed_precision=mixed, compress=compress)
         solution = baseline_plans.baseline(baseline, chain, spec_cluster, config, policy, deadline=deadline)
     else:
         sizes: Sequence[int] = (microbatch_size,) if microbatch_size else solver_api.microbatch_candidates(batch)
