@@ -13,8 +13,8 @@ whole pipelines, their transfers on fast links, the all-reduces across). ``grids
 (before a deadline: those found by then); ``best_grid`` is the baseline: the one whose compiled programs
 cost least (``objective.price_program``). A grid whose stages cannot hold their weights and activations
 on their devices is dropped before its verifiers are placed (most of the shapes of a large pool).
-``shaped`` serves ``--stages``/``--replicas``: the grids of that shape, each
-also re-partitioned for its devices and its cuts polished, the cheapest kept.
+``shaped`` serves ``--stages``/``--replicas``: the grids of that shape (with ``--replicas`` free, the tapered
+ones too: ``tapered``), each also re-partitioned for its devices and its cuts polished, the cheapest kept.
 """
 from __future__ import annotations
 
@@ -62,20 +62,23 @@ def _order(problem: Problem, fastest: list[tuple[float, int, str]], by: str) -> 
     return [d for _, _, d in order]
 
 
-def _groups(problem: Problem, pp: int, dp: int, together: str, order: list[str]) -> list[list[str]] | None:
+def _groups(problem: Problem, pp: int, dp: int, together: str, order: list[str],
+            end_dp: int | None = None) -> list[list[str]] | None:
     """Stage device groups of a ``pp`` x ``dp`` grid, taking devices in ``order``. Where the policy wants trusted
-    endpoints the end stages take the first trusted devices and the middle stages the first of the rest (trusted
-    ones left over included); else the first ``pp * dp``. ``together``: ``replicas`` (a stage's replicas side by
-    side) or ``pipelines`` (every ``pp``-th device of the stages that share a pool)."""
+    endpoints the end stages take the first trusted devices (``end_dp`` each: default ``dp``) and the middle stages
+    the first of the rest (trusted ones left over included); else the first ``pp * dp``. ``together``:
+    ``replicas`` (a stage's replicas side by side) or ``pipelines`` (every ``pp``-th device of the stages that
+    share a pool)."""
     pol = problem.policy
     if not (pol.enabled and pol.trusted_endpoints):
         return _split(problem, order[:pp * dp], pp, dp, together)
     trusted = [d for d in order if problem.classes[problem.class_of(d)].trusted]
-    ends = dp * min(pp, 2)
+    per_end = dp if end_dp is None else end_dp
+    ends = per_end * min(pp, 2)
     if len(trusted) < ends:
         return None
     taken = set(trusted[:ends])
-    end_groups = _split(problem, trusted[:ends], min(pp, 2), dp, "replicas")
+    end_groups = _split(problem, trusted[:ends], min(pp, 2), per_end, "replicas")
     inner = _split(problem, [d for d in order if d not in taken][:(pp - 2) * dp], pp - 2, dp, together) \
         if pp > 2 else []
     if end_groups is None or inner is None:
@@ -91,19 +94,20 @@ def _split(problem: Problem, devices: list[str], parts: int, dp: int, together: 
 
 
 def _grid(problem: Problem, pp: int, dp: int, *, together: str,
-          fastest: list[tuple[float, int, str]] | None = None) -> Placement | None:
-    """The grid on the fastest devices that may hold it (trusted ones at the ends where the policy says so),
-    else on those with the most memory."""
+          fastest: list[tuple[float, int, str]] | None = None, end_dp: int | None = None) -> Placement | None:
+    """The grid on the fastest devices that may hold it (trusted ones at the ends where the policy says so, ``end_dp``
+    replicas each: default ``dp``), else on those with the most memory."""
     M, L = problem.num_microbatches, problem.num_blocks
     if pp > L or dp > M:
         return None
     fastest = _by_speed(problem) if fastest is None else fastest
     for by in ("speed", "memory"):
-        groups = _groups(problem, pp, dp, together, _order(problem, fastest, by))
+        groups = _groups(problem, pp, dp, together, _order(problem, fastest, by), end_dp)
         if groups is None:
             return None
         stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
-                                      microbatches=even_split(M, dp)) for k, (a, b) in enumerate(_even_ranges(L, pp)))
+                                      microbatches=even_split(M, len(groups[k])))
+                       for k, (a, b) in enumerate(_even_ranges(L, pp)))
         if _may_fit(problem, stages):
             return _checked(problem, stages)
     return None
@@ -185,7 +189,37 @@ def grid_candidates(problem: Problem, *, repartition: int = 3,
     """The likeliest valid grids (found by ``deadline``), and the ``repartition`` cheapest re-partitioned for
     their devices."""
     found = cheapest(problem, grids(problem, deadline=deadline))
-    return found + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition]) if p is not None]
+    wide = cheapest(problem, tapered(problem, deadline=deadline))
+    return found + wide + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition] + wide[:repartition])
+                           if p is not None]
+
+
+def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> list[Placement]:
+    """Grids wider in the middle than at the ends, where the policy wants trusted end stages and the trusted stage
+    devices are too few for a uniform grid to use the untrusted ones (SWARM's pool: 2 trusted A100s at the ends,
+    16 volunteer replicas between): every ``pp >= 3`` x ``dp`` too wide for a uniform grid's trusted ends, with
+    ``end_dp`` trusted replicas per end; those found by ``deadline`` (each charged as a grid)."""
+    pol = problem.policy
+    if not (pol.enabled and pol.trusted_endpoints):
+        return []
+    fastest = _by_speed(problem)
+    D, L = len(fastest), problem.num_blocks
+    trusted = sum(1 for _, c, _ in fastest if problem.classes[c].trusted)
+    if trusted in (0, D):
+        return []
+    out: list[Placement] = []
+    for end_dp in range(1, trusted // 2 + 1):
+        for pp in range(3, min(D - 2 * end_dp + 2, L) + 1):
+            for dp in range(trusted // 2 + 1, (D - 2 * end_dp) // (pp - 2) + 1):  # the uniform grids' dp stop there
+                if deadline is not None and out and deadline.passed():
+                    return out
+                for together in ("replicas", "pipelines")[:1 if pp == 3 else 2]:
+                    if deadline is not None:
+                        deadline.charge(grid_units(L, D))
+                    found = _grid(problem, pp, dp, together=together, fastest=fastest, end_dp=end_dp)
+                    if found is not None:
+                        out.append(found)
+    return out
 
 
 def best_grid(problem: Problem, deadline: Deadline | Work | None = None) -> Placement:
@@ -230,6 +264,8 @@ def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_b
         raise InvalidInputError("--stages x --replicas", expected=f"at most the cluster's {D} stage devices",
                                 found=f"{stages} x {replicas} = {stages * replicas}", fix="shrink either")
     found = grids(problem, stages=stages, replicas=replicas)
+    if replicas is None:  # replicas free: the middle may be wider than the trusted ends
+        found += [p for p in tapered(problem) if stages is None or p.num_stages == stages]
     if not found:
         shape = f"{stages or 'any number of'} stages of {replicas or 'any number of'} replicas"
         why, fix = _no_grid(problem, stages, replicas) if stages and replicas else \
