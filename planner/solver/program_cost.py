@@ -55,6 +55,7 @@ from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
 from planner.solver.solution import StagePlacement, VerifierPlacement
+from planner.solver.verdict_backlog import Backlog, verdict_backlog
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -290,20 +291,18 @@ def _drain(bottleneck: tuple[int, int, float], limits, p: _Paths, bw, stages, ro
 
 
 def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify_load: dict[str, float],
-                     verifier_state: dict[str, int], traffic: _Traffic):
-    """Per stage replica: (busy, the path outside it, name), its in-flight limit, and where its last forward
-    ends (its stage, that microbatch, the time)."""
+                     periods, traffic: _Traffic, backlog: Backlog):
+    """Per stage replica: (busy, the path outside it, name) and where its last forward ends (its stage, that
+    microbatch, the time)."""
     S, M = len(stages), len(p.fwd)
     busy: list[tuple[float, float, str]] = []
     last_forward: dict[str, tuple[int, int, float]] = {}
-    limits = [tuple(limit(problem, stages, k, i, routes[k][i], fb, bw, p.down, verifier_state)
-                    for i in range(len(st.devices))) for k, st in enumerate(stages)]
-    throttled = [any(period > t for (_, period), t in zip(limits[k], fb[k])) for k in range(S)]
+    throttled = [any(period > t for (_, period), t in zip(periods[k], fb[k])) for k in range(S)]
     for k, st in enumerate(stages):
         for i, (dev, ids, t, b) in enumerate(zip(st.devices, routes[k], fb[k], bw[k])):
             m, first, last = len(ids), ids[0], ids[-1]
             trip = max(p.down[x][k] for x in ids)
-            n, period = limits[k][i]
+            n, period = periods[k][i]
             # Idle while its first gradient makes the round trip (its warm-up forwards fill part of it) and
             # while its last one does (its backwards still in flight fill part of that).
             trips = (p.down[first][k] + _queued(stages, routes, fb, k, i, 0), p.down[last][k])
@@ -317,6 +316,7 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             else:
                 idle = max(0.0, trips[0] - (n - 1) * f, _verdict_stall(traffic, k, i, f, n, trips[0])) \
                     + max(0.0, trips[1] - (n - 1) * b)
+            idle += backlog.consumer_ms.get((k, i), 0.0) + backlog.stream_ms
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
             name = f"stage {k} on {dev}"
@@ -324,7 +324,7 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             # Its last backward starts that microbatch's round trip, or the backwards it still holds, later.
             last_forward[name] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
                                   - max(p.down[last][k], (n - 1) * b))
-    return busy, [tuple(n for n, _ in row) for row in limits], last_forward
+    return busy, last_forward
 
 
 def _verdict_stall(traffic: _Traffic, k: int, i: int, f: float, n: int, trip: float) -> float:
@@ -342,7 +342,7 @@ def _verdict_stall(traffic: _Traffic, k: int, i: int, f: float, n: int, trip: fl
     return (forwards - 1) * (w - f)
 
 
-def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float]):
+def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float], stall: float):
     """(busy, the path outside it, name) of every verifier-only device and directed link. Before the first
     and after the last message of boundary k's activations (gradients) the path runs elsewhere; one busy
     with several kinds waits the least lead and the least trail."""
@@ -366,7 +366,8 @@ def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[s
     on_stage = {d for st in stages for d in st.devices}
     out = [(M * load, outside(traffic.checks[dev]), f"verifier {dev}")
            for dev, load in verify_load.items() if dev not in on_stage]
-    out += [(ms, outside(traffic.kinds[pair]), f"link {pair[0]}->{pair[1]}") for pair, ms in traffic.wire.items()]
+    out += [(ms, outside(traffic.kinds[pair]) + stall, f"link {pair[0]}->{pair[1]}")
+            for pair, ms in traffic.wire.items()]
     return out
 
 
@@ -446,9 +447,13 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)
-    busy, limits, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, verifier_state,
-                                                  traffic)
-    busy += _message_resources(stages, traffic, p, verify_load)
+    periods = [tuple(limit(problem, stages, k, i, routes[k][i], fb, bw, p.down, verifier_state)
+                     for i in range(len(st.devices))) for k, st in enumerate(stages)]
+    limits = [tuple(n for n, _ in row) for row in periods]
+    backlog = verdict_backlog(problem, stages, verifiers, routes, fb, bw, p.fwd, p.down, limits, traffic.wait) \
+        if problem.schedule != "gpipe" else Backlog(consumer_ms={}, stream_ms=0.0)
+    busy, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
+    busy += _message_resources(stages, traffic, p, verify_load, backlog.stream_ms)
     busy += _check_queues(problem, stages, verifiers, p, bw)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":

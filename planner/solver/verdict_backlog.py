@@ -1,0 +1,104 @@
+"""Verdicts queued behind the verifier's own activations: a stage replica that also verifies sends its verdicts
+to a consumer over the link its own activations take there, one message on the wire at a time, in the order sent.
+
+A trusted stage-``k`` replica ``V`` verifying the gradients into stage ``k + 1`` runs its warm-up forwards faster
+than its link to a stage-``k + 1`` replica ``C`` carries their outputs (a 4.8 ms forward, 33.5 ms on a 1 Gb/s
+wire), so the verdict on ``C``'s first gradient waits until that backlog is on the wire: ``C`` passes its
+gradient on only then. When that gradient is the one ``V``'s own first backward needs, ``V``'s program halts
+there, and every check queued behind it in program order (every boundary ``V`` watches) waits as long: the whole
+checked pipeline stalls (gpt-1.3b, 4 stages x 4 replicas, verifier on a stage-0 A100: 217 ms).
+
+During its warm-up ``V`` checks its twins' copies as they arrive, before its own next forward when they are in
+first (the compiler's order: at equal times a check first), which spaces its own forwards out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import comm
+from planner.solver.problem import Problem
+from planner.solver.routing import owners
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """Per consumer replica ``(stage, replica)``: how long it stalls on a verdict queued behind the verifier's
+    activations; ``stream_ms``: the longest stall of a verifier's own program (all its checks behind it)."""
+
+    consumer_ms: dict[tuple[int, int], float]
+    stream_ms: float
+
+
+def verdict_backlog(problem: Problem, stages, verifiers, routes, fb, bw, fwd, down, limits,
+                    wait: dict[tuple[int, str, str], float]) -> Backlog:
+    """The stalls of verdicts sent behind their verifier's own warm-up activations (module docstring);
+    ``fwd``/``down``: the microbatches' forward paths and round trips (``program_cost._Paths``)."""
+    consumer: dict[tuple[int, int], float] = {}
+    stream = 0.0
+    for v in verifiers:
+        b, k = v.boundary, v.boundary - 1
+        if "grad" not in v.directions or k < 0 or v.device not in stages[k].devices:
+            continue
+        i = stages[k].devices.index(v.device)
+        issued = _warmup_forwards(problem, stages, verifiers, routes, fb, bw, fwd, limits, k, i)
+        nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
+        owner_next, owner_here = owners(stages[b].microbatches), owners(stages[k].microbatches)
+        for j, dev in enumerate(stages[b].devices):
+            if dev == v.device:
+                continue
+            x = routes[b][j][0]
+            ready = fwd[x][b] + fb[b][j] + down[x][b] + max(0.0, wait.get((b, "grad", dev), 0.0))
+            stall = _stall(problem.link(v.device, dev), nbytes, [at for y, at in issued if owner_next[y][0] == j],
+                           ready, ready - bw[b][j])
+            if stall <= 0.0:
+                continue
+            consumer[(b, j)] = max(consumer.get((b, j), 0.0), stall)
+            if owner_here[x][0] == i:  # V's own backward of that microbatch waits for it: its program halts
+                stream = max(stream, stall)
+    return Backlog(consumer_ms=consumer, stream_ms=stream)
+
+
+def _stall(link, nbytes: float, sent: list[float], ready: float, checked: float) -> float:
+    """How much later than it otherwise would a consumer goes on after its first backward (done at ``ready``)
+    when the verdict on its gradient, sent about when that gradient reached it (``checked``), follows on the
+    link the verifier's activations sent before it (at ``sent``, one on the wire at a time): it would have
+    waited anyway for the first of them not in by ``ready``, which the verdict follows."""
+    w = 1e3 * nbytes / link.bytes_per_s
+    free, arrivals, ahead = 0.0, [], 0.0
+    for at in sorted(sent):
+        free = max(free, at) + w
+        arrivals.append(free + link.latency_ms)
+        if at <= checked:
+            ahead = free + link.latency_ms
+    waiting = next((a for a in arrivals if a > ready), ready)
+    return ahead - waiting
+
+
+def _warmup_forwards(problem: Problem, stages, verifiers, routes, fb, bw, fwd, limits, k: int, i: int
+                     ) -> list[tuple[int, float]]:
+    """(microbatch, when its output leaves) of replica ``i`` of stage ``k``'s warm-up forwards, run first come
+    first served with the checks of its twins' outputs it verifies (a check first at equal times)."""
+    dev = stages[k].devices[i]
+    ids = routes[k][i][:limits[k][i]]
+    mine = next((v for v in verifiers if v.boundary == k and v.device == dev and "act" in v.directions), None)
+    check = problem.verify_ms(problem.raw_bytes(stages[k].last_block), problem.class_of(dev)) if mine else 0.0
+    copies = []
+    if mine is not None and k + 1 < len(stages):
+        nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
+        for j, twin in enumerate(stages[k].devices):
+            if twin == dev:
+                continue
+            transfer = comm.transfer_ms(nbytes, problem.link(twin, dev))
+            copies += [fwd[x][k] + fb[k][j] - bw[k][j] + transfer for x in routes[k][j][:limits[k][j]]]
+    copies.sort()
+    f = fb[k][i] - bw[k][i]
+    clock, c, out = fwd[ids[0]][k] if ids else 0.0, 0, []
+    for x in ids:
+        start = max(clock, fwd[x][k])
+        while c < len(copies) and copies[c] <= start:  # checks already in go first
+            start = max(start, copies[c]) + check
+            c += 1
+        clock = start + f
+        out.append((x, clock))
+        clock += check  # it scores its own output after sending it
+    return out
