@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner.outputs import write_atomic
 from planner.plan_load import load_plan
-from planner.rehearsal import predict_rehearsal, rehearsal_dtype
+from planner.profiling.rehearsal_times import predict_here
+from planner.rehearsal import rehearsal_dtype
 
 RESULTS = ROOT / "benchmarks" / "results" / "rehearsal_fidelity.json"
 GOAL = 0.15  # |measured / predicted - 1|
@@ -99,7 +100,7 @@ def run_case(case: dict[str, Any], profile: Path, tmp: Path, steps: int) -> dict
     plan_path = tmp / f"{case['name'].replace(' ', '_')}.json"
     _stagewise("plan", case["model"], *case["args"], "--time-limit", "10", "-o", str(plan_path))
     plan = load_plan(plan_path)
-    here = predict_rehearsal(plan, profile, emulate=True)
+    here = predict_here(plan, profile, emulate=True)
     report, metrics = tmp / "report.json", tmp / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     busy_before, ours_before, started = _machine_busy_s(), 0.0, time.monotonic()
@@ -122,7 +123,7 @@ def run_case(case: dict[str, Any], profile: Path, tmp: Path, steps: int) -> dict
         "measured_over_predicted": round(ratio, 3), "within_goal": abs(ratio - 1) <= GOAL,
         "planned_devices_ms": round(plan.predicted.step_ms, 2), "external_load_cores": round(external, 2),
         "warnings": list(here.warnings), "note_printed": "rehearsing in" in proc.stdout,
-        "pass_scale": None if here.pass_scale is None else round(here.pass_scale, 3),
+        "pass_scale": None if here.pass_scale is None else [round(s, 3) for s in here.pass_scale],
         "compute_cpu_measured_ms": round(cpu_measured, 2), "compute_cpu_predicted_ms": round(cpu_predicted, 2),
         "compute_cpu_measured_over_predicted": round(cpu_measured / cpu_predicted, 3) if cpu_predicted else None,
         "measured_parts": parts,

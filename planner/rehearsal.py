@@ -44,6 +44,19 @@ BUSY_WARN = 0.25  # a machine this busy with other work: timings include that wo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LocalTimes:
+    """What this machine's processes take for the plan's own work, timed as the rehearsal runs it
+    (``planner.profiling.rehearsal_times``): per stage one microbatch's forward and backward CPU ms in the
+    rehearsal's dtype, per checked (boundary, direction F/B) a verifier's check, and a verifier's
+    end-of-step flags and blame."""
+
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    check_ms: tuple[tuple[int, str, float], ...] = ()
+    blame_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rehearsal:
     """The simulated run and how it was priced."""
 
@@ -53,7 +66,9 @@ class Rehearsal:
     measured_sharing: bool      # core sharing from the profile (else even sharing)
     measured_messages: bool     # per-message CPU costs from the profile (else free)
     dtype: str = "float32"      # the compute dtype the ranks run here
-    pass_scale: float | None = None  # the passes measured here over the profile's float32 prices (None: not timed)
+    pass_scale: tuple[float, float] | None = None  # (forward, backward) passes measured here over the profile's
+    #                                                 float32 prices (None: not timed)
+    timed: bool = False         # the stages and checks were timed here as the rehearsal runs them
     costs: CostModel | None = field(default=None, compare=False)  # the prices simulated
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
 
@@ -114,11 +129,14 @@ def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
 
 
 def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0,
-                      cores: int | None = None, busy_now: float = 0.0, dtype: str = "auto") -> Rehearsal:
+                      cores: int | None = None, busy_now: float = 0.0, dtype: str = "auto",
+                      local: LocalTimes | None = None) -> Rehearsal:
     """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
     ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``; ``dtype``: ``--rehearse-dtype``), its ranks
     sharing ``cores`` processors (default: the profile's sharing table's, else this machine's); ``busy_now``:
-    the share of this machine's processors others use now (it makes the prediction unreliable)."""
+    the share of this machine's processors others use now (it makes the prediction unreliable); ``local``:
+    the plan's stages and checks timed here in the rehearsal's dtype (else the profile's block model, scaled
+    by one timed pass of the whole model)."""
     spec = load_profile_spec(profile)   # checks the file; the document is then read once for the rest
     plan = as_rehearsed(plan, dtype, spec.kind)
     doc = json.loads(Path(profile).read_text())
@@ -127,7 +145,9 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
         cores = sharing.cores if sharing is not None else os.cpu_count() or 1
     costs = CostModel.for_rehearsal(plan, spec, emulate=emulate, slowdown=slowdown)
     scale, unmodelled = None, ()
-    if spec.kind == "cpu":
+    if local is not None:
+        _use_local_times(costs, local)
+    elif spec.kind == "cpu":
         fp32 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dtype="float32",
                                                                     mixed_precision=False))
         local = CostModel.for_rehearsal(fp32, spec, emulate=False)
@@ -142,60 +162,85 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,
-                     pass_scale=scale, costs=costs)
+                     pass_scale=scale, costs=costs, timed=local is not None)
 
 
-def _price_local_passes(costs: CostModel, local: CostModel, scale: float) -> None:
-    """Each rank's passes here at ``scale`` x their float32 price from the profile (``local``: the plan priced
-    here in float32, unpadded), their padding kept."""
+def _use_local_times(costs: CostModel, local: LocalTimes) -> None:
+    """Each rank's passes and checks at the times measured here, their padding kept."""
+    if len(local.fwd_ms) != len(costs.ranges) or len(local.bwd_ms) != len(costs.ranges):
+        raise InvalidInputError("timed stages", expected=f"{len(costs.ranges)} (the plan's)",
+                                found=str(len(local.fwd_ms)), fix="time the plan being rehearsed")
     for r, info in enumerate(costs.ranks):
-        if info.stage is None:
-            continue
-        local_f, local_b = costs._local[r]
-        pad_f = costs._fwd[r] / local_f if local_f > 0 else 1.0
-        pad_b = costs._bwd[r] / local_b if local_b > 0 else 1.0
-        new_f, new_b = scale * local._fwd[r], scale * local._bwd[r]
-        costs._local[r] = (new_f, new_b)
-        costs._fwd[r], costs._bwd[r] = pad_f * new_f, pad_b * new_b
+        if info.stage is not None:
+            _reprice(costs, r, local.fwd_ms[info.stage], local.bwd_ms[info.stage])
+    costs.measured_checks = {(b, d): ms for b, d, ms in local.check_ms}
 
 
-def pass_scale(plan: Plan, local: CostModel, *, repeats: int = 5) -> float | None:
-    """The CPU time of a forward and backward of the plan's whole model here (one microbatch, one thread as
-    every rank, its compute dtype, the least of ``repeats``) over the profile's float32 price of its stages
+def _price_local_passes(costs: CostModel, local: CostModel, scale: tuple[float, float]) -> None:
+    """Each rank's forward and backward here at ``scale`` x their float32 price from the profile (``local``:
+    the plan priced here in float32, unpadded), their padding kept."""
+    for r, info in enumerate(costs.ranks):
+        if info.stage is not None:
+            _reprice(costs, r, scale[0] * local._fwd[r], scale[1] * local._bwd[r])
+
+
+def _reprice(costs: CostModel, rank: int, fwd_ms: float, bwd_ms: float) -> None:
+    """``rank``'s passes compute ``fwd_ms``/``bwd_ms`` here, padded by the same factors as before."""
+    local_f, local_b = costs._local[rank]
+    pad_f = costs._fwd[rank] / local_f if local_f > 0 else 1.0
+    pad_b = costs._bwd[rank] / local_b if local_b > 0 else 1.0
+    costs._local[rank] = (fwd_ms, bwd_ms)
+    costs._fwd[rank], costs._bwd[rank] = pad_f * fwd_ms, pad_b * bwd_ms
+
+
+def timeable(plan: Plan) -> bool:
+    """Whether this process may build and time ``plan``'s model: a preset or hf: config (a plan never makes
+    this process import code) small enough to time in a moment."""
+    spec = plan.model.spec
+    return (spec in PRESETS or is_hf_spec(spec)) and plan.chain().param_count <= MAX_TIMED_PARAMS
+
+
+def pass_scale(plan: Plan, local: CostModel, *, repeats: int = 5) -> tuple[float, float] | None:
+    """The CPU time of a forward and of a backward of the plan's whole model here (one microbatch, one thread
+    as every rank, its compute dtype, the least of ``repeats``) over the profile's float32 price of its stages
     (``local``); None for a model that is no preset or hf: config (a plan never makes this process import
     code) or is too large to time in a moment.
 
     The profile fits its block model at one small shape in float32; the rehearsal runs the plan's microbatch,
     and a CPU's bfloat16 is no faster for small passes for all its matmul peak (AMX): autocast casts every
-    weight on every pass (gpt-tiny's passes take ~2.4x float32's here). The profile still splits the time
-    between the stages and between forward and backward."""
+    weight on every pass (gpt-tiny's passes take ~2.4x float32's here), and its backward costs ~3.5x its
+    forward where the profile's float32 blocks cost ~2x: the two are scaled apart. The profile still splits
+    the time between the stages."""
+    if not timeable(plan):
+        return None
     ref = plan.model
-    if ref.spec not in PRESETS and not is_hf_spec(ref.spec):
-        return None
-    chain = plan.chain()
-    if chain.param_count > MAX_TIMED_PARAMS:
-        return None
     first = [next(r for r, info in enumerate(plan.ranks) if info.stage == k) for k in range(plan.num_stages)]
-    priced_ms = sum(local.compute_ms(r, "F") + local.compute_ms(r, "B") for r in first)
+    priced_f = sum(local.compute_ms(r, "F") for r in first)
+    priced_b = sum(local.compute_ms(r, "B") for r in first)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         bundle = build_model(ref.spec, batch=plan.config.microbatch_size, seq=ref.seq, device="cpu", seed=0)
         dtype = None if plan.config.dtype == "float32" else getattr(torch, plan.config.dtype)
-        measured_ms = 1e3 * _least_pass_s(bundle, dtype, repeats)
+        fwd_s, bwd_s = _least_pass_s(bundle, dtype, repeats)
     finally:
         torch.set_num_threads(threads)
-    return measured_ms / priced_ms if priced_ms > 0 else None
+    if priced_f <= 0 or priced_b <= 0:
+        return None
+    return 1e3 * fwd_s / priced_f, 1e3 * bwd_s / priced_b
 
 
-def _least_pass_s(bundle: ModelBundle, dtype: torch.dtype | None, repeats: int) -> float:
-    best = float("inf")
+def _least_pass_s(bundle: ModelBundle, dtype: torch.dtype | None, repeats: int) -> tuple[float, float]:
+    """The least CPU seconds of a forward and of a backward of ``bundle``'s module over ``repeats`` runs."""
+    best_f = best_b = float("inf")
     for i in range(repeats + 1):  # the first warms up
         start = time.thread_time()
         with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = bundle.module(*bundle.example_inputs)
-        out.float().sum().backward()
+        loss = out.float().sum()
+        middle = time.thread_time()
+        loss.backward()
         if i:
-            best = min(best, time.thread_time() - start)
+            best_f, best_b = min(best_f, middle - start), min(best_b, time.thread_time() - middle)
         bundle.module.zero_grad(set_to_none=True)
-    return best
+    return best_f, best_b

@@ -17,7 +17,8 @@ import psutil
 from planner.errors import InvalidInputError
 from planner.outputs import check_writable
 from planner.plan_load import load_plan
-from planner.rehearsal import local_device_type, predict_rehearsal, rehearsal_note
+from planner.profiling.rehearsal_times import predict_here
+from planner.rehearsal import local_device_type, rehearsal_note
 from planner.runtime.data import check_data_file
 from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
@@ -154,8 +155,8 @@ def _rehearsal(opts, profile: str | None):
         return None
 
     busy = psutil.cpu_percent(interval=0.5) / 100  # others' work now makes the prediction here unreliable
-    return predict_rehearsal(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
-                             busy_now=busy, dtype=opts.rehearse_dtype)
+    return predict_here(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
+                        busy_now=busy, dtype=opts.rehearse_dtype, backend=opts.backend, data=opts.data)
 
 
 def summary_table(result: dict[str, Any], here=None):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from planner.rehearsal import predict_rehearsal
+from planner.profiling.rehearsal_times import predict_here
 from tests.dist.plans import make_plan
 from tests.unit.test_rehearsal import PROFILE
 
@@ -95,11 +95,12 @@ def test_emulated_slowdown_pads_every_rank(plan_path, tmp_path):
 def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path):
     proc = cli(str(plan_path), "--steps", "2", "--emulate-speed", "--emulate-slowdown", "2", "--profile", str(PROFILE))
     assert proc.returncode == 0, proc.stderr
-    here = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0)
-    assert here.result.step_ms > 2 * plan.predicted.step_ms
+    here = predict_here(plan, PROFILE, emulate=True, slowdown=2.0)
+    assert here.timed and here.result.step_ms > 2 * plan.predicted.step_ms
     row = next(line for line in proc.stdout.splitlines() if "predicted step here" in line)
     assert f"profile {here.device}, {here.cores} cores" in row
-    # The prediction times the plan's model here (planner.rehearsal): two timings, alike within the noise.
+    # The prediction times the plan's stages here (planner.profiling.rehearsal_times): two timings, alike
+    # within the noise.
     printed = float(re.search(r"([0-9.]+) ms", row.split("│")[-2]).group(1))
     assert printed == pytest.approx(here.result.step_ms, rel=0.25)
     assert "measured / predicted here" in proc.stdout

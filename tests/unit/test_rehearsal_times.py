@@ -1,0 +1,59 @@
+"""The rehearsal's local prices timed as its ranks run them (``planner.profiling.rehearsal_times``): the plan's
+own stages in the rehearsal's dtype, its verifiers' checks, and the prediction built on them."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.errors import InvalidInputError
+from planner.profiling.rehearsal_times import rehearsal_times
+from planner.rehearsal import LocalTimes, predict_rehearsal, timeable
+from tests.dist.plans import make_plan
+from tests.unit.test_rehearsal import GOLDEN, PROFILE
+
+
+@pytest.fixture(scope="module")
+def plan():
+    # 3 stages, two checked boundaries (activations of 0 on a verifier host, gradients of 1)
+    return make_plan("gpt-tiny", microbatch=2, num_microbatches=2, stages=[(0, 1), (2, 3), (4, 5)], seq=16,
+                     verifiers=[(0, 3, ("act",)), (1, 3, ("grad",))], verifier_host=True)
+
+
+@pytest.fixture(scope="module")
+def timed(plan):
+    return rehearsal_times(plan, "bfloat16", repeats=2, gap_s=0.0)
+
+
+def test_every_stage_and_every_check_is_timed(plan, timed):
+    assert len(timed.fwd_ms) == len(timed.bwd_ms) == plan.num_stages
+    assert all(ms > 0 for ms in (*timed.fwd_ms, *timed.bwd_ms))
+    assert {(b, d) for b, d, _ in timed.check_ms} == {(0, "F"), (1, "B")}
+    assert all(ms > 0 for _, _, ms in timed.check_ms) and timed.blame_ms > 0
+
+
+def test_the_prediction_prices_what_was_timed(plan, timed):
+    here = predict_rehearsal(plan, PROFILE, emulate=True, local=timed)
+    assert here.timed
+    costs = here.costs
+    for r, info in enumerate(plan.ranks):
+        if info.stage is not None:
+            assert costs.local_ms(r, "F") == pytest.approx(timed.fwd_ms[info.stage])
+            assert costs.local_ms(r, "B") == pytest.approx(timed.bwd_ms[info.stage])
+    for b, d, ms in timed.check_ms:
+        assert costs.verify_ms(3, b, d) == pytest.approx(ms)
+    slower = dataclasses.replace(timed, bwd_ms=tuple(10 * ms for ms in timed.bwd_ms))
+    assert predict_rehearsal(plan, PROFILE, emulate=True, local=slower).result.step_ms > here.result.step_ms
+
+
+def test_times_for_another_plan_are_refused(plan, timed):
+    short = LocalTimes(fwd_ms=timed.fwd_ms[:2], bwd_ms=timed.bwd_ms[:2])
+    with pytest.raises(InvalidInputError, match="timed stages"):
+        predict_rehearsal(plan, PROFILE, emulate=True, local=short)
+
+
+def test_a_model_from_a_factory_is_not_timed():
+    from planner.plan_load import load_plan
+
+    golden = load_plan(GOLDEN)
+    assert not timeable(golden) and rehearsal_times(golden, "float32") is None
