@@ -17,9 +17,9 @@ from planner.solver.search.grid import grid_candidates, grids, tapered
 from tests.unit.solver_fixtures import random_chain
 
 
-def _pool(volunteers: int = 8, trusted_volunteers: bool = False) -> dict:
+def _pool(volunteers: int = 8, trusted_volunteers: bool = False, t4_only: bool = False) -> dict:
     hosts = [{"name": "dc", "region": "dc", "trust": "operator", "trusted": True,
-              "devices": [{"type": "A100-80GB", "count": 2}]}]
+              "devices": [{"type": "T4" if t4_only else "A100-80GB", "count": 2}]}]
     hosts += [{"name": f"t{i}", "region": f"home{i % 2}", "trust": f"t{i}", "trusted": trusted_volunteers,
                "devices": [{"type": "T4"}]} for i in range(volunteers)]
     return {"name": "swarm-mini", "hosts": hosts,
@@ -27,14 +27,15 @@ def _pool(volunteers: int = 8, trusted_volunteers: bool = False) -> dict:
                       "default": {"bandwidth_gbps": 0.2, "latency_ms": 20}}}
 
 
-def _problem(compress: str, policy: VerificationPolicy = VerificationPolicy(), trusted_volunteers: bool = False):
+def _problem(compress: str, policy: VerificationPolicy = VerificationPolicy(), trusted_volunteers: bool = False,
+             t4_only: bool = False):
     # GPT-1.3b-like layers at sequence 2048: 50M parameters, 0.3 TFLOP forward, an 8 MB boundary per sample.
     chain = random_chain(np.random.default_rng(0), 16, param_scale=5e7, flop_scale=3e11, act_scale=4e8,
                          out_scale=8.4e6, uniform=True)
     config = TrainingConfig(global_batch=64, microbatch_size=1, dtype="float16", mixed_precision=True,
                             compress=compress)
-    return build_problem(scale_chain(chain, 1), parse_cluster(_pool(trusted_volunteers=trusted_volunteers)), config,
-                         policy)
+    cluster = parse_cluster(_pool(trusted_volunteers=trusted_volunteers, t4_only=t4_only))
+    return build_problem(scale_chain(chain, 1), cluster, config, policy)
 
 
 def _trusted(problem, device: str) -> bool:
@@ -71,7 +72,15 @@ def test_under_auto_a_tapered_grid_beats_the_uniform_grids_and_the_trusted_devic
     assert best_ms * 1.25 < min(uniform_ms, alone_ms)
 
 
-def test_no_tapered_grids_without_trusted_endpoints_or_without_volunteers():
-    assert tapered(_problem("auto", VerificationPolicy(enabled=False))) == []
-    assert tapered(_problem("auto", VerificationPolicy(trusted_endpoints=False))) == []
-    assert tapered(_problem("auto", trusted_volunteers=True)) == []  # every device trusted: uniform grids serve
+def test_without_trusted_endpoints_the_fastest_type_takes_the_ends():
+    for policy in (VerificationPolicy(enabled=False), VerificationPolicy(trusted_endpoints=False)):
+        problem = _problem("auto", policy)
+        found = tapered(problem)
+        assert found and all(not violations(problem, p) for p in found)
+        ends = {d for p in found for d in p.stages[0].devices + p.stages[-1].devices}
+        assert {problem.classes[problem.class_of(d)].name.split("@")[0] for d in ends} == {"A100-80GB"}
+
+
+def test_no_tapered_grids_where_every_device_may_hold_an_end():
+    assert tapered(_problem("auto", trusted_volunteers=True)) == []  # trusted volunteers: uniform grids serve
+    assert tapered(_problem("auto", VerificationPolicy(enabled=False), t4_only=True)) == []  # one device type

@@ -65,14 +65,15 @@ def _order(problem: Problem, fastest: list[tuple[float, int, str]], by: str) -> 
 def _groups(problem: Problem, pp: int, dp: int, together: str, order: list[str],
             end_dp: int | None = None) -> list[list[str]] | None:
     """Stage device groups of a ``pp`` x ``dp`` grid, taking devices in ``order``. Where the policy wants trusted
-    endpoints the end stages take the first trusted devices (``end_dp`` each: default ``dp``) and the middle stages
-    the first of the rest (trusted ones left over included); else the first ``pp * dp``. ``together``:
-    ``replicas`` (a stage's replicas side by side) or ``pipelines`` (every ``pp``-th device of the stages that
-    share a pool)."""
+    endpoints, or ``end_dp`` is given, the end stages take the first devices that may hold them (``end_devices``;
+    ``end_dp`` each, default ``dp``) and the middle stages the first of the rest (end devices left over included);
+    else the first ``pp * dp``. ``together``: ``replicas`` (a stage's replicas side by side) or ``pipelines`` (every
+    ``pp``-th device of the stages that share a pool)."""
     pol = problem.policy
-    if not (pol.enabled and pol.trusted_endpoints):
+    if end_dp is None and not (pol.enabled and pol.trusted_endpoints):
         return _split(problem, order[:pp * dp], pp, dp, together)
-    trusted = [d for d in order if problem.classes[problem.class_of(d)].trusted]
+    eligible = end_devices(problem)
+    trusted = [d for d in order if d in eligible]
     per_end = dp if end_dp is None else end_dp
     ends = per_end * min(pp, 2)
     if len(trusted) < ends:
@@ -84,6 +85,18 @@ def _groups(problem: Problem, pp: int, dp: int, together: str, order: list[str],
     if end_groups is None or inner is None:
         return None
     return [end_groups[0], *inner, *end_groups[1:]]
+
+
+def end_devices(problem: Problem) -> set[str]:
+    """The stage devices a tapered grid's end stages take: the trusted ones where the policy wants trusted
+    endpoints, else those of the fastest device type (the ones worth the ends' unreplicated work)."""
+    pol = problem.policy
+    stage = [c for c in problem.classes if c.stage_capable]
+    if pol.enabled and pol.trusted_endpoints:
+        return {d for c in stage if c.trusted for d in c.device_ids}
+    times = {c.index: problem.range_time_ms(0, problem.num_blocks - 1, c.index) for c in stage}
+    best = min(times.values(), default=0.0)
+    return {d for c in stage if times[c.index] <= best * (1 + 1e-9) for d in c.device_ids}
 
 
 def _split(problem: Problem, devices: list[str], parts: int, dp: int, together: str) -> list[list[str]] | None:
@@ -195,22 +208,20 @@ def grid_candidates(problem: Problem, *, repartition: int = 3,
 
 
 def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> list[Placement]:
-    """Grids wider in the middle than at the ends, where the policy wants trusted end stages and the trusted stage
-    devices are too few for a uniform grid to use the untrusted ones (SWARM's pool: 2 trusted A100s at the ends,
-    16 volunteer replicas between): every ``pp >= 3`` x ``dp`` too wide for a uniform grid's trusted ends, with
-    ``end_dp`` trusted replicas per end; those found by ``deadline`` (each charged as a grid)."""
-    pol = problem.policy
-    if not (pol.enabled and pol.trusted_endpoints):
-        return []
+    """Grids wider in the middle than at the ends, where the devices that may hold the end stages (``end_devices``:
+    the trusted ones where the policy wants trusted ends, else the fastest type) are too few for a uniform grid to
+    replicate the others (SWARM's pool: 2 trusted A100s at the ends, 16 volunteer T4 replicas between): every
+    ``pp >= 3`` x ``dp`` wider than a uniform grid's ends allow, ``end_dp`` end devices per end; those found by
+    ``deadline`` (each charged as a grid)."""
     fastest = _by_speed(problem)
     D, L = len(fastest), problem.num_blocks
-    trusted = sum(1 for _, c, _ in fastest if problem.classes[c].trusted)
-    if trusted in (0, D):
+    ends = len(end_devices(problem))
+    if ends in (0, D):
         return []
     out: list[Placement] = []
-    for end_dp in range(1, trusted // 2 + 1):
+    for end_dp in range(1, ends // 2 + 1):
         for pp in range(3, min(D - 2 * end_dp + 2, L) + 1):
-            for dp in range(trusted // 2 + 1, (D - 2 * end_dp) // (pp - 2) + 1):  # the uniform grids' dp stop there
+            for dp in range(ends // 2 + 1, (D - 2 * end_dp) // (pp - 2) + 1):  # the uniform grids' ends stop there
                 if deadline is not None and out and deadline.passed():
                     return out
                 for together in ("replicas", "pipelines")[:1 if pp == 3 else 2]:
