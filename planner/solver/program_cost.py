@@ -23,6 +23,13 @@ replicated stage's gradients once its replicas are done. Priced the same way
   verdicts whose copies queue on a link slower than its forwards:
   ``_verdict_stall``) and while its last one's outlasts the backwards it still
   holds: ``pipe = max over resources of (busy + the path outside it)``.
+* A stage replica that also verifies sends its verdicts over the links its own
+  activations take, behind them (``verdict_backlog``): the consumer of a
+  verdict queued so stalls after its first backward, and where the verifier's
+  own first backward waits on that consumer's gradient, the verifier's whole
+  program halts with it, every check behind it: every stage and link waits
+  as long (``stream_ms``), less what the verifier would still have been busy
+  with by then.
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
   a replica to ``n`` microbatches per ``fb + D + W``: ``n`` chains of pass,
   round trip (the mean over its microbatches) and the wait ``W`` behind other
@@ -435,6 +442,21 @@ def _check_queues(problem: Problem, stages, verifiers, p: _Paths, bw) -> list[tu
     return out
 
 
+def _backlog(problem: Problem, stages, verifiers, routes, fb, bw, p: _Paths, periods, traffic: _Traffic,
+             verify_load: dict[str, float]) -> Backlog:
+    """The stalls of verdicts queued behind their stage-replica verifier's own activations (1F1B; GPipe sends
+    every activation before any verdict on a gradient): each verifier's checks measured as a share of the
+    busiest resource's work, the least the step can be."""
+    if problem.schedule == "gpipe" or not verifiers:
+        return Backlog(consumer_ms={})
+    M = len(p.fwd)
+    floor = max([len(routes[k][i]) * periods[k][i][1] + M * verify_load.get(dev, 0.0)
+                 for k, st in enumerate(stages) for i, dev in enumerate(st.devices)] + list(traffic.wire.values()))
+    share = {dev: M * load / floor for dev, load in verify_load.items()}
+    limits = [tuple(n for n, _ in row) for row in periods]
+    return verdict_backlog(problem, stages, verifiers, routes, fb, bw, p.fwd, p.down, limits, traffic.wait, share)
+
+
 def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
@@ -450,8 +472,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     periods = [tuple(limit(problem, stages, k, i, routes[k][i], fb, bw, p.down, verifier_state)
                      for i in range(len(st.devices))) for k, st in enumerate(stages)]
     limits = [tuple(n for n, _ in row) for row in periods]
-    backlog = verdict_backlog(problem, stages, verifiers, routes, fb, bw, p.fwd, p.down, limits, traffic.wait) \
-        if problem.schedule != "gpipe" else Backlog(consumer_ms={}, stream_ms=0.0)
+    backlog = _backlog(problem, stages, verifiers, routes, fb, bw, p, periods, traffic, verify_load)
     busy, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
     busy += _message_resources(stages, traffic, p, verify_load, backlog.stream_ms)
     busy += _check_queues(problem, stages, verifiers, p, bw)

@@ -4,9 +4,14 @@ to a consumer over the link its own activations take there, one message on the w
 A trusted stage-``k`` replica ``V`` verifying the gradients into stage ``k + 1`` runs its warm-up forwards faster
 than its link to a stage-``k + 1`` replica ``C`` carries their outputs (a 4.8 ms forward, 33.5 ms on a 1 Gb/s
 wire), so the verdict on ``C``'s first gradient waits until that backlog is on the wire: ``C`` passes its
-gradient on only then. When that gradient is the one ``V``'s own first backward needs, ``V``'s program halts
-there, and every check queued behind it in program order (every boundary ``V`` watches) waits as long: the whole
-checked pipeline stalls (gpt-1.3b, 4 stages x 4 replicas, verifier on a stage-0 A100: 217 ms).
+gradient on only then, beyond the wait for the next activation it needs anyway (which the verdict follows).
+When that gradient is the one ``V``'s own first backward needs, ``V``'s program halts there, and every check
+queued behind it in program order (every boundary ``V`` watches) waits as long: the whole checked pipeline
+stalls (gpt-1.3b, 4 stages x 4 replicas, verifier on a stage-0 A100: 201 ms), less what ``V`` would still have
+been busy with by then (its warm-up, its share of the checks). Measured on 36 small pools of that shape
+(tests/unit/test_verdict_backlog.py's, 2-4x more compute, 2-8 MB boundaries, 16-32 microbatches): 16 of 36
+outside 5% of their simulation before (12 of them 13-18% under), 7 after: one still 6.9% under, two new over
+(5.5%, 9.3%: the links into ``V`` held enough queued copies to bridge the halt), four over by 6-10% as before.
 
 During its warm-up ``V`` checks its twins' copies as they arrive, before its own next forward when they are in
 first (the compiler's order: at equal times a check first), which spaces its own forwards out.
@@ -23,18 +28,21 @@ from planner.solver.routing import owners
 @dataclass(frozen=True, slots=True)
 class Backlog:
     """Per consumer replica ``(stage, replica)``: how long it stalls on a verdict queued behind the verifier's
-    activations; ``stream_ms``: the longest stall of a verifier's own program (all its checks behind it)."""
+    activations; ``stream_ms``: the longest stall of a verifier's own program (all its checks behind it), which
+    begins at ``stream_at_ms`` (when the gradient its own backward waits for would have come)."""
 
     consumer_ms: dict[tuple[int, int], float]
-    stream_ms: float
+    stream_ms: float = 0.0
+    stream_at_ms: float = 0.0
 
 
 def verdict_backlog(problem: Problem, stages, verifiers, routes, fb, bw, fwd, down, limits,
-                    wait: dict[tuple[int, str, str], float]) -> Backlog:
+                    wait: dict[tuple[int, str, str], float], check_share: dict[str, float]) -> Backlog:
     """The stalls of verdicts sent behind their verifier's own warm-up activations (module docstring);
-    ``fwd``/``down``: the microbatches' forward paths and round trips (``program_cost._Paths``)."""
+    ``fwd``/``down``: the microbatches' forward paths and round trips (``program_cost._Paths``);
+    ``check_share``: per verifier, the share of the step its checks keep it busy."""
     consumer: dict[tuple[int, int], float] = {}
-    stream = 0.0
+    stream, at = 0.0, 0.0
     for v in verifiers:
         b, k = v.boundary, v.boundary - 1
         if "grad" not in v.directions or k < 0 or v.device not in stages[k].devices:
@@ -53,9 +61,16 @@ def verdict_backlog(problem: Problem, stages, verifiers, routes, fb, bw, fwd, do
             if stall <= 0.0:
                 continue
             consumer[(b, j)] = max(consumer.get((b, j), 0.0), stall)
-            if owner_here[x][0] == i:  # V's own backward of that microbatch waits for it: its program halts
-                stream = max(stream, stall)
-    return Backlog(consumer_ms=consumer, stream_ms=stream)
+            if owner_here[x][0] != i:
+                continue
+            # V's own backward of it waits for it: its program halts, unless V, busy with its warm-up forwards
+            # and the checks come in by then, would only reach that backward later anyway.
+            due = ready + comm.transfer_ms(nbytes, problem.link(dev, v.device))
+            busy_until = issued[-1][1] + check_share.get(v.device, 0.0) * due if issued else 0.0
+            halt = stall - max(0.0, busy_until - due)
+            if halt > stream:
+                stream, at = halt, due
+    return Backlog(consumer_ms=consumer, stream_ms=stream, stream_at_ms=at)
 
 
 def _stall(link, nbytes: float, sent: list[float], ready: float, checked: float) -> float:
