@@ -27,9 +27,10 @@ replicated stage's gradients once its replicas are done. Priced the same way
   activations take, behind them (``verdict_backlog``): the consumer of a
   verdict queued so stalls after its first backward, and where the verifier's
   own first backward waits on that consumer's gradient, the verifier's whole
-  program halts with it, every check behind it: every stage and link waits
-  as long (``stream_ms``), less what the verifier would still have been busy
-  with by then.
+  program halts with it, every check behind it: every stage waits as long
+  (``stream_ms``), less what the verifier would still have been busy with by
+  then, and every link less the messages its senders had queued on it (one
+  slower than the pace the pipeline keeps without the links into verifiers).
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
   a replica to ``n`` microbatches per ``fb + D + W``: ``n`` chains of pass,
   round trip (the mean over its microbatches) and the wait ``W`` behind other
@@ -349,10 +350,12 @@ def _verdict_stall(traffic: _Traffic, k: int, i: int, f: float, n: int, trip: fl
     return (forwards - 1) * (w - f)
 
 
-def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float], stall: float):
+def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[str, float], backlog: Backlog,
+                       stage_ms: float):
     """(busy, the path outside it, name) of every verifier-only device and directed link. Before the first
     and after the last message of boundary k's activations (gradients) the path runs elsewhere; one busy
-    with several kinds waits the least lead and the least trail."""
+    with several kinds waits the least lead and the least trail. A link waits out a verifier's halt less
+    what its senders queued on it by then (``stage_ms``: the busiest stage replica's work)."""
     first, last, M = 0, len(p.fwd) - 1, len(p.fwd)
 
     def lead(kind: tuple[int, str]) -> float:
@@ -373,7 +376,15 @@ def _message_resources(stages, traffic: _Traffic, p: _Paths, verify_load: dict[s
     on_stage = {d for st in stages for d in st.devices}
     out = [(M * load, outside(traffic.checks[dev]), f"verifier {dev}")
            for dev, load in verify_load.items() if dev not in on_stage]
-    out += [(ms, outside(traffic.kinds[pair]) + stall, f"link {pair[0]}->{pair[1]}")
+    # The pace the pipeline could keep without the links into the verifiers: a link slower than that has its
+    # senders' messages queued on it, which carry it through a verifier's halt.
+    pace = max([ms for (_, dst), ms in traffic.wire.items() if dst not in traffic.checks] + [stage_ms])
+
+    def halted(pair: tuple[str, str], ms: float) -> float:
+        queued = max(0.0, backlog.stream_at_ms - min(map(lead, traffic.kinds[pair]))) * max(0.0, 1.0 - pace / ms)
+        return max(0.0, backlog.stream_ms - queued)
+
+    out += [(ms, outside(traffic.kinds[pair]) + halted(pair, ms), f"link {pair[0]}->{pair[1]}")
             for pair, ms in traffic.wire.items()]
     return out
 
@@ -474,7 +485,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     limits = [tuple(n for n, _ in row) for row in periods]
     backlog = _backlog(problem, stages, verifiers, routes, fb, bw, p, periods, traffic, verify_load)
     busy, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
-    busy += _message_resources(stages, traffic, p, verify_load, backlog.stream_ms)
+    busy += _message_resources(stages, traffic, p, verify_load, backlog, max(b for b, _, _ in busy))
     busy += _check_queues(problem, stages, verifiers, p, bw)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":

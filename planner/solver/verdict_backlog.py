@@ -10,8 +10,8 @@ queued behind it in program order (every boundary ``V`` watches) waits as long: 
 stalls (gpt-1.3b, 4 stages x 4 replicas, verifier on a stage-0 A100: 201 ms), less what ``V`` would still have
 been busy with by then (its warm-up, its share of the checks). Measured on 36 small pools of that shape
 (tests/unit/test_verdict_backlog.py's, 2-4x more compute, 2-8 MB boundaries, 16-32 microbatches): 16 of 36
-outside 5% of their simulation before (12 of them 13-18% under), 7 after: one still 6.9% under, two new over
-(5.5%, 9.3%: the links into ``V`` held enough queued copies to bridge the halt), four over by 6-10% as before.
+outside 5% of their simulation before (12 of them 13-18% under), 8 after: three 5.2-7.3% under, one newly
+5.5% over, four over by 6-10% as before (``V``'s own stage paces them).
 
 During its warm-up ``V`` checks its twins' copies as they arrive, before its own next forward when they are in
 first (the compiler's order: at equal times a check first), which spaces its own forwards out.
