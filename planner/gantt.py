@@ -30,9 +30,11 @@ COLOURS = {
     "allreduce": "#54a24b",  # all-reduce: green
     "optim": "#e45756",    # optimizer step: red
     "message": "#72b7b2",  # a rank's CPU time on a message (simulate(messages=...)): teal
+    "control": "#eeca3b",  # waiting for the step's verdict (flags, blame, the lead's decision): yellow
 }
 LEGEND = (("F", "forward"), ("B", "backward"), ("send", "send (link busy)"), ("verify", "verify"),
-          ("allreduce", "all-reduce"), ("optim", "optimizer step"), ("message", "message CPU"))
+          ("allreduce", "all-reduce"), ("optim", "optimizer step"), ("message", "message CPU"),
+          ("control", "verdict exchange"))
 _BOX_H = 0.72
 _SEND_H = 0.2
 
@@ -95,7 +97,8 @@ def draw(plan: Plan, result: SimResult, *, title: str | None = None) -> Figure:
     ax.set_title(f"{heading}\nstep {result.step_ms:.2f} ms, bubble {100 * result.bubble_fraction:.1f}%",
                  fontsize=10)
     kinds = {ev.kind for ev in result.events}
-    handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in LEGEND if k != "message" or k in kinds]
+    handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in LEGEND
+               if k not in ("message", "control") or k in kinds]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     return fig
 

@@ -15,7 +15,7 @@ from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
 from cost_models.optim import optim_ms
 from cost_models.training import TrainingConfig
-from cost_models.verify import VERDICT_BYTES, verify_ms
+from cost_models.verify import BLAME_MS, VERDICT_BYTES, verify_ms
 from planner.errors import InvalidInputError
 from planner.ir import BlockChain, dtype_bytes
 from planner.plan import Plan
@@ -74,6 +74,7 @@ class CostModel:
         self.verified = {r.rank: tuple((v.boundary, d) for v in verifiers if v.rank == r.rank
                                        for d in v.directions) for r in ranks}
         self.measured_checks: dict[tuple[int, str], float] = {}  # (boundary, F/B) -> ms, timed where it runs
+        self.blame_ms = BLAME_MS  # a verifier's end-of-step flags and blame
 
     def _codec_ms(self, stage: int, spec: DeviceSpec) -> tuple[float, float]:
         """A stage pass's encoding and decoding: forward, its output's encode and its input's decode;

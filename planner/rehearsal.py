@@ -174,6 +174,7 @@ def _use_local_times(costs: CostModel, local: LocalTimes) -> None:
         if info.stage is not None:
             _reprice(costs, r, local.fwd_ms[info.stage], local.bwd_ms[info.stage])
     costs.measured_checks = {(b, d): ms for b, d, ms in local.check_ms}
+    costs.blame_ms = local.blame_ms
 
 
 def _price_local_passes(costs: CostModel, local: CostModel, scale: tuple[float, float]) -> None:

@@ -79,6 +79,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cost_models.measured import CoreSharing, MessageCost
+from cost_models.verify import VERDICT_BYTES, verdict_exchange
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.instructions import (
@@ -313,7 +314,36 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
         raise InvalidInputError(f"plan programs deadlock: rank {r} blocks forever at instruction #{run.pc[r]} "
                                 f"{format_instruction(plan.programs[r][run.pc[r]])!r}",
                                 fix="validate the plan (planner.validate.validate_programs)")
+    _verdict_exchange(run)
     return _summarise(plan, costs, run)
+
+
+def _verdict_exchange(run: _Run) -> None:
+    """A verified step ends with the lead verifier's verdict (``cost_models.verify.verdict_exchange``): each
+    rank waits for it from the end of its program. The next step starts when the first stage's ranks have
+    heard it: the others' wait is drawn, but overlaps the next step's activations on their way to them."""
+    plan, costs = run.plan, run.costs
+    verifiers = sorted({v.rank for v in plan.verifiers})
+    if not verifiers or not plan.policy.enabled:
+        return
+    cluster = plan.effective_cluster()
+    trusted = {r.rank for r in plan.ranks if cluster.device(r.device).trusted}
+    replicas = [plan.stage_ranks(k) for k in range(plan.num_stages)]
+    sketches = [r for ranks in replicas if len(ranks) >= 2 and not set(ranks) <= trusted for r in ranks]
+
+    def message_ms(src: int, dst: int) -> float:
+        cpu = 0.0 if run.messages is None else (run.messages.send_cpu_ms(VERDICT_BYTES)
+                                                 + run.messages.recv_cpu_ms(VERDICT_BYTES))
+        return costs.verdict_ms(src, dst) + cpu
+
+    heard = verdict_exchange(dict(enumerate(run.clock)), verifiers=verifiers, counters=replicas[0],
+                             sketches=sketches, message_ms=message_ms, blame_ms=costs.blame_ms)
+    for rank, t in heard.items():
+        if t > run.clock[rank]:
+            run.events.append(Event(rank=rank, kind="control", start_ms=run.clock[rank], end_ms=t,
+                                    label="verdict exchange"))
+    for rank in replicas[0]:
+        run.clock[rank] = heard[rank]
 
 
 def _run_dedicated(run: _Run) -> None:
@@ -411,7 +441,7 @@ def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
     pipeline = max(run.reached_optim[r] for r in stage_ranks)
     busy, comp = [0.0] * n, [0.0] * n
     for ev in run.events:
-        if ev.kind != "send":
+        if ev.kind not in ("send", "control"):  # a transfer, or waiting for the verdict: no work of the rank's
             busy[ev.rank] += ev.end_ms - ev.start_ms
         if ev.kind in ("F", "B"):
             comp[ev.rank] += ev.end_ms - ev.start_ms
