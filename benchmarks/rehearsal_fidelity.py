@@ -51,7 +51,7 @@ GOAL = 0.15  # |measured / predicted - 1|
 README_CASE = {"name": "README main command", "model": "gpt-tiny", "args": ["--stages", "3"]}
 PARTS = ("compute_ms", "compute_cpu_ms", "pad_ms", "verify_ms", "optim_ms", "comm_ms", "wait_ms")
 EVENT_PART = {"F": "compute", "B": "compute", "verify": "verify", "optim": "optim", "message": "comm",
-              "allreduce": "comm", "send": "transfer"}
+              "allreduce": "comm", "send": "transfer", "control": "verdict"}
 
 
 def random_cases(seed: int, count: int) -> list[dict[str, Any]]:

@@ -130,13 +130,14 @@ def profile_warnings(doc: dict, *, busy_now: float = 0.0) -> tuple[str, ...]:
 
 def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0,
                       cores: int | None = None, busy_now: float = 0.0, dtype: str = "auto",
-                      local: LocalTimes | None = None) -> Rehearsal:
+                      local: LocalTimes | None = None, clip: bool = False, accumulate: int = 1) -> Rehearsal:
     """The simulated ``stagewise run`` of ``plan`` on the machine ``profile`` describes (``emulate``:
     ``--emulate-speed``; ``slowdown``: ``--emulate-slowdown``; ``dtype``: ``--rehearse-dtype``), its ranks
     sharing ``cores`` processors (default: the profile's sharing table's, else this machine's); ``busy_now``:
     the share of this machine's processors others use now (it makes the prediction unreliable); ``local``:
     the plan's stages and checks timed here in the rehearsal's dtype (else the profile's block model, scaled
-    by one timed pass of the whole model)."""
+    by one timed pass of the whole model); ``clip``, ``accumulate``: the run's ``--clip-grad`` (given or not)
+    and ``--accumulate``."""
     spec = load_profile_spec(profile)   # checks the file; the document is then read once for the rest
     plan = as_rehearsed(plan, dtype, spec.kind)
     doc = json.loads(Path(profile).read_text())
@@ -158,7 +159,8 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
             unmodelled = ((f"{plan.config.dtype} passes are priced at the profile's {plan.config.dtype} matmul "
                            "peak (the profile times float32 blocks, and only a preset or hf: model up to "
                            f"{MAX_TIMED_PARAMS / 1e6:.0f}M parameters is timed here)"),)
-    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages)
+    result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages, clip=clip,
+                      accumulate=accumulate)
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,

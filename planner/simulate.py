@@ -286,13 +286,19 @@ class _Run:
 
 def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None,
              sharing: CoreSharing | None = None, emulated: bool = False,
-             messages: MessageCost | None = None) -> SimResult:
+             messages: MessageCost | None = None, clip: bool = False, accumulate: int = 1) -> SimResult:
     """Interpret ``plan``'s programs against the cost model; ``cores``: the ranks share this many
     processors (default: a device each), ``sharing``: how fast concurrent passes progress on them
     (measured; default: even sharing), ``emulated``: slower devices are emulated by padding passes
-    with sleeps, ``messages``: the CPU time a message costs each end (measured; default none). See
-    the module docstring."""
+    with sleeps, ``messages``: the CPU time a message costs each end (measured; default none);
+    ``clip``: the run clips the global gradient norm (``stagewise run --clip-grad``); ``accumulate``: the
+    run's passes per optimizer step (``--accumulate``). See the module docstring."""
     costs = costs or CostModel.for_plan(plan)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise InvalidInputError("accumulated passes", expected="a whole number >= 1", found=repr(accumulate))
+    if accumulate > 1:
+        return _accumulated(plan, costs, accumulate, cores=cores, sharing=sharing, emulated=emulated,
+                            messages=messages, clip=clip)
     n = plan.num_ranks
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise InvalidInputError("simulated cores", expected="a whole number >= 1 (or None: a device per rank)",
@@ -314,8 +320,45 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
         raise InvalidInputError(f"plan programs deadlock: rank {r} blocks forever at instruction #{run.pc[r]} "
                                 f"{format_instruction(plan.programs[r][run.pc[r]])!r}",
                                 fix="validate the plan (planner.validate.validate_programs)")
+    if clip:
+        _norm_exchange(run)
     _verdict_exchange(run)
     return _summarise(plan, costs, run)
+
+
+def _accumulated(plan: Plan, costs: CostModel, passes: int, **kw) -> SimResult:
+    """``passes`` runs of the programs per step: each but the last without the all-reduce, the optimizer step
+    and the step's end (clipping, verdicts), one after another (a pass drains before the next starts: the
+    runtime settles its sends)."""
+    inner = replace(plan, programs=tuple(tuple(i for i in prog if i.op not in ("ALLREDUCE", "OPTIM"))
+                                         for prog in plan.programs), verifiers=())
+    early, last = simulate(inner, costs, **{**kw, "clip": False}), simulate(plan, costs, **kw)
+    extra = (passes - 1) * early.step_ms
+    moved = tuple(replace(e, start_ms=e.start_ms + extra, end_ms=e.end_ms + extra) for e in last.events)
+    return replace(last, step_ms=last.step_ms + extra, pipeline_ms=last.pipeline_ms + extra,
+                   busy_ms=tuple(a + (passes - 1) * b for a, b in zip(last.busy_ms, early.busy_ms)),
+                   compute_ms=tuple(a + (passes - 1) * b for a, b in zip(last.compute_ms, early.compute_ms)),
+                   idle_ms=tuple(a + (passes - 1) * b for a, b in zip(last.idle_ms, early.idle_ms)),
+                   events=early.events + moved)
+
+
+def _norm_exchange(run: _Run) -> None:
+    """Clipping: a stage rank's optimizer step waits for the global gradient norm. Every rank sends its
+    squared norm to the control rank (0), which sends back the sum (``executor_optim._clip``); OPTIM ends a
+    stage rank's program, so its box moves by the wait."""
+    plan, costs = run.plan, run.costs
+    stage_ranks = [r.rank for r in plan.ranks if r.stage is not None]
+    arrive = {r: run.reached_optim[r] if r in stage_ranks else run.clock[r] for r in range(plan.num_ranks)}
+    total = max(t + (costs.verdict_ms(r, 0) if r else 0.0) for r, t in arrive.items())
+    for r in stage_ranks:
+        wait = total + (costs.verdict_ms(0, r) if r else 0.0) - arrive[r]
+        if wait <= 0:
+            continue
+        run.events[:] = [replace(e, start_ms=e.start_ms + wait, end_ms=e.end_ms + wait)
+                         if e.rank == r and e.start_ms >= arrive[r] and e.kind != "send" else e for e in run.events]
+        run.events.append(Event(rank=r, kind="control", start_ms=arrive[r], end_ms=arrive[r] + wait,
+                                label="gradient norm"))
+        run.clock[r] += wait
 
 
 def _verdict_exchange(run: _Run) -> None:

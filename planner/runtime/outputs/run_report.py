@@ -19,6 +19,7 @@ from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.metrics import StepSummary, measured_step_ms
 from planner.runtime.rank.rank_setup import RankEnv
 from planner.runtime.wire import control
+from planner.simulate import simulate
 
 
 class ProgressReport:
@@ -99,6 +100,14 @@ def lead_drops(plan, opts: RunOptions, ranks: list[dict[str, Any]]) -> tuple[lis
     return drops, int(record.get("drops_total", len(drops)))
 
 
+def predicted_step_ms(plan, opts: RunOptions) -> float:
+    """The plan's step as this run takes it: the plan's own prediction, simulated again where the run clips
+    the gradients' norm (one more exchange) or accumulates passes."""
+    if opts.clip_grad is None and opts.accumulate == 1:
+        return plan.predicted.step_ms
+    return simulate(plan, clip=opts.clip_grad is not None, accumulate=opts.accumulate).step_ms
+
+
 def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
                  emulation_on: bool, executor: Executor) -> dict[str, Any]:
     measured = measured_step_ms(summaries) if summaries else math.nan
@@ -112,7 +121,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
     return {"plan": os.fspath(opts.plan), "model": plan.model.spec, "schedule": plan.schedule,
             "num_ranks": plan.num_ranks, "steps": len(summaries), "emulated": emulation_on,
             "emulate_slowdown": opts.emulate_slowdown if emulation_on else 1.0,
-            "predicted_step_ms": plan.predicted.step_ms, "measured_step_ms": measured,
+            "predicted_step_ms": predicted_step_ms(plan, opts), "measured_step_ms": measured,
             "step_ms": [round(s.step_ms, 3) for s in summaries], "cpu_ms": [round(s.cpu_ms, 3) for s in summaries],
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
