@@ -39,7 +39,6 @@ from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS  # noqa: E402
 from benchmarks.verification import Pipeline, RunConfig, run  # noqa: E402
 from planner.integrity import contributions as contrib  # noqa: E402
 from planner.integrity import robust_reduce  # noqa: E402
-from planner.integrity.attacks import Attacker, parse_attack  # noqa: E402
 from planner.integrity.verifier import Verifier  # noqa: E402
 
 TWIN = 3                               # the replica of stage 1 sending the odd microbatches
@@ -70,6 +69,8 @@ class TwinPipeline(Pipeline):
         self.parts: dict[int, torch.Tensor] = {}
         self.snapshots: dict[int, tuple[dict, dict]] = {}
         self.checks = self.flags = 0
+        self.contrib_checks, self.contrib_flags = 0, {ATTACKER: 0, TWIN: 0}   # (step, replica) pairs judged, flagged
+        self.contrib_flag_steps: list[int] = []   # steps the attacker's contribution was flagged
 
     def _verifier(self) -> Verifier:
         """The plan's view: who is whose twin, and each sender's microbatches a step (after the re-plan, the
@@ -113,6 +114,11 @@ class TwinPipeline(Pipeline):
         trusted = [r for r in parts if self.verifier is None or r not in self.verifier.banned]
         watched = {r: parts[r] for r in trusted}
         events = self.contrib.check(REPLICATED_STAGE, watched, step=step) if self.contrib is not None else []
+        self.contrib_checks += len(watched) if self.contrib is not None and len(watched) > 1 else 0
+        for e in events:
+            self.contrib_flags[e["sender"]] += 1
+            if e["sender"] == ATTACKER:
+                self.contrib_flag_steps.append(step)
         kept = [parts[r] for r in trusted] or list(parts.values())
         if self.robust and self.contrib is not None:   # the history's reference and radius from before this step
             total = robust_reduce.centered_clip(kept, reference=self._reference, history_radius=self._radius)
@@ -188,9 +194,20 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
             "banned": sorted(bans), "bans": {str(k): v for k, v in bans.items()},
             "attacker_ban_delay": (bans[ATTACKER][1] - start) if ATTACKER in bans else None,
             "twin_banned": TWIN in bans, "checks": pipe.checks, "flags": pipe.flags,
-            "flag_pct": round(100 * pipe.flags / max(1, pipe.checks), 3), "tp": tp, "fp": fp, "fn": fn,
+            "flag_pct": round(100 * pipe.flags / max(1, pipe.checks), 3),
+            "contrib_checks": pipe.contrib_checks, "contrib_flags": {str(k): v for k, v in pipe.contrib_flags.items()},
+            # flags on honest contributions (every one in a clean run, the twin's under attack) per pair judged
+            "contrib_false_pct": round(100 * (sum(pipe.contrib_flags.values()) if attack is None else
+                                              pipe.contrib_flags[TWIN]) / max(1, pipe.contrib_checks), 3),
+            "contrib_first_flag": _first_flag(pipe, attacked), "tp": tp, "fp": fp, "fn": fn,
             "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),
             "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def _first_flag(pipe: TwinPipeline, attacked: set[int]) -> int | None:
+    """Steps from the attack's start to the attacker's first contribution flag (None: never flagged)."""
+    steps = pipe.contrib_flag_steps
+    return (min(steps) - min(attacked)) if steps and attacked else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import torch
 from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights
-from planner.integrity.contributions import SKETCH_DIMS, ContributionMonitor, sketch
+from planner.integrity.contributions import SKETCH_SIZE, ContributionMonitor, sketch
 from planner.integrity.robust_reduce import centered_clip, clip_radius
 
 DIM = 2000
@@ -40,8 +40,8 @@ def run(steps: int, *, attack=None, start: int = 30, replicas: int = 2, seed: in
 def test_a_sketch_keeps_the_norm_and_reads_a_sign_flip():
     x = torch.randn(10_000)
     a, b = sketch(x, seed=3), sketch(-x, seed=3)
-    assert a.shape == (SKETCH_DIMS + 1,) and float(a[0]) == pytest.approx(float(x.norm()))
-    assert float(a[1:] @ b[1:]) / float(a[1:].norm() * b[1:].norm()) == pytest.approx(-1.0)
+    assert a.shape == (SKETCH_SIZE,) and float(a[0]) == pytest.approx(float(x.norm()))
+    assert float(a[2:] @ b[2:]) / float(a[2:].norm() * b[2:].norm()) == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -73,7 +73,7 @@ def test_a_non_finite_contribution_is_flagged_at_once():
 
 
 def test_a_twin_made_non_finite_by_the_poisoned_sum_is_not_flagged():
-    mon, ok, bad = ContributionMonitor(), sketch(torch.ones(50), seed=0), torch.full((SKETCH_DIMS + 1,), math.nan)
+    mon, ok, bad = ContributionMonitor(), sketch(torch.ones(50), seed=0), torch.full((SKETCH_SIZE,), math.nan)
     assert [e["sender"] for e in mon.judge(1, {1: bad, 2: ok}, step=0)] == [1]
     assert [e["sender"] for e in mon.judge(1, {1: bad, 2: bad}, step=1)] == [1]
 

@@ -3,7 +3,7 @@ replicas, seen by the lead verifier, and an optional Byzantine-robust sum of the
 
 * Before its stage's all-reduce, every replica of a *watched* stage (two replicas or more, one of them
   untrusted, in a verified run) keeps a sketch of its own flat gradient contribution
-  (``integrity.contributions.sketch``: ``SKETCH_DIMS + 1`` floats). At the end of the step each watched
+  (``integrity.contributions.sketch``: ``SKETCH_SIZE`` floats). At the end of the step each watched
   stage's replicas send theirs to the lead verifier (trusted: ``wire.control.check_authorities``), point to
   point, and its ``ContributionMonitor`` flags the replica whose contribution stands out; the flags join
   the step's flag exchange (step-level events with a ``stage`` key), so blame and bans take them as
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from planner.integrity import robust_reduce
 from planner.integrity.contributions import (
-    SKETCH_DIMS,
+    SKETCH_SIZE,
     ContributionMonitor,
     sketch,
     sketch_seed,
@@ -134,7 +134,7 @@ def exchange(ex: Any, step: int) -> None:
     for stage, ranks in sorted(watched.items()):
         if ex.rank != lead and ex.rank not in ranks:
             continue
-        value = mine if ex.rank in ranks and mine is not None else torch.zeros(SKETCH_DIMS + 1, dtype=torch.float64)
+        value = mine if ex.rank in ranks and mine is not None else torch.zeros(SKETCH_SIZE, dtype=torch.float64)
         got = control.gather_to(value.to(ex.device), dst=lead, me=ex.rank, ranks=sorted({*ranks, lead}),
                                 topic=control.Topic.CONTRIB, device=ex.device, index=stage,
                                 doing=f"sending stage {stage}'s gradient sketches to the lead verifier (step {step})")
