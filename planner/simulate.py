@@ -497,6 +497,30 @@ def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
                      peak_mem_bytes=peak_mem, peak_in_flight=tuple(run.peak), events=events)
 
 
+def without_verification(plan: Plan) -> Plan:
+    """``plan`` as a run with ``--no-verify`` executes it: no checks, no verdicts, no copies for verifiers
+    (a send whose peer is not the microbatch's consumer, as ``executor_p2p._send`` skips it), and no
+    verifier-only ranks (numbered last, they idle)."""
+    if not plan.verifiers:
+        return plan
+
+    def kept(rank: int, ins: Instruction) -> bool:
+        if ins.op in VERIFY_OPS or ins.op in VERDICT_OPS:
+            return False
+        if ins.op in SEND_OPS:
+            stage = plan.ranks[rank].stage
+            assert stage is not None and ins.mb is not None
+            return ins.peer == plan.owner(stage + (1 if ins.direction == "F" else -1), ins.mb)
+        return True
+
+    staged = [r for r in plan.ranks if r.stage is not None]
+    assert [r.rank for r in staged] == list(range(len(staged))), "verifier-only ranks come last"
+    programs = tuple(tuple(i for i in plan.programs[r.rank] if kept(r.rank, i)) for r in staged)
+    predicted = replace(plan.predicted, peak_mem_bytes=plan.predicted.peak_mem_bytes[:len(staged)])
+    return replace(plan, ranks=tuple(staged), programs=programs, verifiers=(), predicted=predicted,
+                   policy=replace(plan.policy, enabled=False))
+
+
 def predict(plan: Plan, costs: CostModel | None = None) -> Plan:
     """``plan`` with its ``predicted`` figures filled in by simulating its programs."""
     return replace(plan, predicted=simulate(plan, costs).predicted())

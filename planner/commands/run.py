@@ -157,7 +157,7 @@ def _rehearsal(opts, profile: str | None):
     busy = psutil.cpu_percent(interval=0.5) / 100  # others' work now makes the prediction here unreliable
     return predict_here(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
                         busy_now=busy, dtype=opts.rehearse_dtype, backend=opts.backend, data=opts.data,
-                        clip=opts.clip_grad is not None, accumulate=opts.accumulate)
+                        clip=opts.clip_grad is not None, accumulate=opts.accumulate, verify=opts.verify)
 
 
 def summary_table(result: dict[str, Any], here=None):

@@ -34,16 +34,19 @@ from planner.runtime.rank.apply import plan_node_names
 from planner.runtime.rank.precision import Precision
 from planner.runtime.rank.recompute import build_plan_stage
 from planner.runtime.rank.stage import split_graph
+from planner.simulate import without_verification
 
 GAP_S = 0.005  # a rank waits for its next message between passes: its caches go cold meanwhile
-REPEATS = 5    # timed runs of each pass after one that warms up
+REPEATS = 8    # timed runs of each pass after one that warms up (their median: a pass of a small model is noisy)
 
 
 def predict_here(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0, busy_now: float = 0.0,
                  dtype: str = "auto", backend: str = "auto", data: str = "auto", clip: bool = False,
-                 accumulate: int = 1) -> Rehearsal:
+                 accumulate: int = 1, verify: bool = True) -> Rehearsal:
     """``stagewise run``'s prediction here (``planner.rehearsal.predict_rehearsal``), its stages and checks
-    timed first where its ranks compute on this CPU (a few seconds for a small model)."""
+    timed first where its ranks compute on this CPU (a few seconds for a small model); ``verify``: False for
+    a run with ``--no-verify``."""
+    plan = plan if verify else without_verification(plan)
     device = local_device_type(backend)
     local = None
     if device == "cpu":

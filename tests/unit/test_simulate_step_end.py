@@ -8,7 +8,8 @@ import pytest
 
 from cost_models.verify import verdict_exchange
 from planner.errors import InvalidInputError
-from planner.simulate import simulate
+from planner.instructions import SEND_OPS, VERDICT_OPS, VERIFY_OPS
+from planner.simulate import simulate, without_verification
 from tests.dist.plans import make_plan
 
 
@@ -66,3 +67,19 @@ def test_a_run_predicts_the_step_it_takes(plan):
     assert predicted_step_ms(plan, RunOptions(plan="p.json")) == plan.predicted.step_ms
     clipped = RunOptions(plan="p.json", clip_grad=1.0, accumulate=2)
     assert predicted_step_ms(plan, clipped) == pytest.approx(simulate(plan, clip=True, accumulate=2).step_ms)
+
+
+def test_a_run_without_verification_sends_no_copies_and_checks_nothing(plan):
+    bare = without_verification(plan)
+    assert not bare.verifiers and not bare.policy.enabled
+    ops = [(r, i) for r, prog in enumerate(bare.programs) for i in prog]
+    assert not [i for _, i in ops if i.op in VERIFY_OPS or i.op in VERDICT_OPS]
+    for r, i in ops:
+        if i.op in SEND_OPS:  # only to the rank that computes on it next
+            step = plan.ranks[r].stage + (1 if i.direction == "F" else -1)
+            assert i.peer == plan.owner(step, i.mb)
+    assert simulate(bare).step_ms < simulate(plan).step_ms
+    from planner.runtime.options import RunOptions
+    from planner.runtime.outputs.run_report import predicted_step_ms
+
+    assert predicted_step_ms(plan, RunOptions(plan="p.json", verify=False)) == pytest.approx(simulate(bare).step_ms)

@@ -19,7 +19,7 @@ from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.metrics import StepSummary, measured_step_ms
 from planner.runtime.rank.rank_setup import RankEnv
 from planner.runtime.wire import control
-from planner.simulate import simulate
+from planner.simulate import simulate, without_verification
 
 
 class ProgressReport:
@@ -102,10 +102,11 @@ def lead_drops(plan, opts: RunOptions, ranks: list[dict[str, Any]]) -> tuple[lis
 
 def predicted_step_ms(plan, opts: RunOptions) -> float:
     """The plan's step as this run takes it: the plan's own prediction, simulated again where the run clips
-    the gradients' norm (one more exchange) or accumulates passes."""
-    if opts.clip_grad is None and opts.accumulate == 1:
+    the gradients' norm (one more exchange), accumulates passes or does not verify."""
+    if opts.clip_grad is None and opts.accumulate == 1 and (opts.verify or not plan.verifiers):
         return plan.predicted.step_ms
-    return simulate(plan, clip=opts.clip_grad is not None, accumulate=opts.accumulate).step_ms
+    run = plan if opts.verify else without_verification(plan)
+    return simulate(run, clip=opts.clip_grad is not None, accumulate=opts.accumulate).step_ms
 
 
 def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: list[dict[str, Any]], *,
