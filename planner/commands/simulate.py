@@ -14,7 +14,7 @@ from planner.commands._common import (
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan_load import load_plan
-from planner.rehearsal import predict_rehearsal
+from planner.profiling.rehearsal_times import predict_here
 from planner.simulate import simulate
 
 
@@ -85,12 +85,13 @@ def _rehearse(args: argparse.Namespace, plan) -> int:
         if value is not None:
             raise InvalidInputError(f"{flag} with --rehearse", expected="one profile",
                                     found="two", fix=f"drop {flag}: --rehearse takes it from its profile")
-    here = predict_rehearsal(plan, args.rehearse, emulate=True, slowdown=args.emulate_slowdown, cores=args.cores)
+    here = predict_here(plan, args.rehearse, emulate=True, slowdown=args.emulate_slowdown, cores=args.cores)
     result = here.result
     console = Console()
     console.print(f"[bold]{plan.model.name}[/]: `stagewise run --emulate-speed` here ({here.device}, {here.cores} "
                   f"core(s), {'measured' if here.measured_sharing else 'even'} core sharing"
                   f"{', measured message costs' if here.measured_messages else ''}"
+                  f"{', its stages and checks timed here' if here.timed else ''}"
                   f"{f', slowdown {args.emulate_slowdown:g}' if args.emulate_slowdown != 1.0 else ''})")
     console.print(f"step {result.step_ms:.3f} ms (pipeline {result.pipeline_ms:.3f} ms + optimizer), "
                   f"bubble {100 * result.bubble_fraction:.1f}%; on the planned devices "

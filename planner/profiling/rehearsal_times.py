@@ -42,7 +42,7 @@ REPEATS = 8    # timed runs of each pass after one that warms up (their median: 
 
 def predict_here(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0, busy_now: float = 0.0,
                  dtype: str = "auto", backend: str = "auto", data: str = "auto", clip: bool = False,
-                 accumulate: int = 1, verify: bool = True) -> Rehearsal:
+                 accumulate: int = 1, verify: bool = True, cores: int | None = None) -> Rehearsal:
     """``stagewise run``'s prediction here (``planner.rehearsal.predict_rehearsal``), its stages and checks
     timed first where its ranks compute on this CPU (a few seconds for a small model); ``verify``: False for
     a run with ``--no-verify``."""
@@ -52,7 +52,7 @@ def predict_here(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: fl
     if device == "cpu":
         local = rehearsal_times(as_rehearsed(plan, dtype, device), rehearsal_dtype(plan, dtype, device), data=data)
     return predict_rehearsal(plan, profile, emulate=emulate, slowdown=slowdown, busy_now=busy_now, dtype=dtype,
-                             local=local, clip=clip, accumulate=accumulate)
+                             local=local, clip=clip, accumulate=accumulate, cores=cores)
 
 
 def rehearsal_times(plan: Plan, dtype: str, *, data: str = "auto", repeats: int = REPEATS,
