@@ -2,13 +2,15 @@
 
 The README's main command ends by rehearsing a 3-stage gpt-tiny plan for the default cluster on this
 machine (a process per rank, padded to its planned device's speed, verification on) and prints the
-measured step beside the simulator's step for this machine (``planner.rehearsal``). This benchmark runs
-that rehearsal and 5 random small plans (gpt-tiny / mlp-tiny at random shapes, 2-4 stages, the default
-cluster, its default dtype: float16, which a CPU rehearses in bfloat16), each as the README does
-(``stagewise run PLAN --steps N --emulate-speed --profile P``), and records per case: the measured step
-(median after step 1), the predicted one, their ratio (goal: within 15%), and per rank the measured parts
-(the executor's own split: compute CPU time, padding, verification, optimizer, message posting, waiting;
-medians after step 1) beside the simulator's (its events by kind), so a miss names the part it comes from.
+measured step beside the simulator's step for this machine (``planner.profiling.rehearsal_times.
+predict_here``: the plan's own stages and its verifiers' checks timed here first, then simulated with the
+profile's link, core sharing and message costs). This benchmark runs that rehearsal and 5 random small plans
+(gpt-tiny / mlp-tiny at random shapes, 2-4 stages, the default cluster, its default dtype: float16, which a
+CPU rehearses in bfloat16), each as the README does (``stagewise run PLAN --steps N --emulate-speed
+--profile P``), and records per case: the measured step (median after step 1), the predicted one, their
+ratio (goal: within 15%), and per rank the measured parts (the executor's own split: compute CPU time,
+padding, verification, optimizer, message posting, waiting; medians after step 1) beside the simulator's
+(its events by kind; ``verdict``: waiting for the step's verdict), so a miss names the part it comes from.
 
 One profile of this machine (``stagewise profile --quick --sharing --threads 1``, as the README, with
 ``--clock cpu``: on a shared machine wall-clock block times include others' work) serves every case;
@@ -16,8 +18,8 @@ One profile of this machine (``stagewise profile --quick --sharing --threads 1``
 (``external_load_cores``: machine busy time less our ranks' CPU time, over the wall time) is recorded
 beside it; the prediction is for this machine alone, so under load the step ratio says more about the
 others than the model. What load does not move is also compared: the CPU time of the ranks' passes
-(``compute_cpu_ms``, padding excluded) against the simulator's unpadded pass prices
-(``compute_cpu_measured_over_predicted``, all ranks summed).
+(``compute_cpu_ms``, padding excluded) against the prices timed here (``compute_cpu_measured_over_predicted``,
+all ranks summed).
 
     python benchmarks/rehearsal_fidelity.py           # writes benchmarks/results/rehearsal_fidelity.json
     python benchmarks/rehearsal_fidelity.py --quick   # the README case, 3 steps, no sharing table: writes nothing
