@@ -38,6 +38,7 @@ from planner.simulate import without_verification
 
 GAP_S = 0.005  # a rank waits for its next message between passes: its caches go cold meanwhile
 REPEATS = 8    # timed runs of each pass after one that warms up (their median: a pass of a small model is noisy)
+SLOW_STEP_S = 0.5  # a first step slower than this: skip the verifiers' warm-up and time 2 steps (seconds, not minutes)
 
 
 def predict_here(plan: Plan, profile: str | Path, *, emulate: bool, slowdown: float = 1.0, busy_now: float = 0.0,
@@ -84,35 +85,47 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     checks = _Checks(plan, data=data)
     warmup = plan.verifier_config.warmup + 1 if checks.hooks else 1  # checks grow dearer once references are learnt
     times: dict[tuple[str, int | str], list[float]] = {}
-    for step in range(warmup + repeats):
+    step = 0
+    while step < warmup + repeats:
+        started = time.perf_counter()
         record = (lambda key, ms: times.setdefault(key, []).append(ms)) if step >= warmup else (lambda key, ms: None)
-        inputs, targets = source.batch(step, plan.config.microbatch_size)
-        values, saved = list(inputs), []
-        for k, stage in enumerate(stages):
-            last = k == len(stages) - 1
-            held, roots, ms = _forward(stage, values, precision, gap_s=gap_s, loss=loss_fn if last else None,
-                                       targets=targets)
-            record(("F", k), ms)
-            saved.append((held, roots))
-            if not last:
-                checks.run(k, "F", roots, step, record, gap_s)
-                values = [o.detach() for o in roots]
-        grads: list[torch.Tensor] = []
-        for k in reversed(range(len(stages))):
-            held, roots = saved[k]
-            seeds = None if k == len(stages) - 1 else grads
-            record(("B", k), _backward(roots, seeds, gap_s=gap_s))
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held]
-            if k:
-                checks.run(k - 1, "B", grads, step, record, gap_s)
-            stages[k].module.zero_grad(set_to_none=True)
-        checks.end(step, record)
+        _one_step(stages, checks, source.batch(step, plan.config.microbatch_size), step, record,
+                  precision=precision, loss_fn=loss_fn, gap_s=gap_s)
+        if step == 0 and time.perf_counter() - started > SLOW_STEP_S:  # a larger model: time it briefly
+            warmup, repeats = 1, min(repeats, 2)
+        step += 1
     med = {key: statistics.median(ms) for key, ms in times.items()}
     return LocalTimes(fwd_ms=tuple(med[("F", k)] for k in range(len(stages))),
                       bwd_ms=tuple(med[("B", k)] for k in range(len(stages))),
                       check_ms=tuple((b, d, med[(d, f"check {b}")]) for b, d in sorted(checks.pairs)
                                      if (d, f"check {b}") in med),
                       blame_ms=med.get(("blame", "end"), 0.0))
+
+
+def _one_step(stages, checks: _Checks, batch, step: int, record, *, precision: Precision, loss_fn: Callable,
+              gap_s: float) -> None:
+    """Every stage's forward and its activations' checks, every backward and its gradients' checks, then the
+    verifiers' blame, each recorded by ``record(key, ms)``."""
+    inputs, targets = batch
+    values, saved = list(inputs), []
+    for k, stage in enumerate(stages):
+        last = k == len(stages) - 1
+        held, roots, ms = _forward(stage, values, precision, gap_s=gap_s, loss=loss_fn if last else None,
+                                   targets=targets)
+        record(("F", k), ms)
+        saved.append((held, roots))
+        if not last:
+            checks.run(k, "F", roots, step, record, gap_s)
+            values = [o.detach() for o in roots]
+    grads: list[torch.Tensor] = []
+    for k in reversed(range(len(stages))):
+        held, roots = saved[k]
+        record(("B", k), _backward(roots, None if k == len(stages) - 1 else grads, gap_s=gap_s))
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held]
+        if k:
+            checks.run(k - 1, "B", grads, step, record, gap_s)
+        stages[k].module.zero_grad(set_to_none=True)
+    checks.end(step, record)
 
 
 def _forward(stage, values: Sequence[torch.Tensor], precision: Precision, *, gap_s: float, loss: Callable | None,
