@@ -56,7 +56,7 @@ def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str) -> f
 
 
 # --- a replicated stage's gradient all-reduce ---------------------------------------------------------------
-ALLREDUCE_CODECS: tuple[str, ...] = ("none", "powersgd")
+ALLREDUCE_CODECS: tuple[str, ...] = ("none", "int8", "powersgd")   # least lossy first
 POWERSGD_RANK = 4
 POWERSGD_STATE_BYTES_PER_PARAM = 4   # the error-feedback buffer: one fp32 gradient copy (the Q's are small)
 # The IR has no parameter shapes (a block has its parameter count and names): every tensor of a block is taken
@@ -119,3 +119,45 @@ def powersgd_allreduce_ms(params: float, tensors: float, links: tuple[Link, ...]
     wire = comm.allreduce_ms(powersgd_bytes(params, tensors, rank), links, replicas)
     extra_latency = (POWERSGD_ALLREDUCES - 1) * 2.0 * (replicas - 1) * max(lk.latency_ms for lk in links)
     return wire + extra_latency + powersgd_compute_ms(params, tensors, flops_per_s, mem_bw_bytes_per_s, rank)
+
+
+# int8: each replica sends its blockwise-int8 gradient (plus the residual it kept, error feedback) to every other
+# replica in an all-gather, and every replica decodes and sums them all (a summed int8 would overflow).
+INT8_ALLREDUCE_STATE_BYTES_PER_PARAM = 4   # the error-feedback buffer: one fp32 gradient copy
+ALLREDUCE_STATE_BYTES_PER_PARAM = {"none": 0, "int8": INT8_ALLREDUCE_STATE_BYTES_PER_PARAM,
+                                   "powersgd": POWERSGD_STATE_BYTES_PER_PARAM}
+# Beyond the codec's own passes: the residual added and kept (2), and each other replica's decoded part summed.
+INT8_ALLREDUCE_EF_PASSES = 2
+
+
+def int8_payload_bytes(params: float) -> float:
+    """Bytes one replica's int8 contribution of ``params`` fp32 gradients travels as (codes and block scales)."""
+    return wire_bytes("int8", 4.0 * params, 4) if params > 0 else 0.0
+
+
+def int8_allreduce_bytes(params: float, replicas: int) -> float:
+    """Bytes each replica receives in the all-gather: every other replica's payload (a ring all-reduce of fp32
+    receives ``2 (r-1)/r * 4 params``; the all-gather is cheaper below 8 replicas)."""
+    return max(0, replicas - 1) * int8_payload_bytes(params)
+
+
+def int8_allreduce_compute_ms(params: float, replicas: int, mem_bw_bytes_per_s: float) -> float:
+    """One replica's encode, its ``replicas`` decodes, the error-feedback passes and the sum, memory bound."""
+    nbytes = 4.0 * params
+    passes_ms = 1e3 * (INT8_ALLREDUCE_EF_PASSES + replicas - 1) * 2 * nbytes / mem_bw_bytes_per_s
+    return (codec_ms("int8", nbytes, mem_bw_bytes_per_s, "encode")
+            + replicas * codec_ms("int8", nbytes, mem_bw_bytes_per_s, "decode") + passes_ms)
+
+
+def int8_allreduce_ms(params: float, links: tuple[Link, ...], replicas: int, mem_bw_bytes_per_s: float) -> float:
+    """A ring all-gather of every replica's int8 payload over ``links``: ``r - 1`` steps, each moving one
+    payload over every link at once (the slowest link and largest latency pace them), plus the slowest
+    replica's (``mem_bw_bytes_per_s``) encoding, decoding and summing."""
+    if replicas < 2 or params <= 0:
+        return 0.0
+    if not links:
+        raise InvalidInputError("all-gather links", expected=f"the links of the {replicas}-device ring", found="none")
+    slowest_bps = min(lk.bytes_per_s for lk in links)
+    latency_ms = max(lk.latency_ms for lk in links)
+    wire = 1e3 * int8_allreduce_bytes(params, replicas) / slowest_bps + (replicas - 1) * latency_ms
+    return wire + int8_allreduce_compute_ms(params, replicas, mem_bw_bytes_per_s)

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import comm, compute, memory
-from cost_models.codecs import POWERSGD_STATE_BYTES_PER_PARAM, codec_ms, powersgd_allreduce_ms, wire_bytes
+from cost_models.codecs import (
+    ALLREDUCE_STATE_BYTES_PER_PARAM,
+    codec_ms,
+    int8_allreduce_ms,
+    powersgd_allreduce_ms,
+    wire_bytes,
+)
 from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
@@ -128,6 +134,9 @@ class CostModel:
         lo, hi = self.ranges[stage]
         params = memory.stage_param_count(self.chain, lo, hi)
         devices = [r.device for r in self.ranks if r.stage == stage]
+        if self.allreduce_codecs[stage] == "int8" and len(devices) > 1:
+            slowest_bw = min(self.cluster.device(d).spec.mem_bw_bytes_per_s for d in devices)
+            return int8_allreduce_ms(params, comm.ring_links(self.cluster, devices), len(devices), slowest_bw)
         if self.allreduce_codecs[stage] == "powersgd" and len(devices) > 1:
             specs = [self.cluster.device(d).spec for d in devices]
             slowest = min(specs, key=lambda s: s.effective_flops_per_s("float32"))
@@ -146,8 +155,8 @@ class CostModel:
         br = memory.stage_memory(self.chain, lo, hi, self.config, max(peak_in_flight, 1),
                                  recompute=self.recompute[info.stage])
         acts = br.activations_bytes if peak_in_flight else 0
-        feedback = POWERSGD_STATE_BYTES_PER_PARAM * memory.stage_param_count(self.chain, lo, hi) \
-            if self.allreduce_codecs[info.stage] == "powersgd" else 0  # its error-feedback buffer
+        feedback = ALLREDUCE_STATE_BYTES_PER_PARAM[self.allreduce_codecs[info.stage]] \
+            * memory.stage_param_count(self.chain, lo, hi)  # its error-feedback buffer
         return br.static_bytes + br.buffers_bytes + acts + verifier_state + feedback
 
     @classmethod

@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compress", choices=COMPRESS_CHOICES, default="none",
                    help="boundary codecs: none (default), fp8, int8 or int4 on every boundary, or auto: per boundary, "
                         "int8 where it pays, fp8 or none elsewhere (activations and their gradients; checked decoded); "
-                        "auto also runs PowerSGD on a replicated stage's gradient all-reduce where it pays")
+                        "int8 and auto also compress a replicated stage's gradient all-reduce (int8 with error feedback; "
+                        "auto: int8 or PowerSGD) where it pays")
     p.add_argument("--recompute", choices=("auto", "never", "always"), default="auto",
                    help="activation recomputation per stage (default auto: searched where memory is tight, kept "
                         "on the stages whose devices need it)")

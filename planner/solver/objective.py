@@ -42,7 +42,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from cost_models import codecs, comm, memory
-from cost_models.codecs import POWERSGD_STATE_BYTES_PER_PARAM
+from cost_models.codecs import ALLREDUCE_STATE_BYTES_PER_PARAM
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
@@ -165,7 +165,7 @@ def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, sh
     if in_flight is None:
         in_flight = memory.in_flight_microbatches(problem.schedule, num_stages, st.index, share)
     problem = problem.tables(st.recompute)
-    state = problem.state_bytes_per_param + (POWERSGD_STATE_BYTES_PER_PARAM if st.allreduce_codec == "powersgd" else 0)
+    state = problem.state_bytes_per_param + ALLREDUCE_STATE_BYTES_PER_PARAM[st.allreduce_codec or "none"]
     return (problem.range_params(st.first_block, st.last_block) * state
             + problem.range_act_bytes(st.first_block, st.last_block) * in_flight
             + problem.buffer_bytes(st.first_block, st.last_block))
@@ -173,13 +173,17 @@ def stage_memory_bytes(problem: Problem, st: StagePlacement, num_stages: int, sh
 
 def allreduce_ms(problem: Problem, st: StagePlacement) -> float:
     """Gradient all-reduce of a replicated stage: a ring over its replicas in order (compressed under its
-    ``allreduce_codec``: ``cost_models.codecs.powersgd_allreduce_ms``)."""
+    ``allreduce_codec``: ``cost_models.codecs.powersgd_allreduce_ms``, ``int8_allreduce_ms``)."""
     r = len(st.devices)
     if r < 2:
         return 0.0
     ring = tuple(problem.link(a, b) for a, b in zip(st.devices, st.devices[1:] + st.devices[:1]))
     params = problem.range_params(st.first_block, st.last_block)
-    if (problem.allreduce_codec if st.allreduce_codec is None else st.allreduce_codec) == "powersgd":
+    codec = problem.allreduce_codec if st.allreduce_codec is None else st.allreduce_codec
+    if codec == "int8":
+        slowest_bw = min(problem.classes[problem.class_of(d)].spec.mem_bw_bytes_per_s for d in st.devices)
+        return codecs.int8_allreduce_ms(params, ring, r, slowest_bw)
+    if codec == "powersgd":
         counts = problem.param_tensors
         tensors = 1 if counts is None else int(counts[st.first_block:st.last_block + 1].sum())
         slowest = min((problem.classes[problem.class_of(d)].spec for d in st.devices),

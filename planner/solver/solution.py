@@ -19,7 +19,7 @@ class StagePlacement:
     in flight (empty: the schedule's least, ``planner.schedules.max_in_flight``). ``recompute``: whether its
     blocks' forwards run again in the backward (None: as the problem it was planned in, ``Problem.recompute``).
     ``out_codec``: how its activations and the gradients sent back for them travel (``cost_models.codecs``);
-    ``allreduce_codec``: how its replicas all-reduce their gradients (``none`` or ``powersgd``).
+    ``allreduce_codec``: how its replicas all-reduce their gradients (``none``, ``int8`` or ``powersgd``).
     """
 
     index: int

@@ -133,27 +133,31 @@ def test_priced_bytes_and_time_grow_with_the_tensor_and_stay_under_uncompressed(
     assert math.isclose(powersgd_allreduce_ms(1e6, 1, slow, 1, 1e12, 1e11), 0.0)
 
 
-def test_auto_runs_powersgd_where_it_pays_and_fixed_codecs_never_do():
-    chosen = 0
+def test_auto_and_int8_compress_all_reduces_where_it_pays_and_other_fixed_codecs_never_do():
+    chosen = {"auto": 0, "int8": 0}
     for seed in range(12):
-        for compress in ("auto", "int8"):
+        for compress in ("auto", "int8", "fp8"):
             problem, placement, chain, cluster, config = _case(seed, compress)
             if placement is None:
                 continue
             placement = choose_codecs(problem, placement)
             codecs = [st.allreduce_codec for st in placement.stages]
-            if compress != "auto" or "powersgd" not in codecs:
-                assert set(codecs) == {"none"}
+            allowed = {"auto": {"none", "int8", "powersgd"}, "int8": {"none", "int8"}, "fp8": {"none"}}[compress]
+            assert set(codecs) <= allowed
+            assert all(len(st.devices) > 1 for st in placement.stages if st.allreduce_codec != "none")
+            if set(codecs) == {"none"}:
                 continue
-            chosen += 1
-            assert all(len(st.devices) > 1 for st in placement.stages if st.allreduce_codec == "powersgd")
+            chosen[compress] += 1
             plain = dataclasses.replace(placement, stages=tuple(dataclasses.replace(st, allreduce_codec="none")
                                                                 for st in placement.stages))
-            priced = objective.price_program(problem, placement).step_ms
-            assert priced < (1 - AUTO_SLACK) * objective.price_program(problem, plain).step_ms
+            if compress == "auto":
+                priced = objective.price_program(problem, placement).step_ms
+                assert priced < (1 - AUTO_SLACK) * objective.price_program(problem, plain).step_ms
+            for st, exact in zip(placement.stages, plain.stages):   # int8 only where no dearer than exact
+                assert compress != "int8" or objective.allreduce_ms(problem, st) <= objective.allreduce_ms(problem, exact)
             _, plan = _compiled(problem, placement, chain, cluster, config, POLICY)
             assert [st.allreduce_codec for st in plan.stages] == codecs
             costs = CostModel.for_plan(plan)   # the simulator prices each all-reduce as the objective does
             for k, st in enumerate(placement.stages):
                 assert costs.allreduce_ms(k) == pytest.approx(objective.allreduce_ms(problem, st), rel=1e-9)
-    assert chosen >= 4
+    assert chosen["auto"] >= 4 and chosen["int8"] >= 1, chosen

@@ -34,7 +34,7 @@ from planner.integrity.contributions import (
     sketch_seed,
 )
 from planner.runtime.wire import comm, control
-from planner.runtime.wire.grad_codecs import PowerSGDState
+from planner.runtime.wire.grad_codecs import Int8ReduceState, PowerSGDState
 
 HISTORY_BETA = 0.9   # the robust sum's reference (the EMA of its past results) and radius
 
@@ -69,23 +69,49 @@ def _powersgd(ex: Any, stage: int | None, ranks: Sequence[int]) -> PowerSGDState
     return ex._powersgd_state
 
 
-def _sum(ex: Any, flat: torch.Tensor, state: PowerSGDState | None, *, group: Any, ranks: Sequence[int],
-         doing: str) -> None:
+def _int8(ex: Any, stage: int | None, ranks: Sequence[int]) -> Int8ReduceState | None:
+    """This replica's int8 all-reduce state where the plan puts its stage's all-reduce on int8 (as
+    :func:`_powersgd`; the error-feedback buffer is kept across steps)."""
+    if stage is None or tuple(ranks) != tuple(ex.groups.stage_ranks) or len(ranks) < 2:
+        return None
+    if ex.plan.stages[stage].allreduce_codec != "int8":
+        return None
+    values = sum(p.numel() for p in ex.replica_params)
+    if getattr(ex, "_int8_state", None) is None or ex._int8_state.param_values != values:  # new stage: fresh
+        ex._int8_state = Int8ReduceState(values)
+    return ex._int8_state
+
+
+def _gather(t: torch.Tensor, *, group: Any, ranks: Sequence[int], doing: str) -> list[torch.Tensor]:
+    """Every rank of ``group``'s ``t`` (all of this one's size and dtype), in rank order."""
+    parts = [torch.empty_like(t) for _ in ranks]
+    try:
+        dist.all_gather(parts, t, group=group)
+    except comm.BACKEND_ERRORS as exc:
+        raise comm.failure(exc, peer=None, doing=f"{doing} (ranks {list(ranks)})") from exc
+    return parts
+
+
+def _sum(ex: Any, flat: torch.Tensor, state: PowerSGDState | Int8ReduceState | None, *, group: Any,
+         ranks: Sequence[int], doing: str) -> None:
     if state is None:
         comm.all_reduce_sum(flat, group=group, ranks=ranks, doing=doing)
+        return
+    if isinstance(state, Int8ReduceState):   # torch orders a group's ranks ascending
+        state.reduce(flat, lambda t: _gather(t, group=group, ranks=ranks, doing=f"{doing} (int8)"), sorted(ranks))
         return
     state.reduce(flat, lambda t: comm.all_reduce_sum(t, group=group, ranks=ranks, doing=f"{doing} (PowerSGD)"))
 
 
 def reduce_replicas(ex: Any, flat: torch.Tensor, *, group: Any, ranks: Sequence[int], doing: str) -> None:
-    """The sum of ``flat`` over ``group`` in place (the executor's all-reduce hook), PowerSGD-compressed where
-    the plan's stage says so (``wire.grad_codecs``). On a replica of a watched stage, summing its replicas'
+    """The sum of ``flat`` over ``group`` in place (the executor's all-reduce hook), PowerSGD- or int8-compressed
+    where the plan's stage says so (``wire.grad_codecs``). On a replica of a watched stage, summing its replicas'
     gradients (the trained count last when verifying), it first keeps the sketch of its own contribution for
     :func:`exchange` (poisoned first where a ``dir=params`` attack runs here), and sums by centered clipping
     where ``ex.robust_reduce`` is set: that sum needs every whole contribution, so it stays uncompressed
     whatever the plan's codec (the plan then prices the all-reduce below what it costs)."""
     stage = ex.info.stage if ex.stage is not None else None
-    state = _powersgd(ex, stage, ranks)
+    state = _powersgd(ex, stage, ranks) or _int8(ex, stage, ranks)
     replicas = stage is not None and tuple(ranks) == tuple(ex.groups.stage_ranks) and stage in _watched(ex)
     if not replicas:
         _sum(ex, flat, state, group=group, ranks=ranks, doing=doing)

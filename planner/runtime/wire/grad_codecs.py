@@ -1,6 +1,7 @@
-"""PowerSGD (Vogels et al. 2019) for a replicated stage's gradient all-reduce (``StageInfo.allreduce_codec``).
+"""Codecs for a replicated stage's gradient all-reduce (``StageInfo.allreduce_codec``): PowerSGD (Vogels et al.
+2019), and blockwise int8 with error feedback (:class:`Int8ReduceState`, an all-gather).
 
-Every replica sums, over its stage's group, a rank-``POWERSGD_RANK`` approximation of its gradient plus the
+PowerSGD: every replica sums, over its stage's group, a rank-``POWERSGD_RANK`` approximation of its gradient plus the
 error it left out before (error feedback): per matrix ``M_i = g_i + e_i``, ``P = sum_i M_i Q`` (one flat
 all-reduce of every matrix's ``P`` together with the values sent whole), ``P`` orthonormalised,
 ``Q_i = M_i^T P``, ``Q = sum_i Q_i`` (a second flat all-reduce), the sum taken as ``P Q^T`` and
@@ -18,6 +19,8 @@ from itertools import pairwise
 import torch
 
 from cost_models.codecs import POWERSGD_MIN_VALUES, POWERSGD_RANK
+from planner.errors import ProtocolError
+from planner.runtime.wire import codecs
 
 SEED = 20190523
 EPS = 1e-8
@@ -108,3 +111,64 @@ class PowerSGDState:
             self.errors[i] = ms[i] - ps[i] @ local_q[i].t()
             views[i].copy_((ps[i] @ q_sum.t()).reshape(-1))
             self.q[i] = q_sum.clone()
+
+
+AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+class Int8ReduceState:
+    """One stage's blockwise-int8 all-reduce on one replica, with error feedback (Karimireddy et al. 2019).
+
+    Each replica encodes ``M = g + e`` (its gradient plus the residual it kept) as the int8 boundary codec does
+    (``wire.codecs``: absmax per block of ``BLOCK["int8"]``), keeps ``e = M - decode(M)`` and all-gathers the
+    payload; every replica decodes every payload and sums them in fp32 in rank order, so every replica applies
+    the same sum, bit for bit, and what they apply plus what they hold is the exact sum. Values after the
+    ``param_values`` gradients (a verified run's trained count) ride as raw fp32 bytes and sum exactly.
+    Every payload's size follows from ``param_values`` and the tail's length alone; a peer sends bytes, never
+    code, and a non-finite block decodes to NaN (the loss sees it)."""
+
+    def __init__(self, param_values: int) -> None:
+        self.param_values = int(param_values)
+        self.error: torch.Tensor | None = None
+
+    def payload_bytes(self, tail: int = 0) -> int:
+        """Bytes of one replica's message: the int8 payload, then ``tail`` raw fp32 values."""
+        (spec,) = codecs.payload_specs((self.param_values,), torch.float32, "int8")
+        return spec[0][0] + 4 * tail
+
+    def encode(self, flat: torch.Tensor) -> torch.Tensor:
+        """This replica's message for ``flat`` (gradients, then the exact tail); keeps the new residual."""
+        n = self.param_values
+        m = flat[:n].float()
+        if self.error is not None:
+            m = m + self.error
+        (payload,) = codecs.encode(m, "int8", "B")
+        self.error = m - self._decode(payload)
+        tail = flat[n:].float().contiguous().view(torch.uint8)
+        return torch.cat([payload, tail])
+
+    def _decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return codecs.decode([payload], "int8", (self.param_values,), torch.float32, "B")
+
+    def combine(self, parts: Sequence[torch.Tensor], out: torch.Tensor, ranks: Sequence[int]) -> None:
+        """Write the sum of the gathered ``parts`` (from ``ranks``, in order) into ``out`` (shaped as the flat
+        sent)."""
+        tail = out.numel() - self.param_values
+        want = self.payload_bytes(tail)
+        for rank, part in zip(ranks, parts, strict=True):
+            if part.dtype != torch.uint8 or part.numel() != want:
+                raise ProtocolError(f"rank {rank}'s int8 gradient message", sender=rank, expected=f"{want} uint8 bytes",
+                                    found=f"{part.numel()} {part.dtype} values", fix="run every rank from the same plan")
+        body = want - 4 * tail
+        total = torch.zeros(self.param_values, dtype=torch.float32, device=out.device)
+        tails = torch.zeros(tail, dtype=torch.float32, device=out.device)
+        for part in parts:   # rank order on every replica: the same fp32 sums, bit for bit
+            total += self._decode(part[:body])
+            tails += part[body:].view(torch.float32)
+        out[:self.param_values].copy_(total)
+        out[self.param_values:].copy_(tails)
+
+    def reduce(self, flat: torch.Tensor, all_gather: AllGather, ranks: Sequence[int]) -> None:
+        """Replace ``flat`` by the int8 sum over ``ranks``; ``all_gather`` returns every replica's message, in
+        ``ranks``' order, into buffers of this replica's message's size."""
+        self.combine(all_gather(self.encode(flat)), flat, ranks)
