@@ -23,6 +23,9 @@ noise         x + N(0, (``std`` * std(x))^2): small, "invisible" noise (std 0.5)
 mixed         one of the kinds above, chosen at random per microbatch
 adaptive      stays just inside the running average (see :class:`AdaptiveState`;
               ``model=full``: the white-box variant that also models the link tests)
+quant_bias    x + ``frac`` * (``codec``'s quantization step at x) * u, u the fixed
+              +-1 feature pattern of ``bias``: a bias the size of the boundary codec's
+              rounding error (:func:`quant_step`), sent in place of honest rounding noise
 ============  ==================================================================
 
 Common keys: ``rank`` (required), ``kind`` (required), ``start`` (first
@@ -41,6 +44,7 @@ from typing import Any
 
 import torch
 
+from cost_models.codecs import BITS, BLOCK
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
@@ -62,6 +66,7 @@ KIND_PARAMS: Mapping[str, Mapping[str, Any]] = {
     "noise": {"std": 0.5},
     "mixed": {},
     "adaptive": {"target": "random", "margin": 0.7, "beta": 0.9, "model": "summary"},
+    "quant_bias": {"codec": "int8", "frac": 0.9},
 }
 GRAD_KINDS = ("sign_flip", "random_sign")
 MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "delay", "bias", "noise")
@@ -71,7 +76,7 @@ TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sig
 DIRECTIONS = ("act", "grad", "both", "params")
 PARAMS_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 INT_PARAMS = ("steps",)
-STR_PARAMS = ("target", "model")
+STR_PARAMS = ("target", "model", "codec")
 DISTANCE_NAMES = tuple(dist.DISTANCES)  # the distances the adaptive attacker estimates
 
 
@@ -123,6 +128,12 @@ def _check_params(kind: str, params: Mapping[str, Any]) -> None:
     if kind == "bias" and params["value"] is not None and params["rel"] != KIND_PARAMS["bias"]["rel"]:
         raise InvalidInputError("attack key 'rel'", expected="either value= or rel= for kind bias, not both",
                                 found=f"value={params['value']}, rel={params['rel']}")
+    if kind == "quant_bias":
+        if params["codec"] not in QUANT_CODECS:
+            raise InvalidInputError("attack key 'codec'", expected=f"one of {QUANT_CODECS}", found=repr(params["codec"]))
+        if not 0.0 < params["frac"] <= 4.0:
+            raise InvalidInputError("attack key 'frac'", expected="a fraction of the quantization step in (0, 4]",
+                                    found=str(params["frac"]))
     if kind == "adaptive":
         if params["target"] not in TARGET_KINDS:
             raise InvalidInputError("attack key 'target'", expected=f"one of {TARGET_KINDS}",
@@ -225,6 +236,30 @@ def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Ge
     else:
         raise AssertionError(f"{kind} is not a stateless attack")
     return out.to(dtype=x.dtype)
+
+
+QUANT_CODECS = ("fp8", "int8", "int4")
+# float8 formats' mantissa bits and smallest normal exponent (activations e4m3fn, gradients e5m2: the wire's choice)
+_FP8_FORMATS = {"act": (3, -6, torch.float8_e4m3fn), "grad": (2, -14, torch.float8_e5m2)}
+
+
+def quant_step(x: torch.Tensor, codec: str, direction: str) -> torch.Tensor:
+    """The spacing of ``codec``'s grid at each element of ``x`` (the wire's scheme, ``planner.runtime.wire.codecs``):
+    for int8/int4 its block's absmax / (2^(bits-1) - 1) over the flattened tensor, for fp8 the float8 spacing at
+    the element under its block's (else the tensor's) absmax scale. Rounding to nearest errs by half of it."""
+    flat = x.detach().float().reshape(-1)
+    block = BLOCK.get(codec, max(1, flat.numel()))
+    pad = (-flat.numel()) % block
+    blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, block)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    if codec == "fp8":
+        mantissa, min_exp, fmt = _FP8_FORMATS["grad" if direction == "grad" else "act"]
+        scale = absmax.clamp_min(1e-30) / torch.finfo(fmt).max
+        exp = torch.floor(torch.log2((blocks.abs() / scale).clamp_min(1e-30))).clamp_min(min_exp)
+        steps = torch.exp2(exp - mantissa) * scale
+    else:
+        steps = (absmax / (2 ** (BITS[codec] - 1) - 1)).expand_as(blocks)
+    return steps.reshape(-1)[:flat.numel()].reshape(x.shape)
 
 
 class AdaptiveState:
@@ -413,6 +448,10 @@ class Attacker:
             target = corrupt(target_kind, honest, dict(KIND_PARAMS[target_kind]), gen, pattern_seed=self.seed)
             out = self._adaptive_state(direction).blend(honest, target, stage_input)   # learns from what it sends
             return None if out is honest else out
+        if kind == "quant_bias":
+            p = dict(self.spec.params)
+            step_size = quant_step(honest, p["codec"], direction)
+            return honest.float() + float(p["frac"]) * step_size * feature_pattern(honest, self.seed)
         if kind == "delay":
             old = self._sent.get((direction, step - self._delay_steps(), mb))
             return None if old is None or old.shape != honest.shape else old.clone()

@@ -82,8 +82,9 @@ class VerifyHooks:
         watched = [(v.boundary, d) for v in mine for d in v.watch_only]
         stage_of = {r.rank: r.stage for r in plan.ranks if r.stage is not None}
         microbatches = {r.rank: len(r.microbatches) for r in plan.ranks if r.stage is not None}
+        codecs = {i: s.out_codec for i, s in enumerate(plan.stages)}   # boundary i carries stage i's out_codec
         self.verifier = Verifier(monitor_config(plan, seed, lr_warmup=lr_warmup), pairs, watched, stage_of=stage_of,
-                                 microbatches=microbatches) if pairs else None
+                                 microbatches=microbatches, codecs=codecs) if pairs else None
         self._labels = _Labels(plan, seed=seed, data=data) if pairs and data is not None else None
         self.banned: set[int] = set()
         self.new_bans: list[tuple[int, int]] = []  # (step, rank) as they happen

@@ -3,6 +3,8 @@ checks, and the per-sample and step-level tests against them (``verifier`` says 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +51,22 @@ LINK_SPREAD_FLOOR = 0.5
 # label-binding test by 1.2-1.9x its fence, by turns, for 20 steps (flagged steps teach nothing, so the
 # reference never caught up) and the honest twin was banned.
 TWIN_SHARE = 0.8
+# On a compressed boundary a sender may round every element the way it likes: a bias of up to the codec's
+# step per element, in a fixed direction, passes every test of one tensor (``attacks`` kind ``quant_bias``;
+# gpt-tiny, int4 gradients at 0.9 steps: +0.10 nats of validation loss in 28 steps, never flagged). Honest
+# rounding errs without direction, so a gradient's per-feature mean (in units of its spread) turns from step to
+# step (cosine with the sender's EMA of it: -0.65..+0.80, around +0.1, clean gpt-tiny at every codec); a
+# fixed bias holds it (+0.75..+0.94 from the second attacked step). A CUSUM of that cosine flags the step it
+# passes PERSIST_H: three steps of the attack, never two honest 0.8s. Its allowance is PERSIST_K or, where the
+# sender's honest means do persist (a constant offset: cosine ~1 from the start), PERSIST_MARGIN over the
+# median of its in-control cosines: a bias there is a change the test cannot see, and no honest sender is flagged.
+PERSIST_BETA = 0.8
+PERSIST_K = 0.4
+PERSIST_H = 1.0
+PERSIST_MARGIN = 0.3
+# The in-control cosines the median is of: a short memory, so that a mean drifting honestly (persistence rising
+# step by step) is followed, while a bias's jump (a tenth to 0.9 in a step or two) is never learnt.
+PERSIST_WINDOW = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,8 +116,10 @@ class Monitor:
     follow a change nothing can tell from an honest one).
     """
 
-    def __init__(self, cfg: VerifierConfig, boundary: int, direction: str, *, watch_only: bool = False) -> None:
+    def __init__(self, cfg: VerifierConfig, boundary: int, direction: str, *, watch_only: bool = False,
+                 codec: str = "none") -> None:
         self.cfg = cfg
+        self.codec = codec   # the boundary's wire codec (the plan stage's ``out_codec``): what it sends is rounded
         self.boundary = boundary
         self.direction = direction
         self.watch_only = watch_only  # a trusted sender's: learnt from, never failing a test
@@ -133,6 +153,9 @@ class Monitor:
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
+        # sender -> (EMA of its steps' per-feature mean / spread, CUSUM of their cosine with it, its in-control
+        # cosines): ``PERSIST_K``
+        self._persist: dict[int, tuple[torch.Tensor, float, deque[float]]] = {}
         floors, step_floors = cfg.floors, cfg.step_floors
         if direction == "act":
             floors, step_floors = {**floors, **cfg.act_floors}, {**step_floors, **cfg.act_floors}
@@ -337,7 +360,12 @@ class Monitor:
             drifting = "drift" in self.step_fences and "residual" in scores and not self.warming(step)
             if drifting:
                 scores["drift"] = self.drift(sender).step(scores["residual"])
-            judged[sender] = (scores, self.exceeded(scores, step, per_sample=False), drifting)
+            reasons = self.exceeded(scores, step, per_sample=False)
+            if self.persists:
+                held = self._persistence(sender, samples, step)
+                if held is not None and held > PERSIST_H:
+                    scores, reasons = {**scores, "persist": held}, (*reasons, "persist")
+            judged[sender] = (scores, reasons, drifting)
         for sender, samples in by_sender.items():
             scores, reasons, drifting = judged[sender]
             if reasons and self._shared_by_twins(sender, reasons, judged):
@@ -351,7 +379,8 @@ class Monitor:
                 continue
             self._runs.pop(sender, None)
             for name, value in scores.items():
-                self.step_fences[name].update(value)
+                if name in self.step_fences:
+                    self.step_fences[name].update(value)
             if drifting:
                 self.drift(sender).learn(scores["residual"])
         bad = {sender for sender, *_ in failed}
@@ -360,6 +389,34 @@ class Monitor:
             if sample.sender not in bad - alerts:
                 self._fold(sample.summary, sample.scores, sample.fits, sample.data_key)
         return failed
+
+    @property
+    def persists(self) -> bool:
+        """Whether this monitor runs the persistence test: gradients across a compressed boundary (see
+        ``PERSIST_K``; activations' per-feature means persist honestly)."""
+        return self.codec != "none" and self.direction == "grad" and not self.watch_only
+
+    def _persistence(self, sender: int, samples: Sequence[_Sample], step: int) -> float | None:
+        """The CUSUM of the cosine between ``sender``'s step mean (per feature, over its spread) and its EMA of
+        them, this step's added (None while warming up). Every step teaches the EMA, flagged or not: the test
+        is of the sender's own sequence, and a bias that keeps its direction keeps the cosine high."""
+        mean = torch.stack([x.summary.mean for x in samples]).mean(0)
+        spread = torch.stack([x.summary.std for x in samples]).mean(0)
+        m = mean / spread.clamp_min(summ.EPS)
+        old = self._persist.get(sender)
+        if old is None or old[0].shape != m.shape:
+            self._persist[sender] = (m, 0.0, deque(maxlen=PERSIST_WINDOW))
+            return None
+        ema, total, honest = old
+        cos = float(torch.nn.functional.cosine_similarity(m, ema, dim=0, eps=summ.EPS))
+        if not math.isfinite(cos):
+            cos = 0.0
+        allowance = max(PERSIST_K, statistics.median(honest) + PERSIST_MARGIN) if honest else math.inf
+        if cos <= allowance or self.warming(step):
+            honest.append(cos)   # in control: the sender's own level of persistence
+        total = 0.0 if self.warming(step) else max(0.0, total + cos - allowance)
+        self._persist[sender] = (PERSIST_BETA * ema + (1 - PERSIST_BETA) * m, total, honest)
+        return None if self.warming(step) else total
 
     def _shared_by_twins(self, sender: int, reasons: tuple[str, ...],
                          judged: Mapping[int, tuple[dict[str, float], tuple[str, ...], bool]]) -> bool:

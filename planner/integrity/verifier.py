@@ -94,11 +94,13 @@ class Verifier:
     of them whose sender is trusted, seen only as the next stage's link-test input: scored and learnt
     from, never flagged (a trusted sender is not to blame). ``stage_of`` (rank -> stage) and
     ``microbatches`` (rank -> microbatches a step): the plan's, for blame among twins and by rate.
+    ``codecs``: boundary -> its wire codec (the plan stages' ``out_codec``; absent: ``none``), for the tests of
+    a compressed boundary (``monitor.PERSIST_K``).
     """
 
     def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]],
                  watched: Sequence[tuple[int, str]] = (), *, stage_of: Mapping[int, int] | None = None,
-                 microbatches: Mapping[int, int] | None = None) -> None:
+                 microbatches: Mapping[int, int] | None = None, codecs: Mapping[int, str] | None = None) -> None:
         self.config = VerifierConfig.from_dict(config)
         # who is whose twin (rank -> stage) and each sender's microbatches a step: blame by rate, shared
         # among twins (``blame.blame_weights``); the plan's, the same on every verifier
@@ -116,7 +118,8 @@ class Verifier:
                 raise InvalidInputError(f"verifier boundary {boundary} direction", expected="act or grad",
                                         found=repr(direction))
             self._monitors[(int(boundary), direction)] = Monitor(
-                self.config, int(boundary), direction, watch_only=(int(boundary), direction) in watch)
+                self.config, int(boundary), direction, watch_only=(int(boundary), direction) in watch,
+                codec=str((codecs or {}).get(int(boundary), "none")))
         self.events: list[dict[str, Any]] = []
         self._step_flags: dict[int, list[dict[str, Any]]] = {}
         # Accepted rows, their size change, log size and sender, as the next stage's input for its link test.
