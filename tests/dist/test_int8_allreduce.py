@@ -81,18 +81,33 @@ def test_int8_sums_over_gloo_are_identical_bounded_and_priced(tmp_path):
           f"{without[-1]:.2e} without (step 1: {with_ef[0]:.2e})")
 
 
-def test_int8_replicas_agree_and_train_close_to_the_exact_run(tmp_path):
-    plan = _with_int8(make_plan("gpt-tiny", microbatch=2, num_microbatches=4, seq=16, stages=[(0, 2), (3, 5)],
-                                replicas={0: (2, 2)}, schedule="1f1b", optimizer="adam"), 0)
-    assert [st.allreduce_codec for st in plan.stages] == ["int8", "none"]
+def _check_run(plan, stage: int, tmp_path) -> None:
+    """Run ``plan``: its losses near the exact run's, yet not equal (compressed), and ``stage``'s replicas'
+    weights equal bit for bit (every replica decodes the same bytes and sums them in rank order)."""
     path = plan.save(tmp_path / "plan.json")
     result = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, dump=str(tmp_path / "dump")))
     exact, _, _ = reference_run(plan, steps=STEPS)
     got, want = torch.tensor(result["losses"]), torch.tensor(exact)
     torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0.0)
-    assert not torch.equal(got[1:], want[1:])   # the all-reduce was in fact compressed
-
-    dumps = [d for d in load_dumps(tmp_path / "dump", plan.num_ranks) if d["stage"] == 0]
+    assert not torch.equal(got[1:], want[1:])
+    dumps = [d for d in load_dumps(tmp_path / "dump", plan.num_ranks) if d["stage"] == stage]
     assert len(dumps) == 2
-    for name, p in dumps[0]["params"].items():   # every replica decodes the same bytes and sums in rank order
+    for name, p in dumps[0]["params"].items():
         torch.testing.assert_close(dumps[1]["params"][name], p, rtol=0.0, atol=0.0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_int8_replicas_agree_and_train_close_to_the_exact_run(tmp_path):
+    plan = _with_int8(make_plan("gpt-tiny", microbatch=2, num_microbatches=4, seq=16, stages=[(0, 2), (3, 5)],
+                                replicas={0: (2, 2)}, schedule="1f1b", optimizer="adam"), 0)
+    assert [st.allreduce_codec for st in plan.stages] == ["int8", "none"]
+    _check_run(plan, 0, tmp_path)
+
+
+def test_a_verified_run_s_trained_counts_travel_beside_the_int8_payload(tmp_path):
+    """Verification appends each replica's trained count to its flat gradient; it travels raw beside the int8
+    payload (summed exactly: tests/unit/test_int8_allreduce.py), and the verified run trains as the exact one."""
+    plan = _with_int8(make_plan("mlp-tiny", microbatch=2, num_microbatches=4, stages=[(0, 1), (2, 3), (4, 5)],
+                                replicas={1: (2, 2)}, untrusted=(1, 2), verifier_host=True, optimizer="adam",
+                                verifiers=[(0, 4, ("act", "grad")), (1, 4, ("act", "grad"))]), 1)
+    assert plan.policy.enabled and plan.stage_ranks(1) == (1, 2)
+    _check_run(plan, 1, tmp_path)

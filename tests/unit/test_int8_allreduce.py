@@ -18,7 +18,7 @@ from planner.plan import Plan
 from planner.plan_load import load_plan
 from planner.runtime.wire.grad_codecs import Int8ReduceState
 
-N = 1000   # not a whole number of blocks: the last block is padded
+N = 1001   # odd, not a whole number of blocks: the last block is padded, the codes end unaligned
 
 
 def _reduce(states: list[Int8ReduceState], flats: list[torch.Tensor]) -> list[torch.Tensor]:

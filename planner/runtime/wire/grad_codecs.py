@@ -132,7 +132,8 @@ class Int8ReduceState:
         self.error: torch.Tensor | None = None
 
     def payload_bytes(self, tail: int = 0) -> int:
-        """Bytes of one replica's message: the int8 payload, then ``tail`` raw fp32 values."""
+        """Bytes of one replica's message: ``tail`` raw fp32 values, then the int8 payload (first: every fp32
+        view stays 4-byte aligned)."""
         (spec,) = codecs.payload_specs((self.param_values,), torch.float32, "int8")
         return spec[0][0] + 4 * tail
 
@@ -145,7 +146,7 @@ class Int8ReduceState:
         (payload,) = codecs.encode(m, "int8", "B")
         self.error = m - self._decode(payload)
         tail = flat[n:].float().contiguous().view(torch.uint8)
-        return torch.cat([payload, tail])
+        return torch.cat([tail, payload])
 
     def _decode(self, payload: torch.Tensor) -> torch.Tensor:
         return codecs.decode([payload], "int8", (self.param_values,), torch.float32, "B")
@@ -159,12 +160,12 @@ class Int8ReduceState:
             if part.dtype != torch.uint8 or part.numel() != want:
                 raise ProtocolError(f"rank {rank}'s int8 gradient message", sender=rank, expected=f"{want} uint8 bytes",
                                     found=f"{part.numel()} {part.dtype} values", fix="run every rank from the same plan")
-        body = want - 4 * tail
+        head = 4 * tail
         total = torch.zeros(self.param_values, dtype=torch.float32, device=out.device)
         tails = torch.zeros(tail, dtype=torch.float32, device=out.device)
         for part in parts:   # rank order on every replica: the same fp32 sums, bit for bit
-            total += self._decode(part[:body])
-            tails += part[body:].view(torch.float32)
+            total += self._decode(part[head:])
+            tails += part[:head].view(torch.float32)
         out[:self.param_values].copy_(total)
         out[self.param_values:].copy_(tails)
 
