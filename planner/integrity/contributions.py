@@ -36,9 +36,9 @@ WARMUP_STEPS = 5     # steps that teach the spreads and the history before anyth
 # two-sided CUSUM per replica and test of the offset in robust deviations (Page; allowance CUSUM_K, alarm at
 # CUSUM_H: ~300 honest steps between false alarms for normal scores, 3-4 steps to alarm at a 3x scale).
 CUSUM_K, CUSUM_H, CUSUM_CAP = 0.5, 5.0, 4.0
-# After a flag a CUSUM restarts here: an offset of 2 deviations (a 3x scale at one microbatch) alarms again
-# the next step, so a lasting attack is flagged every step (five in a row ban), a single honest spike is not.
-CUSUM_RESTART = 3.5
+# After a flag a norm or density CUSUM restarts here: an offset of 3 deviations alarms again the next step,
+# a single honest spike does not (3.5, a 2-deviation restart, flags an honest twin whose norm jumps twice).
+CUSUM_RESTART = 2.5
 # Density, l1 / (sqrt(n) l2): a gradient is concentrated (gpt-tiny's middle stage: 0.47-0.55, twins within
 # 0.03 of each other a step), Gaussian noise is not (0.80): noise as large as the gradient lifts it to 0.72.
 # Agreement, the mean cosine of each replica with the sum of the others: honest twins +0.3-0.5 (+-0.2-0.35 a
@@ -47,14 +47,15 @@ CUSUM_RESTART = 3.5
 # to 0.01-0.05 in the first steps, which would teach a spread that later honest steps alarm against.
 SPREAD_WINDOW = {"norm": 64, "dens": 64, "agree": 64, "resp": 64, "resp_level": 64}
 SPREAD_FLOOR = {"norm": 0.25, "dens": 0.03, "agree": 0.15, "resp": 0.25, "resp_level": 0.0}
-SPREAD_MIN = 16      # offsets a spread needs before its CUSUM runs
+# offsets a spread needs before its CUSUM runs (the agreement has one a step, the others one a replica)
+SPREAD_MIN = {"norm": 16, "dens": 16, "agree": 8, "resp": 16, "resp_level": 1}
 STAGE_SERIES = -1    # the key of the stage's median in ``_StageHistory.series``
 ATTRIBUTION_MARGIN = 2.0   # the replica flagged moved at least this many times as far as the next one
 MIN_MOVE = {"norm": 1.0, "dens": 3.0}   # ... and at least this many robust deviations of its test (twins'
 # honest density drifts reach 0.04 at a 0.03 spread, noise as large as the gradient moves it by 0.2)
 SERIES_STEPS = 64    # each replica's recent values per test, to tell which twin moved when an alarm comes
 BEFORE_STEPS = 8     # how many steps before an alarm's onset a replica's level is read from
-HISTORY_BETA = 0.9   # the stage's slow log-norm history, which tells which twin moved (in-control steps only)
+HISTORY_BETA = 0.9   # the stage's EMAs: of its sent directions (the response test), of its accepted mean (clipping)
 # Which of two twins flipped its sign: both agree with each other as little as the other, but after an update
 # that took in a flipped contribution, the honest twin's next gradient pushes back against it (curvature: the
 # step climbed the attacker's data's loss), the flipped one goes with it. So the flipped twin agrees more with
@@ -107,11 +108,10 @@ def sketch(flat: torch.Tensor, *, seed: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _StageHistory:
-    """A stage's replicas' in-control past: the slow EMA of their median log norm, the EMA of their sent
-    directions' sum, the window of each test's honest offsets (its robust spread), every CUSUM and its onset,
-    and each replica's recent values per test (to tell which twin moved)."""
+    """A stage's replicas' past: the EMA of their sent directions' sum, the window of each test's in-control
+    offsets (its robust spread), every CUSUM and its onset, and each replica's recent values per test (to
+    tell which twin moved)."""
 
-    log_norm: float | None = None
     response: torch.Tensor | None = None   # EMA of the sum of the replicas' sent unit directions (every step)
     response_before: torch.Tensor | None = None   # ``response`` as the agreement's CUSUM last left 0
     steps: int = 0
@@ -180,7 +180,7 @@ class ContributionMonitor:
                   "dens": {r: float(sketches[r][1]) for r in ranks}}
         units = {r: _unit(sketches[r][2:]) for r in ranks}
         if len(ranks) < 2:
-            self._learn(hist, values, units, {})
+            self._learn(hist, units, {})
             return []
         offsets = {t: {r: v[r] - _median([v[o] for o in ranks if o != r]) for r in ranks} for t, v in values.items()}
         values["agree"] = {r: float(units[r] @ _unit(sum(units[o] for o in ranks if o != r))) for r in ranks}
@@ -235,10 +235,14 @@ class ContributionMonitor:
         # coming back: a lasting flip is flagged every step
         agreement = (STAGE_SERIES, "agree", 1)
         hist.sums[agreement] = min(hist.sums.get(agreement, 0.0), 2 * CUSUM_H)
-        learnt = {} if alarms else {**offsets, "agree": {STAGE_SERIES: agree}}
-        if "resp" in values and not alarms:
-            learnt["resp_level"] = {STAGE_SERIES: _median(list(values["resp"].values()))}
-        self._learn(hist, values, units, learnt)
+        # each test learns from its own in-control steps: a flip that stands unattributed for long does not
+        # freeze what the norm test knows of honest norms
+        learnt = {t: v for t, v in offsets.items() if t not in alarms and (t != "resp" or "agree" not in alarms)}
+        if "agree" not in alarms:
+            learnt["agree"] = {STAGE_SERIES: agree}
+            if "resp" in values:
+                learnt["resp_level"] = {STAGE_SERIES: _median(list(values["resp"].values()))}
+        self._learn(hist, units, learnt)
         return events
 
     @staticmethod
@@ -313,22 +317,19 @@ class ContributionMonitor:
         """The robust spread of a test's honest offsets (their median absolute deviation / 0.6745, about their
         median for the agreement, about 0 for the others), at least its floor."""
         window = hist.offsets[test]
-        if len(window) < SPREAD_MIN:
+        if len(window) < SPREAD_MIN[test]:
             return math.inf
         centre = _median(window) if test == "agree" else 0.0
         return max(_median([abs(v - centre) for v in window]) / 0.6745, SPREAD_FLOOR[test])
 
     @staticmethod
-    def _learn(hist: _StageHistory, values: Mapping[str, Mapping[int, float]], units: Mapping[int, torch.Tensor],
+    def _learn(hist: _StageHistory, units: Mapping[int, torch.Tensor],
                offsets: Mapping[str, Mapping[int, float]]) -> None:
         hist.steps += 1
         for test, got in offsets.items():
             window = hist.offsets[test]
             window.extend(got.values())
             del window[:max(0, len(window) - SPREAD_WINDOW[test])]
-        if offsets or hist.log_norm is None:
-            level = _median(list(values["norm"].values()))
-            hist.log_norm = level if hist.log_norm is None else HISTORY_BETA * hist.log_norm + (1 - HISTORY_BETA) * level
         # every step, alarm or not: the response test reads how the twins answer the sums the stage took in
         # unnormalised: steps whose twins cancel (a flip) weigh little, as they do in the optimizer's momentum
         total = sum(units.values())
