@@ -125,7 +125,9 @@ class Int8ReduceState:
     the same sum, bit for bit, and what they apply plus what they hold is the exact sum. Values after the
     ``param_values`` gradients (a verified run's trained count) ride as raw fp32 bytes and sum exactly.
     Every payload's size follows from ``param_values`` and the tail's length alone; a peer sends bytes, never
-    code, and a non-finite block decodes to NaN (the loss sees it)."""
+    code, and a non-finite block decodes to NaN (the loss sees it). As for the robust sum
+    (``rank.replica_checks``), with three replicas or more gloo's all-gather forwards payloads through other
+    replicas, which could alter them per receiver; the residual is not checkpointed (a resumed run restarts it)."""
 
     def __init__(self, param_values: int) -> None:
         self.param_values = int(param_values)
