@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models import comm, compute, memory
+from cost_models.cluster import ClusterSpec, Link
 from cost_models.codecs import (
     ALLREDUCE_STATE_BYTES_PER_PARAM,
     codec_ms,
@@ -16,7 +17,6 @@ from cost_models.codecs import (
     powersgd_allreduce_ms,
     wire_bytes,
 )
-from cost_models.cluster import ClusterSpec, Link
 from cost_models.devices import DeviceSpec
 from cost_models.memory import activation_scale
 from cost_models.optim import optim_ms

@@ -22,7 +22,12 @@ from __future__ import annotations
 import dataclasses
 
 from cost_models.codecs import ALLREDUCE_CODECS
-from planner.solver.objective import Placement, allreduce_ms, price_program, stage_memory_bytes
+from planner.solver.objective import (
+    Placement,
+    allreduce_ms,
+    price_program,
+    stage_memory_bytes,
+)
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement
 

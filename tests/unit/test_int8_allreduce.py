@@ -11,7 +11,13 @@ import torch
 from plan_fixtures import golden_plan
 
 from cost_models.cluster import Link
-from cost_models.codecs import BLOCK, REL_ERROR, int8_allreduce_bytes, int8_allreduce_ms, int8_payload_bytes
+from cost_models.codecs import (
+    BLOCK,
+    REL_ERROR,
+    int8_allreduce_bytes,
+    int8_allreduce_ms,
+    int8_payload_bytes,
+)
 from cost_models.comm import allreduce_ms
 from planner.errors import InvalidInputError, ProtocolError
 from planner.plan import Plan
