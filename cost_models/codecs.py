@@ -1,16 +1,23 @@
 """Boundary codecs: what a stage's activations (and the gradients sent back for them) cost on the wire.
 
 * ``none``: the compute dtype as is.
-* ``fp8``: forward e4m3, backward e5m2 (gradients need e5m2's range), one fp32 scale per tensor.
+* ``fp8``: forward e4m3, backward e5m2 (gradients need e5m2's range), one fp32 scale per block of
+  ``BLOCK["fp8"]`` values (DeepSeek-V3's 1x128 tiles; per tensor, an outlier pushed the rest into subnormals).
 * ``int8`` / ``int4``: blockwise absmax (SWARM's 8-bit blockwise scheme; 4 bits packed two to a byte), one fp32
-  scale per block of ``BLOCK[codec]`` values.
+  scale per block of ``BLOCK[codec]`` values. int4's blocks are 32 values (5 bits a value on the wire): its
+  15 levels are coarse, and a smaller block's absmax sits closer to its values. int4's backward gradients
+  round stochastically (``STOCHASTIC``: unbiased, where round to nearest zeroes every value under absmax / 14).
 
-Encoding and decoding are memory bound: priced as ``PASSES`` reads and writes of the tensor at the device's
-memory bandwidth each, one per eager torch op the runtime runs (``planner.runtime.wire.codecs``: absmax,
-scale, round, clamp, cast and pack; decoding unpack, cast and scale). On a CPU the ops run far below its
-memory bandwidth (measured 2026-12-05, one thread, 1M fp32 values: int8 encode 17 ms, decode 3.5 ms), which
-this does not model: a rehearsal's compressed boundaries cost more than priced. Errors: ``REL_ERROR[codec]`` bounds the decoded tensor's
-elementwise error relative to its block's (or tensor's) absmax; verifiers widen their fences by it.
+Encoding and decoding on a GPU are memory bound: priced as ``PASSES`` reads and writes of the tensor at the
+device's memory bandwidth each, one per eager torch op the runtime runs (``planner.runtime.wire.codecs``: absmax,
+scale, round, clamp, cast and pack; decoding unpack, cast and scale). On a CPU (one thread per rank) the eager
+ops run far below memory bandwidth and each call pays a fixed dispatch cost: ``CPU_FIT`` holds, per codec,
+direction and op, that fixed cost in the device's ``op_overhead_ms`` and the per-byte cost as passes at its
+``mem_bw_bytes_per_s`` (fitted by benchmarks/codec_timing.py on the profiled VM, 4K to 256K fp32 values;
+beyond its cache, from ~1M values, the eager temporaries spill and the time grows several times faster).
+
+Errors: ``REL_ERROR[codec]`` bounds the decoded tensor's elementwise error relative to its block's absmax in
+either direction, ``rel_error(codec, direction)`` in one; verifiers widen their fences by it.
 """
 from __future__ import annotations
 
@@ -22,13 +29,22 @@ from planner.errors import InvalidInputError
 
 CODECS: tuple[str, ...] = ("none", "fp8", "int8", "int4")
 COMPRESS_CHOICES: tuple[str, ...] = ("none", "auto", "fp8", "int8", "int4")
-BLOCK = {"int8": 128, "int4": 64}
+BLOCK = {"fp8": 128, "int8": 128, "int4": 32}
 BITS = {"fp8": 8, "int8": 8, "int4": 4}
 SCALE_BYTES = 4
 PASSES = {"encode": 6, "decode": 3}
-# Elementwise error over the block's absmax: half a quantisation step (int), half an ulp at the top of e4m3's /
-# e5m2's mantissa (fp8: 3 / 2 mantissa bits, the backward's e5m2 the coarser).
-REL_ERROR = {"none": 0.0, "fp8": 2.0 ** -3, "int8": 0.5 / 127, "int4": 0.5 / 7}
+# (codec, direction) pairs rounded stochastically (unbiased; up to a whole step off): int4's backward gradients.
+STOCHASTIC = frozenset({("int4", "B")})
+# Elementwise error over the block's absmax, either direction: half a quantisation step (int; a whole one where
+# stochastic), half an ulp at the top of e4m3's / e5m2's mantissa (fp8: 3 / 2 mantissa bits, e5m2 the coarser).
+REL_ERROR = {"none": 0.0, "fp8": 2.0 ** -3, "int8": 0.5 / 127, "int4": 1.0 / 7}
+
+
+def rel_error(codec: str, direction: str) -> float:
+    """``REL_ERROR`` for one direction ("F" activations, "B" gradients): round to nearest errs by half a step."""
+    if codec == "int4" and (codec, direction) not in STOCHASTIC:
+        return 0.5 / 7
+    return REL_ERROR[codec]
 
 
 def check_codec(name: str, *, allowed: tuple[str, ...] = CODECS) -> str:
@@ -43,16 +59,33 @@ def wire_bytes(codec: str, nbytes: float, elem_bytes: int) -> float:
     if codec == "none":
         return nbytes
     n = nbytes / elem_bytes
-    if codec == "fp8":
-        return n + SCALE_BYTES
     return math.ceil(n * BITS[codec] / 8) + SCALE_BYTES * math.ceil(n / BLOCK[codec])  # int4: an odd count pads a nibble
 
 
-def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str) -> float:
-    """Time to encode (``op="encode"``) or decode a tensor of ``nbytes`` on a device of that memory bandwidth."""
+def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str, *, op_overhead_ms: float = 0.0,
+             kind: str = "gpu", direction: str = "F") -> float:
+    """Time to encode (``op="encode"``) or decode a tensor of ``nbytes`` (fp32-sized values) on a device of that
+    memory bandwidth and per-op overhead: ``PASSES`` at memory bandwidth (a GPU), the fit ``CPU_FIT`` (a CPU)."""
     if codec == "none":
         return 0.0
-    return 1e3 * PASSES[op] * 2 * nbytes / mem_bw_bytes_per_s
+    if kind != "cpu":
+        return 1e3 * PASSES[op] * 2 * nbytes / mem_bw_bytes_per_s
+    overheads, passes = CPU_FIT[(codec, direction, op)]
+    return overheads * op_overhead_ms + 1e3 * passes * 2 * nbytes / mem_bw_bytes_per_s
+
+
+# (codec, direction, op) -> (fixed cost in op_overhead_ms, passes at mem_bw) on a CPU, one thread. Fitted
+# 2026-12-05 on the VM of tests/fixtures/profile_cpu.json (op_overhead_ms 0.034, 32 GB/s): ~20 eager ops a call
+# dispatch in about one profiled (autograd) op's time; e4m3's casts cost 5x e5m2's; the stochastic encode's hash
+# 4x a rounding.
+CPU_FIT = {
+    ("fp8", "F", "encode"): (1.0, 24.0), ("fp8", "B", "encode"): (1.0, 20.0),
+    ("fp8", "F", "decode"): (0.35, 19.0), ("fp8", "B", "decode"): (0.35, 4.0),
+    ("int8", "F", "encode"): (1.1, 20.0), ("int8", "B", "encode"): (1.1, 20.0),
+    ("int8", "F", "decode"): (0.35, 2.0), ("int8", "B", "decode"): (0.35, 2.0),
+    ("int4", "F", "encode"): (1.2, 36.0), ("int4", "B", "encode"): (1.4, 83.0),
+    ("int4", "F", "decode"): (0.7, 5.0), ("int4", "B", "decode"): (0.7, 5.0),
+}
 
 
 # --- a replicated stage's gradient all-reduce ---------------------------------------------------------------

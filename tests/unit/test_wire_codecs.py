@@ -23,10 +23,8 @@ def _round_trip(x: torch.Tensor, codec: str, direction: str) -> torch.Tensor:
 
 
 def _absmax(x: torch.Tensor, codec: str) -> torch.Tensor:
-    """The absmax of each value's block (fp8: of the tensor), per value."""
+    """The absmax of each value's block, per value."""
     flat = x.reshape(-1).float()
-    if codec == "fp8":
-        return torch.full_like(flat, float(flat.abs().max()) if flat.numel() else 0.0)
     block = BLOCK[codec]
     pad = torch.nn.functional.pad(flat.abs(), (0, (-flat.numel()) % block)).reshape(-1, block)
     return pad.amax(dim=1, keepdim=True).expand_as(pad).reshape(-1)[:flat.numel()]
@@ -69,12 +67,11 @@ def test_none_and_integer_tensors_travel_as_they_are(dtype):
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_non_finite_values_decode_non_finite(codec, bad):
     x = torch.randn(3 * 128 + 5)
-    x[130] = bad  # in int8's second block, int4's third
+    x[130] = bad  # in fp8's and int8's second block, int4's fifth
     y = _round_trip(x, codec, "B")
     assert not torch.isfinite(y[130])
-    # the poisoned block (fp8: the tensor) is NaN throughout; the others decode as ever
-    lo, hi = (0, x.numel()) if codec == "fp8" else (130 // BLOCK[codec] * BLOCK[codec],
-                                                    (130 // BLOCK[codec] + 1) * BLOCK[codec])
+    # the poisoned block is NaN throughout; the others decode as ever
+    lo, hi = 130 // BLOCK[codec] * BLOCK[codec], (130 // BLOCK[codec] + 1) * BLOCK[codec]
     assert torch.isnan(y[lo:hi]).all()
     rest = torch.cat([y[:lo], y[hi:]])
     assert torch.isfinite(rest).all()
@@ -84,7 +81,7 @@ def test_non_finite_values_decode_non_finite(codec, bad):
 def test_zeros_and_fp8_ranges(codec):
     z = torch.zeros(200)
     assert torch.equal(_round_trip(z, codec, "F"), z)
-    # a gradient far beyond e4m3's range survives: the per-tensor scale keeps it in range
+    # a gradient far beyond e4m3's range survives: the per-block scale keeps it in range
     g = torch.randn(64) * 1e6
     assert torch.isfinite(_round_trip(g, codec, "B")).all()
 
