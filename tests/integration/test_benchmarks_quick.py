@@ -26,7 +26,8 @@ QUICK: dict[str, tuple[str, ...]] = {
     for name in ("churn.py", "compression.py", "convergence.py", "cost_model.py", "dtfm_cases.py", "dtfm_cost.py",
                  "join.py", "link_tests.py", "mixed_7b.py", "peers.py", "plan_compile.py", "plan_time.py", "pools.py",
                  "rehearsal_fidelity.py", "runtime.py", "solver.py", "throttled_windows.py", "trace.py",
-                 "verification.py", "verification_clean.py", "verification_dist.py", "verification_sweep.py",
+                 "verification.py", "verification_clean.py", "verification_codecs.py", "verification_dist.py",
+                 "verification_sweep.py",
                  "verification_twins.py", "warm_replan.py")
 }
 
