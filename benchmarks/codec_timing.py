@@ -5,7 +5,8 @@ Per codec, direction and size (fp32 values): the fastest of ``--repeats`` timing
 (the fastest: other processes on a shared machine only ever add time), the fixed cost per call and the cost per
 byte fitted by least squares over the sizes, and the price. Prints a table; writes nothing.
 
-Run: ``python benchmarks/codec_timing.py [--profile tests/fixtures/profile_cpu.json] [--repeats 15]``.
+Run: ``python benchmarks/codec_timing.py [--profile tests/fixtures/profile_cpu.json] [--repeats 15]``
+(about a minute); ``--quick``: two sizes, one repeat.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=str(ROOT / "tests" / "fixtures" / "profile_cpu.json"))
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="two sizes, one repeat")
     args = ap.parse_args()
+    sizes, repeats = ((4096, 16384), 1) if args.quick else (SIZES, args.repeats)
     torch.set_num_threads(1)
     spec = json.loads(Path(args.profile).read_text())["device"]
     bw, ovh = spec["mem_bw_bytes_per_s"], spec["op_overhead_ms"]
@@ -57,15 +60,15 @@ def main() -> None:
     for codec, d in CASES:
         for op in ("encode", "decode"):
             ms = []
-            for n in SIZES:
+            for n in sizes:
                 x = torch.randn(n)
                 payload = encode(x, codec, d)
                 fn = (lambda: encode(x, codec, d)) if op == "encode" else \
                     (lambda: decode(payload, codec, x.shape, x.dtype, d))
-                ms.append(_best_ms(fn, args.repeats))
+                ms.append(_best_ms(fn, repeats))
                 priced = codec_ms(codec, 4.0 * n, bw, op, op_overhead_ms=ovh, kind="cpu", direction=d)
                 print(f"| {codec} | {d} | {op} | {n} | {ms[-1]:.3f} | {priced:.3f} | {ms[-1] / priced:.2f} |")
-            a, b = _fit([4.0 * n for n in SIZES], ms)
+            a, b = _fit([4.0 * n for n in sizes], ms)
             fits.append((codec, d, op, a, b))
     print("\n| codec | dir | op | fixed ms | fixed / op_overhead | ns per byte | passes at mem_bw |\n"
           "|---|---|---|---|---|---|---|")
