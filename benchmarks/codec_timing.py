@@ -63,8 +63,8 @@ def main() -> None:
             for n in sizes:
                 x = torch.randn(n)
                 payload = encode(x, codec, d)
-                fn = (lambda: encode(x, codec, d)) if op == "encode" else \
-                    (lambda: decode(payload, codec, x.shape, x.dtype, d))
+                fn = (lambda x=x, c=codec, d=d: encode(x, c, d)) if op == "encode" else \
+                    (lambda x=x, p=payload, c=codec, d=d: decode(p, c, x.shape, x.dtype, d))
                 ms.append(_best_ms(fn, repeats))
                 priced = codec_ms(codec, 4.0 * n, bw, op, op_overhead_ms=ovh, kind="cpu", direction=d)
                 print(f"| {codec} | {d} | {op} | {n} | {ms[-1]:.3f} | {priced:.3f} | {ms[-1] / priced:.2f} |")

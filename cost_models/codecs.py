@@ -59,7 +59,8 @@ def wire_bytes(codec: str, nbytes: float, elem_bytes: int) -> float:
     if codec == "none":
         return nbytes
     n = nbytes / elem_bytes
-    return math.ceil(n * BITS[codec] / 8) + SCALE_BYTES * math.ceil(n / BLOCK[codec])  # int4: an odd count pads a nibble
+    # int4: an odd count pads a nibble
+    return math.ceil(n * BITS[codec] / 8) + SCALE_BYTES * math.ceil(n / BLOCK[codec])
 
 
 def codec_ms(codec: str, nbytes: float, mem_bw_bytes_per_s: float, op: str, *, op_overhead_ms: float = 0.0,

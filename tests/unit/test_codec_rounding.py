@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_models.codecs import BLOCK, CPU_FIT, PASSES, REL_ERROR, STOCHASTIC, codec_ms, rel_error, wire_bytes
+from cost_models.codecs import (
+    BLOCK,
+    CPU_FIT,
+    PASSES,
+    REL_ERROR,
+    STOCHASTIC,
+    codec_ms,
+    rel_error,
+    wire_bytes,
+)
 from planner.runtime.wire.codecs import decode, encode, payload_bytes
 
 LOSSY = ("fp8", "int8", "int4")

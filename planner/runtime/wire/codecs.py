@@ -27,7 +27,8 @@ Non-finite values: a block holding an inf or NaN gets a NaN scale and zero codes
 value of it decodes to NaN: never finite garbage, and the receiver's loss or a verifier sees it.
 
 No error feedback: activations change every step, so last step's residual does not apply to this step's
-tensor (nor a gradient's to the next: each is another microbatch's, with respect to another activation); AQ-SGD's remedy (an activation-delta cache) needs per-sample state this runtime does not keep.
+tensor (nor a gradient's to the next: each is another microbatch's, with respect to another activation);
+AQ-SGD's remedy (an activation-delta cache) needs per-sample state this runtime does not keep.
 """
 from __future__ import annotations
 
