@@ -140,9 +140,14 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     rows = _ordered(kept + rows)
     base = {r["model"]: r["final_loss"] for r in rows if r["codec"] == "none" and "final_loss" in r}
+    base_seeds = {r["model"]: (r["seeds"], r["final_losses"]) for r in rows
+                  if r["codec"] == "none" and "final_losses" in r}
     for r in rows:
         if "final_loss" in r and r["model"] in base:
             r["vs_none"] = round(r["final_loss"] / base[r["model"]] - 1, 5)
+            paired = base_seeds.get(r["model"])
+            if paired and r.get("seeds") == paired[0]:  # the same seed's data and initial weights: less noise
+                r["vs_none_per_seed"] = [round(a / b - 1, 5) for a, b in zip(r["final_losses"], paired[1])]
             r["goal"] = r["codec"] == "none" or abs(r["vs_none"]) <= GOAL[r["codec"]]
     head = ("model", "codec", "final_loss", "vs_none", "goal", "run_s")
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))

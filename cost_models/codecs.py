@@ -13,8 +13,8 @@ device's memory bandwidth each, one per eager torch op the runtime runs (``plann
 scale, round, clamp, cast and pack; decoding unpack, cast and scale). On a CPU (one thread per rank) the eager
 ops run far below memory bandwidth and each call pays a fixed dispatch cost: ``CPU_FIT`` holds, per codec,
 direction and op, that fixed cost in the device's ``op_overhead_ms`` and the per-byte cost as passes at its
-``mem_bw_bytes_per_s`` (fitted by benchmarks/codec_timing.py on the profiled VM, 4K to 256K fp32 values;
-beyond its cache, from ~1M values, the eager temporaries spill and the time grows several times faster).
+``mem_bw_bytes_per_s`` (fitted by benchmarks/codec_timing.py on the profiled VM: within 0.7-1.4x from 4K to
+256K fp32 values; at 1M values, the eager temporaries out of cache on a loaded machine, 1.3-27x slower than it).
 
 Errors: ``REL_ERROR[codec]`` bounds the decoded tensor's elementwise error relative to its block's absmax in
 either direction, ``rel_error(codec, direction)`` in one; verifiers widen their fences by it.
