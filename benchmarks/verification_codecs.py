@@ -42,7 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "verification_codecs.json"
 SUITE = ("constant", "zeros", "random", "scale-1", "grad-sign-flip", "random-sign", "delay", "bias", "noise",
          "noise-grad", "adaptive")
 FULL = {"clean_steps": 120, "seeds": (0, 1), "attack_seeds": (0,), "attack_steps": 40, "start": 12,
-        "suite_codecs": ("int8", "int4"), "fracs": (0.5, 0.9)}
+        "suite_codecs": ("fp8", "int8", "int4"), "fracs": (0.5, 0.9)}
 QUICK = {"clean_steps": 12, "seeds": (0,), "attack_seeds": (0,), "attack_steps": 14, "start": 6, "suite_codecs": ("int8",),
          "fracs": (0.9,)}
 
