@@ -20,6 +20,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.verification import ATTACKS, Pipeline, RunConfig, _write, run  # noqa: E402
-from benchmarks.verification_clean import SHAPES, ShapedPipeline  # noqa: E402
-from planner.runtime.wire import codecs as wire  # noqa: E402
+from benchmarks.verification import ATTACKS, Pipeline, RunConfig, _write, run
+from benchmarks.verification_clean import SHAPES, ShapedPipeline
+from planner.runtime.wire import codecs as wire
 
 CODECS = ("none", "fp8", "int8", "int4")
 WIRE_DIRECTION = {"act": "F", "grad": "B"}
@@ -176,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         report["suite"] = suite(knobs["suite_codecs"], SUITE if not args.quick else ("zeros", "grad-sign-flip"),
                                 steps=knobs["attack_steps"], start=knobs["start"], seed=0)
     if out is not None:
-        import json
         old = json.loads(out.read_text()) if out.exists() else {}
         old.update(report)
         old["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__}
