@@ -4,9 +4,11 @@
 * ``fp8``: forward e4m3, backward e5m2 (gradients need e5m2's range), one fp32 scale per block of
   ``BLOCK["fp8"]`` values (DeepSeek-V3's 1x128 tiles; per tensor, an outlier pushed the rest into subnormals).
 * ``int8`` / ``int4``: blockwise absmax (SWARM's 8-bit blockwise scheme; 4 bits packed two to a byte), one fp32
-  scale per block of ``BLOCK[codec]`` values. int4's blocks are 32 values (5 bits a value on the wire): its
-  15 levels are coarse, and a smaller block's absmax sits closer to its values. int4's backward gradients
-  round stochastically (``STOCHASTIC``: unbiased, where round to nearest zeroes every value under absmax / 14).
+  scale per block of ``BLOCK[codec]`` values. int4's blocks are 16 values (6 bits a value on the wire, still
+  27% under int8): its 15 levels are coarse, and a smaller block's absmax sits closer to its values (a tiny
+  Llama's final loss, 3 seeds: 4.5% over the uncompressed run's in blocks of 32, 2.3% in blocks of 16;
+  benchmarks/convergence.py). int4's backward gradients round stochastically (``STOCHASTIC``: unbiased,
+  where round to nearest zeroes every value under absmax / 14).
 
 Encoding and decoding on a GPU are memory bound: priced as ``PASSES`` reads and writes of the tensor at the
 device's memory bandwidth each, one per eager torch op the runtime runs (``planner.runtime.wire.codecs``: absmax,
@@ -14,7 +16,7 @@ scale, round, clamp, cast and pack; decoding unpack, cast and scale). On a CPU (
 ops run far below memory bandwidth and each call pays a fixed dispatch cost: ``CPU_FIT`` holds, per codec,
 direction and op, that fixed cost in the device's ``op_overhead_ms`` and the per-byte cost as passes at its
 ``mem_bw_bytes_per_s`` (fitted by benchmarks/codec_timing.py on the profiled VM: within 0.7-1.4x from 4K to
-256K fp32 values; at 1M values, the eager temporaries out of cache on a loaded machine, 1.3-27x slower than it).
+256K fp32 values; at 1M values, the eager temporaries out of cache, 1.2-6x slower than it).
 
 Errors: ``REL_ERROR[codec]`` bounds the decoded tensor's elementwise error relative to its block's absmax in
 either direction, ``rel_error(codec, direction)`` in one; verifiers widen their fences by it.
@@ -29,7 +31,7 @@ from planner.errors import InvalidInputError
 
 CODECS: tuple[str, ...] = ("none", "fp8", "int8", "int4")
 COMPRESS_CHOICES: tuple[str, ...] = ("none", "auto", "fp8", "int8", "int4")
-BLOCK = {"fp8": 128, "int8": 128, "int4": 32}
+BLOCK = {"fp8": 128, "int8": 128, "int4": 16}
 BITS = {"fp8": 8, "int8": 8, "int4": 4}
 SCALE_BYTES = 4
 PASSES = {"encode": 6, "decode": 3}
@@ -84,7 +86,7 @@ CPU_FIT = {
     ("fp8", "F", "decode"): (0.35, 19.0), ("fp8", "B", "decode"): (0.35, 4.0),
     ("int8", "F", "encode"): (1.1, 20.0), ("int8", "B", "encode"): (1.1, 20.0),
     ("int8", "F", "decode"): (0.35, 2.0), ("int8", "B", "decode"): (0.35, 2.0),
-    ("int4", "F", "encode"): (1.2, 36.0), ("int4", "B", "encode"): (1.4, 83.0),
+    ("int4", "F", "encode"): (1.4, 35.0), ("int4", "B", "encode"): (1.7, 79.0),
     ("int4", "F", "decode"): (0.7, 5.0), ("int4", "B", "decode"): (0.7, 5.0),
 }
 

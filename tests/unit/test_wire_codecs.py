@@ -67,7 +67,7 @@ def test_none_and_integer_tensors_travel_as_they_are(dtype):
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_non_finite_values_decode_non_finite(codec, bad):
     x = torch.randn(3 * 128 + 5)
-    x[130] = bad  # in fp8's and int8's second block, int4's fifth
+    x[130] = bad  # in fp8's and int8's second block, int4's ninth
     y = _round_trip(x, codec, "B")
     assert not torch.isfinite(y[130])
     # the poisoned block is NaN throughout; the others decode as ever
