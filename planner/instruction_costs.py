@@ -85,11 +85,15 @@ class CostModel:
     def _codec_ms(self, stage: int, spec: DeviceSpec) -> tuple[float, float]:
         """A stage pass's encoding and decoding: forward, its output's encode and its input's decode;
         backward, the returning gradient's decode and the one it sends back's encode."""
-        bw = spec.mem_bw_bytes_per_s
         out = (self.codecs[stage], self.boundary_bytes[stage]) if stage < len(self.boundary_bytes) else ("none", 0.0)
         into = (self.codecs[stage - 1], self.boundary_bytes[stage - 1]) if stage > 0 else ("none", 0.0)
-        fwd = codec_ms(out[0], out[1], bw, "encode") + codec_ms(into[0], into[1], bw, "decode")
-        bwd = codec_ms(out[0], out[1], bw, "decode") + codec_ms(into[0], into[1], bw, "encode")
+
+        def ms(codec: str, nbytes: float, op: str, direction: str) -> float:
+            return codec_ms(codec, nbytes, spec.mem_bw_bytes_per_s, op, op_overhead_ms=spec.op_overhead_ms,
+                            kind=spec.kind, direction=direction)
+
+        fwd = ms(*out, "encode", "F") + ms(*into, "decode", "F")
+        bwd = ms(*out, "decode", "B") + ms(*into, "encode", "B")
         return fwd, bwd
 
     def _link(self, src: int, dst: int) -> Link:

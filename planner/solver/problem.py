@@ -269,10 +269,12 @@ class Problem:
             return self.boundary_bytes(last_block)
         return codecs.wire_bytes(codec, float(self.out_bytes[last_block]), self.elem_bytes)
 
-    def codec_ms(self, last_block: int, codec: str, cls: int, op: str) -> float:
-        """Encoding (``op="encode"``) or decoding the boundary after ``last_block`` on class ``cls``."""
-        return codecs.codec_ms(codec, float(self.out_bytes[last_block]),
-                               self.classes[cls].spec.mem_bw_bytes_per_s, op)
+    def codec_ms(self, last_block: int, codec: str, cls: int, op: str, direction: str = "F") -> float:
+        """Encoding (``op="encode"``) or decoding the boundary after ``last_block`` on class ``cls``, its
+        activation (``direction="F"``) or gradient (``"B"``)."""
+        spec = self.classes[cls].spec
+        return codecs.codec_ms(codec, float(self.out_bytes[last_block]), spec.mem_bw_bytes_per_s, op,
+                               op_overhead_ms=spec.op_overhead_ms, kind=spec.kind, direction=direction)
 
     def boundary_transfer_ms(self, link: Link) -> np.ndarray:
         """ms to send the boundary after each block ``e = 0..L-2`` over ``link`` (read-only): one table per

@@ -406,10 +406,10 @@ def _add_codec_ms(problem: Problem, stages, fb, bw) -> None:
             continue
         for i, d in enumerate(st.devices):
             cls = problem.class_of(d)
-            f = (problem.codec_ms(st.last_block, out, cls, "encode") if out != "none" else 0.0) + \
-                (problem.codec_ms(stages[k - 1].last_block, into, cls, "decode") if into != "none" else 0.0)
-            b = (problem.codec_ms(st.last_block, out, cls, "decode") if out != "none" else 0.0) + \
-                (problem.codec_ms(stages[k - 1].last_block, into, cls, "encode") if into != "none" else 0.0)
+            f = (problem.codec_ms(st.last_block, out, cls, "encode", "F") if out != "none" else 0.0) + \
+                (problem.codec_ms(stages[k - 1].last_block, into, cls, "decode", "F") if into != "none" else 0.0)
+            b = (problem.codec_ms(st.last_block, out, cls, "decode", "B") if out != "none" else 0.0) + \
+                (problem.codec_ms(stages[k - 1].last_block, into, cls, "encode", "B") if into != "none" else 0.0)
             fb[k][i] += f + b
             bw[k][i] += b
 
