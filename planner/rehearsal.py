@@ -160,7 +160,7 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
                            "peak (the profile times float32 blocks, and only a preset or hf: model up to "
                            f"{MAX_TIMED_PARAMS / 1e6:.0f}M parameters is timed here)"),)
     result = simulate(plan, costs, cores=cores, sharing=sharing, emulated=emulate, messages=messages, clip=clip,
-                      accumulate=accumulate)
+                      accumulate=accumulate, verdicts=True)
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,

@@ -286,19 +286,22 @@ class _Run:
 
 def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = None,
              sharing: CoreSharing | None = None, emulated: bool = False,
-             messages: MessageCost | None = None, clip: bool = False, accumulate: int = 1) -> SimResult:
+             messages: MessageCost | None = None, clip: bool = False, accumulate: int = 1,
+             verdicts: bool = False) -> SimResult:
     """Interpret ``plan``'s programs against the cost model; ``cores``: the ranks share this many
     processors (default: a device each), ``sharing``: how fast concurrent passes progress on them
     (measured; default: even sharing), ``emulated``: slower devices are emulated by padding passes
     with sleeps, ``messages``: the CPU time a message costs each end (measured; default none);
     ``clip``: the run clips the global gradient norm (``stagewise run --clip-grad``); ``accumulate``: the
-    run's passes per optimizer step (``--accumulate``). See the module docstring."""
+    run's passes per optimizer step (``--accumulate``); ``verdicts``: a verified step ends with the verdict
+    exchange (:func:`_verdict_exchange`; rehearsals price it, the planner's objective does not yet). See the
+    module docstring."""
     costs = costs or CostModel.for_plan(plan)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise InvalidInputError("accumulated passes", expected="a whole number >= 1", found=repr(accumulate))
     if accumulate > 1:
         return _accumulated(plan, costs, accumulate, cores=cores, sharing=sharing, emulated=emulated,
-                            messages=messages, clip=clip)
+                            messages=messages, clip=clip, verdicts=verdicts)
     n = plan.num_ranks
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise InvalidInputError("simulated cores", expected="a whole number >= 1 (or None: a device per rank)",
@@ -322,7 +325,8 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
                                 fix="validate the plan (planner.validate.validate_programs)")
     if clip:
         _norm_exchange(run)
-    _verdict_exchange(run)
+    if verdicts:
+        _verdict_exchange(run)
     return _summarise(plan, costs, run)
 
 

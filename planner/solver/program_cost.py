@@ -64,7 +64,6 @@ from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from planner.solver.verdict_backlog import Backlog, verdict_backlog
-from planner.solver.verdict_wait import with_verdict
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -507,6 +506,6 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                     finishes[k] = max(finishes[k], sent[b + 1] + p.hop_b[last][b])
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
-    ready = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
-    step = with_verdict(problem, stages, verifiers, ready, max(max(ready), pipe + optim_ms[0]))
-    return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
+    step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
+    return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, in_flight=tuple(limits),
+                       bottleneck=name)

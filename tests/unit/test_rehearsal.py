@@ -67,7 +67,7 @@ def test_prediction_shares_this_machines_cores_and_differs_from_the_planned_devi
     got = predict_rehearsal(plan, PROFILE, emulate=True, cores=2)
     costs = CostModel.for_rehearsal(plan, load_profile_spec(PROFILE), emulate=True)
     assert got.cores == 2 and got.device == load_profile_spec(PROFILE).name and got.measured_messages
-    assert got.result.step_ms == pytest.approx(simulate(plan, costs, cores=2, emulated=True,
+    assert got.result.step_ms == pytest.approx(simulate(plan, costs, cores=2, emulated=True, verdicts=True,
                                                         messages=load_message_cost(PROFILE)).step_ms)
     # padding holds no core: the emulated run is priced differently from the plain one
     assert got.result.step_ms != pytest.approx(predict_rehearsal(plan, PROFILE, emulate=False, cores=2).result.step_ms,

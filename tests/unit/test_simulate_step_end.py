@@ -32,15 +32,15 @@ def plan():
 
 
 def test_a_verified_step_ends_when_the_first_stage_hears_the_verdict(plan):
-    verified = simulate(plan)
+    verified = simulate(plan, verdicts=True)
     control = [e for e in verified.events if e.kind == "control"]
     assert control and {e.rank for e in control} <= set(range(plan.num_ranks))
     first = set(plan.stage_ranks(0))
     assert verified.step_ms == pytest.approx(max(e.end_ms for e in control if e.rank in first))
     off = dataclasses.replace(plan, policy=dataclasses.replace(plan.policy, enabled=False))
-    unverified = simulate(off)
+    unverified = simulate(off, verdicts=True)
     assert not [e for e in unverified.events if e.kind == "control"]
-    assert verified.step_ms > unverified.step_ms
+    assert verified.step_ms > unverified.step_ms and verified.step_ms > simulate(plan).step_ms
 
 
 def test_clipping_holds_every_optimizer_step_until_the_global_norm(plan):
