@@ -8,7 +8,9 @@ of this machine (``stagewise profile``), the same programs give the figure
 the rehearsal should measure: every rank's passes at the profiled speed,
 padded as the runtime pads them, messages over the measured local link, and,
 where the profile has them, the measured core sharing and per-message CPU
-costs (``planner.simulate``).
+costs (``planner.simulate``). ``planner.profiling.rehearsal_times.predict_here`` first times the plan's own
+stages, checks and blame here as the ranks run them (``LocalTimes``), which then replace the profile's block
+model; a rehearsal's verified step ends with the verdict exchange (``simulate(verdicts=True)``).
 
 On a CPU a float16 plan (the default for clusters with T4s or V100s) rehearses in bfloat16: CPUs have
 no float16 matmul kernels worth the name (~24x slower than bfloat16 here), and both are 16-bit formats
