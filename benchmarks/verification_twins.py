@@ -13,8 +13,15 @@ contribution monitor (``planner.integrity.contributions``) sees a sketch of each
 
 A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors.
 
+``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): one in each window
+of k of a replica's microbatches, at a position keyed by the verifier's secret (every one while the sender
+has unresolved evidence), is recomputed on the verifier from the stage's input and compared to what the
+replica sent, activations and the gradient it sent upstream alike; a failed audit bans at once.
+
 Per run: who was banned and when, flags per check, (step, sender) precision / recall / F1 of the blame
-against the attacked steps, and the validation loss.
+against the attacked steps while the attacker is in the plan (up to its ban: after the re-plan the run is a
+clean run of another plan, and an honest twin's blame there is the clean false-blame rate, reported as
+``fp_after_ban``), audits and their failures, and the validation loss.
 
     python benchmarks/verification_twins.py --quick              # two attacks, one seed, 30 steps
     python benchmarks/verification_twins.py --attacks mixed --seeds 0 1 2 --steps 80
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -37,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS  # noqa: E402
 from benchmarks.verification import Pipeline, RunConfig, run  # noqa: E402
+from planner.integrity import audit  # noqa: E402
 from planner.integrity import contributions as contrib  # noqa: E402
 from planner.integrity import robust_reduce  # noqa: E402
 from planner.integrity.verifier import Verifier  # noqa: E402
@@ -48,7 +57,10 @@ CHECKED = ((0, "grad"), (1, "act"))    # issue 37's placement: one verifier, no 
 # the all-reduce poisoning attacks: one replica's gradient contribution
 PARAM_ATTACKS = {"params-scale3": "kind=scale,factor=3,dir=params", "params-sign": "kind=scale,factor=-1,dir=params",
                  "params-noise": "kind=noise,std=1.0,dir=params"}
-ATTACKS = {**{k: v for k, v in BOUNDARY_ATTACKS.items() if k != "adaptive-whitebox"}, **PARAM_ATTACKS}
+# issue 37's never flagged: damped outputs, gradients x3
+DAMPED_ATTACKS = {"damp0.5": "kind=scale,factor=0.5", "grad-scale3": "kind=scale,factor=3,dir=grad"}
+ATTACKS = {**{k: v for k, v in BOUNDARY_ATTACKS.items() if k != "adaptive-whitebox"}, **DAMPED_ATTACKS,
+           **PARAM_ATTACKS}
 SNAPSHOTS = 64                         # steps of model and optimizer state kept, to resume from before a first flag
 QUICK = {"attacks": ("mixed", "params-scale3"), "seeds": (0,), "steps": 30, "start": 12}
 
@@ -56,7 +68,8 @@ QUICK = {"attacks": ("mixed", "params-scale3"), "seeds": (0,), "steps": 30, "sta
 class TwinPipeline(Pipeline):
     """Stage 1 on two replicas (by microbatch parity), its contributions seen before their sum."""
 
-    def __init__(self, cfg: RunConfig, *, robust: bool = False, monitor: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, *, robust: bool = False, monitor: bool = True,
+                 audit_every: int = audit.DEFAULT_EVERY) -> None:
         super().__init__(cfg)
         self.config = self.verifier.config.to_dict() if self.verifier is not None else {}
         self.replanned = False   # the attacker's ban re-planned the stage onto its twin alone
@@ -71,6 +84,14 @@ class TwinPipeline(Pipeline):
         self.checks = self.flags = 0
         self.contrib_checks, self.contrib_flags = 0, {ATTACKER: 0, TWIN: 0}   # (step, replica) pairs judged, flagged
         self.contrib_flag_steps: list[int] = []   # steps the attacker's contribution was flagged
+        # the verifier's secret: a replica cannot compute which of its microbatches are audited
+        secret = hashlib.blake2b(f"audit:{cfg.seed}".encode(), digest_size=16).digest()
+        self.schedule = audit.AuditSchedule(secret, audit_every) if cfg.verify and audit_every > 0 else None
+        self.audit_inputs: dict[int, torch.Tensor] = {}   # mb -> the replicated stage's input this step
+        self.audit_params: dict[int, torch.Tensor] = {}   # mb -> its recomputed parameter gradient this step
+        self.ledger = audit.AuditLedger()
+        self.audit_flags: list[dict] = []
+        self.audits, self.audit_fails = 0, {ATTACKER: 0, TWIN: 0}
 
     def _verifier(self) -> Verifier:
         """The plan's view: who is whose twin, and each sender's microbatches a step (after the re-plan, the
@@ -95,7 +116,56 @@ class TwinPipeline(Pipeline):
         return not verdict.tainted
 
     def _send(self, x, rank, direction, step, mb, stage_input):
-        return super()._send(x, self.rank_of(rank, mb), direction, step, mb, stage_input)
+        out = super()._send(x, self.rank_of(rank, mb), direction, step, mb, stage_input)
+        if rank == REPLICATED_STAGE and self._audited(step, mb):
+            self._audit(out, direction, step, mb, stage_input)
+        return out
+
+    def _audited(self, step: int, mb: int) -> bool:
+        """Whether the verifier audits this microbatch of the replicated stage: its share of the sender's, or
+        every one of a sender with unresolved evidence."""
+        if self.schedule is None or self.verifier is None:
+            return False
+        sender = self.rank_of(REPLICATED_STAGE, mb)
+        per_step = self.verifier.microbatches[sender]
+        slot = mb if self.replanned else mb // 2
+        return sender in self.verifier.unresolved() or self.schedule.audited(sender, step, slot, per_step)
+
+    def _audit(self, sent: torch.Tensor, direction: str, step: int, mb: int, stage_input: torch.Tensor) -> None:
+        """The verifier's link test on one audited microbatch: the stage recomputed on the input the replica
+        received (its activation from boundary 0; for the gradient, that and the gradient it was sent)."""
+        stage, sender = self.stages[REPLICATED_STAGE], self.rank_of(REPLICATED_STAGE, mb)
+        if direction == "act":
+            self.audit_inputs[mb] = stage_input.detach()
+            expected = audit.recompute_output(stage, stage_input)
+            boundary = REPLICATED_STAGE
+        else:
+            expected, self.audit_params[mb] = audit.recompute_grads(stage, self.audit_inputs.pop(mb), stage_input)
+            boundary = REPLICATED_STAGE - 1
+        self.audits += 1
+        self._judge_audit(step, mb, boundary, direction, sender, audit.relative_error(sent, expected))
+
+    def _judge_audit(self, step: int, mb: int, boundary: int, direction: str, sender: int, error: float) -> None:
+        event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
+                                  error=error, tolerance=audit.TOLERANCE["float32"])
+        self.ledger.record(sender, step, passed=event is None)
+        if event is not None:
+            self.audit_flags.append(event)
+            self.audit_fails[sender] += 1
+
+    def _audit_contributions(self, parts: dict[int, torch.Tensor], step: int) -> None:
+        """A replica whose every microbatch of the step was audited: its contribution's sketch against the
+        sketch of the recomputed parameter gradients (the runtime would compare per-microbatch sketches, the
+        count sketch being linear)."""
+        seed = contrib.sketch_seed(self.cfg.seed, REPLICATED_STAGE)
+        for rank, sent in parts.items():
+            mbs = [mb for mb in self.audit_params if self.rank_of(REPLICATED_STAGE, mb) == rank]
+            if not mbs or len(mbs) < self.verifier.microbatches[rank]:
+                continue
+            expected = sum(self.audit_params[mb] for mb in mbs)
+            error = audit.sketch_error(contrib.sketch(sent, seed=seed), contrib.sketch(expected, seed=seed))
+            self._judge_audit(step, min(mbs), REPLICATED_STAGE, "grad", rank, error)
+        self.audit_params = {}
 
     def microbatch(self, idx, tgt, step, mb):
         before = _flat(self.params)
@@ -110,6 +180,8 @@ class TwinPipeline(Pipeline):
         self.snapshots.pop(step - SNAPSHOTS, None)
         parts = {r: self._poisoned(r, g, step) for r, g in sorted(self.parts.items())}
         self.parts = {}
+        if self.verifier is not None:
+            self._audit_contributions(parts, step)
         # a ban stops the run and it goes on without the banned host: its contribution is neither judged nor summed
         trusted = [r for r in parts if self.verifier is None or r not in self.verifier.banned]
         watched = {r: parts[r] for r in trusted}
@@ -130,10 +202,14 @@ class TwinPipeline(Pipeline):
         if self.verifier is None:
             return [], set()
         flags = self.verifier.flag_events(step)
-        banned = self.verifier.end_step(step, [flags, events])
+        audits, self.audit_flags, self.audit_inputs = self.audit_flags, [], {}
+        banned = self.verifier.end_step(step, [flags, events, audits])
         blamed = sorted(self.verifier.last_blamed)
         if ATTACKER in banned and not self.replanned:
-            self._replan(self.verifier.ban_records()[ATTACKER][0])
+            first = self.verifier.ban_records()[ATTACKER][0]
+            if self.audit_fails[ATTACKER]:   # an audit vouches for nothing since the last one the attacker passed
+                first = min(first, self.ledger.suspect_since(ATTACKER, step))
+            self._replan(first)
         return blamed, banned
 
     def _replan(self, first_flagged: int) -> None:
@@ -169,12 +245,12 @@ def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
 
 
 def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: bool = False,
-             monitor: bool = True, verify: bool = True) -> dict[str, Any]:
+             monitor: bool = True, verify: bool = True, audit_every: int = audit.DEFAULT_EVERY) -> dict[str, Any]:
     """One run of the twins' shape; its bans, flags and blame scores."""
     built: list[TwinPipeline] = []
 
     def factory(cfg: RunConfig) -> TwinPipeline:
-        built.append(TwinPipeline(cfg, robust=robust, monitor=monitor))
+        built.append(TwinPipeline(cfg, robust=robust, monitor=monitor, audit_every=audit_every))
         return built[-1]
 
     spec = ATTACKS[attack] if attack else None
@@ -185,11 +261,13 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
     result = run(cfg, pipeline=factory)
     pipe = built[0]
     attacked = set(result.attacked_steps)
-    blamed = {(s, who) for s, senders in result.blamed.items() for who in senders}
-    truth = {(s, ATTACKER) for s in attacked}
-    tp, fp, fn = len(truth & blamed), len(blamed - truth), len(truth - blamed)
-    f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
     bans = {} if pipe.verifier is None else {s: list(v) for s, v in pipe.verifier.ban_records().items()}
+    last = bans[ATTACKER][1] if ATTACKER in bans else steps   # the attacker is in the plan up to its ban
+    blamed = {(s, who) for s, senders in result.blamed.items() for who in senders}
+    scored = {(s, who) for s, who in blamed if s <= last}
+    truth = {(s, ATTACKER) for s in attacked}
+    tp, fp, fn = len(truth & scored), len(scored - truth), len(truth - scored)
+    f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
     return {"attack": attack, "seed": seed, "steps": steps, "start": start, "robust": robust, "monitor": monitor,
             "banned": sorted(bans), "bans": {str(k): v for k, v in bans.items()},
             "attacker_ban_delay": (bans[ATTACKER][1] - start) if ATTACKER in bans else None,
@@ -199,7 +277,9 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
             # flags on honest contributions (every one in a clean run, the twin's under attack) per pair judged
             "contrib_false_pct": round(100 * (sum(pipe.contrib_flags.values()) if attack is None else
                                               pipe.contrib_flags[TWIN]) / max(1, pipe.contrib_checks), 3),
-            "contrib_first_flag": _first_flag(pipe, attacked), "tp": tp, "fp": fp, "fn": fn,
+            "contrib_first_flag": _first_flag(pipe, attacked), "audit_every": audit_every, "audits": pipe.audits,
+            "audit_fails": {str(k): v for k, v in pipe.audit_fails.items()}, "tp": tp, "fp": fp, "fn": fn,
+            "fp_after_ban": len(blamed - scored),
             "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),
             "duration_s": round(time.perf_counter() - t0, 1)}
 
@@ -218,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=20)
     parser.add_argument("--robust", action="store_true", help="sum the replicas' gradients by centered clipping")
     parser.add_argument("--no-monitor", action="store_true", help="no contribution monitor (the old verifier)")
+    parser.add_argument("--audit-every", type=int, default=audit.DEFAULT_EVERY,
+                        help="audit one in this many of a replica's microbatches (0: no audit)")
     parser.add_argument("--quick", action="store_true", help="a smoke run (see above)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -229,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     for attack in attacks:
         for seed in seeds:
             row = twin_run(None if attack == "none" else attack, seed=seed, steps=steps, start=start,
-                           robust=args.robust, monitor=not args.no_monitor)
+                           robust=args.robust, monitor=not args.no_monitor, audit_every=args.audit_every)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

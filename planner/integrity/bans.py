@@ -25,6 +25,9 @@ an honest rate ``d0`` (``ban_replay_rate``) against ``REPLAY_ATTACK_RATE``; the 
 split between the two (``REPLAY_SHARE`` of it to replays: levels ``ln(F / (1 - share))`` and
 ``ln(F / share)``), so that the chance of a false ban by either within ``n`` steps stays under ``n / F``.
 
+A failed audit (``audit``: the stage recomputed on the very input the sender received, and its output
+off by more than another device's numerics) is proof outright: ``step(proven=...)`` bans at once.
+
 A sender's *first flagged step* is where the run of evidence that banned it began: the first step it
 was blamed since its evidence was last zero (a CUSUM at zero has forgotten everything before). Until
 the evidence returns to zero, the sender's flag is unresolved: the newest checkpoint before that step
@@ -63,25 +66,27 @@ class BanTest:
         self.bans: dict[int, tuple[int, int]] = {}  # banned sender -> (first flagged step, ban step)
         self._clock = 0                             # the next step, when the caller does not say
 
-    def step(self, blamed: set[int], *, replayed: set[int] = frozenset(), at: int | None = None) -> list[int]:
+    def step(self, blamed: set[int], *, replayed: set[int] = frozenset(), proven: set[int] = frozenset(),
+             at: int | None = None) -> list[int]:
         """Update every sender with evidence (and the blamed ones; ``replayed``: those flagged for a replay,
-        blamed too) for step ``at`` (default: the step after the previous call's); the newly banned, in
-        rank order."""
+        blamed too; ``proven``: those with a failed audit, banned now) for step ``at`` (default: the step
+        after the previous call's); the newly banned, in rank order."""
         now = self._clock if at is None else int(at)
         self._clock = now + 1
         new = []
         replayed = set(replayed) if self.replay is not None else set()
-        for sender in sorted(set(self.evidence) | set(self.replays) | blamed | replayed):
+        for sender in sorted(set(self.evidence) | set(self.replays) | blamed | replayed | set(proven)):
             value = _cusum(self.evidence, sender, self.up if sender in blamed else self.down)
             proof = 0.0
             if self.replay is not None:
                 up, down, _ = self.replay
                 proof = _cusum(self.replays, sender, up if sender in replayed else down)
-            if value > 0.0 or proof > 0.0:
+            if value > 0.0 or proof > 0.0 or sender in proven:
                 self.since.setdefault(sender, now)
             else:
                 self.since.pop(sender, None)
-            if sender not in self.banned and (value >= self.level or (self.replay and proof >= self.replay[2])):
+            caught = sender in proven or value >= self.level or bool(self.replay and proof >= self.replay[2])
+            if sender not in self.banned and caught:
                 self.banned.add(sender)
                 self.bans[sender] = (self.since[sender], now)
                 new.append(sender)

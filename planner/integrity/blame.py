@@ -3,7 +3,8 @@
 Per microbatch only the most upstream flag's sender is blamed (a corruption upstream makes
 everything downstream look odd, activations forward and gradients backward); a step-level flag
 stands for its whole step, shared by evidence among twins (replicas of one stage); an alert never
-outranks its own sender's flags; a replay or a replica's gradient contribution is never outranked.
+outranks its own sender's flags; a replay, a replica's gradient contribution or a failed audit is never
+outranked.
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from planner.integrity import evidence
+from planner.integrity import audit, evidence
 from planner.verifier_config import DIRECTIONS
 
 __all__ = ["BLAME_MICROBATCHES", "FLAG_EVENTS_SCHEMA", "STEP_MB", "blame", "blame_weights", "culprit",
-           "flatten_events", "input_key", "is_alert", "needed", "replayed"]
+           "flatten_events", "input_key", "is_alert", "needed", "proven", "replayed"]
 
 STEP_MB = -1   # the "microbatch" of a step-level flag
 
@@ -95,21 +96,32 @@ def blame_weights(flags: Iterable[Mapping[str, Any]], *, stage_of: Mapping[int, 
     a stale worker's effect on the honest stages around it (through the gradients their training took
     from its stale tensors) flags them upstream of it in later steps (split placement, seed 1,
     2026-12-03: the stale rank was never blamed; its honest neighbour upstream was, and banned). A
-    gradient contribution's flag (a ``stage`` key, ``contributions``) is its sender's own evidence,
-    outside the causal order.
+    gradient contribution's flag (a ``stage`` key, ``contributions``) and a failed audit (``audit``: the
+    stage recomputed on the very input the sender received) are its sender's own evidence, outside the
+    causal order.
     """
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in flags:
         by_step.setdefault(int(event["step"]), []).append(event)
     weights: dict[int, float] = {}
     for events in by_step.values():
-        for who, weight in _step_weights([e for e in events if "stage" not in e], stage_of or {},
+        for who, weight in _step_weights([e for e in events if not _own(e)], stage_of or {},
                                          microbatches or {}).items():
             weights[who] = weights.get(who, 0.0) + weight
         for e in events:
-            if "stage" in e or evidence.DECISIVE.intersection(e.get("reasons", ())):
+            if _own(e) or evidence.DECISIVE.intersection(e.get("reasons", ())):
                 weights[int(e["sender"])] = math.inf
     return weights
+
+
+def _own(event: Mapping[str, Any]) -> bool:
+    """A flag of the sender's own doing whatever its input: a gradient contribution's or a failed audit."""
+    return "stage" in event or audit.is_audit(event)
+
+
+def proven(flags: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The senders a failed audit proves wrong among ``flags`` (banned at once: see ``bans``)."""
+    return audit.failed_audits(flags)
 
 
 def _step_weights(events: list[Mapping[str, Any]], stage_of: Mapping[int, int],

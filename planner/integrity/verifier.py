@@ -61,6 +61,7 @@ from planner.integrity.blame import (
     input_key,
     is_alert,
     needed,
+    proven,
     replayed,
 )
 from planner.integrity.monitor import Monitor
@@ -264,7 +265,7 @@ class Verifier:
         named = {culprit(e) for e in flags} | {int(e["sender"]) for e in flags}
         for sender in named:
             self._flag_since.setdefault(sender, step)
-        new = self._bans.step(blamed, replayed=replayed(flags), at=step)
+        new = self._bans.step(blamed, replayed=replayed(flags), proven=proven(flags), at=step)
         for sender in [s for s in self._flag_since if s not in named and s not in self._bans.unresolved()]:
             del self._flag_since[sender]   # no flag this step and no evidence left: its run of flags ended
         for sender in new:

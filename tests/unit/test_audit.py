@@ -1,0 +1,101 @@
+"""Audits of a replicated stage (issue 37, deliverable 3): the secret share, the recompute's comparison, the
+failed audit as proof in blame and bans, and its price."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cost_models.audit import audit_ms
+from cost_models.cluster import Link
+from planner.errors import InvalidInputError
+from planner.integrity import audit
+from planner.integrity.bans import BanTest
+from planner.integrity.blame import blame_weights
+from planner.integrity.verifier import Verifier
+from planner.verifier_config import VerifierConfig
+
+SECRET = bytes(range(16))
+STAGE_OF = {0: 0, 1: 1, 3: 1, 2: 2}
+ONE_EACH = {0: 2, 1: 1, 3: 1, 2: 2}
+
+
+def test_one_microbatch_in_each_window_of_every_is_audited():
+    schedule = audit.AuditSchedule(SECRET, every=4)
+    picks = [schedule.audited(1, step, slot, 2) for step in range(40) for slot in range(2)]
+    assert [sum(picks[i:i + 4]) for i in range(0, 80, 4)] == [1] * 20
+    # the longest run of unaudited microbatches is under two windows, whatever the attacker's start
+    gaps, run = [], 0
+    for p in picks:
+        run = 0 if p else run + 1
+        gaps.append(run)
+    assert max(gaps) <= 2 * 4 - 2
+
+
+def test_the_positions_depend_on_the_secret_and_the_sender():
+    one = [audit.AuditSchedule(SECRET, 8).audited(1, s, 0, 1) for s in range(64)]
+    other = [audit.AuditSchedule(bytes(16), 8).audited(1, s, 0, 1) for s in range(64)]
+    twin = [audit.AuditSchedule(SECRET, 8).audited(3, s, 0, 1) for s in range(64)]
+    assert one != other and one != twin
+    assert one == [audit.AuditSchedule(SECRET, 8).audited(1, s, 0, 1) for s in range(64)]
+
+
+@pytest.mark.parametrize("secret, every", [(b"short", 4), (SECRET, 0)])
+def test_a_weak_secret_or_no_share_is_refused(secret, every):
+    with pytest.raises(InvalidInputError):
+        audit.AuditSchedule(secret, every)
+
+
+def test_the_recompute_passes_an_honest_output_and_fails_stale_damped_and_noisy_ones():
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    x, other, grad_out = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    honest = stage(x).detach()
+    tol = audit.TOLERANCE["float32"]
+    assert audit.relative_error(honest, audit.recompute_output(stage, x)) <= tol
+    for sent in (stage(other).detach(), 0.5 * honest, honest + torch.randn(4, 8) * honest.std()):
+        assert audit.relative_error(sent, audit.recompute_output(stage, x)) > tol
+    xg = x.clone().requires_grad_(True)
+    stage(xg).backward(grad_out)
+    before = [p.grad.clone() for p in stage.parameters()]
+    expected = audit.recompute_input_grad(stage, x, grad_out)
+    assert audit.relative_error(xg.grad, expected) <= tol
+    assert all(torch.equal(p.grad, g) for p, g in zip(stage.parameters(), before))   # the replica's sum untouched
+    assert audit.relative_error(xg.grad + torch.randn(4, 8), expected) > tol
+    assert audit.relative_error(torch.full((4, 8), math.nan), expected) == math.inf
+    assert audit.relative_error(torch.zeros(3, 8), expected) == math.inf
+
+
+def test_a_failed_audit_is_its_senders_own_evidence_and_bans_at_once():
+    failed = audit.audit_event(step=30, mb=0, boundary=1, direction="act", sender=1, error=0.7, tolerance=0.01)
+    assert audit.audit_event(step=30, mb=0, boundary=1, direction="act", sender=1, error=0.001,
+                             tolerance=0.01) is None
+    # an honest stage's flag upstream does not outrank it
+    upstream = {**failed, "boundary": 0, "sender": 0, "reasons": ["mad", "l2"], "scores": {"mad": 3.0},
+                "fences": {}}
+    weights = blame_weights([failed, upstream], stage_of=STAGE_OF, microbatches=ONE_EACH)
+    assert weights[1] == math.inf
+    bans = BanTest(honest_rate=0.05, attack_rate=0.6, false_steps=1e5)
+    assert bans.step({3}, at=29) == [] and bans.step({1}, proven={1}, at=30) == [1]
+    assert bans.bans[1] == (30, 30)
+    v = Verifier(VerifierConfig().to_dict(), [(0, "grad"), (1, "act")], stage_of=STAGE_OF, microbatches=ONE_EACH)
+    assert v.end_step(30, [[failed]]) == {1}
+    assert v.ban_records()[1] == (30, 30)
+
+
+def test_the_audit_is_priced_as_its_share_of_copies_recomputes_and_comparisons():
+    link = Link(bandwidth_gbps=8.0, latency_ms=1.0)   # 1e9 bytes/s
+    act = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
+                   verifier_mem_bw_bytes_per_s=1e10)
+    assert act.copy_ms == pytest.approx(1 * (1.0 + 1.0))         # one microbatch: latency + 1 MB at 1 GB/s
+    assert act.compute_ms == pytest.approx(10.0 + 3 * 1e6 / 1e10 * 1e3)
+    both = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
+                    verifier_mem_bw_bytes_per_s=1e10, backward_ms=20.0, output_grad_bytes=1e6)
+    assert both.copy_ms == pytest.approx(1.0 + 2.0) and both.compute_ms == pytest.approx(30.0 + 0.6)
+    assert both.total_ms == pytest.approx(both.copy_ms + both.compute_ms)
+    assert audit_ms(share=0.0, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
+                    verifier_mem_bw_bytes_per_s=1e10).total_ms == 0.0
+    with pytest.raises(InvalidInputError):
+        audit_ms(share=1.5, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
+                 verifier_mem_bw_bytes_per_s=1e10)
