@@ -50,10 +50,11 @@ class LocalTimes:
     """What this machine's processes take for the plan's own work, timed as the rehearsal runs it
     (``planner.profiling.rehearsal_times``): per stage one microbatch's forward and backward CPU ms in the
     rehearsal's dtype, per checked (boundary, direction F/B) a verifier's check, and a verifier's
-    end-of-step flags and blame."""
+    end-of-step flags and blame, and per stage its optimizer's step (empty: priced by the profile)."""
 
     fwd_ms: tuple[float, ...]
     bwd_ms: tuple[float, ...]
+    optim_ms: tuple[float, ...] = ()
     check_ms: tuple[tuple[int, str, float], ...] = ()
     blame_ms: float = 0.0
 
@@ -177,6 +178,8 @@ def _use_local_times(costs: CostModel, local: LocalTimes) -> None:
     for r, info in enumerate(costs.ranks):
         if info.stage is not None:
             _reprice(costs, r, local.fwd_ms[info.stage], local.bwd_ms[info.stage])
+            if local.optim_ms:
+                costs._optim[r] = local.optim_ms[info.stage]
     costs.measured_checks = {(b, d): ms for b, d, ms in local.check_ms}
     costs.blame_ms = local.blame_ms
 

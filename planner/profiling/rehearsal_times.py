@@ -6,7 +6,9 @@ plan's own stage graphs (exported, split) in its compute dtype, each pass after 
 caches cold (on the 2-core VM gpt-tiny's first stage forward takes 0.51 ms after a 30 ms wait and 0.06 ms back
 to back), and its verifiers score the boundary tensors those stages produce. So this builds every stage as
 the runtime does, runs each forward and backward after a short sleep and keeps the median CPU time of each,
-and times each verifier's check on the tensors the stages passed on, and its end-of-step blame.
+and times each verifier's check on the tensors the stages passed on, each stage's optimizer step (the
+profile prices Adam as memory passes; a CPU's per-tensor kernels cost more for small stages: gpt-tiny's
+middle stage steps in 1.6 ms here against 0.95 priced), and the verifiers' end-of-step blame.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from planner.rehearsal import (
 from planner.runtime.data import make_source, parse_data_spec, resolve_loss
 from planner.runtime.rank.apply import plan_node_names
 from planner.runtime.rank.precision import Precision
+from planner.runtime.rank.rank_setup import make_optimizer
 from planner.runtime.rank.recompute import build_plan_stage
 from planner.runtime.rank.stage import split_graph
 from planner.simulate import without_verification
@@ -82,6 +85,8 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     bundle = build_model(ref.spec, batch=plan.config.microbatch_size, seq=ref.seq, device="cpu", seed=0)
     split = split_graph(bundle.module, bundle.example_inputs, plan_node_names(plan))
     stages = [build_plan_stage(split, plan, k, bundle.module, device="cpu") for k in range(plan.num_stages)]
+    optimizers = [make_optimizer(plan.config.optimizer, [p for _, p in stage.parameters()], lr=None)
+                  for stage in stages]
     source = make_source(bundle, kind=data, seq=ref.seq, seed=0)
     loss_fn = resolve_loss(bundle)
     checks = _Checks(plan, data=data)
@@ -91,7 +96,7 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     while step < warmup + repeats:
         started = time.perf_counter()
         record = (lambda key, ms: times.setdefault(key, []).append(ms)) if step >= warmup else (lambda key, ms: None)
-        _one_step(stages, checks, source.batch(step, plan.config.microbatch_size), step, record,
+        _one_step(stages, optimizers, checks, source.batch(step, plan.config.microbatch_size), step, record,
                   precision=precision, loss_fn=loss_fn, gap_s=gap_s)
         if step == 0 and time.perf_counter() - started > SLOW_STEP_S:  # a larger model: time it briefly
             warmup, repeats = 1, min(repeats, 2)
@@ -99,15 +104,16 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     med = {key: statistics.median(ms) for key, ms in times.items()}
     return LocalTimes(fwd_ms=tuple(med[("F", k)] for k in range(len(stages))),
                       bwd_ms=tuple(med[("B", k)] for k in range(len(stages))),
+                      optim_ms=tuple(med.get(("optim", k), 0.0) for k in range(len(stages))),
                       check_ms=tuple((b, d, med[(d, f"check {b}")]) for b, d in sorted(checks.pairs)
                                      if (d, f"check {b}") in med),
                       blame_ms=med.get(("blame", "end"), 0.0))
 
 
-def _one_step(stages, checks: _Checks, batch, step: int, record, *, precision: Precision, loss_fn: Callable,
-              gap_s: float) -> None:
-    """Every stage's forward and its activations' checks, every backward and its gradients' checks, then the
-    verifiers' blame, each recorded by ``record(key, ms)``."""
+def _one_step(stages, optimizers, checks: _Checks, batch, step: int, record, *, precision: Precision,
+              loss_fn: Callable, gap_s: float) -> None:
+    """Every stage's forward and its activations' checks, every backward and its gradients' checks, every
+    stage's optimizer step, then the verifiers' blame, each recorded by ``record(key, ms)``."""
     inputs, targets = batch
     values, saved = list(inputs), []
     for k, stage in enumerate(stages):
@@ -126,8 +132,20 @@ def _one_step(stages, checks: _Checks, batch, step: int, record, *, precision: P
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held]
         if k:
             checks.run(k - 1, "B", grads, step, record, gap_s)
+    for k, optimizer in enumerate(optimizers):
+        record(("optim", k), _optimizer_step(optimizer, gap_s=gap_s))
         stages[k].module.zero_grad(set_to_none=True)
     checks.end(step, record)
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer | None, *, gap_s: float) -> float:
+    """CPU ms of one step of a stage's optimizer (0 for a stage without parameters)."""
+    if optimizer is None:
+        return 0.0
+    time.sleep(gap_s)
+    start = time.thread_time()
+    optimizer.step()
+    return 1e3 * (time.thread_time() - start)
 
 
 def _forward(stage, values: Sequence[torch.Tensor], precision: Precision, *, gap_s: float, loss: Callable | None,

@@ -30,6 +30,7 @@ def test_every_stage_and_every_check_is_timed(plan, timed):
     assert all(ms > 0 for ms in (*timed.fwd_ms, *timed.bwd_ms))
     assert {(b, d) for b, d, _ in timed.check_ms} == {(0, "F"), (1, "B")}
     assert all(ms > 0 for _, _, ms in timed.check_ms) and timed.blame_ms > 0
+    assert len(timed.optim_ms) == plan.num_stages and all(ms > 0 for ms in timed.optim_ms)
 
 
 def test_the_prediction_prices_what_was_timed(plan, timed):
@@ -40,10 +41,13 @@ def test_the_prediction_prices_what_was_timed(plan, timed):
         if info.stage is not None:
             assert costs.local_ms(r, "F") == pytest.approx(timed.fwd_ms[info.stage])
             assert costs.local_ms(r, "B") == pytest.approx(timed.bwd_ms[info.stage])
+            assert costs.optim_ms(r) == pytest.approx(timed.optim_ms[info.stage])
     for b, d, ms in timed.check_ms:
         assert costs.verify_ms(3, b, d) == pytest.approx(ms)
     slower = dataclasses.replace(timed, bwd_ms=tuple(10 * ms for ms in timed.bwd_ms))
     assert predict_rehearsal(plan, PROFILE, emulate=True, local=slower).result.step_ms > here.result.step_ms
+    dearer = dataclasses.replace(timed, optim_ms=tuple(ms + 5.0 for ms in timed.optim_ms))
+    assert predict_rehearsal(plan, PROFILE, emulate=True, local=dearer).result.step_ms > here.result.step_ms
 
 
 def test_times_for_another_plan_are_refused(plan, timed):
