@@ -40,6 +40,7 @@ or on a CPU-only verifier host.
     python benchmarks/verification.py --only clean_wide --out FILE  # rerun only the wide clean runs, merged into FILE
     python benchmarks/verification.py --only overhead [--models gpt-tiny] [--reps 2] [--wait-first]
                                                  # rerun only `stagewise run` on vs off, merged into the JSON
+    python benchmarks/verification.py --only contributions  # the replicas' contribution checks' CPU cost, merged
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ if str(ROOT) not in sys.path:
 from cost_models.cluster_file import parse_cluster
 from models.data import ByteTextDataset
 from models.registry import PRESETS, lm_loss
+from planner.integrity import contributions as contrib
+from planner.integrity import robust_reduce
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.verifier import Verifier
 from planner.runtime.rank.rank_setup import make_lr_warmup
@@ -85,6 +88,7 @@ ATTACKS: dict[str, str] = {
     "adaptive-whitebox": "kind=adaptive,model=full",
 }
 GOALS = {"f1": 0.95, "fpr": 0.005, "overhead": 0.05}
+CONTRIBUTION_WIDTHS = (64, 384, 768)   # the replicas' contribution checks: the goal holds at d >= 384
 ATTACKER = 1
 RESULTS = ROOT / "benchmarks" / "results" / "verification.json"
 
@@ -382,6 +386,52 @@ def check_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: int = 4, 
     return rows
 
 
+def contribution_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: int = 4, layers: int = 3,
+                      microbatches: int = 4, replicas: int = 2, steps: int = 6) -> list[dict[str, Any]]:
+    """Issue 37's checks of a replicated stage (``layers`` GPT blocks, ``microbatches`` a replica a step)
+    against a replica's forwards + backwards of a step, CPU time: the sketch each replica makes of its
+    gradient contribution, the lead verifier's judgement of ``replicas`` sketches, and the optional robust
+    sum (centered clipping of ``replicas`` contributions, per replica)."""
+    from models.gpt import GPTBlock, GPTConfig
+
+    rows = []
+    for d in widths:
+        cfg = GPTConfig(vocab_size=256, max_seq=seq, n_layers=layers, d_model=d, n_heads=max(1, d // 64))
+        stage = torch.nn.Sequential(*[GPTBlock(cfg) for _ in range(layers)])
+        monitor = contrib.ContributionMonitor(seed=0)
+        seed = contrib.sketch_seed(0, 1)
+        times: dict[str, list[float]] = {"compute": [], "sketch": [], "judge": [], "robust": []}
+        for step in range(steps):
+            t0 = time.process_time()
+            for _ in range(microbatches):
+                x = torch.randn(microbatch, seq, d, requires_grad=True)
+                stage(x).backward(torch.randn(microbatch, seq, d) * 1e-3)
+            t1 = time.process_time()
+            flat = torch.cat([p.grad.reshape(-1) for p in stage.parameters()])
+            t2 = time.process_time()
+            mine = contrib.sketch(flat, seed=seed)
+            t3 = time.process_time()
+            peers = [flat + 1e-3 * torch.randn_like(flat) for _ in range(replicas - 1)]
+            sketches = {0: mine, **{r + 1: contrib.sketch(c, seed=seed) for r, c in enumerate(peers)}}
+            t4 = time.process_time()
+            monitor.judge(1, sketches, step=step)
+            t5 = time.process_time()
+            robust_reduce.centered_clip([flat, *peers])
+            t6 = time.process_time()
+            stage.zero_grad(set_to_none=True)
+            if step >= 1:   # the first warms up
+                for key, dt in (("compute", t1 - t0), ("sketch", t3 - t2), ("judge", t5 - t4), ("robust", t6 - t5)):
+                    times[key].append(1e3 * dt)
+        med = {key: statistics.median(v) for key, v in times.items()}
+        rows.append({"d_model": d, "params": flat.numel(), "replicas": replicas,
+                     "microbatches_per_replica": microbatches, "replica_step_compute_ms": round(med["compute"], 1),
+                     "sketch_ms": round(med["sketch"], 2), "judge_ms": round(med["judge"], 2),
+                     "robust_sum_ms": round(med["robust"], 2),
+                     "overhead": round((med["sketch"]) / med["compute"], 4),
+                     "overhead_robust": round((med["sketch"] + med["robust"]) / med["compute"], 4)})
+    return rows
+
+
 # ---------------------------------------------------------------------------- the distributed runtime
 
 WIDE_GPT = "benchmarks.verification:wide_gpt"
@@ -629,10 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="runs per setting of the distributed overhead")
     parser.add_argument("--out", default=None, help="the JSON to write or merge into (default "
                                                     "benchmarks/results/verification.json, none with --quick)")
-    parser.add_argument("--only", choices=("all", "overhead", "detection", "clean_wide"), default="all",
+    parser.add_argument("--only", choices=("all", "overhead", "detection", "clean_wide", "contributions"),
+                        default="all",
                         help="overhead: rerun only the distributed overhead (`stagewise run` on vs off) and "
                              "merge it into --out; detection: everything but the distributed overhead; "
-                             "clean_wide: rerun only the clean runs at d=256 and merge them into --out")
+                             "clean_wide: rerun only the clean runs at d=256 and merge them into --out; "
+                             "contributions: only the cost of the replicas' contribution checks, merged")
     parser.add_argument("--wait-first", action="store_true",
                         help="also time verification that waits for each verdict first (the executor's old way)")
     parser.add_argument("--models", nargs="+", choices=list(OVERHEAD_MODELS), default=list(OVERHEAD_MODELS),
@@ -648,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                              slowdown=args.slowdown, steps=QUICK["overhead_steps"] if args.quick else None)
     if args.only == "clean_wide":
         return only_clean_wide(out, wide=QUICK["wide"] if args.quick else WIDE_CLEAN)
+    if args.only == "contributions":
+        return only_contributions(out, widths=(64,) if args.quick else CONTRIBUTION_WIDTHS)
     detection_only = args.only == "detection"
     if args.quick:
         attacks = {k: ATTACKS[k] for k in QUICK["attacks"]}
@@ -676,6 +730,24 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report)
     if out is not None:
         _write(report, out)
+    return 0
+
+
+def only_contributions(out: Path | None, *, widths: tuple[int, ...]) -> int:
+    """Time the replicas' contribution checks alone (:func:`contribution_cost`) and merge them into the report
+    at ``out`` as ``overhead.contributions`` (goal: <= 5% of a replica's step at d >= 384)."""
+    rows = contribution_cost(widths)
+    for r in rows:
+        print(f"  contributions d={r['d_model']}: replica step {r['replica_step_compute_ms']} ms, sketch "
+              f"{r['sketch_ms']} ms ({r['overhead']:+.1%}), judge {r['judge_ms']} ms, robust sum "
+              f"{r['robust_sum_ms']} ms ({r['overhead_robust']:+.1%} with it)", flush=True)
+    if out is None:
+        return 0
+    report = json.loads(out.read_text()) if out.exists() else {"overhead": {}, "goals": {}}
+    report["overhead"]["contributions"] = rows
+    report.setdefault("goals", {})["overhead_contributions"] = all(
+        r["overhead"] <= GOALS["overhead"] for r in rows if r["d_model"] >= 384)
+    _write(report, out)
     return 0
 
 
