@@ -1,8 +1,8 @@
 """Does verification ban the honest, and does it catch the attacker, in the distributed runtime?
 
 ``stagewise run`` (one gloo process per rank on this machine, one thread each) on gpt-tiny plans of
-three shapes over ``benchmarks/clusters/four-t4.yaml`` (four single-T4 hosts, trusted ends h0 and h3,
-untrusted volunteers h1 and h2 in trust domains of their own):
+four shapes, three over ``benchmarks/clusters/four-t4.yaml`` (four single-T4 hosts, trusted ends h0 and h3,
+untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llama plan:
 
 - ``split``: ``stagewise plan gpt-tiny --baseline uniform``: 4 stages, ranks 1 and 2 untrusted, the
   verifiers of each untrusted stage's two sides on different ranks, so no link or residual test (the
@@ -14,7 +14,12 @@ untrusted volunteers h1 and h2 in trust domains of their own):
   sides). No ``stagewise plan`` option makes it on gpt-tiny (its checks outweigh its passes, so a
   replica saves nothing: the solver leaves the second volunteer idle, and ``--stages 3 --replicas 2``
   needs verifier sites the replicated ends lack), so it is compiled here from a hand-made placement
-  through the planner's own steps (``_replicated``).
+  through the planner's own steps (``_replicated``);
+- ``replicated3``: the same with three replicas (h1, h2, h3 of ``benchmarks/clusters/five-t4.yaml``: 6, 5 and 5
+  microbatches, the last stage on h4), one verifier (rank 0);
+- ``hf-llama``: a tiny HF Llama (``HF_SPEC``, 4x32 tokens a microbatch, 3 microbatches a step) planned by
+  ``planner.api.make_plan`` on the default cluster with 3 stages (tests/integration/test_run_drops.py's): the
+  middle stage on a volunteer, verified (boundary 0's gradients on rank 0, boundary 1's activations on rank 2).
 
 Clean runs (no attacker) report, per run: steps, checks, flags (per microbatch and per step), dropped
 microbatches, blamed (step, sender) pairs, bans, and the per-sample false-positive rate (microbatch
@@ -22,7 +27,9 @@ flags / checks; goal <= 0.1% and nobody banned). Attack runs (``ATTACKS``) repor
 step relative to the attack's start (goal: within 10 steps, no honest rank banned) and the precision,
 recall and F1 of the dropped microbatches against the attacked ones (the attacker's log), and over
 (step, sender) pairs as ``verification.py`` scores the emulation (blamed against attacked); a run stops
-at a ban, so both count up to the ban step. Where an honest rank is banned or the attacker is not, the
+at a ban, so both count up to the ban step. On ``hf-llama`` every attack runs on its one untrusted rank (1);
+the ``params-*`` attacks (a replica's gradient contribution to its stage's all-reduce) run on the replicated
+shapes only. Where an honest rank is banned or the attacker is not, the
 row keeps the flag events around it (boundary, direction, reasons, upstream).
 
     python benchmarks/verification_dist.py                          # everything (about an hour here)
@@ -49,8 +56,12 @@ if str(ROOT) not in sys.path:
 
 CLUSTER = ROOT / "benchmarks" / "clusters" / "four-t4.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "verification_dist.json"
-SHAPES = ("split", "linked", "replicated")
+CLUSTER3 = ROOT / "benchmarks" / "clusters" / "five-t4.yaml"
+SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama")
 ATTACK_SHAPES = ("split", "linked")
+MODELS = {"hf-llama": "hf-llama-tiny"}   # the model of a shape (default gpt-tiny)
+HF_SPEC = ("hf:llama?hidden_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,"
+           "intermediate_size=128,vocab_size=256,max_position_embeddings=64")
 # name -> the --attack spec without its start; every attack starts at ATTACK_START, a replay at DELAY_START
 ATTACKS = {
     "scale0.5": "rank=1,kind=scale,factor=0.5",
@@ -58,7 +69,13 @@ ATTACKS = {
     "bias0.3": "rank=1,kind=bias,rel=0.3",
     "delay20": "rank=2,kind=delay,steps=20,p=0.5",
     "gradscale3": "rank=2,kind=scale,factor=3,dir=grad",
+    # all-reduce poisoning: one replica's gradient contribution (replicated shapes only)
+    "params-scale3": "rank=1,kind=scale,factor=3,dir=params",
+    "params-sign": "rank=1,kind=scale,factor=-1,dir=params",
+    "params-noise": "rank=1,kind=noise,std=1.0,dir=params",
 }
+REPLICATED = ("replicated", "replicated3")
+SOLE_UNTRUSTED = {"hf-llama": 1}   # shape -> its one untrusted rank: every attack runs there
 ATTACK_START, DELAY_START = 20, 30
 FPR_GOAL = 0.001          # microbatch flags per check (issue 20)
 BAN_WITHIN = 10           # steps from the attack's start to the attacker's ban (issue 20)
@@ -69,15 +86,28 @@ LR = 1e-3
 # 4-stage shape's, 2.9x: within plan --link-tests-cost 3): the share that keeps its link tests.
 LINK_COST_REPLICATED = 5.0
 # --quick: the plans of these shapes made (the hand-made one included), one clean run of the first
-QUICK = {"shapes": ("split", "replicated"), "steps": 8}
+QUICK = {"shapes": ("split", "replicated", "replicated3"), "steps": 8}
 
 
 def attack_start(name: str) -> int:
     return DELAY_START if "kind=delay" in ATTACKS[name] else ATTACK_START
 
 
-def attack_rank(name: str) -> int:
-    return int(ATTACKS[name].split(",")[0].removeprefix("rank="))
+def attack_spec(name: str, shape: str) -> str:
+    """``name``'s --attack spec on ``shape`` (its start added; the attacker moved to a sole untrusted rank)."""
+    rank, rest = ATTACKS[name].split(",", 1)
+    if shape in SOLE_UNTRUSTED:
+        rank = f"rank={SOLE_UNTRUSTED[shape]}"
+    return f"{rank},{rest},start={attack_start(name)}"
+
+
+def attack_rank(name: str, shape: str) -> int:
+    return int(attack_spec(name, shape).split(",")[0].removeprefix("rank="))
+
+
+def runs_on(name: str, shape: str) -> bool:
+    """Whether attack ``name`` applies to ``shape`` (poisoning an all-reduce needs replicas)."""
+    return "dir=params" not in ATTACKS[name] or shape in REPLICATED
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -88,22 +118,39 @@ def make_plans(shapes: list[str], folder: Path) -> dict[str, Path]:
     out = {}
     for shape in shapes:
         path = folder / f"{shape}.json"
-        if shape == "replicated":
-            _replicated().save(path)
+        if shape in REPLICATED:
+            _replicated(3 if shape == "replicated3" else 2).save(path)
+        elif shape == "hf-llama":
+            _hf_llama().save(path)
         else:
             extra = ["--link-tests-cost", "3"] if shape == "linked" else []
             proc = subprocess.run([sys.executable, "-m", "planner", "plan", "gpt-tiny", "--cluster", str(CLUSTER),
                                    "--baseline", "uniform", *extra, "-o", str(path)],
-                                  capture_output=True, text=True, env=_env(), timeout=300)
+                                  check=False, capture_output=True, text=True, env=_env(), timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"stagewise plan ({shape}) failed: {proc.stderr.strip()}")
         out[shape] = path
     return out
 
 
-def _replicated():
-    """gpt-tiny on four-t4: embed..layers.0 on h0, layers.1..2 on h1 and h2 (8 microbatches each), layers.3..head
-    on h3; verifiers, pricing and compilation as ``stagewise plan --link-tests-cost 5`` does them."""
+def _hf_llama():
+    """The tiny HF Llama in 3 stages on the default cluster, its middle stage untrusted and verified."""
+    from models.registry import build_model
+    from planner.api import make_plan
+    from planner.runtime.wire.control import trusted_ranks
+
+    bundle = build_model(HF_SPEC, batch=4, seq=32)
+    plan = make_plan(bundle.module, bundle.example_inputs, "default", spec=HF_SPEC, name=bundle.name, stages=3,
+                     global_batch=12, microbatch_size=4, time_limit_s=2)
+    if not plan.verifiers or plan.stage_ranks(1)[0] in trusted_ranks(plan) or plan.num_ranks != 3:
+        raise RuntimeError("the hf-llama plan is not 3 ranks with a verified untrusted middle stage")
+    return plan
+
+
+def _replicated(replicas: int = 2):
+    """gpt-tiny on four-t4 (``replicas`` 2) or five-t4 (3): embed..layers.0 on h0, layers.1..2 replicated on the
+    volunteers h1.. (the 16 microbatches shared: 8 and 8, or 6, 5 and 5), layers.3..head on the last host;
+    verifiers, pricing and compilation as ``stagewise plan --link-tests-cost 5`` does them."""
     from cost_models.cluster_file import read_cluster_file
     from cost_models.memory import trace_dtype
     from cost_models.precision import resolve_dtype
@@ -122,21 +169,23 @@ def _replicated():
     from planner.solver.verifiers import assign_verifiers
 
     _, chain = load_chain("gpt-tiny", batch=1)
-    cluster = read_cluster_file(CLUSTER)
+    cluster = read_cluster_file(CLUSTER if replicas == 2 else CLUSTER3)
     dtype = resolve_dtype("auto", cluster)
     config = TrainingConfig(global_batch=16, microbatch_size=1, schedule="1f1b", optimizer="adam", dtype=dtype,
                             mixed_precision=dtype != "float32")
     policy = VerificationPolicy(link_test_cost=LINK_COST_REPLICATED)
     scaled = scale_chain(chain, 1)
     problem = build_problem(scaled, cluster, config, policy)
+    share = tuple(16 // replicas + (i < 16 % replicas) for i in range(replicas))
     stages = (StagePlacement(index=0, first_block=0, last_block=1, devices=("h0/0",), microbatches=(16,)),
-              StagePlacement(index=1, first_block=2, last_block=3, devices=("h1/0", "h2/0"), microbatches=(8, 8)),
-              StagePlacement(index=2, first_block=4, last_block=5, devices=("h3/0",), microbatches=(16,)))
+              StagePlacement(index=1, first_block=2, last_block=3,
+                             devices=tuple(f"h{i + 1}/0" for i in range(replicas)), microbatches=share),
+              StagePlacement(index=2, first_block=4, last_block=5, devices=(f"h{replicas + 1}/0",), microbatches=(16,)))
     verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
     placement = keep_link_tests(problem, Placement(stages=stages, verifiers=verifiers,
                                                    num_microbatches=problem.num_microbatches))
     priced = price_program(problem, placement)
-    notes = ("hand-made: stage 1 replicated on the two volunteers",) + lost_link_tests(problem, placement)
+    notes = (f"hand-made: stage 1 replicated on the {replicas} volunteers",) + lost_link_tests(problem, placement)
     report = SolveReport(method="hand:replicated", status="FEASIBLE", objective_ms=priced.step_ms, bound_ms=None,
                          gap=None, solve_s=0.0, notes=notes)
     solution = Solution(stages=tuple(dataclasses.replace(st, in_flight=n) for st, n in
@@ -149,7 +198,7 @@ def _replicated():
                    batch=chain.microbatch_size, seq=None, dtype=trace_dtype(chain))
     plan = predict(compile_plan(solution, scaled, cluster, config, policy, ref))
     return dataclasses.replace(plan, history=(HistoryEntry(event="planned", when_utc=utc_stamp(),
-                                                           reason="hand-made replicated shape"),))
+                                                           reason=f"hand-made replicated shape ({replicas})"),))
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -167,17 +216,19 @@ def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None
            "--seed", str(seed), "--report", str(report_path)]
     spec = None
     if attack is not None:
-        spec = f"{ATTACKS[attack]},start={attack_start(attack)}"
+        spec = attack_spec(attack, shape)
         cmd += ["--attack", spec]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120 + 8 * steps)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(),
+                              timeout=120 + 8 * steps)
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, output = None, f"timed out after {exc.timeout} s"
     log_path.write_text(output)
-    row: dict[str, Any] = {"shape": shape, "seed": seed, "attack": attack or "none", "attack_spec": spec,
-                           "steps": steps, "exit_code": rc, "duration_s": round(time.perf_counter() - t0, 1)}
+    row: dict[str, Any] = {"shape": shape, "model": MODELS.get(shape, "gpt-tiny"), "seed": seed,
+                           "attack": attack or "none", "attack_spec": spec, "steps": steps, "exit_code": rc,
+                           "duration_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
     if not report_path.exists():
         tail = output.strip().splitlines()[-3:]
         return {**row, "error": " | ".join(tail) or "no report"}
@@ -194,7 +245,7 @@ def scored(row: dict[str, Any], report: dict[str, Any], plan: dict[str, Any]) ->
     row = {**row, **summarize(report, plan)}
     if attack is not None:
         row["flag_rate_per_sample"] = row.pop("fpr_per_sample")   # most of an attacked run's flags are true ones
-        row.update(attack_metrics(report, row, attack_rank(attack), attack_start(attack),
+        row.update(attack_metrics(report, row, attack_rank(attack, row["shape"]), attack_start(attack),
                                   plan["config"]["global_batch"] // plan["config"]["microbatch_size"]))
     else:
         row["goal"] = row["fpr_per_sample"] <= FPR_GOAL and not row["banned"] and row["steps_run"] == row["steps"]
@@ -211,7 +262,7 @@ def rescore(out: Path, work: Path) -> list[dict[str, Any]]:
                                   old["steps"])
         if "error" in old or not path.exists():
             continue
-        rows.append(scored({k: old[k] for k in run_keys}, json.loads(path.read_text()),
+        rows.append(scored({k: old[k] for k in (*run_keys, "model", "date") if k in old}, json.loads(path.read_text()),
                            json.loads((work / f"{old['shape']}.json").read_text())))
     return rows
 
@@ -330,7 +381,7 @@ def _events_of_interest(report: dict[str, Any], row: dict[str, Any], attack: str
     from an attack's start to the attacker's late ban or the run's end, or a clean run's every flag."""
     if row.get("goal"):
         return []
-    attacker = attack_rank(attack) if attack else None
+    attacker = attack_rank(attack, row["shape"]) if attack else None
     windows = [(max(0, b["first_flagged_step"] - 1), b["step"]) for b in row["bans"] if b["sender"] != attacker]
     if attacker is not None and (row["ban_delay_steps"] is None or row["ban_delay_steps"] > BAN_WITHIN):
         windows.append((attack_start(attack), row["attacker_ban_step"] or row["steps_run"]))
@@ -399,15 +450,18 @@ def plan_summary(path: Path) -> dict[str, Any]:
 
 
 def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None:
-    """Rows merged into ``out`` by (shape, seed, attack), with the shapes' plans; a summary of everything there."""
+    """Rows merged into ``out`` by (shape, seed, attack, date), with the shapes' plans; a summary of the latest row
+    of each (shape, seed, attack) there (rows of earlier code are kept with their dates; undated: before 2026-12-05)."""
     import torch
 
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
     data["plans"] = {**data.get("plans", {}), **{shape: plan_summary(p) for shape, p in plans.items()}}
-    new = {(r["shape"], r["seed"], r["attack"]) for r in rows}
-    data["rows"] = sorted([r for r in data["rows"] if (r["shape"], r["seed"], r["attack"]) not in new] + rows,
-                          key=lambda r: (r["attack"] != "none", r["attack"], SHAPES.index(r["shape"]), r["seed"]))
-    ok = [r for r in data["rows"] if "error" not in r]
+    new = {_key(r) for r in rows}
+    data["rows"] = sorted([r for r in data["rows"] if _key(r) not in new] + rows,
+                          key=lambda r: (r["attack"] != "none", r["attack"], SHAPES.index(r["shape"]), r["seed"],
+                                         r.get("date") or ""))
+    latest = {_key(r)[:3]: r for r in data["rows"]}   # sorted by date last: the newest of each wins
+    ok = [r for r in latest.values() if "error" not in r]
     clean = [r for r in ok if r["attack"] == "none"]
     attacks = [r for r in ok if r["attack"] != "none"]
     for r in attacks:
@@ -422,8 +476,9 @@ def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None
         "attack_f1_goal_met": sum(r["goal_f1"] for r in attacks),
         "attack_pair_f1_goal_met": sum(r["goal_pair_f1"] for r in attacks),
         "attacks_missed": [(r["shape"], r["seed"], r["attack"]) for r in attacks if not r["goal"]],
-        "errors": [(r["shape"], r["seed"], r["attack"]) for r in data["rows"] if "error" in r]}
-    data["setup"] = {"cluster": str(CLUSTER.relative_to(ROOT)), "model": "gpt-tiny", "lr": LR,
+        "errors": [(r["shape"], r["seed"], r["attack"]) for r in latest.values() if "error" in r]}
+    data["setup"] = {"cluster": str(CLUSTER.relative_to(ROOT)), "cluster_replicated3": str(CLUSTER3.relative_to(ROOT)),
+                     "model": "gpt-tiny", "models": {**MODELS, "hf-llama-tiny": HF_SPEC}, "lr": LR,
                      "attack_start": ATTACK_START, "delay_start": DELAY_START, "ban_within": BAN_WITHIN,
                      "fpr_goal": FPR_GOAL, "attacks": ATTACKS}
     data["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -431,6 +486,10 @@ def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(out)
+
+
+def _key(row: dict[str, Any]) -> tuple[str, int, str, str]:
+    return row["shape"], row["seed"], row["attack"], row.get("date") or ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -474,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                               key=SHAPES.index), work)
     print(f"plans and logs in {work}\n{HEADER}", flush=True)
     runs = [(s, seed, None, args.steps) for s in clean_shapes for seed in args.seeds] + \
-           [(s, seed, a, args.attack_steps) for seed in args.attack_seeds for a in attacks for s in args.attack_shapes]
+           [(s, seed, a, args.attack_steps) for seed in args.attack_seeds for a in attacks for s in args.attack_shapes
+            if runs_on(a, s)]
     for shape, seed, attack, steps in runs:
         row = run_one(plans[shape], shape=shape, seed=seed, steps=steps, attack=attack, work=work)
         print_row(row)
