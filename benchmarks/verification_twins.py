@@ -73,6 +73,7 @@ class TwinPipeline(Pipeline):
         super().__init__(cfg)
         self.config = self.verifier.config.to_dict() if self.verifier is not None else {}
         self.replanned = False   # the attacker's ban re-planned the stage onto its twin alone
+        self.recovered_from: int | None = None   # the step the re-plan resumed the model from
         self.verifier = self._verifier() if cfg.verify else None
         self.contrib = contrib.ContributionMonitor(seed=cfg.seed) if cfg.verify and monitor else None
         self.robust = robust
@@ -129,7 +130,7 @@ class TwinPipeline(Pipeline):
         sender = self.rank_of(REPLICATED_STAGE, mb)
         per_step = self.verifier.microbatches[sender]
         slot = mb if self.replanned else mb // 2
-        return sender in self.verifier.unresolved() or self.schedule.audited(sender, step, slot, per_step)
+        return self.schedule.audited(sender, step, slot, per_step, suspected=sender in self.verifier.unresolved())
 
     def _audit(self, sent: torch.Tensor, direction: str, step: int, mb: int, stage_input: torch.Tensor) -> None:
         """The verifier's link test on one audited microbatch: the stage recomputed on the input the replica
@@ -216,7 +217,8 @@ class TwinPipeline(Pipeline):
         """What ``--replan-on-failure`` does after a ban: a new plan without the banned host (its stage on the twin
         alone), fresh monitors (the runtime does not checkpoint them), the ban record kept, and the model and
         optimizer back at the start of the first flagged step (a checkpoint there; the data goes on)."""
-        model, optim = self.snapshots.get(first_flagged, self.snapshots[min(self.snapshots)])
+        self.recovered_from = first_flagged if first_flagged in self.snapshots else min(self.snapshots)
+        model, optim = self.snapshots[self.recovered_from]
         self.model.load_state_dict(model)
         self.opt.load_state_dict(optim)
         self.opt.zero_grad(set_to_none=True)   # this step's gradients were the poisoned model's
@@ -271,6 +273,7 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
     return {"attack": attack, "seed": seed, "steps": steps, "start": start, "robust": robust, "monitor": monitor,
             "banned": sorted(bans), "bans": {str(k): v for k, v in bans.items()},
             "attacker_ban_delay": (bans[ATTACKER][1] - start) if ATTACKER in bans else None,
+            "recovered_from": pipe.recovered_from,
             "twin_banned": TWIN in bans, "checks": pipe.checks, "flags": pipe.flags,
             "flag_pct": round(100 * pipe.flags / max(1, pipe.checks), 3),
             "contrib_checks": pipe.contrib_checks, "contrib_flags": {str(k): v for k, v in pipe.contrib_flags.items()},

@@ -68,10 +68,13 @@ class AuditSchedule:
     def share(self) -> float:
         return 1.0 / self.every
 
-    def audited(self, sender: int, step: int, slot: int, per_step: int) -> bool:
-        """Whether ``sender``'s ``slot``-th microbatch of ``step`` (of its ``per_step`` a step) is audited."""
+    def audited(self, sender: int, step: int, slot: int, per_step: int, *, suspected: bool = False) -> bool:
+        """Whether ``sender``'s ``slot``-th microbatch of ``step`` (of its ``per_step`` a step) is audited: its
+        share, or every one while it is ``suspected`` (it has unresolved evidence)."""
         if not 0 <= slot < per_step:
             raise InvalidInputError("audited microbatch", expected=f"a slot in [0, {per_step})", found=str(slot))
+        if suspected:
+            return True
         index = step * per_step + slot   # the sender's microbatches in order
         window, position = divmod(index, self.every)
         return position == self._position(sender, window)

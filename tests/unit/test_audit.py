@@ -31,6 +31,7 @@ def test_one_microbatch_in_each_window_of_every_is_audited():
         run = 0 if p else run + 1
         gaps.append(run)
     assert max(gaps) <= 2 * 4 - 2
+    assert all(schedule.audited(1, step, 0, 2, suspected=True) for step in range(8))
 
 
 def test_the_positions_depend_on_the_secret_and_the_sender():
