@@ -45,9 +45,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS  # noqa: E402
 from benchmarks.verification import Pipeline, RunConfig, run  # noqa: E402
-from planner.integrity import audit  # noqa: E402
+from planner.integrity import audit, robust_reduce  # noqa: E402
 from planner.integrity import contributions as contrib  # noqa: E402
-from planner.integrity import robust_reduce  # noqa: E402
 from planner.integrity.verifier import Verifier  # noqa: E402
 
 TWIN = 3                               # the replica of stage 1 sending the odd microbatches

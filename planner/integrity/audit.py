@@ -35,9 +35,21 @@ import torch
 
 from planner.errors import InvalidInputError
 
-__all__ = ["AUDIT_REASON", "DEFAULT_EVERY", "TOLERANCE", "AuditSchedule", "audit_event", "failed_audits",
-           "AuditLedger", "is_audit", "recompute_grads", "recompute_input_grad", "recompute_output",
-           "relative_error", "sketch_error"]
+__all__ = [
+    "AUDIT_REASON",
+    "DEFAULT_EVERY",
+    "TOLERANCE",
+    "AuditLedger",
+    "AuditSchedule",
+    "audit_event",
+    "failed_audits",
+    "is_audit",
+    "recompute_grads",
+    "recompute_input_grad",
+    "recompute_output",
+    "relative_error",
+    "sketch_error",
+]
 
 AUDIT_REASON = "audit"
 DEFAULT_EVERY = 4

@@ -94,7 +94,10 @@ def test_the_audit_is_priced_as_its_share_of_copies_recomputes_and_comparisons()
     both = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
                     verifier_mem_bw_bytes_per_s=1e10, backward_ms=20.0, output_grad_bytes=1e6)
     assert both.copy_ms == pytest.approx(1.0 + 2.0) and both.compute_ms == pytest.approx(30.0 + 0.6)
-    assert both.total_ms == pytest.approx(both.copy_ms + both.compute_ms)
+    assert both.total_ms == pytest.approx(both.copy_ms + both.compute_ms) and both.sync_ms == 0.0
+    synced = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
+                      verifier_mem_bw_bytes_per_s=1e10, weight_sync_bytes=4e6)
+    assert synced.sync_ms == pytest.approx(1.0 + 4.0) and synced.total_ms == pytest.approx(act.total_ms + 5.0)
     assert audit_ms(share=0.0, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
                     verifier_mem_bw_bytes_per_s=1e10).total_ms == 0.0
     with pytest.raises(InvalidInputError):
