@@ -109,10 +109,12 @@ def _homogeneous_exact(problem: Problem) -> Placement | None:
 
 def search_count(problem: Problem, time_limit_s: float, workers: int, label: str, progress: Progress | None,
                  gap_tolerance: float, seen: list[Placement], warm: WarmStart | None = None, *,
-                 within: Work | None = None, seed: int = 0) -> Outcome:
-    """The search for ``problem`` under the closed form, adding every valid plan it meets to ``seen``; a
-    ``warm`` start (an old plan repaired, ``solver.warm``) joins the first incumbents. ``time_limit_s``: nominal
-    seconds of work (``search.budget``), charged to ``within`` too; ``seed``: the randomised steps' seed."""
+                 within: Work | None = None, seed: int = 0, rivals: list[Placement] | None = None) -> Outcome:
+    """The search for ``problem`` under the closed form, adding every valid plan it meets to ``seen`` and the
+    grids it met (uniform and tapered, ``grid.grid_candidates``) to ``rivals`` too: the closed form misranks
+    them, so the caller prices them all. A ``warm`` start (an old plan repaired, ``solver.warm``) joins the
+    first incumbents. ``time_limit_s``: nominal seconds of work (``search.budget``), charged to ``within`` too;
+    ``seed``: the randomised steps' seed."""
     start = time.perf_counter()
     work = Work.of(time_limit_s, within, "search")
     precheck(problem)
@@ -128,6 +130,8 @@ def search_count(problem: Problem, time_limit_s: float, workers: int, label: str
     cands = _incumbents(problem, max(0.2, HEURISTIC_SHARE * time_limit_s), work, seed)
     cands += warm_placements(problem, warm) if warm is not None else []
     seen.extend(p for p, _, _ in cands)
+    if rivals is not None:
+        rivals.extend(p for p, _, how in cands if how == "baseline:ppdp")
     one_stage = min((s for p, s, _ in cands if p.num_stages == 1), default=math.inf)
     placement, step, how = _best(cands)
     if progress is not None and placement is not None:

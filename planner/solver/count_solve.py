@@ -8,6 +8,7 @@ met, the one whose compiled programs cost least (``objective.price_program``), h
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from planner.solver import recompute
@@ -15,11 +16,11 @@ from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
-from planner.solver.objective import evaluate, price_program, simple_lower_bound_ms
+from planner.solver.objective import Placement, evaluate, price_program, simple_lower_bound_ms
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem
-from planner.solver.search.budget import Work
-from planner.solver.search.grid import cheapest, shaped
+from planner.solver.search.budget import Work, program_units
+from planner.solver.search.grid import cheapest, repartitioned, shaped
 from planner.solver.search.polish import polish
 from planner.solver.warm import WarmStart
 
@@ -28,6 +29,9 @@ from planner.solver.warm import WarmStart
 # search's bounds are on its closed form, which prices sends as busy time: ``bound.relax.comm_free_for_bound``).
 VALID_BOUND_SHARE = 0.3
 POLISH_SHARE = 2 / 3  # of the time held back
+# Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
+# would (``_polished_grids``), and for recomputing plans mixed (``_best_mixed``): a budget of its own, on top.
+GRID_POLISH_SHARE = 0.5
 
 
 def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
@@ -47,21 +51,32 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         found = Outcome(problem=problem, placement=placement, step_ms=evaluate(problem, placement).step_ms,
                         bound_ms=0.0, method=f"grid {shape[0] or 'any'} x {shape[1] or 'any'}",
                         cpsat_status="SKIPPED (fixed shape)", solve_s=0.0)
-        seen = [placement]
+        seen, rivals = [placement], []
     else:
-        seen = []
+        seen, rivals = [], []
         found = search_count(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
-                             seen, warm, within=work, seed=seed)
+                             seen, warm, within=work, seed=seed, rivals=rivals)
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
-    pick = cheapest(problem, seen + [found.placement])[0]
-    program_ms = price_program(problem, pick).step_ms
+    # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
+    # ``--stages/--replicas`` would: a free search is never dearer than a grid it met.
+    # Their own budget, not the search's: the rest of the search (and its plan, where no grid wins) stays as it was.
+    rival_work = Work(GRID_POLISH_SHARE * work.left_s(), what="grids polished")
+    grids = _polished_grids(problem, rivals, rival_work)
+    pool = list(dict.fromkeys(cheapest(problem, seen + [found.placement]) + grids))
+    prices = {p: price_program(problem, p).step_ms for p in pool}
+    pick = min(pool, key=prices.__getitem__)
+    program_ms = prices[pick]
+    # Where every stage recomputes, the ranking that counts is after ``recompute.mix``: the likeliest are mixed.
+    mixed, mixed_ms = _best_mixed(problem, pool, rival_work) if problem.recompute else (None, math.inf)
     placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
                                     cuts_only=shape != (None, None), within=work)
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
     placement, program_ms = recompute.mix(problem, placement)
+    if mixed is not None and mixed_ms < program_ms:
+        placement, program_ms, how = mixed, mixed_ms, f"{found.method}, repriced with recomputation mixed"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     valid = max(simple_lower_bound_ms(relaxed), found.valid_bound_ms if relaxed is problem else 0.0)
     left = work.left_s()
@@ -71,6 +86,48 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                                           plans=False, within=work).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
+
+
+def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> list[Placement]:
+    """The cheapest of ``grids`` (each also re-partitioned for its devices) of each shape (replicas per stage),
+    cheapest shape first, its cuts hill-climbed (``polish``, ``cuts_only``) until ``within`` is spent."""
+    prices = {}
+    for p in dict.fromkeys(grids + repartitioned(problem, grids)):  # a grid's even split can rank it last
+        within.charge(program_units(p.num_microbatches, p.num_stages))
+        prices[p] = price_program(problem, p).step_ms
+    by_shape: dict[tuple[int, ...], Placement] = {}
+    for p in sorted(prices, key=prices.__getitem__):
+        by_shape.setdefault(tuple(len(st.devices) for st in p.stages), p)
+    out = []
+    for p in by_shape.values():
+        if within.passed():
+            break
+        out.append(polish(problem, p, time_budget_s=within.left_s(), cuts_only=True, within=within)[0])
+    return out
+
+
+# Plans of an all-recomputing problem mixed (``recompute.mix``) to pick the best: the likeliest by their cost with
+# no stage recomputing (one pricing each; the mix costs one per stage).
+MIXED = 8
+
+
+def _best_mixed(problem: Problem, pool: list[Placement], work: Work) -> tuple[Placement | None, float]:
+    """Of ``pool`` (plans of an all-recomputing problem), the ``MIXED`` cheapest without recomputation, each
+    mixed; the cheapest mixed and its cost (charged to ``work``)."""
+    def unrecomputed_ms(p: Placement) -> float:
+        work.charge(program_units(p.num_microbatches, p.num_stages))
+        off = tuple(dataclasses.replace(st, recompute=False) for st in p.stages)
+        return price_program(problem, dataclasses.replace(p, stages=off)).step_ms
+
+    best: tuple[Placement | None, float] = (None, math.inf)
+    for p in sorted(pool, key=unrecomputed_ms)[:MIXED]:
+        if work.passed():
+            break
+        work.charge((p.num_stages + 1) * program_units(p.num_microbatches, p.num_stages))
+        mixed, ms = recompute.mix(problem, p)
+        if ms < best[1]:
+            best = (mixed, ms)
+    return best
 
 
 def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work | None = None) -> Outcome:

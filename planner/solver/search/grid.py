@@ -243,6 +243,11 @@ def best_grid(problem: Problem, deadline: Deadline | Work | None = None) -> Plac
     return cheapest(problem, found)[0]
 
 
+def repartitioned(problem: Problem, placements: list[Placement]) -> list[Placement]:
+    """Each of ``placements`` with its blocks split for its devices where that is valid (``_repartitioned``)."""
+    return [p for p in map(lambda g: _repartitioned(problem, g), placements) if p is not None]
+
+
 def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
     """The grid's devices with the blocks split for them (exact DP), when each stage is one device class."""
     classes = [{problem.class_of(d) for d in st.devices} for st in placement.stages]
