@@ -215,7 +215,8 @@ class TwinPipeline(Pipeline):
     def _replan(self, first_flagged: int) -> None:
         """What ``--replan-on-failure`` does after a ban: a new plan without the banned host (its stage on the twin
         alone), fresh monitors (the runtime does not checkpoint them), the ban record kept, and the model and
-        optimizer back at the start of the first flagged step (a checkpoint there; the data goes on)."""
+        optimizer back at the start of the first flagged step, or after a failed audit of the first step no audit
+        vouched for, if earlier (a checkpoint there; the data goes on)."""
         self.recovered_from = first_flagged if first_flagged in self.snapshots else min(self.snapshots)
         model, optim = self.snapshots[self.recovered_from]
         self.model.load_state_dict(model)

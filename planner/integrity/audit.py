@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,8 +54,9 @@ __all__ = [
 AUDIT_REASON = "audit"
 DEFAULT_EVERY = 4
 # Relative error (``relative_error``) an honest replica's output may have against the verifier's recompute,
-# by the dtype the stage runs in: another device's kernels (fp32: ~1e-6 a layer, TF32 matmuls ~1e-3; bf16 /
-# fp16 autocast ~1e-2) against the smallest corruption worth an audit (damping by 0.5 is 0.5, a stale output
+# by the dtype the stage runs in: another device's kernels (typically fp32 ~1e-6 a layer, TF32 matmuls ~1e-3,
+# bf16 / fp16 autocast ~1e-2; not measured here: the emulation recomputes bit-exactly) against the smallest
+# corruption worth an audit (damping by 0.5 is 0.5, a stale output
 # of other data ~1.4, noise of the gradient's own size 1.0).
 TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 
@@ -65,7 +66,7 @@ class AuditSchedule:
     """Which of a sender's microbatches the verifier audits: one in each window of ``every`` of them, at a
     position keyed by ``secret`` (the verifier's, never sent to a replica)."""
 
-    secret: bytes
+    secret: bytes = field(repr=False)   # never in a log: whoever reads it can tell the audited microbatches
     every: int = DEFAULT_EVERY
 
     def __post_init__(self) -> None:
@@ -147,20 +148,30 @@ def sketch_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
 
 
 class AuditLedger:
-    """Per sender, the last step an audit vouched for: where a failed audit's recovery must resume from (the
-    microbatches since were never checked; a ban's first flagged step may be later)."""
+    """Per sender, the steps its audits vouched for: where a failed audit's recovery must resume from (the
+    microbatches since the last vouched step were never checked; a ban's first flagged step may be later).
+    A step with a failed audit of the sender vouches for nothing, whatever else of it passed."""
+
+    KEPT = 64   # vouched steps remembered per sender
 
     def __init__(self) -> None:
-        self.last_passed: dict[int, int] = {}
+        self.passed: dict[int, list[int]] = {}
+        self.failed: dict[int, set[int]] = {}
 
     def record(self, sender: int, step: int, *, passed: bool) -> None:
-        if passed:
-            self.last_passed[sender] = max(step, self.last_passed.get(sender, step))
+        if not passed:
+            self.failed.setdefault(sender, set()).add(step)
+            return
+        steps = self.passed.setdefault(sender, [])
+        if step not in steps:
+            steps.append(step)
+            del steps[:max(0, len(steps) - self.KEPT)]
 
     def suspect_since(self, sender: int, failed_at: int) -> int:
-        """The first step a failed audit at ``failed_at`` leaves unvouched for (0 without a passed audit)."""
-        last = self.last_passed.get(sender)
-        return 0 if last is None else min(failed_at, last + 1)
+        """The first step a failed audit at ``failed_at`` leaves unvouched for (0 without a vouched step)."""
+        bad = self.failed.get(sender, set())
+        vouched = [s for s in self.passed.get(sender, []) if s < failed_at and s not in bad]
+        return max(vouched) + 1 if vouched else 0
 
 
 def audit_event(*, step: int, mb: int, boundary: int, direction: str, sender: int, error: float,

@@ -40,6 +40,7 @@ def test_the_positions_depend_on_the_secret_and_the_sender():
     twin = [audit.AuditSchedule(SECRET, 8).audited(3, s, 0, 1) for s in range(64)]
     assert one != other and one != twin
     assert one == [audit.AuditSchedule(SECRET, 8).audited(1, s, 0, 1) for s in range(64)]
+    assert SECRET.hex() not in repr(audit.AuditSchedule(SECRET, 8)) and str(SECRET) not in repr(audit.AuditSchedule(SECRET, 8))
 
 
 @pytest.mark.parametrize("secret, every", [(b"short", 4), (SECRET, 0)])
@@ -83,6 +84,16 @@ def test_a_failed_audit_is_its_senders_own_evidence_and_bans_at_once():
     v = Verifier(VerifierConfig().to_dict(), [(0, "grad"), (1, "act")], stage_of=STAGE_OF, microbatches=ONE_EACH)
     assert v.end_step(30, [[failed]]) == {1}
     assert v.ban_records()[1] == (30, 30)
+
+
+def test_recovery_resumes_after_the_last_step_an_audit_vouched_for():
+    ledger = audit.AuditLedger()
+    assert ledger.suspect_since(1, 20) == 0
+    for step, passed in ((13, True), (17, True), (22, True), (22, False)):   # 22: activations pass, params fail
+        ledger.record(1, step, passed=passed)
+    assert ledger.suspect_since(1, 22) == 18
+    ledger.record(3, 21, passed=True)
+    assert ledger.suspect_since(3, 25) == 22 and ledger.suspect_since(1, 30) == 18
 
 
 def test_the_audit_is_priced_as_its_share_of_copies_recomputes_and_comparisons():
