@@ -16,7 +16,12 @@ from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
-from planner.solver.objective import Placement, evaluate, price_program, simple_lower_bound_ms
+from planner.solver.objective import (
+    Placement,
+    evaluate,
+    price_program,
+    simple_lower_bound_ms,
+)
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, program_units
@@ -30,7 +35,7 @@ from planner.solver.warm import WarmStart
 VALID_BOUND_SHARE = 0.3
 POLISH_SHARE = 2 / 3  # of the time held back
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
-# would (``_polished_grids``), and for recomputing plans mixed (``_best_mixed``): a budget of its own, on top.
+# would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
 GRID_POLISH_SHARE = 0.5
 
 
@@ -68,7 +73,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     pick = min(pool, key=prices.__getitem__)
     program_ms = prices[pick]
     # Where every stage recomputes, the ranking that counts is after ``recompute.mix``: the likeliest are mixed.
-    mixed, mixed_ms = _best_mixed(problem, pool, rival_work) if problem.recompute else (None, math.inf)
+    mixed, mixed_ms = _best_mixed(problem, pool) if problem.recompute else (None, math.inf)
     placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
                                     cuts_only=shape != (None, None), within=work)
     how = found.method if pick is found.placement else f"{found.method}, repriced"
@@ -89,8 +94,8 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
 
 
 def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> list[Placement]:
-    """The cheapest of ``grids`` (each also re-partitioned for its devices) of each shape (replicas per stage),
-    cheapest shape first, its cuts hill-climbed (``polish``, ``cuts_only``) until ``within`` is spent."""
+    """``grids``, each also re-partitioned for its devices, and the cheapest of them of each shape (replicas per
+    stage), cheapest shape first, with its cuts hill-climbed (``polish``, ``cuts_only``) until ``within`` is spent."""
     prices = {}
     for p in dict.fromkeys(grids + repartitioned(problem, grids)):  # a grid's even split can rank it last
         within.charge(program_units(p.num_microbatches, p.num_stages))
@@ -98,7 +103,7 @@ def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> l
     by_shape: dict[tuple[int, ...], Placement] = {}
     for p in sorted(prices, key=prices.__getitem__):
         by_shape.setdefault(tuple(len(st.devices) for st in p.stages), p)
-    out = []
+    out = list(prices)
     for p in by_shape.values():
         if within.passed():
             break
@@ -107,23 +112,19 @@ def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> l
 
 
 # Plans of an all-recomputing problem mixed (``recompute.mix``) to pick the best: the likeliest by their cost with
-# no stage recomputing (one pricing each; the mix costs one per stage).
+# no stage recomputing (one pricing each; the mix costs one per stage). A fixed amount of work, so unbudgeted.
 MIXED = 8
 
 
-def _best_mixed(problem: Problem, pool: list[Placement], work: Work) -> tuple[Placement | None, float]:
+def _best_mixed(problem: Problem, pool: list[Placement]) -> tuple[Placement | None, float]:
     """Of ``pool`` (plans of an all-recomputing problem), the ``MIXED`` cheapest without recomputation, each
-    mixed; the cheapest mixed and its cost (charged to ``work``)."""
+    mixed; the cheapest mixed and its cost."""
     def unrecomputed_ms(p: Placement) -> float:
-        work.charge(program_units(p.num_microbatches, p.num_stages))
         off = tuple(dataclasses.replace(st, recompute=False) for st in p.stages)
         return price_program(problem, dataclasses.replace(p, stages=off)).step_ms
 
     best: tuple[Placement | None, float] = (None, math.inf)
     for p in sorted(pool, key=unrecomputed_ms)[:MIXED]:
-        if work.passed():
-            break
-        work.charge((p.num_stages + 1) * program_units(p.num_microbatches, p.num_stages))
         mixed, ms = recompute.mix(problem, p)
         if ms < best[1]:
             best = (mixed, ms)
