@@ -20,7 +20,7 @@ plan; every plan within 5% of its simulation; monotone over each added-host pair
 trusted hosts alone -> the pool); every pool no slower than its best forced grid.
 
 Run: ``python benchmarks/pools.py [--time-limit S]`` (default 30 s a plan; about 20 minutes on 2 cores), prints a
-table and writes ``benchmarks/results/pools.json``; ``--quick``: small pools (2 trusted hosts, 6 volunteers, 2 GPUs each) on
+table and writes ``benchmarks/results/pools.json`` (after each pool, ``complete`` false until the last); ``--quick``: small pools (2 trusted hosts, 6 volunteers, 2 GPUs each) on
 gpt-small at sequence 256, 2 s a plan, nothing written.
 """
 from __future__ import annotations
@@ -160,14 +160,18 @@ def main() -> None:
                 name = f"sentinel-{gbps:g}g-v{hosts}"
                 pools[name] = _pool(name, sentinel(gbps, hosts), chain, "gpt-1.3b", 1024, 64, "auto", limit, GRIDS)
                 names.append(name)
+                _write(pools, _checks(pools, pairs + list(zip(names, names[1:]))), limit, done=False)
             pairs += list(zip(names, names[1:]))
         pools["dtfm-worldwide"] = _pool("dtfm-worldwide", load_cluster(ROOT / "benchmarks" / "clusters" /
                                                                        "dtfm-worldwide.yaml"),
                                         chain, "gpt-1.3b", 1024, 64, "auto", limit, GRIDS)
+        _write(pools, _checks(pools, pairs), limit, done=False)
         _, llama = load_chain("llama-7b", batch=1, seq=2048)
         pools["hexiscale"] = _pool("hexiscale", hexiscale(), llama, "llama-7b", 2048, 64, "bf16", limit,
                                    ((4, 10), (8, 5), (10, 4), (20, 2)))
     checks = _checks(pools, pairs)
+    if not args.quick:
+        _write(pools, checks, limit, done=True)
     head = ("case", "simulated_ms", "objective_vs_simulated", "gap_of_simulated", "trusted", "untrusted", "stages",
             "verifiers", "on_cpu_hosts", "method", "plan_s")
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -177,12 +181,14 @@ def main() -> None:
                 print("| " + " | ".join(str(row.get(k, "-")) if row.get("plan") or k == "case"
                                         else "no plan" for k in head) + " |")
     print("\ngoals (cases that miss each):", json.dumps(checks))
-    if args.quick:
-        print("quick run: nothing written")
-        return
+    print("quick run: nothing written" if args.quick else f"wrote {RESULTS}")
+
+
+def _write(pools: dict[str, dict], checks: dict, limit: float, *, done: bool) -> None:
+    """The results so far (``complete``: False while pools are left: a run stopped early keeps what it did)."""
     RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
-                                   "time_limit_s": limit, "pools": pools, "goals_missed": checks}, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+                                   "time_limit_s": limit, "complete": done, "pools": pools,
+                                   "goals_missed": checks}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
