@@ -84,6 +84,7 @@ class TwinPipeline(Pipeline):
         self.checks = self.flags = 0
         self.contrib_checks, self.contrib_flags = 0, {ATTACKER: 0, TWIN: 0}   # (step, replica) pairs judged, flagged
         self.contrib_flag_steps: list[int] = []   # steps the attacker's contribution was flagged
+        self.contrib_withdrawn = 0   # contribution flags an audit of the same step's contribution withdrew
         # the verifier's secret: a replica cannot compute which of its microbatches are audited
         secret = hashlib.blake2b(f"audit:{cfg.seed}".encode(), digest_size=16).digest()
         self.schedule = audit.AuditSchedule(secret, audit_every) if cfg.verify and audit_every > 0 else None
@@ -129,7 +130,8 @@ class TwinPipeline(Pipeline):
         sender = self.rank_of(REPLICATED_STAGE, mb)
         per_step = self.verifier.microbatches[sender]
         slot = mb if self.replanned else mb // 2
-        return self.schedule.audited(sender, step, slot, per_step, suspected=sender in self.verifier.unresolved())
+        suspects = set(self.verifier.unresolved()) | (self.contrib.suspects(REPLICATED_STAGE) if self.contrib else set())
+        return self.schedule.audited(sender, step, slot, per_step, suspected=sender in suspects)
 
     def _audit(self, sent: torch.Tensor, direction: str, step: int, mb: int, stage_input: torch.Tensor) -> None:
         """The verifier's link test on one audited microbatch: the stage recomputed on the input the replica
@@ -153,11 +155,12 @@ class TwinPipeline(Pipeline):
             self.audit_flags.append(event)
             self.audit_fails[sender] += 1
 
-    def _audit_contributions(self, parts: dict[int, torch.Tensor], step: int) -> None:
+    def _audit_contributions(self, parts: dict[int, torch.Tensor], step: int) -> set[int]:
         """A replica whose every microbatch of the step was audited: its contribution's sketch against the
         sketch of the recomputed parameter gradients (the runtime would compare per-microbatch sketches, the
-        count sketch being linear)."""
+        count sketch being linear). The replicas whose contributions passed."""
         seed = contrib.sketch_seed(self.cfg.seed, REPLICATED_STAGE)
+        vouched = set()
         for rank, sent in parts.items():
             mbs = [mb for mb in self.audit_params if self.rank_of(REPLICATED_STAGE, mb) == rank]
             if not mbs or len(mbs) < self.verifier.microbatches[rank]:
@@ -165,7 +168,10 @@ class TwinPipeline(Pipeline):
             expected = sum(self.audit_params[mb] for mb in mbs)
             error = audit.sketch_error(contrib.sketch(sent, seed=seed), contrib.sketch(expected, seed=seed))
             self._judge_audit(step, min(mbs), REPLICATED_STAGE, "grad", rank, error)
+            if error <= audit.TOLERANCE["float32"]:
+                vouched.add(rank)
         self.audit_params = {}
+        return vouched
 
     def microbatch(self, idx, tgt, step, mb):
         before = _flat(self.params)
@@ -180,12 +186,15 @@ class TwinPipeline(Pipeline):
         self.snapshots.pop(step - SNAPSHOTS, None)
         parts = {r: self._poisoned(r, g, step) for r, g in sorted(self.parts.items())}
         self.parts = {}
-        if self.verifier is not None:
-            self._audit_contributions(parts, step)
+        vouched = self._audit_contributions(parts, step) if self.verifier is not None else set()
         # a ban stops the run and it goes on without the banned host: its contribution is neither judged nor summed
         trusted = [r for r in parts if self.verifier is None or r not in self.verifier.banned]
         watched = {r: parts[r] for r in trusted}
         events = self.contrib.check(REPLICATED_STAGE, watched, step=step) if self.contrib is not None else []
+        for rank in vouched if self.contrib is not None else ():   # the audit outranks the statistics
+            self.contrib.vouch(REPLICATED_STAGE, rank)
+        self.contrib_withdrawn += sum(e["sender"] in vouched for e in events)
+        events = [e for e in events if e["sender"] not in vouched]
         self.contrib_checks += len(watched) if self.contrib is not None and len(watched) > 1 else 0
         for e in events:
             self.contrib_flags[e["sender"]] += 1
@@ -280,7 +289,7 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
             # flags on honest contributions (every one in a clean run, the twin's under attack) per pair judged
             "contrib_false_pct": round(100 * (sum(pipe.contrib_flags.values()) if attack is None else
                                               pipe.contrib_flags[TWIN]) / max(1, pipe.contrib_checks), 3),
-            "contrib_first_flag": _first_flag(pipe, attacked), "audit_every": audit_every, "audits": pipe.audits,
+            "contrib_first_flag": _first_flag(pipe, attacked), "contrib_withdrawn": pipe.contrib_withdrawn, "audit_every": audit_every, "audits": pipe.audits,
             "audit_fails": {str(k): v for k, v in pipe.audit_fails.items()}, "tp": tp, "fp": fp, "fn": fn,
             "fp_after_ban": len(blamed - scored),
             "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),

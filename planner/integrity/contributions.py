@@ -39,6 +39,10 @@ CUSUM_K, CUSUM_H, CUSUM_CAP = 0.5, 5.0, 4.0
 # After a flag a norm or density CUSUM restarts here: an offset of 3 deviations alarms again the next step,
 # a single honest spike does not (3.5, a 2-deviation restart, flags an honest twin whose norm jumps twice).
 CUSUM_RESTART = 2.5
+# A replica whose norm or density CUSUM reaches this is a suspect: its verifier audits every one of its
+# microbatches (``audit``) until it clears, and an audit that vouches for its contribution withdraws the
+# alarm (the clean runs' only false blame: honest twins' norm CUSUMs at 5.0-6.0, climbing for several steps).
+SUSPECT_H = CUSUM_H / 2
 # Density, l1 / (sqrt(n) l2): a gradient is concentrated (gpt-tiny's middle stage: 0.47-0.55, twins within
 # 0.03 of each other a step), Gaussian noise is not (0.80): noise as large as the gradient lifts it to 0.72.
 # Agreement, the mean cosine of each replica with the sum of the others: honest twins +0.3-0.5 (+-0.2-0.35 a
@@ -150,6 +154,19 @@ class ContributionMonitor:
                 self._radii[stage] = radius if was is None else HISTORY_BETA * was + (1 - HISTORY_BETA) * radius
             self._centers[stage] = mean if old is None else HISTORY_BETA * old + (1 - HISTORY_BETA) * mean
         return events
+
+    def suspects(self, stage: int) -> set[int]:
+        """The replicas of ``stage`` whose norm or density CUSUM is at :data:`SUSPECT_H` or more."""
+        hist = self._stages.get(stage)
+        return set() if hist is None else {r for (r, test, _), v in hist.sums.items()
+                                           if r != STAGE_SERIES and test in ("norm", "dens") and v >= SUSPECT_H}
+
+    def vouch(self, stage: int, rank: int) -> None:
+        """An audit proved ``rank``'s contribution the stage's gradient on its own data: its offsets were honest
+        variation, its norm and density CUSUMs restart from zero."""
+        hist = self._stages.get(stage)
+        for key in [] if hist is None else [k for k in hist.sums if k[0] == rank and k[1] in ("norm", "dens")]:
+            hist.sums[key] = 0.0
 
     def radius(self, stage: int) -> float | None:
         """The EMA of accepted contributions' distance to :meth:`center` (a centered clipping radius)."""

@@ -10,7 +10,12 @@ import torch
 from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights
-from planner.integrity.contributions import SKETCH_SIZE, ContributionMonitor, sketch
+from planner.integrity.contributions import (
+    SKETCH_SIZE,
+    SUSPECT_H,
+    ContributionMonitor,
+    sketch,
+)
 from planner.integrity.robust_reduce import centered_clip, clip_radius
 
 DIM = 2000
@@ -116,3 +121,18 @@ def test_an_all_reduce_poisoning_attack_targets_the_contribution_only():
     assert torch.equal(Attacker(spec).apply(x, direction="params", step=0, mb=0), 3 * x)
     with pytest.raises(InvalidInputError, match="dir=params"):
         parse_attack("rank=1,kind=delay,dir=params")
+
+
+def test_a_replica_whose_offset_grows_is_a_suspect_until_an_audit_vouches_for_it():
+    gen = torch.Generator().manual_seed(0)
+    trend = torch.randn(DIM, generator=gen)
+    mon = ContributionMonitor(seed=0)
+    for step in range(40):
+        parts = {r: honest(gen, step, trend) for r in (1, 3)}
+        if step >= 30:
+            parts[1] = 3.0 * parts[1]
+        mon.check(1, parts, step=step)
+    assert 1 in mon.suspects(1) and SUSPECT_H < 5.0
+    mon.vouch(1, 1)
+    assert 1 not in mon.suspects(1)
+    mon.vouch(7, 1)   # a stage it never saw: nothing to restart
