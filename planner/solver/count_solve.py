@@ -63,25 +63,26 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                              seen, warm, within=work, seed=seed, rivals=rivals)
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
-    # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
-    # ``--stages/--replicas`` would: a free search is never dearer than a grid it met.
-    # Their own budget, not the search's: the rest of the search (and its plan, where no grid wins) stays as it was.
-    rival_work = Work(GRID_POLISH_SHARE * work.left_s(), what="grids polished")
-    grids = _polished_grids(problem, rivals, rival_work)
-    pool = list(dict.fromkeys(cheapest(problem, seen + [found.placement]) + grids))
-    prices = {p: price_program(problem, p).step_ms for p in pool}
-    pick = min(pool, key=prices.__getitem__)
-    program_ms = prices[pick]
-    # Where every stage recomputes, the ranking that counts is after ``recompute.mix``: the likeliest are mixed.
-    mixed, mixed_ms = _best_mixed(problem, pool) if problem.recompute else (None, math.inf)
+    pick = cheapest(problem, seen + [found.placement])[0]
+    program_ms = price_program(problem, pick).step_ms
     placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
                                     cuts_only=shape != (None, None), within=work)
     how = found.method if pick is found.placement else f"{found.method}, repriced"
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
     placement, program_ms = recompute.mix(problem, placement)
-    if mixed is not None and mixed_ms < program_ms:
-        placement, program_ms, how = mixed, mixed_ms, f"{found.method}, repriced with recomputation mixed"
+    # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
+    # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
+    # search's, and beside its plan, not its hill-climb's start: where no grid wins, the plan stays as it was.
+    grids = _polished_grids(problem, rivals, Work(GRID_POLISH_SHARE * work.left_s(), what="grids polished"))
+    if problem.recompute:  # the ranking that counts is after ``recompute.mix``: the likeliest are mixed
+        rival, rival_ms = _best_mixed(problem, list(dict.fromkeys(cheapest(problem, seen) + grids)))
+    else:
+        rival, rival_ms = min(((g, price_program(problem, g).step_ms) for g in grids), key=lambda x: x[1],
+                              default=(None, math.inf))
+    if rival is not None and rival_ms < program_ms:
+        placement, program_ms, how = rival, rival_ms, \
+            f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     valid = max(simple_lower_bound_ms(relaxed), found.valid_bound_ms if relaxed is problem else 0.0)
     left = work.left_s()
