@@ -401,6 +401,7 @@ def contribution_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: in
         monitor = contrib.ContributionMonitor(seed=0)
         seed = contrib.sketch_seed(0, 1)
         times: dict[str, list[float]] = {"compute": [], "sketch": [], "judge": [], "robust": []}
+        reference, radius = None, None   # the runtime's: the EMA of past robust sums (its first step: the median)
         for step in range(steps):
             t0 = time.process_time()
             for _ in range(microbatches):
@@ -416,8 +417,9 @@ def contribution_cost(widths: tuple[int, ...], *, seq: int = 128, microbatch: in
             t4 = time.process_time()
             monitor.judge(1, sketches, step=step)
             t5 = time.process_time()
-            robust_reduce.centered_clip([flat, *peers])
+            robust_reduce.centered_clip([flat, *peers], reference=reference, history_radius=radius)
             t6 = time.process_time()
+            reference, radius = flat.clone(), float(flat.norm())
             stage.zero_grad(set_to_none=True)
             if step >= 1:   # the first warms up
                 for key, dt in (("compute", t1 - t0), ("sketch", t3 - t2), ("judge", t5 - t4), ("robust", t6 - t5)):

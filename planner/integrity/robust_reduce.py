@@ -28,6 +28,14 @@ CLIP_ITERS = 1
 HISTORY_FACTOR = 1.5   # the radius is at most this many times the stage's honest radius seen so far
 
 
+def _median(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median of ``rows``, the mean of the middle two for an even count (two replicas:
+    their mean; ``torch.median`` would give the lower)."""
+    ordered = torch.stack(list(rows)).sort(dim=0).values
+    mid = len(rows) // 2
+    return ordered[mid] if len(rows) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 def clip_radius(distances: Sequence[float], history: float | None = None) -> float:
     """The clipping radius: the median of the contributions' distances to the reference, at most
     ``HISTORY_FACTOR`` times the stage's honest radius seen so far (``history``; with two replicas the median
@@ -53,23 +61,26 @@ def centered_clip(contributions: Sequence[torch.Tensor], *, reference: torch.Ten
     :func:`clip_radius` of the distances to ``reference``, capped by ``history_radius``)."""
     if not contributions:
         raise InvalidInputError("centered clipping contributions", expected="at least one tensor", found="none")
-    xs = torch.stack([c.detach().reshape(-1).float() for c in contributions])
-    if not torch.isfinite(xs).all():
-        finite = torch.isfinite(xs).all(dim=1)
-        if not finite.any():
-            raise InvalidInputError("centered clipping contributions", expected="at least one finite tensor",
-                                    found="every contribution has nan or inf")
-        xs = xs[finite]   # a non-finite contribution can only be a fault or an attack: left out
+    rows = [c.detach().reshape(-1).float() for c in contributions]
+    kept = [r for r in rows if bool(torch.isfinite(r).all())]
+    if not kept:
+        raise InvalidInputError("centered clipping contributions", expected="at least one finite tensor",
+                                found="every contribution has nan or inf")
+    rows = kept   # a non-finite contribution can only be a fault or an attack: left out
     n = len(contributions)
-    v = xs.median(dim=0).values if reference is None else reference.detach().reshape(-1).float().clone()
-    if v.shape != xs.shape[1:]:
-        raise InvalidInputError("centered clipping reference", expected=f"{xs.shape[1]} elements",
+    v = _median(rows) if reference is None else reference.detach().reshape(-1).float()
+    if v.shape != rows[0].shape:
+        raise InvalidInputError("centered clipping reference", expected=f"{rows[0].numel()} elements",
                                 found=str(v.numel()))
+    diffs = [r - v for r in rows]
     if tau is None:
-        tau = clip_radius([float(d) for d in (xs - v).norm(dim=1)], history_radius)
-    for _ in range(iters):
-        diff = xs - v
-        dist = diff.norm(dim=1, keepdim=True)
-        scale = torch.where(dist > tau, tau / dist.clamp_min(1e-30), torch.ones_like(dist))
-        v = v + (diff * scale).mean(dim=0)
+        tau = clip_radius([float(d.norm()) for d in diffs], history_radius)
+    for i in range(iters):   # a row at a time: a stacked copy and its reductions across rows cost 3x the passes
+        if i:
+            diffs = [r - v for r in rows]
+        step = torch.zeros_like(v)
+        for diff in diffs:
+            dist = float(diff.norm())
+            step.add_(diff, alpha=(tau / max(dist, 1e-30) if dist > tau else 1.0) / len(rows))
+        v = v + step
     return (n * v).to(contributions[0].dtype).reshape(contributions[0].shape)
