@@ -90,6 +90,7 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     source = make_source(bundle, kind=data, seq=ref.seq, seed=0)
     loss_fn = resolve_loss(bundle)
     checks = _Checks(plan, data=data)
+    warm = any(len(info.microbatches) > 1 for info in plan.ranks)
     warmup = plan.verifier_config.warmup + 1 if checks.hooks else 1  # checks grow dearer once references are learnt
     times: dict[tuple[str, int | str], list[float]] = {}
     step = 0
@@ -97,7 +98,7 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
         started = time.perf_counter()
         record = (lambda key, ms: times.setdefault(key, []).append(ms)) if step >= warmup else (lambda key, ms: None)
         _one_step(stages, optimizers, checks, source.batch(step, plan.config.microbatch_size), step, record,
-                  precision=precision, loss_fn=loss_fn, gap_s=gap_s)
+                  precision=precision, loss_fn=loss_fn, gap_s=gap_s, warm=warm)
         if step == 0 and time.perf_counter() - started > SLOW_STEP_S:  # a larger model: time it briefly
             warmup, repeats = 1, min(repeats, 2)
         step += 1
@@ -105,30 +106,40 @@ def _timed(plan: Plan, precision: Precision, *, data: str, repeats: int, gap_s: 
     return LocalTimes(fwd_ms=tuple(med[("F", k)] for k in range(len(stages))),
                       bwd_ms=tuple(med[("B", k)] for k in range(len(stages))),
                       optim_ms=tuple(med.get(("optim", k), 0.0) for k in range(len(stages))),
+                      fwd_warm_ms=tuple(med[("F warm", k)] for k in range(len(stages))) if warm else (),
+                      bwd_warm_ms=tuple(med[("B warm", k)] for k in range(len(stages))) if warm else (),
                       check_ms=tuple((b, d, med[(d, f"check {b}")]) for b, d in sorted(checks.pairs)
                                      if (d, f"check {b}") in med),
                       blame_ms=med.get(("blame", "end"), 0.0))
 
 
 def _one_step(stages, optimizers, checks: _Checks, batch, step: int, record, *, precision: Precision,
-              loss_fn: Callable, gap_s: float) -> None:
+              loss_fn: Callable, gap_s: float, warm: bool) -> None:
     """Every stage's forward and its activations' checks, every backward and its gradients' checks, every
-    stage's optimizer step, then the verifiers' blame, each recorded by ``record(key, ms)``."""
+    stage's optimizer step, then the verifiers' blame, each recorded by ``record(key, ms)``; ``warm``: each
+    pass also run again at once (``"F warm"``, ``"B warm"``)."""
     inputs, targets = batch
-    values, saved = list(inputs), []
+    values, saved, warm_saved = list(inputs), [], {}
     for k, stage in enumerate(stages):
         last = k == len(stages) - 1
         held, roots, ms = _forward(stage, values, precision, gap_s=gap_s, loss=loss_fn if last else None,
                                    targets=targets)
         record(("F", k), ms)
         saved.append((held, roots))
+        if warm:   # the same pass again at once: a rank's later microbatches find their caches warm
+            again = _forward(stage, values, precision, gap_s=0.0, loss=loss_fn if last else None, targets=targets)
+            record(("F warm", k), again[2])
+            warm_saved[k] = again[:2]
         if not last:
             checks.run(k, "F", roots, step, record, gap_s)
             values = [o.detach() for o in roots]
     grads: list[torch.Tensor] = []
     for k in reversed(range(len(stages))):
         held, roots = saved[k]
-        record(("B", k), _backward(roots, None if k == len(stages) - 1 else grads, gap_s=gap_s))
+        seeds = None if k == len(stages) - 1 else grads
+        record(("B", k), _backward(roots, seeds, gap_s=gap_s))
+        if warm:
+            record(("B warm", k), _backward(warm_saved[k][1], seeds, gap_s=0.0))
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in held]
         if k:
             checks.run(k - 1, "B", grads, step, record, gap_s)

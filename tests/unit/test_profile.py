@@ -97,6 +97,10 @@ def test_fit_p2p() -> None:
     # noise that makes the line's intercept negative: latency pinned to the smallest message
     res = fit_p2p([(1000, 0.001), (2000, 0.0005), (10**6, 1.0)], "gloo")
     assert res.latency_ms >= 0 and res.bandwidth_gbps > 0
+    # a quiet machine's points (1 KiB, 4 MiB, 16 MiB): the largest's noise no longer sets the latency
+    # (an absolute-error line put it at 0.36 ms where the 1 KiB message took 0.048 ms)
+    res = fit_p2p([(1024, 0.0484), (4 << 20, 1.8728), (16 << 20, 4.6520)], "gloo")
+    assert 0.04 <= res.latency_ms <= 0.06
     with pytest.raises(InvalidInputError):
         fit_p2p([(1000, 1.0)], "gloo")
 

@@ -31,6 +31,9 @@ def test_every_stage_and_every_check_is_timed(plan, timed):
     assert {(b, d) for b, d, _ in timed.check_ms} == {(0, "F"), (1, "B")}
     assert all(ms > 0 for _, _, ms in timed.check_ms) and timed.blame_ms > 0
     assert len(timed.optim_ms) == plan.num_stages and all(ms > 0 for ms in timed.optim_ms)
+    # two microbatches a rank: the second runs warm, right after the first, and is timed so too
+    assert len(timed.fwd_warm_ms) == len(timed.bwd_warm_ms) == plan.num_stages
+    assert all(ms > 0 for ms in (*timed.fwd_warm_ms, *timed.bwd_warm_ms))
 
 
 def test_the_prediction_prices_what_was_timed(plan, timed):
@@ -39,8 +42,11 @@ def test_the_prediction_prices_what_was_timed(plan, timed):
     costs = here.costs
     for r, info in enumerate(plan.ranks):
         if info.stage is not None:
-            assert costs.local_ms(r, "F") == pytest.approx(timed.fwd_ms[info.stage])
-            assert costs.local_ms(r, "B") == pytest.approx(timed.bwd_ms[info.stage])
+            m = len(info.microbatches)   # the first pass cold, the rest warm
+            assert costs.local_ms(r, "F") == pytest.approx((timed.fwd_ms[info.stage]
+                                                            + (m - 1) * timed.fwd_warm_ms[info.stage]) / m)
+            assert costs.local_ms(r, "B") == pytest.approx((timed.bwd_ms[info.stage]
+                                                            + (m - 1) * timed.bwd_warm_ms[info.stage]) / m)
             assert costs.optim_ms(r) == pytest.approx(timed.optim_ms[info.stage])
     for b, d, ms in timed.check_ms:
         assert costs.verify_ms(3, b, d) == pytest.approx(ms)
