@@ -31,6 +31,10 @@ replicated stage's gradients once its replicas are done. Priced the same way
   (``stream_ms``), less what the verifier would still have been busy with by
   then, and every link less the messages its senders had queued on it (one
   slower than the pace the pipeline keeps without the links into verifiers).
+* A stage replica whose downstream neighbour verifies its inputs gets those
+  verdicts behind the neighbour's gradients (``first_backward_delay``): a
+  warm-up forward waiting on one starts its first backward, and its first
+  microbatch's round trip from every stage upstream, that much later.
 * An **in-flight limit** ``n`` below what covers the round trip ``D`` throttles
   a replica to ``n`` microbatches per ``fb + D + W``: ``n`` chains of pass,
   round trip (the mean over its microbatches) and the wait ``W`` behind other
@@ -63,7 +67,11 @@ from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
 from planner.solver.solution import StagePlacement, VerifierPlacement
-from planner.solver.verdict_backlog import Backlog, verdict_backlog
+from planner.solver.verdict_backlog import (
+    Backlog,
+    first_backward_delay,
+    verdict_backlog,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -468,6 +476,21 @@ def _backlog(problem: Problem, stages, verifiers, routes, fb, bw, p: _Paths, per
     return verdict_backlog(problem, stages, verifiers, routes, fb, bw, p.fwd, p.down, limits, traffic.wait, share)
 
 
+def _delay_first_backwards(problem: Problem, stages, verifiers, routes, fb, bw, p: _Paths, limits,
+                           backlog: Backlog) -> Backlog:
+    """A replica whose warm-up verdicts queue behind its downstream verifier's gradients (``first_backward_delay``)
+    idles that much longer, and its first microbatch's round trip from every stage upstream grows as much."""
+    delays = first_backward_delay(problem, stages, verifiers, routes, fb, bw, p.fwd, p.down, p.hop_f, limits)
+    if not delays:
+        return backlog
+    consumer = dict(backlog.consumer_ms)
+    for (c, j), delay in delays.items():
+        consumer[(c, j)] = consumer.get((c, j), 0.0) + delay
+        x = routes[c][j][0]
+        p.down[x] = [d + delay if k < c else d for k, d in enumerate(p.down[x])]  # a copy: routes share rows
+    return Backlog(consumer_ms=consumer, stream_ms=backlog.stream_ms, stream_at_ms=backlog.stream_at_ms)
+
+
 def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
@@ -484,6 +507,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                      for i in range(len(st.devices))) for k, st in enumerate(stages)]
     limits = [tuple(n for n, _ in row) for row in periods]
     backlog = _backlog(problem, stages, verifiers, routes, fb, bw, p, periods, traffic, verify_load)
+    backlog = _delay_first_backwards(problem, stages, verifiers, routes, fb, bw, p, limits, backlog)
     busy, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
     busy += _message_resources(stages, traffic, p, verify_load, backlog, max(b for b, _, _ in busy))
     busy += _check_queues(problem, stages, verifiers, p, bw)

@@ -15,6 +15,14 @@ outside 5% of their simulation before (12 of them 13-18% under), 8 after: three 
 
 During its warm-up ``V`` checks its twins' copies as they arrive, before its own next forward when they are in
 first (the compiler's order: at equal times a check first), which spaces its own forwards out.
+
+The mirror image (``first_backward_delay``): verdicts queued behind the verifier's own gradients. A
+stage-``c + 1`` replica ``V`` that checks the activations into a stage-``c`` replica ``C`` sends its verdicts to
+``C`` over the link its own gradients take there. ``C`` passes a warm-up forward's result on, and runs its next
+forward, only after the verdict on its input; a copy that reaches ``V`` during its first backward is checked
+after it, and its verdict follows that backward's gradient onto the wire (157 ms on a slow inter-region link), so
+``C``'s last warm-up forward, and with it its first backward and every upstream stage's, starts late (issue 36:
+a random 4-stage cluster, verifier on the last stage: 113 ms, the step priced 3.1% under its simulation before).
 """
 from __future__ import annotations
 
@@ -117,3 +125,66 @@ def _warmup_forwards(problem: Problem, stages, verifiers, routes, fb, bw, fwd, l
         out.append((x, clock))
         clock += check  # it scores its own output after sending it
     return out
+
+
+def first_backward_delay(problem: Problem, stages, verifiers, routes, fb, bw, fwd, down, hop_f, limits
+                         ) -> dict[tuple[int, int], float]:
+    """Per consumer replica ``(stage, replica)``: how much later its first backward starts when the verdicts on its
+    warm-up inputs queue behind its downstream verifier's gradients (module docstring); ``fwd``/``down``/``hop_f``:
+    the microbatches' forward paths, round trips and activation hops (``program_cost._Paths``)."""
+    S = len(stages)
+    if problem.schedule == "gpipe":  # every forward runs before any gradient is sent
+        return {}
+    owner = [owners(st.microbatches) for st in stages]
+    forward = [[t - b for t, b in zip(row_t, row_b)] for row_t, row_b in zip(fb, bw)]
+    out: dict[tuple[int, int], float] = {}
+
+    def arrive(x: int, k: int) -> float:
+        """When microbatch ``x``'s input reaches stage ``k``: its path, behind the upstream replicas' earlier
+        forwards."""
+        held = max((owner[j][x][1] * forward[j][owner[j][x][0]] for j in range(k)), default=0.0)
+        return fwd[x][k] + held
+
+    for v in verifiers:
+        c = v.boundary + 1
+        if "act" not in v.directions or c + 1 >= S or v.device not in stages[c + 1].devices:
+            continue
+        iv = stages[c + 1].devices.index(v.device)
+        vids = routes[c + 1][iv]
+        if not vids:
+            continue
+        first = vids[0]
+        g0 = arrive(first, c + 1) + fb[c + 1][iv] + down[first][c + 1]
+        sent_at = {x: g0 + pos * fb[c + 1][iv] for pos, x in enumerate(vids)}  # V's gradients, one per pass
+        grad_bytes = problem.wire_bytes(stages[c].last_block, stages[c].out_codec)
+        act_bytes = problem.wire_bytes(stages[c - 1].last_block, stages[c - 1].out_codec)
+        check = problem.verify_ms(problem.raw_bytes(stages[c - 1].last_block), problem.class_of(v.device))
+        for j, dev in enumerate(stages[c].devices):
+            grads = sorted(sent_at[x] for x in routes[c][j] if owner[c + 1][x][0] == iv)
+            if dev == v.device or not grads:
+                continue
+            link = problem.link(v.device, dev)
+            verdict = _verdict_behind(link.latency_ms, 1e3 * grad_bytes / link.bytes_per_s, grads, bw[c + 1][iv])
+            ids = routes[c][j]
+            plain = queued = 0.0
+            for x in ids[:limits[c][j]]:
+                sender = stages[c - 1].devices[owner[c - 1][x][0]]
+                copy = comm.transfer_ms(act_bytes, problem.link(sender, v.device)) if sender != v.device else 0.0
+                plain = max(plain, arrive(x, c)) + forward[c][j]
+                queued = max(max(queued, arrive(x, c)) + forward[c][j],
+                             verdict(arrive(x, c) - hop_f[x][c - 1] + copy + check))
+            ready = arrive(ids[0], c) + forward[c][j] + down[ids[0]][c]  # its first gradient's return
+            delay = max(queued, ready) - max(plain, ready)
+            if delay > 0.0:
+                out[(c, j)] = max(out.get((c, j), 0.0), delay)
+    return out
+
+
+def _verdict_behind(latency_ms: float, wire_ms: float, grads: list[float], b: float):
+    """When a verdict checked at ``checked`` reaches the consumer behind the verifier's gradients (sent at
+    ``grads``, each after a ``b`` ms backward during which checks wait, each ``wire_ms`` on the wire): checked
+    during a backward or while its gradient is on the wire, after that gradient; otherwise 0 (priced elsewhere)."""
+
+    def arrival(checked: float) -> float:
+        return next((g + wire_ms + latency_ms for g in grads if g - b <= checked < g + wire_ms), 0.0)
+    return arrival

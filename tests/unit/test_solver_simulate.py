@@ -47,10 +47,6 @@ def test_balanced_pipeline_matches_the_simulator(schedule):
     assert sim.pipeline_ms == pytest.approx(sol.predicted_step_ms, rel=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: the free search now returns this cluster's 4x1 grid (what "
-                   "--stages 4 --replicas 1 returned before), priced 3,203 ms and simulated 3,304 (-3.1%): boundary "
-                   "1's gradient copies to a verifier in another region share the h2->h0 link with boundary 2's "
-                   "activations, which program_cost counts as the link's busy time, not as their delay")
 def test_objective_is_an_upper_estimate_with_slow_links_and_verifiers():
     rng = np.random.default_rng(5)
     cluster = random_cluster(rng, 4, verifier_host=True)
