@@ -3,7 +3,8 @@ a slower plan than fewer (the free search over a large pool can miss what a sear
 
 Each restriction drops whole hosts (device ids stay those of the full cluster, so its plan runs there): the
 trusted hosts alone; the trusted hosts with the untrusted hosts of the fastest two device types together,
-and of each type (fastest first); the pool without each region that holds no trusted host. CPU verifier hosts stay in all.
+and of each type (fastest first); the pool without each region that holds no trusted host. CPU verifier hosts stay in
+all but one: the pool without its CPU verifier hosts (a verifier host more is only more options).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from cost_models.cluster import ClusterSpec, Host
 
-MAX_RESTRICTIONS = 6  # each costs a solve: the likeliest come first (trusted only, then by device type)
+MAX_RESTRICTIONS = 7  # each costs a solve: the likeliest come first (trusted only, no verifier hosts, by device type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
     untrusted = [h for h in workers if not h.trusted]
     if not trusted or not untrusted:
         return ()
+    checkers = frozenset(h.name for h in cluster.hosts if h.role == "verifier")
     by_type: dict[str, list[Host]] = {}
     for h in sorted(untrusted, key=lambda h: (-_speed(h), _type(h))):
         by_type.setdefault(_type(h), []).append(h)
@@ -61,6 +63,9 @@ def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
         seen.add(key)
         dropped = frozenset(everyone - keep)
         out.append(Restriction(name=name, cluster=cluster.without_hosts(set(dropped)), dropped=dropped))
-        if len(out) == MAX_RESTRICTIONS:
+        if len(out) == MAX_RESTRICTIONS - 1:
             break
+    if checkers:  # second: the one part that keeps every stage device
+        out.insert(1, Restriction(name="without CPU verifier hosts", cluster=cluster.without_hosts(set(checkers)),
+                                  dropped=checkers))
     return tuple(out)

@@ -13,9 +13,10 @@ def test_a_sentinel_pool_is_restricted_to_its_trusted_hosts_then_by_volunteer_ty
     assert names[0] == "trusted hosts only"
     assert {"trusted + RTX4090", "trusted + A10G", "trusted + RTX3090", "trusted + T4"} <= set(names)
     assert len(parts) <= MAX_RESTRICTIONS
+    assert names[1] == "without CPU verifier hosts" and parts[1].dropped == {"chk0"}
     for part in parts:
         kept = {h.name for h in part.cluster.hosts}
-        assert {"dc0", "dc1", "chk0"} <= kept                        # trusted and verifier hosts stay
+        assert {"dc0", "dc1"} | ({"chk0"} if part is not parts[1] else set()) <= kept  # verifier hosts stay but in one
         assert kept | part.dropped == {h.name for h in pool.hosts}
         for d in part.cluster.devices:                               # a plan of the part runs on the pool
             assert pool.device(d.id).type == d.type
