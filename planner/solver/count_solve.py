@@ -13,6 +13,7 @@ import time
 
 from planner.solver import recompute
 from planner.solver.bound.lagrange import lagrange_bound
+from planner.solver.bound.links import link_lower_bound_ms
 from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
@@ -61,8 +62,9 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         seen, rivals = [], []
         found = search_count(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
                              seen, warm, within=work, seed=seed, rivals=rivals)
+    fluid = simple_lower_bound_ms(relaxed)
     if found.placement is None:
-        return dataclasses.replace(found, valid_bound_ms=simple_lower_bound_ms(relaxed))
+        return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem, fluid_ms=fluid)))
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
@@ -84,7 +86,8 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         placement, program_ms, how = rival, rival_ms, \
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
-    valid = max(simple_lower_bound_ms(relaxed), found.valid_bound_ms if relaxed is problem else 0.0)
+    valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0,
+                link_lower_bound_ms(problem, fluid_ms=fluid))  # the links a plan must cross (``bound.links``)
     left = work.left_s()
     if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
         free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)

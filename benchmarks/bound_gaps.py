@@ -1,0 +1,134 @@
+"""Bound gaps on communication-bound pools (issue 36, item 7): the planner's valid bound with and without the
+link term (``planner.solver.bound.links``), and the gap of the simulated step to it.
+
+Cases (all ``planner.api.plan_chain``, as ``stagewise plan`` calls it, dtype ``auto``):
+
+* ``dtfm-worldwide`` and ``dtfm-regional``: DT-FM's 64 V100s (``benchmarks/clusters/dtfm-*.yaml``), gpt-1.3b at
+  1024 tokens, global batch 64 (as ``benchmarks/pools.py`` plans DT-FM's case);
+* ``swarm-t4``: the packaged volunteer swarm (16 untrusted T4s on 200 Mb/s, a trusted host of 2), gpt-1.3b at
+  1024 tokens, global batch 32 (as ``benchmarks/solver.py``);
+* ``sailor-like``: A100 and V100 nodes in two zones, 16 Gb/s between them (``benchmarks/clusters/sailor-like.yaml``),
+  gpt-1.3b at 1024 tokens, global batch 64.
+
+Per case the plan is made twice at the same ``--time-limit``: once as shipped and once with the link term
+removed (the old bound; the plan is the same: the bound does not steer the search). Reported: the simulated
+step, the objective, both bounds, their gaps (``1 - bound / simulated``), and what limits the new bound:
+``compute`` (the fluid LP or the Lagrangian bound), ``links`` (the transfers, all-reduces or stage 0's
+window across slow links), ``memory`` (stage 0's in-flight window, or no island holding the model).
+
+Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
+and writes ``benchmarks/results/bound_gaps.json``; ``--quick``: gpt-small at 256 tokens on the same clusters,
+5 s a plan, nothing written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cost_models.cluster_file import load_cluster  # noqa: E402
+from planner.api import plan_chain  # noqa: E402
+from planner.model_io import load_chain  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
+from planner.solver import count_solve  # noqa: E402
+from planner.solver.api import problem_for  # noqa: E402
+from planner.solver.bound.links import link_lower_bound  # noqa: E402
+from planner.solver.problem import recompute_problem  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "bound_gaps.json"
+CLUSTERS = ROOT / "benchmarks" / "clusters"
+GOAL_GAP = 0.10
+# (case, cluster file or packaged name, global batch)
+CASES = (("dtfm-worldwide", CLUSTERS / "dtfm-worldwide.yaml", 64),
+         ("dtfm-regional", CLUSTERS / "dtfm-regional.yaml", 64),
+         ("swarm-t4", "swarm-t4", 32),
+         ("sailor-like", CLUSTERS / "sailor-like.yaml", 64))
+
+
+@contextmanager
+def _without_link_term():
+    """The planner as it was before the link term: ``count_solve`` sees a link bound of 0."""
+    kept = count_solve.link_lower_bound_ms
+    count_solve.link_lower_bound_ms = lambda problem, **_: 0.0
+    try:
+        yield
+    finally:
+        count_solve.link_lower_bound_ms = kept
+
+
+def _plan(chain, cluster, model: str, seq: int, batch: int, limit: float):
+    start = time.perf_counter()
+    plan = plan_chain(chain, cluster, spec=model, seq=seq, global_batch=batch, dtype="auto", time_limit_s=limit,
+                      workers=2)
+    return plan, time.perf_counter() - start
+
+
+def _link_terms(chain, cluster, plan) -> dict:
+    """The link bound at the plan's microbatch size, with and without recomputation: its value and limit."""
+    config = plan.config
+    problem = problem_for(chain, cluster, config, plan.policy, config.microbatch_size)[0]
+    out = {}
+    for name, p in (("plain", problem), ("recompute", recompute_problem(problem))):
+        found = link_lower_bound(p)
+        out[name] = {"bound_ms": round(found.bound_ms, 3), "limit": found.limit,
+                     "threshold_gbps": found.threshold_gbps, "islands": found.islands}
+    return out
+
+
+def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: float) -> dict:
+    cluster = load_cluster(where)
+    new, new_s = _plan(chain, cluster, model, seq, batch, limit)
+    with _without_link_term():
+        old, old_s = _plan(chain, cluster, model, seq, batch, limit)
+    sim, sim_old = simulate(new).step_ms, simulate(old).step_ms
+    bound, bound_old = new.report.bound_ms or 0.0, old.report.bound_ms or 0.0
+    links = _link_terms(chain, cluster, new)
+    binding = "compute" if bound <= bound_old * (1 + 1e-9) else \
+        max(links.values(), key=lambda x: x["bound_ms"])["limit"]
+    return {"case": name, "model": model, "seq": seq, "global_batch": batch, "microbatches": new.config.num_microbatches,
+            "stages": new.num_stages, "simulated_ms": round(sim, 3), "objective_ms": round(new.report.objective_ms, 3),
+            "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
+            "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
+            "limited_by": binding, "link_bound_at_plan_size": links, "same_plan": abs(sim - sim_old) <= 1e-6 * sim,
+            "method": new.report.method, "plan_s": round(new_s, 1), "old_plan_s": round(old_s, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=None, help="per plan (s; default 60, --quick 5)")
+    ap.add_argument("--quick", action="store_true", help="gpt-small at 256 tokens, 5 s a plan, nothing written")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    limit = args.time_limit or (5.0 if args.quick else 60.0)
+    model, seq = ("gpt-small", 256) if args.quick else ("gpt-1.3b", 1024)
+    _, chain = load_chain(model, batch=1, seq=seq)
+    rows = []
+    for name, where, batch in CASES:
+        row = _case(name, where, batch, chain, model, seq, limit)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\n{'case':<16}{'simulated ms':>14}{'old bound':>12}{'old gap':>9}{'bound':>12}{'gap':>8}  limited by")
+    for r in rows:
+        print(f"{r['case']:<16}{r['simulated_ms']:>14.1f}{r['old_bound_ms']:>12.1f}{100 * r['old_gap']:>8.1f}%"
+              f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']}")
+    missed = [r["case"] for r in rows if r["gap"] > GOAL_GAP]
+    print(f"goal gap <= {100 * GOAL_GAP:.0f}% at {limit:g} s: " + ("met" if not missed else f"missed by {missed}"))
+    if not args.quick:
+        RESULTS.write_text(json.dumps({
+            "benchmark": "bound_gaps", "date": time.strftime("%Y-%m-%d"), "time_limit_s": limit,
+            "machine": f"{platform.machine()}, {platform.system()}, 2 cores shared (nice 19, not quiet)",
+            "goal_gap": GOAL_GAP, "goal_missed": missed, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

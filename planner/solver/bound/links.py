@@ -1,0 +1,318 @@
+"""A lower bound on the compiled programs' cost (``objective.price_program``) that sees the links.
+
+The fluid LP (``objective.simple_lower_bound_ms``) bounds compute and memory only: on pools joined by slow
+links it is the step of a plan that uses every device with free links. This bound splits the plans by how
+many *islands* they use, an island being the devices joined by links faster than a threshold (each
+threshold among the pool's link bandwidths gives a valid bound; the largest is kept):
+
+* **Compute on q islands.** A plan that uses devices of ``q`` islands is a plan of the problem restricted
+  to those devices, which the fluid LP bounds. Not knowing which ``q``, each class keeps the devices of
+  its ``q`` best islands (a superset of any choice: the LP only falls). With trusted endpoints a plan on
+  one island needs a trusted device there.
+* **A stage across islands** all-reduces its gradients over a ring that crosses between islands at
+  least twice: ``AR >= 2 (r-1)/r * P g / bw + 2 (r-1) lat >= P g / bw + 2 lat`` with ``bw`` the fastest
+  and ``lat`` the shortest link between islands, ``P`` at least the smallest block's parameters (exact
+  gradients only: ``--compress auto/int8`` may compress it, where this term is dropped). The step ends no
+  sooner than any stage's all-reduce.
+* **Every stage inside one island**, ``q >= 2`` islands used: every microbatch visits every stage, so
+  every route crosses between islands ``h >= q - 1`` times each way (``q`` when only one island has the
+  trusted devices both ends need). Then
+  - *links*: at a crossing every microbatch's activation takes one of at most ``|A| |B|`` device pairs
+    (the two largest islands' sizes; at most ``M``), each pair a resource busy with its messages' wire
+    time: ``ceil(M / pairs) * bytes / bw`` (``bytes`` the smallest boundary under any codec the plan may
+    use);
+  - *stage 0's window*: a replica of stage 0 holding blocks ``0..e`` keeps ``n`` microbatches in flight,
+    ``n`` at most what its memory holds beside its weights and state, and each slot cycles through its
+    pass and the round trip downstream ``D`` (``in_flight.limit``: ``n * period >= t + D``, or all in
+    flight at once and then its busy time plus its idle wait is at least ``t + D``), so
+    ``pipe >= M (t + D) / sum_i n_i``, ``D`` at least the other blocks' fastest time and ``2 h`` hops of
+    the smallest boundary over the fastest link between islands (latency included).
+  The window with ``h = 0`` bounds every plan and enters the maximum on its own.
+
+``min over q`` of ``max(compute on q islands, min(all-reduce, links / window))`` is found by bisection on
+``q``: the compute term falls and the others rise with ``q`` (any crossing point of the computed values
+bounds every ``q``: below it the true LP, above it the rising term).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models import codecs
+from cost_models.cluster import Link
+from planner.solver.objective import simple_lower_bound_ms
+from planner.solver.problem import Problem
+
+# Compressed all-reduces (``codec_choice.ALLREDUCE_OFFERS``): under these the all-reduce term is dropped.
+COMPRESSED_ALLREDUCE = ("auto", "int8")
+# Island partitions tried at most (each costs a few LPs).
+MAX_THRESHOLDS = 6
+# Fluid LPs solved per bound, in blocks x classes (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
+LP_CELLS = 60_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkBound:
+    """The bound, what sets it (``compute``: the fluid LP on the islands a plan must use; ``links``: the
+    transfers, all-reduces or stage 0's window; ``memory``: no island holds the model, so the links bind),
+    and the link bandwidth that split the islands (None: no threshold helped)."""
+
+    bound_ms: float
+    limit: str
+    threshold_gbps: float | None
+    islands: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Islands:
+    """Per island, devices per stage class; the fastest and quickest link between two islands."""
+
+    members: tuple[Counter, ...]
+    between: Link
+
+
+def link_lower_bound_ms(problem: Problem, *, fluid_ms: float | None = None) -> float:
+    """:func:`link_lower_bound`'s bound (ms)."""
+    return link_lower_bound(problem, fluid_ms=fluid_ms).bound_ms
+
+
+def link_lower_bound(problem: Problem, *, fluid_ms: float | None = None) -> LinkBound:
+    """A lower bound on ``price_program`` of every valid plan of ``problem`` (see the module docstring).
+    ``fluid_ms``: ``simple_lower_bound_ms`` of the relaxed problem where the caller has it (the whole pool's LP)."""
+    stage = [c.index for c in problem.classes if c.stage_capable]
+    if not stage:
+        return LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)
+    window = _Window(problem, stage)
+    best = LinkBound(bound_ms=window.bound_ms(None, 0), limit="memory", threshold_gbps=None, islands=1)
+    lps = _Lps(_relaxed(problem), {c: problem.classes[c].count for c in stage}, fluid_ms)
+    for gbps, isl in _partitions(problem, stage):
+        found = _split_bound(problem, lps, isl, window, gbps)
+        if found.bound_ms > best.bound_ms:
+            best = found
+    return best
+
+
+class _Lps:
+    """The fluid LP on ``q`` islands, cached by device counts, within a budget of LP cells (blocks x classes);
+    past it, the LP of a larger pool already solved, which is no more (a valid bound, only weaker). Classes
+    of one kind (the same times and memory: one device type on several hosts) are counted together, so any
+    ``q`` islands' devices of a kind are at most the ``q`` largest islands' counts of that kind."""
+
+    def __init__(self, relaxed: Problem, whole: dict[int, int], fluid_ms: float | None) -> None:
+        self.relaxed, self.left = relaxed, LP_CELLS
+        self.kind: dict[int, int] = {}
+        first: dict[tuple, int] = {}
+        for c in whole:
+            key = (relaxed.time_ms[:, c].tobytes(), relaxed.classes[c].mem_bytes)
+            self.kind[c] = first.setdefault(key, c)  # a kind is named by its first class
+        self.known: dict[tuple, float] = {}
+        if fluid_ms is not None:
+            self.known[tuple(sorted(self.by_kind(Counter(whole)).items()))] = fluid_ms
+
+    def by_kind(self, island: Counter) -> Counter:
+        out: Counter = Counter()
+        for c, n in island.items():
+            out[self.kind[c]] += n
+        return out
+
+    def on(self, counts: dict[int, int]) -> float:
+        key = tuple(sorted((c, n) for c, n in counts.items() if n > 0))
+        if key not in self.known:
+            cells = self.relaxed.num_blocks * len(key)
+            if cells > self.left:
+                return max([ms for k, ms in self.known.items() if _covers(dict(k), dict(key))] + [0.0])
+            self.left -= cells
+            self.known[key] = simple_lower_bound_ms(_restricted(self.relaxed, dict(key)))
+        return self.known[key]
+
+
+def _covers(big: dict[int, int], small: dict[int, int]) -> bool:
+    """Whether a pool of ``big`` devices per class holds one of ``small`` (its LP is then no more)."""
+    return all(big.get(c, 0) >= n for c, n in small.items())
+
+
+def _relaxed(problem: Problem) -> Problem:
+    """Times without recomputation, memory with it (``recompute.bound_problem``, which this layer cannot import)."""
+    if not problem.recompute:
+        return problem
+    base = problem.tables(False)
+    return dataclasses.replace(problem, time_ms=base.time_ms, bwd_ms=base.bwd_ms, classes=base.classes,
+                               recompute=False, twin=None)
+
+
+def _partitions(problem: Problem, stage: list[int]) -> list[tuple[float, _Islands]]:
+    """The distinct ways the pool's link bandwidths split it into islands (a threshold each), at most
+    ``MAX_THRESHOLDS`` of them evenly spread, the finest (every slow link cut) always among them."""
+    speeds = sorted({lk.bandwidth_gbps for a in stage for b in stage if (lk := problem.links[a][b]) is not None})
+    seen: dict[tuple, tuple[float, _Islands]] = {}
+    for gbps in speeds:
+        isl = _islands(problem, stage, gbps)
+        if isl is not None:
+            seen.setdefault(tuple(sorted(tuple(sorted(I.items())) for I in isl.members)), (gbps, isl))
+    found = list(seen.values())
+    if len(found) <= MAX_THRESHOLDS:
+        return found
+    picks = np.linspace(0, len(found) - 1, MAX_THRESHOLDS).round().astype(int)
+    return [found[i] for i in sorted(set(picks.tolist()))]
+
+
+def _islands(problem: Problem, stage: list[int], gbps: float) -> _Islands | None:
+    """Islands of devices joined by links faster than ``gbps`` (None: one island only)."""
+    parent: dict[tuple, tuple] = {}
+
+    def find(x: tuple) -> tuple:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    nodes: dict[int, list[tuple]] = {}
+    for c in stage:
+        own = problem.links[c][c]
+        whole = problem.classes[c].count == 1 or (own is not None and own.bandwidth_gbps > gbps)
+        nodes[c] = [(c, -1)] if whole else [(c, i) for i in range(problem.classes[c].count)]
+        for n in nodes[c]:
+            parent[n] = n
+    for i, a in enumerate(stage):
+        for b in stage[i + 1:]:
+            lk = problem.links[a][b]
+            if lk is not None and lk.bandwidth_gbps > gbps:
+                for n in nodes[a] + nodes[b]:
+                    parent[find(n)] = find(nodes[a][0])
+    groups: dict[tuple, Counter] = {}
+    for c in stage:
+        for n in nodes[c]:
+            groups.setdefault(find(n), Counter())[c] += problem.classes[c].count if n[1] < 0 else 1
+    if len(groups) < 2:
+        return None
+    slow = [lk for a in stage for b in stage if (lk := problem.links[a][b]) is not None and lk.bandwidth_gbps <= gbps]
+    between = Link(bandwidth_gbps=max(lk.bandwidth_gbps for lk in slow), latency_ms=min(lk.latency_ms for lk in slow))
+    return _Islands(members=tuple(groups.values()), between=between)
+
+
+def _split_bound(problem: Problem, lps: _Lps, isl: _Islands, window: _Window, gbps: float) -> LinkBound:
+    """``min over q`` of ``max(compute on q islands, the links' term at q)`` (module docstring), bisected."""
+    Q, M = len(isl.members), problem.num_microbatches
+    pol = problem.policy
+    ends = pol.enabled and pol.trusted_endpoints
+    trusted = [I for I in isl.members if any(problem.classes[c].trusted for c in I)]
+    returns = ends and len(trusted) == 1  # both ends on the one trusted island: a route leaves and comes back
+    sizes = sorted((sum(I.values()) for I in isl.members), reverse=True)
+    pairs = min(M, sizes[0] * sizes[1])
+    links_ms = math.ceil(M / pairs) * 1e3 * window.hop_bytes / isl.between.bytes_per_s
+    allreduce_ms = _allreduce_floor_ms(problem, isl.between)
+
+    def rising(q: int) -> float:
+        if q == 1:
+            return 0.0
+        if problem.num_blocks == 1:  # one stage: a plan on two islands replicates it
+            return allreduce_ms
+        crossings = q if returns else q - 1
+        return min(allreduce_ms, max(links_ms, window.bound_ms(isl, crossings)))
+
+    def compute(q: int) -> float:
+        pool = [lps.by_kind(I) for I in (isl.members if q > 1 or not ends else trusted)]
+        if not pool:
+            return math.inf
+        return lps.on({k: sum(sorted((I[k] for I in pool), reverse=True)[:q]) for k in {k for I in pool for k in I}})
+
+    if compute(Q) > rising(Q):
+        return LinkBound(bound_ms=compute(Q), limit="compute", threshold_gbps=gbps, islands=Q)
+    # compute(lo) > rising(lo) (q = 0: no plan), compute(hi) <= rising(hi); the computed LPs are at most the
+    # true ones, which fall with q, so q <= lo costs >= compute(lo) and q >= hi >= rising(hi).
+    lo, hi = 0, Q
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if compute(mid) > rising(mid) else (lo, mid)
+    below = compute(lo) if lo >= 1 else math.inf
+    if below <= rising(hi):
+        return LinkBound(bound_ms=below, limit="compute", threshold_gbps=gbps, islands=lo)
+    memory = math.isinf(compute(1))  # no one island holds the model
+    return LinkBound(bound_ms=rising(hi), limit="memory" if memory else "links", threshold_gbps=gbps, islands=hi)
+
+
+def _min_wire_bytes(problem: Problem) -> float:
+    """The smallest boundary tensor on the wire under any codec a plan of ``problem`` may send it with."""
+    raw = problem.out_bytes[:-1] if problem.num_blocks > 1 else problem.out_bytes
+    if problem.compress == "auto":
+        return min(codecs.wire_bytes(c, float(raw.min()), problem.elem_bytes) for c in codecs.CODECS)
+    return float(min(problem.wire_bytes(l, None) for l in range(max(1, problem.num_blocks - 1))))
+
+
+def _allreduce_floor_ms(problem: Problem, between: Link) -> float:
+    """The least all-reduce of a stage whose replicas sit on two islands (exact gradients only)."""
+    if problem.compress in COMPRESSED_ALLREDUCE:
+        return 0.0
+    params = int(problem.param_count.min())
+    if params == 0:
+        return 0.0
+    return 1e3 * params * problem.grad_bytes_per_param / between.bytes_per_s + 2 * between.latency_ms
+
+
+def _restricted(problem: Problem, counts: dict[int, int]) -> Problem:
+    """``problem`` with stage class ``c`` holding ``counts[c]`` devices of its kind (none where not named; ids
+    made up past its own), for the fluid LP alone: only counts, times and memory matter to it."""
+    keep = [c for c in problem.classes if counts.get(c.index, 0) > 0 or not c.stage_capable]
+    classes = []
+    for i, c in enumerate(keep):
+        n = counts.get(c.index, c.count)
+        ids = c.device_ids[:n] + tuple(f"{c.name}#{j}" for j in range(c.count, n))
+        classes.append(dataclasses.replace(c, index=i, device_ids=ids))
+    idx = [c.index for c in keep]
+    links = tuple(tuple(problem.links[a][b] for b in idx) for a in idx)
+    bwd = None if problem.bwd_ms is None else problem.bwd_ms[:, idx]
+    return dataclasses.replace(problem, classes=tuple(classes), links=links, time_ms=problem.time_ms[:, idx],
+                               bwd_ms=bwd, twin=None)
+
+
+class _Window:
+    """Stage 0's window (module docstring): per last block ``e`` of stage 0, its least pass, the other blocks'
+    least time, and per class how many microbatches a device can hold in flight."""
+
+    def __init__(self, problem: Problem, stage: list[int]) -> None:
+        L, M = problem.num_blocks, problem.num_microbatches
+        base = problem.tables(False)
+        pol = problem.policy
+        ends = [c for c in stage if problem.classes[c].trusted or not (pol.enabled and pol.trusted_endpoints)]
+        fastest = base.time_ms[:, stage].min(axis=1)
+        self.rest_ms = np.concatenate([np.cumsum(fastest[::-1])[::-1][1:], [0.0]])  # blocks after e
+        variants = [v for v in (problem, problem.twin) if v is not None]
+        mem = {c: max(v.classes[c].mem_bytes for v in variants) for c in stage}
+        self.slots = np.zeros((L, len(problem.classes)), dtype=np.int64)  # microbatches in flight, at most M
+        self.pass_ms = np.full(L, math.inf)
+        for e in range(L - 1):
+            for c in ends:
+                n = max(_slots(v, e, mem[c], M) for v in variants)
+                self.slots[e, c] = n
+                if n >= 1:
+                    self.pass_ms[e] = min(self.pass_ms[e], base.range_time_ms(0, e, c))
+        self.problem, self.hop_bytes = problem, _min_wire_bytes(problem)
+
+    def bound_ms(self, isl: _Islands | None, crossings: int) -> float:
+        """``min over e`` of ``M (t + D) / sum n``: stage 0 on one island (any device where ``isl`` is None)."""
+        M = self.problem.num_microbatches
+        hop = 0.0
+        if crossings and self.hop_bytes > 0:
+            hop = isl.between.latency_ms + 1e3 * self.hop_bytes / isl.between.bytes_per_s
+        groups = [Counter({c.index: c.count for c in self.problem.classes})] if isl is None else isl.members
+        held = np.max([sum(n * self.slots[:, c] for c, n in I.items()) for I in groups], axis=0)
+        held = np.minimum(held, M)
+        ok = (held >= 1) & np.isfinite(self.pass_ms)
+        if not ok.any():
+            return 0.0
+        per = M * (self.pass_ms[ok] + self.rest_ms[ok] + 2 * crossings * hop) / held[ok]
+        return float(per.min() * (1 - 1e-9))
+
+
+def _slots(problem: Problem, e: int, mem_bytes: int, M: int) -> int:
+    """Microbatches a device of ``mem_bytes`` running blocks ``0..e`` holds in flight beside its weights and
+    state (``in_flight.memory_cap`` without the verifier and all-reduce state), at most ``M``."""
+    act = problem.range_act_bytes(0, e)
+    room = mem_bytes - problem.range_params(0, e) * problem.state_bytes_per_param - problem.buffer_bytes(0, e)
+    if room < 0:
+        return 0
+    return M if act <= 0 else int(min(M, room // act))
