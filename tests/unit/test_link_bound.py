@@ -4,6 +4,7 @@ above the compute-only fluid LP where the model must cross slow links."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -117,6 +118,44 @@ def _comm_bound_case():
     chain = random_chain(np.random.default_rng(5), 8, param_scale=6e8, act_scale=2e8, out_scale=5e7, uniform=True)
     config = TrainingConfig(global_batch=8, microbatch_size=1)
     return build_problem(scale_chain(chain, 1), cluster, config, VerificationPolicy(enabled=False)), cluster
+
+
+def _two_hosts(gbps: float, schedule: str):
+    """Two hosts of two GPUs, NVLink inside, ``gbps`` between; a model that one host holds but one GPU may not."""
+    hosts = [{"name": f"h{i}", "region": f"r{i}", "trust": "op", "trusted": True,
+              "devices": [{"type": kind, "count": 2}]} for i, kind in enumerate(("A100-40GB", "V100-16GB"))]
+    cluster = parse_cluster({"name": "two", "hosts": hosts,
+                             "links": {"intra_host": {"bandwidth_gbps": 2400, "latency_ms": 0.005},
+                                       "default": {"bandwidth_gbps": gbps, "latency_ms": 10.0}}})
+    chain = random_chain(np.random.default_rng(7), 6, param_scale=4e8, act_scale=3e8, out_scale=1e8)
+    config = TrainingConfig(global_batch=8, microbatch_size=1, schedule=schedule)
+    return build_problem(scale_chain(chain, 1), cluster, config, VerificationPolicy(enabled=False))
+
+
+def _every_plan(problem, max_stages: int = 4):
+    """Every contiguous split into at most ``max_stages`` stages, every replica count per stage, devices taken
+    in host order and in reverse (both hosts' ends), microbatches split evenly: the valid ones."""
+    L, M = problem.num_blocks, problem.num_microbatches
+    gpus = [d for c in problem.classes if c.stage_capable for d in c.device_ids]
+    for S in range(1, min(L, max_stages, len(gpus)) + 1):
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            for counts in itertools.product(range(1, len(gpus) - S + 2), repeat=S):
+                if sum(counts) > len(gpus):
+                    continue
+                for order in (gpus, gpus[::-1]):
+                    stages = tuple(stages_of(list(cuts), list(counts), order, L, M))
+                    placement = Placement(stages=stages, verifiers=(), num_microbatches=M)
+                    if not violations(problem, placement):
+                        yield placement
+
+
+@pytest.mark.parametrize("gbps,schedule", [(0.5, "1f1b"), (5.0, "1f1b"), (0.5, "gpipe")])
+def test_the_bound_is_below_every_plan_of_a_small_pool(gbps, schedule):
+    for problem in (_two_hosts(gbps, schedule), _comm_bound_case()[0]):
+        for p in (problem, recompute_problem(problem)):
+            bound = link_lower_bound_ms(p)
+            prices = [price_program(p, placement).step_ms for placement in _every_plan(p)]
+            assert prices and bound <= min(prices) * (1 + 1e-9)
 
 
 def test_the_bound_sees_the_links_where_the_model_must_cross_them():

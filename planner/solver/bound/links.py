@@ -284,7 +284,7 @@ class _Window:
         mem = {c: max(v.classes[c].mem_bytes for v in variants) for c in stage}
         self.slots = np.zeros((L, len(problem.classes)), dtype=np.int64)  # microbatches in flight, at most M
         self.pass_ms = np.full(L, math.inf)
-        for e in range(L - 1):
+        for e in range(L):  # e = L - 1: one stage, no round trip
             for c in ends:
                 n = max(_slots(v, e, mem[c], M) for v in variants)
                 self.slots[e, c] = n
@@ -302,6 +302,8 @@ class _Window:
         held = np.max([sum(n * self.slots[:, c] for c, n in I.items()) for I in groups], axis=0)
         held = np.minimum(held, M)
         ok = (held >= 1) & np.isfinite(self.pass_ms)
+        if crossings:  # a route that crosses has a second stage
+            ok[-1] = False
         if not ok.any():
             return 0.0
         per = M * (self.pass_ms[ok] + self.rest_ms[ok] + 2 * crossings * hop) / held[ok]
