@@ -50,6 +50,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
+from planner.integrity.audit import AuditLedger
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
 from planner.integrity.bans import BanTest
@@ -131,6 +132,20 @@ class Verifier:
         self._bans = BanTest(honest_rate=self.config.ban_honest_rate, attack_rate=self.config.ban_attack_rate,
                              false_steps=self.config.ban_false_steps, replay_rate=self.config.ban_replay_rate)
         self.banned: set[int] = self._bans.banned
+        self.audit_ledger = AuditLedger()
+        self._audits: dict[str, dict[int, int]] = {"run": {}, "failed": {}}   # per sender
+        self._audits_suspended: dict[int, int] = {}   # stage -> step its replicas' reported updates disagreed
+
+    def record_audit(self, sender: int, step: int, *, passed: bool) -> None:
+        """One audit of ``sender``'s microbatch (``audit``), for the summary and the ledger of vouched steps."""
+        self.audit_ledger.record(sender, step, passed=passed)
+        for key in ("run",) if passed else ("run", "failed"):
+            self._audits[key][sender] = self._audits[key].get(sender, 0) + 1
+
+    def suspend_audits(self, stage: int, step: int) -> None:
+        """``stage``'s audits stopped at ``step``: its replicas reported different updates (someone lied)."""
+        self._audits_suspended.setdefault(stage, step)
+        self.events.append({"type": "audits_suspended", "step": int(step), "stage": int(stage)})
 
     def monitor(self, boundary: int, direction: str) -> Monitor:
         key = (boundary, direction)
@@ -313,5 +328,9 @@ class Verifier:
                 "blamed_steps": {str(k): list(v) for k, v in sorted(self._blamed_steps.items())},
                 "flags": sum(1 for e in self.events if e["type"] == "flag"),
                 "alerts": sum(1 for e in self.events if e["type"] == "flag" and is_alert(e)),
+                "audits": {"run": sum(self._audits["run"].values()), "failed": sum(self._audits["failed"].values()),
+                           "run_by_sender": {str(k): v for k, v in sorted(self._audits["run"].items())},
+                           "failed_by_sender": {str(k): v for k, v in sorted(self._audits["failed"].items())},
+                           "suspended": {str(k): v for k, v in sorted(self._audits_suspended.items())}},
                 "config": self.config.to_dict()}
 

@@ -20,6 +20,7 @@ EVENT_PREFIX = "@stagewise "
 FAULT_KINDS = ("die", "hang", "raise")
 INIT_KINDS = ("pretrained", "random")
 LR_SCHEDULES = ("constant", "linear", "cosine")  # after the warm-up: hold --lr, or decay it to 0 at --steps
+AUDIT_EVERY = 4   # integrity.audit.DEFAULT_EVERY (the options sit below the integrity layer; a test keeps them equal)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +93,7 @@ class RunOptions:
     tensorboard: str | None = None  # rank 0 logs scalars into this folder (torch.utils.tensorboard)
     accumulate: int = 1             # pipeline passes (each the plan's microbatches) per optimizer step
     robust_reduce: bool = False     # untrusted replicas' gradients summed by centered clipping (replica_checks)
+    audit_every: int = AUDIT_EVERY  # audit one in this many of a watched replica's microbatches (0: off; rank.audits)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -113,6 +115,9 @@ class RunOptions:
         if self.emulate_slowdown > 1.0 and not self.emulate:
             raise InvalidInputError("--emulate-slowdown", expected="--emulate-speed as well",
                                     found="a slowdown without emulated speeds", fix="add --emulate-speed")
+        if self.audit_every < 0:
+            raise InvalidInputError("--audit-every", expected="a number of microbatches >= 1, or 0 (no audits)",
+                                    found=str(self.audit_every))
         if self.checkpoint_every < 1:
             raise InvalidInputError("--checkpoint-every", expected="a number of steps >= 1",
                                     found=str(self.checkpoint_every))
@@ -167,7 +172,8 @@ class RunOptions:
                             ("--checkpoint-dir", self.checkpoint_dir), ("--secret-file", self.secret_file),
                             ("--host", self.host), ("--cluster", self.cluster),
                             ("--eval-data", self.eval_data), ("--eval-every", self.eval_every),
-                            ("--tensorboard", self.tensorboard)):
+                            ("--tensorboard", self.tensorboard),
+                            ("--audit-every", None if self.audit_every == AUDIT_EVERY else self.audit_every)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -255,6 +261,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--robust-reduce", action="store_true", help="sum the gradients of a stage whose replicas "
                         "include an untrusted one by centered clipping (Karimireddy et al. 2021) instead of an "
                         "all-reduce: one replica moves the update by at most the clipping radius (an all-gather)")
+    parser.add_argument("--audit-every", type=int, default=AUDIT_EVERY, metavar="K",
+                        help="on a verified plan whose stage has replicas, one untrusted: its output verifier "
+                             "recomputes one in each K of a replica's microbatches (at secret positions; all of a "
+                             "suspect's) and bans a replica whose output or gradient differs (default "
+                             f"{AUDIT_EVERY}; 0: no audits)")
     parser.add_argument("--eval-data", metavar="SPEC", help="validation data (a --data spec): the pipeline runs "
                         "forward only on one fixed global batch of it and reports the validation loss")
     parser.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps "

@@ -41,6 +41,7 @@ from planner.runtime.outputs.run_report import (
     write_json,
 )
 from planner.runtime.outputs.tensorboard import Board
+from planner.runtime.rank import audits as runtime_audits
 from planner.runtime.rank.emulate import Emulation, emulation_for
 from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.metrics import (
@@ -136,6 +137,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
                         defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad, accumulate=opts.accumulate)
     executor.robust_reduce = opts.robust_reduce   # read by replica_checks.reduce_replicas
+    executor.audits = runtime_audits.build(plan, env.rank, opts, setup.device, verifying=verifying)
     ends = stage is not None and (stage.is_first or stage.is_last)  # the ranks that read data
     eval_set = eval_batches(plan, kind=opts.eval_data, seed=opts.seed, device=setup.device) \
         if opts.eval_data and ends else None

@@ -35,7 +35,7 @@ import torch
 
 from planner.instructions import Instruction
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
-from planner.runtime.rank import replica_checks
+from planner.runtime.rank import audits, replica_checks
 from planner.runtime.rank.deferred import merge_grads
 from planner.runtime.rank.executor_p2p import ACT_KINDS
 from planner.runtime.wire import bans as ban_exchange
@@ -78,6 +78,7 @@ class Verification:
             flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
                                                  tainted=tainted_in)
         self.flagged += int(flagged)
+        audits.observe(self, boundary, d, mb, sender, tensors, dropped=flagged or tainted)
         if ins.dest is None:
             if flagged or tainted:
                 self._drop(d, mb)
@@ -158,6 +159,7 @@ class Verification:
         if self.verify is None:
             return set()
         replica_checks.exchange(self, step)   # the replicas' gradient sketches join the step's flags
+        audits.end_step(self, step)           # and the auditors' failed audits
         flags = self._resolve_blame(step)
         lead = min(self.groups.verifier_ranks)
         with self._timed("comm"):

@@ -44,6 +44,7 @@ class Topic(enum.IntEnum):
     MEMBERSHIP = 6   # rank 0's nonce, each rank's proof of the run secret, rank 0's finding
     CLIP = 7         # a rank's squared gradient norm, and the control rank's total (--clip-grad)
     CONTRIB = 8      # a replica's sketch of its gradient contribution, to the lead verifier (one index a stage)
+    AUDIT = 9        # a replica's digest of its applied gradient (index 2k), the gradient whole (2k + 1), to its auditor
 
 
 def trusted_ranks(plan: "Plan") -> frozenset[int]:

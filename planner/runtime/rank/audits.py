@@ -1,0 +1,366 @@
+"""Audits of a watched stage's replicas in the distributed runtime (issue 37; ``planner.integrity.audit``).
+
+A *watched* stage (``replica_checks.watched_stages``: two replicas or more, one untrusted, verified run) is
+audited by its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``).
+The auditor builds its own copy of the stage as the stage's ranks build theirs (``rank_setup.prepare_rank``:
+the same seed or saved weights) and keeps it at the replicas' weights: at the end of every step each replica
+sends it a digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and
+unscaling), one replica (the lowest trusted one, else the lowest) sends that gradient whole, and the auditor,
+finding every digest equal to the tensor's, applies the same optimizer step to its copy. During the step the
+auditor keeps, for the microbatches ``AuditSchedule.audited`` picks with its own secret (every one of a sender
+under suspicion), the tensors its checks already see: the stage's input (as the verifier of the boundary before
+it), the replica's output, the gradient the replica was sent and the one it sent upstream. At the end of the
+step, with the copy still at the weights the replicas computed with, it recomputes the stage on that input and
+compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event`` among the step's flags, which the
+verifiers' exchange turns into a ban at once. Every message is an end-of-step control message (``control.Topic
+.AUDIT``), outside the compiled programs like the contribution sketches: the plan's price does not include them.
+
+Threat model. A replica cannot tell which of its microbatches are audited: it has sent every output and input
+gradient before the auditor recomputes anything, the auditor asks it for nothing per microbatch, and the
+positions come from a secret it never sees; so corrupting a share ``q`` of its tensors is caught with
+probability ``q`` per window of ``every`` microbatches, and corrupting them all within ``2 every - 1``. It
+cannot make its twin fail an audit: the twin is audited against the gradient the twin itself reports applying,
+and a digest that differs from the tensor or from another replica's stops the stage's audits instead of
+choosing whom to believe (recorded in the verifier's summary as ``audits.suspended``: where no replica is
+trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its stage's audits off
+by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a microbatch whose
+input or output tensors this verifier does not check (a plan whose input boundary has another verifier:
+those audits are skipped), and its own gradient contribution (the contribution monitor and ``--robust-reduce``
+watch that). Nothing received is unpickled or executed: digests are int64 tensors, the gradient a float32
+tensor of the copy's size, received into buffers of that shape. Not audited: a run resumed from a checkpoint
+(the copy would start from the seed), stages with buffers the forward updates (BatchNorm: the copy would see
+only the audited microbatches).
+"""
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from planner.integrity import audit
+from planner.runtime.rank import replica_checks
+from planner.runtime.rank.precision import Precision
+from planner.runtime.rank.stage import StageRuntime
+from planner.runtime.wire import control
+
+DIGEST_WORDS = 4   # a blake2b-256 digest as int64 words, after one word saying whether the optimizer stepped
+
+
+@dataclass(frozen=True, slots=True)
+class AuditedStage:
+    """A watched stage, its replicas, its auditor and the replica that sends its applied gradient whole."""
+
+    stage: int
+    replicas: tuple[int, ...]
+    auditor: int
+    source: int
+
+
+def audited_stages(plan: Any, *, every: int, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
+    """Stage -> how it is audited, for every watched stage whose output activations a verifier outside it checks
+    (the same on every rank: the plan and the run's options decide)."""
+    if every <= 0 or not verifying or resumed:
+        return {}
+    trusted = control.trusted_ranks(plan)
+    out = {}
+    for stage, ranks in replica_checks.watched_stages(plan).items():
+        auditor = min((v.rank for v in plan.verifiers if v.boundary == stage and "act" in v.directions),
+                      default=None)
+        if auditor is None or auditor in ranks:
+            continue
+        source = min((r for r in ranks if r in trusted), default=min(ranks))
+        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=auditor, source=source)
+    return out
+
+
+@dataclass(slots=True)
+class StageCopy:
+    """The auditor's copy of one stage, its optimizer and learning-rate schedule (the replicas')."""
+
+    runtime: StageRuntime
+    optimizer: torch.optim.Optimizer | None
+    schedule: Any = None
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.params = [p for _, p in self.runtime.parameters()]
+
+    @property
+    def drifts(self) -> bool:
+        """Whether a forward may update the stage's buffers (BatchNorm): the copy, seeing only the audited
+        microbatches, would drift from the replicas, so it is kept current but audits nothing."""
+        return any(True for _ in self.runtime.module.buffers())
+
+    @property
+    def flat_size(self) -> int:
+        """Values of an applied-gradient message: every parameter's, then one presence flag each."""
+        return sum(p.numel() for p in self.params) + len(self.params)
+
+    def forward(self, raw: Sequence[torch.Tensor], precision: Precision, device: torch.device, *, grad: bool):
+        """The stage's inputs (as the replica held them) and outputs, as ``_run_forward`` computes them."""
+        stage = self.runtime
+        inputs = [t.detach().requires_grad_(grad and spec.carries_grad and t.is_floating_point())
+                  for t, spec in zip(raw, stage.inputs)]
+        args = [t.to(spec.dtype) if t.is_floating_point() else t for t, spec in zip(inputs, stage.inputs)]
+        with torch.set_grad_enabled(grad), precision.autocast(device):
+            outputs = precision.to_wire(tuple(stage.module(*args)))
+        return inputs, outputs
+
+    def input_grads(self, inputs, outputs, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of the stage's inputs given its outputs' (``_backward``'s, without touching ``.grad``)."""
+        stage = self.runtime
+        carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
+        pairs = [(o, g) for o, g in zip(carrying, received) if o.requires_grad]
+        wrt = [t for t, spec in zip(inputs, stage.inputs) if spec.carries_grad and t.requires_grad]
+        got = dict(zip(map(id, wrt), torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                                         allow_unused=True))) if pairs and wrt else {}
+        return [got.get(id(t)) if got.get(id(t)) is not None else torch.zeros_like(t)
+                for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
+
+    def apply(self, flat: torch.Tensor | None) -> None:
+        """The replicas' optimizer step (None: they took none this step), then the schedule's step."""
+        if flat is not None and self.optimizer is not None:
+            values, present = flat[:-len(self.params)], flat[-len(self.params):]
+            offset = 0
+            for p, here in zip(self.params, present.tolist()):
+                n = p.numel()
+                p.grad = values[offset:offset + n].view_as(p).to(p.dtype).clone() if here else None
+                offset += n
+            if any(p.grad is not None for p in self.params):
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            self.schedule.step()
+
+
+@dataclass(slots=True)
+class RuntimeAudits:
+    """One rank's part in the audits: the auditor's copies, schedule and kept tensors; a replica's applied
+    gradient. Every rank holds one (``stages`` empty where nothing is audited)."""
+
+    stages: dict[int, AuditedStage]
+    every: int = audit.DEFAULT_EVERY
+    copies: dict[int, StageCopy] = field(default_factory=dict)
+    schedule: audit.AuditSchedule | None = None
+    kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
+    applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
+    suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
+
+    def auditing(self, rank: int) -> dict[int, AuditedStage]:
+        return {k: s for k, s in self.stages.items() if s.auditor == rank and k in self.copies
+                and not self.copies[k].drifts and k not in self.suspended}
+
+
+def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: bool) -> RuntimeAudits:
+    """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
+    here, before the run starts, the way the stage's first replica builds its stage."""
+    from planner.runtime.rank.rank_setup import make_lr_schedule, make_optimizer, prepare_rank
+
+    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
+    out = RuntimeAudits(stages=stages, every=max(1, opts.audit_every))
+    for k, st in stages.items():
+        if st.auditor != rank:
+            continue
+        runtime = prepare_rank(plan, st.replicas[0], opts, device).stage
+        assert runtime is not None
+        optimizer = make_optimizer(plan.config.optimizer, [p for _, p in runtime.parameters()], lr=opts.lr,
+                                   weight_decay=opts.weight_decay)
+        schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
+                                    total_steps=opts.steps)
+        out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule)
+    if out.copies:
+        out.schedule = audit.AuditSchedule(secrets.token_bytes(16), out.every)
+    return out
+
+
+# ----------------------------------------------------------------------------- during the step (auditor)
+
+def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
+    """What a checked tensor is to the audited stage: its input, its output, the gradient sent to it, the one
+    it sent upstream (None: nothing of it)."""
+    k = st.stage
+    if boundary == k - 1 and d == "F":
+        return "x"
+    if boundary == k and d == "F" and sender in st.replicas:
+        return "y"
+    if boundary == k and d == "B":
+        return "g"
+    if boundary == k - 1 and d == "B" and sender in st.replicas:
+        return "gin"
+    return None
+
+
+def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
+    audits: RuntimeAudits = ex.audits
+    owner = ex.plan.owner(st.stage, mb)
+    mine = ex.plan.ranks[owner].microbatches
+    contrib = getattr(ex, "_contributions", None)
+    suspected = owner in ex.unresolved or (contrib is not None and owner in contrib.suspects(st.stage))
+    return audits.schedule.audited(owner, ex.step, list(mine).index(mb), len(mine), suspected=suspected)
+
+
+def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
+            dropped: bool) -> None:
+    """Keep a tensor this verifier checked where an audit of ``mb`` needs it. ``dropped``: the consumer drops
+    it (flagged or tainted), so the stage computed on zeros in its place."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None:
+        return
+    for k, st in audits.auditing(ex.rank).items():
+        role = _role(st, boundary, d, sender)
+        if role is None or not _audited(ex, st, mb):
+            continue
+        zero = dropped and role in ("x", "g")
+        audits.kept[(k, role, mb)] = [torch.zeros_like(t) if zero else t.detach().clone() for t in tensors]
+
+
+def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
+    """On a replica of an audited stage, right before its optimizer steps: the gradient it steps with."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None or ex.stage is None or ex.info.stage not in audits.stages or ex.optimizer is None:
+        return
+    if len(idle) >= len(ex.params):
+        return
+    skipped = {id(p) for p in idle}
+    values = [(p.grad if p.grad is not None and id(p) not in skipped else torch.zeros_like(p)).detach().float()
+              .reshape(-1) for p in ex.params]
+    present = [float(p.grad is not None and id(p) not in skipped) for p in ex.params]
+    audits.applied = torch.cat([*values, torch.tensor(present)])
+
+
+# ----------------------------------------------------------------------------- end of step
+
+def digest(flat: torch.Tensor | None) -> torch.Tensor:
+    """[stepped, blake2b-256 of the applied gradient's bytes as DIGEST_WORDS int64 words]."""
+    if flat is None:
+        return torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64)
+    raw = hashlib.blake2b(flat.detach().float().contiguous().cpu().numpy().tobytes(), digest_size=8 * DIGEST_WORDS)
+    words = [int.from_bytes(raw.digest()[8 * i:8 * i + 8], "big", signed=True) for i in range(DIGEST_WORDS)]
+    return torch.tensor([1, *words], dtype=torch.int64)
+
+
+def end_step(ex: Any, step: int) -> None:
+    """Every rank, before the verifiers exchange flags: the auditor audits the step's kept microbatches (its
+    flags join the step's), then hears the replicas' applied gradient and steps its copy; replicas send it."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None:
+        return
+    applied, audits.applied = audits.applied, None
+    for k, st in sorted(audits.stages.items()):
+        if ex.rank == st.auditor:
+            with ex._timed("verify"):
+                _audit_stage(ex, st, step)
+            with ex._timed("comm"):
+                _sync_copy(ex, st, step)
+        elif ex.rank in st.replicas:
+            with ex._timed("comm"):
+                _send_applied(ex, st, step, applied)
+    audits.kept = {}
+
+
+def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None) -> None:
+    doing = f"sending stage {st.stage}'s applied gradient digest to its auditor rank {st.auditor} (step {step})"
+    ranks = sorted({*st.replicas, st.auditor})
+    control.gather_to(digest(applied).to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
+                      topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
+    if ex.rank == st.source:
+        size = sum(p.numel() for p in ex.params) + len(ex.params)
+        flat = applied if applied is not None else torch.zeros(size)
+        control.gather_to(flat.to(ex.device), dst=st.auditor, me=ex.rank, ranks=[st.source, st.auditor],
+                          topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage + 1,
+                          doing=doing.replace("digest", "whole"))
+
+
+def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
+    """The replicas' digests and the source's gradient; the copy steps where they all agree."""
+    audits: RuntimeAudits = ex.audits
+    copy = audits.copies.get(st.stage)
+    ranks = sorted({*st.replicas, st.auditor})
+    doing = f"hearing stage {st.stage}'s applied gradient from its replicas (step {step})"
+    got = control.gather_to(torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64, device=ex.device), dst=st.auditor,
+                            me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
+                            index=2 * st.stage, doing=doing)
+    assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
+    whole = control.gather_to(torch.zeros(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
+                              ranks=[st.source, st.auditor], topic=control.Topic.AUDIT, device=ex.device,
+                              index=2 * st.stage + 1, doing=doing)
+    assert got is not None and whole is not None
+    control.checked_ints({r: got[r] for r in st.replicas}, what="applied-gradient digest",
+                         expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
+    if st.stage in audits.suspended:
+        return
+    digests = {tuple(got[r].cpu().tolist()) for r in st.replicas}
+    flat = whole[st.source].cpu()
+    stepped = next(iter(digests))[0] == 1 if len(digests) == 1 else None
+    if stepped is None or tuple(digest(flat if stepped else None).tolist()) not in digests:
+        audits.suspended[st.stage] = step   # someone lied about its update: believe nobody, audit no more
+        if ex.verify is not None and ex.verify.verifier is not None:
+            ex.verify.verifier.suspend_audits(st.stage, step)
+        return
+    copy.apply(flat.to(ex.device) if stepped else None)
+
+
+def _audit_stage(ex: Any, st: AuditedStage, step: int) -> None:
+    """Recompute the kept microbatches on the copy and flag each output or input gradient past the tolerance."""
+    audits: RuntimeAudits = ex.audits
+    copy = audits.copies.get(st.stage)
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    if copy is None or copy.drifts or verifier is None or st.stage in audits.suspended:
+        return
+    tolerance = audit.TOLERANCE.get(str(ex.precision.dtype).removeprefix("torch."), audit.TOLERANCE["float32"])
+    mbs = sorted({mb for k, _, mb in audits.kept if k == st.stage})
+    events = []
+    for mb in mbs:
+        kept = {role: audits.kept.get((st.stage, role, mb)) for role in ("x", "y", "g", "gin")}
+        if kept["x"] is None:
+            continue
+        sender = ex.plan.owner(st.stage, mb)
+        grad = kept["g"] is not None and kept["gin"] is not None
+        inputs, outputs = copy.forward([t.to(ex.device) for t in kept["x"]], ex.precision, ex.device, grad=grad)
+        checks = []
+        if kept["y"] is not None:
+            checks.append((st.stage, "act", _error(kept["y"], outputs)))
+        if grad:
+            checks.append((st.stage - 1, "grad", _error(kept["gin"], copy.input_grads(inputs, outputs, kept["g"]))))
+        for boundary, direction, error in checks:
+            event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
+                                      error=error, tolerance=tolerance)
+            verifier.record_audit(sender, step, passed=event is None)
+            if event is not None:
+                events.append(event)
+    verifier.add_flags(step, events)
+
+
+def _error(sent: Sequence[torch.Tensor], recomputed: Sequence[torch.Tensor]) -> float:
+    """The largest relative error of the sent tensors against the recomputed ones (inf where they differ in
+    number, shape or, for integer tensors, value)."""
+    if len(sent) != len(recomputed):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(sent, recomputed):
+        b = b.detach()
+        if a.is_floating_point() and b.is_floating_point():
+            worst = max(worst, _finite_error(a, b))
+        elif a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
+            return float("inf")
+    return worst
+
+
+def _finite_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
+    """``relative_error`` over the finite values, where both hold the same non-finite ones: weights that a
+    poisoned sum made nan give nan on every honest replica and on the copy alike (that is the contribution
+    monitor's to catch; the replica computed what it should)."""
+    if sent.shape != recomputed.shape:
+        return float("inf")
+    a, b = sent.detach().float(), recomputed.float()
+    odd = ~torch.isfinite(b)
+    if not odd.any():
+        return audit.relative_error(a, b)
+    if not torch.equal(~torch.isfinite(a), odd) or not torch.equal(torch.isnan(a), torch.isnan(b)) \
+            or not torch.equal(a[torch.isinf(b)], b[torch.isinf(b)]):
+        return float("inf")
+    return audit.relative_error(a[~odd], b[~odd]) if bool((~odd).any()) else 0.0
+
