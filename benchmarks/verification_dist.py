@@ -17,6 +17,10 @@ untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llam
   through the planner's own steps (``_replicated``);
 - ``replicated3``: the same with three replicas (h1, h2, h3 of ``benchmarks/clusters/five-t4.yaml``: 6, 5 and 5
   microbatches, the last stage on h4), one verifier (rank 0);
+- ``replicated-audit``, ``replicated3-audit``: the replicated plans run with ``--audit-every 4`` (the runtime's
+  audits, ``planner.runtime.rank.audits``: rank 0, the verifier of stage 1's outputs, recomputes a secret one in
+  four of each replica's microbatches on its own copy of the stage; a failed audit bans at once); every other
+  shape runs with ``--audit-every 0``, as its rows were measured before the runtime audited;
 - ``hf-llama``: a tiny HF Llama (``HF_SPEC``, 4x32 tokens a microbatch, 3 microbatches a step) planned by
   ``planner.api.make_plan`` on the default cluster with 3 stages (tests/integration/test_run_drops.py's): the
   middle stage on a volunteer, verified (boundary 0's gradients on rank 0, boundary 1's activations on rank 2).
@@ -57,7 +61,7 @@ if str(ROOT) not in sys.path:
 CLUSTER = ROOT / "benchmarks" / "clusters" / "four-t4.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "verification_dist.json"
 CLUSTER3 = ROOT / "benchmarks" / "clusters" / "five-t4.yaml"
-SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama")
+SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama", "replicated-audit", "replicated3-audit")
 ATTACK_SHAPES = ("split", "linked")
 MODELS = {"hf-llama": "hf-llama-tiny"}   # the model of a shape (default gpt-tiny)
 HF_SPEC = ("hf:llama?hidden_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,"
@@ -74,7 +78,9 @@ ATTACKS = {
     "params-sign": "rank=1,kind=scale,factor=-1,dir=params",
     "params-noise": "rank=1,kind=noise,std=1.0,dir=params",
 }
-REPLICATED = ("replicated", "replicated3")
+AUDITED = {"replicated-audit": "replicated", "replicated3-audit": "replicated3"}   # shape -> the plan it runs
+AUDIT_EVERY = 4           # --audit-every of the audited shapes (planner.integrity.audit.DEFAULT_EVERY)
+REPLICATED = ("replicated", "replicated3", *AUDITED)
 SOLE_UNTRUSTED = {"hf-llama": 1}   # shape -> its one untrusted rank: every attack runs there
 ATTACK_START, DELAY_START = 20, 30
 FPR_GOAL = 0.001          # microbatch flags per check (issue 20)
@@ -119,7 +125,7 @@ def make_plans(shapes: list[str], folder: Path) -> dict[str, Path]:
     for shape in shapes:
         path = folder / f"{shape}.json"
         if shape in REPLICATED:
-            _replicated(3 if shape == "replicated3" else 2).save(path)
+            _replicated(3 if AUDITED.get(shape, shape) == "replicated3" else 2).save(path)
         elif shape == "hf-llama":
             _hf_llama().save(path)
         else:
@@ -213,7 +219,8 @@ def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None
     log_path = report_path.with_name(report_path.name.replace(".report.json", ".log"))
     report_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "planner", "run", str(plan), "--steps", str(steps), "--lr", str(LR),
-           "--seed", str(seed), "--report", str(report_path)]
+           "--seed", str(seed), "--report", str(report_path),
+           "--audit-every", str(AUDIT_EVERY if shape in AUDITED else 0)]
     spec = None
     if attack is not None:
         spec = attack_spec(attack, shape)
@@ -290,7 +297,21 @@ def summarize(report: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
             "blamed_pairs": sum(len(v) for v in blamed.values()), "blamed_steps": blamed,
             "fpr_per_sample": round(flags_mb / max(1, checks), 6), "banned": report["banned"], "bans": bans,
             **_evidence(report, blamed), "events_truncated": truncated, "final_loss": report["final_loss"],
-            "step_ms_median": round(report["measured_step_ms"], 1)}
+            "step_ms_median": round(report["measured_step_ms"], 1), **_audits(report)}
+
+
+def _audits(report: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's audits over every verifier rank: run and failed, per sender (none: the keys are absent)."""
+    run: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for r in _verifier_ranks(report):
+        got = r["verification"].get("audits") or {}
+        for key, into in (("run_by_sender", run), ("failed_by_sender", failed)):
+            for sender, n in got.get(key, {}).items():
+                into[sender] = into.get(sender, 0) + n
+    if not run:
+        return {}
+    return {"audits_run": run, "audits_failed": failed}
 
 
 def _evidence(report: dict[str, Any], blamed: dict[str, list[int]]) -> dict[str, Any]:

@@ -201,6 +201,11 @@ def summary_table(result: dict[str, Any], here=None):
                           str(result["alerts"]))
         table.add_row("microbatches dropped", str(sum(result.get("dropped", []))))
         table.add_row("banned ranks", ", ".join(map(str, result.get("banned", []))) or "none")
+        audited = audit_counts(result)
+        if audited["run"]:
+            table.add_row("replica audits run / failed (--audit-every)", f"{sum(audited['run'].values())} / "
+                          f"{sum(audited['failed'].values())}: " + ", ".join(
+                              f"rank {r} {n}/{audited['failed'].get(r, 0)}" for r, n in sorted(audited["run"].items())))
     replans = result.get("replans") or []
     recovered = sum(1 for r in replans if r["event"] != "join")
     if recovered:
@@ -215,6 +220,18 @@ def summary_table(result: dict[str, Any], here=None):
     if result.get("untrained_steps"):
         table.add_row("steps that trained nothing", ", ".join(map(str, result["untrained_steps"])))
     return table
+
+
+def audit_counts(result: dict[str, Any]) -> dict[str, dict[int, int]]:
+    """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, over every
+    verifier rank's summary."""
+    out: dict[str, dict[int, int]] = {"run": {}, "failed": {}}
+    for rank in result.get("ranks") or []:
+        got = rank.get("verification", {}).get("audits") or {}
+        for key in out:
+            for sender, n in got.get(f"{key}_by_sender", {}).items():
+                out[key][int(sender)] = out[key].get(int(sender), 0) + int(n)
+    return out
 
 
 def leg_row(leg: dict[str, Any]) -> tuple[str, str]:

@@ -43,6 +43,7 @@ import torch
 from planner.integrity import audit
 from planner.runtime.rank import replica_checks
 from planner.runtime.rank.precision import Precision
+from planner.runtime.rank.rank_setup import make_lr_schedule, make_optimizer, prepare_rank
 from planner.runtime.rank.stage import StageRuntime
 from planner.runtime.wire import control
 
@@ -157,8 +158,6 @@ class RuntimeAudits:
 def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: bool) -> RuntimeAudits:
     """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
     here, before the run starts, the way the stage's first replica builds its stage."""
-    from planner.runtime.rank.rank_setup import make_lr_schedule, make_optimizer, prepare_rank
-
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
     out = RuntimeAudits(stages=stages, every=max(1, opts.audit_every))
     for k, st in stages.items():

@@ -1,0 +1,60 @@
+"""The pure parts of the runtime's audits (``planner.runtime.rank.audits``): the applied-gradient digest, the
+comparison of a sent tensor with its recompute, and the copy's optimizer step."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from planner.runtime.rank import audits
+
+
+def test_the_digest_tells_equal_gradients_from_any_changed_value():
+    flat = torch.randn(100)
+    assert torch.equal(audits.digest(flat), audits.digest(flat.clone()))
+    bumped = flat.clone()
+    bumped[37] = torch.nextafter(bumped[37], torch.tensor(math.inf))
+    assert not torch.equal(audits.digest(flat), audits.digest(bumped))
+    assert audits.digest(None).tolist() == [0] * (1 + audits.DIGEST_WORDS)
+    assert audits.digest(flat)[0] == 1 and audits.digest(flat).dtype == torch.int64
+
+
+def test_the_error_is_relative_and_infinite_for_another_shape_or_other_non_finite_values():
+    x = torch.randn(4, 8)
+    assert audits._error([x], [x.clone()]) == 0.0
+    assert math.isclose(audits._error([0.5 * x], [x]), 0.5, rel_tol=1e-6)
+    assert audits._error([x[:2]], [x]) == math.inf
+    assert audits._error([x], [x, x]) == math.inf
+    ids = torch.arange(8)
+    assert audits._error([ids], [ids.clone()]) == 0.0 and audits._error([ids + 1], [ids]) == math.inf
+
+
+def test_nan_where_the_recompute_has_nan_is_no_failure_but_nan_anywhere_else_is():
+    x = torch.randn(16)
+    bad = x.clone()
+    bad[3] = math.nan
+    assert audits._error([bad], [bad.clone()]) == 0.0          # poisoned weights: every replica and the copy alike
+    assert audits._error([bad], [x]) == math.inf               # the replica alone sent nan
+    assert audits._error([x], [bad]) == math.inf               # it hid the copy's nan
+    damped = 0.5 * bad                                         # the finite values still compared
+    assert math.isclose(audits._error([damped], [bad]), 0.5, rel_tol=1e-6)
+
+
+def test_the_copy_steps_only_the_parameters_the_replicas_stepped():
+    class Runtime:
+        def __init__(self):
+            self.module = torch.nn.Linear(3, 2)
+
+        def parameters(self):
+            return tuple(self.module.named_parameters())
+
+    runtime = Runtime()
+    weight, bias = (p.detach().clone() for p in runtime.module.parameters())
+    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0))
+    assert copy.flat_size == 6 + 2 + 2
+    flat = torch.cat([torch.ones(6), torch.ones(2), torch.tensor([1.0, 0.0])])   # the bias idle this step
+    copy.apply(flat)
+    torch.testing.assert_close(runtime.module.weight.detach(), weight - 1.0)
+    torch.testing.assert_close(runtime.module.bias.detach(), bias)
+    copy.apply(None)   # the replicas took no step (fp16 overflow, nothing trained)
+    torch.testing.assert_close(runtime.module.weight.detach(), weight - 1.0)
