@@ -15,7 +15,7 @@ from planner.integrity import evidence
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
 from planner.integrity.history import CopyMemory, SketchRing
-from planner.integrity.thresholds import Cusum, IQRFence
+from planner.integrity.thresholds import Cusum, IQRFence, TrendLevel
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
 __all__ = ["Monitor", "upstream_culprit"]
@@ -153,6 +153,7 @@ class Monitor:
         self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
         self._whitener: torch.Tensor | None = None
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
+        self._size = TrendLevel()   # the log size of accepted steps, trend and all: what ``scale`` is read against
         # sender -> (EMA of its steps' per-feature mean / spread, CUSUM of their cosine with it, its in-control
         # cosines): ``PERSIST_K``
         self._persist: dict[int, tuple[torch.Tensor, float, deque[float]]] = {}
@@ -278,6 +279,14 @@ class Monitor:
             own = sum(f.gain for f in links) / len(links) - self._gain
             scores.pop("scale", None)
             scores["gain" if "gain" in names else "scale"] = abs(own) / (1.0 + abs(d_in))
+        elif "scale" in scores:
+            # Without the stage's input, the size against the trend of accepted steps (``TrendLevel``), not
+            # against the EMA reference, which trails a trend; none before the trend has a slope (the warm-up).
+            expected = self._size.predict(self._age_step())
+            if expected is None:
+                del scores["scale"]
+            else:
+                scores["scale"] = abs(dist.log_size(summary) - expected)
         if "replay" in names:
             ring = self._history.get(summary.sketch.numel())
             scores["replay"] = pred.replay_score(summary.sketch, *ring.others(data_key)) if ring else 0.0
@@ -354,9 +363,11 @@ class Monitor:
         failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
         alerts: set[int] = set()
         judged: dict[int, tuple[dict[str, float], tuple[str, ...], bool]] = {}
+        sizes: dict[int, float] = {}
         for sender, samples in by_sender.items():
-            scores = self.score(summ.mean_summary([x.summary for x in samples]), [x.fits for x in samples],
-                                per_sample=False)
+            mean = summ.mean_summary([x.summary for x in samples])
+            sizes[sender] = dist.log_size(mean)
+            scores = self.score(mean, [x.fits for x in samples], per_sample=False)
             drifting = "drift" in self.step_fences and "residual" in scores and not self.warming(step)
             if drifting:
                 scores["drift"] = self.drift(sender).step(scores["residual"])
@@ -385,6 +396,9 @@ class Monitor:
                 self.drift(sender).learn(scores["residual"])
         bad = {sender for sender, *_ in failed}
         self.step_flags += len(bad)
+        kept = [size for sender, size in sizes.items() if sender not in bad - alerts]
+        if kept:
+            self._size.learn(step, sum(kept) / len(kept))
         for sample in pending:
             if sample.sender not in bad - alerts:
                 self._fold(sample.summary, sample.scores, sample.fits, sample.data_key)
@@ -521,5 +535,3 @@ def upstream_culprit(fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str])
         return None
     senders = [f.input_sender for f in links]
     return max(set(senders), key=senders.count)
-
-

@@ -171,3 +171,53 @@ class Cusum:
         if len(self._logs) > self.window:
             old = self._logs.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+
+class TrendLevel:
+    """Holt's damped linear trend of a score that moves steadily with training (a boundary tensor's log size):
+    ``predict(step)`` is the level learnt from accepted steps, carried on by their slope to ``step``.
+
+    An EMA of a series that trends lags it by the trend times its memory: a tiny HF Llama's activations grew
+    0.02-0.1 e-folds a step for the first 30 steps, an EMA reference trailed them by 0.2-0.6 e-folds, and the
+    size fence learnt from those lags stood at 1.7 e-folds when an attack began at step 20 (a sender halving
+    its activations, 0.69, or tripling its gradients, 1.1, passed and was learnt). Against the trend the honest
+    residuals stay at 0.02-0.4 e-folds (3 seeds x 200 steps), so the fence is the floor. ``damping`` per step
+    bounds how far a slope is carried over steps that teach nothing (a flagged sender's)."""
+
+    __slots__ = ("_level", "_slope", "_step", "alpha", "damping", "gamma", "updates")
+
+    def __init__(self, *, alpha: float = 0.6, gamma: float = 0.3, damping: float = 0.9) -> None:
+        if not (0.0 < alpha <= 1.0 and 0.0 <= gamma <= 1.0 and 0.0 <= damping <= 1.0):
+            raise InvalidInputError("trend smoothing", expected="0 < alpha <= 1, 0 <= gamma <= 1, 0 <= damping <= 1",
+                                    found=f"alpha={alpha}, gamma={gamma}, damping={damping}")
+        self.alpha, self.gamma, self.damping = float(alpha), float(gamma), float(damping)
+        self._level: float | None = None
+        self._slope = 0.0
+        self._step = 0
+        self.updates = 0
+
+    def _carried(self, steps: int) -> float:
+        """The slope's sum over ``steps`` damped steps: ``phi + phi^2 + ... + phi^steps``."""
+        phi = self.damping
+        return float(steps) if phi == 1.0 else phi * (1.0 - phi ** steps) / (1.0 - phi)
+
+    def predict(self, step: int) -> float | None:
+        """The level expected at ``step`` (None before two steps were learnt: no slope yet)."""
+        if self._level is None or self.updates < 2:
+            return None
+        return self._level + self._slope * self._carried(max(0, step - self._step))
+
+    def learn(self, step: int, value: float) -> None:
+        """Teach an accepted step's value (steps in increasing order; non-finite values are ignored)."""
+        if not math.isfinite(value):
+            return
+        if self._level is None:
+            self._level, self._step, self.updates = float(value), int(step), 1
+            return
+        gap = max(1, int(step) - self._step)
+        guess = self._level + self._slope * self._carried(gap)
+        level = guess + self.alpha * (value - guess)
+        carried = self._slope * self.damping ** gap
+        self._slope = carried + self.gamma * ((level - self._level) / gap - carried)
+        self._level, self._step = level, int(step)
+        self.updates += 1
