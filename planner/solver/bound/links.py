@@ -6,14 +6,14 @@ many *islands* they use, an island being the devices joined by links faster than
 threshold among the pool's link bandwidths gives a valid bound; the largest is kept):
 
 * **Compute on q islands.** A plan that uses devices of ``q`` islands is a plan of the problem restricted
-  to those devices, which the fluid LP bounds. Not knowing which ``q``, each class keeps the devices of
-  its ``q`` best islands (a superset of any choice: the LP only falls). With trusted endpoints a plan on
-  one island needs a trusted device there.
+  to those devices, which the fluid LP bounds. Not knowing which ``q``, each kind of device (the same
+  times and memory) keeps as many as its ``q`` largest islands hold (a superset of any choice: the LP only
+  falls). With trusted endpoints a plan on one island needs a trusted device there.
 * **A stage across islands** all-reduces its gradients over a ring that crosses between islands at
   least twice: ``AR >= 2 (r-1)/r * P g / bw + 2 (r-1) lat >= P g / bw + 2 lat`` with ``bw`` the fastest
   and ``lat`` the shortest link between islands, ``P`` at least the smallest block's parameters (exact
   gradients only: ``--compress auto/int8`` may compress it, where this term is dropped). The step ends no
-  sooner than any stage's all-reduce.
+  sooner than any stage's all-reduce (``program_cost``: ``step >= finish_k + AR_k``).
 * **Every stage inside one island**, ``q >= 2`` islands used: every microbatch visits every stage, so
   every route crosses between islands ``h >= q - 1`` times each way (``q`` when only one island has the
   trusted devices both ends need). Then
@@ -58,8 +58,9 @@ LP_CELLS = 60_000
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkBound:
     """The bound, what sets it (``compute``: the fluid LP on the islands a plan must use; ``links``: the
-    transfers, all-reduces or stage 0's window; ``memory``: no island holds the model, so the links bind),
-    and the link bandwidth that split the islands (None: no threshold helped)."""
+    transfers, all-reduces or stage 0's window across slow links; ``memory``: stage 0's in-flight window with
+    no crossing, or the links where no single island holds the model), the link bandwidth that split the
+    islands (None: none did) and the islands at the bound."""
 
     bound_ms: float
     limit: str
