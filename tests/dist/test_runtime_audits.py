@@ -14,18 +14,19 @@ from planner.verifier_config import VerifierConfig
 from tests.dist.plans import load_dumps, make_plan
 
 STEPS, ATTACK_START = 6, 2
-ATTACKER, TWIN, VERIFIER = 1, 2, 4
+ATTACKER, TWIN, VERIFIER = 1, 2, 0
 
 
 def _plan(tmp_path):
-    # mlp-tiny in 3 stages, the middle one on two untrusted replicas (ranks 1, 2), a verifier host (rank 4)
-    # checking both of its boundaries both ways (it sees the stage's input, outputs and gradients); warm-up long
-    # enough that the monitors flag nothing in these few steps: what bans here is the audit
+    # mlp-tiny in 3 stages, the middle one on two untrusted replicas (ranks 1, 2), the first stage's rank (0,
+    # trusted) verifying both of its boundaries both ways (it sees the stage's input, outputs and gradients), as
+    # benchmarks/verification_dist.py's replicated shape; a warm-up long enough that the monitors flag nothing
+    # in these few steps: what bans here is the audit
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
-                     replicas={1: (4, 4)}, untrusted=(1, 2), verifier_host=True, optimizer="adam",
-                     verifiers=[(0, 4, ("act", "grad")), (1, 4, ("act", "grad"))],
+                     replicas={1: (4, 4)}, untrusted=(1, 2), optimizer="adam",
+                     verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))],
                      verifier_config=VerifierConfig(warmup=50))
-    assert plan.stage_ranks(1) == (ATTACKER, TWIN) and plan.ranks[VERIFIER].stage is None
+    assert plan.stage_ranks(1) == (ATTACKER, TWIN) and plan.ranks[VERIFIER].stage == 0
     return plan.save(tmp_path / "plan.json")
 
 
@@ -44,7 +45,7 @@ def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audit
         dump = tmp_path / f"dump{every}"
         results[every] = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, lr=1e-2, audit_every=every,
                                            dump=str(dump)))
-        params[every] = [d["params"] for d in load_dumps(dump, 5)]
+        params[every] = [d["params"] for d in load_dumps(dump, 4)]
     audits = _audits(results[DEFAULT_EVERY])
     # one in 4 of each replica's 4 microbatches a step, act and grad each, at least (a suspect: every one)
     assert audits["run"] >= 2 * 2 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits

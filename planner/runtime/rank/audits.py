@@ -25,11 +25,13 @@ choosing whom to believe (recorded in the verifier's summary as ``audits.suspend
 trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its stage's audits off
 by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a microbatch whose
 input or output tensors this verifier does not check (a plan whose input boundary has another verifier:
-those audits are skipped), and its own gradient contribution (the contribution monitor and ``--robust-reduce``
-watch that). Nothing received is unpickled or executed: digests are int64 tensors, the gradient a float32
+those audits are skipped; so are inputs from an untrusted neighbour, which could send this verifier another copy
+than the replica and frame it), and its own gradient contribution (the contribution monitor and ``--robust-reduce``
+watch that). Like every check of this verifier, an audit takes the copy a replica sends it for what the consumer
+received (the transfers are not signed). Nothing received is unpickled or executed: digests are int64 tensors, the gradient a float32
 tensor of the copy's size, received into buffers of that shape. Not audited: a run resumed from a checkpoint
-(the copy would start from the seed), stages with buffers the forward updates (BatchNorm: the copy would see
-only the audited microbatches).
+(the copy would start from the seed), a first stage (its input is data, not a checked boundary), a stage whose
+forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
 """
 from __future__ import annotations
 
@@ -85,15 +87,13 @@ class StageCopy:
     optimizer: torch.optim.Optimizer | None
     schedule: Any = None
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    # a forward updated the stage's buffers (BatchNorm): the copy, seeing only the audited microbatches, drifts
+    # from the replicas, so from then on it is kept current but audits nothing
+    drifts: bool = False
+    _buffers_checked: bool = False
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.runtime.parameters()]
-
-    @property
-    def drifts(self) -> bool:
-        """Whether a forward may update the stage's buffers (BatchNorm): the copy, seeing only the audited
-        microbatches, would drift from the replicas, so it is kept current but audits nothing."""
-        return any(True for _ in self.runtime.module.buffers())
 
     @property
     def flat_size(self) -> int:
@@ -106,8 +106,12 @@ class StageCopy:
         inputs = [t.detach().requires_grad_(grad and spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
         args = [t.to(spec.dtype) if t.is_floating_point() else t for t, spec in zip(inputs, stage.inputs)]
+        before = None if self._buffers_checked else [b.detach().clone() for b in self.runtime.module.buffers()]
         with torch.set_grad_enabled(grad), precision.autocast(device):
             outputs = precision.to_wire(tuple(stage.module(*args)))
+        if before is not None:
+            self._buffers_checked = True
+            self.drifts = any(not torch.equal(a, b) for a, b in zip(before, self.runtime.module.buffers()))
         return inputs, outputs
 
     def input_grads(self, inputs, outputs, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -146,6 +150,7 @@ class RuntimeAudits:
     every: int = audit.DEFAULT_EVERY
     copies: dict[int, StageCopy] = field(default_factory=dict)
     schedule: audit.AuditSchedule | None = None
+    trusted: frozenset[int] = frozenset()
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
     suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
@@ -159,7 +164,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
     here, before the run starts, the way the stage's first replica builds its stage."""
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
-    out = RuntimeAudits(stages=stages, every=max(1, opts.audit_every))
+    out = RuntimeAudits(stages=stages, every=max(1, opts.audit_every), trusted=control.trusted_ranks(plan))
     for k, st in stages.items():
         if st.auditor != rank:
             continue
@@ -210,8 +215,8 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
         return
     for k, st in audits.auditing(ex.rank).items():
         role = _role(st, boundary, d, sender)
-        if role is None or not _audited(ex, st, mb):
-            continue
+        if role is None or (role in ("x", "g") and sender not in audits.trusted) or not _audited(ex, st, mb):
+            continue   # an untrusted neighbour could send this verifier another input than the replica's
         zero = dropped and role in ("x", "g")
         audits.kept[(k, role, mb)] = [torch.zeros_like(t) if zero else t.detach().clone() for t in tensors]
 
@@ -319,6 +324,8 @@ def _audit_stage(ex: Any, st: AuditedStage, step: int) -> None:
         sender = ex.plan.owner(st.stage, mb)
         grad = kept["g"] is not None and kept["gin"] is not None
         inputs, outputs = copy.forward([t.to(ex.device) for t in kept["x"]], ex.precision, ex.device, grad=grad)
+        if copy.drifts:
+            return
         checks = []
         if kept["y"] is not None:
             checks.append((st.stage, "act", _error(kept["y"], outputs)))
