@@ -60,6 +60,10 @@ MIN_MOVE = {"norm": 1.0, "dens": 3.0}   # ... and at least this many robust devi
 # honest density drifts reach 0.04 at a 0.03 spread, noise as large as the gradient moves it by 0.2)
 SERIES_STEPS = 64    # each replica's recent values per test, to tell which twin moved when an alarm comes
 BEFORE_STEPS = 8     # how many steps before an alarm's onset a replica's level is read from
+# A recent step read as an onset though no alarm began there: its move is read over at least this many steps and
+# must be RECENT_MOVE times the least move of an alarm's onset, on the side of the mover's own alarmed CUSUM.
+RECENT_MIN_STEPS = 3
+RECENT_MOVE = 2.0
 HISTORY_BETA = 0.9   # the stage's EMAs: of its sent directions (the response test), of its accepted mean (clipping)
 # Which of two twins flipped its sign: both agree with each other as little as the other, but after an update
 # that took in a flipped contribution, the honest twin's next gradient pushes back against it (curvature: the
@@ -287,15 +291,37 @@ class ContributionMonitor:
         for test in ("norm", "dens"):
             if test not in alarms:
                 continue
-            onset = min(hist.onsets.get(k, step) for k, v in hist.sums.items() if v >= CUSUM_H and k[1] == test)
-            trend = _trend(hist.series.get((test, STAGE_SERIES), []), onset)
-            moves = {r: _move(hist.series.get((test, r), []), step, onset, trend) for r in ranks}
-            order = sorted(ranks, key=lambda r: -abs(moves[r]))
-            big = abs(moves[order[0]]) >= MIN_MOVE[test] * self._spread(hist, test)
-            if big and abs(moves[order[0]]) >= ATTRIBUTION_MARGIN * abs(moves[order[1]]):
-                return order[0], test, {"moved": round(moves[order[0]], 6)}
+            alarmed = {k for k, v in hist.sums.items() if v >= CUSUM_H and k[1] == test}
+            # each alarm's own onset, the latest first; then, held to more (``RECENT_MOVE``), each of the last few
+            # steps: of three replicas an honest one's offset can stand off its peers' for long without any level
+            # moving, and every CUSUM then runs since long before an attacker's jump (replicated3 params-scale3:
+            # alarms since step 10 hid the jump at 20, never attributed; 2026-12-05)
+            onsets = sorted({hist.onsets.get(k, step) for k in alarmed}, reverse=True)
+            recent = [step - k for k in range(RECENT_MIN_STEPS - 1, BEFORE_STEPS) if step - k not in onsets]
+            for onset, strict in [*((o, False) for o in onsets), *((o, True) for o in recent)]:
+                found = self._moved(hist, test, ranks, step, onset)
+                if found is None:
+                    continue
+                rank, move = found
+                side = 1 if move > 0 else -1
+                if strict and (abs(move) < RECENT_MOVE * MIN_MOVE[test] * self._spread(hist, test)
+                               or (rank, test, side) not in alarmed):
+                    continue
+                return rank, test, {"moved": round(move, 6)}
         if "agree" in alarms:
             return self._disagreeing(hist, ranks, step)
+        return None
+
+    def _moved(self, hist: _StageHistory, test: str, ranks: list[int], step: int,
+               onset: int) -> tuple[int, float] | None:
+        """The replica whose level moved off the stage's trend at ``onset`` clearly more than any other (at least
+        ``MIN_MOVE`` deviations and ``ATTRIBUTION_MARGIN`` times the next), and its move; None if none did."""
+        trend = _trend(hist.series.get((test, STAGE_SERIES), []), onset)
+        moves = {r: _move(hist.series.get((test, r), []), step, onset, trend) for r in ranks}
+        order = sorted(ranks, key=lambda r: -abs(moves[r]))
+        big = abs(moves[order[0]]) >= MIN_MOVE[test] * self._spread(hist, test)
+        if big and abs(moves[order[0]]) >= ATTRIBUTION_MARGIN * abs(moves[order[1]]):
+            return order[0], moves[order[0]]
         return None
 
     def _disagreeing(self, hist: _StageHistory, ranks: list[int], step: int) -> tuple[int, str, dict] | None:
@@ -411,3 +437,4 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     na, nb = float(a.norm()), float(b.norm())
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else 0.0
+

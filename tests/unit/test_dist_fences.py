@@ -10,6 +10,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
+from planner.integrity.contributions import ContributionMonitor
 from planner.integrity.thresholds import TrendLevel
 from planner.integrity.verifier import Verifier
 
@@ -81,3 +82,29 @@ def test_a_rescaled_sender_on_a_growing_stream_is_banned_within_ten_steps(attack
     assert banned == {1}
     first = min(s for s, events in flags.items() if any("scale" in e["reasons"] for e in events))
     assert first == 20
+
+
+def _contributions(steps: int, *, start: int, low: float, seed: int = 0) -> list[dict]:
+    """Three replicas' flag events: replica 3 honest but its norm ``low`` times its twins' all along (an offset
+    that alarms and is never attributed: no level moved), replica 1 tripling its contribution from ``start``."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(2000, generator=gen)
+    shared /= shared.norm()
+    mon, events = ContributionMonitor(seed=seed), []
+    for step in range(steps):
+        parts = {}
+        for r in (1, 2, 3):
+            own = torch.randn(2000, generator=gen)
+            size = math.exp(0.2 * float(torch.randn((), generator=gen))) * (low if r == 3 else 1.0)
+            parts[r] = size * (0.5 * shared + own / own.norm())
+        if step >= start:
+            parts[1] = 3.0 * parts[1]
+        events += mon.check(1, parts, step=step)
+    return events
+
+
+def test_a_tripled_replica_is_flagged_though_an_honest_twin_s_offset_alarmed_long_before() -> None:
+    events = _contributions(40, start=30, low=0.7)
+    assert not [e for e in events if e["sender"] != 1]
+    flagged = sorted(e["step"] for e in events)
+    assert flagged and flagged[0] <= 33 and len(flagged) >= 5
