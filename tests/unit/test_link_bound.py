@@ -22,6 +22,7 @@ from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from planner.solver.recompute import bound_problem
 from planner.solver.verifiers import assign_verifiers
+from tests.unit.bruteforce import brute_force
 from tests.unit.program_fixtures import (
     POLICY,
     random_placement,
@@ -30,6 +31,7 @@ from tests.unit.program_fixtures import (
     wide_area_cluster,
 )
 from tests.unit.solver_fixtures import random_chain
+from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
 
 DRAWS = 12  # placements per problem
 
@@ -106,6 +108,16 @@ def test_the_bound_is_below_every_plan_drawn(seed):
             assert bound <= price_program(problem, placement).step_ms * (1 + 1e-9), placement
             priced += 1
     assert priced >= 3  # the draws did reach valid plans
+
+
+@pytest.mark.parametrize("twists", [False, True])
+def test_the_bound_is_below_the_enumerated_optimum(twists):
+    """Against the least program cost over every plan (``bruteforce``) of the brute-force instances."""
+    for seed in (TWIST_SEEDS if twists else range(28)):
+        chain, cluster, config, policy = instance(seed, twists=twists)
+        problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
+        best, _ = brute_force(problem, program=True)
+        assert link_lower_bound_ms(problem) <= best * (1 + 1e-9)
 
 
 def _comm_bound_case():

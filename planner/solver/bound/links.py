@@ -1,14 +1,18 @@
 """A lower bound on the compiled programs' cost (``objective.price_program``) that sees the links.
 
-The fluid LP (``objective.simple_lower_bound_ms``) bounds compute and memory only: on pools joined by slow
-links it is the step of a plan that uses every device with free links. This bound splits the plans by how
+The fluid LP (``objective._fluid_lp``) bounds compute and memory only: on pools joined by slow links it is
+the step of a plan that uses every device with free links. This bound splits the plans by how
 many *islands* they use, an island being the devices joined by links faster than a threshold (each
 threshold among the pool's link bandwidths gives a valid bound; the largest is kept):
 
 * **Compute on q islands.** A plan that uses devices of ``q`` islands is a plan of the problem restricted
-  to those devices, which the fluid LP bounds. Not knowing which ``q``, each kind of device (the same
-  times and memory) keeps as many as its ``q`` largest islands hold (a superset of any choice: the LP only
-  falls). With trusted endpoints a plan on one island needs a trusted device there.
+  to those devices, whose busiest replica works ``M T`` at least, ``T`` the fluid LP's bottleneck
+  (``objective.fluid_bottleneck_ms``: each replica is a resource busy ``m t``). Not its fill term: where
+  stage 0 is the bottleneck its warm-up forwards hide the other stages' passes (one A100 holding block 0
+  of 244 ms, another the rest, 4 microbatches: the programs cost 997.6 ms, ``simple_lower_bound_ms`` says
+  1,107.6). Not knowing which ``q``, each kind of device (the same times and memory) keeps as many as its
+  ``q`` largest islands hold (a superset of any choice: the LP only falls). With trusted endpoints a plan
+  on one island needs a trusted device there.
 * **A stage across islands** all-reduces its gradients over a ring that crosses between islands at
   least twice: ``AR >= 2 (r-1)/r * P g / bw + 2 (r-1) lat >= P g / bw + 2 lat`` with ``bw`` the fastest
   and ``lat`` the shortest link between islands, ``P`` at least the smallest block's parameters (exact
@@ -44,15 +48,15 @@ import numpy as np
 
 from cost_models import codecs
 from cost_models.cluster import Link
-from planner.solver.objective import simple_lower_bound_ms
+from planner.solver.objective import _fluid_lp
 from planner.solver.problem import Problem
 
 # Compressed all-reduces (``codec_choice.ALLREDUCE_OFFERS``): under these the all-reduce term is dropped.
 COMPRESSED_ALLREDUCE = ("auto", "int8")
 # Island partitions tried at most (each costs a few LPs).
 MAX_THRESHOLDS = 6
-# Fluid LPs solved per bound, in blocks x classes (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
-LP_CELLS = 60_000
+# Fluid LPs solved per bound, in blocks x kinds (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
+LP_CELLS = 40_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,20 +80,19 @@ class _Islands:
     between: Link
 
 
-def link_lower_bound_ms(problem: Problem, *, fluid_ms: float | None = None) -> float:
+def link_lower_bound_ms(problem: Problem) -> float:
     """:func:`link_lower_bound`'s bound (ms)."""
-    return link_lower_bound(problem, fluid_ms=fluid_ms).bound_ms
+    return link_lower_bound(problem).bound_ms
 
 
-def link_lower_bound(problem: Problem, *, fluid_ms: float | None = None) -> LinkBound:
-    """A lower bound on ``price_program`` of every valid plan of ``problem`` (see the module docstring).
-    ``fluid_ms``: ``simple_lower_bound_ms`` of the relaxed problem where the caller has it (the whole pool's LP)."""
+def link_lower_bound(problem: Problem) -> LinkBound:
+    """A lower bound on ``price_program`` of every valid plan of ``problem`` (see the module docstring)."""
     stage = [c.index for c in problem.classes if c.stage_capable]
     if not stage:
         return LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)
     window = _Window(problem, stage)
     best = LinkBound(bound_ms=window.bound_ms(None, 0), limit="memory", threshold_gbps=None, islands=1)
-    lps = _Lps(_relaxed(problem), {c: problem.classes[c].count for c in stage}, fluid_ms)
+    lps = _Lps(_relaxed(problem), {c: problem.classes[c].count for c in stage})
     for gbps, isl in _partitions(problem, stage):
         found = _split_bound(problem, lps, isl, window, gbps)
         if found.bound_ms > best.bound_ms:
@@ -103,7 +106,7 @@ class _Lps:
     of one kind (the same times and memory: one device type on several hosts) are counted together, so any
     ``q`` islands' devices of a kind are at most the ``q`` largest islands' counts of that kind."""
 
-    def __init__(self, relaxed: Problem, whole: dict[int, int], fluid_ms: float | None) -> None:
+    def __init__(self, relaxed: Problem, whole: dict[int, int]) -> None:
         self.relaxed, self.left = relaxed, LP_CELLS
         self.kind: dict[int, int] = {}
         first: dict[tuple, int] = {}
@@ -111,8 +114,6 @@ class _Lps:
             key = (relaxed.time_ms[:, c].tobytes(), relaxed.classes[c].mem_bytes)
             self.kind[c] = first.setdefault(key, c)  # a kind is named by its first class
         self.known: dict[tuple, float] = {}
-        if fluid_ms is not None:
-            self.known[tuple(sorted(self.by_kind(Counter(whole)).items()))] = fluid_ms
 
     def by_kind(self, island: Counter) -> Counter:
         out: Counter = Counter()
@@ -127,7 +128,9 @@ class _Lps:
             if cells > self.left:
                 return max([ms for k, ms in self.known.items() if _covers(dict(k), dict(key))] + [0.0])
             self.left -= cells
-            self.known[key] = simple_lower_bound_ms(_restricted(self.relaxed, dict(key)))
+            restricted = _restricted(self.relaxed, dict(key))
+            self.known[key] = restricted.num_microbatches * _fluid_lp(restricted, with_fill=False,
+                                                                      infeasible=math.inf)
         return self.known[key]
 
 
