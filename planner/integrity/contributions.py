@@ -76,6 +76,12 @@ RESPONSE_Z = 2.5
 # history still holds the honest past a flip points against, and the honest twin leads instead.
 RESPONSE_MAX_LEVEL = 0.5
 POST_Z = 1.0   # the lead on the history's part since the onset alone, in standard errors, the same way
+# ... unless the lead on the whole history is this many standard errors where honest twins barely agreed with the
+# history before (median at most RESPONSE_DECISIVE_LEVEL): no honest past there for a flip to point against, and
+# the part since the onset is a step or two of noise (gpt-tiny, 2 replicas, lr 1e-3: lead z 3.5-5 from the third
+# step, the post-onset part against it for four steps: banned +14)
+RESPONSE_DECISIVE_Z = 4.0
+RESPONSE_DECISIVE_LEVEL = 0.25
 RESPONSE_MIN_STEPS = 3   # steps since the onset before the response is read (one step is a coin toss)
 CONTRIB_REASONS = ("contrib_norm", "contrib_density", "contrib_dir", "contrib_nonfinite")
 SKETCH_CHUNK = 1 << 20   # coordinates hashed at a time: the sketch's working memory stays ~8 MB whatever the stage
@@ -354,7 +360,8 @@ class ContributionMonitor:
         # gradient keeps its direction), so the whole history may point at the wrong twin until it fades
         post = [x - y for x, y in zip(since("post", a, onset + 1), since("post", b, onset + 1))]
         z_post = sum(post) / max(1, len(post)) / (self._spread(hist, "resp") / math.sqrt(max(1, len(post))))
-        if len(post) < len(lead) or z_post * z < 0 or abs(z_post) < POST_Z:
+        decisive = abs(z) >= RESPONSE_DECISIVE_Z and _median(level) <= RESPONSE_DECISIVE_LEVEL
+        if not decisive and (len(post) < len(lead) or z_post * z < 0 or abs(z_post) < POST_Z):
             return None
         return (a if z > 0 else b), "agree", {"response_z": round(abs(z), 6)}
 

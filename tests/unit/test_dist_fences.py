@@ -13,6 +13,7 @@ from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.contributions import ContributionMonitor
 from planner.integrity.thresholds import TrendLevel
 from planner.integrity.verifier import Verifier
+from tests.unit.test_contribution_sign_noise import START, flip, train
 
 torch.set_num_threads(1)
 
@@ -108,3 +109,11 @@ def test_a_tripled_replica_is_flagged_though_an_honest_twin_s_offset_alarmed_lon
     assert not [e for e in events if e["sender"] != 1]
     flagged = sorted(e["step"] for e in events)
     assert flagged and flagged[0] <= 33 and len(flagged) >= 5
+
+
+@pytest.mark.parametrize(("lr", "seed"), [(0.05, 5), (0.1, 3)])
+def test_a_flip_whose_twins_barely_agreed_with_the_history_is_flagged_on_a_decisive_lead(lr: float, seed: int) -> None:
+    # the lead on the whole history is decisive before the part since the onset agrees (was START + 10 / + 19)
+    events = train(60, attack=flip, seed=seed, lr=lr)
+    assert events and {e["sender"] for e in events} == {1}
+    assert min(e["step"] for e in events) <= START + 6
