@@ -21,7 +21,7 @@ from planner.solver.objective import (
     Placement,
     evaluate,
     price_program,
-    simple_lower_bound_ms,
+    program_lower_bound_ms,
 )
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem
@@ -62,7 +62,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         seen, rivals = [], []
         found = search_count(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
                              seen, warm, within=work, seed=seed, rivals=rivals)
-    fluid = simple_lower_bound_ms(relaxed)
+    fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem)))
     pick = cheapest(problem, seen + [found.placement])[0]

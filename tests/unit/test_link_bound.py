@@ -15,7 +15,7 @@ from planner.solver.bound.links import link_lower_bound, link_lower_bound_ms
 from planner.solver.objective import (
     Placement,
     price_program,
-    simple_lower_bound_ms,
+    program_lower_bound_ms,
     violations,
 )
 from planner.solver.policy import VerificationPolicy
@@ -118,6 +118,7 @@ def test_the_bound_is_below_the_enumerated_optimum(twists):
         problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
         best, _ = brute_force(problem, program=True)
         assert link_lower_bound_ms(problem) <= best * (1 + 1e-9)
+        assert program_lower_bound_ms(problem) <= best * (1 + 1e-9)  # the valid bound's compute term
 
 
 def _comm_bound_case():
@@ -173,7 +174,7 @@ def test_the_bound_is_below_every_plan_of_a_small_pool(gbps, schedule):
 def test_the_bound_sees_the_links_where_the_model_must_cross_them():
     problem, cluster = _comm_bound_case()
     found = link_lower_bound(problem)
-    compute = simple_lower_bound_ms(bound_problem(problem))
+    compute = program_lower_bound_ms(bound_problem(problem))
     assert found.bound_ms > 1.5 * compute
     assert found.limit in ("links", "memory")
     rng = np.random.default_rng(0)

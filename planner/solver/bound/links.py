@@ -7,7 +7,7 @@ threshold among the pool's link bandwidths gives a valid bound; the largest is k
 
 * **Compute on q islands.** A plan that uses devices of ``q`` islands is a plan of the problem restricted
   to those devices, whose busiest replica works ``M T`` at least, ``T`` the fluid LP's bottleneck
-  (``objective.fluid_bottleneck_ms``: each replica is a resource busy ``m t``). Not its fill term: where
+  (``objective.program_lower_bound_ms``: each replica is a resource busy ``m t``). Not its fill term: where
   stage 0 is the bottleneck its warm-up forwards hide the other stages' passes (one A100 holding block 0
   of 244 ms, another the rest, 4 microbatches: the programs cost 997.6 ms, ``simple_lower_bound_ms`` says
   1,107.6). Not knowing which ``q``, each kind of device (the same times and memory) keeps as many as its
@@ -48,7 +48,7 @@ import numpy as np
 
 from cost_models import codecs
 from cost_models.cluster import Link
-from planner.solver.objective import _fluid_lp
+from planner.solver.objective import program_lower_bound_ms
 from planner.solver.problem import Problem
 
 # Compressed all-reduces (``codec_choice.ALLREDUCE_OFFERS``): under these the all-reduce term is dropped.
@@ -129,8 +129,7 @@ class _Lps:
                 return max([ms for k, ms in self.known.items() if _covers(dict(k), dict(key))] + [0.0])
             self.left -= cells
             restricted = _restricted(self.relaxed, dict(key))
-            self.known[key] = restricted.num_microbatches * _fluid_lp(restricted, with_fill=False,
-                                                                      infeasible=math.inf)
+            self.known[key] = program_lower_bound_ms(restricted)
         return self.known[key]
 
 
