@@ -1,12 +1,13 @@
-"""The price of auditing a replica (``planner.integrity.audit``): a link test on a share of its microbatches.
+"""The price of auditing a watched stage's replicas, as ``planner.runtime.rank.audits`` does it.
 
-Per audited microbatch the verifier receives a copy of the stage's input (and, to audit the gradient the
-replica sends upstream, the gradient it was sent), recomputes the stage (a forward; a forward and a backward
-for the gradient) and compares the result with what the replica sent (a read of both). The full link test
-instead needs a verifier on the stage's input boundary for every microbatch; the audit pays for ``share`` of
-them, off the replicas' critical path (the verifier works while the pipeline runs on). To recompute, the
-verifier keeps a copy of the stage's weights current: each step it receives the stage's update (the replicas'
-summed gradient, or the new weights: ``weight_sync_bytes``), whatever the share.
+At the end of every step each replica sends the auditor (the verifier of the stage's output activations) a
+digest of the gradient its optimizer applied and one replica (the source) sends that gradient whole: float32,
+a value per parameter and a presence flag per parameter tensor. The auditor recomputes the stage on the step's
+audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
+compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
+optimizer step to its copy once it has heard them. It recomputes from tensors its checks already hold (the link
+tests' copy of the stage's input): an audit sends no copy of its own. All of it follows the step's programs, so
+it lengthens the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
 
@@ -17,48 +18,60 @@ from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 
 COMPARE_PASSES = 3   # read the sent and the recomputed tensor, write their difference
+GRADIENT_VALUE_BYTES = 4   # the applied gradient travels as float32 whatever the training dtype
+DIGEST_BYTES = 8 * 5   # int64 words: stepped or not, then a blake2b-256 digest (runtime.rank.audits.DIGEST_WORDS)
 
 
 @dataclass(frozen=True, slots=True)
 class AuditCost:
-    """One step's audit of one replica, in milliseconds: the inputs' copies to the verifier (on the link from
-    the replica's upstream sender) and the verifier's recomputes and comparisons."""
+    """One step's audit of one stage, in milliseconds."""
 
-    copy_ms: float
-    compute_ms: float
-    sync_ms: float = 0.0   # the stage's update to the verifier's copy of its weights
+    recompute_ms: float   # the auditor's recomputes and comparisons of the step's audited microbatches
+    gradient_ms: float    # the applied gradient, whole, from the source replica to the auditor
+    digest_ms: float      # a replica's digest to the auditor, on the slowest replica's link
+    optim_ms: float       # the auditor's optimizer step on its copy of the stage
 
     @property
     def total_ms(self) -> float:
-        return self.copy_ms + self.compute_ms + self.sync_ms
+        return self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
+
+    def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float) -> float:
+        """When the auditor's copy has stepped. It recomputes once its own program is done, then asks for the
+        digests (a transfer starts when both ends have posted it: the replicas send after their optimizer
+        steps), then for the source's gradient, then steps."""
+        return max(auditor_free_ms + self.recompute_ms, replicas_done_ms) + self.digest_ms + self.gradient_ms \
+            + self.optim_ms
 
 
-def audit_ms(*, share: float, microbatches: int, input_bytes: float, output_bytes: float, forward_ms: float,
-             link: Link, verifier_mem_bw_bytes_per_s: float, backward_ms: float | None = None,
-             output_grad_bytes: float = 0.0, weight_sync_bytes: float = 0.0) -> AuditCost:
-    """The expected audit cost a step of a replica sending ``microbatches`` a step, ``share`` of them audited.
+def applied_gradient_bytes(params: int, param_tensors: int) -> float:
+    """The applied gradient as the source sends it (``audits.StageCopy.flat_size`` values)."""
+    return float(GRADIENT_VALUE_BYTES * (params + param_tensors))
 
-    ``input_bytes`` / ``output_bytes``: one microbatch's stage input and output; ``forward_ms``: the stage's
-    forward of one microbatch on the verifier. ``backward_ms`` (None: activations only) audits the gradient
-    the replica sends upstream too, which needs the gradient it received (``output_grad_bytes``) and a
-    backward; the comparison then reads the input gradient as well. ``weight_sync_bytes``: the stage's update
-    sent to the verifier each step (0 where it already holds the weights, e.g. a trusted replica's host)."""
-    if not 0.0 <= share <= 1.0:
-        raise InvalidInputError("audit share", expected="a share in [0, 1]", found=str(share))
+
+def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, forward_ms: float,
+             output_bytes: float, source_link: Link, digest_link: Link, verifier_mem_bw_bytes_per_s: float,
+             optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0) -> AuditCost:
+    """The expected cost of one step's audit of a stage running ``microbatches`` a step, one in ``every``
+    audited. ``forward_ms``/``backward_ms`` (None: activations only): the stage's passes of one microbatch on
+    the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input (the input gradient is
+    compared too when ``backward_ms`` is given); ``source_link``: from the source replica to the auditor,
+    ``digest_link``: the slowest from a replica to it; ``optim_ms``: the optimizer step of the stage on the
+    auditor."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
         raise InvalidInputError("audit microbatches", expected="microbatches >= 0 a step", found=str(microbatches))
-    for name, value in (("input_bytes", input_bytes), ("output_bytes", output_bytes), ("forward_ms", forward_ms),
-                        ("output_grad_bytes", output_grad_bytes), ("backward_ms", backward_ms or 0.0),
-                        ("weight_sync_bytes", weight_sync_bytes)):
+    for name, value in (("params", params), ("param_tensors", param_tensors), ("forward_ms", forward_ms),
+                        ("output_bytes", output_bytes), ("input_bytes", input_bytes), ("optim_ms", optim_ms),
+                        ("backward_ms", backward_ms or 0.0)):
         if value < 0:
             raise InvalidInputError(f"audit {name}", expected=">= 0", found=str(value))
     if verifier_mem_bw_bytes_per_s <= 0:
         raise InvalidInputError("verifier memory bandwidth", expected="> 0 bytes/s",
                                 found=str(verifier_mem_bw_bytes_per_s))
-    audited = share * microbatches
     grads = backward_ms is not None
-    copied = input_bytes + (output_grad_bytes if grads else 0.0)
     compared = output_bytes + (input_bytes if grads else 0.0)
-    compute = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
-    return AuditCost(copy_ms=audited * comm.transfer_ms(copied, link), compute_ms=audited * compute,
-                     sync_ms=comm.transfer_ms(weight_sync_bytes, link) if share > 0 else 0.0)
+    one = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
+    return AuditCost(recompute_ms=microbatches / every * one,
+                     gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
+                     digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms)

@@ -72,7 +72,7 @@ def _stages(solution: Solution, chain: BlockChain, config: TrainingConfig) -> tu
         codec = "none" if st.index == last else st.out_codec or search_codec(config.compress)
         out.append(StageInfo(index=st.index, blocks=chain.blocks[st.first_block:st.last_block + 1],
                              in_bytes=in_bytes, recompute=bool(st.recompute), out_codec=codec,
-                             allreduce_codec=st.allreduce_codec or "none"))
+                             allreduce_codec=st.allreduce_codec or "none", audit_every=st.audit_every))
     return tuple(out)
 
 

@@ -52,6 +52,7 @@ def plan_to_dict(plan: Mapping[str, Any]) -> dict[str, Any]:
         "verifier_config": plan["verifier_config"].to_dict(),
         "stages": [{"index": st.index, "in_bytes": st.in_bytes, "recompute": st.recompute,
                     "out_codec": st.out_codec, "allreduce_codec": st.allreduce_codec,
+                    "audit_every": st.audit_every,
                     "blocks": [_plain(b) for b in st.blocks]} for st in plan["stages"]],
         "chain_microbatch_size": plan["chain_microbatch_size"],
         "tied_params": [_plain(t) for t in plan["tied_params"]],
@@ -112,6 +113,7 @@ def plan_fields(data: Mapping[str, Any], source: str) -> dict[str, Any]:
             stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"], recompute=st["recompute"],
                                    out_codec=st.get("out_codec", "none"),
                                    allreduce_codec=st.get("allreduce_codec", "none"),
+                                   audit_every=st.get("audit_every", 0),
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),
             chain_microbatch_size=data["chain_microbatch_size"],

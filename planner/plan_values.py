@@ -57,7 +57,8 @@ class StageInfo:
     ``in_bytes`` is what the stage receives per microbatch (the model input
     for stage 0); ``out_bytes`` what it sends on (its last block's). Totals
     (``fwd_flops``, ``param_bytes``, ...) sum the blocks. ``recompute``: every block is checkpointed
-    (its forward runs again in the backward; only block inputs stay saved).
+    (its forward runs again in the backward; only block inputs stay saved). ``audit_every``: its replicas'
+    auditor recomputes one in this many of their microbatches (``planner.runtime.rank.audits``; 0: none).
     """
 
     index: int
@@ -66,6 +67,7 @@ class StageInfo:
     recompute: bool = False
     out_codec: str = "none"  # cost_models.codecs: how its activations (and their gradients back) travel
     allreduce_codec: str = "none"  # cost_models.codecs.ALLREDUCE_CODECS: how its replicas all-reduce gradients
+    audit_every: int = 0
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -74,7 +76,7 @@ class StageInfo:
         if tuple(b.index for b in self.blocks) != tuple(range(first, first + len(self.blocks))):
             raise InvalidInputError(f"stage {self.index} blocks", expected="consecutive block indices",
                                     found=repr(tuple(b.index for b in self.blocks)))
-        _check_non_negative(f"stage {self.index}", self, ("in_bytes",))
+        _check_non_negative(f"stage {self.index}", self, ("in_bytes", "audit_every"))
         check_codec(self.out_codec)
         check_codec(self.allreduce_codec, allowed=ALLREDUCE_CODECS)
 

@@ -30,6 +30,9 @@ semantics (see ``planner.instructions``), and prices every instruction:
   ``cost_models.comm.group_allreduce_ms`` of the stage's gradient bytes.
 * ``OPTIM``: ``cost_models.optim.optim_ms``, a memory-bound pass over weights, gradients
   and optimizer state.
+* A stage the plan audits (``StageInfo.audit_every``): its auditor, once its program is done, recomputes
+  the audited microbatches, then hears the replicas' applied gradient and steps its copy
+  (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime
@@ -78,10 +81,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from cost_models import compute, memory
+from cost_models.audit import AuditCost, audit_ms
 from cost_models.measured import CoreSharing, MessageCost
+from cost_models.optim import optim_ms
 from cost_models.verify import VERDICT_BYTES, verdict_exchange
 from planner.errors import InvalidInputError
-from planner.instruction_costs import CostModel
+from planner.instruction_costs import CostModel, stage_param_tensors
 from planner.instructions import (
     RECV_OPS,
     SEND_OPS,
@@ -325,6 +331,7 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
                                 fix="validate the plan (planner.validate.validate_programs)")
     if clip:
         _norm_exchange(run)
+    _audits(run)
     if verdicts:
         _verdict_exchange(run)
     return _summarise(plan, costs, run)
@@ -363,6 +370,62 @@ def _norm_exchange(run: _Run) -> None:
         run.events.append(Event(rank=r, kind="control", start_ms=arrive[r], end_ms=arrive[r] + wait,
                                 label="gradient norm"))
         run.clock[r] += wait
+
+
+def audited_stages(plan: Plan) -> dict[int, tuple[int, int, bool]]:
+    """Stage -> (auditor rank, source rank, gradients audited too) for every stage the plan audits, as
+    ``planner.runtime.rank.audits.audited_stages`` picks them (a trusted neighbour's tensors only)."""
+    if not plan.policy.enabled:
+        return {}
+    cluster = plan.effective_cluster()
+    trusted = {r.rank for r in plan.ranks if cluster.device(r.device).trusted}
+    out = {}
+    for k, st in enumerate(plan.stages):
+        replicas = plan.stage_ranks(k)
+        auditor = min((v.rank for v in plan.verifiers if v.boundary == k and "act" in v.directions), default=None)
+        if not st.audit_every or auditor is None or auditor in replicas or set(replicas) <= trusted:
+            continue
+        checks = {(v.boundary, d) for v in plan.verifiers if v.rank == auditor for d in v.directions}
+        grads = {(k - 1, "grad"), (k, "grad")} <= checks and set(plan.stage_ranks(k + 1)) <= trusted
+        out[k] = (auditor, min((r for r in replicas if r in trusted), default=min(replicas)), grads)
+    return out
+
+
+def _audit_cost(plan: Plan, costs: CostModel, k: int, auditor: int, source: int, grads: bool) -> AuditCost:
+    """One step's audit of stage ``k`` on ``auditor`` (``cost_models.audit``), priced as the stage's passes."""
+    chain, config, spec = costs.chain, costs.config, costs.spec[auditor]
+    lo, hi = costs.ranges[k]
+    traced = memory.trace_dtype(chain)
+    fwd = compute.range_fwd_ms(chain, lo, hi, spec, config.dtype, trace_dtype=traced)
+    bwd = compute.range_bwd_ms(chain, lo, hi, spec, config.dtype, trace_dtype=traced) \
+        + (fwd if costs.recompute[k] else 0.0)
+    params, tensors = memory.stage_param_count(chain, lo, hi), stage_param_tensors(chain, lo, hi)
+    device = plan.ranks[auditor].device
+    slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
+    return audit_ms(every=plan.stages[k].audit_every, microbatches=plan.num_microbatches, params=params,
+                    param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if grads else None,
+                    output_bytes=costs.boundary_bytes[k], input_bytes=costs.boundary_bytes[k - 1] if k else 0.0,
+                    source_link=costs.cluster.link(plan.ranks[source].device, device),
+                    digest_link=costs.cluster.link(plan.ranks[slowest].device, device),
+                    verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
+                    optim_ms=optim_ms(params, config, spec, param_tensors=tensors))
+
+
+def _audits(run: _Run) -> None:
+    """Each audited stage's auditor, once its program is done, recomputes the step's audited microbatches,
+    then hears the replicas' digests and applied gradient (after their optimizer steps) and steps its copy
+    (``planner.runtime.rank.audits``): its step ends then."""
+    plan = run.plan
+    for k, (auditor, source, grads) in audited_stages(plan).items():
+        cost = _audit_cost(plan, run.costs, k, auditor, source, grads)
+        free = run.clock[auditor]
+        end = cost.end_ms(auditor_free_ms=free, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
+        heard = end - cost.optim_ms
+        boxes = (("verify", free, free + cost.recompute_ms, "recompute"),
+                 ("control", free + cost.recompute_ms, heard, "applied gradient"), ("optim", heard, end, "copy's step"))
+        run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
+                                stage=k) for kind, a, b, what in boxes if b > a)
+        run.clock[auditor] = end
 
 
 def _verdict_exchange(run: _Run) -> None:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from planner.solver.audits import audit_notes, choose_audits
 from planner.solver.codec_choice import choose_codecs
 from planner.solver.idle import idle_reasons
 from planner.solver.link_tests import keep_link_tests, lost_link_tests
@@ -60,12 +61,13 @@ def ruled_out(problem: Problem) -> Outcome:
 def to_solution(outcome: Outcome, bound_ms: float | None, notes: tuple[str, ...], solve_s: float,
                 method: str, status: str) -> Solution:
     assert outcome.placement is not None
-    placement = choose_codecs(outcome.problem, keep_link_tests(outcome.problem, outcome.placement))
+    placement = choose_audits(outcome.problem,
+                              choose_codecs(outcome.problem, keep_link_tests(outcome.problem, outcome.placement)))
     priced = price_program(outcome.problem, placement)
     gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
         if priced.step_ms > 0 else 0.0
     notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms) + \
-        lost_link_tests(outcome.problem, placement)
+        lost_link_tests(outcome.problem, placement) + audit_notes(outcome.problem, placement)
     report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
                          solve_s=solve_s, notes=notes)
     stages = tuple(dataclasses.replace(st, in_flight=n, recompute=outcome.problem.tables(st.recompute).recompute)

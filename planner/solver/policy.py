@@ -22,6 +22,8 @@ class VerificationPolicy:
     machines), not the host alone. ``link_test_cost``: the share of step time a verifier placement that
     keeps the untrusted stages' link and residual tests may cost over the cheapest one (beyond it the plan
     keeps the cheaper placement and says which tests it lost; damping by 0.5 passes the weaker tests).
+    ``audit_cost``: the share of step time the audits of watched replicated stages may cost together
+    (``planner.solver.audits``; 0: none).
     """
 
     enabled: bool = True
@@ -31,6 +33,7 @@ class VerificationPolicy:
     verifier_placement: VerifierPlacement = "any"
     ban_excludes_domain: bool = False
     link_test_cost: float = 0.05
+    audit_cost: float = 0.05
 
     def __post_init__(self) -> None:
         if self.verifier_placement not in ("any", "stage", "cpu"):
@@ -39,6 +42,9 @@ class VerificationPolicy:
         if not 0.0 <= self.link_test_cost <= 10.0:
             raise InvalidInputError("link_test_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
                                     found=str(self.link_test_cost))
+        if not 0.0 <= self.audit_cost <= 10.0:
+            raise InvalidInputError("audit_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
+                                    found=str(self.audit_cost))
         if self.max_boundaries_per_verifier is not None and self.max_boundaries_per_verifier < 1:
             raise InvalidInputError("max_boundaries_per_verifier", expected=">= 1 or unset",
                                     found=str(self.max_boundaries_per_verifier))
@@ -48,7 +54,7 @@ class VerificationPolicy:
                 "check_gradients": self.check_gradients,
                 "max_boundaries_per_verifier": self.max_boundaries_per_verifier,
                 "verifier_placement": self.verifier_placement, "ban_excludes_domain": self.ban_excludes_domain,
-                "link_test_cost": self.link_test_cost}
+                "link_test_cost": self.link_test_cost, "audit_cost": self.audit_cost}
 
     @classmethod
     def from_dict(cls, d: dict) -> "VerificationPolicy":

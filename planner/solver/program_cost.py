@@ -54,6 +54,9 @@ replicated stage's gradients once its replicas are done. Priced the same way
   bottleneck's last forwards made their round trips there (``_finishes``); a
   replica that checks gradients first finishes its checks; then the optimizer
   step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
+* An audited stage's auditor (``audit_price``) recomputes its audited microbatches once its own program
+  is done, then hears the replicas' digests and applied gradient (sent after their optimizer steps) and steps
+  its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -63,6 +66,7 @@ import math
 from dataclasses import dataclass
 
 from cost_models import comm
+from planner.solver.audit_price import audit_cost, audit_site
 from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
@@ -530,6 +534,35 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                     finishes[k] = max(finishes[k], sent[b + 1] + p.hop_b[last][b])
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
-    step = max(f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms))
-    return ProgramCost(step_ms=max(step, pipe + optim_ms[0]), pipe_ms=pipe, in_flight=tuple(limits),
-                       bottleneck=name)
+    ends = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
+    step = max(max(ends), pipe + optim_ms[0], _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p))
+    return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
+
+
+def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
+                   p: _Paths) -> float:
+    """When the last audited stage's auditor has recomputed its audited microbatches and stepped its copy
+    (``cost_models.audit``): after the replicas' optimizer steps and its own program (0: nothing audited)."""
+    out = 0.0
+    for k, st in enumerate(stages):
+        site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
+        if site is None:
+            continue
+        cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches))
+        free = _program_end_ms(problem, stages, traffic, ends, sent, p, site.auditor)
+        out = max(out, cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k]))
+    return out
+
+
+def _program_end_ms(problem: Problem, stages, traffic: _Traffic, ends: list[float], sent: list[float], p: _Paths,
+                    device: str) -> float:
+    """When ``device``'s program ends: its stage's optimizer step, else its last check (a gradient's after its
+    sender's last backward and the trip to it; an activation's, conservatively, after its sender's)."""
+    on = [ends[k] for k, st in enumerate(stages) if device in st.devices]
+    if on:
+        return max(on)
+    last, cls = len(p.fwd) - 1, problem.class_of(device)
+    checks = [(sent[b + 1] + p.hop_b[last][b] if d == "grad" else sent[b])
+              + problem.verify_ms(problem.raw_bytes(stages[b].last_block), cls)
+              for b, d in traffic.checks.get(device, ())]
+    return max(checks, default=0.0)

@@ -20,6 +20,8 @@ class StagePlacement:
     blocks' forwards run again in the backward (None: as the problem it was planned in, ``Problem.recompute``).
     ``out_codec``: how its activations and the gradients sent back for them travel (``cost_models.codecs``);
     ``allreduce_codec``: how its replicas all-reduce their gradients (``none``, ``int8`` or ``powersgd``).
+    ``audit_every``: its replicas' audits recompute one in this many of their microbatches (0: not audited;
+    ``planner.solver.audits``).
     """
 
     index: int
@@ -31,6 +33,7 @@ class StagePlacement:
     recompute: bool | None = None
     out_codec: str | None = None  # its boundary's codec (None: the problem's, ``Problem.codec``)
     allreduce_codec: str | None = None  # its replicas' gradient all-reduce codec (None: none)
+    audit_every: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.last_block:
@@ -47,6 +50,9 @@ class StagePlacement:
                                or not all(1 <= n <= m for n, m in zip(self.in_flight, self.microbatches))):
             raise InvalidInputError(f"stage {self.index} in-flight limits", expected="one per replica, "
                                     "1..its microbatch count", found=repr(self.in_flight))
+        if isinstance(self.audit_every, bool) or not isinstance(self.audit_every, int) or self.audit_every < 0:
+            raise InvalidInputError(f"stage {self.index} audit_every", expected="a whole number >= 0 (0: no audits)",
+                                    found=repr(self.audit_every))
 
     @property
     def num_blocks(self) -> int:

@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 
-from cost_models.audit import audit_ms
-from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 from planner.integrity import audit
 from planner.integrity.bans import BanTest
@@ -94,23 +92,3 @@ def test_recovery_resumes_after_the_last_step_an_audit_vouched_for():
     assert ledger.suspect_since(1, 22) == 18
     ledger.record(3, 21, passed=True)
     assert ledger.suspect_since(3, 25) == 22 and ledger.suspect_since(1, 30) == 18
-
-
-def test_the_audit_is_priced_as_its_share_of_copies_recomputes_and_comparisons():
-    link = Link(bandwidth_gbps=8.0, latency_ms=1.0)   # 1e9 bytes/s
-    act = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
-                   verifier_mem_bw_bytes_per_s=1e10)
-    assert act.copy_ms == pytest.approx(1 * (1.0 + 1.0))         # one microbatch: latency + 1 MB at 1 GB/s
-    assert act.compute_ms == pytest.approx(10.0 + 3 * 1e6 / 1e10 * 1e3)
-    both = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
-                    verifier_mem_bw_bytes_per_s=1e10, backward_ms=20.0, output_grad_bytes=1e6)
-    assert both.copy_ms == pytest.approx(1.0 + 2.0) and both.compute_ms == pytest.approx(30.0 + 0.6)
-    assert both.total_ms == pytest.approx(both.copy_ms + both.compute_ms) and both.sync_ms == 0.0
-    synced = audit_ms(share=0.25, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
-                      verifier_mem_bw_bytes_per_s=1e10, weight_sync_bytes=4e6)
-    assert synced.sync_ms == pytest.approx(1.0 + 4.0) and synced.total_ms == pytest.approx(act.total_ms + 5.0)
-    assert audit_ms(share=0.0, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
-                    verifier_mem_bw_bytes_per_s=1e10).total_ms == 0.0
-    with pytest.raises(InvalidInputError):
-        audit_ms(share=1.5, microbatches=4, input_bytes=1e6, output_bytes=1e6, forward_ms=10.0, link=link,
-                 verifier_mem_bw_bytes_per_s=1e10)

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cost_models",),
     ("planner.solver.problem", "planner.solver.solution", "planner.solver.policy", "planner.solver.routing",
      "planner.solver.in_flight", "planner.solver.verdict_backlog", "planner.solver.program_cost",
-     "planner.solver.objective", "planner.solver.verifiers"),  # the solver's core
+     "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price"),  # the solver's core
     ("planner.solver.search",),
     ("planner.solver.bound", "planner.solver.cpsat"),
     ("planner.solver",),                                                             # the orchestrator, report

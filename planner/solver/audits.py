@@ -1,0 +1,89 @@
+"""Which watched stages' replicas the plan audits, and how often (``planner.runtime.rank.audits``).
+
+An audit is a link test on a share of microbatches that recomputes exactly: where the stage's auditor sees
+its input (``audit_price``), it catches stale and damped outputs on the first audited microbatch, which the
+link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
+the applied gradient sent whole to the auditor and the auditor's optimizer step. Audits are turned on, one in
+``EVERY_CHOICES[0]`` microbatches first, sparser where that is too dear, while all of them together cost at most
+the policy's ``audit_cost`` share of the step (priced by the program cost, as every plan is).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from planner.solver.audit_price import AuditSite, audit_cost, audit_site
+from planner.solver.objective import Placement, price_program
+from planner.solver.problem import Problem
+
+EVERY_CHOICES = (4, 8, 16)   # 4: the runtime's default (integrity.audit.DEFAULT_EVERY), then sparser
+
+
+def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
+    """``placement`` auditing stage ``k`` at one in ``every[k]`` microbatches, no other stage."""
+    stages = tuple(dataclasses.replace(st, audit_every=every.get(st.index, 0)) for st in placement.stages)
+    return dataclasses.replace(placement, stages=stages)
+
+
+def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
+    return tuple(s for k in range(placement.num_stages)
+                 if (s := audit_site(problem, placement.stages, placement.verifiers, k)) is not None)
+
+
+def choose_audits(problem: Problem, placement: Placement) -> Placement:
+    """``placement`` with audits on every auditable stage, as often as the policy's ``audit_cost`` allows."""
+    chosen: dict[int, int] = {}
+    sites = _sites(problem, placement) if problem.policy.audit_cost > 0 else ()
+    if not sites:
+        return with_audits(placement, chosen)
+    limit = (1 + problem.policy.audit_cost) * price_program(problem, with_audits(placement, {})).step_ms
+    for site in sites:
+        for every in EVERY_CHOICES:
+            if price_program(problem, with_audits(placement, {**chosen, site.stage: every})).step_ms <= limit:
+                chosen[site.stage] = every
+                break
+    return with_audits(placement, chosen)
+
+
+def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
+    """One line per watched stage (two replicas or more, one untrusted): audited at what price, or why not."""
+    if not problem.policy.enabled:
+        return ()
+    base = price_program(problem, with_audits(placement, {})).step_ms
+    out = []
+    for k, st in enumerate(placement.stages):
+        if len(st.devices) < 2 or all(problem.classes[problem.class_of(d)].trusted for d in st.devices):
+            continue
+        site = audit_site(problem, placement.stages, placement.verifiers, k)
+        if site is None:
+            out.append(f"stage {k}: replicas not audited: {_unauditable(problem, placement, k)}")
+            continue
+        every = st.audit_every or EVERY_CHOICES[-1]
+        extra = price_program(problem, with_audits(placement, {k: every})).step_ms - base
+        cost = audit_cost(problem, st, site, every, placement.num_microbatches)
+        link = problem.link(site.source, site.auditor)
+        why = (f"the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
+               f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
+               f"optimizer step {cost.optim_ms:.1f} ms")
+        if st.audit_every:
+            out.append(f"stage {k}: replicas audited by {site.auditor}, one microbatch in {every} "
+                       f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
+                       f"({100 * extra / base:.1f}%); {why}")
+        else:
+            out.append(f"stage {k}: replicas not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
+                       f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
+                       f"{100 * problem.policy.audit_cost:g}%); {why}")
+    return tuple(out)
+
+
+def _unauditable(problem: Problem, placement: Placement, k: int) -> str:
+    """Why the runtime could not audit watched stage ``k`` (``audit_price.audit_site`` said None)."""
+    if k == 0:
+        return "the first stage's input is data, which no verifier holds"
+    if k == placement.num_stages - 1:
+        return "the last stage's outputs (the loss) cross no checked boundary"
+    before, after = placement.verifier_of(k - 1), placement.verifier_of(k)
+    if before is None or after is None or before.device != after.device or "act" not in before.directions:
+        return "no verifier holds both its input and its outputs (its link tests are lost too)"
+    if after.device in placement.stages[k].devices:
+        return f"its outputs' verifier {after.device} is one of its replicas"
+    return f"its input comes from stage {k - 1}, which is untrusted (it could send the auditor another copy)"

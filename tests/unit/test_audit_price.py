@@ -1,0 +1,218 @@
+"""Audits of watched replicated stages in the plan (issue 37, deliverable 3): the plan's field, its price as the
+runtime incurs it (``cost_models.audit``), the planner's choice (``planner.solver.audits``) and one cost."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cost_models import compute
+from cost_models.audit import audit_ms
+from cost_models.cluster import Link
+from cost_models.cluster_file import parse_cluster
+from cost_models.optim import optim_ms
+from cost_models.training import TrainingConfig
+from planner.errors import InvalidInputError
+from planner.plan import Plan
+from planner.simulate import simulate
+from planner.solver.audit_price import audit_site
+from planner.solver.audits import audit_notes, choose_audits, with_audits
+from planner.solver.objective import Placement, price_program, violations
+from planner.solver.policy import VerificationPolicy
+from planner.solver.problem import build_problem, scale_chain
+from planner.solver.solution import StagePlacement, VerifierPlacement
+from planner.solver.verifiers import assign_verifiers
+from tests.unit import program_fixtures as pf
+from tests.unit.plan_fixtures import (
+    CPU_DEVICE,
+    SLOW_DEVICE,
+    TEST_DEVICE,
+    block,
+    chain,
+    cluster,
+    compile_simple,
+    config,
+    golden_plan,
+    solution,
+)
+from tests.unit.solver_fixtures import random_chain
+
+torch.set_num_threads(1)
+
+# Both boundaries of the untrusted middle stage on one verifier (the link tests' placement): it audits there.
+BOTH_SIDES = (VerifierPlacement(boundary=0, device="verifier/0", directions=("act", "grad"), watch_only=("act",)),
+              VerifierPlacement(boundary=1, device="verifier/0", directions=("act", "grad"), watch_only=("grad",)))
+
+
+def _small(every: int):
+    """gpt-golden's shape: trusted ends, two untrusted replicas in the middle, 4 microbatches, 1 Gb/s."""
+    ch = chain([block(i, fwd_flops=(i + 1) * 10**9, params=(i + 1) * 10**4) for i in range(5)], name="audit")
+    cl = cluster([("trusted-a", TEST_DEVICE, 1), ("worker-b", TEST_DEVICE, 1), ("worker-c", SLOW_DEVICE, 1),
+                  ("trusted-d", TEST_DEVICE, 1)], bandwidth_gbps=1.0, latency_ms=0.5, verifier_host=True,
+                 trusted=("trusted-a", "trusted-d"))
+    sol = solution([(0, 0), (1, 2), (3, 4)], [("trusted-a/0",), ("worker-b/0", "worker-c/0"), ("trusted-d/0",)],
+                   4, splits=[(4,), (2, 2), (4,)], verifiers=BOTH_SIDES)
+    stages = tuple(dataclasses.replace(st, audit_every=every if st.index == 1 else 0) for st in sol.stages)
+    return ch, cl, dataclasses.replace(sol, stages=stages)
+
+
+def test_the_plans_audit_every_round_trips_and_old_plans_load_without_it():
+    ch, cl, sol = _small(4)
+    plan = compile_simple(ch, cl, sol)
+    assert [st.audit_every for st in plan.stages] == [0, 4, 0]
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert [st["audit_every"] for st in data["stages"]] == [0, 4, 0] and data["policy"]["audit_cost"] == 0.05
+    assert Plan.from_dict(data) == plan
+    old = golden_plan().to_dict()
+    for st in old["stages"]:
+        del st["audit_every"]
+    del old["policy"]["audit_cost"]
+    loaded = Plan.from_dict(json.loads(json.dumps(old)))
+    assert all(st.audit_every == 0 for st in loaded.stages) and loaded.policy.audit_cost == 0.05
+    bad = json.loads(json.dumps(plan.to_dict()))
+    bad["stages"][1]["audit_every"] = -1
+    with pytest.raises(InvalidInputError):
+        Plan.from_dict(bad)
+
+
+def test_the_policy_bounds_the_audit_share():
+    assert VerificationPolicy.from_dict(VerificationPolicy(audit_cost=0.2).to_dict()).audit_cost == 0.2
+    with pytest.raises(InvalidInputError):
+        VerificationPolicy(audit_cost=-0.1)
+    with pytest.raises(InvalidInputError):
+        StagePlacement(index=0, first_block=0, last_block=0, devices=("a",), microbatches=(1,), audit_every=-4)
+
+
+def test_the_audit_is_priced_as_the_runtime_does_it():
+    link = Link(bandwidth_gbps=8.0, latency_ms=1.0)   # 1e9 bytes/s
+    cost = audit_ms(every=4, microbatches=8, params=10**6, param_tensors=4, forward_ms=10.0, backward_ms=20.0,
+                    output_bytes=1e6, input_bytes=1e6, source_link=link, digest_link=link,
+                    verifier_mem_bw_bytes_per_s=1e10, optim_ms=3.0)
+    assert cost.recompute_ms == pytest.approx(2 * (30.0 + 3 * 2e6 / 1e10 * 1e3))   # 2 of 8, forward and backward
+    assert cost.gradient_ms == pytest.approx(1.0 + 4 * (10**6 + 4) / 1e9 * 1e3)     # float32 + a flag per tensor
+    assert cost.digest_ms == pytest.approx(1.0 + 40 / 1e9 * 1e3)
+    # the copy steps once it has recomputed, then heard the digests and the gradient, sent after the replicas' steps
+    assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=90.0) == \
+        pytest.approx(100.0 + cost.recompute_ms + cost.digest_ms + cost.gradient_ms + 3.0)
+    assert cost.end_ms(auditor_free_ms=0.0, replicas_done_ms=90.0) == \
+        pytest.approx(90.0 + cost.digest_ms + cost.gradient_ms + 3.0)
+    with pytest.raises(InvalidInputError):
+        audit_ms(every=0, microbatches=8, params=1, param_tensors=1, forward_ms=1.0, output_bytes=1.0,
+                 source_link=link, digest_link=link, verifier_mem_bw_bytes_per_s=1e10, optim_ms=0.0)
+
+
+def test_the_simulated_step_ends_when_the_auditor_has_stepped_its_copy():
+    """By hand: the verifier host (CPU) recomputes 1 of 4 microbatches of blocks 1-2 (forward and backward),
+    hears worker-b's 50,002 float32 values over 1 Gb/s, then steps its copy with Adam."""
+    ch, cl, sol = _small(0)
+    plain = compile_simple(ch, cl, sol)
+    audited = compile_simple(ch, cl, _small(4)[2])
+    base = simulate(plain)
+    auditor, replicas = 4, (1, 2)   # the verifier-only rank comes last; worker-b (rank 1) sends the gradient
+    end_of = {r: max(e.end_ms for e in base.events if e.rank == r and e.kind != "send") for r in range(5)}
+    spec = cl.device("verifier/0").spec
+    cfg = config(4)
+    recompute = (compute.range_fwd_ms(ch, 1, 2, spec) + compute.range_bwd_ms(ch, 1, 2, spec)
+                 + 1e3 * 3 * (2 * 2**16) / CPU_DEVICE["mem_bw_bytes_per_s"])
+    gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
+    digest = 0.5 + 1e3 * 40 / 1.25e8
+    heard = max(end_of[auditor] + recompute, max(end_of[r] for r in replicas)) + digest + gradient
+    expected = max(base.step_ms, heard + optim_ms(50_000, cfg, spec, param_tensors=2))
+    assert expected > base.step_ms
+    assert simulate(audited).step_ms == pytest.approx(expected, rel=1e-9)
+    problem = build_problem(ch, cl, cfg, VerificationPolicy())
+    priced = price_program(problem, Placement(stages=_small(4)[2].stages, verifiers=BOTH_SIDES, num_microbatches=4))
+    assert priced.step_ms == pytest.approx(expected, rel=0.05)
+
+
+def _watched(home_gbps: float, latency_ms: float = 1.0):
+    """Trusted fast GPUs at the ends (dc), two slow volunteers in the middle stage (home), 3M parameters
+    there: its verifier on dc/1 holds both its boundaries; the dc-home link is ``home_gbps``, ``latency_ms``."""
+    fast = {**TEST_DEVICE, "name": "TEST-FAST", "peak_flops": {"float32": 1.0e14}}
+    slow = {**TEST_DEVICE, "name": "TEST-VOL", "peak_flops": {"float32": 1.0e12}}
+    hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True,
+              "devices": [{"type": "TEST-FAST", "spec": fast, "count": 2}]}]
+    hosts += [{"name": f"v{i}", "region": "home", "trust": f"v{i}", "trusted": False,
+               "devices": [{"type": "TEST-VOL", "spec": slow, "count": 1}]} for i in range(2)]
+    fastlink = {"bandwidth_gbps": 100.0, "latency_ms": 0.1}
+    cl = parse_cluster({"name": "watched", "hosts": hosts, "links": {
+        "intra_host": fastlink, "default": fastlink,
+        "regions": [{"between": ["dc", "home"], "bandwidth_gbps": home_gbps, "latency_ms": latency_ms}]}})
+    ch = chain([block(i, params=10**6 if 1 <= i <= 3 else 10**4) for i in range(5)], name="watched")
+    problem = build_problem(ch, cl, config(8), VerificationPolicy())
+    stages = (StagePlacement(index=0, first_block=0, last_block=0, devices=("dc/0",), microbatches=(8,)),
+              StagePlacement(index=1, first_block=1, last_block=3, devices=("v0/0", "v1/0"), microbatches=(4, 4)),
+              StagePlacement(index=2, first_block=4, last_block=4, devices=("dc/1",), microbatches=(8,)))
+    verifiers = tuple(dataclasses.replace(v, device="dc/1") for v in BOTH_SIDES)
+    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=8)
+    assert not violations(problem, placement)
+    return problem, placement
+
+
+def test_audits_are_chosen_where_the_auditor_hears_the_gradient_fast():
+    problem, placement = _watched(100.0)
+    chosen = choose_audits(problem, placement)
+    assert [st.audit_every for st in chosen.stages] == [0, 4, 0]
+    base = price_program(problem, with_audits(placement, {})).step_ms
+    assert base < price_program(problem, chosen).step_ms <= 1.05 * base
+    notes = audit_notes(problem, chosen)
+    assert len(notes) == 1 and notes[0].startswith("stage 1: replicas audited by dc/1, one microbatch in 4")
+
+
+def test_audits_stay_off_over_a_slow_link_to_the_auditor_and_the_plan_says_why():
+    problem, placement = _watched(0.2)   # 12 MB of gradient a step: ~0.5 s, over the whole pipeline's step
+    chosen = choose_audits(problem, with_audits(placement, {1: 4}))
+    assert all(st.audit_every == 0 for st in chosen.stages)
+    (note,) = audit_notes(problem, chosen)
+    assert note.startswith("stage 1: replicas not audited: even one microbatch in 16 costs")
+    assert "the applied gradient to dc/1 costs" in note and "over a 0.2 Gb/s link" in note
+
+
+def test_a_stage_whose_input_no_verifier_holds_is_never_audited():
+    problem, placement = _watched(100.0)
+    split = (placement.verifiers[0], dataclasses.replace(placement.verifiers[1], device="dc/0"))
+    placement = dataclasses.replace(placement, verifiers=split)
+    assert all(st.audit_every == 0 for st in choose_audits(problem, placement).stages)
+    (note,) = audit_notes(problem, placement)
+    assert "no verifier holds both its input and its outputs" in note
+
+
+def _random_audited(seed: int):
+    """A random pool (``program_fixtures.untrusted_pool``) as trusted ends around its volunteers, replicated,
+    verifiers keeping the link tests, the middle stage audited at a random share; or None."""
+    rng = np.random.default_rng(seed)
+    cl = pf.untrusted_pool(rng)
+    ch = random_chain(rng, int(rng.integers(6, 16)), param_scale=float(rng.choice([2e7, 1e8])), act_scale=5e7,
+                      out_scale=float(rng.choice([1e6, 1e7])))
+    cfg = TrainingConfig(global_batch=int(rng.choice([8, 16, 32])), microbatch_size=1)
+    policy = VerificationPolicy()
+    problem = build_problem(scale_chain(ch, 1), cl, cfg, policy)
+    L, M = problem.num_blocks, problem.num_microbatches
+    trusted = [d.id for d in cl.hosts[0].devices]
+    untrusted = [d.id for h in cl.hosts[1:] for d in h.devices]
+    cuts = sorted(rng.choice(np.arange(1, L), size=2, replace=False).tolist())
+    groups = [trusted[:1], untrusted, trusted[1:]]
+    stages = tuple(pf.stages_of(cuts, [len(g) for g in groups], [d for g in groups for d in g], L, M))
+    verifiers = assign_verifiers(problem, stages, M, link=3)
+    if len(untrusted) < 2 or verifiers is None:
+        return None
+    placement = with_audits(Placement(stages=stages, verifiers=verifiers, num_microbatches=M),
+                            {1: int(rng.choice([1, 4, 16]))})
+    if violations(problem, placement) or audit_site(problem, stages, verifiers, 1) is None:
+        return None
+    return pf._compiled(problem, placement, ch, cl, cfg, policy)
+
+
+def test_audited_random_plans_are_priced_as_they_run():
+    off = []
+    for seed in range(14):
+        got = _random_audited(seed)
+        if got is not None:
+            priced, plan = got
+            assert plan.stages[1].audit_every > 0
+            off.append(abs(priced.step_ms - simulate(plan).step_ms) / simulate(plan).step_ms)
+    assert len(off) >= 10, len(off)
+    assert max(off) <= 0.05, sorted(off)[-4:]
