@@ -556,13 +556,14 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
 
 def _program_end_ms(problem: Problem, stages, traffic: _Traffic, ends: list[float], sent: list[float], p: _Paths,
                     device: str) -> float:
-    """When ``device``'s program ends: its stage's optimizer step, else its last check (a gradient's after its
-    sender's last backward and the trip to it; an activation's, conservatively, after its sender's)."""
+    """When ``device``'s program ends: its stage's optimizer step, else its last check: a gradient's, by the
+    time its consumer hears the verdict on the last one (the last microbatch's forwards all came before); with
+    none, an activation's, conservatively after its sender's last backward."""
     on = [ends[k] for k, st in enumerate(stages) if device in st.devices]
     if on:
         return max(on)
     last, cls = len(p.fwd) - 1, problem.class_of(device)
-    checks = [(sent[b + 1] + p.hop_b[last][b] if d == "grad" else sent[b])
-              + problem.verify_ms(problem.raw_bytes(stages[b].last_block), cls)
-              for b, d in traffic.checks.get(device, ())]
-    return max(checks, default=0.0)
+    checks = traffic.checks.get(device, set())
+    grads = [sent[b + 1] + p.hop_b[last][b] for b, d in checks if d == "grad"]
+    return max(grads) if grads else max((sent[b] + problem.verify_ms(problem.raw_bytes(stages[b].last_block), cls)
+                                         for b, _ in checks), default=0.0)
