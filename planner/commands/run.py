@@ -228,9 +228,9 @@ def audit_counts(result: dict[str, Any]) -> dict[str, dict[int, int]]:
     out: dict[str, dict[int, int]] = {"run": {}, "failed": {}}
     for rank in result.get("ranks") or []:
         got = rank.get("verification", {}).get("audits") or {}
-        for key in out:
+        for key, counts in out.items():
             for sender, n in got.get(f"{key}_by_sender", {}).items():
-                out[key][int(sender)] = out[key].get(int(sender), 0) + int(n)
+                counts[int(sender)] = counts.get(int(sender), 0) + int(n)
     return out
 
 

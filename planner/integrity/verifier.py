@@ -50,9 +50,9 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
-from planner.integrity.audit import AuditLedger
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
+from planner.integrity.audit import AuditLedger
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
     STEP_MB,

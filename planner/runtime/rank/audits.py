@@ -1,54 +1,62 @@
 """Audits of a watched stage's replicas in the distributed runtime (issue 37; ``planner.integrity.audit``).
 
-A *watched* stage (``replica_checks.watched_stages``: two replicas or more, one untrusted, verified run) is
-audited by its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``).
-The auditor builds its own copy of the stage as the stage's ranks build theirs (``rank_setup.prepare_rank``:
-the same seed or saved weights) and keeps it at the replicas' weights: at the end of every step each replica
-sends it a digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and
-unscaling), one replica (the lowest trusted one, else the lowest) sends that gradient whole, and the auditor,
-finding every digest equal to the tensor's, applies the same optimizer step to its copy. During the step the
-auditor keeps, for the microbatches ``AuditSchedule.audited`` picks with its own secret (every one of a sender
-under suspicion), the tensors its checks already see: the stage's input (as the verifier of the boundary before
-it), the replica's output, the gradient the replica was sent and the one it sent upstream. At the end of the
-step, with the copy still at the weights the replicas computed with, it recomputes the stage on that input and
-compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event`` among the step's flags, which the
-verifiers' exchange turns into a ban at once. Every message is an end-of-step control message (``control.Topic
-.AUDIT``), outside the compiled programs like the contribution sketches: the plan's price does not include them.
+A *watched* stage (``replica_checks.watched_stages``: two replicas or more, one untrusted, verified run) is audited
+by its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``). The
+auditor builds its own copy of the stage as the stage's ranks build theirs (``rank_setup.prepare_rank``: the same
+seed or saved weights) and keeps it at the replicas' weights: at the end of every step each replica sends it a
+digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and unscaling), one
+replica (the lowest trusted one, else the lowest) sends that gradient whole, and the auditor, finding every digest
+equal to the tensor's, applies the same optimizer step to its copy. During the step the auditor keeps, for the
+microbatches ``AuditSchedule.audited`` picks with its own secret (every one of a sender under suspicion), the
+tensors its checks already see: the stage's input (as the verifier of the boundary before it), the replica's output,
+the gradient the replica was sent and the one it sent upstream. As soon as a microbatch's tensors are in (the rest
+at the step's end), with the copy still at the weights the replicas compute the whole step with, it recomputes the
+stage on that input and compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event`` among the step's
+flags, which the verifiers' exchange turns into a ban at once. Every message is an end-of-step control message
+(``control.Topic .AUDIT``), outside the compiled programs like the contribution sketches: the plan's price does not
+include them.
 
-Threat model. A replica cannot tell which of its microbatches are audited: it has sent every output and input
-gradient before the auditor recomputes anything, the auditor asks it for nothing per microbatch, and the
-positions come from a secret it never sees; so corrupting a share ``q`` of its tensors is caught with
-probability ``q`` per window of ``every`` microbatches, and corrupting them all within ``2 every - 1``. It
-cannot make its twin fail an audit: the twin is audited against the gradient the twin itself reports applying,
-and a digest that differs from the tensor or from another replica's stops the stage's audits instead of
-choosing whom to believe (recorded in the verifier's summary as ``audits.suspended``: where no replica is
-trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its stage's audits off
-by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a microbatch whose
-input or output tensors this verifier does not check (a plan whose input boundary has another verifier:
-those audits are skipped; so are inputs from an untrusted neighbour, which could send this verifier another copy
-than the replica and frame it), and its own gradient contribution (the contribution monitor and ``--robust-reduce``
-watch that). Like every check of this verifier, an audit takes the copy a replica sends it for what the consumer
-received (the transfers are not signed). Nothing received is unpickled or executed: digests are int64 tensors, the gradient a float32
-tensor of the copy's size, received into buffers of that shape. Not audited: a run resumed from a checkpoint
-(the copy would start from the seed), a first stage (its input is data, not a checked boundary), a stage whose
-forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
+Threat model. A replica cannot tell which of its microbatches are audited: it has sent a microbatch's output and
+input gradient before the auditor recomputes them, the auditor asks it for nothing per microbatch, an audit's
+outcome leaves the auditor only with the step's flags, and the positions come from a secret it never sees; so
+corrupting a share ``q`` of its tensors is caught with probability ``q`` per window of ``every`` microbatches, and
+corrupting them all within ``2 every - 1``. It cannot make its twin fail an audit: the twin is audited against the
+gradient the twin itself reports applying, and a digest that differs from the tensor or from another replica's stops
+the stage's audits instead of choosing whom to believe (recorded in the verifier's summary as ``audits.suspended``:
+where no replica is trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its
+stage's audits off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
+microbatch whose input or output tensors this verifier does not check (a plan whose input boundary has another
+verifier: those audits are skipped; so are inputs from an untrusted neighbour, which could send this verifier
+another copy than the replica and frame it), and its own gradient contribution (the contribution monitor and
+``--robust-reduce`` watch that). Like every check of this verifier, an audit takes the copy a replica sends it for
+what the consumer received (the transfers are not signed). Nothing received is unpickled or executed: digests are
+int64 tensors, the gradient a float32 tensor of the copy's size, received into buffers of that shape. Not audited: a
+run resumed from a checkpoint (the copy would start from the seed), a first stage (its input is data, not a checked
+boundary), a stage whose forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches,
+would drift).
 """
 from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from planner.integrity import audit
 from planner.runtime.rank import replica_checks
 from planner.runtime.rank.precision import Precision
-from planner.runtime.rank.rank_setup import make_lr_schedule, make_optimizer, prepare_rank
+from planner.runtime.rank.rank_setup import (
+    make_lr_schedule,
+    make_optimizer,
+    prepare_rank,
+)
 from planner.runtime.rank.stage import StageRuntime
 from planner.runtime.wire import control
 
+ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
 DIGEST_WORDS = 4   # a blake2b-256 digest as int64 words, after one word saying whether the optimizer stepped
 
 
@@ -219,6 +227,9 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
             continue   # an untrusted neighbour could send this verifier another input than the replica's
         zero = dropped and role in ("x", "g")
         audits.kept[(k, role, mb)] = [torch.zeros_like(t) if zero else t.detach().clone() for t in tensors]
+        if all((k, r, mb) in audits.kept for r in ROLES):   # complete: audit now, while the pipeline runs on
+            with ex._timed("verify"):
+                _audit_stage(ex, st, ex.step, only=mb)
 
 
 def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
@@ -307,18 +318,20 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     copy.apply(flat.to(ex.device) if stepped else None)
 
 
-def _audit_stage(ex: Any, st: AuditedStage, step: int) -> None:
-    """Recompute the kept microbatches on the copy and flag each output or input gradient past the tolerance."""
+def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = None) -> None:
+    """Recompute the kept microbatches (``only`` that one) on the copy, flag each output or input gradient past
+    the tolerance among the step's flags, and forget them. The copy holds the weights the replicas computed the
+    whole step with (it steps at the step's end), so a microbatch is audited as soon as its tensors are in."""
     audits: RuntimeAudits = ex.audits
     copy = audits.copies.get(st.stage)
     verifier = ex.verify.verifier if ex.verify is not None else None
     if copy is None or copy.drifts or verifier is None or st.stage in audits.suspended:
         return
     tolerance = audit.TOLERANCE.get(str(ex.precision.dtype).removeprefix("torch."), audit.TOLERANCE["float32"])
-    mbs = sorted({mb for k, _, mb in audits.kept if k == st.stage})
+    mbs = sorted({mb for k, _, mb in audits.kept if k == st.stage and only in (None, mb)})
     events = []
     for mb in mbs:
-        kept = {role: audits.kept.get((st.stage, role, mb)) for role in ("x", "y", "g", "gin")}
+        kept = {role: audits.kept.pop((st.stage, role, mb), None) for role in ROLES}
         if kept["x"] is None:
             continue
         sender = ex.plan.owner(st.stage, mb)
