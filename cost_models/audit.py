@@ -6,8 +6,10 @@ a value per parameter and a presence flag per parameter tensor. The auditor reco
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
 optimizer step to its copy once it has heard them. It recomputes from tensors its checks already hold (the link
-tests' copy of the stage's input): an audit sends no copy of its own. All of it follows the step's programs, so
-it lengthens the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
+tests' copy of the stage's input): an audit sends no copy of its own. Where it audits gradients too, it has all
+of a microbatch's tensors once it has checked the gradient the replica sent upstream, and recomputes right then,
+among its checks (``during_step``); else at the step's end. The rest follows the step's programs: it lengthens
+the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
 
@@ -30,17 +32,18 @@ class AuditCost:
     gradient_ms: float    # the applied gradient, whole, from the source replica to the auditor
     digest_ms: float      # a replica's digest to the auditor, on the slowest replica's link
     optim_ms: float       # the auditor's optimizer step on its copy of the stage
+    during_step: bool = False   # recomputed among the auditor's checks as each microbatch's tensors are in
 
     @property
     def total_ms(self) -> float:
         return self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
     def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float) -> float:
-        """When the auditor's copy has stepped. It recomputes once its own program is done, then asks for the
-        digests (a transfer starts when both ends have posted it: the replicas send after their optimizer
-        steps), then for the source's gradient, then steps."""
-        return max(auditor_free_ms + self.recompute_ms, replicas_done_ms) + self.digest_ms + self.gradient_ms \
-            + self.optim_ms
+        """When the auditor's copy has stepped. It recomputes what is left once its own program is done, then
+        asks for the digests (a transfer starts when both ends have posted it: the replicas send after their
+        optimizer steps), then for the source's gradient, then steps."""
+        left = 0.0 if self.during_step else self.recompute_ms
+        return max(auditor_free_ms + left, replicas_done_ms) + self.digest_ms + self.gradient_ms + self.optim_ms
 
 
 def applied_gradient_bytes(params: int, param_tensors: int) -> float:
@@ -74,4 +77,4 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     one = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
     return AuditCost(recompute_ms=microbatches / every * one,
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
-                     digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms)
+                     digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads)

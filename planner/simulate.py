@@ -30,8 +30,9 @@ semantics (see ``planner.instructions``), and prices every instruction:
   ``cost_models.comm.group_allreduce_ms`` of the stage's gradient bytes.
 * ``OPTIM``: ``cost_models.optim.optim_ms``, a memory-bound pass over weights, gradients
   and optimizer state.
-* A stage the plan audits (``StageInfo.audit_every``): its auditor, once its program is done, recomputes
-  the audited microbatches, then hears the replicas' applied gradient and steps its copy
+* A stage the plan audits (``StageInfo.audit_every``): its auditor recomputes the audited microbatches
+  (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
+  share longer; else once its program is done), then hears the replicas' applied gradient and steps its copy
   (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
@@ -180,6 +181,8 @@ class _Run:
     reached_optim: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     verdict_waits: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
+    # (auditor rank, boundary, direction) -> the recompute an audit adds to each such check (``_audits``)
+    audit_checks: dict[tuple[int, int, str], float] = field(default_factory=dict)
 
     def box(self, rank: int, kind: str, ins: Instruction, start: float, dur: float, peer: int | None = None) -> None:
         self.events.append(Event(rank=rank, kind=kind, start_ms=start, end_ms=start + dur,
@@ -237,7 +240,8 @@ class _Run:
         if ins.op in ("F", "B"):
             return self.costs.compute_ms(rank, ins.op) + self.executor_pass_ms()
         if ins.op in VERIFY_OPS:
-            return self.costs.verify_ms(rank, ins.boundary, ins.direction)
+            extra = self.audit_checks.get((rank, ins.boundary, ins.direction), 0.0)
+            return self.costs.verify_ms(rank, ins.boundary, ins.direction) + extra
         return self.costs.optim_ms(rank)
 
     def core_ms(self, rank: int, ins: Instruction) -> float:
@@ -318,6 +322,7 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
     run = _Run(plan=plan, costs=costs, clock=[0.0] * n, pc=[0] * n, live=[0] * n, peak=[0] * n,
                reached_optim=[0.0] * n, emulated=emulated, messages=messages,
                verdict_waits=[deferred_verdicts(prog) for prog in plan.programs])
+    run.audit_checks = _audit_checks(plan, costs)
     if cores is None or (cores >= n and sharing is None):
         _run_dedicated(run)
     else:
@@ -411,6 +416,17 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, auditor: int, source: int,
                     optim_ms=optim_ms(params, config, spec, param_tensors=tensors))
 
 
+def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], float]:
+    """An auditor that audits gradients too recomputes a microbatch once it has checked the gradient the
+    replica sent upstream (its last tensor): that check takes the recompute's expected share longer."""
+    out = {}
+    for k, (auditor, source, grads) in audited_stages(plan).items():
+        if grads:
+            cost = _audit_cost(plan, costs, k, auditor, source, grads)
+            out[(auditor, k - 1, "B")] = cost.recompute_ms / plan.num_microbatches
+    return out
+
+
 def _audits(run: _Run) -> None:
     """Each audited stage's auditor, once its program is done, recomputes the step's audited microbatches,
     then hears the replicas' digests and applied gradient (after their optimizer steps) and steps its copy
@@ -419,10 +435,11 @@ def _audits(run: _Run) -> None:
     for k, (auditor, source, grads) in audited_stages(plan).items():
         cost = _audit_cost(plan, run.costs, k, auditor, source, grads)
         free = run.clock[auditor]
+        left = 0.0 if cost.during_step else cost.recompute_ms
         end = cost.end_ms(auditor_free_ms=free, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
         heard = end - cost.optim_ms
-        boxes = (("verify", free, free + cost.recompute_ms, "recompute"),
-                 ("control", free + cost.recompute_ms, heard, "applied gradient"), ("optim", heard, end, "copy's step"))
+        boxes = (("verify", free, free + left, "recompute"), ("control", free + left, heard, "applied gradient"),
+                 ("optim", heard, end, "copy's step"))
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
         run.clock[auditor] = end

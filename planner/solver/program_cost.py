@@ -54,9 +54,10 @@ replicated stage's gradients once its replicas are done. Priced the same way
   bottleneck's last forwards made their round trips there (``_finishes``); a
   replica that checks gradients first finishes its checks; then the optimizer
   step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
-* An audited stage's auditor (``audit_price``) recomputes its audited microbatches once its own program
-  is done, then hears the replicas' digests and applied gradient (sent after their optimizer steps) and steps
-  its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
+* An audited stage's auditor (``audit_price``) recomputes its audited microbatches among its checks (its
+  load per microbatch grows by their share) where it audits gradients, else once its own program is done;
+  then it hears the replicas' digests and applied gradient (sent after their optimizer steps) and steps its
+  copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -499,6 +500,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
+    verify_load = _with_audits(problem, stages, verifiers, verify_load)
     fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
     bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
@@ -537,6 +539,18 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     ends = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
     step = max(max(ends), pipe + optim_ms[0], _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p))
     return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
+
+
+def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, float]) -> dict[str, float]:
+    """``verify_load`` with the recomputes an auditor runs among its checks (``AuditCost.during_step``), per
+    microbatch of the step."""
+    out = dict(verify_load)
+    for k, st in enumerate(stages):
+        site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
+        if site is not None and site.grads:
+            M = sum(st.microbatches)
+            out[site.auditor] = out.get(site.auditor, 0.0) + audit_cost(problem, st, site, st.audit_every, M).recompute_ms / M
+    return out
 
 
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
