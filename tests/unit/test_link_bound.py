@@ -38,12 +38,14 @@ DRAWS = 12  # placements per problem
 
 def _problems(seed: int):
     """A random wide-area pool (trusted ends off) and a volunteer pool (trusted ends on), each model too big for
-    most single devices, on 1F1B or GPipe; the recomputing twin of each too."""
+    most single devices, on 1F1B or GPipe, with codecs allowed or not; the recomputing twin of each too."""
     rng = np.random.default_rng(seed)
     schedule = "gpipe" if seed % 3 == 2 else "1f1b"
     chain = random_chain(rng, int(rng.integers(5, 12)), param_scale=float(rng.choice([3e8, 1e9])), act_scale=3e8,
                          out_scale=float(rng.choice([1e6, 2e7])))
-    config = TrainingConfig(global_batch=int(rng.choice([4, 8, 16])), microbatch_size=1, schedule=schedule)
+    compress = "auto" if seed % 2 else "none"  # codecs shrink the boundary the link terms charge
+    config = TrainingConfig(global_batch=int(rng.choice([4, 8, 16])), microbatch_size=1, schedule=schedule,
+                            compress=compress)
     for cluster, policy in ((wide_area_cluster(rng, int(rng.integers(4, 12))), POLICY),
                             (untrusted_pool(rng), VerificationPolicy())):
         base = build_problem(scale_chain(chain, 1), cluster, config, policy)
