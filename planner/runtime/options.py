@@ -93,7 +93,9 @@ class RunOptions:
     tensorboard: str | None = None  # rank 0 logs scalars into this folder (torch.utils.tensorboard)
     accumulate: int = 1             # pipeline passes (each the plan's microbatches) per optimizer step
     robust_reduce: bool = False     # untrusted replicas' gradients summed by centered clipping (replica_checks)
-    audit_every: int = AUDIT_EVERY  # audit one in this many of a watched replica's microbatches (0: off; rank.audits)
+    # audit one in this many of a watched replica's microbatches (0: off; rank.audits); None: as the plan's stage
+    # says (``audit_every``, priced), AUDIT_EVERY where it says nothing
+    audit_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -115,7 +117,7 @@ class RunOptions:
         if self.emulate_slowdown > 1.0 and not self.emulate:
             raise InvalidInputError("--emulate-slowdown", expected="--emulate-speed as well",
                                     found="a slowdown without emulated speeds", fix="add --emulate-speed")
-        if self.audit_every < 0:
+        if self.audit_every is not None and self.audit_every < 0:
             raise InvalidInputError("--audit-every", expected="a number of microbatches >= 1, or 0 (no audits)",
                                     found=str(self.audit_every))
         if self.checkpoint_every < 1:
@@ -173,7 +175,7 @@ class RunOptions:
                             ("--host", self.host), ("--cluster", self.cluster),
                             ("--eval-data", self.eval_data), ("--eval-every", self.eval_every),
                             ("--tensorboard", self.tensorboard),
-                            ("--audit-every", None if self.audit_every == AUDIT_EVERY else self.audit_every)):
+                            ("--audit-every", self.audit_every)):
             if value is not None:
                 argv += [flag, str(value)]
         for spec in self.attacks:
@@ -261,11 +263,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--robust-reduce", action="store_true", help="sum the gradients of a stage whose replicas "
                         "include an untrusted one by centered clipping (Karimireddy et al. 2021) instead of an "
                         "all-reduce: one replica moves the update by at most the clipping radius (an all-gather)")
-    parser.add_argument("--audit-every", type=int, default=AUDIT_EVERY, metavar="K",
+    parser.add_argument("--audit-every", type=int, default=None, metavar="K",
                         help="on a verified plan whose stage has replicas, one untrusted: its output verifier "
                              "recomputes one in each K of a replica's microbatches (at secret positions; all of a "
-                             "suspect's) and bans a replica whose output or gradient differs (default "
-                             f"{AUDIT_EVERY}; 0: no audits)")
+                             "suspect's) and bans a replica whose output or gradient differs (default: the plan's "
+                             f"stage's priced rate, else {AUDIT_EVERY}; 0: no audits)")
     parser.add_argument("--eval-data", metavar="SPEC", help="validation data (a --data spec): the pipeline runs "
                         "forward only on one fixed global batch of it and reports the validation loss")
     parser.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps "

@@ -58,3 +58,23 @@ def test_the_copy_steps_only_the_parameters_the_replicas_stepped():
     torch.testing.assert_close(runtime.module.bias.detach(), bias)
     copy.apply(None)   # the replicas took no step (fp16 overflow, nothing trained)
     torch.testing.assert_close(runtime.module.weight.detach(), weight - 1.0)
+
+
+def test_a_run_audits_a_watched_stage_at_the_plans_priced_rate_unless_told_otherwise():
+    import dataclasses
+
+    from planner.integrity.audit import DEFAULT_EVERY
+    from tests.dist.plans import make_plan
+
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={1: (4, 4)}, untrusted=(1, 2), verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))])
+    (st,) = audits.audited_stages(plan, every=None, verifying=True, resumed=False).values()
+    # rank 0 verifies stage 1's outputs: its auditor; no replica trusted: the lowest sends its gradient whole
+    assert (st.stage, st.replicas, st.auditor, st.source, st.every) == (1, (1, 2), 0, 1, DEFAULT_EVERY)
+    priced = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, audit_every=8 if s.index == 1 else 0)
+                                                    for s in plan.stages))
+    assert audits.audited_stages(priced, every=None, verifying=True, resumed=False)[1].every == 8
+    assert audits.audited_stages(priced, every=2, verifying=True, resumed=False)[1].every == 2
+    assert audits.audited_stages(priced, every=0, verifying=True, resumed=False) == {}
+    assert audits.audited_stages(priced, every=None, verifying=False, resumed=False) == {}
+    assert audits.audited_stages(priced, every=None, verifying=True, resumed=True) == {}

@@ -68,22 +68,26 @@ class AuditedStage:
     replicas: tuple[int, ...]
     auditor: int
     source: int
+    every: int   # one audited microbatch in each window of this many of a replica's
 
 
-def audited_stages(plan: Any, *, every: int, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
+def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
     """Stage -> how it is audited, for every watched stage whose output activations a verifier outside it checks
-    (the same on every rank: the plan and the run's options decide)."""
-    if every <= 0 or not verifying or resumed:
+    (the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
+    many microbatches (0: none); None: the plan's stage's ``audit_every`` (priced), ``audit.DEFAULT_EVERY`` where
+    it is 0 (a plan's 0 may predate audits: they stay on unless the run says ``--audit-every 0``)."""
+    if not verifying or resumed:
         return {}
     trusted = control.trusted_ranks(plan)
     out = {}
     for stage, ranks in replica_checks.watched_stages(plan).items():
         auditor = min((v.rank for v in plan.verifiers if v.boundary == stage and "act" in v.directions),
                       default=None)
-        if auditor is None or auditor in ranks:
+        share = every if every is not None else (plan.stages[stage].audit_every or audit.DEFAULT_EVERY)
+        if auditor is None or auditor in ranks or share <= 0:
             continue
         source = min((r for r in ranks if r in trusted), default=min(ranks))
-        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=auditor, source=source)
+        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=auditor, source=source, every=share)
     return out
 
 
@@ -155,9 +159,8 @@ class RuntimeAudits:
     gradient. Every rank holds one (``stages`` empty where nothing is audited)."""
 
     stages: dict[int, AuditedStage]
-    every: int = audit.DEFAULT_EVERY
     copies: dict[int, StageCopy] = field(default_factory=dict)
-    schedule: audit.AuditSchedule | None = None
+    schedules: dict[int, audit.AuditSchedule] = field(default_factory=dict)   # the auditor's, by stage
     trusted: frozenset[int] = frozenset()
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
@@ -172,7 +175,8 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
     here, before the run starts, the way the stage's first replica builds its stage."""
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
-    out = RuntimeAudits(stages=stages, every=max(1, opts.audit_every), trusted=control.trusted_ranks(plan))
+    out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
+    secret = secrets.token_bytes(16)   # the auditor's alone: no other rank can tell the audited microbatches
     for k, st in stages.items():
         if st.auditor != rank:
             continue
@@ -183,8 +187,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
         schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                     total_steps=opts.steps)
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule)
-    if out.copies:
-        out.schedule = audit.AuditSchedule(secrets.token_bytes(16), out.every)
+        out.schedules[k] = audit.AuditSchedule(secret, st.every)
     return out
 
 
@@ -211,7 +214,7 @@ def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
     mine = ex.plan.ranks[owner].microbatches
     contrib = getattr(ex, "_contributions", None)
     suspected = owner in ex.unresolved or (contrib is not None and owner in contrib.suspects(st.stage))
-    return audits.schedule.audited(owner, ex.step, list(mine).index(mb), len(mine), suspected=suspected)
+    return audits.schedules[st.stage].audited(owner, ex.step, list(mine).index(mb), len(mine), suspected=suspected)
 
 
 def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
