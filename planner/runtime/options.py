@@ -93,8 +93,8 @@ class RunOptions:
     tensorboard: str | None = None  # rank 0 logs scalars into this folder (torch.utils.tensorboard)
     accumulate: int = 1             # pipeline passes (each the plan's microbatches) per optimizer step
     robust_reduce: bool = False     # untrusted replicas' gradients summed by centered clipping (replica_checks)
-    # audit one in this many of a watched replica's microbatches (0: off; rank.audits); None: as the plan's stage
-    # says (``audit_every``, priced), AUDIT_EVERY where it says nothing
+    # audit one in this many of every watched replica's microbatches (0: off; rank.audits); None: as the plan
+    # chose per stage (``StageInfo.audit_every``, priced; 0 there: not audited)
     audit_every: int | None = None
 
     def __post_init__(self) -> None:
@@ -266,8 +266,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--audit-every", type=int, default=None, metavar="K",
                         help="on a verified plan whose stage has replicas, one untrusted: its output verifier "
                              "recomputes one in each K of a replica's microbatches (at secret positions; all of a "
-                             "suspect's) and bans a replica whose output or gradient differs (default: the plan's "
-                             f"stage's priced rate, else {AUDIT_EVERY}; 0: no audits)")
+                             "suspect's) and bans a replica whose output or gradient differs (default: as the plan "
+                             "chose per stage, priced; a stage it does not audit, or a plan from before audits: none; "
+                             f"K overrides it on every auditable stage, {AUDIT_EVERY} the densest the planner picks; "
+                             "0: no audits)")
     parser.add_argument("--eval-data", metavar="SPEC", help="validation data (a --data spec): the pipeline runs "
                         "forward only on one fixed global batch of it and reports the validation loss")
     parser.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps "

@@ -4,6 +4,8 @@ microbatches. A clean run audits and fails nothing, and trains exactly what a ru
 replica that damps its outputs is banned by a failed audit (proof), its twin never."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,16 +19,18 @@ STEPS, ATTACK_START = 6, 2
 ATTACKER, TWIN, VERIFIER = 1, 2, 0
 
 
-def _plan(tmp_path):
+def _plan(tmp_path, *, audit_every: int = 0):
     # mlp-tiny in 3 stages, the middle one on two untrusted replicas (ranks 1, 2), the first stage's rank (0,
     # trusted) verifying both of its boundaries both ways (it sees the stage's input, outputs and gradients), as
     # benchmarks/verification_dist.py's replicated shape; a warm-up long enough that the monitors flag nothing
-    # in these few steps: what bans here is the audit
+    # in these few steps: what bans here is the audit. The plan audits stage 1 at one in ``audit_every``.
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
                      replicas={1: (4, 4)}, untrusted=(1, 2), optimizer="adam",
                      verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))],
                      verifier_config=VerifierConfig(warmup=50))
     assert plan.stage_ranks(1) == (ATTACKER, TWIN) and plan.ranks[VERIFIER].stage == 0
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, audit_every=audit_every if st.index == 1
+                                                                      else 0) for st in plan.stages))
     return plan.save(tmp_path / "plan.json")
 
 
@@ -41,7 +45,7 @@ def test_the_options_default_is_the_audit_modules():
 def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audits(tmp_path):
     path = _plan(tmp_path)
     results, params = {}, {}
-    for every in (DEFAULT_EVERY, 0):
+    for every in (DEFAULT_EVERY, None):   # the plan audits nothing: only --audit-every 4 does
         dump = tmp_path / f"dump{every}"
         results[every] = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, lr=1e-2, audit_every=every,
                                            dump=str(dump)))
@@ -50,16 +54,16 @@ def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audit
     # one in 4 of each replica's 4 microbatches a step, act and grad each, at least (a suspect: every one)
     assert audits["run"] >= 2 * 2 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
     assert set(audits["run_by_sender"]) == {str(ATTACKER), str(TWIN)}
-    assert _audits(results[0])["run"] == 0
+    assert _audits(results[None])["run"] == 0
     assert not results[DEFAULT_EVERY]["banned"]
-    for on, off in zip(params[DEFAULT_EVERY], params[0]):
+    for on, off in zip(params[DEFAULT_EVERY], params[None]):
         assert on.keys() == off.keys()
         for name in on:
             torch.testing.assert_close(on[name], off[name], rtol=0, atol=0)
 
 
 def test_a_replica_damping_its_outputs_is_banned_by_a_failed_audit_and_its_twin_is_not(tmp_path):
-    path = _plan(tmp_path)
+    path = _plan(tmp_path, audit_every=DEFAULT_EVERY)   # no --audit-every: the plan's choice audits the stage
     attack = f"rank={ATTACKER},kind=scale,factor=0.5,start={ATTACK_START}"
     with pytest.raises(RunBanned) as stopped:
         launch(RunOptions(plan=str(path), steps=STEPS + 4, timeout_s=60, lr=1e-2, attacks=(attack,)))

@@ -2,11 +2,15 @@
 comparison of a sent tensor with its recompute, and the copy's optimizer step."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 
 import torch
 
+from planner.runtime.options import RunOptions, add_run_arguments
 from planner.runtime.rank import audits
+from tests.dist.plans import make_plan
 
 
 def test_the_digest_tells_equal_gradients_from_any_changed_value():
@@ -60,21 +64,37 @@ def test_the_copy_steps_only_the_parameters_the_replicas_stepped():
     torch.testing.assert_close(runtime.module.weight.detach(), weight - 1.0)
 
 
-def test_a_run_audits_a_watched_stage_at_the_plans_priced_rate_unless_told_otherwise():
-    import dataclasses
-
-    from planner.integrity.audit import DEFAULT_EVERY
-    from tests.dist.plans import make_plan
-
+def _watched_plan(every: int):
+    """mlp-tiny in 3 stages, the middle one on two untrusted replicas (ranks 1, 2), rank 0 verifying both of its
+    boundaries; the plan audits stage 1 at one in ``every`` microbatches (0: not at all)."""
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
                      replicas={1: (4, 4)}, untrusted=(1, 2), verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))])
-    (st,) = audits.audited_stages(plan, every=None, verifying=True, resumed=False).values()
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, audit_every=every if s.index == 1 else 0)
+                                                  for s in plan.stages))
+
+
+def test_without_audit_every_a_run_audits_the_stage_the_plan_audits():
+    (st,) = audits.audited_stages(_watched_plan(4), every=None, verifying=True, resumed=False).values()
     # rank 0 verifies stage 1's outputs: its auditor; no replica trusted: the lowest sends its gradient whole
-    assert (st.stage, st.replicas, st.auditor, st.source, st.every) == (1, (1, 2), 0, 1, DEFAULT_EVERY)
-    priced = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, audit_every=8 if s.index == 1 else 0)
-                                                    for s in plan.stages))
-    assert audits.audited_stages(priced, every=None, verifying=True, resumed=False)[1].every == 8
-    assert audits.audited_stages(priced, every=2, verifying=True, resumed=False)[1].every == 2
-    assert audits.audited_stages(priced, every=0, verifying=True, resumed=False) == {}
-    assert audits.audited_stages(priced, every=None, verifying=False, resumed=False) == {}
-    assert audits.audited_stages(priced, every=None, verifying=True, resumed=True) == {}
+    assert (st.stage, st.replicas, st.auditor, st.source, st.every) == (1, (1, 2), 0, 1, 4)
+    assert audits.audited_stages(_watched_plan(8), every=None, verifying=True, resumed=False)[1].every == 8
+
+
+def test_without_audit_every_a_run_does_not_audit_a_stage_the_plan_does_not():
+    # 0: the planner chose no audits there (too dear), or the plan predates them
+    assert audits.audited_stages(_watched_plan(0), every=None, verifying=True, resumed=False) == {}
+
+
+def test_an_explicit_audit_every_overrides_the_plans_choice_on_every_watched_stage():
+    assert audits.audited_stages(_watched_plan(0), every=2, verifying=True, resumed=False)[1].every == 2
+    assert audits.audited_stages(_watched_plan(8), every=2, verifying=True, resumed=False)[1].every == 2
+    assert audits.audited_stages(_watched_plan(8), every=0, verifying=True, resumed=False) == {}
+    assert audits.audited_stages(_watched_plan(8), every=None, verifying=False, resumed=False) == {}
+    assert audits.audited_stages(_watched_plan(8), every=None, verifying=True, resumed=True) == {}
+
+
+def test_run_audit_every_defaults_to_the_plans_choice():
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    assert parser.parse_args(["p.json"]).audit_every is None and RunOptions(plan="p.json").audit_every is None
+    assert parser.parse_args(["p.json", "--audit-every", "0"]).audit_every == 0

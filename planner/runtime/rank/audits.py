@@ -74,16 +74,16 @@ class AuditedStage:
 def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
     """Stage -> how it is audited, for every watched stage whose output activations a verifier outside it checks
     (the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
-    many microbatches (0: none); None: the plan's stage's ``audit_every`` (priced), ``audit.DEFAULT_EVERY`` where
-    it is 0 (a plan's 0 may predate audits: they stay on unless the run says ``--audit-every 0``)."""
-    if not verifying or resumed:
+    many microbatches for every such stage (0: none); None: as the plan chose per stage (``StageInfo.audit_every``,
+    priced; 0 there, as in a plan that predates audits: not audited)."""
+    if not verifying or resumed or every == 0:
         return {}
     trusted = control.trusted_ranks(plan)
     out = {}
     for stage, ranks in replica_checks.watched_stages(plan).items():
         auditor = min((v.rank for v in plan.verifiers if v.boundary == stage and "act" in v.directions),
                       default=None)
-        share = every if every is not None else (plan.stages[stage].audit_every or audit.DEFAULT_EVERY)
+        share = plan.stages[stage].audit_every if every is None else every
         if auditor is None or auditor in ranks or share <= 0:
             continue
         source = min((r for r in ranks if r in trusted), default=min(ranks))
