@@ -101,6 +101,7 @@ from planner.instructions import (
 )
 from planner.plan import Plan
 from planner.plan_values import Predicted
+from planner.solver.audit_price import AuditWhere, audit_rule
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
@@ -377,22 +378,31 @@ def _norm_exchange(run: _Run) -> None:
         run.clock[r] += wait
 
 
-def audited_stages(plan: Plan) -> dict[int, tuple[int, int, bool]]:
-    """Stage -> (auditor rank, source rank, gradients audited too) for every stage the plan audits, as
-    ``planner.runtime.rank.audits.audited_stages`` picks them (a trusted neighbour's tensors only)."""
-    if not plan.policy.enabled:
-        return {}
+def audit_site(plan: Plan, k: int) -> AuditWhere | str:
+    """Where stage ``k`` of ``plan`` can be audited, by ranks, or why not (``audit_price.audit_rule``, the rule
+    the planner prices; the runtime's audits use this too). Its auditor: the lowest rank verifying its outputs."""
     cluster = plan.effective_cluster()
     trusted = {r.rank for r in plan.ranks if cluster.device(r.device).trusted}
+    auditor = min((v.rank for v in plan.verifiers if v.boundary == k and "act" in v.directions), default=None)
+    last = plan.num_stages - 1
+    return audit_rule(stage=k, num_stages=plan.num_stages, replicas=sorted(plan.stage_ranks(k)),
+                      upstream=plan.stage_ranks(k - 1) if k > 0 else (),
+                      downstream=plan.stage_ranks(k + 1) if k < last else (), trusted=trusted, auditor=auditor,
+                      auditor_checks={(v.boundary, d) for v in plan.verifiers if v.rank == auditor
+                                      for d in v.directions},
+                      codecs=(plan.stages[k - 1].out_codec if k > 0 else "none", plan.stages[k].out_codec))
+
+
+def audited_stages(plan: Plan) -> dict[int, tuple[int, int, bool]]:
+    """Stage -> (auditor rank, source rank, gradients audited too) for every stage the plan audits
+    (``audit_every``) where ``audit_site`` allows it, as the runtime audits them."""
+    if not plan.policy.enabled:
+        return {}
     out = {}
     for k, st in enumerate(plan.stages):
-        replicas = plan.stage_ranks(k)
-        auditor = min((v.rank for v in plan.verifiers if v.boundary == k and "act" in v.directions), default=None)
-        if not st.audit_every or auditor is None or auditor in replicas or set(replicas) <= trusted:
-            continue
-        checks = {(v.boundary, d) for v in plan.verifiers if v.rank == auditor for d in v.directions}
-        grads = {(k - 1, "grad"), (k, "grad")} <= checks and set(plan.stage_ranks(k + 1)) <= trusted
-        out[k] = (auditor, min((r for r in replicas if r in trusted), default=min(replicas)), grads)
+        where = audit_site(plan, k) if st.audit_every else None
+        if isinstance(where, AuditWhere):
+            out[k] = (int(where.auditor), int(where.source), where.grads)
     return out
 
 

@@ -6,9 +6,12 @@ input it verifies on the boundary before (sent by a trusted stage: an untrusted 
 copy than the replica's), and for the gradient the stage sends upstream, the gradient it was sent (from a
 trusted stage) and the one it sent. So a stage is auditable only where one verifier holds both of its
 boundaries, the placement that also keeps its link tests (``link_tests``), never the first or last stage.
+``audit_rule`` is that rule, over device names (the planner) or ranks (a plan: ``simulate.audit_site``, which
+the simulator and the runtime's audits use).
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 from cost_models.audit import AuditCost, audit_ms
@@ -27,28 +30,68 @@ class AuditSite:
     grads: bool
 
 
-def _trusted(problem: Problem, st: StagePlacement) -> bool:
-    return all(problem.classes[problem.class_of(d)].trusted for d in st.devices)
+@dataclass(frozen=True, slots=True)
+class AuditWhere:
+    """Where ``audit_rule`` lets a watched stage be audited: by ``auditor``, with ``source`` sending it the
+    applied gradient whole (the first trusted replica, else the first), gradients too where ``grads``."""
+
+    auditor: Hashable
+    source: Hashable
+    grads: bool
 
 
-def _verifier(verifiers: tuple[VerifierPlacement, ...], boundary: int) -> VerifierPlacement | None:
-    return next((v for v in verifiers if v.boundary == boundary), None)
+def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], upstream: Collection[Hashable],
+               downstream: Collection[Hashable], trusted: Collection[Hashable], auditor: Hashable | None,
+               auditor_checks: Collection[tuple[int, str]], codecs: tuple[str, str]) -> AuditWhere | str:
+    """Where stage ``stage`` (on ``replicas``, between stages on ``upstream`` and ``downstream``) is audited, or
+    why it cannot be. ``auditor``: the verifier of its output activations (None: none); ``auditor_checks``: the
+    (boundary, "act" | "grad") it verifies; ``codecs``: its input and output boundaries' codecs."""
+    k = stage
+    if len(replicas) < 2 or all(r in trusted for r in replicas):
+        return "it is not replicated on an untrusted device (nothing to audit)"
+    if k == 0:
+        return "the first stage's input is data, which no verifier holds"
+    if k == num_stages - 1:
+        return "the last stage's outputs (the loss) cross no checked boundary"
+    if auditor is None or not {(k - 1, "act"), (k, "act")} <= set(auditor_checks):
+        return "no verifier holds both its input and its outputs (its link tests are lost too)"
+    if auditor in replicas:
+        return f"its outputs' verifier {auditor} is one of its replicas"
+    if not all(r in trusted for r in upstream):
+        return f"its input comes from stage {k - 1}, which is untrusted (it could send the auditor another copy)"
+    grads = {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
+    source = next((r for r in replicas if r in trusted), replicas[0])
+    return AuditWhere(auditor=auditor, source=source, grads=grads)
+
+
+def _codec(problem: Problem, st: StagePlacement) -> str:
+    return problem.codec if st.out_codec is None else st.out_codec
+
+
+def audit_where(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
+                k: int) -> AuditWhere | str:
+    """``audit_rule`` for stage ``k`` of a placement (its auditor: the verifier of its output boundary)."""
+    after = next((v for v in verifiers if v.boundary == k and "act" in v.directions), None)
+    auditor = None if after is None else after.device
+    checks = {(v.boundary, d) for v in verifiers if v.device == auditor for d in v.directions}
+    trusted = {d for st in stages[max(0, k - 1):k + 2] for d in st.devices
+               if problem.classes[problem.class_of(d)].trusted}
+    return audit_rule(stage=k, num_stages=len(stages), replicas=stages[k].devices,
+                      upstream=stages[k - 1].devices if k > 0 else (),
+                      downstream=stages[k + 1].devices if k + 1 < len(stages) else (), trusted=trusted,
+                      auditor=auditor, auditor_checks=checks,
+                      codecs=(_codec(problem, stages[k - 1]) if k > 0 else "none", _codec(problem, stages[k])))
 
 
 def audit_site(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],
                k: int) -> AuditSite | None:
-    """How stage ``k`` is audited, or None where the runtime could not audit it (see the module docstring)."""
-    st = stages[k]
-    if not problem.policy.enabled or len(st.devices) < 2 or _trusted(problem, st) or not 0 < k < len(stages) - 1:
+    """How stage ``k`` is audited, or None where the runtime could not audit it (``audit_rule``)."""
+    if not problem.policy.enabled:
         return None
-    before, after = _verifier(verifiers, k - 1), _verifier(verifiers, k)
-    if before is None or after is None or before.device != after.device or after.device in st.devices:
+    where = audit_where(problem, stages, verifiers, k)
+    if isinstance(where, str):
         return None
-    if "act" not in after.directions or "act" not in before.directions or not _trusted(problem, stages[k - 1]):
-        return None
-    grads = "grad" in after.directions and "grad" in before.directions and _trusted(problem, stages[k + 1])
-    source = next((d for d in st.devices if problem.classes[problem.class_of(d)].trusted), st.devices[0])
-    return AuditSite(stage=k, auditor=after.device, source=source, grads=grads)
+    return AuditSite(stage=k, auditor=str(where.auditor), source=str(where.source), grads=where.grads)
 
 
 def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.audit_price import AuditSite, audit_cost, audit_site
+from planner.solver.audit_price import AuditSite, audit_cost, audit_site, audit_where
 from planner.solver.objective import Placement, price_program
 from planner.solver.problem import Problem
 
@@ -55,7 +55,8 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
             continue
         site = audit_site(problem, placement.stages, placement.verifiers, k)
         if site is None:
-            out.append(f"stage {k}: replicas not audited: {_unauditable(problem, placement, k)}")
+            why = audit_where(problem, placement.stages, placement.verifiers, k)
+            out.append(f"stage {k}: replicas not audited: {why}")
             continue
         every = st.audit_every or EVERY_CHOICES[-1]
         extra = price_program(problem, with_audits(placement, {k: every})).step_ms - base
@@ -73,17 +74,3 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
                        f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
                        f"{100 * problem.policy.audit_cost:g}%); {why}")
     return tuple(out)
-
-
-def _unauditable(problem: Problem, placement: Placement, k: int) -> str:
-    """Why the runtime could not audit watched stage ``k`` (``audit_price.audit_site`` said None)."""
-    if k == 0:
-        return "the first stage's input is data, which no verifier holds"
-    if k == placement.num_stages - 1:
-        return "the last stage's outputs (the loss) cross no checked boundary"
-    before, after = placement.verifier_of(k - 1), placement.verifier_of(k)
-    if before is None or after is None or before.device != after.device or "act" not in before.directions:
-        return "no verifier holds both its input and its outputs (its link tests are lost too)"
-    if after.device in placement.stages[k].devices:
-        return f"its outputs' verifier {after.device} is one of its replicas"
-    return f"its input comes from stage {k - 1}, which is untrusted (it could send the auditor another copy)"

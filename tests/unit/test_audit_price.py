@@ -17,8 +17,9 @@ from cost_models.optim import optim_ms
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.plan import Plan
+from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
-from planner.solver.audit_price import audit_site
+from planner.solver.audit_price import AuditWhere, audit_site, audit_where
 from planner.solver.audits import EVERY_CHOICES, audit_notes, choose_audits, with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -203,6 +204,24 @@ def test_a_stage_whose_input_no_verifier_holds_is_never_audited():
     assert all(st.audit_every == 0 for st in choose_audits(problem, placement).stages)
     (note,) = audit_notes(problem, placement)
     assert "no verifier holds both its input and its outputs" in note
+
+
+@pytest.mark.parametrize("verifiers", [BOTH_SIDES, OUTPUTS_ONLY,
+                                       (BOTH_SIDES[0], dataclasses.replace(BOTH_SIDES[1], device="trusted-a/0")),
+                                       (dataclasses.replace(BOTH_SIDES[0], directions=("grad",), watch_only=()),
+                                        BOTH_SIDES[1])])
+def test_the_planner_and_the_compiled_plan_apply_one_audit_rule(verifiers):
+    ch, cl, sol = _small(4, verifiers)
+    problem = build_problem(ch, cl, config(4), VerificationPolicy())
+    plan = compile_simple(ch, cl, sol)
+    for k in range(plan.num_stages):
+        site, where = audit_site(problem, sol.stages, sol.verifiers, k), plan_audit_site(plan, k)
+        if site is None:
+            assert isinstance(where, str) and where == audit_where(problem, sol.stages, sol.verifiers, k)
+            continue
+        assert isinstance(where, AuditWhere), where
+        device = {r.rank: r.device for r in plan.ranks}
+        assert (device[where.auditor], device[where.source], where.grads) == (site.auditor, site.source, site.grads)
 
 
 def _random_audited(seed: int):

@@ -6,10 +6,13 @@ import argparse
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from planner.runtime.options import RunOptions, add_run_arguments
 from planner.runtime.rank import audits
+from planner.simulate import audit_site, audited_stages
+from planner.solver.audit_price import AuditWhere
 from tests.dist.plans import make_plan
 
 
@@ -98,3 +101,35 @@ def test_run_audit_every_defaults_to_the_plans_choice():
     add_run_arguments(parser)
     assert parser.parse_args(["p.json"]).audit_every is None and RunOptions(plan="p.json").audit_every is None
     assert parser.parse_args(["p.json", "--audit-every", "0"]).audit_every == 0
+
+
+def _three_stages(*, replicated: int, untrusted, verifiers, every: int = 4):
+    """mlp-tiny in 3 stages, stage ``replicated`` on two replicas, a CPU verifier host (device 4) after them."""
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={replicated: (4, 4)}, untrusted=untrusted, verifiers=verifiers, verifier_host=True)
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, audit_every=every) for s in plan.stages))
+
+
+BOTH = ("act", "grad")
+
+
+@pytest.mark.parametrize("why, replicated, untrusted, verifiers", [
+    ("the first stage: its input is data", 0, (0, 1), [(0, 4, BOTH)]),
+    ("fed by an untrusted stage", 1, (0, 1, 2), [(0, 4, BOTH), (1, 4, BOTH)]),
+    ("its input checked by another verifier", 1, (1, 2), [(0, 0, BOTH), (1, 4, BOTH)]),
+    ("its auditor sees no input activations", 1, (1, 2), [(0, 4, ("grad",)), (1, 4, BOTH)]),
+])
+def test_the_runtime_never_audits_a_stage_the_planners_rule_rules_out(why, replicated, untrusted, verifiers):
+    plan = _three_stages(replicated=replicated, untrusted=untrusted, verifiers=verifiers)
+    assert audits.audited_stages(plan, every=4, verifying=True, resumed=False) == {}, why
+    assert audited_stages(plan) == {}, why   # the simulator neither
+    assert all(isinstance(audit_site(plan, k), str) for k in range(plan.num_stages)), why
+
+
+def test_the_runtime_audits_where_the_simulator_does_and_as_the_planners_rule_says():
+    plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=[(0, 4, BOTH), (1, 4, BOTH)])
+    (st,) = audits.audited_stages(plan, every=None, verifying=True, resumed=False).values()
+    where = audit_site(plan, 1)
+    assert isinstance(where, AuditWhere) and (where.auditor, where.source, where.grads) == (4, 1, True)
+    assert (st.stage, st.auditor, st.source, st.every) == (1, 4, 1, 4)
+    assert audited_stages(plan) == {1: (4, 1, True)}

@@ -25,15 +25,15 @@ gradient the twin itself reports applying, and a digest that differs from the te
 the stage's audits instead of choosing whom to believe (recorded in the verifier's summary as ``audits.suspended``:
 where no replica is trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its
 stage's audits off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
-microbatch whose input or output tensors this verifier does not check (a plan whose input boundary has another
-verifier: those audits are skipped; so are inputs from an untrusted neighbour, which could send this verifier
-another copy than the replica and frame it), and its own gradient contribution (the contribution monitor and
+microbatch whose input or output tensors this verifier does not check (the gradients sent to it by an untrusted
+downstream stage: those audits are skipped), and its own gradient contribution (the contribution monitor and
 ``--robust-reduce`` watch that). Like every check of this verifier, an audit takes the copy a replica sends it for
 what the consumer received (the transfers are not signed). Nothing received is unpickled or executed: digests are
 int64 tensors, the gradient a float32 tensor of the copy's size, received into buffers of that shape. Not audited: a
-run resumed from a checkpoint (the copy would start from the seed), a first stage (its input is data, not a checked
-boundary), a stage whose forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches,
-would drift).
+stage the planner's rule (``audit_price.audit_rule``) rules out (the first or last stage, one whose input and
+output boundaries two verifiers hold, one fed by an untrusted stage, which could send the auditor another copy than
+the replica and frame it), a run resumed from a checkpoint (the copy would start from the seed), a stage whose
+forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ from planner.runtime.rank.rank_setup import (
 )
 from planner.runtime.rank.stage import StageRuntime
 from planner.runtime.wire import control
+from planner.simulate import audit_site
+from planner.solver.audit_price import AuditWhere
 
 ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
 DIGEST_WORDS = 4   # a blake2b-256 digest as int64 words, after one word saying whether the optimizer stepped
@@ -72,22 +74,20 @@ class AuditedStage:
 
 
 def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
-    """Stage -> how it is audited, for every watched stage whose output activations a verifier outside it checks
-    (the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
+    """Stage -> how it is audited, for every watched stage the planner's rule lets its auditor audit
+    (``simulate.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
     many microbatches for every such stage (0: none); None: as the plan chose per stage (``StageInfo.audit_every``,
     priced; 0 there, as in a plan that predates audits: not audited)."""
     if not verifying or resumed or every == 0:
         return {}
-    trusted = control.trusted_ranks(plan)
     out = {}
     for stage, ranks in replica_checks.watched_stages(plan).items():
-        auditor = min((v.rank for v in plan.verifiers if v.boundary == stage and "act" in v.directions),
-                      default=None)
         share = plan.stages[stage].audit_every if every is None else every
-        if auditor is None or auditor in ranks or share <= 0:
-            continue
-        source = min((r for r in ranks if r in trusted), default=min(ranks))
-        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=auditor, source=source, every=share)
+        where = audit_site(plan, stage) if share > 0 else None
+        if not isinstance(where, AuditWhere):
+            continue   # the planner's rule (``audit_price.audit_rule``): this auditor could never audit it
+        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=int(where.auditor),
+                                  source=int(where.source), every=share)
     return out
 
 
