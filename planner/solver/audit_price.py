@@ -5,7 +5,10 @@ the verifier of its output activations, from the tensors that verifier's checks 
 input it verifies on the boundary before (sent by a trusted stage: an untrusted neighbour could send it another
 copy than the replica's), and for the gradient the stage sends upstream, the gradient it was sent (from a
 trusted stage) and the one it sent. So a stage is auditable only where one verifier holds both of its
-boundaries, the placement that also keeps its link tests (``link_tests``), never the first or last stage.
+boundaries, the placement that also keeps its link tests (``link_tests``), never the first or last stage, and
+only where neither boundary is compressed: the auditor compares the decoded wire tensor with an uncompressed
+recompute, and a codec's round trip alone (int8 ~0.007 relative error, fp8 0.02-0.05, int4 0.08-0.12) would ban
+honest replicas at the fp32 tolerance of 0.01 (``integrity.audit.TOLERANCE``).
 ``audit_rule`` is that rule, over device names (the planner) or ranks (a plan: ``simulate.audit_site``, which
 the simulator and the runtime's audits use).
 """
@@ -59,6 +62,11 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
         return f"its outputs' verifier {auditor} is one of its replicas"
     if not all(r in trusted for r in upstream):
         return f"its input comes from stage {k - 1}, which is untrusted (it could send the auditor another copy)"
+    compressed = [f"{side} boundary travels {codec}" for side, codec in zip(("input", "output"), codecs)
+                  if codec != "none"]
+    if compressed:
+        return (f"its {' and '.join(compressed)}-encoded: the audit recomputes uncompressed, and a codec's round "
+                f"trip alone errs near or past its tolerance (fp32 0.01; int8 ~0.007, fp8 to 0.05, int4 to 0.12)")
     grads = {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
     source = next((r for r in replicas if r in trusted), replicas[0])
     return AuditWhere(auditor=auditor, source=source, grads=grads)

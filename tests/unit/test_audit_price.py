@@ -206,6 +206,21 @@ def test_a_stage_whose_input_no_verifier_holds_is_never_audited():
     assert "no verifier holds both its input and its outputs" in note
 
 
+@pytest.mark.parametrize("stage, codec", [(0, "int8"), (1, "fp8"), (1, "int4")])
+def test_a_stage_with_a_compressed_boundary_is_never_audited_and_the_plan_says_why(stage, codec):
+    """The auditor compares the decoded tensor with an uncompressed recompute: a codec's round trip alone
+    (int8 ~0.007, fp8 up to 0.05, int4 up to 0.12) would fail honest replicas at fp32's tolerance 0.01."""
+    problem, placement = _watched(100.0)
+    stages = tuple(dataclasses.replace(st, out_codec=codec if st.index == stage else "none")
+                   for st in placement.stages)
+    placement = dataclasses.replace(placement, stages=stages)
+    assert audit_site(problem, placement.stages, placement.verifiers, 1) is None
+    assert all(st.audit_every == 0 for st in choose_audits(problem, placement).stages)
+    (note,) = audit_notes(problem, placement)
+    side = "input" if stage == 0 else "output"
+    assert note.startswith(f"stage 1: replicas not audited: its {side} boundary travels {codec}-encoded"), note
+
+
 @pytest.mark.parametrize("verifiers", [BOTH_SIDES, OUTPUTS_ONLY,
                                        (BOTH_SIDES[0], dataclasses.replace(BOTH_SIDES[1], device="trusted-a/0")),
                                        (dataclasses.replace(BOTH_SIDES[0], directions=("grad",), watch_only=()),

@@ -133,3 +133,13 @@ def test_the_runtime_audits_where_the_simulator_does_and_as_the_planners_rule_sa
     assert isinstance(where, AuditWhere) and (where.auditor, where.source, where.grads) == (4, 1, True)
     assert (st.stage, st.auditor, st.source, st.every) == (1, 4, 1, 4)
     assert audited_stages(plan) == {1: (4, 1, True)}
+
+
+@pytest.mark.parametrize("stage, codec", [(0, "int8"), (1, "fp8"), (1, "int4")])
+def test_the_runtime_does_not_audit_a_stage_whose_boundary_is_compressed(stage, codec):
+    plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=[(0, 4, BOTH), (1, 4, BOTH)])
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, out_codec=codec) if s.index == stage else s
+                                                  for s in plan.stages))
+    assert audits.audited_stages(plan, every=4, verifying=True, resumed=False) == {}
+    assert audited_stages(plan) == {}
+    assert "encoded" in audit_site(plan, 1)
