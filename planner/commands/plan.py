@@ -70,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link-tests-cost", type=float, default=0.05, metavar="FRACTION",
                    help="the share of step time worth paying for verifiers that keep every untrusted stage's "
                         "link and residual tests (default 0.05: 5%%; 0: only where free)")
+    p.add_argument("--audit-cost", type=float, default=0.05, metavar="FRACTION",
+                   help="the share of step time worth paying to audit the replicas of stages with an untrusted "
+                        "replica (their verifier recomputes one in K of their microbatches; default 0.05: 5%%; "
+                        "0: no audits)")
     p.add_argument("--secret-file", metavar="FILE", help="the run secret to sign the plan with (default: "
                    "$STAGEWISE_SECRET, else ~/.config/stagewise/secret, created on first use)")
     p.set_defaults(handler=run)
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     graph, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
     seq = args.seq if args.seq is not None else token_seq(graph)  # recorded: the plan rebuilds the traced shape
     policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain,
-                                link_test_cost=args.link_tests_cost)
+                                link_test_cost=args.link_tests_cost, audit_cost=args.audit_cost)
     start = time.perf_counter()
     with err.status("solving...") as status:
         def progress(label: str, obj: float | None, bound: float | None, elapsed: float) -> None:

@@ -41,10 +41,10 @@ class VerificationPolicy:
                                     found=repr(self.verifier_placement))
         if not 0.0 <= self.link_test_cost <= 10.0:
             raise InvalidInputError("link_test_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
-                                    found=str(self.link_test_cost))
+                                    found=str(self.link_test_cost), fix="pass --link-tests-cost between 0 and 10")
         if not 0.0 <= self.audit_cost <= 10.0:
             raise InvalidInputError("audit_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
-                                    found=str(self.audit_cost))
+                                    found=str(self.audit_cost), fix="pass --audit-cost between 0 and 10")
         if self.max_boundaries_per_verifier is not None and self.max_boundaries_per_verifier < 1:
             raise InvalidInputError("max_boundaries_per_verifier", expected=">= 1 or unset",
                                     found=str(self.max_boundaries_per_verifier))

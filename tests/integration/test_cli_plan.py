@@ -68,6 +68,8 @@ def test_ppdp_baseline_and_a_fixed_shape_are_honoured(tmp_path: Path) -> None:
     (("--baseline", "ppdp", "--replicas", "2"), "--baseline with --stages/--replicas; expected one of them"),
     (("--global-batch", "16", "--microbatches", "3"), "--microbatches 3; expected a divisor of --global-batch 16"),
     (("--gap", "1.5"), "--gap; expected a relative gap in [0, 1)"),
+    (("--audit-cost", "-1"), "fix: pass --audit-cost between 0 and 10"),
+    (("--link-tests-cost", "11"), "fix: pass --link-tests-cost between 0 and 10"),
     (("--cluster", "missing.yaml"), "cluster file 'missing.yaml'"),
     (("--cluster", "t4.yaml", "--global-batch", "2", "--microbatches", "1"),
      "the model needs 22.7 GB for weights, gradients and optimizer state; the cluster's usable memory is 15.5 GB"),
