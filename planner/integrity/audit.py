@@ -21,7 +21,8 @@ microbatch until its evidence clears: a flag costs an audit, never a ban by itse
 
 An audit event is a microbatch flag of the verifiers' exchange (``blame.FLAG_EVENTS_SCHEMA``, reason
 :data:`AUDIT_REASON`): the sender's own evidence, outside the causal order (its input was the one it
-received, so nothing upstream explains a mismatch).
+received, so nothing upstream explains a mismatch). So is a step-level one
+(:func:`applied_gradient_event`) against a replica whose reported update differs from its trusted twin's.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ __all__ = [
     "TOLERANCE",
     "AuditLedger",
     "AuditSchedule",
+    "applied_gradient_event",
     "audit_event",
     "failed_audits",
     "is_audit",
@@ -182,6 +184,15 @@ def audit_event(*, step: int, mb: int, boundary: int, direction: str, sender: in
     return {"type": "flag", "step": int(step), "mb": int(mb), "boundary": int(boundary), "direction": direction,
             "sender": int(sender), "scope": "microbatch", "scores": {AUDIT_REASON: min(error, 1e9)},
             "fences": {AUDIT_REASON: float(tolerance)}, "reasons": [AUDIT_REASON]}
+
+
+def applied_gradient_event(*, step: int, stage: int, sender: int) -> dict[str, Any]:
+    """The flag of a replica of ``stage`` that reported applying another gradient than the one its trusted
+    twin applied: the replicas step with one all-reduced sum, so it lies about its own state (proof, as a failed
+    audit's); a step-level flag of its stage's gradient."""
+    return {"type": "flag", "step": int(step), "mb": -1, "boundary": int(stage), "direction": "grad",
+            "sender": int(sender), "scope": "step", "scores": {AUDIT_REASON: 1e9}, "fences": {AUDIT_REASON: 0.0},
+            "reasons": [AUDIT_REASON]}
 
 
 def is_audit(event: Mapping[str, Any]) -> bool:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from types import SimpleNamespace
 
+import jsonschema
 import pytest
 import torch
 
+from planner.integrity import audit
+from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights, proven
 from planner.runtime.options import RunOptions, add_run_arguments
 from planner.runtime.rank import audits
 from planner.simulate import audit_site, audited_stages
@@ -143,3 +147,87 @@ def test_the_runtime_does_not_audit_a_stage_whose_boundary_is_compressed(stage, 
     assert audits.audited_stages(plan, every=4, verifying=True, resumed=False) == {}
     assert audited_stages(plan) == {}
     assert "encoded" in audit_site(plan, 1)
+
+
+def _reports(flat, **lies):
+    """Replicas 1 (trusted here or not), 2 and 3 each reporting ``flat``'s digest, but for ``lies``."""
+    honest = tuple(audits.digest(flat).tolist())
+    return {r: tuple(lies[f"r{r}"].tolist()) if f"r{r}" in lies else honest for r in (1, 2, 3)}
+
+
+def test_a_trusted_sources_update_is_the_truth_and_a_replica_reporting_another_fails_an_audit():
+    flat = torch.randn(10)
+    lie = audits.digest(flat + 1)
+    judged = audits.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset({1}))
+    assert judged == audits.AppliedJudgement(stepped=True, suspend=False, liars=(3,))
+    # claiming to have taken no step is a lie too; the honest twins are never named
+    judged = audits.judge_applied(_reports(flat, r2=audits.digest(None)), flat, source=1, trusted=frozenset({1}))
+    assert judged.liars == (2,) and not judged.suspend and judged.stepped
+    assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset({1})) == \
+        audits.AppliedJudgement(stepped=True, suspend=False)
+    event = audit.applied_gradient_event(step=5, stage=1, sender=3)
+    jsonschema.validate([event], FLAG_EVENTS_SCHEMA)
+    assert proven([event]) == {3} and blame_weights([event])[3] == math.inf
+
+
+def test_without_a_trusted_replica_a_disagreement_stops_the_audits_and_names_nobody():
+    flat = torch.randn(10)
+    lie = audits.digest(flat + 1)
+    assert audits.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset()) == \
+        audits.AppliedJudgement(stepped=True, suspend=True)
+    # the source's tensor is not what it reports: nobody is believed, even a trusted source
+    for trusted in (frozenset(), frozenset({1})):
+        judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=trusted)
+        assert judged.suspend and not judged.liars
+    assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset()) == \
+        audits.AppliedJudgement(stepped=True, suspend=False)
+    nothing = {r: tuple(audits.digest(None).tolist()) for r in (1, 2, 3)}
+    assert audits.judge_applied(nothing, torch.zeros(10), source=1, trusted=frozenset()) == \
+        audits.AppliedJudgement(stepped=False, suspend=False)
+
+
+class _Verifier:
+    def __init__(self):
+        self.audits, self.flags, self.suspended = [], [], []
+
+    def record_audit(self, sender, step, *, passed):
+        self.audits.append((sender, step, passed))
+
+    def add_flags(self, step, events):
+        self.flags += [(step, e) for e in events]
+
+    def suspend_audits(self, stage, step):
+        self.suspended.append((stage, step))
+
+
+def _sync(monkeypatch, *, trusted, lie_by: int):
+    """The auditor (rank 0) of stage 1 on replicas 1 (the source) and 2 hears ``lie_by``'s digest of another
+    gradient, then steps its copy or not (``_sync_copy`` with the messages stubbed)."""
+    module = torch.nn.Linear(2, 1, bias=False)
+    runtime = type("R", (), {"module": module, "parameters": lambda self: tuple(module.named_parameters())})()
+    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+    flat = torch.tensor([1.0, 2.0, 1.0])   # the weight's gradient, then its presence flag
+    digests = {0: torch.zeros(1 + audits.DIGEST_WORDS, dtype=torch.int64), 1: audits.digest(flat),
+               2: audits.digest(flat)}
+    digests[lie_by] = audits.digest(flat * 2)
+    replies = iter([digests, {0: torch.zeros(3), 1: flat}])
+    monkeypatch.setattr(audits.control, "gather_to", lambda *a, **k: next(replies))
+    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
+    verifier = _Verifier()
+    ex = SimpleNamespace(rank=0, device=torch.device("cpu"), verify=SimpleNamespace(verifier=verifier),
+                         audits=audits.RuntimeAudits(stages={1: st}, copies={1: copy}, trusted=frozenset(trusted)))
+    before = module.weight.detach().clone()
+    audits._sync_copy(ex, st, step=3)
+    return verifier, ex.audits, not torch.equal(before, module.weight.detach())
+
+
+def test_a_lying_untrusted_twin_of_a_trusted_replica_is_flagged_and_cannot_stop_the_audits(monkeypatch):
+    verifier, state, stepped = _sync(monkeypatch, trusted={0, 1}, lie_by=2)
+    assert verifier.audits == [(2, 3, False)] and [e["sender"] for _, e in verifier.flags] == [2]
+    assert proven([e for _, e in verifier.flags]) == {2}
+    assert not verifier.suspended and not state.suspended and stepped   # the copy steps with the trusted tensor
+
+
+def test_without_a_trusted_replica_a_lie_stops_the_stages_audits(monkeypatch):
+    verifier, state, stepped = _sync(monkeypatch, trusted={0}, lie_by=2)
+    assert verifier.suspended == [(1, 3)] and state.suspended == {1: 3} and not verifier.flags and not stepped

@@ -21,10 +21,12 @@ input gradient before the auditor recomputes them, the auditor asks it for nothi
 outcome leaves the auditor only with the step's flags, and the positions come from a secret it never sees; so
 corrupting a share ``q`` of its tensors is caught with probability ``q`` per window of ``every`` microbatches, and
 corrupting them all within ``2 every - 1``. It cannot make its twin fail an audit: the twin is audited against the
-gradient the twin itself reports applying, and a digest that differs from the tensor or from another replica's stops
-the stage's audits instead of choosing whom to believe (recorded in the verifier's summary as ``audits.suspended``:
-where no replica is trusted the auditor cannot tell the liar). That is what a lying replica *can* do: turn its
-stage's audits off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
+gradient the twin itself reports applying. Where the replica sending that gradient whole is trusted, its report is
+the truth: a replica whose digest differs lies about its own state (the replicas all apply one all-reduced sum) and
+fails an audit (``judge_applied``). Where no replica is trusted, a digest that differs from the tensor or from
+another replica's stops the stage's audits instead of choosing whom to believe (recorded in the verifier's summary
+as ``audits.suspended``: the auditor cannot tell the liar). That is what a lying replica *can* do: turn the audits of
+a stage without a trusted replica off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
 microbatch whose input or output tensors this verifier does not check (the gradients sent to it by an untrusted
 downstream stage: those audits are skipped), and its own gradient contribution (the contribution monitor and
 ``--robust-reduce`` watch that). Like every check of this verifier, an audit takes the copy a replica sends it for
@@ -310,15 +312,48 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                          expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
     if st.stage in audits.suspended:
         return
-    digests = {tuple(got[r].cpu().tolist()) for r in st.replicas}
     flat = whole[st.source].cpu()
-    stepped = next(iter(digests))[0] == 1 if len(digests) == 1 else None
-    if stepped is None or tuple(digest(flat if stepped else None).tolist()) not in digests:
-        audits.suspended[st.stage] = step   # someone lied about its update: believe nobody, audit no more
-        if ex.verify is not None and ex.verify.verifier is not None:
-            ex.verify.verifier.suspend_audits(st.stage, step)
+    judged = judge_applied({r: tuple(got[r].cpu().tolist()) for r in st.replicas}, flat, source=st.source,
+                           trusted=audits.trusted)
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    if judged.liars and verifier is not None:
+        for r in judged.liars:
+            verifier.record_audit(r, step, passed=False)
+        verifier.add_flags(step, [audit.applied_gradient_event(step=step, stage=st.stage, sender=r)
+                                  for r in judged.liars])
+    if judged.suspend:
+        audits.suspended[st.stage] = step   # someone lied about its update and nobody is believed: audit no more
+        if verifier is not None:
+            verifier.suspend_audits(st.stage, step)
         return
-    copy.apply(flat.to(ex.device) if stepped else None)
+    copy.apply(flat.to(ex.device) if judged.stepped else None)
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedJudgement:
+    """What the auditor makes of a step's reported updates (``judge_applied``): whether the copy steps (with the
+    source's gradient where ``stepped``), or its audits stop (``suspend``); ``liars``: replicas proven lying."""
+
+    stepped: bool
+    suspend: bool
+    liars: tuple[int, ...] = ()
+
+
+def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, source: int,
+                  trusted: frozenset[int]) -> AppliedJudgement:
+    """The replicas' reported digests (``digest``) against the gradient ``flat`` that ``source`` sent whole. A
+    trusted source's report is the truth: the replicas all apply one all-reduced sum, so a replica reporting
+    another lies about its own state (a failed audit), and the copy steps with the source's tensor. Without a
+    trusted source, any disagreement (among the digests, or with the tensor) stops the stage's audits: the
+    auditor cannot tell the liar."""
+    claimed = reported[source]
+    stepped = claimed[0] == 1
+    if tuple(digest(flat if stepped else None).tolist()) != claimed:
+        return AppliedJudgement(stepped=False, suspend=True)   # the source's tensor is not what it reports
+    liars = tuple(sorted(r for r, d in reported.items() if d != claimed))
+    if source in trusted:
+        return AppliedJudgement(stepped=stepped, suspend=False, liars=liars)
+    return AppliedJudgement(stepped=stepped, suspend=bool(liars))
 
 
 def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = None) -> None:
