@@ -223,15 +223,10 @@ def summary_table(result: dict[str, Any], here=None):
 
 
 def audit_counts(result: dict[str, Any]) -> dict[str, dict[int, int]]:
-    """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, over every
-    verifier rank's summary."""
-    out: dict[str, dict[int, int]] = {"run": {}, "failed": {}}
-    for rank in result.get("ranks") or []:
-        got = rank.get("verification", {}).get("audits") or {}
-        for key, counts in out.items():
-            for sender, n in got.get(f"{key}_by_sender", {}).items():
-                counts[int(sender)] = counts.get(int(sender), 0) + int(n)
-    return out
+    """The replicas' audits run and failed, per audited rank, as the verifier ranks reported them
+    (``run_report.audit_counts``: the result's ``audits``)."""
+    got = result.get("audits") or {}
+    return {key: {int(r): int(n) for r, n in (got.get(key) or {}).items()} for key in ("run", "failed")}
 
 
 def leg_row(leg: dict[str, Any]) -> tuple[str, str]:

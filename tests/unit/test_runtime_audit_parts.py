@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from types import SimpleNamespace
 
 import jsonschema
 import pytest
 import torch
+from rich.console import Console
 
+from planner.commands.run import summary_table
+from planner.errors import ProtocolError
 from planner.integrity import audit
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights, proven
 from planner.runtime.options import RunOptions, add_run_arguments
+from planner.runtime.outputs.run_report import RANK_FINAL_SCHEMA, audit_counts
 from planner.runtime.rank import audits
+from planner.runtime.wire import messages
 from planner.simulate import audit_site, audited_stages
 from planner.solver.audit_price import AuditWhere
 from tests.dist.plans import make_plan
@@ -231,3 +237,37 @@ def test_a_lying_untrusted_twin_of_a_trusted_replica_is_flagged_and_cannot_stop_
 def test_without_a_trusted_replica_a_lie_stops_the_stages_audits(monkeypatch):
     verifier, state, stepped = _sync(monkeypatch, trusted={0}, lie_by=2)
     assert verifier.suspended == [(1, 3)] and state.suspended == {1: 3} and not verifier.flags and not stepped
+
+
+def _final(rank: int, audits_summary) -> dict:
+    return {"rank": rank, "stage": 0, "device_type": "cpu", "fwd_factor": 1.0, "bwd_factor": 1.0,
+            "verification": {"flags": 0, "audits": audits_summary}, "bans": [], "attacked": []}
+
+
+@pytest.mark.parametrize("forged", [{"one": "x"}, {"run_by_sender": {"one": "x"}}, {"failed_by_sender": {"1": -3}},
+                                    {"run": "many"}, {"suspended": {"1": 1.5}}])
+def test_a_forged_audit_summary_is_a_protocol_error_naming_its_sender(forged):
+    data = json.dumps(_final(2, forged)).encode()
+    with pytest.raises(ProtocolError, match="rank 2 sent a malformed run summary"):
+        messages.decode(data, sender=2, what="run summary", schema=RANK_FINAL_SCHEMA)
+    honest = {"run": 3, "failed": 1, "run_by_sender": {"1": 2, "2": 1}, "failed_by_sender": {"1": 1},
+              "suspended": {}}
+    assert messages.decode(json.dumps(_final(0, honest)).encode(), sender=0, what="run summary",
+                           schema=RANK_FINAL_SCHEMA)["verification"]["audits"] == honest
+
+
+def test_the_run_summary_counts_only_the_verifier_ranks_audits():
+    plan = _watched_plan(4)   # rank 0 verifies; ranks 1 and 2 are the untrusted replicas
+    assert {v.rank for v in plan.verifiers} == {0}
+    ranks = [_final(0, {"run": 4, "failed": 0, "run_by_sender": {"1": 2, "2": 2}, "failed_by_sender": {}}),
+             _final(1, {"run": 9, "failed": 9, "run_by_sender": {"2": 9}, "failed_by_sender": {"2": 9}}),
+             _final(2, {})]
+    counts = audit_counts(plan, ranks)
+    assert counts == {"run": {"1": 2, "2": 2}, "failed": {}}
+    console = Console(width=200, record=True)
+    console.print(summary_table({"model": "mlp-tiny", "num_ranks": 3, "schedule": "1f1b", "steps": 2,
+                                 "predicted_step_ms": 1.0, "measured_step_ms": 1.0, "final_loss": 1.0,
+                                 "verified_boundaries": [0, 1], "flags": 0, "dropped": [0], "banned": [],
+                                 "ranks": ranks, "audits": json.loads(json.dumps(counts))}))
+    (line,) = [line for line in console.export_text().splitlines() if "replica audits" in line]
+    assert "4 / 0: rank 1 2/0, rank 2 2/0" in line, line

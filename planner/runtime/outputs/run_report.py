@@ -41,6 +41,15 @@ class ProgressReport:
         write_json(self.opts.report, {**partial, "in_progress": True})
 
 
+# A count per rank (or stage), by its number as a JSON key.
+_BY_NUMBER = {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+              "additionalProperties": {"type": "integer", "minimum": 0}}
+# A verifier's audits (``Verifier.summary``): what the run's summary adds up.
+_AUDITS_SCHEMA = {"type": "object", "additionalProperties": False,
+                  "properties": {"run": {"type": "integer", "minimum": 0}, "failed": {"type": "integer", "minimum": 0},
+                                 "run_by_sender": _BY_NUMBER, "failed_by_sender": _BY_NUMBER,
+                                 "suspended": _BY_NUMBER}}
+
 # What every rank sends rank 0 at the end (``rank_final``), checked on receipt.
 RANK_FINAL_SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -51,7 +60,8 @@ RANK_FINAL_SCHEMA = {
         "verification": {"type": "object", "properties": {"flags": {"type": "integer", "minimum": 0},
                                                           "alerts": {"type": "integer", "minimum": 0},
                                                           "drops": DROPS_SCHEMA,
-                                                          "drops_total": {"type": "integer", "minimum": 0}}},
+                                                          "drops_total": {"type": "integer", "minimum": 0},
+                                                          "audits": _AUDITS_SCHEMA}},
         "bans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
                                             "maxItems": 2}},
         "attacked": {"type": "array", "items": {"type": "array"}},
@@ -100,6 +110,21 @@ def lead_drops(plan, opts: RunOptions, ranks: list[dict[str, Any]]) -> tuple[lis
     return drops, int(record.get("drops_total", len(drops)))
 
 
+def audit_counts(plan, ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, as the plan's
+    verifier ranks (trusted) report them; any other rank's word on audits is not read."""
+    verifiers = {v.rank for v in plan.verifiers}
+    out: dict[str, dict[str, int]] = {"run": {}, "failed": {}}
+    for record in ranks:
+        if record["rank"] not in verifiers:
+            continue
+        got = record["verification"].get("audits") or {}
+        for key, counts in out.items():
+            for sender, n in got.get(f"{key}_by_sender", {}).items():
+                counts[sender] = counts.get(sender, 0) + n
+    return out
+
+
 def predicted_step_ms(plan, opts: RunOptions) -> float:
     """The plan's step as this run takes it: the plan's own prediction, simulated again where the run clips
     the gradients' norm (one more exchange), accumulates passes or does not verify."""
@@ -130,6 +155,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
             "lr": [s.lr for s in summaries], "accumulate": opts.accumulate, "dropped": [s.dropped for s in summaries],
             "microbatches": len(summaries) * plan.num_microbatches, "drops": drops, "drops_total": drops_total,
             "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
+            "audits": audit_counts(plan, ranks),
             "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
             "untrained_steps": list(executor.untrained_steps)}
