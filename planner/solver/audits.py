@@ -5,17 +5,21 @@ its input (``audit_price``), it catches stale and damped outputs on the first au
 link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
 the applied gradient sent whole to the auditor and the auditor's optimizer step. Audits are turned on, one in
 ``EVERY_CHOICES[0]`` microbatches first, sparser where that is too dear, while all of them together cost at most
-the policy's ``audit_cost`` share of the step (priced by the program cost, as every plan is).
+the policy's ``audit_cost`` share of the step (priced by the program cost, as every plan is), and only where
+the auditor has the memory for its copy of the stage beside what its programs keep (``copy_bytes``; the plan's
+memory figures do not include the copy).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from planner.solver.audit_price import AuditSite, audit_cost, audit_site, audit_where
-from planner.solver.objective import Placement, price_program
+from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
+from planner.solver.solution import StagePlacement
 
 EVERY_CHOICES = (4, 8, 16)   # 4: the runtime's default (integrity.audit.DEFAULT_EVERY), then sparser
+APPLIED_GRADIENT_BYTES_PER_PARAM = 4   # the replicas' applied gradient, received whole as float32
 
 
 def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
@@ -29,17 +33,42 @@ def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
                  if (s := audit_site(problem, placement.stages, placement.verifiers, k)) is not None)
 
 
+def copy_bytes(problem: Problem, st: StagePlacement) -> int:
+    """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audits.StageCopy``): the weights,
+    gradients and optimizer state a replica holds, the applied gradient it receives whole, and the activations
+    of the one microbatch it recomputes."""
+    tables = problem.tables(st.recompute)
+    first, last = st.first_block, st.last_block
+    per_param = tables.state_bytes_per_param + APPLIED_GRADIENT_BYTES_PER_PARAM
+    return (tables.range_params(first, last) * per_param + tables.range_act_bytes(first, last)
+            + tables.buffer_bytes(first, last))
+
+
+def _free_bytes(problem: Problem, placement: Placement) -> dict[str, int]:
+    """Device -> bytes its class holds beyond what the placement's programs keep there (before any audit)."""
+    plain = with_audits(placement, {})
+    used = dict(program_memory(problem, plain, price_program(problem, plain).in_flight))
+    devices = {d for st in placement.stages for d in st.devices} | {v.device for v in placement.verifiers}
+    return {d: problem.classes[problem.class_of(d)].mem_bytes - used.get(d, 0) for d in devices}
+
+
 def choose_audits(problem: Problem, placement: Placement) -> Placement:
-    """``placement`` with audits on every auditable stage, as often as the policy's ``audit_cost`` allows."""
+    """``placement`` with audits on every auditable stage, as often as the policy's ``audit_cost`` allows,
+    where the auditor has the memory for its copy of the stage."""
     chosen: dict[int, int] = {}
     sites = _sites(problem, placement) if problem.policy.audit_cost > 0 else ()
     if not sites:
         return with_audits(placement, chosen)
     limit = (1 + problem.policy.audit_cost) * price_program(problem, with_audits(placement, {})).step_ms
+    free = _free_bytes(problem, placement)
     for site in sites:
+        need = copy_bytes(problem, placement.stages[site.stage])
+        if need > free[site.auditor]:
+            continue
         for every in EVERY_CHOICES:
             if price_program(problem, with_audits(placement, {**chosen, site.stage: every})).step_ms <= limit:
                 chosen[site.stage] = every
+                free[site.auditor] -= need
                 break
     return with_audits(placement, chosen)
 
@@ -49,6 +78,11 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
     if not problem.policy.enabled:
         return ()
     base = price_program(problem, with_audits(placement, {})).step_ms
+    free = _free_bytes(problem, placement)
+    for k, st in enumerate(placement.stages):   # what the chosen copies take
+        site = audit_site(problem, placement.stages, placement.verifiers, k) if st.audit_every else None
+        if site is not None:
+            free[site.auditor] -= copy_bytes(problem, st)
     out = []
     for k, st in enumerate(placement.stages):
         if len(st.devices) < 2 or all(problem.classes[problem.class_of(d)].trusted for d in st.devices):
@@ -65,7 +99,14 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
         why = (f"the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
                f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
                f"optimizer step {cost.optim_ms:.1f} ms")
-        if st.audit_every:
+        need = copy_bytes(problem, st)
+        if not st.audit_every and need > free[site.auditor]:
+            room = problem.classes[problem.class_of(site.auditor)].mem_bytes
+            out.append(f"stage {k}: replicas not audited: the copy its auditor {site.auditor} would keep (weights, "
+                       f"gradients, optimizer state, the applied gradient, a microbatch's activations: "
+                       f"{need / 2**30:.2f} GiB) does not fit in its {max(0, free[site.auditor]) / 2**30:.2f} GiB "
+                       f"free of {room / 2**30:.2f} GiB")
+        elif st.audit_every:
             out.append(f"stage {k}: replicas audited by {site.auditor}, one microbatch in {every} "
                        f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
                        f"({100 * extra / base:.1f}%); {why}")

@@ -20,8 +20,19 @@ from planner.plan import Plan
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
 from planner.solver.audit_price import AuditWhere, audit_site, audit_where
-from planner.solver.audits import EVERY_CHOICES, audit_notes, choose_audits, with_audits
-from planner.solver.objective import Placement, price_program, violations
+from planner.solver.audits import (
+    EVERY_CHOICES,
+    audit_notes,
+    choose_audits,
+    copy_bytes,
+    with_audits,
+)
+from planner.solver.objective import (
+    Placement,
+    price_program,
+    program_memory,
+    violations,
+)
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
 from planner.solver.solution import StagePlacement, VerifierPlacement
@@ -204,6 +215,28 @@ def test_a_stage_whose_input_no_verifier_holds_is_never_audited():
     assert all(st.audit_every == 0 for st in choose_audits(problem, placement).stages)
     (note,) = audit_notes(problem, placement)
     assert "no verifier holds both its input and its outputs" in note
+
+
+def test_audits_are_refused_where_the_auditors_copy_of_the_stage_would_not_fit_and_the_plan_says_why():
+    problem, placement = _watched(100.0)
+    st = placement.stages[1]
+    need = copy_bytes(problem, st)
+    # 3M parameters of fp32 Adam (16 bytes each) and the applied gradient's 4: at least 60 MB
+    assert need >= problem.range_params(1, 3) * (16 + 4)
+    plain = with_audits(placement, {})
+    held = dict(program_memory(problem, plain, price_program(problem, plain).in_flight))["dc/1"]
+    cls = problem.class_of("dc/1")
+
+    def with_room(room: int):
+        classes = tuple(dataclasses.replace(c, mem_bytes=room) if c.index == cls else c for c in problem.classes)
+        return dataclasses.replace(problem, classes=classes)
+
+    assert [s.audit_every for s in choose_audits(with_room(held + need), placement).stages] == [0, 4, 0]
+    tight = with_room(held + need - 1)
+    assert all(s.audit_every == 0 for s in choose_audits(tight, placement).stages)
+    (note,) = audit_notes(tight, placement)
+    assert note.startswith("stage 1: replicas not audited: the copy its auditor dc/1 would keep"), note
+    assert "does not fit" in note
 
 
 @pytest.mark.parametrize("stage, codec", [(0, "int8"), (1, "fp8"), (1, "int4")])
