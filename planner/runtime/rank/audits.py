@@ -295,7 +295,8 @@ def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | 
 
 
 def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
-    """The replicas' digests and the source's gradient; the copy steps where they all agree."""
+    """The replicas' digests and the source's gradient; the copy steps as ``judge_applied`` says, a replica it
+    proves lying fails an audit."""
     audits: RuntimeAudits = ex.audits
     copy = audits.copies.get(st.stage)
     ranks = sorted({*st.replicas, st.auditor})
