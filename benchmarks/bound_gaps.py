@@ -18,7 +18,7 @@ window across slow links), ``memory`` (stage 0's in-flight window, or no island 
 
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
 and writes ``benchmarks/results/bound_gaps.json``; ``--quick``: gpt-small at 256 tokens on the same clusters,
-5 s a plan, nothing written.
+2 s a plan, nothing written.
 """
 from __future__ import annotations
 
@@ -102,12 +102,12 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--time-limit", type=float, default=None, help="per plan (s; default 60, --quick 5)")
-    ap.add_argument("--quick", action="store_true", help="gpt-small at 256 tokens, 5 s a plan, nothing written")
+    ap.add_argument("--time-limit", type=float, default=None, help="per plan (s; default 60, --quick 2)")
+    ap.add_argument("--quick", action="store_true", help="gpt-small at 256 tokens, 2 s a plan, nothing written")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
-    limit = args.time_limit or (5.0 if args.quick else 60.0)
+    limit = args.time_limit or (2.0 if args.quick else 60.0)
     model, seq = ("gpt-small", 256) if args.quick else ("gpt-1.3b", 1024)
     _, chain = load_chain(model, batch=1, seq=seq)
     rows = []
