@@ -155,22 +155,31 @@ def test_the_runtime_does_not_audit_a_stage_whose_boundary_is_compressed(stage, 
     assert "encoded" in audit_site(plan, 1)
 
 
-def _reports(flat, **lies):
+def _reports(flat, replicas=(1, 2, 3), **lies):
     """Replicas 1 (trusted here or not), 2 and 3 each reporting ``flat``'s digest, but for ``lies``."""
     honest = tuple(audits.digest(flat).tolist())
-    return {r: tuple(lies[f"r{r}"].tolist()) if f"r{r}" in lies else honest for r in (1, 2, 3)}
+    return {r: tuple(lies[f"r{r}"].tolist()) if f"r{r}" in lies else honest for r in replicas}
 
 
-def test_a_trusted_sources_update_is_the_truth_and_a_replica_reporting_another_fails_an_audit():
+def test_a_trusted_sources_update_is_the_truth_and_its_twin_reporting_another_fails_an_audit():
     flat = torch.randn(10)
     lie = audits.digest(flat + 1)
-    judged = audits.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset({1}))
+    judged = audits.judge_applied(_reports(flat, (1, 3), r3=lie), flat, source=1, trusted=frozenset({1}))
     assert judged == audits.AppliedJudgement(stepped=True, suspend=False, liars=(3,))
-    # claiming to have taken no step is a lie too; the honest twins are never named
-    judged = audits.judge_applied(_reports(flat, r2=audits.digest(None)), flat, source=1, trusted=frozenset({1}))
+    # claiming to have taken no step is a lie too; the honest twin is never named
+    judged = audits.judge_applied(_reports(flat, (1, 2), r2=audits.digest(None)), flat, source=1,
+                                  trusted=frozenset({1}))
     assert judged.liars == (2,) and not judged.suspend and judged.stepped
     assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset({1})) == \
         audits.AppliedJudgement(stepped=True, suspend=False)
+
+
+def test_with_three_replicas_a_disagreement_with_a_trusted_source_names_nobody():
+    """The all-reduce relays partial sums through the replicas: a relaying attacker could frame an honest one."""
+    flat = torch.randn(10)
+    judged = audits.judge_applied(_reports(flat, r3=audits.digest(flat + 1)), flat, source=1,
+                                  trusted=frozenset({1}))
+    assert judged == audits.AppliedJudgement(stepped=True, suspend=True)
     event = audit.applied_gradient_event(step=5, stage=1, sender=3)
     jsonschema.validate([event], FLAG_EVENTS_SCHEMA)
     assert proven([event]) == {3} and blame_weights([event])[3] == math.inf

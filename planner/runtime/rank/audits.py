@@ -21,12 +21,13 @@ input gradient before the auditor recomputes them, the auditor asks it for nothi
 outcome leaves the auditor only with the step's flags, and the positions come from a secret it never sees; so
 corrupting a share ``q`` of its tensors is caught with probability ``q`` per window of ``every`` microbatches, and
 corrupting them all within ``2 every - 1``. It cannot make its twin fail an audit: the twin is audited against the
-gradient the twin itself reports applying. Where the replica sending that gradient whole is trusted, its report is
-the truth: a replica whose digest differs lies about its own state (the replicas all apply one all-reduced sum) and
-fails an audit (``judge_applied``). Where no replica is trusted, a digest that differs from the tensor or from
-another replica's stops the stage's audits instead of choosing whom to believe (recorded in the verifier's summary
-as ``audits.suspended``: the auditor cannot tell the liar). That is what a lying replica *can* do: turn the audits of
-a stage without a trusted replica off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
+gradient the twin itself reports applying. Where the replica sending that gradient whole is trusted and its one twin
+exchanged with it directly (two replicas), its report is the truth: a twin whose digest differs lies about its own
+state (both apply one all-reduced sum) and fails an audit (``judge_applied``). Otherwise (no trusted replica, or
+three or more, whose all-reduce relays partial sums through replicas that could hand an honest one another sum), a
+digest that differs from the tensor or from another replica's stops the stage's audits instead of choosing whom to
+believe (recorded in the verifier's summary as ``audits.suspended``). That is what a lying replica *can* do: turn
+such a stage's audits off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
 microbatch whose input or output tensors this verifier does not check (the gradients sent to it by an untrusted
 downstream stage: those audits are skipped), and its own gradient contribution (the contribution monitor and
 ``--robust-reduce`` watch that). Like every check of this verifier, an audit takes the copy a replica sends it for
@@ -343,16 +344,17 @@ class AppliedJudgement:
 def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, source: int,
                   trusted: frozenset[int]) -> AppliedJudgement:
     """The replicas' reported digests (``digest``) against the gradient ``flat`` that ``source`` sent whole. A
-    trusted source's report is the truth: the replicas all apply one all-reduced sum, so a replica reporting
-    another lies about its own state (a failed audit), and the copy steps with the source's tensor. Without a
-    trusted source, any disagreement (among the digests, or with the tensor) stops the stage's audits: the
-    auditor cannot tell the liar."""
+    trusted source's report is the truth where it exchanged with the one other replica directly (two replicas):
+    both apply one all-reduced sum, so a replica reporting another lies about its own state (a failed audit), and
+    the copy steps with the source's tensor. With three replicas or more the all-reduce relays partial sums
+    through the replicas, so a relaying attacker could hand an honest one another sum and frame it: any
+    disagreement then stops the stage's audits and names nobody, as it does without a trusted source."""
     claimed = reported[source]
     stepped = claimed[0] == 1
     if tuple(digest(flat if stepped else None).tolist()) != claimed:
         return AppliedJudgement(stepped=False, suspend=True)   # the source's tensor is not what it reports
     liars = tuple(sorted(r for r, d in reported.items() if d != claimed))
-    if source in trusted:
+    if source in trusted and len(reported) == 2:
         return AppliedJudgement(stepped=stepped, suspend=False, liars=liars)
     return AppliedJudgement(stepped=stepped, suspend=bool(liars))
 
