@@ -300,8 +300,8 @@ class ContributionMonitor:
             alarmed = {k for k, v in hist.sums.items() if v >= CUSUM_H and k[1] == test}
             # each alarm's own onset, the latest first; then, held to more (``RECENT_MOVE``), each of the last few
             # steps: of three replicas an honest one's offset can stand off its peers' for long without any level
-            # moving, and every CUSUM then runs since long before an attacker's jump (replicated3 params-scale3:
-            # alarms since step 10 hid the jump at 20, never attributed; 2026-12-05)
+            # moving, and every CUSUM then runs since long before an attacker's jump, which a move measured from
+            # the oldest onset dilutes
             onsets = sorted({hist.onsets.get(k, step) for k in alarmed}, reverse=True)
             recent = [step - k for k in range(RECENT_MIN_STEPS - 1, BEFORE_STEPS) if step - k not in onsets]
             for onset, strict in [*((o, False) for o in onsets), *((o, True) for o in recent)]:
