@@ -18,7 +18,11 @@ from planner.errors import ProtocolError
 from planner.integrity import audit
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights, proven
 from planner.runtime.options import RunOptions, add_run_arguments
-from planner.runtime.outputs.run_report import RANK_FINAL_SCHEMA, audit_counts
+from planner.runtime.outputs.run_report import (
+    RANK_FINAL_SCHEMA,
+    audit_counts,
+    verifier_sum,
+)
 from planner.runtime.rank import audits
 from planner.runtime.wire import messages
 from planner.simulate import audit_site, audited_stages
@@ -280,3 +284,11 @@ def test_the_run_summary_counts_only_the_verifier_ranks_audits():
                                  "ranks": ranks, "audits": json.loads(json.dumps(counts))}))
     (line,) = [line for line in console.export_text().splitlines() if "replica audits" in line]
     assert "4 / 0: rank 1 2/0, rank 2 2/0" in line, line
+
+
+def test_the_run_summary_counts_only_the_verifier_ranks_flags_and_alerts():
+    plan = _watched_plan(4)   # rank 0 verifies; ranks 1 and 2 are the untrusted replicas
+    ranks = [_final(0, {}), _final(1, {}), _final(2, {})]
+    ranks[0]["verification"].update(flags=3, alerts=1)
+    ranks[1]["verification"].update(flags=99, alerts=50)   # an untrusted rank's word on flags is not read
+    assert verifier_sum(plan, ranks, "flags") == 3 and verifier_sum(plan, ranks, "alerts") == 1

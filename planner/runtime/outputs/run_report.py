@@ -110,6 +110,13 @@ def lead_drops(plan, opts: RunOptions, ranks: list[dict[str, Any]]) -> tuple[lis
     return drops, int(record.get("drops_total", len(drops)))
 
 
+def verifier_sum(plan, ranks: list[dict[str, Any]], key: str) -> int:
+    """``verification[key]`` summed over the plan's verifier ranks (trusted: only they check tensors); any other
+    rank's word on it is not read."""
+    checkers = {v.rank for v in plan.verifiers}
+    return sum(f["verification"].get(key, 0) for f in ranks if f["rank"] in checkers)
+
+
 def audit_counts(plan, ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, as the plan's
     verifier ranks (trusted) report them; any other rank's word on audits is not read."""
@@ -138,8 +145,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
                  emulation_on: bool, executor: Executor) -> dict[str, Any]:
     measured = measured_step_ms(summaries) if summaries else math.nan
     banned = sorted({r for f in ranks for _, r in f["bans"]})
-    flags = sum(f["verification"].get("flags", 0) for f in ranks)
-    alerts = sum(f["verification"].get("alerts", 0) for f in ranks)
+    flags, alerts = verifier_sum(plan, ranks, "flags"), verifier_sum(plan, ranks, "alerts")
     losses = [round(s.loss, 6) if math.isfinite(s.loss) else None for s in summaries]
     drops, drops_total = lead_drops(plan, opts, ranks)
     evals = [{"step": s.step, "loss": round(s.eval_loss, 6) if math.isfinite(s.eval_loss) else None}
