@@ -5,14 +5,18 @@ digest of the gradient its optimizer applied and one replica (the source) sends 
 a value per parameter and a presence flag per parameter tensor. The auditor recomputes the stage on the step's
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
-optimizer step to its copy once it has heard them. It recomputes from tensors its checks already hold (the link
-tests' copy of the stage's input): an audit sends no copy of its own. Where it audits gradients too, it has all
-of a microbatch's tensors once it has checked the gradient the replica sent upstream, and recomputes right then,
-among its checks (``during_step``); else at the step's end. The rest follows the step's programs: it lengthens
-the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
+optimizer step to its copy once it has heard them. Where it verifies the stage's input boundary too (*held*),
+it recomputes from tensors its checks already hold (the link tests' copy of the stage's input). Where it audits
+gradients too, it has all of a microbatch's tensors once it has checked the gradient the replica sent upstream,
+and recomputes right then, among its checks (``during_step``); else at the step's end. Where it does not
+(*copied*), each rank of the trusted upstream stage, once its own program is done, sends it one float32 message
+with the inputs of the audited microbatches it sent the stage (``copy_ms``): it recomputes them (outputs only)
+once they are all in. The rest follows the step's programs: it lengthens the step where the auditor ends after
+the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_models import comm
@@ -21,6 +25,7 @@ from planner.errors import InvalidInputError
 
 COMPARE_PASSES = 3   # read the sent and the recomputed tensor, write their difference
 GRADIENT_VALUE_BYTES = 4   # the applied gradient travels as float32 whatever the training dtype
+COPY_VALUE_BYTES = 4   # copied inputs travel as float32 whatever the wire dtype
 DIGEST_BYTES = 8 * 5   # int64 words: stepped or not, then a blake2b-256 digest (runtime.rank.audits.DIGEST_WORDS)
 
 
@@ -33,17 +38,30 @@ class AuditCost:
     digest_ms: float      # a replica's digest to the auditor, on the slowest replica's link
     optim_ms: float       # the auditor's optimizer step on its copy of the stage
     during_step: bool = False   # recomputed among the auditor's checks as each microbatch's tensors are in
+    copy_ms: float = 0.0  # copied mode: the slowest upstream rank's message of audited inputs to the auditor
+    copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
 
     @property
     def total_ms(self) -> float:
-        return self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
+        return self.copy_ms + self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
-    def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float) -> float:
-        """When the auditor's copy has stepped. It recomputes what is left once its own program is done, then
-        asks for the digests (a transfer starts when both ends have posted it: the replicas send after their
-        optimizer steps), then for the source's gradient, then steps."""
+    def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0) -> float:
+        """When the auditor's copy has stepped. Copied, it first receives the inputs (a transfer starts when both
+        ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``). It
+        recomputes what is left once its own program is done and the inputs are in, then asks for the digests
+        (the replicas send after their optimizer steps), then for the source's gradient, then steps."""
+        start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms)
+        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms) + self.optim_ms
+
+    def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0) -> float:
+        """When the auditor can recompute: its program done and, copied, the inputs in (the slowest copy's)."""
+        return max(auditor_free_ms, upstream_done_ms + self.copy_ms) if self.copied else auditor_free_ms
+
+    def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float) -> float:
+        """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests and the
+        source's gradient (:meth:`end_ms`)."""
         left = 0.0 if self.during_step else self.recompute_ms
-        return max(auditor_free_ms + left, replicas_done_ms) + self.digest_ms + self.gradient_ms + self.optim_ms
+        return max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms + self.gradient_ms
 
 
 def applied_gradient_bytes(params: int, param_tensors: int) -> float:
@@ -51,15 +69,34 @@ def applied_gradient_bytes(params: int, param_tensors: int) -> float:
     return float(GRADIENT_VALUE_BYTES * (params + param_tensors))
 
 
+def copied_input_bytes(input_bytes: float, elem_bytes: int) -> float:
+    """One microbatch's input as the upstream ranks copy it: float32 (``COPY_VALUE_BYTES``), from its bytes at
+    ``elem_bytes`` a value. An integer input (token ids) travels as float64, twice that: not priced (only a
+    stage's activations, floating point, are copied: the first stage, fed data, is never audited)."""
+    return input_bytes * COPY_VALUE_BYTES / elem_bytes
+
+
+def copy_ms(*, every: int, sent_microbatches: int, input_bytes: float, link: Link | None) -> float:
+    """One upstream rank's message of the audited inputs, ``sent_microbatches`` of which it sends the stage a
+    step (one in ``every`` audited, expected), each ``input_bytes`` (float32, :func:`copied_input_bytes`);
+    ``link`` None: it is the auditor itself (nothing travels)."""
+    if link is None:
+        return 0.0
+    return comm.transfer_ms(sent_microbatches / every * input_bytes, link)
+
+
 def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, forward_ms: float,
              output_bytes: float, source_link: Link, digest_link: Link, verifier_mem_bw_bytes_per_s: float,
-             optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0) -> AuditCost:
+             optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0,
+             copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4) -> AuditCost:
     """The expected cost of one step's audit of a stage running ``microbatches`` a step, one in ``every``
     audited. ``forward_ms``/``backward_ms`` (None: activations only): the stage's passes of one microbatch on
-    the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input (the input gradient is
-    compared too when ``backward_ms`` is given); ``source_link``: from the source replica to the auditor,
-    ``digest_link``: the slowest from a replica to it; ``optim_ms``: the optimizer step of the stage on the
-    auditor."""
+    the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input at the training dtype,
+    ``input_elem_bytes`` a value (the input gradient is compared too when ``backward_ms`` is given);
+    ``source_link``: from the source replica to the auditor, ``digest_link``: the slowest from a replica to it;
+    ``optim_ms``: the optimizer step of the stage on the auditor. ``copy_links`` (copied mode, outputs only):
+    per upstream rank, its link to the auditor (None: the auditor itself) and the microbatches it sends the
+    stage a step; their copies of the audited inputs travel in parallel (:func:`copy_ms`, the slowest)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
@@ -73,8 +110,17 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
         raise InvalidInputError("verifier memory bandwidth", expected="> 0 bytes/s",
                                 found=str(verifier_mem_bw_bytes_per_s))
     grads = backward_ms is not None
+    if copy_links and grads:
+        raise InvalidInputError("copied audit", expected="outputs only (backward_ms None) where the inputs come "
+                                "copied", found="backward_ms given", fix="audit gradients only where held")
+    if input_elem_bytes <= 0:
+        raise InvalidInputError("audit input element bytes", expected="> 0", found=str(input_elem_bytes))
+    one_input = copied_input_bytes(input_bytes, input_elem_bytes)
+    copy = max((copy_ms(every=every, sent_microbatches=n, input_bytes=one_input, link=link)
+                for link, n in copy_links), default=0.0)
     compared = output_bytes + (input_bytes if grads else 0.0)
     one = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
     return AuditCost(recompute_ms=microbatches / every * one,
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
-                     digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads)
+                     digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads,
+                     copy_ms=copy, copied=bool(copy_links))

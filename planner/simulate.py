@@ -83,7 +83,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cost_models import compute, memory
-from cost_models.audit import AuditCost, audit_ms
+from cost_models.audit import AuditCost, audit_ms, copied_input_bytes, copy_ms
+from cost_models.cluster import Link
 from cost_models.measured import CoreSharing, MessageCost
 from cost_models.optim import optim_ms
 from cost_models.verify import VERDICT_BYTES, verdict_exchange
@@ -99,6 +100,7 @@ from planner.instructions import (
     format_instruction,
     message_keys,
 )
+from planner.ir import dtype_bytes
 from planner.plan import Plan
 from planner.plan_values import Predicted
 from planner.solver.audit_price import AuditWhere, audit_rule
@@ -396,18 +398,24 @@ def audit_site(plan: Plan, k: int) -> AuditWhere | str:
 def audited_stages(plan: Plan) -> dict[int, tuple[int, int, bool]]:
     """Stage -> (auditor rank, source rank, gradients audited too) for every stage the plan audits
     (``audit_every``) where ``audit_site`` allows it, as the runtime audits them."""
+    return {k: (int(w.auditor), int(w.source), w.grads) for k, w in _audit_wheres(plan).items()}
+
+
+def _audit_wheres(plan: Plan) -> dict[int, AuditWhere]:
+    """Stage -> where it is audited (``audit_site``), for every stage the plan audits."""
     if not plan.policy.enabled:
         return {}
     out = {}
     for k, st in enumerate(plan.stages):
         where = audit_site(plan, k) if st.audit_every else None
         if isinstance(where, AuditWhere):
-            out[k] = (int(where.auditor), int(where.source), where.grads)
+            out[k] = where
     return out
 
 
-def _audit_cost(plan: Plan, costs: CostModel, k: int, auditor: int, source: int, grads: bool) -> AuditCost:
-    """One step's audit of stage ``k`` on ``auditor`` (``cost_models.audit``), priced as the stage's passes."""
+def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> AuditCost:
+    """One step's audit of stage ``k`` (``cost_models.audit``), priced as the stage's passes on the auditor."""
+    auditor, source = int(where.auditor), int(where.source)
     chain, config, spec = costs.chain, costs.config, costs.spec[auditor]
     lo, hi = costs.ranges[k]
     traced = memory.trace_dtype(chain)
@@ -418,38 +426,64 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, auditor: int, source: int,
     device = plan.ranks[auditor].device
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
     return audit_ms(every=plan.stages[k].audit_every, microbatches=plan.num_microbatches, params=params,
-                    param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if grads else None,
+                    param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
                     output_bytes=costs.boundary_bytes[k], input_bytes=costs.boundary_bytes[k - 1] if k else 0.0,
                     source_link=costs.cluster.link(plan.ranks[source].device, device),
                     digest_link=costs.cluster.link(plan.ranks[slowest].device, device),
                     verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
-                    optim_ms=optim_ms(params, config, spec, param_tensors=tensors))
+                    optim_ms=optim_ms(params, config, spec, param_tensors=tensors),
+                    copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype))
+
+
+def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere) -> tuple[tuple[Link | None, int], ...]:
+    """Per upstream rank copying the auditor the audited inputs: its link there (None: the auditor itself) and
+    the microbatches it sends the stage a step."""
+    auditor = plan.ranks[int(where.auditor)].device
+    return tuple((None if int(r) == int(where.auditor) else costs.cluster.link(plan.ranks[int(r)].device, auditor),
+                  len(plan.ranks[int(r)].microbatches)) for r in where.copied_from)
 
 
 def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], float]:
     """An auditor that audits gradients too recomputes a microbatch once it has checked the gradient the
     replica sent upstream (its last tensor): that check takes the recompute's expected share longer."""
     out = {}
-    for k, (auditor, source, grads) in audited_stages(plan).items():
-        if grads:
-            cost = _audit_cost(plan, costs, k, auditor, source, grads)
-            out[(auditor, k - 1, "B")] = cost.recompute_ms / plan.num_microbatches
+    for k, where in _audit_wheres(plan).items():
+        if where.grads:
+            cost = _audit_cost(plan, costs, k, where)
+            out[(int(where.auditor), k - 1, "B")] = cost.recompute_ms / plan.num_microbatches
     return out
 
 
+def _inputs_in_ms(run: _Run, k: int, where: AuditWhere) -> float:
+    """When the auditor of stage ``k`` can recompute: its program done and, copied, every upstream rank's copy
+    in (all received at once; each sent once that rank's program is done, behind what its link still carries)."""
+    auditor, free = int(where.auditor), run.clock[int(where.auditor)]
+    every = run.plan.stages[k].audit_every
+    one = copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))
+    arrivals = [free]
+    for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
+        r = int(r)
+        begin = max(free, run.clock[r], run.link_free.get((r, auditor), 0.0))
+        arrivals.append(begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link))
+    return max(arrivals)
+
+
 def _audits(run: _Run) -> None:
-    """Each audited stage's auditor, once its program is done, recomputes the step's audited microbatches,
-    then hears the replicas' digests and applied gradient (after their optimizer steps) and steps its copy
-    (``planner.runtime.rank.audits``): its step ends then."""
+    """Each audited stage's auditor, once its program is done (and, copied, the upstream ranks' copies of the
+    audited inputs are in), recomputes the step's audited microbatches, then hears the replicas' digests and
+    applied gradient (after their optimizer steps) and steps its copy (``planner.runtime.rank.audits``): its
+    step ends then."""
     plan = run.plan
-    for k, (auditor, source, grads) in audited_stages(plan).items():
-        cost = _audit_cost(plan, run.costs, k, auditor, source, grads)
+    for k, where in _audit_wheres(plan).items():
+        auditor = int(where.auditor)
+        cost = _audit_cost(plan, run.costs, k, where)
         free = run.clock[auditor]
+        start = _inputs_in_ms(run, k, where)
         left = 0.0 if cost.during_step else cost.recompute_ms
-        end = cost.end_ms(auditor_free_ms=free, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
-        heard = end - cost.optim_ms
-        boxes = (("verify", free, free + left, "recompute"), ("control", free + left, heard, "applied gradient"),
-                 ("optim", heard, end, "copy's step"))
+        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
+        end = heard + cost.optim_ms
+        boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
+                 ("control", start + left, heard, "applied gradient"), ("optim", heard, end, "copy's step"))
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
         run.clock[auditor] = end

@@ -1,16 +1,23 @@
 """Where a placement's replicas can be audited, and what a step's audit costs there (``cost_models.audit``).
 
-The runtime (``planner.runtime.rank.audits``) audits a *watched* stage (two replicas or more, one untrusted) on
-the verifier of its output activations, from the tensors that verifier's checks already hold: the stage's
-input it verifies on the boundary before (sent by a trusted stage: an untrusted neighbour could send it another
-copy than the replica's), and for the gradient the stage sends upstream, the gradient it was sent (from a
-trusted stage) and the one it sent. So a stage is auditable only where one verifier holds both of its
-boundaries, the placement that also keeps its link tests (``link_tests``), never the first or last stage, and
-only where neither boundary is compressed: the auditor compares the decoded wire tensor with an uncompressed
-recompute, and a codec's round trip alone (int8 ~0.007 relative error, fp8 0.02-0.05, int4 0.08-0.12) would ban
-honest replicas at the fp32 tolerance of 0.01 (``integrity.audit.TOLERANCE``).
-``audit_rule`` is that rule, over device names (the planner) or ranks (a plan: ``simulate.audit_site``, which
-the simulator and the runtime's audits use).
+The runtime (``planner.runtime.rank.audits``) audits a stage with an untrusted replica on the verifier of its
+output activations, the *auditor*: it recomputes the stage on a secret share of the microbatches and compares
+with what the replica sent. It needs the stage's input as the replica received it, from a trusted sender (an
+untrusted neighbour could send the auditor another copy than the replica and frame it), either
+
+* *held*: the auditor verifies the boundary before the stage too (the placement that keeps its link tests), so it
+  holds every input; where it also verifies both gradient boundaries (fed by trusted stages) it audits the
+  gradient the stage sends upstream as well; or
+* *copied*: the trusted upstream stage's ranks send the auditor a copy of the audited microbatches' inputs at the
+  step's end (they share the auditor's secret, so they know which; the replica does not): a cheap audit where a
+  full link test is too dear. Outputs only. A stage with one untrusted replica is audited this way too (with the
+  link tests' placement its link tests check it already).
+
+Never the first or last stage, and never where the stage's boundaries are compressed: the auditor compares the
+decoded wire tensor with an uncompressed recompute, and a codec's round trip alone (int8 ~0.007 relative error,
+fp8 0.02-0.05, int4 0.08-0.12) would ban honest replicas at the fp32 tolerance of 0.01
+(``integrity.audit.TOLERANCE``). ``audit_rule`` is that rule, over device names (the planner) or ranks (a plan:
+``simulate.audit_site``, which the simulator and the runtime's audits use).
 """
 from __future__ import annotations
 
@@ -18,29 +25,35 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 from cost_models.audit import AuditCost, audit_ms
+from cost_models.cluster import Link
+from planner.errors import InvalidInputError
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 
 
 @dataclass(frozen=True, slots=True)
 class AuditSite:
-    """A watched stage its auditor can audit: the auditor's device, the replica that sends it the applied
-    gradient whole (the first trusted replica, else the first) and whether gradients are audited too."""
+    """A stage its auditor can audit: the auditor's device, the replica that sends it the applied gradient whole
+    (the first trusted replica, else the first), whether gradients are audited too, and the upstream devices that
+    copy it the audited inputs (empty: it verifies the input boundary itself)."""
 
     stage: int
     auditor: str
     source: str
     grads: bool
+    copied_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class AuditWhere:
-    """Where ``audit_rule`` lets a watched stage be audited: by ``auditor``, with ``source`` sending it the
-    applied gradient whole (the first trusted replica, else the first), gradients too where ``grads``."""
+    """Where ``audit_rule`` lets a stage be audited: by ``auditor``, with ``source`` sending it the applied
+    gradient whole (the first trusted replica, else the first), gradients too where ``grads``; ``copied_from``:
+    the upstream stage's replicas that copy it the audited microbatches' inputs (empty: it holds them all)."""
 
     auditor: Hashable
     source: Hashable
     grads: bool
+    copied_from: tuple[Hashable, ...] = ()
 
 
 def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], upstream: Collection[Hashable],
@@ -50,14 +63,14 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
     why it cannot be. ``auditor``: the verifier of its output activations (None: none); ``auditor_checks``: the
     (boundary, "act" | "grad") it verifies; ``codecs``: its input and output boundaries' codecs."""
     k = stage
-    if len(replicas) < 2 or all(r in trusted for r in replicas):
-        return "it is not replicated on an untrusted device (nothing to audit)"
+    if all(r in trusted for r in replicas):
+        return "it runs on trusted devices only (nothing to audit)"
     if k == 0:
         return "the first stage's input is data, which no verifier holds"
     if k == num_stages - 1:
         return "the last stage's outputs (the loss) cross no checked boundary"
-    if auditor is None or not {(k - 1, "act"), (k, "act")} <= set(auditor_checks):
-        return "no verifier holds both its input and its outputs (its link tests are lost too)"
+    if auditor is None or (k, "act") not in set(auditor_checks):
+        return "no verifier checks its output activations"
     if auditor in replicas:
         return f"its outputs' verifier {auditor} is one of its replicas"
     if not all(r in trusted for r in upstream):
@@ -67,9 +80,13 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
     if compressed:
         return (f"its {' and '.join(compressed)}-encoded: the audit recomputes uncompressed, and a codec's round "
                 f"trip alone errs near or past its tolerance (fp32 0.01; int8 ~0.007, fp8 to 0.05, int4 to 0.12)")
-    grads = {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
+    held = (k - 1, "act") in set(auditor_checks)
+    if held and len(replicas) < 2:
+        return "its one replica's verifier holds both its boundaries: its link tests check it"
+    grads = held and {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
     source = next((r for r in replicas if r in trusted), replicas[0])
-    return AuditWhere(auditor=auditor, source=source, grads=grads)
+    return AuditWhere(auditor=auditor, source=source, grads=grads,
+                      copied_from=() if held else tuple(sorted(upstream)))
 
 
 def _codec(problem: Problem, st: StagePlacement) -> str:
@@ -99,7 +116,8 @@ def audit_site(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: 
     where = audit_where(problem, stages, verifiers, k)
     if isinstance(where, str):
         return None
-    return AuditSite(stage=k, auditor=str(where.auditor), source=str(where.source), grads=where.grads)
+    return AuditSite(stage=k, auditor=str(where.auditor), source=str(where.source), grads=where.grads,
+                     copied_from=tuple(str(d) for d in where.copied_from))
 
 
 def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
@@ -107,8 +125,10 @@ def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
     return tuple(s for k in range(len(stages)) if (s := audit_site(problem, stages, verifiers, k)) is not None)
 
 
-def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int) -> AuditCost:
-    """One step's audit of ``st`` at one in ``every`` of its ``num_microbatches``, priced on the auditor."""
+def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
+               upstream: StagePlacement | None = None) -> AuditCost:
+    """One step's audit of ``st`` at one in ``every`` of its ``num_microbatches``, priced on the auditor;
+    ``upstream``: the stage before it, whose devices copy it the audited inputs where ``site.copied_from``."""
     tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
     first, last = st.first_block, st.last_block
     backward = tables.range_bwd_ms(first, last, cls)
@@ -120,4 +140,17 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
                     input_bytes=problem.raw_bytes(first - 1), source_link=problem.link(site.source, site.auditor),
                     digest_link=problem.link(slowest, site.auditor),
                     verifier_mem_bw_bytes_per_s=problem.classes[cls].spec.mem_bw_bytes_per_s,
-                    optim_ms=problem.range_optim_ms(first, last, cls))
+                    optim_ms=problem.range_optim_ms(first, last, cls),
+                    copy_links=_copy_links(problem, site, upstream), input_elem_bytes=problem.elem_bytes)
+
+
+def _copy_links(problem: Problem, site: AuditSite, upstream: StagePlacement | None) -> tuple[tuple[Link | None, int], ...]:
+    """Per upstream device that copies the auditor the audited inputs: its link there (None: the auditor
+    itself) and the microbatches it sends the stage a step."""
+    if not site.copied_from:
+        return ()
+    if upstream is None:
+        raise InvalidInputError(f"stage {site.stage}'s copied audit", expected="the upstream stage's placement",
+                                found="none", fix="pass upstream=stages[k - 1]")
+    sent = dict(zip(upstream.devices, upstream.microbatches))
+    return tuple((None if d == site.auditor else problem.link(d, site.auditor), sent[d]) for d in site.copied_from)

@@ -1,8 +1,8 @@
 """Which watched stages' replicas the plan audits, and how often (``planner.runtime.rank.audits``).
 
 An audit is a link test on a share of microbatches that recomputes exactly: where the stage's auditor sees
-its input (``audit_price``), it catches stale and damped outputs on the first audited microbatch, which the
-link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
+its input, held or copied from the trusted stage before (``audit_price``), it catches stale and damped outputs on
+the first audited microbatch, which the link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
 the applied gradient sent whole to the auditor and the auditor's optimizer step. Audits are turned on, one in
 ``EVERY_CHOICES[0]`` microbatches first, sparser where that is too dear, while all of them together cost at most
 the policy's ``audit_cost`` share of the step (priced by the program cost, as every plan is), and only where
@@ -74,7 +74,8 @@ def choose_audits(problem: Problem, placement: Placement) -> Placement:
 
 
 def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
-    """One line per watched stage (two replicas or more, one untrusted): audited at what price, or why not."""
+    """One line per stage with an untrusted replica: audited at what price, or why not (a stage on one replica
+    only where it could be audited: elsewhere its link tests check it, or nothing does)."""
     if not problem.policy.enabled:
         return ()
     base = price_program(problem, with_audits(placement, {})).step_ms
@@ -85,33 +86,43 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
             free[site.auditor] -= copy_bytes(problem, st)
     out = []
     for k, st in enumerate(placement.stages):
-        if len(st.devices) < 2 or all(problem.classes[problem.class_of(d)].trusted for d in st.devices):
+        if all(problem.classes[problem.class_of(d)].trusted for d in st.devices):
             continue
         site = audit_site(problem, placement.stages, placement.verifiers, k)
+        who = "replicas" if len(st.devices) > 1 else "its replica"
         if site is None:
-            why = audit_where(problem, placement.stages, placement.verifiers, k)
-            out.append(f"stage {k}: replicas not audited: {why}")
+            if len(st.devices) > 1:
+                why = audit_where(problem, placement.stages, placement.verifiers, k)
+                out.append(f"stage {k}: {who} not audited: {why}")
             continue
-        every = st.audit_every or EVERY_CHOICES[-1]
-        extra = price_program(problem, with_audits(placement, {k: every})).step_ms - base
-        cost = audit_cost(problem, st, site, every, placement.num_microbatches)
-        link = problem.link(site.source, site.auditor)
-        why = (f"the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
-               f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
-               f"optimizer step {cost.optim_ms:.1f} ms")
-        need = copy_bytes(problem, st)
-        if not st.audit_every and need > free[site.auditor]:
-            room = problem.classes[problem.class_of(site.auditor)].mem_bytes
-            out.append(f"stage {k}: replicas not audited: the copy its auditor {site.auditor} would keep (weights, "
-                       f"gradients, optimizer state, the applied gradient, a microbatch's activations: "
-                       f"{need / 2**30:.2f} GiB) does not fit in its {max(0, free[site.auditor]) / 2**30:.2f} GiB "
-                       f"free of {room / 2**30:.2f} GiB")
-        elif st.audit_every:
-            out.append(f"stage {k}: replicas audited by {site.auditor}, one microbatch in {every} "
-                       f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
-                       f"({100 * extra / base:.1f}%); {why}")
-        else:
-            out.append(f"stage {k}: replicas not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
-                       f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
-                       f"{100 * problem.policy.audit_cost:g}%); {why}")
+        out.append(_note(problem, placement, k, site, base, free, who))
     return tuple(out)
+
+
+def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base: float, free: dict[str, int],
+          who: str) -> str:
+    """The note on stage ``k``, which ``site`` can audit: at what price, or why it is not."""
+    st = placement.stages[k]
+    every = st.audit_every or EVERY_CHOICES[-1]
+    extra = price_program(problem, with_audits(placement, {k: every})).step_ms - base
+    cost = audit_cost(problem, st, site, every, placement.num_microbatches, upstream=placement.stages[k - 1])
+    link = problem.link(site.source, site.auditor)
+    copied = (f"the audited inputs come copied from stage {k - 1} ({', '.join(site.copied_from)}) at the step's "
+              f"end in {cost.copy_ms:.1f} ms, " if site.copied_from else "")
+    why = (f"{copied}the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
+           f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
+           f"optimizer step {cost.optim_ms:.1f} ms")
+    need = copy_bytes(problem, st)
+    if not st.audit_every and need > free[site.auditor]:
+        room = problem.classes[problem.class_of(site.auditor)].mem_bytes
+        return (f"stage {k}: {who} not audited: the copy its auditor {site.auditor} would keep (weights, "
+                f"gradients, optimizer state, the applied gradient, a microbatch's activations: "
+                f"{need / 2**30:.2f} GiB) does not fit in its {max(0, free[site.auditor]) / 2**30:.2f} GiB "
+                f"free of {room / 2**30:.2f} GiB")
+    if st.audit_every:
+        return (f"stage {k}: {who} audited by {site.auditor}, one microbatch in {every} "
+                f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
+                f"({100 * extra / base:.1f}%); {why}")
+    return (f"stage {k}: {who} not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
+            f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
+            f"{100 * problem.policy.audit_cost:g}%); {why}")

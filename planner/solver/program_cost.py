@@ -55,9 +55,10 @@ replicated stage's gradients once its replicas are done. Priced the same way
   replica that checks gradients first finishes its checks; then the optimizer
   step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
 * An audited stage's auditor (``audit_price``) recomputes its audited microbatches among its checks (its
-  load per microbatch grows by their share) where it audits gradients, else once its own program is done;
-  then it hears the replicas' digests and applied gradient (sent after their optimizer steps) and steps its
-  copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
+  load per microbatch grows by their share) where it audits gradients, else once its own program is done
+  (and, where the upstream stage copies it the audited inputs, once they are in: sent as the upstream stage's
+  optimizer steps end); then it hears the replicas' digests and applied gradient (sent after their optimizer
+  steps) and steps its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -556,15 +557,16 @@ def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, flo
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
                    p: _Paths) -> float:
     """When the last audited stage's auditor has recomputed its audited microbatches and stepped its copy
-    (``cost_models.audit``): after the replicas' optimizer steps and its own program (0: nothing audited)."""
+    (``cost_models.audit``): after the replicas' optimizer steps, its own program and, where the inputs come
+    copied, the upstream stage's end and the copies' transfer (0: nothing audited)."""
     out = 0.0
     for k, st in enumerate(stages):
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
         if site is None:
             continue
-        cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches))
+        cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1])
         free = _program_end_ms(problem, stages, traffic, ends, sent, p, site.auditor)
-        out = max(out, cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k]))
+        out = max(out, cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=ends[k - 1]))
     return out
 
 

@@ -19,7 +19,7 @@ from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
-from planner.solver.audit_price import AuditWhere, audit_site, audit_where
+from planner.solver.audit_price import AuditWhere, audit_cost, audit_site, audit_where
 from planner.solver.audits import (
     EVERY_CHOICES,
     audit_notes,
@@ -208,13 +208,20 @@ def test_audits_stay_off_over_a_slow_link_to_the_auditor_and_the_plan_says_why()
     assert "the applied gradient to dc/1 costs" in note and "over a 0.2 Gb/s link" in note
 
 
-def test_a_stage_whose_input_no_verifier_holds_is_never_audited():
+def test_a_stage_whose_input_its_auditor_does_not_verify_is_audited_from_the_upstream_stages_copies():
+    """Boundary 1 verified on dc/0 (stage 0's device), boundary 0 on dc/1: the auditor dc/0 holds no input
+    check, and the trusted stage 0 copies it the audited inputs (here itself: they are its own, nothing travels)."""
     problem, placement = _watched(100.0)
     split = (placement.verifiers[0], dataclasses.replace(placement.verifiers[1], device="dc/0"))
     placement = dataclasses.replace(placement, verifiers=split)
-    assert all(st.audit_every == 0 for st in choose_audits(problem, placement).stages)
-    (note,) = audit_notes(problem, placement)
-    assert "no verifier holds both its input and its outputs" in note
+    site = audit_site(problem, placement.stages, placement.verifiers, 1)
+    assert site is not None and (site.auditor, site.grads, site.copied_from) == ("dc/0", False, ("dc/0",))
+    chosen = choose_audits(problem, placement)
+    assert [st.audit_every for st in chosen.stages] == [0, 4, 0]
+    assert audit_cost(problem, chosen.stages[1], site, 4, 8, upstream=chosen.stages[0]).copy_ms == 0.0
+    (note,) = audit_notes(problem, chosen)
+    assert note.startswith("stage 1: replicas audited by dc/0, one microbatch in 4 (outputs)"), note
+    assert "the audited inputs come copied from stage 0 (dc/0) at the step's end in 0.0 ms" in note
 
 
 def test_audits_are_refused_where_the_auditors_copy_of_the_stage_would_not_fit_and_the_plan_says_why():
