@@ -24,6 +24,7 @@ from planner.runtime.outputs.run_report import (
     verifier_sum,
 )
 from planner.runtime.rank import audits
+from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
 from planner.simulate import audit_site, audited_stages
 from planner.solver.audit_price import AuditWhere
@@ -130,8 +131,7 @@ BOTH = ("act", "grad")
 @pytest.mark.parametrize("why, replicated, untrusted, verifiers", [
     ("the first stage: its input is data", 0, (0, 1), [(0, 4, BOTH)]),
     ("fed by an untrusted stage", 1, (0, 1, 2), [(0, 4, BOTH), (1, 4, BOTH)]),
-    ("its input checked by another verifier", 1, (1, 2), [(0, 0, BOTH), (1, 4, BOTH)]),
-    ("its auditor sees no input activations", 1, (1, 2), [(0, 4, ("grad",)), (1, 4, BOTH)]),
+    ("its auditor is one of its replicas", 1, (1, 2), [(0, 4, BOTH), (1, 1, BOTH)]),
 ])
 def test_the_runtime_never_audits_a_stage_the_planners_rule_rules_out(why, replicated, untrusted, verifiers):
     plan = _three_stages(replicated=replicated, untrusted=untrusted, verifiers=verifiers)
@@ -292,3 +292,51 @@ def test_the_run_summary_counts_only_the_verifier_ranks_flags_and_alerts():
     ranks[0]["verification"].update(flags=3, alerts=1)
     ranks[1]["verification"].update(flags=99, alerts=50)   # an untrusted rank's word on flags is not read
     assert verifier_sum(plan, ranks, "flags") == 3 and verifier_sum(plan, ranks, "alerts") == 1
+
+
+@pytest.mark.parametrize("verifiers", [
+    [(0, 0, BOTH), (1, 4, BOTH)],            # its input checked by another verifier
+    [(0, 4, ("grad",)), (1, 4, BOTH)],       # its auditor sees no input activations
+])
+def test_a_stage_whose_auditor_does_not_hold_its_input_is_audited_from_the_trusted_upstream_copies(verifiers):
+    plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=verifiers)
+    (st,) = audits.audited_stages(plan, every=None, verifying=True, resumed=False).values()
+    assert (st.stage, st.auditor, st.replicas, st.copied_from) == (1, 4, (1, 2), (0,))
+    where = audit_site(plan, 1)
+    assert isinstance(where, AuditWhere) and where.copied_from == (0,) and not where.grads
+
+
+def test_one_untrusted_replica_is_audited_from_copies_but_not_where_its_link_tests_check_it():
+    def plan(verifiers):
+        out = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                        untrusted=(1,), verifiers=verifiers, verifier_host=True)
+        return dataclasses.replace(out, stages=tuple(dataclasses.replace(s, audit_every=4) for s in out.stages))
+
+    split, linked = plan([(0, 0, BOTH), (1, 3, BOTH)]), plan([(0, 3, BOTH), (1, 3, BOTH)])
+    (st,) = audits.audited_stages(split, every=None, verifying=True, resumed=False).values()
+    assert (st.replicas, st.auditor, st.source, st.copied_from) == ((1,), 3, 1, (0,))
+    assert audits.audited_stages(linked, every=None, verifying=True, resumed=False) == {}
+    assert "link tests" in audit_site(linked, 1)
+
+
+def test_the_upstream_ranks_copy_exactly_the_microbatches_the_auditor_audits():
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={0: (3, 5), 1: (6, 2)}, untrusted=(2, 3), verifiers=[(0, 0, BOTH), (1, 4, BOTH)])
+    st = audits.AuditedStage(stage=1, replicas=(2, 3), auditor=4, source=2, every=3, copied_from=(0, 1))
+    schedule = audit.AuditSchedule(b"k" * 16, 3)
+    for step in range(5):
+        copied = [audits._copied_mbs(plan, schedule, st, u, step) for u in st.copied_from]
+        audited = [mb for mb in range(8) if audits._scheduled(plan, schedule, 1, mb, step)]
+        assert sorted(copied[0] + copied[1]) == audited and not set(copied[0]) & set(copied[1])
+        assert all(plan.owner(0, mb) == u for u, mbs in zip(st.copied_from, copied) for mb in mbs)
+
+
+def test_copied_inputs_come_back_in_their_shapes_and_dtypes():
+    specs = [ValueSpec(name="h", shape=(2, 3), dtype=torch.bfloat16, carries_grad=True),
+             ValueSpec(name="i", shape=(2,), dtype=torch.int64, carries_grad=False)]
+    sent = [[torch.randn(2, 3).to(torch.bfloat16), torch.tensor([7, 2 ** 40])] for _ in range(2)]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for one in sent for t in one])
+    back = audits._unflatten(flat, specs, 2)
+    for got, want in zip(back, sent):
+        assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0].float())
+        assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])

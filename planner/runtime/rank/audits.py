@@ -41,6 +41,7 @@ forward updates its buffers (BatchNorm: the copy, seeing only the audited microb
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,6 @@ from typing import Any
 import torch
 
 from planner.integrity import audit
-from planner.runtime.rank import replica_checks
 from planner.runtime.rank.precision import Precision
 from planner.runtime.rank.rank_setup import (
     make_lr_schedule,
@@ -62,35 +62,39 @@ from planner.simulate import audit_site
 from planner.solver.audit_price import AuditWhere
 
 ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
+KEY_BYTES = 16   # an auditor's per-stage schedule key (``audit.AuditSchedule`` wants at least 16 bytes)
 DIGEST_WORDS = 4   # a blake2b-256 digest as int64 words, after one word saying whether the optimizer stepped
 
 
 @dataclass(frozen=True, slots=True)
 class AuditedStage:
-    """A watched stage, its replicas, its auditor and the replica that sends its applied gradient whole."""
+    """An audited stage, its replicas, its auditor and the replica that sends its applied gradient whole; the
+    upstream ranks that copy the auditor the audited inputs (empty: it verifies them itself)."""
 
     stage: int
     replicas: tuple[int, ...]
     auditor: int
     source: int
     every: int   # one audited microbatch in each window of this many of a replica's
+    copied_from: tuple[int, ...] = ()
 
 
 def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
-    """Stage -> how it is audited, for every watched stage the planner's rule lets its auditor audit
-    (``simulate.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
+    """Stage -> how it is audited, for every stage with an untrusted replica the planner's rule lets its auditor
+    audit (``simulate.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
     many microbatches for every such stage (0: none); None: as the plan chose per stage (``StageInfo.audit_every``,
     priced; 0 there, as in a plan that predates audits: not audited)."""
     if not verifying or resumed or every == 0:
         return {}
     out = {}
-    for stage, ranks in replica_checks.watched_stages(plan).items():
+    for stage in range(plan.num_stages):
         share = plan.stages[stage].audit_every if every is None else every
         where = audit_site(plan, stage) if share > 0 else None
         if not isinstance(where, AuditWhere):
             continue   # the planner's rule (``audit_price.audit_rule``): this auditor could never audit it
-        out[stage] = AuditedStage(stage=stage, replicas=tuple(ranks), auditor=int(where.auditor),
-                                  source=int(where.source), every=share)
+        out[stage] = AuditedStage(stage=stage, replicas=tuple(sorted(plan.stage_ranks(stage))),
+                                  auditor=int(where.auditor), source=int(where.source), every=share,
+                                  copied_from=tuple(int(r) for r in where.copied_from))
     return out
 
 
@@ -168,6 +172,10 @@ class RuntimeAudits:
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
     suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
+    # an upstream rank's, for a stage audited from copies: the auditor's schedule, and this step's kept inputs
+    sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
+    outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
 
     def auditing(self, rank: int) -> dict[int, AuditedStage]:
         return {k: s for k, s in self.stages.items() if s.auditor == rank and k in self.copies
@@ -179,8 +187,11 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     here, before the run starts, the way the stage's first replica builds its stage."""
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
-    secret = secrets.token_bytes(16)   # the auditor's alone: no other rank can tell the audited microbatches
+    secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
     for k, st in stages.items():
+        key = _share_key(st, rank, _stage_key(secret, k) if st.auditor == rank else None, device)
+        if rank in st.copied_from:
+            out.sharing[k] = audit.AuditSchedule(key, st.every)
         if st.auditor != rank:
             continue
         runtime = prepare_rank(plan, st.replicas[0], opts, device).stage
@@ -190,8 +201,28 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
         schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                     total_steps=opts.steps)
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule)
-        out.schedules[k] = audit.AuditSchedule(secret, st.every)
+        out.schedules[k] = audit.AuditSchedule(key, st.every)
     return out
+
+
+def _stage_key(secret: bytes, stage: int) -> bytes:
+    """The auditor's key for one stage: what it shares with that stage's upstream ranks tells them nothing of
+    the other stages it audits."""
+    return hashlib.blake2b(secret + stage.to_bytes(4, "big"), digest_size=KEY_BYTES).digest()
+
+
+def _share_key(st: AuditedStage, rank: int, key: bytes | None, device: torch.device) -> bytes:
+    """The stage's key on its auditor and, sent point to point by the auditor alone, on the upstream ranks that
+    copy it inputs (it never reaches a replica); ``key`` on the auditor, None elsewhere."""
+    if not st.copied_from or (rank != st.auditor and rank not in st.copied_from):
+        return key or b""
+    words = None if key is None else torch.tensor(
+        [int.from_bytes(key[i:i + 8], "big", signed=True) for i in range(0, KEY_BYTES, 8)], dtype=torch.int64)
+    got = control.send_from(None if words is None else words.to(device), src=st.auditor, me=rank,
+                            ranks=sorted({st.auditor, *st.copied_from}), topic=control.Topic.AUDIT_INPUT,
+                            shape=(KEY_BYTES // 8,), dtype=torch.int64, device=device, index=2 * st.stage,
+                            doing=f"sharing stage {st.stage}'s audit key with its upstream ranks")
+    return b"".join(int(w).to_bytes(8, "big", signed=True) for w in got.cpu().tolist())
 
 
 # ----------------------------------------------------------------------------- during the step (auditor)
@@ -211,19 +242,29 @@ def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
     return None
 
 
+def _scheduled(plan: Any, schedule: audit.AuditSchedule, stage: int, mb: int, step: int, *,
+               suspected: bool = False) -> bool:
+    """Whether ``schedule`` audits ``mb`` of ``stage`` this step (its replica's slot among its microbatches)."""
+    owner = plan.owner(stage, mb)
+    mine = list(plan.ranks[owner].microbatches)
+    return schedule.audited(owner, step, mine.index(mb), len(mine), suspected=suspected)
+
+
 def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
-    audits: RuntimeAudits = ex.audits
+    """On the auditor: ``mb`` is audited, or every one of a suspect's where the auditor holds the stage's input
+    (from copies, the upstream ranks know only the schedule)."""
     owner = ex.plan.owner(st.stage, mb)
-    mine = ex.plan.ranks[owner].microbatches
     contrib = getattr(ex, "_contributions", None)
-    suspected = owner in ex.unresolved or (contrib is not None and owner in contrib.suspects(st.stage))
-    return audits.schedules[st.stage].audited(owner, ex.step, list(mine).index(mb), len(mine), suspected=suspected)
+    suspected = not st.copied_from and (owner in ex.unresolved
+                                        or (contrib is not None and owner in contrib.suspects(st.stage)))
+    return _scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
 
 
 def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
-            dropped: bool) -> None:
+            dropped: bool, tainted: bool = False) -> None:
     """Keep a tensor this verifier checked where an audit of ``mb`` needs it. ``dropped``: the consumer drops
-    it (flagged or tainted), so the stage computed on zeros in its place."""
+    it (flagged or tainted), so the stage computed on zeros in its place; ``tainted``: its sender says it
+    computed it on zeros (its input was dropped)."""
     audits: RuntimeAudits | None = getattr(ex, "audits", None)
     if audits is None:
         return
@@ -231,11 +272,91 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
         role = _role(st, boundary, d, sender)
         if role is None or (role in ("x", "g") and sender not in audits.trusted) or not _audited(ex, st, mb):
             continue   # an untrusted neighbour could send this verifier another input than the replica's
+        if st.copied_from and role != "y":
+            continue   # audited from copies: outputs only, as priced (``audit_price.audit_rule``)
+        if role == "y" and tainted:
+            audits.tainted.add((k, mb))
         zero = dropped and role in ("x", "g")
         audits.kept[(k, role, mb)] = [torch.zeros_like(t) if zero else t.detach().clone() for t in tensors]
         if all((k, r, mb) in audits.kept for r in ROLES):   # complete: audit now, while the pipeline runs on
             with ex._timed("verify"):
                 _audit_stage(ex, st, ex.step, only=mb)
+
+
+def keep_input_copy(ex: Any, mb: int) -> None:
+    """On a trusted rank of the stage before one audited from copies, as ``mb``'s output leaves for its
+    consumer: keep what the consumer receives where the auditor's schedule audits it (sent at the step's end)."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None or ex.stage is None:
+        return
+    k = ex.info.stage + 1
+    schedule = audits.sharing.get(k)
+    if schedule is not None and _scheduled(ex.plan, schedule, k, mb, ex.step):
+        audits.outbox[(k, mb)] = [t.detach().clone() for t in ex._delivered("F", mb)]
+
+
+def _copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: AuditedStage, sender: int, step: int) -> list[int]:
+    """The audited microbatches whose inputs upstream rank ``sender`` copies to the auditor this step."""
+    return [mb for mb in sorted(plan.ranks[sender].microbatches) if _scheduled(plan, schedule, st.stage, mb, step)]
+
+
+def _copy_dtype(integer: bool) -> torch.dtype:
+    return torch.float64 if integer else torch.float32   # float64 holds any index exactly, float32 any wire float
+
+
+def _send_inputs(ex: Any, st: AuditedStage, step: int) -> None:
+    """An upstream rank's copies of this step's audited inputs, one flat message to the auditor."""
+    audits: RuntimeAudits = ex.audits
+    mbs = _copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step)
+    if not mbs or ex.rank == st.auditor:
+        return
+    tensors = [t for mb in mbs for t in audits.outbox[(st.stage, mb)]]
+    dtype = _copy_dtype(any(not t.is_floating_point() for t in tensors))
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
+                      device=ex.device, index=2 * st.stage + 1,
+                      doing=f"copying stage {st.stage}'s audited inputs to its auditor rank {st.auditor} (step {step})")
+
+
+def _hear_inputs(ex: Any, st: AuditedStage, step: int) -> None:
+    """The auditor: each upstream rank's copies, into the step's kept inputs (zeros where the replica says it
+    computed on zeros). Received into buffers of the stage's input shapes; nothing else is read."""
+    audits: RuntimeAudits = ex.audits
+    copy = audits.copies[st.stage]
+    specs = copy.runtime.inputs
+    per_mb = sum(math.prod(spec.shape) for spec in specs)
+    dtype = _copy_dtype(any(not spec.dtype.is_floating_point for spec in specs))
+    for sender in st.copied_from:
+        mbs = _copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step)
+        if not mbs:
+            continue
+        if sender == ex.rank:
+            got = {mb: audits.outbox[(st.stage, mb)] for mb in mbs}
+        else:
+            flat = control.gather_to(torch.zeros(len(mbs) * per_mb, dtype=dtype, device=ex.device), dst=ex.rank,
+                                     me=ex.rank, ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT,
+                                     device=ex.device, index=2 * st.stage + 1,
+                                     doing=f"hearing stage {st.stage}'s audited inputs from rank {sender} "
+                                           f"(step {step})")[sender]
+            got = dict(zip(mbs, _unflatten(flat, specs, len(mbs))))
+        for mb, tensors in got.items():
+            if (st.stage, "y", mb) in audits.kept:
+                zero = (st.stage, mb) in audits.tainted
+                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
+
+
+def _unflatten(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:
+    """``count`` microbatches' inputs from one flat message, each of the stage's input shapes and dtypes."""
+    out, offset = [], 0
+    for _ in range(count):
+        one = []
+        for spec in specs:
+            n = math.prod(spec.shape)
+            t = flat[offset:offset + n].view(spec.shape)
+            one.append(t.float() if spec.dtype.is_floating_point else t.to(spec.dtype))
+            offset += n
+        out.append(one)
+    return out
 
 
 def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
@@ -271,7 +392,13 @@ def end_step(ex: Any, step: int) -> None:
         return
     applied, audits.applied = audits.applied, None
     for k, st in sorted(audits.stages.items()):
+        if ex.rank in st.copied_from:
+            with ex._timed("comm"):
+                _send_inputs(ex, st, step)
         if ex.rank == st.auditor:
+            if st.copied_from and st.stage in audits.copies:
+                with ex._timed("comm"):
+                    _hear_inputs(ex, st, step)
             with ex._timed("verify"):
                 _audit_stage(ex, st, step)
             with ex._timed("comm"):
@@ -279,7 +406,7 @@ def end_step(ex: Any, step: int) -> None:
         elif ex.rank in st.replicas:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied)
-    audits.kept = {}
+    audits.kept, audits.outbox, audits.tainted = {}, {}, set()
 
 
 def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None) -> None:

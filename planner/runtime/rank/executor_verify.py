@@ -78,7 +78,7 @@ class Verification:
             flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
                                                  tainted=tainted_in)
         self.flagged += int(flagged)
-        audits.observe(self, boundary, d, mb, sender, tensors, dropped=flagged or tainted)
+        audits.observe(self, boundary, d, mb, sender, tensors, dropped=flagged or tainted, tainted=tainted_in)
         if ins.dest is None:
             if flagged or tainted:
                 self._drop(d, mb)

@@ -45,15 +45,16 @@ class Topic(enum.IntEnum):
     CLIP = 7         # a rank's squared gradient norm, and the control rank's total (--clip-grad)
     CONTRIB = 8      # a replica's sketch of its gradient contribution, to the lead verifier (one index a stage)
     AUDIT = 9        # a replica's digest of its applied gradient (index 2k), the gradient whole (2k + 1), to its auditor
+    AUDIT_INPUT = 10  # an auditor's key to stage k's upstream ranks (index 2k); their copies of audited inputs (2k + 1)
 
 
-def trusted_ranks(plan: "Plan") -> frozenset[int]:
+def trusted_ranks(plan: Plan) -> frozenset[int]:
     """The ranks on trusted devices (by the plan's cluster, which the load checks against the operator's)."""
     cluster = plan.effective_cluster()
     return frozenset(r.rank for r in plan.ranks if cluster.device(r.device).trusted)
 
 
-def check_authorities(plan: "Plan", *, verifying: bool) -> None:
+def check_authorities(plan: Plan, *, verifying: bool) -> None:
     """A verified run's deciding ranks must be trusted: the control rank and every verifier rank."""
     if not verifying:
         return
