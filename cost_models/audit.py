@@ -10,8 +10,8 @@ it recomputes from tensors its checks already hold (the link tests' copy of the 
 gradients too, it has all of a microbatch's tensors once it has checked the gradient the replica sent upstream,
 and recomputes right then, among its checks (``during_step``); else at the step's end. Where it does not
 (*copied*), each rank of the trusted upstream stage, once its own program is done, sends it one float32 message
-with the inputs of the audited microbatches it sent the stage (``copy_ms``): it recomputes them (outputs only)
-once they are all in. The rest follows the step's programs: it lengthens the step where the auditor ends after
+with the inputs of the audited microbatches it sent the stage (``copy_ms``; the auditor receives them one rank
+after another, each send returning once received): it recomputes them (outputs only) once they are all in. The rest follows the step's programs: it lengthens the step where the auditor ends after
 the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class AuditCost:
     digest_ms: float      # a replica's digest to the auditor, on the slowest replica's link
     optim_ms: float       # the auditor's optimizer step on its copy of the stage
     during_step: bool = False   # recomputed among the auditor's checks as each microbatch's tensors are in
-    copy_ms: float = 0.0  # copied mode: the slowest upstream rank's message of audited inputs to the auditor
+    copy_ms: float = 0.0  # copied mode: the upstream ranks' messages of audited inputs to the auditor, in turn
     copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
 
     @property
@@ -54,8 +54,9 @@ class AuditCost:
         return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms) + self.optim_ms
 
     def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0) -> float:
-        """When the auditor can recompute: its program done and, copied, the inputs in (the slowest copy's)."""
-        return max(auditor_free_ms, upstream_done_ms + self.copy_ms) if self.copied else auditor_free_ms
+        """When the auditor can recompute: its program done and, copied, the inputs in (received in turn from
+        when both ends are there)."""
+        return max(auditor_free_ms, upstream_done_ms) + self.copy_ms if self.copied else auditor_free_ms
 
     def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float) -> float:
         """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests and the
@@ -96,7 +97,7 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     ``source_link``: from the source replica to the auditor, ``digest_link``: the slowest from a replica to it;
     ``optim_ms``: the optimizer step of the stage on the auditor. ``copy_links`` (copied mode, outputs only):
     per upstream rank, its link to the auditor (None: the auditor itself) and the microbatches it sends the
-    stage a step; their copies of the audited inputs travel in parallel (:func:`copy_ms`, the slowest)."""
+    stage a step; the auditor receives their copies of the audited inputs one after another (:func:`copy_ms`)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
@@ -116,8 +117,7 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     if input_elem_bytes <= 0:
         raise InvalidInputError("audit input element bytes", expected="> 0", found=str(input_elem_bytes))
     one_input = copied_input_bytes(input_bytes, input_elem_bytes)
-    copy = max((copy_ms(every=every, sent_microbatches=n, input_bytes=one_input, link=link)
-                for link, n in copy_links), default=0.0)
+    copy = sum(copy_ms(every=every, sent_microbatches=n, input_bytes=one_input, link=link) for link, n in copy_links)
     compared = output_bytes + (input_bytes if grads else 0.0)
     one = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
     return AuditCost(recompute_ms=microbatches / every * one,

@@ -32,8 +32,9 @@ semantics (see ``planner.instructions``), and prices every instruction:
   and optimizer state.
 * A stage the plan audits (``StageInfo.audit_every``): its auditor recomputes the audited microbatches
   (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
-  share longer; else once its program is done), then hears the replicas' applied gradient and steps its copy
-  (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner.
+  share longer; else once its program is done and, where the trusted stage before copies it the audited
+  inputs, once each of its ranks, done, has sent them: an "input copies" box), then hears the replicas'
+  applied gradient and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime
@@ -454,31 +455,37 @@ def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], fl
     return out
 
 
-def _inputs_in_ms(run: _Run, k: int, where: AuditWhere) -> float:
-    """When the auditor of stage ``k`` can recompute: its program done and, copied, every upstream rank's copy
-    in (all received at once; each sent once that rank's program is done, behind what its link still carries)."""
-    auditor, free = int(where.auditor), run.clock[int(where.auditor)]
-    every = run.plan.stages[k].audit_every
+def _hear_inputs(run: _Run, k: int, where: AuditWhere) -> float:
+    """When the auditor of stage ``k`` can recompute: its program (and its audits of earlier stages) done and,
+    copied, every upstream rank's copy in. It receives them one rank after another, in rank order; a rank's copy
+    leaves once its program (and what it did for earlier stages' audits) is done, and its send returns when it
+    is received (``runtime.rank.audits.end_step``, which runs the stages in order)."""
+    auditor = int(where.auditor)
+    every, t = run.plan.stages[k].audit_every, run.clock[auditor]
     one = copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))
-    arrivals = [free]
     for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
         r = int(r)
-        begin = max(free, run.clock[r], run.link_free.get((r, auditor), 0.0))
-        arrivals.append(begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link))
-    return max(arrivals)
+        if link is None:
+            continue
+        begin = max(t, run.clock[r], run.link_free.get((r, auditor), 0.0))
+        t = begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link)
+        run.events.append(Event(rank=r, kind="send", start_ms=begin, end_ms=t, label=f"stage {k} audit: input copy",
+                                stage=k, peer=auditor))
+        run.clock[r] = t
+    return t
 
 
 def _audits(run: _Run) -> None:
-    """Each audited stage's auditor, once its program is done (and, copied, the upstream ranks' copies of the
-    audited inputs are in), recomputes the step's audited microbatches, then hears the replicas' digests and
-    applied gradient (after their optimizer steps) and steps its copy (``planner.runtime.rank.audits``): its
-    step ends then."""
+    """Each audited stage, in order: its auditor, once its program is done (and, copied, the upstream ranks'
+    copies of the audited inputs are in), recomputes the step's audited microbatches, then hears the replicas'
+    digests and applied gradient (after their optimizer steps) and steps its copy (``planner.runtime.rank.
+    audits``): its step ends then."""
     plan = run.plan
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
         cost = _audit_cost(plan, run.costs, k, where)
         free = run.clock[auditor]
-        start = _inputs_in_ms(run, k, where)
+        start = _hear_inputs(run, k, where)
         left = 0.0 if cost.during_step else cost.recompute_ms
         heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
         end = heard + cost.optim_ms

@@ -558,15 +558,26 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
                    p: _Paths) -> float:
     """When the last audited stage's auditor has recomputed its audited microbatches and stepped its copy
     (``cost_models.audit``): after the replicas' optimizer steps, its own program and, where the inputs come
-    copied, the upstream stage's end and the copies' transfer (0: nothing audited)."""
-    out = 0.0
+    copied, the upstream stage's ranks' ends and the copies' transfers (0: nothing audited). The stages are
+    audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``)."""
+    out, clock = 0.0, {}
+
+    def done(device: str) -> float:
+        if device not in clock:
+            clock[device] = _program_end_ms(problem, stages, traffic, ends, sent, p, device)
+        return clock[device]
+
     for k, st in enumerate(stages):
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
         if site is None:
             continue
         cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1])
-        free = _program_end_ms(problem, stages, traffic, ends, sent, p, site.auditor)
-        out = max(out, cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=ends[k - 1]))
+        senders = [d for d in site.copied_from if d != site.auditor]
+        free, upstream = done(site.auditor), max(map(done, senders), default=0.0)
+        for d in senders:   # a copy's send returns once received
+            clock[d] = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream)
+        clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream)
+        out = max(out, clock[site.auditor])
     return out
 
 

@@ -264,11 +264,14 @@ def test_a_stage_with_a_compressed_boundary_is_never_audited_and_the_plan_says_w
 @pytest.mark.parametrize("verifiers", [BOTH_SIDES, OUTPUTS_ONLY,
                                        (BOTH_SIDES[0], dataclasses.replace(BOTH_SIDES[1], device="trusted-a/0")),
                                        (dataclasses.replace(BOTH_SIDES[0], directions=("grad",), watch_only=()),
-                                        BOTH_SIDES[1])])
+                                        BOTH_SIDES[1]),
+                                       (dataclasses.replace(BOTH_SIDES[0], device="trusted-d/0", directions=("grad",),
+                                                            watch_only=()), OUTPUTS_ONLY[1])])
 def test_the_planner_and_the_compiled_plan_apply_one_audit_rule(verifiers):
     ch, cl, sol = _small(4, verifiers)
     problem = build_problem(ch, cl, config(4), VerificationPolicy())
     plan = compile_simple(ch, cl, sol)
+    copied = []
     for k in range(plan.num_stages):
         site, where = audit_site(problem, sol.stages, sol.verifiers, k), plan_audit_site(plan, k)
         if site is None:
@@ -277,6 +280,10 @@ def test_the_planner_and_the_compiled_plan_apply_one_audit_rule(verifiers):
         assert isinstance(where, AuditWhere), where
         device = {r.rank: r.device for r in plan.ranks}
         assert (device[where.auditor], device[where.source], where.grads) == (site.auditor, site.source, site.grads)
+        assert tuple(sorted(device[r] for r in where.copied_from)) == site.copied_from
+        copied.append(bool(site.copied_from))
+    # the link tests' placements hold the input; the others copy it from trusted-a
+    assert copied == [verifiers[0].device != verifiers[1].device or "act" not in verifiers[0].directions]
 
 
 def _random_audited(seed: int):
