@@ -30,7 +30,7 @@ from planner.solver import baseline_plans
 from planner.solver.outcome import reordered
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import scale_chain
-from planner.solver.restrictions import Restriction, restrictions
+from planner.solver.restrictions import Restriction, part_budget_s, restrictions
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
 from planner.solver.warm import WarmStage, WarmStart
@@ -42,8 +42,9 @@ RIVAL_MARGIN = 1.2  # baselines priced within this factor of the fastest simulat
 # and simulating those that can win), at most RIVALS_MAX_S: 176 devices need about 3 s.
 RIVALS_SHARE = 0.1
 RIVALS_MAX_S = 5.0
-# Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``): a pool
-# planned whole is never slower than its trusted hosts alone, one device type, or the pool less a region.
+# Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``; each gets at
+# least its ``PART_MIN_S``): a pool planned whole is never slower than its trusted hosts alone, one device type, or
+# the pool less a region.
 RESTRICTIONS_SHARE = 0.2
 SHAPED_SHARE = 0.05  # of the time limit: the ppdp grid's shape solved as a fixed shape (``_grid_shaped``)
 
@@ -115,8 +116,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if free else 0.0
         parts = restrictions(spec_cluster) if free and warm_start is None else ()
         kept += (RESTRICTIONS_SHARE * time_limit_s if parts else 0.0) + (SHAPED_SHARE * time_limit_s if free else 0.0)
-        solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers,
-                                    time_limit_s=max(0.0, time_limit_s - kept),  # work, not what the clock left
+        solve_s = max(0.0, time_limit_s - kept)  # work, not what the clock left
+        solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers, time_limit_s=solve_s,
                                     microbatch_sizes=sizes, progress=progress, gap_tolerance=tolerance,
                                     stages=stages, replicas=replicas, recompute_mode=recompute,
                                     warm_start=warm_start, seed=seed)
@@ -137,7 +138,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None or stages is not None or replicas is not None:
         return plan
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
-                        time_limit_s=RESTRICTIONS_SHARE * time_limit_s, seed=seed)
+                        time_limit_s=part_budget_s(RESTRICTIONS_SHARE * time_limit_s, len(parts), solve_s), seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
@@ -180,11 +181,12 @@ def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: Trainin
                 policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float,
                 seed: int = 0) -> list[Any]:
     """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at ``config``'s
-    microbatch size, the time shared evenly: rivals the full pool's plan must beat in simulation."""
+    microbatch size, each searched with ``time_limit_s`` of work (``part_budget_s``): rivals the full pool's plan
+    must beat in simulation."""
     out: list[Any] = []
     for part in parts:
         found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
-                                            time_limit_s=time_limit_s / len(parts), recompute_mode=recompute,
+                                            time_limit_s=time_limit_s, recompute_mode=recompute,
                                             seed=seed)
         if not isinstance(found, InfeasiblePlanError):
             method = f"{found.report.method} on {part.name}"

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from cost_models.cluster import ClusterSpec, Host
 
 MAX_RESTRICTIONS = 7  # each costs a solve: the likeliest come first (trusted only, no verifier hosts, by device type)
+# Each part's search gets at least this much work (nominal s): a search sizes its steps by its budget (the
+# sequence DP's look, CP-SAT's turn), so a sliver of a short limit skips the steps that find a part's best plan,
+# and a small part stops far short of it (issue 36, seed 14: its trusted hosts' replicated plan needs a 0.4 s
+# budget and spends 0.09 s).
+PART_MIN_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +27,12 @@ class Restriction:
     name: str
     cluster: ClusterSpec
     dropped: frozenset[str]
+
+
+def part_budget_s(share_s: float, parts: int, pool_s: float) -> float:
+    """Nominal seconds of work for each of ``parts`` restrictions that share ``share_s``: an even share, raised to
+    ``PART_MIN_S`` but never past ``pool_s``, the whole pool's search (a part is no harder than its pool)."""
+    return max(share_s / max(parts, 1), min(PART_MIN_S, pool_s))
 
 
 def _speed(host: Host) -> float:
