@@ -42,9 +42,9 @@ RIVAL_MARGIN = 1.2  # baselines priced within this factor of the fastest simulat
 # and simulating those that can win), at most RIVALS_MAX_S: 176 devices need about 3 s.
 RIVALS_SHARE = 0.1
 RIVALS_MAX_S = 5.0
-# Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``; each gets at
-# least its ``PART_MIN_S``): a pool planned whole is never slower than its trusted hosts alone, one device type, or
-# the pool less a region.
+# Of the time limit, shared by the plans of the pool's restrictions (``planner.solver.restrictions``; the trusted
+# hosts alone get at least ``restrictions.PART_MIN_S``): a pool planned whole is never slower than its trusted
+# hosts alone, one device type, or the pool less a region.
 RESTRICTIONS_SHARE = 0.2
 SHAPED_SHARE = 0.05  # of the time limit: the ppdp grid's shape solved as a fixed shape (``_grid_shaped``)
 
@@ -138,7 +138,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     if baseline is not None or stages is not None or replicas is not None:
         return plan
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
-                        time_limit_s=part_budget_s(RESTRICTIONS_SHARE * time_limit_s, len(parts), solve_s), seed=seed)
+                        share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
@@ -178,16 +178,16 @@ def _reordered(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: T
 
 
 def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
-                policy: VerificationPolicy, *, workers: int, recompute: str, time_limit_s: float,
+                policy: VerificationPolicy, *, workers: int, recompute: str, share_s: float, pool_s: float,
                 seed: int = 0) -> list[Any]:
     """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at ``config``'s
-    microbatch size, each searched with ``time_limit_s`` of work (``part_budget_s``): rivals the full pool's plan
-    must beat in simulation."""
+    microbatch size, sharing ``share_s`` of work (``part_budget_s``; ``pool_s``: the whole pool's search): rivals
+    the full pool's plan must beat in simulation."""
     out: list[Any] = []
     for part in parts:
         found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
-                                            time_limit_s=time_limit_s, recompute_mode=recompute,
-                                            seed=seed)
+                                            time_limit_s=part_budget_s(part, share_s, len(parts), pool_s),
+                                            recompute_mode=recompute, seed=seed)
         if not isinstance(found, InfeasiblePlanError):
             method = f"{found.report.method} on {part.name}"
             out.append(dataclasses.replace(found, report=dataclasses.replace(found.report, method=method)))

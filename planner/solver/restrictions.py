@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from cost_models.cluster import ClusterSpec, Host
 
+TRUSTED_ONLY = "trusted hosts only"
 MAX_RESTRICTIONS = 7  # each costs a solve: the likeliest come first (trusted only, no verifier hosts, by device type)
-# Each part's search gets at least this much work (nominal s): a search sizes its steps by its budget (the
-# sequence DP's look, CP-SAT's turn), so a sliver of a short limit skips the steps that find a part's best plan,
-# and a small part stops far short of it (issue 36, seed 14: its trusted hosts' replicated plan needs a 0.4 s
-# budget and spends 0.09 s).
+# The trusted hosts alone (the smallest part, inside every other) are searched with at least this much work
+# (nominal s): a search sizes its steps by its budget (the sequence DP's look, CP-SAT's turn), so a sliver of a
+# short limit skips the steps that find their best plan, and so small a part stops far short of it (issue 36,
+# seed 14: their replicated plan needs a 0.4 s budget and spends 0.09 s). The other parts share evenly.
 PART_MIN_S = 0.5
 
 
@@ -29,10 +30,11 @@ class Restriction:
     dropped: frozenset[str]
 
 
-def part_budget_s(share_s: float, parts: int, pool_s: float) -> float:
-    """Nominal seconds of work for each of ``parts`` restrictions that share ``share_s``: an even share, raised to
-    ``PART_MIN_S`` but never past ``pool_s``, the whole pool's search (a part is no harder than its pool)."""
-    return max(share_s / max(parts, 1), min(PART_MIN_S, pool_s))
+def part_budget_s(part: Restriction, share_s: float, parts: int, pool_s: float) -> float:
+    """Nominal seconds of work for ``part``, one of ``parts`` restrictions sharing ``share_s``: an even share, the
+    trusted hosts alone raised to ``PART_MIN_S`` but never past ``pool_s``, the whole pool's search."""
+    even = share_s / max(parts, 1)
+    return max(even, min(PART_MIN_S, pool_s)) if part.name == TRUSTED_ONLY else even
 
 
 def _speed(host: Host) -> float:
@@ -56,7 +58,7 @@ def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
     for h in sorted(untrusted, key=lambda h: (-_speed(h), _type(h))):
         by_type.setdefault(_type(h), []).append(h)
     kinds = list(by_type)
-    keep_sets: list[tuple[str, set[str]]] = [("trusted hosts only", set(trusted))]
+    keep_sets: list[tuple[str, set[str]]] = [(TRUSTED_ONLY, set(trusted))]
     if len(kinds) > 2:
         keep_sets.append((f"trusted + {kinds[0]} + {kinds[1]}",
                           trusted | {h.name for t in kinds[:2] for h in by_type[t]}))
