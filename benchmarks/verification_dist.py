@@ -24,6 +24,10 @@ untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llam
 - ``hf-llama``: a tiny HF Llama (``HF_SPEC``, 4x32 tokens a microbatch, 3 microbatches a step) planned by
   ``planner.api.make_plan`` on the default cluster with 3 stages (tests/integration/test_run_drops.py's): the
   middle stage on a volunteer, verified (boundary 0's gradients on rank 0, boundary 1's activations on rank 2).
+- ``split-audit``, ``hf-llama-audit``: those plans run with ``--audit-every 4``: no verifier holds an untrusted
+  stage's input there, so the auditor (the verifier of its outputs) hears the audited inputs copied from the
+  trusted stage before it (audits from copies). Split's stage 2 is fed by the untrusted stage 1 and is not
+  audited (stage 1 could send the auditor another copy and frame it).
 
 Clean runs (no attacker) report, per run: steps, checks, flags (per microbatch and per step), dropped
 microbatches, blamed (step, sender) pairs, bans, and the per-sample false-positive rate (microbatch
@@ -61,9 +65,10 @@ if str(ROOT) not in sys.path:
 CLUSTER = ROOT / "benchmarks" / "clusters" / "four-t4.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "verification_dist.json"
 CLUSTER3 = ROOT / "benchmarks" / "clusters" / "five-t4.yaml"
-SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama", "replicated-audit", "replicated3-audit")
+SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama", "replicated-audit", "replicated3-audit",
+          "split-audit", "hf-llama-audit")
 ATTACK_SHAPES = ("split", "linked")
-MODELS = {"hf-llama": "hf-llama-tiny"}   # the model of a shape (default gpt-tiny)
+MODELS = {"hf-llama": "hf-llama-tiny", "hf-llama-audit": "hf-llama-tiny"}   # the model of a shape (default gpt-tiny)
 HF_SPEC = ("hf:llama?hidden_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,"
            "intermediate_size=128,vocab_size=256,max_position_embeddings=64")
 # name -> the --attack spec without its start; every attack starts at ATTACK_START, a replay at DELAY_START
@@ -78,10 +83,11 @@ ATTACKS = {
     "params-sign": "rank=1,kind=scale,factor=-1,dir=params",
     "params-noise": "rank=1,kind=noise,std=1.0,dir=params",
 }
-AUDITED = {"replicated-audit": "replicated", "replicated3-audit": "replicated3"}   # shape -> the plan it runs
+AUDITED = {"replicated-audit": "replicated", "replicated3-audit": "replicated3", "split-audit": "split",
+           "hf-llama-audit": "hf-llama"}   # shape -> the plan it runs
 AUDIT_EVERY = 4           # --audit-every of the audited shapes (planner.integrity.audit.DEFAULT_EVERY)
-REPLICATED = ("replicated", "replicated3", *AUDITED)
-SOLE_UNTRUSTED = {"hf-llama": 1}   # shape -> its one untrusted rank: every attack runs there
+REPLICATED = ("replicated", "replicated3", "replicated-audit", "replicated3-audit")
+SOLE_UNTRUSTED = {"hf-llama": 1, "hf-llama-audit": 1}   # shape -> its one untrusted rank: every attack runs there
 ATTACK_START, DELAY_START = 20, 30
 FPR_GOAL = 0.001          # microbatch flags per check (issue 20)
 BAN_WITHIN = 10           # steps from the attack's start to the attacker's ban (issue 20)
@@ -123,13 +129,13 @@ def make_plans(shapes: list[str], folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
     for shape in shapes:
-        path = folder / f"{shape}.json"
+        path, base = folder / f"{shape}.json", AUDITED.get(shape, shape)
         if shape in REPLICATED:
-            _replicated(3 if AUDITED.get(shape, shape) == "replicated3" else 2).save(path)
-        elif shape == "hf-llama":
+            _replicated(3 if base == "replicated3" else 2).save(path)
+        elif base == "hf-llama":
             _hf_llama().save(path)
         else:
-            extra = ["--link-tests-cost", "3"] if shape == "linked" else []
+            extra = ["--link-tests-cost", "3"] if base == "linked" else []
             proc = subprocess.run([sys.executable, "-m", "planner", "plan", "gpt-tiny", "--cluster", str(CLUSTER),
                                    "--baseline", "uniform", *extra, "-o", str(path)],
                                   check=False, capture_output=True, text=True, env=_env(), timeout=300)

@@ -1,42 +1,51 @@
-"""Audits of a watched stage's replicas in the distributed runtime (issue 37; ``planner.integrity.audit``).
+"""Audits of an untrusted stage's replicas in the distributed runtime (issue 37; ``planner.integrity.audit``).
 
-A *watched* stage (``replica_checks.watched_stages``: two replicas or more, one untrusted, verified run) is audited
-by its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``). The
+A stage with an untrusted replica, where the planner's rule allows it (``audit_price.audit_rule``), is audited by
+its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``). The
 auditor builds its own copy of the stage as the stage's ranks build theirs (``rank_setup.prepare_rank``: the same
 seed or saved weights) and keeps it at the replicas' weights: at the end of every step each replica sends it a
 digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and unscaling), one
 replica (the lowest trusted one, else the lowest) sends that gradient whole, and the auditor, finding every digest
 equal to the tensor's, applies the same optimizer step to its copy. During the step the auditor keeps, for the
-microbatches ``AuditSchedule.audited`` picks with its own secret (every one of a sender under suspicion), the
-tensors its checks already see: the stage's input (as the verifier of the boundary before it), the replica's output,
-the gradient the replica was sent and the one it sent upstream. As soon as a microbatch's tensors are in (the rest
-at the step's end), with the copy still at the weights the replicas compute the whole step with, it recomputes the
-stage on that input and compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event`` among the step's
-flags, which the verifiers' exchange turns into a ban at once. Every message is an end-of-step control message
-(``control.Topic .AUDIT``), outside the compiled programs like the contribution sketches: the plan's price does not
-include them.
+microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion, where it
+holds the input), the tensors its checks already see: the stage's input (as the verifier of the boundary before
+it), the replica's output, the gradient the replica was sent and the one it sent upstream. As soon as a
+microbatch's tensors are in (the rest at the step's end), with the copy still at the weights the replicas compute
+the whole step with, it recomputes the stage on that input and compares; a relative error past ``audit.TOLERANCE``
+is an ``audit_event`` among the step's flags, which the verifiers' exchange turns into a ban at once.
+
+Where the auditor does not verify the stage's input boundary, the trusted ranks of the stage before copy it the
+inputs: at the start the auditor sends each of them its key for that stage, point to point (never to a replica),
+and at each step's end each sends it, in one message, the inputs of the audited microbatches it sent the stage,
+as the consumer decoded them (``keep_input_copy``). The auditor recomputes those outputs (not gradients) once the
+copies are in, on zeros where the replica's taint header says its input was dropped. A stage with one untrusted
+replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
+``AUDIT_INPUT``), outside the compiled programs like the contribution sketches; the planner prices them
+(``cost_models.audit``).
 
 Threat model. A replica cannot tell which of its microbatches are audited: it has sent a microbatch's output and
 input gradient before the auditor recomputes them, the auditor asks it for nothing per microbatch, an audit's
-outcome leaves the auditor only with the step's flags, and the positions come from a secret it never sees; so
+outcome leaves the auditor only with the step's flags, and the positions come from a key it never sees; so
 corrupting a share ``q`` of its tensors is caught with probability ``q`` per window of ``every`` microbatches, and
 corrupting them all within ``2 every - 1``. It cannot make its twin fail an audit: the twin is audited against the
-gradient the twin itself reports applying. Where the replica sending that gradient whole is trusted and its one twin
-exchanged with it directly (two replicas), its report is the truth: a twin whose digest differs lies about its own
-state (both apply one all-reduced sum) and fails an audit (``judge_applied``). Otherwise (no trusted replica, or
-three or more, whose all-reduce relays partial sums through replicas that could hand an honest one another sum), a
-digest that differs from the tensor or from another replica's stops the stage's audits instead of choosing whom to
-believe (recorded in the verifier's summary as ``audits.suspended``). That is what a lying replica *can* do: turn
-such a stage's audits off by misreporting its digest (visible, never silent), and corrupt what the audits cannot see: a
-microbatch whose input or output tensors this verifier does not check (the gradients sent to it by an untrusted
-downstream stage: those audits are skipped), and its own gradient contribution (the contribution monitor and
-``--robust-reduce`` watch that). Like every check of this verifier, an audit takes the copy a replica sends it for
-what the consumer received (the transfers are not signed). Nothing received is unpickled or executed: digests are
-int64 tensors, the gradient a float32 tensor of the copy's size, received into buffers of that shape. Not audited: a
-stage the planner's rule (``audit_price.audit_rule``) rules out (the first or last stage, one whose input and
-output boundaries two verifiers hold, one fed by an untrusted stage, which could send the auditor another copy than
-the replica and frame it), a run resumed from a checkpoint (the copy would start from the seed), a stage whose
-forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
+gradient the twin itself reports applying, on an input a trusted rank sent. Where the replica sending that
+gradient whole is trusted and its one twin exchanged with it directly (two replicas), its report is the truth: a
+twin whose digest differs lies about its own state (both apply one all-reduced sum) and fails an audit
+(``judge_applied``). Otherwise (no trusted replica, or three or more, whose all-reduce relays partial sums through
+replicas that could hand an honest one another sum), a digest that differs from the tensor or from another
+replica's stops the stage's audits instead of choosing whom to believe (recorded in the verifier's summary as
+``audits.suspended``). That is what a lying replica *can* do: turn such a stage's audits off by misreporting its
+digest (visible, never silent), claim its input was dropped (its output is then dropped downstream: lost data,
+counted), and corrupt what the audits cannot see: a microbatch whose tensors this verifier does not check (the
+gradients sent to it by an untrusted downstream stage: those audits are skipped; gradients where the inputs are
+copied), and its own gradient contribution (the contribution monitor and ``--robust-reduce`` watch that; a sole
+replica's applied gradient is its own word). Like every check of this verifier, an audit takes the copy a replica
+sends it for what the consumer received (the transfers are not signed). Nothing received is unpickled or
+executed: keys and digests are int64 tensors, the gradient and the input copies float tensors of sizes the plan
+fixes, received into buffers of that shape. Not audited: a stage the planner's rule rules out (the first or last
+stage, one fed by an untrusted stage, which could send the auditor another copy than the replica and frame it, a
+sole replica whose link tests check it), a run resumed from a checkpoint (the copy would start from the seed), a
+stage whose forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
 """
 from __future__ import annotations
 
