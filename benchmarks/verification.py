@@ -462,10 +462,12 @@ OVERHEAD_MODELS: dict[str, tuple[str, int | None, int]] = {
     "gpt-tiny": ("gpt-tiny", None, 30), "gpt d=384": (WIDE_GPT, WIDE_SEQ, 8), "gpt d=768": (WIDER_GPT, WIDE_SEQ, 6)}
 
 
-def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None, depth: int = 4) -> Path:
+def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None, depth: int = 4,
+                  untrusted: frozenset[int] = frozenset(), split: bool = False) -> Path:
     """A ``depth``-stage, 4-microbatch plan of ``spec`` on local CPUs whose verifier checks every
     boundary both ways: a CPU-only verifier host (rank ``depth``) if ``host``, else rank 0 (the
-    first stage's device, trusted) as the tests' plans and a small deployment would."""
+    first stage's device, trusted) as the tests' plans and a small deployment would. ``untrusted``: the stages
+    on untrusted hosts; ``split``: boundary 0 verified by rank 0, the others by the last stage's rank."""
     from cost_models.training import TrainingConfig
     from models.registry import build_model
     from planner.coarsen import coarsen
@@ -483,8 +485,8 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     microbatch, count = 4, 4
     bundle = build_model(spec, batch=microbatch, seq=seq, device="meta")
     chain = coarsen(trace(bundle.module, bundle.example_inputs, name=spec))
-    hosts = [{"name": f"h{i}", "region": "local", "trust": "operator", "trusted": True,
-              "devices": [{"type": "CPU", "count": 1}]} for i in range(depth)]
+    hosts = [{"name": f"h{i}", "region": "local", "trust": f"v{i}" if i in untrusted else "operator",
+              "trusted": i not in untrusted, "devices": [{"type": "CPU", "count": 1}]} for i in range(depth)]
     if host:
         hosts.append({"name": "verifier", "region": "local", "trust": "operator", "trusted": True,
                       "role": "verifier"})
@@ -499,8 +501,8 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     stages = tuple(StagePlacement(index=k, first_block=lo, last_block=hi, devices=(ids[k],), microbatches=(count,))
                    for k, (lo, hi) in enumerate(ranges))
     verifier = ids[depth] if host else ids[0]
-    checks = tuple(VerifierPlacement(boundary=b, device=verifier, directions=("act", "grad"))
-                   for b in range(depth - 1))
+    checks = tuple(VerifierPlacement(boundary=b, device=ids[depth - 1] if split and b else verifier,
+                                     directions=("act", "grad")) for b in range(depth - 1))
     report = SolveReport(method="hand", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
     solution = Solution(stages=stages, verifiers=checks, num_microbatches=count, schedule="1f1b",
                         predicted_step_ms=0.0, memory_bytes=(), report=report)
@@ -509,7 +511,7 @@ def overhead_plan(spec: str, folder: Path, *, host: bool, seq: int | None = None
     ref = ModelRef(spec=spec, name=spec, fingerprint=chain.fingerprint, batch=microbatch, seq=seq)
     plan = predict(compile_plan(solution, chain, cluster, config, VerificationPolicy(enabled=True, trusted_endpoints=False),
                         ref, verifier_config=VerifierConfig()))
-    return plan.save(folder / f"{spec.split(':')[-1]}-{'host' if host else 'stage'}.json")
+    return plan.save(folder / f"{spec.split(':')[-1]}-{'host' if host else 'stage'}{'-split' if split else ''}.json")
 
 
 def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps: int,

@@ -23,7 +23,7 @@ WATCHED = (BENCHMARKS / "results", BENCHMARKS / "clusters")  # what a benchmark 
 # file -> arguments of its smoke run
 QUICK: dict[str, tuple[str, ...]] = {
     name: ("--quick",)
-    for name in ("bound_gaps.py", "churn.py", "codec_timing.py", "compression.py", "convergence.py", "cost_model.py", "dtfm_cases.py",
+    for name in ("audit_overhead.py", "bound_gaps.py", "churn.py", "codec_timing.py", "compression.py", "convergence.py", "cost_model.py", "dtfm_cases.py",
                  "dtfm_cost.py",
                  "join.py", "link_tests.py", "mixed_7b.py", "peers.py", "plan_compile.py", "plan_time.py", "pools.py",
                  "rehearsal_fidelity.py", "runtime.py", "solver.py", "throttled_windows.py", "trace.py",
