@@ -538,7 +538,7 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
                 runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
                 for _ in range(reps):
                     for mode in modes:
-                        runs[mode].append(_overhead_run(path, steps, mode, slowdown))
+                        runs[mode].append(_overhead_run(path, steps, mode, slowdown, model=allowed_model(spec)))
                 ms = {m: statistics.median(r["ms"] for r in runs[m]) for m in modes}
                 cpu = {m: statistics.median(r["cpu"] for r in runs[m]) for m in modes}
                 row = {"model": name, "verifier": f"CPU host (rank {depth})" if host else "stage rank 0",
@@ -559,12 +559,17 @@ def distributed_overhead(models: dict[str, tuple[str, int | None, int]], *, reps
     return rows
 
 
-def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0) -> dict[str, float]:
+def allowed_model(spec: str) -> str | None:
+    """``run --model``: a factory spec (``module:function``) runs only where the user allows it by name."""
+    return spec if ":" in spec else None
+
+
+def _overhead_run(path: Path, steps: int, mode: str, slowdown: float = 1.0, *, model: str | None = None) -> dict[str, float]:
     """One ``stagewise run``: verification off, on (deferred verdicts) or on waiting first."""
     from planner.runtime.launcher.launch import launch
     from planner.runtime.options import RunOptions
 
-    result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, verify=mode != "off",
+    result = launch(RunOptions(plan=str(path), steps=steps, timeout_s=600, model=model, verify=mode != "off",
                                wait_verdicts=mode == "wait", emulate=slowdown > 1.0, emulate_slowdown=slowdown))
     warm = min(3, steps - 1)
     return {"ms": statistics.median(result["step_ms"][warm:]), "cpu": statistics.median(result["cpu_ms"][warm:])}

@@ -206,6 +206,9 @@ def summary_table(result: dict[str, Any], here=None):
             table.add_row("replica audits run / failed (--audit-every)", f"{sum(audited['run'].values())} / "
                           f"{sum(audited['failed'].values())}: " + ", ".join(
                               f"rank {r} {n}/{audited['failed'].get(r, 0)}" for r, n in sorted(audited["run"].items())))
+        if audited["suspended"]:
+            table.add_row("audits stopped (see the verifier's events)", ", ".join(
+                f"stage {k} from step {s}" for k, s in sorted(audited["suspended"].items())))
     replans = result.get("replans") or []
     recovered = sum(1 for r in replans if r["event"] != "join")
     if recovered:
@@ -223,10 +226,10 @@ def summary_table(result: dict[str, Any], here=None):
 
 
 def audit_counts(result: dict[str, Any]) -> dict[str, dict[int, int]]:
-    """The replicas' audits run and failed, per audited rank, as the verifier ranks reported them
-    (``run_report.audit_counts``: the result's ``audits``)."""
+    """The replicas' audits run and failed, per audited rank, and the stages whose audits stopped (from which
+    step), as the verifier ranks reported them (``run_report.audit_counts``: the result's ``audits``)."""
     got = result.get("audits") or {}
-    return {key: {int(r): int(n) for r, n in (got.get(key) or {}).items()} for key in ("run", "failed")}
+    return {key: {int(r): int(n) for r, n in (got.get(key) or {}).items()} for key in ("run", "failed", "suspended")}
 
 
 def leg_row(leg: dict[str, Any]) -> tuple[str, str]:

@@ -142,10 +142,10 @@ class Verifier:
         for key in ("run",) if passed else ("run", "failed"):
             self._audits[key][sender] = self._audits[key].get(sender, 0) + 1
 
-    def suspend_audits(self, stage: int, step: int) -> None:
-        """``stage``'s audits stopped at ``step``: its replicas reported different updates (someone lied)."""
+    def suspend_audits(self, stage: int, step: int, *, why: str = "its replicas reported different updates") -> None:
+        """``stage``'s audits stopped at ``step``, for ``why`` (by default: someone lied about its update)."""
         self._audits_suspended.setdefault(stage, step)
-        self.events.append({"type": "audits_suspended", "step": int(step), "stage": int(stage)})
+        self.events.append({"type": "audits_suspended", "step": int(step), "stage": int(stage), "why": why})
 
     def monitor(self, boundary: int, direction: str) -> Monitor:
         key = (boundary, direction)

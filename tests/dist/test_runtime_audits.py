@@ -54,7 +54,7 @@ def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audit
     # one in 4 of each replica's 4 microbatches a step, act and grad each, at least (a suspect: every one)
     assert audits["run"] >= 2 * 2 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
     assert set(audits["run_by_sender"]) == {str(ATTACKER), str(TWIN)}
-    assert results[DEFAULT_EVERY]["audits"] == {"run": audits["run_by_sender"], "failed": {}}   # the summary's
+    assert results[DEFAULT_EVERY]["audits"] == {"run": audits["run_by_sender"], "failed": {}, "suspended": {}}
     assert _audits(results[None])["run"] == 0
     assert not results[DEFAULT_EVERY]["banned"]
     for on, off in zip(params[DEFAULT_EVERY], params[None]):

@@ -194,10 +194,15 @@ def test_without_a_trusted_replica_a_disagreement_stops_the_audits_and_names_nob
     lie = audits.digest(flat + 1)
     assert audits.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset()) == \
         audits.AppliedJudgement(stepped=True, suspend=True)
-    # the source's tensor is not what it reports: nobody is believed, even a trusted source
-    for trusted in (frozenset(), frozenset({1})):
-        judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=trusted)
-        assert judged.suspend and not judged.liars
+    # the source's tensor is not what it reports (both from it alone): an untrusted source lies, a trusted one
+    # (which cannot) is not named; the audits stop either way
+    judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset())
+    assert judged.suspend and judged.liars == (1,)
+    judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset({1}))
+    assert judged.suspend and not judged.liars
+    # a sole untrusted replica is its own source: its lie about its update is its own
+    assert audits.judge_applied({1: tuple(audits.digest(flat).tolist())}, flat + 1, source=1,
+                                trusted=frozenset()).liars == (1,)
     assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset()) == \
         audits.AppliedJudgement(stepped=True, suspend=False)
     nothing = {r: tuple(audits.digest(None).tolist()) for r in (1, 2, 3)}
@@ -272,18 +277,23 @@ def test_a_forged_audit_summary_is_a_protocol_error_naming_its_sender(forged):
 def test_the_run_summary_counts_only_the_verifier_ranks_audits():
     plan = _watched_plan(4)   # rank 0 verifies; ranks 1 and 2 are the untrusted replicas
     assert {v.rank for v in plan.verifiers} == {0}
-    ranks = [_final(0, {"run": 4, "failed": 0, "run_by_sender": {"1": 2, "2": 2}, "failed_by_sender": {}}),
-             _final(1, {"run": 9, "failed": 9, "run_by_sender": {"2": 9}, "failed_by_sender": {"2": 9}}),
+    ranks = [_final(0, {"run": 4, "failed": 0, "run_by_sender": {"1": 2, "2": 2}, "failed_by_sender": {},
+                        "suspended": {"1": 3}}),
+             _final(1, {"run": 9, "failed": 9, "run_by_sender": {"2": 9}, "failed_by_sender": {"2": 9},
+                        "suspended": {"1": 0}}),
              _final(2, {})]
     counts = audit_counts(plan, ranks)
-    assert counts == {"run": {"1": 2, "2": 2}, "failed": {}}
+    assert counts == {"run": {"1": 2, "2": 2}, "failed": {}, "suspended": {"1": 3}}
     console = Console(width=200, record=True)
     console.print(summary_table({"model": "mlp-tiny", "num_ranks": 3, "schedule": "1f1b", "steps": 2,
                                  "predicted_step_ms": 1.0, "measured_step_ms": 1.0, "final_loss": 1.0,
                                  "verified_boundaries": [0, 1], "flags": 0, "dropped": [0], "banned": [],
                                  "ranks": ranks, "audits": json.loads(json.dumps(counts))}))
-    (line,) = [line for line in console.export_text().splitlines() if "replica audits" in line]
+    text = console.export_text().splitlines()
+    (line,) = [line for line in text if "replica audits" in line]
     assert "4 / 0: rank 1 2/0, rank 2 2/0" in line, line
+    (line,) = [line for line in text if "audits stopped" in line]
+    assert "stage 1 from step 3" in line, line
 
 
 def test_the_run_summary_counts_only_the_verifier_ranks_flags_and_alerts():
@@ -340,3 +350,13 @@ def test_copied_inputs_come_back_in_their_shapes_and_dtypes():
     for got, want in zip(back, sent):
         assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0].float())
         assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("p, random", [(0.1, "dropout"), (0.0, None)])
+def test_a_stage_drawing_random_numbers_is_never_audited(p, random):
+    """A recompute would draw other dropout masks than the replica and fail it: such a stage is not audited."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p), torch.nn.Linear(4, 2)).train()
+    module = torch.export.export(model, (torch.randn(3, 4),), strict=False).module()
+    found = audits.random_op(module)
+    assert (found is not None and "dropout" in found) if random else found is None, found
+    assert audits.random_op(torch.nn.Linear(2, 2)) is None   # no graph: nothing known random

@@ -118,17 +118,20 @@ def verifier_sum(plan, ranks: list[dict[str, Any]], key: str) -> int:
 
 
 def audit_counts(plan, ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, as the plan's
-    verifier ranks (trusted) report them; any other rank's word on audits is not read."""
+    """The replicas' audits (``planner.runtime.rank.audits``) run and failed, per audited rank, and the stages
+    whose audits stopped (from which step), as the plan's verifier ranks (trusted) report them; any other rank's
+    word on audits is not read."""
     verifiers = {v.rank for v in plan.verifiers}
-    out: dict[str, dict[str, int]] = {"run": {}, "failed": {}}
+    out: dict[str, dict[str, int]] = {"run": {}, "failed": {}, "suspended": {}}
     for record in ranks:
         if record["rank"] not in verifiers:
             continue
         got = record["verification"].get("audits") or {}
-        for key, counts in out.items():
+        for key in ("run", "failed"):
             for sender, n in got.get(f"{key}_by_sender", {}).items():
-                counts[sender] = counts.get(sender, 0) + n
+                out[key][sender] = out[key].get(sender, 0) + n
+        for stage, step in got.get("suspended", {}).items():   # stage -> the step its audits stopped
+            out["suspended"][stage] = min(step, out["suspended"].get(stage, step))
     return out
 
 

@@ -118,6 +118,8 @@ class StageCopy:
     # a forward updated the stage's buffers (BatchNorm): the copy, seeing only the audited microbatches, drifts
     # from the replicas, so from then on it is kept current but audits nothing
     drifts: bool = False
+    # the stage draws random numbers (dropout): a recompute would draw others and fail honest replicas
+    random: str | None = None
     _buffers_checked: bool = False
 
     def __post_init__(self) -> None:
@@ -188,7 +190,7 @@ class RuntimeAudits:
 
     def auditing(self, rank: int) -> dict[int, AuditedStage]:
         return {k: s for k, s in self.stages.items() if s.auditor == rank and k in self.copies
-                and not self.copies[k].drifts and k not in self.suspended}
+                and not self.copies[k].drifts and self.copies[k].random is None and k not in self.suspended}
 
 
 def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: bool) -> RuntimeAudits:
@@ -209,9 +211,35 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
                                    weight_decay=opts.weight_decay)
         schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                     total_steps=opts.steps)
-        out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule)
+        out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule,
+                                  random=random_op(runtime.module))
         out.schedules[k] = audit.AuditSchedule(key, st.every)
     return out
+
+
+RANDOM_OPS = frozenset({"bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+                        "randint_like", "normal", "uniform", "multinomial", "poisson", "exponential", "geometric",
+                        "cauchy", "log_normal", "random"})
+DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def random_op(module: torch.nn.Module) -> str | None:
+    """The first op of ``module``'s graph that draws random numbers (a dropout of p > 0 in training, a sampler,
+    an attention with dropout), or None: an audit recomputes a stage only where its forward is a function."""
+    for node in getattr(getattr(module, "graph", None), "nodes", ()):
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        name = schema.name.split("::")[-1].rstrip("_")
+        if name in RANDOM_OPS:
+            return name
+        if name in DROPOUT_OPS and float(node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)) > 0 \
+                and bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)):
+            return name
+        if "scaled_dot_product" in name and float(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4
+                                                                   else 0.0)) > 0:
+            return name
+    return None
 
 
 def _stage_key(secret: bytes, stage: int) -> bytes:
@@ -400,6 +428,7 @@ def end_step(ex: Any, step: int) -> None:
     if audits is None:
         return
     applied, audits.applied = audits.applied, None
+    _report_random(ex, audits, step)
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
@@ -416,6 +445,16 @@ def end_step(ex: Any, step: int) -> None:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied)
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
+
+
+def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
+    """An auditor's stages that draw random numbers, in its summary once (their audits never run)."""
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    for k, copy in audits.copies.items():
+        if copy.random is not None and k not in audits.suspended and verifier is not None:
+            audits.suspended[k] = step
+            verifier.suspend_audits(k, step, why=f"the stage draws random numbers ({copy.random}): a recompute "
+                                                 f"would draw others")
 
 
 def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None) -> None:
@@ -484,11 +523,14 @@ def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, s
     both apply one all-reduced sum, so a replica reporting another lies about its own state (a failed audit), and
     the copy steps with the source's tensor. With three replicas or more the all-reduce relays partial sums
     through the replicas, so a relaying attacker could hand an honest one another sum and frame it: any
-    disagreement then stops the stage's audits and names nobody, as it does without a trusted source."""
+    disagreement then stops the stage's audits and names nobody, as it does without a trusted source. A source
+    whose gradient differs from its own digest (both sent by it alone, point to point) lies: an untrusted one
+    is named, and the audits stop."""
     claimed = reported[source]
     stepped = claimed[0] == 1
     if tuple(digest(flat if stepped else None).tolist()) != claimed:
-        return AppliedJudgement(stepped=False, suspend=True)   # the source's tensor is not what it reports
+        # the source's tensor is not what it reports, both sent by it alone: an untrusted source lies
+        return AppliedJudgement(stepped=False, suspend=True, liars=() if source in trusted else (source,))
     liars = tuple(sorted(r for r, d in reported.items() if d != claimed))
     if source in trusted and len(reported) == 2:
         return AppliedJudgement(stepped=stepped, suspend=False, liars=liars)
