@@ -65,8 +65,10 @@ TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 
 @dataclass(frozen=True, slots=True)
 class AuditSchedule:
-    """Which of a sender's microbatches the verifier audits: one in each window of ``every`` of them, at a
-    position keyed by ``secret`` (the verifier's, never sent to a replica)."""
+    """Which of a sender's microbatches the verifier audits: each one independently, with probability
+    ``1 / every``, by a draw keyed by ``secret`` (the verifier's, never sent to a replica). Independent draws,
+    not one per window of ``every``: a replica that can tell an audited step from another (the auditor's work
+    shows in the step's end) learns nothing of which of its next microbatches will be audited."""
 
     secret: bytes = field(repr=False)   # never in a log: whoever reads it can tell the audited microbatches
     every: int = DEFAULT_EVERY
@@ -84,19 +86,14 @@ class AuditSchedule:
         return 1.0 / self.every
 
     def audited(self, sender: int, step: int, slot: int, per_step: int, *, suspected: bool = False) -> bool:
-        """Whether ``sender``'s ``slot``-th microbatch of ``step`` (of its ``per_step`` a step) is audited: its
-        share, or every one while it is ``suspected`` (it has unresolved evidence)."""
+        """Whether ``sender``'s ``slot``-th microbatch of ``step`` (of its ``per_step`` a step) is audited: drawn
+        with probability ``share``, or every one while it is ``suspected`` (it has unresolved evidence)."""
         if not 0 <= slot < per_step:
             raise InvalidInputError("audited microbatch", expected=f"a slot in [0, {per_step})", found=str(slot))
         if suspected:
             return True
-        index = step * per_step + slot   # the sender's microbatches in order
-        window, position = divmod(index, self.every)
-        return position == self._position(sender, window)
-
-    def _position(self, sender: int, window: int) -> int:
-        digest = hashlib.blake2b(f"{sender}:{window}".encode(), key=self.secret[:64], digest_size=8).digest()
-        return int.from_bytes(digest, "big") % self.every
+        digest = hashlib.blake2b(f"{sender}:{step}:{slot}".encode(), key=self.secret[:64], digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.every == 0
 
 
 def relative_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from tests.dist.plans import load_dumps, make_plan
 STEPS, ATTACK_START, EVERY = 6, 2, 4
 
 
-def _plan(tmp_path, *, replicas: tuple[int, ...]):
+def _plan(tmp_path, *, replicas: tuple[int, ...], every: int = EVERY):
     # mlp-tiny in 3 stages; the middle one untrusted (one replica, or two); rank 0 (stage 0, trusted) verifies
     # boundary 0, the last stage's rank (trusted) boundary 1: no verifier holds the middle stage's input, so
     # its auditor (the last rank) hears the audited inputs from rank 0. A long warm-up: what bans is the audit.
@@ -30,7 +30,7 @@ def _plan(tmp_path, *, replicas: tuple[int, ...]):
                      replicas={1: replicas}, untrusted=middle, optimizer="adam",
                      verifiers=[(0, 0, ("act", "grad")), (1, last, ("act", "grad"))],
                      verifier_config=VerifierConfig(warmup=50))
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, audit_every=EVERY if st.index == 1 else 0)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, audit_every=every if st.index == 1 else 0)
                                                   for st in plan.stages))
     where = audit_site(plan, 1)
     assert isinstance(where, AuditWhere) and where.copied_from == (0,) and where.auditor == last, where
@@ -50,8 +50,8 @@ def test_a_clean_single_replica_is_audited_from_copies_and_trains_as_without_aud
                                            dump=str(dump)))
         params[every] = [d["params"] for d in load_dumps(dump, 3)]
     audits = _audits(results[None], auditor)
-    # one in each window of 4 of the replica's 8 microbatches a step: 2 a step, outputs only
-    assert audits["run"] == 2 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
+    # each of the replica's 48 microbatches drawn with probability 1/4 (none: p = 1e-6), outputs only
+    assert 1 <= audits["run"] <= 8 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
     assert _audits(results[0], auditor)["run"] == 0 and not results[None]["banned"]
     for on, off in zip(params[None], params[0]):
         assert on.keys() == off.keys()
@@ -60,13 +60,13 @@ def test_a_clean_single_replica_is_audited_from_copies_and_trains_as_without_aud
 
 
 def test_a_replica_adding_noise_is_banned_by_an_audit_from_copies_and_its_twin_is_not(tmp_path):
-    path, auditor = _plan(tmp_path, replicas=(4, 4))
+    path, auditor = _plan(tmp_path, replicas=(4, 4), every=2)
     attacker, twin = 1, 2
     attack = f"rank={attacker},kind=noise,std=0.2,start={ATTACK_START}"
     with pytest.raises(RunBanned) as stopped:
         launch(RunOptions(plan=str(path), steps=STEPS + 4, timeout_s=60, lr=1e-2, attacks=(attack,)))
     (notice,) = stopped.value.notices
-    # one audited microbatch in each window of 4 of the attacker's 4 a step: its first attacked step
-    assert notice.rank == attacker and notice.ban_step == ATTACK_START, notice
+    # each microbatch audited with probability 1/2: 4 attacked steps of 4 pass unaudited with p = 2^-16
+    assert notice.rank == attacker and ATTACK_START <= notice.ban_step <= ATTACK_START + 3, notice
     audits = _audits(stopped.value.result, auditor)
     assert audits["failed_by_sender"].get(str(attacker), 0) >= 1 and str(twin) not in audits["failed_by_sender"]

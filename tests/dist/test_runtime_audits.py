@@ -45,32 +45,32 @@ def test_the_options_default_is_the_audit_modules():
 def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audits(tmp_path):
     path = _plan(tmp_path)
     results, params = {}, {}
-    for every in (DEFAULT_EVERY, None):   # the plan audits nothing: only --audit-every 4 does
+    for every in (2, None):   # the plan audits nothing: only --audit-every 2 does
         dump = tmp_path / f"dump{every}"
         results[every] = launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, lr=1e-2, audit_every=every,
                                            dump=str(dump)))
         params[every] = [d["params"] for d in load_dumps(dump, 4)]
-    audits = _audits(results[DEFAULT_EVERY])
-    # one in 4 of each replica's 4 microbatches a step, act and grad each, at least (a suspect: every one)
-    assert audits["run"] >= 2 * 2 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
+    audits = _audits(results[2])
+    # each of a replica's 24 microbatches drawn with probability 1/2 (act and grad each): both are audited
+    assert audits["run"] >= 2 and audits["failed"] == 0 and not audits["suspended"], audits
     assert set(audits["run_by_sender"]) == {str(ATTACKER), str(TWIN)}
-    assert results[DEFAULT_EVERY]["audits"] == {"run": audits["run_by_sender"], "failed": {}, "suspended": {}}
+    assert results[2]["audits"] == {"run": audits["run_by_sender"], "failed": {}, "suspended": {}}
     assert _audits(results[None])["run"] == 0
-    assert not results[DEFAULT_EVERY]["banned"]
-    for on, off in zip(params[DEFAULT_EVERY], params[None]):
+    assert not results[2]["banned"]
+    for on, off in zip(params[2], params[None]):
         assert on.keys() == off.keys()
         for name in on:
             torch.testing.assert_close(on[name], off[name], rtol=0, atol=0)
 
 
 def test_a_replica_damping_its_outputs_is_banned_by_a_failed_audit_and_its_twin_is_not(tmp_path):
-    path = _plan(tmp_path, audit_every=DEFAULT_EVERY)   # no --audit-every: the plan's choice audits the stage
+    path = _plan(tmp_path, audit_every=2)   # no --audit-every: the plan's choice audits the stage
     attack = f"rank={ATTACKER},kind=scale,factor=0.5,start={ATTACK_START}"
     with pytest.raises(RunBanned) as stopped:
         launch(RunOptions(plan=str(path), steps=STEPS + 4, timeout_s=60, lr=1e-2, attacks=(attack,)))
     (notice,) = stopped.value.notices
-    # one audited microbatch in each window of 4: the attacker's first window is its first attacked step
-    assert notice.rank == ATTACKER and ATTACK_START <= notice.ban_step <= ATTACK_START + 1, notice
+    # each microbatch audited with probability 1/2: 4 attacked steps of 4 pass unaudited with p = 2^-16
+    assert notice.rank == ATTACKER and ATTACK_START <= notice.ban_step <= ATTACK_START + 3, notice
     audits = _audits(stopped.value.result)
     assert audits["failed_by_sender"].get(str(ATTACKER), 0) >= 1 and str(TWIN) not in audits["failed_by_sender"]
     events = next(r for r in stopped.value.result["ranks"] if r["rank"] == VERIFIER)["verification"]["events"]

@@ -26,8 +26,9 @@ replica is audited this way as well. Every message is an end-of-step control mes
 Threat model. A replica cannot tell which of its microbatches are audited: it has sent a microbatch's output and
 input gradient before the auditor recomputes them, the auditor asks it for nothing per microbatch, an audit's
 outcome leaves the auditor only with the step's flags, and the positions come from a key it never sees; so
-corrupting a share ``q`` of its tensors is caught with probability ``q`` per window of ``every`` microbatches, and
-corrupting them all within ``2 every - 1``. It cannot make its twin fail an audit: the twin is audited against the
+corrupting a share ``q`` of its tensors is caught with probability ``q / every`` per microbatch, each drawn
+independently (``audit.AuditSchedule``): seeing that a step held an audit (the auditor's work shows in the step's
+end) says nothing of the next microbatches. It cannot make its twin fail an audit: the twin is audited against the
 gradient the twin itself reports applying, on an input a trusted rank sent. Where the replica sending that
 gradient whole is trusted and its one twin exchanged with it directly (two replicas), its report is the truth: a
 twin whose digest differs lies about its own state (both apply one all-reduced sum) and fails an audit
@@ -84,7 +85,7 @@ class AuditedStage:
     replicas: tuple[int, ...]
     auditor: int
     source: int
-    every: int   # one audited microbatch in each window of this many of a replica's
+    every: int   # each of a replica's microbatches audited with probability 1 / every
     copied_from: tuple[int, ...] = ()
 
 
