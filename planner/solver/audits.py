@@ -35,13 +35,15 @@ def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
 
 def copy_bytes(problem: Problem, st: StagePlacement) -> int:
     """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audits.StageCopy``): the weights,
-    gradients and optimizer state a replica holds, the applied gradient it receives whole, and the activations
-    of the one microbatch it recomputes."""
+    gradients and optimizer state a replica holds, the applied gradient it receives whole, the activations of
+    the one microbatch it recomputes, and the audited microbatches' input and output it keeps until then (each
+    is drawn on its own, so a step may audit all of them: counted for all)."""
     tables = problem.tables(st.recompute)
     first, last = st.first_block, st.last_block
     per_param = tables.state_bytes_per_param + APPLIED_GRADIENT_BYTES_PER_PARAM
-    return (tables.range_params(first, last) * per_param + tables.range_act_bytes(first, last)
-            + tables.buffer_bytes(first, last))
+    kept = sum(st.microbatches) * ((problem.raw_bytes(first - 1) if first else 0.0) + problem.raw_bytes(last))
+    return int(tables.range_params(first, last) * per_param + tables.range_act_bytes(first, last)
+               + tables.buffer_bytes(first, last) + kept)
 
 
 def _free_bytes(problem: Problem, placement: Placement) -> dict[str, int]:
