@@ -13,8 +13,8 @@ contribution monitor (``planner.integrity.contributions``) sees a sketch of each
 
 A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors.
 
-``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): one in each window
-of k of a replica's microbatches, at a position keyed by the verifier's secret (every one while the sender
+``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): each of a replica's
+microbatches, drawn with probability 1/k by a draw keyed by the verifier's secret (every one while the sender
 has unresolved evidence), is recomputed on the verifier from the stage's input and compared to what the
 replica sent, activations and the gradient it sent upstream alike; a failed audit bans at once.
 

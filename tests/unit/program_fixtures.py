@@ -113,6 +113,17 @@ def untrusted_pool(rng: np.random.Generator) -> ClusterSpec:
     return parse_cluster({"name": "pool", "hosts": hosts, "links": links})
 
 
+def untrusted_problem(rng: np.random.Generator, blocks: tuple[int, int]):
+    """(cluster, chain, config, policy, problem): an ``untrusted_pool``, a random chain of ``blocks`` (low,
+    high) blocks of 2e7-1e8 parameters, microbatches of one sample, the default policy."""
+    cl = untrusted_pool(rng)
+    ch = random_chain(rng, int(rng.integers(*blocks)), param_scale=float(rng.choice([2e7, 1e8])), act_scale=5e7,
+                      out_scale=float(rng.choice([1e6, 1e7])))
+    cfg = TrainingConfig(global_batch=int(rng.choice([8, 16, 32])), microbatch_size=1)
+    policy = VerificationPolicy()
+    return cl, ch, cfg, policy, build_problem(scale_chain(ch, 1), cl, cfg, policy)
+
+
 def replicated_untrusted_case(seed: int):
     """(priced program, compiled plan) of trusted replicated ends around replicated untrusted middle stages,
     verifiers placed by the solver's greedy (on the trusted stage devices), or None if the draw fails."""

@@ -14,7 +14,6 @@ from cost_models import compute
 from cost_models.audit import audit_ms, copied_input_bytes
 from cost_models.cluster import Link
 from cost_models.optim import optim_ms
-from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
@@ -22,7 +21,7 @@ from planner.solver.audit_price import AuditWhere, audit_rule, audit_site
 from planner.solver.audits import EVERY_CHOICES, with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem import build_problem
 from planner.solver.solution import VerifierPlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf
@@ -37,7 +36,6 @@ from tests.unit.plan_fixtures import (
     config,
     solution,
 )
-from tests.unit.solver_fixtures import random_chain
 
 torch.set_num_threads(1)
 
@@ -150,12 +148,7 @@ def _random_case(seed: int):
     the solver's verifiers (link tests or not) with some moved to another trusted device, every auditable stage
     audited at a random share; None where the draw has no audit or breaks a constraint."""
     rng = np.random.default_rng(seed)
-    cl = pf.untrusted_pool(rng)
-    ch = random_chain(rng, int(rng.integers(8, 16)), param_scale=float(rng.choice([2e7, 1e8])), act_scale=5e7,
-                      out_scale=float(rng.choice([1e6, 1e7])))
-    cfg = TrainingConfig(global_batch=int(rng.choice([8, 16, 32])), microbatch_size=1)
-    policy = VerificationPolicy()
-    problem = build_problem(scale_chain(ch, 1), cl, cfg, policy)
+    cl, ch, cfg, policy, problem = pf.untrusted_problem(rng, (8, 16))
     L, M = problem.num_blocks, problem.num_microbatches
     trusted = [d.id for d in cl.hosts[0].devices]
     untrusted = [str(d) for d in rng.permutation([d.id for h in cl.hosts[1:] for d in h.devices])]

@@ -14,7 +14,6 @@ from cost_models.audit import audit_ms
 from cost_models.cluster import Link
 from cost_models.cluster_file import parse_cluster
 from cost_models.optim import optim_ms
-from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.simulate import audit_site as plan_audit_site
@@ -34,7 +33,7 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem import build_problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf
@@ -50,7 +49,6 @@ from tests.unit.plan_fixtures import (
     golden_plan,
     solution,
 )
-from tests.unit.solver_fixtures import random_chain
 
 torch.set_num_threads(1)
 
@@ -290,12 +288,7 @@ def _random_audited(seed: int):
     """A random pool (``program_fixtures.untrusted_pool``) as trusted ends around its volunteers, replicated,
     verifiers keeping the link tests, the middle stage audited at a random share; or None."""
     rng = np.random.default_rng(seed)
-    cl = pf.untrusted_pool(rng)
-    ch = random_chain(rng, int(rng.integers(6, 16)), param_scale=float(rng.choice([2e7, 1e8])), act_scale=5e7,
-                      out_scale=float(rng.choice([1e6, 1e7])))
-    cfg = TrainingConfig(global_batch=int(rng.choice([8, 16, 32])), microbatch_size=1)
-    policy = VerificationPolicy()
-    problem = build_problem(scale_chain(ch, 1), cl, cfg, policy)
+    cl, ch, cfg, policy, problem = pf.untrusted_problem(rng, (6, 16))
     L, M = problem.num_blocks, problem.num_microbatches
     trusted = [d.id for d in cl.hosts[0].devices]
     untrusted = [d.id for h in cl.hosts[1:] for d in h.devices]
