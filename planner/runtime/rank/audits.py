@@ -330,7 +330,8 @@ def keep_input_copy(ex: Any, mb: int) -> None:
     k = ex.info.stage + 1
     schedule = audits.sharing.get(k)
     if schedule is not None and _scheduled(ex.plan, schedule, k, mb, ex.step):
-        audits.outbox[(k, mb)] = [t.detach().clone() for t in ex._delivered("F", mb)]
+        # a reference, not a copy: the send of an audited microbatch must take no longer than another's
+        audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
 
 
 def _copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: AuditedStage, sender: int, step: int) -> list[int]:
