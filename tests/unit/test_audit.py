@@ -2,6 +2,7 @@
 failed audit as proof in blame and bans, and its price."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -24,7 +25,7 @@ def test_each_microbatch_is_audited_independently_with_probability_one_in_every(
     picks = [schedule.audited(1, step, slot, 4) for step in range(1000) for slot in range(4)]
     assert 0.23 <= sum(picks) / len(picks) <= 0.27   # 4,000 draws: 0.25 +- 0.007 (1 sd)
     # an audit seen tells nothing of the next microbatch (no window to be past): still one in four after one
-    after = [b for a, b in zip(picks, picks[1:]) if a]
+    after = [b for a, b in itertools.pairwise(picks) if a]
     assert 0.19 <= sum(after) / len(after) <= 0.31 and len(after) > 800
     assert all(schedule.audited(1, step, 0, 2, suspected=True) for step in range(8))
 
