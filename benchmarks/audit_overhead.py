@@ -9,7 +9,7 @@ first 3 steps warm-up) and of its CPU time summed over ranks. Models: gpt-tiny (
 GPTs of ``verification.py``'s overhead section. Goal: <= 5% at d >= 384.
 
     python benchmarks/audit_overhead.py                  # writes benchmarks/results/audit_overhead.json
-    python benchmarks/audit_overhead.py --quick          # gpt-tiny, one run each, 5 steps: writes nothing
+    python benchmarks/audit_overhead.py --quick          # one audited gpt-tiny run, 5 steps: writes nothing
 """
 from __future__ import annotations
 
@@ -45,17 +45,21 @@ def _run(path: Path, spec: str, steps: int, every: int) -> dict[str, float]:
 
 
 def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
-            everies: tuple[int, ...] = EVERIES) -> list[dict[str, Any]]:
+            everies: tuple[int, ...] = EVERIES, *, baseline: bool = True) -> list[dict[str, Any]]:
+    """Per model and ``--audit-every`` value, the step with audits against without (``baseline`` False: the
+    audited runs alone, no overhead: a smoke run)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, seq, steps) in models.items():
             path = overhead_plan(spec, Path(tmp), host=False, seq=seq, depth=3, untrusted=frozenset({1}), split=True)
-            runs: dict[int, list[dict[str, float]]] = {e: [] for e in (0, *everies)}
+            runs: dict[int, list[dict[str, float]]] = {e: [] for e in ((0,) if baseline else ()) + everies}
             for _ in range(reps):
                 for every, done in runs.items():
                     done.append(_run(path, spec, steps, every))
             ms = {e: statistics.median(r["ms"] for r in runs[e]) for e in runs}
             cpu = {e: statistics.median(r["cpu"] for r in runs[e]) for e in runs}
+            if not baseline:
+                ms[0], cpu[0] = ms[everies[0]], cpu[everies[0]]   # no baseline: an overhead of 0 by construction
             for every in everies:
                 row = {"model": name, "steps": steps, "runs": reps, "audit_every": every,
                        "step_ms_audits": round(ms[every], 1), "step_ms_no_audits": round(ms[0], 1),
@@ -64,9 +68,10 @@ def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
                        "audits_run": sum(r["audits"] for r in runs[every]),
                        "audits_failed": sum(r["failed"] for r in runs[every])}
                 rows.append(row)
-                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  none "
-                      f"{row['step_ms_no_audits']:8.1f} ms  {row['overhead']:+.1%} wall  {row['cpu_overhead']:+.1%} "
-                      f"CPU  ({row['audits_run']} audits, {row['audits_failed']} failed)", flush=True)
+                against = (f"none {row['step_ms_no_audits']:8.1f} ms  {row['overhead']:+.1%} wall  "
+                           f"{row['cpu_overhead']:+.1%} CPU" if baseline else "(no run without audits: --quick)")
+                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  {against}  "
+                      f"({row['audits_run']} audits, {row['audits_failed']} failed)", flush=True)
     return rows
 
 
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {out}: its folder does not exist")
     if any(e < 1 for e in args.every):
         parser.error(f"--every {args.every}: expected values >= 1 (one audited microbatch in every K)")
-    rows = measure(models, reps, tuple(args.every))
+    rows = measure(models, reps, tuple(args.every), baseline=not args.quick)
     wide = [r for r in rows if r["model"] != "gpt-tiny"]
     goal = {e: all(r["overhead"] <= GOAL for r in wide if r["audit_every"] == e) for e in args.every} if wide else None
     print(f"goal (<= {GOAL:.0%} at d >= 384), by --audit-every: {'not measured' if goal is None else goal}")
