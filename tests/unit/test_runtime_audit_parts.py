@@ -23,7 +23,8 @@ from planner.runtime.outputs.run_report import (
     audit_counts,
     verifier_sum,
 )
-from planner.runtime.rank import audits
+from planner.runtime.rank import audit_inputs, audits
+from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
 from planner.simulate import audit_site, audited_stages
@@ -335,8 +336,8 @@ def test_the_upstream_ranks_copy_exactly_the_microbatches_the_auditor_audits():
     st = audits.AuditedStage(stage=1, replicas=(2, 3), auditor=4, source=2, every=3, copied_from=(0, 1))
     schedule = audit.AuditSchedule(b"k" * 16, 3)
     for step in range(5):
-        copied = [audits._copied_mbs(plan, schedule, st, u, step) for u in st.copied_from]
-        audited = [mb for mb in range(8) if audits._scheduled(plan, schedule, 1, mb, step)]
+        copied = [audit_inputs.copied_mbs(plan, schedule, st, u, step) for u in st.copied_from]
+        audited = [mb for mb in range(8) if audit_inputs.scheduled(plan, schedule, 1, mb, step)]
         assert sorted(copied[0] + copied[1]) == audited and not set(copied[0]) & set(copied[1])
         assert all(plan.owner(0, mb) == u for u, mbs in zip(st.copied_from, copied) for mb in mbs)
 
@@ -346,7 +347,7 @@ def test_copied_inputs_come_back_in_their_shapes_and_dtypes():
              ValueSpec(name="i", shape=(2,), dtype=torch.int64, carries_grad=False)]
     sent = [[torch.randn(2, 3).to(torch.bfloat16), torch.tensor([7, 2 ** 40])] for _ in range(2)]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for one in sent for t in one])
-    back = audits._unflatten(flat, specs, 2)
+    back = audit_inputs.unflatten(flat, specs, 2)
     for got, want in zip(back, sent):
         assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0].float())
         assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])
@@ -357,6 +358,6 @@ def test_a_stage_drawing_random_numbers_is_never_audited(p, random):
     """A recompute would draw other dropout masks than the replica and fail it: such a stage is not audited."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p), torch.nn.Linear(4, 2)).train()
     module = torch.export.export(model, (torch.randn(3, 4),), strict=False).module()
-    found = audits.random_op(module)
+    found = random_op(module)
     assert (found is not None and "dropout" in found) if random else found is None, found
-    assert audits.random_op(torch.nn.Linear(2, 2)) is None   # no graph: nothing known random
+    assert random_op(torch.nn.Linear(2, 2)) is None   # no graph: nothing known random

@@ -17,7 +17,7 @@ is an ``audit_event`` among the step's flags, which the verifiers' exchange turn
 Where the auditor does not verify the stage's input boundary, the trusted ranks of the stage before copy it the
 inputs: at the start the auditor sends each of them its key for that stage, point to point (never to a replica),
 and at each step's end each sends it, in one message, the inputs of the audited microbatches it sent the stage,
-as the consumer decoded them (``keep_input_copy``). The auditor recomputes those outputs (not gradients) once the
+as the consumer decoded them (``audit_inputs``). The auditor recomputes those outputs (not gradients) once the
 copies are in, on zeros where the replica's taint header says its input was dropped. A stage with one untrusted
 replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
 ``AUDIT_INPUT``), outside the compiled programs like the contribution sketches; the planner prices them
@@ -51,7 +51,6 @@ stage whose forward updates its buffers (BatchNorm: the copy, seeing only the au
 from __future__ import annotations
 
 import hashlib
-import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,7 +59,9 @@ from typing import Any
 import torch
 
 from planner.integrity import audit
+from planner.runtime.rank import audit_inputs
 from planner.runtime.rank.precision import Precision
+from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.rank_setup import (
     make_lr_schedule,
     make_optimizer,
@@ -72,7 +73,6 @@ from planner.simulate import audit_site
 from planner.solver.audit_price import AuditWhere
 
 ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
-KEY_BYTES = 16   # an auditor's per-stage schedule key (``audit.AuditSchedule`` wants at least 16 bytes)
 DIGEST_WORDS = 4   # a blake2b-256 digest as int64 words, after one word saying whether the optimizer stepped
 
 
@@ -201,7 +201,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
     for k, st in stages.items():
-        key = _share_key(st, rank, _stage_key(secret, k) if st.auditor == rank else None, device)
+        key = audit_inputs.share_key(st, rank, audit_inputs.stage_key(secret, k) if st.auditor == rank else None, device)
         if rank in st.copied_from:
             out.sharing[k] = audit.AuditSchedule(key, st.every)
         if st.auditor != rank:
@@ -216,51 +216,6 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
                                   random=random_op(runtime.module))
         out.schedules[k] = audit.AuditSchedule(key, st.every)
     return out
-
-
-RANDOM_OPS = frozenset({"bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
-                        "randint_like", "normal", "uniform", "multinomial", "poisson", "exponential", "geometric",
-                        "cauchy", "log_normal", "random"})
-DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
-
-
-def random_op(module: torch.nn.Module) -> str | None:
-    """The first op of ``module``'s graph that draws random numbers (a dropout of p > 0 in training, a sampler,
-    an attention with dropout), or None: an audit recomputes a stage only where its forward is a function."""
-    for node in getattr(getattr(module, "graph", None), "nodes", ()):
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        name = schema.name.split("::")[-1].rstrip("_")
-        if name in RANDOM_OPS:
-            return name
-        if name in DROPOUT_OPS and float(node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)) > 0 \
-                and bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)):
-            return name
-        if "scaled_dot_product" in name and float(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4
-                                                                   else 0.0)) > 0:
-            return name
-    return None
-
-
-def _stage_key(secret: bytes, stage: int) -> bytes:
-    """The auditor's key for one stage: what it shares with that stage's upstream ranks tells them nothing of
-    the other stages it audits."""
-    return hashlib.blake2b(secret + stage.to_bytes(4, "big"), digest_size=KEY_BYTES).digest()
-
-
-def _share_key(st: AuditedStage, rank: int, key: bytes | None, device: torch.device) -> bytes:
-    """The stage's key on its auditor and, sent point to point by the auditor alone, on the upstream ranks that
-    copy it inputs (it never reaches a replica); ``key`` on the auditor, None elsewhere."""
-    if not st.copied_from or (rank != st.auditor and rank not in st.copied_from):
-        return key or b""
-    words = None if key is None else torch.tensor(
-        [int.from_bytes(key[i:i + 8], "big", signed=True) for i in range(0, KEY_BYTES, 8)], dtype=torch.int64)
-    got = control.send_from(None if words is None else words.to(device), src=st.auditor, me=rank,
-                            ranks=sorted({st.auditor, *st.copied_from}), topic=control.Topic.AUDIT_INPUT,
-                            shape=(KEY_BYTES // 8,), dtype=torch.int64, device=device, index=2 * st.stage,
-                            doing=f"sharing stage {st.stage}'s audit key with its upstream ranks")
-    return b"".join(int(w).to_bytes(8, "big", signed=True) for w in got.cpu().tolist())
 
 
 # ----------------------------------------------------------------------------- during the step (auditor)
@@ -280,14 +235,6 @@ def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
     return None
 
 
-def _scheduled(plan: Any, schedule: audit.AuditSchedule, stage: int, mb: int, step: int, *,
-               suspected: bool = False) -> bool:
-    """Whether ``schedule`` audits ``mb`` of ``stage`` this step (its replica's slot among its microbatches)."""
-    owner = plan.owner(stage, mb)
-    mine = list(plan.ranks[owner].microbatches)
-    return schedule.audited(owner, step, mine.index(mb), len(mine), suspected=suspected)
-
-
 def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
     """On the auditor: ``mb`` is audited, or every one of a suspect's where the auditor holds the stage's input
     (from copies, the upstream ranks know only the schedule)."""
@@ -295,7 +242,7 @@ def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
     contrib = getattr(ex, "_contributions", None)
     suspected = not st.copied_from and (owner in ex.unresolved
                                         or (contrib is not None and owner in contrib.suspects(st.stage)))
-    return _scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
+    return audit_inputs.scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
 
 
 def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
@@ -319,83 +266,6 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
         if all((k, r, mb) in audits.kept for r in ROLES):   # complete: audit now, while the pipeline runs on
             with ex._timed("verify"):
                 _audit_stage(ex, st, ex.step, only=mb)
-
-
-def keep_input_copy(ex: Any, mb: int) -> None:
-    """On a trusted rank of the stage before one audited from copies, as ``mb``'s output leaves for its
-    consumer: keep what the consumer receives where the auditor's schedule audits it (sent at the step's end)."""
-    audits: RuntimeAudits | None = getattr(ex, "audits", None)
-    if audits is None or ex.stage is None:
-        return
-    k = ex.info.stage + 1
-    schedule = audits.sharing.get(k)
-    if schedule is not None and _scheduled(ex.plan, schedule, k, mb, ex.step):
-        # a reference, not a copy: the send of an audited microbatch must take no longer than another's
-        audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
-
-
-def _copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: AuditedStage, sender: int, step: int) -> list[int]:
-    """The audited microbatches whose inputs upstream rank ``sender`` copies to the auditor this step."""
-    return [mb for mb in sorted(plan.ranks[sender].microbatches) if _scheduled(plan, schedule, st.stage, mb, step)]
-
-
-def _copy_dtype(integer: bool) -> torch.dtype:
-    return torch.float64 if integer else torch.float32   # float64 holds any index exactly, float32 any wire float
-
-
-def _send_inputs(ex: Any, st: AuditedStage, step: int) -> None:
-    """An upstream rank's copies of this step's audited inputs, one flat message to the auditor."""
-    audits: RuntimeAudits = ex.audits
-    mbs = _copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step)
-    if not mbs or ex.rank == st.auditor:
-        return
-    tensors = [t for mb in mbs for t in audits.outbox[(st.stage, mb)]]
-    dtype = _copy_dtype(any(not t.is_floating_point() for t in tensors))
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
-                      device=ex.device, index=2 * st.stage + 1,
-                      doing=f"copying stage {st.stage}'s audited inputs to its auditor rank {st.auditor} (step {step})")
-
-
-def _hear_inputs(ex: Any, st: AuditedStage, step: int) -> None:
-    """The auditor: each upstream rank's copies, into the step's kept inputs (zeros where the replica says it
-    computed on zeros). Received into buffers of the stage's input shapes; nothing else is read."""
-    audits: RuntimeAudits = ex.audits
-    copy = audits.copies[st.stage]
-    specs = copy.runtime.inputs
-    per_mb = sum(math.prod(spec.shape) for spec in specs)
-    dtype = _copy_dtype(any(not spec.dtype.is_floating_point for spec in specs))
-    for sender in st.copied_from:
-        mbs = _copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step)
-        if not mbs:
-            continue
-        if sender == ex.rank:
-            got = {mb: audits.outbox[(st.stage, mb)] for mb in mbs}
-        else:
-            flat = control.gather_to(torch.zeros(len(mbs) * per_mb, dtype=dtype, device=ex.device), dst=ex.rank,
-                                     me=ex.rank, ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT,
-                                     device=ex.device, index=2 * st.stage + 1,
-                                     doing=f"hearing stage {st.stage}'s audited inputs from rank {sender} "
-                                           f"(step {step})")[sender]
-            got = dict(zip(mbs, _unflatten(flat, specs, len(mbs))))
-        for mb, tensors in got.items():
-            if (st.stage, "y", mb) in audits.kept:
-                zero = (st.stage, mb) in audits.tainted
-                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
-
-
-def _unflatten(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:
-    """``count`` microbatches' inputs from one flat message, each of the stage's input shapes and dtypes."""
-    out, offset = [], 0
-    for _ in range(count):
-        one = []
-        for spec in specs:
-            n = math.prod(spec.shape)
-            t = flat[offset:offset + n].view(spec.shape)
-            one.append(t.float() if spec.dtype.is_floating_point else t.to(spec.dtype))
-            offset += n
-        out.append(one)
-    return out
 
 
 def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
@@ -434,11 +304,11 @@ def end_step(ex: Any, step: int) -> None:
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
-                _send_inputs(ex, st, step)
+                audit_inputs.send_inputs(ex, st, step)
         if ex.rank == st.auditor:
             if st.copied_from and st.stage in audits.copies:
                 with ex._timed("comm"):
-                    _hear_inputs(ex, st, step)
+                    audit_inputs.hear_inputs(ex, st, step)
             with ex._timed("verify"):
                 _audit_stage(ex, st, step)
             with ex._timed("comm"):

@@ -10,7 +10,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime.rank import audits
+from planner.runtime.rank import audit_inputs
 from planner.runtime.wire import codecs, comm
 from planner.runtime.wire.comm import Kind, Pending
 
@@ -92,7 +92,7 @@ class Transfers:
             return  # a copy for a verifier, and verification is off
         self._settle_sent(d, ins.mb)
         if d == "F" and ins.peer == self._consumer(ins):
-            audits.keep_input_copy(self, ins.mb)   # an auditor of the next stage may recompute it from this copy
+            audit_inputs.keep_input_copy(self, ins.mb)   # an auditor of the next stage may recompute it from this copy
         kind, header_kind, _ = ACT_KINDS[d]
         boundary = self._boundary(ins)
         tensors = self._encoded(d, boundary, self._sent_tensors(d, ins.mb))

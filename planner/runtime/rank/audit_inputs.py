@@ -1,0 +1,127 @@
+"""Audits from copied inputs (``planner.runtime.rank.audits``): where an untrusted stage's auditor does not verify
+its input boundary, the trusted ranks of the stage before copy it the audited microbatches' inputs.
+
+The auditor draws a key per stage and sends it, point to point, to those ranks alone (``share_key``): they then
+know which microbatches the auditor's schedule audits (``scheduled``), and the replica does not. As each such
+microbatch's output leaves for its consumer, an upstream rank keeps what the consumer receives
+(``keep_input_copy``); at the step's end it sends them in one float message (``send_inputs``), which the auditor
+receives into buffers of the stage's input shapes (``hear_inputs``, ``unflatten``).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from planner.integrity import audit
+from planner.runtime.wire import control
+
+KEY_BYTES = 16   # an auditor's per-stage schedule key (``audit.AuditSchedule`` wants at least 16 bytes)
+
+
+def stage_key(secret: bytes, stage: int) -> bytes:
+    """The auditor's key for one stage: what it shares with that stage's upstream ranks tells them nothing of
+    the other stages it audits."""
+    return hashlib.blake2b(secret + stage.to_bytes(4, "big"), digest_size=KEY_BYTES).digest()
+
+
+def share_key(st: Any, rank: int, key: bytes | None, device: torch.device) -> bytes:
+    """The stage's key on its auditor and, sent point to point by the auditor alone, on the upstream ranks that
+    copy it inputs (it never reaches a replica); ``key`` on the auditor, None elsewhere."""
+    if not st.copied_from or (rank != st.auditor and rank not in st.copied_from):
+        return key or b""
+    words = None if key is None else torch.tensor(
+        [int.from_bytes(key[i:i + 8], "big", signed=True) for i in range(0, KEY_BYTES, 8)], dtype=torch.int64)
+    got = control.send_from(None if words is None else words.to(device), src=st.auditor, me=rank,
+                            ranks=sorted({st.auditor, *st.copied_from}), topic=control.Topic.AUDIT_INPUT,
+                            shape=(KEY_BYTES // 8,), dtype=torch.int64, device=device, index=2 * st.stage,
+                            doing=f"sharing stage {st.stage}'s audit key with its upstream ranks")
+    return b"".join(int(w).to_bytes(8, "big", signed=True) for w in got.cpu().tolist())
+
+
+def scheduled(plan: Any, schedule: audit.AuditSchedule, stage: int, mb: int, step: int, *,
+               suspected: bool = False) -> bool:
+    """Whether ``schedule`` audits ``mb`` of ``stage`` this step (its replica's slot among its microbatches)."""
+    owner = plan.owner(stage, mb)
+    mine = list(plan.ranks[owner].microbatches)
+    return schedule.audited(owner, step, mine.index(mb), len(mine), suspected=suspected)
+
+
+def keep_input_copy(ex: Any, mb: int) -> None:
+    """On a trusted rank of the stage before one audited from copies, as ``mb``'s output leaves for its
+    consumer: keep what the consumer receives where the auditor's schedule audits it (sent at the step's end)."""
+    audits = getattr(ex, "audits", None)
+    if audits is None or ex.stage is None:
+        return
+    k = ex.info.stage + 1
+    schedule = audits.sharing.get(k)
+    if schedule is not None and scheduled(ex.plan, schedule, k, mb, ex.step):
+        # a reference, not a copy: the send of an audited microbatch must take no longer than another's
+        audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
+
+
+def copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: Any, sender: int, step: int) -> list[int]:
+    """The audited microbatches whose inputs upstream rank ``sender`` copies to the auditor this step."""
+    return [mb for mb in sorted(plan.ranks[sender].microbatches) if scheduled(plan, schedule, st.stage, mb, step)]
+
+
+def copy_dtype(integer: bool) -> torch.dtype:
+    return torch.float64 if integer else torch.float32   # float64 holds any index exactly, float32 any wire float
+
+
+def send_inputs(ex: Any, st: Any, step: int) -> None:
+    """An upstream rank's copies of this step's audited inputs, one flat message to the auditor."""
+    audits = ex.audits
+    mbs = copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step)
+    if not mbs or ex.rank == st.auditor:
+        return
+    tensors = [t for mb in mbs for t in audits.outbox[(st.stage, mb)]]
+    dtype = copy_dtype(any(not t.is_floating_point() for t in tensors))
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
+                      device=ex.device, index=2 * st.stage + 1,
+                      doing=f"copying stage {st.stage}'s audited inputs to its auditor rank {st.auditor} (step {step})")
+
+
+def hear_inputs(ex: Any, st: Any, step: int) -> None:
+    """The auditor: each upstream rank's copies, into the step's kept inputs (zeros where the replica says it
+    computed on zeros). Received into buffers of the stage's input shapes; nothing else is read."""
+    audits = ex.audits
+    copy = audits.copies[st.stage]
+    specs = copy.runtime.inputs
+    per_mb = sum(math.prod(spec.shape) for spec in specs)
+    dtype = copy_dtype(any(not spec.dtype.is_floating_point for spec in specs))
+    for sender in st.copied_from:
+        mbs = copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step)
+        if not mbs:
+            continue
+        if sender == ex.rank:
+            got = {mb: audits.outbox[(st.stage, mb)] for mb in mbs}
+        else:
+            flat = control.gather_to(torch.zeros(len(mbs) * per_mb, dtype=dtype, device=ex.device), dst=ex.rank,
+                                     me=ex.rank, ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT,
+                                     device=ex.device, index=2 * st.stage + 1,
+                                     doing=f"hearing stage {st.stage}'s audited inputs from rank {sender} "
+                                           f"(step {step})")[sender]
+            got = dict(zip(mbs, unflatten(flat, specs, len(mbs))))
+        for mb, tensors in got.items():
+            if (st.stage, "y", mb) in audits.kept:
+                zero = (st.stage, mb) in audits.tainted
+                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
+
+
+def unflatten(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:
+    """``count`` microbatches' inputs from one flat message, each of the stage's input shapes and dtypes."""
+    out, offset = [], 0
+    for _ in range(count):
+        one = []
+        for spec in specs:
+            n = math.prod(spec.shape)
+            t = flat[offset:offset + n].view(spec.shape)
+            one.append(t.float() if spec.dtype.is_floating_point else t.to(spec.dtype))
+            offset += n
+        out.append(one)
+    return out
