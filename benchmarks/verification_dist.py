@@ -371,15 +371,15 @@ def attack_metrics(report: dict[str, Any], row: dict[str, Any], attacker: int, s
                    microbatches: int) -> dict[str, Any]:
     """The attacker's ban against the attack's start; precision/recall/F1 of dropped vs attacked microbatches.
 
-    The dropped microbatches are those of the verifiers' microbatch flags. A rank reports only its latest
-    events (``planner.integrity.hooks.SUMMARY_EVENTS``): when some flags are missing and the attack corrupted
+    The dropped microbatches are those of the verifiers' microbatch flags (boundary checks' and audits'). A
+    rank reports only its latest events (``planner.integrity.hooks.SUMMARY_EVENTS``): when some flags are missing and the attack corrupted
     every microbatch of every step from its first, a drop is attacked exactly when its step is at or after
     that one, so the report's drops per step give the same counts (``pr_from: counts``)."""
     log = next((r["attacked"] for r in report["ranks"] if r["rank"] == attacker), [])
     attacked = {(s, mb) for s, mb, _, _ in log}
     dropped = {(e["step"], e["mb"]) for e in _flag_events(report) if e["scope"] == "microbatch"}
     first = min((s for s, _ in attacked), default=None)
-    if len(dropped) == row["flags_microbatch"]:
+    if not row["events_truncated"] or len(dropped) == row["flags_microbatch"]:   # audits flag outside monitors
         source, hit, n_dropped = "events", len(attacked & dropped), len(dropped)
     elif first is not None and attacked == {(s, mb) for s in range(first, row["steps_run"])
                                             for mb in range(microbatches)}:
@@ -400,7 +400,31 @@ def attack_metrics(report: dict[str, Any], row: dict[str, Any], attacker: int, s
             "attacker_ban_step": None if ban is None else ban["step"], "ban_delay_steps": delay,
             "honest_banned": honest, "precision": _r(precision), "recall": _r(recall), "f1": _r(f1),
             "goal": delay is not None and delay <= BAN_WITHIN and not honest,
-            "goal_f1": f1 is not None and f1 >= F1_GOAL}
+            "goal_f1": f1 is not None and f1 >= F1_GOAL, **model_metrics(report, row, attacked, dropped, source)}
+
+
+def model_metrics(report: dict[str, Any], row: dict[str, Any], attacked: set[tuple[int, int]],
+                  dropped: set[tuple[int, int]], source: str) -> dict[str, Any]:
+    """Precision/recall/F1 of the microbatches kept out of the model against the attacked ones: a ban stops the
+    run and its recovery resumes from before the first flagged step (``checkpoint.set_aside``), so every
+    microbatch from that step on is undone; those are replayed, so an honest one is lost only if dropped
+    before it. Assumes a checkpoint just before that step (a sparser one undoes more: this is the least)."""
+    rollback = min((b["first_flagged_step"] for b in row["bans"]), default=row["steps_run"])
+    if source == "events":
+        hit = sum(1 for s, mb in attacked if s >= rollback or (s, mb) in dropped)
+        lost = sum(1 for s, mb in dropped - attacked if s < rollback)
+    elif source == "counts":   # every microbatch of every step from the first attacked one is attacked
+        first, per_step = min(s for s, _ in attacked), report["dropped"]
+        hit = len(attacked) - sum(1 for s, _ in attacked if s < rollback) + sum(per_step[first:rollback])
+        lost = sum(per_step[:min(first, rollback)])
+    else:
+        return {"rollback_step": rollback, "honest_lost": None, "model_precision": None, "model_recall": None, "model_f1": None,
+                "goal_model_f1": False}
+    precision = hit / (hit + lost) if hit + lost else None
+    recall = hit / len(attacked) if attacked else None
+    f1 = 2 * hit / (len(attacked) + hit + lost) if attacked or lost else None
+    return {"rollback_step": rollback, "honest_lost": lost, "model_precision": _r(precision),
+            "model_recall": _r(recall), "model_f1": _r(f1), "goal_model_f1": f1 is not None and f1 >= F1_GOAL}
 
 
 def _events_of_interest(report: dict[str, Any], row: dict[str, Any], attack: str | None) -> list[dict[str, Any]]:
@@ -455,13 +479,14 @@ def print_row(row: dict[str, Any]) -> None:
             f"{fpr:>7} {bans:>12}")
     if row["attack"] != "none":
         delay = "-" if row["ban_delay_steps"] is None else f"+{row['ban_delay_steps']}"
-        f = "  ".join("-" if row[k] is None else f"{row[k]:.2f}" for k in ("precision", "recall", "f1"))
+        f = "  ".join("-" if row.get(k) is None else f"{row[k]:.2f}"
+                      for k in ("precision", "recall", "f1", "model_f1"))
         text += f" {delay:>6} {f}"
     print(text + f"  {'ok' if row['goal'] else 'MISSED'}  {row['duration_s']:.0f} s", flush=True)
 
 
 HEADER = (f"{'shape':<10} {'seed':>4} {'attack':<10} {'steps':>9} {'checks':>6} {'flagM':>5} {'flagS':>5} "
-          f"{'drop':>5} {'fpr%':>7} {'bans r@step':>12} {'ban-st':>6} P     R     F1")
+          f"{'drop':>5} {'fpr%':>7} {'bans r@step':>12} {'ban-st':>6} P     R     F1    modelF1")
 
 
 def plan_summary(path: Path) -> dict[str, Any]:
@@ -502,6 +527,8 @@ def merge(out: Path, rows: list[dict[str, Any]], plans: dict[str, Path]) -> None
         "attack_runs": len(attacks), "attack_goal_met": sum(r["goal"] for r in attacks),
         "attack_f1_goal_met": sum(r["goal_f1"] for r in attacks),
         "attack_pair_f1_goal_met": sum(r["goal_pair_f1"] for r in attacks),
+        "attack_runs_model_scored": sum("goal_model_f1" in r for r in attacks),
+        "attack_model_f1_goal_met": sum(r.get("goal_model_f1", False) for r in attacks),
         "attacks_missed": [(r["shape"], r["seed"], r["attack"]) for r in attacks if not r["goal"]],
         "errors": [(r["shape"], r["seed"], r["attack"]) for r in latest.values() if "error" in r]}
     data["setup"] = {"cluster": str(CLUSTER.relative_to(ROOT)), "cluster_replicated3": str(CLUSTER3.relative_to(ROOT)),

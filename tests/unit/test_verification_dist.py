@@ -65,9 +65,38 @@ def test_with_flags_missing_from_the_events_a_whole_step_attack_is_scored_from_t
     rep = report(events, attacked)
     rep["dropped"] = [0] * 19 + [1, 2, 1]           # one false drop at step 19, three of the four attacked
     rep["steps"] = 22
+    rep["ranks"][3]["verification"]["events_total"] = 4
     row = summarize(rep, PLAN)
     got = attack_metrics(rep, row, attacker=1, start=20, microbatches=2)
     assert got["pr_from"] == "counts" and got["dropped_counted"] == 4 and got["false_drops"] == 1
     assert got["precision"] == 0.75 and got["recall"] == 0.75
     partial = attack_metrics(rep, row, attacker=1, start=20, microbatches=4)   # attacked 2 of 4 per step
     assert partial["pr_from"] == "unavailable" and partial["f1"] is None and not partial["goal_f1"]
+
+
+def test_the_model_keeps_out_what_was_dropped_and_what_the_recovery_undid():
+    events = [flag(10, 3, 2), flag(21, 5, 1), flag(21, -1, 1, scope="step"),
+              {"type": "ban", "step": 21, "sender": 1, "first_flagged_step": 20, "evidence": 12.0}]
+    attacked = [[s, mb, "act", "scale"] for s in (19, 20, 21) for mb in (0, 1)]
+    rep = report(events, attacked)
+    rep["ranks"][3]["verification"]["monitors"][2]["flagged"] = 2      # every microbatch flag is in the events
+    got = attack_metrics(rep, summarize(rep, PLAN), attacker=1, start=19, microbatches=8)
+    # undone from step 20 on: 4 of the 6 attacked; (19, *) kept; (10, 3) lost for good, (21, 5) replayed
+    assert got["rollback_step"] == 20 and got["honest_lost"] == 1
+    assert got["model_recall"] == round(4 / 6, 4) and got["model_precision"] == 0.8
+    assert got["model_f1"] == round(8 / 11, 4) and not got["goal_model_f1"]
+    no_ban = report([flag(20, 0, 1)], [[20, 0, "act", "scale"], [21, 0, "act", "scale"]])
+    no_ban["ranks"][3]["verification"]["monitors"][2]["flagged"] = 1
+    none = attack_metrics(no_ban, summarize(no_ban, PLAN), attacker=1, start=20, microbatches=8)
+    assert none["rollback_step"] == 22 and none["model_recall"] == 0.5 and none["model_precision"] == 1.0
+
+
+def test_a_whole_step_attack_scored_from_counts_keeps_out_every_step_from_the_rollback():
+    events = [flag(21, 5, 1), {"type": "ban", "step": 21, "sender": 1, "first_flagged_step": 21, "evidence": 12.0}]
+    attacked = [[s, mb, "act", "noise"] for s in (20, 21) for mb in range(2)]
+    rep = report(events, attacked)
+    rep["dropped"] = [0] * 19 + [1, 1, 1]           # a false drop at 19, one of step 20's attacked, one of 21's
+    rep["ranks"][3]["verification"]["events_total"] = 5
+    got = attack_metrics(rep, summarize(rep, PLAN), attacker=1, start=20, microbatches=2)
+    assert got["pr_from"] == "counts" and got["rollback_step"] == 21 and got["honest_lost"] == 1
+    assert got["model_recall"] == 0.75 and got["model_precision"] == 0.75    # step 20's second attacked one kept
