@@ -256,7 +256,8 @@ def _blocks(graph: Graph, liveness: _Liveness, segments: Sequence[range], granul
             fwd_flops=sum(n.fwd_flops for n in members), bwd_flops=sum(n.bwd_flops for n in members),
             param_count=sum(p.meta.numel for p in owned), param_bytes=sum(p.nbytes for p in owned),
             saved_act_bytes=_saved_bytes(members), out_bytes=out_bytes, boundary_nodes=tuple(out_nodes),
-            mem_traffic_bytes=_traffic_bytes(graph, members)))
+            mem_traffic_bytes=_traffic_bytes(graph, members),
+            random_ops=tuple(dict.fromkeys(n.random_op for n in members if n.random_op))))
     return blocks
 
 
@@ -379,7 +380,8 @@ def chain_to_dict(chain: BlockChain) -> dict[str, Any]:
         "model_name": chain.model_name, "fingerprint": chain.fingerprint,
         "input_bytes": chain.input_bytes, "microbatch_size": chain.microbatch_size,
         "blocks": [{"name": b.name, **{f: getattr(b, f) for f in _BLOCK_INT_FIELDS},
-                    **{f: list(getattr(b, f)) for f in _BLOCK_TUPLE_FIELDS}} for b in chain.blocks],
+                    **{f: list(getattr(b, f)) for f in _BLOCK_TUPLE_FIELDS},
+                    "random_ops": list(b.random_ops)} for b in chain.blocks],
         "tied_params": [{"name": t.name, "blocks": list(t.blocks), "nbytes": t.nbytes} for t in chain.tied_params],
         "meta": {k: v for k, v in chain.meta},
     }
@@ -393,7 +395,9 @@ def chain_from_dict(data: Mapping[str, Any]) -> BlockChain:
             raise InvalidInputError("block chain format_version", expected=str(CHAIN_FORMAT_VERSION),
                                     found=repr(version), fix="re-run `stagewise trace --json` with this version")
         blocks = tuple(Block(name=str(b["name"]), **{f: int(b.get(f, 0)) for f in _BLOCK_INT_FIELDS},
-                             **{f: tuple(str(x) for x in b[f]) for f in _BLOCK_TUPLE_FIELDS})
+                             **{f: tuple(str(x) for x in b[f]) for f in _BLOCK_TUPLE_FIELDS},
+                             # absent before the field: nothing known random (the runtime checks each stage)
+                             random_ops=tuple(str(x) for x in b.get("random_ops", ())))
                        for b in data["blocks"])
         tied = tuple(TiedParam(name=str(t["name"]), blocks=tuple(int(x) for x in t["blocks"]),
                                nbytes=int(t["nbytes"])) for t in data.get("tied_params", ()))

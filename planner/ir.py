@@ -79,6 +79,8 @@ class Node:
     ``inputs`` are the names of producer nodes, in argument order (with
     repetition removed). ``is_view`` marks ops whose output aliases an input
     (reshape, transpose, slicing): they allocate no activation memory.
+    ``random_op`` names the op where it draws random numbers as traced
+    (``planner.random_ops``: a dropout in training, a sampler), else ``""``.
     """
 
     name: str
@@ -91,6 +93,7 @@ class Node:
     fwd_flops: int = 0
     bwd_flops: int = 0
     is_view: bool = False
+    random_op: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -221,7 +224,10 @@ class Block:
     ``boundary_nodes`` names the producers of those tensors. ``saved_act_bytes``
     is what one microbatch keeps alive for the backward pass.
     ``mem_traffic_bytes`` is the bytes the block's ops read and write (for a
-    roofline estimate).
+    roofline estimate). ``random_ops``: the ops of the block that draw random
+    numbers (``Node.random_op``), whose stage an audit cannot recompute; empty
+    also where nobody looked (a chain or plan written before the field), so
+    the runtime's own check on the stage's graph stays the last word.
     """
 
     index: int
@@ -237,6 +243,7 @@ class Block:
     out_bytes: int
     boundary_nodes: tuple[str, ...]
     mem_traffic_bytes: int = 0
+    random_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("fwd_flops", "bwd_flops", "param_count", "param_bytes", "saved_act_bytes",
@@ -245,6 +252,9 @@ class Block:
                 raise InvalidInputError(f"block {self.name}.{f}", expected=">= 0", found=str(getattr(self, f)))
         if not self.node_names:
             raise InvalidInputError(f"block {self.name}", expected="at least one node", found="none")
+        if not all(isinstance(op, str) and op for op in self.random_ops):
+            raise InvalidInputError(f"block {self.name}.random_ops", expected="op names (non-empty strings)",
+                                    found=repr(self.random_ops))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,6 +20,7 @@ backward), with ``requires_grad`` propagated from the trainable parameters.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import itertools
 import linecache
@@ -38,6 +39,7 @@ from torch.fx.node import map_arg
 from planner.errors import InvalidInputError, TraceError
 from planner.flops import OpCost, measure_op, meta_tensor, table_flops
 from planner.ir import Graph, Node, ParamInfo, TensorMeta
+from planner.random_ops import node_random_op, random_op
 
 # Exceptions that tracing or re-running user ops raise for an untraceable model.
 # (torch.export's own errors derive from RuntimeError; torch.fx's TraceError from ValueError.)
@@ -208,15 +210,16 @@ class _Builder:
     def add_exported_op(self, fx_node: torch.fx.Node) -> None:
         value = fx_node.meta.get("val")
         cost = self._exported_cost(fx_node, value)
-        self._append(self._node(fx_node, value, cost, op=_op_name(fx_node.target)), value,
-                     cost.outputs_require_grad)
+        self._append(self._node(fx_node, value, cost, op=_op_name(fx_node.target),
+                                random=node_random_op(fx_node) or ""), value, cost.outputs_require_grad)
 
     def add_measured(self, fx_node: torch.fx.Node, value: Any, cost: OpCost, op: str,
-                     params: Sequence[str] = ()) -> None:
-        self._append(self._node(fx_node, value, cost, op=op, params=params), value, cost.outputs_require_grad)
+                     params: Sequence[str] = (), random: str = "") -> None:
+        self._append(self._node(fx_node, value, cost, op=op, params=params, random=random), value,
+                     cost.outputs_require_grad)
 
     def _node(self, fx_node: torch.fx.Node, value: Any, cost: OpCost, *, op: str,
-              params: Sequence[str] = ()) -> Node:
+              params: Sequence[str] = (), random: str = "") -> Node:
         producers = [a.name for a in fx_node.all_input_nodes]
         stack = fx_node.meta.get("nn_module_stack") or {}
         path = clean_module_path(list(stack.values())[-1][0]) if stack else ""
@@ -225,7 +228,7 @@ class _Builder:
                     outputs=tuple(_tensor_meta(t) for t in _flat_tensors(value)),
                     param_names=tuple(dict.fromkeys(
                         [self.param_of[p] for p in producers if p in self.param_of] + list(params))),
-                    fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, is_view=cost.is_view)
+                    fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, is_view=cost.is_view, random_op=random)
 
     def _append(self, node: Node, value: Any, grads: tuple[bool, ...]) -> None:
         self.nodes.append(node)
@@ -362,7 +365,25 @@ class _FxInterpreter:
         if not _flat_tensors(value):  # shape arithmetic (x.shape, floordiv): a value, not a node
             b.values[fx_node.name] = value
             return
-        b.add_measured(fx_node, value, cost, op, params)
+        b.add_measured(fx_node, value, cost, op, params, random=self._random_op(fx_node) or "")
+
+    def _random_op(self, fx_node: torch.fx.Node) -> str | None:
+        """``planner.random_ops`` for a node of the symbolic trace: a dropout module by its ``p`` and mode, an aten
+        op by its schema, a Python function (``F.dropout``) by its signature, a method by its name."""
+        if fx_node.op == "call_module":
+            module = self.gm.get_submodule(fx_node.target)
+            if isinstance(module, _DROPOUT_MODULES):
+                return random_op("dropout", {"p": module.p, "train": module.training})
+            return random_op("rrelu", {"training": module.training}) if isinstance(module, nn.RReLU) else None
+        if getattr(fx_node.target, "_schema", None) is not None:
+            return node_random_op(fx_node)
+        if fx_node.op == "call_method":
+            return random_op(fx_node.target, fx_node.kwargs)
+        try:
+            bound = inspect.signature(fx_node.target).bind_partial(*fx_node.args, **fx_node.kwargs).arguments
+        except (TypeError, ValueError):   # a builtin without a Python signature (torch.rand): its keywords
+            bound = dict(fx_node.kwargs)
+        return random_op(_op_name(fx_node.target), bound)
 
     def _callable(self, fx_node: torch.fx.Node) -> tuple[Any, Any, str, tuple[str, ...], list[torch.Tensor]]:
         """(function, op target, op name, parameter FQNs, parameter leaves) of one fx node."""
@@ -388,6 +409,9 @@ class _FxInterpreter:
             metas[local] = meta_tensor(tensor.shape, tensor.dtype, requires_grad=trainable)
             self.builder.add_param(f"{prefix}::{local}", fqn, metas[local], trainable=trainable)
         return metas
+
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:

@@ -13,7 +13,9 @@ untrusted neighbour could send the auditor another copy than the replica and fra
   full link test is too dear. Outputs only. A stage with one untrusted replica is audited this way too (with the
   link tests' placement its link tests check it already).
 
-Never the first or last stage, and never where the stage's boundaries are compressed: the auditor compares the
+Never a stage that draws random numbers (``planner.random_ops``: a dropout in training, a sampler; ``random_ops``
+of its blocks): the recompute would draw others and fail an honest replica (the runtime would stop its audits at
+step 0). Never the first or last stage, and never where the stage's boundaries are compressed: the auditor compares the
 decoded wire tensor with an uncompressed recompute, and a codec's round trip alone (int8 ~0.007 relative error,
 fp8 0.02-0.05, int4 0.08-0.12) would ban honest replicas at the fp32 tolerance of 0.01
 (``integrity.audit.TOLERANCE``). ``audit_rule`` is that rule, over device names (the planner) or ranks (a plan:
@@ -58,10 +60,12 @@ class AuditWhere:
 
 def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], upstream: Collection[Hashable],
                downstream: Collection[Hashable], trusted: Collection[Hashable], auditor: Hashable | None,
-               auditor_checks: Collection[tuple[int, str]], codecs: tuple[str, str]) -> AuditWhere | str:
+               auditor_checks: Collection[tuple[int, str]], codecs: tuple[str, str],
+               random_ops: Sequence[str] = ()) -> AuditWhere | str:
     """Where stage ``stage`` (on ``replicas``, between stages on ``upstream`` and ``downstream``) is audited, or
     why it cannot be. ``auditor``: the verifier of its output activations (None: none); ``auditor_checks``: the
-    (boundary, "act" | "grad") it verifies; ``codecs``: its input and output boundaries' codecs."""
+    (boundary, "act" | "grad") it verifies; ``codecs``: its input and output boundaries' codecs; ``random_ops``:
+    its ops that draw random numbers (empty: none known)."""
     k = stage
     if all(r in trusted for r in replicas):
         return "it runs on trusted devices only (nothing to audit)"
@@ -83,10 +87,25 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
     held = (k - 1, "act") in set(auditor_checks)
     if held and len(replicas) < 2:
         return "its one replica's verifier holds both its boundaries: its link tests check it"
+    if random_ops:
+        return random_reason(random_ops)
     grads = held and {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
     source = next((r for r in replicas if r in trusted), replicas[0])
     return AuditWhere(auditor=auditor, source=source, grads=grads,
                       copied_from=() if held else tuple(sorted(upstream)))
+
+
+def random_reason(random_ops: Sequence[str]) -> str:
+    """Why a stage drawing random numbers is not audited (the checks before it passed: a verifier tests its
+    outputs)."""
+    return (f"it draws random numbers ({', '.join(random_ops)}): an audit's recompute would draw others, so only "
+            f"its link tests check it")
+
+
+def stage_random_ops(problem: Problem, st: StagePlacement) -> tuple[str, ...]:
+    """The ops of ``st``'s blocks that draw random numbers (``Problem.random_ops``; empty: none known)."""
+    per_block = problem.random_ops[st.first_block:st.last_block + 1]
+    return tuple(dict.fromkeys(op for ops in per_block for op in ops))
 
 
 def _codec(problem: Problem, st: StagePlacement) -> str:
@@ -105,7 +124,8 @@ def audit_where(problem: Problem, stages: tuple[StagePlacement, ...], verifiers:
                       upstream=stages[k - 1].devices if k > 0 else (),
                       downstream=stages[k + 1].devices if k + 1 < len(stages) else (), trusted=trusted,
                       auditor=auditor, auditor_checks=checks,
-                      codecs=(_codec(problem, stages[k - 1]) if k > 0 else "none", _codec(problem, stages[k])))
+                      codecs=(_codec(problem, stages[k - 1]) if k > 0 else "none", _codec(problem, stages[k])),
+                      random_ops=stage_random_ops(problem, stages[k]))
 
 
 def audit_site(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: tuple[VerifierPlacement, ...],

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.audit_price import AuditSite, audit_cost, audit_site, audit_where
+from planner.solver.audit_price import (AuditSite, audit_cost, audit_site, audit_where, random_reason,
+                                        stage_random_ops)
 from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement
@@ -77,7 +78,8 @@ def choose_audits(problem: Problem, placement: Placement) -> Placement:
 
 def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
     """One line per stage with an untrusted replica: audited at what price, or why not (a stage on one replica
-    only where it could be audited: elsewhere its link tests check it, or nothing does)."""
+    only where it could be audited, or would be but for its random numbers: elsewhere its link tests check it, or
+    nothing does)."""
     if not problem.policy.enabled:
         return ()
     base = price_program(problem, with_audits(placement, {})).step_ms
@@ -93,8 +95,9 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
         site = audit_site(problem, placement.stages, placement.verifiers, k)
         who = "replicas" if len(st.devices) > 1 else "its replica"
         if site is None:
-            if len(st.devices) > 1:
-                why = audit_where(problem, placement.stages, placement.verifiers, k)
+            why = audit_where(problem, placement.stages, placement.verifiers, k)
+            random = stage_random_ops(problem, st)
+            if len(st.devices) > 1 or (random and why == random_reason(random)):
                 out.append(f"stage {k}: {who} not audited: {why}")
             continue
         out.append(_note(problem, placement, k, site, base, free, who))

@@ -132,6 +132,8 @@ class Problem:
     # Gradient bytes per parameter the searches' all-reduces move (None: ``grad_bytes_per_param``); under
     # ``auto`` PowerSGD's, so the search explores the replication it makes affordable.
     search_grad_bytes_per_param: float | None = None
+    # Per block, its ops that draw random numbers (``ir.Block.random_ops``): no audit recomputes their stage.
+    random_ops: tuple[tuple[str, ...], ...] = ()
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
@@ -421,7 +423,8 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         optim_kernels_per_tensor=OPTIM_OPS_PER_TENSOR.get(config.optimizer, 1),
         param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64),
         codec=search_codec(config.compress), elem_bytes=dtype_bytes(config.dtype), compress=config.compress,
-        search_grad_bytes_per_param=_powersgd_bytes_per_param(chain) if config.compress == "auto" else None)
+        search_grad_bytes_per_param=_powersgd_bytes_per_param(chain) if config.compress == "auto" else None,
+        random_ops=tuple(b.random_ops for b in chain.blocks))
 
 
 def _powersgd_bytes_per_param(chain: BlockChain) -> float:

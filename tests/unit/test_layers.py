@@ -18,7 +18,7 @@ PACKAGES = ("planner", "cost_models", "models")
 # Lowest first; a module may import its own layer or any lower one. Longest prefix wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.errors", "planner.ir", "planner.instructions", "planner.verifier_config", "planner.outputs",
-     "planner.secret"),                                                              # base
+     "planner.secret", "planner.random_ops"),                                        # base
     ("models",),                                                                     # reference models, data
     ("planner.flops", "planner.trace", "planner.onnx_import", "planner.coarsen", "planner.model_io",
      "planner.meta_twin"),
