@@ -96,10 +96,9 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
 
 
 def random_reason(random_ops: Sequence[str]) -> str:
-    """Why a stage drawing random numbers is not audited (the checks before it passed: a verifier tests its
-    outputs)."""
-    return (f"it draws random numbers ({', '.join(random_ops)}): an audit's recompute would draw others, so only "
-            f"its link tests check it")
+    """Why a stage drawing random numbers is not audited."""
+    return (f"it draws random numbers ({', '.join(random_ops)}): an audit's recompute would draw others and fail "
+            f"an honest replica")
 
 
 def stage_random_ops(problem: Problem, st: StagePlacement) -> tuple[str, ...]:

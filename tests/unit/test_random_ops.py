@@ -173,7 +173,7 @@ def test_the_solver_audits_no_stage_that_draws_random_numbers_and_says_why():
     assert [st.audit_every for st in chosen.stages] == [0, 0, 0]
     notes = audit_notes(problem, chosen)
     assert notes == ("stage 1: replicas not audited: it draws random numbers (dropout): an audit's recompute "
-                     "would draw others, so only its link tests check it",)
+                     "would draw others and fail an honest replica",)
     # nor is it priced: a plan that asks for its audits anyway pays nothing for them (the runtime stops them)
     assert price_program(problem, with_audits(placement, {1: 4})).step_ms == \
         price_program(problem, with_audits(placement, {})).step_ms
