@@ -3,11 +3,15 @@
 An audit is a link test on a share of microbatches that recomputes exactly: where the stage's auditor sees
 its input, held or copied from the trusted stage before (``audit_price``), it catches stale and damped outputs on
 the first audited microbatch, which the link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
-the applied gradient sent whole to the auditor and the auditor's optimizer step. Audits are turned on, one in
-``EVERY_CHOICES[0]`` microbatches first, sparser where that is too dear, while all of them together cost at most
-the policy's ``audit_cost`` share of the step (priced by the program cost, as every plan is), and only where
-the auditor has the memory for its copy of the stage beside what its programs keep (``copy_bytes``; the plan's
-memory figures do not include the copy).
+the applied gradient sent whole to the auditor and the auditor's optimizer step. Each microbatch is audited on its
+own with probability ``1 / every`` (``integrity.audit.AuditSchedule``), so a replica that corrupts all of its ``m``
+microbatches a step goes unaudited ``MISS_STEPS`` steps with probability ``(1 - 1 / every) ** (MISS_STEPS m)``
+(``miss_probability``). Audits are turned on at the sparsest (cheapest) share of ``EVERY_CHOICES`` that keeps that
+under ``MISS_TARGET``, else at the densest share the price allows (the notes then give its miss probability),
+while all of them together cost at most the policy's ``audit_cost`` share of the step (priced by the program
+cost, as every plan is), and only where the auditor has the memory for its copy of the stage beside what its
+programs keep (``copy_bytes``; the plan's memory figures do not include the copy). A run's ``--audit-every``
+overrides the plan's shares.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement
 
 EVERY_CHOICES = (4, 8, 16)   # 4: the runtime's default (integrity.audit.DEFAULT_EVERY), then sparser
+MISS_STEPS = 10        # the attack the share is sized against: a replica corrupting every microbatch this many steps
+MISS_TARGET = 1e-3     # the chance it may go unaudited all that time
 APPLIED_GRADIENT_BYTES_PER_PARAM = 4   # the replicas' applied gradient, received whole as float32
 
 
@@ -27,6 +33,24 @@ def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
     """``placement`` auditing stage ``k`` at one in ``every[k]`` microbatches, no other stage."""
     stages = tuple(dataclasses.replace(st, audit_every=every.get(st.index, 0)) for st in placement.stages)
     return dataclasses.replace(placement, stages=stages)
+
+
+def miss_probability(every: int, microbatches: int, steps: int = MISS_STEPS) -> float:
+    """The chance that none of ``microbatches`` a step, each audited on its own with probability ``1 / every``,
+    is audited in ``steps`` steps."""
+    return (1 - 1 / every) ** (steps * microbatches)
+
+
+def replica_microbatches(st: StagePlacement) -> int:
+    """The fewest microbatches a replica of ``st`` runs a step: the attacker's best seat."""
+    return min((m for m in st.microbatches if m > 0), default=0)
+
+
+def _shares(st: StagePlacement) -> tuple[int, ...]:
+    """``EVERY_CHOICES`` in the order to try them: the sparsest meeting ``MISS_TARGET``, then densest first."""
+    m = replica_microbatches(st)
+    meeting = max((k for k in EVERY_CHOICES if miss_probability(k, m) <= MISS_TARGET), default=None)
+    return tuple(dict.fromkeys(k for k in (meeting, *EVERY_CHOICES) if k is not None))
 
 
 def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
@@ -56,8 +80,8 @@ def _free_bytes(problem: Problem, placement: Placement) -> dict[str, int]:
 
 
 def choose_audits(problem: Problem, placement: Placement) -> Placement:
-    """``placement`` with audits on every auditable stage, as often as the policy's ``audit_cost`` allows,
-    where the auditor has the memory for its copy of the stage."""
+    """``placement`` with audits on every auditable stage, at the sparsest share meeting ``MISS_TARGET`` or else
+    as often as the policy's ``audit_cost`` allows, where the auditor has the memory for its copy of the stage."""
     chosen: dict[int, int] = {}
     sites = _sites(problem, placement) if problem.policy.audit_cost > 0 else ()
     if not sites:
@@ -68,7 +92,7 @@ def choose_audits(problem: Problem, placement: Placement) -> Placement:
         need = copy_bytes(problem, placement.stages[site.stage])
         if need > free[site.auditor]:
             continue
-        for every in EVERY_CHOICES:
+        for every in _shares(placement.stages[site.stage]):
             if price_program(problem, with_audits(placement, {**chosen, site.stage: every})).step_ms <= limit:
                 chosen[site.stage] = every
                 free[site.auditor] -= need
@@ -127,7 +151,17 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
     if st.audit_every:
         return (f"stage {k}: {who} audited by {site.auditor}, one microbatch in {every} "
                 f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
-                f"({100 * extra / base:.1f}%); {why}")
+                f"({100 * extra / base:.1f}%); {why}{_miss(st)}")
     return (f"stage {k}: {who} not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
             f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
             f"{100 * problem.policy.audit_cost:g}%); {why}")
+
+
+def _miss(st: StagePlacement) -> str:
+    """What the note on an audited stage adds where its share misses ``MISS_TARGET``."""
+    m = replica_microbatches(st)
+    miss = miss_probability(st.audit_every, m)
+    if miss <= MISS_TARGET:
+        return ""
+    return (f"; a replica corrupting all its {m} microbatch{'es' if m != 1 else ''} a step goes unaudited "
+            f"{MISS_STEPS} steps with probability {100 * miss:.2g}% (over {100 * MISS_TARGET:g}%)")

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.cluster_file import parse_cluster
 from models.registry import build_model
 from planner.coarsen import chain_from_dict, chain_to_dict, coarsen
 from planner.errors import InvalidInputError
@@ -18,12 +17,10 @@ from planner.random_ops import base_name, node_random_op, random_op
 from planner.runtime.rank.random_ops import random_op as stage_random_op
 from planner.solver.audit_price import audit_site, audit_where
 from planner.solver.audits import audit_notes, choose_audits, with_audits
-from planner.solver.objective import Placement, price_program, violations
-from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem
-from planner.solver.solution import StagePlacement, VerifierPlacement
+from planner.solver.objective import price_program
 from planner.trace import trace
-from tests.unit.plan_fixtures import TEST_DEVICE, block, chain, config, golden_plan
+from tests.unit.audit_fixtures import watched
+from tests.unit.plan_fixtures import golden_plan
 
 torch.set_num_threads(1)
 
@@ -139,34 +136,10 @@ def test_plans_carry_the_marks_and_old_plans_load_as_none_known():
     assert marked.chain().blocks[marked.stages[1].first_block].random_ops == ("dropout",)  # what a replan solves
 
 
-def _watched(random_in: int | None):
-    """Trusted ends on dc, the middle stage (blocks 1-3) on two volunteers, its verifier dc/1 holding both its
-    boundaries over a fast link: audited, unless block ``random_in`` draws random numbers."""
-    vol = {**TEST_DEVICE, "name": "TEST-VOL", "peak_flops": {"float32": 1.0e12}}
-    hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True,
-              "devices": [{"type": "TEST-GPU", "spec": TEST_DEVICE, "count": 2}]}]
-    hosts += [{"name": f"v{i}", "region": "home", "trust": f"v{i}", "trusted": False,
-               "devices": [{"type": "TEST-VOL", "spec": vol, "count": 1}]} for i in range(2)]
-    link = {"bandwidth_gbps": 100.0, "latency_ms": 0.1}
-    cl = parse_cluster({"name": "watched", "hosts": hosts, "links": {"intra_host": link, "default": link}})
-    blocks = [block(i, params=10**6 if 1 <= i <= 3 else 10**4) for i in range(5)]
-    if random_in is not None:
-        blocks[random_in] = dataclasses.replace(blocks[random_in], random_ops=("dropout",))
-    problem = build_problem(chain(blocks, name="watched"), cl, config(8), VerificationPolicy())
-    stages = (StagePlacement(index=0, first_block=0, last_block=0, devices=("dc/0",), microbatches=(8,)),
-              StagePlacement(index=1, first_block=1, last_block=3, devices=("v0/0", "v1/0"), microbatches=(4, 4)),
-              StagePlacement(index=2, first_block=4, last_block=4, devices=("dc/1",), microbatches=(8,)))
-    verifiers = (VerifierPlacement(boundary=0, device="dc/1", directions=("act", "grad"), watch_only=("act",)),
-                 VerifierPlacement(boundary=1, device="dc/1", directions=("act", "grad"), watch_only=("grad",)))
-    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=8)
-    assert not violations(problem, placement)
-    return problem, placement
-
-
 def test_the_solver_audits_no_stage_that_draws_random_numbers_and_says_why():
-    plain, placement = _watched(None)
+    plain, placement = watched(None)
     assert [st.audit_every for st in choose_audits(plain, placement).stages] == [0, 4, 0]   # the control
-    problem, placement = _watched(2)
+    problem, placement = watched(2)
     assert audit_site(problem, placement.stages, placement.verifiers, 1) is None
     assert "draws random numbers (dropout)" in audit_where(problem, placement.stages, placement.verifiers, 1)
     chosen = choose_audits(problem, placement)
