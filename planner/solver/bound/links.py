@@ -24,7 +24,9 @@ threshold among the pool's link bandwidths gives a valid bound; the largest is k
   - *links*: at a crossing every microbatch's activation takes one of at most ``|A| |B|`` device pairs
     (the two largest islands' sizes; at most ``M``), each pair a resource busy with its messages' wire
     time: ``ceil(M / pairs) * bytes / bw`` (``bytes`` the smallest boundary under any codec the plan may
-    use);
+    use). Where both ends sit on the one trusted island ``H``, the first crossing leaves ``H`` from a stage
+    other than the last, whose devices are in ``H`` too: ``pairs <= (|H| - 1) x`` the largest other island
+    (a volunteer swarm with a trusted host of two: one pair, every activation on it);
   - *stage 0's window*: a replica of stage 0 holding blocks ``0..e`` keeps ``n`` microbatches in flight,
     ``n`` at most what its memory holds beside its weights and state, and each slot cycles through its
     pass and the round trip downstream ``D`` (``in_flight.limit``: ``n * period >= t + D``, or all in
@@ -46,15 +48,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models import codecs
 from cost_models.cluster import Link
+from planner.solver.bound.islands import (
+    COMPRESSED_ALLREDUCE,
+    Islands,
+    min_wire_bytes,
+    partitions,
+    relaxed,
+)
+from planner.solver.bound.last_stage import last_stage_bound_ms
 from planner.solver.objective import program_lower_bound_ms
 from planner.solver.problem import Problem
 
-# Compressed all-reduces (``codec_choice.ALLREDUCE_OFFERS``): under these the all-reduce term is dropped.
-COMPRESSED_ALLREDUCE = ("auto", "int8")
-# Island partitions tried at most (each costs a few LPs).
-MAX_THRESHOLDS = 6
 # Fluid LPs solved per bound, in blocks x kinds (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
 LP_CELLS = 40_000
 
@@ -72,14 +77,6 @@ class LinkBound:
     islands: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Islands:
-    """Per island, devices per stage class; the fastest and quickest link between two islands."""
-
-    members: tuple[Counter, ...]
-    between: Link
-
-
 def link_lower_bound_ms(problem: Problem) -> float:
     """:func:`link_lower_bound`'s bound (ms)."""
     return link_lower_bound(problem).bound_ms
@@ -92,8 +89,11 @@ def link_lower_bound(problem: Problem) -> LinkBound:
         return LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)
     window = _Window(problem, stage)
     best = LinkBound(bound_ms=window.bound_ms(None, 0), limit="memory", threshold_gbps=None, islands=1)
-    lps = _Lps(_relaxed(problem), {c: problem.classes[c].count for c in stage})
-    for gbps, isl in _partitions(problem, stage):
+    last = last_stage_bound_ms(problem)
+    if last > best.bound_ms:
+        best = LinkBound(bound_ms=last, limit="last stage", threshold_gbps=None, islands=1)
+    lps = _Lps(relaxed(problem), {c: problem.classes[c].count for c in stage})
+    for gbps, isl in partitions(problem, stage):
         found = _split_bound(problem, lps, isl, window, gbps)
         if found.bound_ms > best.bound_ms:
             best = found
@@ -138,75 +138,15 @@ def _covers(big: dict[int, int], small: dict[int, int]) -> bool:
     return all(big.get(c, 0) >= n for c, n in small.items())
 
 
-def _relaxed(problem: Problem) -> Problem:
-    """Times without recomputation, memory with it (``recompute.bound_problem``, which this layer cannot import)."""
-    if not problem.recompute:
-        return problem
-    base = problem.tables(False)
-    return dataclasses.replace(problem, time_ms=base.time_ms, bwd_ms=base.bwd_ms, classes=base.classes,
-                               recompute=False, twin=None)
-
-
-def _partitions(problem: Problem, stage: list[int]) -> list[tuple[float, _Islands]]:
-    """The distinct ways the pool's link bandwidths split it into islands (a threshold each), at most
-    ``MAX_THRESHOLDS`` of them evenly spread, the finest (every slow link cut) always among them."""
-    speeds = sorted({lk.bandwidth_gbps for a in stage for b in stage if (lk := problem.links[a][b]) is not None})
-    seen: dict[tuple, tuple[float, _Islands]] = {}
-    for gbps in speeds:
-        isl = _islands(problem, stage, gbps)
-        if isl is not None:
-            seen.setdefault(tuple(sorted(tuple(sorted(I.items())) for I in isl.members)), (gbps, isl))
-    found = list(seen.values())
-    if len(found) <= MAX_THRESHOLDS:
-        return found
-    picks = np.linspace(0, len(found) - 1, MAX_THRESHOLDS).round().astype(int)
-    return [found[i] for i in sorted(set(picks.tolist()))]
-
-
-def _islands(problem: Problem, stage: list[int], gbps: float) -> _Islands | None:
-    """Islands of devices joined by links faster than ``gbps`` (None: one island only)."""
-    parent: dict[tuple, tuple] = {}
-
-    def find(x: tuple) -> tuple:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    nodes: dict[int, list[tuple]] = {}
-    for c in stage:
-        own = problem.links[c][c]
-        whole = problem.classes[c].count == 1 or (own is not None and own.bandwidth_gbps > gbps)
-        nodes[c] = [(c, -1)] if whole else [(c, i) for i in range(problem.classes[c].count)]
-        for n in nodes[c]:
-            parent[n] = n
-    for i, a in enumerate(stage):
-        for b in stage[i + 1:]:
-            lk = problem.links[a][b]
-            if lk is not None and lk.bandwidth_gbps > gbps:
-                for n in nodes[a] + nodes[b]:
-                    parent[find(n)] = find(nodes[a][0])
-    groups: dict[tuple, Counter] = {}
-    for c in stage:
-        for n in nodes[c]:
-            groups.setdefault(find(n), Counter())[c] += problem.classes[c].count if n[1] < 0 else 1
-    if len(groups) < 2:
-        return None
-    slow = [lk for a in stage for b in stage if (lk := problem.links[a][b]) is not None and lk.bandwidth_gbps <= gbps]
-    between = Link(bandwidth_gbps=max(lk.bandwidth_gbps for lk in slow), latency_ms=min(lk.latency_ms for lk in slow))
-    return _Islands(members=tuple(groups.values()), between=between)
-
-
-def _split_bound(problem: Problem, lps: _Lps, isl: _Islands, window: _Window, gbps: float) -> LinkBound:
+def _split_bound(problem: Problem, lps: _Lps, isl: Islands, window: _Window, gbps: float) -> LinkBound:
     """``min over q`` of ``max(compute on q islands, the links' term at q)`` (module docstring), bisected."""
     Q, M = len(isl.members), problem.num_microbatches
     pol = problem.policy
     ends = pol.enabled and pol.trusted_endpoints
     trusted = [I for I in isl.members if any(problem.classes[c].trusted for c in I)]
     returns = ends and len(trusted) == 1  # both ends on the one trusted island: a route leaves and comes back
-    sizes = sorted((sum(I.values()) for I in isl.members), reverse=True)
-    pairs = min(M, sizes[0] * sizes[1])
-    links_ms = math.ceil(M / pairs) * 1e3 * window.hop_bytes / isl.between.bytes_per_s
+    pairs = _crossing_pairs(isl, trusted[0] if returns else None, M)
+    links_ms = math.ceil(M / pairs) * 1e3 * window.hop_bytes / isl.between.bytes_per_s if pairs else math.inf
     allreduce_ms = _allreduce_floor_ms(problem, isl.between)
 
     def rising(q: int) -> float:
@@ -238,12 +178,15 @@ def _split_bound(problem: Problem, lps: _Lps, isl: _Islands, window: _Window, gb
     return LinkBound(bound_ms=rising(hi), limit="memory" if memory else "links", threshold_gbps=gbps, islands=hi)
 
 
-def _min_wire_bytes(problem: Problem) -> float:
-    """The smallest boundary tensor on the wire under any codec a plan of ``problem`` may send it with."""
-    raw = problem.out_bytes[:-1] if problem.num_blocks > 1 else problem.out_bytes
-    if problem.compress == "auto":
-        return min(codecs.wire_bytes(c, float(raw.min()), problem.elem_bytes) for c in codecs.CODECS)
-    return float(min(problem.wire_bytes(l, None) for l in range(max(1, problem.num_blocks - 1))))
+def _crossing_pairs(isl: Islands, home: Counter | None, M: int) -> int:
+    """The most device pairs one crossing's activations can spread over: the two largest islands' sizes' product;
+    where both ends sit on the one trusted island ``home``, the route leaves it from a stage that is not the last,
+    which holds a device of ``home`` too: ``(|home| - 1)`` times the largest other island. At most ``M``."""
+    sizes = sorted((sum(I.values()) for I in isl.members), reverse=True)
+    if home is None:
+        return min(M, sizes[0] * sizes[1])
+    away = max(sum(I.values()) for I in isl.members if I is not home)
+    return min(M, (sum(home.values()) - 1) * away)
 
 
 def _allreduce_floor_ms(problem: Problem, between: Link) -> float:
@@ -293,9 +236,9 @@ class _Window:
                 self.slots[e, c] = n
                 if n >= 1:
                     self.pass_ms[e] = min(self.pass_ms[e], base.range_time_ms(0, e, c))
-        self.problem, self.hop_bytes = problem, _min_wire_bytes(problem)
+        self.problem, self.hop_bytes = problem, min_wire_bytes(problem)
 
-    def bound_ms(self, isl: _Islands | None, crossings: int) -> float:
+    def bound_ms(self, isl: Islands | None, crossings: int) -> float:
         """``min over e`` of ``M (t + D) / sum n``: stage 0 on one island (any device where ``isl`` is None)."""
         M = self.problem.num_microbatches
         hop = 0.0
