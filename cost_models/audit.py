@@ -5,7 +5,9 @@ digest of the gradient its optimizer applied and one replica (the source) sends 
 a value per parameter and a presence flag per parameter tensor. The auditor recomputes the stage on the step's
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
-optimizer step to its copy once it has heard them. Where it verifies the stage's input boundary too (*held*),
+optimizer step to its copy once it has heard them, on a thread of its own: the step goes on meanwhile, and the copy's
+next recompute waits for it (``optim_ms``: work on the auditor, never on the step's path, which assumes the
+auditor's idle time before its next audit, the pipeline's fill at least, covers it). Where it verifies the stage's input boundary too (*held*),
 it recomputes from tensors its checks already hold (the link tests' copy of the stage's input). Where it audits
 gradients too, it has all of a microbatch's tensors once it has checked the gradient the replica sent upstream,
 and recomputes right then, among its checks (``during_step``); else at the step's end. Where it does not
@@ -36,7 +38,7 @@ class AuditCost:
     recompute_ms: float   # the auditor's recomputes and comparisons of the step's audited microbatches
     gradient_ms: float    # the applied gradient, whole, from the source replica to the auditor
     digest_ms: float      # a replica's digest to the auditor, on the slowest replica's link
-    optim_ms: float       # the auditor's optimizer step on its copy of the stage
+    optim_ms: float       # the auditor's optimizer step on its copy of the stage, off the step's path
     during_step: bool = False   # recomputed among the auditor's checks as each microbatch's tensors are in
     copy_ms: float = 0.0  # copied mode: the upstream ranks' messages of audited inputs to the auditor, in turn
     copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
@@ -46,12 +48,13 @@ class AuditCost:
         return self.copy_ms + self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
     def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0) -> float:
-        """When the auditor's copy has stepped. Copied, it first receives the inputs (a transfer starts when both
-        ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``). It
-        recomputes what is left once its own program is done and the inputs are in, then asks for the digests
-        (the replicas send after their optimizer steps), then for the source's gradient, then steps."""
+        """When the auditor is done with the step's audit. Copied, it first receives the inputs (a transfer starts
+        when both ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``).
+        It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
+        (the replicas send after their optimizer steps), then for the source's gradient; its copy steps after
+        that, off the step's path (``optim_ms``)."""
         start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms)
-        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms) + self.optim_ms
+        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms)
 
     def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0) -> float:
         """When the auditor can recompute: its program done and, copied, the inputs in (received in turn from

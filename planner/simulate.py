@@ -478,8 +478,8 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere) -> float:
 def _audits(run: _Run) -> None:
     """Each audited stage, in order: its auditor, once its program is done (and, copied, the upstream ranks'
     copies of the audited inputs are in), recomputes the step's audited microbatches, then hears the replicas'
-    digests and applied gradient (after their optimizer steps) and steps its copy (``planner.runtime.rank.
-    audits``): its step ends then."""
+    digests and applied gradient (after their optimizer steps): its step ends then; its copy steps on a thread of
+    its own, into the next step (``planner.runtime.rank.audits``)."""
     plan = run.plan
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
@@ -493,7 +493,7 @@ def _audits(run: _Run) -> None:
                  ("control", start + left, heard, "applied gradient"), ("optim", heard, end, "copy's step"))
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
-        run.clock[auditor] = end
+        run.clock[auditor] = heard
 
 
 def _verdict_exchange(run: _Run) -> None:

@@ -13,7 +13,6 @@ import torch
 from cost_models import compute
 from cost_models.audit import audit_ms, copied_input_bytes
 from cost_models.cluster import Link
-from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
@@ -80,7 +79,7 @@ def test_the_copies_are_float32_received_rank_after_rank_before_the_recompute():
     assert cost.copied and not cost.during_step
     assert cost.copy_ms == pytest.approx((1.0 + 6 / 4 * 2e6 / 1e9 * 1e3) + (2.0 + 2 / 4 * 2e6 / 1e8 * 1e3))
     assert cost.total_ms == pytest.approx(cost.copy_ms + cost.recompute_ms + cost.gradient_ms + cost.digest_ms + 3.0)
-    tail = cost.digest_ms + cost.gradient_ms + 3.0
+    tail = cost.digest_ms + cost.gradient_ms   # the copy's step (3 ms) runs off the step's path
     # the copies travel once the upstream stage is done and the auditor has posted its receives
     assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=0.0, upstream_done_ms=110.0) == \
         pytest.approx(110.0 + cost.copy_ms + cost.recompute_ms + tail)
@@ -129,7 +128,7 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     start = max(end_of[auditor], end_of[0]) + copy
     assert start > end_of[auditor]   # the copy, not the auditor's own checks, holds the recompute back
     heard = max(start + recompute, max(end_of[r] for r in ranks)) + digest + gradient
-    expected = max(base.step_ms, heard + optim_ms(50_000, cfg, spec, param_tensors=2))
+    expected = max(base.step_ms, heard)   # the copy's step runs on a thread of its own, off the step's path
     got = simulate(audited)
     assert got.step_ms == pytest.approx(expected, rel=1e-9)
     (box,) = [e for e in got.events if e.label == "stage 1 audit: input copies"]

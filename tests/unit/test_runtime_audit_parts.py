@@ -201,9 +201,12 @@ def test_without_a_trusted_replica_a_disagreement_stops_the_audits_and_names_nob
     assert judged.suspend and judged.liars == (1,)
     judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset({1}))
     assert judged.suspend and not judged.liars
-    # a sole untrusted replica is its own source: its lie about its update is its own
-    assert audits.judge_applied({1: tuple(audits.digest(flat).tolist())}, flat + 1, source=1,
-                                trusted=frozenset()).liars == (1,)
+    # a sole replica's update is its own word (it reports only whether it stepped): what it sends is stepped with,
+    # and a lie about it leaves the copy off the weights it computes with, which its audits then fail
+    assert audits.judge_applied({1: tuple(audits.stepped_only(flat).tolist())}, flat + 1, source=1,
+                                trusted=frozenset()) == audits.AppliedJudgement(stepped=True, suspend=False)
+    assert not audits.judge_applied({1: tuple(audits.stepped_only(None).tolist())}, flat, source=1,
+                                    trusted=frozenset()).stepped
     assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset()) == \
         audits.AppliedJudgement(stepped=True, suspend=False)
     nothing = {r: tuple(audits.digest(None).tolist()) for r in (1, 2, 3)}

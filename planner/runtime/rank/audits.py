@@ -4,9 +4,11 @@ A stage with an untrusted replica, where the planner's rule allows it (``audit_p
 its *auditor*, the verifier of the stage's output activations (trusted: ``control.check_authorities``). The
 auditor builds its own copy of the stage as the stage's ranks build theirs (``rank_setup.prepare_rank``: the same
 seed or saved weights) and keeps it at the replicas' weights: at the end of every step each replica sends it a
-digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and unscaling), one
-replica (the lowest trusted one, else the lowest) sends that gradient whole, and the auditor, finding every digest
-equal to the tensor's, applies the same optimizer step to its copy. During the step the auditor keeps, for the
+digest (blake2b) of the gradient its optimizer applied (after the sum over replicas, clipping and unscaling; a sole
+replica, with no twin to agree with, only whether it stepped), one replica (the lowest trusted one, else the
+lowest) sends that gradient whole, and the auditor, finding every digest equal to the tensor's, applies the same
+optimizer step to its copy, on a thread of its own while the run goes on (``StageCopy.step_later``: the copy's next
+recompute waits for it). During the step the auditor keeps, for the
 microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion, where it
 holds the input), the tensors its checks already see: the stage's input (as the verifier of the boundary before
 it), the replica's output, the gradient the replica was sent and the one it sent upstream. As soon as a
@@ -53,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +125,8 @@ class StageCopy:
     # the stage draws random numbers (dropout): a recompute would draw others and fail honest replicas
     random: str | None = None
     _buffers_checked: bool = False
+    stepper: Executor | None = None   # runs the copy's optimizer steps off the run's thread (None: at once)
+    pending: Future | None = None     # the step still running there
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.runtime.parameters()]
@@ -133,6 +138,7 @@ class StageCopy:
 
     def forward(self, raw: Sequence[torch.Tensor], precision: Precision, device: torch.device, *, grad: bool):
         """The stage's inputs (as the replica held them) and outputs, as ``_run_forward`` computes them."""
+        self.settle()
         stage = self.runtime
         inputs = [t.detach().requires_grad_(grad and spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]
@@ -156,14 +162,30 @@ class StageCopy:
         return [got.get(id(t)) if got.get(id(t)) is not None else torch.zeros_like(t)
                 for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
 
+    def step_later(self, flat: torch.Tensor | None) -> None:
+        """``apply`` on the stepper's thread (at once without one): the copy is not needed before its next
+        recompute, which ``settle`` holds back until the step is done. ``flat`` is the copy's alone from here."""
+        self.settle()
+        if self.stepper is None:
+            self.apply(flat)
+        else:
+            self.pending = self.stepper.submit(self.apply, flat)
+
+    def settle(self) -> None:
+        """Wait for the copy's step still running on the stepper, if any (its error raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
     def apply(self, flat: torch.Tensor | None) -> None:
-        """The replicas' optimizer step (None: they took none this step), then the schedule's step."""
+        """The replicas' optimizer step (None: they took none this step), then the schedule's step. The gradients
+        are views of ``flat`` (the received message, which nothing else reads): no copy."""
         if flat is not None and self.optimizer is not None:
             values, present = flat[:-len(self.params)], flat[-len(self.params):]
             offset = 0
             for p, here in zip(self.params, present.tolist()):
                 n = p.numel()
-                p.grad = values[offset:offset + n].view_as(p).to(p.dtype).clone() if here else None
+                p.grad = values[offset:offset + n].view_as(p).to(p.dtype) if here else None
                 offset += n
             if any(p.grad is not None for p in self.params):
                 self.optimizer.step()
@@ -200,6 +222,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
+    stepper = None
     for k, st in stages.items():
         key = audit_inputs.share_key(st, rank, audit_inputs.stage_key(secret, k) if st.auditor == rank else None, device)
         if rank in st.copied_from:
@@ -212,8 +235,10 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
                                    weight_decay=opts.weight_decay)
         schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                     total_steps=opts.steps)
+        # one thread for all the copies: each copy's steps run in order, one at a time
+        stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-copy-step")
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule,
-                                  random=random_op(runtime.module))
+                                  random=random_op(runtime.module), stepper=stepper)
         out.schedules[k] = audit.AuditSchedule(key, st.every)
     return out
 
@@ -288,9 +313,16 @@ def digest(flat: torch.Tensor | None) -> torch.Tensor:
     """[stepped, blake2b-256 of the applied gradient's bytes as DIGEST_WORDS int64 words]."""
     if flat is None:
         return torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64)
-    raw = hashlib.blake2b(flat.detach().float().contiguous().cpu().numpy().tobytes(), digest_size=8 * DIGEST_WORDS)
-    words = [int.from_bytes(raw.digest()[8 * i:8 * i + 8], "big", signed=True) for i in range(DIGEST_WORDS)]
+    values = flat.detach().float().contiguous().cpu().numpy()
+    # hashed in place: a copy of the bytes (``tobytes``) would cost half as much again
+    raw = hashlib.blake2b(memoryview(values).cast("B"), digest_size=8 * DIGEST_WORDS).digest()
+    words = [int.from_bytes(raw[8 * i:8 * i + 8], "big", signed=True) for i in range(DIGEST_WORDS)]
     return torch.tensor([1, *words], dtype=torch.int64)
+
+
+def stepped_only(flat: torch.Tensor | None) -> torch.Tensor:
+    """A sole replica's report (``digest``'s shape): whether it stepped, no digest (``judge_applied``)."""
+    return torch.tensor([int(flat is not None)] + [0] * DIGEST_WORDS, dtype=torch.int64)
 
 
 def end_step(ex: Any, step: int) -> None:
@@ -332,7 +364,8 @@ def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
 def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None) -> None:
     doing = f"sending stage {st.stage}'s applied gradient digest to its auditor rank {st.auditor} (step {step})"
     ranks = sorted({*st.replicas, st.auditor})
-    control.gather_to(digest(applied).to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
+    claim = digest(applied) if len(st.replicas) > 1 else stepped_only(applied)
+    control.gather_to(claim.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
                       topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
     if ex.rank == st.source:
         size = sum(p.numel() for p in ex.params) + len(ex.params)
@@ -353,7 +386,8 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
     assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
-    whole = control.gather_to(torch.zeros(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
+    # the value only gives the message's shape and dtype (gather_to receives into a buffer of its own): not filled
+    whole = control.gather_to(torch.empty(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
                               ranks=[st.source, st.auditor], topic=control.Topic.AUDIT, device=ex.device,
                               index=2 * st.stage + 1, doing=doing)
     assert got is not None and whole is not None
@@ -361,7 +395,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                          expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
     if st.stage in audits.suspended:
         return
-    flat = whole[st.source].cpu()
+    flat = whole[st.source]
     judged = judge_applied({r: tuple(got[r].cpu().tolist()) for r in st.replicas}, flat, source=st.source,
                            trusted=audits.trusted)
     verifier = ex.verify.verifier if ex.verify is not None else None
@@ -375,7 +409,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
         if verifier is not None:
             verifier.suspend_audits(st.stage, step)
         return
-    copy.apply(flat.to(ex.device) if judged.stepped else None)
+    copy.step_later(flat if judged.stepped else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,9 +431,12 @@ def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, s
     through the replicas, so a relaying attacker could hand an honest one another sum and frame it: any
     disagreement then stops the stage's audits and names nobody, as it does without a trusted source. A source
     whose gradient differs from its own digest (both sent by it alone, point to point) lies: an untrusted one
-    is named, and the audits stop."""
+    is named, and the audits stop. A sole replica's update is its own word (``stepped_only``): a digest of the
+    tensor it sends proves nothing its audits do not (where it applied another, the copy drifts and it fails them)."""
     claimed = reported[source]
     stepped = claimed[0] == 1
+    if len(reported) == 1:
+        return AppliedJudgement(stepped=stepped, suspend=False)
     if tuple(digest(flat if stepped else None).tolist()) != claimed:
         # the source's tensor is not what it reports, both sent by it alone: an untrusted source lies
         return AppliedJudgement(stepped=False, suspend=True, liars=() if source in trusted else (source,))

@@ -1,0 +1,100 @@
+"""The auditor's copy steps off the run's thread (``audits.StageCopy.step_later``) and stays bit for bit a replica's;
+the applied-gradient digest hashes the gradient's bytes in place (issue 37: the audits' fixed per-step cost)."""
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from planner.runtime.rank import audits
+from planner.runtime.rank.stage import ValueSpec
+
+
+class _Stage(torch.nn.Module):
+    """A stage's module: its outputs as a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    def forward(self, x):
+        return (self.net(x),)
+
+
+class _Runtime:
+    """A stage runtime as ``StageCopy`` reads it: a module, its named parameters, its input and output specs."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.module = _Stage()
+        self.inputs = (ValueSpec(name="x", shape=(4, 6), dtype=torch.float32, carries_grad=True),)
+        self.outputs = (ValueSpec(name="y", shape=(4, 3), dtype=torch.float32, carries_grad=True),)
+
+    def parameters(self):
+        return tuple(self.module.named_parameters())
+
+
+class _Precision:
+    def autocast(self, device):
+        return torch.autocast("cpu", enabled=False)
+
+    def to_wire(self, outputs):
+        return outputs
+
+
+def _applied(params, grads, idle=()):
+    """The applied-gradient message of ``keep_applied``: each parameter's gradient (zeros where idle), then its
+    presence flag."""
+    values = [torch.zeros_like(p) if i in idle else g for i, (p, g) in enumerate(zip(params, grads))]
+    present = [0.0 if i in idle else 1.0 for i in range(len(params))]
+    return torch.cat([*(v.reshape(-1) for v in values), torch.tensor(present)])
+
+
+def test_the_digest_hashes_the_gradients_bytes_as_they_are():
+    flat = torch.randn(1000)
+    raw = hashlib.blake2b(flat.numpy().tobytes(), digest_size=8 * audits.DIGEST_WORDS).digest()
+    words = [int.from_bytes(raw[8 * i:8 * i + 8], "big", signed=True) for i in range(audits.DIGEST_WORDS)]
+    assert audits.digest(flat).tolist() == [1, *words]
+    assert audits.digest(flat[::2]).tolist() == audits.digest(flat[::2].clone()).tolist()   # strided: its values
+    assert audits.stepped_only(flat).tolist() == [1] + [0] * audits.DIGEST_WORDS
+    assert audits.stepped_only(None).tolist() == audits.digest(None).tolist()
+
+
+def test_a_copy_stepped_on_its_own_thread_holds_the_replicas_weights_bit_for_bit():
+    """Adam over five steps, one parameter idle in one of them: the replica steps in line as the executor does,
+    the copy on the stepper from the applied-gradient message; every recompute sees the stepped weights."""
+    replica, runtime = _Runtime(0), _Runtime(0)
+    params = [p for _, p in replica.parameters()]
+    optimizer = torch.optim.Adam(params, lr=0.05)
+    with ThreadPoolExecutor(max_workers=1) as stepper:
+        copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.Adam(runtime.module.parameters(), lr=0.05),
+                                stepper=stepper)
+        x = torch.randn(4, 6)
+        for step in range(5):
+            grads = [torch.randn_like(p) for p in params]
+            idle = {1} if step == 2 else set()
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if i in idle else g.clone()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            copy.step_later(_applied(params, grads, idle))
+            _, (out,) = copy.forward([x], _Precision(), torch.device("cpu"), grad=False)
+            assert copy.pending is None   # the recompute waited for the step
+            assert torch.equal(out, replica.module(x)[0])
+        copy.step_later(None)   # the replicas took no step: nothing moves
+        copy.settle()
+    for (_, mine), theirs in zip(runtime.parameters(), params):
+        assert torch.equal(mine, theirs)
+        assert mine.grad is None
+
+
+def test_a_step_that_failed_on_the_stepper_is_raised_where_the_copy_is_next_used():
+    runtime = _Runtime(0)
+    with ThreadPoolExecutor(max_workers=1) as stepper:
+        copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
+                                stepper=stepper)
+        copy.step_later(torch.ones(copy.flat_size - 3))   # short of this stage's message: a view does not fit
+        with pytest.raises(RuntimeError):
+            copy.forward([torch.randn(4, 6)], _Precision(), torch.device("cpu"), grad=False)
