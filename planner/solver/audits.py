@@ -23,7 +23,7 @@ from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement
 
-EVERY_CHOICES = (4, 8, 16)   # 4: the runtime's default (integrity.audit.DEFAULT_EVERY), then sparser
+EVERY_CHOICES = (2, 4, 8, 16)   # 1 in 2 meets MISS_TARGET with one microbatch a replica a step
 MISS_STEPS = 10        # the attack the share is sized against: a replica corrupting every microbatch this many steps
 MISS_TARGET = 1e-3     # the chance it may go unaudited all that time
 APPLIED_GRADIENT_BYTES_PER_PARAM = 4   # the replicas' applied gradient, received whole as float32
@@ -47,10 +47,11 @@ def replica_microbatches(st: StagePlacement) -> int:
 
 
 def _shares(st: StagePlacement) -> tuple[int, ...]:
-    """``EVERY_CHOICES`` in the order to try them: the sparsest meeting ``MISS_TARGET``, then densest first."""
+    """``EVERY_CHOICES`` in the order to try them: the sparsest meeting ``MISS_TARGET``, then the sparser ones
+    (a denser share costs more); all, densest first, where none meets it."""
     m = replica_microbatches(st)
-    meeting = max((k for k in EVERY_CHOICES if miss_probability(k, m) <= MISS_TARGET), default=None)
-    return tuple(dict.fromkeys(k for k in (meeting, *EVERY_CHOICES) if k is not None))
+    meeting = [k for k in EVERY_CHOICES if miss_probability(k, m) <= MISS_TARGET]
+    return tuple(k for k in EVERY_CHOICES if k >= max(meeting, default=EVERY_CHOICES[0]))
 
 
 def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:

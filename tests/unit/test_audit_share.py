@@ -22,7 +22,7 @@ from tests.unit.audit_fixtures import watched
 
 
 def test_the_miss_probability_of_independent_draws():
-    assert (MISS_STEPS, MISS_TARGET, EVERY_CHOICES) == (10, 1e-3, (4, 8, 16))
+    assert (MISS_STEPS, MISS_TARGET, EVERY_CHOICES) == (10, 1e-3, (2, 4, 8, 16))
     assert miss_probability(4, 1) == pytest.approx(0.75 ** 10) == pytest.approx(0.0563, abs=1e-4)
     assert miss_probability(8, 8) == pytest.approx(0.875 ** 80)
     assert miss_probability(1, 1) == 0.0 and miss_probability(4, 0) == 1.0
@@ -41,12 +41,18 @@ def test_the_sparsest_share_that_meets_the_target_is_chosen(microbatches, every)
     assert f"one microbatch in {every} " in note and "unaudited" not in note, note
 
 
-def test_where_no_share_meets_the_target_the_densest_affordable_is_chosen_and_the_note_says_its_miss():
-    problem, placement = watched(microbatches=2)   # one microbatch a replica a step: 1 in 4 misses 5.6%
-    problem = dataclasses.replace(problem, policy=VerificationPolicy(audit_cost=0.2))   # every share affordable
-    chosen = choose_audits(problem, placement)
+def test_one_microbatch_a_replica_takes_one_in_two_and_one_in_four_where_that_is_too_dear():
+    problem, placement = watched(microbatches=2)   # one microbatch a replica a step: 1 in 4 would miss 5.6%
+    assert miss_probability(2, 1) <= MISS_TARGET < miss_probability(4, 1)
+    roomy = dataclasses.replace(problem, policy=VerificationPolicy(audit_cost=0.5))
+    assert [st.audit_every for st in choose_audits(roomy, placement).stages] == [0, 2, 0]
+    base = price_program(problem, with_audits(placement, {})).step_ms
+    priced = {k: price_program(problem, with_audits(placement, {1: k})).step_ms for k in (2, 4)}
+    assert priced[2] > priced[4] > base
+    tight = dataclasses.replace(problem, policy=VerificationPolicy(audit_cost=(priced[2] + priced[4]) / 2 / base - 1))
+    chosen = choose_audits(tight, placement)
     assert [st.audit_every for st in chosen.stages] == [0, 4, 0]
-    (note,) = audit_notes(problem, chosen)
+    (note,) = audit_notes(tight, chosen)
     assert note.endswith("; a replica corrupting all its 1 microbatch a step goes unaudited 10 steps with "
                          "probability 5.6% (over 0.1%)"), note
 
