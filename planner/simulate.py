@@ -393,7 +393,8 @@ def audit_site(plan: Plan, k: int) -> AuditWhere | str:
                       downstream=plan.stage_ranks(k + 1) if k < last else (), trusted=trusted, auditor=auditor,
                       auditor_checks={(v.boundary, d) for v in plan.verifiers if v.rank == auditor
                                       for d in v.directions},
-                      codecs=(plan.stages[k - 1].out_codec if k > 0 else "none", plan.stages[k].out_codec))
+                      codecs=(plan.stages[k - 1].out_codec if k > 0 else "none", plan.stages[k].out_codec),
+                      random_ops=tuple(dict.fromkeys(op for b in plan.stages[k].blocks for op in b.random_ops)))
 
 
 def audited_stages(plan: Plan) -> dict[int, tuple[int, int, bool]]:

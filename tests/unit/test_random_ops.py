@@ -15,10 +15,13 @@ from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.random_ops import base_name, node_random_op, random_op
 from planner.runtime.rank.random_ops import random_op as stage_random_op
+from planner.simulate import audit_site as sim_audit_site
+from planner.simulate import audited_stages
 from planner.solver.audit_price import audit_site, audit_where
 from planner.solver.audits import audit_notes, choose_audits, with_audits
 from planner.solver.objective import price_program
 from planner.trace import trace
+from tests.dist.plans import make_plan
 from tests.unit.audit_fixtures import watched
 from tests.unit.plan_fixtures import golden_plan
 
@@ -150,3 +153,16 @@ def test_the_solver_audits_no_stage_that_draws_random_numbers_and_says_why():
     # nor is it priced: a plan that asks for its audits anyway pays nothing for them (the runtime stops them)
     assert price_program(problem, with_audits(placement, {1: 4})).step_ms == \
         price_program(problem, with_audits(placement, {})).step_ms
+
+
+def test_a_plan_whose_stage_draws_random_numbers_is_neither_audited_nor_priced_so_in_a_rehearsal():
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={1: (4, 4)}, untrusted=(1, 2), verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))])
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, audit_every=4 if s.index == 1 else 0)
+                                                  for s in plan.stages))
+    assert set(audited_stages(plan)) == {1}   # the control
+    st = plan.stages[1]
+    marked = dataclasses.replace(st, blocks=(dataclasses.replace(st.blocks[0], random_ops=("dropout",)),
+                                             *st.blocks[1:]))
+    plan = dataclasses.replace(plan, stages=(plan.stages[0], marked, plan.stages[2]))
+    assert audited_stages(plan) == {} and "draws random numbers (dropout)" in sim_audit_site(plan, 1)
