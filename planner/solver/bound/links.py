@@ -56,7 +56,7 @@ from planner.solver.bound.islands import (
     partitions,
     relaxed,
 )
-from planner.solver.bound.last_stage import last_stage_bound_ms
+from planner.solver.bound.replicas import replica_bound_ms
 from planner.solver.objective import program_lower_bound_ms
 from planner.solver.problem import Problem
 
@@ -89,9 +89,9 @@ def link_lower_bound(problem: Problem) -> LinkBound:
         return LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)
     window = _Window(problem, stage)
     best = LinkBound(bound_ms=window.bound_ms(None, 0), limit="memory", threshold_gbps=None, islands=1)
-    last = last_stage_bound_ms(problem)
+    last = replica_bound_ms(problem)
     if last > best.bound_ms:
-        best = LinkBound(bound_ms=last, limit="last stage", threshold_gbps=None, islands=1)
+        best = LinkBound(bound_ms=last, limit="replicas", threshold_gbps=None, islands=1)
     lps = _Lps(relaxed(problem), {c: problem.classes[c].count for c in stage})
     for gbps, isl in partitions(problem, stage):
         found = _split_bound(problem, lps, isl, window, gbps)

@@ -1,4 +1,4 @@
-"""The last stage's bound (``bound.last_stage``) and the trusted island's crossing pairs (``bound.links``) are below
+"""The replicas' bound (``bound.replicas``) and the trusted island's crossing pairs (``bound.links``) are below
 the compiled programs' cost of every plan: the enumerated optimum of small random problems (devices, classes,
 trust, verifier hosts), every valid plan of one-GPU hosts on slow links (replicated last stages included), and
 random plans of wide-area pools (trusted ends and verifiers or not); positive wherever a plan exists; above the fluid LP where a heavy
@@ -14,8 +14,8 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound.last_stage import last_stage_bound_ms
 from planner.solver.bound.links import link_lower_bound_ms
+from planner.solver.bound.replicas import replica_bound_ms
 from planner.solver.objective import (
     Placement,
     price_program,
@@ -37,7 +37,7 @@ def test_below_the_enumerated_optimum_and_positive_where_a_plan_exists(twists):
         chain, cluster, config, policy = instance(seed, twists=twists)
         problem = build_problem(scale_chain(chain, config.microbatch_size), cluster, config, policy)
         best, _ = brute_force(problem, program=True)
-        bound = last_stage_bound_ms(problem)
+        bound = replica_bound_ms(problem)
         assert bound <= best * (1 + 1e-9), seed
         if math.isfinite(best):
             assert bound > 0, seed
@@ -79,7 +79,7 @@ def _every_plan(problem, max_stages: int = 3):
 def test_below_every_plan_of_one_gpu_hosts(gbps, schedule):
     problem = _slow_pool(gbps, 4, 3e8, schedule)
     for p in (problem, recompute_problem(problem)):
-        bound = last_stage_bound_ms(p)
+        bound = replica_bound_ms(p)
         prices = [price_program(p, placement).step_ms for placement in _every_plan(p)]
         assert prices and 0 < bound <= min(prices) * (1 + 1e-9)
         assert link_lower_bound_ms(p) <= min(prices) * (1 + 1e-9)
@@ -88,7 +88,7 @@ def test_below_every_plan_of_one_gpu_hosts(gbps, schedule):
 def test_a_heavy_last_block_behind_slow_links_lifts_the_bound():
     """One replica runs every head; two or more all-reduce its gradients over 0.5 Gb/s: above the fluid LP."""
     problem = _slow_pool(0.5, 4, 3e8)
-    bound = last_stage_bound_ms(problem)
+    bound = replica_bound_ms(problem)
     assert bound > 1.2 * program_lower_bound_ms(problem)
     assert link_lower_bound_ms(problem) >= bound
 
@@ -104,7 +104,7 @@ def test_below_random_plans_of_wide_area_pools():
         cluster = wide_area_cluster(rng, int(rng.integers(4, 10)))
         for policy in (VerificationPolicy(enabled=False), VerificationPolicy()):
             problem = build_problem(scale_chain(chain, 1), cluster, config, policy)
-            bounds = (last_stage_bound_ms(problem), link_lower_bound_ms(problem))
+            bounds = (replica_bound_ms(problem), link_lower_bound_ms(problem))
             for _ in range(15):
                 placement = random_placement(rng, problem, cluster)
                 if placement is not None:

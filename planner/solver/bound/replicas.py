@@ -1,0 +1,197 @@
+"""A lower bound on the compiled programs' cost (``objective.price_program``) from the stages' replicas.
+
+The fluid LP prices throughput alone: ``r`` replicas of a stage do its work ``r`` times as fast, for free. But
+replicas pay an all-reduce, and every microbatch crosses a replica at that replica's own speed. A stage over
+blocks ``a..b`` with ``r`` replicas:
+
+* **Busy.** One replica runs ``m >= ceil(M / r)`` microbatches, each at least ``t(a..b)`` (the blocks' least
+  times over the classes), and ``pipe >= m t`` (the fluid LP's premise).
+* **All-reduce.** With ``r >= 2`` the step ends no sooner than the stage's all-reduce (``step >= finish_k +
+  AR_k``): a ring of ``r`` devices moves ``2 (r-1)/r`` times its gradients (at least its blocks' parameters) over
+  its slowest link, and waits ``2 (r-1)`` latencies. That link is no faster than the fastest of the pool, and
+  where ``r`` exceeds every island of a threshold's partition (``islands.islands_at``), no faster than the
+  fastest between two islands. Exact gradients only (``--compress auto/int8`` may compress them: no term).
+* **The last stage's path.** Its replicas keep one microbatch in flight (1F1B; GPipe: its forward and backward
+  phases), so ``program_cost`` adds the first microbatch's forward path to its busy time and the last one's
+  backward path: ``pipe >= ceil(M/r) t(e..L-1) + U(e)``, ``U(e)`` every block before ``e`` forward and
+  backward at their least and ``2 h`` hops of the smallest boundary over the fastest link, ``h >= 1`` (and at
+  least the fewest stages whose blocks fit the largest memory, less one). Its devices are trusted ones where the
+  ends must be.
+
+So ``step >= B`` for the least ``B`` at which some partition has every stage's busy time and all-reduce, and the
+last stage's path, within ``B`` using no more devices than the pool has: bisected on ``B``, each test a DP over
+the cuts of the fewest devices covering blocks ``0..e-1`` (a stage's fewest replicas at ``B``: the least ``r``
+with ``ceil(M/r) t <= B``, if its all-reduce fits too, all-reduces rising with ``r``). Chains longer than
+``DP_BLOCKS`` take the last stage alone (``e = L - 1``, no device count). On DT-FM's pools, whose every link is
+2 Gb/s or slower, the head (103M parameters, the slowest block) binds: one replica runs ``M`` heads, several
+all-reduce 206 MB over 2 Gb/s, and the layers before it pay the same trade.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cost_models.cluster import Link
+from planner.solver.bound.islands import (
+    COMPRESSED_ALLREDUCE,
+    min_wire_bytes,
+    partitions,
+    relaxed,
+)
+from planner.solver.problem import Problem
+
+# Chains up to this many blocks get the DP over cuts (a test is ~L^2/2 vector cells, ~60 tests a bound).
+DP_BLOCKS = 64
+# Bisection steps on B (relative width 2^-40 of the bracket).
+BISECTIONS = 40
+
+
+def replica_bound_ms(problem: Problem) -> float:
+    """The bound of the module docstring (ms; 0 where no class may hold the last block)."""
+    problem = relaxed(problem)
+    stage = [c.index for c in problem.classes if c.stage_capable]
+    pol = problem.policy
+    ends = pol.enabled and pol.trusted_endpoints
+    need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
+    L = problem.num_blocks
+    last = [c for c in stage if need[L - 1] <= problem.classes[c].mem_bytes and (problem.classes[c].trusted or not ends)]
+    if not last:
+        return 0.0
+    cuts = _Cuts(problem, stage, last, need)
+    if L > DP_BLOCKS:
+        return cuts.last_alone_ms() * (1 - 1e-9)
+    hi = cuts.last_alone_ms() + 1.0
+    while not cuts.feasible(hi):
+        if hi > 1e12:
+            return 0.0
+        hi *= 2
+    lo = 0.0
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if cuts.feasible(mid) else (mid, hi)
+    return lo * (1 - 1e-9)  # infeasible: below every plan of the relaxation
+
+
+class _Cuts:
+    """Prefix sums of the blocks' least times, parameters and needs; the ring floors; the last stage's path."""
+
+    def __init__(self, problem: Problem, stage: list[int], last: list[int], need: np.ndarray) -> None:
+        L, M = problem.num_blocks, problem.num_microbatches
+        self.M, self.L = M, L
+        zero = np.zeros(1)
+        self.t = np.concatenate([zero, np.cumsum(problem.time_ms[:, stage].min(axis=1))])
+        self.t_last = np.concatenate([zero, np.cumsum(problem.time_ms[:, last].min(axis=1))])
+        self.params = np.concatenate([zero, np.cumsum(problem.param_count.astype(float))]) * problem.grad_bytes_per_param
+        self.need = np.concatenate([zero, np.cumsum(need)])
+        self.mem = float(max(problem.classes[c].mem_bytes for c in stage))
+        self.mem_last = float(max(problem.classes[c].mem_bytes for c in last))
+        self.devices = sum(problem.classes[c].count for c in stage)
+        self.last_devices = min(M, sum(problem.classes[c].count for c in last))
+        bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
+        passes = (problem.time_ms - bwd)[:, stage].min(axis=1) + bwd[:, stage].min(axis=1)
+        fast = _fastest(problem, stage)
+        wire = min_wire_bytes(problem)
+        hop = 0.0 if fast is None or wire <= 0 else fast.latency_ms + 1e3 * wire / fast.bytes_per_s
+        self.passes, self.hop = np.concatenate([zero, np.cumsum(passes)]), hop  # U(e) with h hops: passes[e] + 2 h hop
+        self.hops = max(1, _fewest_stages(need, self.mem) - 1)  # with a stage before the last
+        self.ring = _Rings(problem, stage, min(M, self.devices))
+
+    def last_alone_ms(self) -> float:
+        """The last stage over block ``L - 1`` alone, any number of devices before it."""
+        e = self.L - 1
+        t = self.t_last[self.L] - self.t_last[e]
+        best = math.inf
+        for r in range(1, self.last_devices + 1):
+            busy = math.ceil(self.M / r) * t + self.passes[e] + 2 * self.hops * self.hop
+            best = min(best, max(busy, float(self.ring.floor(np.array([self.params[self.L] - self.params[e]]),
+                                                             np.array([r]))[0])))
+        return best
+
+    def _fewest(self, t: np.ndarray, params: np.ndarray, budget: np.ndarray, cap: int, B: float) -> np.ndarray:
+        """Per stage, the fewest replicas whose busy time (``ceil(M/r) t``) fits ``budget`` and all-reduce ``B``
+        (inf: none up to ``cap``)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per = np.where(t > 0, np.floor(budget / np.where(t > 0, t, 1.0)), self.M)
+        r = np.where(per >= 1, np.ceil(self.M / np.maximum(per, 1)), np.inf)
+        r = np.where(r <= cap, r, np.inf)
+        ok = np.isfinite(r)
+        if ok.any():
+            floors = np.full(r.shape, np.inf)
+            floors[ok] = self.ring.floor(params[ok], r[ok].astype(int))
+            r = np.where(floors <= B, r, np.inf)
+        return r
+
+    def feasible(self, B: float) -> bool:
+        """Whether some partition meets ``B`` (module docstring) with the pool's devices: per stage count ``s`` before
+        the last, the fewest devices covering blocks ``0..e-1`` (a min-plus product per ``s``), then the last stage
+        from ``e`` with ``s`` hops each way on its path."""
+        L = self.L
+        j, i = np.triu_indices(L, k=1)  # a stage over blocks j..i-1, before the last
+        r = self._fewest(self.t[i] - self.t[j], self.params[i] - self.params[j], np.full(len(i), B), self.devices, B)
+        cost = np.full((L, L), np.inf)
+        cost[j, i] = np.where(self.need[i] - self.need[j] <= self.mem, r, np.inf)
+        starts = np.arange(L)
+        t = self.t_last[L] - self.t_last[starts]
+        params = self.params[L] - self.params[starts]
+        fits = self.need[L] - self.need[starts] <= self.mem_last
+        fewest = np.full(L, np.inf)
+        fewest[0] = 0.0  # no stage before the last: it starts at block 0
+        for hops in range(L):
+            room = B - self.passes[starts] - 2 * hops * self.hop
+            last = np.where(fits, self._fewest(t, params, room, self.last_devices, B), np.inf)
+            if np.any(fewest + last <= self.devices):
+                return True
+            fewest = np.min(fewest[:, None] + cost, axis=0)  # one stage more before the last
+            if not np.isfinite(fewest).any():
+                return False
+        return False
+
+
+class _Rings:
+    """The least all-reduce of ``P`` gradient bytes over a ring of ``r`` devices (module docstring), as the max of
+    lines ``alpha_r P + beta_r`` over the links a ring of ``r`` must use at least once."""
+
+    def __init__(self, problem: Problem, stage: list[int], replicas: int) -> None:
+        self.off = problem.compress in COMPRESSED_ALLREDUCE
+        best = _fastest(problem, stage)
+        splits = [(max(sum(I.values()) for I in isl.members), isl.between) for _, isl in partitions(problem, stage)]
+        links = [(0, best)] if best is not None else []
+        links += [(largest, between) for largest, between in splits]
+        R = max(replicas, 1) + 1
+        self.alpha = np.zeros((R, max(len(links), 1)))
+        self.beta = np.full((R, max(len(links), 1)), -np.inf)  # a link a ring of r need not use: no line
+        self.none = np.zeros(R, dtype=bool)  # a ring of r that no link joins: no such plan
+        for r in range(2, R):
+            used = [(i, lk) for i, (largest, lk) in enumerate(links) if r > largest]
+            self.none[r] = not used
+            for i, lk in used:
+                self.alpha[r, i] = 2 * (r - 1) / r * 1e3 / lk.bytes_per_s
+                self.beta[r, i] = 2 * (r - 1) * lk.latency_ms
+
+    def floor(self, nbytes: np.ndarray, r: np.ndarray) -> np.ndarray:
+        if self.off:
+            return np.zeros(len(r))
+        lines = self.alpha[r] * nbytes[:, None] + self.beta[r]
+        out = np.where(self.none[r], np.inf, np.max(lines, axis=1))
+        return np.where((r >= 2) & (nbytes > 0), out, 0.0)  # no gradients: ``comm.allreduce_ms`` is 0
+
+
+def _fewest_stages(need: np.ndarray, mem_bytes: float) -> int:
+    """The fewest contiguous stages whose blocks' needs each fit ``mem_bytes`` (greedy; a block too big for it
+    alone is left to the other bounds: counted as a stage of its own)."""
+    stages, held = 1, 0.0
+    for b in need:
+        if held > 0 and held + b > mem_bytes:
+            stages, held = stages + 1, 0.0
+        held += float(b)
+    return stages
+
+
+def _fastest(problem: Problem, classes: list[int]) -> Link | None:
+    """A link at least as fast as any between two distinct devices of ``classes`` (None: no such pair)."""
+    found = [lk for a in classes for b in classes
+             if (a != b or problem.classes[a].count > 1) and (lk := problem.links[a][b]) is not None]
+    if not found:
+        return None
+    return Link(bandwidth_gbps=max(lk.bandwidth_gbps for lk in found), latency_ms=min(lk.latency_ms for lk in found))
