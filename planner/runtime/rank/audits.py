@@ -71,7 +71,7 @@ from planner.runtime.rank.rank_setup import (
     prepare_rank,
 )
 from planner.runtime.rank.stage import StageRuntime
-from planner.runtime.wire import control
+from planner.runtime.wire import comm, control
 from planner.simulate import audit_site
 from planner.solver.audit_price import AuditWhere
 
@@ -205,6 +205,8 @@ class RuntimeAudits:
     trusted: frozenset[int] = frozenset()
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
+    sending: Any = None   # the source's: that gradient on its way to the auditor (``comm.Pending``), sent as it steps
+    hearing: dict[int, Any] = field(default_factory=dict)   # the auditor's receives of it, by stage, posted early
     suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
     # an upstream rank's, for a stage audited from copies: the auditor's schedule, and this step's kept inputs
     sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
@@ -304,7 +306,20 @@ def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
     values = [(p.grad if p.grad is not None and id(p) not in skipped else torch.zeros_like(p)).detach().float()
               .reshape(-1) for p in ex.params]
     present = [float(p.grad is not None and id(p) not in skipped) for p in ex.params]
-    audits.applied = torch.cat([*values, torch.tensor(present)])
+    audits.applied = torch.cat([*values, torch.tensor(present, device=values[0].device)])
+    st = audits.stages[ex.info.stage]
+    if ex.rank == st.source and ex.rank != st.auditor:   # on its way while the optimizer steps (``end_step``)
+        audits.sending = comm.send([audits.applied], peer=st.auditor, doing=_sending(st, ex.step),
+                                   **_whole_tag(st))
+
+
+def _whole_tag(st: AuditedStage) -> dict[str, Any]:
+    """The tag of stage ``st``'s applied gradient, sent whole (its digests': index ``2 k``)."""
+    return control._tag_args(control.Topic.AUDIT, 2 * st.stage + 1)
+
+
+def _sending(st: AuditedStage, step: int) -> str:
+    return f"sending stage {st.stage}'s applied gradient whole to its auditor rank {st.auditor} (step {step})"
 
 
 # ----------------------------------------------------------------------------- end of step
@@ -333,6 +348,7 @@ def end_step(ex: Any, step: int) -> None:
         return
     applied, audits.applied = audits.applied, None
     _report_random(ex, audits, step)
+    _post_hearing(ex, audits, step)
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
@@ -349,6 +365,16 @@ def end_step(ex: Any, step: int) -> None:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied)
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
+
+
+def _post_hearing(ex: Any, audits: RuntimeAudits, step: int) -> None:
+    """The auditor's receives of its stages' applied gradients, posted before its recomputes: the gradients
+    travel meanwhile (the source sent each as it stepped, ``keep_applied``)."""
+    for k, st in audits.stages.items():
+        if st.auditor == ex.rank and st.source != ex.rank and k in audits.copies:
+            audits.hearing[k] = comm.recv([((audits.copies[k].flat_size,), torch.float32)], peer=st.source,
+                                          device=ex.device, doing=f"hearing stage {k}'s applied gradient from "
+                                          f"rank {st.source} (step {step})", **_whole_tag(st))
 
 
 def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
@@ -368,11 +394,12 @@ def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | 
     control.gather_to(claim.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
                       topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
     if ex.rank == st.source:
-        size = sum(p.numel() for p in ex.params) + len(ex.params)
-        flat = applied if applied is not None else torch.zeros(size)
-        control.gather_to(flat.to(ex.device), dst=st.auditor, me=ex.rank, ranks=[st.source, st.auditor],
-                          topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage + 1,
-                          doing=doing.replace("digest", "whole"))
+        sending, ex.audits.sending = ex.audits.sending, None
+        if sending is None:   # it took no step (``keep_applied`` sent nothing): zeros
+            size = sum(p.numel() for p in ex.params) + len(ex.params)
+            sending = comm.send([torch.zeros(size, device=ex.device)], peer=st.auditor, doing=_sending(st, step),
+                                **_whole_tag(st))
+        sending.wait()
 
 
 def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
@@ -386,16 +413,20 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
     assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
-    # the value only gives the message's shape and dtype (gather_to receives into a buffer of its own): not filled
-    whole = control.gather_to(torch.empty(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
-                              ranks=[st.source, st.auditor], topic=control.Topic.AUDIT, device=ex.device,
-                              index=2 * st.stage + 1, doing=doing)
-    assert got is not None and whole is not None
+    hearing = audits.hearing.pop(st.stage, None)
+    if hearing is not None:
+        flat = hearing.wait()[0]
+    else:   # not posted ahead (``_post_hearing``); the value only gives the shape and dtype: not filled
+        whole = control.gather_to(torch.empty(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
+                                  ranks=[st.source, st.auditor], topic=control.Topic.AUDIT, device=ex.device,
+                                  index=2 * st.stage + 1, doing=doing)
+        assert whole is not None
+        flat = whole[st.source]
+    assert got is not None
     control.checked_ints({r: got[r] for r in st.replicas}, what="applied-gradient digest",
                          expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
     if st.stage in audits.suspended:
         return
-    flat = whole[st.source]
     judged = judge_applied({r: tuple(got[r].cpu().tolist()) for r in st.replicas}, flat, source=st.source,
                            trusted=audits.trusted)
     verifier = ex.verify.verifier if ex.verify is not None else None
