@@ -113,7 +113,7 @@ def test_below_random_plans_of_wide_area_pools():
     assert priced >= 10
 
 
-def _small_swarm():
+def _small_swarm(*, param_scale: float = 4e8, flop_scale: float = 5e10, out_scale: float = 4e7):
     """A trusted host of two GPUs (the ends) and three volunteers' GPUs on 0.2 Gb/s, trusted ends, verifiers."""
     hosts = [{"name": "home", "region": "r", "trust": "op", "trusted": True, "devices": [{"type": "T4", "count": 2}]}]
     hosts += [{"name": f"v{i}", "region": "r", "trust": f"v{i}", "devices": [{"type": "T4", "count": 1}]}
@@ -121,15 +121,15 @@ def _small_swarm():
     cluster = parse_cluster({"name": "swarm", "hosts": hosts,
                              "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
                                        "default": {"bandwidth_gbps": 0.2, "latency_ms": 50.0}}})
-    chain = random_chain(np.random.default_rng(3), 6, param_scale=4e8, flop_scale=5e10, act_scale=5e7, out_scale=4e7,
-                         uniform=True)
+    chain = random_chain(np.random.default_rng(3), 6, param_scale=param_scale, flop_scale=flop_scale, act_scale=5e7,
+                         out_scale=out_scale, uniform=True)
     config = TrainingConfig(global_batch=8, microbatch_size=1)
     return build_problem(scale_chain(chain, 1), cluster, config, VerificationPolicy()), cluster
 
 
-def test_the_trusted_islands_crossing_is_below_every_plan_of_a_small_swarm():
-    """Ends on the trusted host, volunteers between (replicated or not), a verifier per checked boundary."""
-    problem, cluster = _small_swarm()
+def _swarm_prices(problem, cluster) -> list[float]:
+    """Every plan with the ends on the trusted host, volunteers between (replicated or not), a verifier per checked
+    boundary: the valid ones' prices."""
     L, M = problem.num_blocks, problem.num_microbatches
     home = [d.id for d in cluster.hosts[0].devices]
     peers = [d.id for h in cluster.hosts[1:] for d in h.devices]
@@ -144,7 +144,23 @@ def test_the_trusted_islands_crossing_is_below_every_plan_of_a_small_swarm():
                 placement = Placement(stages=stages, verifiers=verifiers or (), num_microbatches=M)
                 if verifiers is not None and not violations(problem, placement):
                     prices.append(price_program(problem, placement).step_ms)
+    return prices
+
+
+def test_the_trusted_islands_crossing_is_below_every_plan_of_a_small_swarm():
+    problem, cluster = _small_swarm()
+    prices = _swarm_prices(problem, cluster)
     bound = link_lower_bound_ms(problem)
     assert prices and 0 < bound <= min(prices) * (1 + 1e-9)
     # One pair carries every activation out of the trusted host (two pairs, the two largest islands, gave half).
-    assert bound >= M * 1e3 * problem.wire_bytes(0, None) / 0.2e9 * 8 * (1 - 1e-6)
+    assert bound >= problem.num_microbatches * 1e3 * problem.wire_bytes(0, None) / 0.2e9 * 8 * (1 - 1e-6)
+
+
+def test_volunteers_between_trusted_ends_pay_slow_rings_and_hops():
+    """Small boundaries, heavy passes: the stages between the ends cannot replicate on the trusted host's fast
+    link (the ends hold it), and every hop but one crosses 0.2 Gb/s."""
+    problem, cluster = _small_swarm(param_scale=1e8, flop_scale=5e11, out_scale=4e6)
+    prices = _swarm_prices(problem, cluster)
+    bound = replica_bound_ms(problem)
+    assert prices and bound <= min(prices) * (1 + 1e-9)
+    assert bound > 1.5 * program_lower_bound_ms(problem)

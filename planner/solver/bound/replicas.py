@@ -14,9 +14,12 @@ blocks ``a..b`` with ``r`` replicas:
 * **The last stage's path.** Its replicas keep one microbatch in flight (1F1B; GPipe: its forward and backward
   phases), so ``program_cost`` adds the first microbatch's forward path to its busy time and the last one's
   backward path: ``pipe >= ceil(M/r) t(e..L-1) + U(e)``, ``U(e)`` every block before ``e`` forward and
-  backward at their least and ``2 h`` hops of the smallest boundary over the fastest link, ``h >= 1`` (and at
-  least the fewest stages whose blocks fit the largest memory, less one). Its devices are trusted ones where the
-  ends must be.
+  backward at their least and the smallest boundary's ``h`` hops each way, ``h`` the stages before the last:
+  each between two distinct devices, at most ``N - Q`` of them inside an island (``N`` devices in ``Q`` islands
+  of a partition; a route's devices are distinct), the others over a link between islands.
+* **Trusted ends.** Stage 0 and the last hold trusted devices where the ends must be trusted, so neither holds
+  every trusted device, and a stage between them rings over the others (a volunteer swarm whose trusted host has
+  two GPUs: its middle stages' rings cross the volunteers' links).
 
 So ``step >= B`` for the least ``B`` at which some partition has every stage's busy time and all-reduce, and the
 last stage's path, within ``B`` using no more devices than the pool has: bisected on ``B``, each test a DP over
@@ -90,12 +93,16 @@ class _Cuts:
         self.last_devices = min(M, sum(problem.classes[c].count for c in last))
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         passes = (problem.time_ms - bwd)[:, stage].min(axis=1) + bwd[:, stage].min(axis=1)
-        fast = _fastest(problem, stage)
-        wire = min_wire_bytes(problem)
-        hop = 0.0 if fast is None or wire <= 0 else fast.latency_ms + 1e3 * wire / fast.bytes_per_s
-        self.passes, self.hop = np.concatenate([zero, np.cumsum(passes)]), hop  # U(e) with h hops: passes[e] + 2 h hop
+        self.passes = np.concatenate([zero, np.cumsum(passes)])  # U(e): passes[e] + 2 hops_ms[s], s stages before e
+        self.hops_ms = _hops_ms(problem, stage, L)
         self.hops = max(1, _fewest_stages(need, self.mem) - 1)  # with a stage before the last
+        pol = problem.policy
+        self.ends = pol.enabled and pol.trusted_endpoints
+        trusted = sum(problem.classes[c].count for c in stage if problem.classes[c].trusted)
+        # With trusted ends, stage 0 and the last each hold a trusted device: neither holds all of them.
+        self.end_cap = trusted - 1 if self.ends else self.devices
         self.ring = _Rings(problem, stage, min(M, self.devices))
+        self.middle_ring = _Rings(problem, stage, min(M, self.devices), reserved=2 if self.ends else 0)
 
     def last_alone_ms(self) -> float:
         """The last stage over block ``L - 1`` alone, any number of devices before it."""
@@ -103,12 +110,13 @@ class _Cuts:
         t = self.t_last[self.L] - self.t_last[e]
         best = math.inf
         for r in range(1, self.last_devices + 1):
-            busy = math.ceil(self.M / r) * t + self.passes[e] + 2 * self.hops * self.hop
+            busy = math.ceil(self.M / r) * t + self.passes[e] + 2 * self.hops_ms[self.hops]
             best = min(best, max(busy, float(self.ring.floor(np.array([self.params[self.L] - self.params[e]]),
                                                              np.array([r]))[0])))
         return best
 
-    def _fewest(self, t: np.ndarray, params: np.ndarray, budget: np.ndarray, cap: int, B: float) -> np.ndarray:
+    def _fewest(self, t: np.ndarray, params: np.ndarray, budget: np.ndarray, cap: int | np.ndarray, B: float,
+                ring: _Rings) -> np.ndarray:
         """Per stage, the fewest replicas whose busy time (``ceil(M/r) t``) fits ``budget`` and all-reduce ``B``
         (inf: none up to ``cap``)."""
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -118,7 +126,7 @@ class _Cuts:
         ok = np.isfinite(r)
         if ok.any():
             floors = np.full(r.shape, np.inf)
-            floors[ok] = self.ring.floor(params[ok], r[ok].astype(int))
+            floors[ok] = ring.floor(params[ok], r[ok].astype(int))
             r = np.where(floors <= B, r, np.inf)
         return r
 
@@ -128,7 +136,11 @@ class _Cuts:
         from ``e`` with ``s`` hops each way on its path."""
         L = self.L
         j, i = np.triu_indices(L, k=1)  # a stage over blocks j..i-1, before the last
-        r = self._fewest(self.t[i] - self.t[j], self.params[i] - self.params[j], np.full(len(i), B), self.devices, B)
+        first = j == 0  # stage 0: trusted devices where the ends must be; the others: not the ends' devices
+        r = np.full(len(i), np.inf)
+        for rows, cap, ring in ((first, self.end_cap, self.ring), (~first, self.devices, self.middle_ring)):
+            r[rows] = self._fewest(self.t[i[rows]] - self.t[j[rows]], self.params[i[rows]] - self.params[j[rows]],
+                                   np.full(int(rows.sum()), B), cap, B, ring)
         cost = np.full((L, L), np.inf)
         cost[j, i] = np.where(self.need[i] - self.need[j] <= self.mem, r, np.inf)
         starts = np.arange(L)
@@ -137,9 +149,10 @@ class _Cuts:
         fits = self.need[L] - self.need[starts] <= self.mem_last
         fewest = np.full(L, np.inf)
         fewest[0] = 0.0  # no stage before the last: it starts at block 0
+        caps = np.where(starts > 0, min(self.last_devices, self.end_cap), self.last_devices)
         for hops in range(L):
-            room = B - self.passes[starts] - 2 * hops * self.hop
-            last = np.where(fits, self._fewest(t, params, room, self.last_devices, B), np.inf)
+            room = B - self.passes[starts] - 2 * self.hops_ms[hops]
+            last = np.where(fits, self._fewest(t, params, room, caps, B, self.ring), np.inf)
             if np.any(fewest + last <= self.devices):
                 return True
             fewest = np.min(fewest[:, None] + cost, axis=0)  # one stage more before the last
@@ -152,10 +165,19 @@ class _Rings:
     """The least all-reduce of ``P`` gradient bytes over a ring of ``r`` devices (module docstring), as the max of
     lines ``alpha_r P + beta_r`` over the links a ring of ``r`` must use at least once."""
 
-    def __init__(self, problem: Problem, stage: list[int], replicas: int) -> None:
+    def __init__(self, problem: Problem, stage: list[int], replicas: int, reserved: int = 0) -> None:
+        """``reserved``: trusted devices the ends hold, which a middle stage's ring cannot use: an island keeps at
+        most its size less those of them the other islands' trusted devices cannot hold."""
         self.off = problem.compress in COMPRESSED_ALLREDUCE
         best = _fastest(problem, stage)
-        splits = [(max(sum(I.values()) for I in isl.members), isl.between) for _, isl in partitions(problem, stage)]
+        trusted = {c for c in stage if problem.classes[c].trusted}
+        everywhere = sum(problem.classes[c].count for c in trusted)
+
+        def kept(island) -> int:
+            own = sum(n for c, n in island.items() if c in trusted)
+            return sum(island.values()) - max(0, min(own, reserved - (everywhere - own)))
+
+        splits = [(max(kept(I) for I in isl.members), isl.between) for _, isl in partitions(problem, stage)]
         links = [(0, best)] if best is not None else []
         links += [(largest, between) for largest, between in splits]
         R = max(replicas, 1) + 1
@@ -175,6 +197,25 @@ class _Rings:
         lines = self.alpha[r] * nbytes[:, None] + self.beta[r]
         out = np.where(self.none[r], np.inf, np.max(lines, axis=1))
         return np.where((r >= 2) & (nbytes > 0), out, 0.0)  # no gradients: ``comm.allreduce_ms`` is 0
+
+
+def _hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
+    """Per count ``h`` of boundaries a microbatch crosses one way, their least transfer time: each between two
+    distinct devices, at most ``N - Q`` of them inside an island (``N`` devices in ``Q`` islands: a route's
+    devices are distinct), the rest between islands; the most of any partition."""
+    wire = min_wire_bytes(problem)
+    fast = _fastest(problem, stage)
+    if wire <= 0 or fast is None:
+        return np.zeros(L + 1)
+    h = np.arange(L + 1, dtype=float)
+    one = fast.latency_ms + 1e3 * wire / fast.bytes_per_s
+    out = h * one
+    N = sum(problem.classes[c].count for c in stage)
+    for _, isl in partitions(problem, stage):
+        inside = N - len(isl.members)
+        slow = isl.between.latency_ms + 1e3 * wire / isl.between.bytes_per_s
+        out = np.maximum(out, np.minimum(h, inside) * one + np.maximum(h - inside, 0) * slow)
+    return out
 
 
 def _fewest_stages(need: np.ndarray, mem_bytes: float) -> int:
