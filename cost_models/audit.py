@@ -2,7 +2,8 @@
 
 At the end of every step each replica sends the auditor (the verifier of the stage's output activations) a
 digest of the gradient its optimizer applied and one replica (the source) sends that gradient whole: float32,
-a value per parameter and a presence flag per parameter tensor. The auditor recomputes the stage on the step's
+a value per parameter and a presence flag per parameter tensor, as its optimizer step starts, into a receive the
+auditor posts once its own program is done (the transfer overlaps the source's step and the auditor's recomputes). The auditor recomputes the stage on the step's
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
 optimizer step to its copy once it has heard them, on a thread of its own: the step goes on meanwhile, and the copy's
@@ -47,25 +48,33 @@ class AuditCost:
     def total_ms(self) -> float:
         return self.copy_ms + self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
-    def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0) -> float:
+    def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0,
+               gradient_sent_ms: float | None = None) -> float:
         """When the auditor is done with the step's audit. Copied, it first receives the inputs (a transfer starts
         when both ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``).
         It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
-        (the replicas send after their optimizer steps), then for the source's gradient; its copy steps after
-        that, off the step's path (``optim_ms``)."""
+        (the replicas send after their optimizer steps) and the source's gradient (:meth:`heard_ms`); its copy
+        steps after that, off the step's path (``optim_ms``)."""
         start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms)
-        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms)
+        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=auditor_free_ms,
+                             gradient_sent_ms=gradient_sent_ms)
 
     def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0) -> float:
         """When the auditor can recompute: its program done and, copied, the inputs in (received in turn from
         when both ends are there)."""
         return max(auditor_free_ms, upstream_done_ms) + self.copy_ms if self.copied else auditor_free_ms
 
-    def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float) -> float:
-        """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests and the
-        source's gradient (:meth:`end_ms`)."""
+    def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float, posted_ms: float | None = None,
+                 gradient_sent_ms: float | None = None) -> float:
+        """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests (asked
+        for once it is done, sent once the replicas are) and the source's gradient, which travels from when the
+        source sent it (``gradient_sent_ms``, its optimizer step's start; None: ``replicas_done_ms``) and the
+        auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``)."""
         left = 0.0 if self.during_step else self.recompute_ms
-        return max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms + self.gradient_ms
+        digests = max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms
+        sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
+        posted = recompute_from_ms if posted_ms is None else posted_ms
+        return max(digests, max(sent, posted) + self.gradient_ms)
 
 
 def applied_gradient_bytes(params: int, param_tensors: int) -> float:

@@ -488,7 +488,8 @@ def _audits(run: _Run) -> None:
         free = run.clock[auditor]
         start = _hear_inputs(run, k, where)
         left = 0.0 if cost.during_step else cost.recompute_ms
-        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)))
+        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)),
+                              posted_ms=free, gradient_sent_ms=run.reached_optim[int(where.source)])
         end = heard + cost.optim_ms
         boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
                  ("control", start + left, heard, "applied gradient"), ("optim", heard, end, "copy's step"))

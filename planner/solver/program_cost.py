@@ -538,7 +538,9 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
     ends = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
-    step = max(max(ends), pipe + optim_ms[0], _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p))
+    stepping = [e - opt for e, opt in zip(ends, optim_ms)]   # a source sends its auditor its gradient from then
+    step = max(max(ends), pipe + optim_ms[0],
+               _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p, stepping))
     return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
 
 
@@ -555,9 +557,10 @@ def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, flo
 
 
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
-                   p: _Paths) -> float:
-    """When the last audited stage's auditor has recomputed its audited microbatches and stepped its copy
-    (``cost_models.audit``): after the replicas' optimizer steps, its own program and, where the inputs come
+                   p: _Paths, stepping: list[float]) -> float:
+    """When the last audited stage's auditor has recomputed its audited microbatches and heard the applied
+    gradient (``cost_models.audit``; its copy steps off the step's path), sent from ``stepping`` (the replicas'
+    optimizer steps' starts): after the replicas' optimizer steps, its own program and, where the inputs come
     copied, the upstream stage's ranks' ends and the copies' transfers (0: nothing audited). The stages are
     audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``)."""
     out, clock = 0.0, {}
@@ -576,7 +579,8 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         free, upstream = done(site.auditor), max(map(done, senders), default=0.0)
         for d in senders:   # a copy's send returns once received
             clock[d] = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream)
-        clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream)
+        clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
+                                          gradient_sent_ms=stepping[k])
         out = max(out, clock[site.auditor])
     return out
 

@@ -106,16 +106,19 @@ def test_the_audit_is_priced_as_the_runtime_does_it():
     assert cost.recompute_ms == pytest.approx(2 * (30.0 + 3 * 2e6 / 1e10 * 1e3))   # 2 of 8, forward and backward
     assert cost.gradient_ms == pytest.approx(1.0 + 4 * (10**6 + 4) / 1e9 * 1e3)     # float32 + a flag per tensor
     assert cost.digest_ms == pytest.approx(1.0 + 40 / 1e9 * 1e3)
-    # auditing gradients too, it recomputes among its checks: it is done once it has heard the digests and the
-    # gradient, sent after the replicas' optimizer steps (its copy steps on a thread of its own, off the step's path)
+    # auditing gradients too, it recomputes among its checks: it is done once it has heard the digests, sent after
+    # the replicas' optimizer steps, and the gradient, which travels from the source's step's start (default: the
+    # replicas' end) once the auditor has posted its receive; its copy steps on a thread of its own, off the path
     assert cost.during_step
-    assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=90.0) == \
-        pytest.approx(100.0 + cost.digest_ms + cost.gradient_ms)
+    assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=90.0) == pytest.approx(100.0 + cost.gradient_ms)
+    assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=200.0, gradient_sent_ms=150.0) == \
+        pytest.approx(200.0 + cost.digest_ms)   # the gradient travelled during the source's optimizer step
+    assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=200.0, gradient_sent_ms=199.0) == \
+        pytest.approx(199.0 + cost.gradient_ms)
     outputs = dataclasses.replace(cost, during_step=False)   # outputs only: it recomputes at the step's end
     assert outputs.end_ms(auditor_free_ms=100.0, replicas_done_ms=90.0) == \
-        pytest.approx(100.0 + cost.recompute_ms + cost.digest_ms + cost.gradient_ms)
-    assert outputs.end_ms(auditor_free_ms=0.0, replicas_done_ms=90.0) == \
-        pytest.approx(90.0 + cost.digest_ms + cost.gradient_ms)
+        pytest.approx(100.0 + cost.recompute_ms + cost.digest_ms)   # the gradient came during the recompute
+    assert outputs.end_ms(auditor_free_ms=0.0, replicas_done_ms=90.0) == pytest.approx(90.0 + cost.gradient_ms)
     assert not audit_ms(every=4, microbatches=8, params=1, param_tensors=1, forward_ms=1.0, output_bytes=1.0,
                         source_link=link, digest_link=link, verifier_mem_bw_bytes_per_s=1e10,
                         optim_ms=0.0).during_step
@@ -139,7 +142,9 @@ def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient
     recompute = compute.range_fwd_ms(ch, 1, 2, spec) + 1e3 * 3 * 2**16 / CPU_DEVICE["mem_bw_bytes_per_s"]
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8
-    heard = max(end_of[auditor] + recompute, max(end_of[r] for r in replicas)) + digest + gradient
+    stepping = min(e.start_ms for e in base.events if e.rank == 1 and e.kind == "optim")   # the source sends then
+    heard = max(max(end_of[auditor] + recompute, max(end_of[r] for r in replicas)) + digest,
+                max(stepping, end_of[auditor]) + gradient)
     expected = max(base.step_ms, heard)   # the copy's step (Adam) runs on a thread of its own, into the next step
     assert expected > base.step_ms
     got = simulate(audited)
