@@ -98,3 +98,34 @@ def test_a_step_that_failed_on_the_stepper_is_raised_where_the_copy_is_next_used
         copy.step_later(torch.ones(copy.flat_size - 3))   # short of this stage's message: a view does not fit
         with pytest.raises(RuntimeError):
             copy.forward([torch.randn(4, 6)], _Precision(), torch.device("cpu"), grad=False)
+
+
+@pytest.mark.parametrize("replicas", [(1, 2), (2,)])
+def test_a_replica_with_twins_hashes_its_applied_gradient_as_its_optimizer_steps(replicas, monkeypatch):
+    """Rank 2 (the source only where it is alone) keeps the gradient it steps with; with a twin its digest is
+    hashed on the hasher meanwhile, alone it reports only that it stepped (no digest to hash) and sends the
+    gradient whole at once."""
+    from types import SimpleNamespace
+
+    module = torch.nn.Linear(3, 2)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p)
+    st = audits.AuditedStage(stage=1, replicas=replicas, auditor=0, source=1 if len(replicas) > 1 else 2, every=4)
+    state = audits.RuntimeAudits(stages={1: st})
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        state.hasher = hasher if len(replicas) > 1 else None
+        ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
+                             params=list(module.parameters()), rank=2, step=0)
+        sent = []   # the source sends the gradient whole as it steps: the transfer stubbed
+        monkeypatch.setattr(audits.comm, "send", lambda tensors, **kw: sent.append((tensors, kw)) or "pending")
+        audits.keep_applied(ex, idle=[])
+        if st.source == ex.rank:
+            assert state.sending == "pending" and sent[0][1]["peer"] == 0 and sent[0][0][0] is state.applied
+        else:
+            assert state.sending is None and not sent
+        flat = torch.cat([module.weight.grad.reshape(-1), module.bias.grad, torch.ones(2)])
+        assert torch.equal(state.applied, flat)
+        if len(replicas) > 1:
+            assert torch.equal(state.claim.result(), audits.digest(flat))
+        else:
+            assert state.claim is None

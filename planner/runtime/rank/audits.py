@@ -206,6 +206,8 @@ class RuntimeAudits:
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
     sending: Any = None   # the source's: that gradient on its way to the auditor (``comm.Pending``), sent as it steps
+    claim: Future | None = None   # a replica's digest of it, hashed on ``hasher`` as its optimizer steps
+    hasher: Executor | None = None   # a replica of a stage with twins: hashes its applied gradient off the run's thread
     hearing: dict[int, Any] = field(default_factory=dict)   # the auditor's receives of it, by stage, posted early
     suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
     # an upstream rank's, for a stage audited from copies: the auditor's schedule, and this step's kept inputs
@@ -223,6 +225,8 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     here, before the run starts, the way the stage's first replica builds its stage."""
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
+    if any(rank in st.replicas and len(st.replicas) > 1 for st in stages.values()):
+        out.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-digest")
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
     stepper = None
     for k, st in stages.items():
@@ -311,6 +315,8 @@ def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
     if ex.rank == st.source and ex.rank != st.auditor:   # on its way while the optimizer steps (``end_step``)
         audits.sending = comm.send([audits.applied], peer=st.auditor, doing=_sending(st, ex.step),
                                    **_whole_tag(st))
+    if audits.hasher is not None:   # the twins' digests: hashed meanwhile too (hashlib lets go of the GIL)
+        audits.claim = audits.hasher.submit(digest, audits.applied)
 
 
 def _whole_tag(st: AuditedStage) -> dict[str, Any]:
@@ -347,6 +353,7 @@ def end_step(ex: Any, step: int) -> None:
     if audits is None:
         return
     applied, audits.applied = audits.applied, None
+    claim, audits.claim = audits.claim, None
     _report_random(ex, audits, step)
     _post_hearing(ex, audits, step)
     for k, st in sorted(audits.stages.items()):
@@ -363,7 +370,7 @@ def end_step(ex: Any, step: int) -> None:
                 _sync_copy(ex, st, step)
         elif ex.rank in st.replicas:
             with ex._timed("comm"):
-                _send_applied(ex, st, step, applied)
+                _send_applied(ex, st, step, applied, claim)
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
 
 
@@ -387,11 +394,17 @@ def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
                                                  f"would draw others")
 
 
-def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None) -> None:
+def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | None,
+                  claim: Future | None = None) -> None:
+    """A replica's report of its update to the auditor (its digest, ``claim`` where ``keep_applied`` hashed it
+    already) and, from the source, the gradient whole (on its way since ``keep_applied``; else zeros, no step)."""
     doing = f"sending stage {st.stage}'s applied gradient digest to its auditor rank {st.auditor} (step {step})"
     ranks = sorted({*st.replicas, st.auditor})
-    claim = digest(applied) if len(st.replicas) > 1 else stepped_only(applied)
-    control.gather_to(claim.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
+    if claim is not None:
+        report = claim.result()
+    else:
+        report = digest(applied) if len(st.replicas) > 1 else stepped_only(applied)
+    control.gather_to(report.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
                       topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
     if ex.rank == st.source:
         sending, ex.audits.sending = ex.audits.sending, None
