@@ -22,7 +22,8 @@ and at each step's end each sends it, in one message, the inputs of the audited 
 as the consumer decoded them (``audit_inputs``). The auditor recomputes those outputs (not gradients) once the
 copies are in, on zeros where the replica's taint header says its input was dropped. A stage with one untrusted
 replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
-``AUDIT_INPUT``), outside the compiled programs like the contribution sketches; the planner prices them
+``AUDIT_INPUT``; the gradient whole leaves as the source's optimizer steps, into a receive the auditor posts before
+its recomputes), outside the compiled programs like the contribution sketches; the planner prices them
 (``cost_models.audit``).
 
 Threat model. A replica cannot tell which of its microbatches are audited: it has sent a microbatch's output and
