@@ -61,6 +61,7 @@ FLAG_EVENTS_SCHEMA = {
             "reasons": {"type": "array", "items": {"type": "string"}},
             "upstream": {"type": "integer", "minimum": 0},
             "stage": {"type": "integer", "minimum": 0},   # a gradient contribution's flag (``contributions``)
+            "since": {"type": "integer", "minimum": 0},   # ... where its evidence began before its step
         },
     },
 }

@@ -261,9 +261,9 @@ class ContributionMonitor:
         events = []
         culprit = self._culprit(hist, alarms, ranks, step)
         if culprit is not None:
-            rank, test, evidence = culprit
+            rank, test, evidence, onset = culprit
             reason = {"norm": "contrib_norm", "dens": "contrib_density", "agree": "contrib_dir"}[test]
-            events.append(_event(step, stage, rank, {**scores[rank], **evidence}, (reason,)))
+            events.append(_event(step, stage, rank, {**scores[rank], **evidence}, (reason,), since=onset))
             self.flagged += 1
             for key in [k for k, v in hist.sums.items() if v >= CUSUM_H and k[1] != "agree"]:
                 hist.sums[key] = CUSUM_RESTART   # a lasting offset alarms again next step, an honest blip decays
@@ -290,8 +290,9 @@ class ContributionMonitor:
         return round(hist.sums[key], 6)
 
     def _culprit(self, hist: _StageHistory, alarms: set[str], ranks: list[int],
-                 step: int) -> tuple[int, str, dict[str, float]] | None:
-        """The replica an alarm points at, the test and its evidence; None until one stands out clearly (the
+                 step: int) -> tuple[int, str, dict[str, float], int] | None:
+        """The replica an alarm points at, the test, its evidence and the step it began (the onset it moved at, or
+        the agreement alarm's); None until one stands out clearly (the
         alarm stands). A norm or density alarm: the replica whose level moved off the stage's trend at the
         alarm's onset (of three, an honest one is as far below the others' median as the outlier pulls it)."""
         for test in ("norm", "dens"):
@@ -313,9 +314,9 @@ class ContributionMonitor:
                 if strict and (abs(move) < RECENT_MOVE * MIN_MOVE[test] * self._spread(hist, test)
                                or (rank, test, side) not in alarmed):
                     continue
-                return rank, test, {"moved": round(move, 6)}
-        if "agree" in alarms:
-            return self._disagreeing(hist, ranks, step)
+                return rank, test, {"moved": round(move, 6)}, onset
+        if "agree" in alarms and (found := self._disagreeing(hist, ranks, step)) is not None:
+            return (*found, hist.onsets.get((STAGE_SERIES, "agree", 1), step))
         return None
 
     def _moved(self, hist: _StageHistory, test: str, ranks: list[int], step: int,
@@ -395,10 +396,13 @@ class ContributionMonitor:
         hist.response = total if hist.response is None else HISTORY_BETA * hist.response + (1 - HISTORY_BETA) * total
 
 
-def _event(step: int, stage: int, rank: int, scores: Mapping[str, float], reasons: tuple[str, ...]) -> dict[str, Any]:
-    """A step-level flag event in the verifiers' exchange format (``blame.FLAG_EVENTS_SCHEMA``)."""
+def _event(step: int, stage: int, rank: int, scores: Mapping[str, float], reasons: tuple[str, ...],
+           since: int | None = None) -> dict[str, Any]:
+    """A step-level flag event in the verifiers' exchange format (``blame.FLAG_EVENTS_SCHEMA``); ``since``: the
+    step its evidence began, where before ``step`` (recovery resumes from before it: that step's update took it in)."""
     return {"type": "flag", "step": int(step), "mb": -1, "boundary": int(stage), "direction": "grad",
             "sender": int(rank), "scope": "step", "stage": int(stage),
+            **({"since": int(since)} if since is not None and since < step else {}),
             "scores": {k: (round(v, 6) if math.isfinite(v) else 1e9) for k, v in scores.items()},
             "fences": {"cusum": CUSUM_H}, "reasons": list(reasons)}
 

@@ -278,8 +278,9 @@ class Verifier:
             if step not in steps:
                 steps.append(step)
         named = {culprit(e) for e in flags} | {int(e["sender"]) for e in flags}
-        for sender in named:
-            self._flag_since.setdefault(sender, step)
+        for sender in named:   # from where the evidence began: a contribution's alarm comes after its onset's update
+            began = min((int(e["since"]) for e in flags if "since" in e and int(e["sender"]) == sender), default=step)
+            self._flag_since[sender] = min(self._flag_since.get(sender, step), began, step)
         new = self._bans.step(blamed, replayed=replayed(flags), proven=proven(flags), at=step)
         for sender in [s for s in self._flag_since if s not in named and s not in self._bans.unresolved()]:
             del self._flag_since[sender]   # no flag this step and no evidence left: its run of flags ended

@@ -11,12 +11,15 @@ from planner.errors import InvalidInputError
 from planner.integrity.attacks import Attacker, parse_attack
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights
 from planner.integrity.contributions import (
+    BEFORE_STEPS,
     SKETCH_SIZE,
     SUSPECT_H,
     ContributionMonitor,
     sketch,
 )
 from planner.integrity.robust_reduce import centered_clip, clip_radius
+from planner.integrity.verifier import Verifier
+from planner.verifier_config import VerifierConfig
 
 DIM = 2000
 
@@ -136,3 +139,19 @@ def test_a_replica_whose_offset_grows_is_a_suspect_until_an_audit_vouches_for_it
     mon.vouch(1, 1)
     assert 1 not in mon.suspects(1)
     mon.vouch(7, 1)   # a stage it never saw: nothing to restart
+
+
+@pytest.mark.parametrize(("factor", "seed"), [(3.0, 0), (3.0, 1), (0.25, 2)])
+def test_a_contribution_flag_says_since_when_its_evidence_ran_and_the_ban_resumes_from_before_it(factor, seed):
+    """The alarm comes a step or more after the onset, whose update already took the poisoned sum in: recovery
+    must resume from before the onset, not the first flag."""
+    late = [e for e in run(40, attack=lambda g: factor * g, seed=seed) if e["step"] >= 30]
+    first = min(late, key=lambda e: e["step"])
+    since = first.get("since", first["step"])
+    assert 30 - BEFORE_STEPS <= since <= 30 < first["step"], first   # a CUSUM may leave 0 on honest noise first
+    jsonschema.validate([first], FLAG_EVENTS_SCHEMA)
+    v = Verifier(VerifierConfig().to_dict(), [(0, "grad")])
+    for step in range(first["step"], first["step"] + 12):
+        v.end_step(step, [[{**first, "step": step}]])
+    (ban,) = [e for e in v.events if e["type"] == "ban"]
+    assert ban["first_flagged_step"] == since, ban
