@@ -14,7 +14,10 @@ Per case the plan is made twice at the same ``--time-limit``: once as shipped an
 removed (the old bound; the plan is the same: the bound does not steer the search). Reported: the simulated
 step, the objective, both bounds, their gaps (``1 - bound / simulated``), and what limits the new bound:
 ``compute`` (the fluid LP or the Lagrangian bound), ``links`` (the transfers, all-reduces or stage 0's
-window across slow links), ``memory`` (stage 0's in-flight window, or no island holding the model).
+window across slow links), ``memory`` (stage 0's in-flight window, or no island holding the model),
+``replicas`` (``planner.solver.bound.replicas``: each stage's busy time against its replicas' all-reduce, the
+last stage's path). ``previous_bound_ms`` / ``previous_gap``: the bound and gap the results file held before this
+run (the last commit's code).
 
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
 and writes ``benchmarks/results/bound_gaps.json``; ``--quick``: gpt-small at 256 tokens on the same clusters,
@@ -100,6 +103,13 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
             "method": new.report.method, "plan_s": round(new_s, 1), "old_plan_s": round(old_s, 1)}
 
 
+def _previous() -> dict[str, dict]:
+    """The rows the results file holds now, by case (empty where there is none)."""
+    if not RESULTS.exists():
+        return {}
+    return {r["case"]: r for r in json.loads(RESULTS.read_text())["rows"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=None, help="per plan (s; default 60, --quick 2)")
@@ -110,9 +120,11 @@ def main() -> int:
     limit = args.time_limit or (2.0 if args.quick else 60.0)
     model, seq = ("gpt-small", 256) if args.quick else ("gpt-1.3b", 1024)
     _, chain = load_chain(model, batch=1, seq=seq)
-    rows = []
+    rows, before = [], {} if args.quick else _previous()
     for name, where, batch in CASES:
         row = _case(name, where, batch, chain, model, seq, limit)
+        if name in before:
+            row |= {"previous_bound_ms": before[name]["bound_ms"], "previous_gap": before[name]["gap"]}
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\n{'case':<16}{'simulated ms':>14}{'old bound':>12}{'old gap':>9}{'bound':>12}{'gap':>8}  limited by")
