@@ -68,8 +68,9 @@ LP_CELLS = 40_000
 class LinkBound:
     """The bound, what sets it (``compute``: the fluid LP on the islands a plan must use; ``links``: the
     transfers, all-reduces or stage 0's window across slow links; ``memory``: stage 0's in-flight window with
-    no crossing, or the links where no single island holds the model), the link bandwidth that split the
-    islands (None: none did) and the islands at the bound."""
+    no crossing, or the links where no single island holds the model; ``replicas``: the stages' busy time against
+    their all-reduce and the last stage's path, ``bound.replicas``), the link bandwidth that split the islands
+    (None: none did) and the islands at the bound."""
 
     bound_ms: float
     limit: str
