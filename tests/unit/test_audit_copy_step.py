@@ -129,3 +129,18 @@ def test_a_replica_with_twins_hashes_its_applied_gradient_as_its_optimizer_steps
             assert torch.equal(state.claim.result(), audits.digest(flat))
         else:
             assert state.claim is None
+
+
+def test_the_auditor_judges_twins_with_the_digest_it_hashed_early_as_with_its_own():
+    flat = torch.randn(10)
+    honest = tuple(audits.digest(flat).tolist())
+    reports = {1: honest, 2: honest}
+    early = audits.digest(flat)
+    assert audits.judge_applied(reports, flat, source=1, trusted=frozenset({1}), hashed=early) == \
+        audits.judge_applied(reports, flat, source=1, trusted=frozenset({1}))
+    # the early hash is what the tensor is checked against: another one is the source's lie
+    assert audits.judge_applied(reports, flat, source=1, trusted=frozenset(), hashed=audits.digest(flat + 1)).suspend
+    # a source that took no step is checked against no digest, whatever was hashed
+    none = {1: tuple(audits.digest(None).tolist()), 2: tuple(audits.digest(None).tolist())}
+    assert audits.judge_applied(none, torch.zeros(10), source=1, trusted=frozenset(), hashed=early) == \
+        audits.AppliedJudgement(stepped=False, suspend=False)

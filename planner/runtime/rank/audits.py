@@ -423,11 +423,12 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     copy = audits.copies.get(st.stage)
     ranks = sorted({*st.replicas, st.auditor})
     doing = f"hearing stage {st.stage}'s applied gradient from its replicas (step {step})"
+    assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
+    hearing = audits.hearing.pop(st.stage, None)
+    hashed = _hashed_early(copy, st, hearing)
     got = control.gather_to(torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64, device=ex.device), dst=st.auditor,
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
-    assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
-    hearing = audits.hearing.pop(st.stage, None)
     if hearing is not None:
         flat = hearing.wait()[0]
     else:   # not posted ahead (``_post_hearing``); the value only gives the shape and dtype: not filled
@@ -442,7 +443,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     if st.stage in audits.suspended:
         return
     judged = judge_applied({r: tuple(got[r].cpu().tolist()) for r in st.replicas}, flat, source=st.source,
-                           trusted=audits.trusted)
+                           trusted=audits.trusted, hashed=None if hashed is None else hashed.result())
     verifier = ex.verify.verifier if ex.verify is not None else None
     if judged.liars and verifier is not None:
         for r in judged.liars:
@@ -457,6 +458,14 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     copy.step_later(flat if judged.stepped else None)
 
 
+def _hashed_early(copy: StageCopy, st: AuditedStage, hearing: Any) -> Future | None:
+    """The ``digest`` of a gradient already in (sent as the source stepped), hashed on the copy's stepper while
+    the twins' digests come (None: no twin to compare with, or not in yet)."""
+    if hearing is None or not hearing.completed() or len(st.replicas) < 2 or copy.stepper is None:
+        return None
+    return copy.stepper.submit(digest, hearing.wait()[0])
+
+
 @dataclass(frozen=True, slots=True)
 class AppliedJudgement:
     """What the auditor makes of a step's reported updates (``judge_applied``): whether the copy steps (with the
@@ -468,7 +477,7 @@ class AppliedJudgement:
 
 
 def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, source: int,
-                  trusted: frozenset[int]) -> AppliedJudgement:
+                  trusted: frozenset[int], hashed: torch.Tensor | None = None) -> AppliedJudgement:
     """The replicas' reported digests (``digest``) against the gradient ``flat`` that ``source`` sent whole. A
     trusted source's report is the truth where it exchanged with the one other replica directly (two replicas):
     both apply one all-reduced sum, so a replica reporting another lies about its own state (a failed audit), and
@@ -477,12 +486,14 @@ def judge_applied(reported: dict[int, tuple[int, ...]], flat: torch.Tensor, *, s
     disagreement then stops the stage's audits and names nobody, as it does without a trusted source. A source
     whose gradient differs from its own digest (both sent by it alone, point to point) lies: an untrusted one
     is named, and the audits stop. A sole replica's update is its own word (``stepped_only``): a digest of the
-    tensor it sends proves nothing its audits do not (where it applied another, the copy drifts and it fails them)."""
+    tensor it sends proves nothing its audits do not (where it applied another, the copy drifts and it fails them).
+    ``hashed``: ``digest(flat)``, already computed."""
     claimed = reported[source]
     stepped = claimed[0] == 1
     if len(reported) == 1:
         return AppliedJudgement(stepped=stepped, suspend=False)
-    if tuple(digest(flat if stepped else None).tolist()) != claimed:
+    mine = digest(None) if not stepped else hashed if hashed is not None else digest(flat)
+    if tuple(mine.tolist()) != claimed:
         # the source's tensor is not what it reports, both sent by it alone: an untrusted source lies
         return AppliedJudgement(stepped=False, suspend=True, liars=() if source in trusted else (source,))
     liars = tuple(sorted(r for r, d in reported.items() if d != claimed))
