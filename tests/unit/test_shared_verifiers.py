@@ -68,3 +68,38 @@ def test_senders_survive_the_plan_file_and_are_absent_where_a_verifier_watches_a
 def test_a_bad_split_is_refused_at_compile(verifiers, match):
     with pytest.raises(InvalidInputError, match=match):
         compile_simple(uniform_chain(3), _cluster(), _split(*verifiers), VerificationPolicy())
+
+
+def test_the_trust_check_wants_every_untrusted_sender_covered():
+    from planner.check import trust_problems
+    policy = VerificationPolicy(trusted_endpoints=False)
+    only_b = (VerifierPlacement(boundary=1, device=D, directions=("act",), senders=(B,)),
+              VerifierPlacement(boundary=0, device=A, directions=("grad",)))
+    assert trust_problems(((A,), (B, C), (D,)), SPLIT, _cluster(), policy) == []
+    assert trust_problems(((A,), (B, C), (D,)), only_b, _cluster(), policy) == \
+        ["boundary 1 (act): untrusted sender c/0 has no verifier"]
+
+
+def test_the_solver_splits_a_boundary_only_where_its_programs_price_faster():
+    """Random SENTINEL-like pools in small (untrusted replicated middles, the trusted ends' devices the only
+    verifier sites): a kept split never prices slower, and where one verifier's checks paced the step the split
+    simulates faster too."""
+    from planner.simulate import simulate
+    from planner.solver.objective import price_program, violations
+    from planner.solver.shared_verifiers import split_shared
+    from tests.unit.program_fixtures import _compiled, replicated_untrusted_placement
+    gains = []
+    for seed in range(120):
+        drawn = replicated_untrusted_placement(seed, max_stages=4)
+        if drawn is None:
+            continue
+        problem, placement, *rest = drawn
+        split = split_shared(problem, placement)
+        if split is placement:
+            continue
+        assert violations(problem, split) == ()
+        assert price_program(problem, split).step_ms < price_program(problem, placement).step_ms
+        gains.append(simulate(_compiled(problem, split, *rest)[1]).step_ms /
+                     simulate(_compiled(problem, placement, *rest)[1]).step_ms)
+    assert len(gains) >= 10 and min(gains) < 0.85, sorted(gains)[:4]
+    assert sum(g < 1.0 for g in gains) >= 0.7 * len(gains), gains
