@@ -29,7 +29,7 @@ from planner.solver import api as solver_api
 from planner.solver import baseline_plans
 from planner.solver.outcome import reordered, shared
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import scale_chain
+from planner.solver.problem import recompute_problem, scale_chain
 from planner.solver.restrictions import Restriction, part_budget_s, restrictions
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
@@ -183,6 +183,8 @@ def _shared(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: Trai
     """The solver's plan with its boundaries' replicas split over several verifiers where that prices faster
     (``solver.shared_verifiers``), as a rival."""
     problem = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
+    if any(st.recompute for st in solution.stages):  # priced with the recomputing tables, as it was planned
+        problem = recompute_problem(problem)
     found = shared(problem, solution)
     return [] if found is None else [found]
 
