@@ -103,3 +103,11 @@ def test_the_solver_splits_a_boundary_only_where_its_programs_price_faster():
                      simulate(_compiled(problem, placement, *rest)[1]).step_ms)
     assert len(gains) >= 10 and min(gains) < 0.85, sorted(gains)[:4]
     assert sum(g < 1.0 for g in gains) >= 0.7 * len(gains), gains
+
+
+def test_show_lists_every_verifier_of_a_shared_boundary():
+    from planner.commands.show import stage_table
+    from planner.instruction_costs import CostModel
+    plan = compile_simple(uniform_chain(3), _cluster(), _split(*SPLIT))
+    table = stage_table(plan, CostModel.for_plan(plan))
+    assert list(table.columns[-1].cells)[1] == "r0 act; from c/0; r3 act; from b/0"
