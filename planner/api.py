@@ -140,7 +140,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
                         share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
-    found += _shared(solution, chain, spec_cluster, config, policy)
+    found += _shared([solution, *found], chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
                                       deadline=Work(min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S), what="rivals"),
@@ -178,15 +178,22 @@ def _reordered(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: T
     return [] if found is None else [found]
 
 
-def _shared(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+def _shared(solutions: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
             policy: VerificationPolicy) -> list[Any]:
-    """The solver's plan with its boundaries' replicas split over several verifiers where that prices faster
-    (``solver.shared_verifiers``), as a rival."""
-    problem = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
-    if any(st.recompute for st in solution.stages):  # priced with the recomputing tables, as it was planned
-        problem = recompute_problem(problem)
-    found = shared(problem, solution)
-    return [] if found is None else [found]
+    """Each of ``solutions`` (the solver's plan, its restrictions' and reordered ones) with its boundaries'
+    replicas split over several of the whole pool's verifier sites where that prices faster
+    (``solver.shared_verifiers``), as rivals."""
+    base = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
+    out = []
+    for solution in solutions:
+        if solution.num_microbatches != base.num_microbatches:
+            continue
+        # priced with the recomputing tables where it recomputes, as it was planned
+        problem = recompute_problem(base) if any(st.recompute for st in solution.stages) else base
+        found = shared(problem, solution)
+        if found is not None:
+            out.append(found)
+    return out
 
 
 def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
