@@ -47,6 +47,7 @@ def test_clean_split_run_bans_nobody_and_trains_like_one_verifier_per_boundary(t
     got = launch(RunOptions(plan=str(split), steps=STEPS, timeout_s=60))
     want = launch(RunOptions(plan=str(single), steps=STEPS, timeout_s=60))
     assert got["banned"] == [] and got["flags"] == 0 and got["dropped"] == [0] * STEPS
+    assert got["verified_boundaries"] == [0, 1]
     for rank in (OTHER_VERIFIER, ITS_VERIFIER):   # each checked its own replica's half of every boundary
         checked = {(m["boundary"], m["direction"]): m["checked"] for m in _verification(got, rank)["monitors"]}
         assert checked == {(0, "grad"): STEPS * 2, (1, "act"): STEPS * 2}, checked
