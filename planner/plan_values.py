@@ -5,8 +5,8 @@ Frozen values that check themselves on construction; :class:`planner.plan.Plan` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cost_models.codecs import ALLREDUCE_CODECS, check_codec

@@ -46,7 +46,11 @@ from cost_models.codecs import ALLREDUCE_STATE_BYTES_PER_PARAM
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
-from planner.solver.solution import StagePlacement, VerifierPlacement, shared_boundary_problem
+from planner.solver.solution import (
+    StagePlacement,
+    VerifierPlacement,
+    shared_boundary_problem,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

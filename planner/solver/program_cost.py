@@ -107,7 +107,9 @@ class _Traffic:
 
 def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
     out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait={}, messages={}, copied_in={})
-    def checker(k: int, direction: str, sender: str):
+
+    def checker(k: int, direction: str, sender: str) -> VerifierPlacement | None:
+        """The verifier of ``sender``'s tensors at boundary ``k`` (a boundary's verifiers may split its senders)."""
         return next((v for v in verifiers if v.boundary == k and direction in v.directions and v.covers(sender)),
                     None)
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 from planner.solver.link_tests import lost_link_tests
-from planner.solver.objective import Placement, checked_share, price_program, required_directions, violations
+from planner.solver.objective import (
+    Placement,
+    checked_share,
+    price_program,
+    required_directions,
+    violations,
+)
 from planner.solver.problem import Problem
 from planner.solver.solution import VerifierPlacement
 from planner.solver.verifiers import verifier_sites

@@ -1,8 +1,8 @@
 """What a solve (or a baseline) returns: the placement, before it is compiled into a plan."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from planner.errors import InvalidInputError
