@@ -27,9 +27,9 @@ from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver import baseline_plans
-from planner.solver.outcome import reordered
+from planner.solver.outcome import reordered, shared
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import scale_chain
+from planner.solver.problem import recompute_problem, scale_chain
 from planner.solver.restrictions import Restriction, part_budget_s, restrictions
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
@@ -140,6 +140,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
                         share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
+    found += _shared([solution, *found], chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).
     found += baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, spec_cluster, config, policy,
                                       deadline=Work(min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S), what="rivals"),
@@ -175,6 +176,24 @@ def _reordered(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: T
     problem = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
     found = reordered(problem, solution)
     return [] if found is None else [found]
+
+
+def _shared(solutions: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
+            policy: VerificationPolicy) -> list[Any]:
+    """Each of ``solutions`` (the solver's plan, its restrictions' and reordered ones) with its boundaries'
+    replicas split over several of the whole pool's verifier sites where that prices faster
+    (``solver.shared_verifiers``), as rivals."""
+    base = solver_api.problem_for(chain, cluster, config, policy, config.microbatch_size)[0]
+    out = []
+    for solution in solutions:
+        if solution.num_microbatches != base.num_microbatches:
+            continue
+        # priced with the recomputing tables where it recomputes, as it was planned
+        problem = recompute_problem(base) if any(st.recompute for st in solution.stages) else base
+        found = shared(problem, solution)
+        if found is not None:
+            out.append(found)
+    return out
 
 
 def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,

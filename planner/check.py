@@ -127,10 +127,15 @@ def trust_problems(stage_devices: tuple[tuple[str, ...], ...], verifiers: Sequen
             if not checkers:
                 out.append(f"boundary {b} ({direction}) has an untrusted sender and no verifier")
                 continue
+            untrusted = [d for d in senders[direction] if not cluster.device(d).trusted]
+            # several verifiers may split the senders (``senders``; none named: all of them)
+            watched = {d: [v for v in checkers if not getattr(v, "senders", ()) or d in v.senders] for d in untrusted}
+            out.extend(f"boundary {b} ({direction}): untrusted sender {d} has no verifier"
+                       for d, vs in watched.items() if not vs)
             for v in checkers:
                 dev = cluster.device(v.device)
                 # what needs checking is the untrusted senders' output (a stage may mix trusted replicas in)
-                domains = {cluster.device(d).trust for d in senders[direction] if not cluster.device(d).trusted}
+                domains = {cluster.device(d).trust for d in untrusted if v in watched[d]}
                 if not dev.trusted:
                     out.append(f"verifier {v.device} of boundary {b} is not trusted")
                 if dev.trust in domains:
@@ -140,8 +145,8 @@ def trust_problems(stage_devices: tuple[tuple[str, ...], ...], verifiers: Sequen
                     out.append(f"verifier {v.device} runs no stage (policy: stage)")
                 if policy.verifier_placement == "cpu" and role != "verifier":
                     out.append(f"verifier {v.device} is not on a CPU verifier host (policy: cpu)")
-    for v in verifiers:
-        load[v.device] = load.get(v.device, 0) + 1
+    for key in {(v.device, v.boundary) for v in verifiers}:  # a boundary's share counts as the boundary
+        load[key[0]] = load.get(key[0], 0) + 1
     cap = policy.max_boundaries_per_verifier
     if cap is not None:
         out.extend(f"verifier {d} checks {n} boundaries (at most {cap})" for d, n in load.items() if n > cap)

@@ -21,7 +21,7 @@ from planner.schedules import build_programs, max_in_flight
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import search_codec
 from planner.solver.routing import route
-from planner.solver.solution import Solution
+from planner.solver.solution import Solution, shared_boundary_problem
 from planner.validate import validate_programs
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -58,10 +58,15 @@ def _check_inputs(solution: Solution, chain: BlockChain, cluster: ClusterSpec, c
         if not v.directions or any(d not in DIRECTIONS for d in v.directions):
             raise InvalidInputError(f"verifier of boundary {v.boundary}: directions",
                                     expected="a non-empty subset of act, grad", found=repr(v.directions))
-    bounds = [v.boundary for v in solution.verifiers]
-    if len(bounds) != len(set(bounds)):
-        raise InvalidInputError("solution verifiers", expected="at most one verifier per boundary",
-                                found=f"boundaries {sorted(bounds)}")
+        sending = set(solution.stages[v.boundary].devices) | set(solution.stages[v.boundary + 1].devices)
+        if not set(v.senders) <= sending:
+            raise InvalidInputError(f"verifier of boundary {v.boundary} on {v.device}: senders",
+                                    expected=f"devices of stages {v.boundary} and {v.boundary + 1}",
+                                    found=", ".join(sorted(set(v.senders) - sending)))
+    shared = shared_boundary_problem(solution.verifiers)
+    if shared:
+        raise InvalidInputError("solution verifiers", expected="one verifier per boundary, or several watching "
+                                "disjoint sender subsets", found=shared, fix="solve again")
 
 
 def _stages(solution: Solution, chain: BlockChain, config: TrainingConfig) -> tuple[StageInfo, ...]:
@@ -92,13 +97,14 @@ def _ranks(solution: Solution, cluster: ClusterSpec) -> tuple[tuple[RankInfo, ..
             rank_of_device[v.device] = len(rows)
             rows.append(dict(rank=len(rows), device=v.device))
     verifiers = tuple(sorted((VerifierInfo(boundary=v.boundary, rank=rank_of_device[v.device], device=v.device,
-                                           directions=tuple(v.directions), watch_only=tuple(v.watch_only))
+                                           directions=tuple(v.directions), watch_only=tuple(v.watch_only),
+                                           senders=tuple(v.senders))
                               for v in solution.verifiers),
-                             key=lambda v: v.boundary))
+                             key=lambda v: (v.boundary, v.rank)))
     ranks = []
     for row in rows:
         device = cluster.device(row["device"])
-        checks = tuple(v.boundary for v in verifiers if v.rank == row["rank"])
+        checks = tuple(dict.fromkeys(v.boundary for v in verifiers if v.rank == row["rank"]))
         ranks.append(RankInfo(host=device.host, device_type=device.type, verifies=checks, **row))
     return tuple(ranks), verifiers
 

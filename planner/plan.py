@@ -50,7 +50,7 @@ from planner.plan_json import (
 )
 from planner.plan_values import ModelRef, Predicted, RankInfo, StageInfo, VerifierInfo
 from planner.solver.policy import VerificationPolicy
-from planner.solver.solution import SolveReport
+from planner.solver.solution import SolveReport, shared_boundary_problem
 from planner.verifier_config import VerifierConfig
 
 
@@ -133,15 +133,17 @@ class Plan:
             if not prog:
                 raise InvalidInputError(f"rank {r} has no program", expected="at least one instruction",
                                         found="an empty program", fix="re-run `stagewise plan`")
-        seen: set[int] = set()
         for v in self.verifiers:
             if (not 0 <= v.rank < len(self.ranks) or not 0 <= v.boundary < len(self.stages) - 1
-                    or v.boundary in seen or v.boundary not in self.ranks[v.rank].verifies):
+                    or v.boundary not in self.ranks[v.rank].verifies):
                 raise InvalidInputError(f"verifier of boundary {v.boundary}",
-                                        expected=f"one per boundary < {len(self.stages) - 1}, on a rank < "
+                                        expected=f"a boundary < {len(self.stages) - 1}, on a rank < "
                                                  f"{len(self.ranks)} that lists the boundary in `verifies`",
                                         found=f"rank {v.rank}")
-            seen.add(v.boundary)
+        shared = shared_boundary_problem(self.verifiers)
+        if shared:
+            raise InvalidInputError("plan verifiers", expected="one verifier per boundary, or several watching "
+                                    "disjoint sender subsets", found=shared, fix="re-run `stagewise plan`")
         if len(self.predicted.peak_mem_bytes) != len(self.ranks):
             raise InvalidInputError("predicted.peak_mem_bytes", expected=f"{len(self.ranks)} entries (one per rank)",
                                     found=str(len(self.predicted.peak_mem_bytes)))

@@ -40,6 +40,14 @@ def _plain(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _verifier_dict(v: VerifierInfo) -> dict[str, Any]:
+    """A verifier's dict; ``senders`` only where it watches some of them (plans before it stay as they were)."""
+    out = _plain(v)
+    if not v.senders:
+        del out["senders"]
+    return out
+
+
 def plan_to_dict(plan: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON-ready dict of a plan's fields (``plan``: field name -> value)."""
     return {
@@ -57,7 +65,7 @@ def plan_to_dict(plan: Mapping[str, Any]) -> dict[str, Any]:
         "chain_microbatch_size": plan["chain_microbatch_size"],
         "tied_params": [_plain(t) for t in plan["tied_params"]],
         "ranks": [_plain(r) for r in plan["ranks"]],
-        "verifiers": [_plain(v) for v in plan["verifiers"]],
+        "verifiers": [_verifier_dict(v) for v in plan["verifiers"]],
         "programs": [list(format_program(p)) for p in plan["programs"]],
         "report": _plain(plan["report"]),
         "predicted": _plain(plan["predicted"]),

@@ -5,6 +5,7 @@ Frozen values that check themselves on construction; :class:`planner.plan.Plan` 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,13 +164,15 @@ class RankInfo:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifierInfo:
     """The verifier of boundary ``boundary`` (stage b -> b+1) runs on ``rank``. ``watch_only``: the
-    directions it sees only as a link test's input (a trusted sender's), never flagging them."""
+    directions it sees only as a link test's input (a trusted sender's), never flagging them. ``senders``: the
+    sending devices it checks (empty: all of them); a boundary's verifiers split its replicas so."""
 
     boundary: int
     rank: int
     device: str
     directions: tuple[str, ...] = DIRECTIONS
     watch_only: tuple[str, ...] = ()
+    senders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.directions or any(d not in DIRECTIONS for d in self.directions):
@@ -180,11 +183,16 @@ class VerifierInfo:
                                     expected=f"a subset of its directions {list(self.directions)}",
                                     found=repr(self.watch_only), fix="re-run `stagewise plan`")
 
+    def covers(self, sender: str) -> bool:
+        """Whether this verifier checks what device ``sender`` sends across its boundary."""
+        return not self.senders or sender in self.senders
+
     def label(self) -> str:
         """``act+grad``, or ``grad; act for the link test`` where a trusted sender's copy is only watched."""
         checked = "+".join(d for d in self.directions if d not in self.watch_only)
         watched = "+".join(self.watch_only)
-        return f"{checked}; {watched} for the link test" if watched else checked
+        label = f"{checked}; {watched} for the link test" if watched else checked
+        return f"{label}; from {', '.join(self.senders)}" if self.senders else label
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,3 +207,17 @@ class Predicted:
         if self.step_ms < 0 or not 0.0 <= self.bubble_fraction <= 1.0:
             raise InvalidInputError("predicted metrics", expected="step_ms >= 0 and 0 <= bubble_fraction <= 1",
                                     found=f"{self.step_ms}, {self.bubble_fraction}")
+
+
+def checker_ranks(ranks: Sequence[RankInfo], verifiers: Sequence[VerifierInfo]) -> dict[tuple[int, str, int], int]:
+    """(boundary, "F"|"B", microbatch) -> the rank that verifies that tensor: the boundary's verifier whose
+    senders hold the microbatch's sending replica (a boundary's verifiers may split its replicas)."""
+    owner = {(r.stage, m): r for r in ranks if r.stage is not None for m in r.microbatches}
+    out: dict[tuple[int, str, int], int] = {}
+    for v in verifiers:
+        for d in v.directions:
+            op, sending = ("F", v.boundary) if d == "act" else ("B", v.boundary + 1)
+            for (stage, m), r in owner.items():
+                if stage == sending and v.covers(r.device):
+                    out[(v.boundary, op, m)] = v.rank
+    return out

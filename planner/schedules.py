@@ -37,7 +37,7 @@ from typing import Protocol
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.plan_values import RankInfo, VerifierInfo
+from planner.plan_values import RankInfo, VerifierInfo, checker_ranks
 
 
 def max_in_flight(schedule: str, stage: int, num_stages: int, num_mbs: int) -> int:
@@ -121,11 +121,8 @@ class _Lowering:
             if r.stage is not None:
                 for m in r.microbatches:
                     self.owner[(r.stage, m)] = r.rank
-        # (boundary, "F"|"B") -> verifier rank
-        self.checker: dict[tuple[int, str], int] = {}
-        for v in verifiers:
-            for d in v.directions:
-                self.checker[(v.boundary, "F" if d == "act" else "B")] = v.rank
+        # (boundary, "F"|"B", mb) -> verifier rank (a boundary's verifiers may split its senders)
+        self.checker: dict[tuple[int, str, int], int] = checker_ranks(ranks, verifiers)
         self.gpipe = schedule == "gpipe"
         if schedule not in ("gpipe", "1f1b"):
             raise InvalidInputError("schedule", expected="1f1b or gpipe", found=repr(schedule))
@@ -160,7 +157,7 @@ class _Lowering:
         if op == "B" and stage == self.num_stages - 1 and stage > 0:
             # The last stage's backward uses its checked input: it waits for that verdict (as it runs).
             key = (stage - 1, "F", mb)
-            if key[:2] in self.checker and self.checker[key[:2]] != rank:
+            if key in self.checker and self.checker[key] != rank:
                 if key not in self.st.verdict:
                     return None
                 return max(self.st.clock[rank], self.st.verdict[key], self.b_gate.get(rank, 0.0))
@@ -171,7 +168,7 @@ class _Lowering:
         if ready is None:
             return None
         key = (self._boundary(stage, op), op, mb)
-        if key[:2] in self.checker and self.checker[key[:2]] != rank and key not in self.st.verdict:
+        if key in self.checker and self.checker[key] != rank and key not in self.st.verdict:
             return None  # its verdict is placed first; it gates what the pass sends, not the pass
         return max(self.st.clock[rank], ready, self.b_gate.get(rank, 0.0) if op == "B" else 0.0)
 
@@ -182,7 +179,7 @@ class _Lowering:
     def _place_compute(self, rank: int, stage: int, op: str, mb: int, start: float) -> None:
         src = self._source(stage, op, mb)
         boundary_in = self._boundary(stage, op)
-        checker_in = self.checker.get((boundary_in, op)) if src is not None else None
+        checker_in = self.checker.get((boundary_in, op, mb)) if src is not None else None
         if src is not None:
             self._emit(rank, Instruction(op=f"RECV_{op}", stage=stage, mb=mb, peer=src[1]))
             if checker_in == rank:  # the consumer is its own verifier: check locally
@@ -211,7 +208,7 @@ class _Lowering:
         self._emit(rank, Instruction(op=f"SEND_{op}", stage=stage, mb=mb, peer=consumer))
         self.st.arrival[(stage, op, mb)] = self._transmit(rank, consumer, stage, op, end)
         boundary = self._boundary(nxt, op)
-        checker = self.checker.get((boundary, op))
+        checker = self.checker.get((boundary, op, mb))
         key = (boundary, op, mb)
         if checker is None or checker == consumer:
             return  # unchecked, or checked by the consumer itself after its RECV

@@ -40,6 +40,7 @@ from planner.instructions import (
     message_keys,
 )
 from planner.plan import Plan
+from planner.plan_values import checker_ranks
 
 _FIX = "re-create the plan with `stagewise plan` (do not edit programs by hand)"
 
@@ -65,8 +66,7 @@ class _Checker:
         self.problems: list[ProgramFault] = []
         self.S = plan.num_stages
         self.owner = {(r.stage, m): r.rank for r in plan.ranks if r.stage is not None for m in r.microbatches}
-        self.checked = {(v.boundary, "F" if d == "act" else "B"): v.rank
-                        for v in plan.verifiers for d in v.directions}
+        self.checked = checker_ranks(plan.ranks, plan.verifiers)  # (boundary, F|B, mb) -> verifier rank
 
     def add(self, rank: int, index: int | None, ins: Instruction | None, what: str) -> None:
         text = format_instruction(ins) if ins is not None else ""
@@ -124,7 +124,7 @@ class _Checker:
                 self._check_recv(rank, i, ins)
                 have_input.add((d, ins.mb))
             elif ins.op in VERDICT_OPS:
-                if self.checked.get((ins.boundary, d)) != ins.peer:
+                if self.checked.get((ins.boundary, d, ins.mb)) != ins.peer:
                     self.add(rank, i, ins, f"rank {ins.peer} is not the verifier of boundary {ins.boundary}")
                 verdict.add((d, ins.mb))
         if info.stage is not None:
@@ -142,7 +142,7 @@ class _Checker:
         if (d, ins.mb) not in have_input:
             self.add(rank, i, ins, f"runs before receiving its input ({k}RECV_{d}{ins.mb} missing or later)")
         boundary = k - 1 if d == "F" else k
-        checker = self.checked.get((boundary, d))
+        checker = self.checked.get((boundary, d, ins.mb))
         if checker is not None and (d, ins.mb) not in verdict:
             self.add(rank, i, ins, f"uses boundary {boundary}'s tensor before its verdict "
                                    f"(verifier rank {checker})")
@@ -156,7 +156,7 @@ class _Checker:
             self.add(rank, i, ins, f"stage {k} has no stage {nxt} to send to")
             return
         boundary = k if d == "F" else k - 1
-        allowed = {self.owner.get((nxt, ins.mb)), self.checked.get((boundary, d))}
+        allowed = {self.owner.get((nxt, ins.mb)), self.checked.get((boundary, d, ins.mb))}
         if ins.peer not in allowed:
             self.add(rank, i, ins, f"rank {ins.peer} neither runs microbatch {ins.mb} of stage {nxt} "
                                    f"nor verifies boundary {boundary}")
@@ -172,7 +172,7 @@ class _Checker:
 
     def _check_verify(self, rank: int, i: int, ins: Instruction, have_input: set, verdict: set) -> None:
         d = ins.direction
-        if self.checked.get((ins.boundary, d)) != rank:
+        if self.checked.get((ins.boundary, d, ins.mb)) != rank:
             self.add(rank, i, ins, f"rank {rank} is not the verifier of boundary {ins.boundary} ({d})")
             return
         consumer = self.owner.get((ins.stage, ins.mb))
@@ -244,11 +244,10 @@ class _Checker:
     def _check_verified_once(self) -> None:
         count = Counter((ins.boundary, ins.direction, ins.mb) for prog in self.plan.programs
                         for ins in prog if ins.op in VERIFY_OPS)
-        for (boundary, d), rank in self.checked.items():
-            for m in range(self.plan.num_microbatches):
-                if count[(boundary, d, m)] != 1:
-                    self.add(rank, None, None, f"boundary {boundary} ({d}) of microbatch {m} is verified "
-                                               f"{count[(boundary, d, m)]} times, expected once")
+        for (boundary, d, m), rank in self.checked.items():
+            if count[(boundary, d, m)] != 1:
+                self.add(rank, None, None, f"boundary {boundary} ({d}) of microbatch {m} is verified "
+                                           f"{count[(boundary, d, m)]} times, expected once")
 
     # --- 7: deadlock -----------------------------------------------------
     def check_deadlock(self) -> None:

@@ -46,8 +46,7 @@ def stage_table(plan, costs):
         times = "/".join(f"{costs.compute_ms(r, 'F') + costs.compute_ms(r, 'B'):.1f}" for r in ranks)
         last = st.index == plan.num_stages - 1
         out_mib = 0.0 if last else costs.wire_bytes[st.index] / 2**20
-        v = plan.verifier(st.index)
-        checker = f"r{v.rank} {v.label()}" if v is not None else "-"
+        checker = "; ".join(f"r{v.rank} {v.label()}" for v in plan.verifiers if v.boundary == st.index) or "-"
         reduce = st.allreduce_codec if len(ranks) > 1 else "-"
         table.add_row(str(st.index), blocks, f"{st.param_count / 1e6:.1f}", devices, times, f"{out_mib:.2f}",
                       "-" if last else st.out_codec, reduce, checker)

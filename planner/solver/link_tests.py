@@ -49,6 +49,10 @@ def lost_link_tests(problem: Problem, placement: Placement) -> tuple[str, ...]:
             before, after = placement.verifier_of(b - 1), placement.verifier_of(b)
             where = f"boundary {b - 1} on {before.device if before else 'no verifier'}, " \
                     f"boundary {b} on {after.device if after else 'no verifier'}"
+            if _split(placement, b - 1) or _split(placement, b):
+                out.append(f"stage {b}: no link or residual test on some replicas' outputs (the replicas of "
+                           f"boundary {b - 1} or {b} are split over several verifiers)")
+                continue
             if before is None or after is None or before.device != after.device:
                 out.append(f"stage {b}: no link or residual test on its outputs ({where}); a shift of their "
                            "shape is only an alert there, never evidence for a ban, and outputs that keep it (stale, "
@@ -60,3 +64,7 @@ def lost_link_tests(problem: Problem, placement: Placement) -> tuple[str, ...]:
                 out.append(f"stage {b}: no link or residual test on its {' and '.join(missing)} output "
                            f"(its input is not copied to {after.device})")
     return tuple(out)
+
+
+def _split(placement: Placement, boundary: int) -> bool:
+    return sum(v.boundary == boundary for v in placement.verifiers) > 1

@@ -46,7 +46,11 @@ from cost_models.codecs import ALLREDUCE_STATE_BYTES_PER_PARAM
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
 from planner.solver.program_cost import ProgramCost, program_cost
-from planner.solver.solution import StagePlacement, VerifierPlacement
+from planner.solver.solution import (
+    StagePlacement,
+    VerifierPlacement,
+    shared_boundary_problem,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,8 +70,16 @@ class Placement:
         return len(self.stages)
 
     def verifier_of(self, boundary: int) -> VerifierPlacement | None:
+        """The boundary's (first) verifier; :meth:`checker_of` for the one that checks a given sender."""
         for v in self.verifiers:
             if v.boundary == boundary:
+                return v
+        return None
+
+    def checker_of(self, boundary: int, direction: str, sender: str) -> VerifierPlacement | None:
+        """The verifier that checks what ``sender`` sends across ``boundary`` in ``direction`` (None: unchecked)."""
+        for v in self.verifiers:
+            if v.boundary == boundary and direction in v.directions and v.covers(sender):
                 return v
         return None
 
@@ -126,16 +138,14 @@ def _send_ms(problem: Problem, placement: Placement, k: int, dev: str) -> float:
     if k < S - 1:
         nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
         total += _slowest_transfer_ms(problem, nbytes, dev, stages[k + 1].devices)
-        v = placement.verifier_of(k)
-        if v is not None and "act" in v.directions and v.device != dev \
-                and not _sole_receiver(stages[k + 1], v.device):
+        v = placement.checker_of(k, "act", dev)
+        if v is not None and v.device != dev and not _sole_receiver(stages[k + 1], v.device):
             total += problem.transfer_ms(nbytes, dev, v.device)
     if k > 0:
         nbytes = problem.wire_bytes(stages[k - 1].last_block, stages[k - 1].out_codec)
         total += _slowest_transfer_ms(problem, nbytes, dev, stages[k - 1].devices)
-        v = placement.verifier_of(k - 1)
-        if v is not None and "grad" in v.directions and v.device != dev \
-                and not _sole_receiver(stages[k - 1], v.device):
+        v = placement.checker_of(k - 1, "grad", dev)
+        if v is not None and v.device != dev and not _sole_receiver(stages[k - 1], v.device):
             total += problem.transfer_ms(nbytes, dev, v.device)
     return total
 
@@ -146,8 +156,19 @@ def _verify_load(problem: Problem, placement: Placement) -> dict[str, float]:
     for v in placement.verifiers:
         nbytes = problem.raw_bytes(placement.stages[v.boundary].last_block)  # checked decoded
         cls = problem.class_of(v.device)
-        load[v.device] = load.get(v.device, 0.0) + len(v.directions) * problem.verify_ms(nbytes, cls)
+        load[v.device] = load.get(v.device, 0.0) + checked_share(placement, v) * problem.verify_ms(nbytes, cls)
     return load
+
+
+def checked_share(placement: Placement, v: VerifierPlacement) -> float:
+    """The microbatches ``v`` checks per step over ``M``, summed over its directions: 1 a direction where it
+    watches every sender, its senders' share of the microbatches where it watches some."""
+    stages, M = placement.stages, placement.num_microbatches
+    share = 0.0
+    for direction in v.directions:
+        st = stages[v.boundary] if direction == "act" else stages[v.boundary + 1]
+        share += sum(m for d, m in zip(st.devices, st.microbatches) if v.covers(d)) / M
+    return share
 
 
 def _verifier_state(problem: Problem, placement: Placement) -> dict[str, int]:
@@ -264,29 +285,42 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
     stage_devices = {d for st in stages for d in st.devices}
     for b in range(placement.num_stages - 1):
         need = required_directions(problem, stages, b)
-        v = placement.verifier_of(b)
+        group = [v for v in placement.verifiers if v.boundary == b]
         if not need:
             continue
-        if v is None or not set(need) <= set(v.directions) - set(v.watch_only):
+        senders = (stages[b].devices if "act" in need else ()) + (stages[b + 1].devices if "grad" in need else ())
+        if not group or any(not set(need) <= set(v.directions) - set(v.watch_only) for v in group) \
+                or any(not any(v.covers(s) for v in group) for s in senders):
             out.append(f"boundary {b} is not checked in {need}")
             continue
-        c = problem.classes[problem.class_of(v.device)]
-        if not c.trusted:
-            out.append(f"verifier {v.device} of boundary {b} is untrusted")
-        senders = (stages[b].devices if "act" in need else ()) + (stages[b + 1].devices if "grad" in need else ())
-        domains = {problem.classes[problem.class_of(s)].domain for s in senders} - {None}
-        if c.domain is not None and c.domain in domains:
-            out.append(f"verifier {v.device} of boundary {b} shares the sender's trust domain")
-        if pol.verifier_placement == "stage" and v.device not in stage_devices:
-            out.append(f"verifier {v.device} runs no stage (policy: stage)")
-        if pol.verifier_placement == "cpu" and not c.verifier_host:
-            out.append(f"verifier {v.device} is not a CPU verifier host (policy: cpu)")
-        if pol.verifier_placement == "any" and v.device not in stage_devices and not c.verifier_host:
-            out.append(f"verifier {v.device} is neither a stage device nor a verifier host")
-        per_device[v.device] = per_device.get(v.device, 0) + 1
+        shared = shared_boundary_problem(group)
+        if shared:
+            out.append(shared)
+        for v in group:
+            out.extend(_site_violations(problem, placement, v, [s for s in senders if v.covers(s)], stage_devices))
+            per_device[v.device] = per_device.get(v.device, 0) + 1
     cap = pol.max_boundaries_per_verifier
     if cap is not None:
         out.extend(f"verifier {d} checks {n} boundaries (max {cap})" for d, n in per_device.items() if n > cap)
+    return out
+
+
+def _site_violations(problem: Problem, placement: Placement, v: VerifierPlacement, senders: list[str],
+                     stage_devices: set[str]) -> list[str]:
+    """What ``v``'s site breaks: trust, the domains of the ``senders`` it checks, the policy's placement."""
+    out, pol, b = [], problem.policy, v.boundary
+    c = problem.classes[problem.class_of(v.device)]
+    if not c.trusted:
+        out.append(f"verifier {v.device} of boundary {b} is untrusted")
+    domains = {problem.classes[problem.class_of(s)].domain for s in senders} - {None}
+    if c.domain is not None and c.domain in domains:
+        out.append(f"verifier {v.device} of boundary {b} shares the sender's trust domain")
+    if pol.verifier_placement == "stage" and v.device not in stage_devices:
+        out.append(f"verifier {v.device} runs no stage (policy: stage)")
+    if pol.verifier_placement == "cpu" and not c.verifier_host:
+        out.append(f"verifier {v.device} is not a CPU verifier host (policy: cpu)")
+    if pol.verifier_placement == "any" and v.device not in stage_devices and not c.verifier_host:
+        out.append(f"verifier {v.device} is neither a stage device nor a verifier host")
     return out
 
 

@@ -13,6 +13,7 @@ from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.search.stage_order import reorder
+from planner.solver.shared_verifiers import split_shared
 from planner.solver.solution import Solution, SolveReport
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
@@ -51,6 +52,27 @@ def reordered(problem: Problem, solution: Solution) -> Solution | None:
     outcome = Outcome(problem=problem, placement=placement, step_ms=math.inf, bound_ms=math.inf,
                       method="stage order", cpsat_status="-", solve_s=r.solve_s)
     return to_solution(outcome, r.bound_ms, r.notes, r.solve_s, f"{r.method}, stage groups reordered", r.status)
+
+
+def shared(problem: Problem, solution: Solution) -> Solution | None:
+    """``solution`` with the boundaries whose replicas pay to split over several verifiers split
+    (``shared_verifiers``), or None where none pays: a rival for the caller to simulate (a price is a model)."""
+    stages = tuple(dataclasses.replace(st, in_flight=()) for st in solution.stages)
+    placement = Placement(stages=stages, verifiers=solution.verifiers, num_microbatches=solution.num_microbatches)
+    split = split_shared(problem, placement)
+    if split is placement:
+        return None
+    priced = price_program(problem, split)
+    r = solution.report
+    gap = None if r.bound_ms is None else max(0.0, (priced.step_ms - r.bound_ms) / priced.step_ms)
+    report = dataclasses.replace(r, method=f"{r.method}, boundaries' replicas split over verifiers",
+                                 objective_ms=priced.step_ms, gap=gap,
+                                 notes=r.notes + lost_link_tests(problem, split)[len(lost_link_tests(problem,
+                                                                                                     placement)):])
+    return dataclasses.replace(solution, stages=tuple(dataclasses.replace(st, in_flight=n) for st, n in
+                                                      zip(stages, priced.in_flight)),
+                               verifiers=split.verifiers, predicted_step_ms=priced.step_ms,
+                               memory_bytes=program_memory(problem, split, priced.in_flight), report=report)
 
 
 def ruled_out(problem: Problem) -> Outcome:

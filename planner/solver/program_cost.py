@@ -107,7 +107,11 @@ class _Traffic:
 
 def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
     out = _Traffic(wire={}, by_direction={}, kinds={}, checks={}, wait={}, messages={}, copied_in={})
-    by_boundary = {v.boundary: v for v in verifiers}
+
+    def checker(k: int, direction: str, sender: str) -> VerifierPlacement | None:
+        """The verifier of ``sender``'s tensors at boundary ``k`` (a boundary's verifiers may split its senders)."""
+        return next((v for v in verifiers if v.boundary == k and direction in v.directions and v.covers(sender)),
+                    None)
 
     def put(a: str, b: str, nbytes: float, count: int, kind: tuple[int, str]) -> float:
         if a == b:
@@ -123,13 +127,13 @@ def _traffic(problem: Problem, stages, verifiers) -> _Traffic:
     for k in range(len(stages) - 1):
         src, dst = stages[k], stages[k + 1]
         nbytes = problem.wire_bytes(src.last_block, src.out_codec)  # copies too: one encoded payload
-        v = by_boundary.get(k)
         for (i, j), n in pair_counts(src.microbatches, dst.microbatches).items():
             a, b = src.devices[i], dst.devices[j]
             put(a, b, nbytes, n, (k, "act"))
             put(b, a, nbytes, n, (k, "grad"))
             for direction, sender, consumer in (("act", a, b), ("grad", b, a)):
-                if v is None or direction not in v.directions:
+                v = checker(k, direction, sender)
+                if v is None:
                     continue
                 out.checks.setdefault(v.device, set()).add((k, direction))
                 if v.device == consumer:
@@ -454,6 +458,8 @@ def _check_queues(problem: Problem, stages, verifiers, p: _Paths, bw) -> list[tu
                     sender, consumer = b, a
                     leave = p.fwd[x][k + 1] + p.down[x][k] - p.hop_f[x][k] - p.hop_b[x][k]
                     trail = bw[k][i] + p.bwd[x][k]
+                if not v.covers(sender):  # another verifier of the boundary checks this replica
+                    continue
                 copy = comm.transfer_ms(nbytes, problem.link(sender, v.device)) if sender != v.device else 0.0
                 verdict = problem.link(v.device, consumer).latency_ms if consumer != v.device else 0.0
                 jobs.setdefault(v.device, []).append((leave + copy, len(ids) * check, verdict + trail))

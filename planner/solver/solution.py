@@ -1,8 +1,9 @@
 """What a solve (or a baseline) returns: the placement, before it is compiled into a plan."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from planner.errors import InvalidInputError
 
@@ -64,13 +65,38 @@ class VerifierPlacement:
     """The verifier of the boundary between stage ``boundary`` and ``boundary + 1``.
 
     ``watch_only``: those of ``directions`` whose sender is trusted, copied here only as the input of the
-    next untrusted stage's link and residual tests (seen, never flagged).
+    next untrusted stage's link and residual tests (seen, never flagged). ``senders``: the sending devices
+    whose tensors it checks (empty: all); several verifiers of one boundary split its replicas so.
     """
 
     boundary: int
     device: str
     directions: tuple[Direction, ...] = ("act", "grad")
     watch_only: tuple[Direction, ...] = ()
+    senders: tuple[str, ...] = ()
+
+    def covers(self, sender: str) -> bool:
+        """Whether this verifier checks what device ``sender`` sends across its boundary."""
+        return not self.senders or sender in self.senders
+
+
+def shared_boundary_problem(verifiers: Sequence[Any]) -> str:
+    """What is wrong with how ``verifiers`` (anything with boundary, device, senders) share boundaries: a
+    boundary's several verifiers must each name their senders, none named twice ('' where all is well)."""
+    by_boundary: dict[int, list[Any]] = {}
+    for v in verifiers:
+        by_boundary.setdefault(v.boundary, []).append(v)
+    for b, group in sorted(by_boundary.items()):
+        if len(group) < 2:
+            continue
+        if any(not v.senders for v in group):
+            return f"boundary {b} has {len(group)} verifiers, one of them watching every sender"
+        if len({v.device for v in group}) < len(group):
+            return f"boundary {b} has two verifiers on one device"
+        named = [d for v in group for d in v.senders]
+        if len(named) != len(set(named)):
+            return f"boundary {b}'s verifiers share a sender ({', '.join(sorted(named))})"
+    return ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

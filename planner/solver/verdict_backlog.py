@@ -60,7 +60,7 @@ def verdict_backlog(problem: Problem, stages, verifiers, routes, fb, bw, fwd, do
         nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
         owner_next, owner_here = owners(stages[b].microbatches), owners(stages[k].microbatches)
         for j, dev in enumerate(stages[b].devices):
-            if dev == v.device:
+            if dev == v.device or not v.covers(dev):  # another verifier of the boundary checks this replica
                 continue
             x = routes[b][j][0]
             ready = fwd[x][b] + fb[b][j] + down[x][b] + max(0.0, wait.get((b, "grad", dev), 0.0))
@@ -105,11 +105,12 @@ def _warmup_forwards(problem: Problem, stages, verifiers, routes, fb, bw, fwd, l
     ids = routes[k][i][:limits[k][i]]
     mine = next((v for v in verifiers if v.boundary == k and v.device == dev and "act" in v.directions), None)
     check = problem.verify_ms(problem.raw_bytes(stages[k].last_block), problem.class_of(dev)) if mine else 0.0
+    own = check if mine is not None and mine.covers(dev) else 0.0
     copies = []
     if mine is not None and k + 1 < len(stages):
         nbytes = problem.wire_bytes(stages[k].last_block, stages[k].out_codec)
         for j, twin in enumerate(stages[k].devices):
-            if twin == dev:
+            if twin == dev or not mine.covers(twin):
                 continue
             transfer = comm.transfer_ms(nbytes, problem.link(twin, dev))
             copies += [fwd[x][k] + fb[k][j] - bw[k][j] + transfer for x in routes[k][j][:limits[k][j]]]
@@ -123,7 +124,7 @@ def _warmup_forwards(problem: Problem, stages, verifiers, routes, fb, bw, fwd, l
             c += 1
         clock = start + f
         out.append((x, clock))
-        clock += check  # it scores its own output after sending it
+        clock += own  # it scores its own output after sending it
     return out
 
 
@@ -171,8 +172,9 @@ def first_backward_delay(problem: Problem, stages, verifiers, routes, fb, bw, fw
                 sender = stages[c - 1].devices[owner[c - 1][x][0]]
                 copy = comm.transfer_ms(act_bytes, problem.link(sender, v.device)) if sender != v.device else 0.0
                 plain = max(plain, arrive(x, c)) + forward[c][j]
-                queued = max(max(queued, arrive(x, c)) + forward[c][j],
-                             verdict(arrive(x, c) - hop_f[x][c - 1] + copy + check))
+                queued = max(queued, arrive(x, c)) + forward[c][j]
+                if v.covers(sender):  # its verdict comes from V, behind V's gradients
+                    queued = max(queued, verdict(arrive(x, c) - hop_f[x][c - 1] + copy + check))
             ready = arrive(ids[0], c) + forward[c][j] + down[ids[0]][c]  # its first gradient's return
             delay = max(queued, ready) - max(plain, ready)
             if delay > 0.0:

@@ -55,12 +55,12 @@ def chain_for(spec: str, *, batch: int, seq: int | None):
 def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequence[tuple[int, int]],
               seq: int | None = None, replicas: dict[int, tuple[int, ...]] | None = None,
               schedule: str = "1f1b", optimizer: str = "sgd",
-              verifiers: Sequence[tuple[int, int, tuple[str, ...]]] = (),
+              verifiers: Sequence[tuple] = (),
               device_types: Sequence[str] | None = None, verifier_host: bool = False,
               verifier_config=None, dtype: str = "float32", recompute: Sequence[int] = (),
               untrusted: Sequence[int] = ()) -> Plan:
     """A compiled plan. ``stages``: (first_block, last_block) per stage; ``replicas``: stage -> microbatch
-    counts per replica; ``verifiers``: (boundary, device index, directions); devices are numbered in
+    counts per replica; ``verifiers``: (boundary, device index, directions[, sender device indices]); devices are numbered in
     stage/replica order, then the verifier host's CPU (``len(devices)``); ``recompute``: the stages whose
     blocks are checkpointed; ``untrusted``: device indices whose hosts are not trusted."""
     from planner.compile import compile_plan
@@ -77,7 +77,9 @@ def make_plan(spec: str, *, microbatch: int, num_microbatches: int, stages: Sequ
         next_dev += len(counts)
         placements.append(StagePlacement(index=k, first_block=lo, last_block=hi, devices=devs, microbatches=counts,
                                          recompute=k in recompute))
-    vplace = tuple(VerifierPlacement(boundary=b, device=ids[d], directions=dirs) for b, d, dirs in verifiers)
+    vplace = tuple(VerifierPlacement(boundary=b, device=ids[d], directions=dirs,
+                                     senders=tuple(ids[s] for s in (senders[0] if senders else ())))
+                   for b, d, dirs, *senders in verifiers)
     report = SolveReport(method="hand", status="FEASIBLE", objective_ms=0.0, bound_ms=None, gap=None, solve_s=0.0)
     solution = Solution(stages=tuple(placements), verifiers=vplace, num_microbatches=num_microbatches,
                         schedule=schedule, predicted_step_ms=0.0, memory_bytes=(), report=report)

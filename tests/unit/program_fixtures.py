@@ -124,9 +124,31 @@ def untrusted_problem(rng: np.random.Generator, blocks: tuple[int, int]):
     return cl, ch, cfg, policy, build_problem(scale_chain(ch, 1), cl, cfg, policy)
 
 
-def replicated_untrusted_case(seed: int):
+def replicated_untrusted_case(seed: int, *, split: bool = False, max_stages: int = 5):
     """(priced program, compiled plan) of trusted replicated ends around replicated untrusted middle stages,
-    verifiers placed by the solver's greedy (on the trusted stage devices), or None if the draw fails."""
+    verifiers placed by the solver's greedy (on the trusted stage devices), or None if the draw fails.
+    ``split``: every boundary with several senders split over its allowed sites
+    (``shared_verifiers.split_boundary``), whether or not that pays; None where none splits."""
+    from planner.solver.shared_verifiers import split_boundary
+    drawn = replicated_untrusted_placement(seed, max_stages=max_stages)
+    if drawn is None:
+        return None
+    problem, placement, chain, cluster, config, policy = drawn
+    if split:
+        unsplit = placement
+        for b in range(placement.num_stages - 1):
+            if sum(v.boundary == b for v in placement.verifiers) == 1:
+                placement = split_boundary(problem, placement, b) or placement
+        if placement == unsplit:
+            return None
+    if violations(problem, placement):
+        return None
+    return _compiled(problem, placement, chain, cluster, config, policy)
+
+
+def replicated_untrusted_placement(seed: int, *, max_stages: int = 5):
+    """(problem, placement, chain, cluster, config, policy) of :func:`replicated_untrusted_case` before any
+    split, or None if the draw fails."""
     from planner.solver.verifiers import assign_verifiers
     rng = np.random.default_rng(seed)
     cluster = untrusted_pool(rng)
@@ -138,10 +160,10 @@ def replicated_untrusted_case(seed: int):
     L, M = problem.num_blocks, problem.num_microbatches
     trusted = [d.id for d in cluster.hosts[0].devices]
     untrusted = [d.id for h in cluster.hosts[1:] for d in h.devices]
-    S = int(rng.integers(3, min(5, L) + 1))
+    S = int(rng.integers(3, min(max_stages, L) + 1))
     cuts = sorted(rng.choice(np.arange(1, L), size=S - 1, replace=False).tolist())
-    split = int(rng.integers(1, len(trusted)))
-    groups = [trusted[:split], *(list(g) for g in np.array_split(rng.permutation(untrusted), S - 2)), trusted[split:]]
+    cut = int(rng.integers(1, len(trusted)))
+    groups = [trusted[:cut], *(list(g) for g in np.array_split(rng.permutation(untrusted), S - 2)), trusted[cut:]]
     if any(not g for g in groups):
         return None
     order = [str(d) for g in groups for d in g]
@@ -152,7 +174,7 @@ def replicated_untrusted_case(seed: int):
     placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
     if violations(problem, placement):
         return None
-    return _compiled(problem, placement, chain, cluster, config, policy)
+    return problem, placement, chain, cluster, config, policy
 
 
 def _compiled(problem, placement: Placement, chain, cluster: ClusterSpec, config: TrainingConfig,

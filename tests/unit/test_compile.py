@@ -140,6 +140,13 @@ def layouts(draw):
     for b in range(S - 1):
         if draw(st.booleans()):
             dirs = draw(st.sampled_from([("act",), ("grad",), ("act", "grad")]))
+            senders = (devices[b] if "act" in dirs else ()) + (devices[b + 1] if "grad" in dirs else ())
+            if len(senders) > 1 and draw(st.booleans()):  # two verifiers split the boundary's senders
+                cut = draw(st.integers(1, len(senders) - 1))
+                sites = draw(st.lists(st.sampled_from(all_devices), min_size=2, max_size=2, unique=True))
+                verifiers += [VerifierPlacement(boundary=b, device=site, directions=dirs, senders=part)
+                              for site, part in zip(sites, (senders[:cut], senders[cut:]))]
+                continue
             verifiers.append(VerifierPlacement(boundary=b, device=draw(st.sampled_from(all_devices)), directions=dirs))
     return S, M, schedule, devices, splits, tuple(verifiers), next_dev
 

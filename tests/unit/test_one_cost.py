@@ -131,3 +131,20 @@ def test_verifiers_on_replicated_trusted_stages_are_priced_as_they_run():
     assert len(off) >= 30 and shared >= 20, (len(off), shared)
     assert np.mean(np.array(off) <= 0.05) >= 0.9, sorted(off)[-6:]
     assert max(off) <= 0.2, sorted(off)[-6:]
+
+
+def test_verifiers_sharing_a_boundarys_replicas_are_priced_as_they_run():
+    """Many untrusted replicas, few verifier sites (the trusted ends' devices): each boundary's replicas split
+    over the sites allowed to check them (``shared_verifiers.split_boundary``), each verifier priced from its
+    own senders' copies and checks, as the compiled programs run them."""
+    from tests.unit.program_fixtures import replicated_untrusted_case
+    off = []
+    for seed in range(120):
+        got = replicated_untrusted_case(seed, split=True, max_stages=4)
+        if got is not None:
+            priced, plan = got
+            assert len(plan.verifiers) > len({v.boundary for v in plan.verifiers})   # some boundary is shared
+            off.append(_off(priced.step_ms, simulate(plan).step_ms))
+    assert len(off) >= 30, len(off)
+    assert np.mean(np.array(off) <= 0.05) >= 0.9, sorted(off)[-6:]
+    assert max(off) <= 0.2, sorted(off)[-6:]

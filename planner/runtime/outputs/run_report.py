@@ -165,7 +165,7 @@ def build_result(plan, opts: RunOptions, summaries: list[StepSummary], ranks: li
             "microbatches": len(summaries) * plan.num_microbatches, "drops": drops, "drops_total": drops_total,
             "banned": banned, "flags": flags, "alerts": alerts, "attacks": list(opts.attacks), "ranks": ranks,
             "audits": audit_counts(plan, ranks),
-            "verified_boundaries": [v.boundary for v in plan.verifiers] if opts.verify else [],
+            "verified_boundaries": list(dict.fromkeys(v.boundary for v in plan.verifiers)) if opts.verify else [],
             # Steps in which no microbatch trained (all dropped), this run and the runs it resumed.
             "untrained_steps": list(executor.untrained_steps)}
 
