@@ -334,7 +334,8 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             trips = (p.down[first][k] + _queued(stages, routes, fb, k, i, 0), p.down[last][k])
             f = t - b
             if n >= m:  # every microbatch in flight at once: one wait, after the forwards or before the backwards
-                idle = max(m * f + trips[1] + b, f + trips[0] + m * b) - m * t
+                # (never less than its own passes: a last stage without round trips runs them back to back)
+                idle = max(m * f + trips[1] + b, f + trips[0] + m * b, m * t) - m * t
             elif period > t:  # throttled: n chains of pass, round trip, pass; the last chain starts passes late
                 idle = (math.ceil(m / n) * n - m) * period + ((m - 1) % n) * t  # a chain: n periods
                 if any(throttled[k + 1:]):  # a throttled stage downstream spreads the chains over the period:
