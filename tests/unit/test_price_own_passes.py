@@ -3,6 +3,7 @@ trip (a GPipe last stage), its forwards and backwards run back to back, not over
 from __future__ import annotations
 
 import numpy as np
+
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError
 from planner.solver import program_cost
