@@ -387,6 +387,14 @@ def chain_to_dict(chain: BlockChain) -> dict[str, Any]:
     }
 
 
+def _op_names(value: Any, block: Any) -> tuple[str, ...]:
+    """A block's ``random_ops`` as read from a file: a list of op names (``Block`` refuses empty ones)."""
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise InvalidInputError(f"block {block} random_ops", expected="a list of op names", found=repr(value)[:80],
+                                fix="re-run `stagewise trace --json`")
+    return tuple(value)
+
+
 def chain_from_dict(data: Mapping[str, Any]) -> BlockChain:
     """Inverse of :func:`chain_to_dict`; raises :class:`InvalidInputError` on a malformed dict."""
     try:
@@ -397,7 +405,7 @@ def chain_from_dict(data: Mapping[str, Any]) -> BlockChain:
         blocks = tuple(Block(name=str(b["name"]), **{f: int(b.get(f, 0)) for f in _BLOCK_INT_FIELDS},
                              **{f: tuple(str(x) for x in b[f]) for f in _BLOCK_TUPLE_FIELDS},
                              # absent before the field: nothing known random (the runtime checks each stage)
-                             random_ops=tuple(str(x) for x in b.get("random_ops", ())))
+                             random_ops=_op_names(b.get("random_ops", []), b["name"]))
                        for b in data["blocks"])
         tied = tuple(TiedParam(name=str(t["name"]), blocks=tuple(int(x) for x in t["blocks"]),
                                nbytes=int(t["nbytes"])) for t in data.get("tied_params", ()))

@@ -122,6 +122,10 @@ def test_the_chain_json_keeps_the_marks_and_reads_old_chains_as_none_known():
     assert all(b.random_ops == () for b in chain_from_dict(data).blocks)
     with pytest.raises(InvalidInputError, match="random_ops"):
         dataclasses.replace(ch.blocks[0], random_ops=("",))
+    for bad in ("dropout", [None], [""]):   # a string is not a list of one name; nor is None a name
+        data["blocks"][1]["random_ops"] = bad
+        with pytest.raises(InvalidInputError, match="random_ops"):
+            chain_from_dict(data)
 
 
 def test_plans_carry_the_marks_and_old_plans_load_as_none_known():
