@@ -144,3 +144,23 @@ def test_the_auditor_judges_twins_with_the_digest_it_hashed_early_as_with_its_ow
     none = {1: tuple(audits.digest(None).tolist()), 2: tuple(audits.digest(None).tolist())}
     assert audits.judge_applied(none, torch.zeros(10), source=1, trusted=frozenset(), hashed=early) == \
         audits.AppliedJudgement(stepped=False, suspend=False)
+
+
+def test_a_replica_writes_its_applied_gradient_into_one_buffer_step_after_step():
+    from types import SimpleNamespace
+
+    module = torch.nn.Linear(3, 2)
+    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
+    state = audits.RuntimeAudits(stages={1: st})
+    ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
+                         params=list(module.parameters()), rank=2, step=0)
+    kept = []
+    for idle in ([], [module.bias]):
+        for p in module.parameters():
+            p.grad = torch.randn_like(p)
+        audits.keep_applied(ex, idle=idle)
+        bias = torch.zeros(2) if idle else module.bias.grad
+        assert torch.equal(state.applied, torch.cat([module.weight.grad.reshape(-1), bias,
+                                                     torch.tensor([1.0, 0.0 if idle else 1.0])]))
+        kept.append(state.applied.data_ptr())
+    assert kept[0] == kept[1]

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from planner.integrity import audit
 from planner.runtime.rank import audit_inputs
@@ -128,6 +129,7 @@ class StageCopy:
     _buffers_checked: bool = False
     stepper: Executor | None = None   # runs the copy's optimizer steps off the run's thread (None: at once)
     pending: Future | None = None     # the step still running there
+    inbox: torch.Tensor | None = None   # receives the applied gradient every step (fresh pages cost a fill)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.runtime.parameters()]
@@ -206,6 +208,7 @@ class RuntimeAudits:
     trusted: frozenset[int] = frozenset()
     kept: dict[tuple[int, str, int], list[torch.Tensor]] = field(default_factory=dict)
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
+    outbox_flat: torch.Tensor | None = None   # the buffer ``applied`` is written into every step
     sending: Any = None   # the source's: that gradient on its way to the auditor (``comm.Pending``), sent as it steps
     claim: Future | None = None   # a replica's digest of it, hashed on ``hasher`` as its optimizer steps
     hasher: Executor | None = None   # a replica of a stage with twins: hashes its applied gradient off the run's thread
@@ -310,8 +313,12 @@ def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
     skipped = {id(p) for p in idle}
     values = [(p.grad if p.grad is not None and id(p) not in skipped else torch.zeros_like(p)).detach().float()
               .reshape(-1) for p in ex.params]
-    present = [float(p.grad is not None and id(p) not in skipped) for p in ex.params]
-    audits.applied = torch.cat([*values, torch.tensor(present, device=values[0].device)])
+    present = torch.tensor([float(p.grad is not None and id(p) not in skipped) for p in ex.params],
+                           device=values[0].device)
+    if audits.outbox_flat is None:
+        audits.outbox_flat = torch.empty(sum(v.numel() for v in values) + len(values), device=values[0].device)
+    # into last step's buffer, whose send and digest ``end_step`` saw done: no fresh pages to fault in
+    audits.applied = torch.cat([*values, present], out=audits.outbox_flat)
     st = audits.stages[ex.info.stage]
     if ex.rank == st.source and ex.rank != st.auditor:   # on its way while the optimizer steps (``end_step``)
         audits.sending = comm.send([audits.applied], peer=st.auditor, doing=_sending(st, ex.step),
@@ -379,10 +386,15 @@ def _post_hearing(ex: Any, audits: RuntimeAudits, step: int) -> None:
     """The auditor's receives of its stages' applied gradients, posted before its recomputes: the gradients
     travel meanwhile (the source sent each as it stepped, ``keep_applied``)."""
     for k, st in audits.stages.items():
-        if st.auditor == ex.rank and st.source != ex.rank and k in audits.copies:
-            audits.hearing[k] = comm.recv([((audits.copies[k].flat_size,), torch.float32)], peer=st.source,
-                                          device=ex.device, doing=f"hearing stage {k}'s applied gradient from "
-                                          f"rank {st.source} (step {step})", **_whole_tag(st))
+        copy = audits.copies.get(k)
+        if st.auditor == ex.rank and st.source != ex.rank and copy is not None:
+            copy.settle()   # its last step read the inbox (the gradients were views of it)
+            if copy.inbox is None:
+                copy.inbox = torch.empty(copy.flat_size, device=ex.device)
+            receive = dist.P2POp(dist.irecv, copy.inbox, st.source, tag=comm.make_tag(**_whole_tag(st)))
+            audits.hearing[k] = comm.post([receive], [copy.inbox], peer=st.source,
+                                          doing=f"hearing stage {k}'s applied gradient from rank {st.source} "
+                                                f"(step {step})")
 
 
 def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
@@ -425,7 +437,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     doing = f"hearing stage {st.stage}'s applied gradient from its replicas (step {step})"
     assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
     hearing = audits.hearing.pop(st.stage, None)
-    hashed = _hashed_early(copy, st, hearing)
+    hashed = None if st.stage in audits.suspended else _hashed_early(copy, st, hearing)
     got = control.gather_to(torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64, device=ex.device), dst=st.auditor,
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
