@@ -37,7 +37,7 @@ from planner.runtime.rank.stage import (
     stage_edges,
     stage_state_names,
 )
-from planner.runtime.wire import comm
+from planner.runtime.wire import comm, control
 from planner.runtime.wire.comm import Groups
 
 
@@ -154,7 +154,8 @@ def prepare_rank(plan, rank: int, opts: RunOptions, device: torch.device) -> Ran
 
 
 def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
-    """Create every subgroup on every rank in one order: replicated stages, verifiers, tied parameters."""
+    """Create every subgroup on every rank in one order: replicated stages, verifiers, tied parameters, then
+    (NCCL) the channels'."""
     stage_sets = [plan.stage_ranks(k) for k in range(plan.num_stages)]
     verifier_ranks = tuple(sorted({v.rank for v in plan.verifiers}))
     users: dict[str, set[int]] = {}
@@ -169,6 +170,8 @@ def make_groups(plan, split: SplitGraph, rank: int, timeout_s: float) -> Groups:
             tied.setdefault(ranks, []).append(name)
     tied_sets = sorted(tied)
     made = comm.new_groups([*stage_sets, verifier_ranks, *tied_sets], timeout_s=timeout_s)
+    # NCCL pairs a pair's messages by posting order alone: a communicator per channel (none under gloo)
+    comm.open_channels(comm.run_channels(plan.num_stages - 1, control.Topic), timeout_s=timeout_s)
     info = plan.ranks[rank]
     groups = Groups()
     if info.stage is not None:

@@ -2,9 +2,11 @@
 
 Every message carries a tag that encodes (kind, boundary, microbatch, tensor
 index), so two messages between the same pair of ranks never cross even when
-a schedule has several in flight. Gloo honours tags; NCCL ignores them but
-keeps per-pair order, and both sides post in program order, so the pairing is
-the same.
+a schedule has several in flight. Gloo honours tags. NCCL ignores them and pairs
+by posting order per communicator, and the ends of a pair post different kinds in
+different orders; so under NCCL every :func:`channel` (kind and boundary or topic),
+in which both ends post in one order, has its own communicator (:func:`open_channels`).
+``STAGEWISE_P2P_LOG=DIR`` logs every posted op; ``p2p_order`` checks the orders.
 
 Every failure of a transfer is turned into :class:`RankFailureError` naming
 the peer rank: a peer that died closes its connections (gloo: "Connection
@@ -13,12 +15,13 @@ closed by peer") and one that hangs trips the process group's timeout.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import re
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -119,6 +122,89 @@ class Pending:
         return self.tensors
 
 
+# --------------------------------------------------------------------------- channels
+Channel = tuple  # ("act", b), ("grad", b), ("verdict_act", b), ("verdict_grad", b), ("metrics",), ("control", topic)
+
+_CHANNEL_NAMES: dict[Kind, str] = {
+    Kind.ACT: "act", Kind.TAINT_ACT: "act", Kind.GRAD: "grad", Kind.TAINT_GRAD: "grad",
+    Kind.VERDICT_ACT: "verdict_act", Kind.VERDICT_GRAD: "verdict_grad", Kind.CONTROL: "control"}
+_BOUNDARY_CHANNELS = ("act", "grad", "verdict_act", "verdict_grad")
+
+# Channel -> its communicator; empty (every channel on the default group) unless :func:`open_channels` filled it.
+_CHANNEL_GROUPS: dict[Channel, dist.ProcessGroup] = {}
+
+
+def channel(kind: Kind, boundary: int) -> Channel:
+    """The stream a message pairs in (a header shares its message's): its kind's, of its boundary (CONTROL: of
+    its topic, which the boundary field holds); every rank posts one channel's messages to a peer in one order."""
+    kind = Kind(kind)
+    if kind is Kind.METRICS:
+        return ("metrics",)
+    return (_CHANNEL_NAMES[kind], boundary)
+
+
+def run_channels(num_boundaries: int, topics: Iterable[int]) -> tuple[Channel, ...]:
+    """Every channel of a run with ``num_boundaries`` stage boundaries and these control topics, in the one
+    order every rank creates their groups in."""
+    return (*((name, b) for b in range(num_boundaries) for name in _BOUNDARY_CHANNELS), ("metrics",),
+            *(("control", int(t)) for t in sorted(topics)))
+
+
+def open_channels(channels: Sequence[Channel], *, timeout_s: float, force: bool = False) -> int:
+    """Under NCCL (or ``force``), one communicator per channel over every rank, created on every rank in
+    ``channels``' order; gloo pairs by tag already, so it needs none. Returns how many were created."""
+    _CHANNEL_GROUPS.clear()
+    if not force and dist.get_backend() != "nccl":
+        return 0
+    world = list(range(dist.get_world_size()))
+    try:
+        for key in channels:
+            _CHANNEL_GROUPS[tuple(key)] = dist.new_group(ranks=world, timeout=timedelta(seconds=timeout_s))
+    except BACKEND_ERRORS as exc:
+        raise failure(exc, peer=None, doing="creating the channels' process groups") from exc
+    return len(_CHANNEL_GROUPS)
+
+
+def channel_group(kind: Kind, boundary: int) -> dist.ProcessGroup | None:
+    """The communicator of a message's channel (None: the default group)."""
+    return _CHANNEL_GROUPS.get(channel(kind, boundary)) if _CHANNEL_GROUPS else None
+
+
+# --------------------------------------------------------------------------- the op log
+P2P_LOG_ENV = "STAGEWISE_P2P_LOG"
+
+
+_op_log_file: TextIO | None = None
+_op_log_read = False   # whether this process has looked at P2P_LOG_ENV (once: a post then costs one test)
+
+
+def _op_log() -> TextIO | None:
+    global _op_log_file, _op_log_read
+    if not _op_log_read:
+        _op_log_read = True
+        folder = os.environ.get(P2P_LOG_ENV)
+        if folder:
+            path = os.path.join(folder, f"rank{dist.get_rank()}.jsonl")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                _op_log_file = open(path, "a", encoding="utf-8")
+            except OSError as exc:
+                raise InvalidInputError(P2P_LOG_ENV, expected="a folder this rank can write its op log in",
+                                        found=f"{path}: {exc.strerror}", fix=f"unset {P2P_LOG_ENV} or point it "
+                                        "at a writable folder") from None
+    return _op_log_file
+
+
+def _log_ops(file: TextIO, ops: Sequence[dist.P2POp], doing: str) -> None:
+    me = dist.get_rank()
+    for op in ops:
+        kind, boundary, _, _ = split_tag(op.tag)
+        file.write(json.dumps({"me": me, "peer": op.peer, "op": "send" if op.op is dist.isend else "recv",
+                               "channel": list(channel(kind, boundary)), "tag": op.tag,
+                               "numel": op.tensor.numel(), "dtype": str(op.tensor.dtype), "doing": doing}) + "\n")
+    file.flush()  # a rank that then hangs or dies still leaves its last posts
+
+
 def _ops(op, tensors: Sequence[torch.Tensor], peer: int, kind: Kind, boundary: int, mb: int,
          group: dist.ProcessGroup | None) -> list[dist.P2POp]:
     return [dist.P2POp(op, t, peer, group=group, tag=make_tag(kind, boundary, mb, i)) for i, t in enumerate(tensors)]
@@ -126,6 +212,9 @@ def _ops(op, tensors: Sequence[torch.Tensor], peer: int, kind: Kind, boundary: i
 
 def post(ops: list[dist.P2POp], tensors: list[torch.Tensor], *, peer: int, doing: str) -> Pending:
     """Issue point-to-point ops as one batch (one NCCL group call; gloo issues them in turn)."""
+    log = _op_log()
+    if log is not None:
+        _log_ops(log, ops, doing)
     try:
         works = dist.batch_isend_irecv(ops) if len(ops) > 1 else [
             (dist.isend if ops[0].op is dist.isend else dist.irecv)(
@@ -138,7 +227,9 @@ def post(ops: list[dist.P2POp], tensors: list[torch.Tensor], *, peer: int, doing
 def send(tensors: Sequence[torch.Tensor], *, peer: int, kind: Kind, boundary: int, mb: int,
          doing: str, header: torch.Tensor | None = None, header_kind: Kind | None = None,
          group: dist.ProcessGroup | None = None) -> Pending:
-    """Non-blocking send of a message (and optionally its 1-element header) to ``peer``."""
+    """Non-blocking send of a message (and optionally its 1-element header) to ``peer``; ``group`` None: its
+    channel's."""
+    group = group if group is not None else channel_group(kind, boundary)
     tensors = [t.contiguous() for t in tensors]
     ops = _ops(dist.isend, tensors, peer, kind, boundary, mb, group)
     if header is not None:
@@ -150,7 +241,9 @@ def send(tensors: Sequence[torch.Tensor], *, peer: int, kind: Kind, boundary: in
 def recv(specs: Iterable[tuple[tuple[int, ...], torch.dtype]], *, peer: int, kind: Kind, boundary: int, mb: int,
          doing: str, device: torch.device, header_kind: Kind | None = None, header_numel: int = 1,
          group: dist.ProcessGroup | None = None) -> Pending:
-    """Post receives for a message of the given static shapes; the header, if any, comes last."""
+    """Post receives for a message of the given static shapes; the header, if any, comes last; ``group`` None:
+    its channel's."""
+    group = group if group is not None else channel_group(kind, boundary)
     tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     ops = _ops(dist.irecv, tensors, peer, kind, boundary, mb, group)
     if header_kind is not None:
@@ -176,6 +269,7 @@ def init_process_group(*, backend: str, rank: int, world_size: int, timeout_s: f
                        init_method: str | None = None, store: dist.Store | None = None) -> None:
     """``init_process_group`` with the runtime's timeout (a hung peer fails the wait after ``timeout_s``)."""
     kwargs = {"init_method": init_method} if init_method else {}
+    _CHANNEL_GROUPS.clear()  # a previous group's channels died with it
     if store is not None:
         kwargs["store"] = dist.PrefixStore("default_pg", store)  # the keys env:// would use
     try:
