@@ -391,7 +391,9 @@ def _post_hearing(ex: Any, audits: RuntimeAudits, step: int) -> None:
             copy.settle()   # its last step read the inbox (the gradients were views of it)
             if copy.inbox is None:
                 copy.inbox = torch.empty(copy.flat_size, device=ex.device)
-            receive = dist.P2POp(dist.irecv, copy.inbox, st.source, tag=comm.make_tag(**_whole_tag(st)))
+            tag = _whole_tag(st)
+            receive = dist.P2POp(dist.irecv, copy.inbox, st.source, tag=comm.make_tag(**tag),
+                                 group=comm.channel_group(tag["kind"], tag["boundary"]))
             audits.hearing[k] = comm.post([receive], [copy.inbox], peer=st.source,
                                           doing=f"hearing stage {k}'s applied gradient from rank {st.source} "
                                                 f"(step {step})")
@@ -413,18 +415,20 @@ def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | 
     already) and, from the source, the gradient whole (on its way since ``keep_applied``; else zeros, no step)."""
     doing = f"sending stage {st.stage}'s applied gradient digest to its auditor rank {st.auditor} (step {step})"
     ranks = sorted({*st.replicas, st.auditor})
+    sending = None
+    if ex.rank == st.source:
+        sending, ex.audits.sending = ex.audits.sending, None
+        if sending is None:   # it took no step (``keep_applied`` sent nothing): zeros, before the digest as ever
+            size = sum(p.numel() for p in ex.params) + len(ex.params)
+            sending = comm.send([torch.zeros(size, device=ex.device)], peer=st.auditor, doing=_sending(st, step),
+                                **_whole_tag(st))
     if claim is not None:
         report = claim.result()
     else:
         report = digest(applied) if len(st.replicas) > 1 else stepped_only(applied)
     control.gather_to(report.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
                       topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
-    if ex.rank == st.source:
-        sending, ex.audits.sending = ex.audits.sending, None
-        if sending is None:   # it took no step (``keep_applied`` sent nothing): zeros
-            size = sum(p.numel() for p in ex.params) + len(ex.params)
-            sending = comm.send([torch.zeros(size, device=ex.device)], peer=st.auditor, doing=_sending(st, step),
-                                **_whole_tag(st))
+    if sending is not None:
         sending.wait()
 
 
