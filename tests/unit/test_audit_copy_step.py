@@ -100,6 +100,22 @@ def test_a_step_that_failed_on_the_stepper_is_raised_where_the_copy_is_next_used
             copy.forward([torch.randn(4, 6)], _Precision(), torch.device("cpu"), grad=False)
 
 
+def test_a_failed_last_step_is_raised_at_the_runs_end_and_the_threads_are_shut_down():
+    runtime = _Runtime(0)
+    stepper = ThreadPoolExecutor(max_workers=1)
+    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
+                            stepper=stepper)
+    copy.step_later(torch.ones(copy.flat_size - 3))   # the run's last step: no recompute follows to raise it
+
+    class _Ex:
+        audits = audits.RuntimeAudits(stages={}, copies={1: copy})
+
+    with pytest.raises(RuntimeError):
+        audits.finish(_Ex())
+    with pytest.raises(RuntimeError, match="shutdown"):
+        stepper.submit(print)
+
+
 @pytest.mark.parametrize("replicas", [(1, 2), (2,)])
 def test_a_replica_with_twins_hashes_its_applied_gradient_as_its_optimizer_steps(replicas, monkeypatch):
     """Rank 2 (the source only where it is alone) keeps the gradient it steps with; with a twin its digest is

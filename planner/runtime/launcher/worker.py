@@ -197,6 +197,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     publish(collector.finish())
     writer.close()
     board.close()
+    runtime_audits.finish(executor)
     final = rank_final(env, executor, emulation, verify, attacks)
     if forge is not None:
         final = forge.summary(final)

@@ -363,7 +363,6 @@ def end_step(ex: Any, step: int) -> None:
     applied, audits.applied = audits.applied, None
     claim, audits.claim = audits.claim, None
     _report_random(ex, audits, step)
-    _post_hearing(ex, audits, step)
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
@@ -382,9 +381,13 @@ def end_step(ex: Any, step: int) -> None:
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
 
 
-def _post_hearing(ex: Any, audits: RuntimeAudits, step: int) -> None:
-    """The auditor's receives of its stages' applied gradients, posted before its recomputes: the gradients
-    travel meanwhile (the source sent each as it stepped, ``keep_applied``)."""
+def post_hearing(ex: Any, step: int) -> None:
+    """The auditor's receives of its stages' applied gradients, posted as its program ends (before the replicas'
+    sketches and its recomputes, as priced): the gradients travel meanwhile (the source sent each as it stepped,
+    ``keep_applied``)."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None:
+        return
     for k, st in audits.stages.items():
         copy = audits.copies.get(k)
         if st.auditor == ex.rank and st.source != ex.rank and copy is not None:
@@ -397,6 +400,20 @@ def _post_hearing(ex: Any, audits: RuntimeAudits, step: int) -> None:
             audits.hearing[k] = comm.post([receive], [copy.inbox], peer=st.source,
                                           doing=f"hearing stage {k}'s applied gradient from rank {st.source} "
                                                 f"(step {step})")
+
+
+def finish(ex: Any) -> None:
+    """At the run's end: the copies' last steps done (an error in one raised here, not lost), the threads gone."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None:
+        return
+    try:
+        for copy in audits.copies.values():
+            copy.settle()
+    finally:
+        pools = {id(e): e for e in (audits.hasher, *(c.stepper for c in audits.copies.values())) if e is not None}
+        for pool in pools.values():
+            pool.shutdown(wait=False)
 
 
 def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
@@ -447,7 +464,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                             index=2 * st.stage, doing=doing)
     if hearing is not None:
         flat = hearing.wait()[0]
-    else:   # not posted ahead (``_post_hearing``); the value only gives the shape and dtype: not filled
+    else:   # not posted ahead (``post_hearing``); the value only gives the shape and dtype: not filled
         whole = control.gather_to(torch.empty(copy.flat_size, device=ex.device), dst=st.auditor, me=ex.rank,
                                   ranks=[st.source, st.auditor], topic=control.Topic.AUDIT, device=ex.device,
                                   index=2 * st.stage + 1, doing=doing)

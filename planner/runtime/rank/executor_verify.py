@@ -158,6 +158,7 @@ class Verification:
         unresolved flags, what trained). Returns the ranks banned so far."""
         if self.verify is None:
             return set()
+        audits.post_hearing(self, step)       # the applied gradients travel while the rest is exchanged
         replica_checks.exchange(self, step)   # the replicas' gradient sketches join the step's flags
         audits.end_step(self, step)           # and the auditors' failed audits
         flags = self._resolve_blame(step)
