@@ -17,8 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.solver.audit_price import (AuditSite, audit_cost, audit_site, audit_where, random_reason,
-                                        stage_random_ops)
+from planner.solver.audit_price import (
+    AuditSite,
+    audit_cost,
+    audit_site,
+    audit_where,
+    random_reason,
+    stage_random_ops,
+)
 from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement

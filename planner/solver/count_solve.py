@@ -24,7 +24,7 @@ from planner.solver.objective import (
     program_lower_bound_ms,
 )
 from planner.solver.outcome import Outcome, Progress
-from planner.solver.problem import Problem
+from planner.solver.problem import Problem, bound_problem
 from planner.solver.search.budget import Work, program_units
 from planner.solver.search.grid import cheapest, repartitioned, shaped
 from planner.solver.search.polish import polish
@@ -50,7 +50,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     ``time_limit_s``: nominal seconds of work (``search.budget``), charged to ``within`` too."""
     start = time.perf_counter()
     work = Work.of(time_limit_s, within, "search")
-    relaxed = recompute.bound_problem(problem)  # bounds every mix of stages with and without recompute
+    relaxed = bound_problem(problem)  # bounds every mix of stages with and without recompute
     if shape != (None, None):
         precheck(problem)
         placement = shaped(problem, stages=shape[0], replicas=shape[1], time_budget_s=time_limit_s / 2, within=work)

@@ -440,6 +440,15 @@ def search_codec(compress: str) -> str:
     return "int8" if compress == "auto" else compress
 
 
+def bound_problem(problem: Problem) -> Problem:
+    """A relaxation of every mix of ``problem``'s stages: times without recomputation, activations with it."""
+    if not problem.recompute:
+        return problem
+    base = problem.tables(False)
+    return dataclasses.replace(problem, time_ms=base.time_ms, bwd_ms=base.bwd_ms, classes=base.classes,
+                               recompute=False, twin=None)
+
+
 def recompute_problem(base: Problem) -> Problem:
     """``base`` with every block recomputed in its backward (see :class:`Problem`); its twin is ``base``."""
     if base.recompute:

@@ -5,7 +5,7 @@ forward again in its backward (``torch.utils.checkpoint`` per block at run time)
 search runs on a problem whose every stage recomputes (``recompute_problem``) when no plan fits without
 (``planner.solver.api``); its plan then stops recomputing on every stage whose devices hold the
 activations anyway (``mix``), so only the stages where memory binds pay the second forward. Bounds of
-that search use times without recomputation and the memory with it (``bound_problem``): they hold for
+that search use times without recomputation and the memory with it (``problem.bound_problem``): they hold for
 every mix. (Both problems searched within one budget would halve each search, and recomputation costs
 a second forward: it is searched only where nothing fits without it, and kept only where it must be.)
 """
@@ -27,15 +27,6 @@ def variants(problem: Problem, mode: str) -> list[Problem]:
         raise InvalidInputError(f"recompute mode {mode!r}", expected=" or ".join(RECOMPUTE_MODES),
                                 fix="pass --recompute auto (the default), never or always")
     return [recompute_problem(problem)] if mode == "always" else [problem]
-
-
-def bound_problem(problem: Problem) -> Problem:
-    """A relaxation of every mix of ``problem``'s stages: times without recomputation, activations with it."""
-    if not problem.recompute:
-        return problem
-    base = problem.tables(False)
-    return dataclasses.replace(problem, time_ms=base.time_ms, bwd_ms=base.bwd_ms, classes=base.classes,
-                               recompute=False, twin=None)
 
 
 def mix(problem: Problem, placement: Placement) -> tuple[Placement, float]:

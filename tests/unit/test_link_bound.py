@@ -19,8 +19,12 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, recompute_problem, scale_chain
-from planner.solver.recompute import bound_problem
+from planner.solver.problem import (
+    bound_problem,
+    build_problem,
+    recompute_problem,
+    scale_chain,
+)
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.bruteforce import brute_force
 from tests.unit.program_fixtures import (

@@ -2,7 +2,6 @@
 threshold, the partitions the pool's link speeds give, and what every plan sends at least."""
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -24,15 +23,6 @@ class Islands:
 
     members: tuple[Counter, ...]
     between: Link
-
-
-def relaxed(problem: Problem) -> Problem:
-    """Times without recomputation, memory with it (``recompute.bound_problem``, which this layer cannot import)."""
-    if not problem.recompute:
-        return problem
-    base = problem.tables(False)
-    return dataclasses.replace(problem, time_ms=base.time_ms, bwd_ms=base.bwd_ms, classes=base.classes,
-                               recompute=False, twin=None)
 
 
 def partitions(problem: Problem, stage: list[int]) -> list[tuple[float, Islands]]:

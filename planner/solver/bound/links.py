@@ -54,11 +54,10 @@ from planner.solver.bound.islands import (
     Islands,
     min_wire_bytes,
     partitions,
-    relaxed,
 )
 from planner.solver.bound.replicas import replica_bound_ms
 from planner.solver.objective import program_lower_bound_ms
-from planner.solver.problem import Problem
+from planner.solver.problem import Problem, bound_problem
 
 # Fluid LPs solved per bound, in blocks x kinds (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
 LP_CELLS = 40_000
@@ -93,7 +92,7 @@ def link_lower_bound(problem: Problem) -> LinkBound:
     last = replica_bound_ms(problem)
     if last > best.bound_ms:
         best = LinkBound(bound_ms=last, limit="replicas", threshold_gbps=None, islands=1)
-    lps = _Lps(relaxed(problem), {c: problem.classes[c].count for c in stage})
+    lps = _Lps(bound_problem(problem), {c: problem.classes[c].count for c in stage})
     for gbps, isl in partitions(problem, stage):
         found = _split_bound(problem, lps, isl, window, gbps)
         if found.bound_ms > best.bound_ms:

@@ -40,9 +40,8 @@ from planner.solver.bound.islands import (
     COMPRESSED_ALLREDUCE,
     min_wire_bytes,
     partitions,
-    relaxed,
 )
-from planner.solver.problem import Problem
+from planner.solver.problem import Problem, bound_problem
 
 # Chains up to this many blocks get the DP over cuts (a test is ~L^2/2 vector cells, ~60 tests a bound).
 DP_BLOCKS = 64
@@ -52,7 +51,7 @@ BISECTIONS = 40
 
 def replica_bound_ms(problem: Problem) -> float:
     """The bound of the module docstring (ms; 0 where no class may hold the last block)."""
-    problem = relaxed(problem)
+    problem = bound_problem(problem)
     stage = [c.index for c in problem.classes if c.stage_capable]
     pol = problem.policy
     ends = pol.enabled and pol.trusted_endpoints
