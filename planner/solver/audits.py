@@ -66,7 +66,7 @@ def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
 
 
 def copy_bytes(problem: Problem, st: StagePlacement) -> int:
-    """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audits.StageCopy``): the weights,
+    """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audit_copy.StageCopy``): the weights,
     gradients and optimizer state a replica holds, the applied gradient it receives whole, the activations of
     the one microbatch it recomputes, and the audited microbatches' input and output it keeps until then (each
     is drawn on its own, so a step may audit all of them: counted for all)."""

@@ -1,4 +1,4 @@
-"""The auditor's copy steps off the run's thread (``audits.StageCopy.step_later``) and stays bit for bit a replica's;
+"""The auditor's copy steps off the run's thread (``audit_copy.StageCopy.step_later``) and stays bit for bit a replica's;
 the applied-gradient digest hashes the gradient's bytes in place (issue 37: the audits' fixed per-step cost)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from planner.runtime.rank import audits
+from planner.runtime.rank import audit_copy, audits
 from planner.runtime.rank.stage import ValueSpec
 
 
@@ -69,7 +69,7 @@ def test_a_copy_stepped_on_its_own_thread_holds_the_replicas_weights_bit_for_bit
     params = [p for _, p in replica.parameters()]
     optimizer = torch.optim.Adam(params, lr=0.05)
     with ThreadPoolExecutor(max_workers=1) as stepper:
-        copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.Adam(runtime.module.parameters(), lr=0.05),
+        copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.Adam(runtime.module.parameters(), lr=0.05),
                                 stepper=stepper)
         x = torch.randn(4, 6)
         for step in range(5):
@@ -93,7 +93,7 @@ def test_a_copy_stepped_on_its_own_thread_holds_the_replicas_weights_bit_for_bit
 def test_a_step_that_failed_on_the_stepper_is_raised_where_the_copy_is_next_used():
     runtime = _Runtime(0)
     with ThreadPoolExecutor(max_workers=1) as stepper:
-        copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
+        copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
                                 stepper=stepper)
         copy.step_later(torch.ones(copy.flat_size - 3))   # short of this stage's message: a view does not fit
         with pytest.raises(RuntimeError):
@@ -103,7 +103,7 @@ def test_a_step_that_failed_on_the_stepper_is_raised_where_the_copy_is_next_used
 def test_a_failed_last_step_is_raised_at_the_runs_end_and_the_threads_are_shut_down():
     runtime = _Runtime(0)
     stepper = ThreadPoolExecutor(max_workers=1)
-    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
+    copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
                             stepper=stepper)
     copy.step_later(torch.ones(copy.flat_size - 3))   # the run's last step: no recompute follows to raise it
 

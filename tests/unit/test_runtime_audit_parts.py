@@ -23,7 +23,7 @@ from planner.runtime.outputs.run_report import (
     audit_counts,
     verifier_sum,
 )
-from planner.runtime.rank import audit_inputs, audits
+from planner.runtime.rank import audit_copy, audit_inputs, audits
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
@@ -73,7 +73,7 @@ def test_the_copy_steps_only_the_parameters_the_replicas_stepped():
 
     runtime = Runtime()
     weight, bias = (p.detach().clone() for p in runtime.module.parameters())
-    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0))
+    copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0))
     assert copy.flat_size == 6 + 2 + 2
     flat = torch.cat([torch.ones(6), torch.ones(2), torch.tensor([1.0, 0.0])])   # the bias idle this step
     copy.apply(flat)
@@ -233,7 +233,7 @@ def _sync(monkeypatch, *, trusted, lie_by: int):
     gradient, then steps its copy or not (``_sync_copy`` with the messages stubbed)."""
     module = torch.nn.Linear(2, 1, bias=False)
     runtime = type("R", (), {"module": module, "parameters": lambda self: tuple(module.named_parameters())})()
-    copy = audits.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+    copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
     flat = torch.tensor([1.0, 2.0, 1.0])   # the weight's gradient, then its presence flag
     digests = {0: torch.zeros(1 + audits.DIGEST_WORDS, dtype=torch.int64), 1: audits.digest(flat),
                2: audits.digest(flat)}
