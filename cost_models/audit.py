@@ -14,8 +14,14 @@ gradients too, it has all of a microbatch's tensors once it has checked the grad
 and recomputes right then, among its checks (``during_step``); else at the step's end. Where it does not
 (*copied*), each rank of the trusted upstream stage, once its own program is done, sends it one float32 message
 with the inputs of the audited microbatches it sent the stage (``copy_ms``; the auditor receives them one rank
-after another, each send returning once received): it recomputes them (outputs only) once they are all in. The rest follows the step's programs: it lengthens the step where the auditor ends after
-the pipeline's last rank (:meth:`AuditCost.end_ms`).
+after another, each send returning once received): it recomputes them (outputs only) once they are all in. Where
+the upstream stage is untrusted (*signed*), every rank of it signs each activation it sends the stage (SHA-256 of
+the payload, then Ed25519: :func:`sign_ms`, work on the sender as it sends) and each replica checks the signature
+as it takes the input (:func:`check_signature_ms`) and keeps it; at the step's end the auditor asks each replica
+(a link latency, ``request_ms``) for its audited inputs, which it forwards with their signatures in one float32
+message once its program is done, one replica after another; the source's copy follows its applied gradient on
+their shared link (the signatures, 64 bytes an input, are not priced). The rest follows the step's programs: it
+lengthens the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ COMPARE_PASSES = 3   # read the sent and the recomputed tensor, write their diff
 GRADIENT_VALUE_BYTES = 4   # the applied gradient travels as float32 whatever the training dtype
 COPY_VALUE_BYTES = 4   # copied inputs travel as float32 whatever the wire dtype
 DIGEST_BYTES = 8 * 5   # int64 words: stepped or not, then a blake2b-256 digest (runtime.rank.audits.DIGEST_WORDS)
+# Signed transfers, measured on a 2-core x86 VM (hashlib sha256, cryptography Ed25519), 2026-12-05:
+HASH_BYTES_PER_S = 2.0e9   # SHA-256 of a payload: 1.57 MB in 0.76 ms
+SIGN_MS = 0.02             # an Ed25519 signature of the digest (with the step, microbatch and boundary)
+VERIFY_SIGNATURE_MS = 0.06   # an Ed25519 signature checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +53,8 @@ class AuditCost:
     during_step: bool = False   # recomputed among the auditor's checks as each microbatch's tensors are in
     copy_ms: float = 0.0  # copied mode: the upstream ranks' messages of audited inputs to the auditor, in turn
     copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
+    signed: bool = False  # ... from the stage's own replicas, signed by the (untrusted) upstream stage
+    request_ms: float = 0.0   # signed: the auditor's request to the replicas, once its program is done
 
     @property
     def total_ms(self) -> float:
@@ -55,14 +67,24 @@ class AuditCost:
         It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
         (the replicas send after their optimizer steps) and the source's gradient (:meth:`heard_ms`); its copy
         steps after that, off the step's path (``optim_ms``)."""
-        start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms)
+        start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms,
+                                  gradient_sent_ms=gradient_sent_ms if gradient_sent_ms is not None else replicas_done_ms)
         return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=auditor_free_ms,
                              gradient_sent_ms=gradient_sent_ms)
 
-    def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0) -> float:
+    def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0,
+                     gradient_sent_ms: float = 0.0) -> float:
         """When the auditor can recompute: its program done and, copied, the inputs in (received in turn from
-        when both ends are there)."""
-        return max(auditor_free_ms, upstream_done_ms) + self.copy_ms if self.copied else auditor_free_ms
+        when both ends are there: ``upstream_done_ms``, the senders' programs done). Signed, the replicas send
+        once they have its request, the source's copy behind its applied gradient (sent from
+        ``gradient_sent_ms``, received from when the auditor is done) on their one link."""
+        if not self.copied:
+            return auditor_free_ms
+        start = max(auditor_free_ms, upstream_done_ms)
+        if self.signed:
+            start = max(start, auditor_free_ms + self.request_ms,
+                        max(gradient_sent_ms, auditor_free_ms) + self.gradient_ms)
+        return start + self.copy_ms
 
     def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float, posted_ms: float | None = None,
                  gradient_sent_ms: float | None = None) -> float:
@@ -89,6 +111,16 @@ def copied_input_bytes(input_bytes: float, elem_bytes: int) -> float:
     return input_bytes * COPY_VALUE_BYTES / elem_bytes
 
 
+def sign_ms(payload_bytes: float) -> float:
+    """What signing one activation of ``payload_bytes`` costs its sender: hash it, sign the digest."""
+    return 1e3 * payload_bytes / HASH_BYTES_PER_S + SIGN_MS
+
+
+def check_signature_ms(payload_bytes: float) -> float:
+    """What checking the signature of one input of ``payload_bytes`` costs its receiver: hash it, verify."""
+    return 1e3 * payload_bytes / HASH_BYTES_PER_S + VERIFY_SIGNATURE_MS
+
+
 def copy_ms(*, every: int, sent_microbatches: int, input_bytes: float, link: Link | None) -> float:
     """One upstream rank's message of the audited inputs, ``sent_microbatches`` of which it sends the stage a
     step (one in ``every`` audited, expected), each ``input_bytes`` (float32, :func:`copied_input_bytes`);
@@ -101,7 +133,8 @@ def copy_ms(*, every: int, sent_microbatches: int, input_bytes: float, link: Lin
 def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, forward_ms: float,
              output_bytes: float, source_link: Link, digest_link: Link, verifier_mem_bw_bytes_per_s: float,
              optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0,
-             copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4) -> AuditCost:
+             copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4, signed: bool = False,
+             request_ms: float = 0.0) -> AuditCost:
     """The expected cost of one step's audit of a stage running ``microbatches`` a step, one in ``every``
     audited. ``forward_ms``/``backward_ms`` (None: activations only): the stage's passes of one microbatch on
     the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input at the training dtype,
@@ -109,7 +142,9 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     ``source_link``: from the source replica to the auditor, ``digest_link``: the slowest from a replica to it;
     ``optim_ms``: the optimizer step of the stage on the auditor. ``copy_links`` (copied mode, outputs only):
     per upstream rank, its link to the auditor (None: the auditor itself) and the microbatches it sends the
-    stage a step; the auditor receives their copies of the audited inputs one after another (:func:`copy_ms`)."""
+    stage a step; the auditor receives their copies of the audited inputs one after another (:func:`copy_ms`).
+    ``signed``: the copies come from the stage's own replicas (``copy_links`` theirs), on the auditor's request,
+    which takes ``request_ms`` to reach them."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
@@ -126,6 +161,11 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     if copy_links and grads:
         raise InvalidInputError("copied audit", expected="outputs only (backward_ms None) where the inputs come "
                                 "copied", found="backward_ms given", fix="audit gradients only where held")
+    if signed and not copy_links:
+        raise InvalidInputError("signed audit", expected="the replicas' copy links", found="none",
+                                fix="pass copy_links for the replicas forwarding the signed inputs")
+    if request_ms < 0:
+        raise InvalidInputError("audit request_ms", expected=">= 0", found=str(request_ms))
     if input_elem_bytes <= 0:
         raise InvalidInputError("audit input element bytes", expected="> 0", found=str(input_elem_bytes))
     one_input = copied_input_bytes(input_bytes, input_elem_bytes)
@@ -135,4 +175,4 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     return AuditCost(recompute_ms=microbatches / every * one,
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
                      digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads,
-                     copy_ms=copy, copied=bool(copy_links))
+                     copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=request_ms if signed else 0.0)

@@ -33,8 +33,11 @@ semantics (see ``planner.instructions``), and prices every instruction:
 * A stage the plan audits (``StageInfo.audit_every``): its auditor recomputes the audited microbatches
   (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
   share longer; else once its program is done and, where the trusted stage before copies it the audited
-  inputs, once each of its ranks, done, has sent them: an "input copies" box), then hears the replicas'
-  applied gradient and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner.
+  inputs, once each of its ranks, done, has sent them: an "input copies" box; from signed inputs, the stage's
+  replicas send them, each once done and asked), then hears the replicas' applied gradient and steps its copy
+  (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner. Audited from signed inputs, each ``F`` of
+  the stage before signs what it sends the stage, each ``F`` of a replica checks its input's signature
+  (``cost_models.audit.sign_ms``, ``check_signature_ms``): those passes last that much longer.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime
@@ -84,7 +87,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cost_models import compute, memory
-from cost_models.audit import AuditCost, audit_ms, copied_input_bytes, copy_ms
+from cost_models.audit import (
+    AuditCost,
+    audit_ms,
+    check_signature_ms,
+    copied_input_bytes,
+    copy_ms,
+    sign_ms,
+)
 from cost_models.cluster import Link
 from cost_models.measured import CoreSharing, MessageCost
 from cost_models.optim import optim_ms
@@ -187,6 +197,8 @@ class _Run:
     verdict_waits: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     # (auditor rank, boundary, direction) -> the recompute an audit adds to each such check (``_audits``)
     audit_checks: dict[tuple[int, int, str], float] = field(default_factory=dict)
+    # rank -> what each of its forwards adds signing or checking signed inputs (``_signing``)
+    signing: dict[int, float] = field(default_factory=dict)
 
     def box(self, rank: int, kind: str, ins: Instruction, start: float, dur: float, peer: int | None = None) -> None:
         self.events.append(Event(rank=rank, kind=kind, start_ms=start, end_ms=start + dur,
@@ -242,7 +254,7 @@ class _Run:
         if ins.op in MESSAGE_OPS:
             return self.message_cpu_ms(rank, ins)
         if ins.op in ("F", "B"):
-            return self.costs.compute_ms(rank, ins.op) + self.executor_pass_ms()
+            return self.costs.compute_ms(rank, ins.op) + self.executor_pass_ms() + self.signing_ms(rank, ins)
         if ins.op in VERIFY_OPS:
             extra = self.audit_checks.get((rank, ins.boundary, ins.direction), 0.0)
             return self.costs.verify_ms(rank, ins.boundary, ins.direction) + extra
@@ -252,8 +264,12 @@ class _Run:
         """The part of a pass that needs a processor: all of it, except the padding of an emulated
         rehearsal of a slower device (a sleep)."""
         if self.emulated and ins.op in ("F", "B"):
-            return self.costs.local_ms(rank, ins.op) + self.executor_pass_ms()
+            return self.costs.local_ms(rank, ins.op) + self.executor_pass_ms() + self.signing_ms(rank, ins)
         return self.work_ms(rank, ins)
+
+    def signing_ms(self, rank: int, ins: Instruction) -> float:
+        """What a forward adds signing its output or checking its input's signature (a signed audit's)."""
+        return self.signing.get(rank, 0.0) if ins.op == "F" else 0.0
 
     def step(self, rank: int, ins: Instruction, dur: float | None = None) -> bool:
         """Run ``ins`` on ``rank`` if it can start; False if it must wait for a message or a barrier.
@@ -327,6 +343,7 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
                reached_optim=[0.0] * n, emulated=emulated, messages=messages,
                verdict_waits=[deferred_verdicts(prog) for prog in plan.programs])
     run.audit_checks = _audit_checks(plan, costs)
+    run.signing = _signing(plan, costs)
     if cores is None or (cores >= n and sharing is None):
         _run_dedicated(run)
     else:
@@ -427,6 +444,9 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
     params, tensors = memory.stage_param_count(chain, lo, hi), stage_param_tensors(chain, lo, hi)
     device = plan.ranks[auditor].device
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
+    signed = bool(where.signed_by)
+    request = max((costs.cluster.link(device, plan.ranks[r].device).latency_ms for r in plan.stage_ranks(k)),
+                  default=0.0) if signed else 0.0
     return audit_ms(every=plan.stages[k].audit_every, microbatches=plan.num_microbatches, params=params,
                     param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
                     output_bytes=costs.boundary_bytes[k], input_bytes=costs.boundary_bytes[k - 1] if k else 0.0,
@@ -434,12 +454,13 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
                     digest_link=costs.cluster.link(plan.ranks[slowest].device, device),
                     verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
                     optim_ms=optim_ms(params, config, spec, param_tensors=tensors),
-                    copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype))
+                    copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype),
+                    signed=signed, request_ms=request)
 
 
 def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere) -> tuple[tuple[Link | None, int], ...]:
-    """Per upstream rank copying the auditor the audited inputs: its link there (None: the auditor itself) and
-    the microbatches it sends the stage a step."""
+    """Per rank copying the auditor the audited inputs (an upstream rank, or signed, a replica): its link there
+    (None: the auditor itself) and the microbatches it sends the stage (takes) a step."""
     auditor = plan.ranks[int(where.auditor)].device
     return tuple((None if int(r) == int(where.auditor) else costs.cluster.link(plan.ranks[int(r)].device, auditor),
                   len(plan.ranks[int(r)].microbatches)) for r in where.copied_from)
@@ -456,19 +477,40 @@ def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], fl
     return out
 
 
-def _hear_inputs(run: _Run, k: int, where: AuditWhere) -> float:
+def _signing(plan: Plan, costs: CostModel) -> dict[int, float]:
+    """Rank -> what each of its forwards adds for the audits from signed inputs: an upstream rank signs the
+    activation it sends the audited stage, a replica checks its input's signature (``audit_price.signing_ms``)."""
+    out: dict[int, float] = {}
+    for k, where in _audit_wheres(plan).items():
+        if not where.signed_by:
+            continue
+        payload = costs.wire_bytes[k - 1]
+        work = [(r, sign_ms(payload)) for r in plan.stage_ranks(k - 1)]
+        for r, ms in work + [(r, check_signature_ms(payload)) for r in plan.stage_ranks(k)]:
+            out[r] = out.get(r, 0.0) + ms
+    return out
+
+
+def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float:
     """When the auditor of stage ``k`` can recompute: its program (and its audits of earlier stages) done and,
-    copied, every upstream rank's copy in. It receives them one rank after another, in rank order; a rank's copy
+    copied, every sender's copy in. It receives them one rank after another, in rank order; a rank's copy
     leaves once its program (and what it did for earlier stages' audits) is done, and its send returns when it
-    is received (``runtime.rank.audits.end_step``, which runs the stages in order)."""
+    is received (``runtime.rank.audits.end_step``, which runs the stages in order). Signed, the senders are the
+    replicas, each sending once the auditor's request reached it, the source behind its applied gradient."""
     auditor = int(where.auditor)
     every, t = run.plan.stages[k].audit_every, run.clock[auditor]
+    free = t
     one = copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))
     for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
         r = int(r)
         if link is None:
             continue
         begin = max(t, run.clock[r], run.link_free.get((r, auditor), 0.0))
+        if where.signed_by:
+            begin = max(begin, free + run.costs.cluster.link(run.plan.ranks[auditor].device,
+                                                             run.plan.ranks[r].device).latency_ms)
+            if r == int(where.source):
+                begin = max(begin, max(run.reached_optim[r], free) + cost.gradient_ms)
         t = begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link)
         run.events.append(Event(rank=r, kind="send", start_ms=begin, end_ms=t, label=f"stage {k} audit: input copy",
                                 stage=k, peer=auditor))
@@ -486,7 +528,7 @@ def _audits(run: _Run) -> None:
         auditor = int(where.auditor)
         cost = _audit_cost(plan, run.costs, k, where)
         free = run.clock[auditor]
-        start = _hear_inputs(run, k, where)
+        start = _hear_inputs(run, k, where, cost)
         left = 0.0 if cost.during_step else cost.recompute_ms
         heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)),
                               posted_ms=free, gradient_sent_ms=run.reached_optim[int(where.source)])

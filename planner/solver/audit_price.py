@@ -11,7 +11,15 @@ untrusted neighbour could send the auditor another copy than the replica and fra
 * *copied*: the trusted upstream stage's ranks send the auditor a copy of the audited microbatches' inputs at the
   step's end (they share the auditor's secret, so they know which; the replica does not): a cheap audit where a
   full link test is too dear. Outputs only. A stage with one untrusted replica is audited this way too (with the
-  link tests' placement its link tests check it already).
+  link tests' placement its link tests check it already); or
+* *signed*: where the upstream stage is untrusted, each of its ranks signs every activation it sends the stage
+  (Ed25519 over SHA-256 of the payload, step, microbatch and boundary) and each replica checks the signature as it
+  takes the input and keeps both; at the step's end the auditor asks each replica (once its outputs left: the
+  share stays secret) for its audited inputs, which it forwards with their signatures, checked against the
+  upstream ranks' keys: a replica cannot forward another input than it took, nor the upstream stage frame it.
+  Outputs only, from the stage's own replicas, whether or not the auditor holds the input boundary (a held copy
+  could differ from what the replica got), one replica alone too. Signing and checking are work on the senders
+  and the replicas per microbatch (``cost_models.audit.sign_ms``, ``check_signature_ms``: :func:`signing_ms`).
 
 Never a stage that draws random numbers (``planner.random_ops``: a dropout in training, a sampler; ``random_ops``
 of its blocks): the recompute would draw others and fail an honest replica (the runtime would stop its audits at
@@ -26,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
-from cost_models.audit import AuditCost, audit_ms
+from cost_models.audit import AuditCost, audit_ms, check_signature_ms, sign_ms
 from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 from planner.solver.problem import Problem
@@ -36,26 +44,31 @@ from planner.solver.solution import StagePlacement, VerifierPlacement
 @dataclass(frozen=True, slots=True)
 class AuditSite:
     """A stage its auditor can audit: the auditor's device, the replica that sends it the applied gradient whole
-    (the first trusted replica, else the first), whether gradients are audited too, and the upstream devices that
-    copy it the audited inputs (empty: it verifies the input boundary itself)."""
+    (the first trusted replica, else the first), whether gradients are audited too, the devices that copy it the
+    audited inputs (empty: it verifies the input boundary itself) and ``signed_by``: where the upstream stage is
+    untrusted, its devices (all, sorted), whose signatures come with the inputs the stage's replicas
+    (``copied_from``) forward."""
 
     stage: int
     auditor: str
     source: str
     grads: bool
     copied_from: tuple[str, ...] = ()
+    signed_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class AuditWhere:
     """Where ``audit_rule`` lets a stage be audited: by ``auditor``, with ``source`` sending it the applied
     gradient whole (the first trusted replica, else the first), gradients too where ``grads``; ``copied_from``:
-    the upstream stage's replicas that copy it the audited microbatches' inputs (empty: it holds them all)."""
+    who copies it the audited microbatches' inputs (empty: it holds them all): the upstream stage's replicas, or,
+    where ``signed_by`` (the untrusted upstream stage's replicas, all, sorted, who signed them), the stage's own."""
 
     auditor: Hashable
     source: Hashable
     grads: bool
     copied_from: tuple[Hashable, ...] = ()
+    signed_by: tuple[Hashable, ...] = ()
 
 
 def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], upstream: Collection[Hashable],
@@ -77,20 +90,22 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
         return "no verifier checks its output activations"
     if auditor in replicas:
         return f"its outputs' verifier {auditor} is one of its replicas"
-    if not all(r in trusted for r in upstream):
-        return f"its input comes from stage {k - 1}, which is untrusted (it could send the auditor another copy)"
     compressed = [f"{side} boundary travels {codec}" for side, codec in zip(("input", "output"), codecs)
                   if codec != "none"]
     if compressed:
         return (f"its {' and '.join(compressed)}-encoded: the audit recomputes uncompressed, and a codec's round "
                 f"trip alone errs near or past its tolerance (fp32 0.01; int8 ~0.007, fp8 to 0.05, int4 to 0.12)")
-    held = (k - 1, "act") in set(auditor_checks)
+    signed = not all(r in trusted for r in upstream)   # it could send the auditor another copy: the replicas do
+    held = not signed and (k - 1, "act") in set(auditor_checks)
     if held and len(replicas) < 2:
         return "its one replica's verifier holds both its boundaries: its link tests check it"
     if random_ops:
         return random_reason(random_ops)
     grads = held and {(k - 1, "grad"), (k, "grad")} <= set(auditor_checks) and all(r in trusted for r in downstream)
     source = next((r for r in replicas if r in trusted), replicas[0])
+    if signed:
+        return AuditWhere(auditor=auditor, source=source, grads=False, copied_from=tuple(sorted(replicas)),
+                          signed_by=tuple(sorted(upstream)))
     return AuditWhere(auditor=auditor, source=source, grads=grads,
                       copied_from=() if held else tuple(sorted(upstream)))
 
@@ -136,7 +151,8 @@ def audit_site(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: 
     if isinstance(where, str):
         return None
     return AuditSite(stage=k, auditor=str(where.auditor), source=str(where.source), grads=where.grads,
-                     copied_from=tuple(str(d) for d in where.copied_from))
+                     copied_from=tuple(str(d) for d in where.copied_from),
+                     signed_by=tuple(str(d) for d in where.signed_by))
 
 
 def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
@@ -147,7 +163,8 @@ def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
 def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
                upstream: StagePlacement | None = None) -> AuditCost:
     """One step's audit of ``st`` at one in ``every`` of its ``num_microbatches``, priced on the auditor;
-    ``upstream``: the stage before it, whose devices copy it the audited inputs where ``site.copied_from``."""
+    ``upstream``: the stage before it, whose devices copy it the audited inputs where ``site.copied_from`` (its
+    own replicas do where ``site.signed_by``)."""
     tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
     first, last = st.first_block, st.last_block
     backward = tables.range_bwd_ms(first, last, cls)
@@ -160,16 +177,36 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
                     digest_link=problem.link(slowest, site.auditor),
                     verifier_mem_bw_bytes_per_s=problem.classes[cls].spec.mem_bw_bytes_per_s,
                     optim_ms=problem.range_optim_ms(first, last, cls),
-                    copy_links=_copy_links(problem, site, upstream), input_elem_bytes=problem.elem_bytes)
+                    copy_links=_copy_links(problem, site, st if site.signed_by else upstream),
+                    input_elem_bytes=problem.elem_bytes, signed=bool(site.signed_by),
+                    request_ms=max((problem.link(site.auditor, d).latency_ms for d in st.devices
+                                    if site.signed_by and d != site.auditor), default=0.0))
 
 
-def _copy_links(problem: Problem, site: AuditSite, upstream: StagePlacement | None) -> tuple[tuple[Link | None, int], ...]:
-    """Per upstream device that copies the auditor the audited inputs: its link there (None: the auditor
-    itself) and the microbatches it sends the stage a step."""
+def _copy_links(problem: Problem, site: AuditSite, senders: StagePlacement | None) -> tuple[tuple[Link | None, int], ...]:
+    """Per device that copies the auditor the audited inputs (``senders``: the upstream stage, or signed, the
+    stage itself): its link there (None: the auditor itself) and the microbatches it sends (takes) a step."""
     if not site.copied_from:
         return ()
-    if upstream is None:
+    if senders is None:
         raise InvalidInputError(f"stage {site.stage}'s copied audit", expected="the upstream stage's placement",
                                 found="none", fix="pass upstream=stages[k - 1]")
-    sent = dict(zip(upstream.devices, upstream.microbatches))
+    sent = dict(zip(senders.devices, senders.microbatches))
     return tuple((None if d == site.auditor else problem.link(d, site.auditor), sent[d]) for d in site.copied_from)
+
+
+def signing_ms(problem: Problem, stages: tuple[StagePlacement, ...],
+               verifiers: tuple[VerifierPlacement, ...]) -> dict[tuple[int, str], float]:
+    """(stage, device) -> what each forward there grows by for the audits from signed inputs the placement runs
+    (``audit_every``): a rank of the stage before an audited one signs the activation it sends it, a replica of
+    the audited stage checks the signature of its input (``cost_models.audit``)."""
+    out: dict[tuple[int, str], float] = {}
+    for k, st in enumerate(stages):
+        site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
+        if site is None or not site.signed_by:
+            continue
+        payload = problem.wire_bytes(stages[k - 1].last_block, stages[k - 1].out_codec)
+        work = [(k - 1, d, sign_ms(payload)) for d in stages[k - 1].devices]
+        for j, d, ms in work + [(k, d, check_signature_ms(payload)) for d in st.devices]:
+            out[(j, d)] = out.get((j, d), 0.0) + ms
+    return out

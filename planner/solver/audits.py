@@ -1,7 +1,8 @@
 """Which watched stages' replicas the plan audits, and how often (``planner.runtime.rank.audits``).
 
 An audit is a link test on a share of microbatches that recomputes exactly: where the stage's auditor sees
-its input, held or copied from the trusted stage before (``audit_price``), it catches stale and damped outputs on
+its input, held or copied from the trusted stage before, or forwarded by the replicas themselves from signed
+inputs where the stage before is untrusted (``audit_price``), it catches stale and damped outputs on
 the first audited microbatch, which the link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
 the applied gradient sent whole to the auditor and the auditor's optimizer step. Each microbatch is audited on its
 own with probability ``1 / every`` (``integrity.audit.AuditSchedule``), so a replica that corrupts all of its ``m``
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_models.audit import check_signature_ms, sign_ms
 from planner.solver.audit_price import (
     AuditSite,
     audit_cost,
@@ -145,6 +147,13 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
     link = problem.link(site.source, site.auditor)
     copied = (f"the audited inputs come copied from stage {k - 1} ({', '.join(site.copied_from)}) at the step's "
               f"end in {cost.copy_ms:.1f} ms, " if site.copied_from else "")
+    if site.signed_by:
+        up = placement.stages[k - 1]
+        payload = problem.wire_bytes(up.last_block, up.out_codec)
+        copied = (f"from signed inputs: the replicas ({', '.join(site.copied_from)}) forward the audited inputs, "
+                  f"signed by stage {k - 1} ({', '.join(site.signed_by)}), at the step's end in "
+                  f"{cost.copy_ms:.1f} ms (a microbatch's signature costs {sign_ms(payload):.2f} ms on stage "
+                  f"{k - 1} and its check {check_signature_ms(payload):.2f} ms on a replica), ")
     why = (f"{copied}the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
            f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
            f"optimizer step {cost.optim_ms:.1f} ms")

@@ -57,8 +57,11 @@ replicated stage's gradients once its replicas are done. Priced the same way
 * An audited stage's auditor (``audit_price``) recomputes its audited microbatches among its checks (its
   load per microbatch grows by their share) where it audits gradients, else once its own program is done
   (and, where the upstream stage copies it the audited inputs, once they are in: sent as the upstream stage's
-  optimizer steps end); then it hears the replicas' digests and applied gradient (sent after their optimizer
-  steps) and steps its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``).
+  optimizer steps end; from signed inputs, the replicas send theirs once their optimizer steps end and its
+  request reached them); then it hears the replicas' digests and applied gradient (sent after their optimizer
+  steps) and steps its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``). Audited from
+  signed inputs, the upstream ranks' forwards grow by signing what they send it, its replicas' by checking the
+  signatures (``audit_price.signing_ms``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -68,7 +71,7 @@ import math
 from dataclasses import dataclass
 
 from cost_models import comm
-from planner.solver.audit_price import audit_cost, audit_site
+from planner.solver.audit_price import audit_cost, audit_site, signing_ms
 from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
@@ -514,6 +517,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
     _add_codec_ms(problem, stages, fb, bw)
+    _add_signing_ms(problem, stages, verifiers, fb)
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
     p = _paths(problem, stages, routes, fb, bw, traffic.wait)
@@ -551,6 +555,13 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
 
 
+def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
+    """Each forward grows by the signing or the signature check an audit from signed inputs adds there."""
+    for (k, dev), ms in signing_ms(problem, stages, verifiers).items():
+        i = stages[k].devices.index(dev)
+        fb[k][i] += ms
+
+
 def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, float]) -> dict[str, float]:
     """``verify_load`` with the recomputes an auditor runs among its checks (``AuditCost.during_step``), per
     microbatch of the step."""
@@ -584,8 +595,9 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1])
         senders = [d for d in site.copied_from if d != site.auditor]
         free, upstream = done(site.auditor), max(map(done, senders), default=0.0)
+        inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k])
         for d in senders:   # a copy's send returns once received
-            clock[d] = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream)
+            clock[d] = inputs_in
         clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
                                           gradient_sent_ms=stepping[k])
         out = max(out, clock[site.auditor])

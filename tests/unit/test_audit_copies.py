@@ -59,9 +59,11 @@ def test_the_rule_audits_from_copies_where_the_auditor_holds_no_input_and_the_st
     assert held == AuditWhere(auditor="v", source="u1", grads=True, copied_from=())
 
 
-def test_the_rule_refuses_copies_from_an_untrusted_stage_over_compressed_boundaries_and_a_linked_single_replica():
+def test_the_rule_refuses_compressed_boundaries_and_a_linked_single_replica_and_signs_an_untrusted_stages_inputs():
     assert "its link tests check it" in _rule(replicas=("u1",), checks=((0, "act"), (1, "act")))
-    assert "which is untrusted" in _rule(upstream=("t0", "u9"))
+    # an untrusted stage before: the replicas forward its signed inputs (``test_audit_signed``)
+    assert _rule(upstream=("t0", "u9")) == AuditWhere(auditor="v", source="u1", grads=False, copied_from=("u1", "u2"),
+                                                      signed_by=("t0", "u9"))
     assert "input boundary travels int8-encoded" in _rule(codecs=("int8", "none"))
     assert "output boundary travels fp8-encoded" in _rule(replicas=("u1",), codecs=("none", "fp8"))
     assert "no verifier checks its output activations" in _rule(checks=((1, "grad"),))
@@ -145,7 +147,7 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
 
 
 def _random_case(seed: int):
-    """(priced program, compiled plan, copied stages) of a random pool (``program_fixtures.untrusted_pool``):
+    """(priced program, compiled plan, copied stages, signed stages) of a random pool (``program_fixtures.untrusted_pool``):
     3-5 stages, trusted ends, untrusted middle stages of 1-3 replicas (one of them trusted where devices allow),
     the solver's verifiers (link tests or not) with some moved to another trusted device, every auditable stage
     audited at a random share; None where the draw has no audit or breaks a constraint."""
@@ -179,28 +181,36 @@ def _random_case(seed: int):
     if not sites or violations(problem, placement):
         return None
     audited, plain = (pf._compiled(problem, p, ch, cl, cfg, policy) for p in (placement, with_audits(placement, {})))
-    return audited, plain, sorted(k for k, s in sites.items() if s.copied_from)
+    return audited, plain, sorted(k for k, s in sites.items() if s.copied_from and not s.signed_by), \
+        sorted(k for k, s in sites.items() if s.signed_by)
 
 
-def test_random_copied_and_held_audits_are_priced_as_they_run():
+def test_random_copied_signed_and_held_audits_are_priced_as_they_run():
     """Random shapes (replicas 1-3, stages 3-5, random verifier placements): the planner's price of the audited
     plan within 5% of its simulation on at least 90% of the draws and never more than 5% under it; what the
     audits add to the step, never priced more than 1% of the step under what they add to the simulated one (the
-    rest of the gap is the unaudited plan's)."""
-    off, copied = [], 0
+    rest of the gap is the unaudited plan's). Copied from a trusted stage, or from signed inputs where the stage
+    before is untrusted (the replicas forward them)."""
+    off, copied, signed = [], 0, 0
     for seed in range(40):
         got = _random_case(seed)
         if got is None:
             continue
-        (priced, plan), (priced_plain, plain), copied_stages = got
+        (priced, plan), (priced_plain, plain), copied_stages, signed_stages = got
         for k in copied_stages:
             where = plan_audit_site(plan, k)
             assert isinstance(where, AuditWhere) and where.copied_from == tuple(sorted(plan.stage_ranks(k - 1)))
+        for k in signed_stages:
+            where = plan_audit_site(plan, k)
+            assert isinstance(where, AuditWhere) and not where.grads
+            assert where.copied_from == tuple(sorted(plan.stage_ranks(k)))
+            assert where.signed_by == tuple(sorted(plan.stage_ranks(k - 1)))
         copied += bool(copied_stages)
+        signed += bool(signed_stages)
         simulated, simulated_plain = simulate(plan).step_ms, simulate(plain).step_ms
         off.append((priced.step_ms - simulated) / simulated)
         added, priced_added = simulated - simulated_plain, priced.step_ms - priced_plain.step_ms
         assert priced_added >= added - 0.01 * simulated, (seed, priced_added, added)
     off = np.array(off)
-    assert len(off) >= 25 and copied >= 15, (len(off), copied)
+    assert len(off) >= 25 and copied >= 15 and signed >= 8, (len(off), copied, signed)
     assert np.mean(np.abs(off) <= 0.05) >= 0.9 and off.min() >= -0.05, sorted(off)
