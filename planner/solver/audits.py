@@ -150,7 +150,8 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
     if site.signed_by:
         up = placement.stages[k - 1]
         payload = problem.wire_bytes(up.last_block, up.out_codec)
-        copied = (f"from signed inputs: the replicas ({', '.join(site.copied_from)}) forward the audited inputs, "
+        senders = ("the replicas ({}) forward" if len(site.copied_from) > 1 else "its replica ({}) forwards")
+        copied = (f"from signed inputs: {senders.format(', '.join(site.copied_from))} the audited inputs, "
                   f"signed by stage {k - 1} ({', '.join(site.signed_by)}), at the step's end in "
                   f"{cost.copy_ms:.1f} ms (a microbatch's signature costs {sign_ms(payload):.2f} ms on stage "
                   f"{k - 1} and its check {check_signature_ms(payload):.2f} ms on a replica), ")
