@@ -209,6 +209,10 @@ def summary_table(result: dict[str, Any], here=None):
         if audited["suspended"]:
             table.add_row("audits stopped (see the verifier's events)", ", ".join(
                 f"stage {k} from step {s}" for k, s in sorted(audited["suspended"].items())))
+        signed = (result.get("audits") or {}).get("signed") or {}
+        if signed.get("forged") or signed.get("voided"):
+            table.add_row("signed inputs forged / audits voided by a replica's complaint",
+                          f"{signed.get('forged', 0)} / {signed.get('voided', 0)}")
     replans = result.get("replans") or []
     recovered = sum(1 for r in replans if r["event"] != "join")
     if recovered:

@@ -31,7 +31,8 @@ quant_bias    x + ``frac`` * (``codec``'s quantization step at x) * u, u the fix
 Common keys: ``rank`` (required), ``kind`` (required), ``start`` (first
 attacked step, default 0), ``p`` (probability per microbatch, default 1.0),
 ``dir`` (``act``, ``grad``, ``both``, or ``params``: the rank's gradient contribution to its
-stage's replicas' all-reduce, as ``gradient scale / sign flip / noise`` poisoning). Everything is deterministic given the
+stage's replicas' all-reduce, as ``gradient scale / sign flip / noise`` poisoning; ``inputs``: the inputs a
+replica forwards its auditor where its stage is audited from signed inputs, a forgery). Everything is deterministic given the
 seed: the random draws of a microbatch depend on (seed, step, mb, direction)
 only, never on the global torch RNG or on call order.
 """
@@ -73,7 +74,7 @@ MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign
 TARGET_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 # ``dir=params``: all-reduce poisoning, the attacker's gradient contribution to its stage's replicas' sum
 # (``both`` means act and grad only: a boundary tensor and a contribution are checked by different monitors)
-DIRECTIONS = ("act", "grad", "both", "params")
+DIRECTIONS = ("act", "grad", "both", "params", "inputs")
 PARAMS_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "bias", "noise")
 INT_PARAMS = ("steps",)
 STR_PARAMS = ("target", "model", "codec")
@@ -102,7 +103,8 @@ class AttackSpec:
         if not 0.0 < self.p <= 1.0:
             raise InvalidInputError("attack key 'p'", expected="a probability in (0, 1]", found=str(self.p))
         if self.direction not in DIRECTIONS:
-            raise InvalidInputError("attack key 'dir'", expected="act, grad, both or params", found=repr(self.direction))
+            raise InvalidInputError("attack key 'dir'", expected="act, grad, both, params or inputs",
+                                    found=repr(self.direction))
         if self.direction == "params" and self.kind not in PARAMS_KINDS:
             raise InvalidInputError(f"attack kind {self.kind!r} with dir=params", expected=f"one of {PARAMS_KINDS}",
                                     found=repr(self.kind), fix="dir=params poisons a replica's gradient contribution")
@@ -416,8 +418,8 @@ class Attacker:
 
         ``stage_input``: what the stage computed ``tensor`` from (its input activation,
         or the gradient it received), for the white-box adaptive attacker only."""
-        if direction not in ("act", "grad", "params"):
-            raise InvalidInputError("attack direction", expected="act, grad or params", found=repr(direction))
+        if direction not in ("act", "grad", "params", "inputs"):
+            raise InvalidInputError("attack direction", expected="act, grad, params or inputs", found=repr(direction))
         honest = tensor.detach()
         if self.spec.kind in ("delay", "mixed"):
             self._remember(honest, direction, step, mb)

@@ -197,6 +197,15 @@ class AttackHooks:
                 out = attacker.apply(out, direction="params", step=step, mb=0)
         return out
 
+    def forge_inputs(self, tensors: Sequence[torch.Tensor], *, step: int, mb: int) -> list[torch.Tensor]:
+        """The inputs this replica forwards its auditor for ``mb`` (signed audits), as a ``dir=inputs`` attack forges them."""
+        out = list(tensors)
+        for attacker in self.attackers:
+            if attacker.spec.targets("inputs"):
+                out = [attacker.apply(t, direction="inputs", step=step, mb=mb) if t.is_floating_point() else t
+                       for t in out]
+        return out
+
     def end_step(self) -> None:
         self._sent.clear()
 

@@ -135,12 +135,19 @@ class Verifier:
         self.audit_ledger = AuditLedger()
         self._audits: dict[str, dict[int, int]] = {"run": {}, "failed": {}}   # per sender
         self._audits_suspended: dict[int, int] = {}   # stage -> step its replicas' reported updates disagreed
+        self._signed = {"forged": 0, "voided": 0}   # audits from signed inputs: forgeries caught, complaints
 
     def record_audit(self, sender: int, step: int, *, passed: bool) -> None:
         """One audit of ``sender``'s microbatch (``audit``), for the summary and the ledger of vouched steps."""
         self.audit_ledger.record(sender, step, passed=passed)
         for key in ("run",) if passed else ("run", "failed"):
             self._audits[key][sender] = self._audits[key].get(sender, 0) + 1
+
+    def record_signed(self, *, forged: int, voided: int) -> None:
+        """A step's forwarded inputs that their signature did not cover (each also a failed audit) and audits a
+        replica's complaint voided (``runtime.rank.audit_signed``)."""
+        self._signed["forged"] += forged
+        self._signed["voided"] += voided
 
     def suspend_audits(self, stage: int, step: int, *, why: str = "its replicas reported different updates") -> None:
         """``stage``'s audits stopped at ``step``, for ``why`` (by default: someone lied about its update)."""
@@ -332,6 +339,7 @@ class Verifier:
                 "audits": {"run": sum(self._audits["run"].values()), "failed": sum(self._audits["failed"].values()),
                            "run_by_sender": {str(k): v for k, v in sorted(self._audits["run"].items())},
                            "failed_by_sender": {str(k): v for k, v in sorted(self._audits["failed"].items())},
-                           "suspended": {str(k): v for k, v in sorted(self._audits_suspended.items())}},
+                           "suspended": {str(k): v for k, v in sorted(self._audits_suspended.items())},
+                           "signed": dict(self._signed)},
                 "config": self.config.to_dict()}
 

@@ -54,7 +54,8 @@ def test_a_clean_run_audits_both_replicas_fails_none_and_trains_as_without_audit
     # each of a replica's 24 microbatches drawn with probability 1/2 (act and grad each): both are audited
     assert audits["run"] >= 2 and audits["failed"] == 0 and not audits["suspended"], audits
     assert set(audits["run_by_sender"]) == {str(ATTACKER), str(TWIN)}
-    assert results[2]["audits"] == {"run": audits["run_by_sender"], "failed": {}, "suspended": {}}
+    assert results[2]["audits"] == {"run": audits["run_by_sender"], "failed": {}, "suspended": {},
+                                    "signed": {"forged": 0, "voided": 0}}
     assert _audits(results[None])["run"] == 0
     assert not results[2]["banned"]
     for on, off in zip(params[2], params[None]):

@@ -48,7 +48,10 @@ _BY_NUMBER = {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
 _AUDITS_SCHEMA = {"type": "object", "additionalProperties": False,
                   "properties": {"run": {"type": "integer", "minimum": 0}, "failed": {"type": "integer", "minimum": 0},
                                  "run_by_sender": _BY_NUMBER, "failed_by_sender": _BY_NUMBER,
-                                 "suspended": _BY_NUMBER}}
+                                 "suspended": _BY_NUMBER,
+                                 "signed": {"type": "object", "additionalProperties": False,
+                                            "properties": {"forged": {"type": "integer", "minimum": 0},
+                                                           "voided": {"type": "integer", "minimum": 0}}}}}
 
 # What every rank sends rank 0 at the end (``rank_final``), checked on receipt.
 RANK_FINAL_SCHEMA = {
@@ -122,11 +125,13 @@ def audit_counts(plan, ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]
     whose audits stopped (from which step), as the plan's verifier ranks (trusted) report them; any other rank's
     word on audits is not read."""
     verifiers = {v.rank for v in plan.verifiers}
-    out: dict[str, dict[str, int]] = {"run": {}, "failed": {}, "suspended": {}}
+    out: dict[str, dict[str, int]] = {"run": {}, "failed": {}, "suspended": {}, "signed": {"forged": 0, "voided": 0}}
     for record in ranks:
         if record["rank"] not in verifiers:
             continue
         got = record["verification"].get("audits") or {}
+        for key, n in (got.get("signed") or {}).items():   # audits from signed inputs: forgeries, complaints
+            out["signed"][key] += n
         for key in ("run", "failed"):
             for sender, n in got.get(f"{key}_by_sender", {}).items():
                 out[key][sender] = out[key].get(sender, 0) + n

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from planner.integrity import audit
-from planner.runtime.rank import audit_inputs
+from planner.runtime.rank import audit_inputs, audit_signed
 from planner.runtime.rank.audit_copy import StageCopy
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.rank_setup import (
@@ -91,6 +91,7 @@ class AuditedStage:
     source: int
     every: int   # each of a replica's microbatches audited with probability 1 / every
     copied_from: tuple[int, ...] = ()
+    signed_by: tuple[int, ...] = ()   # the untrusted stage before, whose signed sends the replicas forward
 
 
 def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
@@ -108,7 +109,8 @@ def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bo
             continue   # the planner's rule (``audit_price.audit_rule``): this auditor could never audit it
         out[stage] = AuditedStage(stage=stage, replicas=tuple(sorted(plan.stage_ranks(stage))),
                                   auditor=int(where.auditor), source=int(where.source), every=share,
-                                  copied_from=tuple(int(r) for r in where.copied_from))
+                                  copied_from=tuple(int(r) for r in where.copied_from),
+                                  signed_by=tuple(int(r) for r in where.signed_by))
     return out
 
 
@@ -133,6 +135,7 @@ class RuntimeAudits:
     sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
     outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
+    signed: audit_signed.SignedState = field(default_factory=audit_signed.SignedState)
 
     def auditing(self, rank: int) -> dict[int, AuditedStage]:
         return {k: s for k, s in self.stages.items() if s.auditor == rank and k in self.copies
@@ -149,8 +152,10 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
     stepper = None
     for k, st in stages.items():
-        key = audit_inputs.share_key(st, rank, audit_inputs.stage_key(secret, k) if st.auditor == rank else None, device)
-        if rank in st.copied_from:
+        mine = audit_inputs.stage_key(secret, k) if st.auditor == rank else None
+        # from signed inputs the key stays the auditor's: the replicas forward what it asks for after the step
+        key = (mine or b"") if st.signed_by else audit_inputs.share_key(st, rank, mine, device)
+        if rank in st.copied_from and not st.signed_by:
             out.sharing[k] = audit.AuditSchedule(key, st.every)
         if st.auditor != rank:
             continue
@@ -165,6 +170,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule,
                                   random=random_op(runtime.module), stepper=stepper)
         out.schedules[k] = audit.AuditSchedule(key, st.every)
+    out.signed = audit_signed.setup(stages, rank, device)
     return out
 
 
@@ -281,11 +287,11 @@ def end_step(ex: Any, step: int) -> None:
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
-                audit_inputs.send_inputs(ex, st, step)
+                (audit_signed.forward if st.signed_by else audit_inputs.send_inputs)(ex, st, step)
         if ex.rank == st.auditor:
             if st.copied_from and st.stage in audits.copies:
                 with ex._timed("comm"):
-                    audit_inputs.hear_inputs(ex, st, step)
+                    (audit_signed.hear if st.signed_by else audit_inputs.hear_inputs)(ex, st, step)
             with ex._timed("verify"):
                 _audit_stage(ex, st, step)
             with ex._timed("comm"):

@@ -10,7 +10,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime.rank import audit_inputs
+from planner.runtime.rank import audit_inputs, audit_signed
 from planner.runtime.wire import codecs, comm
 from planner.runtime.wire.comm import Kind, Pending
 
@@ -101,6 +101,10 @@ class Transfers:
         if self.verifying:
             dropped = ins.mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
             header = torch.tensor([int(dropped)], dtype=torch.int64, device=self.device)
+            signature = audit_signed.signature(self, boundary, ins.mb, tensors) if d == "F" and \
+                ins.peer == self._consumer(ins) else None
+            if signature is not None:   # an audited consumer's input from an untrusted stage: signed
+                header = torch.cat([header, signature.to(self.device)])
         if not tensors and header is None:
             return
         with self._timed("comm"):
@@ -119,13 +123,13 @@ class Transfers:
         codec = self._codec(boundary)
         return [p for shape, dtype in self._specs(d, boundary) for p in codecs.payload_specs(shape, dtype, codec)]
 
-    def _post(self, d: str, *, peer: int, boundary: int, mb: int, doing: str) -> Pending | None:
+    def _post(self, d: str, *, peer: int, boundary: int, mb: int, doing: str, header_numel: int = 1) -> Pending | None:
         kind, header_kind, _ = ACT_KINDS[d]
         specs = self._wire_specs(d, boundary)
         if not specs and not self.verifying:
             return None
         return comm.recv(specs, peer=peer, kind=kind, boundary=boundary, mb=mb, device=self.device, doing=doing,
-                         header_kind=header_kind if self.verifying else None)
+                         header_kind=header_kind if self.verifying else None, header_numel=header_numel)
 
     def _prefetch(self, i: int) -> None:
         """Before computing instruction ``i``, post the receives the *next* compute needs.
@@ -142,8 +146,10 @@ class Transfers:
         if (ins.direction, ins.mb) in self.recvs or (ins.direction, ins.mb) in self.received:
             return  # already posted by _prefetch
         with self._timed("comm"):
-            pending = self._post(ins.direction, peer=ins.peer, boundary=self._boundary(ins), mb=ins.mb,
-                                 doing=f"receiving {ins} (step {self.step})")
+            boundary = self._boundary(ins)
+            pending = self._post(ins.direction, peer=ins.peer, boundary=boundary, mb=ins.mb,
+                                 doing=f"receiving {ins} (step {self.step})",
+                                 header_numel=audit_signed.header_numel(self, ins.direction, boundary))
         if pending is not None:
             self.recvs[(ins.direction, ins.mb)] = pending
 
@@ -164,7 +170,9 @@ class Transfers:
             tensors = self._wait(self.recvs.pop(key))
             if self.verifying:
                 header, tensors = tensors[-1], tensors[:-1]
-                self.taint_in[key] = bool(header.item())
+                self.taint_in[key] = bool(header[0].item())
+                if key[0] == "F":   # a signed input: its signature checked and kept for the auditor
+                    audit_signed.take(self, key[1], self._edge_of("F"), tensors, header)
                 if self.taint_in[key]:
                     self._drop(key[0], key[1])
             self.received[key] = self._decoded(key[0], self._edge_of(key[0]), tensors)

@@ -46,6 +46,7 @@ class Topic(enum.IntEnum):
     CONTRIB = 8      # a replica's sketch of its gradient contribution, to the lead verifier (one index a stage)
     AUDIT = 9        # a replica's digest of its applied gradient (index 2k), the gradient whole (2k + 1), to its auditor
     AUDIT_INPUT = 10  # an auditor's key to stage k's upstream ranks (index 2k); their copies of audited inputs (2k + 1)
+    SIGNED = 11      # stage k's signed audits: keys to the auditor (4k), relayed (4k + 1), its asks (4k + 2), inputs (4k + 3)
 
 
 def trusted_ranks(plan: Plan) -> frozenset[int]:
