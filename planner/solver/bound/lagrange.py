@@ -45,8 +45,8 @@ whose weakest leaf's dual value is the box's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from ortools.linear_solver import pywraplp

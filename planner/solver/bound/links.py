@@ -37,7 +37,9 @@ threshold among the pool's link bandwidths gives a valid bound; the largest is k
 
 ``min over q`` of ``max(compute on q islands, min(all-reduce, links / window))`` is found by bisection on
 ``q``: the compute term falls and the others rise with ``q`` (any crossing point of the computed values
-bounds every ``q``: below it the true LP, above it the rising term).
+bounds every ``q``: below it the true LP, above it the rising term). The replicas' bound (``bound.replicas``)
+and the fill bound (``bound.fill``: each stage's replicas at their own kind's speed after the path before them)
+enter the maximum too.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_models.cluster import Link
+from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.islands import (
     COMPRESSED_ALLREDUCE,
     Islands,
@@ -68,7 +71,9 @@ class LinkBound:
     """The bound, what sets it (``compute``: the fluid LP on the islands a plan must use; ``links``: the
     transfers, all-reduces or stage 0's window across slow links; ``memory``: stage 0's in-flight window with
     no crossing, or the links where no single island holds the model; ``replicas``: the stages' busy time against
-    their all-reduce and the last stage's path, ``bound.replicas``), the link bandwidth that split the islands
+    their all-reduce and the last stage's path, ``bound.replicas``; ``fill``: every stage's replicas at their own
+    kind's speed after the path before them, and stage 0's optimizer step, ``bound.fill``), the link bandwidth that
+    split the islands
     (None: none did) and the islands at the bound."""
 
     bound_ms: float
@@ -92,6 +97,9 @@ def link_lower_bound(problem: Problem) -> LinkBound:
     last = replica_bound_ms(problem)
     if last > best.bound_ms:
         best = LinkBound(bound_ms=last, limit="replicas", threshold_gbps=None, islands=1)
+    fill = fill_bound_ms(problem, best.bound_ms)
+    if fill > best.bound_ms:
+        best = LinkBound(bound_ms=fill, limit="fill", threshold_gbps=None, islands=1)
     lps = _Lps(bound_problem(problem), {c: problem.classes[c].count for c in stage})
     for gbps, isl in partitions(problem, stage):
         found = _split_bound(problem, lps, isl, window, gbps)

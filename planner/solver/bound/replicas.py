@@ -93,15 +93,15 @@ class _Cuts:
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         passes = (problem.time_ms - bwd)[:, stage].min(axis=1) + bwd[:, stage].min(axis=1)
         self.passes = np.concatenate([zero, np.cumsum(passes)])  # U(e): passes[e] + 2 hops_ms[s], s stages before e
-        self.hops_ms = _hops_ms(problem, stage, L)
+        self.hops_ms = hops_ms(problem, stage, L)
         self.hops = max(1, _fewest_stages(need, self.mem) - 1)  # with a stage before the last
         pol = problem.policy
         self.ends = pol.enabled and pol.trusted_endpoints
         trusted = sum(problem.classes[c].count for c in stage if problem.classes[c].trusted)
         # With trusted ends, stage 0 and the last each hold a trusted device: neither holds all of them.
         self.end_cap = trusted - 1 if self.ends else self.devices
-        self.ring = _Rings(problem, stage, min(M, self.devices))
-        self.middle_ring = _Rings(problem, stage, min(M, self.devices), reserved=2 if self.ends else 0)
+        self.ring = Rings(problem, stage, min(M, self.devices))
+        self.middle_ring = Rings(problem, stage, min(M, self.devices), reserved=2 if self.ends else 0)
 
     def last_alone_ms(self) -> float:
         """The last stage over block ``L - 1`` alone, any number of devices before it."""
@@ -115,7 +115,7 @@ class _Cuts:
         return best
 
     def _fewest(self, t: np.ndarray, params: np.ndarray, budget: np.ndarray, cap: int | np.ndarray, B: float,
-                ring: _Rings) -> np.ndarray:
+                ring: Rings) -> np.ndarray:
         """Per stage, the fewest replicas whose busy time (``ceil(M/r) t``) fits ``budget`` and all-reduce ``B``
         (inf: none up to ``cap``)."""
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -160,7 +160,7 @@ class _Cuts:
         return False
 
 
-class _Rings:
+class Rings:
     """The least all-reduce of ``P`` gradient bytes over a ring of ``r`` devices (module docstring), as the max of
     lines ``alpha_r P + beta_r`` over the links a ring of ``r`` must use at least once."""
 
@@ -198,7 +198,7 @@ class _Rings:
         return np.where((r >= 2) & (nbytes > 0), out, 0.0)  # no gradients: ``comm.allreduce_ms`` is 0
 
 
-def _hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
+def hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
     """Per count ``h`` of boundaries a microbatch crosses one way, their least transfer time: each between two
     distinct devices, at most ``N - Q`` of them inside an island (``N`` devices in ``Q`` islands: a route's
     devices are distinct), the rest between islands; the most of any partition."""

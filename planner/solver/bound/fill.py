@@ -1,0 +1,205 @@
+"""A lower bound on the compiled programs' cost from every stage replica's fill, at its own device's speed.
+
+``program_cost`` prices each stage replica as a resource busy ``m period`` (``m`` microbatches, ``period >=``
+its pass ``t``) plus the path outside it: its first microbatch's forward up to it and its last one's backward
+from it through stage 0 (``fwd[first][k] + bwd[last][k]``, both on the microbatch's route), so ``step >= pipe >=
+m t + fwd + bwd``. For a stage over blocks ``j..i-1`` with ``s`` stages before it, that path is at least ``U(j)``
+(blocks ``0..j-1`` forward and backward, each at its least over the classes) and ``2 hops(s)`` (``s`` boundaries
+each way, ``replicas.hops_ms``). So at a step of ``B`` a device of kind ``g`` runs at most ``floor((B - U(j) -
+2 hops(s)) / t_g(j..i-1))`` of the stage's ``M`` microbatches, none where the stage's weights, state and one
+microbatch's activations do not fit it, and the stage's devices run all ``M``. The fluid LP (``objective``) gives
+every device the same ``B`` and any mix of speeds: here the replicas of a stage deep in the chain lose the fill
+before it, at the speed of the devices that run it. A replicated stage's all-reduce fits ``B`` too
+(``replicas.Rings``, as ``replicas`` prices it), and stage 0 and the last run on trusted devices where the ends
+must be trusted (each at most a group's trusted devices). Stage 0's optimizer step follows the pipeline
+(``step >= pipe + optim_0``): it adds to every replica's budget, at least that of the blocks stage 0 holds for
+stage 0 itself and of the least stage 0 for the others (a tiny model on one GPU: the step is its passes and its
+optimizer step, which this bound then is).
+
+Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
+their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
+on that bounds it. ``step >= B`` for the least ``B`` at which some partition meets all this with the pool's
+devices: bisected, each test a DP over (stages before, blocks covered, devices of the first group used) of the
+fewest devices of the second group. Where there are more kinds, each split of them by speed into a fast group and
+a slow one bounds every plan, and the largest is kept (a pool of A100s and V100s: the V100s must run stages,
+and a stage of V100s deep in the chain pays its fill at their speed).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.solver.bound.replicas import Rings, hops_ms
+from planner.solver.problem import Problem, bound_problem
+
+# DP cells a test may cost at most (blocks^2 / 2 x tracked states x (first group's devices + 1)^2); a variant past
+# it is skipped (no bound from it).
+CELLS = 6_000_000
+# Relative width the bisection stops at (the bound is its infeasible end: valid whatever the width).
+REL_TOL = 1e-5
+# Splits of the kinds (fastest first) into two groups tried at most.
+MAX_SPLITS = 3
+
+
+def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
+    """The bound of the module docstring (ms; ``floor_ms``, a bound known valid, where this one is no more)."""
+    problem = bound_problem(problem)
+    stage = [c.index for c in problem.classes if c.stage_capable]
+    if not stage:
+        return floor_ms
+    kinds = _kinds(problem, stage)
+    best = floor_ms
+    for cut in range(1, min(len(kinds), MAX_SPLITS + 1) + (len(kinds) == 1)):
+        fast = _Group.of(problem, [c for k in kinds[:cut] for c in k])
+        slow = _Group.of(problem, [c for k in kinds[cut:] for c in k])
+        L, tracked = problem.num_blocks, fast.count if slow.count else 0
+        if (L + 1) ** 2 // 2 * (L + 1) * (tracked + 1) ** 2 > CELLS:
+            continue
+        for track in ("stages", "slow") if slow.count else ("stages",):
+            best = max(best, _Test(problem, stage, fast, slow, track).least_ms(best))
+    return best
+
+
+def _kinds(problem: Problem, stage: list[int]) -> list[list[int]]:
+    """Stage classes of the same times and memory, fastest kind first."""
+    by: dict[tuple, list[int]] = {}
+    for c in stage:
+        by.setdefault((problem.time_ms[:, c].tobytes(), problem.classes[c].mem_bytes), []).append(c)
+    return sorted(by.values(), key=lambda k: float(problem.time_ms[:, k[0]].sum()))
+
+
+class _Group:
+    """Stage classes counted together (module docstring): per block their least pass and least forward plus
+    least backward (prefix sums of the first), their largest memory, their devices and trusted devices."""
+
+    def __init__(self, prefix: np.ndarray, path: np.ndarray, mem: float, count: int, trusted: int) -> None:
+        self.prefix, self.path, self.mem, self.count, self.trusted = prefix, path, mem, count, trusted
+
+    @staticmethod
+    def of(problem: Problem, classes: list[int]) -> _Group:
+        L = problem.num_blocks
+        if not classes:
+            return _Group(np.zeros(L + 1), np.full(L, np.inf), 0.0, 0, 0)
+        bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
+        path = (problem.time_ms - bwd)[:, classes].min(axis=1) + bwd[:, classes].min(axis=1)
+        t = problem.time_ms[:, classes].min(axis=1)
+        return _Group(np.concatenate([[0.0], np.cumsum(t)]), path,
+                      float(max(problem.classes[c].mem_bytes for c in classes)),
+                      sum(problem.classes[c].count for c in classes),
+                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted))
+
+
+class _Test:
+    """Whether a step of ``B`` admits a partition (module docstring). The DP's state: blocks covered, devices of
+    group ``a`` (the fast one, or none) used, and ``z``: the stages so far (``track="stages"``: the path before a
+    stage pays ``2 hops(z)``) or the blocks so far on stages of group ``b`` alone (``track="slow"``: their passes
+    on the path are ``b``'s, at least the ``z`` least excesses over the least pass of the blocks before)."""
+
+    def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str) -> None:
+        L, M = problem.num_blocks, problem.num_microbatches
+        self.L, self.M, self.track = L, M, track
+        self.a, self.b = (fast, slow) if slow.count else (_Group.of(problem, []), fast)
+        pol = problem.policy
+        self.ends = pol.enabled and pol.trusted_endpoints
+        need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
+        self.need = np.concatenate([[0.0], np.cumsum(need)])
+        self.params = np.concatenate([[0.0], np.cumsum(problem.param_count.astype(float))]) \
+            * problem.grad_bytes_per_param
+        least = np.minimum(fast.path, slow.path)
+        self.U = np.concatenate([[0.0], np.cumsum(least)])
+        # Stage 0's optimizer step follows the pipeline (``step >= pipe + optim_0``): blocks 0..i-1 for stage 0
+        # itself, the least of any stage 0 for the others.
+        self.opt0 = np.array([0.0] + [min(problem.range_optim_ms(0, i - 1, c) for c in stage)
+                                      for i in range(1, L + 1)])
+        self.opt_any = float(self.opt0[1:].min())
+        hops = 2 * hops_ms(problem, stage, L)
+        j = np.arange(L + 1)[:, None]
+        if track == "stages":
+            self.extra = np.where(j > 0, hops[None, :L + 1], 0.0)
+        else:  # the z least excesses of the slow group's passes among blocks 0..j-1
+            self.extra = np.full((L + 1, L + 1), np.inf)
+            for e in range(L + 1):
+                self.extra[e, :e + 1] = np.concatenate([[0.0], np.cumsum(np.sort(slow.path[:e] - least[:e]))])
+            self.extra += np.where(j > 0, hops[1], 0.0)
+        devices = fast.count + slow.count
+        self.ring = Rings(problem, stage, min(M, devices))
+        self.middle_ring = Rings(problem, stage, min(M, devices), reserved=2 if self.ends else 0)
+
+    def least_ms(self, floor_ms: float) -> float:
+        """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above)."""
+        lo = floor_ms
+        if self.feasible(lo):
+            return floor_ms
+        hi = max(2 * lo, float(self.U[-1]) + 1.0)
+        while not self.feasible(hi):
+            if hi > 1e12:
+                return floor_ms
+            lo, hi = hi, 2 * hi
+        while hi - lo > REL_TOL * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
+        return lo * (1 - 1e-9)
+
+    def feasible(self, B: float) -> bool:
+        """Whether some partition meets ``B`` with the pool's devices: blocks in order, per state the fewest
+        devices of group ``b``."""
+        L, NA, Z = self.L, self.a.count, self.L + 1
+        best = np.full((L + 1, NA + 1, Z), np.inf)
+        best[0, 0, 0] = 0.0
+        for i in range(1, L + 1):
+            js = np.nonzero(np.isfinite(best[:i]).any(axis=(1, 2)))[0]
+            if not len(js):
+                continue
+            nb = self._fewest(B, js, i)  # (J, Z, NA + 1)
+            for y in range(NA + 1):
+                cand = best[js, :NA + 1 - y, :] + nb[:, None, :, y]  # to x = y..NA
+                if self.track == "stages":
+                    np.minimum(best[i, y:, 1:], cand.min(axis=0)[:, :Z - 1], out=best[i, y:, 1:])
+                elif y > 0 or self.b.count == 0:
+                    np.minimum(best[i, y:, :], cand.min(axis=0), out=best[i, y:, :])
+                else:  # a stage of group b alone: its blocks join the slow path
+                    for n, jj in enumerate(js):
+                        d = i - int(jj)
+                        np.minimum(best[i, :, d:], cand[n, :, :Z - d], out=best[i, :, d:])
+        return bool((best[L] <= self.b.count).any())
+
+    def _fewest(self, B: float, js: np.ndarray, i: int) -> np.ndarray:
+        """Per stage ``j..i-1`` (``j`` in ``js``), state ``z`` and count ``y`` of group ``a``'s devices on it, the
+        fewest of group ``b``'s devices that run its ``M`` microbatches within ``B`` (inf: none will do)."""
+        opt = np.where(js == 0, self.opt0[i], self.opt_any)[:, None]
+        slack = B - self.U[js][:, None] - self.extra[js] - opt  # (J, Z)
+        per = [self._per(g, js, i, slack) for g in (self.a, self.b)]
+        y = np.arange(self.a.count + 1)
+        short = np.maximum(self.M - y[None, None, :] * per[0][:, :, None], 0)
+        pb = per[1][:, :, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            nb = np.where(short == 0, 0.0, np.where(pb > 0, np.ceil(short / np.maximum(pb, 1)), np.inf))
+        end = (js == 0) | (i == self.L) if self.ends else np.zeros(len(js), dtype=bool)
+        cap_a = np.where(end, self.a.trusted, self.a.count)[:, None, None]
+        cap_b = np.where(end, self.b.trusted, self.b.count)[:, None, None]
+        nb = np.where((y[None, None, :] <= cap_a) & (nb <= cap_b), nb, np.inf)
+        return np.where(self._ring_ok(B, js, i, end, y[None, None, :] + nb), nb, np.inf)
+
+    def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray) -> np.ndarray:
+        """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it)."""
+        t = (g.prefix[i] - g.prefix[js])[:, None]
+        fits = (self.need[i] - self.need[js] <= g.mem)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per = np.where(t > 0, np.floor(slack / np.where(t > 0, t, 1.0)), self.M)
+        return np.where(fits & (slack >= 0), np.clip(per, 0, self.M), 0)
+
+    def _ring_ok(self, B: float, js: np.ndarray, i: int, end: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Whether a ring of ``r`` replicas all-reduces the stage's gradients within ``B`` (``r < 2``: none)."""
+        params = self.params[i] - self.params[js]
+        out = np.ones(r.shape, dtype=bool)
+        for n in range(len(js)):
+            ring = self.ring if end[n] else self.middle_ring
+            top = len(ring.none) - 1
+            sizes = np.arange(2, top + 1)
+            if not len(sizes):
+                continue
+            floors = ring.floor(np.full(len(sizes), params[n]), sizes)
+            fine = np.concatenate([[True, True], floors <= B])  # r = 0, 1: no all-reduce
+            rr = r[n]
+            idx = np.where(np.isfinite(rr), np.minimum(rr, top), 0).astype(int)
+            out[n] = fine[idx]
+        return out
