@@ -2,8 +2,9 @@
 
 The runtime (``planner.runtime.rank.audits``) audits a stage with an untrusted replica on the verifier of its
 output activations, the *auditor*: it recomputes the stage on a secret share of the microbatches and compares
-with what the replica sent. It needs the stage's input as the replica received it, from a trusted sender (an
-untrusted neighbour could send the auditor another copy than the replica and frame it), either
+with what the replica sent. It needs the stage's input as the replica received it, from a trusted sender or
+under a signature it can check (an untrusted neighbour could send the auditor another copy than the replica and
+frame it), either
 
 * *held*: the auditor verifies the boundary before the stage too (the placement that keeps its link tests), so it
   holds every input; where it also verifies both gradient boundaries (fed by trusted stages) it audits the
