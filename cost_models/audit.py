@@ -18,9 +18,9 @@ after another, each send returning once received): it recomputes them (outputs o
 the upstream stage is untrusted (*signed*), every rank of it signs each activation it sends the stage (SHA-256 of
 the payload, then Ed25519: :func:`sign_ms`, work on the sender as it sends) and each replica checks the signature
 as it takes the input (:func:`check_signature_ms`) and keeps it; at the step's end the auditor asks each replica
-(a link latency, ``request_ms``) for its audited inputs, which it forwards with their signatures in one float32
-message once its program is done, one replica after another; the source's copy follows its applied gradient on
-their shared link (the signatures, 64 bytes an input, are not priced). The rest follows the step's programs: it
+for its audited inputs, one replica after another (each request a link latency, sent once the copy before is in),
+and each forwards them with their signatures in one float32 message once its program is done; the source's copy
+follows its applied gradient on their shared link (the signatures, 64 bytes an input, are not priced). The rest follows the step's programs: it
 lengthens the step where the auditor ends after the pipeline's last rank (:meth:`AuditCost.end_ms`).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class AuditCost:
     copy_ms: float = 0.0  # copied mode: the upstream ranks' messages of audited inputs to the auditor, in turn
     copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
     signed: bool = False  # ... from the stage's own replicas, signed by the (untrusted) upstream stage
-    request_ms: float = 0.0   # signed: the auditor's request to the replicas, once its program is done
+    request_ms: float = 0.0   # signed: the auditor's request to the first replica (the later ones: in copy_ms)
 
     @property
     def total_ms(self) -> float:
@@ -133,8 +133,8 @@ def copy_ms(*, every: int, sent_microbatches: int, input_bytes: float, link: Lin
 def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, forward_ms: float,
              output_bytes: float, source_link: Link, digest_link: Link, verifier_mem_bw_bytes_per_s: float,
              optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0,
-             copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4, signed: bool = False,
-             request_ms: float = 0.0) -> AuditCost:
+             copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4,
+             signed: bool = False) -> AuditCost:
     """The expected cost of one step's audit of a stage running ``microbatches`` a step, one in ``every``
     audited. ``forward_ms``/``backward_ms`` (None: activations only): the stage's passes of one microbatch on
     the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input at the training dtype,
@@ -143,8 +143,9 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     ``optim_ms``: the optimizer step of the stage on the auditor. ``copy_links`` (copied mode, outputs only):
     per upstream rank, its link to the auditor (None: the auditor itself) and the microbatches it sends the
     stage a step; the auditor receives their copies of the audited inputs one after another (:func:`copy_ms`).
-    ``signed``: the copies come from the stage's own replicas (``copy_links`` theirs), on the auditor's request,
-    which takes ``request_ms`` to reach them."""
+    ``signed``: the copies come from the stage's own replicas (``copy_links`` theirs), each on the auditor's
+    request over the same link (a latency), sent once the copy before is in: the first request is ``request_ms``,
+    the later ones count in ``copy_ms``."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
@@ -164,15 +165,15 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     if signed and not copy_links:
         raise InvalidInputError("signed audit", expected="the replicas' copy links", found="none",
                                 fix="pass copy_links for the replicas forwarding the signed inputs")
-    if request_ms < 0:
-        raise InvalidInputError("audit request_ms", expected=">= 0", found=str(request_ms))
     if input_elem_bytes <= 0:
         raise InvalidInputError("audit input element bytes", expected="> 0", found=str(input_elem_bytes))
     one_input = copied_input_bytes(input_bytes, input_elem_bytes)
     copy = sum(copy_ms(every=every, sent_microbatches=n, input_bytes=one_input, link=link) for link, n in copy_links)
+    requests = [link.latency_ms for link, _ in copy_links if link is not None] if signed else []
+    copy += sum(requests[1:])
     compared = output_bytes + (input_bytes if grads else 0.0)
     one = forward_ms + (backward_ms or 0.0) + 1e3 * COMPARE_PASSES * compared / verifier_mem_bw_bytes_per_s
     return AuditCost(recompute_ms=microbatches / every * one,
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
                      digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads,
-                     copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=request_ms if signed else 0.0)
+                     copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=requests[0] if requests else 0.0)

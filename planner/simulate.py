@@ -444,9 +444,6 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
     params, tensors = memory.stage_param_count(chain, lo, hi), stage_param_tensors(chain, lo, hi)
     device = plan.ranks[auditor].device
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
-    signed = bool(where.signed_by)
-    request = max((costs.cluster.link(device, plan.ranks[r].device).latency_ms for r in plan.stage_ranks(k)),
-                  default=0.0) if signed else 0.0
     return audit_ms(every=plan.stages[k].audit_every, microbatches=plan.num_microbatches, params=params,
                     param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
                     output_bytes=costs.boundary_bytes[k], input_bytes=costs.boundary_bytes[k - 1] if k else 0.0,
@@ -455,7 +452,7 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
                     verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
                     optim_ms=optim_ms(params, config, spec, param_tensors=tensors),
                     copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype),
-                    signed=signed, request_ms=request)
+                    signed=bool(where.signed_by))
 
 
 def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere) -> tuple[tuple[Link | None, int], ...]:
@@ -496,7 +493,8 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
     copied, every sender's copy in. It receives them one rank after another, in rank order; a rank's copy
     leaves once its program (and what it did for earlier stages' audits) is done, and its send returns when it
     is received (``runtime.rank.audits.end_step``, which runs the stages in order). Signed, the senders are the
-    replicas, each sending once the auditor's request reached it, the source behind its applied gradient."""
+    replicas, each asked once the copy before is in (``runtime.rank.audit_signed.hear``) and sending once the
+    request reached it (a latency), the source behind its applied gradient on their link."""
     auditor = int(where.auditor)
     every, t = run.plan.stages[k].audit_every, run.clock[auditor]
     free = t
@@ -507,8 +505,7 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
             continue
         begin = max(t, run.clock[r], run.link_free.get((r, auditor), 0.0))
         if where.signed_by:
-            begin = max(begin, free + run.costs.cluster.link(run.plan.ranks[auditor].device,
-                                                             run.plan.ranks[r].device).latency_ms)
+            begin = max(begin, t + link.latency_ms)   # the request, sent once the copy before is in
             if r == int(where.source):
                 begin = max(begin, max(run.reached_optim[r], free) + cost.gradient_ms)
         t = begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link)

@@ -89,8 +89,10 @@ def test_signing_is_priced_as_measured_and_the_copies_wait_for_the_request_and_t
     kw = {"every": 4, "microbatches": 8, "params": 10**6, "param_tensors": 4, "forward_ms": 10.0,
           "output_bytes": 1e6, "input_bytes": 1e6, "source_link": fast, "digest_link": fast,
           "verifier_mem_bw_bytes_per_s": 1e10, "optim_ms": 3.0}
-    cost = audit_ms(**kw, copy_links=((fast, 4), (fast, 4)), signed=True, request_ms=1.0)
-    assert cost.signed and cost.copied and cost.copy_ms == pytest.approx(2 * (1.0 + 4 / 4 * 1e6 / 1e9 * 1e3))
+    cost = audit_ms(**kw, copy_links=((fast, 4), (fast, 4)), signed=True)
+    # each replica asked (a latency) once the copy before is in: the first request apart, the second in copy_ms
+    assert cost.signed and cost.copied and cost.request_ms == 1.0
+    assert cost.copy_ms == pytest.approx(2 * (1.0 + 4 / 4 * 1e6 / 1e9 * 1e3) + 1.0)
     # the replicas send once done and asked (a latency after the auditor is done), behind the source's gradient
     assert cost.inputs_in_ms(auditor_free_ms=100.0, upstream_done_ms=90.0, gradient_sent_ms=0.0) == \
         pytest.approx(100.0 + cost.gradient_ms + cost.copy_ms)
@@ -151,14 +153,15 @@ def test_a_stage_fed_by_an_untrusted_stage_is_simulated_and_priced_as_the_runtim
         assert with_signing.keys() == without.keys() and with_signing
         assert all(with_signing[mb] == pytest.approx(without[mb] + extra, rel=1e-9) for mb in without)
     assert forwards(got, 3) == pytest.approx(forwards(base, 3))   # the trusted last stage signs nothing
-    # the copies: each replica's audited inputs, once it is done and the auditor's request (0.5 ms) reached it
+    # the copies: each replica's audited inputs, once it is done and the auditor's request (0.5 ms), sent once
+    # the copy before is in, reached it
     done = {r: max(e.end_ms for e in got.events if e.rank == r and e.kind != "send" and "audit" not in e.label)
             for r in range(audited.num_ranks)}
     stepping = min(e.start_ms for e in got.events if e.rank == ranks[0] and e.kind == "optim")
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     t = done[auditor]
     for r in ranks:
-        begin = max(t, done[r], done[auditor] + 0.5)
+        begin = max(t + 0.5, done[r])
         if r == ranks[0]:
             begin = max(begin, max(stepping, done[auditor]) + gradient)
         t = begin + 0.5 + 1e3 * len(audited.ranks[r].microbatches) / 4 * copied_input_bytes(2**16, 4) / 1.25e8
