@@ -11,9 +11,9 @@ microbatch's activations do not fit it, and the stage's devices run all ``M``. T
 every device the same ``B`` and any mix of speeds: here the replicas of a stage deep in the chain lose the fill
 before it, at the speed of the devices that run it. A replicated stage's all-reduce fits ``B`` too
 (``replicas.Rings``, as ``replicas`` prices it), and stage 0 and the last run on trusted devices where the ends
-must be trusted (each at most a group's trusted devices). Stage 0's optimizer step follows the pipeline
-(``step >= pipe + optim_0``): it adds to every replica's budget, at least that of the blocks stage 0 holds for
-stage 0 itself and of the least stage 0 for the others (a tiny model on one GPU: the step is its passes and its
+must be trusted (each at most a group's trusted devices). Stage 0's last backward ends the pipeline, and its
+all-reduce and optimizer step follow (``step >= pipe + AR_0 + optim_0``): every replica's budget is less the least
+optimizer step of any stage 0, and stage 0's own replicas' less its own all-reduce and optimizer step (a tiny model on one GPU: the step is its passes and its
 optimizer step, which this bound then is).
 
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
@@ -165,19 +165,46 @@ class _Test:
     def _fewest(self, B: float, js: np.ndarray, i: int) -> np.ndarray:
         """Per stage ``j..i-1`` (``j`` in ``js``), state ``z`` and count ``y`` of group ``a``'s devices on it, the
         fewest of group ``b``'s devices that run its ``M`` microbatches within ``B`` (inf: none will do)."""
-        opt = np.where(js == 0, self.opt0[i], self.opt_any)[:, None]
-        slack = B - self.U[js][:, None] - self.extra[js] - opt  # (J, Z)
+        slack = B - self.U[js][:, None] - self.extra[js] - self.opt_any  # (J, Z)
+        end = (js == 0) | (i == self.L) if self.ends else np.zeros(len(js), dtype=bool)
+        nb = self._nb(js, i, slack, end)
+        y = np.arange(self.a.count + 1)
+        nb = np.where(self._ring_ok(B, js, i, end, y[None, None, :] + nb), nb, np.inf)
+        if js[0] == 0:
+            nb[0] = self._first(B, i, end[:1])[None, :]
+        return nb
+
+    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Per stage, state and count ``y`` of group ``a``'s devices, the fewest of group ``b``'s whose passes fit
+        ``slack`` (the all-reduce aside; inf: none will do)."""
         per = [self._per(g, js, i, slack) for g in (self.a, self.b)]
         y = np.arange(self.a.count + 1)
         short = np.maximum(self.M - y[None, None, :] * per[0][:, :, None], 0)
         pb = per[1][:, :, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             nb = np.where(short == 0, 0.0, np.where(pb > 0, np.ceil(short / np.maximum(pb, 1)), np.inf))
-        end = (js == 0) | (i == self.L) if self.ends else np.zeros(len(js), dtype=bool)
         cap_a = np.where(end, self.a.trusted, self.a.count)[:, None, None]
         cap_b = np.where(end, self.b.trusted, self.b.count)[:, None, None]
-        nb = np.where((y[None, None, :] <= cap_a) & (nb <= cap_b), nb, np.inf)
-        return np.where(self._ring_ok(B, js, i, end, y[None, None, :] + nb), nb, np.inf)
+        return np.where((y[None, None, :] <= cap_a) & (nb <= cap_b), nb, np.inf)
+
+    def _first(self, B: float, i: int, end: np.ndarray) -> np.ndarray:
+        """Stage 0 over blocks ``0..i-1``: per count ``y`` of group ``a``'s devices, the fewest of group ``b``'s. Its
+        last backward ends the pipeline, and its all-reduce and optimizer step follow (``step >= pipe + AR_0 +
+        optim_0``): each replica's passes fit ``B`` less both, the all-reduce that of the ``r`` replicas used."""
+        js, y = np.zeros(1, dtype=int), np.arange(self.a.count + 1)
+        top = len(self.ring.none) - 1
+        floors = np.concatenate([[0.0], self.ring.floor(np.full(max(top - 1, 0), self.params[i]),
+                                                        np.arange(2, top + 1))])  # r = 1..top
+        cap_b = self.b.trusted if end[0] else self.b.count
+        out = np.full(len(y), np.inf)
+        for r in range(1, max(top, 1) + 1):
+            slack = B - self.opt0[i] - floors[r - 1]
+            if slack < 0:
+                break  # the floors rise with r
+            nb = self._nb(js, i, np.array([[slack]]), end)[0, 0]
+            ok = (y + nb <= r) & (r - y <= cap_b)
+            out = np.where(ok, np.minimum(out, r - y), out)
+        return out
 
     def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray) -> np.ndarray:
         """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it)."""
