@@ -194,3 +194,20 @@ def test_on_one_gpu_the_bound_is_its_one_plan(M):
                                             devices=(gpu,), microbatches=(M,)),), verifiers=(), num_microbatches=M)
     price = price_program(problem, only).step_ms
     assert price * (1 - 1e-4) <= link_lower_bound_ms(problem) <= price * HAIR
+
+
+@pytest.mark.parametrize("gpus,gbps", [(2, 100.0), (3, 10.0), (4, 1.0)])
+def test_within_a_fifth_of_every_plan_of_one_host(gpus, gbps):
+    """A tiny model on one host: stage 0 replicated pays its all-reduce and optimizer step after its passes; the
+    bound stays below every plan (at most 3 stages, any replicas) and within 20% of the best."""
+    hosts = [{"name": "a", "region": "z", "trust": "op", "trusted": True,
+              "devices": [{"type": "A100-80GB", "count": gpus}]}]
+    cluster = parse_cluster({"name": "one-host", "hosts": hosts,
+                             "links": {"intra_host": {"bandwidth_gbps": gbps, "latency_ms": 0.01},
+                                       "default": {"bandwidth_gbps": 10, "latency_ms": 1.0}}})
+    chain = random_chain(np.random.default_rng(2), 5, param_scale=2e6, flop_scale=2e8, act_scale=1e6, out_scale=1e5)
+    for M in (1, 2, 4):
+        problem = build_problem(scale_chain(chain, 1), cluster, TrainingConfig(global_batch=M, microbatch_size=1),
+                                VerificationPolicy(enabled=False))
+        best = min(price_program(problem, placement).step_ms for placement in _every_plan(problem))
+        assert 0.8 * best <= fill_bound_ms(problem) <= best * HAIR, M
