@@ -131,7 +131,7 @@ BOTH = ("act", "grad")
 
 @pytest.mark.parametrize("why, replicated, untrusted, verifiers", [
     ("the first stage: its input is data", 0, (0, 1), [(0, 4, BOTH)]),
-    ("fed by an untrusted stage", 1, (0, 1, 2), [(0, 4, BOTH), (1, 4, BOTH)]),
+    ("fed by an untrusted stage, its auditor one of its replicas", 1, (0, 1, 2), [(0, 4, BOTH), (1, 1, BOTH)]),
     ("its auditor is one of its replicas", 1, (1, 2), [(0, 4, BOTH), (1, 1, BOTH)]),
 ])
 def test_the_runtime_never_audits_a_stage_the_planners_rule_rules_out(why, replicated, untrusted, verifiers):
@@ -282,12 +282,13 @@ def test_the_run_summary_counts_only_the_verifier_ranks_audits():
     plan = _watched_plan(4)   # rank 0 verifies; ranks 1 and 2 are the untrusted replicas
     assert {v.rank for v in plan.verifiers} == {0}
     ranks = [_final(0, {"run": 4, "failed": 0, "run_by_sender": {"1": 2, "2": 2}, "failed_by_sender": {},
-                        "suspended": {"1": 3}}),
+                        "suspended": {"1": 3}, "signed": {"forged": 1, "voided": 2}}),
              _final(1, {"run": 9, "failed": 9, "run_by_sender": {"2": 9}, "failed_by_sender": {"2": 9},
-                        "suspended": {"1": 0}}),
+                        "suspended": {"1": 0}, "signed": {"forged": 0, "voided": 7}}),
              _final(2, {})]
     counts = audit_counts(plan, ranks)
-    assert counts == {"run": {"1": 2, "2": 2}, "failed": {}, "suspended": {"1": 3}}
+    assert counts == {"run": {"1": 2, "2": 2}, "failed": {}, "suspended": {"1": 3},
+                      "signed": {"forged": 1, "voided": 2}}
     console = Console(width=200, record=True)
     console.print(summary_table({"model": "mlp-tiny", "num_ranks": 3, "schedule": "1f1b", "steps": 2,
                                  "predicted_step_ms": 1.0, "measured_step_ms": 1.0, "final_loss": 1.0,
@@ -298,6 +299,8 @@ def test_the_run_summary_counts_only_the_verifier_ranks_audits():
     assert "4 / 0: rank 1 2/0, rank 2 2/0" in line, line
     (line,) = [line for line in text if "audits stopped" in line]
     assert "stage 1 from step 3" in line, line
+    (line,) = [line for line in text if "signed inputs forged" in line]
+    assert "1 / 2" in line, line
 
 
 def test_the_run_summary_counts_only_the_verifier_ranks_flags_and_alerts():
