@@ -26,8 +26,9 @@ untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llam
   middle stage on a volunteer, verified (boundary 0's gradients on rank 0, boundary 1's activations on rank 2).
 - ``split-audit``, ``hf-llama-audit``: those plans run with ``--audit-every 4``: no verifier holds an untrusted
   stage's input there, so the auditor (the verifier of its outputs) hears the audited inputs copied from the
-  trusted stage before it (audits from copies). Split's stage 2 is fed by the untrusted stage 1 and is not
-  audited (stage 1 could send the auditor another copy and frame it).
+  trusted stage before it (audits from copies). Split's stage 2 is fed by the untrusted stage 1: it is audited
+  from signed inputs (``planner.runtime.rank.audit_signed``: stage 1 signs what it sends, stage 2 forwards the
+  audited inputs under those signatures; the split-audit rows in the results were run so).
 
 Clean runs (no attacker) report, per run: steps, checks, flags (per microbatch and per step), dropped
 microbatches, blamed (step, sender) pairs, bans, and the per-sample false-positive rate (microbatch

@@ -42,3 +42,22 @@ def test_a_signature_covers_nothing_else() -> None:
 def test_words_round_trip() -> None:
     raw = bytes(range(64))
     assert signing.unwords(signing.words(raw)) == raw
+
+
+def test_a_replica_drops_an_input_its_sender_did_not_sign_and_keeps_it_for_the_auditor() -> None:
+    from types import SimpleNamespace
+
+    from planner.runtime.rank import audit_signed
+
+    signer = signing.Signer()
+    state = audit_signed.SignedState(takes=0, keys={4: signer.public_words()})
+    ex = SimpleNamespace(audits=SimpleNamespace(signed=state), step=7,
+                         plan=SimpleNamespace(owner=lambda stage, mb: 4))
+    payload = _payload()
+    good = torch.cat([torch.zeros(1, dtype=torch.int64), signer.sign(payload, step=7, mb=2, boundary=0)])
+    assert not audit_signed.take(ex, 2, 0, payload, good) and state.inbox[2][2]
+    bad = torch.cat([torch.zeros(1, dtype=torch.int64), signer.sign(payload, step=6, mb=2, boundary=0)])
+    assert audit_signed.take(ex, 3, 0, payload, bad) and not state.inbox[3][2]   # a complaint, forwarded as such
+    # another boundary, or a plain one-word header, is not this replica's signed input
+    assert not audit_signed.take(ex, 4, 1, payload, good) and 4 not in state.inbox
+    assert not audit_signed.take(ex, 5, 0, payload, torch.zeros(1, dtype=torch.int64)) and 5 not in state.inbox

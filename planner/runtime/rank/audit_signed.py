@@ -5,7 +5,8 @@ Setup (``setup``, every rank, stage by stage): each rank of the stage before gen
 half to the auditor, which relays them all to the stage's replicas (a sender cannot show the replica one key and
 the auditor another). During the step the upstream ranks sign each activation they send the stage
 (``signature``, in the taint header after its one word), and each replica checks the signature as it takes the
-input and keeps input and signature until the step's end (``take``): a failed check is its complaint, kept too.
+input and keeps input and signature until the step's end (``take``): a failed check is its complaint, kept too,
+and it drops that input (computes on zeros, its output marked dropped), so nothing unsigned trains.
 At the step's end the auditor asks each replica for its audited microbatches (``hear``: a 0/1 word per microbatch
 of the replica's, sent once the replica's outputs have all left, so the schedule stays secret) and the replica
 forwards those inputs, one float message, with their signatures and complaints (``forward``). The auditor
@@ -93,16 +94,19 @@ def header_numel(ex: Any, d: str, boundary: int) -> int:
     return 1 + signing.SIG_WORDS if state is not None and d == "F" and state.takes == boundary else 1
 
 
-def take(ex: Any, mb: int, boundary: int, payloads: list[torch.Tensor], header: torch.Tensor) -> None:
-    """On a replica taking ``mb``'s input: check its signature and keep both until the step's end."""
+def take(ex: Any, mb: int, boundary: int, payloads: list[torch.Tensor], header: torch.Tensor) -> bool:
+    """On a replica taking ``mb``'s input: check its signature and keep both until the step's end. True where the
+    input is signed and its signature fails: the replica then drops it (computes on zeros, its output marked
+    dropped), so what its upstream did not sign trains nothing."""
     state = _state(ex)
     if state is None or state.takes != boundary or header.numel() < 1 + signing.SIG_WORDS:
-        return
+        return False
     sig = header[1:].cpu()
     sender = ex.plan.owner(boundary, mb)
     key = state.keys.get(sender)
     ok = key is not None and signing.verify(key, sig, payloads, step=ex.step, mb=mb, boundary=boundary)
     state.inbox[mb] = (payloads, sig, ok)
+    return not ok
 
 
 def forward(ex: Any, st: Any, step: int) -> None:

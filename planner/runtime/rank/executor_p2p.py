@@ -171,8 +171,9 @@ class Transfers:
             if self.verifying:
                 header, tensors = tensors[-1], tensors[:-1]
                 self.taint_in[key] = bool(header[0].item())
-                if key[0] == "F":   # a signed input: its signature checked and kept for the auditor
-                    audit_signed.take(self, key[1], self._edge_of("F"), tensors, header)
+                # a signed input: its signature checked and kept for the auditor; unsigned by its sender, dropped
+                if key[0] == "F" and audit_signed.take(self, key[1], self._edge_of("F"), tensors, header):
+                    self._drop("F", key[1])
                 if self.taint_in[key]:
                     self._drop(key[0], key[1])
             self.received[key] = self._decoded(key[0], self._edge_of(key[0]), tensors)
