@@ -29,7 +29,12 @@ from planner.solver.solution import StagePlacement
 from tests.unit.bruteforce import brute_force
 from tests.unit.program_fixtures import random_placement, wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
-from tests.unit.test_bound_replicas import _every_plan, _slow_pool
+from tests.unit.test_bound_replicas import (
+    _every_plan,
+    _slow_pool,
+    _small_swarm,
+    _swarm_prices,
+)
 from tests.unit.test_solver_bruteforce import TWIST_SEEDS, instance
 
 HAIR = 1 + 1e-9
@@ -211,3 +216,12 @@ def test_within_a_fifth_of_every_plan_of_one_host(gpus, gbps):
                                 VerificationPolicy(enabled=False))
         best = min(price_program(problem, placement).step_ms for placement in _every_plan(problem))
         assert 0.8 * best <= fill_bound_ms(problem) <= best * HAIR, M
+
+
+@pytest.mark.parametrize("kw", [{}, {"param_scale": 1e8, "flop_scale": 5e11, "out_scale": 4e6}])
+def test_below_every_plan_of_a_small_swarm(kw):
+    """Trusted ends on a host of two: each end stage holds one of its GPUs at most (the other end holds the
+    other); the bound stays below every plan with volunteers between them."""
+    problem, cluster = _small_swarm(**kw)
+    prices = _swarm_prices(problem, cluster)
+    assert prices and 0 < fill_bound_ms(problem) <= min(prices) * HAIR

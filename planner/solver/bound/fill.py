@@ -183,9 +183,15 @@ class _Test:
         pb = per[1][:, :, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             nb = np.where(short == 0, 0.0, np.where(pb > 0, np.ceil(short / np.maximum(pb, 1)), np.inf))
-        cap_a = np.where(end, self.a.trusted, self.a.count)[:, None, None]
-        cap_b = np.where(end, self.b.trusted, self.b.count)[:, None, None]
+        cap_a = np.where(end, self._end_cap(self.a, js, i), self.a.count)[:, None, None]
+        cap_b = np.where(end, self._end_cap(self.b, js, i), self.b.count)[:, None, None]
         return np.where((y[None, None, :] <= cap_a) & (nb <= cap_b), nb, np.inf)
+
+    def _end_cap(self, g: _Group, js: np.ndarray, i: int) -> np.ndarray:
+        """Devices of ``g`` an end stage may hold: its trusted ones, less one where the other end is another stage
+        and only ``g`` has trusted devices (that end holds one of them)."""
+        other = self.b if g is self.a else self.a
+        return np.where((js == 0) & (i == self.L), g.trusted, g.trusted - (other.trusted == 0 and g.trusted > 0))
 
     def _first(self, B: float, i: int, end: np.ndarray) -> np.ndarray:
         """Stage 0 over blocks ``0..i-1``: per count ``y`` of group ``a``'s devices, the fewest of group ``b``'s. Its
@@ -195,7 +201,7 @@ class _Test:
         top = len(self.ring.none) - 1
         floors = np.concatenate([[0.0], self.ring.floor(np.full(max(top - 1, 0), self.params[i]),
                                                         np.arange(2, top + 1))])  # r = 1..top
-        cap_b = self.b.trusted if end[0] else self.b.count
+        cap_b = self._end_cap(self.b, np.zeros(1, dtype=int), i)[0] if end[0] else self.b.count
         out = np.full(len(y), np.inf)
         for r in range(1, max(top, 1) + 1):
             slack = B - self.opt0[i] - floors[r - 1]
