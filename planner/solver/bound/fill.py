@@ -33,7 +33,9 @@ from planner.solver.problem import Problem, bound_problem
 
 # DP cells a test may cost at most (blocks^2 / 2 x tracked states x (first group's devices + 1)^2); a variant past
 # it is skipped (no bound from it).
-CELLS = 6_000_000
+CELLS = 3_000_000
+# DP cells all of a bound's tests may cost together (~1 s on one core): the splits after are skipped.
+TOTAL_CELLS = 4_000_000
 # Relative width the bisection stops at (the bound is its infeasible end: valid whatever the width).
 REL_TOL = 1e-5
 # Splits of the kinds (fastest first) into two groups tried at most.
@@ -47,14 +49,17 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
     if not stage:
         return floor_ms
     kinds = _kinds(problem, stage)
-    best = floor_ms
+    best, spent = floor_ms, 0
     for cut in range(1, min(len(kinds), MAX_SPLITS + 1) + (len(kinds) == 1)):
         fast = _Group.of(problem, [c for k in kinds[:cut] for c in k])
         slow = _Group.of(problem, [c for k in kinds[cut:] for c in k])
-        L, tracked = problem.num_blocks, fast.count if slow.count else 0
-        if (L + 1) ** 2 // 2 * (L + 1) * (tracked + 1) ** 2 > CELLS:
-            continue
+        L = problem.num_blocks
         for track in ("stages", "slow") if slow.count else ("stages",):
+            tracked = _Test.tracked(fast, slow, track)[0].count
+            cells = (L + 1) ** 2 // 2 * (L + 1) * (tracked + 1) ** 2
+            if cells > CELLS or spent + cells > TOTAL_CELLS:
+                continue
+            spent += cells
             best = max(best, _Test(problem, stage, fast, slow, track).least_ms(best))
     return best
 
@@ -97,7 +102,7 @@ class _Test:
     def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str) -> None:
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
-        self.a, self.b = (fast, slow) if slow.count else (_Group.of(problem, []), fast)
+        self.a, self.b = self.tracked(fast, slow, track)
         pol = problem.policy
         self.ends = pol.enabled and pol.trusted_endpoints
         need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
@@ -123,6 +128,14 @@ class _Test:
         devices = fast.count + slow.count
         self.ring = Rings(problem, stage, min(M, devices))
         self.middle_ring = Rings(problem, stage, min(M, devices), reserved=2 if self.ends else 0)
+
+    @staticmethod
+    def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
+        """(group ``a``, whose devices the DP counts, group ``b``): ``a`` the fast one where the slow path is
+        tracked (a stage of ``b`` alone is one without ``a``'s devices), else the smaller (none for one kind)."""
+        if not slow.count:
+            return _Group(np.zeros_like(fast.prefix), np.full(len(fast.path), np.inf), 0.0, 0, 0), fast
+        return (fast, slow) if track == "slow" or fast.count <= slow.count else (slow, fast)
 
     def least_ms(self, floor_ms: float) -> float:
         """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above)."""
