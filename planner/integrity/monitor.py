@@ -322,7 +322,9 @@ class Monitor:
         if self.warming(step) or self.watch_only:
             return ()
         fences = self.fences if per_sample else self.step_fences
-        return evidence.flag_reasons(scores, fences, per_sample=per_sample)
+        young = self.first_step is not None and step < self.first_step + self.cfg.warmup + evidence.YOUNG_STEPS
+        return evidence.flag_reasons(scores, fences, per_sample=per_sample,
+                                     gross=evidence.GROSS * (evidence.YOUNG_GROSS if young else 1.0))
 
     def drift(self, sender: int) -> Cusum:
         """The CUSUM of ``sender``'s step-level residual scores on this boundary (one per
