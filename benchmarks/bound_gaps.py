@@ -16,7 +16,8 @@ step, the objective, both bounds, their gaps (``1 - bound / simulated``), and wh
 ``compute`` (the fluid LP or the Lagrangian bound), ``links`` (the transfers, all-reduces or stage 0's
 window across slow links), ``memory`` (stage 0's in-flight window, or no island holding the model),
 ``replicas`` (``planner.solver.bound.replicas``: each stage's busy time against its replicas' all-reduce, the
-last stage's path). ``previous_bound_ms`` / ``previous_gap``: the bound and gap the results file held before this
+last stage's path), ``fill`` (``planner.solver.bound.fill``: every stage's replicas at their own kind's speed after
+the path before them, and stage 0's optimizer step). ``previous_bound_ms`` / ``previous_gap``: the bound and gap the results file held before this
 run (the last commit's code).
 
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
@@ -36,14 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_models.cluster_file import load_cluster  # noqa: E402
-from planner.api import plan_chain  # noqa: E402
-from planner.model_io import load_chain  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
-from planner.solver import count_solve  # noqa: E402
-from planner.solver.api import problem_for  # noqa: E402
-from planner.solver.bound.links import link_lower_bound  # noqa: E402
-from planner.solver.problem import recompute_problem  # noqa: E402
+from cost_models.cluster_file import load_cluster
+from planner.api import plan_chain
+from planner.model_io import load_chain
+from planner.simulate import simulate
+from planner.solver import count_solve
+from planner.solver.api import problem_for
+from planner.solver.bound.links import link_lower_bound
+from planner.solver.problem import recompute_problem
 
 RESULTS = ROOT / "benchmarks" / "results" / "bound_gaps.json"
 CLUSTERS = ROOT / "benchmarks" / "clusters"
