@@ -11,16 +11,20 @@ microbatch's activations do not fit it, and the stage's devices run all ``M``. T
 every device the same ``B`` and any mix of speeds: here the replicas of a stage deep in the chain lose the fill
 before it, at the speed of the devices that run it. A replicated stage's all-reduce fits ``B`` too
 (``replicas.Rings``, as ``replicas`` prices it), and stage 0 and the last run on trusted devices where the ends
-must be trusted (each at most a group's trusted devices). Stage 0's last backward ends the pipeline, and its
-all-reduce and optimizer step follow (``step >= pipe + AR_0 + optim_0``): every replica's budget is less the least
-optimizer step of any stage 0, and stage 0's own replicas' less its own all-reduce and optimizer step (a tiny model on one GPU: the step is its passes and its
-optimizer step, which this bound then is).
+must be trusted (each at most a group's trusted devices; one fewer in a longer pipeline where only that group has
+them: the other end holds one). Stage 0's last backward ends the pipeline, and its all-reduce and optimizer step
+follow (``step >= pipe + AR_0 + optim_0``): every replica's budget is less the least optimizer step of any stage 0,
+and stage 0's own replicas' less its own all-reduce and optimizer step (a tiny model on one GPU: the step is its
+passes and its optimizer step, which this bound then is). Not the other stages' all-reduces after their passes:
+``program_cost`` dates a later stage's last backward from the bottleneck's timing, not from its own passes.
 
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
 their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
 on that bounds it. ``step >= B`` for the least ``B`` at which some partition meets all this with the pool's
-devices: bisected, each test a DP over (stages before, blocks covered, devices of the first group used) of the
-fewest devices of the second group. Where there are more kinds, each split of them by speed into a fast group and
+devices: bisected, each test a DP over the blocks whose state is the devices of one group used and either the
+stages so far (their hops) or the blocks so far on stages of the slow group alone (their passes on the path at
+its speed, at least the least excesses over the fastest), of the fewest devices of the other group. Where there
+are more kinds, each split of them by speed into a fast group and
 a slow one bounds every plan, and the largest is kept (a pool of A100s and V100s: the V100s must run stages,
 and a stage of V100s deep in the chain pays its fill at their speed).
 """
@@ -95,7 +99,7 @@ class _Group:
 
 class _Test:
     """Whether a step of ``B`` admits a partition (module docstring). The DP's state: blocks covered, devices of
-    group ``a`` (the fast one, or none) used, and ``z``: the stages so far (``track="stages"``: the path before a
+    group ``a`` (``tracked``) used, and ``z``: the stages so far (``track="stages"``: the path before a
     stage pays ``2 hops(z)``) or the blocks so far on stages of group ``b`` alone (``track="slow"``: their passes
     on the path are ``b``'s, at least the ``z`` least excesses over the least pass of the blocks before)."""
 
