@@ -30,6 +30,8 @@ and a stage of V100s deep in the chain pays its fill at their speed).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from planner.solver.bound.replicas import Rings, hops_ms
@@ -76,12 +78,16 @@ def _kinds(problem: Problem, stage: list[int]) -> list[list[int]]:
     return sorted(by.values(), key=lambda k: float(problem.time_ms[:, k[0]].sum()))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class _Group:
-    """Stage classes counted together (module docstring): per block their least pass and least forward plus
-    least backward (prefix sums of the first), their largest memory, their devices and trusted devices."""
+    """Stage classes counted together (module docstring): per block their least pass (prefix sums) and least
+    forward plus least backward, their largest memory, their devices and trusted devices."""
 
-    def __init__(self, prefix: np.ndarray, path: np.ndarray, mem: float, count: int, trusted: int) -> None:
-        self.prefix, self.path, self.mem, self.count, self.trusted = prefix, path, mem, count, trusted
+    prefix: np.ndarray
+    path: np.ndarray
+    mem: float
+    count: int
+    trusted: int
 
     @staticmethod
     def of(problem: Problem, classes: list[int]) -> _Group:
