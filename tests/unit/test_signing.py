@@ -61,3 +61,43 @@ def test_a_replica_drops_an_input_its_sender_did_not_sign_and_keeps_it_for_the_a
     # another boundary, or a plain one-word header, is not this replica's signed input
     assert not audit_signed.take(ex, 4, 1, payload, good) and 4 not in state.inbox
     assert not audit_signed.take(ex, 5, 0, payload, torch.zeros(1, dtype=torch.int64)) and 5 not in state.inbox
+
+
+def test_forwarded_inputs_travel_as_their_bytes_so_an_honest_replicas_signature_always_holds() -> None:
+    from planner.runtime.rank import audit_signed
+
+    odd_nan = torch.tensor([0x7FC1, -1, 0x3F80], dtype=torch.int16).view(torch.bfloat16)   # NaNs of other bits
+    big = torch.tensor([2 ** 53 + 1, -(2 ** 62) - 3], dtype=torch.int64)                      # past a float64's
+    fine = torch.tensor([1.0 + 2 ** -40, -3.5], dtype=torch.float64)                           # past a float32's
+    payload = [odd_nan.reshape(3, 1), big, fine, torch.arange(5, dtype=torch.float16)]
+    specs = [(tuple(t.shape), t.dtype) for t in payload]
+    flat = audit_signed.pack(payload)
+    assert flat.dtype == torch.uint8 and flat.numel() == audit_signed.packed_bytes(specs)
+    back = audit_signed.unpack(flat, specs)
+    for a, b in zip(payload, back):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    signer = signing.Signer()
+    sig = signer.sign(payload, step=1, mb=0, boundary=2)
+    assert signing.verify(signer.public_words(), sig, back, step=1, mb=0, boundary=2)
+
+
+def test_a_complaint_voids_an_audit_only_where_the_replica_dropped_that_input() -> None:
+    from planner.runtime.rank import audit_signed
+
+    signer = signing.Signer()
+    state = audit_signed.SignedState(keys={4: signer.public_words()})
+    payload = _payload()
+    sig = signer.sign(payload, step=7, mb=2, boundary=0)
+    bad = signer.sign(payload, step=6, mb=2, boundary=0)
+
+    def judged(verified: int, signature: torch.Tensor, *, dropped: bool, tensors=payload) -> str:
+        meta = torch.cat([torch.tensor([verified]), signature])
+        return audit_signed.judge(state, 4, meta, tensors, step=7, mb=2, boundary=0, dropped=dropped)
+
+    assert judged(1, sig, dropped=False) == "ok"
+    assert judged(1, bad, dropped=False) == "forged"                         # another input than it was sent
+    assert judged(1, sig, dropped=False, tensors=[payload[0] * 2, payload[1]]) == "forged"
+    assert judged(0, bad, dropped=True) == "voided"                          # a complaint, the input dropped
+    assert judged(0, bad, dropped=False) == "forged"                         # a complaint, yet the input trained
+    assert judged(0, sig, dropped=True) == "forged"                          # a complaint of a good signature

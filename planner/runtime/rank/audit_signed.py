@@ -11,10 +11,11 @@ At the step's end the auditor asks each replica for its audited microbatches (``
 of the replica's, sent once the replica's outputs have all left, so the schedule stays secret) and the replica
 forwards those inputs, one float message, with their signatures and complaints (``forward``). The auditor
 checks each signature against the upstream rank's key: an input its signature does not cover is a lie of the
-replica's (it checked the signature on receipt), an audit failed at once; a complaint voids that audit (the
-replica says its upstream signed badly: one of the two lies, and nothing tells which); the rest are audited as
-inputs copied from a trusted stage are (outputs only). Nothing received is unpickled or executed: keys, requests
-and signatures are int64 tensors and the inputs float tensors, of sizes the plan fixes.
+replica's (it checked the signature on receipt), an audit failed at once; a complaint voids that audit where the
+replica dropped that input (one of the two lies, nothing tells which, and nothing of it trained), else it fails
+it (``judge``); the rest are audited as inputs copied from a trusted stage are (outputs only). Inputs travel as
+their raw bytes (``pack``), so the check is exact for every dtype. Nothing received is unpickled or executed:
+keys, requests and signatures are int64 tensors and the inputs uint8 tensors, of sizes the plan fixes.
 """
 from __future__ import annotations
 
@@ -95,18 +96,43 @@ def header_numel(ex: Any, d: str, boundary: int) -> int:
 
 
 def take(ex: Any, mb: int, boundary: int, payloads: list[torch.Tensor], header: torch.Tensor) -> bool:
-    """On a replica taking ``mb``'s input: check its signature and keep both until the step's end. True where the
-    input is signed and its signature fails: the replica then drops it (computes on zeros, its output marked
-    dropped), so what its upstream did not sign trains nothing."""
+    """On a replica taking ``mb``'s input: check its signature and keep both (in host memory) until the step's
+    end. True where the input is signed and its signature fails: the replica then drops it (computes on zeros, its
+    output marked dropped), so what its upstream did not sign trains nothing."""
     state = _state(ex)
     if state is None or state.takes != boundary or header.numel() < 1 + signing.SIG_WORDS:
         return False
     sig = header[1:].cpu()
-    sender = ex.plan.owner(boundary, mb)
-    key = state.keys.get(sender)
-    ok = key is not None and signing.verify(key, sig, payloads, step=ex.step, mb=mb, boundary=boundary)
-    state.inbox[mb] = (payloads, sig, ok)
+    host = [t.detach().cpu() for t in payloads]
+    key = state.keys.get(ex.plan.owner(boundary, mb))
+    ok = key is not None and signing.verify(key, sig, host, step=ex.step, mb=mb, boundary=boundary)
+    state.inbox[mb] = (host, sig, ok)
     return not ok
+
+
+def pack(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """Payloads as their raw bytes (uint8): the auditor checks the signature over exactly the bytes sent (a
+    conversion would change a NaN's bits, an int64 past 2^53, a float64, and frame an honest replica)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).cpu().view(torch.uint8) for t in payloads])
+
+
+def unpack(flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """``pack``'s payloads back, in the wire shapes and dtypes ``specs``."""
+    out, offset = [], 0
+    for shape, dtype in specs:
+        n = math.prod(shape) * _itemsize(dtype)
+        out.append(flat[offset:offset + n].clone().view(dtype).view(shape))   # cloned: aligned for the view
+        offset += n
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def packed_bytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes of one microbatch's ``pack``."""
+    return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in specs)
 
 
 def forward(ex: Any, st: Any, step: int) -> None:
@@ -121,7 +147,6 @@ def forward(ex: Any, st: Any, step: int) -> None:
     if not mbs:
         return
     specs = ex._wire_specs("F", st.stage - 1)
-    dtype = audit_inputs.copy_dtype(any(not dt.is_floating_point for _, dt in specs))
     values, meta = [], []
     for mb in mbs:
         payloads, sig, ok = inbox.get(mb, ([torch.zeros(s, dtype=dt) for s, dt in specs],
@@ -129,7 +154,7 @@ def forward(ex: Any, st: Any, step: int) -> None:
         attacks = getattr(ex, "attacks", None)
         if attacks is not None and attacks.active:   # a forging replica (``--attack ...,dir=inputs``)
             payloads = attacks.forge_inputs(payloads, step=step, mb=mb)
-        values += [t.reshape(-1).to(dtype) for t in payloads]
+        values.append(pack(payloads))
         meta.append(torch.cat([torch.tensor([int(ok)], dtype=torch.int64), sig.to(torch.int64)]))
     comm.send([torch.cat(values).to(ex.device), torch.stack(meta).to(ex.device)], peer=st.auditor, **_tag(st, 3),
               doing=f"forwarding stage {st.stage}'s audited inputs to its auditor rank {st.auditor} "
@@ -140,29 +165,13 @@ def hear(ex: Any, st: Any, step: int) -> None:
     """The auditor, at the step's end: ask each replica for its audited inputs, check their signatures, keep the
     ones they cover as the inputs to audit (zeros where the replica says it computed on zeros)."""
     audits = ex.audits
-    state: SignedState = audits.signed
-    copy = audits.copies[st.stage]
-    specs = ex._wire_specs("F", st.stage - 1)
-    per_mb = sum(math.prod(s) for s, _ in specs)
-    dtype = audit_inputs.copy_dtype(any(not dt.is_floating_point for _, dt in specs))
-    events, voided = [], 0
     auditing = st.stage in audits.auditing(ex.rank)   # else (suspended, drifting) it asks for nothing
+    events, voided = [], 0
     for replica in st.replicas:
-        mine = sorted(ex.plan.ranks[replica].microbatches)
         mbs = audit_inputs.copied_mbs(ex.plan, audits.schedules[st.stage], st, replica, step) if auditing else []
-        asked = torch.tensor([int(mb in mbs) for mb in mine], dtype=torch.int64, device=ex.device)
-        comm.send([asked], peer=replica, **_tag(st, 2),
-                  doing=f"asking rank {replica} for stage {st.stage}'s audited inputs (step {step})").wait()
-        if not mbs:
-            continue
-        flat, meta = comm.recv([((len(mbs) * per_mb,), dtype), ((len(mbs), META_WORDS), torch.int64)], peer=replica,
-                               device=ex.device, **_tag(st, 3),
-                               doing=f"hearing stage {st.stage}'s audited inputs from rank {replica} (step {step})"
-                               ).wait()
-        for i, mb in enumerate(mbs):
-            payloads = _unflatten(flat[i * per_mb:(i + 1) * per_mb], specs)
-            judged = _judge(state, ex.plan.owner(st.stage - 1, mb), meta[i].cpu(), payloads, step=step, mb=mb,
-                            boundary=st.stage - 1)
+        for mb, payloads, meta in _ask(ex, st, replica, mbs, step):
+            judged = judge(audits.signed, ex.plan.owner(st.stage - 1, mb), meta, payloads, step=step, mb=mb,
+                           boundary=st.stage - 1, dropped=(st.stage, mb) in audits.tainted)
             if judged == "forged":
                 events.append(audit.audit_event(step=step, mb=mb, boundary=st.stage, direction="act", sender=replica,
                                                 error=math.inf, tolerance=0.0))
@@ -170,37 +179,54 @@ def hear(ex: Any, st: Any, step: int) -> None:
                 voided += 1
             elif (st.stage, "y", mb) in audits.kept:
                 zero = (st.stage, mb) in audits.tainted
-                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t
-                                                    for t in _as_inputs(payloads, copy.runtime.inputs)]
+                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in
+                                                    _as_inputs(payloads, audits.copies[st.stage].runtime.inputs)]
+    _record(ex, step, events, voided)
+
+
+def _ask(ex: Any, st: Any, replica: int, mbs: list[int], step: int) -> list[tuple[int, list[torch.Tensor], Any]]:
+    """Ask ``replica`` for ``mbs`` (a 0/1 word for each of its microbatches) and hear each one's payloads and
+    (verified, signature) words."""
+    mine = sorted(ex.plan.ranks[replica].microbatches)
+    asked = torch.tensor([int(mb in mbs) for mb in mine], dtype=torch.int64, device=ex.device)
+    comm.send([asked], peer=replica, **_tag(st, 2),
+              doing=f"asking rank {replica} for stage {st.stage}'s audited inputs (step {step})").wait()
+    if not mbs:
+        return []
+    specs = ex._wire_specs("F", st.stage - 1)
+    per_mb = packed_bytes(specs)
+    flat, meta = comm.recv([((len(mbs) * per_mb,), torch.uint8), ((len(mbs), META_WORDS), torch.int64)],
+                           peer=replica, device=ex.device, **_tag(st, 3),
+                           doing=f"hearing stage {st.stage}'s audited inputs from rank {replica} (step {step})").wait()
+    flat, meta = flat.cpu(), meta.cpu()
+    return [(mb, unpack(flat[i * per_mb:(i + 1) * per_mb], specs), meta[i]) for i, mb in enumerate(mbs)]
+
+
+def _record(ex: Any, step: int, events: list[dict[str, Any]], voided: int) -> None:
+    """A step's forgeries (failed audits, among the step's flags) and voided audits, in the verifier's summary."""
     verifier = ex.verify.verifier if ex.verify is not None else None
-    if verifier is not None:
-        verifier.record_signed(forged=len(events), voided=voided)
-        for event in events:
-            verifier.record_audit(event["sender"], step, passed=False)
-        if events:
-            verifier.add_flags(step, events)
+    if verifier is None:
+        return
+    verifier.record_signed(forged=len(events), voided=voided)
+    for event in events:
+        verifier.record_audit(event["sender"], step, passed=False)
+    if events:
+        verifier.add_flags(step, events)
 
 
-def _judge(state: SignedState, signer: int, meta: torch.Tensor, payloads: list[torch.Tensor], *, step: int,
-           mb: int, boundary: int) -> str:
-    """"ok", "voided" (the replica's complaint) or "forged" (a forwarded input its signature does not cover)."""
-    if int(meta[0]) != 1:
-        return "voided"
+def judge(state: SignedState, signer: int, meta: torch.Tensor, payloads: list[torch.Tensor], *, step: int,
+          mb: int, boundary: int, dropped: bool) -> str:
+    """"ok", "voided" or "forged": a forwarded input its signature does not cover; or a complaint (the replica
+    says the signature failed on receipt, ``meta[0]`` 0) where the signature holds after all, or where the replica
+    did not drop that input (its output, ``dropped``, was not marked so): an honest replica drops what it
+    complains of (``take``), so a complaint is a void audit only where nothing of that input trained."""
     key = state.keys.get(signer)
     if key is None:
         return "voided"
     good = signing.verify(key, meta[1:], payloads, step=step, mb=mb, boundary=boundary)
+    if int(meta[0]) != 1:
+        return "voided" if dropped and not good else "forged"
     return "ok" if good else "forged"
-
-
-def _unflatten(flat: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """One microbatch's payloads in their wire shapes and dtypes (exact: float32/float64 hold every wire value)."""
-    out, offset = [], 0
-    for shape, dtype in specs:
-        n = math.prod(shape)
-        out.append(flat[offset:offset + n].view(shape).to(dtype))
-        offset += n
-    return out
 
 
 def _as_inputs(payloads: list[torch.Tensor], specs: Any) -> list[torch.Tensor]:
