@@ -25,7 +25,7 @@ lengthens the step where the auditor ends after the pipeline's last rank (:meth:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from cost_models import comm
@@ -116,6 +116,15 @@ def sign_ms(payload_bytes: float) -> float:
     return 1e3 * payload_bytes / HASH_BYTES_PER_S + SIGN_MS
 
 
+def signing_work(payload_bytes: float, signers: Sequence[Hashable], checkers: Sequence[Hashable],
+                 out: dict[Hashable, float]) -> None:
+    """Add to ``out`` what each forward costs for one stage's signed inputs: each rank (device) of the stage before
+    signs the activation it sends, each replica checks its input's signature."""
+    for who, ms in [(s, sign_ms(payload_bytes)) for s in signers] + \
+            [(c, check_signature_ms(payload_bytes)) for c in checkers]:
+        out[who] = out.get(who, 0.0) + ms
+
+
 def check_signature_ms(payload_bytes: float) -> float:
     """What checking the signature of one input of ``payload_bytes`` costs its receiver: hash it, verify."""
     return 1e3 * payload_bytes / HASH_BYTES_PER_S + VERIFY_SIGNATURE_MS
@@ -167,7 +176,8 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
                                 fix="pass copy_links for the replicas forwarding the signed inputs")
     if input_elem_bytes <= 0:
         raise InvalidInputError("audit input element bytes", expected="> 0", found=str(input_elem_bytes))
-    one_input = copied_input_bytes(input_bytes, input_elem_bytes)
+    # signed inputs travel as their wire bytes (``audit_signed.pack``), copies from trusted ranks as float32
+    one_input = input_bytes if signed else copied_input_bytes(input_bytes, input_elem_bytes)
     copy = sum(copy_ms(every=every, sent_microbatches=n, input_bytes=one_input, link=link) for link, n in copy_links)
     requests = [link.latency_ms for link, _ in copy_links if link is not None] if signed else []
     copy += sum(requests[1:])

@@ -90,10 +90,9 @@ from cost_models import compute, memory
 from cost_models.audit import (
     AuditCost,
     audit_ms,
-    check_signature_ms,
     copied_input_bytes,
     copy_ms,
-    sign_ms,
+    signing_work,
 )
 from cost_models.cluster import Link
 from cost_models.measured import CoreSharing, MessageCost
@@ -477,14 +476,10 @@ def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], fl
 def _signing(plan: Plan, costs: CostModel) -> dict[int, float]:
     """Rank -> what each of its forwards adds for the audits from signed inputs: an upstream rank signs the
     activation it sends the audited stage, a replica checks its input's signature (``audit_price.signing_ms``)."""
-    out: dict[int, float] = {}
+    out: dict = {}
     for k, where in _audit_wheres(plan).items():
-        if not where.signed_by:
-            continue
-        payload = costs.wire_bytes[k - 1]
-        work = [(r, sign_ms(payload)) for r in plan.stage_ranks(k - 1)]
-        for r, ms in work + [(r, check_signature_ms(payload)) for r in plan.stage_ranks(k)]:
-            out[r] = out.get(r, 0.0) + ms
+        if where.signed_by:
+            signing_work(costs.wire_bytes[k - 1], plan.stage_ranks(k - 1), plan.stage_ranks(k), out)
     return out
 
 
@@ -498,7 +493,8 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
     auditor = int(where.auditor)
     every, t = run.plan.stages[k].audit_every, run.clock[auditor]
     free = t
-    one = copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))
+    one = run.costs.boundary_bytes[k - 1] if where.signed_by else \
+        copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))   # wire bytes, signed
     for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
         r = int(r)
         if link is None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
-from cost_models.audit import AuditCost, audit_ms, check_signature_ms, sign_ms
+from cost_models.audit import AuditCost, audit_ms, signing_work
 from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 from planner.solver.problem import Problem
@@ -199,13 +199,11 @@ def signing_ms(problem: Problem, stages: tuple[StagePlacement, ...],
     """(stage, device) -> what each forward there grows by for the audits from signed inputs the placement runs
     (``audit_every``): a rank of the stage before an audited one signs the activation it sends it, a replica of
     the audited stage checks the signature of its input (``cost_models.audit``)."""
-    out: dict[tuple[int, str], float] = {}
+    out: dict = {}
     for k, st in enumerate(stages):
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
         if site is None or not site.signed_by:
             continue
         payload = problem.wire_bytes(stages[k - 1].last_block, stages[k - 1].out_codec)
-        work = [(k - 1, d, sign_ms(payload)) for d in stages[k - 1].devices]
-        for j, d, ms in work + [(k, d, check_signature_ms(payload)) for d in st.devices]:
-            out[(j, d)] = out.get((j, d), 0.0) + ms
+        signing_work(payload, [(k - 1, d) for d in stages[k - 1].devices], [(k, d) for d in st.devices], out)
     return out

@@ -205,9 +205,9 @@ def test_slow_signing_is_priced_on_the_senders_and_the_replicas_as_simulated(mon
         return price_program(problem, placement).step_ms, simulate(compile_simple(ch, cl, audited_sol)).step_ms
 
     measured = step_ms()
-    for module in ("planner.solver.audit_price", "planner.simulate"):
-        monkeypatch.setattr(f"{module}.sign_ms", lambda nbytes: 10 * sign_ms(nbytes))
-        monkeypatch.setattr(f"{module}.check_signature_ms", lambda nbytes: 10 * check_signature_ms(nbytes))
+    # one definition of who pays what (``cost_models.audit.signing_work``), read by the price and the simulator
+    monkeypatch.setattr("cost_models.audit.sign_ms", lambda nbytes: 10 * sign_ms(nbytes))
+    monkeypatch.setattr("cost_models.audit.check_signature_ms", lambda nbytes: 10 * check_signature_ms(nbytes))
     slow = step_ms()
     grown = 9 * (sign_ms(2**16) + check_signature_ms(2**16))
     assert slow[1] - measured[1] == pytest.approx(grown, rel=0.05)
