@@ -8,8 +8,14 @@ The same plan runs with ``--audit-every`` 4 and 16 (the planner picks one in 4, 
 first 3 steps warm-up) and of its CPU time summed over ranks. Models: gpt-tiny (d=64) and the d=384 and d=768
 GPTs of ``verification.py``'s overhead section. Goal: <= 5% at d >= 384.
 
+``--plan signed``: a 4-stage GPT whose stages 1 and 2 run on untrusted hosts (rank 0 checks boundary 0, rank 3
+boundaries 1 and 2): rank 3 audits stage 1 from rank 0's copies and stage 2 from signed inputs (rank 1 signs every
+activation it sends rank 2, rank 2 checks each and forwards the audited ones, ``audit_signed``); against the
+same plan without audits (and so without signatures). Rows in the result's ``signed_rows``.
+
     python benchmarks/audit_overhead.py                  # writes benchmarks/results/audit_overhead.json
     python benchmarks/audit_overhead.py --quick          # one audited gpt-tiny run, 5 steps: writes nothing
+    python benchmarks/audit_overhead.py --plan signed    # the 4-stage plan: writes signed_rows
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from benchmarks.verification import OVERHEAD_MODELS, allowed_model, overhead_pla
 RESULTS = ROOT / "benchmarks" / "results" / "audit_overhead.json"
 EVERIES = (4, 16)
 GOAL = 0.05
+PLANS = {"copies": (3, frozenset({1})), "signed": (4, frozenset({1, 2}))}   # depth, untrusted stages
 
 
 def _run(path: Path, spec: str, steps: int, every: int) -> dict[str, float]:
@@ -45,13 +52,14 @@ def _run(path: Path, spec: str, steps: int, every: int) -> dict[str, float]:
 
 
 def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
-            everies: tuple[int, ...] = EVERIES, *, baseline: bool = True) -> list[dict[str, Any]]:
+            everies: tuple[int, ...] = EVERIES, *, baseline: bool = True, plan: str = "copies") -> list[dict[str, Any]]:
     """Per model and ``--audit-every`` value, the step with audits against without (``baseline`` False: the
     audited runs alone, no overhead: a smoke run)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, seq, steps) in models.items():
-            path = overhead_plan(spec, Path(tmp), host=False, seq=seq, depth=3, untrusted=frozenset({1}), split=True)
+            depth, untrusted = PLANS[plan]
+            path = overhead_plan(spec, Path(tmp), host=False, seq=seq, depth=depth, untrusted=untrusted, split=True)
             runs: dict[int, list[dict[str, float]]] = {e: [] for e in ((0,) if baseline else ()) + everies}
             for _ in range(reps):
                 for every, done in runs.items():
@@ -81,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--every", type=int, nargs="+", default=list(EVERIES), help="--audit-every values timed")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--plan", choices=list(PLANS), default="copies", help="the audited plan (see above)")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS.relative_to(ROOT)} (--quick: none)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -92,16 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {out}: its folder does not exist")
     if any(e < 1 for e in args.every):
         parser.error(f"--every {args.every}: expected values >= 1 (one audited microbatch in every K)")
-    rows = measure(models, reps, tuple(args.every), baseline=not args.quick)
+    rows = measure(models, reps, tuple(args.every), baseline=not args.quick, plan=args.plan)
     wide = [r for r in rows if r["model"] != "gpt-tiny"]
     goal = {e: all(r["overhead"] <= GOAL for r in wide if r["audit_every"] == e) for e in args.every} if wide else None
     print(f"goal (<= {GOAL:.0%} at d >= 384), by --audit-every: {'not measured' if goal is None else goal}")
-    if out is not None:
+    if out is not None and args.plan == "copies":
+        kept = {k: v for k, v in _old(out).items() if k.startswith("signed")}
         out.write_text(json.dumps({"rows": rows, "goal": GOAL, "goal_met_by_every": goal,
                                    "date": time.strftime("%Y-%m-%d"),
-                                   "plan": "3 stages, middle untrusted, verifiers split: audits from copies"},
+                                   "plan": "3 stages, middle untrusted, verifiers split: audits from copies", **kept},
                                   indent=1) + "\n")
+    elif out is not None:
+        out.write_text(json.dumps({**_old(out), "signed_rows": rows, "signed_goal_met_by_every": goal,
+                                   "signed_date": time.strftime("%Y-%m-%d"),
+                                   "signed_plan": "4 stages, 1 and 2 untrusted: stage 1 audited from copies, "
+                                                  "stage 2 from signed inputs"}, indent=1) + "\n")
     return 0
+
+
+def _old(out: Path) -> dict[str, Any]:
+    return json.loads(out.read_text()) if out.exists() else {}
 
 
 if __name__ == "__main__":
