@@ -44,11 +44,10 @@ counted), and corrupt what the audits cannot see: a microbatch whose tensors thi
 gradients sent to it by an untrusted downstream stage: those audits are skipped; gradients where the inputs are
 copied), and its own gradient contribution (the contribution monitor and ``--robust-reduce`` watch that; a sole
 replica's applied gradient is its own word). Like every check of this verifier, an audit takes the copy a replica
-sends it for what the consumer received (only a stage's inputs from an untrusted stage are signed: ``audit_signed``,
-where its replicas forward them). Nothing received is unpickled or executed: keys and digests are int64 tensors,
-the gradient and the input copies float tensors of sizes the plan fixes, received into buffers of that shape.
-Where the stage before is untrusted, the replicas forward the audited inputs under that stage's signatures
-(``audit_signed``). Not audited: a stage the planner's rule rules out (the first or last stage, a sole replica
+sends it for what the consumer received (the transfers are not signed, except where the stage before is
+untrusted: the replicas then forward the audited inputs under that stage's signatures, ``audit_signed``). Nothing
+received is unpickled or executed: keys and digests are int64 tensors, the gradient and the input copies float
+tensors of sizes the plan fixes, received into buffers of that shape. Not audited: a stage the planner's rule rules out (the first or last stage, a sole replica
 whose link tests check it), a run resumed from a checkpoint (the copy would start from the seed), a
 stage whose forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
 """
