@@ -51,7 +51,8 @@ replicated stage's gradients once its replicas are done. Priced the same way
   stage, on the upstream replicas they are routed through.
 * Stage ``k``'s all-reduce starts when its own last backward ends: upstream of
   the bottleneck as the last gradient drains through it, downstream once the
-  bottleneck's last forwards made their round trips there (``_finishes``); a
+  bottleneck's last forwards made their round trips there (``_finishes``), never
+  before its replicas' first inputs arrived and all their passes ran (``_own_floor``); a
   replica that checks gradients first finishes its checks; then the optimizer
   step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
 * An audited stage's auditor (``audit_price``) recomputes its audited microbatches among its checks (its
@@ -294,6 +295,13 @@ def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths,
             arrive = forward_end - (fb[kb][j] - bw[kb][j]) + p.fwd[x][k] - p.fwd[x][kb]
             out[k] = max(out[k], arrive + fb[k][i] + p.down[x][k])
     return out
+
+
+def _own_floor(routes, fb, p: _Paths) -> list[float]:
+    """Per stage, the earliest its last backward can end: each replica's first microbatch arrives, then the
+    replica runs all its passes (a stage the drain leaves early still has them to run)."""
+    return [max(p.fwd[ids[0]][k] + p.late_f[ids[0]][k] + len(ids) * t for ids, t in zip(rs, fb[k]))
+            for k, rs in enumerate(routes)]
 
 
 def _drain(bottleneck: tuple[int, int, float], limits, p: _Paths, bw, stages, routes) -> list[float]:
@@ -539,6 +547,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
             drained = _drain(last_forward[name], limits, p, bw, stages, routes)
             pipe = max(pipe, drained[0])
             finishes = [max(f, d) for f, d in zip(finishes, drained)] + finishes[len(drained):]
+    finishes = [max(f, own) for f, own in zip(finishes, _own_floor(routes, fb, p))]
     last = len(p.fwd) - 1
     sent = list(finishes)  # the checks wait on the senders' own finishes, whatever order the checks come in
     for k, st in enumerate(stages):  # a replica that checks gradients all-reduces after its last check

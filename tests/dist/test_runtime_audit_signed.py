@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from planner.errors import InvalidInputError
 from planner.runtime.launcher.launch import RunBanned, launch
 from planner.runtime.options import RunOptions
 from planner.simulate import audit_site
@@ -73,3 +74,12 @@ def test_a_stage_corrupting_its_outputs_or_forging_its_inputs_is_banned_and_its_
     audits = _audits(stopped.value.result)
     assert audits["failed_by_sender"].get(str(AUDITED), 0) >= 1 and str(UPSTREAM) not in audits["failed_by_sender"]
     assert (audits["signed"]["forged"] >= 1) == ("dir=inputs" in attack), audits
+
+
+@pytest.mark.parametrize("rank,every", [(UPSTREAM, None), (AUDITED, 0)])
+def test_forging_inputs_where_no_replica_forwards_any_is_refused_before_a_process_starts(tmp_path, rank, every):
+    # rank 1 signs but forwards nothing; with audits off (0) nobody forwards: the attack would do nothing
+    path = _plan(tmp_path, every=4)
+    with pytest.raises(InvalidInputError, match="dir=inputs on a replica of a stage audited from signed inputs"):
+        launch(RunOptions(plan=str(path), steps=STEPS, timeout_s=60, audit_every=every,
+                          attacks=(f"rank={rank},kind=noise,std=0.2,dir=inputs",)))

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from planner.errors import InvalidInputError, RankFailureError
+from planner.integrity.attacks import parse_attack
 from planner.integrity.hooks import validate_attacks
 from planner.outputs import write_atomic
 from planner.runtime.data import check_data, parse_data_spec
@@ -49,6 +50,7 @@ from planner.runtime.options import (
     is_factory_spec,
     refuse_onnx_model,
 )
+from planner.runtime.rank.audits import audited_stages
 from planner.runtime.rank.rank_setup import check_model, check_pretrained
 from planner.runtime.recovery import checkpoint
 from planner.runtime.recovery.rank_checkpoint import STOP_ENV
@@ -60,6 +62,23 @@ _KILL_GRACE_S = 5.0
 
 
 # --------------------------------------------------------------------------- preflight
+def _check_forgers(plan, opts: RunOptions) -> None:
+    """An ``--attack ...,dir=inputs`` forges the inputs a replica forwards its auditor: only a replica of a
+    stage audited from signed inputs forwards any (elsewhere the attack would do nothing, silently)."""
+    forgers = [s for s in opts.attacks if parse_attack(s).direction == "inputs"]
+    if not forgers:
+        return
+    verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
+    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
+    replicas = sorted({r for st in stages.values() if st.signed_by for r in st.replicas})
+    for s in forgers:
+        if parse_attack(s).rank not in replicas:
+            raise InvalidInputError(f"--attack {s!r}", expected="dir=inputs on a replica of a stage audited from "
+                                    f"signed inputs (ranks {replicas or 'none in this plan and run'})",
+                                    found=f"rank {parse_attack(s).rank}",
+                                    fix="attack that rank's outputs (dir=act) or name a replica of a signed-audited stage")
+
+
 def preflight(opts: RunOptions):
     """Everything checkable before a process starts; returns the plan."""
     key = run_secret(opts.secret_file)
@@ -67,6 +86,7 @@ def preflight(opts: RunOptions):
     refuse_onnx_model(plan.model.spec)
     check_model_allowed(plan.model.spec, opts.model)  # before anything imports the model
     validate_attacks(opts.attacks, plan.num_ranks)
+    _check_forgers(plan, opts)
     if opts.fault is not None and opts.fault.rank >= plan.num_ranks:
         raise InvalidInputError("--fault rank", expected=f"< {plan.num_ranks}", found=str(opts.fault.rank))
     bundle, _ = check_model(plan, seed=opts.seed, model=opts.model)
