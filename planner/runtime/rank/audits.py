@@ -130,6 +130,10 @@ class RuntimeAudits:
     claim: Future | None = None   # a replica's digest of it, hashed on ``hasher`` as its optimizer steps
     hasher: Executor | None = None   # a replica of a stage with twins: hashes its applied gradient off the run's thread
     hearing: dict[int, Any] = field(default_factory=dict)   # the auditor's receives of it, by stage, posted early
+    # the auditor's two receive buffers per stage, used in turn, so a receive never waits for the copy's step
+    inboxes: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    filling: dict[int, int] = field(default_factory=dict)        # stage -> the buffer its posted receive fills
+    stepped_from: dict[int, int] = field(default_factory=dict)   # stage -> the buffer its copy's last step read
     suspended: dict[int, int] = field(default_factory=dict)   # stage -> step its replicas' digests disagreed
     # an upstream rank's, for a stage audited from copies: the auditor's schedule, and this step's kept inputs
     sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
@@ -312,15 +316,25 @@ def post_hearing(ex: Any, step: int) -> None:
     for k, st in audits.stages.items():
         copy = audits.copies.get(k)
         if st.auditor == ex.rank and st.source != ex.rank and copy is not None:
-            copy.settle()   # its last step read the inbox (the gradients were views of it)
-            if copy.inbox is None:
-                copy.inbox = torch.empty(copy.flat_size, device=ex.device)
+            inbox = _free_inbox(audits, k, copy.flat_size, ex.device)
             tag = _whole_tag(st)
-            receive = dist.P2POp(dist.irecv, copy.inbox, st.source, tag=comm.make_tag(**tag),
+            receive = dist.P2POp(dist.irecv, inbox, st.source, tag=comm.make_tag(**tag),
                                  group=comm.channel_group(tag["kind"], tag["boundary"]))
-            audits.hearing[k] = comm.post([receive], [copy.inbox], peer=st.source,
+            audits.hearing[k] = comm.post([receive], [inbox], peer=st.source,
                                           doing=f"hearing stage {k}'s applied gradient from rank {st.source} "
                                                 f"(step {step})")
+
+
+def _free_inbox(audits: RuntimeAudits, stage: int, size: int, device: torch.device) -> torch.Tensor:
+    """The receive buffer of ``stage``'s next applied gradient: not the one its copy's last step read (that step
+    may still run on the stepper, the gradients views of it), so posting never waits for it. Allocated once each:
+    fresh pages cost a fill."""
+    boxes = audits.inboxes.setdefault(stage, [])
+    i = 1 - audits.stepped_from.get(stage, 1)
+    while len(boxes) <= i:
+        boxes.append(torch.empty(size, device=device))
+    audits.filling[stage] = i
+    return boxes[i]
 
 
 def finish(ex: Any) -> None:
@@ -383,6 +397,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
     got = control.gather_to(torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64, device=ex.device), dst=st.auditor,
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
+    filled = audits.filling.pop(st.stage, None) if hearing is not None else None
     if hearing is not None:
         flat = hearing.wait()[0]
     else:   # not posted ahead (``post_hearing``); the value only gives the shape and dtype: not filled
@@ -410,6 +425,10 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
             verifier.suspend_audits(st.stage, step)
         return
     copy.step_later(flat if judged.stepped else None)
+    if filled is None:
+        audits.stepped_from.pop(st.stage, None)   # it steps from a buffer of its own: both inboxes free
+    else:
+        audits.stepped_from[st.stage] = filled
 
 
 def _hashed_early(copy: StageCopy, st: AuditedStage, hearing: Any) -> Future | None:
