@@ -15,8 +15,13 @@ must be trusted (each at most a group's trusted devices; one fewer in a longer p
 them: the other end holds one). Stage 0's last backward ends the pipeline, and its all-reduce and optimizer step
 follow (``step >= pipe + AR_0 + optim_0``): every replica's budget is less the least optimizer step of any stage 0,
 and stage 0's own replicas' less its own all-reduce and optimizer step (a tiny model on one GPU: the step is its
-passes and its optimizer step, which this bound then is). Not the other stages' all-reduces after their passes:
-``program_cost`` dates a later stage's last backward from the bottleneck's timing, not from its own passes.
+passes and its optimizer step, which this bound then is). Every other stage's all-reduce starts no sooner than
+its replicas' first inputs plus all their own passes (``program_cost``; the simulator runs a rank's passes, then
+its all-reduce, then its optimizer step), so each replica's passes also fit ``B`` less the blocks before it
+forward at their least, ``hops(s)`` one way, the stage's all-reduce over the ring its devices make and its
+optimizer step (its group's least): ``step >= arrival + m t + AR_k + optim_k``. The ring's size is what the
+test counts, so the count is raised to a fixed point (``_after_passes``). On DT-FM worldwide this charges a
+replicated stage of three layers its 1.2 s all-reduce after its passes (bound 1,422 -> 2,211 ms).
 
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
 their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
@@ -46,6 +51,8 @@ TOTAL_CELLS = 4_000_000
 REL_TOL = 1e-5
 # Splits of the kinds (fastest first) into two groups tried at most.
 MAX_SPLITS = 3
+# Rounds of raising a stage's devices by its all-reduce at the ring size they make (each round's count is valid).
+ROUNDS = 8
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
@@ -88,6 +95,7 @@ class _Group:
     mem: float
     count: int
     trusted: int
+    classes: tuple[int, ...] = ()
 
     @staticmethod
     def of(problem: Problem, classes: list[int]) -> _Group:
@@ -100,7 +108,7 @@ class _Group:
         return _Group(np.concatenate([[0.0], np.cumsum(t)]), path,
                       float(max(problem.classes[c].mem_bytes for c in classes)),
                       sum(problem.classes[c].count for c in classes),
-                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted))
+                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted), tuple(classes))
 
 
 class _Test:
@@ -138,6 +146,13 @@ class _Test:
         devices = fast.count + slow.count
         self.ring = Rings(problem, stage, min(M, devices))
         self.middle_ring = Rings(problem, stage, min(M, devices), reserved=2 if self.ends else 0)
+        # A stage's all-reduce and optimizer step follow its own passes, which start once its first microbatch's
+        # forward is in: blocks 0..j-1 forward at their least and the hops before it, one way.
+        bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
+        self.F = np.concatenate([[0.0], np.cumsum((problem.time_ms - bwd)[:, stage].min(axis=1))])
+        one_way = hops_ms(problem, stage, L)
+        self.arrive = np.where(j > 0, one_way[None, :L + 1] if track == "stages" else one_way[1], 0.0)
+        self.optim = [_optim_ms(problem, g.classes) for g in (self.a, self.b)]
 
     @staticmethod
     def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
@@ -190,20 +205,22 @@ class _Test:
         fewest of group ``b``'s devices that run its ``M`` microbatches within ``B`` (inf: none will do)."""
         slack = B - self.U[js][:, None] - self.extra[js] - self.opt_any  # (J, Z)
         end = (js == 0) | (i == self.L) if self.ends else np.zeros(len(js), dtype=bool)
-        nb = self._nb(js, i, slack, end)
+        nb = self._after_passes(B, js, i, slack, end, self._nb(js, i, slack, end))
         y = np.arange(self.a.count + 1)
         nb = np.where(self._ring_ok(B, js, i, end, y[None, None, :] + nb), nb, np.inf)
         if js[0] == 0:
             nb[0] = self._first(B, i, end[:1])[None, :]
         return nb
 
-    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray, end: np.ndarray) -> np.ndarray:
+    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray | list[np.ndarray], end: np.ndarray) -> np.ndarray:
         """Per stage, state and count ``y`` of group ``a``'s devices, the fewest of group ``b``'s whose passes fit
-        ``slack`` (the all-reduce aside; inf: none will do)."""
-        per = [self._per(g, js, i, slack) for g in (self.a, self.b)]
+        ``slack`` (per stage and state, or per group a list of them per stage, state and ``y``; the all-reduce
+        aside; inf: none will do)."""
+        slacks = slack if isinstance(slack, list) else [slack[:, :, None]] * 2
+        per = [self._per(g, js, i, s) for g, s in zip((self.a, self.b), slacks)]
         y = np.arange(self.a.count + 1)
-        short = np.maximum(self.M - y[None, None, :] * per[0][:, :, None], 0)
-        pb = per[1][:, :, None]
+        short = np.maximum(self.M - y[None, None, :] * per[0], 0)
+        pb = per[1]
         with np.errstate(divide="ignore", invalid="ignore"):
             nb = np.where(short == 0, 0.0, np.where(pb > 0, np.ceil(short / np.maximum(pb, 1)), np.inf))
         cap_a = np.where(end, self._end_cap(self.a, js, i), self.a.count)[:, None, None]
@@ -237,11 +254,43 @@ class _Test:
 
     def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray) -> np.ndarray:
         """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it)."""
-        t = (g.prefix[i] - g.prefix[js])[:, None]
-        fits = (self.need[i] - self.need[js] <= g.mem)[:, None]
+        shape = (len(js),) + (1,) * (slack.ndim - 1)
+        t = (g.prefix[i] - g.prefix[js]).reshape(shape)
+        fits = (self.need[i] - self.need[js] <= g.mem).reshape(shape)
         with np.errstate(divide="ignore", invalid="ignore"):
             per = np.where(t > 0, np.floor(slack / np.where(t > 0, t, 1.0)), self.M)
         return np.where(fits & (slack >= 0), np.clip(per, 0, self.M), 0)
+
+    def _after_passes(self, B: float, js: np.ndarray, i: int, slack: np.ndarray, end: np.ndarray,
+                      nb: np.ndarray) -> np.ndarray:
+        """``nb`` raised where each replica's passes, after its first microbatch's arrival, and then the stage's
+        all-reduce and optimizer step must fit ``B`` too (``step >= arrival + m t + AR_k + optim_k``). The ring's
+        size is not known: ``y + nb`` is at most it, so its floor at that size is at most the plan's, and the
+        fewest devices under it a count the plan's is no less than, and so on to a fixed point."""
+        y = np.arange(self.a.count + 1)[None, None, :]
+        room = (B - self.F[js][:, None] - self.arrive[js])[:, :, None]  # (J, Z, 1)
+        params = self.params[i] - self.params[js]
+        for _ in range(ROUNDS):
+            floor = self._floors(params, y + nb, end)
+            slacks = [np.minimum(slack[:, :, None], room - opt[js, i][:, None, None] - floor) for opt in self.optim]
+            raised = np.maximum(self._nb(js, i, slacks, end), nb)
+            if np.array_equal(raised, nb):
+                break
+            nb = raised
+        return nb
+
+    def _floors(self, params: np.ndarray, r: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Per stage, the least all-reduce of its gradients over a ring of ``r`` (the counts past the largest ring
+        at the largest's: the floors rise with ``r``; inf counts: inf)."""
+        out = np.full(r.shape, np.inf)
+        for n in range(len(params)):
+            ring = self.ring if end[n] else self.middle_ring
+            rr = r[n]
+            ok = np.isfinite(rr)
+            if ok.any():
+                idx = np.minimum(rr[ok], len(ring.none) - 1).astype(int)
+                out[n][ok] = ring.floor(np.full(len(idx), params[n]), idx)
+        return out
 
     def _ring_ok(self, B: float, js: np.ndarray, i: int, end: np.ndarray, r: np.ndarray) -> np.ndarray:
         """Whether a ring of ``r`` replicas all-reduces the stage's gradients within ``B`` (``r < 2``: none)."""
@@ -259,3 +308,13 @@ class _Test:
             idx = np.where(np.isfinite(rr), np.minimum(rr, top), 0).astype(int)
             out[n] = fine[idx]
         return out
+
+
+def _optim_ms(problem: Problem, classes: tuple[int, ...]) -> np.ndarray:
+    """Per stage ``j..i-1`` (``[j, i]``), the least optimizer step of its blocks on any of ``classes`` (0: none)."""
+    L = problem.num_blocks
+    out = np.zeros((L + 1, L + 1))
+    for j in range(L):
+        for i in range(j + 1, L + 1):
+            out[j, i] = min((problem.range_optim_ms(j, i - 1, c) for c in classes), default=0.0)
+    return out
