@@ -16,6 +16,7 @@ same plan without audits (and so without signatures). Rows in the result's ``sig
     python benchmarks/audit_overhead.py                  # writes benchmarks/results/audit_overhead.json
     python benchmarks/audit_overhead.py --quick          # one audited gpt-tiny run, 5 steps: writes nothing
     python benchmarks/audit_overhead.py --plan signed    # the 4-stage plan: writes signed_rows
+    python benchmarks/audit_overhead.py --steps 16 --every 4 16 1000   # longer runs; 1 in 1000: the sync alone
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=list(OVERHEAD_MODELS), default=list(OVERHEAD_MODELS))
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--every", type=int, nargs="+", default=list(EVERIES), help="--audit-every values timed")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps a run (default the model's: 8 at d=384, 6 at d=768; the first 3 warm up)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plan", choices=list(PLANS), default="copies", help="the audited plan (see above)")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS.relative_to(ROOT)} (--quick: none)")
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         models, reps, args.every = {"gpt-tiny": ("gpt-tiny", None, 5)}, 1, [4]
     else:
         models, reps = {m: OVERHEAD_MODELS[m] for m in args.models}, args.reps
+        if args.steps is not None:
+            if args.steps < 5:
+                parser.error(f"--steps {args.steps}: expected >= 5 (3 warm up)")
+            models = {m: (spec, seq, args.steps) for m, (spec, seq, _) in models.items()}
     out = args.out or (None if args.quick else RESULTS)
     if out is not None and not out.parent.is_dir():
         parser.error(f"--out {out}: its folder does not exist")
