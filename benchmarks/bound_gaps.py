@@ -18,7 +18,8 @@ window across slow links), ``memory`` (stage 0's in-flight window, or no island 
 ``replicas`` (``planner.solver.bound.replicas``: each stage's busy time against its replicas' all-reduce, the
 last stage's path), ``fill`` (``planner.solver.bound.fill``: every stage's replicas at their own kind's speed after
 the path before them, stage 0's all-reduce and optimizer step after the pipeline, every other stage's after its
-own first input and passes). ``previous_bound_ms`` / ``previous_gap``: the
+own first input and passes, each replica's first backward after the round trip below it, its stages counted).
+``previous_bound_ms`` / ``previous_gap``: the
 bound and gap the results file held before this run (the last commit's code).
 
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
