@@ -6,7 +6,9 @@ a value per parameter and a presence flag per parameter tensor, as its optimizer
 auditor posts once its own program is done (the transfer overlaps the source's step and the auditor's recomputes). The auditor recomputes the stage on the step's
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
-optimizer step to its copy once it has heard them, on a thread of its own: the step goes on meanwhile, and the copy's
+optimizer step to its copy once it has heard them (a sole replica's report, judged without the gradient: once the
+gradient is in, the step's end not waiting for it, as long as it is in, and the copy stepped, by the next step's
+recompute, and in before the source sends the next one), on a thread of its own: the step goes on meanwhile, and the copy's
 next recompute waits for it (``optim_ms``: work on the auditor, never on the step's path, which assumes the
 auditor's idle time before its next audit, the pipeline's fill at least, covers it). Where it verifies the stage's input boundary too (*held*),
 it recomputes from tensors its checks already hold (the link tests' copy of the stage's input). Where it audits
@@ -55,6 +57,7 @@ class AuditCost:
     copied: bool = False  # the audited inputs come copied from the upstream stage at the step's end
     signed: bool = False  # ... from the stage's own replicas, signed by the (untrusted) upstream stage
     request_ms: float = 0.0   # signed: the auditor's request to the first replica (the later ones: in copy_ms)
+    sole: bool = False    # one replica: its report is judged without the gradient, needed only by the next step
 
     @property
     def total_ms(self) -> float:
@@ -65,8 +68,8 @@ class AuditCost:
         """When the auditor is done with the step's audit. Copied, it first receives the inputs (a transfer starts
         when both ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``).
         It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
-        (the replicas send after their optimizer steps) and the source's gradient (:meth:`heard_ms`); its copy
-        steps after that, off the step's path (``optim_ms``)."""
+        (the replicas send after their optimizer steps) and, where it has twins, the source's gradient
+        (:meth:`heard_ms`); its copy steps once the gradient is in, off the step's path (``optim_ms``)."""
         start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms,
                                   gradient_sent_ms=gradient_sent_ms if gradient_sent_ms is not None else replicas_done_ms)
         return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=auditor_free_ms,
@@ -94,9 +97,22 @@ class AuditCost:
         auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``)."""
         left = 0.0 if self.during_step else self.recompute_ms
         digests = max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms
+        gradient_in = self.gradient_in_ms(replicas_done_ms=replicas_done_ms, posted_ms=posted_ms
+                                          if posted_ms is not None else recompute_from_ms,
+                                          gradient_sent_ms=gradient_sent_ms)
+        if self.sole:
+            # it must be in, and the copy stepped, by the next step's recompute (``recompute_from_ms`` into it), and
+            # in before the source's next send (``sent`` into it, on the same link): times from the step's start
+            sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
+            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent))
+        return max(digests, gradient_in)
+
+    def gradient_in_ms(self, *, replicas_done_ms: float, posted_ms: float, gradient_sent_ms: float | None = None) -> float:
+        """When the source's gradient is in: sent from ``gradient_sent_ms`` (None: ``replicas_done_ms``), received
+        from when the auditor posted its receive (``posted_ms``). The copy steps from then (``optim_ms``), at the
+        earliest once the auditor has heard the digests."""
         sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
-        posted = recompute_from_ms if posted_ms is None else posted_ms
-        return max(digests, max(sent, posted) + self.gradient_ms)
+        return max(sent, posted_ms) + self.gradient_ms
 
 
 def applied_gradient_bytes(params: int, param_tensors: int) -> float:
@@ -143,7 +159,7 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
              output_bytes: float, source_link: Link, digest_link: Link, verifier_mem_bw_bytes_per_s: float,
              optim_ms: float, backward_ms: float | None = None, input_bytes: float = 0.0,
              copy_links: Sequence[tuple[Link | None, int]] = (), input_elem_bytes: int = 4,
-             signed: bool = False) -> AuditCost:
+             signed: bool = False, sole: bool = False) -> AuditCost:
     """The expected cost of one step's audit of a stage running ``microbatches`` a step, one in ``every``
     audited. ``forward_ms``/``backward_ms`` (None: activations only): the stage's passes of one microbatch on
     the auditor; ``output_bytes``/``input_bytes``: one microbatch's output and input at the training dtype,
@@ -154,7 +170,9 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     stage a step; the auditor receives their copies of the audited inputs one after another (:func:`copy_ms`).
     ``signed``: the copies come from the stage's own replicas (``copy_links`` theirs), each on the auditor's
     request over the same link (a latency), sent once the copy before is in: the first request is ``request_ms``,
-    the later ones count in ``copy_ms``."""
+    the later ones count in ``copy_ms``. ``sole``: the stage runs on one replica, whose report the auditor judges
+    without the gradient: its step's end waits for the digests, and for the gradient only as far as the next
+    step's recompute and the source's next send need it (:meth:`AuditCost.heard_ms`)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise InvalidInputError("audit every", expected="one audited microbatch in every >= 1", found=repr(every))
     if microbatches < 0:
@@ -186,4 +204,5 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
     return AuditCost(recompute_ms=microbatches / every * one,
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
                      digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads,
-                     copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=requests[0] if requests else 0.0)
+                     copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=requests[0] if requests else 0.0,
+                     sole=sole)

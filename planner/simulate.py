@@ -451,7 +451,7 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
                     verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
                     optim_ms=optim_ms(params, config, spec, param_tensors=tensors),
                     copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype),
-                    signed=bool(where.signed_by))
+                    signed=bool(where.signed_by), sole=len(plan.stage_ranks(k)) == 1)
 
 
 def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere) -> tuple[tuple[Link | None, int], ...]:
@@ -514,8 +514,9 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
 def _audits(run: _Run) -> None:
     """Each audited stage, in order: its auditor, once its program is done (and, copied, the upstream ranks'
     copies of the audited inputs are in), recomputes the step's audited microbatches, then hears the replicas'
-    digests and applied gradient (after their optimizer steps): its step ends then; its copy steps on a thread of
-    its own, into the next step (``planner.runtime.rank.audits``)."""
+    digests and applied gradient (after their optimizer steps): its step ends then (a sole replica's: once it has
+    the digest, the gradient needed only by the next step's recompute); its copy steps on a thread of its own, once
+    the gradient is in, into the next step (``planner.runtime.rank.audits``)."""
     plan = run.plan
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
@@ -523,11 +524,13 @@ def _audits(run: _Run) -> None:
         free = run.clock[auditor]
         start = _hear_inputs(run, k, where, cost)
         left = 0.0 if cost.during_step else cost.recompute_ms
-        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=max(run.clock[r] for r in plan.stage_ranks(k)),
-                              posted_ms=free, gradient_sent_ms=run.reached_optim[int(where.source)])
-        end = heard + cost.optim_ms
+        done = max(run.clock[r] for r in plan.stage_ranks(k))
+        sent = run.reached_optim[int(where.source)]
+        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent)
+        stepping = max(heard, cost.gradient_in_ms(replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent))
         boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
-                 ("control", start + left, heard, "applied gradient"), ("optim", heard, end, "copy's step"))
+                 ("control", start + left, heard, "applied gradient"),
+                 ("optim", stepping, stepping + cost.optim_ms, "copy's step"))
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
         run.clock[auditor] = heard

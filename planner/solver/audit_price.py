@@ -179,7 +179,7 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
                     verifier_mem_bw_bytes_per_s=problem.classes[cls].spec.mem_bw_bytes_per_s,
                     optim_ms=problem.range_optim_ms(first, last, cls),
                     copy_links=_copy_links(problem, site, st if site.signed_by else upstream),
-                    input_elem_bytes=problem.elem_bytes, signed=bool(site.signed_by))
+                    input_elem_bytes=problem.elem_bytes, signed=bool(site.signed_by), sole=len(st.devices) == 1)
 
 
 def _copy_links(problem: Problem, site: AuditSite, senders: StagePlacement | None) -> tuple[tuple[Link | None, int], ...]:

@@ -75,6 +75,21 @@ class StageCopy:
         else:
             self.pending = self.stepper.submit(self.apply, flat)
 
+    def step_when_heard(self, hearing: Any, stepped: bool) -> None:
+        """``step_later`` with the gradient still travelling (``hearing``: its posted receive, ``comm.Pending``):
+        the stepper waits for it, then steps (``stepped``) or not; the run's step end need not wait for it (a sole
+        replica's report is judged without it). An error receiving it is raised where ``settle`` is next called."""
+        self.settle()
+
+        def heard_then_apply() -> None:
+            flat = hearing.wait()[0]
+            self.apply(flat if stepped else None)
+
+        if self.stepper is None:
+            heard_then_apply()
+        else:
+            self.pending = self.stepper.submit(heard_then_apply)
+
     def settle(self) -> None:
         """Wait for the copy's step still running on the stepper, if any (its error raised here)."""
         pending, self.pending = self.pending, None

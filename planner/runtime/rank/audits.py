@@ -8,7 +8,8 @@ digest (blake2b) of the gradient its optimizer applied (after the sum over repli
 replica, with no twin to agree with, only whether it stepped), one replica (the lowest trusted one, else the
 lowest) sends that gradient whole, and the auditor, finding every digest equal to the tensor's, applies the same
 optimizer step to its copy, on a thread of its own while the run goes on (``audit_copy.StageCopy.step_later``: the copy's next
-recompute waits for it). During the step the auditor keeps, for the
+recompute waits for it; a sole replica's report needs no tensor to judge, so there the step's end does not wait
+for the gradient either: the copy steps once it is in, ``step_when_heard``). During the step the auditor keeps, for the
 microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion, where it
 holds the input), the tensors its checks already see: the stage's input (as the verifier of the boundary before
 it), the replica's output, the gradient the replica was sent and the one it sent upstream. As soon as a
@@ -127,6 +128,7 @@ class RuntimeAudits:
     applied: torch.Tensor | None = None   # a replica's: the gradient its optimizer stepped with this step
     outbox_flat: torch.Tensor | None = None   # the buffer ``applied`` is written into every step
     sending: Any = None   # the source's: that gradient on its way to the auditor (``comm.Pending``), sent as it steps
+    in_flight: Any = None   # ... still on its way after the step's end: waited before ``outbox_flat`` is rewritten
     claim: Future | None = None   # a replica's digest of it, hashed on ``hasher`` as its optimizer steps
     hasher: Executor | None = None   # a replica of a stage with twins: hashes its applied gradient off the run's thread
     hearing: dict[int, Any] = field(default_factory=dict)   # the auditor's receives of it, by stage, posted early
@@ -240,9 +242,10 @@ def keep_applied(ex: Any, idle: Sequence[torch.nn.Parameter]) -> None:
               .reshape(-1) for p in ex.params]
     present = torch.tensor([float(p.grad is not None and id(p) not in skipped) for p in ex.params],
                            device=values[0].device)
+    _sent(audits)   # last step's gradient left ``outbox_flat`` before it is rewritten
     if audits.outbox_flat is None:
         audits.outbox_flat = torch.empty(sum(v.numel() for v in values) + len(values), device=values[0].device)
-    # into last step's buffer, whose send and digest ``end_step`` saw done: no fresh pages to fault in
+    # into last step's buffer, whose send (``_sent``) and digest are done: no fresh pages to fault in
     audits.applied = torch.cat([*values, present], out=audits.outbox_flat)
     st = audits.stages[ex.info.stage]
     if ex.rank == st.source and ex.rank != st.auditor:   # on its way while the optimizer steps (``end_step``)
@@ -343,6 +346,7 @@ def finish(ex: Any) -> None:
     if audits is None:
         return
     try:
+        _sent(audits)
         for copy in audits.copies.values():
             copy.settle()
     finally:
@@ -371,6 +375,7 @@ def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | 
     if ex.rank == st.source:
         sending, ex.audits.sending = ex.audits.sending, None
         if sending is None:   # it took no step (``keep_applied`` sent nothing): zeros, before the digest as ever
+            _sent(ex.audits)   # last step's, still in flight: in order, and never dropped unwaited
             size = sum(p.numel() for p in ex.params) + len(ex.params)
             sending = comm.send([torch.zeros(size, device=ex.device)], peer=st.auditor, doing=_sending(st, step),
                                 **_whole_tag(st))
@@ -380,8 +385,15 @@ def _send_applied(ex: Any, st: AuditedStage, step: int, applied: torch.Tensor | 
         report = digest(applied) if len(st.replicas) > 1 else stepped_only(applied)
     control.gather_to(report.to(ex.device), dst=st.auditor, me=ex.rank, ranks=ranks,
                       topic=control.Topic.AUDIT, device=ex.device, index=2 * st.stage, doing=doing)
-    if sending is not None:
-        sending.wait()
+    # the transfer goes on past the step's end: waited before the buffer is rewritten (``keep_applied``, ``finish``)
+    ex.audits.in_flight = sending
+
+
+def _sent(audits: RuntimeAudits) -> None:
+    """The source's last applied gradient received by the auditor (its send waited)."""
+    in_flight, audits.in_flight = audits.in_flight, None
+    if in_flight is not None:
+        in_flight.wait()
 
 
 def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
@@ -398,6 +410,15 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
     filled = audits.filling.pop(st.stage, None) if hearing is not None else None
+    if hearing is not None and len(st.replicas) == 1:
+        assert got is not None and filled is not None
+        control.checked_ints({st.source: got[st.source]}, what="applied-gradient report",
+                             expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
+        # a sole replica's report is judged without its tensor (``judge_applied``): the copy steps once the
+        # gradient is in, on its stepper, and the step's end (the verdict) does not wait for the transfer
+        copy.step_when_heard(hearing, st.stage not in audits.suspended and int(got[st.source][0]) == 1)
+        audits.stepped_from[st.stage] = filled
+        return
     if hearing is not None:
         flat = hearing.wait()[0]
     else:   # not posted ahead (``post_hearing``); the value only gives the shape and dtype: not filled
