@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from planner.runtime.rank import audit_copy, audits
+from planner.runtime.rank import audit_applied, audit_copy, audits
 from planner.runtime.rank.stage import ValueSpec
 
 
@@ -54,12 +54,12 @@ def _applied(params, grads, idle=()):
 
 def test_the_digest_hashes_the_gradients_bytes_as_they_are():
     flat = torch.randn(1000)
-    raw = hashlib.blake2b(flat.numpy().tobytes(), digest_size=8 * audits.DIGEST_WORDS).digest()
-    words = [int.from_bytes(raw[8 * i:8 * i + 8], "big", signed=True) for i in range(audits.DIGEST_WORDS)]
-    assert audits.digest(flat).tolist() == [1, *words]
-    assert audits.digest(flat[::2]).tolist() == audits.digest(flat[::2].clone()).tolist()   # strided: its values
-    assert audits.stepped_only(flat).tolist() == [1] + [0] * audits.DIGEST_WORDS
-    assert audits.stepped_only(None).tolist() == audits.digest(None).tolist()
+    raw = hashlib.blake2b(flat.numpy().tobytes(), digest_size=8 * audit_applied.DIGEST_WORDS).digest()
+    words = [int.from_bytes(raw[8 * i:8 * i + 8], "big", signed=True) for i in range(audit_applied.DIGEST_WORDS)]
+    assert audit_applied.digest(flat).tolist() == [1, *words]
+    assert audit_applied.digest(flat[::2]).tolist() == audit_applied.digest(flat[::2].clone()).tolist()   # strided: its values
+    assert audit_applied.stepped_only(flat).tolist() == [1] + [0] * audit_applied.DIGEST_WORDS
+    assert audit_applied.stepped_only(None).tolist() == audit_applied.digest(None).tolist()
 
 
 def test_a_copy_stepped_on_its_own_thread_holds_the_replicas_weights_bit_for_bit():
@@ -142,24 +142,24 @@ def test_a_replica_with_twins_hashes_its_applied_gradient_as_its_optimizer_steps
         flat = torch.cat([module.weight.grad.reshape(-1), module.bias.grad, torch.ones(2)])
         assert torch.equal(state.applied, flat)
         if len(replicas) > 1:
-            assert torch.equal(state.claim.result(), audits.digest(flat))
+            assert torch.equal(state.claim.result(), audit_applied.digest(flat))
         else:
             assert state.claim is None
 
 
 def test_the_auditor_judges_twins_with_the_digest_it_hashed_early_as_with_its_own():
     flat = torch.randn(10)
-    honest = tuple(audits.digest(flat).tolist())
+    honest = tuple(audit_applied.digest(flat).tolist())
     reports = {1: honest, 2: honest}
-    early = audits.digest(flat)
-    assert audits.judge_applied(reports, flat, source=1, trusted=frozenset({1}), hashed=early) == \
-        audits.judge_applied(reports, flat, source=1, trusted=frozenset({1}))
+    early = audit_applied.digest(flat)
+    assert audit_applied.judge_applied(reports, flat, source=1, trusted=frozenset({1}), hashed=early) == \
+        audit_applied.judge_applied(reports, flat, source=1, trusted=frozenset({1}))
     # the early hash is what the tensor is checked against: another one is the source's lie
-    assert audits.judge_applied(reports, flat, source=1, trusted=frozenset(), hashed=audits.digest(flat + 1)).suspend
+    assert audit_applied.judge_applied(reports, flat, source=1, trusted=frozenset(), hashed=audit_applied.digest(flat + 1)).suspend
     # a source that took no step is checked against no digest, whatever was hashed
-    none = {1: tuple(audits.digest(None).tolist()), 2: tuple(audits.digest(None).tolist())}
-    assert audits.judge_applied(none, torch.zeros(10), source=1, trusted=frozenset(), hashed=early) == \
-        audits.AppliedJudgement(stepped=False, suspend=False)
+    none = {1: tuple(audit_applied.digest(None).tolist()), 2: tuple(audit_applied.digest(None).tolist())}
+    assert audit_applied.judge_applied(none, torch.zeros(10), source=1, trusted=frozenset(), hashed=early) == \
+        audit_applied.AppliedJudgement(stepped=False, suspend=False)
 
 
 def test_a_replica_writes_its_applied_gradient_into_one_buffer_step_after_step():

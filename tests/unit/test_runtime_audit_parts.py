@@ -23,7 +23,7 @@ from planner.runtime.outputs.run_report import (
     audit_counts,
     verifier_sum,
 )
-from planner.runtime.rank import audit_copy, audit_inputs, audits
+from planner.runtime.rank import audit_applied, audit_copy, audit_inputs, audits
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
@@ -34,12 +34,12 @@ from tests.dist.plans import make_plan
 
 def test_the_digest_tells_equal_gradients_from_any_changed_value():
     flat = torch.randn(100)
-    assert torch.equal(audits.digest(flat), audits.digest(flat.clone()))
+    assert torch.equal(audit_applied.digest(flat), audit_applied.digest(flat.clone()))
     bumped = flat.clone()
     bumped[37] = torch.nextafter(bumped[37], torch.tensor(math.inf))
-    assert not torch.equal(audits.digest(flat), audits.digest(bumped))
-    assert audits.digest(None).tolist() == [0] * (1 + audits.DIGEST_WORDS)
-    assert audits.digest(flat)[0] == 1 and audits.digest(flat).dtype == torch.int64
+    assert not torch.equal(audit_applied.digest(flat), audit_applied.digest(bumped))
+    assert audit_applied.digest(None).tolist() == [0] * (1 + audit_applied.DIGEST_WORDS)
+    assert audit_applied.digest(flat)[0] == 1 and audit_applied.digest(flat).dtype == torch.int64
 
 
 def test_the_error_is_relative_and_infinite_for_another_shape_or_other_non_finite_values():
@@ -162,29 +162,29 @@ def test_the_runtime_does_not_audit_a_stage_whose_boundary_is_compressed(stage, 
 
 def _reports(flat, replicas=(1, 2, 3), **lies):
     """Replicas 1 (trusted here or not), 2 and 3 each reporting ``flat``'s digest, but for ``lies``."""
-    honest = tuple(audits.digest(flat).tolist())
+    honest = tuple(audit_applied.digest(flat).tolist())
     return {r: tuple(lies[f"r{r}"].tolist()) if f"r{r}" in lies else honest for r in replicas}
 
 
 def test_a_trusted_sources_update_is_the_truth_and_its_twin_reporting_another_fails_an_audit():
     flat = torch.randn(10)
-    lie = audits.digest(flat + 1)
-    judged = audits.judge_applied(_reports(flat, (1, 3), r3=lie), flat, source=1, trusted=frozenset({1}))
-    assert judged == audits.AppliedJudgement(stepped=True, suspend=False, liars=(3,))
+    lie = audit_applied.digest(flat + 1)
+    judged = audit_applied.judge_applied(_reports(flat, (1, 3), r3=lie), flat, source=1, trusted=frozenset({1}))
+    assert judged == audit_applied.AppliedJudgement(stepped=True, suspend=False, liars=(3,))
     # claiming to have taken no step is a lie too; the honest twin is never named
-    judged = audits.judge_applied(_reports(flat, (1, 2), r2=audits.digest(None)), flat, source=1,
+    judged = audit_applied.judge_applied(_reports(flat, (1, 2), r2=audit_applied.digest(None)), flat, source=1,
                                   trusted=frozenset({1}))
     assert judged.liars == (2,) and not judged.suspend and judged.stepped
-    assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset({1})) == \
-        audits.AppliedJudgement(stepped=True, suspend=False)
+    assert audit_applied.judge_applied(_reports(flat), flat, source=1, trusted=frozenset({1})) == \
+        audit_applied.AppliedJudgement(stepped=True, suspend=False)
 
 
 def test_with_three_replicas_a_disagreement_with_a_trusted_source_names_nobody():
     """The all-reduce relays partial sums through the replicas: a relaying attacker could frame an honest one."""
     flat = torch.randn(10)
-    judged = audits.judge_applied(_reports(flat, r3=audits.digest(flat + 1)), flat, source=1,
+    judged = audit_applied.judge_applied(_reports(flat, r3=audit_applied.digest(flat + 1)), flat, source=1,
                                   trusted=frozenset({1}))
-    assert judged == audits.AppliedJudgement(stepped=True, suspend=True)
+    assert judged == audit_applied.AppliedJudgement(stepped=True, suspend=True)
     event = audit.applied_gradient_event(step=5, stage=1, sender=3)
     jsonschema.validate([event], FLAG_EVENTS_SCHEMA)
     assert proven([event]) == {3} and blame_weights([event])[3] == math.inf
@@ -192,26 +192,26 @@ def test_with_three_replicas_a_disagreement_with_a_trusted_source_names_nobody()
 
 def test_without_a_trusted_replica_a_disagreement_stops_the_audits_and_names_nobody():
     flat = torch.randn(10)
-    lie = audits.digest(flat + 1)
-    assert audits.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset()) == \
-        audits.AppliedJudgement(stepped=True, suspend=True)
+    lie = audit_applied.digest(flat + 1)
+    assert audit_applied.judge_applied(_reports(flat, r3=lie), flat, source=1, trusted=frozenset()) == \
+        audit_applied.AppliedJudgement(stepped=True, suspend=True)
     # the source's tensor is not what it reports (both from it alone): an untrusted source lies, a trusted one
     # (which cannot) is not named; the audits stop either way
-    judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset())
+    judged = audit_applied.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset())
     assert judged.suspend and judged.liars == (1,)
-    judged = audits.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset({1}))
+    judged = audit_applied.judge_applied(_reports(flat), flat + 1, source=1, trusted=frozenset({1}))
     assert judged.suspend and not judged.liars
     # a sole replica's update is its own word (it reports only whether it stepped): what it sends is stepped with,
     # and a lie about it leaves the copy off the weights it computes with, which its audits then fail
-    assert audits.judge_applied({1: tuple(audits.stepped_only(flat).tolist())}, flat + 1, source=1,
-                                trusted=frozenset()) == audits.AppliedJudgement(stepped=True, suspend=False)
-    assert not audits.judge_applied({1: tuple(audits.stepped_only(None).tolist())}, flat, source=1,
+    assert audit_applied.judge_applied({1: tuple(audit_applied.stepped_only(flat).tolist())}, flat + 1, source=1,
+                                trusted=frozenset()) == audit_applied.AppliedJudgement(stepped=True, suspend=False)
+    assert not audit_applied.judge_applied({1: tuple(audit_applied.stepped_only(None).tolist())}, flat, source=1,
                                     trusted=frozenset()).stepped
-    assert audits.judge_applied(_reports(flat), flat, source=1, trusted=frozenset()) == \
-        audits.AppliedJudgement(stepped=True, suspend=False)
-    nothing = {r: tuple(audits.digest(None).tolist()) for r in (1, 2, 3)}
-    assert audits.judge_applied(nothing, torch.zeros(10), source=1, trusted=frozenset()) == \
-        audits.AppliedJudgement(stepped=False, suspend=False)
+    assert audit_applied.judge_applied(_reports(flat), flat, source=1, trusted=frozenset()) == \
+        audit_applied.AppliedJudgement(stepped=True, suspend=False)
+    nothing = {r: tuple(audit_applied.digest(None).tolist()) for r in (1, 2, 3)}
+    assert audit_applied.judge_applied(nothing, torch.zeros(10), source=1, trusted=frozenset()) == \
+        audit_applied.AppliedJudgement(stepped=False, suspend=False)
 
 
 class _Verifier:
@@ -235,9 +235,9 @@ def _sync(monkeypatch, *, trusted, lie_by: int):
     runtime = type("R", (), {"module": module, "parameters": lambda self: tuple(module.named_parameters())})()
     copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
     flat = torch.tensor([1.0, 2.0, 1.0])   # the weight's gradient, then its presence flag
-    digests = {0: torch.zeros(1 + audits.DIGEST_WORDS, dtype=torch.int64), 1: audits.digest(flat),
-               2: audits.digest(flat)}
-    digests[lie_by] = audits.digest(flat * 2)
+    digests = {0: torch.zeros(1 + audit_applied.DIGEST_WORDS, dtype=torch.int64), 1: audit_applied.digest(flat),
+               2: audit_applied.digest(flat)}
+    digests[lie_by] = audit_applied.digest(flat * 2)
     replies = iter([digests, {0: torch.zeros(3), 1: flat}])
     monkeypatch.setattr(audits.control, "gather_to", lambda *a, **k: next(replies))
     st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
