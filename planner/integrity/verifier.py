@@ -52,7 +52,7 @@ from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
-from planner.integrity.audit import AuditLedger, is_audit
+from planner.integrity.audit import AuditLedger
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
     STEP_MB,
@@ -263,15 +263,9 @@ class Verifier:
 
     def add_flags(self, step: int, events: Iterable[Mapping[str, Any]]) -> None:
         """Flag events of ``step`` judged elsewhere on this rank (a replica's gradient contribution,
-        ``contributions``; a failed audit), exchanged and blamed with the monitors' own. A failed audit carries
-        ``since``, the first step after its sender's last one an audit vouched for (``AuditLedger``): the
-        audits are sampled, so its unaudited microbatches since then may be the attack's too, and recovery
-        resumes from before them (every verifier reads ``since`` from the exchanged flag alike)."""
+        ``contributions``), exchanged and blamed with the monitors' own."""
         for event in events:
-            event = dict(event)
-            if is_audit(event) and "since" not in event:
-                event["since"] = self.audit_ledger.suspect_since(int(event["sender"]), step)
-            self.events.append(event)
+            self.events.append(dict(event))
             self._step_flags.setdefault(step, []).append(dict(event))
 
     def end_step(self, step: int, all_flag_events: Iterable[Any]) -> set[int]:

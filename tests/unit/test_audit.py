@@ -90,28 +90,3 @@ def test_recovery_resumes_after_the_last_step_an_audit_vouched_for():
     assert ledger.suspect_since(1, 22) == 18
     ledger.record(3, 21, passed=True)
     assert ledger.suspect_since(3, 25) == 22 and ledger.suspect_since(1, 30) == 18
-
-
-def test_a_failed_audit_rolls_the_first_flagged_step_back_to_after_the_last_vouched_one():
-    """Audits are sampled: an attacker caught at step 30 whose last passed audit was step 24 may have attacked its
-    unaudited microbatches of 25-29, so every verifier reads 25 as its first flagged step (the flag says so)."""
-    def verifier():
-        return Verifier(VerifierConfig().to_dict(), [(0, "grad"), (1, "act")], stage_of=STAGE_OF,
-                        microbatches=ONE_EACH)
-
-    auditor, other = verifier(), verifier()
-    for step in (20, 24):
-        auditor.record_audit(1, step, passed=True)
-    auditor.record_audit(1, 30, passed=False)
-    auditor.add_flags(30, [audit.audit_event(step=30, mb=0, boundary=1, direction="act", sender=1, error=0.7,
-                                             tolerance=0.01)])
-    (flag,) = [e for e in auditor.events if e.get("type") == "flag"]
-    assert flag["since"] == 25
-    for v in (auditor, other):   # the exchange hands every verifier the same flags
-        assert v.end_step(30, [[flag]]) == {1}
-        assert v.ban_records()[1] == (25, 30) and v.unresolved()[1] == 25
-    never = verifier()   # never vouched for: nothing it sent was checked
-    never.record_audit(3, 30, passed=False)
-    never.add_flags(30, [audit.audit_event(step=30, mb=0, boundary=1, direction="act", sender=3, error=0.7,
-                                           tolerance=0.01)])
-    assert never.events[-1]["since"] == 0
