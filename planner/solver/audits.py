@@ -34,7 +34,9 @@ from planner.solver.solution import StagePlacement
 EVERY_CHOICES = (2, 4, 8, 16)   # 1 in 2 meets MISS_TARGET with one microbatch a replica a step
 MISS_STEPS = 10        # the attack the share is sized against: a replica corrupting every microbatch this many steps
 MISS_TARGET = 1e-3     # the chance it may go unaudited all that time
-APPLIED_GRADIENT_BYTES_PER_PARAM = 4   # the replicas' applied gradient, received whole as float32
+# the replicas' applied gradient, received whole as float32 into one of two buffers in turn (the copy's last step
+# may still read the other: ``runtime.rank.audits._free_inbox``)
+APPLIED_GRADIENT_BYTES_PER_PARAM = 2 * 4
 
 
 def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
@@ -69,7 +71,7 @@ def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
 
 def copy_bytes(problem: Problem, st: StagePlacement) -> int:
     """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audit_copy.StageCopy``): the weights,
-    gradients and optimizer state a replica holds, the applied gradient it receives whole, the activations of
+    gradients and optimizer state a replica holds, the two buffers the applied gradient is received into, the activations of
     the one microbatch it recomputes, and the audited microbatches' input and output it keeps until then (each
     is drawn on its own, so a step may audit all of them: counted for all)."""
     tables = problem.tables(st.recompute)

@@ -78,3 +78,14 @@ def test_the_inbox_after_a_step_not_taken_is_the_one_just_filled_again():
     assert second is not first
     # no step from ``second`` (the replicas took none): the copy may still read ``first``, so ``second`` again
     assert audits._free_inbox(state, 1, 4, torch.device("cpu")) is second
+
+
+def test_the_planner_counts_both_receive_buffers_in_the_auditors_memory():
+    from planner.solver.audits import APPLIED_GRADIENT_BYTES_PER_PARAM
+
+    state, size = audits.RuntimeAudits(stages={}), 1000
+    for last in (1, 0, 1, 0):   # the copy stepped from one buffer, then the other: the receives alternate
+        state.stepped_from[3] = last
+        audits._free_inbox(state, 3, size, torch.device("cpu"))
+    held = sum(box.numel() * box.element_size() for box in state.inboxes[3])
+    assert held == APPLIED_GRADIENT_BYTES_PER_PARAM * size
