@@ -14,13 +14,12 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.simulate import simulate
 from planner.solver.bound import fill
-from planner.solver.objective import price_program, violations
+from planner.solver.objective import violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import bound_problem, build_problem, scale_chain
+from planner.solver.problem import build_problem, scale_chain
 from planner.solver.search.polish import polish
 from tests.unit.program_fixtures import _compiled, random_placement
 from tests.unit.solver_fixtures import random_chain
-from tests.unit.test_bound_replicas import _every_plan, _slow_pool
 
 HAIR = 1 + 1e-9
 
@@ -75,29 +74,3 @@ def test_below_random_and_climbed_plans_priced_and_simulated(ends, monkeypatch):
                 assert bound <= simulate(compiled).step_ms * HAIR, plan
                 simulated += 1
     assert simulated >= 8 and raised >= 2, (simulated, raised)
-
-
-@pytest.mark.parametrize("gbps,schedule", [(0.5, "1f1b"), (2.0, "gpipe")])
-def test_each_stage_count_below_its_plans(gbps, schedule):
-    """The bound of the plans of ``S`` stages (each stage's round trip below it crossing ``S - 1 - z`` boundaries
-    each way, ``fill._Test.total``) stays below every enumerated plan of ``S`` stages on one-GPU hosts (priced; the
-    programs' cost of a plan is within the simulator's, tested above), and above the bound that does not count the
-    stages for some ``S``."""
-    problem = _slow_pool(gbps, 4, 3e8, schedule)
-    relaxed = bound_problem(problem)
-    stage = [c.index for c in relaxed.classes if c.stage_capable]
-    test = fill._Test(relaxed, stage, fill._Group.of(relaxed, stage), fill._Group.of(relaxed, []), "stages")
-    plain = test.least_ms(0.0)
-    prices: dict[int, list[float]] = {}
-    for placement in _every_plan(problem, max_stages=4):
-        prices.setdefault(len(placement.stages), []).append(price_program(problem, placement).step_ms)
-    assert len(prices) >= 3
-    stronger = 0
-    for S, priced in prices.items():
-        test.total = S
-        bound = test.least_ms(0.0)
-        ms = min(priced)
-        assert bound <= ms * HAIR, (S, bound, ms)
-        stronger += bound > plain * (1 + 1e-4)
-    test.total = None
-    assert stronger >= 1

@@ -23,14 +23,6 @@ optimizer step (its group's least): ``step >= arrival + m t + AR_k + optim_k``. 
 test counts, so the count is raised to a fixed point (``_after_passes``). On DT-FM worldwide this charges a
 replicated stage of three layers its 1.2 s all-reduce after its passes (bound 1,422 -> 2,211 ms).
 
-A replica's first backward waits for its first forward's round trip below it: the blocks after it forward and
-backward at their least and a hop each way per stage after it, so its ``m`` passes take at least ``f + trip +
-m b`` as well as ``m t`` (``program_cost``'s idle while the first gradient makes the round trip; the simulator's
-dependences). The stages after a stage are known only with the stage count ``S``: the DP then tracks the stages
-before it (``z``) and requires ``S`` in all, ``S - 1 - z`` after it (``least_over_counts_ms``: the least over
-``S``, deep pipelines first, a count skipped once it cannot beat the least so far). DT-FM worldwide: 2,211 ->
-2,374 ms (at 20 stages the last stage's path, fewer stages their round trips and all-reduces).
-
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
 their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
 on that bounds it. ``step >= B`` for the least ``B`` at which some partition meets all this with the pool's
@@ -43,7 +35,6 @@ and a stage of V100s deep in the chain pays its fill at their speed).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +51,6 @@ TOTAL_CELLS = 4_000_000
 REL_TOL = 1e-5
 # Splits of the kinds (fastest first) into two groups tried at most.
 MAX_SPLITS = 3
-# Relative width a stage count's bisection stops at (its infeasible end: valid whatever the width).
-COUNT_TOL = 2e-3
-# Feasibility tests a stage count may cost at most on average (the counts' loop is skipped past the work cap).
-COUNT_TESTS = 8
 # Rounds of raising a stage's devices by its all-reduce at the ring size they make (each round's count is valid).
 ROUNDS = 8
 
@@ -86,12 +73,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
             if cells > CELLS or spent + cells > TOTAL_CELLS:
                 continue
             spent += cells
-            test = _Test(problem, stage, fast, slow, track)
-            best = max(best, test.least_ms(best))
-            counts = min(L, fast.count + slow.count)
-            if track == "stages" and spent + COUNT_TESTS * counts * cells <= TOTAL_CELLS:
-                spent += COUNT_TESTS * counts * cells
-                best = max(best, test.least_over_counts_ms(best, counts))
+            best = max(best, _Test(problem, stage, fast, slow, track).least_ms(best))
     return best
 
 
@@ -114,8 +96,6 @@ class _Group:
     count: int
     trusted: int
     classes: tuple[int, ...] = ()
-    fwd: np.ndarray | None = None  # prefix sums of the least forward and the least backward per block
-    bwd: np.ndarray | None = None
 
     @staticmethod
     def of(problem: Problem, classes: list[int]) -> _Group:
@@ -123,13 +103,12 @@ class _Group:
         if not classes:
             return _Group(np.zeros(L + 1), np.full(L, np.inf), 0.0, 0, 0)
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
-        f, b = (problem.time_ms - bwd)[:, classes].min(axis=1), bwd[:, classes].min(axis=1)
+        path = (problem.time_ms - bwd)[:, classes].min(axis=1) + bwd[:, classes].min(axis=1)
         t = problem.time_ms[:, classes].min(axis=1)
-        return _Group(np.concatenate([[0.0], np.cumsum(t)]), f + b,
+        return _Group(np.concatenate([[0.0], np.cumsum(t)]), path,
                       float(max(problem.classes[c].mem_bytes for c in classes)),
                       sum(problem.classes[c].count for c in classes),
-                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted), tuple(classes),
-                      np.concatenate([[0.0], np.cumsum(f)]), np.concatenate([[0.0], np.cumsum(b)]))
+                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted), tuple(classes))
 
 
 class _Test:
@@ -174,7 +153,6 @@ class _Test:
         one_way = hops_ms(problem, stage, L)
         self.arrive = np.where(j > 0, one_way[None, :L + 1] if track == "stages" else one_way[1], 0.0)
         self.optim = [_optim_ms(problem, g.classes) for g in (self.a, self.b)]
-        self.one_way, self.total = one_way, None  # total: the stages of every plan tested (None: any)
 
     @staticmethod
     def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
@@ -183,34 +161,6 @@ class _Test:
         if not slow.count:
             return _Group(np.zeros_like(fast.prefix), np.full(len(fast.path), np.inf), 0.0, 0, 0), fast
         return (fast, slow) if track == "slow" or fast.count <= slow.count else (slow, fast)
-
-    def least_over_counts_ms(self, floor_ms: float, counts: int) -> float:
-        """The least over stage counts ``S`` of the least ``B`` a plan of ``S`` stages may meet (the round trip
-        below each stage then has its hops: ``S - 1 - z``), ``floor_ms`` where some count meets it."""
-        least = math.inf
-        for S in range(counts, 0, -1):  # deep pipelines first: their round trips are long, their passes short
-            self.total = S
-            hi = least if math.isfinite(least) else 1e12
-            if not self.feasible(hi):
-                continue  # no plan of S stages under the least so far
-            if self.feasible(floor_ms):
-                least = floor_ms
-                break
-            lo = floor_ms
-            if not math.isfinite(least):  # a bracket: from the floor up, doubling
-                hi = max(2 * lo, float(self.U[-1]) + 1.0)
-                while not self.feasible(hi):
-                    lo, hi = hi, 2 * hi
-            least = self._bisect(lo, hi, COUNT_TOL)
-        self.total = None
-        return max(floor_ms, least) if math.isfinite(least) else floor_ms
-
-    def _bisect(self, lo: float, hi: float, tol: float) -> float:
-        """``lo`` infeasible, ``hi`` feasible: the infeasible end once within ``tol``, less a hair."""
-        while hi - lo > tol * hi:
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
-        return lo * (1 - 1e-9)
 
     def least_ms(self, floor_ms: float) -> float:
         """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above)."""
@@ -222,7 +172,10 @@ class _Test:
             if hi > 1e12:
                 return floor_ms
             lo, hi = hi, 2 * hi
-        return self._bisect(lo, hi, REL_TOL)
+        while hi - lo > REL_TOL * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
+        return lo * (1 - 1e-9)
 
     def feasible(self, B: float) -> bool:
         """Whether some partition meets ``B`` with the pool's devices: blocks in order, per state the fewest
@@ -245,8 +198,6 @@ class _Test:
                     for n, jj in enumerate(js):
                         d = i - int(jj)
                         np.minimum(best[i, :, d:], cand[n, :, :Z - d], out=best[i, :, d:])
-        if self.total is not None:
-            return bool((best[L, :, self.total] <= self.b.count).any())
         return bool((best[L] <= self.b.count).any())
 
     def _fewest(self, B: float, js: np.ndarray, i: int) -> np.ndarray:
@@ -261,15 +212,12 @@ class _Test:
             nb[0] = self._first(B, i, end[:1])[None, :]
         return nb
 
-    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray | list[np.ndarray], end: np.ndarray,
-            trip: np.ndarray | None = None) -> np.ndarray:
+    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray | list[np.ndarray], end: np.ndarray) -> np.ndarray:
         """Per stage, state and count ``y`` of group ``a``'s devices, the fewest of group ``b``'s whose passes fit
         ``slack`` (per stage and state, or per group a list of them per stage, state and ``y``; the all-reduce
-        aside; inf: none will do). ``trip``: the round trip below the stage, if not that of its state."""
+        aside; inf: none will do)."""
         slacks = slack if isinstance(slack, list) else [slack[:, :, None]] * 2
-        if trip is None:
-            trip = self._trip(i, slacks[0].shape[1])[None, :, None]
-        per = [self._per(g, js, i, s, trip) for g, s in zip((self.a, self.b), slacks)]
+        per = [self._per(g, js, i, s) for g, s in zip((self.a, self.b), slacks)]
         y = np.arange(self.a.count + 1)
         short = np.maximum(self.M - y[None, None, :] * per[0], 0)
         pb = per[1]
@@ -294,41 +242,23 @@ class _Test:
         floors = np.concatenate([[0.0], self.ring.floor(np.full(max(top - 1, 0), self.params[i]),
                                                         np.arange(2, top + 1))])  # r = 1..top
         cap_b = self._end_cap(self.b, np.zeros(1, dtype=int), i)[0] if end[0] else self.b.count
-        slack = B - self.opt0[i] - floors[:max(top, 1)]  # per r, as the r-th column of a state axis
-        r = np.arange(1, len(slack) + 1)[slack >= 0]
-        if not len(r):
-            return np.full(len(y), np.inf)
-        trip = np.full((1, len(r), 1), self._trip(i, 1)[0])  # stage 0: no stage before it
-        nb = self._nb(js, i, slack[None, :len(r)], end, trip)[0]  # (r, y)
-        ok = (y[None, :] + nb <= r[:, None]) & (r[:, None] - y[None, :] <= cap_b)
-        return np.where(ok, r[:, None] - y[None, :], np.inf).min(axis=0)
+        out = np.full(len(y), np.inf)
+        for r in range(1, max(top, 1) + 1):
+            slack = B - self.opt0[i] - floors[r - 1]
+            if slack < 0:
+                break  # the floors rise with r
+            nb = self._nb(js, i, np.array([[slack]]), end)[0, 0]
+            ok = (y + nb <= r) & (r - y <= cap_b)
+            out = np.where(ok, np.minimum(out, r - y), out)
+        return out
 
-    def _trip(self, i: int, Z: int) -> np.ndarray:
-        """Per state ``z``, the least round trip below a stage ending before block ``i`` (module docstring): the
-        blocks after it forward and backward at their least and the hops each way to the last stage, one where the
-        stages are not counted (inf: no stage count fits)."""
-        if i == self.L:
-            return np.zeros(Z)
-        rest = float(self.U[-1] - self.U[i])
-        if self.total is None:
-            return np.full(Z, rest + 2 * self.one_way[1])
-        after = self.total - 1 - np.arange(Z)
-        return np.where(after >= 1, rest + 2 * self.one_way[np.clip(after, 0, self.L)], np.inf)
-
-    def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray, trip: np.ndarray) -> np.ndarray:
-        """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it): ``m`` passes,
-        and its first backward no sooner than its first forward and ``trip``, the round trip below it (``m t``
-        and ``f + trip + m b`` both fit)."""
+    def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray) -> np.ndarray:
+        """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it)."""
         shape = (len(js),) + (1,) * (slack.ndim - 1)
         t = (g.prefix[i] - g.prefix[js]).reshape(shape)
         fits = (self.need[i] - self.need[js] <= g.mem).reshape(shape)
         with np.errstate(divide="ignore", invalid="ignore"):
             per = np.where(t > 0, np.floor(slack / np.where(t > 0, t, 1.0)), self.M)
-            if g.fwd is not None:
-                b = (g.bwd[i] - g.bwd[js]).reshape(shape)
-                late = slack - (g.fwd[i] - g.fwd[js]).reshape(shape) - trip.reshape(trip.shape[:slack.ndim])
-                per = np.minimum(per, np.where(b > 0, np.floor(late / np.where(b > 0, b, 1.0)),
-                                               np.where(late >= 0, self.M, 0)))
         return np.where(fits & (slack >= 0), np.clip(per, 0, self.M), 0)
 
     def _after_passes(self, B: float, js: np.ndarray, i: int, slack: np.ndarray, end: np.ndarray,
@@ -353,17 +283,31 @@ class _Test:
         """Per stage, the least all-reduce of its gradients over a ring of ``r`` (the counts past the largest ring
         at the largest's: the floors rise with ``r``; inf counts: inf)."""
         out = np.full(r.shape, np.inf)
-        nbytes = np.broadcast_to(params.reshape((-1,) + (1,) * (r.ndim - 1)), r.shape)
-        for ring, rows in ((self.ring, end), (self.middle_ring, ~end)):
-            ok = np.isfinite(r) & rows.reshape((-1,) + (1,) * (r.ndim - 1))
+        for n in range(len(params)):
+            ring = self.ring if end[n] else self.middle_ring
+            rr = r[n]
+            ok = np.isfinite(rr)
             if ok.any():
-                out[ok] = ring.floor(nbytes[ok], np.minimum(r[ok], len(ring.none) - 1).astype(int))
+                idx = np.minimum(rr[ok], len(ring.none) - 1).astype(int)
+                out[n][ok] = ring.floor(np.full(len(idx), params[n]), idx)
         return out
 
     def _ring_ok(self, B: float, js: np.ndarray, i: int, end: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """Whether a ring of ``r`` replicas all-reduces the stage's gradients within ``B`` (``r < 2``: none; inf
-        counts: left to the count)."""
-        return np.isinf(r) | (self._floors(self.params[i] - self.params[js], r, end) <= B)
+        """Whether a ring of ``r`` replicas all-reduces the stage's gradients within ``B`` (``r < 2``: none)."""
+        params = self.params[i] - self.params[js]
+        out = np.ones(r.shape, dtype=bool)
+        for n in range(len(js)):
+            ring = self.ring if end[n] else self.middle_ring
+            top = len(ring.none) - 1
+            sizes = np.arange(2, top + 1)
+            if not len(sizes):
+                continue
+            floors = ring.floor(np.full(len(sizes), params[n]), sizes)
+            fine = np.concatenate([[True, True], floors <= B])  # r = 0, 1: no all-reduce
+            rr = r[n]
+            idx = np.where(np.isfinite(rr), np.minimum(rr, top), 0).astype(int)
+            out[n] = fine[idx]
+        return out
 
 
 def _optim_ms(problem: Problem, classes: tuple[int, ...]) -> np.ndarray:
