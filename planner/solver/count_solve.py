@@ -64,7 +64,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                              seen, warm, within=work, seed=seed, rivals=rivals)
     fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
     if found.placement is None:
-        return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem)))
+        return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem, within=work)))
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
@@ -87,7 +87,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0,
-                link_lower_bound_ms(problem))  # the links a plan must cross (``bound.links``)
+                link_lower_bound_ms(problem, within=work))  # the links a plan must cross (``bound.links``)
     left = work.left_s()
     if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
         free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)

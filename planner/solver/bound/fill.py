@@ -41,6 +41,7 @@ import numpy as np
 
 from planner.solver.bound.replicas import Rings, hops_ms
 from planner.solver.problem import Problem, bound_problem
+from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
 
 # DP cells a test may cost at most (blocks^2 / 2 x tracked states x (first group's devices + 1)^2); a variant past
 # it is skipped (no bound from it).
@@ -51,12 +52,16 @@ TOTAL_CELLS = 4_000_000
 REL_TOL = 1e-5
 # Splits of the kinds (fastest first) into two groups tried at most.
 MAX_SPLITS = 3
+# Feasibility tests one test's bracket and bisection to ``REL_TOL`` take at most, for its cost up front.
+TESTS_EACH = 24
 # Rounds of raising a stage's devices by its all-reduce at the ring size they make (each round's count is valid).
 ROUNDS = 8
 
 
-def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
-    """The bound of the module docstring (ms; ``floor_ms``, a bound known valid, where this one is no more)."""
+def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None) -> float:
+    """The bound of the module docstring (ms; ``floor_ms``, a bound known valid, where this one is no more).
+    ``within``: the plan's work budget, charged each feasibility test (``fill_units``); a test it cannot afford
+    in full is skipped (a weaker bound, still valid), so the bound never runs a plan past its time."""
     problem = bound_problem(problem)
     stage = [c.index for c in problem.classes if c.stage_capable]
     if not stage:
@@ -72,8 +77,14 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0) -> float:
             cells = (L + 1) ** 2 // 2 * (L + 1) * (tracked + 1) ** 2
             if cells > CELLS or spent + cells > TOTAL_CELLS:
                 continue
+            each = fill_units(L, fast.count + slow.count)
+            if within is not None and within.left_s() * UNITS_PER_S < TESTS_EACH * each:
+                continue
             spent += cells
-            best = max(best, _Test(problem, stage, fast, slow, track).least_ms(best))
+            test = _Test(problem, stage, fast, slow, track)
+            best = max(best, test.least_ms(best))
+            if within is not None:
+                within.charge(test.tests * each)
     return best
 
 
@@ -120,6 +131,7 @@ class _Test:
     def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str) -> None:
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
+        self.tests = 0   # feasibility tests run (their work charged to the plan's budget)
         self.a, self.b = self.tracked(fast, slow, track)
         pol = problem.policy
         self.ends = pol.enabled and pol.trusted_endpoints
@@ -180,6 +192,7 @@ class _Test:
     def feasible(self, B: float) -> bool:
         """Whether some partition meets ``B`` with the pool's devices: blocks in order, per state the fewest
         devices of group ``b``."""
+        self.tests += 1
         L, NA, Z = self.L, self.a.count, self.L + 1
         best = np.full((L + 1, NA + 1, Z), np.inf)
         best[0, 0, 0] = 0.0

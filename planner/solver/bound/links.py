@@ -61,6 +61,7 @@ from planner.solver.bound.islands import (
 from planner.solver.bound.replicas import replica_bound_ms
 from planner.solver.objective import program_lower_bound_ms
 from planner.solver.problem import Problem, bound_problem
+from planner.solver.search.budget import Work
 
 # Fluid LPs solved per bound, in blocks x kinds (GLOP: ~1 s for 1000 blocks x 44 classes on one core).
 LP_CELLS = 40_000
@@ -82,13 +83,14 @@ class LinkBound:
     islands: int
 
 
-def link_lower_bound_ms(problem: Problem) -> float:
+def link_lower_bound_ms(problem: Problem, *, within: Work | None = None) -> float:
     """:func:`link_lower_bound`'s bound (ms)."""
-    return link_lower_bound(problem).bound_ms
+    return link_lower_bound(problem, within=within).bound_ms
 
 
-def link_lower_bound(problem: Problem) -> LinkBound:
-    """A lower bound on ``price_program`` of every valid plan of ``problem`` (see the module docstring)."""
+def link_lower_bound(problem: Problem, *, within: Work | None = None) -> LinkBound:
+    """A lower bound on ``price_program`` of every valid plan of ``problem`` (see the module docstring);
+    ``within``: the plan's work budget, which the fill bound's tests are charged to (``bound.fill``)."""
     stage = [c.index for c in problem.classes if c.stage_capable]
     if not stage:
         return LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)
@@ -97,7 +99,7 @@ def link_lower_bound(problem: Problem) -> LinkBound:
     last = replica_bound_ms(problem)
     if last > best.bound_ms:
         best = LinkBound(bound_ms=last, limit="replicas", threshold_gbps=None, islands=1)
-    fill = fill_bound_ms(problem, best.bound_ms)
+    fill = fill_bound_ms(problem, best.bound_ms, within=within)
     if fill > best.bound_ms:
         best = LinkBound(bound_ms=fill, limit="fill", threshold_gbps=None, islands=1)
     lps = _Lps(bound_problem(problem), {c: problem.classes[c].count for c in stage})

@@ -120,6 +120,11 @@ def grid_units(num_blocks: int, num_devices: int) -> float:
     return 20.0 + 5.0 * num_devices + 0.2 * num_blocks
 
 
+def fill_units(num_blocks: int, num_devices: int) -> float:
+    """One feasibility test of the fill bound (``bound.fill``; its DP over blocks, vectorised over devices)."""
+    return 200.0 + 0.66 * num_blocks ** 2 * (num_devices + 1)
+
+
 def dp_units(num_blocks: int, num_classes: int, replica_choices: int, layers: int) -> float:
     """One sequence DP of the bound (``bound.sequence_dp``) and the cutting-plane LP after it."""
     return 400.0 + 0.006 * num_blocks ** 1.5 * num_classes * replica_choices * layers
