@@ -99,12 +99,18 @@ def test_twins_still_judge_the_tensor_at_the_steps_end(monkeypatch):
     assert posted[0].waited   # the source's tensor checked against its digest before the step's end
 
 
-def test_the_source_waits_for_its_last_send_before_rewriting_the_buffer_and_at_the_runs_end(monkeypatch):
+def _source():
+    """A sole replica (rank 2) of stage 1, the source of its applied gradient: (module, stage, audits, executor)."""
     module = torch.nn.Linear(3, 2)
     st = audits.AuditedStage(stage=1, replicas=(2,), auditor=0, source=2, every=4, copied_from=(0,))
     state = audits.RuntimeAudits(stages={1: st})
     ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
                          params=list(module.parameters()), rank=2, step=0, device=torch.device("cpu"))
+    return module, st, state, ex
+
+
+def test_the_source_waits_for_its_last_send_before_rewriting_the_buffer_and_at_the_runs_end(monkeypatch):
+    module, st, state, ex = _source()
     waits = []
 
     class _Send:
@@ -126,9 +132,9 @@ def test_the_source_waits_for_its_last_send_before_rewriting_the_buffer_and_at_t
     assert len(waits) == 2
 
 
-def _cost(gradient_bytes_per_s: float, *, sole: bool):
+def _cost(gradient_bytes_per_s: float, *, sole: bool, params: int = 10**6):
     link = Link(bandwidth_gbps=8e-9 * gradient_bytes_per_s, latency_ms=0.0)
-    return audit_ms(every=4, microbatches=4, params=10**6, param_tensors=2, forward_ms=10.0, output_bytes=1e3,
+    return audit_ms(every=4, microbatches=4, params=params, param_tensors=2, forward_ms=10.0, output_bytes=1e3,
                     source_link=link, digest_link=link, verifier_mem_bw_bytes_per_s=1e10, optim_ms=5.0,
                     copy_links=((None, 4),), sole=sole)
 
@@ -143,10 +149,7 @@ def test_a_sole_replicas_step_ends_with_its_digest_unless_its_gradient_would_fal
         pytest.approx(100.0 + fast.recompute_ms + fast.digest_ms)
     # 4 GB of gradient at 1 GB/s: in only 4 s after it left, past the next step's recompute (from 100 ms into it,
     # the copy's 5 ms step first): the step lasts that long
-    slow = audit_ms(every=4, microbatches=4, params=10**9, param_tensors=2, forward_ms=10.0, output_bytes=1e3,
-                    source_link=Link(bandwidth_gbps=8.0, latency_ms=0.0),
-                    digest_link=Link(bandwidth_gbps=8.0, latency_ms=0.0), verifier_mem_bw_bytes_per_s=1e10,
-                    optim_ms=5.0, copy_links=((None, 4),), sole=True)
+    slow = _cost(1e9, sole=True, params=10**9)
     assert slow.end_ms(auditor_free_ms=100.0, replicas_done_ms=0.0, gradient_sent_ms=120.0) == \
         pytest.approx(120.0 + slow.gradient_ms - (100.0 - 5.0))
     # sent at 20 ms, before the auditor posts at 100: in at 100 + 4 s, and the source's next send (20 ms into the
@@ -156,11 +159,7 @@ def test_a_sole_replicas_step_ends_with_its_digest_unless_its_gradient_would_fal
 
 
 def test_a_source_that_takes_no_step_waits_for_its_last_send_before_the_zeros(monkeypatch):
-    module = torch.nn.Linear(3, 2)
-    st = audits.AuditedStage(stage=1, replicas=(2,), auditor=0, source=2, every=4, copied_from=(0,))
-    state = audits.RuntimeAudits(stages={1: st})
-    ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
-                         params=list(module.parameters()), rank=2, step=0, device=torch.device("cpu"))
+    module, st, state, ex = _source()
     events = []
 
     class _Send:
