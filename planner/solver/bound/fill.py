@@ -20,8 +20,8 @@ its replicas' first inputs plus all their own passes (``program_cost``; the simu
 its all-reduce, then its optimizer step), so each replica's passes also fit ``B`` less the blocks before it
 forward at their least, ``hops(s)`` one way, the stage's all-reduce over the ring its devices make and its
 optimizer step (its group's least): ``step >= arrival + m t + AR_k + optim_k``. The ring's size is what the
-test counts, so the count is raised to a fixed point (``_after_passes``). On DT-FM worldwide this charges a
-replicated stage of three layers its 1.2 s all-reduce after its passes (bound 1,422 -> 2,211 ms).
+test counts, so the count is raised to a fixed point (``_after_passes``). Where replicas all-reduce across slow
+links (DT-FM worldwide), this term binds.
 
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
 their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
