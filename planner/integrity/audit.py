@@ -22,7 +22,8 @@ microbatch until its evidence clears: a flag costs an audit, never a ban by itse
 An audit event is a microbatch flag of the verifiers' exchange (``blame.FLAG_EVENTS_SCHEMA``, reason
 :data:`AUDIT_REASON`): the sender's own evidence, outside the causal order (its input was the one it
 received, so nothing upstream explains a mismatch). So is a step-level one
-(:func:`applied_gradient_event`) against a replica whose reported update differs from its trusted twin's.
+(:func:`applied_gradient_event`) against a replica whose reported update differs from its trusted twin's, and
+a failed audit whose verdict came a step late (:func:`late_audit_event`: its ``since`` is the audited step).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ __all__ = [
     "audit_event",
     "failed_audits",
     "is_audit",
+    "late_audit_event",
     "recompute_grads",
     "recompute_input_grad",
     "recompute_output",
@@ -190,6 +192,17 @@ def applied_gradient_event(*, step: int, stage: int, sender: int) -> dict[str, A
     return {"type": "flag", "step": int(step), "mb": -1, "boundary": int(stage), "direction": "grad",
             "sender": int(sender), "scope": "step", "scores": {AUDIT_REASON: 1e9}, "fences": {AUDIT_REASON: 0.0},
             "reasons": [AUDIT_REASON]}
+
+
+def late_audit_event(event: Mapping[str, Any], *, at_step: int) -> dict[str, Any]:
+    """A failed audit's flag (``audit_event``) whose verdict came at ``at_step``, after its audited step (the
+    runtime recomputes a step's audits during the next one): a step-level flag of ``at_step`` whose evidence began
+    at the audited step (``since``), so the ban's first flagged step, where recovery resumes before, is that step."""
+    audited = int(event["step"])
+    if at_step < audited:
+        raise InvalidInputError("late audit verdict", expected=f"a step >= the audited step {audited}",
+                                found=str(at_step))
+    return {**event, "step": int(at_step), "mb": -1, "scope": "step", "since": audited}
 
 
 def is_audit(event: Mapping[str, Any]) -> bool:

@@ -1,6 +1,7 @@
 """The auditor's copy of an audited stage (``planner.runtime.rank.audits``): recomputes its forward and input
 gradients, and takes the replicas' optimizer step with the gradient they applied, on a thread of its own
-(``step_later``; the next recompute waits for it, ``settle``)."""
+(``step_later``; the next recompute waits for it, ``settle``). A step's deferred recomputes
+(``audit_recompute.defer``) queue on that thread before the copy's step: first in, first out."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,9 +41,12 @@ class StageCopy:
         """Values of an applied-gradient message: every parameter's, then one presence flag each."""
         return sum(p.numel() for p in self.params) + len(self.params)
 
-    def forward(self, raw: Sequence[torch.Tensor], precision: Precision, device: torch.device, *, grad: bool):
-        """The stage's inputs (as the replica held them) and outputs, as ``_run_forward`` computes them."""
-        self.settle()
+    def forward(self, raw: Sequence[torch.Tensor], precision: Precision, device: torch.device, *, grad: bool,
+                settle: bool = True):
+        """The stage's inputs (as the replica held them) and outputs, as ``_run_forward`` computes them; ``settle``
+        False: on the stepper, where the copy's steps queued before this one are done already."""
+        if settle:
+            self.settle()
         stage = self.runtime
         inputs = [t.detach().requires_grad_(grad and spec.carries_grad and t.is_floating_point())
                   for t, spec in zip(raw, stage.inputs)]

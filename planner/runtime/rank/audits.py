@@ -13,9 +13,12 @@ for the gradient either: the copy steps once it is in, ``step_when_heard``). Dur
 microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion, where it
 holds the input), the tensors its checks already see: the stage's input (as the verifier of the boundary before
 it), the replica's output, the gradient the replica was sent and the one it sent upstream. As soon as a
-microbatch's tensors are in (the rest at the step's end), with the copy still at the weights the replicas compute
-the whole step with, it recomputes the stage on that input and compares; a relative error past ``audit.TOLERANCE``
-is an ``audit_event`` among the step's flags, which the verifiers' exchange turns into a ban at once.
+microbatch's tensors are in, with the copy still at the weights the replicas compute the whole step with, it
+recomputes the stage on that input and compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event``
+among the step's flags, which the verifiers' exchange turns into a ban at once. The rest, whose tensors are in only
+at the step's end (all of them where the inputs come copied), recompute on the copy's stepper during the next step,
+before the copy steps (``audit_recompute``): their verdict joins the next step's flags, from the audited step on
+(``since``), except on a step that writes a checkpoint or ends the run, which audits them by its end.
 
 Where the auditor does not verify the stage's input boundary, the trusted ranks of the stage before copy it the
 inputs: at the start the auditor sends each of them its key for that stage, point to point (never to a replica),
@@ -64,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from planner.integrity import audit
-from planner.runtime.rank import audit_inputs, audit_signed
+from planner.runtime.rank import audit_inputs, audit_recompute, audit_signed
 from planner.runtime.rank.audit_applied import (
     DIGEST_WORDS,
     digest,
@@ -72,6 +75,8 @@ from planner.runtime.rank.audit_applied import (
     stepped_only,
 )
 from planner.runtime.rank.audit_copy import StageCopy
+from planner.runtime.rank.audit_recompute import ROLES, Deferred
+from planner.runtime.rank.audit_recompute import error as _error  # noqa: F401 - the comparison, as tests name it
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.rank_setup import (
     make_lr_schedule,
@@ -81,8 +86,6 @@ from planner.runtime.rank.rank_setup import (
 from planner.runtime.wire import comm, control
 from planner.simulate import audit_site
 from planner.solver.audit_price import AuditWhere
-
-ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,16 @@ class RuntimeAudits:
     outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
     signed: audit_signed.SignedState = field(default_factory=audit_signed.SignedState)
+    # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
+    deferred: dict[int, Deferred] = field(default_factory=dict)
+    last_step: int | None = None   # the run's last step, which audits in line (None: every step does)
+    checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
+
+    def inline_at(self, step: int) -> bool:
+        """Whether ``step``'s audits are done by its end (its verdict): it ends the run or writes a checkpoint, so no
+        checkpoint and no run's end leaves an audit out (``audit_recompute``); else they recompute in the next."""
+        every = self.checkpoint_every
+        return self.last_step is None or step >= self.last_step or (every is not None and (step + 1) % every == 0)
 
     def auditing(self, rank: int) -> dict[int, AuditedStage]:
         return {k: s for k, s in self.stages.items() if s.auditor == rank and k in self.copies
@@ -156,7 +169,8 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
     here, before the run starts, the way the stage's first replica builds its stage."""
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
-    out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan))
+    out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan), last_step=opts.steps - 1,
+                        checkpoint_every=opts.checkpoint_every if opts.checkpoint_dir is not None else None)
     if any(rank in st.replicas and len(st.replicas) > 1 for st in stages.values()):
         out.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-digest")
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
@@ -288,9 +302,12 @@ def end_step(ex: Any, step: int) -> None:
                 with ex._timed("comm"):
                     (audit_signed.hear if st.signed_by else audit_inputs.hear_inputs)(ex, st, step)
             with ex._timed("verify"):
-                _audit_stage(ex, st, step)
+                _collect(ex, st, step)   # last step's, recomputed meanwhile: their verdict joins this step's
+                inline = audits.inline_at(step)
+                if inline:
+                    _audit_stage(ex, st, step)
             with ex._timed("comm"):
-                _sync_copy(ex, st, step)
+                _sync_copy(ex, st, step, audit_first=None if inline else _deferring(ex, st, step))
         elif ex.rank in st.replicas:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied, claim)
@@ -335,6 +352,8 @@ def finish(ex: Any) -> None:
         return
     try:
         _sent(audits)
+        for deferred in audits.deferred.values():   # left by a run stopped early (a ban): errors raised, no verdict
+            deferred.outcomes.result()
         for copy in audits.copies.values():
             copy.settle()
     finally:
@@ -384,9 +403,10 @@ def _sent(audits: RuntimeAudits) -> None:
         in_flight.wait()
 
 
-def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
+def _sync_copy(ex: Any, st: AuditedStage, step: int, audit_first: Any = None) -> None:
     """The replicas' digests and the source's gradient; the copy steps as ``judge_applied`` says, a replica it
-    proves lying fails an audit."""
+    proves lying fails an audit. ``audit_first``: queues the step's deferred recomputes on the copy's stepper,
+    called right before the copy's step is queued there (after the early digest, which the step's end awaits)."""
     audits: RuntimeAudits = ex.audits
     copy = audits.copies.get(st.stage)
     ranks = sorted({*st.replicas, st.auditor})
@@ -404,6 +424,8 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
                              expected="1 (stepped) or 0 first", allowed=lambda _, v: v in (0, 1))
         # a sole replica's report is judged without its tensor (``judge_applied``): the copy steps once the
         # gradient is in, on its stepper, and the step's end (the verdict) does not wait for the transfer
+        if audit_first is not None:
+            audit_first()
         copy.step_when_heard(hearing, st.stage not in audits.suspended and int(got[st.source][0]) == 1)
         audits.stepped_from[st.stage] = filled
         return
@@ -429,10 +451,14 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int) -> None:
         verifier.add_flags(step, [audit.applied_gradient_event(step=step, stage=st.stage, sender=r)
                                   for r in judged.liars])
     if judged.suspend:
+        if audit_first is not None:   # this step's audits still run: the copy stays at its weights
+            audit_first()
         audits.suspended[st.stage] = step   # someone lied about its update and nobody is believed: audit no more
         if verifier is not None:
             verifier.suspend_audits(st.stage, step)
         return
+    if audit_first is not None:
+        audit_first()
     copy.step_later(flat if judged.stepped else None)
     if filled is None:
         audits.stepped_from.pop(st.stage, None)   # it steps from a buffer of its own: both inboxes free
@@ -449,67 +475,53 @@ def _hashed_early(copy: StageCopy, st: AuditedStage, hearing: Any) -> Future | N
 
 
 def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = None) -> None:
-    """Recompute the kept microbatches (``only`` that one) on the copy, flag each output or input gradient past
-    the tolerance among the step's flags, and forget them. The copy holds the weights the replicas computed the
-    whole step with (it steps at the step's end), so a microbatch is audited as soon as its tensors are in."""
+    """Recompute the kept microbatches (``only`` that one) on the copy, in line, flag each output or input
+    gradient past the tolerance among the step's flags, and forget them. The copy holds the weights the replicas
+    computed the whole step with (it steps after the step's end), so a microbatch is audited as soon as its
+    tensors are in."""
     audits: RuntimeAudits = ex.audits
     copy = audits.copies.get(st.stage)
     verifier = ex.verify.verifier if ex.verify is not None else None
     if copy is None or copy.drifts or verifier is None or st.stage in audits.suspended:
         return
+    taken = audit_recompute.take_kept(audits.kept, st.stage, only)
+    audit_recompute.record(verifier, audit_recompute.recompute(copy, taken, **_recompute_args(ex, st, step)),
+                           at_step=step)
+
+
+def _recompute_args(ex: Any, st: AuditedStage, step: int) -> dict[str, Any]:
     tolerance = audit.TOLERANCE.get(str(ex.precision.dtype).removeprefix("torch."), audit.TOLERANCE["float32"])
-    mbs = sorted({mb for k, _, mb in audits.kept if k == st.stage and only in (None, mb)})
-    events = []
-    for mb in mbs:
-        kept = {role: audits.kept.pop((st.stage, role, mb), None) for role in ROLES}
-        if kept["x"] is None:
-            continue
-        sender = ex.plan.owner(st.stage, mb)
-        grad = kept["g"] is not None and kept["gin"] is not None
-        inputs, outputs = copy.forward([t.to(ex.device) for t in kept["x"]], ex.precision, ex.device, grad=grad)
-        if copy.drifts:
-            return
-        checks = []
-        if kept["y"] is not None:
-            checks.append((st.stage, "act", _error(kept["y"], outputs)))
-        if grad:
-            checks.append((st.stage - 1, "grad", _error(kept["gin"], copy.input_grads(inputs, outputs, kept["g"]))))
-        for boundary, direction, error in checks:
-            event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
-                                      error=error, tolerance=tolerance)
-            verifier.record_audit(sender, step, passed=event is None)
-            if event is not None:
-                events.append(event)
-    verifier.add_flags(step, events)
+    return {"stage": st.stage, "step": step, "owner": lambda mb: ex.plan.owner(st.stage, mb),
+            "precision": ex.precision, "device": ex.device, "tolerance": tolerance}
 
 
-def _error(sent: Sequence[torch.Tensor], recomputed: Sequence[torch.Tensor]) -> float:
-    """The largest relative error of the sent tensors against the recomputed ones (inf where they differ in
-    number, shape or, for integer tensors, value)."""
-    if len(sent) != len(recomputed):
-        return float("inf")
-    worst = 0.0
-    for a, b in zip(sent, recomputed):
-        b = b.detach()
-        if a.is_floating_point() and b.is_floating_point():
-            worst = max(worst, _finite_error(a, b))
-        elif a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
-            return float("inf")
-    return worst
+def _deferring(ex: Any, st: AuditedStage, step: int) -> Any:
+    """What queues the step's kept microbatches of ``st`` on its copy's stepper (``audit_recompute.defer``), to
+    recompute while the next step runs, before the copy steps; the tensors leave ``kept`` now. A copy without a
+    stepper recomputes them in line."""
+    audits: RuntimeAudits = ex.audits
+    copy = audits.copies.get(st.stage)
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    if copy is None or copy.drifts or verifier is None or st.stage in audits.suspended:
+        return None
+    taken = audit_recompute.take_kept(audits.kept, st.stage)
+
+    def queue() -> None:
+        deferred = audit_recompute.defer(copy, taken, **_recompute_args(ex, st, step))
+        if deferred is not None:
+            audits.deferred[st.stage] = deferred
+        elif copy.stepper is None:
+            audit_recompute.record(verifier, audit_recompute.recompute(copy, taken, **_recompute_args(ex, st, step)),
+                                   at_step=step)
+    return queue
 
 
-def _finite_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
-    """``relative_error`` over the finite values, where both hold the same non-finite ones: weights that a
-    poisoned sum made nan give nan on every honest replica and on the copy alike (that is the contribution
-    monitor's to catch; the replica computed what it should)."""
-    if sent.shape != recomputed.shape:
-        return float("inf")
-    a, b = sent.detach().float(), recomputed.float()
-    odd = ~torch.isfinite(b)
-    if not odd.any():
-        return audit.relative_error(a, b)
-    if not torch.equal(~torch.isfinite(a), odd) or not torch.equal(torch.isnan(a), torch.isnan(b)) \
-            or not torch.equal(a[torch.isinf(b)], b[torch.isinf(b)]):
-        return float("inf")
-    return audit.relative_error(a[~odd], b[~odd]) if bool((~odd).any()) else 0.0
-
+def _collect(ex: Any, st: AuditedStage, step: int) -> None:
+    """The verdict of ``st``'s audits deferred from the step before (recomputed on the stepper meanwhile; waited
+    for only if not done yet): among this step's flags, each failed one since its audited step."""
+    audits: RuntimeAudits = ex.audits
+    deferred = audits.deferred.pop(st.stage, None)
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    if deferred is None or verifier is None:
+        return
+    audit_recompute.record(verifier, deferred.outcomes.result(), at_step=step)

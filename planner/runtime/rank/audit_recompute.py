@@ -1,0 +1,129 @@
+"""An audit's recompute and comparison (``planner.runtime.rank.audits``), apart from the verifier: it runs on the
+run's thread (a microbatch audited as its tensors come in, or a step that ends the run or writes a checkpoint) or,
+for the rest of a step's audits, on the copy's stepper during the next step (``defer``), its verdict joining that
+step's flags (``late``): off the step's end, where the verdict waits for every rank.
+
+Why the next step: the recompute needs the copy at the weights the replicas computed the audited step with, and
+the copy steps to the next ones on the same single thread right after it (first in, first out), so nothing waits
+at the step's end; the auditor's main thread meanwhile waits for the pipeline's fill, so the recompute takes that
+idle time. The price is a verdict one step late: a failed audit is then a step-level flag of the next step that
+carries the audited step as ``since`` (``integrity.audit.late_audit_event``), so the ban's first flagged step, and
+the checkpoints set aside from it, go back to the audited step. A step that writes a checkpoint or ends the run
+audits in line (``RuntimeAudits.inline_at``): no checkpoint is written, and no run ends, with an audit still out.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.integrity import audit
+from planner.runtime.rank.audit_copy import StageCopy
+
+ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One comparison of an audited microbatch: its sender, whether it passed, and the flag where it failed."""
+
+    sender: int
+    step: int
+    passed: bool
+    event: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A step's audits of one stage recomputing on its copy's stepper: the audited step and the outcomes to come."""
+
+    step: int
+    outcomes: Future
+
+
+def take_kept(kept: dict[tuple[int, str, int], list[torch.Tensor]], stage: int,
+              only: int | None = None) -> dict[int, dict[str, list[torch.Tensor] | None]]:
+    """Microbatch -> its kept tensors by role, removed from ``kept`` (``only``: that microbatch alone)."""
+    mbs = sorted({mb for k, _, mb in kept if k == stage and only in (None, mb)})
+    return {mb: {role: kept.pop((stage, role, mb), None) for role in ROLES} for mb in mbs}
+
+
+def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, step: int,
+              owner: Callable[[int], int], precision: Any, device: torch.device, tolerance: float,
+              settle: bool = True) -> list[Outcome]:
+    """Recompute each taken microbatch on ``copy`` (at the weights of ``step``) and compare its output and, where
+    kept, its input gradient with the replica's; ``settle`` False on the stepper itself (its queue holds the
+    copy's next step behind this)."""
+    out: list[Outcome] = []
+    for mb, kept in taken.items():
+        if kept["x"] is None:
+            continue
+        sender = owner(mb)
+        grad = kept["g"] is not None and kept["gin"] is not None
+        inputs, outputs = copy.forward([t.to(device) for t in kept["x"]], precision, device, grad=grad,
+                                       settle=settle)
+        if copy.drifts:
+            return out
+        checks = []
+        if kept["y"] is not None:
+            checks.append((stage, "act", error(kept["y"], outputs)))
+        if grad:
+            checks.append((stage - 1, "grad", error(kept["gin"], copy.input_grads(inputs, outputs, kept["g"]))))
+        for boundary, direction, err in checks:
+            event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
+                                      error=err, tolerance=tolerance)
+            out.append(Outcome(sender=sender, step=step, passed=event is None, event=event))
+    return out
+
+
+def defer(copy: StageCopy, taken: dict[int, dict[str, Any]], **kw: Any) -> Deferred | None:
+    """``recompute`` queued on the copy's stepper (before the copy's step to the next weights, which its caller
+    queues next); None where nothing is to recompute or the copy has no stepper (then in line: the caller's)."""
+    if copy.stepper is None or not any(kept["x"] is not None for kept in taken.values()):
+        return None
+    return Deferred(step=kw["step"], outcomes=copy.stepper.submit(recompute, copy, taken, settle=False, **kw))
+
+
+def record(verifier: Any, outcomes: Sequence[Outcome], *, at_step: int) -> None:
+    """The outcomes into ``verifier``: each audit in its ledger under its audited step, the failed ones among
+    ``at_step``'s flags (a later step's: as ``audit.late_audit_event``)."""
+    events = []
+    for o in outcomes:
+        verifier.record_audit(o.sender, o.step, passed=o.passed)
+        if o.event is not None:
+            events.append(o.event if o.step == at_step else audit.late_audit_event(o.event, at_step=at_step))
+    verifier.add_flags(at_step, events)
+
+
+def error(sent: Sequence[torch.Tensor], recomputed: Sequence[torch.Tensor]) -> float:
+    """The largest relative error of the sent tensors against the recomputed ones (inf where they differ in
+    number, shape or, for integer tensors, value)."""
+    if len(sent) != len(recomputed):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(sent, recomputed):
+        b = b.detach()
+        if a.is_floating_point() and b.is_floating_point():
+            worst = max(worst, _finite_error(a, b))
+        elif a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
+            return float("inf")
+    return worst
+
+
+def _finite_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
+    """``relative_error`` over the finite values, where both hold the same non-finite ones: weights that a
+    poisoned sum made nan give nan on every honest replica and on the copy alike (that is the contribution
+    monitor's to catch; the replica computed what it should)."""
+    if sent.shape != recomputed.shape:
+        return float("inf")
+    a, b = sent.detach().float(), recomputed.float()
+    odd = ~torch.isfinite(b)
+    if not odd.any():
+        return audit.relative_error(a, b)
+    if not torch.equal(~torch.isfinite(a), odd) or not torch.equal(torch.isnan(a), torch.isnan(b)) \
+            or not torch.equal(a[torch.isinf(b)], b[torch.isinf(b)]):
+        return float("inf")
+    return audit.relative_error(a[~odd], b[~odd]) if bool((~odd).any()) else 0.0
