@@ -2,7 +2,8 @@
 
 :func:`solve_count`: the search (``count_search``) or the grids of a fixed shape, then, of every valid plan
 met, the one whose compiled programs cost least (``objective.price_program``), or a cheaper one of single-device
-stages then replicated ones (``search.mixed``), hill-climbed on that cost (``polish``), its stages' recomputation mixed (``recompute.mix``), and that cost bounded with free links.
+stages then replicated ones (``search.mixed``), hill-climbed on that cost (``polish``), its stages'
+recomputation mixed (``recompute.mix``), and that cost bounded with free links.
 :func:`polish_best`: the best count's plan hill-climbed further in the time the other counts left unused.
 """
 from __future__ import annotations
@@ -35,9 +36,10 @@ from planner.solver.warm import WarmStart
 # objective itself; on DT-FM's spot case it needs ~2 s of a 7 s share to converge) and bound that cost (the
 # search's bounds are on its closed form, which prices sends as busy time: ``bound.relax.comm_free_for_bound``).
 VALID_BOUND_SHARE = 0.3
-POLISH_SHARE = 2 / 3  # of the time held back (after the mixed-replication search's share)
-# Of the time held back, first for plans of single-device stages then replicated ones (``search.mixed``), which the
-# search's closed form ranks far too dear to reach (DT-FM worldwide: 3,854 -> 2,962 ms as programs in 1 s of work).
+POLISH_SHARE = 2 / 3  # of the time held back
+# Of polish's budget, then also for plans of single-device stages then replicated ones (``search.mixed``), which
+# the search's closed form ranks far too dear to reach (DT-FM worldwide: 3,854 -> 2,962 ms as programs in 1 s of
+# work); after the link bound, taken from the Lagrangian bound's time: polish and the link bound get what they had.
 MIXED_SHARE = 0.4
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
@@ -72,19 +74,21 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     pick = cheapest(problem, seen + [found.placement])[0]
     program_ms = price_program(problem, pick).step_ms
     how = found.method if pick is found.placement else f"{found.method}, repriced"
-    if shape == (None, None):  # a fixed shape keeps its replicas
-        got = mixed.search(problem, pick, program_ms, time_budget_s=MIXED_SHARE * work.left_s(), within=work)
-        if got is not None:
-            pick, program_ms, how = got[0], got[1], f"{found.method}, mixed replication"
-    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, POLISH_SHARE * work.left_s()),
+    climb_s = POLISH_SHARE * work.left_s()
+    placement, polished_ms = polish(problem, pick, time_budget_s=max(0.05, climb_s),
                                     cuts_only=shape != (None, None), within=work)
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
+    grids_s = GRID_POLISH_SHARE * work.left_s()
+    # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
+    links_ms = link_lower_bound_ms(problem, within=work)
+    if shape == (None, None):  # a fixed shape keeps its replicas
+        placement, program_ms, how = _mixed(problem, placement, program_ms, how, MIXED_SHARE * climb_s, work)
     placement, program_ms = recompute.mix(problem, placement)
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
     # search's, and beside its plan, not its hill-climb's start: where no grid wins, the plan stays as it was.
-    grids = _polished_grids(problem, rivals, Work(GRID_POLISH_SHARE * work.left_s(), what="grids polished"))
+    grids = _polished_grids(problem, rivals, Work(grids_s, what="grids polished"))
     if problem.recompute:  # the ranking that counts is after ``recompute.mix``: the likeliest are mixed
         rival, rival_ms = _best_mixed(problem, list(dict.fromkeys(cheapest(problem, seen) + grids)))
     else:
@@ -94,8 +98,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         placement, program_ms, how = rival, rival_ms, \
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
-    valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0,
-                link_lower_bound_ms(problem, within=work))  # the links a plan must cross (``bound.links``)
+    valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0, links_ms)
     left = work.left_s()
     if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
         free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)
@@ -103,6 +106,18 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                                           plans=False, within=work).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
+
+
+def _mixed(problem: Problem, placement: Placement, program_ms: float, how: str, budget_s: float,
+           within: Work) -> tuple[Placement, float, str]:
+    """The mixed-replication search's plan (``search.mixed``) from ``placement``, polished, in ``budget_s`` of work
+    charged to ``within``, where it costs less than ``placement``; else ``placement`` (its cost, how it was found)."""
+    work = within.sub(budget_s, "mixed replication")
+    got = mixed.search(problem, placement, program_ms, time_budget_s=budget_s, within=work)
+    if got is None:
+        return placement, program_ms, how
+    plan, ms = polish(problem, got[0], time_budget_s=max(0.05, work.left_s()), within=work)
+    return plan, ms, f"{how}, mixed replication"
 
 
 def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> list[Placement]:

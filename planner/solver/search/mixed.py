@@ -12,7 +12,7 @@ that turns a uniform plan into one. Here they are built directly and priced as p
   (order, r) a pattern search over (head, stages) from a start, the most promising pairs first;
 * a descent over the best seed's (or the incumbent's) group sequence (``group_moves``): a prefix unreplicated,
   a suffix replicated, a replicated stage split into two, two single-device neighbours merged into one stage of
-  two replicas, a single-device stage added in front or the last stage dropped.
+  two replicas, a single-device stage added in front or the last stage dropped; then the local search's moves.
 
 Each sequence is re-partitioned (``seq_partition.sequence_placement``: its cuts by the closed form) and priced
 (``objective.price_program``); ``polish`` moves the cuts afterwards. Deterministic: no randomness, fixed orders,
@@ -28,6 +28,7 @@ from planner.solver.objective import Placement, price_program
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, partition_units, program_units
 from planner.solver.search.chain_dp import Group
+from planner.solver.search.local import neighbours
 from planner.solver.search.seq_partition import sequence_placement
 
 MAX_REPLICAS = 4  # replica counts of the later stages tried (2..this): more leave too few stages on slow links
@@ -188,11 +189,14 @@ def group_moves(problem: Problem, groups: tuple[Group, ...]) -> list[tuple[Group
 
 
 def _descend(price: Pricer, groups: tuple[Group, ...]) -> tuple[Group, ...]:
+    """First-improvement descent on the programs' cost: this module's moves first, then the local search's one-move
+    neighbours (``local.neighbours``: a stage's class or replicas changed, stages inserted, deleted, swapped)."""
     best = price(groups)
     moved = True
     while moved and not price.work.passed():
         moved = False
-        for cand in group_moves(price.problem, groups):
+        ours = group_moves(price.problem, groups)
+        for cand in ours + [c for c in neighbours(price.problem, groups) if c not in set(ours)]:
             ms = price(cand)
             if ms < best * (1 - 1e-9):
                 groups, best, moved = cand, ms, True
