@@ -5,7 +5,9 @@ digest of the gradient its optimizer applied and one replica (the source) sends 
 a value per parameter and a presence flag per parameter tensor, as its optimizer step starts, into a receive the
 auditor posts once its own program is done (the transfer overlaps the source's step and the auditor's recomputes). The auditor recomputes the stage on the step's
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
-compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes), and applies the replicas'
+compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes; what it recomputes at the
+step's end, on its copy's stepper during the next step, before the copy steps, the verdict a step late:
+``deferred``, off the step's end but for :attr:`AuditCost.stepper_done_ms`), and applies the replicas'
 optimizer step to its copy once it has heard them (a sole replica's report, judged without the gradient: once the
 gradient is in, the step's end not waiting for it, as long as it is in, and the copy stepped, by the next step's
 recompute, and in before the source sends the next one), on a thread of its own: the step goes on meanwhile, and the copy's
@@ -58,6 +60,9 @@ class AuditCost:
     signed: bool = False  # ... from the stage's own replicas, signed by the (untrusted) upstream stage
     request_ms: float = 0.0   # signed: the auditor's request to the first replica (the later ones: in copy_ms)
     sole: bool = False    # one replica: its report is judged without the gradient, needed only by the next step
+    # recomputed on the copy's stepper during the next step, before the copy steps (its verdict a step late): the
+    # step's end waits for the stepper's queue only, the last step's recomputes then the copy's step, from its start
+    deferred: bool = False
 
     @property
     def total_ms(self) -> float:
@@ -95,7 +100,7 @@ class AuditCost:
         for once it is done, sent once the replicas are) and the source's gradient, which travels from when the
         source sent it (``gradient_sent_ms``, its optimizer step's start; None: ``replicas_done_ms``) and the
         auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``)."""
-        left = 0.0 if self.during_step else self.recompute_ms
+        left = 0.0 if self.during_step or self.deferred else self.recompute_ms
         digests = max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms
         gradient_in = self.gradient_in_ms(replicas_done_ms=replicas_done_ms, posted_ms=posted_ms
                                           if posted_ms is not None else recompute_from_ms,
@@ -104,8 +109,15 @@ class AuditCost:
             # it must be in, and the copy stepped, by the next step's recompute (``recompute_from_ms`` into it), and
             # in before the source's next send (``sent`` into it, on the same link): times from the step's start
             sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
-            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent))
-        return max(digests, gradient_in)
+            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent), self.stepper_done_ms)
+        return max(digests, gradient_in, self.stepper_done_ms)
+
+    @property
+    def stepper_done_ms(self) -> float:
+        """Deferred: when the copy's stepper is through the last step's recomputes and the copy's step, from the
+        step's start (the step's end waits for both: ``runtime.rank.audits._collect``, ``StageCopy.step_later``);
+        the auditor's idle time in the pipeline's fill is assumed free for it (0: not deferred)."""
+        return self.recompute_ms + self.optim_ms if self.deferred else 0.0
 
     def gradient_in_ms(self, *, replicas_done_ms: float, posted_ms: float, gradient_sent_ms: float | None = None) -> float:
         """When the source's gradient is in: sent from ``gradient_sent_ms`` (None: ``replicas_done_ms``), received
@@ -205,4 +217,4 @@ def audit_ms(*, every: int, microbatches: int, params: int, param_tensors: int, 
                      gradient_ms=comm.transfer_ms(applied_gradient_bytes(params, param_tensors), source_link),
                      digest_ms=comm.transfer_ms(DIGEST_BYTES, digest_link), optim_ms=optim_ms, during_step=grads,
                      copy_ms=copy, copied=bool(copy_links), signed=signed, request_ms=requests[0] if requests else 0.0,
-                     sole=sole)
+                     sole=sole, deferred=not grads)

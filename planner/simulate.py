@@ -32,11 +32,12 @@ semantics (see ``planner.instructions``), and prices every instruction:
   and optimizer state.
 * A stage the plan audits (``StageInfo.audit_every``): its auditor recomputes the audited microbatches
   (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
-  share longer; else once its program is done and, where the trusted stage before copies it the audited
-  inputs, once each of its ranks, done, has sent them: an "input copies" box; from signed inputs, the stage's
-  replicas send them, each once done and asked), then hears the replicas' applied gradient and steps its copy
-  (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner. Audited from signed inputs, each ``F`` of
-  the stage before signs what it sends the stage, each ``F`` of a replica checks its input's signature
+  share longer; else on its copy's stepper in the next step, the last step's drawn from the step's start
+  before the copy's step, ``AuditCost.deferred``), once its program is done (and, where the trusted stage
+  before copies it the audited inputs, once each of its ranks, done, has sent them: an "input copies" box;
+  from signed inputs, the stage's replicas send them, each once done and asked) hears the replicas' applied
+  gradient, and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner. Audited
+  from signed inputs, each ``F`` of the stage before signs what it sends the stage, each ``F`` of a replica checks its input's signature
   (``cost_models.audit.sign_ms``, ``check_signature_ms``): those passes last that much longer.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
@@ -516,21 +517,26 @@ def _audits(run: _Run) -> None:
     copies of the audited inputs are in), recomputes the step's audited microbatches, then hears the replicas'
     digests and applied gradient (after their optimizer steps): its step ends then (a sole replica's: once it has
     the digest, the gradient needed only by the next step's recompute); its copy steps on a thread of its own, once
-    the gradient is in, into the next step (``planner.runtime.rank.audits``)."""
+    the gradient is in, into the next step (``planner.runtime.rank.audits``). Recomputes left to the step's end
+    (all but those among the checks) run on that thread in the next step, before the copy's step
+    (``AuditCost.deferred``): drawn from the step's start, the step's end waiting for them."""
     plan = run.plan
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
         cost = _audit_cost(plan, run.costs, k, where)
         free = run.clock[auditor]
         start = _hear_inputs(run, k, where, cost)
-        left = 0.0 if cost.during_step else cost.recompute_ms
+        left = 0.0 if cost.during_step or cost.deferred else cost.recompute_ms
         done = max(run.clock[r] for r in plan.stage_ranks(k))
         sent = run.reached_optim[int(where.source)]
         heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent)
         stepping = max(heard, cost.gradient_in_ms(replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent))
+        # deferred: the last step's recomputes, then the copy's step, on the stepper from the step's start
+        ahead = (("verify", 0.0, cost.recompute_ms, "last step's recompute (stepper)"),
+                 ("optim", cost.recompute_ms, cost.stepper_done_ms, "copy's step (stepper)")) if cost.deferred else \
+            (("optim", stepping, stepping + cost.optim_ms, "copy's step"),)
         boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
-                 ("control", start + left, heard, "applied gradient"),
-                 ("optim", stepping, stepping + cost.optim_ms, "copy's step"))
+                 ("control", start + left, heard, "applied gradient"), *ahead)
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
         run.clock[auditor] = heard

@@ -13,6 +13,7 @@ import torch
 from cost_models import compute
 from cost_models.audit import audit_ms, copied_input_bytes
 from cost_models.cluster import Link
+from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
@@ -82,17 +83,22 @@ def test_the_copies_are_float32_received_rank_after_rank_before_the_recompute():
     assert cost.copy_ms == pytest.approx((1.0 + 6 / 4 * 2e6 / 1e9 * 1e3) + (2.0 + 2 / 4 * 2e6 / 1e8 * 1e3))
     assert cost.total_ms == pytest.approx(cost.copy_ms + cost.recompute_ms + cost.gradient_ms + cost.digest_ms + 3.0)
     # the copies travel once the upstream stage is done and the auditor has posted its receives; the gradient,
-    # posted for first, arrives during the recompute; the copy's step (3 ms) runs off the step's path
+    # posted for first, arrives meanwhile; the recompute (deferred: on the copy's stepper during the next step) and
+    # the copy's step (3 ms) run off the step's end
+    assert cost.deferred and not audit_ms(**kw, backward_ms=5.0).deferred   # gradients: among the checks
     assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=0.0, upstream_done_ms=110.0) == \
-        pytest.approx(110.0 + cost.copy_ms + cost.recompute_ms + cost.digest_ms)
+        pytest.approx(110.0 + cost.copy_ms + cost.digest_ms)
     assert cost.end_ms(auditor_free_ms=200.0, replicas_done_ms=0.0, upstream_done_ms=110.0) == \
-        pytest.approx(200.0 + cost.copy_ms + cost.recompute_ms + cost.digest_ms)
+        pytest.approx(200.0 + cost.copy_ms + cost.digest_ms)
     assert cost.end_ms(auditor_free_ms=100.0, replicas_done_ms=500.0, upstream_done_ms=110.0) == \
         pytest.approx(500.0 + cost.gradient_ms)
     held = audit_ms(**kw)
     assert held.copy_ms == 0.0 and not held.copied
     assert held.end_ms(auditor_free_ms=100.0, replicas_done_ms=0.0, upstream_done_ms=1e6) == \
-        pytest.approx(100.0 + held.recompute_ms + cost.digest_ms)
+        pytest.approx(100.0 + held.gradient_ms)   # no recompute to hide the gradient's transfer behind
+    # the step's end waits for the stepper's queue: the last step's recomputes, then the copy's step (3 ms)
+    assert held.stepper_done_ms == pytest.approx(held.recompute_ms + 3.0)
+    assert held.end_ms(auditor_free_ms=1.0, replicas_done_ms=0.0) == pytest.approx(held.recompute_ms + 3.0)
     with pytest.raises(InvalidInputError):   # copied inputs are audited for outputs only
         audit_ms(**kw, backward_ms=5.0, copy_links=((fast, 8),))
 
@@ -131,9 +137,9 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     start = max(end_of[auditor], end_of[0]) + copy
     assert start > end_of[auditor]   # the copy, not the auditor's own checks, holds the recompute back
     stepping = min(e.start_ms for e in base.events if e.rank == ranks[0] and e.kind == "optim")
-    heard = max(max(start + recompute, max(end_of[r] for r in ranks)) + digest,
-                max(stepping, end_of[auditor]) + gradient)
-    expected = max(base.step_ms, heard)   # the copy's step runs on a thread of its own, off the step's path
+    stepper = recompute + optim_ms(50_000, cfg, spec, param_tensors=2)   # the last step's recompute, the copy's step
+    heard = max(max(start, max(end_of[r] for r in ranks)) + digest, max(stepping, end_of[auditor]) + gradient, stepper)
+    expected = max(base.step_ms, heard)   # recomputes and steps on a thread of its own, from the step's start
     got = simulate(audited)
     assert got.step_ms == pytest.approx(expected, rel=1e-9)
     (box,) = [e for e in got.events if e.label == "stage 1 audit: input copies"]

@@ -143,15 +143,19 @@ def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8
     stepping = min(e.start_ms for e in base.events if e.rank == 1 and e.kind == "optim")   # the source sends then
-    heard = max(max(end_of[auditor] + recompute, max(end_of[r] for r in replicas)) + digest,
-                max(stepping, end_of[auditor]) + gradient)
-    expected = max(base.step_ms, heard)   # the copy's step (Adam) runs on a thread of its own, into the next step
+    adam = optim_ms(50_000, cfg, spec, param_tensors=2)
+    # outputs only: the last step's recompute, then the copy's step (Adam), on a thread of its own from the step's
+    # start (``AuditCost.deferred``): the step's end waits for them, not for a recompute of its own
+    heard = max(max(end_of[auditor], max(end_of[r] for r in replicas)) + digest,
+                max(stepping, end_of[auditor]) + gradient, recompute + adam)
+    expected = max(base.step_ms, heard)
     assert expected > base.step_ms
     got = simulate(audited)
     assert got.step_ms == pytest.approx(expected, rel=1e-9)
-    (step,) = [e for e in got.events if e.label == "stage 1 audit: copy's step"]
-    assert (step.rank, step.start_ms) == (auditor, pytest.approx(heard, rel=1e-9))
-    assert step.end_ms - step.start_ms == pytest.approx(optim_ms(50_000, cfg, spec, param_tensors=2), rel=1e-9)
+    (step,) = [e for e in got.events if e.label == "stage 1 audit: copy's step (stepper)"]
+    (again,) = [e for e in got.events if e.label == "stage 1 audit: last step's recompute (stepper)"]
+    assert (again.rank, again.start_ms, step.start_ms) == (auditor, 0.0, pytest.approx(recompute, rel=1e-9))
+    assert step.end_ms - step.start_ms == pytest.approx(adam, rel=1e-9)
     problem = build_problem(ch, cl, cfg, VerificationPolicy())
     priced = [price_program(problem, Placement(stages=stages, verifiers=OUTPUTS_ONLY, num_microbatches=4)).step_ms
               for stages in (sol.stages, _small(4, OUTPUTS_ONLY)[2].stages)]
