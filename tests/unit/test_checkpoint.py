@@ -33,16 +33,22 @@ def test_a_rank_file_round_trips_parameters_optimizer_state_and_extra_state(tmp_
 def _take(root, step: int, *, keep_before: int | None = None) -> None:
     w = torch.nn.Parameter(torch.full((2,), float(step)))
     checkpoint.save_rank(root, step=step, rank=0, fingerprint="f", params={"w": w}, optimizer=None)
-    checkpoint.complete(root, step=step, layout=_layout(), key=KEY, keep_before=keep_before)
+    checkpoint.complete(root, step=step, layout=_layout(), key=KEY,
+                        unresolved={} if keep_before is None else {1: keep_before})
+
+
+def _prunable(steps: list[int], keep_before: int | None = None) -> list[int]:
+    """Without audits: sender 1 first flagged at ``keep_before``."""
+    return checkpoint.prunable(steps, now=max(steps), unresolved={} if keep_before is None else {1: keep_before})
 
 
 def test_pruning_keeps_the_newest_two_and_the_last_clean_one_while_a_flag_is_unresolved():
-    assert checkpoint.prunable([1, 2, 3, 4, 5]) == [1, 2, 3]
+    assert _prunable([1, 2, 3, 4, 5]) == [1, 2, 3]
     # a sender first flagged at step 3: the checkpoint after step 2 is the last one it had no hand in
-    assert checkpoint.prunable([1, 2, 3, 4, 5], keep_before=3) == [1, 3]
-    assert checkpoint.prunable([1, 2, 3, 4, 5], keep_before=5) == [1, 2, 3]   # 4 is clean and among the newest
-    assert checkpoint.prunable([4, 5, 6], keep_before=2) == [4]                # none is clean: nothing extra kept
-    assert checkpoint.prunable([2], keep_before=3) == []
+    assert _prunable([1, 2, 3, 4, 5], keep_before=3) == [1, 3]
+    assert _prunable([1, 2, 3, 4, 5], keep_before=5) == [1, 2, 3]   # 4 is clean and among the newest
+    assert _prunable([4, 5, 6], keep_before=2) == [4]                # none is clean: nothing extra kept
+    assert _prunable([2], keep_before=3) == []
 
 
 def test_the_clean_checkpoint_survives_a_run_of_flagged_steps_and_is_the_newest_once_the_rest_are_set_aside(

@@ -71,6 +71,7 @@ def _plan(stages, fingerprint="f"):
     ranks = [SimpleNamespace(rank=r, stage=k, host=f"h{r}", device=f"h{r}/0") for r, k in enumerate(stages)]
     return SimpleNamespace(ranks=ranks, num_ranks=len(ranks), num_stages=len({k for k in stages if k is not None}),
                            model=SimpleNamespace(fingerprint=fingerprint), stages=(), tied_params=(),
+                           policy=SimpleNamespace(enabled=False), verifiers=(),
                            effective_cluster=lambda: SimpleNamespace(device=lambda d: SimpleNamespace(trusted=True)))
 
 

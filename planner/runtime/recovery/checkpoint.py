@@ -18,11 +18,13 @@ to the newest good one and says why it skipped the others. The step is
 the data position too (each step's batches are a function of the step). A checkpoint that the
 survivors of a failure left (:mod:`planner.runtime.recovery.survivors`) lists in its manifest the ranks whose
 files make it (``ranks``); one without that key has a file from each of its ``num_ranks`` ranks.
-Only the ``KEEP`` newest complete checkpoints stay, and while a verifier's flag on some sender is
-unresolved, also the last clean one: the newest taken before that sender's first flagged step
-(:func:`prunable`), which is where a run resumes if the sender gets banned. When a ban stops a run,
-the checkpoints taken from the first flagged step on are set aside (:func:`set_aside`: renamed, kept
-for a look, never resumed from), so the newest complete checkpoint left is the clean one.
+Which complete checkpoints stay (:func:`prunable`) is the control rank's decision by
+``planner.integrity.lookback``: the ``KEEP`` newest; while a verifier's flag on some sender is unresolved,
+the newest at or before that sender's resume bound (before its first flagged step, and for a sender of an
+audited stage far enough before it that an attack sampled audits missed began after it); and for the
+audited senders not flagged yet, a ladder of older ones that keeps such a checkpoint for a flag still to
+come. When a ban stops a run, the checkpoints newer than its resume bound are set aside (:func:`set_aside`:
+renamed, kept for a look, never resumed from), so the newest complete checkpoint left is the clean one.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from safetensors.torch import save as save_tensors
 
 from planner import secret
 from planner.errors import CheckpointError, InvalidInputError
+from planner.integrity.lookback import Lookback
 from planner.outputs import atomic_file, check_writable
 from planner.runtime.wire.control import trusted_ranks
 
@@ -75,7 +78,7 @@ class Layout:
     trusted: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, plan: "Plan") -> "Layout":
+    def of(cls, plan: Plan) -> Layout:
         trusted = trusted_ranks(plan)
         stage_of_block = {b.index: st.index for st in plan.stages for b in st.blocks}
         stages_of: dict[str, set[int]] = {}
@@ -144,12 +147,13 @@ def file_digest(path: str | Path) -> str:
 
 
 def complete(root: str | Path, *, step: int, layout: Layout, key: bytes, digests: Mapping[int, str] | None = None,
-             keep_before: int | None = None, ranks: Sequence[int] | None = None) -> None:
+             unresolved: Mapping[int, int] | None = None, lookback: Lookback | None = None,
+             ranks: Sequence[int] | None = None) -> None:
     """The control rank (or the launcher), once every rank has written: mark the checkpoint complete with
-    a signed manifest, then prune older ones (``keep_before``: the earliest first flagged step of an
-    unresolved flag, see :func:`prunable`). ``digests``: each rank's sha256 of its own file, as it sent
-    it (None: read here). ``ranks``: the ranks whose files make the checkpoint when not all wrote one (the
-    survivors of a failure, :mod:`planner.runtime.recovery.survivors`)."""
+    a signed manifest, then prune older ones (``unresolved``: sender -> first flagged step of each unresolved
+    flag; ``lookback``: the run's audit lookback; see :func:`prunable`). ``digests``: each rank's sha256 of
+    its own file, as it sent it (None: read here). ``ranks``: the ranks whose files make the checkpoint when
+    not all wrote one (the survivors of a failure, :mod:`planner.runtime.recovery.survivors`)."""
     folder = step_folder(root, step)
     listed = sorted(ranks) if ranks is not None else list(range(layout.num_ranks))
     missing = [r for r in listed if not (folder / f"rank{r}.safetensors").is_file()]
@@ -168,7 +172,7 @@ def complete(root: str | Path, *, step: int, layout: Layout, key: bytes, digests
     manifest["signature"] = secret.sign(key, manifest)
     with atomic_file(folder / MANIFEST) as fh:
         json.dump(manifest, fh)
-    for old in prunable(complete_steps(root), keep_before=keep_before):
+    for old in prunable(complete_steps(root), now=step, unresolved=unresolved or {}, lookback=lookback):
         shutil.rmtree(step_folder(root, old), ignore_errors=True)
 
 
@@ -177,21 +181,20 @@ def _param_names(path: Path) -> set[str]:
         return {k.partition("/")[2] for k in f.keys() if k.startswith("param/")}
 
 
-def prunable(steps: Sequence[int], *, keep_before: int | None = None) -> list[int]:
-    """Of the complete checkpoints ``steps``, those to delete: all but the ``KEEP`` newest and, while a
-    flag first raised at step ``keep_before`` is unresolved, the newest one before that step (the last
-    clean checkpoint: the one taken after step ``c`` holds no update of step ``c + 1`` or later)."""
-    ordered = sorted(steps)
-    keep = set(ordered[-KEEP:])
-    if keep_before is not None:
-        clean = [s for s in ordered if s < keep_before]
-        keep.update(clean[-1:])
-    return [s for s in ordered if s not in keep]
+def prunable(steps: Sequence[int], *, now: int, unresolved: Mapping[int, int] | None = None,
+             lookback: Lookback | None = None) -> list[int]:
+    """Of the complete checkpoints ``steps``, those to delete once step ``now`` is done: all but the ``KEEP``
+    newest and those ``lookback`` keeps (``Lookback.keep``; without audits: while a flag first raised at step
+    ``f`` is unresolved, the newest one before ``f``, as the one taken after step ``c`` holds no update of step
+    ``c + 1`` or later)."""
+    keep = (lookback or Lookback()).keep(steps, now=now, unresolved=unresolved or {}, newest=KEEP)
+    return [s for s in sorted(steps) if s not in keep]
 
 
 def set_aside(root: str | Path, *, from_step: int) -> list[Path]:
     """Rename the complete checkpoints of ``from_step`` and later to ``step-N.tainted`` (a banned sender
-    had a hand in them); nothing loads them any more. Returns their new paths."""
+    may have had a hand in them: ``from_step`` is one past the bans' resume bound,
+    ``retention.set_aside_from``); nothing loads them any more. Returns their new paths."""
     moved = []
     for step in complete_steps(root):
         if step >= from_step:

@@ -15,7 +15,7 @@ from planner.runtime.options import RunOptions
 from planner.runtime.rank.executor import Executor
 from planner.runtime.rank.rank_setup import RankEnv
 from planner.runtime.rank.stage import StageRuntime
-from planner.runtime.recovery import checkpoint
+from planner.runtime.recovery import checkpoint, retention
 from planner.runtime.recovery.forgery import Forgery
 from planner.runtime.wire import control
 from planner.secret import run_secret
@@ -87,8 +87,8 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
                     optimizer: torch.optim.Optimizer | None, verify: VerifyHooks | None, executor: Executor,
                     step: int, forge: Forgery | None = None) -> bool:
     """Every ``checkpoint_every`` steps and after the last: each rank writes its file and sends its sha256
-    to the control rank, which writes the signed manifest (and, while a verifier's flag is unresolved,
-    keeps the last checkpoint before it). True when the ranks are to stop after it: the control rank
+    to the control rank, which writes the signed manifest and prunes older ones by the run's audit lookback
+    (``retention``: the checkpoints a ban's recovery may resume from stay). True when the ranks are to stop after it: the control rank
     decides for all (the local launcher asked for that, ``STOP_ENV``'s file exists) and tells each rank."""
     if opts.checkpoint_dir is None or ((step + 1) % opts.checkpoint_every and step != opts.steps - 1):
         return False
@@ -105,7 +105,7 @@ def save_checkpoint(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | 
         checkpoint.complete(opts.checkpoint_dir, step=step, layout=checkpoint.Layout.of(plan),
                             key=run_secret(opts.secret_file), digests={r: bytes(t.cpu().numpy()).hex()
                                                                        for r, t in got.items()},
-                            keep_before=min(executor.unresolved.values(), default=None))
+                            unresolved=executor.unresolved, lookback=retention.run_lookback(plan, opts))
         asked = os.environ.get(STOP_ENV)
         stop = torch.tensor([int(bool(asked and os.path.exists(asked)))], dtype=torch.int64, device=device)
     stop = control.send_from(stop, src=ctl, me=env.rank, ranks=everyone, topic=control.Topic.CHECKPOINT, shape=(1,),

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 
 from planner.outputs import write_atomic
-from planner.runtime.recovery import checkpoint
+from planner.runtime.recovery import checkpoint, retention
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -49,7 +49,7 @@ class Tracker:
     """A rank's last completed step, its small state right after it, and whether the next step's
     optimizer update has begun since (then the rank's parameters are no step's)."""
 
-    def __init__(self, executor: "Executor", *, first: int) -> None:
+    def __init__(self, executor: Executor, *, first: int) -> None:
         self.executor, self.first = executor, first
         self.done = first - 1
         self.updating = False
@@ -206,7 +206,7 @@ def _file_matches(path: Path, note: Note, fingerprint: str) -> bool:
                                                                            fingerprint)
 
 
-def settle(root: str | Path, plan: "Plan", *, last_step: int, key: bytes) -> Decision:
+def settle(root: str | Path, plan: Plan, *, last_step: int, key: bytes) -> Decision:
     """After a failure of a run on ``plan`` (whose last step is ``last_step``): mark the survivor
     checkpoint complete when :func:`decide` accepts it, else discard it; the survivors' folder is gone
     afterwards."""
@@ -220,11 +220,22 @@ def settle(root: str | Path, plan: "Plan", *, last_step: int, key: bytes) -> Dec
         target.mkdir(parents=True, exist_ok=True)
         for rank in decision.ranks:  # a rank file left there by the step's unfinished checkpoint holds the same
             os.replace(Path(root) / FOLDER / f"rank{rank}.safetensors", target / f"rank{rank}.safetensors")
-        flags = [n.keep_before for n in notes if n.keep_before is not None]
         checkpoint.complete(root, step=decision.step, layout=checkpoint.Layout.of(plan), key=key,
-                            keep_before=min(flags, default=None), ranks=decision.ranks)
+                            ranks=decision.ranks, **_retention(plan, notes))
     clear(root)
     return decision
+
+
+def _retention(plan: Plan, notes: Sequence[Note]) -> dict[str, Any]:
+    """What the survivor checkpoint's pruning keeps: the plan's audit lookback (its own shares: the launcher
+    has no run options here) and the earliest first flagged step a note names, as if every audited sender
+    and some unaudited one were flagged there (a note names no sender; a lying one only keeps more)."""
+    verifying = bool(plan.policy.enabled and plan.verifiers)
+    lookback = retention.plan_lookback(plan, audit_every=None, verifying=verifying, resumed=False)
+    flags = [n.keep_before for n in notes if n.keep_before is not None]
+    if not flags:
+        return {"lookback": lookback, "unresolved": {}}
+    return {"lookback": lookback, "unresolved": {s: min(flags) for s in (-1, *lookback.back)}}
 
 
 def clear(root: str | Path) -> None:
