@@ -11,7 +11,11 @@ Per replica the stage's parameter gradients of its own microbatches are its cont
 contribution monitor (``planner.integrity.contributions``) sees a sketch of each before the sum, and
 ``--robust`` sums them by centered clipping (``planner.integrity.robust_reduce``) instead.
 
-A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors.
+A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors, and the
+model and optimizer go back to a checkpoint chosen by the runtime's own rule (``planner.integrity.lookback``):
+checkpoints every ``--checkpoint-every`` steps, pruned by ``checkpoint.prunable`` with the replicas' audit
+lookback, and the resume is the newest kept at or before the ban's resume bound (first flag - 26 steps at 1 in
+4 with one microbatch a replica a step; before the first flag without audits).
 
 ``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): each of a replica's
 microbatches, drawn with probability 1/k by a draw keyed by the verifier's secret (every one while the sender
@@ -43,11 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS  # noqa: E402
-from benchmarks.verification import Pipeline, RunConfig, run  # noqa: E402
-from planner.integrity import audit, robust_reduce  # noqa: E402
-from planner.integrity import contributions as contrib  # noqa: E402
-from planner.integrity.verifier import Verifier  # noqa: E402
+from benchmarks.verification import ATTACKS as BOUNDARY_ATTACKS
+from benchmarks.verification import Pipeline, RunConfig, run
+from planner.integrity import audit, robust_reduce
+from planner.integrity import contributions as contrib
+from planner.integrity.lookback import Lookback
+from planner.integrity.verifier import Verifier
+from planner.runtime.recovery import checkpoint
 
 TWIN = 3                               # the replica of stage 1 sending the odd microbatches
 ATTACKER = 1
@@ -60,7 +66,6 @@ PARAM_ATTACKS = {"params-scale3": "kind=scale,factor=3,dir=params", "params-sign
 DAMPED_ATTACKS = {"damp0.5": "kind=scale,factor=0.5", "grad-scale3": "kind=scale,factor=3,dir=grad"}
 ATTACKS = {**{k: v for k, v in BOUNDARY_ATTACKS.items() if k != "adaptive-whitebox"}, **DAMPED_ATTACKS,
            **PARAM_ATTACKS}
-SNAPSHOTS = 64                         # steps of model and optimizer state kept, to resume from before a first flag
 QUICK = {"attacks": ("mixed", "params-scale3"), "seeds": (0,), "steps": 30, "start": 12}
 
 
@@ -68,11 +73,13 @@ class TwinPipeline(Pipeline):
     """Stage 1 on two replicas (by microbatch parity), its contributions seen before their sum."""
 
     def __init__(self, cfg: RunConfig, *, robust: bool = False, monitor: bool = True,
-                 audit_every: int = audit.DEFAULT_EVERY) -> None:
+                 audit_every: int = audit.DEFAULT_EVERY, checkpoint_every: int = 1) -> None:
         super().__init__(cfg)
         self.config = self.verifier.config.to_dict() if self.verifier is not None else {}
         self.replanned = False   # the attacker's ban re-planned the stage onto its twin alone
-        self.recovered_from: int | None = None   # the step the re-plan resumed the model from
+        self.recovered_from: int | None = None   # the step the re-plan resumed the model from (its start)
+        self.first_flagged: int | None = None    # the attacker's, as its ban reported it
+        self.ledger_from: int | None = None
         self.verifier = self._verifier() if cfg.verify else None
         self.contrib = contrib.ContributionMonitor(seed=cfg.seed) if cfg.verify and monitor else None
         self.robust = robust
@@ -80,7 +87,10 @@ class TwinPipeline(Pipeline):
         self._radius: float | None = None
         self.params = list(self.stages[REPLICATED_STAGE].parameters())
         self.parts: dict[int, torch.Tensor] = {}
-        self.snapshots: dict[int, tuple[dict, dict]] = {}
+        self.checkpoint_every = checkpoint_every
+        self.checkpoints: dict[int, tuple[dict, dict]] = {}   # after step s -> model and optimizer state, as kept
+        self.start_state: tuple[dict, dict] | None = None     # the state before step 0 (a run resumed from nothing)
+        self.most_kept = 0
         self.checks = self.flags = 0
         self.contrib_checks, self.contrib_flags = 0, {ATTACKER: 0, TWIN: 0}   # (step, replica) pairs judged, flagged
         self.contrib_flag_steps: list[int] = []   # steps the attacker's contribution was flagged
@@ -88,6 +98,9 @@ class TwinPipeline(Pipeline):
         # the verifier's secret: a replica cannot compute which of its microbatches are audited
         secret = hashlib.blake2b(f"audit:{cfg.seed}".encode(), digest_size=16).digest()
         self.schedule = audit.AuditSchedule(secret, audit_every) if cfg.verify and audit_every > 0 else None
+        per_replica = cfg.microbatches // 2
+        self.lookback = Lookback.of({ATTACKER: (audit_every, per_replica), TWIN: (audit_every, per_replica)}) \
+            if self.schedule is not None else Lookback()
         self.audit_inputs: dict[int, torch.Tensor] = {}   # mb -> the replicated stage's input this step
         self.audit_params: dict[int, torch.Tensor] = {}   # mb -> its recomputed parameter gradient this step
         self.ledger = audit.AuditLedger()
@@ -181,9 +194,7 @@ class TwinPipeline(Pipeline):
         return out
 
     def end_step(self, step: int) -> tuple[list[int], set[int]]:
-        # the state at the start of this step (before its update), as a checkpoint taken there would hold it
-        self.snapshots[step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
-        self.snapshots.pop(step - SNAPSHOTS, None)
+        self._checkpoint(step - 1)   # the state before this step's update: the checkpoint after the step before
         parts = {r: self._poisoned(r, g, step) for r, g in sorted(self.parts.items())}
         self.parts = {}
         vouched = self._audit_contributions(parts, step) if self.verifier is not None else set()
@@ -215,19 +226,37 @@ class TwinPipeline(Pipeline):
         banned = self.verifier.end_step(step, [flags, events, audits])
         blamed = sorted(self.verifier.last_blamed)
         if ATTACKER in banned and not self.replanned:
-            first = self.verifier.ban_records()[ATTACKER][0]
-            if self.audit_fails[ATTACKER]:   # an audit vouches for nothing since the last one the attacker passed
-                first = min(first, self.ledger.suspect_since(ATTACKER, step))
-            self._replan(first)
+            self.first_flagged = self.verifier.ban_records()[ATTACKER][0]
+            # the rule this benchmark used before (for the record): also back to the step after its last passed audit
+            self.ledger_from = min(self.first_flagged, self.ledger.suspect_since(ATTACKER, step)) \
+                if self.audit_fails[ATTACKER] else self.first_flagged
+            self._replan(self.first_flagged)
         return blamed, banned
+
+    def _checkpoint(self, after: int) -> None:
+        """Take the checkpoint after step ``after`` every ``checkpoint_every`` steps and prune as the control rank
+        does (``checkpoint.prunable``: the run's lookback and the verifier's unresolved flags, known by now)."""
+        if after < 0:
+            self.start_state = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
+            return
+        if (after + 1) % self.checkpoint_every:
+            return
+        self.checkpoints[after] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
+        unresolved = self.verifier.unresolved() if self.verifier is not None else {}
+        for old in checkpoint.prunable(list(self.checkpoints), now=after, unresolved=unresolved,
+                                       lookback=self.lookback):
+            del self.checkpoints[old]
+        self.most_kept = max(self.most_kept, len(self.checkpoints))
 
     def _replan(self, first_flagged: int) -> None:
         """What ``--replan-on-failure`` does after a ban: a new plan without the banned host (its stage on the twin
         alone), fresh monitors (the runtime does not checkpoint them), the ban record kept, and the model and
-        optimizer back at the start of the first flagged step, or after a failed audit of the first step no audit
-        vouched for, if earlier (a checkpoint there; the data goes on)."""
-        self.recovered_from = first_flagged if first_flagged in self.snapshots else min(self.snapshots)
-        model, optim = self.snapshots[self.recovered_from]
+        optimizer back at the newest kept checkpoint at or before the ban's resume bound (the runtime's rule,
+        ``Lookback.resume_bound``), or the start (the data goes on)."""
+        bound = self.lookback.resume_bound({ATTACKER: first_flagged})
+        after = max((s for s in self.checkpoints if s <= bound), default=-1)
+        self.recovered_from = after + 1
+        model, optim = self.checkpoints[after] if after >= 0 else self.start_state
         self.model.load_state_dict(model)
         self.opt.load_state_dict(optim)
         self.opt.zero_grad(set_to_none=True)   # this step's gradients were the poisoned model's
@@ -256,12 +285,14 @@ def _unflatten(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
 
 
 def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: bool = False,
-             monitor: bool = True, verify: bool = True, audit_every: int = audit.DEFAULT_EVERY) -> dict[str, Any]:
+             monitor: bool = True, verify: bool = True, audit_every: int = audit.DEFAULT_EVERY,
+             checkpoint_every: int = 1) -> dict[str, Any]:
     """One run of the twins' shape; its bans, flags and blame scores."""
     built: list[TwinPipeline] = []
 
     def factory(cfg: RunConfig) -> TwinPipeline:
-        built.append(TwinPipeline(cfg, robust=robust, monitor=monitor, audit_every=audit_every))
+        built.append(TwinPipeline(cfg, robust=robust, monitor=monitor, audit_every=audit_every,
+                                  checkpoint_every=checkpoint_every))
         return built[-1]
 
     spec = ATTACKS[attack] if attack else None
@@ -282,7 +313,7 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
     return {"attack": attack, "seed": seed, "steps": steps, "start": start, "robust": robust, "monitor": monitor,
             "banned": sorted(bans), "bans": {str(k): v for k, v in bans.items()},
             "attacker_ban_delay": (bans[ATTACKER][1] - start) if ATTACKER in bans else None,
-            "recovered_from": pipe.recovered_from,
+            "checkpoint_every": checkpoint_every, **_recovery(pipe, attacked, bans),
             "twin_banned": TWIN in bans, "checks": pipe.checks, "flags": pipe.flags,
             "flag_pct": round(100 * pipe.flags / max(1, pipe.checks), 3),
             "contrib_checks": pipe.contrib_checks, "contrib_flags": {str(k): v for k, v in pipe.contrib_flags.items()},
@@ -294,6 +325,22 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
             "fp_after_ban": len(blamed - scored),
             "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),
             "duration_s": round(time.perf_counter() - t0, 1)}
+
+
+def _recovery(pipe: TwinPipeline, attacked: set[int], bans: dict[str, list[int]]) -> dict[str, Any]:
+    """Where the attacker's ban resumed from (the start of that step) and, for the record, where the runtime's
+    old rule (the step of the first flag) and this benchmark's old one (or the step after the last passed audit)
+    would have: how many attacked steps each resumed state holds, how many steps the rollback discards, and the
+    most checkpoints kept at once."""
+    out: dict[str, Any] = {"recovered_from": pipe.recovered_from, "checkpoints_kept_max": pipe.most_kept}
+    if pipe.recovered_from is None or not attacked:
+        return out
+    first, ban = min(attacked), bans[ATTACKER][1]
+    for key, at in (("", pipe.recovered_from), ("_first_flag", pipe.first_flagged), ("_ledger", pipe.ledger_from)):
+        out[f"recovered_from{key}"] = at
+        out[f"resumed_attacked_steps{key}"] = max(0, at - first)   # attacked updates in the state resumed
+        out[f"steps_redone{key}"] = ban + 1 - at
+    return out
 
 
 def _first_flag(pipe: TwinPipeline, attacked: set[int]) -> int | None:
@@ -312,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-monitor", action="store_true", help="no contribution monitor (the old verifier)")
     parser.add_argument("--audit-every", type=int, default=audit.DEFAULT_EVERY,
                         help="audit one in this many of a replica's microbatches (0: no audit)")
+    parser.add_argument("--checkpoint-every", type=int, default=1, help="take a checkpoint every this many steps")
     parser.add_argument("--quick", action="store_true", help="a smoke run (see above)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -323,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     for attack in attacks:
         for seed in seeds:
             row = twin_run(None if attack == "none" else attack, seed=seed, steps=steps, start=start,
-                           robust=args.robust, monitor=not args.no_monitor, audit_every=args.audit_every)
+                           robust=args.robust, monitor=not args.no_monitor, audit_every=args.audit_every,
+                           checkpoint_every=args.checkpoint_every)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
