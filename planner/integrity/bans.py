@@ -30,8 +30,10 @@ off by more than another device's numerics) is proof outright: ``step(proven=...
 
 A sender's *first flagged step* is where the run of evidence that banned it began: the first step it
 was blamed since its evidence was last zero (a CUSUM at zero has forgotten everything before). Until
-the evidence returns to zero, the sender's flag is unresolved: the newest checkpoint before that step
-is the run's last clean one (``planner.runtime.recovery.checkpoint`` keeps it).
+the evidence returns to zero, the sender's flag is unresolved. A ban's recovery resumes from before that
+step, and for a sender of an audited stage far enough before it that an attack the sampled audits missed at
+first began after the resume point but with probability ``lookback.EPS`` (``planner.integrity.lookback``;
+``planner.runtime.recovery.checkpoint`` keeps that checkpoint).
 """
 from __future__ import annotations
 

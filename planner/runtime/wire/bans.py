@@ -14,7 +14,8 @@ No other rank adds anything to it: nothing an untrusted rank sends can ban, un-b
 A ban stops the run at the end of the step that decided it, on every rank alike
 (:class:`RankBannedError`): from then on nothing the banned sender produced trains the model,
 and the launcher can re-plan without its host (``--replan-on-failure``) and resume from the last
-clean checkpoint, the newest one taken before the sender's first flagged step.
+clean checkpoint: the newest one at or before the ban's resume bound (``planner.integrity.lookback``: before
+the sender's first flagged step, and for a sender of an audited stage its audit lookback before it).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ BANNED_EXIT = 4  # a rank's exit status when a ban stopped the run (2: bad input
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BanNotice:
-    """Sender ``rank`` was banned at the end of ``ban_step``; its evidence began at ``first_flagged_step``."""
+    """Sender ``rank`` was banned at the end of ``ban_step``; its evidence began at ``first_flagged_step`` (the
+    step of the flagged microbatch, or at most ``lookback.VERDICT_LAG_STEPS`` later where its verdict came late)."""
 
     rank: int
     first_flagged_step: int
