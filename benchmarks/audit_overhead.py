@@ -17,12 +17,20 @@ same plan without audits (and so without signatures). Rows in the result's ``sig
     python benchmarks/audit_overhead.py --quick          # one audited gpt-tiny run, 5 steps: writes nothing
     python benchmarks/audit_overhead.py --plan signed    # the 4-stage plan: writes signed_rows
     python benchmarks/audit_overhead.py --steps 16 --every 4 16 1000   # longer runs; 1 in 1000: the sync alone
+    python benchmarks/audit_overhead.py --steps 14 --against /tmp/before   # before/after: see below
+
+``--against TREE``: a source tree of the code to compare with (``git archive <commit> | tar -x -C TREE``): each
+audited run is followed (or, every other rep, preceded) by the same run on that tree's code (its own process,
+``PYTHONPATH=TREE``), so the machine's load drifts into both alike; the rows gain ``step_ms_before`` and
+``overhead_before`` (against the same runs without audits, on this tree).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,19 +60,43 @@ def _run(path: Path, spec: str, steps: int, every: int) -> dict[str, float]:
             "audits": sum(a.get("run", 0) for a in audits), "failed": sum(a.get("failed", 0) for a in audits)}
 
 
+_ELSEWHERE = ("import json, sys; from pathlib import Path; from benchmarks.audit_overhead import _run; "
+              "print('RESULT ' + json.dumps(_run(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
+
+
+def _run_on(tree: Path, path: Path, spec: str, steps: int, every: int) -> dict[str, float]:
+    """``_run`` on another source tree's code (``--against``), in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, "-P", "-c", _ELSEWHERE, str(path), spec, str(steps), str(every)],
+                          env=env, cwd=tree, capture_output=True, text=True, timeout=1200, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"--against {tree}: the run failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
-            everies: tuple[int, ...] = EVERIES, *, baseline: bool = True, plan: str = "copies") -> list[dict[str, Any]]:
+            everies: tuple[int, ...] = EVERIES, *, baseline: bool = True, plan: str = "copies",
+            against: Path | None = None) -> list[dict[str, Any]]:
     """Per model and ``--audit-every`` value, the step with audits against without (``baseline`` False: the
-    audited runs alone, no overhead: a smoke run)."""
+    audited runs alone, no overhead: a smoke run); ``against``: each audited run also on that tree's code."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, seq, steps) in models.items():
             depth, untrusted = PLANS[plan]
             path = overhead_plan(spec, Path(tmp), host=False, seq=seq, depth=depth, untrusted=untrusted, split=True)
             runs: dict[int, list[dict[str, float]]] = {e: [] for e in ((0,) if baseline else ()) + everies}
-            for _ in range(reps):
+            before: dict[int, list[dict[str, float]]] = {e: [] for e in everies}
+            for rep in range(reps):
                 for every, done in runs.items():
-                    done.append(_run(path, spec, steps, every))
+                    if against is None or every == 0:
+                        done.append(_run(path, spec, steps, every))
+                        continue
+                    for here in (True, False) if rep % 2 == 0 else (False, True):
+                        if here:
+                            done.append(_run(path, spec, steps, every))
+                        else:
+                            before[every].append(_run_on(against, path, spec, steps, every))
             ms = {e: statistics.median(r["ms"] for r in runs[e]) for e in runs}
             cpu = {e: statistics.median(r["cpu"] for r in runs[e]) for e in runs}
             if not baseline:
@@ -76,10 +108,16 @@ def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
                        "cpu_ms_no_audits": round(cpu[0], 1), "cpu_overhead": round(cpu[every] / cpu[0] - 1.0, 4),
                        "audits_run": sum(r["audits"] for r in runs[every]),
                        "audits_failed": sum(r["failed"] for r in runs[every])}
+                if before[every]:
+                    was = statistics.median(r["ms"] for r in before[every])
+                    row.update(step_ms_before=round(was, 1), overhead_before=round(was / ms[0] - 1.0, 4),
+                               cpu_ms_before=round(statistics.median(r["cpu"] for r in before[every]), 1),
+                               audits_run_before=sum(r["audits"] for r in before[every]))
                 rows.append(row)
                 against = (f"none {row['step_ms_no_audits']:8.1f} ms  {row['overhead']:+.1%} wall  "
                            f"{row['cpu_overhead']:+.1%} CPU" if baseline else "(no run without audits: --quick)")
-                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  {against}  "
+                was = f"  before {row['step_ms_before']:8.1f} ms {row['overhead_before']:+.1%}" if before[every] else ""
+                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  {against}{was}  "
                       f"({row['audits_run']} audits, {row['audits_failed']} failed)", flush=True)
     return rows
 
@@ -94,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plan", choices=list(PLANS), default="copies", help="the audited plan (see above)")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS.relative_to(ROOT)} (--quick: none)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a source tree of the code before: each audited run also on it, interleaved (see above)")
     args = parser.parse_args(argv)
     if args.quick:
         models, reps, args.every = {"gpt-tiny": ("gpt-tiny", None, 5)}, 1, [4]
@@ -108,14 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {out}: its folder does not exist")
     if any(e < 1 for e in args.every):
         parser.error(f"--every {args.every}: expected values >= 1 (one audited microbatch in every K)")
-    rows = measure(models, reps, tuple(args.every), baseline=not args.quick, plan=args.plan)
+    if args.against is not None and not (args.against / "benchmarks" / "audit_overhead.py").is_file():
+        parser.error(f"--against {args.against}: expected a source tree holding benchmarks/audit_overhead.py")
+    load = os.getloadavg()
+    rows = measure(models, reps, tuple(args.every), baseline=not args.quick, plan=args.plan, against=args.against)
+    load = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()]}
     wide = [r for r in rows if r["model"] != "gpt-tiny"]
     goal = {e: all(r["overhead"] <= GOAL for r in wide if r["audit_every"] == e) for e in args.every} if wide else None
     print(f"goal (<= {GOAL:.0%} at d >= 384), by --audit-every: {'not measured' if goal is None else goal}")
     if out is not None and args.plan == "copies":
         kept = {k: v for k, v in _old(out).items() if k.startswith("signed")}
         out.write_text(json.dumps({"rows": rows, "goal": GOAL, "goal_met_by_every": goal,
-                                   "date": time.strftime("%Y-%m-%d"),
+                                   "date": time.strftime("%Y-%m-%d"), **load,
                                    "plan": "3 stages, middle untrusted, verifiers split: audits from copies", **kept},
                                   indent=1) + "\n")
     elif out is not None:

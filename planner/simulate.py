@@ -37,8 +37,9 @@ semantics (see ``planner.instructions``), and prices every instruction:
   before copies it the audited inputs, once each of its ranks, done, has sent them: an "input copies" box;
   from signed inputs, the stage's replicas send them, each once done and asked) hears the replicas' applied
   gradient, and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner. Audited
-  from signed inputs, each ``F`` of the stage before signs what it sends the stage, each ``F`` of a replica checks its input's signature
-  (``cost_models.audit.sign_ms``, ``check_signature_ms``): those passes last that much longer.
+  from signed inputs, each ``F`` of the stage before signs what it sends the stage, each ``F`` of a replica
+  checks its input's signature (``cost_models.audit.sign_ms``, ``check_signature_ms``): those passes last that
+  much longer.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime

@@ -95,6 +95,18 @@ def test_a_late_verdict_bans_from_the_audited_step():
     assert verifier.ban_records()[1] == (12, 13)   # recovery sets aside the checkpoints from step 12 on
 
 
+def test_a_rank_says_which_step_its_audits_are_still_out_from():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    state = audits.RuntimeAudits(stages={})
+    ex = SimpleNamespace(audits=state)
+    assert audits.unaudited_since(ex) is None and audits.unaudited_since(SimpleNamespace()) is None
+    state.deferred = {1: audit_recompute.Deferred(step=5, outcomes=Future()),
+                      2: audit_recompute.Deferred(step=4, outcomes=Future())}
+    assert audits.unaudited_since(ex) == 4
+
+
 def test_steps_that_write_a_checkpoint_or_end_the_run_audit_in_line():
     state = audits.RuntimeAudits(stages={}, last_step=9, checkpoint_every=4)
     assert [s for s in range(10) if state.inline_at(s)] == [3, 7, 9]

@@ -362,6 +362,16 @@ def finish(ex: Any) -> None:
             pool.shutdown(wait=False)
 
 
+def unaudited_since(ex: Any) -> int | None:
+    """The earliest step whose audits this rank (an auditor) still has out, recomputing on a copy's stepper with
+    no verdict yet (None: none). A state of that step or later holds updates no audit has vouched for: a survivor
+    checkpoint of it is not to be resumed from (``recovery.survivors.leave``: a change for recovery's owner)."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    if audits is None or not audits.deferred:
+        return None
+    return min(d.step for d in audits.deferred.values())
+
+
 def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:
     """An auditor's stages that draw random numbers, in its summary once (their audits never run)."""
     verifier = ex.verify.verifier if ex.verify is not None else None
