@@ -46,15 +46,27 @@ replicated stage's gradients once its replicas are done. Priced the same way
   so the last forward ends the busy time and its round trip and backward follow
   it (llama-7b, bf16, 2048 tokens on 40 consumer GPUs: priced 10.8% under its
   simulation with bunched chains, 3.5% under with this).
-* The **drain** (``_drain``): the backwards the bottleneck replica still holds
-  after its last forward leave it one backward apart and queue, stage by
-  stage, on the upstream replicas they are routed through.
-* Stage ``k``'s all-reduce starts when its own last backward ends: upstream of
-  the bottleneck as the last gradient drains through it, downstream once the
-  bottleneck's last forwards made their round trips there (``_finishes``), never
-  before its replicas' first inputs arrived and all their passes ran (``_own_floor``); a
-  replica that checks gradients first finishes its checks; then the optimizer
-  step (``cost_models.optim``): ``step = max_k (end_k + AR_k + optim_k)``.
+* **1F1B's pipeline** (``drain_schedule``): the closed forms above name the
+  resource that paces it, but where several nearly do at once the last
+  microbatches meet each of them late in turn (issue 36: DT-FM worldwide with
+  single-device first stages priced 9.3% under, SWARM-like forced grids 6-9%
+  under). So the pipe and each stage's last backward come from the passes,
+  checks and messages ordered as the compiler orders them and run as the
+  simulator runs them, with the limits above (random throttled placements,
+  ``benchmarks/throttled_windows.py``: within 0.05% of their simulation on
+  average). An audited plan (``program_cost``) is priced as it runs unaudited,
+  plus what its audits add on the closed forms its audit pricing is built on
+  (the closed forms of the plan with and without them): the **drain**
+  (``_drain``): the backwards the bottleneck replica still holds after its
+  last forward leave it one backward apart and queue, stage by stage, on the
+  upstream replicas they are routed through; stages upstream of the
+  bottleneck end as the last gradient drains through them, downstream once
+  the bottleneck's last forwards made their round trips there (``_finishes``).
+* Stage ``k``'s all-reduce starts when its own last backward ends (GPipe:
+  ``_gpipe_ms``), never before its replicas' first inputs arrived and all
+  their passes ran (``_own_floor``); a replica that checks gradients first
+  finishes its checks; then the optimizer step (``cost_models.optim``):
+  ``step = max_k (end_k + AR_k + optim_k)``.
 * An audited stage's auditor (``audit_price``) recomputes its audited microbatches among its checks (its
   load per microbatch grows by their share) where it audits gradients, else once its own program is done
   (and, where the upstream stage copies it the audited inputs, once they are in: sent as the upstream stage's
@@ -68,11 +80,13 @@ replicated stage's gradients once its replicas are done. Priced the same way
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from cost_models import comm
 from planner.solver.audit_price import audit_cost, audit_site, signing_ms
+from planner.solver.drain_schedule import drain_schedule
 from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
@@ -519,6 +533,21 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  *, verify_load: dict[str, float], verifier_state: dict[str, int],
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
+    kw = {"verify_load": verify_load, "verifier_state": verifier_state, "allreduce_ms": allreduce_ms}
+    if problem.schedule == "gpipe" or not any(st.audit_every for st in stages):
+        return _priced(problem, stages, verifiers, scheduled=True, **kw)
+    # An audit adds what it adds on the closed forms its pricing is built on, to the plan unaudited as it runs.
+    plain = tuple(dataclasses.replace(st, audit_every=0) for st in stages)
+    audited, closed = (_priced(problem, s, verifiers, scheduled=False, **kw) for s in (stages, plain))
+    run = _priced(problem, plain, verifiers, scheduled=True, **kw)
+    return ProgramCost(step_ms=run.step_ms + audited.step_ms - closed.step_ms,
+                       pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=audited.in_flight,
+                       bottleneck=audited.bottleneck)
+
+
+def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float], verifier_state: dict[str, int],
+            allreduce_ms: tuple[float, ...], scheduled: bool) -> ProgramCost:
+    """``program_cost``, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or from the closed forms."""
     verify_load = _with_audits(problem, stages, verifiers, verify_load)
     fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
@@ -541,6 +570,9 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     if problem.schedule == "gpipe":
         phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic)
         pipe = max(pipe, phases)
+    elif scheduled:  # the passes, checks and messages placed as the compiler places them (``drain_schedule``)
+        finishes = list(drain_schedule(problem, stages, verifiers, fb, bw, limits))
+        pipe = finishes[0]
     else:
         finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
         if name in last_forward:
