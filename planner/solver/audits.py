@@ -158,8 +158,9 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
                   f"{cost.copy_ms:.1f} ms (a microbatch's signature costs {sign_ms(payload):.2f} ms on stage "
                   f"{k - 1} and its check {check_signature_ms(payload):.2f} ms on a replica), ")
     why = (f"{copied}the applied gradient to {site.auditor} costs {cost.gradient_ms:.1f} ms a step over a "
-           f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms and the copy's "
-           f"optimizer step {cost.optim_ms:.1f} ms")
+           f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms"
+           f"{' (on the copy thread during the next step, the verdict a step late)' if cost.deferred else ''} "
+           f"and the copy's optimizer step {cost.optim_ms:.1f} ms")
     need = copy_bytes(problem, st)
     if not st.audit_every and need > free[site.auditor]:
         room = problem.classes[problem.class_of(site.auditor)].mem_bytes
