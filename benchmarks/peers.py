@@ -15,7 +15,8 @@ plan no dearer than DT-FM's under DT-FM's model; the free plan no slower than pp
 our simulator; objective within 5% of simulated; planning within 60 s. Writes ``results/peers.json``.
 
 Run: ``python benchmarks/peers.py [--time-limit 45] [--cases worldwide,...]`` (``--quick``: the worldwide case
-with gpt-small at sequence 128, 1 s limits, nothing written)
+with gpt-small at sequence 128, 1 s limits, nothing written). A run of some ``--cases`` at the results file's
+limit keeps the other cases' rows (``cases_rerun``: the date each case last ran).
 """
 from __future__ import annotations
 
@@ -29,20 +30,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from dtfm_cost import dtfm_cost, matrices_from_cluster  # noqa: E402
+from dtfm_cost import dtfm_cost, matrices_from_cluster
 
-import cost_models  # noqa: E402
-from cost_models.memory import trace_dtype  # noqa: E402
-from cost_models.training import TrainingConfig  # noqa: E402
-from planner.api import plan_chain  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from planner.model_io import load_chain  # noqa: E402
-from planner.plan_values import ModelRef  # noqa: E402
-from planner.simulate import predict, simulate  # noqa: E402
-from planner.solver.objective import even_split  # noqa: E402
-from planner.solver.policy import VerificationPolicy  # noqa: E402
-from planner.solver.problem import scale_chain  # noqa: E402
-from planner.solver.solution import Solution, SolveReport, StagePlacement  # noqa: E402
+import cost_models
+from cost_models.memory import trace_dtype
+from cost_models.training import TrainingConfig
+from planner.api import plan_chain
+from planner.compile import compile_plan
+from planner.model_io import load_chain
+from planner.plan_values import ModelRef
+from planner.simulate import predict, simulate
+from planner.solver.objective import even_split
+from planner.solver.policy import VerificationPolicy
+from planner.solver.problem import scale_chain
+from planner.solver.solution import Solution, SolveReport, StagePlacement
 
 CASES = ("datacenter", "spot", "universities", "regional", "worldwide")
 BATCH, SEQ, DTYPE = 512, 2048, "float16"
@@ -136,6 +137,11 @@ def main() -> None:
         print("quick run: nothing written")
         return
     target = HERE / "results" / "peers.json"
+    if target.exists():  # a run of some cases keeps the others' rows (each row says the limit it ran at)
+        kept = json.loads(target.read_text())
+        if kept.get("time_limit_s") == time_limit and kept.get("model") == model:
+            out["cases"] = {**kept.get("cases", {}), **out["cases"]}
+            out["cases_rerun"] = {**kept.get("cases_rerun", {}), **dict.fromkeys(cases.split(","), out["date"])}
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {target}")
 
