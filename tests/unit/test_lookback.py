@@ -97,3 +97,35 @@ def _first_flag_rule(seed: int) -> bool:
     audited = _audited_steps(rng, 4, 1, a + 400)
     hit = next(s for s in range(a, len(audited)) if audited[s])
     return Lookback().resume_bound({ATTACKER: hit}) >= a
+
+
+def _audited_plan(every: int):
+    """mlp-tiny in 3 stages, the middle one on two untrusted replicas of 4 microbatches each a step (as
+    tests/dist/test_runtime_audit_copies), audited one in ``every``."""
+    import dataclasses
+
+    from planner.verifier_config import VerifierConfig
+    from tests.dist.plans import make_plan
+
+    plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
+                     replicas={1: (4, 4)}, untrusted=(1, 2), optimizer="adam",
+                     verifiers=[(0, 0, ("act", "grad")), (1, 3, ("act", "grad"))],
+                     verifier_config=VerifierConfig(warmup=50))
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, audit_every=every if st.index == 1 else 0)
+                                                  for st in plan.stages))
+
+
+def test_the_runtime_lookback_is_the_plans_audited_replicas_and_sets_aside_past_the_bound():
+    from planner.runtime.recovery import retention
+    from planner.runtime.wire.bans import BanNotice
+
+    plan = _audited_plan(4)
+    look = retention.plan_lookback(plan, audit_every=None, verifying=True, resumed=False)
+    assert look.back == {1: audit_steps(4, 4) + 1, 2: audit_steps(4, 4) + 1} == {1: 8, 2: 8}
+    assert retention.plan_lookback(plan, audit_every=2, verifying=True, resumed=False).back == {1: 4, 2: 4}
+    assert retention.plan_lookback(plan, audit_every=0, verifying=True, resumed=False).back == {}
+    assert retention.plan_lookback(plan, audit_every=None, verifying=False, resumed=False).back == {}
+    ban = BanNotice(rank=1, first_flagged_step=20, ban_step=21)
+    assert retention.set_aside_from(look, [ban]) == 13                    # checkpoints after steps 13.. set aside
+    assert retention.set_aside_from(Lookback(), [ban]) == 20              # unaudited: from the first flag on
+    assert retention.set_aside_from(look, [BanNotice(rank=1, first_flagged_step=3, ban_step=4)]) == 0
