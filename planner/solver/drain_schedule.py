@@ -24,8 +24,8 @@ does, blocking until what its next step needs is in; a result leaves (a gradient
 only once its input's verdict is; each message, verdicts included, takes its directed link's wire after the
 ones sent before it (the latency overlapping the next): a verdict queued behind its verifier's activations
 halts the programs that wait on it, in their compiled order (``verdict_backlog``'s case, exactly). Not run:
-audits (an audited placement keeps ``program_cost``'s closed forms), shared cores. Cost: one heap operation
-per pass, check and message, then one step each: 3.8 ms for 64 microbatches on 22 replicas, 50 ms for 512 on 64.
+audits (``program_cost`` adds what they add on its closed forms), shared cores. Cost: one heap operation
+per pass, check and message, then (with verifiers) one step each.
 """
 from __future__ import annotations
 
@@ -53,11 +53,13 @@ class _Device:
     inputs: dict[int, float] = field(default_factory=dict)     # microbatch -> its input's arrival
     waiting: list[tuple[float, int]] = field(default_factory=list)  # gradients in (arrival, microbatch), not yet due
     due: list[int] = field(default_factory=list)               # microbatches whose gradient is in by the clock
-    queue: list[tuple[float, int, Key, str]] = field(default_factory=list)  # copies to check
+    copies: list[tuple[float, int, int, Key, str]] = field(default_factory=list)  # (arrival, mb, B first, ...)
+    checkable: list[tuple[int, int, float, Key, str]] = field(default_factory=list)  # copies in by the clock
     clock: float = 0.0
     b_gate: float = 0.0
     last_op: str = ""
     version: int = 0
+    offered: float = float("inf")  # when the step it has on the heap would start (inf: none)
     program: list[tuple] = field(default_factory=list)  # what it was placed to run, in order
 
 
@@ -97,6 +99,7 @@ class _Lister:
             d = self.dev[name]
             if version != d.version:
                 continue
+            d.offered = float("inf")
             if op == "V":
                 self.place_check(name, d)
             else:
@@ -147,7 +150,10 @@ class _Lister:
         """Put ``name``'s earliest possible next step on the heap (replacing the one it had there)."""
         d = self.dev[name]
         d.version += 1
-        best = (max(d.clock, min(q[0] for q in d.queue)), 0, "V", -1) if d.queue else None
+        while d.copies and d.copies[0][0] <= d.clock:
+            arrival, x, flag, key, consumer = heapq.heappop(d.copies)
+            heapq.heappush(d.checkable, (x, flag, arrival, key, consumer))
+        best = (d.clock, 0, "V", -1) if d.checkable else (d.copies[0][0], 0, "V", -1) if d.copies else None
         if d.stage >= 0:
             waiting, clock = d.waiting, d.clock
             while waiting and waiting[0][0] <= clock:
@@ -165,14 +171,22 @@ class _Lister:
                 if src is None or src[1] == name or src[0] in self.verdict:  # a remote verdict is placed first
                     f = (max(clock, d.inputs[x]), 3 - kind, "F", x)
                     best = f if best is None or f < best else best
+        d.offered = best[0] if best is not None else float("inf")
         if best is not None:
             heapq.heappush(self.heap, (best[0], best[1], d.order, d.version, best[2], best[3], name))
 
+    def arrived(self, name: str, at: float) -> None:
+        """Something ``name`` needs arrives at ``at``: only a step that could start before the one it has on the
+        heap changes its choice (one starting later cannot, and it offers again once that one is placed)."""
+        if at <= self.dev[name].offered:
+            self.offer(name)
+
     def place_check(self, name: str, d: _Device) -> None:
         # of the copies that can start first, the lowest microbatch's, a gradient before an activation
-        clock = d.clock
-        q = min(range(len(d.queue)), key=lambda n: (max(d.queue[n][0], clock), d.queue[n][2][2], d.queue[n][1]))
-        arrival, _, key, consumer = d.queue.pop(q)
+        if d.checkable:
+            _, _, arrival, key, consumer = heapq.heappop(d.checkable)
+        else:
+            arrival, _, _, key, consumer = heapq.heappop(d.copies)
         d.program.append(("V", key, consumer))
         d.clock = max(d.clock, arrival) + self.check_ms(name, key[0], key[1])
         self.verdict[key] = d.clock + self.latency(name, consumer)
@@ -227,9 +241,9 @@ class _Lister:
                 heapq.heappush(self.dev[consumer].waiting, (held[1], x))
         elif v is not None and v != consumer:
             copy = self.transmit(name, v, self.nbytes[b], d.clock)
-            self.dev[v].queue.append((copy, 0 if op == "B" else 1, (b, op, x), consumer))
-            self.offer(v)
-        self.offer(consumer)
+            heapq.heappush(self.dev[v].copies, (copy, x, 0 if op == "B" else 1, (b, op, x), consumer))
+            self.arrived(v, copy)
+        self.arrived(consumer, at)
 
 
 def drain_schedule(problem: Problem, stages, verifiers, fb, bw, limits) -> tuple[float, ...]:
@@ -237,8 +251,9 @@ def drain_schedule(problem: Problem, stages, verifiers, fb, bw, limits) -> tuple
     backward and backward ms; ``limits``: in-flight limit per replica) and ``verifiers``' checks, ordered as the
     compiler orders them and run as the simulator runs that order (module docstring)."""
     lister = _Lister(problem, stages, verifiers, fb, bw, limits)
-    lister.run()
-    return _Replay(lister).run()
+    placed = lister.run()
+    # without verdicts the compiler's estimates are the simulator's times: the order's own times are the run's
+    return _Replay(lister).run() if verifiers else placed
 
 
 class _Replay:
