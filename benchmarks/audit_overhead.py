@@ -77,9 +77,10 @@ def _run_on(tree: Path, path: Path, spec: str, steps: int, every: int) -> dict[s
 
 def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
             everies: tuple[int, ...] = EVERIES, *, baseline: bool = True, plan: str = "copies",
-            against: Path | None = None) -> list[dict[str, Any]]:
+            against: Path | None = None, done_model: Any = None) -> list[dict[str, Any]]:
     """Per model and ``--audit-every`` value, the step with audits against without (``baseline`` False: the
-    audited runs alone, no overhead: a smoke run); ``against``: each audited run also on that tree's code."""
+    audited runs alone, no overhead: a smoke run); ``against``: each audited run also on that tree's code;
+    ``done_model``: called with the rows so far as each model is done (a long run keeps what it measured)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (spec, seq, steps) in models.items():
@@ -114,11 +115,13 @@ def measure(models: dict[str, tuple[str, int | None, int]], reps: int,
                                cpu_ms_before=round(statistics.median(r["cpu"] for r in before[every]), 1),
                                audits_run_before=sum(r["audits"] for r in before[every]))
                 rows.append(row)
-                against = (f"none {row['step_ms_no_audits']:8.1f} ms  {row['overhead']:+.1%} wall  "
-                           f"{row['cpu_overhead']:+.1%} CPU" if baseline else "(no run without audits: --quick)")
+                none = (f"none {row['step_ms_no_audits']:8.1f} ms  {row['overhead']:+.1%} wall  "
+                        f"{row['cpu_overhead']:+.1%} CPU" if baseline else "(no run without audits: --quick)")
                 was = f"  before {row['step_ms_before']:8.1f} ms {row['overhead_before']:+.1%}" if before[every] else ""
-                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  {against}{was}  "
+                print(f"{name:10s} 1 in {every:2d}: audits {row['step_ms_audits']:8.1f} ms  {none}{was}  "
                       f"({row['audits_run']} audits, {row['audits_failed']} failed)", flush=True)
+            if done_model is not None:
+                done_model(rows)
     return rows
 
 
@@ -150,16 +153,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--every {args.every}: expected values >= 1 (one audited microbatch in every K)")
     if args.against is not None and not (args.against / "benchmarks" / "audit_overhead.py").is_file():
         parser.error(f"--against {args.against}: expected a source tree holding benchmarks/audit_overhead.py")
-    load = os.getloadavg()
-    rows = measure(models, reps, tuple(args.every), baseline=not args.quick, plan=args.plan, against=args.against)
-    load = {"load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()]}
+    first_load = os.getloadavg()
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        load = {"load_before": [round(x, 2) for x in first_load], "load_after": [round(x, 2) for x in os.getloadavg()]}
+        _write(out, rows, args, load)
+
+    rows = measure(models, reps, tuple(args.every), baseline=not args.quick, plan=args.plan, against=args.against,
+                   done_model=write)
     wide = [r for r in rows if r["model"] != "gpt-tiny"]
     goal = {e: all(r["overhead"] <= GOAL for r in wide if r["audit_every"] == e) for e in args.every} if wide else None
     print(f"goal (<= {GOAL:.0%} at d >= 384), by --audit-every: {'not measured' if goal is None else goal}")
+    return 0
+
+
+def _write(out: Path | None, rows: list[dict[str, Any]], args: argparse.Namespace, load: dict[str, Any]) -> None:
+    """The result file, with ``rows`` so far (``--plan signed``: its own keys, the others kept)."""
+    wide = [r for r in rows if r["model"] != "gpt-tiny"]
+    goal = {e: all(r["overhead"] <= GOAL for r in wide if r["audit_every"] == e) for e in args.every} if wide else None
     if out is not None and args.plan == "copies":
         kept = {k: v for k, v in _old(out).items() if k.startswith("signed")}
         out.write_text(json.dumps({"rows": rows, "goal": GOAL, "goal_met_by_every": goal,
                                    "date": time.strftime("%Y-%m-%d"), **load,
+                                   **({"before_tree": str(args.against)} if args.against else {}),
                                    "plan": "3 stages, middle untrusted, verifiers split: audits from copies", **kept},
                                   indent=1) + "\n")
     elif out is not None:
@@ -167,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
                                    "signed_date": time.strftime("%Y-%m-%d"),
                                    "signed_plan": "4 stages, 1 and 2 untrusted: stage 1 audited from copies, "
                                                   "stage 2 from signed inputs"}, indent=1) + "\n")
-    return 0
 
 
 def _old(out: Path) -> dict[str, Any]:
