@@ -534,7 +534,8 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
     kw = {"verify_load": verify_load, "verifier_state": verifier_state, "allreduce_ms": allreduce_ms}
-    if problem.schedule == "gpipe" or not any(st.audit_every for st in stages):
+    if problem.schedule == "gpipe" or not any(audit_site(problem, stages, verifiers, k) is not None
+                                              for k, st in enumerate(stages) if st.audit_every):
         return _priced(problem, stages, verifiers, scheduled=True, **kw)
     # An audit adds what it adds on the closed forms its pricing is built on, to the plan unaudited as it runs.
     plain = tuple(dataclasses.replace(st, audit_every=0) for st in stages)
