@@ -39,8 +39,10 @@ VALID_BOUND_SHARE = 0.3
 POLISH_SHARE = 2 / 3  # of the time held back
 # Of polish's budget, then also for plans of single-device stages then replicated ones (``search.mixed``), which
 # the search's closed form ranks far too dear to reach (DT-FM worldwide: 3,854 -> 2,962 ms as programs in 1 s of
-# work); after the link bound, taken from the Lagrangian bound's time: polish and the link bound get what they had.
+# work); after the link bound, from the Lagrangian bound's time: polish, the link bound and the other counts get
+# what they had.
 MIXED_SHARE = 0.4
+MIXED_MIN_S = 0.05  # less work than this left for it: no mixed-replication search
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
 GRID_POLISH_SHARE = 0.5
@@ -83,7 +85,10 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
     links_ms = link_lower_bound_ms(problem, within=work)
     if shape == (None, None):  # a fixed shape keeps its replicas
-        placement, program_ms, how = _mixed(problem, placement, program_ms, how, MIXED_SHARE * climb_s, work)
+        # within the count's own work: time taken past it would be the later counts' and ``polish_best``'s
+        mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
+        if mixed_s > MIXED_MIN_S:
+            placement, program_ms, how = _mixed(problem, placement, program_ms, how, mixed_s, work)
     placement, program_ms = recompute.mix(problem, placement)
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
