@@ -43,6 +43,7 @@ class _Device:
     """One device's state: a stage replica's (``stage`` >= 0) and/or a verifier's queue of copies."""
 
     order: int
+    name: str = ""
     stage: int = -1
     ids: tuple[int, ...] = ()
     limit: int = 0
@@ -75,58 +76,124 @@ class _Lister:
             for x, (i, _) in enumerate(self.owner[k]):
                 routes[i].append(x)
             for i, d in enumerate(st.devices):
-                self.dev[d] = _Device(order=len(self.dev), stage=k, ids=tuple(routes[i]),
+                self.dev[d] = _Device(order=len(self.dev), name=d, stage=k, ids=tuple(routes[i]),
                                       limit=max(1, limits[k][i]), fwd_ms=fb[k][i] - bw[k][i], bwd_ms=bw[k][i])
         for v in verifiers:
-            self.dev.setdefault(v.device, _Device(order=len(self.dev)))
+            self.dev.setdefault(v.device, _Device(order=len(self.dev), name=v.device))
         for d in stages[0].devices:
             self.dev[d].inputs = {x: 0.0 for x in self.dev[d].ids}
-        self.checker = _checkers(stages, verifiers)
+        self.verifiers, self.checker = verifiers, _checkers(stages, verifiers)
+        # per stage, per microbatch: the device that runs it; and what checks its forward's / backward's input
+        self.runs = [[st.devices[i] for i, _ in self.owner[k]] for k, st in enumerate(stages)]
+        self.run_on = [[self.dev[d] for d in row] for row in self.runs]
+        self.sources = {op: [[self._source(k, op, x) for x in range(len(self.owner[k]))] if self.checker else
+                             [None] * len(self.owner[k]) for k in range(self.S)] for op in "FB"}
         self.nbytes = [problem.wire_bytes(st.last_block, st.out_codec) for st in stages[:-1]]
         self.check: dict[tuple[str, int, str], float] = {}  # (device, boundary, F|B) -> ms
-        self.links: dict[tuple[str, str], tuple[float, float]] = {}  # (wire ms per byte, latency)
+        self.links: dict[tuple[str, str], list[float]] = {}  # [wire free from, ms per byte, latency ms]
         self.verdict: dict[Key, float] = {}
         self.grads: dict[Key, tuple[str, float]] = {}  # a checked gradient in before its verdict: (consumer, arrival)
-        self.free: dict[tuple[str, str], float] = {}
         self.heap: list[tuple[float, int, int, int, str, int, str]] = []
         self.last_b = [0.0] * self.S
 
     def run(self) -> tuple[float, ...]:
-        for name in self.dev:
-            self.offer(name)
-        while self.heap:
-            t, _, _, version, op, x, name = heapq.heappop(self.heap)
-            d = self.dev[name]
+        if not self.verifiers:
+            return self.run_plain()
+        for d in self.dev.values():
+            self.offer(d)
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            t, _, _, version, op, x, d = pop(heap)
             if version != d.version:
                 continue
             d.offered = float("inf")
             if op == "V":
-                self.place_check(name, d)
+                self.place_check(d)
             else:
-                self.place_pass(name, d, op, x, t)
-            self.offer(name)
+                self.place_pass(d, op, x, t)
+            self.offer(d)
         return tuple(self.last_b)
 
-    def link(self, a: str, b: str) -> tuple[float, float]:
-        """(wire ms per byte, latency ms) from ``a`` to ``b``."""
+    def run_plain(self) -> tuple[float, ...]:
+        """``run`` without verifiers (no checks, copies or verdicts), its steps inlined: the same placements, and
+        no programs kept (only a replay with verdicts reads them). Most pricings in a search take this path."""
+        offer, S, nbytes, run_on, last_b = self.offer_plain, self.S, self.nbytes, self.run_on, self.last_b
+        transmit, heap, pop, push = self.transmit, self.heap, heapq.heappop, heapq.heappush
+        for d in self.dev.values():
+            offer(d)
+        while heap:
+            t, _, _, version, op, x, d = pop(heap)
+            if version != d.version:
+                continue
+            k = d.stage
+            d.last_op = op
+            if op == "F":
+                end = d.clock = t + d.fwd_ms
+                d.next_fwd += 1
+                d.held += 1
+                if k + 1 < S:
+                    target = run_on[k + 1][x]
+                    at = target.inputs[x] = transmit(d.name, target.name, nbytes[k], end)
+                    if at <= target.offered:
+                        offer(target)
+                else:  # the last stage's backward follows its forward
+                    push(d.waiting, (end, x))
+            else:
+                end = d.clock = t + d.bwd_ms
+                if d.due and d.due[0] == x:
+                    pop(d.due)
+                else:
+                    pop(d.waiting)  # offered as the earliest gradient still to come
+                d.held -= 1
+                last_b[k] = max(last_b[k], end)
+                if k > 0:
+                    target = run_on[k - 1][x]
+                    at = transmit(d.name, target.name, nbytes[k - 1], end)
+                    push(target.waiting, (at, x))
+                    if at <= target.offered:
+                        offer(target)
+            offer(d)
+        return tuple(last_b)
+
+    def offer_plain(self, d: _Device) -> None:
+        """``offer`` without verifiers: a stage replica's next backward or forward."""
+        d.version += 1
+        clock, waiting, due = d.clock, d.waiting, d.due
+        while waiting and waiting[0][0] <= clock:
+            heapq.heappush(due, heapq.heappop(waiting)[1])
+        kind = 2 if d.last_op == "B" else 1
+        best = (clock, kind, "B", due[0]) if due else (waiting[0][0], kind, "B", waiting[0][1]) if waiting else None
+        if d.next_fwd < len(d.ids) and d.held < d.limit and d.ids[d.next_fwd] in d.inputs:
+            x = d.ids[d.next_fwd]
+            at = d.inputs[x]
+            f = (max(clock, at), 3 - kind, "F", x)
+            best = f if best is None or f < best else best
+        if best is None:
+            d.offered = float("inf")
+        else:
+            d.offered = best[0]
+            heapq.heappush(self.heap, (best[0], best[1], d.order, d.version, best[2], best[3], d))
+
+    def link(self, a: str, b: str) -> list[float]:
+        """The directed link from ``a`` to ``b``: [when its wire is next free, ms per byte, latency ms]."""
         out = self.links.get((a, b))
         if out is None:
             spec = self.problem.link(a, b)
-            out = self.links[(a, b)] = (1e3 / spec.bytes_per_s, spec.latency_ms)
+            out = self.links[(a, b)] = [0.0, 1e3 / spec.bytes_per_s, spec.latency_ms]
         return out
 
     def transmit(self, a: str, b: str, nbytes: float, at: float) -> float:
         """Arrival of a message sent at ``at``: after the ones before it on the wire; the latency overlaps."""
         if a == b:
             return at
-        per_byte, latency = self.link(a, b)
-        begin = max(at, self.free.get((a, b), 0.0))
-        end = self.free[(a, b)] = begin + nbytes * per_byte
-        return end + latency
+        wire = self.links.get((a, b)) or self.link(a, b)
+        free = wire[0]
+        end = wire[0] = (max(free, at)) + nbytes * wire[1]
+        return end + wire[2]
 
     def latency(self, a: str, b: str) -> float:
         """A verdict's few bytes: the compiler orders by its latency, not waiting for the wire."""
-        return self.link(a, b)[1]
+        return self.link(a, b)[2]
 
     def check_ms(self, d: str, boundary: int, op: str) -> float:
         ms = self.check.get((d, boundary, op))
@@ -135,7 +202,7 @@ class _Lister:
             ms = self.check[(d, boundary, op)] = self.problem.verify_ms(raw, self.problem.class_of(d))
         return ms
 
-    def source(self, k: int, op: str, x: int) -> tuple[Key, str] | None:
+    def _source(self, k: int, op: str, x: int) -> tuple[Key, str] | None:
         """The verdict key of pass ``op`` of ``x`` at stage ``k``'s input, and its checker (None: unchecked)."""
         if not self.checker:
             return None
@@ -143,94 +210,104 @@ class _Lister:
         if not 0 <= b < self.S - 1:
             return None
         at = b if op == "F" else b + 1
-        v = self.checker.get((b, op, self.stages[at].devices[self.owner[at][x][0]]))
+        v = self.checker.get((b, op, self.runs[at][x]))
         return None if v is None else ((b, op, x), v)
 
-    def offer(self, name: str) -> None:
-        """Put ``name``'s earliest possible next step on the heap (replacing the one it had there)."""
-        d = self.dev[name]
+    def offer(self, d: _Device) -> None:
+        """Put ``d``'s earliest possible next step on the heap (replacing the one it had there)."""
         d.version += 1
-        while d.copies and d.copies[0][0] <= d.clock:
-            arrival, x, flag, key, consumer = heapq.heappop(d.copies)
+        clock, copies = d.clock, d.copies
+        while copies and copies[0][0] <= clock:
+            arrival, x, flag, key, consumer = heapq.heappop(copies)
             heapq.heappush(d.checkable, (x, flag, arrival, key, consumer))
-        best = (d.clock, 0, "V", -1) if d.checkable else (d.copies[0][0], 0, "V", -1) if d.copies else None
+        best = (clock, 0, "V", -1) if d.checkable else (copies[0][0], 0, "V", -1) if copies else None
         if d.stage >= 0:
-            waiting, clock = d.waiting, d.clock
+            waiting, due = d.waiting, d.due
             while waiting and waiting[0][0] <= clock:
-                heapq.heappush(d.due, heapq.heappop(waiting)[1])
+                heapq.heappush(due, heapq.heappop(waiting)[1])
             kind = 2 if d.last_op == "B" else 1
-            if d.due:  # of the gradients in, the lowest microbatch's
-                b = (max(clock, d.b_gate), kind, "B", d.due[0])
+            if due:  # of the gradients in, the lowest microbatch's
+                b = (max(clock, d.b_gate), kind, "B", due[0])
                 best = b if best is None or b < best else best
             elif waiting:
                 b = (max(waiting[0][0], d.b_gate), kind, "B", waiting[0][1])
                 best = b if best is None or b < best else best
             if d.next_fwd < len(d.ids) and d.held < d.limit and d.ids[d.next_fwd] in d.inputs:
                 x = d.ids[d.next_fwd]
-                src = self.source(d.stage, "F", x)
-                if src is None or src[1] == name or src[0] in self.verdict:  # a remote verdict is placed first
+                src = self.sources["F"][d.stage][x]
+                if src is None or src[1] == d.name or src[0] in self.verdict:  # a remote verdict is placed first
                     f = (max(clock, d.inputs[x]), 3 - kind, "F", x)
                     best = f if best is None or f < best else best
-        d.offered = best[0] if best is not None else float("inf")
-        if best is not None:
-            heapq.heappush(self.heap, (best[0], best[1], d.order, d.version, best[2], best[3], name))
+        if best is None:
+            d.offered = float("inf")
+        else:
+            d.offered = best[0]
+            heapq.heappush(self.heap, (best[0], best[1], d.order, d.version, best[2], best[3], d))
 
-    def arrived(self, name: str, at: float) -> None:
-        """Something ``name`` needs arrives at ``at``: only a step that could start before the one it has on the
+    def arrived(self, d: _Device, at: float) -> None:
+        """Something ``d`` needs arrives at ``at``: only a step that could start before the one it has on the
         heap changes its choice (one starting later cannot, and it offers again once that one is placed)."""
-        if at <= self.dev[name].offered:
-            self.offer(name)
+        if at <= d.offered:
+            self.offer(d)
 
-    def place_check(self, name: str, d: _Device) -> None:
+    def place_check(self, d: _Device) -> None:
         # of the copies that can start first, the lowest microbatch's, a gradient before an activation
         if d.checkable:
             _, _, arrival, key, consumer = heapq.heappop(d.checkable)
         else:
             arrival, _, _, key, consumer = heapq.heappop(d.copies)
         d.program.append(("V", key, consumer))
-        d.clock = max(d.clock, arrival) + self.check_ms(name, key[0], key[1])
-        self.verdict[key] = d.clock + self.latency(name, consumer)
+        d.clock = max(d.clock, arrival) + self.check_ms(d.name, key[0], key[1])
+        self.verdict[key] = d.clock + self.latency(d.name, consumer)
         held = self.grads.pop(key, None)
+        target = self.dev[consumer]
         if held is not None:
-            heapq.heappush(self.dev[consumer].waiting, (held[1], key[2]))
-        self.offer(consumer)
+            heapq.heappush(target.waiting, (held[1], key[2]))
+        self.offer(target)
 
-    def place_pass(self, name: str, d: _Device, op: str, x: int, start: float) -> None:
-        k = d.stage
-        src = self.source(k, op, x)
+    def place_pass(self, d: _Device, op: str, x: int, start: float) -> None:
+        k, name = d.stage, d.name
+        src = self.sources[op][k][x]
         if src is not None and src[1] == name:  # the consumer checks its input itself, first
             start += self.check_ms(name, src[0][0], op)
-        end = start + (d.fwd_ms if op == "F" else d.bwd_ms)
         gate = self.verdict.get(src[0], 0.0) if src is not None and src[1] != name else 0.0
-        nxt = k + 1 if op == "F" else k - 1
         d.program.append((op, x))
+        d.last_op = op
         if op == "F":
+            end = start + d.fwd_ms
             d.next_fwd += 1
             d.held += 1
+            if k + 1 < self.S:
+                d.clock = max(end, gate)
+                self.send(d, k, k + 1, op, x)
+            else:  # the last stage's backward follows its forward (and its input's verdict)
+                d.clock = end
+                heapq.heappush(d.waiting, (max(end, gate), x))
+            return
+        end = start + d.bwd_ms
+        if d.due and d.due[0] == x:
+            heapq.heappop(d.due)
         else:
-            if d.due and d.due[0] == x:
-                heapq.heappop(d.due)
-            else:
-                heapq.heappop(d.waiting)  # offered as the earliest gradient still to come
-            d.held -= 1
-            d.b_gate = gate
-            self.last_b[k] = max(self.last_b[k], end)
-        d.clock = max(end, gate) if 0 <= nxt < self.S else end
-        d.last_op = op
-        if 0 <= nxt < self.S:
-            self.send(name, d, k, nxt, op, x)
-        elif op == "F":  # the last stage's backward follows its forward (and its input's verdict)
-            heapq.heappush(d.waiting, (max(d.clock, gate), x))
+            heapq.heappop(d.waiting)  # offered as the earliest gradient still to come
+        d.held -= 1
+        d.b_gate = gate
+        self.last_b[k] = max(self.last_b[k], end)
+        if k > 0:
+            d.clock = max(end, gate)
+            self.send(d, k, k - 1, op, x)
+        else:
+            d.clock = end
 
-    def send(self, name: str, d: _Device, k: int, nxt: int, op: str, x: int) -> None:
-        b = min(k, nxt)
-        consumer = self.stages[nxt].devices[self.owner[nxt][x][0]]
+    def send(self, d: _Device, k: int, nxt: int, op: str, x: int) -> None:
+        b, name = min(k, nxt), d.name
+        target = self.run_on[nxt][x]
+        consumer = target.name
         at = self.transmit(name, consumer, self.nbytes[b], d.clock)
         v = self.checker.get((b, op, name)) if self.checker else None
         if op == "F":
-            self.dev[consumer].inputs[x] = at
+            target.inputs[x] = at
         elif v is None or v == consumer or (b, op, x) in self.verdict:
-            heapq.heappush(self.dev[consumer].waiting, (at, x))
+            heapq.heappush(target.waiting, (at, x))
         else:  # a remotely checked gradient counts once its verdict is placed
             self.grads[(b, op, x)] = (consumer, at)
         if v == name:  # the sender checks its own output after sending it
@@ -238,12 +315,13 @@ class _Lister:
             self.verdict[(b, op, x)] = d.clock + self.latency(name, consumer)
             held = self.grads.pop((b, op, x), None)
             if held is not None:
-                heapq.heappush(self.dev[consumer].waiting, (held[1], x))
+                heapq.heappush(target.waiting, (held[1], x))
         elif v is not None and v != consumer:
             copy = self.transmit(name, v, self.nbytes[b], d.clock)
-            heapq.heappush(self.dev[v].copies, (copy, x, 0 if op == "B" else 1, (b, op, x), consumer))
-            self.arrived(v, copy)
-        self.arrived(consumer, at)
+            checker = self.dev[v]
+            heapq.heappush(checker.copies, (copy, x, 0 if op == "B" else 1, (b, op, x), consumer))
+            self.arrived(checker, copy)
+        self.arrived(target, at)
 
 
 def drain_schedule(problem: Problem, stages, verifiers, fb, bw, limits) -> tuple[float, ...]:
@@ -262,7 +340,8 @@ class _Replay:
 
     def __init__(self, lister: _Lister) -> None:
         self.ls = lister
-        lister.free.clear()
+        for wire in lister.links.values():
+            wire[0] = 0.0
         self.inputs = {name: dict.fromkeys(d.ids, 0.0) if d.stage == 0 else {} for name, d in lister.dev.items()}
         self.grads: dict[str, dict[int, float]] = {name: {} for name in lister.dev}
         self.copies: dict[Key, float] = {}
@@ -279,14 +358,15 @@ class _Replay:
         at = dict.fromkeys(ls.dev, 0)
         while self.woken:
             name = self.woken.pop()
-            program = ls.dev[name].program
-            while at[name] < len(program):
-                missing = self.missing(name, program[at[name]])
+            program, i = ls.dev[name].program, at[name]
+            while i < len(program):
+                missing = self.missing(name, program[i])
                 if missing is not None:
                     self.waits[missing] = name
                     break
-                self.execute(name, program[at[name]])
-                at[name] += 1
+                self.execute(name, program[i])
+                i += 1
+            at[name] = i
         return tuple(self.last_b)
 
     def wake(self, token: tuple) -> None:
@@ -305,7 +385,7 @@ class _Replay:
             return ("in", name, x)
         if op == "B" and not last and x not in self.grads[name]:
             return ("g", name, x)
-        src = self.ls.source(d.stage, "F" if op == "B" and last else op, x)
+        src = self.ls.sources["F" if op == "B" and last else op][d.stage][x]
         if src is not None and src[1] != name and src[0] not in self.verdict:
             return ("v", src[0])
         return None
@@ -325,9 +405,9 @@ class _Replay:
         elif k < S - 1:
             start = max(self.clock[name], self.grads[name][x], self.b_gate[name])
         else:  # the last stage's backward follows its forward and that forward's input's verdict
-            src = ls.source(k, "F", x)
+            src = ls.sources["F"][k][x]
             start = max(self.clock[name], self.verdict[src[0]] if src is not None and src[1] != name else 0.0)
-        src = ls.source(k, op, x)
+        src = ls.sources[op][k][x]
         if src is not None and src[1] == name:  # the consumer checks its input itself, first
             start += ls.check_ms(name, src[0][0], op)
         end = start + (d.fwd_ms if op == "F" else d.bwd_ms)
