@@ -54,7 +54,7 @@ from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
 from planner.runtime.launcher.launch import RunBanned, RunFailure, _stop_on_sigterm, launch
 from planner.runtime.options import RunOptions
-from planner.runtime.recovery import checkpoint, joins, survivors
+from planner.runtime.recovery import checkpoint, joins, retention, survivors
 from planner.runtime.wire.bans import describe
 from planner.secret import run_secret
 
@@ -215,8 +215,8 @@ def _ban_event(opts: RunOptions, banned: RunBanned) -> dict[str, Any]:
     """What a ban means for the re-plan: the banned hosts, the reason, where the clean state is."""
     plan = load_plan(opts.plan)
     hosts = sorted({plan.ranks[n.rank].host for n in banned.notices})
-    first = min(n.first_flagged_step for n in banned.notices)
-    checkpoint.set_aside(opts.checkpoint_dir, from_step=first)  # rank 0 did it when it stopped; once more is a no-op
+    clean = retention.set_aside_from(retention.run_lookback(plan, opts), banned.notices)
+    checkpoint.set_aside(opts.checkpoint_dir, from_step=clean)  # rank 0 did it when it stopped; once more is a no-op
     reason = "; ".join(describe(n, plan.ranks[n.rank].host) for n in banned.notices)
     # The policy may hold a whole trust domain (one operator's machines) answerable for its host's attack.
     domains = sorted({h.trust for h in plan.effective_cluster().hosts if h.name in hosts}

@@ -59,7 +59,7 @@ from planner.runtime.rank.rank_setup import (
     prepare_rank,
     rank_device,
 )
-from planner.runtime.recovery import checkpoint, survivors
+from planner.runtime.recovery import checkpoint, retention, survivors
 from planner.runtime.recovery.forgery import Forgery
 from planner.runtime.recovery.rank_checkpoint import rank_state, resume_step, save_checkpoint
 from planner.runtime.wire import control
@@ -215,8 +215,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
         result["stopped_at_checkpoint"] = step
     if stop is not None:
         result.update(failed=True, error=str(stop), stopped_by_bans=[n.to_dict() for n in bans])
-        moved = checkpoint.set_aside(opts.checkpoint_dir, from_step=min(n.first_flagged_step for n in bans)) \
-            if opts.checkpoint_dir else []
+        clean = retention.set_aside_from(retention.run_lookback(plan, opts), bans)   # the bans' resume bound + 1
+        moved = checkpoint.set_aside(opts.checkpoint_dir, from_step=clean) if opts.checkpoint_dir else []
         result["tainted_checkpoints"] = [str(m) for m in moved]
     if opts.report:
         write_json(opts.report, result)
