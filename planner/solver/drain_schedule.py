@@ -97,8 +97,10 @@ class _Lister:
         self.last_b = [0.0] * self.S
 
     def run(self) -> tuple[float, ...]:
-        if not self.verifiers:
-            return self.run_plain()
+        return self.run_plain() if not self.verifiers else self.run_listed()
+
+    def run_listed(self) -> tuple[float, ...]:
+        """Each placed step, its program kept; checks, copies and verdicts included."""
         for d in self.dev.values():
             self.offer(d)
         heap, pop = self.heap, heapq.heappop

@@ -10,7 +10,7 @@ import pytest
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.simulate import simulate
-from planner.solver.drain_schedule import drain_schedule
+from planner.solver.drain_schedule import _Lister, drain_schedule
 from planner.solver.objective import Placement, even_split, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
@@ -131,3 +131,25 @@ def test_each_stage_ends_its_backwards_when_the_simulation_does():
         assert listed == pytest.approx(sim, rel=1e-3), seed
         checked += 1
     assert checked >= 6
+
+
+def test_the_inlined_unverified_run_places_as_the_general_one():
+    """Without verifiers the schedule runs an inlined loop (most pricings in a search): the same last backwards,
+    exactly, as the general run with checks, copies and verdicts, on seeded prefix draws with in-flight limits."""
+    checked = 0
+    for seed in range(12):
+        case = _unreplicated_prefix(seed)
+        if case is None:
+            continue
+        problem, placement = case[0], case[1]
+        fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
+               for d in st.devices] for st in placement.stages]
+        bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
+               for d in st.devices] for st in placement.stages]
+        limits = [st.in_flight for st in placement.stages]
+        inlined = _Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
+        general = _Lister(problem, placement.stages, (), fb, bw, limits).run_listed()
+        assert inlined == general, seed
+        assert drain_schedule(problem, placement.stages, (), fb, bw, limits) == inlined, seed
+        checked += 1
+    assert checked >= 8
