@@ -16,7 +16,8 @@ the trace). Reported per trial: the process's wall time, its excess over the lim
 ``OVERHEAD_GOAL_S``) and what the excess is made of: the budgeted part past the limit (start, imports,
 tracing or building the chain and ``plan_chain``: the solver's last indivisible steps, compiling the plans
 that can still win), then what follows the plan (writing it, the interpreter's exit); the time start and
-imports took; the plan's simulated step and objective. Wall times are noisy on a shared machine: each case
+imports took; the plan's simulated step and objective; whether the wall-clock ceiling, not the work budget,
+ended a solver step (``ceiling``: the plan's notes saying so; issue 36 wants none). Wall times are noisy on a shared machine: each case
 runs ``--trials`` times.
 
 Run: ``python benchmarks/plan_time.py [--limits 30 60] [--trials 2] [--cases 176,worldwide]``. Prints a table
@@ -51,15 +52,15 @@ def _chain_and_kwargs(case: str):
         from benchmarks.warm_replan import QUICK_BLOCKS, QUICK_DEVICES, _case
         from planner.solver.policy import VerificationPolicy
         chain, cluster = _case() if case == "176" else _case(QUICK_BLOCKS, QUICK_DEVICES)
-        return chain, cluster, dict(spec="bench:chain", global_batch=32, policy=VerificationPolicy())
+        return chain, cluster, {"spec": "bench:chain", "global_batch": 32, "policy": VerificationPolicy()}
     import cost_models
     from planner.model_io import load_chain
     from planner.solver.policy import VerificationPolicy
     model, seq = ("gpt-1.3b", 2048) if case == "worldwide" else ("gpt-tiny", 32)
     _, chain = load_chain(model, batch=1, seq=seq)  # as the CLI: at 1 sample, the solver rescales
     cluster = cost_models.load_cluster(ROOT / "benchmarks" / "clusters" / "dtfm-worldwide.yaml")
-    return chain, cluster, dict(spec=model, seq=seq, global_batch=512, dtype="float16",
-                                policy=VerificationPolicy(enabled=False))
+    return chain, cluster, {"spec": model, "seq": seq, "global_batch": 512, "dtype": "float16",
+                            "policy": VerificationPolicy(enabled=False)}
 
 
 def child(case: str, limit: float, out: Path) -> int:
@@ -84,7 +85,8 @@ def child(case: str, limit: float, out: Path) -> int:
                       "save_s": saved - planned, "planned_age_s": planned_age_s, "solve_s": r.solve_s, "simulated_ms": plan.predicted.step_ms,
                       "objective_ms": r.objective_ms, "bound_ms": r.bound_ms, "method": r.method,
                       "stages": plan.num_stages, "microbatches": plan.num_microbatches,
-                      "chosen": r.notes[-1] if r.notes else ""}))
+                      "chosen": r.notes[-1] if r.notes else "",
+                      "ceiling": [n for n in r.notes if "wall-clock ceiling" in n]}))
     return 0
 
 
@@ -94,7 +96,7 @@ def trial(case: str, limit: float) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", case, "--time-limit", str(limit),
                "--out", str(Path(tmp) / "plan.json")]
         start = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
         wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{case} at {limit} s failed: {done.stderr[-2000:]}")
@@ -111,7 +113,8 @@ def _print(row: dict) -> None:
           f"({row['over_limit_s']:+5.1f} s: budget {row['budgeted_over_limit_s']:+5.1f}, after it "
           f"{row['after_plan_s']:4.1f}; start+imports {row['start_and_imports_s']:4.1f}, chain {row['chain_s']:4.1f})  "
           f"solve {row['solve_s']:5.1f} s  simulated {row['simulated_ms']:9.1f} ms  objective "
-          f"{row['objective_ms']:9.1f} ms  {row['method']}  load {os.getloadavg()[0]:.1f}", flush=True)
+          f"{row['objective_ms']:9.1f} ms  {row['method']}  load {os.getloadavg()[0]:.1f}"
+          f"{'  CEILING HIT' if row['ceiling'] else ''}", flush=True)
 
 
 def main() -> int:
@@ -141,7 +144,8 @@ def main() -> int:
                "worst_budgeted_over_limit_s": max(r["budgeted_over_limit_s"] for r in rows),
                "start_and_imports_s": [min(r["start_and_imports_s"] for r in rows),
                                        max(r["start_and_imports_s"] for r in rows)],
-               "load_1min": [min(r["load_1min"] for r in rows), max(r["load_1min"] for r in rows)]}
+               "load_1min": [min(r["load_1min"] for r in rows), max(r["load_1min"] for r in rows)],
+               "ceiling_hits": sum(bool(r["ceiling"]) for r in rows)}
     print("== summary", json.dumps(summary))
     if args.quick:
         print("quick run: nothing written")
