@@ -11,13 +11,19 @@ from cost_models.training import TrainingConfig
 from planner.solver.api import problem_for
 from planner.solver.objective import price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.search import mixed
+from planner.solver.search import budget, mixed
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.polish import polish
 from planner.solver.search.seq_partition import sequence_placement
 from tests.unit.solver_fixtures import random_chain
 
 BUDGET_S = 0.3  # nominal seconds of work for each search
+
+
+@pytest.fixture(autouse=True)
+def no_ceiling(monkeypatch):
+    """The wall-clock ceiling out of the way (a loaded machine reaches it): the work budget alone ends the search."""
+    monkeypatch.setattr(budget, "CEILING_FACTOR", 50.0)
 
 
 def _problem(seed: int):
@@ -45,8 +51,9 @@ def _uniform(problem):
     return placement, price_program(problem, placement).step_ms
 
 
-# Of seeds 0-7, mixed replication prices 9-18% under polish's plan on 0, 1, 3, 4, 6, 7; 0.7% on 2; none on 5.
-@pytest.mark.parametrize("seed", [0, 1, 3])
+# Of seeds 0-7 (drain pricing, daca44b), mixed replication prices 9-28% under polish's plan on 0, 2, 3, 4, 6, 7;
+# 0.8% on 1; none on 5.
+@pytest.mark.parametrize("seed", [0, 3, 6])
 def test_mixed_replication_reaches_a_cheaper_plan_than_polish(seed):
     problem = _problem(seed)
     start, start_ms = _uniform(problem)
