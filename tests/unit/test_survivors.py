@@ -49,6 +49,29 @@ def test_anything_less_falls_back_to_the_newest_checkpoint_and_says_why():
     assert done.step is None and done.why.startswith("the survivors had finished the last step (15)")
 
 
+def test_a_state_an_auditor_had_not_yet_vouched_for_is_never_resumed_from():
+    # rank 3 audits stage 0 with its verdict a step late: a peer killed in step 14 must not carry step 13's update
+    # past its audit (an attacker could crash a twin to escape it)
+    def run(*notes: Note):
+        return decide(notes, stage_of=STAGE_OF, num_stages=2, newest=9, last_step=15, auditors={3})
+    stage_notes = (Note(rank=0, step=13), Note(rank=2, step=13))
+    out = run(*stage_notes, Note(rank=3, step=None, why="rank 3 still had step 13's audits out", unaudited_since=13))
+    assert out.step is None and "rank 3 had step 13's audits out" in out.why and out.reached == 13
+    assert run(*stage_notes).step is None                                     # the auditor died: its verdicts lost
+    assert "auditor rank 3 left no note" in run(*stage_notes).why
+    assert run(*stage_notes, Note(rank=3, step=13)).step == 13                # every audit of step 13 in
+    assert run(*stage_notes, Note(rank=3, step=13, unaudited_since=14)).step == 13   # only later steps' out
+
+
+def test_an_auditor_with_audits_out_leaves_a_note_and_no_file(tmp_path):
+    w, _, tracker = _rank(tmp_path, 0, value=1.0, steps=3)
+    survivors.leave(tmp_path, tracker, rank=0, fingerprint="f", params={"w0": w}, state={}, keep_before=None,
+                    unaudited_since=2)
+    assert not (tmp_path / survivors.FOLDER / "rank0.safetensors").exists()
+    assert survivors.read_notes(tmp_path, num_ranks=1, fingerprint="f") == [
+        Note(rank=0, step=None, why="rank 0 still had step 2's audits out", unaudited_since=2)]
+
+
 def _rank(tmp_path, rank: int, *, value: float, steps: int, first: int = 0, fingerprint: str = "f"):
     """A rank with one Adam-trained parameter, ``steps`` completed steps, then a peer failure: leave()."""
     w = torch.nn.Parameter(torch.full((3,), value))
@@ -79,7 +102,7 @@ def test_settled_survivor_files_resume_as_a_checkpoint_listing_only_their_ranks(
     w0, opt0, _ = _rank(tmp_path, 0, value=1.0, steps=4)
     w1, _, _ = _rank(tmp_path, 1, value=2.0, steps=4)
     note = json.loads((tmp_path / survivors.FOLDER / "rank0.json").read_text())
-    assert note == {"rank": 0, "step": 3, "why": "", "keep_before": None}
+    assert note == {"rank": 0, "step": 3, "why": "", "keep_before": None, "unaudited_since": None}
     got = survivors.settle(tmp_path, _plan([0, 1, 1]), last_step=9, key=KEY)              # rank 2 (a twin of rank 1) died
     assert (got.step, got.ranks) == (3, (0, 1))
     assert checkpoint.complete_steps(tmp_path) == [3]

@@ -192,7 +192,8 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
             survivors.leave(opts.checkpoint_dir, tracker, rank=env.rank, fingerprint=plan.model.fingerprint,
                             params=dict(stage.parameters()) if stage is not None else {},
                             state=rank_state(plan, verify, executor),
-                            keep_before=min(executor.unresolved.values(), default=None))
+                            keep_before=min(executor.unresolved.values(), default=None),
+                            unaudited_since=runtime_audits.unaudited_since(executor))
         raise
     publish(collector.finish())
     writer.close()

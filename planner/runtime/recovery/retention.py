@@ -32,6 +32,14 @@ def plan_lookback(plan: Plan, *, audit_every: int | None, verifying: bool, resum
     return Lookback.of(shares)
 
 
+def plan_auditors(plan: Plan) -> frozenset[int]:
+    """The ranks that audit a stage of ``plan`` at its own shares (the trusted ranks whose verdicts can be out
+    a step late: ``rank.audits.unaudited_since``)."""
+    verifying = bool(plan.policy.enabled and plan.verifiers)
+    return frozenset(st.auditor for st in audited_stages(plan, every=None, verifying=verifying,
+                                                         resumed=False).values())
+
+
 def run_lookback(plan: Plan, opts: Any) -> Lookback:
     """:func:`plan_lookback` for a run with options ``opts`` (verifying as the worker decides it)."""
     verifying = bool(opts.verify and plan.policy.enabled and plan.verifiers)

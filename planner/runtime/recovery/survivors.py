@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,17 +74,22 @@ class Tracker:
 
 
 def leave(root: str | Path, tracker: Tracker, *, rank: int, fingerprint: str, params: dict[str, torch.Tensor],
-          state: dict[str, Any], keep_before: int | None) -> None:
+          state: dict[str, Any], keep_before: int | None, unaudited_since: int | None = None) -> None:
     """A peer failed: write this rank's survivor file for its last completed step and its note (or only
     a note saying why it wrote none). ``state``: what a checkpoint keeps beside the tensors; its RNG,
     loss scale and untrained steps are taken as they were after that step. Never raises: the peer's
-    failure is what the rank reports."""
+    failure is what the rank reports. ``unaudited_since``: the earliest step whose audits this rank (an
+    auditor) still had out; a state of that step or later is no step to resume from (an attacker could crash a
+    peer to escape the verdict)."""
     folder = Path(root) / FOLDER
-    note: dict[str, Any] = {"rank": rank, "step": None, "why": "", "keep_before": keep_before}
+    note: dict[str, Any] = {"rank": rank, "step": None, "why": "", "keep_before": keep_before,
+                            "unaudited_since": unaudited_since}
     own = folder / f"rank{rank}.safetensors"
     try:
         own.unlink(missing_ok=True)  # only what this call writes speaks for the rank
-        if tracker.updating:
+        if unaudited_since is not None and unaudited_since <= tracker.done:
+            note["why"] = f"rank {rank} still had step {unaudited_since}'s audits out"
+        elif tracker.updating:
             note["why"] = f"rank {rank} had begun step {tracker.done + 1}'s optimizer update"
         elif tracker.done < tracker.first:
             note["why"] = f"rank {rank} had completed no step since the run (re)started"
@@ -111,6 +116,7 @@ class Note:
     step: int | None
     why: str = ""
     keep_before: int | None = None
+    unaudited_since: int | None = None  # an auditor's earliest step whose verdict was still out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,15 +139,20 @@ class Decision:
 
 
 def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_stages: int,
-           newest: int | None, last_step: int) -> Decision:
+           newest: int | None, last_step: int, auditors: Collection[int] = ()) -> Decision:
     """Whether the survivors' files make a checkpoint to resume from (the module docstring's a, b, c).
     ``stage_of``: the old plan's stage of each rank (None: a verifier); ``newest``: the newest complete
-    checkpoint's step (None: there is none); ``last_step``: the run's last (a resume needs a step left)."""
+    checkpoint's step (None: there is none); ``last_step``: the run's last (a resume needs a step left);
+    ``auditors``: the trusted ranks whose audit verdicts may be out a step late: each must have left a note."""
     wrote = sorted((n for n in notes if n.step is not None), key=lambda n: n.rank)
     declined = "".join(f"; {n.why}" for n in notes if n.step is None and n.why)
     if not wrote:
         return Decision(step=None, why=f"no surviving rank left its state{declined}")
     steps = sorted({n.step for n in wrote})
+    unvouched = _unvouched(notes, auditors, steps[-1])
+    if unvouched:
+        return Decision(step=None, why=f"{unvouched}: the survivors' state may hold an update no audit vouched for",
+                        reached=steps[-1])
     if len(steps) > 1:
         each = ", ".join(f"rank {n.rank} after step {n.step}" for n in wrote)
         return Decision(step=None, why=f"the survivors stopped at different steps ({each})", reached=steps[-1])
@@ -166,6 +177,16 @@ def decide(notes: Sequence[Note], *, stage_of: Mapping[int, int | None], num_sta
                                                 f"{step}{fresh}", reached=step)
 
 
+def _unvouched(notes: Sequence[Note], auditors: Collection[int], step: int) -> str:
+    """Why the state after ``step`` is not vouched for by the audits (empty: it is)."""
+    heard = {n.rank for n in notes}
+    silent = sorted(set(auditors) - heard)
+    if silent:
+        return f"auditor rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} left no note"
+    out = [n for n in notes if n.unaudited_since is not None and n.unaudited_since <= step]
+    return "; ".join(f"rank {n.rank} had step {n.unaudited_since}'s audits out" for n in out)
+
+
 def read_notes(root: str | Path, *, num_ranks: int, fingerprint: str) -> list[Note]:
     """The notes the ranks of a ``num_ranks``-rank plan left; a note whose file is missing or does not
     say the same step, rank and model counts as one that wrote none."""
@@ -187,13 +208,13 @@ def read_notes(root: str | Path, *, num_ranks: int, fingerprint: str) -> list[No
 
 
 def _parse(raw: Any, rank: int) -> Note:
-    step, keep = raw["step"], raw.get("keep_before")
-    for value in (step, keep):
+    step, keep, out = raw["step"], raw.get("keep_before"), raw.get("unaudited_since")
+    for value in (step, keep, out):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"not a step: {value!r}")
     if raw["rank"] != rank:
         raise ValueError(f"rank {raw['rank']!r} in rank {rank}'s note")
-    return Note(rank=rank, step=step, why=str(raw.get("why", "")), keep_before=keep)
+    return Note(rank=rank, step=step, why=str(raw.get("why", "")), keep_before=keep, unaudited_since=out)
 
 
 def _file_matches(path: Path, note: Note, fingerprint: str) -> bool:
@@ -214,7 +235,7 @@ def settle(root: str | Path, plan: Plan, *, last_step: int, key: bytes) -> Decis
     notes = read_notes(root, num_ranks=plan.num_ranks, fingerprint=fingerprint)
     done = checkpoint.complete_steps(root)
     decision = decide(notes, stage_of={r.rank: r.stage for r in plan.ranks}, num_stages=plan.num_stages,
-                      newest=done[-1] if done else None, last_step=last_step)
+                      newest=done[-1] if done else None, last_step=last_step, auditors=retention.plan_auditors(plan))
     if decision.step is not None:
         target = checkpoint.step_folder(root, decision.step)
         target.mkdir(parents=True, exist_ok=True)
