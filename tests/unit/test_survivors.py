@@ -55,8 +55,9 @@ def test_a_state_an_auditor_had_not_yet_vouched_for_is_never_resumed_from():
     def run(*notes: Note):
         return decide(notes, stage_of=STAGE_OF, num_stages=2, newest=9, last_step=15, auditors={3})
     stage_notes = (Note(rank=0, step=13), Note(rank=2, step=13))
-    out = run(*stage_notes, Note(rank=3, step=None, why="rank 3 still had step 13's audits out", unaudited_since=13))
-    assert out.step is None and "rank 3 had step 13's audits out" in out.why and out.reached == 13
+    why = "rank 3 had no passing verdict on step 13's audits"
+    out = run(*stage_notes, Note(rank=3, step=None, why=why, unaudited_since=13))
+    assert out.step is None and why in out.why and out.reached == 13
     assert run(*stage_notes).step is None                                     # the auditor died: its verdicts lost
     assert "auditor rank 3 left no note" in run(*stage_notes).why
     assert run(*stage_notes, Note(rank=3, step=13)).step == 13                # every audit of step 13 in
@@ -69,7 +70,7 @@ def test_an_auditor_with_audits_out_leaves_a_note_and_no_file(tmp_path):
                     unaudited_since=2)
     assert not (tmp_path / survivors.FOLDER / "rank0.safetensors").exists()
     assert survivors.read_notes(tmp_path, num_ranks=1, fingerprint="f") == [
-        Note(rank=0, step=None, why="rank 0 still had step 2's audits out", unaudited_since=2)]
+        Note(rank=0, step=None, why="rank 0 had no passing verdict on step 2's audits", unaudited_since=2)]
 
 
 def _rank(tmp_path, rank: int, *, value: float, steps: int, first: int = 0, fingerprint: str = "f"):

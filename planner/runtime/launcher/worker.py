@@ -66,6 +66,8 @@ from planner.runtime.wire import control
 from planner.runtime.wire.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.secret import run_secret
 
+AUDIT_WAIT_S = 60.0  # after a peer's failure: an auditor's recomputes still out, finished before it vouches
+
 
 def _inject_fault(fault: FaultSpec | None, rank: int, step: int) -> None:
     """Rehearse a failure: this rank dies, hangs or raises at the start of ``step``."""
@@ -193,7 +195,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                             params=dict(stage.parameters()) if stage is not None else {},
                             state=rank_state(plan, verify, executor),
                             keep_before=min(executor.unresolved.values(), default=None),
-                            unaudited_since=runtime_audits.unaudited_since(executor))
+                            unaudited_since=runtime_audits.unaudited_since(executor, wait_s=AUDIT_WAIT_S))
         raise
     publish(collector.finish())
     writer.close()

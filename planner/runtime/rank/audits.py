@@ -362,14 +362,24 @@ def finish(ex: Any) -> None:
             pool.shutdown(wait=False)
 
 
-def unaudited_since(ex: Any) -> int | None:
-    """The earliest step whose audits this rank (an auditor) still has out, recomputing on a copy's stepper with
-    no verdict yet (None: none). A state of that step or later holds updates no audit has vouched for: a survivor
-    checkpoint of it is not to be resumed from (``recovery.survivors.leave``: a change for recovery's owner)."""
+def unaudited_since(ex: Any, *, wait_s: float = 0.0) -> int | None:
+    """The earliest step whose audits this rank (an auditor) has out with no passing verdict (None: none),
+    waiting up to ``wait_s`` for each step's recomputes on the copy's stepper (local work: a peer's failure does
+    not stop it). A state of that step or later holds updates no audit has vouched for: a survivor checkpoint of
+    it is not to be resumed from (``recovery.survivors``)."""
     audits: RuntimeAudits | None = getattr(ex, "audits", None)
-    if audits is None or not audits.deferred:
+    if audits is None:
         return None
-    return min(d.step for d in audits.deferred.values())
+    out = [d.step for d in audits.deferred.values() if not _passed(d, wait_s)]
+    return min(out, default=None)
+
+
+def _passed(deferred: Deferred, wait_s: float) -> bool:
+    """Whether ``deferred``'s recomputes finished within ``wait_s`` and every one passed."""
+    try:
+        return all(o.passed for o in deferred.outcomes.result(timeout=wait_s))
+    except Exception:  # noqa: BLE001 - a timeout or a failed recompute vouches for nothing
+        return False
 
 
 def _report_random(ex: Any, audits: RuntimeAudits, step: int) -> None:

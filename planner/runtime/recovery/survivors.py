@@ -79,8 +79,8 @@ def leave(root: str | Path, tracker: Tracker, *, rank: int, fingerprint: str, pa
     a note saying why it wrote none). ``state``: what a checkpoint keeps beside the tensors; its RNG,
     loss scale and untrained steps are taken as they were after that step. Never raises: the peer's
     failure is what the rank reports. ``unaudited_since``: the earliest step whose audits this rank (an
-    auditor) still had out; a state of that step or later is no step to resume from (an attacker could crash a
-    peer to escape the verdict)."""
+    auditor) had no passing verdict on; a state of that step or later is no step to resume from (an attacker
+    could crash a peer to escape the verdict)."""
     folder = Path(root) / FOLDER
     note: dict[str, Any] = {"rank": rank, "step": None, "why": "", "keep_before": keep_before,
                             "unaudited_since": unaudited_since}
@@ -88,7 +88,7 @@ def leave(root: str | Path, tracker: Tracker, *, rank: int, fingerprint: str, pa
     try:
         own.unlink(missing_ok=True)  # only what this call writes speaks for the rank
         if unaudited_since is not None and unaudited_since <= tracker.done:
-            note["why"] = f"rank {rank} still had step {unaudited_since}'s audits out"
+            note["why"] = f"rank {rank} had no passing verdict on step {unaudited_since}'s audits"
         elif tracker.updating:
             note["why"] = f"rank {rank} had begun step {tracker.done + 1}'s optimizer update"
         elif tracker.done < tracker.first:
@@ -116,7 +116,7 @@ class Note:
     step: int | None
     why: str = ""
     keep_before: int | None = None
-    unaudited_since: int | None = None  # an auditor's earliest step whose verdict was still out
+    unaudited_since: int | None = None  # an auditor's earliest step without a passing verdict
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,7 +184,7 @@ def _unvouched(notes: Sequence[Note], auditors: Collection[int], step: int) -> s
     if silent:
         return f"auditor rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} left no note"
     out = [n for n in notes if n.unaudited_since is not None and n.unaudited_since <= step]
-    return "; ".join(f"rank {n.rank} had step {n.unaudited_since}'s audits out" for n in out)
+    return "; ".join(f"rank {n.rank} had no passing verdict on step {n.unaudited_since}'s audits" for n in out)
 
 
 def read_notes(root: str | Path, *, num_ranks: int, fingerprint: str) -> list[Note]:
