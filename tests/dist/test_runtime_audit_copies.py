@@ -73,3 +73,18 @@ def test_a_replica_adding_noise_is_banned_by_an_audit_from_copies_and_its_twin_i
     assert notice.ban_step == notice.first_flagged_step + 1, notice
     audits = _audits(stopped.value.result, auditor)
     assert audits["failed_by_sender"].get(str(attacker), 0) >= 1 and str(twin) not in audits["failed_by_sender"]
+
+
+def test_a_resumed_run_audits_from_the_checkpoint_and_still_bans(tmp_path):
+    # every microbatch audited: a copy that did not start from the checkpoint would fail the honest step 4
+    path, auditor = _plan(tmp_path, replicas=(4, 4), every=1)
+    ckpt = str(tmp_path / "ckpt")
+    launch(RunOptions(plan=str(path), steps=4, timeout_s=60, lr=1e-2, checkpoint_dir=ckpt, checkpoint_every=2))
+    attack = "rank=1,kind=noise,std=0.2,start=5"
+    with pytest.raises(RunBanned) as stopped:
+        launch(RunOptions(plan=str(path), steps=8, timeout_s=60, lr=1e-2, checkpoint_dir=ckpt, checkpoint_every=2,
+                          resume=True, attacks=(attack,)))
+    (notice,) = stopped.value.notices
+    assert notice.rank == 1 and notice.first_flagged_step == 5, notice
+    audits = _audits(stopped.value.result, auditor)
+    assert audits["run"] >= 8 and audits["failed_by_sender"].get("1", 0) >= 1 and "2" not in audits["failed_by_sender"]

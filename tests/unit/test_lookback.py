@@ -120,11 +120,11 @@ def test_the_runtime_lookback_is_the_plans_audited_replicas_and_sets_aside_past_
     from planner.runtime.wire.bans import BanNotice
 
     plan = _audited_plan(4)
-    look = retention.plan_lookback(plan, audit_every=None, verifying=True, resumed=False)
+    look = retention.plan_lookback(plan, audit_every=None, verifying=True)
     assert look.back == {1: audit_steps(4, 4) + 1, 2: audit_steps(4, 4) + 1} == {1: 8, 2: 8}
-    assert retention.plan_lookback(plan, audit_every=2, verifying=True, resumed=False).back == {1: 4, 2: 4}
-    assert retention.plan_lookback(plan, audit_every=0, verifying=True, resumed=False).back == {}
-    assert retention.plan_lookback(plan, audit_every=None, verifying=False, resumed=False).back == {}
+    assert retention.plan_lookback(plan, audit_every=2, verifying=True).back == {1: 4, 2: 4}
+    assert retention.plan_lookback(plan, audit_every=0, verifying=True).back == {}
+    assert retention.plan_lookback(plan, audit_every=None, verifying=False).back == {}
     ban = BanNotice(rank=1, first_flagged_step=20, ban_step=21)
     assert retention.set_aside_from(look, [ban]) == 13                    # checkpoints after steps 13.. set aside
     assert retention.set_aside_from(Lookback(), [ban]) == 20              # unaudited: from the first flag on

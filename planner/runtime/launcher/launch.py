@@ -69,7 +69,7 @@ def _check_forgers(plan, opts: RunOptions) -> None:
     if not forgers:
         return
     verifying = opts.verify and plan.policy.enabled and bool(plan.verifiers)
-    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
+    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying)
     replicas = sorted({r for st in stages.values() if st.signed_by for r in st.replicas})
     for s in forgers:
         if parse_attack(s).rank not in replicas:

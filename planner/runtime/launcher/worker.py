@@ -61,7 +61,7 @@ from planner.runtime.rank.rank_setup import (
 )
 from planner.runtime.recovery import checkpoint, retention, survivors
 from planner.runtime.recovery.forgery import Forgery
-from planner.runtime.recovery.rank_checkpoint import rank_state, resume_step, save_checkpoint
+from planner.runtime.recovery.rank_checkpoint import rank_state, resume_copies, resume_step, save_checkpoint
 from planner.runtime.wire import control
 from planner.runtime.wire.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
 from planner.secret import run_secret
@@ -159,6 +159,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
     rank0_report = ProgressReport(plan, opts, summaries, executor) if env.rank == 0 and opts.report else None
 
     first = resume_step(plan, opts, env, stage, optimizer, verify, executor)
+    resume_copies(opts, env, executor, first)
     lr_schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                    total_steps=opts.steps, first_step=first)  # from the step the run resumes at
     last_end, last_cpu = time.perf_counter(), time.process_time()

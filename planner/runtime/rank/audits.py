@@ -51,9 +51,10 @@ replica's applied gradient is its own word). Like every check of this verifier, 
 sends it for what the consumer received (the transfers are not signed, except where the stage before is
 untrusted: the replicas then forward the audited inputs under that stage's signatures, ``audit_signed``). Nothing
 received is unpickled or executed: keys and digests are int64 tensors, the gradient and the input copies float
-tensors of sizes the plan fixes, received into buffers of that shape. Not audited: a stage the planner's rule rules out (the first or last stage, a sole replica
-whose link tests check it), a run resumed from a checkpoint (the copy would start from the seed), a
-stage whose forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
+tensors of sizes the plan fixes, received into buffers of that shape. A resumed run's copies start from the
+checkpoint the replicas resume from (``recovery.rank_checkpoint.resume_copies``). Not audited: a stage the
+planner's rule rules out (the first or last stage, a sole replica whose link tests check it), a stage whose
+forward updates its buffers (BatchNorm: the copy, seeing only the audited microbatches, would drift).
 """
 from __future__ import annotations
 
@@ -102,12 +103,12 @@ class AuditedStage:
     signed_by: tuple[int, ...] = ()   # the untrusted stage before, whose signed sends the replicas forward
 
 
-def audited_stages(plan: Any, *, every: int | None, verifying: bool, resumed: bool) -> dict[int, AuditedStage]:
+def audited_stages(plan: Any, *, every: int | None, verifying: bool) -> dict[int, AuditedStage]:
     """Stage -> how it is audited, for every stage with an untrusted replica the planner's rule lets its auditor
     audit (``simulate.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
     many microbatches for every such stage (0: none); None: as the plan chose per stage (``StageInfo.audit_every``,
     priced; 0 there, as in a plan that predates audits: not audited)."""
-    if not verifying or resumed or every == 0:
+    if not verifying or every == 0:
         return {}
     out = {}
     for stage in range(plan.num_stages):
@@ -168,7 +169,7 @@ class RuntimeAudits:
 def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: bool) -> RuntimeAudits:
     """This rank's audits for a run with options ``opts`` (``--audit-every``): the auditor builds its copies
     here, before the run starts, the way the stage's first replica builds its stage."""
-    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying, resumed=opts.resume)
+    stages = audited_stages(plan, every=opts.audit_every, verifying=verifying)
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan), last_step=opts.steps - 1,
                         checkpoint_every=opts.checkpoint_every if opts.checkpoint_dir is not None else None)
     if any(rank in st.replicas and len(st.replicas) > 1 for st in stages.values()):

@@ -13,7 +13,7 @@ from planner.errors import CheckpointError, ProtocolError
 from planner.integrity.hooks import VerifyHooks
 from planner.runtime.options import RunOptions
 from planner.runtime.rank.executor import Executor
-from planner.runtime.rank.rank_setup import RankEnv
+from planner.runtime.rank.rank_setup import RankEnv, make_lr_schedule
 from planner.runtime.rank.stage import StageRuntime
 from planner.runtime.recovery import checkpoint, retention
 from planner.runtime.recovery.forgery import Forgery
@@ -51,6 +51,21 @@ def resume_step(plan, opts: RunOptions, env: RankEnv, stage: StageRuntime | None
         executor.scaler.restore(got.state["loss_scale"])
     executor.untrained_steps = [int(s) for s in got.state.get("untrained_steps", [])]
     return step + 1
+
+
+def resume_copies(opts: RunOptions, env: RankEnv, executor: Executor, first: int) -> None:
+    """An auditor's copies of audited stages at the checkpoint a resumed run starts after (``first`` - 1): the
+    replicas' parameters and optimizer state, and the learning-rate schedule from ``first``; a fresh copy would
+    fail every honest replica's audit."""
+    audits = getattr(executor, "audits", None)
+    if not opts.resume or audits is None or not audits.copies:
+        return
+    key = run_secret(opts.secret_file)
+    for copy in audits.copies.values():
+        checkpoint.restore_rank(opts.checkpoint_dir, step=first - 1, params=dict(copy.runtime.parameters()),
+                                optimizer=copy.optimizer, rank=env.rank, key=key)
+        copy.schedule = make_lr_schedule(copy.optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
+                                         total_steps=opts.steps, first_step=first)
 
 
 def _agreed_resume_step(plan, opts: RunOptions, env: RankEnv, device: torch.device, key: bytes) -> int:

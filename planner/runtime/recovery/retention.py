@@ -19,12 +19,12 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 
-def plan_lookback(plan: Plan, *, audit_every: int | None, verifying: bool, resumed: bool) -> Lookback:
+def plan_lookback(plan: Plan, *, audit_every: int | None, verifying: bool) -> Lookback:
     """The lookback of a run of ``plan`` (``audit_every``: ``--audit-every``, None: the plan's shares): per
     untrusted replica of an audited stage, its share and microbatches a step."""
     trusted = trusted_ranks(plan)
     shares = {}
-    for st in audited_stages(plan, every=audit_every, verifying=verifying, resumed=resumed).values():
+    for st in audited_stages(plan, every=audit_every, verifying=verifying).values():
         for rank in st.replicas:
             count = len(plan.ranks[rank].microbatches)
             if rank not in trusted and count > 0:
@@ -36,14 +36,13 @@ def plan_auditors(plan: Plan) -> frozenset[int]:
     """The ranks that audit a stage of ``plan`` at its own shares (the trusted ranks whose verdicts can be out
     a step late: ``rank.audits.unaudited_since``)."""
     verifying = bool(plan.policy.enabled and plan.verifiers)
-    return frozenset(st.auditor for st in audited_stages(plan, every=None, verifying=verifying,
-                                                         resumed=False).values())
+    return frozenset(st.auditor for st in audited_stages(plan, every=None, verifying=verifying).values())
 
 
 def run_lookback(plan: Plan, opts: Any) -> Lookback:
     """:func:`plan_lookback` for a run with options ``opts`` (verifying as the worker decides it)."""
     verifying = bool(opts.verify and plan.policy.enabled and plan.verifiers)
-    return plan_lookback(plan, audit_every=opts.audit_every, verifying=verifying, resumed=opts.resume)
+    return plan_lookback(plan, audit_every=opts.audit_every, verifying=verifying)
 
 
 def set_aside_from(lookback: Lookback, notices: Iterable[BanNotice]) -> int:

@@ -252,7 +252,7 @@ def _retention(plan: Plan, notes: Sequence[Note]) -> dict[str, Any]:
     has no run options here) and the earliest first flagged step a note names, as if every audited sender
     and some unaudited one were flagged there (a note names no sender; a lying one only keeps more)."""
     verifying = bool(plan.policy.enabled and plan.verifiers)
-    lookback = retention.plan_lookback(plan, audit_every=None, verifying=verifying, resumed=False)
+    lookback = retention.plan_lookback(plan, audit_every=None, verifying=verifying)
     flags = [n.keep_before for n in notes if n.keep_before is not None]
     if not flags:
         return {"lookback": lookback, "unresolved": {}}
