@@ -170,6 +170,10 @@ class _Lister:
             at = d.inputs[x]
             f = (max(clock, at), 3 - kind, "F", x)
             best = f if best is None or f < best else best
+        self._push(d, best)
+
+    def _push(self, d: _Device, best: tuple | None) -> None:
+        """``d``'s earliest step ``best`` (time, rank, op, microbatch) onto the heap; none: it waits."""
         if best is None:
             d.offered = float("inf")
         else:
@@ -240,11 +244,7 @@ class _Lister:
                 if src is None or src[1] == d.name or src[0] in self.verdict:  # a remote verdict is placed first
                     f = (max(clock, d.inputs[x]), 3 - kind, "F", x)
                     best = f if best is None or f < best else best
-        if best is None:
-            d.offered = float("inf")
-        else:
-            d.offered = best[0]
-            heapq.heappush(self.heap, (best[0], best[1], d.order, d.version, best[2], best[3], d))
+        self._push(d, best)
 
     def arrived(self, d: _Device, at: float) -> None:
         """Something ``d`` needs arrives at ``at``: only a step that could start before the one it has on the
