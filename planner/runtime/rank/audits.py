@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -376,10 +376,11 @@ def unaudited_since(ex: Any, *, wait_s: float = 0.0) -> int | None:
 
 
 def _passed(deferred: Deferred, wait_s: float) -> bool:
-    """Whether ``deferred``'s recomputes finished within ``wait_s`` and every one passed."""
+    """Whether ``deferred``'s recomputes finished within ``wait_s`` and every one passed (one still running, cancelled
+    or failed in torch vouches for nothing; the peer's failure stays the error the rank reports)."""
     try:
         return all(o.passed for o in deferred.outcomes.result(timeout=wait_s))
-    except Exception:  # noqa: BLE001 - a timeout or a failed recompute vouches for nothing
+    except (TimeoutError, CancelledError, RuntimeError, ValueError):
         return False
 
 
