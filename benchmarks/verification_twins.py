@@ -14,7 +14,7 @@ contribution monitor (``planner.integrity.contributions``) sees a sketch of each
 A ban re-plans as ``--replan-on-failure`` does: the stage goes to the twin alone, with fresh monitors, and the
 model and optimizer go back to a checkpoint chosen by the runtime's own rule (``planner.integrity.lookback``):
 checkpoints every ``--checkpoint-every`` steps, pruned by ``checkpoint.prunable`` with the replicas' audit
-lookback, and the resume is the newest kept at or before the ban's resume bound (first flag - 26 steps at 1 in
+lookback, and the resume is the newest kept at or before the ban's resume bound (first flag - 25 steps at 1 in
 4 with one microbatch a replica a step; before the first flag without audits).
 
 ``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): each of a replica's
@@ -158,12 +158,18 @@ class TwinPipeline(Pipeline):
             expected, self.audit_params[mb] = audit.recompute_grads(stage, self.audit_inputs.pop(mb), stage_input)
             boundary = REPLICATED_STAGE - 1
         self.audits += 1
-        self._judge_audit(step, mb, boundary, direction, sender, audit.relative_error(sent, expected))
+        self._judge_audit(step, mb, boundary, direction, sender, audit.relative_error(sent, expected), tensor=True)
 
-    def _judge_audit(self, step: int, mb: int, boundary: int, direction: str, sender: int, error: float) -> None:
+    def _judge_audit(self, step: int, mb: int, boundary: int, direction: str, sender: int, error: float, *,
+                     tensor: bool = False) -> None:
+        """An audit's verdict: a failure among the step's flags; every one in the verifier (the runtime's
+        ``Verifier.record_audit``), with the audited tensor where it is a boundary's (``tensor``): a pass
+        withdraws the monitors' flags of that tensor."""
         event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
                                   error=error, tolerance=audit.TOLERANCE["float32"])
         self.ledger.record(sender, step, passed=event is None)
+        where = {"mb": mb, "boundary": boundary, "direction": direction} if tensor else {}
+        self.verifier.record_audit(sender, step, passed=event is None, **where)
         if event is not None:
             self.audit_flags.append(event)
             self.audit_fails[sender] += 1

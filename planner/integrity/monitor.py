@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +99,7 @@ class _Sample:
     scores: dict[str, float]
     fits: dict[str, _Fit]
     data_key: int | None = None
+    mb: int | None = None   # its microbatch (None: unknown, never vouched for by an audit)
 
 
 class Monitor:
@@ -178,6 +179,7 @@ class Monitor:
         self.tainted = 0
         self.step_flags = 0
         self.twin_shared = 0   # step-level failures a twin shared (``_shared_by_twins``): not flagged
+        self.vouched = 0       # step-level failures every sample of which passed an audit: not flagged
 
     def _fence(self, name: str, floors: Mapping[str, float], fallback: IQRFence | None = None) -> IQRFence:
         return IQRFence(window=self.cfg.window, k=self.cfg.iqr_k, min_samples=self.cfg.min_samples,
@@ -346,14 +348,18 @@ class Monitor:
         return self._drift[sender]
 
     def hold(self, sender: int, summary: summ.Summary, scores: dict[str, float], fits: dict[str, _Fit],
-             data_key: int | None = None) -> None:
+             data_key: int | None = None, *, mb: int | None = None) -> None:
         """Keep a sample that passed until its step closes."""
-        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key))
+        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key,
+                                     mb=mb))
 
-    def close(self) -> list[tuple[int, dict[str, float], tuple[str, ...], int | None]]:
+    def close(self, audited: Collection[tuple[int, int]] = ()) -> list[tuple[int, dict[str, float], tuple[str, ...],
+                                                                          int | None]]:
         """Close the open step: test each sender's step as a whole, fold in the samples
         of the senders that pass (or raise only an alert); returns ``(sender, scores, reasons, upstream)`` of those that
-        fail (``upstream``: see :func:`upstream_culprit`)."""
+        fail (``upstream``: see :func:`upstream_culprit`). ``audited``: the ``(sender, mb)`` pairs of this step whose
+        tensor here passed an audit (``audit``: the stage recomputed on the very input it received); a sender whose
+        every averaged sample did is vouched for: its step passes whatever its scores (:meth:`_vouched`)."""
         if self.step is None:
             return []
         step, self.step = self.step, None
@@ -381,6 +387,9 @@ class Monitor:
             judged[sender] = (scores, reasons, drifting)
         for sender, samples in by_sender.items():
             scores, reasons, drifting = judged[sender]
+            if reasons and _vouched(sender, samples, audited):
+                self.vouched += 1
+                reasons = ()   # the audit outranks the statistics: the step passes and teaches as one
             if reasons and self._shared_by_twins(sender, reasons, judged):
                 self.twin_shared += 1
                 alerts.add(sender)   # the stage moved, not this replica: its samples teach the reference
@@ -522,6 +531,16 @@ class Monitor:
 # judge the input, not the stage.
 UPSTREAM_EFOLDS = 0.35
 _LINKED_REASONS = frozenset({"link", "residual", "drift"})
+
+
+def _vouched(sender: int, samples: Sequence[_Sample], audited: Collection[tuple[int, int]]) -> bool:
+    """Whether an audit passed on every one of ``samples`` (``sender``'s step average): then its step is what the
+    stage computes from its inputs, and a step-level failure is the statistics' error. A sample of unknown
+    microbatch is never vouched for. Issue 37 (``verification_twins.py``, 1 in 2, attack at 40, seed 2): after the
+    re-plan the honest twin's gradient step means failed the sign test alone at 16 of the 34 steps from 46 on,
+    every one of its microbatches audited and passing from 47, and it was banned at 60 on the statistics alone;
+    its failed steps never taught the reference, which could not follow."""
+    return bool(samples) and all(x.mb is not None and (sender, x.mb) in audited for x in samples)
 
 
 def upstream_culprit(fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:

@@ -52,7 +52,7 @@ from planner.errors import InvalidInputError
 from planner.integrity import distances as dist
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
-from planner.integrity.audit import AuditLedger
+from planner.integrity.audit import AuditLedger, is_audit
 from planner.integrity.bans import BanTest
 from planner.integrity.blame import (
     STEP_MB,
@@ -136,10 +136,19 @@ class Verifier:
         self._audits: dict[str, dict[int, int]] = {"run": {}, "failed": {}}   # per sender
         self._audits_suspended: dict[int, int] = {}   # stage -> step its replicas' reported updates disagreed
         self._signed = {"forged": 0, "voided": 0}   # audits from signed inputs: forgeries caught, complaints
+        # (step, boundary, direction) -> the (sender, mb) whose tensor there passed an audit: no flag of it stands
+        self._passed: dict[tuple[int, int, str], set[tuple[int, int]]] = {}
+        self._refuted = 0   # microbatch flags a passed audit of the same tensor withdrew
 
-    def record_audit(self, sender: int, step: int, *, passed: bool) -> None:
-        """One audit of ``sender``'s microbatch (``audit``), for the summary and the ledger of vouched steps."""
+    def record_audit(self, sender: int, step: int, *, passed: bool, mb: int | None = None,
+                     boundary: int | None = None, direction: str | None = None) -> None:
+        """One audit of ``sender``'s microbatch (``audit``), for the summary and the ledger of vouched steps.
+        Given the audited tensor (``mb``, ``boundary``, ``direction``) and recorded before the step's flags are
+        taken (:meth:`flag_events`), a pass withdraws this verifier's flags of that tensor: an audit outranks the
+        statistics (a flag costs an audit, never a ban by itself; see ``monitor._vouched``)."""
         self.audit_ledger.record(sender, step, passed=passed)
+        if passed and mb is not None and boundary is not None and direction is not None:
+            self._passed.setdefault((int(step), int(boundary), direction), set()).add((int(sender), int(mb)))
         for key in ("run",) if passed else ("run", "failed"):
             self._audits[key][sender] = self._audits[key].get(sender, 0) + 1
 
@@ -212,7 +221,7 @@ class Verifier:
         reasons = mon.exceeded(scores, step)
         if reasons:
             return self._flag(mon, step, mb, sender, scores, reasons, upstream=mon.culprit(sender, [fits], reasons))
-        mon.hold(sender, summary, scores, fits, data_key)
+        mon.hold(sender, summary, scores, fits, data_key, mb=mb)
         if input_key(boundary, direction, forward=False) in self._monitors:
             self._rows[((boundary, direction), step, mb)] = (rows, mon.size_change(summary), dist.log_size(summary),
                                                              None if mon.watch_only else sender)
@@ -228,7 +237,8 @@ class Verifier:
 
     def _close(self, mon: Monitor) -> None:
         step = mon.step
-        for sender, scores, reasons, upstream in mon.close():
+        audited = self._passed.get((step, mon.boundary, mon.direction), set()) if step is not None else set()
+        for sender, scores, reasons, upstream in mon.close(audited):
             event = self._event("flag", mon, step, STEP_MB, sender, scores, reasons, per_sample=False,
                                 upstream=upstream)
             self.events.append(event)
@@ -259,7 +269,22 @@ class Verifier:
                 self._close(mon)
         for key in [k for k in self._rows if k[1] <= step]:
             del self._rows[key]
-        return [dict(e) for e in self._step_flags.get(step, ())]
+        flags = self._step_flags.get(step, [])
+        kept = [e for e in flags if not self._refutes(e)]
+        self._refuted += len(flags) - len(kept)
+        if flags:
+            self._step_flags[step] = kept
+        for key in [k for k in self._passed if k[0] <= step]:
+            del self._passed[key]
+        return [dict(e) for e in kept]
+
+    def _refutes(self, event: Mapping[str, Any]) -> bool:
+        """Whether a passed audit of the very tensor a monitor's microbatch flag is about withdraws it (not one
+        laid on the stage's input, ``upstream``, nor a contribution's or an audit's own flag)."""
+        if int(event["mb"]) == STEP_MB or "upstream" in event or "stage" in event or is_audit(event):
+            return False
+        key = (int(event["step"]), int(event["boundary"]), str(event["direction"]))
+        return (int(event["sender"]), int(event["mb"])) in self._passed.get(key, ())
 
     def add_flags(self, step: int, events: Iterable[Mapping[str, Any]]) -> None:
         """Flag events of ``step`` judged elsewhere on this rank (a replica's gradient contribution,
@@ -329,7 +354,8 @@ class Verifier:
     def summary(self) -> dict[str, Any]:
         """Counts, current fences and bans, for logs and the ``--report`` file."""
         monitors = [{"boundary": b, "direction": d, "checked": m.checked, "flagged": m.flagged,
-                     "step_flags": m.step_flags, "tainted": m.tainted, "fences": m.fence_values(),
+                     "step_flags": m.step_flags, "tainted": m.tainted, "vouched": m.vouched,
+                     "fences": m.fence_values(),
                      "step_fences": m.fence_values(per_sample=False)}
                     for (b, d), m in sorted(self._monitors.items())]
         return {"monitors": monitors, "banned": sorted(self.banned),
@@ -340,6 +366,7 @@ class Verifier:
                            "run_by_sender": {str(k): v for k, v in sorted(self._audits["run"].items())},
                            "failed_by_sender": {str(k): v for k, v in sorted(self._audits["failed"].items())},
                            "suspended": {str(k): v for k, v in sorted(self._audits_suspended.items())},
+                           "refuted_flags": self._refuted,
                            "signed": dict(self._signed)},
                 "config": self.config.to_dict()}
 
