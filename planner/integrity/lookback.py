@@ -9,12 +9,14 @@ most ``eps``, the attack's first flag ``f`` is, but with probability at most ``e
 checkpoint taken after step ``f - D`` holds no attacked update. Without audits (or ``every = 1``) that is the
 old rule, the newest checkpoint before ``f``.
 
-The interface assumed of the verdicts (an audit's recompute may move a step later): the step a flag is
+The interface assumed of the verdicts (an audit's recompute may come a step later): the step a flag is
 reported at (``BanNotice.first_flagged_step``, ``Verifier.unresolved``) is the step of the microbatch whose
-check raised it or at most ``lag`` (:data:`VERDICT_LAG_STEPS`) later, and it is known by the end of that
-step ``+ lag``. Both are paid for with ``lag`` more steps of lookback: a flag reported at ``f`` resumes from
-``f - D - lag`` or earlier; a flag not yet known at the end of step ``c`` will be reported at ``c + 1 - lag``
-or later, so retention keeps a checkpoint at or before ``c + 1 - 2 lag - D`` (the horizon).
+check raised it or earlier (a late audit's verdict names its audited step, ``audit.late_audit_event``'s
+``since``; a contribution's alarm its onset), and it is known by the end of that step ``+ lag``
+(:data:`VERDICT_LAG_STEPS`). Only the knowing is late, so only retention pays for it: a flag reported at
+``f`` resumes from ``f - D`` or earlier; a flag not yet known at the end of step ``c`` will be reported at
+``c + 1 - lag`` or later, so retention keeps a checkpoint at or before ``c + 1 - lag - D`` (the horizon).
+(Until 2026-12-06 the lag was paid twice, ``f - D - lag``: one step more redone a ban.)
 
 Retention (:meth:`Lookback.keep`): the horizon slides one step a step, so the checkpoint it needs next is
 one taken after it now: besides the newest ones, the newest checkpoint of each window of ``spacing``
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from planner.errors import InvalidInputError
 from planner.solver.audits import MISS_TARGET
 
-VERDICT_LAG_STEPS = 1   # a flag may be reported (and known) this many steps after its microbatch's step
+VERDICT_LAG_STEPS = 1   # a flag may be known this many steps after its microbatch's step (reported at that step)
 RUNGS = 4               # retained windows per lookback: a resume's extra redo is about a quarter of it
 EPS = MISS_TARGET       # the chance an attack began before the resume point: the planner's audit miss target
 
@@ -55,8 +57,8 @@ def audit_steps(every: int, per_step: int, eps: float = EPS) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Lookback:
-    """Per audited sender, how many steps before its reported first flag a resume may hold (``back``); every
-    other sender resumes from before its first flag (1 step back)."""
+    """Per audited sender, how many steps before its reported first flag a resume may hold (``back``: ``D``);
+    every other sender resumes from before its first flag (1 step back). ``lag``: how late a flag may be known."""
 
     back: Mapping[int, int] = field(default_factory=dict)
     lag: int = VERDICT_LAG_STEPS
@@ -64,7 +66,7 @@ class Lookback:
     @classmethod
     def of(cls, shares: Mapping[int, tuple[int, int]], *, eps: float = EPS, lag: int = VERDICT_LAG_STEPS) -> Lookback:
         """From ``sender -> (every, microbatches a step)`` of each audited sender."""
-        return cls(back={s: audit_steps(every, m, eps) + lag for s, (every, m) in shares.items()}, lag=lag)
+        return cls(back={s: audit_steps(every, m, eps) for s, (every, m) in shares.items()}, lag=lag)
 
     def clean_step(self, sender: int, first_flagged: int) -> int:
         """The newest step a checkpoint to resume from may hold, for ``sender`` first flagged at

@@ -27,9 +27,19 @@ def test_without_audits_a_resume_is_the_newest_checkpoint_before_the_first_flag(
     plain = Lookback()
     assert plain.resume_bound({3: 10}) == 9 and plain.resume_bound({}) == math.inf
     audited = Lookback.of({ATTACKER: (4, 1)}, lag=1)
-    assert audited.resume_bound({ATTACKER: 30}) == 30 - 26        # 25 steps of audits + 1 of verdict lag
+    assert audited.resume_bound({ATTACKER: 30}) == 30 - 25        # 25 steps of audits (the lag: retention's only)
     assert audited.resume_bound({ATTACKER: 30, 3: 2}) == 1        # the earliest of the bans'
     assert audited.resume_bound({ATTACKER: 5}) == -1              # before the first step: the run starts again
+
+
+def test_a_late_verdict_costs_retention_not_the_resume_bound():
+    """The attack's latest first audit within the guarantee (``D - 1`` steps after its start), its verdict a step
+    late but reported at the audited step: the resume is the step before the attack, not one more (the lag was
+    counted twice); retention still looks ``D + lag - 1`` steps back for a flag not yet known."""
+    look = Lookback.of({ATTACKER: (2, 1)}, lag=1)
+    d, start = audit_steps(2, 1), 40
+    assert look.resume_bound({ATTACKER: start + d - 1}) == start - 1
+    assert look.horizon == d and look.bounds(start + d - 1, {}) == {start - 1}
 
 
 def _audited_steps(rng: random.Random, every: int, m: int, steps: int) -> list[bool]:
@@ -38,7 +48,8 @@ def _audited_steps(rng: random.Random, every: int, m: int, steps: int) -> list[b
 
 def _simulate(seed: int) -> dict:
     """One run: an attack from step ``a`` on every microbatch of the attacker, flagged by the first audit that
-    draws one (or earlier by a monitor), reported up to ``lag`` steps late; checkpoints every ``e`` steps,
+    draws one (or earlier by a monitor), known up to ``lag`` steps late but reported at its flagged step (a late
+    verdict names its audited step: ``audit.late_audit_event``'s ``since``); checkpoints every ``e`` steps,
     pruned by the rule each time; the ban stops the run and resumes from the newest kept checkpoint at or
     before the bound."""
     rng = random.Random(seed)
@@ -48,7 +59,7 @@ def _simulate(seed: int) -> dict:
     audited = _audited_steps(rng, every, m, a + 400)
     hit = next(s for s in range(a, len(audited)) if audited[s])
     flag = min(hit, a + rng.randrange(0, hit - a + 1)) if rng.random() < 0.3 else hit
-    reported, known = flag + rng.randrange(0, lag + 1), flag + lag
+    reported, known = flag, flag + lag
     ban = known + rng.randrange(0, 6)
     kept: list[int] = []
     taken: list[int] = []
@@ -121,11 +132,11 @@ def test_the_runtime_lookback_is_the_plans_audited_replicas_and_sets_aside_past_
 
     plan = _audited_plan(4)
     look = retention.plan_lookback(plan, audit_every=None, verifying=True)
-    assert look.back == {1: audit_steps(4, 4) + 1, 2: audit_steps(4, 4) + 1} == {1: 8, 2: 8}
-    assert retention.plan_lookback(plan, audit_every=2, verifying=True).back == {1: 4, 2: 4}
+    assert look.back == {1: audit_steps(4, 4), 2: audit_steps(4, 4)} == {1: 7, 2: 7}
+    assert retention.plan_lookback(plan, audit_every=2, verifying=True).back == {1: 3, 2: 3}
     assert retention.plan_lookback(plan, audit_every=0, verifying=True).back == {}
     assert retention.plan_lookback(plan, audit_every=None, verifying=False).back == {}
     ban = BanNotice(rank=1, first_flagged_step=20, ban_step=21)
-    assert retention.set_aside_from(look, [ban]) == 13                    # checkpoints after steps 13.. set aside
+    assert retention.set_aside_from(look, [ban]) == 14                    # checkpoints after steps 14.. set aside
     assert retention.set_aside_from(Lookback(), [ban]) == 20              # unaudited: from the first flag on
     assert retention.set_aside_from(look, [BanNotice(rank=1, first_flagged_step=3, ban_step=4)]) == 0
