@@ -387,9 +387,10 @@ class Monitor:
             judged[sender] = (scores, reasons, drifting)
         for sender, samples in by_sender.items():
             scores, reasons, drifting = judged[sender]
-            if reasons and _vouched(sender, samples, audited):
+            if reasons and _vouched(sender, samples, audited) and \
+                    self.culprit(sender, [x.fits for x in samples], reasons) is None:
                 self.vouched += 1
-                reasons = ()   # the audit outranks the statistics: the step passes and teaches as one
+                reasons = ()   # the audit outranks the statistics on its own step (not one laid on its input)
             if reasons and self._shared_by_twins(sender, reasons, judged):
                 self.twin_shared += 1
                 alerts.add(sender)   # the stage moved, not this replica: its samples teach the reference
@@ -535,8 +536,10 @@ _LINKED_REASONS = frozenset({"link", "residual", "drift"})
 
 def _vouched(sender: int, samples: Sequence[_Sample], audited: Collection[tuple[int, int]]) -> bool:
     """Whether an audit passed on every one of ``samples`` (``sender``'s step average): then its step is what the
-    stage computes from its inputs, and a step-level failure is the statistics' error. A sample of unknown
-    microbatch is never vouched for. Issue 37 (``verification_twins.py``, 1 in 2, attack at 40, seed 2): after the
+    stage computes from its inputs, and a step-level failure of its own is the statistics' error (one laid on its
+    input's sender stands: the audit says nothing of the input). A sample of unknown microbatch is never vouched
+    for. The price: a corruption within the audit's tolerance (``audit.TOLERANCE``) on an audited step is no longer
+    the step test's to catch. Issue 37 (``verification_twins.py``, 1 in 2, attack at 40, seed 2): after the
     re-plan the honest twin's gradient step means failed the sign test alone at 16 of the 34 steps from 46 on,
     every one of its microbatches audited and passing from 47, and it was banned at 60 on the statistics alone;
     its failed steps never taught the reference, which could not follow."""

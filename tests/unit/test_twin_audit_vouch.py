@@ -65,3 +65,14 @@ def test_a_passed_audit_withdraws_the_microbatch_flag_of_that_very_tensor_only()
         events = v.flag_events(step)
     assert [e["mb"] for e in events] == [1]
     assert v.summary()["audits"]["refuted_flags"] == 1
+
+
+def test_a_passed_audit_never_withdraws_a_flag_laid_on_the_stages_input_nor_an_audits_own():
+    v = Verifier(VerifierConfig().to_dict(), [(0, "grad")], stage_of={TWIN: 1}, microbatches={TWIN: 2})
+    laid = {"type": "flag", "step": 4, "mb": 0, "boundary": 0, "direction": "grad", "sender": TWIN,
+            "scope": "microbatch", "scores": {"link": 9.0}, "fences": {"link": 1.0}, "reasons": ["link"], "upstream": 0}
+    failed = {**laid, "scores": {"audit": 1.0}, "fences": {"audit": 0.01}, "reasons": ["audit"]}
+    del failed["upstream"]
+    v.add_flags(4, [laid, failed])
+    v.record_audit(TWIN, 4, passed=True, mb=0, boundary=0, direction="grad")
+    assert v.flag_events(4) == [laid, failed]
