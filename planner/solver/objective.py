@@ -412,8 +412,27 @@ def program_memory(problem: Problem, placement: Placement, in_flight: tuple[tupl
     return tuple(mem.items())
 
 
+# Prices already computed, newest last: the searches price the same plans again (the hill-climb's neighbours'
+# neighbours, a count's plans ranked for the climb, then for the grids and recomputation), and a pricing runs the
+# programs (milliseconds). Keyed by the problem's identity, which the entry keeps alive so the id is not reused.
+_PRICES: dict[tuple[int, Placement], tuple[Problem, ProgramCost]] = {}
+PRICES_KEPT = 4096
+
+
 def price_program(problem: Problem, placement: Placement) -> ProgramCost:
     """The step of the programs ``placement`` compiles to (``program_cost``): what a returned plan costs."""
+    key = (id(problem), placement)
+    hit = _PRICES.get(key)
+    if hit is not None and hit[0] is problem:
+        return hit[1]
+    cost = _priced(problem, placement)
+    if len(_PRICES) >= PRICES_KEPT:
+        del _PRICES[next(iter(_PRICES))]
+    _PRICES[key] = (problem, cost)
+    return cost
+
+
+def _priced(problem: Problem, placement: Placement) -> ProgramCost:
     return program_cost(problem, placement.stages, placement.verifiers, verify_load=_verify_load(problem, placement),
                         verifier_state=_verifier_state(problem, placement),
                         allreduce_ms=tuple(allreduce_ms(problem, st) for st in placement.stages))

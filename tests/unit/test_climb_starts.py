@@ -17,8 +17,6 @@ from planner.solver.search.budget import Work
 from planner.solver.search.polish import polish
 from planner.solver.solution import StagePlacement
 
-pytestmark = pytest.mark.unit
-
 
 def _trusted_pool():
     hosts = [{"name": f"dc{i}", "region": "dc", "trust": "operator", "trusted": True,

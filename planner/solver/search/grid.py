@@ -30,7 +30,7 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.problem import Problem
-from planner.solver.search.budget import Work, grid_units
+from planner.solver.search.budget import Work, grid_units, placement_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.deadline import Deadline
 from planner.solver.search.polish import polish
@@ -190,21 +190,31 @@ def _compute_ms(problem: Problem, pp: int, dp: int, fastest: list[tuple[float, i
 PRICED = 24
 
 
-def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED) -> list[Placement]:
+def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED,
+             within: Deadline | Work | None = None) -> list[Placement]:
     """The ``count`` likeliest by the search's closed form (``objective.evaluate``: fast), cheapest program
-    first."""
+    first; with a ``Work`` budget ``within``, each pricing charged to it and only those priced before it is spent
+    (at least the likeliest)."""
     likely = sorted(placements, key=lambda p: evaluate(problem, p).step_ms)[:count]
+    if isinstance(within, Work):
+        priced = []
+        for p in likely:
+            if priced and within.passed():
+                break
+            within.charge(placement_units(p))
+            priced.append(p)
+        likely = priced
     return sorted(likely, key=lambda p: price_program(problem, p).step_ms)
 
 
-def grid_candidates(problem: Problem, *, repartition: int = 3,
-                    deadline: Deadline | Work | None = None) -> list[Placement]:
-    """The likeliest valid grids (found by ``deadline``), and the ``repartition`` cheapest re-partitioned for
-    their devices."""
-    found = cheapest(problem, grids(problem, deadline=deadline))
-    wide = cheapest(problem, tapered(problem, deadline=deadline))
-    return found + wide + [p for p in map(lambda g: _repartitioned(problem, g), found[:repartition] + wide[:repartition])
-                           if p is not None]
+def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadline | Work | None = None,
+                    priced: Work | None = None) -> list[Placement]:
+    """The likeliest valid grids (found by ``deadline``), ranked by their programs' cost (those priced by
+    ``priced``, a budget of its own: the grids' search may spend all of its own), and the ``repartition``
+    cheapest re-partitioned for their devices."""
+    found = cheapest(problem, grids(problem, deadline=deadline), within=priced)
+    wide = cheapest(problem, tapered(problem, deadline=deadline), within=priced)
+    return found + wide + repartitioned(problem, found[:repartition] + wide[:repartition])
 
 
 def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> list[Placement]:
