@@ -32,14 +32,15 @@ semantics (see ``planner.instructions``), and prices every instruction:
   and optimizer state.
 * A stage the plan audits (``StageInfo.audit_every``): its auditor recomputes the audited microbatches
   (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
-  share longer; else on its copy's stepper in the next step, the last step's drawn from the step's start
-  before the copy's step, ``AuditCost.deferred``), once its program is done (and, where the trusted stage
-  before copies it the audited inputs, once each of its ranks, done, has sent them: an "input copies" box;
-  from signed inputs, the stage's replicas send them, each once done and asked) hears the replicas' applied
-  gradient, and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no sooner. Audited
-  from signed inputs, each ``F`` of the stage before signs what it sends the stage, each ``F`` of a replica
-  checks its input's signature (``cost_models.audit.sign_ms``, ``check_signature_ms``): those passes last that
-  much longer.
+  share longer; else on its copy's stepper in the next step, ``AuditCost.deferred``: the last step's recomputes
+  and copy steps are work on the auditor's device from the step's start, beside its own passes and checks,
+  ``audit_price.Stepper``; on shared cores, one more computing thread), once its program is done (and, where
+  the trusted stage before copies it the audited inputs, once each of its ranks, done, has sent them: an
+  "input copies" box; from signed inputs, the stage's replicas send them, each once done and asked) hears the
+  replicas' applied gradient, and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no
+  sooner. Audited from signed inputs, each ``F`` of the stage before signs what it sends the stage, each ``F``
+  of a replica checks its input's signature (``cost_models.audit.sign_ms``, ``check_signature_ms``): those
+  passes last that much longer.
 
 ``simulate(plan, cores=C)`` rehearses the plan on one machine whose ``C``
 processors all ranks share (``stagewise run`` on a laptop, the runtime
@@ -115,7 +116,7 @@ from planner.instructions import (
 from planner.ir import dtype_bytes
 from planner.plan import Plan
 from planner.plan_values import Predicted
-from planner.solver.audit_price import AuditWhere, audit_rule
+from planner.solver.audit_price import AuditWhere, Stepper, audit_rule, stepper_parts
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
@@ -200,6 +201,8 @@ class _Run:
     audit_checks: dict[tuple[int, int, str], float] = field(default_factory=dict)
     # rank -> what each of its forwards adds signing or checking signed inputs (``_signing``)
     signing: dict[int, float] = field(default_factory=dict)
+    # auditor rank -> its copies' stepper, sharing its device from the step's start (``_steppers``)
+    steppers: dict[int, Stepper] = field(default_factory=dict)
 
     def box(self, rank: int, kind: str, ins: Instruction, start: float, dur: float, peer: int | None = None) -> None:
         self.events.append(Event(rank=rank, kind=kind, start_ms=start, end_ms=start + dur,
@@ -281,7 +284,9 @@ class _Run:
         if ins.op == "ALLREDUCE":
             return self._allreduce(rank, ins, t)
         if self.is_work(ins):
-            dur = self.work_ms(rank, ins) if dur is None else dur
+            if dur is None:   # on a device of its own, beside its copies' stepper if it audits (``Stepper``)
+                dur = self.work_ms(rank, ins)
+                dur = self.steppers[rank].share(t, dur) if rank in self.steppers else dur
             if ins.op == "OPTIM":
                 self.reached_optim[rank] = t
             kind = (ins.op if ins.op in ("F", "B") else "optim" if ins.op == "OPTIM"
@@ -345,6 +350,7 @@ def simulate(plan: Plan, costs: CostModel | None = None, *, cores: int | None = 
                verdict_waits=[deferred_verdicts(prog) for prog in plan.programs])
     run.audit_checks = _audit_checks(plan, costs)
     run.signing = _signing(plan, costs)
+    run.steppers = _steppers(plan, costs)
     if cores is None or (cores >= n and sharing is None):
         _run_dedicated(run)
     else:
@@ -520,8 +526,10 @@ def _audits(run: _Run) -> None:
     the digest, the gradient needed only by the next step's recompute); its copy steps on a thread of its own, once
     the gradient is in, into the next step (``planner.runtime.rank.audits``). Recomputes left to the step's end
     (all but those among the checks) run on that thread in the next step, before the copy's step
-    (``AuditCost.deferred``): drawn from the step's start, the step's end waiting for them."""
+    (``AuditCost.deferred``): work on the auditor's device from the step's start, beside its own passes
+    (``audit_price.Stepper``, run with the programs), the step's end waiting for them."""
     plan = run.plan
+    stepped = {a: st.done_ms() for a, st in run.steppers.items()}   # alone once the auditor's program is done
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
         cost = _audit_cost(plan, run.costs, k, where)
@@ -531,16 +539,25 @@ def _audits(run: _Run) -> None:
         done = max(run.clock[r] for r in plan.stage_ranks(k))
         sent = run.reached_optim[int(where.source)]
         heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent)
+        heard = max(heard, stepped.get(auditor, 0.0) if cost.deferred else 0.0)
         stepping = max(heard, cost.gradient_in_ms(replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent))
-        # deferred: the last step's recomputes, then the copy's step, on the stepper from the step's start
-        ahead = (("verify", 0.0, cost.recompute_ms, "last step's recompute (stepper)"),
-                 ("optim", cost.recompute_ms, cost.stepper_done_ms, "copy's step (stepper)")) if cost.deferred else \
-            (("optim", stepping, stepping + cost.optim_ms, "copy's step"),)
+        ahead = () if cost.deferred else (("optim", stepping, stepping + cost.optim_ms, "copy's step"),)
         boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
                  ("control", start + left, heard, "applied gradient"), *ahead)
         run.events.extend(Event(rank=auditor, kind=kind, start_ms=a, end_ms=b, label=f"stage {k} audit: {what}",
                                 stage=k) for kind, a, b, what in boxes if b > a)
         run.clock[auditor] = heard
+    for auditor, st in run.steppers.items():   # each part from the one before it (the first: the step's start)
+        run.events.extend(Event(rank=auditor, kind="verify" if part.recompute else "optim", start_ms=a, end_ms=b,
+                                label=part.label, stage=part.stage)
+                          for part, a, b in zip(st.parts, [0.0, *st.ends], st.ends) if b > a)
+
+
+def _steppers(plan: Plan, costs: CostModel) -> dict[int, Stepper]:
+    """Auditor rank -> its copies' stepper: the last step's deferred recomputes and copy steps, queued at the
+    step's start (``audit_price.stepper_parts``)."""
+    parts = stepper_parts([(k, int(w.auditor), _audit_cost(plan, costs, k, w)) for k, w in _audit_wheres(plan).items()])
+    return {int(a): Stepper(parts=p) for a, p in parts.items()}
 
 
 def _verdict_exchange(run: _Run) -> None:
@@ -604,9 +621,11 @@ def _run_shared(run: _Run, cores: int, rate: Callable[[int], float]) -> None:
     """The ranks share the machine's ``cores``: advance time from event to event (a pass's work is done,
     a pass ends, a rank's message arrives); between events each of the ``k`` passes that compute
     progresses at ``rate(k)`` of a pass alone and is on a core ``min(1, cores / k)`` of the time; a
-    pass padding up to its device's time (emulated) waits without a core."""
+    pass padding up to its device's time (emulated) waits without a core. An auditor's copies' stepper is one
+    more computing thread from the step's start (keyed ``-1 - rank``)."""
     programs = run.plan.programs
-    running: dict[int, _Pass] = {}
+    running: dict[int, _Pass] = {-1 - r: _Pass(start=0.0, left=st.left_ms) for r, st in run.steppers.items()
+                                 if st.left_ms > 0}
     t = 0.0
     while True:
         _start_ready(run, t, running)
@@ -627,6 +646,9 @@ def _run_shared(run: _Run, cores: int, rate: Callable[[int], float]) -> None:
                     p.left -= (t_next - t) * speed
             if p.left == 0 and p.until <= t_next:  # this pass ends now
                 del running[rank]
+                if rank < 0:   # a stepper's queue: done
+                    run.steppers[-1 - rank].ran_shared(t_next)
+                    continue
                 run.clock[rank] = p.start
                 done = run.step(rank, programs[rank][run.pc[rank]], dur=t_next - p.start)
                 assert done, "a pass that started has its inputs"
@@ -665,11 +687,17 @@ def _summarise(plan: Plan, costs: CostModel, run: _Run) -> SimResult:
     stage_ranks = [r.rank for r in plan.ranks if r.stage is not None]
     pipeline = max(run.reached_optim[r] for r in stage_ranks)
     busy, comp = [0.0] * n, [0.0] * n
+    worked: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     for ev in run.events:
         if ev.kind not in ("send", "control"):  # a transfer, or waiting for the verdict: no work of the rank's
-            busy[ev.rank] += ev.end_ms - ev.start_ms
+            worked[ev.rank].append((ev.start_ms, ev.end_ms))
         if ev.kind in ("F", "B"):
             comp[ev.rank] += ev.end_ms - ev.start_ms
+    for r, spans in enumerate(worked):   # a stepper's boxes overlap the passes it shares the device with
+        reach = 0.0
+        for a, b in sorted(spans):
+            busy[r] += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
     work = sum(comp[r] for r in stage_ranks)
     bubble = 1.0 - work / (len(stage_ranks) * pipeline) if pipeline > 0 else 0.0
     peak_mem = tuple(costs.memory_bytes(r, run.peak[r]) for r in range(n))

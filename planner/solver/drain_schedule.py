@@ -23,15 +23,18 @@ first, the lowest microbatch's. Then the times (``_Replay``): each device runs t
 does, blocking until what its next step needs is in; a result leaves (a gradient's: the next backward starts)
 only once its input's verdict is; each message, verdicts included, takes its directed link's wire after the
 ones sent before it (the latency overlapping the next): a verdict queued behind its verifier's activations
-halts the programs that wait on it, in their compiled order (``verdict_backlog``'s case, exactly). Not run:
-audits (``program_cost`` adds what they add on its closed forms), shared cores. Cost: one heap operation
-per pass, check and message, then (with verifiers) one step each.
+halts the programs that wait on it, in their compiled order (``verdict_backlog``'s case, exactly). Of the
+audits (``program_cost`` adds what they add on its closed forms) only the auditors' copy steppers run here
+(``background``: the last step's deferred recomputes and copy steps, work on the auditor's device beside its
+passes and checks, ``audit_price.Stepper``, as the simulator runs them). Not run: shared cores. Cost: one heap
+operation per pass, check and message, then (with verifiers) one step each.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
 
+from planner.solver.audit_price import Stepper, StepperPart
 from planner.solver.problem import Problem
 from planner.solver.routing import owners
 
@@ -330,18 +333,30 @@ def drain_schedule(problem: Problem, stages, verifiers, fb, bw, limits) -> tuple
     """Per stage, when its last backward ends: the passes of ``stages`` (``fb``/``bw``: per replica forward +
     backward and backward ms; ``limits``: in-flight limit per replica) and ``verifiers``' checks, ordered as the
     compiler orders them and run as the simulator runs that order (module docstring)."""
+    return drain_with_steppers(problem, stages, verifiers, fb, bw, limits, {})[0]
+
+
+def drain_with_steppers(problem: Problem, stages, verifiers, fb, bw, limits,
+                        background: dict[str, tuple[StepperPart, ...]]) -> tuple[tuple[float, ...], dict[str, float]]:
+    """``drain_schedule`` with ``background`` (auditor device -> its copies' stepper's queue at the step's start,
+    ``audit_price.stepper_parts``) sharing those devices: per stage when its last backward ends, and per auditor
+    when its stepper is through its queue (running alone after the device's last pass or check)."""
     lister = _Lister(problem, stages, verifiers, fb, bw, limits)
-    placed = lister.run()
-    # without verdicts the compiler's estimates are the simulator's times: the order's own times are the run's
-    return _Replay(lister).run() if verifiers else placed
+    placed = lister.run()   # the compiler orders with its estimates, which know nothing of the steppers
+    if not verifiers:   # without verdicts the compiler's estimates are the simulator's times
+        return placed, {}
+    replay = _Replay(lister, {d: Stepper(parts=parts) for d, parts in background.items() if d in lister.dev})
+    finishes = replay.run()
+    return finishes, {d: st.done_ms() for d, st in replay.steppers.items()}
 
 
 class _Replay:
     """The placed order run with the simulator's timing: a device blocks until what its next step needs is in,
     and a verdict waits for its link's wire like any message (``planner.simulate``)."""
 
-    def __init__(self, lister: _Lister) -> None:
+    def __init__(self, lister: _Lister, steppers: dict[str, Stepper] | None = None) -> None:
         self.ls = lister
+        self.steppers = steppers or {}
         for wire in lister.links.values():
             wire[0] = 0.0
         self.inputs = {name: dict.fromkeys(d.ids, 0.0) if d.stage == 0 else {} for name, d in lister.dev.items()}
@@ -396,7 +411,8 @@ class _Replay:
         ls = self.ls
         if step[0] == "V":
             _, key, consumer = step
-            self.clock[name] = max(self.clock[name], self.copies[key]) + ls.check_ms(name, key[0], key[1])
+            start = max(self.clock[name], self.copies[key])
+            self.clock[name] = start + self.work(name, start, ls.check_ms(name, key[0], key[1]))
             self.send_verdict(name, consumer, key)
             return
         op, x = step
@@ -410,9 +426,10 @@ class _Replay:
             src = ls.sources["F"][k][x]
             start = max(self.clock[name], self.verdict[src[0]] if src is not None and src[1] != name else 0.0)
         src = ls.sources[op][k][x]
+        own = d.fwd_ms if op == "F" else d.bwd_ms
         if src is not None and src[1] == name:  # the consumer checks its input itself, first
-            start += ls.check_ms(name, src[0][0], op)
-        end = start + (d.fwd_ms if op == "F" else d.bwd_ms)
+            own += ls.check_ms(name, src[0][0], op)
+        end = start + self.work(name, start, own)
         gate = self.verdict[src[0]] if src is not None and src[1] != name else 0.0
         nxt = k + 1 if op == "F" else k - 1
         if op == "B":
@@ -431,11 +448,16 @@ class _Replay:
         self.wake(("in" if op == "F" else "g", consumer, x))
         v = ls.checker.get((b, op, name)) if ls.checker else None
         if v == name:  # the sender checks its own output after sending it
-            self.clock[name] += ls.check_ms(name, b, op)
+            self.clock[name] += self.work(name, self.clock[name], ls.check_ms(name, b, op))
             self.send_verdict(name, consumer, (b, op, x))
         elif v is not None and v != consumer:
             self.copies[(b, op, x)] = ls.transmit(name, v, ls.nbytes[b], self.clock[name])
             self.wake(("c", (b, op, x)))
+
+    def work(self, name: str, start: float, ms: float) -> float:
+        """How long ``ms`` of work on ``name`` from ``start`` lasts: beside its copies' stepper, if it audits."""
+        stepper = self.steppers.get(name)
+        return ms if stepper is None else stepper.share(start, ms)
 
     def send_verdict(self, name: str, consumer: str, key: Key) -> None:
         self.verdict[key] = self.ls.transmit(name, consumer, 0.0, self.clock[name])

@@ -74,7 +74,11 @@ replicated stage's gradients once its replicas are done. Priced the same way
   request reached them); then it hears the replicas' digests and applied gradient (sent after their optimizer
   steps) and steps its copy: the step ends no sooner (``cost_models.audit.AuditCost.end_ms``). Audited from
   signed inputs, the upstream ranks' forwards grow by signing what they send it, its replicas' by checking the
-  signatures (``audit_price.signing_ms``).
+  signatures (``audit_price.signing_ms``). Outputs-only audits recompute during the next step on the auditor's
+  copy stepper, work on the auditor's device from the step's start beside its own passes and checks
+  (``audit_price.Stepper``): run with the programs (``drain_schedule``; GPipe: its forward phase on that device
+  stretched by what the stepper has left once its first input is in); the step ends no sooner than the stepper
+  is through its queue.
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -85,8 +89,14 @@ import math
 from dataclasses import dataclass
 
 from cost_models import comm
-from planner.solver.audit_price import audit_cost, audit_site, signing_ms
-from planner.solver.drain_schedule import drain_schedule
+from planner.solver.audit_price import (
+    StepperPart,
+    audit_cost,
+    audit_site,
+    signing_ms,
+    stepper_parts,
+)
+from planner.solver.drain_schedule import drain_with_steppers
 from planner.solver.in_flight import limit
 from planner.solver.problem import Problem
 from planner.solver.routing import owners, pair_counts, route
@@ -107,6 +117,7 @@ class ProgramCost:
     pipe_ms: float
     in_flight: tuple[tuple[int, ...], ...]
     bottleneck: str
+    stepper_ms: float = 0.0   # when the auditors' copy steppers are through their queues (0: none priced)
 
 
 @dataclass(slots=True)
@@ -260,10 +271,15 @@ def _queued(stages, routes, fb, k: int, i: int, at: int) -> float:
     return wait
 
 
-def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic) -> tuple[float, list[float]]:
+def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic, queued: dict[str, float] | None = None,
+              verify_load: dict[str, float] | None = None) -> tuple[float, list[float]]:
     """GPipe's two phases: every forward until the last stage's last one, then every backward, each phase as
     long as its slowest replica's passes, or a link's activations (gradients), plus the path around them;
-    and when each stage's last backward ends."""
+    and when each stage's last backward ends. ``queued``: device -> its audit copies' stepper's work from the
+    step's start: what is left of it once the device's first input is in shares the device's passes and checks
+    (``verify_load``, per microbatch), each as long again while it lasts (``audit_price.Stepper``), its forward
+    phase that much longer."""
+    queued, verify_load = queued or {}, verify_load or {}
     S = len(stages)
     end, top, last = S - 1, 0, len(p.fwd) - 1
     fwd_phase = bwd_phase = 0.0
@@ -277,11 +293,16 @@ def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic) -> tuple[flo
             lead = bw[end][top] + p.bwd[0][end] - p.bwd[0][k + 1] if k + 1 < end else bw[end][top]
             bwd_phase, slowest = max((bwd_phase, slowest), (lead + ms + p.bwd[last][k + 1] - p.hop_b[last][k], k + 1))
     for k in range(S):
-        for ids, t, b in zip(routes[k], fb[k], bw[k]):
+        for ids, t, b, dev in zip(routes[k], fb[k], bw[k], stages[k].devices):
             first, last = ids[0], ids[-1]
             f = t - b
             after = p.fwd[last][end] + fb[end][0] - bw[end][0] - p.fwd[last][k] - f  # to the last stage's forward
-            fwd_phase = max(fwd_phase, p.fwd[first][k] + p.late_f[first][k] + len(ids) * f + max(after, 0.0))
+            arrive = p.fwd[first][k] + p.late_f[first][k]
+            fwd_phase = max(fwd_phase, arrive + len(ids) * f + max(after, 0.0))
+            if queued.get(dev, 0.0) > arrive:   # an auditor: its forwards and checks beside its stepper
+                checks = len(p.fwd) * verify_load.get(dev, 0.0)
+                shared = min(queued[dev] - arrive, len(ids) * t + checks)
+                fwd_phase = max(fwd_phase, arrive + len(ids) * f + checks + shared + max(after, 0.0))
             before = p.bwd[first][end] - p.bwd[first][k + 1] + p.hop_b[first][k] if k < end else 0.0
             lead = bw[end][top] + before if k < end else 0.0
             own_end[k] = max(own_end[k], lead + len(ids) * b)
@@ -536,19 +557,36 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     kw = {"verify_load": verify_load, "verifier_state": verifier_state, "allreduce_ms": allreduce_ms}
     if problem.schedule == "gpipe" or not any(audit_site(problem, stages, verifiers, k) is not None
                                               for k, st in enumerate(stages) if st.audit_every):
-        return _priced(problem, stages, verifiers, scheduled=True, **kw)
-    # An audit adds what it adds on the closed forms its pricing is built on, to the plan unaudited as it runs.
+        return _priced(problem, stages, verifiers, scheduled=True, background=_steppers(problem, stages, verifiers),
+                       **kw)
+    # An audit adds what it adds on the closed forms its pricing is built on, to the plan unaudited as it runs;
+    # its stepper's work runs with the programs, on the auditor's device.
     plain = tuple(dataclasses.replace(st, audit_every=0) for st in stages)
     audited, closed = (_priced(problem, s, verifiers, scheduled=False, **kw) for s in (stages, plain))
-    run = _priced(problem, plain, verifiers, scheduled=True, **kw)
-    return ProgramCost(step_ms=run.step_ms + audited.step_ms - closed.step_ms,
+    run = _priced(problem, plain, verifiers, scheduled=True, background=_steppers(problem, stages, verifiers), **kw)
+    return ProgramCost(step_ms=max(run.step_ms + audited.step_ms - closed.step_ms, run.stepper_ms),
                        pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=audited.in_flight,
-                       bottleneck=audited.bottleneck)
+                       bottleneck=audited.bottleneck, stepper_ms=run.stepper_ms)
+
+
+def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPart, ...]]:
+    """Auditor device -> its copies' stepper's queue at the step's start (``audit_price.stepper_parts``)."""
+    costs = []
+    for k, st in enumerate(stages):
+        site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
+        if site is not None:
+            costs.append((k, site.auditor, audit_cost(problem, st, site, st.audit_every, sum(st.microbatches),
+                                                      upstream=stages[k - 1])))
+    return stepper_parts(costs)
 
 
 def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float], verifier_state: dict[str, int],
-            allreduce_ms: tuple[float, ...], scheduled: bool) -> ProgramCost:
-    """``program_cost``, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or from the closed forms."""
+            allreduce_ms: tuple[float, ...], scheduled: bool,
+            background: dict[str, tuple[StepperPart, ...]] | None = None) -> ProgramCost:
+    """``program_cost``, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or from the closed forms;
+    ``background``: the auditors' copy steppers' queues (``_steppers``), run beside their devices' work."""
+    background = background or {}
+    stepped: dict[str, float] = {}
     verify_load = _with_audits(problem, stages, verifiers, verify_load)
     fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
@@ -569,10 +607,13 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     busy += _check_queues(problem, stages, verifiers, p, bw)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
     if problem.schedule == "gpipe":
-        phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic)
+        queued = {d: sum(part.ms for part in parts) for d, parts in background.items()}
+        phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic, queued, verify_load)
         pipe = max(pipe, phases)
+        stepped = dict(queued)   # at least its queue's work, from the step's start
     elif scheduled:  # the passes, checks and messages placed as the compiler places them (``drain_schedule``)
-        finishes = list(drain_schedule(problem, stages, verifiers, fb, bw, limits))
+        drained, stepped = drain_with_steppers(problem, stages, verifiers, fb, bw, limits, background)
+        finishes = list(drained)
         pipe = finishes[0]
     else:
         finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
@@ -594,7 +635,9 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     stepping = [e - opt for e, opt in zip(ends, optim_ms)]   # a source sends its auditor its gradient from then
     step = max(max(ends), pipe + optim_ms[0],
                _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p, stepping))
-    return ProgramCost(step_ms=step, pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name)
+    stepper = max(stepped.values(), default=0.0)
+    return ProgramCost(step_ms=max(step, stepper), pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name,
+                       stepper_ms=stepper)
 
 
 def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
