@@ -17,7 +17,13 @@ from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
-from planner.solver.audit_price import AuditWhere, audit_rule, audit_site
+from planner.solver.audit_price import (
+    AuditWhere,
+    Stepper,
+    StepperPart,
+    audit_rule,
+    audit_site,
+)
 from planner.solver.audits import EVERY_CHOICES, with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -119,28 +125,40 @@ def _small(every: int, replicas: tuple[str, ...] = ("worker-b/0", "worker-c/0"))
 @pytest.mark.parametrize("replicas", [("worker-b/0", "worker-c/0"), ("worker-c/0",)])
 def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_gradient(replicas):
     """By hand: trusted-a (rank 0) sends the verifier host its one audited input (64 KiB, float32) over 1 Gb/s
-    once its program is done; the host recomputes blocks 1-2 on it and hears the digests and the gradient (sent as
-    the source's optimizer step starts, received from when the host's program is done); its copy steps after."""
+    once its program is done; the host hears the digests and the gradient (sent as the source's optimizer step
+    starts, received from when the host's program is done); it recomputes blocks 1-2 on the input during the next
+    step, then its copy steps, on its stepper, beside its checks (the last step's from this step's start)."""
     ch, cl, plain_sol = _small(0, replicas)
     plain, audited = compile_simple(ch, cl, plain_sol), compile_simple(ch, cl, _small(4, replicas)[2])
     auditor, ranks = plain.num_ranks - 1, plain.stage_ranks(1)
     where = plan_audit_site(audited, 1)
     assert where == AuditWhere(auditor=auditor, source=ranks[0], grads=False, copied_from=(0,))
-    base = simulate(plain)
-    end_of = {r: max(e.end_ms for e in base.events if e.rank == r and e.kind != "send") for r in range(plain.num_ranks)}
+    base, got = simulate(plain), simulate(audited)
     spec = cl.device("verifier/0").spec
     cfg = config(4)
     copy = 0.5 + 1e3 * 2**16 / 1.25e8
     recompute = compute.range_fwd_ms(ch, 1, 2, spec) + 1e3 * 3 * 2**16 / CPU_DEVICE["mem_bw_bytes_per_s"]
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8
+    # the last step's recompute and the copy's step on the auditor's stepper from the step's start, sharing the
+    # host with its checks (``audit_price.Stepper``): each check lasts its own time plus what the stepper does
+    stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
+                             StepperPart(stage=1, recompute=False, ms=optim_ms(50_000, cfg, spec, param_tensors=2))))
+    alone = sorted((e for e in base.events if e.rank == auditor and e.kind == "verify"), key=lambda e: e.start_ms)
+    shared = sorted((e for e in got.events if e.rank == auditor and e.kind == "verify" and "audit" not in e.label),
+                    key=lambda e: e.start_ms)
+    assert [e.label for e in shared] == [e.label for e in alone]
+    for a, b in zip(alone, shared):
+        assert b.end_ms - b.start_ms == pytest.approx(stepper.share(b.start_ms, a.end_ms - a.start_ms), rel=1e-9)
+    end_of = {r: max(e.end_ms for e in got.events if e.rank == r and e.kind != "send" and "audit" not in e.label)
+              for r in range(plain.num_ranks)}
     start = max(end_of[auditor], end_of[0]) + copy
     assert start > end_of[auditor]   # the copy, not the auditor's own checks, holds the recompute back
-    stepping = min(e.start_ms for e in base.events if e.rank == ranks[0] and e.kind == "optim")
-    stepper = recompute + optim_ms(50_000, cfg, spec, param_tensors=2)   # the last step's recompute, the copy's step
-    heard = max(max(start, max(end_of[r] for r in ranks)) + digest, max(stepping, end_of[auditor]) + gradient, stepper)
-    expected = max(base.step_ms, heard)   # recomputes and steps on a thread of its own, from the step's start
-    got = simulate(audited)
+    stepping = min(e.start_ms for e in got.events if e.rank == ranks[0] and e.kind == "optim")
+    heard = max(max(start, max(end_of[r] for r in ranks)) + digest, max(stepping, end_of[auditor]) + gradient,
+                stepper.done_ms())
+    expected = max(max(end_of.values()), heard)
+    assert expected > base.step_ms
     assert got.step_ms == pytest.approx(expected, rel=1e-9)
     (box,) = [e for e in got.events if e.label == "stage 1 audit: input copies"]
     assert (box.rank, box.kind, box.start_ms, box.end_ms) == (auditor, "control", end_of[auditor], start)

@@ -18,7 +18,14 @@ from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
-from planner.solver.audit_price import AuditWhere, audit_cost, audit_site, audit_where
+from planner.solver.audit_price import (
+    AuditWhere,
+    Stepper,
+    StepperPart,
+    audit_cost,
+    audit_site,
+    audit_where,
+)
 from planner.solver.audits import (
     EVERY_CHOICES,
     audit_notes,
@@ -129,33 +136,44 @@ def test_the_audit_is_priced_as_the_runtime_does_it():
 
 def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient():
     """By hand: the verifier host (CPU) recomputes 1 of 4 microbatches of blocks 1-2 (a forward: outputs only)
-    at the step's end, hears worker-b's 50,002 float32 values over 1 Gb/s, then steps its copy with Adam on a
-    thread of its own (into the next step)."""
+    during the next step on its copy's stepper, beside its own checks, hears worker-b's 50,002 float32 values over
+    1 Gb/s, then steps its copy with Adam on that thread."""
     ch, cl, sol = _small(0, OUTPUTS_ONLY)
     plain = compile_simple(ch, cl, sol)
     audited = compile_simple(ch, cl, _small(4, OUTPUTS_ONLY)[2])
-    base = simulate(plain)
+    base, got = simulate(plain), simulate(audited)
     auditor, replicas = 4, (1, 2)   # the verifier-only rank comes last; worker-b (rank 1) sends the gradient
-    end_of = {r: max(e.end_ms for e in base.events if e.rank == r and e.kind != "send") for r in range(5)}
     spec = cl.device("verifier/0").spec
     cfg = config(4)
     recompute = compute.range_fwd_ms(ch, 1, 2, spec) + 1e3 * 3 * 2**16 / CPU_DEVICE["mem_bw_bytes_per_s"]
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8
-    stepping = min(e.start_ms for e in base.events if e.rank == 1 and e.kind == "optim")   # the source sends then
     adam = optim_ms(50_000, cfg, spec, param_tensors=2)
-    # outputs only: the last step's recompute, then the copy's step (Adam), on a thread of its own from the step's
-    # start (``AuditCost.deferred``): the step's end waits for them, not for a recompute of its own
+    # outputs only: the last step's recompute, then the copy's step (Adam), on a thread of the auditor's from the
+    # step's start (``AuditCost.deferred``), sharing the host with its checks (``audit_price.Stepper``): each check
+    # lasts its own time plus what the stepper does beside it; the step's end waits for the stepper
+    stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
+                             StepperPart(stage=1, recompute=False, ms=adam)))
+    alone = sorted((e for e in base.events if e.rank == auditor and e.kind == "verify"), key=lambda e: e.start_ms)
+    shared = sorted((e for e in got.events if e.rank == auditor and e.kind == "verify" and "audit" not in e.label),
+                    key=lambda e: e.start_ms)
+    assert [e.label for e in shared] == [e.label for e in alone]
+    for a, b in zip(alone, shared):
+        assert b.end_ms - b.start_ms == pytest.approx(stepper.share(b.start_ms, a.end_ms - a.start_ms), rel=1e-9)
+    assert stepper.ends[0] > alone[0].start_ms   # the recompute outlasts the fill: checks share the host with it
+    end_of = {r: max(e.end_ms for e in got.events if e.rank == r and e.kind != "send" and "audit" not in e.label)
+              for r in range(5)}
+    stepping = min(e.start_ms for e in got.events if e.rank == 1 and e.kind == "optim")   # the source sends then
     heard = max(max(end_of[auditor], max(end_of[r] for r in replicas)) + digest,
-                max(stepping, end_of[auditor]) + gradient, recompute + adam)
-    expected = max(base.step_ms, heard)
+                max(stepping, end_of[auditor]) + gradient, stepper.done_ms())
+    expected = max(max(end_of.values()), heard)
     assert expected > base.step_ms
-    got = simulate(audited)
     assert got.step_ms == pytest.approx(expected, rel=1e-9)
     (step,) = [e for e in got.events if e.label == "stage 1 audit: copy's step (stepper)"]
     (again,) = [e for e in got.events if e.label == "stage 1 audit: last step's recompute (stepper)"]
-    assert (again.rank, again.start_ms, step.start_ms) == (auditor, 0.0, pytest.approx(recompute, rel=1e-9))
-    assert step.end_ms - step.start_ms == pytest.approx(adam, rel=1e-9)
+    assert (again.rank, again.start_ms, again.end_ms) == (auditor, 0.0, pytest.approx(stepper.ends[0], rel=1e-9))
+    assert (step.start_ms, step.end_ms) == (pytest.approx(stepper.ends[0], rel=1e-9),
+                                            pytest.approx(stepper.ends[1], rel=1e-9))
     problem = build_problem(ch, cl, cfg, VerificationPolicy())
     priced = [price_program(problem, Placement(stages=stages, verifiers=OUTPUTS_ONLY, num_microbatches=4)).step_ms
               for stages in (sol.stages, _small(4, OUTPUTS_ONLY)[2].stages)]

@@ -136,7 +136,13 @@ def test_a_stage_fed_by_an_untrusted_stage_is_simulated_and_priced_as_the_runtim
     its applied gradient; the planner prices the audited step within 5% of that."""
     ch, cl, plain_sol = _shape(0, replicas, verifiers)
     audited_sol = _shape(4, replicas, verifiers)[2]
-    plain, audited = compile_simple(ch, cl, plain_sol), compile_simple(ch, cl, audited_sol)
+    problem = build_problem(ch, cl, config(4), VerificationPolicy())
+    priced = [price_program(problem, Placement(stages=sol.stages, verifiers=sol.verifiers, num_microbatches=4))
+              for sol in (plain_sol, audited_sol)]
+    # compiled with the in-flight limits they are priced at (as the planner's plans are)
+    plain, audited = (compile_simple(ch, cl, dataclasses.replace(sol, stages=tuple(
+        dataclasses.replace(st, in_flight=n) for st, n in zip(sol.stages, cost.in_flight))))
+        for sol, cost in zip((plain_sol, audited_sol), priced))
     auditor, ranks = audited.num_ranks - 1, audited.stage_ranks(1)
     where = plan_audit_site(audited, 1)
     assert where == AuditWhere(auditor=auditor, source=ranks[0], grads=False, copied_from=tuple(ranks),
@@ -170,21 +176,17 @@ def test_a_stage_fed_by_an_untrusted_stage_is_simulated_and_priced_as_the_runtim
         assert (sent.start_ms, sent.end_ms) == (pytest.approx(begin, rel=1e-9), pytest.approx(t, rel=1e-9))
     (box,) = [e for e in got.events if e.label == "stage 1 audit: input copies"]
     assert (box.rank, box.start_ms, box.end_ms) == (auditor, done[auditor], pytest.approx(t, rel=1e-9))
-    problem = build_problem(ch, cl, config(4), VerificationPolicy())
     site = audit_site(problem, audited_sol.stages, audited_sol.verifiers, 1)
     assert site is not None and site.signed_by == ("worker-e/0",) and site.copied_from == tuple(sorted(replicas))
     assert signing_ms(problem, audited_sol.stages, audited_sol.verifiers) == {
         (0, "worker-e/0"): pytest.approx(sign_ms(payload)),
         **{(1, d): pytest.approx(check_signature_ms(payload)) for d in replicas}}
     assert signing_ms(problem, plain_sol.stages, plain_sol.verifiers) == {}   # no audit, no signing
-    priced = [price_program(problem, Placement(stages=sol.stages, verifiers=sol.verifiers, num_microbatches=4))
-              for sol in (plain_sol, audited_sol)]
     added, priced_added = got.step_ms - base.step_ms, priced[1].step_ms - priced[0].step_ms
-    # what the audit and the signing add: the copies and digests (the recompute runs on the copy's stepper in the
-    # next step, off the step's end), a few ms, where the priced and simulated step differ by 3-4% of them
+    # what the audit and the signing add: the copies and digests, and the last step's recompute on the copy's
+    # stepper, beside the verifier host's checks (``audit_price.Stepper``), a few ms
     assert added > 0 and priced_added == pytest.approx(added, rel=0.05)
-    if verifiers == OUTPUTS:   # held, the unaudited plan is priced 10% under its simulation (the CPU's checks)
-        assert priced[1].step_ms == pytest.approx(got.step_ms, rel=0.05)
+    assert priced[1].step_ms == pytest.approx(got.step_ms, rel=0.05)
 
 
 def test_the_notes_say_the_audit_is_from_signed_inputs():
@@ -200,9 +202,9 @@ def test_slow_signing_is_priced_on_the_senders_and_the_replicas_as_simulated(mon
     """Signing 10x dearer than measured (a slow sender's CPU): the step grows by a signature and a check on its
     path (a forward of stage 0's, then one of a replica's), priced as simulated."""
     ch, cl, audited_sol = _shape(4, ("worker-b/0", "worker-c/0"), OUTPUTS)
-    problem = build_problem(ch, cl, config(4), VerificationPolicy())
 
-    def step_ms() -> tuple[float, float]:
+    def step_ms() -> tuple[float, float]:  # a problem of its own: prices are memoised per problem
+        problem = build_problem(ch, cl, config(4), VerificationPolicy())
         placement = Placement(stages=audited_sol.stages, verifiers=audited_sol.verifiers, num_microbatches=4)
         return price_program(problem, placement).step_ms, simulate(compile_simple(ch, cl, audited_sol)).step_ms
 
