@@ -116,7 +116,8 @@ class AuditCost:
     def stepper_done_ms(self) -> float:
         """Deferred: when the copy's stepper is through the last step's recomputes and the copy's step, from the
         step's start (the step's end waits for both: ``runtime.rank.audits._collect``, ``StageCopy.step_later``);
-        the auditor's idle time in the pipeline's fill is assumed free for it (0: not deferred)."""
+        the work alone, as on an idle auditor: where the auditor runs passes of its own, ``planner.solver.audit_price
+        .Stepper`` shares the device between them (0: not deferred)."""
         return self.recompute_ms + self.optim_ms if self.deferred else 0.0
 
     def gradient_in_ms(self, *, replicas_done_ms: float, posted_ms: float, gradient_sent_ms: float | None = None) -> float:
