@@ -29,12 +29,16 @@ ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient s
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One comparison of an audited microbatch: its sender, whether it passed, and the flag where it failed."""
+    """One comparison of an audited microbatch: its sender, whether it passed, and the flag where it failed; the
+    tensor compared (``mb``, ``boundary``, ``direction``), whose flags a pass withdraws (``Verifier.record_audit``)."""
 
     sender: int
     step: int
     passed: bool
     event: dict[str, Any] | None
+    mb: int = -1
+    boundary: int = -1
+    direction: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +80,8 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
         for boundary, direction, err in checks:
             event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
                                       error=err, tolerance=tolerance)
-            out.append(Outcome(sender=sender, step=step, passed=event is None, event=event))
+            out.append(Outcome(sender=sender, step=step, passed=event is None, event=event, mb=mb, boundary=boundary,
+                               direction=direction))
     return out
 
 
@@ -93,7 +98,8 @@ def record(verifier: Any, outcomes: Sequence[Outcome], *, at_step: int) -> None:
     ``at_step``'s flags (a later step's: as ``audit.late_audit_event``)."""
     events = []
     for o in outcomes:
-        verifier.record_audit(o.sender, o.step, passed=o.passed)
+        verifier.record_audit(o.sender, o.step, passed=o.passed, **({"mb": o.mb, "boundary": o.boundary,
+                                                                     "direction": o.direction} if o.direction else {}))
         if o.event is not None:
             events.append(o.event if o.step == at_step else audit.late_audit_event(o.event, at_step=at_step))
     verifier.add_flags(at_step, events)
