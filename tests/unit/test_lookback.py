@@ -136,6 +136,9 @@ def test_the_runtime_lookback_is_the_plans_audited_replicas_and_sets_aside_past_
     assert retention.plan_lookback(plan, audit_every=2, verifying=True).back == {1: 3, 2: 3}
     assert retention.plan_lookback(plan, audit_every=0, verifying=True).back == {}
     assert retention.plan_lookback(plan, audit_every=None, verifying=False).back == {}
+    # the survivors' settling asks the run's auditors: none where the run audits nothing
+    assert retention.plan_auditors(plan) == retention.plan_auditors(plan, audit_every=2) != frozenset()
+    assert retention.plan_auditors(plan, audit_every=0) == retention.plan_auditors(plan, verify=False) == frozenset()
     ban = BanNotice(rank=1, first_flagged_step=20, ban_step=21)
     assert retention.set_aside_from(look, [ban]) == 14                    # checkpoints after steps 14.. set aside
     assert retention.set_aside_from(Lookback(), [ban]) == 20              # unaudited: from the first flag on

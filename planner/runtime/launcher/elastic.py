@@ -111,7 +111,8 @@ def _legs_until_done(opts: RunOptions, key: bytes, folder: Path, replans: list[d
         except RunFailure as failure:
             old = load_plan(opts.plan)
             # Before the check below: the survivors' state may be the run's only checkpoint.
-            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1, key=key)
+            kept = survivors.settle(opts.checkpoint_dir, old, last_step=opts.steps - 1, key=key,
+                                    audit_every=opts.audit_every, verify=opts.verify)
             legs.end("failure", reached=kept.reached)
             said = f"{kept.why}: resuming from it" if kept.step is not None else \
                 f"survivor checkpoint discarded: {kept.why}"

@@ -32,11 +32,12 @@ def plan_lookback(plan: Plan, *, audit_every: int | None, verifying: bool) -> Lo
     return Lookback.of(shares)
 
 
-def plan_auditors(plan: Plan) -> frozenset[int]:
-    """The ranks that audit a stage of ``plan`` at its own shares (the trusted ranks whose verdicts can be out
-    a step late: ``rank.audits.unaudited_since``)."""
-    verifying = bool(plan.policy.enabled and plan.verifiers)
-    return frozenset(st.auditor for st in audited_stages(plan, every=None, verifying=verifying).values())
+def plan_auditors(plan: Plan, *, audit_every: int | None = None, verify: bool = True) -> frozenset[int]:
+    """The ranks that audit a stage in a run of ``plan`` (``audit_every``: ``--audit-every``, None: the plan's
+    shares; ``verify`` False: ``--no-verify``): the trusted ranks whose verdicts can be out a step late
+    (``rank.audits.unaudited_since``)."""
+    verifying = bool(verify and plan.policy.enabled and plan.verifiers)
+    return frozenset(st.auditor for st in audited_stages(plan, every=audit_every, verifying=verifying).values())
 
 
 def run_lookback(plan: Plan, opts: Any) -> Lookback:

@@ -227,32 +227,35 @@ def _file_matches(path: Path, note: Note, fingerprint: str) -> bool:
                                                                            fingerprint)
 
 
-def settle(root: str | Path, plan: Plan, *, last_step: int, key: bytes) -> Decision:
-    """After a failure of a run on ``plan`` (whose last step is ``last_step``): mark the survivor
+def settle(root: str | Path, plan: Plan, *, last_step: int, key: bytes, audit_every: int | None = None,
+           verify: bool = True) -> Decision:
+    """After a failure of a run on ``plan`` (whose last step is ``last_step``; ``audit_every`` and ``verify``: the
+    run's ``--audit-every`` and verification, which decide its auditors and lookback): mark the survivor
     checkpoint complete when :func:`decide` accepts it, else discard it; the survivors' folder is gone
     afterwards."""
     fingerprint = plan.model.fingerprint
     notes = read_notes(root, num_ranks=plan.num_ranks, fingerprint=fingerprint)
     done = checkpoint.complete_steps(root)
     decision = decide(notes, stage_of={r.rank: r.stage for r in plan.ranks}, num_stages=plan.num_stages,
-                      newest=done[-1] if done else None, last_step=last_step, auditors=retention.plan_auditors(plan))
+                      newest=done[-1] if done else None, last_step=last_step,
+                      auditors=retention.plan_auditors(plan, audit_every=audit_every, verify=verify))
     if decision.step is not None:
         target = checkpoint.step_folder(root, decision.step)
         target.mkdir(parents=True, exist_ok=True)
         for rank in decision.ranks:  # a rank file left there by the step's unfinished checkpoint holds the same
             os.replace(Path(root) / FOLDER / f"rank{rank}.safetensors", target / f"rank{rank}.safetensors")
         checkpoint.complete(root, step=decision.step, layout=checkpoint.Layout.of(plan), key=key,
-                            ranks=decision.ranks, **_retention(plan, notes))
+                            ranks=decision.ranks, **_retention(plan, notes, audit_every, verify))
     clear(root)
     return decision
 
 
-def _retention(plan: Plan, notes: Sequence[Note]) -> dict[str, Any]:
-    """What the survivor checkpoint's pruning keeps: the plan's audit lookback (its own shares: the launcher
-    has no run options here) and the earliest first flagged step a note names, as if every audited sender
-    and some unaudited one were flagged there (a note names no sender; a lying one only keeps more)."""
-    verifying = bool(plan.policy.enabled and plan.verifiers)
-    lookback = retention.plan_lookback(plan, audit_every=None, verifying=verifying)
+def _retention(plan: Plan, notes: Sequence[Note], audit_every: int | None, verify: bool) -> dict[str, Any]:
+    """What the survivor checkpoint's pruning keeps: the run's audit lookback and the earliest first flagged step
+    a note names, as if every audited sender and some unaudited one were flagged there (a note names no sender;
+    a lying one only keeps more)."""
+    verifying = bool(verify and plan.policy.enabled and plan.verifiers)
+    lookback = retention.plan_lookback(plan, audit_every=audit_every, verifying=verifying)
     flags = [n.keep_before for n in notes if n.keep_before is not None]
     if not flags:
         return {"lookback": lookback, "unresolved": {}}
