@@ -32,7 +32,7 @@ BANNED_EXIT = 4  # a rank's exit status when a ban stopped the run (2: bad input
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BanNotice:
     """Sender ``rank`` was banned at the end of ``ban_step``; its evidence began at ``first_flagged_step`` (the
-    step of the flagged microbatch, or at most ``lookback.VERDICT_LAG_STEPS`` later where its verdict came late)."""
+    step of the flagged microbatch: a late audit verdict names its audited step, ``audit.late_audit_event``)."""
 
     rank: int
     first_flagged_step: int
