@@ -69,16 +69,17 @@ class AuditCost:
         return self.copy_ms + self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
     def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0,
-               gradient_sent_ms: float | None = None) -> float:
+               gradient_sent_ms: float | None = None, stepper: bool = True) -> float:
         """When the auditor is done with the step's audit. Copied, it first receives the inputs (a transfer starts
         when both ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``).
         It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
         (the replicas send after their optimizer steps) and, where it has twins, the source's gradient
-        (:meth:`heard_ms`); its copy steps once the gradient is in, off the step's path (``optim_ms``)."""
+        (:meth:`heard_ms`; ``stepper`` False: without its stepper's floor, for a caller that runs the stepper
+        itself); its copy steps once the gradient is in, off the step's path (``optim_ms``)."""
         start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms,
                                   gradient_sent_ms=gradient_sent_ms if gradient_sent_ms is not None else replicas_done_ms)
         return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=auditor_free_ms,
-                             gradient_sent_ms=gradient_sent_ms)
+                             gradient_sent_ms=gradient_sent_ms, stepper=stepper)
 
     def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0,
                      gradient_sent_ms: float = 0.0) -> float:
@@ -95,11 +96,12 @@ class AuditCost:
         return start + self.copy_ms
 
     def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float, posted_ms: float | None = None,
-                 gradient_sent_ms: float | None = None) -> float:
+                 gradient_sent_ms: float | None = None, stepper: bool = True) -> float:
         """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests (asked
         for once it is done, sent once the replicas are) and the source's gradient, which travels from when the
         source sent it (``gradient_sent_ms``, its optimizer step's start; None: ``replicas_done_ms``) and the
-        auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``)."""
+        auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``); no sooner
+        than its stepper is through its queue alone (``stepper_done_ms``; ``stepper`` False: not that floor)."""
         left = 0.0 if self.during_step or self.deferred else self.recompute_ms
         digests = max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms
         gradient_in = self.gradient_in_ms(replicas_done_ms=replicas_done_ms, posted_ms=posted_ms
@@ -109,8 +111,9 @@ class AuditCost:
             # it must be in, and the copy stepped, by the next step's recompute (``recompute_from_ms`` into it), and
             # in before the source's next send (``sent`` into it, on the same link): times from the step's start
             sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
-            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent), self.stepper_done_ms)
-        return max(digests, gradient_in, self.stepper_done_ms)
+            floor = self.stepper_done_ms if stepper else 0.0
+            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent), floor)
+        return max(digests, gradient_in, self.stepper_done_ms if stepper else 0.0)
 
     @property
     def stepper_done_ms(self) -> float:

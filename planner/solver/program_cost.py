@@ -683,8 +683,9 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k])
         for d in senders:   # a copy's send returns once received
             clock[d] = inputs_in
+        # its stepper runs beside the programs (``_priced``'s background): not floored here again
         clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
-                                          gradient_sent_ms=stepping[k])
+                                          gradient_sent_ms=stepping[k], stepper=False)
         out = max(out, clock[site.auditor])
     return out
 

@@ -171,3 +171,23 @@ def test_random_pools_with_busy_auditors_are_priced_as_simulated():
     off = np.array(off)
     assert len(off) >= 15 and checked >= 15, (len(off), checked)
     assert np.mean(np.abs(off) <= 0.05) >= 0.9 and off.min() >= -0.05, sorted(off)
+
+
+def test_a_stepper_longer_than_the_step_is_priced_once():
+    """Eight replicas' recomputes queue on one auditor past the step's own work: the price runs the stepper beside
+    the programs and adds the audit's closed-form increment without the stepper's floor (review: with it the
+    stepper counted twice, 205.6 ms priced for 171.1 simulated, so the audit chooser refused audits that pay)."""
+    R, M, flops = 8, 8, [1.0, 40.0, 40.0, 1.0, 1.0]
+    ch = chain([block(i, fwd_flops=int(f * 10**9), params=(i + 1) * 10**4) for i, f in enumerate(flops)], name="busy")
+    cl = cluster([("trusted-a", TEST_DEVICE, 1), *[(f"worker-{i}", TEST_DEVICE, 1) for i in range(R)],
+                  ("trusted-d", TEST_DEVICE, 1)], bandwidth_gbps=10.0, latency_ms=0.1, verifier_host=True,
+                 trusted=("trusted-a", "trusted-d"))
+    sol = solution([(0, 0), (1, 2), (3, 4)], [("trusted-a/0",), tuple(f"worker-{i}/0" for i in range(R)),
+                                              ("trusted-d/0",)], M, splits=[(M,), (1,) * R, (M,)], verifiers=VERIFIERS)
+    sol = dataclasses.replace(sol, stages=tuple(dataclasses.replace(st, audit_every=1 if st.index == 1 else 0)
+                                                for st in sol.stages))
+    problem = build_problem(ch, cl, config(M), VerificationPolicy())
+    placement = Placement(stages=sol.stages, verifiers=VERIFIERS, num_microbatches=M)
+    priced, simulated = price_program(problem, placement).step_ms, simulate(compile_simple(ch, cl, sol)).step_ms
+    assert max(_stepper_ms(compile_simple(ch, cl, sol)).values()) > 0.5 * simulated   # the stepper dominates
+    assert priced <= 1.02 * simulated, (priced, simulated)
