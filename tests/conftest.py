@@ -21,7 +21,35 @@ def run_cli():
 
     def run(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-        return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd or REPO_ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "planner", *args], check=False, cwd=cwd or REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def cli_here(capfd, monkeypatch):
+    """Run ``stagewise ARGS`` through ``planner.cli.main`` in this process, for input refused before any long work
+    (a ``python -m planner`` process spends seconds importing torch); returns a CompletedProcess as ``run_cli``
+    does: the exit code, and stdout and stderr as captured at the file descriptors. An exception ``main`` does
+    not turn into an exit code fails the test, as its traceback would."""
+    from planner.cli import main
+
+    def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        environ = dict(os.environ)  # main sets the piped-output variables, as a process would for its own
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["stagewise", *args], code, out, err)
 
     return run

@@ -1,4 +1,5 @@
-"""Bad input to any command: one line on stderr naming what is wrong, exit 2, before any long work starts.
+"""Bad input to any command: one line on stderr naming what is wrong, exit 2, before any long work starts (the
+command's main in this process: ``cli_here``).
 
 The plan path of the ``run`` and ``replan`` cases does not exist: each option must be refused before the
 plan is even read, so the line names the option, not the missing file.
@@ -40,9 +41,9 @@ PARAMS = [pytest.param(argv, says, id=name, marks=() if mark is None else (mark,
 
 
 @pytest.mark.parametrize(("argv", "says"), PARAMS)
-def test_bad_input_is_one_line_and_exit_2(run_cli, tmp_path, argv, says):
+def test_bad_input_is_one_line_and_exit_2(cli_here, tmp_path, argv, says):
     output = ("-o", "plan.json") if argv[0] == "plan" and "-o" not in argv else ()
-    res = run_cli(*argv, *output, cwd=tmp_path)
+    res = cli_here(*argv, *output, cwd=tmp_path)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr

@@ -1,6 +1,6 @@
 """`stagewise run --eval-data/--eval-every`, `--tensorboard` and `--accumulate` from the command line: the
 validation loss in the output, the report and the metrics file (beside each step's training loss), a
-TensorBoard event file, and one-line errors (exit 2) for their bad inputs."""
+TensorBoard event file, and one-line errors (exit 2) for their bad inputs (the command's main in this process)."""
 from __future__ import annotations
 
 import json
@@ -50,15 +50,16 @@ BAD = {
 
 
 @pytest.mark.parametrize(("flags", "says"), list(BAD.values()), ids=list(BAD))
-def test_bad_eval_or_accumulate_option_is_one_line_exit_2(plan_path, tmp_path, flags, says):
-    line = _one_line_error(cli(str(plan_path), "--steps", "2", *flags, "--report", str(tmp_path / "r.json")))
+def test_bad_eval_or_accumulate_option_is_one_line_exit_2(cli_here, plan_path, tmp_path, flags, says):
+    line = _one_line_error(cli_here("run", str(plan_path), "--steps", "2", *flags, "--report",
+                                    str(tmp_path / "r.json")))
     assert says in line
     assert not (tmp_path / "r.json").exists()
 
 
-def test_accumulate_on_a_verified_plan_is_refused_in_one_line(tmp_path):
+def test_accumulate_on_a_verified_plan_is_refused_in_one_line(cli_here, tmp_path):
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=2, stages=[(0, 2), (3, 5)],
                      verifiers=[(0, 2, ("act",))], verifier_host=True)
     path = plan.save(tmp_path / "plan.json")
-    line = _one_line_error(cli(str(path), "--steps", "2", "--accumulate", "2"))
+    line = _one_line_error(cli_here("run", str(path), "--steps", "2", "--accumulate", "2"))
     assert "--accumulate 2 with verification on" in line and "--no-verify" in line

@@ -1,5 +1,6 @@
 """Bad optimizer and schedule options: one line on stderr naming the option, exit 2, before the plan is read
-(its path does not exist, so the line names the option, not the missing file)."""
+(its path does not exist, so the line names the option, not the missing file); the command's main in this
+process (``cli_here``)."""
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,8 @@ CASES = {
 
 
 @pytest.mark.parametrize(("argv", "says"), list(CASES.values()), ids=list(CASES))
-def test_bad_optimizer_option_is_one_line_and_exit_2(run_cli, tmp_path, argv, says):
-    res = run_cli(*argv, cwd=tmp_path)
+def test_bad_optimizer_option_is_one_line_and_exit_2(cli_here, tmp_path, argv, says):
+    res = cli_here(*argv, cwd=tmp_path)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr

@@ -19,7 +19,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", "run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "planner", "run", *args], check=False, capture_output=True, text=True,
                           env=ENV, timeout=300)
 
 
@@ -54,19 +54,19 @@ def test_run_prints_predicted_vs_measured_and_writes_metrics_and_report(plan_pat
     assert data["predicted_step_ms"] == pytest.approx(json.loads(plan_path.read_text())["predicted"]["step_ms"])
 
 
-def test_missing_plan_is_one_line(tmp_path):
-    line = _one_line_error(cli(str(tmp_path / "nope.json")))
+def test_missing_plan_is_one_line(cli_here, tmp_path):
+    line = _one_line_error(cli_here("run", str(tmp_path / "nope.json")))
     assert "does not exist" in line
 
 
-def test_bad_attack_spec_is_one_line(plan_path):
-    line = _one_line_error(cli(str(plan_path), "--attack", "rank=9,kind=zeros"))
+def test_bad_attack_spec_is_one_line(cli_here, plan_path):
+    line = _one_line_error(cli_here("run", str(plan_path), "--attack", "rank=9,kind=zeros"))
     assert "rank" in line
 
 
-def test_plan_for_another_model_is_one_line(plan, tmp_path):
+def test_plan_for_another_model_is_one_line(cli_here, plan, tmp_path):
     other = dataclasses.replace(plan, model=dataclasses.replace(plan.model, fingerprint="0" * 64))
-    line = _one_line_error(cli(str(other.save(tmp_path / "other.json")), "--steps", "1"))
+    line = _one_line_error(cli_here("run", str(other.save(tmp_path / "other.json")), "--steps", "1"))
     assert "does not match" in line
 
 
@@ -78,8 +78,8 @@ def test_dead_rank_is_one_line_naming_it(plan_path):
 
 @pytest.mark.parametrize("args,needle", [(("--emulate-slowdown", "2"), "--emulate-speed as well"),
                                          (("--emulate-speed", "--emulate-slowdown", "0.5"), "factor >= 1")])
-def test_bad_emulated_slowdown_is_one_line(plan_path, args, needle):
-    assert needle in _one_line_error(cli(str(plan_path), *args))
+def test_bad_emulated_slowdown_is_one_line(cli_here, plan_path, args, needle):
+    assert needle in _one_line_error(cli_here("run", str(plan_path), *args))
 
 
 def test_emulated_slowdown_pads_every_rank(plan_path, tmp_path):
@@ -106,6 +106,6 @@ def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path):
     assert "measured / predicted here" in proc.stdout
 
 
-def test_a_bad_profile_is_one_line_before_any_rank_starts(plan_path, tmp_path):
-    line = _one_line_error(cli(str(plan_path), "--steps", "1", "--profile", str(tmp_path / "none.json")))
+def test_a_bad_profile_is_one_line_before_any_rank_starts(cli_here, plan_path, tmp_path):
+    line = _one_line_error(cli_here("run", str(plan_path), "--steps", "1", "--profile", str(tmp_path / "none.json")))
     assert "an existing profile JSON file" in line
