@@ -79,8 +79,7 @@ def _incumbents(problem: Problem, budget_s: float, work: Work, seed: int) -> lis
     # Every uniform pp x dp grid, the cheapest few also with their blocks split for their devices: the
     # search starts no worse than ppdp or a fixed shape would.
     for placement in grid_candidates(problem, deadline=work.sub(GRID_BUDGET_FACTOR * budget_s, "grids"),
-                                     priced=work.sub(min(GRID_BUDGET_FACTOR * budget_s, work.left_s()),
-                                                     "grids priced")):
+                                     priced=work.side(GRID_BUDGET_FACTOR * budget_s, "grids priced")):
         out.append((placement, evaluate(problem, placement).step_ms, "baseline:ppdp"))
     found = search_sequences(problem, time_budget_s=budget_s, seed=seed, within=work)
     if found is not None:

@@ -67,6 +67,13 @@ class Work:
     def sub(self, seconds: float, what: str | None = None) -> Work:
         return Work(seconds, what=what or self.what, parent=self, clock=self._clock)
 
+    def side(self, seconds: float, what: str) -> Work:
+        """A budget beside this one: its own ``seconds``, this one's ceiling, charged to it alone (a step that
+        must not take its work from the steps after it)."""
+        side = Work(seconds, what=what, clock=self._clock)
+        side.ceiling_at = self.ceiling_at
+        return side
+
     def charge(self, units: float) -> None:
         self.spent += units
         if self._parent is not None:
