@@ -41,8 +41,8 @@ def test_trace_json_is_a_block_chain(run_cli):
     (("trace", "tests.fixtures.trace_models:untraceable"), "cannot trace model"),
     (("export-onnx", "gpt-tiny", "-o", "model.txt"), "ending in .onnx"),
 ])
-def test_bad_input_is_one_line_and_exit_2(run_cli, args, needle):
-    assert needle in _one_clean_error_line(run_cli(*args))
+def test_bad_input_is_one_line_and_exit_2(cli_here, tmp_path, args, needle):
+    assert needle in _one_clean_error_line(cli_here(*args, cwd=tmp_path))  # main, in this process
 
 
 def test_corrupt_onnx_file(run_cli, tmp_path):
