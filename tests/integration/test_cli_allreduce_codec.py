@@ -8,11 +8,11 @@ import json
 from tests.unit.plan_fixtures import golden_plan
 
 
-def test_an_unknown_all_reduce_codec_is_one_line_and_exit_2(run_cli, tmp_path):
+def test_an_unknown_all_reduce_codec_is_one_line_and_exit_2(cli_here, tmp_path):
     data = golden_plan().to_dict()
     data["stages"][0]["allreduce_codec"] = "zstd"
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    res = run_cli("simulate", "plan.json", cwd=tmp_path)
+    res = cli_here("simulate", "plan.json", cwd=tmp_path)  # main, in this process
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr

@@ -4,10 +4,16 @@ since signing are one line and exit 2, with no file written."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from planner.plan_load import load_plan
+from tests.conftest import REPO_ROOT
 
 CLUSTER = """name: three
 hosts:
@@ -19,14 +25,26 @@ links:
 """
 
 
-@pytest.fixture
-def plan_path(run_cli, tmp_path):
-    (tmp_path / "three.yaml").write_text(CLUSTER)
-    out = tmp_path / "plan.json"
-    proc = run_cli("plan", "gpt-tiny", "--cluster", str(tmp_path / "three.yaml"), "--stages", "3", "--no-verify",
-                   "--time-limit", "3", "-o", str(out))
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Path:
+    """The signed plan, planned once for the module (``stagewise plan`` takes seconds)."""
+    folder = tmp_path_factory.mktemp("planned")
+    (folder / "three.yaml").write_text(CLUSTER)
+    out = folder / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "planner", "plan", "gpt-tiny", "--cluster", str(folder / "three.yaml"),
+                           "--stages", "3", "--no-verify", "--time-limit", "3", "-o", str(out)], check=False,
+                          cwd=REPO_ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return out
+    return folder
+
+
+@pytest.fixture
+def plan_path(planned, tmp_path):
+    """A copy of the module's plan (and its cluster file) a test may edit."""
+    for name in ("three.yaml", "plan.json"):
+        shutil.copy(planned / name, tmp_path / name)
+    return tmp_path / "plan.json"
 
 
 def test_replan_without_a_host(run_cli, plan_path, tmp_path):
@@ -68,17 +86,17 @@ def test_exclude_then_readmit_puts_the_host_back_with_its_history(run_cli, plan_
                                            (("--readmit", "h1"), "readmit host 'h1'"),
                                            (("--readmit", "h9"), "readmit host 'h9'"),
                                            ((), "at least one host")])
-def test_bad_exclusions_are_one_line(run_cli, plan_path, tmp_path, extra, message):
+def test_bad_exclusions_are_one_line(cli_here, plan_path, tmp_path, extra, message):
     new = tmp_path / "new.json"
-    proc = run_cli("replan", str(plan_path), *extra, "-o", str(new))
+    proc = cli_here("replan", str(plan_path), *extra, "-o", str(new))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
     assert not new.exists()
 
 
-def test_a_plan_edited_after_signing_is_not_replanned(run_cli, plan_path, tmp_path):
+def test_a_plan_edited_after_signing_is_not_replanned(cli_here, plan_path, tmp_path):
     data = json.loads(plan_path.read_text())
     data["config"]["optimizer"] = "sgd"
     plan_path.write_text(json.dumps(data))
     new = tmp_path / "new.json"
-    proc = run_cli("replan", str(plan_path), "--exclude", "h2", "-o", str(new))
+    proc = cli_here("replan", str(plan_path), "--exclude", "h2", "-o", str(new))
     assert proc.returncode == 2 and "does not match its signature" in proc.stderr and not new.exists()

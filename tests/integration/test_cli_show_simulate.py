@@ -14,7 +14,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "planner", *args], check=False, capture_output=True, text=True, env=ENV,
                           cwd=cwd, timeout=120)
 
 
@@ -64,9 +64,9 @@ def _broken(tmp_path: Path, how: str) -> Path:
     ("unmatched-send", "invalid plan program: rank 0 instruction"),
     ("missing", "does not exist"),
 ])
-def test_bad_plans_fail_with_one_line(tmp_path, how, message):
+def test_bad_plans_fail_with_one_line(cli_here, tmp_path, how, message):
     path = tmp_path / "absent.json" if how == "missing" else _broken(tmp_path, how)
-    proc = cli("simulate", str(path))
+    proc = cli_here("simulate", str(path))  # main, in this process
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stagewise simulate: error: ")
@@ -74,8 +74,8 @@ def test_bad_plans_fail_with_one_line(tmp_path, how, message):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-def test_show_rejects_a_bad_plan_before_drawing(tmp_path):
+def test_show_rejects_a_bad_plan_before_drawing(cli_here, tmp_path):
     out = tmp_path / "out"
-    proc = cli("show", str(_broken(tmp_path, "unmatched-send")), "--out", str(out))
+    proc = cli_here("show", str(_broken(tmp_path, "unmatched-send")), "--out", str(out))
     assert proc.returncode == 2 and "invalid plan program" in proc.stderr
     assert not out.exists()

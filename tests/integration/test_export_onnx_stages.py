@@ -67,11 +67,11 @@ def _bad_output(kind: str, d: Path) -> Path:
     ("onnx-name", "a folder for the stage files"), ("under-file", "not a folder"),
     ("foreign-folder", "holds other files"),
 ])
-def test_a_bad_output_folder_is_one_line_and_leaves_nothing(run_cli, planned, tmp_path, kind, needle):
+def test_a_bad_output_folder_is_one_line_and_leaves_nothing(cli_here, planned, tmp_path, kind, needle):
     folder, _, _ = planned
     out = _bad_output(kind, tmp_path)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    line = _one_clean_error_line(run_cli("export-onnx", "--plan", str(folder / "plan.json"), "-o", str(out)))
+    line = _one_clean_error_line(cli_here("export-onnx", "--plan", str(folder / "plan.json"), "-o", str(out)))
     assert needle in line
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before  # no partial DIR
 
