@@ -45,19 +45,19 @@ def test_the_sequence_length_is_shown_and_recorded(run_cli, tmp_path):
     assert "seq 16" in proc.stdout.splitlines()[0] + proc.stdout.splitlines()[1]
 
 
-def test_an_encoder_decoder_is_refused_by_name_with_what_is_supported(run_cli, tmp_path):
+def test_an_encoder_decoder_is_refused_by_name_with_what_is_supported(cli_here, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64,
                                    architectures=["T5ForConditionalGeneration"])
     config.save_pretrained(tmp_path / "t5")
     for spec in (f"hf:{tmp_path / 't5'}", "hf:t5?num_layers=1"):
-        line = _one_clean_error_line(run_cli("trace", spec))
+        line = _one_clean_error_line(cli_here("trace", spec))  # main, in this process
         assert "T5ForConditionalGeneration (encoder-decoder) is not supported" in line
         assert "gpt2, llama" in line and "bert" in line and "factory" not in line
 
 
-def test_a_bad_rehearse_dtype_is_one_line(run_cli, tmp_path):
-    line = _one_clean_error_line(run_cli("run", str(tmp_path / "plan.json"), "--rehearse-dtype", "fp8"))
+def test_a_bad_rehearse_dtype_is_one_line(cli_here, tmp_path):
+    line = _one_clean_error_line(cli_here("run", str(tmp_path / "plan.json"), "--rehearse-dtype", "fp8"))
     assert "--rehearse-dtype" in line and "plan" in line
 
 

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from models.registry import build_model  # noqa: E402
-from planner.api import make_plan  # noqa: E402
-from tests.conftest import REPO_ROOT  # noqa: E402
+from models.registry import build_model
+from planner.api import make_plan
+from tests.conftest import REPO_ROOT
 
 SPECS = {
     "gpt2": "hf:gpt2?n_layer=2,n_embd=32,n_head=2,vocab_size=256,n_positions=32",
@@ -50,9 +50,9 @@ def test_two_rank_runs_of_hf_gpt2_and_llama_lower_the_loss(tmp_path):
         assert losses[-1] < losses[0] - 0.3, (family, losses)
 
 
-def test_a_bad_hf_spec_is_one_line_exit_2_and_no_file(run_cli, tmp_path):
+def test_a_bad_hf_spec_is_one_line_exit_2_and_no_file(cli_here, tmp_path):
     out = tmp_path / "plan.json"
-    proc = run_cli("plan", "hf:llama?hidden=", "--cluster", "default", "-o", str(out))
+    proc = cli_here("plan", "hf:llama?hidden=", "--cluster", "default", "-o", str(out))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "override 'hidden='" in lines[0] and not out.exists()
