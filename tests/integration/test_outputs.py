@@ -22,20 +22,20 @@ def _stagewise(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=300)
 
 
-def test_an_output_path_that_is_a_folder_fails_before_the_solve(tmp_path):
-    proc = _stagewise("plan", "gpt-tiny", "-o", str(tmp_path), "--time-limit", "60")
+def test_an_output_path_that_is_a_folder_fails_before_the_solve(cli_here, tmp_path):
+    proc = cli_here("plan", "gpt-tiny", "-o", str(tmp_path), "--time-limit", "60")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a folder" in proc.stderr
     assert "solving" not in proc.stdout
 
 
-def test_an_output_under_a_file_fails_before_profiling(tmp_path):
+def test_an_output_under_a_file_fails_before_profiling(cli_here, tmp_path):
     (tmp_path / "f").write_text("x")
-    proc = _stagewise("profile", "--quick", "-o", str(tmp_path / "f" / "profile.json"))
+    proc = cli_here("profile", "--quick", "-o", str(tmp_path / "f" / "profile.json"))
     assert proc.returncode == 2 and "cannot be written" in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_run_checks_report_and_metrics_paths_before_any_rank_starts(tmp_path):
-    proc = _stagewise("run", str(GOLDEN_PATH), "--report", str(tmp_path))
+def test_run_checks_report_and_metrics_paths_before_any_rank_starts(cli_here, tmp_path):
+    proc = cli_here("run", str(GOLDEN_PATH), "--report", str(tmp_path))
     assert proc.returncode == 2 and "--report" in proc.stderr and "is a folder" in proc.stderr
 
 

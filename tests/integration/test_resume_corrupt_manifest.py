@@ -16,7 +16,7 @@ MANIFESTS = {"not-json": b'{"step": 1, "files": {', "binary": b"garbage\x00\xff"
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     return subprocess.run([sys.executable, "-m", "planner", *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,10 @@ def checkpointed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("content", list(MANIFESTS.values()), ids=list(MANIFESTS))
-def test_a_corrupt_manifest_is_one_line_and_exit_2(checkpointed, content):
+def test_a_corrupt_manifest_is_one_line_and_exit_2(cli_here, checkpointed, content):
     plan_path, manifest = checkpointed
     manifest.write_bytes(content)
-    proc = _cli("run", str(plan_path), "--steps", "2", "--resume", "--checkpoint-dir", str(manifest.parent.parent))
+    proc = cli_here("run", str(plan_path), "--steps", "2", "--resume", "--checkpoint-dir", str(manifest.parent.parent))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
