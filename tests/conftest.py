@@ -30,13 +30,15 @@ def run_cli():
 @pytest.fixture
 def cli_here(capfd, monkeypatch):
     """Run ``stagewise ARGS`` through ``planner.cli.main`` in this process, for input refused before any long work
-    (a ``python -m planner`` process spends seconds importing torch); returns a CompletedProcess as ``run_cli``
-    does: the exit code, and stdout and stderr as captured at the file descriptors. An exception ``main`` does
-    not turn into an exit code fails the test, as its traceback would."""
+    and short commands whose process is not what is tested (a ``python -m planner`` process spends seconds
+    importing torch); returns a CompletedProcess as ``run_cli`` does: the exit code, and stdout and stderr as
+    captured at the file descriptors. ``env``: variables set for the call. An exception ``main`` does not turn
+    into an exit code fails the test, as its traceback would."""
     from planner.cli import main
 
-    def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         environ = dict(os.environ)  # main sets the piped-output variables, as a process would for its own
+        os.environ.update(env or {})
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capfd.readouterr()

@@ -19,14 +19,14 @@ def test_an_unknown_all_reduce_codec_is_one_line_and_exit_2(cli_here, tmp_path):
     assert "allreduce_codec" in lines[0] and "'zstd' is not one of" in lines[0]
 
 
-def test_show_names_a_replicated_stage_s_int8_all_reduce(run_cli, tmp_path):
+def test_show_names_a_replicated_stage_s_int8_all_reduce(cli_here, tmp_path):
     plan = golden_plan()
     replicated = [st.index for st in plan.stages if len(plan.stage_ranks(st.index)) > 1]
     assert replicated, "the golden plan has a replicated stage"
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, allreduce_codec="int8")
                                                   if st.index in replicated else st for st in plan.stages))
     plan.save(tmp_path / "plan.json")
-    res = run_cli("show", "plan.json", "--out", "out", cwd=tmp_path)
+    res = cli_here("show", "plan.json", "--out", "out", cwd=tmp_path)  # main, in this process
     assert res.returncode == 0, res.stderr
     row = [line for line in res.stdout.splitlines() if "TEST-GPU,TEST-SLOW" in line]   # the replicated stage
     assert len(row) == 1 and "int8" in row[0], res.stdout

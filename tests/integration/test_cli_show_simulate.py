@@ -18,19 +18,19 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=120)
 
 
-def test_simulate_prints_the_step(tmp_path):
-    proc = cli("simulate", str(GOLDEN))
+def test_simulate_prints_the_step(cli_here, tmp_path):
+    proc = cli_here("simulate", str(GOLDEN), env=ENV)  # main, in this process
     assert proc.returncode == 0, proc.stderr
     predicted = json.loads(GOLDEN.read_text())["predicted"]["step_ms"]
     assert f"step {predicted:.3f} ms" in proc.stdout
     assert "verifier" in proc.stdout and "bubble" in proc.stdout
 
 
-def test_show_writes_png_and_svg(tmp_path):
+def test_show_writes_png_and_svg(cli_here, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(GOLDEN.read_text())
     out = tmp_path / "pictures"
-    proc = cli("show", str(plan), "--out", str(out))
+    proc = cli_here("show", str(plan), "--out", str(out), env=ENV)
     assert proc.returncode == 0, proc.stderr
     assert "stages" in proc.stdout and "ranks" in proc.stdout
     png, svg = out / "plan-gantt.png", out / "plan-gantt.svg"

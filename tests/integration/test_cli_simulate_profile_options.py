@@ -30,35 +30,35 @@ def _one_line_error(proc: subprocess.CompletedProcess, command: str, phrase: str
     assert len(lines) == 1 and lines[0].startswith(f"stagewise {command}: error: ") and phrase in lines[0], proc.stderr
 
 
-def test_simulate_with_shared_cores_prints_that_step():
+def test_simulate_with_shared_cores_prints_that_step(cli_here):
     plan = load_plan(GOLDEN)
     one_core = simulate(plan, cores=1).step_ms
     assert one_core > simulate(plan).step_ms  # the option changes the answer
-    proc = cli("simulate", str(GOLDEN), "--cores", "1")
+    proc = cli_here("simulate", str(GOLDEN), "--cores", "1", env=ENV)  # main, in this process
     assert proc.returncode == 0, proc.stderr
     assert f"step {one_core:.3f} ms" in proc.stdout and "share 1 core(s), split evenly" in proc.stdout
 
 
-def test_simulate_with_a_measured_sharing_table(tmp_path):
+def test_simulate_with_a_measured_sharing_table(cli_here, tmp_path):
     table = CoreSharing(cores=2, speed=(1.0, 0.7, 0.45, 0.33))
     profile = tmp_path / "cpu.json"
     profile.write_text(json.dumps({"sharing": table.to_dict()}))
     plan = load_plan(GOLDEN)
     expected = simulate(plan, cores=2, sharing=table, emulated=True).step_ms
     assert expected != simulate(plan, cores=2).step_ms
-    proc = cli("simulate", str(GOLDEN), "--sharing", str(profile), "--emulated")  # --cores from the table
+    proc = cli_here("simulate", str(GOLDEN), "--sharing", str(profile), "--emulated", env=ENV)  # --cores from the table
     assert proc.returncode == 0, proc.stderr
     assert f"step {expected:.3f} ms" in proc.stdout and "at the measured sharing speeds" in proc.stdout
 
 
-def test_simulate_with_measured_message_costs(tmp_path):
+def test_simulate_with_measured_message_costs(cli_here, tmp_path):
     cost = MessageCost(send_ms=0.4, recv_ms=0.3, send_ms_per_mib=0.5, recv_ms_per_mib=0.5)
     profile = tmp_path / "cpu.json"
     profile.write_text(json.dumps({"p2p": {"latency_ms": 0.1, "bandwidth_gbps": 10.0, "messages": cost.to_dict()}}))
     plan = load_plan(GOLDEN)
     expected = simulate(plan, cores=1, messages=cost).step_ms
     assert expected > simulate(plan, cores=1).step_ms
-    proc = cli("simulate", str(GOLDEN), "--cores", "1", "--messages", str(profile))
+    proc = cli_here("simulate", str(GOLDEN), "--cores", "1", "--messages", str(profile), env=ENV)
     assert proc.returncode == 0, proc.stderr
     assert f"step {expected:.3f} ms" in proc.stdout and "messages cost their sender 0.400 ms" in proc.stdout
 
