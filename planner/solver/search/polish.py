@@ -14,7 +14,7 @@ improvement is taken until none improves or the time is up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.problem import Problem
@@ -74,22 +74,22 @@ def _merged(placement: Placement, k: int) -> Iterator[Placement]:
                                   stages=tuple(dataclasses.replace(st, index=i) for i, st in enumerate(rest)))
 
 
-def polish(problem: Problem, placement: Placement, *, time_budget_s: float,
-           cuts_only: bool = False, within: Work | None = None) -> tuple[Placement, float]:
+def polish(problem: Problem, placement: Placement, *, time_budget_s: float, cuts_only: bool = False,
+           within: Work | None = None, units: Callable[[Placement], float] | None = None) -> tuple[Placement, float]:
     """The best plan hill-climbing reaches from ``placement`` within ``time_budget_s`` nominal seconds of work
     (``budget``; charged to ``within`` too), and its program cost (``cuts_only``: keep the stages and their
-    devices, move only the cuts)."""
+    devices, move only the cuts; ``units``: a pricing's charge, by default ``program_units``)."""
     work = Work.of(time_budget_s, within, "polish")
-    M = problem.num_microbatches
+    cost = units or (lambda p: program_units(p.num_microbatches, p.num_stages))
     best, best_ms = placement, price_program(problem, placement).step_ms
-    work.charge(program_units(M, placement.num_stages))
+    work.charge(cost(placement))
     improved = True
     while improved and not work.passed():
         improved = False
         for cand in _neighbours(problem, best, cuts_only):
             if work.passed():
                 break
-            work.charge(program_units(M, cand.num_stages))
+            work.charge(cost(cand))
             if violations(problem, cand):
                 continue
             ms = price_program(problem, cand).step_ms
