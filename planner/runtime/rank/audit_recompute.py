@@ -80,8 +80,9 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
         for boundary, direction, err in checks:
             event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
                                       error=err, tolerance=tolerance)
+            vouch = audit.vouches(err, tolerance)   # else it passes without withdrawing the statistics' flags
             out.append(Outcome(sender=sender, step=step, passed=event is None, event=event, mb=mb, boundary=boundary,
-                               direction=direction))
+                               direction=direction if vouch else ""))
     return out
 
 
