@@ -48,7 +48,7 @@ _BY_NUMBER = {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
 _AUDITS_SCHEMA = {"type": "object", "additionalProperties": False,
                   "properties": {"run": {"type": "integer", "minimum": 0}, "failed": {"type": "integer", "minimum": 0},
                                  "run_by_sender": _BY_NUMBER, "failed_by_sender": _BY_NUMBER,
-                                 "suspended": _BY_NUMBER,
+                                 "suspended": _BY_NUMBER, "refuted_flags": {"type": "integer", "minimum": 0},
                                  "signed": {"type": "object", "additionalProperties": False,
                                             "properties": {"forged": {"type": "integer", "minimum": 0},
                                                            "voided": {"type": "integer", "minimum": 0}}}}}
