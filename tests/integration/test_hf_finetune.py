@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from models.registry import build_model  # noqa: E402
-from planner.api import make_plan  # noqa: E402
-from planner.runtime.data import make_source, resolve_loss  # noqa: E402
-from tests.conftest import REPO_ROOT  # noqa: E402
+from models.registry import build_model
+from planner.api import make_plan
+from planner.runtime.data import make_source, resolve_loss
+from tests.conftest import REPO_ROOT
 
 # No dropout, so a training step's loss is the model's plain loss on the batch.
 SPEC = ("hf:gpt2?n_layer=2,n_embd=32,n_head=2,vocab_size=256,n_positions=32,"
@@ -58,7 +58,7 @@ def _reference_loss(folder) -> float:
         return float(resolve_loss(bundle)(model(input_ids=inputs[0]).logits, targets))
 
 
-def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
+def test_fine_tuning_starts_from_the_saved_weights(cli_here, tmp_path):
     saved, tuned, ckpt = tmp_path / "saved", tmp_path / "tuned", tmp_path / "ckpt"
     first = _losses(_start(_plan(SPEC, tmp_path / "p1.json"), "--steps", "3", "--lr", "1e-2",
                            "--save-weights", str(saved), "--report", str(tmp_path / "r1.json")), tmp_path / "r1.json")
@@ -78,8 +78,8 @@ def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
     state = load_file(str(saved / "model.safetensors"))
     state["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(32, 64)
     save_file(state, str(saved / "model.safetensors"), metadata={"format": "pt"})
-    bad = _start(plan, "--steps", "1")
-    out, err = bad.communicate(timeout=120)
+    bad = cli_here("run", plan, "--timeout", "90", "--steps", "1")  # main, in this process
+    out, err = bad.stdout, bad.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and "Traceback" not in err, out + err
     assert "'transformer.h.1.mlp.c_fc.weight' of shape (32, 128)" in lines[0] and "(32, 64)" in lines[0], lines[0]
