@@ -42,6 +42,7 @@ from tests.unit.plan_fixtures import (
     config,
     solution,
 )
+from tests.unit.stepper_fixtures import assert_checks_share_the_device
 
 torch.set_num_threads(1)
 
@@ -144,12 +145,7 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     # host with its checks (``audit_price.Stepper``): each check lasts its own time plus what the stepper does
     stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
                              StepperPart(stage=1, recompute=False, ms=optim_ms(50_000, cfg, spec, param_tensors=2))))
-    alone = sorted((e for e in base.events if e.rank == auditor and e.kind == "verify"), key=lambda e: e.start_ms)
-    shared = sorted((e for e in got.events if e.rank == auditor and e.kind == "verify" and "audit" not in e.label),
-                    key=lambda e: e.start_ms)
-    assert [e.label for e in shared] == [e.label for e in alone]
-    for a, b in zip(alone, shared):
-        assert b.end_ms - b.start_ms == pytest.approx(stepper.share(b.start_ms, a.end_ms - a.start_ms), rel=1e-9)
+    assert_checks_share_the_device(base, got, auditor, stepper)
     end_of = {r: max(e.end_ms for e in got.events if e.rank == r and e.kind != "send" and "audit" not in e.label)
               for r in range(plain.num_ranks)}
     start = max(end_of[auditor], end_of[0]) + copy

@@ -56,6 +56,7 @@ from tests.unit.plan_fixtures import (
     golden_plan,
     solution,
 )
+from tests.unit.stepper_fixtures import assert_checks_share_the_device
 
 torch.set_num_threads(1)
 
@@ -154,12 +155,7 @@ def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient
     # lasts its own time plus what the stepper does beside it; the step's end waits for the stepper
     stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
                              StepperPart(stage=1, recompute=False, ms=adam)))
-    alone = sorted((e for e in base.events if e.rank == auditor and e.kind == "verify"), key=lambda e: e.start_ms)
-    shared = sorted((e for e in got.events if e.rank == auditor and e.kind == "verify" and "audit" not in e.label),
-                    key=lambda e: e.start_ms)
-    assert [e.label for e in shared] == [e.label for e in alone]
-    for a, b in zip(alone, shared):
-        assert b.end_ms - b.start_ms == pytest.approx(stepper.share(b.start_ms, a.end_ms - a.start_ms), rel=1e-9)
+    alone = assert_checks_share_the_device(base, got, auditor, stepper)
     assert stepper.ends[0] > alone[0].start_ms   # the recompute outlasts the fill: checks share the host with it
     end_of = {r: max(e.end_ms for e in got.events if e.rank == r and e.kind != "send" and "audit" not in e.label)
               for r in range(5)}
