@@ -56,7 +56,8 @@ replicated stage's gradients once its replicas are done. Priced the same way
   ``benchmarks/throttled_windows.py``: within 0.05% of their simulation on
   average). An audited plan (``program_cost``) is priced as it runs unaudited,
   plus what its audits add on the closed forms its audit pricing is built on
-  (the closed forms of the plan with and without them): the **drain**
+  (the closed forms of the plan with and without them), stage by stage; its
+  audits' ends then follow from those stage ends (``_audits_end_ms``): the **drain**
   (``_drain``): the backwards the bottleneck replica still holds after its
   last forward leave it one backward apart and queue, stage by stage, on the
   upstream replicas they are routed through; stages upstream of the
@@ -78,7 +79,8 @@ replicated stage's gradients once its replicas are done. Priced the same way
   copy stepper, work on the auditor's device from the step's start beside its own passes and checks
   (``audit_price.Stepper``): run with the programs (``drain_schedule``; GPipe: its forward phase on that device
   stretched by what the stepper has left once its first input is in); the step ends no sooner than the stepper
-  is through its queue.
+  is through its queue, and each deferred audit no sooner than its auditor's whole stepper (every stage's part),
+  the auditor's next audit after it (``planner.simulate._audits``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``).
 """
@@ -555,18 +557,32 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
                  allreduce_ms: tuple[float, ...]) -> ProgramCost:
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
     kw = {"verify_load": verify_load, "verifier_state": verifier_state, "allreduce_ms": allreduce_ms}
+    background = _steppers(problem, stages, verifiers)
     if problem.schedule == "gpipe" or not any(audit_site(problem, stages, verifiers, k) is not None
                                               for k, st in enumerate(stages) if st.audit_every):
-        return _priced(problem, stages, verifiers, scheduled=True, background=_steppers(problem, stages, verifiers),
-                       **kw)
-    # An audit adds what it adds on the closed forms its pricing is built on, to the plan unaudited as it runs;
-    # its stepper's work runs with the programs, on the auditor's device.
+        r = _priced(problem, stages, verifiers, scheduled=True, background=background, **kw)
+        audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping, r.stepped)
+        return r.cost(max(r.pipeline_ms, audits))
+    # An audit adds what it adds on the closed forms its pricing is built on, stage by stage, to the plan
+    # unaudited as it runs; its stepper's work runs with the programs, on the auditor's device.
     plain = tuple(dataclasses.replace(st, audit_every=0) for st in stages)
+    run = _priced(problem, plain, verifiers, scheduled=True, background=background, **kw)
     audited, closed = (_priced(problem, s, verifiers, scheduled=False, **kw) for s in (stages, plain))
-    run = _priced(problem, plain, verifiers, scheduled=True, background=_steppers(problem, stages, verifiers), **kw)
-    return ProgramCost(step_ms=max(run.step_ms + audited.step_ms - closed.step_ms, run.stepper_ms),
-                       pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=audited.in_flight,
-                       bottleneck=audited.bottleneck, stepper_ms=run.stepper_ms)
+
+    def moved(name: str) -> list[float]:
+        """The run's per-stage times, each grown by what the audits add to it on the closed forms."""
+        return [r + a - c for r, a, c in zip(getattr(run, name), getattr(audited, name), getattr(closed, name))]
+
+    # The audits' chain from the run's own stage ends (the closed forms' ends may be off by different amounts per
+    # stage: one shift for all priced a copy's wait 5% over), their stepper floors from the run (the increment
+    # adds to the programs, not to a stepper that outlasts them: 25% over where a 12.5 s gradient transfer came
+    # after a 48.7 s stepper).
+    audits = _audits_end_ms(problem, stages, verifiers, audited.traffic, moved("ends"), moved("sent"), audited.p,
+                            moved("stepping"), run.stepped)
+    return ProgramCost(step_ms=max(run.pipeline_ms + audited.pipeline_ms - closed.pipeline_ms, audits,
+                                   run.stepper_ms),
+                       pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=tuple(audited.limits),
+                       bottleneck=audited.name, stepper_ms=run.stepper_ms)
 
 
 def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPart, ...]]:
@@ -580,11 +596,40 @@ def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPar
     return stepper_parts(costs)
 
 
+@dataclass(slots=True)
+class _Run:
+    """One pricing of the programs but their audits' ends: the last optimizer step (``pipeline_ms``), the pipe, the
+    in-flight limits and the pacing resource; per stage its ends, its senders' finishes (``sent``) and its
+    optimizer steps' starts (``stepping``); the traffic and paths the audits read; per auditor, when its stepper is
+    through its queue (``stepped``)."""
+
+    pipeline_ms: float
+    pipe_ms: float
+    limits: list[tuple[int, ...]]
+    name: str
+    ends: list[float]
+    sent: list[float]
+    stepping: list[float]
+    traffic: _Traffic
+    p: _Paths
+    stepped: dict[str, float]
+
+    @property
+    def stepper_ms(self) -> float:
+        return max(self.stepped.values(), default=0.0)
+
+    def cost(self, programs_ms: float) -> ProgramCost:
+        """The priced program whose programs and audits end at ``programs_ms``, its steppers' queues after."""
+        return ProgramCost(step_ms=max(programs_ms, self.stepper_ms), pipe_ms=self.pipe_ms,
+                           in_flight=tuple(self.limits), bottleneck=self.name, stepper_ms=self.stepper_ms)
+
+
 def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float], verifier_state: dict[str, int],
             allreduce_ms: tuple[float, ...], scheduled: bool,
-            background: dict[str, tuple[StepperPart, ...]] | None = None) -> ProgramCost:
-    """``program_cost``, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or from the closed forms;
-    ``background``: the auditors' copy steppers' queues (``_steppers``), run beside their devices' work."""
+            background: dict[str, tuple[StepperPart, ...]] | None = None) -> _Run:
+    """``program_cost``'s parts but the audits' ends, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or
+    from the closed forms; ``background``: the auditors' copy steppers' queues (``_steppers``), run beside their
+    devices' work."""
     background = background or {}
     stepped: dict[str, float] = {}
     verify_load = _with_audits(problem, stages, verifiers, verify_load)
@@ -633,11 +678,8 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
                 for st in stages]
     ends = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
     stepping = [e - opt for e, opt in zip(ends, optim_ms)]   # a source sends its auditor its gradient from then
-    step = max(max(ends), pipe + optim_ms[0],
-               _audits_end_ms(problem, stages, verifiers, traffic, ends, sent, p, stepping))
-    stepper = max(stepped.values(), default=0.0)
-    return ProgramCost(step_ms=max(step, stepper), pipe_ms=pipe, in_flight=tuple(limits), bottleneck=name,
-                       stepper_ms=stepper)
+    return _Run(pipeline_ms=max(max(ends), pipe + optim_ms[0]), pipe_ms=pipe, limits=limits, name=name,
+                ends=ends, sent=sent, stepping=stepping, traffic=traffic, p=p, stepped=stepped)
 
 
 def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
@@ -660,12 +702,13 @@ def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, flo
 
 
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
-                   p: _Paths, stepping: list[float]) -> float:
+                   p: _Paths, stepping: list[float], floors: dict[str, float]) -> float:
     """When the last audited stage's auditor has recomputed its audited microbatches and heard the applied
     gradient (``cost_models.audit``; its copy steps off the step's path), sent from ``stepping`` (the replicas'
     optimizer steps' starts): after the replicas' optimizer steps, its own program and, where the inputs come
     copied, the upstream stage's ranks' ends and the copies' transfers (0: nothing audited). The stages are
-    audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``)."""
+    audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``); a
+    deferred one ends no sooner than its auditor's stepper is through its queue (``floors``, per auditor)."""
     out, clock = 0.0, {}
 
     def done(device: str) -> float:
@@ -683,9 +726,11 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k])
         for d in senders:   # a copy's send returns once received
             clock[d] = inputs_in
-        # its stepper runs beside the programs (``_priced``'s background): not floored here again
-        clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
-                                          gradient_sent_ms=stepping[k], stepper=False)
+        # its stepper runs beside the programs (``_priced``'s background, ``floors``), not alone: the audit ends
+        # once the whole of it is through (every stage's part), and the auditor's next audit starts from there
+        clock[site.auditor] = max(cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
+                                              gradient_sent_ms=stepping[k], stepper=False),
+                                  floors.get(site.auditor, 0.0) if cost.deferred else 0.0)
         out = max(out, clock[site.auditor])
     return out
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from planner.instruction_costs import CostModel
+from planner.schedules import max_in_flight
 from planner.simulate import _audit_cost, audit_site, simulate
 from planner.solver import audit_price
 from planner.solver.audit_price import Stepper, StepperPart
@@ -109,6 +110,41 @@ def test_a_stage_device_that_audits_does_its_deferred_recompute_beside_its_own_p
     assert priced[1] >= max(first, stepper) + own - 1e-6
 
 
+def _least(sol):
+    """``sol`` carrying the schedule's least in-flight limits (what compiling it without limits gives)."""
+    S = len(sol.stages)
+    return _with_limits(sol, [tuple(max_in_flight(sol.schedule, st.index, S, n) for n in st.microbatches)
+                              for st in sol.stages])
+
+
+@pytest.mark.parametrize("limits", ["priced", "least"])
+def test_the_stepper_stretching_the_auditors_passes_is_priced_with_the_limits_the_plan_runs(limits):
+    """Stage-1 blocks of 20 GFLOPs, the auditor's of 1, audit every microbatch: the price added 2.2 ms where the
+    fixture's simulation added 11.4 (read as the replay missing the stepper's stretch of the auditor's passes). It
+    simulated the schedule's least limits (stage 0 holds 3 microbatches, not 8: the stepper's stretch then paces
+    the pipeline); with the limits the price assumed it adds 2.2 ms too, and priced with the least it adds 11.4."""
+    sols = [_busy(every, 20.0, 1.0)[2] for every in (0, 1)]
+    ch, cl, _ = _busy(1, 20.0, 1.0)
+    problem = build_problem(ch, cl, config(8), VerificationPolicy())
+
+    def placement(sol):
+        return Placement(stages=sol.stages, verifiers=VERIFIERS, num_microbatches=8)
+
+    if limits == "priced":
+        priced = [price_program(problem, placement(sol)) for sol in sols]
+        sols = [_with_limits(sol, p.in_flight) for sol, p in zip(sols, priced)]
+        assert priced[1].in_flight[0] == (8,)
+    else:
+        sols = [_least(sol) for sol in sols]
+        assert sols[1].stages[0].in_flight == (3,)
+    priced = [price_program(problem, placement(sol)).step_ms for sol in sols]
+    simulated = [simulate(compile_simple(ch, cl, sol)).step_ms for sol in sols]
+    added = priced[1] - priced[0]
+    assert added == pytest.approx(simulated[1] - simulated[0], rel=0.05)
+    assert added == pytest.approx(2.2 if limits == "priced" else 11.4, abs=0.1)
+    assert priced[1] == pytest.approx(simulated[1], rel=0.01)
+
+
 def test_gpipe_prices_the_stepper_in_the_auditors_forward_phase():
     ch, cl, sol = _busy(1, 8.0, 5.0, schedule="gpipe")
     plan, plain = compile_simple(ch, cl, sol), compile_simple(ch, cl, _busy(0, 8.0, 5.0, schedule="gpipe")[2])
@@ -173,10 +209,9 @@ def test_random_pools_with_busy_auditors_are_priced_as_simulated():
     assert np.mean(np.abs(off) <= 0.05) >= 0.9 and off.min() >= -0.05, sorted(off)
 
 
-def test_a_stepper_longer_than_the_step_is_priced_once():
-    """Eight replicas' recomputes queue on one auditor past the step's own work: the price runs the stepper beside
-    the programs and adds the audit's closed-form increment without the stepper's floor (review: with it the
-    stepper counted twice, 205.6 ms priced for 171.1 simulated, so the audit chooser refused audits that pay)."""
+def _eight_replicas(every: int):
+    """(problem, placement, chain, cluster, solution): eight replicas of the middle stage, one microbatch each, on
+    untrusted workers between trusted ends; stage 1 audited at one in ``every`` by trusted-d (0: unaudited)."""
     R, M, flops = 8, 8, [1.0, 40.0, 40.0, 1.0, 1.0]
     ch = chain([block(i, fwd_flops=int(f * 10**9), params=(i + 1) * 10**4) for i, f in enumerate(flops)], name="busy")
     cl = cluster([("trusted-a", TEST_DEVICE, 1), *[(f"worker-{i}", TEST_DEVICE, 1) for i in range(R)],
@@ -184,10 +219,55 @@ def test_a_stepper_longer_than_the_step_is_priced_once():
                  trusted=("trusted-a", "trusted-d"))
     sol = solution([(0, 0), (1, 2), (3, 4)], [("trusted-a/0",), tuple(f"worker-{i}/0" for i in range(R)),
                                               ("trusted-d/0",)], M, splits=[(M,), (1,) * R, (M,)], verifiers=VERIFIERS)
-    sol = dataclasses.replace(sol, stages=tuple(dataclasses.replace(st, audit_every=1 if st.index == 1 else 0)
+    sol = dataclasses.replace(sol, stages=tuple(dataclasses.replace(st, audit_every=every if st.index == 1 else 0)
                                                 for st in sol.stages))
     problem = build_problem(ch, cl, config(M), VerificationPolicy())
-    placement = Placement(stages=sol.stages, verifiers=VERIFIERS, num_microbatches=M)
-    priced, simulated = price_program(problem, placement).step_ms, simulate(compile_simple(ch, cl, sol)).step_ms
-    assert max(_stepper_ms(compile_simple(ch, cl, sol)).values()) > 0.5 * simulated   # the stepper dominates
-    assert priced <= 1.02 * simulated, (priced, simulated)
+    return problem, Placement(stages=sol.stages, verifiers=VERIFIERS, num_microbatches=M), ch, cl, sol
+
+
+def _with_limits(sol, in_flight):
+    """``sol`` carrying the in-flight limits its price assumed (as the planner's returned plans do)."""
+    return dataclasses.replace(sol, stages=tuple(dataclasses.replace(st, in_flight=n)
+                                                 for st, n in zip(sol.stages, in_flight)))
+
+
+def test_a_stepper_longer_than_the_step_is_priced_once():
+    """Eight replicas' recomputes queue on one auditor past the step's own work: the price runs the stepper beside
+    the programs and adds the audit's closed-form increment without the stepper's floor (review: with it the
+    stepper counted twice, 205.6 ms priced for 171.1 simulated, so the audit chooser refused audits that pay)."""
+    problem, placement, ch, cl, sol = _eight_replicas(1)
+    priced = price_program(problem, placement)
+    plan = compile_simple(ch, cl, _with_limits(sol, priced.in_flight))
+    assert max(_stepper_ms(plan).values()) > 0.5 * simulate(plan).step_ms   # the stepper dominates
+    assert priced.step_ms == pytest.approx(simulate(plan).step_ms, rel=0.05)
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_the_price_of_eight_replicas_assumes_the_in_flight_limits_the_plan_carries(every):
+    """Priced 72.1 ms for 159.7 ms simulated, unaudited: not a missed term but a different program. The price
+    raises stage 0's in-flight limit from the schedule's least (3) to all 8 microbatches, which its memory allows
+    (``in_flight``), and the plan the planner returns carries it; the fixture compiled the schedule's least, under
+    which stage 0 sends three microbatches a 50 ms round trip. Each program is priced as it runs."""
+    problem, placement, ch, cl, sol = _eight_replicas(every)
+    priced = price_program(problem, placement)
+    assert priced.in_flight[0] == (8,)
+    raised = simulate(compile_simple(ch, cl, _with_limits(sol, priced.in_flight))).step_ms
+    assert priced.step_ms == pytest.approx(raised, rel=0.01)
+    least = tuple(tuple(max_in_flight("1f1b", st.index, len(sol.stages), n) for n in st.microbatches)
+                  for st in sol.stages)
+    assert least[0] == (3,)
+    held = Placement(stages=_with_limits(sol, least).stages, verifiers=VERIFIERS, num_microbatches=8)
+    simulated = simulate(compile_simple(ch, cl, sol)).step_ms   # no limits carried: the schedule's least
+    assert price_program(problem, held).step_ms == pytest.approx(simulated, rel=0.01)
+    assert simulated > 1.1 * raised
+
+
+def test_a_stepper_part_short_of_done_by_a_rounding_error_is_done():
+    """A 48.6 s recompute and a 107 ms copy step: shared twice, the recompute's remainder came out 7e-14 ms above
+    zero, the queue stopped there and the copy's step was never counted (the stepper through 107 ms early, in the
+    price and in the simulation)."""
+    st = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=48590.0154670747),
+                        StepperPart(stage=1, recompute=False, ms=106.8540891796875)))
+    assert st.share(100.0, 30.0) == pytest.approx(60.0) and st.share(500.0, 30.9) == pytest.approx(61.8)
+    assert st.done_ms() == pytest.approx(48590.0154670747 + 106.8540891796875 + 30.0 + 30.9)
+    assert len(st.ends) == 2 and st.left_ms == 0.0
