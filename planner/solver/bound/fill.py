@@ -67,6 +67,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
     if not stage:
         return floor_ms
     kinds = _kinds(problem, stage)
+    shared = _Shared.of(problem, stage)
     best, spent = floor_ms, 0
     for cut in range(1, min(len(kinds), MAX_SPLITS + 1) + (len(kinds) == 1)):
         fast = _Group.of(problem, [c for k in kinds[:cut] for c in k])
@@ -81,7 +82,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
             if within is not None and within.left_s() * UNITS_PER_S < TESTS_EACH * each:
                 continue
             spent += cells
-            test = _Test(problem, stage, fast, slow, track)
+            test = _Test(problem, stage, fast, slow, track, shared)
             best = max(best, test.least_ms(best))
             if within is not None:
                 within.charge(test.tests * each)
@@ -94,6 +95,25 @@ def _kinds(problem: Problem, stage: list[int]) -> list[list[int]]:
     for c in stage:
         by.setdefault((problem.time_ms[:, c].tobytes(), problem.classes[c].mem_bytes), []).append(c)
     return sorted(by.values(), key=lambda k: float(problem.time_ms[:, k[0]].sum()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Shared:
+    """What every test of one bound reads alike: per stage class its optimizer step per stage ``j..i-1``
+    (``_optim_ms``), the least hops one way (``replicas.hops_ms``), and the rings of the pool's stage devices."""
+
+    optim: dict[int, np.ndarray]
+    hops: np.ndarray
+    ring: Rings
+    middle_ring: Rings
+
+    @staticmethod
+    def of(problem: Problem, stage: list[int]) -> _Shared:
+        devices = min(problem.num_microbatches, sum(problem.classes[c].count for c in stage))
+        pol = problem.policy
+        ends = pol.enabled and pol.trusted_endpoints
+        return _Shared({c: _optim_ms(problem, (c,)) for c in stage}, hops_ms(problem, stage, problem.num_blocks),
+                       Rings(problem, stage, devices), Rings(problem, stage, devices, reserved=2 if ends else 0))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -126,9 +146,14 @@ class _Test:
     """Whether a step of ``B`` admits a partition (module docstring). The DP's state: blocks covered, devices of
     group ``a`` (``tracked``) used, and ``z``: the stages so far (``track="stages"``: the path before a
     stage pays ``2 hops(z)``) or the blocks so far on stages of group ``b`` alone (``track="slow"``: their passes
-    on the path are ``b``'s, at least the ``z`` least excesses over the least pass of the blocks before)."""
+    on the path are ``b``'s, at least the ``z`` least excesses over the least pass of the blocks before).
 
-    def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str) -> None:
+    What a test reads of each stage ``j..i-1`` and state ``z`` that no ``B`` changes (its groups' pass times and
+    memory fit, device caps, optimizer steps, all-reduce floors per ring size) is tabled once (``_Rows``); a
+    test is then a few vector operations over every (stage, state, count) at once, and the DP over the blocks."""
+
+    def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str,
+                 shared: _Shared | None = None) -> None:
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
         self.tests = 0   # feasibility tests run (their work charged to the plan's budget)
@@ -143,10 +168,10 @@ class _Test:
         self.U = np.concatenate([[0.0], np.cumsum(least)])
         # Stage 0's optimizer step follows the pipeline (``step >= pipe + optim_0``): blocks 0..i-1 for stage 0
         # itself, the least of any stage 0 for the others.
-        self.opt0 = np.array([0.0] + [min(problem.range_optim_ms(0, i - 1, c) for c in stage)
-                                      for i in range(1, L + 1)])
+        shared = _Shared.of(problem, stage) if shared is None else shared
+        self.opt0 = np.min([shared.optim[c][0] for c in stage], axis=0)
         self.opt_any = float(self.opt0[1:].min())
-        hops = 2 * hops_ms(problem, stage, L)
+        hops = 2 * shared.hops
         j = np.arange(L + 1)[:, None]
         if track == "stages":
             self.extra = np.where(j > 0, hops[None, :L + 1], 0.0)
@@ -155,16 +180,16 @@ class _Test:
             for e in range(L + 1):
                 self.extra[e, :e + 1] = np.concatenate([[0.0], np.cumsum(np.sort(slow.path[:e] - least[:e]))])
             self.extra += np.where(j > 0, hops[1], 0.0)
-        devices = fast.count + slow.count
-        self.ring = Rings(problem, stage, min(M, devices))
-        self.middle_ring = Rings(problem, stage, min(M, devices), reserved=2 if self.ends else 0)
+        self.ring, self.middle_ring = shared.ring, shared.middle_ring
         # A stage's all-reduce and optimizer step follow its own passes, which start once its first microbatch's
         # forward is in: blocks 0..j-1 forward at their least and the hops before it, one way.
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         self.F = np.concatenate([[0.0], np.cumsum((problem.time_ms - bwd)[:, stage].min(axis=1))])
-        one_way = hops_ms(problem, stage, L)
+        one_way = shared.hops
         self.arrive = np.where(j > 0, one_way[None, :L + 1] if track == "stages" else one_way[1], 0.0)
-        self.optim = [_optim_ms(problem, g.classes) for g in (self.a, self.b)]
+        self.optim = [np.min([shared.optim[c] for c in g.classes], axis=0) if g.classes
+                      else np.zeros((L + 1, L + 1)) for g in (self.a, self.b)]
+        self.rows = _Rows.of(self)
 
     @staticmethod
     def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
@@ -194,133 +219,191 @@ class _Test:
         devices of group ``b``."""
         self.tests += 1
         L, NA, Z = self.L, self.a.count, self.L + 1
+        fewest = self._fewest(B)  # (stages, Z, NA + 1), stage j..i-1 at i (i - 1) / 2 + j
         best = np.full((L + 1, NA + 1, Z), np.inf)
         best[0, 0, 0] = 0.0
+        reached = np.zeros(L + 1, dtype=bool)
+        reached[0] = True
+        alone = self.track == "slow" and self.b.count > 0  # y = 0: a stage of group b alone
         for i in range(1, L + 1):
-            js = np.nonzero(np.isfinite(best[:i]).any(axis=(1, 2)))[0]
+            js = np.flatnonzero(reached[:i])
             if not len(js):
                 continue
-            nb = self._fewest(B, js, i)  # (J, Z, NA + 1)
-            for y in range(NA + 1):
-                cand = best[js, :NA + 1 - y, :] + nb[:, None, :, y]  # to x = y..NA
+            nb = fewest[i * (i - 1) // 2 + js, :i]  # (J, z, NA + 1): states z <= j < i, the others unreached
+            came = best[js, :, :i]
+            every = (came[:, :, :, None] + nb[:, None, :, :]).min(axis=0)  # (x, z, y): to x + y
+            for y in range(1 if alone else 0, NA + 1):
                 if self.track == "stages":
-                    np.minimum(best[i, y:, 1:], cand.min(axis=0)[:, :Z - 1], out=best[i, y:, 1:])
-                elif y > 0 or self.b.count == 0:
-                    np.minimum(best[i, y:, :], cand.min(axis=0), out=best[i, y:, :])
-                else:  # a stage of group b alone: its blocks join the slow path
-                    for n, jj in enumerate(js):
-                        d = i - int(jj)
-                        np.minimum(best[i, :, d:], cand[n, :, :Z - d], out=best[i, :, d:])
+                    np.minimum(best[i, y:, 1:i + 1], every[:NA + 1 - y, :, y], out=best[i, y:, 1:i + 1])
+                else:
+                    np.minimum(best[i, y:, :i], every[:NA + 1 - y, :, y], out=best[i, y:, :i])
+            if alone:  # its blocks join the slow path: state z to z + i - j
+                cand = came + nb[:, None, :, 0]
+                z = np.arange(Z)[None, :] - (i - js)[:, None]
+                padded = np.concatenate([cand, np.full(cand.shape[:2] + (1,), np.inf)], axis=2)
+                at = np.broadcast_to(np.where((z >= 0) & (z < i), z, i)[:, None, :], cand.shape[:2] + (Z,))
+                np.minimum(best[i], np.take_along_axis(padded, at, axis=2).min(axis=0), out=best[i])
+            reached[i] = np.isfinite(best[i]).any()
         return bool((best[L] <= self.b.count).any())
 
-    def _fewest(self, B: float, js: np.ndarray, i: int) -> np.ndarray:
-        """Per stage ``j..i-1`` (``j`` in ``js``), state ``z`` and count ``y`` of group ``a``'s devices on it, the
-        fewest of group ``b``'s devices that run its ``M`` microbatches within ``B`` (inf: none will do)."""
-        slack = B - self.U[js][:, None] - self.extra[js] - self.opt_any  # (J, Z)
-        end = (js == 0) | (i == self.L) if self.ends else np.zeros(len(js), dtype=bool)
-        nb = self._after_passes(B, js, i, slack, end, self._nb(js, i, slack, end))
-        y = np.arange(self.a.count + 1)
-        nb = np.where(self._ring_ok(B, js, i, end, y[None, None, :] + nb), nb, np.inf)
-        if js[0] == 0:
-            nb[0] = self._first(B, i, end[:1])[None, :]
-        return nb
+    def _fewest(self, B: float) -> np.ndarray:
+        """Per stage ``j..i-1``, state ``z`` and count ``y`` of group ``a``'s devices on it, the fewest of group
+        ``b``'s devices that run its ``M`` microbatches within ``B`` (inf: none will do; states no DP reaches:
+        inf)."""
+        rows, Y, n = self.rows, self.a.count + 1, self.rows.inner
+        slack = B - rows.U[:n] - rows.extra[:n] - self.opt_any
+        y = np.arange(Y)[None, :]
+        nb = self._after_passes(B, slack, self._nb(np.arange(n), slack, slack, y))
+        r = y + nb
+        fine = (rows.floors <= B) | (np.arange(rows.top + 1) < 2)  # r = 0, 1: no all-reduce
+        idx = np.where(np.isfinite(r), np.minimum(r, rows.top), 0).astype(int)
+        nb = np.where(fine[rows.pair[:n, None], idx], nb, np.inf)
+        out = np.full((self.L * (self.L + 1) // 2 * (self.L + 1), Y), np.inf)
+        out[rows.cell[:n]] = nb
+        out = out.reshape(-1, self.L + 1, Y)
+        out[rows.firsts, 0] = self._first(B)
+        return out
 
-    def _nb(self, js: np.ndarray, i: int, slack: np.ndarray | list[np.ndarray], end: np.ndarray) -> np.ndarray:
-        """Per stage, state and count ``y`` of group ``a``'s devices, the fewest of group ``b``'s whose passes fit
-        ``slack`` (per stage and state, or per group a list of them per stage, state and ``y``; the all-reduce
-        aside; inf: none will do)."""
-        slacks = slack if isinstance(slack, list) else [slack[:, :, None]] * 2
-        per = [self._per(g, js, i, s) for g, s in zip((self.a, self.b), slacks)]
-        y = np.arange(self.a.count + 1)
-        short = np.maximum(self.M - y[None, None, :] * per[0], 0)
-        pb = per[1]
+    def _nb(self, at: np.ndarray, slack_a: np.ndarray, slack_b: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Per row of ``rows`` (``at``; their slacks per group, one per row or per row and count ``y``), the fewest
+        of group ``b``'s devices whose passes fit (the all-reduce aside; inf: none will do)."""
+        rows, M = self.rows, self.M
+        per_a = _per(rows.t_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M)
+        pb = _per(rows.t_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M)
+        if per_a.ndim < y.ndim:
+            per_a, pb = per_a[..., None], pb[..., None]
+        short = np.maximum(M - y * per_a, 0)
         with np.errstate(divide="ignore", invalid="ignore"):
             nb = np.where(short == 0, 0.0, np.where(pb > 0, np.ceil(short / np.maximum(pb, 1)), np.inf))
-        cap_a = np.where(end, self._end_cap(self.a, js, i), self.a.count)[:, None, None]
-        cap_b = np.where(end, self._end_cap(self.b, js, i), self.b.count)[:, None, None]
-        return np.where((y[None, None, :] <= cap_a) & (nb <= cap_b), nb, np.inf)
+        cap_a, cap_b = rows.cap_a[at], rows.cap_b[at]
+        if cap_a.ndim < nb.ndim:
+            cap_a, cap_b = cap_a[..., None], cap_b[..., None]
+        return np.where((y <= cap_a) & (nb <= cap_b), nb, np.inf)
 
-    def _end_cap(self, g: _Group, js: np.ndarray, i: int) -> np.ndarray:
+    def _end_cap(self, g: _Group, js: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Devices of ``g`` an end stage may hold: its trusted ones, less one where the other end is another stage
         and only ``g`` has trusted devices (that end holds one of them)."""
         other = self.b if g is self.a else self.a
         return np.where((js == 0) & (i == self.L), g.trusted, g.trusted - (other.trusted == 0 and g.trusted > 0))
 
-    def _first(self, B: float, i: int, end: np.ndarray) -> np.ndarray:
-        """Stage 0 over blocks ``0..i-1``: per count ``y`` of group ``a``'s devices, the fewest of group ``b``'s. Its
-        last backward ends the pipeline, and its all-reduce and optimizer step follow (``step >= pipe + AR_0 +
-        optim_0``): each replica's passes fit ``B`` less both, the all-reduce that of the ``r`` replicas used."""
-        js, y = np.zeros(1, dtype=int), np.arange(self.a.count + 1)
-        top = len(self.ring.none) - 1
-        floors = np.concatenate([[0.0], self.ring.floor(np.full(max(top - 1, 0), self.params[i]),
-                                                        np.arange(2, top + 1))])  # r = 1..top
-        cap_b = self._end_cap(self.b, np.zeros(1, dtype=int), i)[0] if end[0] else self.b.count
-        out = np.full(len(y), np.inf)
-        for r in range(1, max(top, 1) + 1):
-            slack = B - self.opt0[i] - floors[r - 1]
-            if slack < 0:
-                break  # the floors rise with r
-            nb = self._nb(js, i, np.array([[slack]]), end)[0, 0]
-            ok = (y + nb <= r) & (r - y <= cap_b)
-            out = np.where(ok, np.minimum(out, r - y), out)
-        return out
+    def _first(self, B: float) -> np.ndarray:
+        """Stage 0 over blocks ``0..i-1`` (per ``i``): per count ``y`` of group ``a``'s devices, the fewest of group
+        ``b``'s. Its last backward ends the pipeline, and its all-reduce and optimizer step follow (``step >= pipe
+        + AR_0 + optim_0``): each replica's passes fit ``B`` less both, the all-reduce that of the ``r``
+        replicas used (``r`` up to the first whose slack is negative: the floors rise with ``r``)."""
+        rows, Y = self.rows, self.a.count + 1
+        top = rows.first_floors.shape[1]
+        slack = B - self.opt0[1:, None] - rows.first_floors  # (L, r = 1..top)
+        valid = np.logical_and.accumulate(slack >= 0, axis=1)[:, :, None]
+        at = np.broadcast_to(rows.first_rows[:, None], slack.shape)
+        y = np.arange(Y)
+        nb = self._nb(at, slack, slack, y[None, None, :])  # (L, top, Y)
+        r = np.arange(1, top + 1)[None, :, None]
+        ok = valid & (y + nb <= r) & (r - y <= rows.cap_b[rows.first_rows][:, None, None])
+        return np.where(ok, r - y, np.inf).min(axis=1)
 
-    def _per(self, g: _Group, js: np.ndarray, i: int, slack: np.ndarray) -> np.ndarray:
-        """Microbatches one device of ``g`` runs of stage ``j..i-1`` within ``slack`` (0: none fit it)."""
-        shape = (len(js),) + (1,) * (slack.ndim - 1)
-        t = (g.prefix[i] - g.prefix[js]).reshape(shape)
-        fits = (self.need[i] - self.need[js] <= g.mem).reshape(shape)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per = np.where(t > 0, np.floor(slack / np.where(t > 0, t, 1.0)), self.M)
-        return np.where(fits & (slack >= 0), np.clip(per, 0, self.M), 0)
-
-    def _after_passes(self, B: float, js: np.ndarray, i: int, slack: np.ndarray, end: np.ndarray,
-                      nb: np.ndarray) -> np.ndarray:
+    def _after_passes(self, B: float, slack: np.ndarray, nb: np.ndarray) -> np.ndarray:
         """``nb`` raised where each replica's passes, after its first microbatch's arrival, and then the stage's
         all-reduce and optimizer step must fit ``B`` too (``step >= arrival + m t + AR_k + optim_k``). The ring's
         size is not known: ``y + nb`` is at most it, so its floor at that size is at most the plan's, and the
-        fewest devices under it a count the plan's is no less than, and so on to a fixed point."""
-        y = np.arange(self.a.count + 1)[None, None, :]
-        room = (B - self.F[js][:, None] - self.arrive[js])[:, :, None]  # (J, Z, 1)
-        params = self.params[i] - self.params[js]
+        fewest devices under it a count the plan's is no less than, and so on to a fixed point (or ``ROUNDS``).
+        Each entry's rounds are its own: an entry a round left alone is at its fixed point, one raised to inf
+        too, and only the others go on."""
+        rows, Y = self.rows, nb.shape[1]
+        room = B - rows.F - rows.arrive
+        nb = nb.copy()
+        live = np.flatnonzero(np.isfinite(nb))
+        at, y = np.divmod(live, Y)
+        flat = nb.reshape(-1)
+        cur = flat[live]
+        width = rows.floors.shape[1]
         for _ in range(ROUNDS):
-            floor = self._floors(params, y + nb, end)
-            slacks = [np.minimum(slack[:, :, None], room - opt[js, i][:, None, None] - floor) for opt in self.optim]
-            raised = np.maximum(self._nb(js, i, slacks, end), nb)
-            if np.array_equal(raised, nb):
+            if not len(live):
                 break
-            nb = raised
+            floor = rows.floors.reshape(-1)[rows.pair[at] * width + np.minimum(y + cur, rows.top).astype(int)]
+            slacks = [np.minimum(slack[at], room[at] - opt[at] - floor) for opt in (rows.opt_a, rows.opt_b)]
+            raised = np.maximum(self._nb(at, slacks[0], slacks[1], y), cur)
+            moved = raised != cur
+            flat[live[moved]] = raised[moved]
+            keep = moved & np.isfinite(raised)
+            live, at, y, cur = live[keep], at[keep], y[keep], raised[keep]
         return nb
 
-    def _floors(self, params: np.ndarray, r: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Per stage, the least all-reduce of its gradients over a ring of ``r`` (the counts past the largest ring
-        at the largest's: the floors rise with ``r``; inf counts: inf)."""
-        out = np.full(r.shape, np.inf)
-        for n in range(len(params)):
-            ring = self.ring if end[n] else self.middle_ring
-            rr = r[n]
-            ok = np.isfinite(rr)
-            if ok.any():
-                idx = np.minimum(rr[ok], len(ring.none) - 1).astype(int)
-                out[n][ok] = ring.floor(np.full(len(idx), params[n]), idx)
-        return out
 
-    def _ring_ok(self, B: float, js: np.ndarray, i: int, end: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """Whether a ring of ``r`` replicas all-reduces the stage's gradients within ``B`` (``r < 2``: none)."""
-        params = self.params[i] - self.params[js]
-        out = np.ones(r.shape, dtype=bool)
-        for n in range(len(js)):
-            ring = self.ring if end[n] else self.middle_ring
-            top = len(ring.none) - 1
-            sizes = np.arange(2, top + 1)
-            if not len(sizes):
-                continue
-            floors = ring.floor(np.full(len(sizes), params[n]), sizes)
-            fine = np.concatenate([[True, True], floors <= B])  # r = 0, 1: no all-reduce
-            rr = r[n]
-            idx = np.where(np.isfinite(rr), np.minimum(rr, top), 0).astype(int)
-            out[n] = fine[idx]
-        return out
+def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int) -> np.ndarray:
+    """Microbatches one device runs of a stage of pass ``t`` (``pos``: ``t > 0``; else 1) within ``slack`` (0: none
+    fit it, or its blocks do not fit the device: ``fits``)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per = np.where(pos, np.floor(slack / t), M)
+    return np.where(fits & (slack >= 0), np.clip(per, 0, M), 0)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Rows:
+    """A test's per-stage tables, none of which depend on ``B``: one row per stage ``j..i-1`` (``j >= 1``) and
+    state ``z`` a DP can be in at ``j`` (``z <= j``; at least 1 where it counts stages), and per stage (``pair``:
+    ``i (i - 1) / 2 + j``) its all-reduce floor per ring size (``r`` past the largest ring at the largest's)."""
+
+    pair: np.ndarray
+    cell: np.ndarray   # the row's (pair, z) in the test's output, flattened
+    U: np.ndarray
+    extra: np.ndarray
+    F: np.ndarray
+    arrive: np.ndarray
+    t_a: np.ndarray    # pass times (1 where none: ``pos_*`` false)
+    pos_a: np.ndarray
+    fits_a: np.ndarray
+    t_b: np.ndarray
+    pos_b: np.ndarray
+    fits_b: np.ndarray
+    cap_a: np.ndarray
+    cap_b: np.ndarray
+    opt_a: np.ndarray
+    opt_b: np.ndarray
+    inner: int         # rows of stages after stage 0 (the first ``inner``; then stage 0's, per i)
+    floors: np.ndarray  # (pairs, r = 0..top)
+    top: int
+    firsts: np.ndarray  # the pairs of stage 0 (j = 0), per i = 1..L
+    first_rows: np.ndarray  # their rows among these (appended after the others, z = 0)
+    first_floors: np.ndarray  # (L, r = 1..top): stage 0's all-reduce floor over its ring (``Rings`` ``ring``)
+
+    @staticmethod
+    def of(test: _Test) -> _Rows:
+        L = test.L
+        i = np.repeat(np.arange(1, L + 1), np.arange(1, L + 1))
+        j = np.arange(len(i)) - i * (i - 1) // 2
+        pair = np.arange(len(i))
+        z0 = 1 if test.track == "stages" else 0  # counting stages, a stage after stage 0 has one before it
+        states = j[j > 0] + 1 - z0
+        inner = np.repeat(pair[j > 0], states)
+        z = z0 + np.arange(len(inner)) - np.repeat(np.cumsum(states) - states, states)
+        firsts = pair[j == 0]
+        rp = np.concatenate([inner, firsts])  # every row's pair: the inner stages', then stage 0's
+        rz = np.concatenate([z, np.zeros(len(firsts), dtype=int)])
+        ri, rj = i[rp], j[rp]
+        end = ((rj == 0) | (ri == L)) if test.ends else np.zeros(len(rp), dtype=bool)
+
+        def group(g: _Group) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            t = g.prefix[ri] - g.prefix[rj]
+            cap = np.where(end, test._end_cap(g, rj, ri), g.count)
+            return np.where(t > 0, t, 1.0), t > 0, test.need[ri] - test.need[rj] <= g.mem, cap
+
+        t_a, pos_a, fits_a, cap_a = group(test.a)
+        t_b, pos_b, fits_b, cap_b = group(test.b)
+        top = len(test.ring.none) - 1
+        sizes = np.arange(top + 1)
+        pend = ((j == 0) | (i == L)) if test.ends else np.zeros(len(pair), dtype=bool)
+        params = test.params[i] - test.params[j]
+        floors = np.empty((len(pair), top + 1))
+        for ring, rows in ((test.ring, pend), (test.middle_ring, ~pend)):
+            n = int(rows.sum())
+            floors[rows] = ring.floor(np.repeat(params[rows], top + 1), np.tile(sizes, n)).reshape(n, top + 1)
+        first = test.ring.floor(np.repeat(test.params[1:], top), np.tile(np.arange(1, top + 1), L)).reshape(L, top)
+        return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=test.extra[rj, rz], F=test.F[rj],
+                     arrive=np.broadcast_to(test.arrive, (L + 1, L + 1))[rj, rz], t_a=t_a, pos_a=pos_a,
+                     fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
+                     opt_b=test.optim[1][rj, ri], inner=len(inner), floors=floors, top=top, firsts=firsts,
+                     first_rows=np.arange(len(inner), len(rp)), first_floors=first)
 
 
 def _optim_ms(problem: Problem, classes: tuple[int, ...]) -> np.ndarray:
