@@ -48,6 +48,7 @@ CLIMB_STARTS = 4  # of the cheapest programs met, of distinct shapes, climbed in
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
 GRID_POLISH_SHARE = 0.5
+GRID_SPLIT_SHARE = 0.2  # of a count's time limit, beside its own: the grids met re-partitioned for their devices
 
 
 def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
@@ -95,7 +96,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
     # search's, and beside its plan, not its hill-climb's start: where no grid wins, the plan stays as it was.
-    grids = _polished_grids(problem, rivals, Work(grids_s, what="grids polished"))
+    grids = _polished_grids(problem, rivals, Work(grids_s, what="grids polished"), GRID_SPLIT_SHARE * time_limit_s)
     if problem.recompute:  # the ranking that counts is after ``recompute.mix``: the likeliest are mixed
         rival, rival_ms = _best_mixed(problem, list(dict.fromkeys(cheapest(problem, seen) + grids)),
                                       work.side(BEST_MIXED_SHARE * time_limit_s, "recomputation mixed"))
@@ -156,13 +157,21 @@ def _mixed(problem: Problem, placement: Placement, program_ms: float, how: str, 
     return plan, ms, f"{how}, mixed replication"
 
 
-def _polished_grids(problem: Problem, grids: list[Placement], within: Work) -> list[Placement]:
-    """``grids``, each also re-partitioned for its devices, and the cheapest of them of each shape (replicas per
-    stage), cheapest shape first, with its cuts hill-climbed (``polish``, ``cuts_only``) until ``within`` is spent."""
+def _polished_grids(problem: Problem, grids: list[Placement], within: Work, splits_s: float) -> list[Placement]:
+    """``grids``, each also re-partitioned for its devices (cheapest first, in ``splits_s`` of work), and the
+    cheapest of them of each shape (replicas per stage), cheapest shape first, with its cuts hill-climbed
+    (``polish``, ``cuts_only``) until ``within`` is spent."""
     prices = {}
-    for p in dict.fromkeys(grids + repartitioned(problem, grids)):  # a grid's even split can rank it last
+    for p in dict.fromkeys(grids):
         within.charge(program_units(p.num_microbatches, p.num_stages))
         prices[p] = price_program(problem, p).step_ms
+    # a grid's even split can rank it last: each re-split, cheapest first, on a budget of its own (unbudgeted, the
+    # splits took 11 of 36 s of CPU planning the 176-device pool at a 30 s limit)
+    split = Work(splits_s, what="grids re-split")
+    for p in repartitioned(problem, sorted(prices, key=prices.__getitem__), within=split):
+        if p not in prices:
+            within.charge(program_units(p.num_microbatches, p.num_stages))
+            prices[p] = price_program(problem, p).step_ms
     by_shape: dict[tuple[int, ...], Placement] = {}
     for p in sorted(prices, key=prices.__getitem__):
         by_shape.setdefault(tuple(len(st.devices) for st in p.stages), p)

@@ -30,7 +30,12 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.problem import Problem
-from planner.solver.search.budget import Work, grid_units, placement_units
+from planner.solver.search.budget import (
+    Work,
+    grid_units,
+    partition_units,
+    placement_units,
+)
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.deadline import Deadline
 from planner.solver.search.polish import polish
@@ -214,7 +219,7 @@ def grid_candidates(problem: Problem, *, repartition: int = 3, deadline: Deadlin
     cheapest re-partitioned for their devices."""
     found = cheapest(problem, grids(problem, deadline=deadline), within=priced)
     wide = cheapest(problem, tapered(problem, deadline=deadline), within=priced)
-    return found + wide + repartitioned(problem, found[:repartition] + wide[:repartition])
+    return found + wide + repartitioned(problem, found[:repartition] + wide[:repartition], within=priced)
 
 
 def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> list[Placement]:
@@ -253,9 +258,20 @@ def best_grid(problem: Problem, deadline: Deadline | Work | None = None) -> Plac
     return cheapest(problem, found)[0]
 
 
-def repartitioned(problem: Problem, placements: list[Placement]) -> list[Placement]:
-    """Each of ``placements`` with its blocks split for its devices where that is valid (``_repartitioned``)."""
-    return [p for p in map(lambda g: _repartitioned(problem, g), placements) if p is not None]
+def repartitioned(problem: Problem, placements: list[Placement], within: Work | None = None) -> list[Placement]:
+    """Each of ``placements`` with its blocks split for its devices where that is valid (``_repartitioned``); with
+    a budget ``within``, each split charged to it (an exact DP: ~50 ms at 1000 blocks) and only those split before
+    it is spent (at least the first)."""
+    out = []
+    for i, g in enumerate(placements):
+        if within is not None:
+            if i and within.passed():
+                break
+            within.charge(partition_units(problem.num_blocks, g.num_stages, exact=True))
+        p = _repartitioned(problem, g)
+        if p is not None:
+            out.append(p)
+    return out
 
 
 def _repartitioned(problem: Problem, placement: Placement) -> Placement | None:
