@@ -1,5 +1,5 @@
-"""The compiled 1F1B programs' passes, checks and messages, list-scheduled earliest first: when each stage's
-last backward ends (issue 36: throttled drains and forced grids).
+"""The compiled 1F1B and GPipe programs' passes, checks and messages, list-scheduled earliest first: when each
+stage's last backward ends (issue 36: throttled drains and forced grids).
 
 The closed forms of ``program_cost`` price each resource's busy time plus the path around it, and the stages
 downstream of the bottleneck from its last forward. Where several resources nearly pace the pipeline at once,
@@ -16,7 +16,8 @@ the microbatches meet each of them late in turn and the delays add up, which no 
 So this runs the programs the compiler would emit, in two passes. First the order (``_Lister``): the compiler's
 list scheduler (``planner.schedules``) with its estimates: a stage replica runs its forwards in microbatch order
 while fewer than its in-flight limit are in flight, and the backward of an in-flight microbatch whose gradient
-is in, whichever can start first (at equal times a check first, then the pass unlike its last); a pass whose
+is in, whichever can start first (GPipe: every forward, then the backwards in the forwards' order, each once its
+gradient is in; at equal times a check first, then the pass unlike its last); a pass whose
 input a remote verifier checks is placed once that verdict is; a consumer that checks its input runs the check
 first, a sender that checks its output runs it after sending; a verifier checks the copies that can start
 first, the lowest microbatch's. Then the times (``_Replay``): each device runs that order as the simulator
@@ -53,6 +54,7 @@ class _Device:
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     next_fwd: int = 0
+    next_bwd: int = 0   # GPipe: its backwards run in its forwards' order, this one next
     held: int = 0
     inputs: dict[int, float] = field(default_factory=dict)     # microbatch -> its input's arrival
     waiting: list[tuple[float, int]] = field(default_factory=list)  # gradients in (arrival, microbatch), not yet due
@@ -72,6 +74,7 @@ class _Lister:
 
     def __init__(self, problem: Problem, stages, verifiers, fb, bw, limits) -> None:
         self.problem, self.stages, self.S = problem, stages, len(stages)
+        self.gpipe = problem.schedule == "gpipe"
         self.owner = [owners(st.microbatches) for st in stages]
         self.dev: dict[str, _Device] = {}
         for k, st in enumerate(stages):
@@ -79,8 +82,9 @@ class _Lister:
             for x, (i, _) in enumerate(self.owner[k]):
                 routes[i].append(x)
             for i, d in enumerate(st.devices):
+                n = len(routes[i]) if self.gpipe else limits[k][i]   # GPipe holds every microbatch
                 self.dev[d] = _Device(order=len(self.dev), name=d, stage=k, ids=tuple(routes[i]),
-                                      limit=max(1, limits[k][i]), fwd_ms=fb[k][i] - bw[k][i], bwd_ms=bw[k][i])
+                                      limit=max(1, n), fwd_ms=fb[k][i] - bw[k][i], bwd_ms=bw[k][i])
         for v in verifiers:
             self.dev.setdefault(v.device, _Device(order=len(self.dev), name=v.device))
         for d in stages[0].devices:
@@ -145,10 +149,7 @@ class _Lister:
                     push(d.waiting, (end, x))
             else:
                 end = d.clock = t + d.bwd_ms
-                if d.due and d.due[0] == x:
-                    pop(d.due)
-                else:
-                    pop(d.waiting)  # offered as the earliest gradient still to come
+                self.take_gradient(d, x)
                 d.held -= 1
                 last_b[k] = max(last_b[k], end)
                 if k > 0:
@@ -167,13 +168,45 @@ class _Lister:
         while waiting and waiting[0][0] <= clock:
             heapq.heappush(due, heapq.heappop(waiting)[1])
         kind = 2 if d.last_op == "B" else 1
-        best = (clock, kind, "B", due[0]) if due else (waiting[0][0], kind, "B", waiting[0][1]) if waiting else None
+        if self.gpipe:
+            b = self.gpipe_backward(d)
+            best = None if b is None else (b[0], kind, "B", b[1])
+        else:
+            best = (clock, kind, "B", due[0]) if due else (waiting[0][0], kind, "B", waiting[0][1]) if waiting else None
         if d.next_fwd < len(d.ids) and d.held < d.limit and d.ids[d.next_fwd] in d.inputs:
             x = d.ids[d.next_fwd]
             at = d.inputs[x]
             f = (max(clock, at), 3 - kind, "F", x)
             best = f if best is None or f < best else best
         self._push(d, best)
+
+    def gpipe_backward(self, d: _Device) -> tuple[float, int] | None:
+        """GPipe: (when it can start, microbatch) of ``d``'s next backward: every forward placed first, then the
+        backwards in the order of the forwards (``planner.schedules``), each once its gradient is in; None: not
+        yet (or none left)."""
+        if d.next_fwd < len(d.ids) or d.next_bwd >= len(d.ids):
+            return None
+        x = d.ids[d.next_bwd]
+        if x in d.due:
+            return d.clock, x
+        at = next((a for a, y in d.waiting if y == x), None)
+        return None if at is None else (max(d.clock, at), x)
+
+    def take_gradient(self, d: _Device, x: int) -> None:
+        """``x``'s gradient, used by the backward placed now: 1F1B offers the lowest one in or else the earliest to
+        come, GPipe the next in its forwards' order, wherever it is."""
+        if self.gpipe:
+            d.next_bwd += 1
+            if x in d.due:
+                d.due.remove(x)
+                heapq.heapify(d.due)
+            else:
+                d.waiting.remove(next(e for e in d.waiting if e[1] == x))
+                heapq.heapify(d.waiting)
+        elif d.due and d.due[0] == x:
+            heapq.heappop(d.due)
+        else:
+            heapq.heappop(d.waiting)  # offered as the earliest gradient still to come
 
     def _push(self, d: _Device, best: tuple | None) -> None:
         """``d``'s earliest step ``best`` (time, rank, op, microbatch) onto the heap; none: it waits."""
@@ -235,7 +268,12 @@ class _Lister:
             while waiting and waiting[0][0] <= clock:
                 heapq.heappush(due, heapq.heappop(waiting)[1])
             kind = 2 if d.last_op == "B" else 1
-            if due:  # of the gradients in, the lowest microbatch's
+            if self.gpipe:   # its next backward in its forwards' order, once every forward is placed
+                nxt = self.gpipe_backward(d)
+                if nxt is not None:
+                    b = (max(nxt[0], d.b_gate), kind, "B", nxt[1])
+                    best = b if best is None or b < best else best
+            elif due:  # of the gradients in, the lowest microbatch's
                 b = (max(clock, d.b_gate), kind, "B", due[0])
                 best = b if best is None or b < best else best
             elif waiting:
@@ -290,10 +328,7 @@ class _Lister:
                 heapq.heappush(d.waiting, (max(end, gate), x))
             return
         end = start + d.bwd_ms
-        if d.due and d.due[0] == x:
-            heapq.heappop(d.due)
-        else:
-            heapq.heappop(d.waiting)  # offered as the earliest gradient still to come
+        self.take_gradient(d, x)
         d.held -= 1
         d.b_gate = gate
         self.last_b[k] = max(self.last_b[k], end)

@@ -1,11 +1,13 @@
-"""Audited pools of many single-GPU volunteers (6-16, each its own trust domain) around trusted ends, priced as
-they run: the audits' ends follow the run's own stage ends and their auditors' steppers, which run beside the
+"""Pools of many single-GPU volunteers (6-16, each its own trust domain) around trusted ends, priced as they run.
+Audited, the audits' ends follow the run's own stage ends and their auditors' steppers, which run beside the
 programs (before: a gradient's transfer to a CPU auditor added after its 48.7 s stepper, 25% over; and, hidden by
 that, a stage's audit waiting on the auditor's whole stepper before its next audit, up to 26% under without it).
-"""
+GPipe's pipeline is its programs run, not its two closed-form phases (before: 0.75-1.33 on 200 draws, 83%
+within 5%)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
@@ -38,7 +40,7 @@ def many_pool(rng: np.random.Generator):
     return parse_cluster({"name": "many", "hosts": hosts, "links": links})
 
 
-def many_replicas_case(seed: int, *, audits: bool):
+def many_replicas_case(seed: int, *, audits: bool, schedule: str = "1f1b"):
     """(priced program, compiled plan): trusted ends around 1-3 untrusted stages sharing the volunteers, ``M`` as
     many as a stage's replicas (one microbatch each) or 8-32, verifiers by the solver's greedy, every auditable
     stage audited at one in 1, 2 or 4 (``audits``); or None where the draw fails."""
@@ -50,7 +52,7 @@ def many_replicas_case(seed: int, *, audits: bool):
     trusted = [d.id for d in cl.hosts[0].devices]
     S = int(rng.integers(3, min(5, len(ch.blocks)) + 1))
     M = max(2, int(rng.choice([len(untrusted) // (S - 2), 8, 16, 32])))
-    cfg, policy = TrainingConfig(global_batch=M, microbatch_size=1), VerificationPolicy()
+    cfg, policy = TrainingConfig(global_batch=M, microbatch_size=1, schedule=schedule), VerificationPolicy()
     problem = build_problem(scale_chain(ch, 1), cl, cfg, policy)
     cuts = sorted(rng.choice(np.arange(1, problem.num_blocks), size=S - 1, replace=False).tolist())
     cut = int(rng.integers(1, len(trusted)))
@@ -73,24 +75,28 @@ def many_replicas_case(seed: int, *, audits: bool):
     return pf._compiled(problem, placement, ch, cl, cfg, policy)
 
 
-def _ratios(seeds, *, audits: bool) -> np.ndarray:
+def _ratios(seeds, *, audits: bool, schedule: str = "1f1b") -> np.ndarray:
     out = []
     for seed in seeds:
-        got = many_replicas_case(seed, audits=audits)
+        got = many_replicas_case(seed, audits=audits, schedule=schedule)
         if got is not None:
             priced, plan = got
             out.append(priced.step_ms / simulate(plan).step_ms)
     return np.array(out)
 
 
-def test_audited_pools_of_many_replicas_are_priced_as_they_run():
-    """Every draw within 5% of its simulation (before: 59 draws from 0.98 to 1.26, 93% within)."""
-    ratios = _ratios(range(60), audits=True)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_audited_pools_of_many_replicas_are_priced_as_they_run(schedule):
+    """Every draw within 5% of its simulation (before, 1F1B: 59 draws from 0.98 to 1.26, 93% within; GPipe 0.75 to
+    1.08, 69% within)."""
+    ratios = _ratios(range(60), audits=True, schedule=schedule)
     assert len(ratios) >= 50, len(ratios)
     assert np.all(np.abs(ratios - 1) <= 0.05), sorted(ratios)
 
 
-def test_unaudited_pools_of_many_replicas_are_priced_as_they_run():
-    ratios = _ratios(range(30), audits=False)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_unaudited_pools_of_many_replicas_are_priced_as_they_run(schedule):
+    """Every draw within 1% (before, GPipe: 29 draws from 0.80 to 1.14, 55% within 1%)."""
+    ratios = _ratios(range(30), audits=False, schedule=schedule)
     assert len(ratios) >= 25, len(ratios)
     assert np.all(np.abs(ratios - 1) <= 0.01), sorted(ratios)
