@@ -31,6 +31,8 @@ QUICK: dict[str, tuple[str, ...]] = {
                  "verification_sweep.py",
                  "verification_twins.py", "warm_replan.py")
 }
+# a stored profile of this machine kind: the profile command's own runs are tested elsewhere (~25 s saved)
+QUICK["rehearsal_fidelity.py"] += ("--profile", "tests/fixtures/profile_cpu.json")
 
 
 def _state() -> dict[str, tuple[str, int]]:
