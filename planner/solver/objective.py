@@ -35,6 +35,7 @@ saved activations * in-flight + comm buffers + verifier state`` with in-flight
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from cost_models import codecs, comm, memory
 from cost_models.codecs import ALLREDUCE_STATE_BYTES_PER_PARAM
 from planner.errors import InvalidInputError
 from planner.solver.problem import VERIFIER_STATE_COPIES, Problem
+from planner.solver.problem_memo import ProblemMemo
 from planner.solver.program_cost import ProgramCost, program_cost
 from planner.solver.solution import (
     StagePlacement,
@@ -254,7 +256,7 @@ def violations(problem: Problem, placement: Placement, evaluation: Evaluation | 
     stages, M, pol = placement.stages, placement.num_microbatches, problem.policy
     if stages[0].first_block != 0 or stages[-1].last_block != problem.num_blocks - 1:
         out.append("stages do not cover the chain")
-    for a, b in zip(stages, stages[1:]):
+    for a, b in itertools.pairwise(stages):
         if b.first_block != a.last_block + 1:
             out.append(f"stages {a.index} and {b.index} are not contiguous")
     seen: set[str] = set()
@@ -412,24 +414,15 @@ def program_memory(problem: Problem, placement: Placement, in_flight: tuple[tupl
     return tuple(mem.items())
 
 
-# Prices already computed, newest last: the searches price the same plans again (the hill-climb's neighbours'
-# neighbours, a count's plans ranked for the climb, then for the grids and recomputation), and a pricing runs the
-# programs (milliseconds). Keyed by the problem's identity, which the entry keeps alive so the id is not reused.
-_PRICES: dict[tuple[int, Placement], tuple[Problem, ProgramCost]] = {}
-PRICES_KEPT = 4096
+# Prices already computed: the searches price the same plans again (the hill-climb's neighbours' neighbours, a
+# count's plans ranked for the climb, then for the grids and recomputation), and a pricing runs the programs
+# (milliseconds).
+_PRICES: ProblemMemo[ProgramCost] = ProblemMemo(kept=4096)
 
 
 def price_program(problem: Problem, placement: Placement) -> ProgramCost:
     """The step of the programs ``placement`` compiles to (``program_cost``): what a returned plan costs."""
-    key = (id(problem), placement)
-    hit = _PRICES.get(key)
-    if hit is not None and hit[0] is problem:
-        return hit[1]
-    cost = _priced(problem, placement)
-    if len(_PRICES) >= PRICES_KEPT:
-        del _PRICES[next(iter(_PRICES))]
-    _PRICES[key] = (problem, cost)
-    return cost
+    return _PRICES.get(problem, placement, lambda: _priced(problem, placement))
 
 
 def _priced(problem: Problem, placement: Placement) -> ProgramCost:

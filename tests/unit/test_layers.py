@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.flops", "planner.trace", "planner.onnx_import", "planner.coarsen", "planner.model_io",
      "planner.meta_twin"),
     ("cost_models",),
-    ("planner.solver.problem", "planner.solver.solution", "planner.solver.policy", "planner.solver.routing",
+    ("planner.solver.problem", "planner.solver.problem_memo", "planner.solver.solution", "planner.solver.policy",
+     "planner.solver.routing",
      "planner.solver.in_flight", "planner.solver.verdict_backlog", "planner.solver.drain_schedule",
      "planner.solver.program_cost",
      "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price"),  # the solver's core

@@ -23,6 +23,7 @@ import numpy as np
 from cost_models import comm, memory
 from planner.solver.objective import Placement, evaluate, even_split, violations
 from planner.solver.problem import Problem
+from planner.solver.problem_memo import ProblemMemo
 from planner.solver.search.chain_dp import Group, partition_sequence
 from planner.solver.search.seq_partition_kernel import min_bottleneck, min_sum
 from planner.solver.solution import StagePlacement
@@ -89,24 +90,14 @@ def copy_table(problem: Problem):
     return copy_ms
 
 
-# Partitions already computed, newest last: the grids re-partition the same groups of classes again (each count's
-# seeds, then its rivals; 276 calls, 176 distinct, on the 176-device pool). Keyed by the problem's identity, which
-# the entry keeps alive so the id is not reused.
-_PARTS: dict[tuple[int, tuple[Group, ...]], tuple[Problem, tuple[tuple[int, int], ...] | None]] = {}
-PARTS_KEPT = 512
+# Partitions already computed: the grids re-partition the same groups of classes again (each count's seeds, then
+# its rivals; 276 calls, 176 distinct, on the 176-device pool).
+_PARTS: ProblemMemo[tuple[tuple[int, int], ...] | None] = ProblemMemo(kept=512)
 
 
 def partition_min_step(problem: Problem, groups: tuple[Group, ...]) -> tuple[tuple[int, int], ...] | None:
     """Ranges for ``groups`` minimising ``sum tau + (M - 1) max tau + max all-reduce`` (None: nothing fits)."""
-    key = (id(problem), groups)
-    hit = _PARTS.get(key)
-    if hit is not None and hit[0] is problem:
-        return hit[1]
-    ranges = _partition_min_step(problem, groups)
-    if len(_PARTS) >= PARTS_KEPT:
-        del _PARTS[next(iter(_PARTS))]
-    _PARTS[key] = (problem, ranges)
-    return ranges
+    return _PARTS.get(problem, groups, lambda: _partition_min_step(problem, groups))
 
 
 def _partition_min_step(problem: Problem, groups: tuple[Group, ...]) -> tuple[tuple[int, int], ...] | None:
