@@ -29,8 +29,11 @@ def _piped(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, check=False)
 
 
-def test_the_sequence_length_is_shown_and_recorded(run_cli, tmp_path):
+def test_the_sequence_length_is_shown_and_recorded(cli_here, tmp_path):
+    """In this process (``cli_here``): what is tested is what the commands print and record, not their processes
+    (four torch+transformers start-ups were ~20 of its 29 s)."""
     pytest.importorskip("transformers")
+    run_cli = cli_here
     proc = run_cli("trace", GPT2)
     assert proc.returncode == 0, proc.stderr
     assert "seq 16" in proc.stdout
