@@ -167,7 +167,7 @@ def _polished_grids(problem: Problem, grids: list[Placement], within: Work, spli
         prices[p] = price_program(problem, p).step_ms
     # a grid's even split can rank it last: each re-split, cheapest first, on a budget of its own (unbudgeted, the
     # splits took 11 of 36 s of CPU planning the 176-device pool at a 30 s limit)
-    split = Work(splits_s, what="grids re-split")
+    split = within.side(splits_s, "grids re-split")
     for p in repartitioned(problem, sorted(prices, key=prices.__getitem__), within=split):
         if p not in prices:
             within.charge(program_units(p.num_microbatches, p.num_stages))

@@ -67,7 +67,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
     if not stage:
         return floor_ms
     kinds = _kinds(problem, stage)
-    shared = _Shared.of(problem, stage)
+    shared: _Shared | None = None  # built for the first test that runs: O(L^2 C), seconds at 1000 blocks
     best, spent = floor_ms, 0
     for cut in range(1, min(len(kinds), MAX_SPLITS + 1) + (len(kinds) == 1)):
         fast = _Group.of(problem, [c for k in kinds[:cut] for c in k])
@@ -82,6 +82,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
             if within is not None and within.left_s() * UNITS_PER_S < TESTS_EACH * each:
                 continue
             spent += cells
+            shared = shared or _Shared.of(problem, stage)
             test = _Test(problem, stage, fast, slow, track, shared)
             best = max(best, test.least_ms(best))
             if within is not None:
