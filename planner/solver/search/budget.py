@@ -155,14 +155,22 @@ def fill_units(num_blocks: int, num_devices: int) -> float:
     return 600.0 + 0.5 * num_blocks ** 2 * (num_devices + 1)
 
 
-# The cubic term: its layers pair every class with every class before it, each with its cheapest next; fitted
-# 2026-12-06 (CPU time, loaded machine) on 1,228 DPs of 2 s solves (SENTINEL-, DT-FM-, Sailor-like, consumer-40
-# pools): 44 classes x 4 replica choices x 2 layers took 76 ms a DP (median) where the L^1.5 term alone said 0.7 ms
-# and the bound ran 5x past its budget (now 48 ms); 8 classes x 8 x 8: 4.3 ms, said 0.8 (now 3.1); 5-7 classes:
-# 0.7-1.4 ms, said 0.6-0.8 (now 1.2-2.3: the fit's middle, not to starve the bound where the cube is small).
+# A DP's layers query, for each start block, class, previous class, next class and replica option, a range minimum
+# found by halving its sparse tables (levels: the bit length of L); the lumped last layer (two tables a state) and
+# the stage-length limits (a binary search a query, at each new cap) cost about 4 layers more; ~1 ns a step. The
+# rest (tables filled, the traceback, the cutting-plane LP, the box logic) is the constant. Fitted 2026-12-06
+# (benchmarks/calibrate_units.py: CPU time of the solving thread, loaded machine) on 225 bound searches (4,585 DPs)
+# of 14 solves: the 1000x176 pool at 30 s, tiered 250x88 and 96x40, six random wide-area pools (test_one_cost),
+# SENTINEL-, HexiScale-, DT-FM-, Sailor-like and consumer-40 pools (6-1000 blocks, 1-44 classes, 1-15 replica
+# options, 1-32 layers). Per charge (the DPs of a LazyDP's call, the LP, the box logic): measured / charged median
+# 0.91, p10 0.35, p90 1.72, total 1.04 (1000x176: 1.22; SENTINEL's 44 classes: 1.03; small pools 0.5-0.9).
+# Before (400 + (0.006 L^1.5 C + 0.07 C^3) R J): total 2.55, 4.83 on the 1000x176 pool (3-15x on its DPs).
+# Re-measured under this charge (its solves' own DPs): median 0.85, p10 0.36, p90 1.75, total 1.12; it misses
+# where a search runs hundreds of tiny DPs (1 class: the LP and its pool of cuts grow with them, 3-12x).
 def dp_units(num_blocks: int, num_classes: int, replica_choices: int, layers: int) -> float:
     """One sequence DP of the bound (``bound.sequence_dp``) and the cutting-plane LP after it."""
-    return 400.0 + (0.006 * num_blocks ** 1.5 * num_classes + 0.07 * num_classes ** 3) * replica_choices * layers
+    steps = (layers + 4) * num_blocks * num_classes ** 3 * replica_choices * max(num_blocks, 2).bit_length()
+    return 250.0 + 0.001 * steps
 
 
 def chain_sum_units(num_blocks: int, num_stages: int) -> float:
