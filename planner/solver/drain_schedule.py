@@ -28,7 +28,8 @@ halts the programs that wait on it, in their compiled order (``verdict_backlog``
 audits (``program_cost`` adds what they add on its closed forms) only the auditors' copy steppers run here
 (``background``: the last step's deferred recomputes and copy steps, work on the auditor's device beside its
 passes and checks, ``audit_price.Stepper``, as the simulator runs them). Not run: shared cores. Cost: one heap
-operation per pass, check and message, then (with verifiers) one step each.
+operation per pass, check and message (GPipe finds its next backward's gradient by microbatch, in a dict),
+then (with verifiers) one step each.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ class _Device:
     next_bwd: int = 0   # GPipe: its backwards run in its forwards' order, this one next
     held: int = 0
     inputs: dict[int, float] = field(default_factory=dict)     # microbatch -> its input's arrival
-    waiting: list[tuple[float, int]] = field(default_factory=list)  # gradients in (arrival, microbatch), not yet due
-    due: list[int] = field(default_factory=list)               # microbatches whose gradient is in by the clock
+    waiting: list[tuple[float, int]] = field(default_factory=list)  # 1F1B: gradients (arrival, mb), not yet due
+    due: list[int] = field(default_factory=list)               # 1F1B: microbatches whose gradient is in by the clock
+    grads: dict[int, float] = field(default_factory=dict)      # GPipe: microbatch -> its gradient's arrival
     copies: list[tuple[float, int, int, Key, str]] = field(default_factory=list)  # (arrival, mb, B first, ...)
     checkable: list[tuple[int, int, float, Key, str]] = field(default_factory=list)  # copies in by the clock
     clock: float = 0.0
@@ -127,7 +129,7 @@ class _Lister:
         """``run`` without verifiers (no checks, copies or verdicts), its steps inlined: the same placements, and
         no programs kept (only a replay with verdicts reads them). Most pricings in a search take this path."""
         offer, S, nbytes, run_on, last_b = self.offer_plain, self.S, self.nbytes, self.run_on, self.last_b
-        transmit, heap, pop, push = self.transmit, self.heap, heapq.heappop, heapq.heappush
+        transmit, heap, pop, push, gpipe = self.transmit, self.heap, heapq.heappop, heapq.heappush, self.gpipe
         for d in self.dev.values():
             offer(d)
         while heap:
@@ -145,7 +147,9 @@ class _Lister:
                     at = target.inputs[x] = transmit(d.name, target.name, nbytes[k], end)
                     if at <= target.offered:
                         offer(target)
-                else:  # the last stage's backward follows its forward
+                elif gpipe:  # the last stage's backward follows its forward
+                    d.grads[x] = end
+                else:
                     push(d.waiting, (end, x))
             else:
                 end = d.clock = t + d.bwd_ms
@@ -155,7 +159,10 @@ class _Lister:
                 if k > 0:
                     target = run_on[k - 1][x]
                     at = transmit(d.name, target.name, nbytes[k - 1], end)
-                    push(target.waiting, (at, x))
+                    if gpipe:
+                        target.grads[x] = at
+                    else:
+                        push(target.waiting, (at, x))
                     if at <= target.offered:
                         offer(target)
             offer(d)
@@ -187,9 +194,7 @@ class _Lister:
         if d.next_fwd < len(d.ids) or d.next_bwd >= len(d.ids):
             return None
         x = d.ids[d.next_bwd]
-        if x in d.due:
-            return d.clock, x
-        at = next((a for a, y in d.waiting if y == x), None)
+        at = d.grads.get(x)
         return None if at is None else (max(d.clock, at), x)
 
     def take_gradient(self, d: _Device, x: int) -> None:
@@ -197,16 +202,18 @@ class _Lister:
         come, GPipe the next in its forwards' order, wherever it is."""
         if self.gpipe:
             d.next_bwd += 1
-            if x in d.due:
-                d.due.remove(x)
-                heapq.heapify(d.due)
-            else:
-                d.waiting.remove(next(e for e in d.waiting if e[1] == x))
-                heapq.heapify(d.waiting)
+            del d.grads[x]
         elif d.due and d.due[0] == x:
             heapq.heappop(d.due)
         else:
             heapq.heappop(d.waiting)  # offered as the earliest gradient still to come
+
+    def gradient_in(self, d: _Device, at: float, x: int) -> None:
+        """``x``'s gradient arrives on ``d`` at ``at``: GPipe looks it up by microbatch, 1F1B takes the earliest."""
+        if self.gpipe:
+            d.grads[x] = at
+        else:
+            heapq.heappush(d.waiting, (at, x))
 
     def _push(self, d: _Device, best: tuple | None) -> None:
         """``d``'s earliest step ``best`` (time, rank, op, microbatch) onto the heap; none: it waits."""
@@ -305,7 +312,7 @@ class _Lister:
         held = self.grads.pop(key, None)
         target = self.dev[consumer]
         if held is not None:
-            heapq.heappush(target.waiting, (held[1], key[2]))
+            self.gradient_in(target, held[1], key[2])
         self.offer(target)
 
     def place_pass(self, d: _Device, op: str, x: int, start: float) -> None:
@@ -325,7 +332,7 @@ class _Lister:
                 self.send(d, k, k + 1, op, x)
             else:  # the last stage's backward follows its forward (and its input's verdict)
                 d.clock = end
-                heapq.heappush(d.waiting, (max(end, gate), x))
+                self.gradient_in(d, max(end, gate), x)
             return
         end = start + d.bwd_ms
         self.take_gradient(d, x)
@@ -347,7 +354,7 @@ class _Lister:
         if op == "F":
             target.inputs[x] = at
         elif v is None or v == consumer or (b, op, x) in self.verdict:
-            heapq.heappush(target.waiting, (at, x))
+            self.gradient_in(target, at, x)
         else:  # a remotely checked gradient counts once its verdict is placed
             self.grads[(b, op, x)] = (consumer, at)
         if v == name:  # the sender checks its own output after sending it
@@ -355,7 +362,7 @@ class _Lister:
             self.verdict[(b, op, x)] = d.clock + self.latency(name, consumer)
             held = self.grads.pop((b, op, x), None)
             if held is not None:
-                heapq.heappush(target.waiting, (held[1], x))
+                self.gradient_in(target, held[1], x)
         elif v is not None and v != consumer:
             copy = self.transmit(name, v, self.nbytes[b], d.clock)
             checker = self.dev[v]

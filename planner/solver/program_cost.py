@@ -659,8 +659,6 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
         drained, stepped = drain_with_steppers(problem, stages, verifiers, fb, bw, limits, background)
         finishes = list(drained)
         pipe = finishes[0]
-        if problem.schedule == "gpipe":   # every microbatch in flight: no replica ends before its passes and path
-            pipe = max(pipe, _passes_and_path(routes, busy, p))
     elif problem.schedule == "gpipe":
         queued = {d: sum(part.ms for part in parts) for d, parts in background.items()}
         phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic, queued, verify_load)
@@ -686,16 +684,6 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     stepping = [e - opt for e, opt in zip(ends, optim_ms)]   # a source sends its auditor its gradient from then
     return _Run(pipeline_ms=max(max(ends), pipe + optim_ms[0]), pipe_ms=pipe, limits=limits, name=name,
                 ends=ends, sent=sent, stepping=stepping, traffic=traffic, p=p, stepped=stepped)
-
-
-def _passes_and_path(routes, busy, p: _Paths) -> float:
-    """The most of any replica's work (``busy``' first entries, the replicas' in ``routes``' order), its first
-    microbatch's path to it and its last one's back, queueing included (``test_price_own_passes``). GPipe's run
-    (``drain_schedule``) is no shorter on random draws but one in ~260, 0.1% under it (wide-area seed 79: the run
-    and its simulation 4,747.3 ms, this 4,751.7): the closed forms' queueing terms are estimates."""
-    pairs = [(k, ids) for k, rs in enumerate(routes) for ids in rs]
-    return max(work + p.fwd[ids[0]][k] + p.late_f[ids[0]][k] + p.bwd[ids[-1]][k] + p.late_b[ids[-1]][k]
-               for (work, _, _), (k, ids) in zip(busy, pairs))
 
 
 def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
