@@ -110,6 +110,24 @@ def test_throttled_and_forced_shapes_are_priced_as_they_run(draw, tolerance):
     assert not off, off
 
 
+def _passes(problem, placement) -> tuple[list[list[float]], list[list[float]]]:
+    """Per stage and replica, the pass (forward + backward) and the backward times the schedule takes."""
+    def of(kind: str) -> list[list[float]]:
+        return [[getattr(problem.tables(st.recompute), kind)(st.first_block, st.last_block, problem.class_of(d))
+                 for d in st.devices] for st in placement.stages]
+    return of("range_time_ms"), of("range_bwd_ms")
+
+
+def _last_backwards(plan) -> list[float]:
+    """Each stage's last backward's end in the simulation."""
+    stage_of = {r.rank: r.stage for r in plan.ranks}
+    sim = [0.0] * len(plan.stages)
+    for e in simulate(plan).events:
+        if e.kind == "B":
+            sim[stage_of[e.rank]] = max(sim[stage_of[e.rank]], e.end_ms)
+    return sim
+
+
 def test_each_stage_ends_its_backwards_when_the_simulation_does():
     """Unverified, the schedule places every pass where the compiled programs run it: each stage's last backward
     within 0.1% of the simulated one."""
@@ -120,15 +138,8 @@ def test_each_stage_ends_its_backwards_when_the_simulation_does():
             continue
         problem, placement = case[0], case[1]
         priced, plan = _compiled(*case)
-        stage_of = {r.rank: r.stage for r in plan.ranks}
-        sim = [0.0] * placement.num_stages
-        for e in simulate(plan).events:
-            if e.kind == "B":
-                sim[stage_of[e.rank]] = max(sim[stage_of[e.rank]], e.end_ms)
-        fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
-        bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
+        sim = _last_backwards(plan)
+        fb, bw = _passes(problem, placement)
         listed = drain_schedule(problem, placement.stages, (), fb, bw, priced.in_flight)
         assert listed == pytest.approx(sim, rel=1e-3), seed
         checked += 1
@@ -144,10 +155,7 @@ def test_the_inlined_unverified_run_places_as_the_general_one():
         if case is None:
             continue
         problem, placement = case[0], case[1]
-        fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
-        bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
+        fb, bw = _passes(problem, placement)
         limits = [st.in_flight for st in placement.stages]
         inlined = _Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
         general = _Lister(problem, placement.stages, (), fb, bw, limits).run_listed()
@@ -179,19 +187,12 @@ def test_gpipe_runs_its_forwards_then_its_backwards_as_the_simulation_does():
         if case is None:
             continue
         problem, placement = (case := _gpipe(case))[:2]
-        fb = [[problem.tables(st.recompute).range_time_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
-        bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
-               for d in st.devices] for st in placement.stages]
+        fb, bw = _passes(problem, placement)
         limits = [st.microbatches for st in placement.stages]
         inlined = _Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
         assert inlined == _Lister(problem, placement.stages, (), fb, bw, limits).run_listed(), seed
         priced, plan = _compiled(*case)
-        stage_of = {r.rank: r.stage for r in plan.ranks}
-        sim = [0.0] * placement.num_stages
-        for e in simulate(plan).events:
-            if e.kind == "B":
-                sim[stage_of[e.rank]] = max(sim[stage_of[e.rank]], e.end_ms)
+        sim = _last_backwards(plan)
         assert inlined == pytest.approx(sim, rel=1e-9), seed
         assert priced.step_ms == pytest.approx(plan.predicted.step_ms, rel=1e-9), seed
         checked += 1
