@@ -185,8 +185,8 @@ def _polished_grids(problem: Problem, grids: list[Placement], within: Work, spli
 
 # Plans of an all-recomputing problem mixed (``recompute.mix``) to pick the best: the likeliest by the closed form
 # with no stage recomputing (``evaluate``: microseconds), the ``MIXED_PRICED`` first of them priced so (one pricing
-# each), the ``MIXED`` cheapest mixed (a pricing per stage). Unbudgeted, it priced every plan of the pool and ran
-# plans at a 2 s limit ~2x past it where memory binds (tests/unit/test_one_cost.py's recomputing cases).
+# each), the ``MIXED`` cheapest mixed (a pricing per stage). Unbudgeted, it priced every plan of the pool: 1,957
+# pricings, 3.6 s of CPU on test_one_cost's 12 recomputing plans at 2 s (each ~0.8 s of CPU in all).
 MIXED = 8
 MIXED_PRICED = 16
 # Of a count's time limit, the work beside its own for the mixing (a fixed share: the search keeps its budget).
