@@ -317,7 +317,7 @@ def shaped(problem: Problem, *, stages: int | None, replicas: int | None, time_b
              "the constraint"))
         raise InfeasiblePlanError(f"no plan with {shape} {why}", fix=fix)
     found = cheapest(problem, found)
-    found += [p for p in (_repartitioned(problem, g) for g in found) if p is not None]
+    found += repartitioned(problem, found)
     best = min(found, key=lambda p: price_program(problem, p).step_ms)
     return polish(problem, best, time_budget_s=time_budget_s, cuts_only=True, within=within)[0]
 
