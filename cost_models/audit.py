@@ -7,8 +7,8 @@ auditor posts once its own program is done (the transfer overlaps the source's s
 audited microbatches (one in ``every``: a forward, and a backward where it audits the gradient sent upstream),
 compares the result with what the replica sent (``COMPARE_PASSES`` reads and writes; what it recomputes at the
 step's end, on its copy's stepper during the next step, before the copy steps, the verdict a step late:
-``deferred``, off the step's end but for :attr:`AuditCost.stepper_done_ms`), and applies the replicas'
-optimizer step to its copy once it has heard them (a sole replica's report, judged without the gradient: once the
+``deferred``, off the step's end but for the stage's own parts of the stepper, :meth:`AuditCost.heard_ms`), and
+applies the replicas' optimizer step to its copy once it has heard them (a sole replica's report, judged without the gradient: once the
 gradient is in, the step's end not waiting for it, as long as it is in, and the copy stepped, by the next step's
 recompute, and in before the source sends the next one), on a thread of its own: the step goes on meanwhile, and the copy's
 next recompute waits for it (``optim_ms``: work on the auditor, never on the step's path, which assumes the
@@ -61,7 +61,7 @@ class AuditCost:
     request_ms: float = 0.0   # signed: the auditor's request to the first replica (the later ones: in copy_ms)
     sole: bool = False    # one replica: its report is judged without the gradient, needed only by the next step
     # recomputed on the copy's stepper during the next step, before the copy steps (its verdict a step late): the
-    # step's end waits for the stepper's queue only, the last step's recomputes then the copy's step, from its start
+    # auditor waits for this stage's parts of the stepper's queue only (and those queued before them), from its start
     deferred: bool = False
 
     @property
@@ -69,41 +69,50 @@ class AuditCost:
         return self.copy_ms + self.recompute_ms + self.gradient_ms + self.digest_ms + self.optim_ms
 
     def end_ms(self, *, auditor_free_ms: float, replicas_done_ms: float, upstream_done_ms: float = 0.0,
-               gradient_sent_ms: float | None = None, stepper: bool = True) -> float:
+               gradient_sent_ms: float | None = None, posted_ms: float | None = None,
+               stepper_ms: tuple[float, float] | None = None) -> float:
         """When the auditor is done with the step's audit. Copied, it first receives the inputs (a transfer starts
         when both ends have posted it: the upstream ranks send once their programs are done, ``upstream_done_ms``).
-        It recomputes what is left once its own program is done and the inputs are in, then asks for the digests
-        (the replicas send after their optimizer steps) and, where it has twins, the source's gradient
-        (:meth:`heard_ms`; ``stepper`` False: without its stepper's floor, for a caller that runs the stepper
-        itself); its copy steps once the gradient is in, off the step's path (``optim_ms``)."""
+        It recomputes what is left once it is free (``auditor_free_ms``: its program and its audits of earlier
+        stages done) and the inputs are in, then asks for the digests (the replicas send after their optimizer
+        steps) and, where it has twins, the source's gradient, whose receive it posted as its program ended
+        (``posted_ms``; None: ``auditor_free_ms``); deferred, no sooner than its stepper is through this stage's
+        parts (``stepper_ms``, :meth:`heard_ms`); its copy steps once the gradient is in, off the step's path."""
+        posted = auditor_free_ms if posted_ms is None else posted_ms
         start = self.inputs_in_ms(auditor_free_ms=auditor_free_ms, upstream_done_ms=upstream_done_ms,
-                                  gradient_sent_ms=gradient_sent_ms if gradient_sent_ms is not None else replicas_done_ms)
-        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=auditor_free_ms,
-                             gradient_sent_ms=gradient_sent_ms, stepper=stepper)
+                                  gradient_sent_ms=gradient_sent_ms if gradient_sent_ms is not None else replicas_done_ms,
+                                  posted_ms=posted)
+        return self.heard_ms(recompute_from_ms=start, replicas_done_ms=replicas_done_ms, posted_ms=posted,
+                             gradient_sent_ms=gradient_sent_ms, stepper_ms=stepper_ms)
 
     def inputs_in_ms(self, *, auditor_free_ms: float, upstream_done_ms: float = 0.0,
-                     gradient_sent_ms: float = 0.0) -> float:
-        """When the auditor can recompute: its program done and, copied, the inputs in (received in turn from
-        when both ends are there: ``upstream_done_ms``, the senders' programs done). Signed, the replicas send
-        once they have its request, the source's copy behind its applied gradient (sent from
-        ``gradient_sent_ms``, received from when the auditor is done) on their one link."""
+                     gradient_sent_ms: float = 0.0, posted_ms: float | None = None) -> float:
+        """When the auditor can recompute: it is free (``auditor_free_ms``) and, copied, the inputs in (received in
+        turn from when both ends are there: ``upstream_done_ms``, the senders' programs done). Signed, the replicas
+        send once they have its request, the source's copy behind its applied gradient (sent from
+        ``gradient_sent_ms``, received from when the auditor posted its receive, ``posted_ms``, its program done;
+        None: ``auditor_free_ms``) on their one link."""
         if not self.copied:
             return auditor_free_ms
         start = max(auditor_free_ms, upstream_done_ms)
         if self.signed:
-            start = max(start, auditor_free_ms + self.request_ms,
-                        max(gradient_sent_ms, auditor_free_ms) + self.gradient_ms)
+            posted = auditor_free_ms if posted_ms is None else posted_ms
+            start = max(start, auditor_free_ms + self.request_ms, max(gradient_sent_ms, posted) + self.gradient_ms)
         return start + self.copy_ms
 
     def heard_ms(self, *, recompute_from_ms: float, replicas_done_ms: float, posted_ms: float | None = None,
-                 gradient_sent_ms: float | None = None, stepper: bool = True) -> float:
+                 gradient_sent_ms: float | None = None, stepper_ms: tuple[float, float] | None = None) -> float:
         """When the auditor, recomputing what is left from ``recompute_from_ms``, has heard the digests (asked
         for once it is done, sent once the replicas are) and the source's gradient, which travels from when the
         source sent it (``gradient_sent_ms``, its optimizer step's start; None: ``replicas_done_ms``) and the
-        auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``); no sooner
-        than its stepper is through its queue alone (``stepper_done_ms``; ``stepper`` False: not that floor)."""
+        auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``). Deferred,
+        ``stepper_ms``: when its stepper is through this stage's recompute of the last step and through its copy's
+        step (and all queued before them: ``planner.solver.audit_price.Stepper.through_ms``; None: this stage's
+        parts alone from the step's start, as on an idle auditor): the verdict's wait comes before the digests
+        are asked for, the copy's step's before the auditor goes on (``runtime.rank.audits.end_step``)."""
+        recomputed, stepped = self._stepper(stepper_ms)
         left = 0.0 if self.during_step or self.deferred else self.recompute_ms
-        digests = max(recompute_from_ms + left, replicas_done_ms) + self.digest_ms
+        digests = max(recompute_from_ms + left, recomputed, replicas_done_ms) + self.digest_ms
         gradient_in = self.gradient_in_ms(replicas_done_ms=replicas_done_ms, posted_ms=posted_ms
                                           if posted_ms is not None else recompute_from_ms,
                                           gradient_sent_ms=gradient_sent_ms)
@@ -111,16 +120,22 @@ class AuditCost:
             # it must be in, and the copy stepped, by the next step's recompute (``recompute_from_ms`` into it), and
             # in before the source's next send (``sent`` into it, on the same link): times from the step's start
             sent = replicas_done_ms if gradient_sent_ms is None else gradient_sent_ms
-            floor = self.stepper_done_ms if stepper else 0.0
-            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent), floor)
-        return max(digests, gradient_in, self.stepper_done_ms if stepper else 0.0)
+            return max(digests, gradient_in - min(recompute_from_ms - self.optim_ms, sent), stepped)
+        return max(digests, gradient_in, stepped)
+
+    def _stepper(self, stepper_ms: tuple[float, float] | None) -> tuple[float, float]:
+        """(through this stage's deferred recompute, through its copy's step) on the stepper; (0, 0): not deferred."""
+        if not self.deferred:
+            return 0.0, 0.0
+        return (self.recompute_ms, self.stepper_done_ms) if stepper_ms is None else stepper_ms
 
     @property
     def stepper_done_ms(self) -> float:
-        """Deferred: when the copy's stepper is through the last step's recomputes and the copy's step, from the
-        step's start (the step's end waits for both: ``runtime.rank.audits._collect``, ``StageCopy.step_later``);
-        the work alone, as on an idle auditor: where the auditor runs passes of its own, ``planner.solver.audit_price
-        .Stepper`` shares the device between them (0: not deferred)."""
+        """Deferred: when the copy's stepper is through this stage's recompute of the last step and its copy's
+        step, from the step's start (the auditor's step's end waits for both: ``runtime.rank.audits._collect``,
+        ``StageCopy.step_later``); the work alone, as on an idle auditor holding no other stage's parts: where the
+        auditor runs passes of its own or defers several stages, ``planner.solver.audit_price.Stepper`` runs the
+        queue (0: not deferred)."""
         return self.recompute_ms + self.optim_ms if self.deferred else 0.0
 
     def gradient_in_ms(self, *, replicas_done_ms: float, posted_ms: float, gradient_sent_ms: float | None = None) -> float:

@@ -491,16 +491,16 @@ def _signing(plan: Plan, costs: CostModel) -> dict[int, float]:
     return out
 
 
-def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float:
+def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost, posted: float) -> float:
     """When the auditor of stage ``k`` can recompute: its program (and its audits of earlier stages) done and,
     copied, every sender's copy in. It receives them one rank after another, in rank order; a rank's copy
     leaves once its program (and what it did for earlier stages' audits) is done, and its send returns when it
     is received (``runtime.rank.audits.end_step``, which runs the stages in order). Signed, the senders are the
     replicas, each asked once the copy before is in (``runtime.rank.audit_signed.hear``) and sending once the
-    request reached it (a latency), the source behind its applied gradient on their link."""
+    request reached it (a latency), the source behind its applied gradient on their link (its receive ``posted``
+    as the auditor's program ended)."""
     auditor = int(where.auditor)
     every, t = run.plan.stages[k].audit_every, run.clock[auditor]
-    free = t
     one = run.costs.boundary_bytes[k - 1] if where.signed_by else \
         copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))   # wire bytes, signed
     for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
@@ -511,7 +511,7 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
         if where.signed_by:
             begin = max(begin, t + link.latency_ms)   # the request, sent once the copy before is in
             if r == int(where.source):
-                begin = max(begin, max(run.reached_optim[r], free) + cost.gradient_ms)
+                begin = max(begin, max(run.reached_optim[r], posted) + cost.gradient_ms)
         t = begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link)
         run.events.append(Event(rank=r, kind="send", start_ms=begin, end_ms=t, label=f"stage {k} audit: input copy",
                                 stage=k, peer=auditor))
@@ -522,25 +522,31 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost) -> float
 def _audits(run: _Run) -> None:
     """Each audited stage, in order: its auditor, once its program is done (and, copied, the upstream ranks'
     copies of the audited inputs are in), recomputes the step's audited microbatches, then hears the replicas'
-    digests and applied gradient (after their optimizer steps): its step ends then (a sole replica's: once it has
-    the digest, the gradient needed only by the next step's recompute); its copy steps on a thread of its own, once
-    the gradient is in, into the next step (``planner.runtime.rank.audits``). Recomputes left to the step's end
-    (all but those among the checks) run on that thread in the next step, before the copy's step
-    (``AuditCost.deferred``): work on the auditor's device from the step's start, beside its own passes
-    (``audit_price.Stepper``, run with the programs), the step's end waiting for them."""
+    digests and applied gradient (after their optimizer steps; its receive posted as its program ended): its step
+    ends then (a sole replica's: once it has the digest, the gradient needed only by the next step's recompute);
+    its copy steps on a thread of its own, once the gradient is in, into the next step
+    (``planner.runtime.rank.audits``). Recomputes left to the step's end (all but those among the checks) run on
+    that thread in the next step, before the copy's step (``AuditCost.deferred``): work on the auditor's device
+    from the step's start, beside its own passes (``audit_price.Stepper``, run with the programs); the auditor's
+    audit of a stage waits for that stage's parts there (and those queued before them), not for a later stage's
+    (``Stepper.through_ms``)."""
     plan = run.plan
-    stepped = {a: st.done_ms() for a, st in run.steppers.items()}   # alone once the auditor's program is done
+    for st in run.steppers.values():
+        st.done_ms()   # alone once the auditor's program is done
+    posted = list(run.clock)   # each auditor posts its receives of the applied gradients as its program ends
     for k, where in _audit_wheres(plan).items():
         auditor = int(where.auditor)
         cost = _audit_cost(plan, run.costs, k, where)
         free = run.clock[auditor]
-        start = _hear_inputs(run, k, where, cost)
+        start = _hear_inputs(run, k, where, cost, posted[auditor])
         left = 0.0 if cost.during_step or cost.deferred else cost.recompute_ms
         done = max(run.clock[r] for r in plan.stage_ranks(k))
         sent = run.reached_optim[int(where.source)]
-        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent)
-        heard = max(heard, stepped.get(auditor, 0.0) if cost.deferred else 0.0)
-        stepping = max(heard, cost.gradient_in_ms(replicas_done_ms=done, posted_ms=free, gradient_sent_ms=sent))
+        stepper = run.steppers[auditor].through_ms(k) if cost.deferred and auditor in run.steppers else None
+        heard = cost.heard_ms(recompute_from_ms=start, replicas_done_ms=done, posted_ms=posted[auditor],
+                              gradient_sent_ms=sent, stepper_ms=stepper)
+        stepping = max(heard, cost.gradient_in_ms(replicas_done_ms=done, posted_ms=posted[auditor],
+                                                  gradient_sent_ms=sent))
         ahead = () if cost.deferred else (("optim", stepping, stepping + cost.optim_ms, "copy's step"),)
         boxes = (("control", free, start, "input copies"), ("verify", start, start + left, "recompute"),
                  ("control", start + left, heard, "applied gradient"), *ahead)

@@ -286,6 +286,22 @@ class Stepper:
         self.idle(self.at_ms + self.left_ms)
         return self.ends[-1] if self.ends else 0.0
 
+    def through_ms(self, stage: int) -> tuple[float, float]:
+        """When the stepper is through stage ``stage``'s recompute of the last step, and through its copy's step
+        (0: no such part), running alone once the auditor's program is done. What the auditor's step's end waits
+        for there (``runtime.rank.audits``): the last step's end queued, for its stages in order, each deferred
+        stage's recompute (``audit_first``) right before its copy's step (``step_later``, ``step_when_heard``), on
+        one thread for all its copies, first in, first out; this step's end goes through its stages in order, and
+        for stage ``k`` waits for ``k``'s verdict (``_collect``: its recompute, so every part queued before it too)
+        before it asks for ``k``'s digests, then for its gradient (twins), then for ``k``'s copy's step (``settle``,
+        before queuing the next) before it goes on to the next stage. So ``k`` waits for its own parts and those of
+        the stages before it, never for a later stage's; the auditor's end, through its last stage, for the whole
+        queue (the verifiers' exchange after it). Not run here: a twin's gradient in before the auditor reaches its
+        stage is hashed on that same thread (``_hashed_early``), behind all it holds then, and a sole replica's
+        copy's step holds the thread until its gradient is in (``step_when_heard``)."""
+        self.done_ms()
+        return stage_through_ms(self.parts, self.ends, stage)
+
     def ran_shared(self, end_ms: float) -> None:
         """Its queue done at ``end_ms`` beside passes sharing a machine's cores (``simulate(cores=...)``): each
         part drawn as ending in proportion to the work before it."""
@@ -327,3 +343,26 @@ def stepper_parts(costs: Sequence[tuple[int, Hashable, AuditCost]]) -> dict[Hash
             out.setdefault(auditor, []).extend((StepperPart(stage=k, recompute=True, ms=cost.recompute_ms),
                                                 StepperPart(stage=k, recompute=False, ms=cost.optim_ms)))
     return {a: tuple(parts) for a, parts in out.items()}
+
+
+def stage_through_ms(parts: Sequence[StepperPart], ends: Sequence[float], stage: int) -> tuple[float, float]:
+    """(through ``stage``'s recompute, through its copy's step) on a stepper whose ``parts`` ended at ``ends``
+    (``Stepper.through_ms``; 0: no such part)."""
+    recomputed = stepped = 0.0
+    for part, end in zip(parts, ends):
+        if part.stage == stage:
+            recomputed, stepped = (end, end) if part.recompute else (recomputed, end)
+    return recomputed, stepped
+
+
+def through_from_done(parts: Sequence[StepperPart], done_ms: float) -> dict[int, tuple[float, float]]:
+    """Stage -> ``Stepper.through_ms`` from when the stepper was through its whole queue (``done_ms``) alone: each
+    part ended the work queued after it before that. Exact for a part done after the auditor's last pass (then
+    alone); one done before it comes out no later than that pass's end, where the auditor, free only after it,
+    waits for nothing (the price's case: its replay reports the stepper's end only)."""
+    after, ends = 0.0, []
+    for part in reversed(parts):
+        ends.append(done_ms - after)
+        after += part.ms
+    ends.reverse()
+    return {part.stage: stage_through_ms(parts, ends, part.stage) for part in parts}

@@ -79,8 +79,8 @@ replicated stage's gradients once its replicas are done. Priced the same way
   copy stepper, work on the auditor's device from the step's start beside its own passes and checks
   (``audit_price.Stepper``): run with the programs (``drain_schedule``; GPipe's closed forms: its forward phase on
   that device stretched by what the stepper has left once its first input is in); the step ends no sooner than the stepper
-  is through its queue, and each deferred audit no sooner than its auditor's whole stepper (every stage's part),
-  the auditor's next audit after it (``planner.simulate._audits``).
+  is through its queue, and each deferred audit no sooner than its own stage's parts there (and those queued
+  before them, ``audit_price.Stepper.through_ms``), the auditor's next audit after it (``planner.simulate._audits``).
 * GPipe runs as two phases, every forward then every backward, each as long
   as its slowest replica or link plus the path around it (``_gpipe_ms``): the
   closed forms an audit's increment is measured on. Its pipeline itself comes
@@ -102,6 +102,7 @@ from planner.solver.audit_price import (
     audit_site,
     signing_ms,
     stepper_parts,
+    through_from_done,
 )
 from planner.solver.drain_schedule import drain_with_steppers
 from planner.solver.in_flight import limit
@@ -565,7 +566,8 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     background = _steppers(problem, stages, verifiers)
     if not any(audit_site(problem, stages, verifiers, k) is not None for k, st in enumerate(stages) if st.audit_every):
         r = _priced(problem, stages, verifiers, scheduled=True, background=background, **kw)
-        audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping, r.stepped)
+        audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping,
+                                _through(background, r.stepped))
         return r.cost(max(r.pipeline_ms, audits))
     # An audit adds what it adds on the closed forms its pricing is built on, stage by stage, to the plan
     # unaudited as it runs; its stepper's work runs with the programs, on the auditor's device.
@@ -582,7 +584,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     # adds to the programs, not to a stepper that outlasts them: 25% over where a 12.5 s gradient transfer came
     # after a 48.7 s stepper).
     audits = _audits_end_ms(problem, stages, verifiers, audited.traffic, moved("ends"), moved("sent"), audited.p,
-                            moved("stepping"), run.stepped)
+                            moved("stepping"), _through(background, run.stepped))
     return ProgramCost(step_ms=max(run.pipeline_ms + audited.pipeline_ms - closed.pipeline_ms, audits,
                                    run.stepper_ms),
                        pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=tuple(audited.limits),
@@ -598,6 +600,13 @@ def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPar
             costs.append((k, site.auditor, audit_cost(problem, st, site, st.audit_every, sum(st.microbatches),
                                                       upstream=stages[k - 1])))
     return stepper_parts(costs)
+
+
+def _through(background: dict[str, tuple[StepperPart, ...]],
+             stepped: dict[str, float]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(auditor device, stage) -> when its stepper is through the stage's recompute and its copy's step
+    (``audit_price.Stepper.through_ms``), from when it was through its queue (``stepped``, the replay's)."""
+    return {(d, k): ends for d, done in stepped.items() for k, ends in through_from_done(background[d], done).items()}
 
 
 @dataclass(slots=True)
@@ -706,18 +715,20 @@ def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, flo
 
 
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
-                   p: _Paths, stepping: list[float], floors: dict[str, float]) -> float:
+                   p: _Paths, stepping: list[float], through: dict[tuple[str, int], tuple[float, float]]) -> float:
     """When the last audited stage's auditor has recomputed its audited microbatches and heard the applied
     gradient (``cost_models.audit``; its copy steps off the step's path), sent from ``stepping`` (the replicas'
     optimizer steps' starts): after the replicas' optimizer steps, its own program and, where the inputs come
     copied, the upstream stage's ranks' ends and the copies' transfers (0: nothing audited). The stages are
-    audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``); a
-    deferred one ends no sooner than its auditor's stepper is through its queue (``floors``, per auditor)."""
-    out, clock = 0.0, {}
+    audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``), the
+    gradients' receives posted as the auditor's program ended; a deferred one waits for its own parts of its
+    auditor's stepper (and those queued before them: ``through``, by auditor and stage,
+    ``audit_price.Stepper.through_ms``), never a later stage's."""
+    out, clock, posted = 0.0, {}, {}
 
     def done(device: str) -> float:
         if device not in clock:
-            clock[device] = _program_end_ms(problem, stages, traffic, ends, sent, p, device)
+            clock[device] = posted[device] = _program_end_ms(problem, stages, traffic, ends, sent, p, device)
         return clock[device]
 
     for k, st in enumerate(stages):
@@ -727,14 +738,15 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1])
         senders = [d for d in site.copied_from if d != site.auditor]
         free, upstream = done(site.auditor), max(map(done, senders), default=0.0)
-        inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k])
+        inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k],
+                                      posted_ms=posted[site.auditor])
         for d in senders:   # a copy's send returns once received
             clock[d] = inputs_in
-        # its stepper runs beside the programs (``_priced``'s background, ``floors``), not alone: the audit ends
-        # once the whole of it is through (every stage's part), and the auditor's next audit starts from there
-        clock[site.auditor] = max(cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
-                                              gradient_sent_ms=stepping[k], stepper=False),
-                                  floors.get(site.auditor, 0.0) if cost.deferred else 0.0)
+        # its stepper runs beside the programs (``_priced``'s background), not alone: the audit waits for this
+        # stage's parts of it, and the auditor's next audit starts from there
+        clock[site.auditor] = cost.end_ms(auditor_free_ms=free, replicas_done_ms=ends[k], upstream_done_ms=upstream,
+                                          gradient_sent_ms=stepping[k], posted_ms=posted[site.auditor],
+                                          stepper_ms=through.get((site.auditor, k), (0.0, 0.0)))
         out = max(out, clock[site.auditor])
     return out
 

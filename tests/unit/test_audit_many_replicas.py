@@ -1,7 +1,8 @@
 """Pools of many single-GPU volunteers (6-16, each its own trust domain) around trusted ends, priced as they run.
 Audited, the audits' ends follow the run's own stage ends and their auditors' steppers, which run beside the
 programs (before: a gradient's transfer to a CPU auditor added after its 48.7 s stepper, 25% over; and, hidden by
-that, a stage's audit waiting on the auditor's whole stepper before its next audit, up to 26% under without it).
+that, a stage's audit waiting on its own parts of the auditor's stepper before its next audit, up to 26% under
+without it; those parts only, not a later stage's: ``test_deferred_audit_waits``).
 GPipe's pipeline is its programs run, not its two closed-form phases (before: 0.75-1.33 on 200 draws, 83%
 within 5%)."""
 from __future__ import annotations
