@@ -138,8 +138,56 @@ def placement_units(placement) -> float:
     return 60.0 + 3.0 * M * S + 22.0 * devices + 19.0 * M * len(placement.verifiers)
 
 
+# A uniform grid is charged by how far ``grid._grid`` took it. Fitted 2026-12-06 (relative least squares, non-negative
+# terms, rounded) on the CPU time (of the thread) of every ``_grid`` call and every closed-form pricing of
+# ``cheapest``'s ranking in 10 solves under the charge before (load 1-4): plan_time's 1000x176 pool at 30 s, tiered
+# 96x40 at 3 s and 48x40 at 1 s, test_one_cost pools 0/2/4 at 2 s, test_monotone_pools seeds 13/14 at 1 s, SENTINEL-
+# and HexiScale-like at 5 s (100k grids, 12k pricings). Checked on 9 of them under these charges (19.6k tries, 5.3k
+# checks, 9k pricings; load 5-6), measured / charged: a try (one device order: devices taken, placed, memory checked)
+# median 0.88, p10 0.71, p90 1.32, total 0.96 (1000x176 1.01, small pools 1.0-1.3, HexiScale 0.75); a check
+# (verifiers placed, violations: 0.1-2 ms valid, 3-8 ms where 50+ untrusted stage devices find no verifier) median
+# 1.01, p10 0.70, p90 1.51, total 1.01; a whole grid median 0.87, total 0.99 (1000x176 1.03); a pricing median 0.92,
+# p10 0.73, p90 1.42, total 1.05; the setup and shape ranking, per enumeration, total 1.0-1.4 (1000x176 1.31). A
+# shape out of reach (more replicas than microbatches: 66k of the 77k grids the 1000x176 pool tried, ~1 us each) is
+# no longer tried. Before (20 + 5 D + 0.2 L a grid, the ranking free): the 1000x176 pool charged 83 s for 3.7 s of
+# CPU (0.045), the 96x40 pool 0.56, the test pools 2-3.6x under; the ranking's 1.4 s of CPU in all was free.
+
+def grid_setup_units(num_devices: int) -> float:
+    """The pool's stage devices ordered by speed (``grid._by_speed``), once per enumeration of grids."""
+    return 20.0 + 2.5 * num_devices
+
+
+def grid_rank_units(num_stages: int) -> float:
+    """A shape ranked by its compute-only step before any grid is tried (``grid._compute_ms``: its stages' times)."""
+    return 8.0 + 0.4 * num_stages
+
+
+def grid_try_units(num_devices: int, num_stages: int, stage_devices: int) -> float:
+    """One device order tried for a uniform grid (``grid._grid``): of the pool's ``num_devices``, ``stage_devices``
+    taken and placed, its ``num_stages`` stages' memory checked; ``stage_devices`` 0: too few devices may hold
+    it (refused before any is taken)."""
+    if stage_devices == 0:
+        return 6.0 + 0.05 * num_devices
+    return 15.0 + 0.2 * num_devices + 0.1 * stage_devices + 6.0 * num_stages
+
+
+def grid_check_units(num_devices: int, stage_devices: int, untrusted: int, verified_copies: int) -> float:
+    """A grid that fits memory checked (``grid._checked``): verifiers placed (each of its ``untrusted`` stage
+    devices' boundaries weighed against the pool's devices) and its violations listed; ``verified_copies``:
+    microbatches x verifiers placed (0 where none could be)."""
+    return 20.0 + 14.0 * stage_devices + 0.18 * untrusted * num_devices + 1.6 * verified_copies
+
+
+def evaluate_units(placement) -> float:
+    """A ``objective.Placement`` priced by the closed form (``objective.evaluate``): per stage and device."""
+    devices = sum(len(st.devices) for st in placement.stages)
+    return 2.0 + 5.5 * devices + 3.0 * placement.num_stages + 0.15 * placement.num_microbatches * len(
+        placement.verifiers)
+
+
 def grid_units(num_blocks: int, num_devices: int) -> float:
-    """A uniform grid built and checked (``grid._grid``)."""
+    """The grid charge before the fit above (a grid built and checked, whatever its outcome): kept only for
+    ``benchmarks/calibrate_units.py``'s grid table, which compares the grids it times against it."""
     return 20.0 + 5.0 * num_devices + 0.2 * num_blocks
 
 

@@ -33,7 +33,11 @@ from planner.solver.objective import (
 from planner.solver.problem import Problem
 from planner.solver.search.budget import (
     Work,
-    grid_units,
+    evaluate_units,
+    grid_check_units,
+    grid_rank_units,
+    grid_setup_units,
+    grid_try_units,
     partition_units,
     placement_units,
 )
@@ -113,9 +117,11 @@ def _split(problem: Problem, devices: list[str], parts: int, dp: int, together: 
 
 
 def _grid(problem: Problem, pp: int, dp: int, *, together: str,
-          fastest: list[tuple[float, int, str]] | None = None, end_dp: int | None = None) -> Placement | None:
+          fastest: list[tuple[float, int, str]] | None = None, end_dp: int | None = None,
+          work: Deadline | Work | None = None) -> Placement | None:
     """The grid on the fastest devices that may hold it (trusted ones at the ends where the policy says so, ``end_dp``
-    replicas each: default ``dp``), else on those with the most memory."""
+    replicas each: default ``dp``), else on those with the most memory; each step taken charged to ``work``
+    (``grid_try_units`` per device order tried, ``grid_check_units`` for the check)."""
     M, L = problem.num_microbatches, problem.num_blocks
     if pp > L or dp > M:
         return None
@@ -123,13 +129,30 @@ def _grid(problem: Problem, pp: int, dp: int, *, together: str,
     for by in ("speed", "memory"):
         groups = _groups(problem, pp, dp, together, _order(problem, fastest, by), end_dp)
         if groups is None:
+            _charge(work, grid_try_units(len(fastest), pp, 0))
             return None
         stages = tuple(StagePlacement(index=k, first_block=a, last_block=b, devices=tuple(groups[k]),
                                       microbatches=even_split(M, len(groups[k])))
                        for k, (a, b) in enumerate(_even_ranges(L, pp)))
+        _charge(work, grid_try_units(len(fastest), pp, sum(len(g) for g in groups)))
         if _may_fit(problem, stages):
-            return _checked(problem, stages)
+            found = _checked(problem, stages)
+            _charge(work, _check_units(problem, stages, found, len(fastest)))
+            return found
     return None
+
+
+def _charge(work: Deadline | Work | None, units: float) -> None:
+    if work is not None:
+        work.charge(units)
+
+
+def _check_units(problem: Problem, stages: tuple[StagePlacement, ...], found: Placement | None,
+                 num_devices: int) -> float:
+    """``grid_check_units`` of a grid checked (``found``: the valid placement, or None)."""
+    untrusted = sum(1 for st in stages for d in st.devices if not problem.classes[problem.class_of(d)].trusted)
+    copies = 0 if found is None else found.num_microbatches * len(found.verifiers)
+    return grid_check_units(num_devices, sum(len(st.devices) for st in stages), untrusted, copies)
 
 
 def _may_fit(problem: Problem, stages: tuple[StagePlacement, ...]) -> bool:
@@ -161,19 +184,20 @@ def grids(problem: Problem, *, stages: int | None = None, replicas: int | None =
           deadline: Deadline | Work | None = None) -> list[Placement]:
     """Every valid grid (of the given shape, where given), the likeliest shapes first (``_compute_ms``: on
     hundreds of devices there are over a thousand shapes); once ``deadline`` has passed (a ``Work`` budget:
-    spent, each grid built charged to it), those found so far (at least the first valid one, when there is one)."""
-    D = sum(c.count for c in problem.classes if c.stage_capable)
-    shapes = [(pp, dp) for pp in ([stages] if stages else range(1, min(D, problem.num_blocks) + 1))
-              for dp in ([replicas] if replicas else range(1, D // pp + 1))]
+    spent, the shapes ranked and each grid tried charged to it), those found so far (at least the first valid one,
+    when there is one)."""
+    D, L, M = sum(c.count for c in problem.classes if c.stage_capable), problem.num_blocks, problem.num_microbatches
+    # shapes out of reach (more stages than blocks, more replicas than microbatches) are never tried
+    shapes = [(pp, dp) for pp in ([stages] if stages else range(1, min(D, L) + 1))
+              for dp in ([replicas] if replicas else range(1, D // pp + 1)) if pp <= L and dp <= M]
     fastest = _by_speed(problem)
+    _charge(deadline, grid_setup_units(D) + sum(grid_rank_units(pp) for pp, _ in shapes))
     out: list[Placement] = []
     for pp, dp in sorted(shapes, key=lambda s: (_compute_ms(problem, s[0], s[1], fastest), -s[0] * s[1], s[0])):
         if deadline is not None and out and deadline.passed():
             break
         for together in ("replicas", "pipelines")[:1 if 1 in (pp, dp) else 2]:
-            if deadline is not None:
-                deadline.charge(grid_units(problem.num_blocks, D))
-            found = _grid(problem, pp, dp, together=together, fastest=fastest)
+            found = _grid(problem, pp, dp, together=together, fastest=fastest, work=deadline)
             if found is not None:
                 out.append(found)
     return out
@@ -199,8 +223,10 @@ PRICED = 24
 def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED,
              within: Deadline | Work | None = None) -> list[Placement]:
     """The ``count`` likeliest by the search's closed form (``objective.evaluate``: fast), cheapest program
-    first; with a ``Work`` budget ``within``, each pricing charged to it and only those priced before it is spent
-    (at least the likeliest)."""
+    first; with a ``Work`` budget ``within``, the ranking and each pricing charged to it and only those priced before
+    it is spent (at least the likeliest)."""
+    if within is not None:
+        within.charge(sum(evaluate_units(p) for p in placements))
     likely = sorted(placements, key=lambda p: evaluate(problem, p).step_ms)[:count]
     if isinstance(within, Work):
         priced = []
@@ -231,20 +257,20 @@ def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> lis
     ``pp >= 3`` x ``dp`` wider than a uniform grid's ends allow, ``end_dp`` end devices per end; those found by
     ``deadline`` (each charged as a grid)."""
     fastest = _by_speed(problem)
-    D, L = len(fastest), problem.num_blocks
+    D, L, M = len(fastest), problem.num_blocks, problem.num_microbatches
+    _charge(deadline, grid_setup_units(D))
     ends = len(end_devices(problem))
     if ends in (0, D):
         return []
     out: list[Placement] = []
-    for end_dp in range(1, ends // 2 + 1):
+    for end_dp in range(1, min(ends // 2, M) + 1):
         for pp in range(3, min(D - 2 * end_dp + 2, L) + 1):
-            for dp in range(ends // 2 + 1, (D - 2 * end_dp) // (pp - 2) + 1):  # the uniform grids' ends stop there
+            # the uniform grids' ends stop at ends // 2; more replicas than microbatches are out of reach
+            for dp in range(ends // 2 + 1, min((D - 2 * end_dp) // (pp - 2), M) + 1):
                 if deadline is not None and out and deadline.passed():
                     return out
                 for together in ("replicas", "pipelines")[:1 if pp == 3 else 2]:
-                    if deadline is not None:
-                        deadline.charge(grid_units(L, D))
-                    found = _grid(problem, pp, dp, together=together, fastest=fastest, end_dp=end_dp)
+                    found = _grid(problem, pp, dp, together=together, fastest=fastest, end_dp=end_dp, work=deadline)
                     if found is not None:
                         out.append(found)
     return out
