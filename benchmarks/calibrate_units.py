@@ -1,4 +1,4 @@
-"""Calibrate the work budget's ``dp_units`` and ``grid_units`` (``planner.solver.search.budget``) on real solves.
+"""Calibrate the work budget's ``dp_units`` and grid charges (``planner.solver.search.budget``) on real solves.
 
 Each case is planned with ``planner.api.plan_chain`` at a short time limit while every sequence DP
 (``SequenceDP.run``), every Lagrangian bound search (``LagrangeBound.run``: its DPs, cutting-plane LPs and box
@@ -9,7 +9,7 @@ all: measured / charged (median, 10th and 90th percentile, totals) of
 * ``dp``: each sequence DP against ``dp_units`` of its own sizes (L blocks, C classes, R replica options, J layers);
 * ``bound``: each bound search's CPU per charged DP against the ``dp_units`` it charged (the full DP's sizes: a
   LazyDP's looser tries and the LPs included, so this is the charge's real cost);
-* ``grid``: each grid built and checked against ``grid_units``.
+* ``grid``: each grid tried against what it charged (``grid_try_units``, ``grid_check_units``: how far it went).
 
 Cases: the 1000-block x 176-device pool of ``benchmarks/warm_replan.py`` (30 s, as measured there), smaller
 tiered pools of that family, the random wide-area pools of ``tests/unit/test_one_cost.py``, SENTINEL-,
@@ -18,7 +18,8 @@ HexiScale- and DT-FM-like pools (``benchmarks/pools.py``) and the Sailor-like an
 Run: ``python benchmarks/calibrate_units.py [--quick] [--only NAME ...]``; writes
 ``benchmarks/results/calibrate_units.json`` (``--quick``: the small cases at 1 s, nothing written).
 ``benchmarks/results/calibrate_units_fit.json``: the records ``dp_units`` was fitted on (solves under the charges
-before it). ``--refit FILE``: the table again from a results file's records under the current functions (grids: totals only).
+before it). ``--refit FILE``: the table again from a results file's records under the current functions (grids: totals only,
+against what they charged as run; a file from before the grid charges were fitted has none).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class Recorder:
         self.case = ""
         self.dp: list[list] = []      # case, L, C, R, J, lump, exact_cap, us
         self.bound: list[list] = []   # case, L, C, R, J, charges, us (DPs + LPs + boxes, pricing left out)
-        self.grid: list[list] = []    # case, L, D, pp, dp, M, found, us
+        self.grid: list[list] = []    # case, L, D, pp, dp, M, found, us, charged units
         self._inner: dict[int, float] = {}
 
     def inner(self) -> float:
@@ -107,13 +108,17 @@ def install(rec: Recorder) -> None:
     grid0 = grid._grid
 
     def timed_grid(problem, pp, dp, **kw):
-        t = time.thread_time()
+        work = kw.get("work")
+        spent0, t = getattr(work, "spent", 0.0), time.thread_time()
+        found = None
         try:
             return (found := grid0(problem, pp, dp, **kw))
         finally:
-            D = sum(c.count for c in problem.classes if c.stage_capable)
-            rec.grid.append([rec.case, problem.num_blocks, D, pp, dp, problem.num_microbatches, found is not None,
-                             (time.thread_time() - t) * 1e6])
+            us, charged = (time.thread_time() - t) * 1e6, getattr(work, "spent", 0.0) - spent0
+            if work is not None:   # a grid tried outside a budget charges nothing: nothing to compare
+                D = sum(c.count for c in problem.classes if c.stage_capable)
+                rec.grid.append([rec.case, problem.num_blocks, D, pp, dp, problem.num_microbatches,
+                                 found is not None, us, charged])
     grid._grid = timed_grid
 
 
@@ -193,27 +198,25 @@ def table(records: dict) -> dict:
         chg = np.array([budget.dp_units(r[1], r[2], r[3], r[4]) for r in bd])
         w = np.array([r[5] for r in bd])
         out["bound"] = _by_case([r[0] for r in bd], meas * w, chg * w, per=meas / chg)
-    gr = records.get("grid")
+    gr = [r for r in records.get("grid", ()) if r[8] > 0]
     if gr:
-        meas = np.array([r[7] for r in gr])
-        chg = np.array([budget.grid_units(r[1], r[2]) for r in gr])
-        out["grid"] = _by_case([r[0] for r in gr], meas, chg)
-    elif records.get("grid_sums"):  # a results file's: totals only (its table holds the percentiles)
-        rows = records["grid_sums"]
-        out["grid"] = _by_case([r[0] for r in rows], np.array([r[5] for r in rows]),
-                               np.array([r[4] * budget.grid_units(r[1], r[2]) for r in rows]), totals_only=True)
+        out["grid"] = _by_case([r[0] for r in gr], np.array([r[7] for r in gr]), np.array([r[8] for r in gr]))
+    elif rows := [r for r in records.get("grid_sums", ()) if len(r) > 6]:   # a results file's: totals only (its
+        out["grid"] = _by_case([r[0] for r in rows], np.array([r[5] for r in rows]),   # table holds the percentiles)
+                               np.array([r[6] for r in rows]), totals_only=True)
     return out
 
 
 def grid_sums(grid: list[list]) -> list[list]:
     """The grids' records summed per case, size and outcome (out of reach at once, rejected, valid): case, L, D,
-    outcome, count, CPU us (the file keeps these, not every grid)."""
+    outcome, count, CPU us, charged units (the file keeps these, not every grid)."""
     sums: dict[tuple, list] = {}
-    for case, L, D, pp, dp, M, found, us in grid:
+    for case, L, D, pp, dp, M, found, us, charged in grid:
         outcome = "valid" if found else "out of reach" if pp > L or dp > M else "rejected"
-        row = sums.setdefault((case, L, D, outcome), [case, L, D, outcome, 0, 0.0])
+        row = sums.setdefault((case, L, D, outcome), [case, L, D, outcome, 0, 0.0, 0.0])
         row[4] += 1
         row[5] += us
+        row[6] += charged
     return list(sums.values())
 
 

@@ -185,12 +185,6 @@ def evaluate_units(placement) -> float:
         placement.verifiers)
 
 
-def grid_units(num_blocks: int, num_devices: int) -> float:
-    """The grid charge before the fit above (a grid built and checked, whatever its outcome): kept only for
-    ``benchmarks/calibrate_units.py``'s grid table, which compares the grids it times against it."""
-    return 20.0 + 5.0 * num_devices + 0.2 * num_blocks
-
-
 # Fitted 2026-12-06 (CPU time, loaded machine) on the tabled tests (``bound.fill``; their construction and shared
 # tables spread over their tests): 171 bounds, 6,838 tests of 3-96 blocks and 1-14 devices (12 planning runs at
 # 2 s, random chains of 24/48/96 blocks, 58 random problems). A test costs ~0.4-0.6 ms at 3-10 blocks, 1-2 ms at
