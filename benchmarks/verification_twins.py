@@ -19,13 +19,14 @@ lookback, and the resume is the newest kept at or before the ban's resume bound 
 
 ``--audit-every k`` (default 4; 0: off) audits the replicas (``planner.integrity.audit``): each of a replica's
 microbatches, drawn with probability 1/k by a draw keyed by the verifier's secret (every one while the sender
-has unresolved evidence), is recomputed on the verifier from the stage's input and compared to what the
+has unresolved evidence, or after a step whose flags or alerts named it: ``audit.flagged_senders``), is recomputed on the verifier from the stage's input and compared to what the
 replica sent, activations and the gradient it sent upstream alike; a failed audit bans at once.
 
 Per run: who was banned and when, flags per check, (step, sender) precision / recall / F1 of the blame
 against the attacked steps while the attacker is in the plan (up to its ban: after the re-plan the run is a
 clean run of another plan, and an honest twin's blame there is the clean false-blame rate, reported as
-``fp_after_ban``), audits and their failures, and the validation loss.
+``fp_after_ban``), audits (``audits_suspected``: those of a suspect the draw left out) and their failures, and
+the validation loss.
 
     python benchmarks/verification_twins.py --quick              # two attacks, one seed, 30 steps
     python benchmarks/verification_twins.py --attacks mixed --seeds 0 1 2 --steps 80
@@ -106,6 +107,8 @@ class TwinPipeline(Pipeline):
         self.ledger = audit.AuditLedger()
         self.audit_flags: list[dict] = []
         self.audits, self.audit_fails = 0, {ATTACKER: 0, TWIN: 0}
+        self.audits_suspected = 0   # audits of microbatches the draw left out, of a suspect (all but the draw's)
+        self.flagged_before: set[int] = set()   # the senders the last step's flags or alerts named
 
     def _verifier(self) -> Verifier:
         """The plan's view: who is whose twin, and each sender's microbatches a step (after the re-plan, the
@@ -131,20 +134,26 @@ class TwinPipeline(Pipeline):
 
     def _send(self, x, rank, direction, step, mb, stage_input):
         out = super()._send(x, self.rank_of(rank, mb), direction, step, mb, stage_input)
-        if rank == REPLICATED_STAGE and self._audited(step, mb):
+        why = self._audited(step, mb) if rank == REPLICATED_STAGE else None
+        if why is not None:
             self._audit(out, direction, step, mb, stage_input)
+            self.audits_suspected += why == "suspected"
         return out
 
-    def _audited(self, step: int, mb: int) -> bool:
-        """Whether the verifier audits this microbatch of the replicated stage: its share of the sender's, or
-        every one of a sender with unresolved evidence."""
+    def _audited(self, step: int, mb: int) -> str | None:
+        """Why the verifier audits this microbatch of the replicated stage: ``"drawn"``, its share of the
+        sender's, or ``"suspected"``, every one of a sender with unresolved evidence, a contribution CUSUM past
+        half its alarm or any flag or alert of the step before (``audit.flagged_senders``); None: not audited."""
         if self.schedule is None or self.verifier is None:
-            return False
+            return None
         sender = self.rank_of(REPLICATED_STAGE, mb)
         per_step = self.verifier.microbatches[sender]
         slot = mb if self.replanned else mb // 2
-        suspects = set(self.verifier.unresolved()) | (self.contrib.suspects(REPLICATED_STAGE) if self.contrib else set())
-        return self.schedule.audited(sender, step, slot, per_step, suspected=sender in suspects)
+        if self.schedule.audited(sender, step, slot, per_step):
+            return "drawn"
+        suspects = set(self.verifier.unresolved()) | self.flagged_before | \
+            (self.contrib.suspects(REPLICATED_STAGE) if self.contrib else set())
+        return "suspected" if sender in suspects else None
 
     def _audit(self, sent: torch.Tensor, direction: str, step: int, mb: int, stage_input: torch.Tensor) -> None:
         """The verifier's link test on one audited microbatch: the stage recomputed on the input the replica
@@ -231,6 +240,9 @@ class TwinPipeline(Pipeline):
         flags = self.verifier.flag_events(step)
         audits, self.audit_flags, self.audit_inputs = self.audit_flags, [], {}
         banned = self.verifier.end_step(step, [flags, events, audits])
+        # as the runtime's auditor reads them (``audits._flagged_before``): its verifier's log of the step, where the
+        # runtime also adds the contributions' and the audits' flags this emulation hands ``end_step`` directly
+        self.flagged_before = audit.flagged_at(self.verifier.events, step) | audit.flagged_senders([*events, *audits])
         blamed = sorted(self.verifier.last_blamed)
         if ATTACKER in banned and not self.replanned:
             self.first_flagged = self.verifier.ban_records()[ATTACKER][0]
@@ -328,6 +340,7 @@ def twin_run(attack: str | None, *, seed: int, steps: int, start: int, robust: b
             "contrib_false_pct": round(100 * (sum(pipe.contrib_flags.values()) if attack is None else
                                               pipe.contrib_flags[TWIN]) / max(1, pipe.contrib_checks), 3),
             "contrib_first_flag": _first_flag(pipe, attacked), "contrib_withdrawn": pipe.contrib_withdrawn, "audit_every": audit_every, "audits": pipe.audits,
+            "audits_suspected": pipe.audits_suspected,
             "audit_fails": {str(k): v for k, v in pipe.audit_fails.items()}, "tp": tp, "fp": fp, "fn": fn,
             "fp_after_ban": len(blamed - scored),
             "f1": round(f1, 3), "val_loss": round(result.val_loss, 4),

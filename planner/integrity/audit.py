@@ -16,8 +16,9 @@ secret, is audited. The replica cannot tell which (it sends its output before th
 input copy, and cannot compute the hash), so an attacker that corrupts a share ``q`` of its microbatches
 is caught in each window with probability ``q``, and one that corrupts all of them within ``2 every - 1``
 microbatches (a uniform draw per microbatch would leave a ``(1 - 1/every)^n`` chance of none in ``n``).
-A sender under suspicion (any unresolved evidence, ``Verifier.unresolved``) is audited on every
-microbatch until its evidence clears: a flag costs an audit, never a ban by itself.
+A sender under suspicion (any unresolved evidence, ``Verifier.unresolved``, or any flag or alert of the step
+before, :func:`flagged_senders`) is audited on every microbatch until its evidence clears: a flag costs an audit,
+never a ban by itself.
 
 An audit event is a microbatch flag of the verifiers' exchange (``blame.FLAG_EVENTS_SCHEMA``, reason
 :data:`AUDIT_REASON`): the sender's own evidence, outside the causal order (its input was the one it
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ __all__ = [
     "applied_gradient_event",
     "audit_event",
     "failed_audits",
+    "flagged_at",
+    "flagged_senders",
     "is_audit",
     "late_audit_event",
     "recompute_grads",
@@ -223,3 +226,31 @@ def is_audit(event: Mapping[str, Any]) -> bool:
 def failed_audits(flags: Iterable[Mapping[str, Any]]) -> set[int]:
     """The senders with a failed audit among ``flags`` (proof alone: ``bans.BanTest`` bans them at once)."""
     return {int(e["sender"]) for e in flags if is_audit(e)}
+
+
+def flagged_senders(flags: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The senders a step's flags name, alerts and unblamed lone microbatch flags included (a flag's sender, and
+    its input's where it is laid there, ``upstream``): each is a suspect for the next step's audits
+    (``AuditSchedule.audited``'s ``suspected``). Such a flag is no evidence for a ban but says where to look, and an
+    audit settles it (issue 37, seed 2: the adaptive attacker's activations raised a spectral alert at every
+    attacked step from 20, blamed nobody, and went unaudited until the draw reached it at 29)."""
+    named: set[int] = set()
+    for e in flags:
+        if e.get("type", "flag") == "flag":
+            named.add(int(e["sender"]))
+            if "upstream" in e:
+                named.add(int(e["upstream"]))
+    return named
+
+
+def flagged_at(events: Sequence[Mapping[str, Any]], step: int) -> set[int]:
+    """:func:`flagged_senders` of the flags of ``step`` in a verifier's event log (``Verifier.events``, in step
+    order: read from its end back to the step before)."""
+    found = []
+    for e in reversed(events):
+        at = int(e.get("step", step))
+        if at < step:
+            break
+        if at == step:
+            found.append(e)
+    return flagged_senders(found)

@@ -153,6 +153,9 @@ class RuntimeAudits:
     # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
     deferred: dict[int, Deferred] = field(default_factory=dict)
     last_step: int | None = None   # the run's last step, which audits in line (None: every step does)
+    # the auditor's: the senders its verifier's flags or alerts named in the step before ``flagged_step``
+    flagged: set[int] = field(default_factory=set)
+    flagged_step: int | None = None
     checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
 
     def inline_at(self, step: int) -> bool:
@@ -218,12 +221,24 @@ def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
 
 def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
     """On the auditor: ``mb`` is audited, or every one of a suspect's where the auditor holds the stage's input
-    (from copies, the upstream ranks know only the schedule)."""
+    (from copies, the upstream ranks know only the schedule): unresolved evidence, a contribution CUSUM past half
+    its alarm, or a flag or alert of this verifier's in the step before (``audit.flagged_at``)."""
     owner = ex.plan.owner(st.stage, mb)
     contrib = getattr(ex, "_contributions", None)
     suspected = not st.copied_from and (owner in ex.unresolved
-                                        or (contrib is not None and owner in contrib.suspects(st.stage)))
+                                        or (contrib is not None and owner in contrib.suspects(st.stage))
+                                        or owner in _flagged_before(ex))
     return audit_inputs.scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
+
+
+def _flagged_before(ex: Any) -> set[int]:
+    """The senders this verifier's flags or alerts of the step before named (read once a step)."""
+    audits: RuntimeAudits = ex.audits
+    if audits.flagged_step != ex.step:
+        verifier = ex.verify.verifier if ex.verify is not None else None
+        audits.flagged = audit.flagged_at(verifier.events, ex.step - 1) if verifier is not None else set()
+        audits.flagged_step = ex.step
+    return audits.flagged
 
 
 def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
