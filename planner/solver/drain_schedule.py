@@ -24,10 +24,12 @@ first, the lowest microbatch's. Then the times (``_Replay``): each device runs t
 does, blocking until what its next step needs is in; a result leaves (a gradient's: the next backward starts)
 only once its input's verdict is; each message, verdicts included, takes its directed link's wire after the
 ones sent before it (the latency overlapping the next): a verdict queued behind its verifier's activations
-halts the programs that wait on it, in their compiled order (``verdict_backlog``'s case, exactly). Of the
-audits (``program_cost`` adds what they add on its closed forms) only the auditors' copy steppers run here
-(``background``: the last step's deferred recomputes and copy steps, work on the auditor's device beside its
-passes and checks, ``audit_price.Stepper``, as the simulator runs them). Not run: shared cores. Cost: one heap
+halts the programs that wait on it, in their compiled order (``verdict_backlog``'s case, exactly). An audit's
+work on the step's path runs here too, the order placed without it (the compiler's estimates know nothing of
+it): the forwards that sign or check signed inputs run longer (``run_fb``), an auditor's gradient checks by its
+recomputes (``check_extra``), and its copies' stepper (``background``: the last step's deferred recomputes and
+copy steps) shares its device with its passes and checks (``audit_price.Stepper``), as the simulator runs them.
+Not run: shared cores. Cost: one heap
 operation per pass, check and message (GPipe finds its next backward's gradient by microbatch, in a dict),
 then (with verifiers) one step each.
 """
@@ -375,30 +377,55 @@ def drain_schedule(problem: Problem, stages, verifiers, fb, bw, limits) -> tuple
     """Per stage, when its last backward ends: the passes of ``stages`` (``fb``/``bw``: per replica forward +
     backward and backward ms; ``limits``: in-flight limit per replica) and ``verifiers``' checks, ordered as the
     compiler orders them and run as the simulator runs that order (module docstring)."""
-    return drain_with_steppers(problem, stages, verifiers, fb, bw, limits, {})[0]
+    return drain_with_steppers(problem, stages, verifiers, fb, bw, limits, {}).finishes
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """A drain's result: per stage when its last backward ends (``finishes``), per auditor when its copies'
+    stepper is through its queue (``stepped``), and per device when its last pass or check ends (``done``: where
+    a stage replica's all-reduce starts, and a verifier-only device's program ends)."""
+
+    finishes: tuple[float, ...]
+    stepped: dict[str, float]
+    done: dict[str, float]
 
 
 def drain_with_steppers(problem: Problem, stages, verifiers, fb, bw, limits,
-                        background: dict[str, tuple[StepperPart, ...]]) -> tuple[tuple[float, ...], dict[str, float]]:
+                        background: dict[str, tuple[StepperPart, ...]], *, run_fb=None,
+                        check_extra: dict[tuple[str, int, str], float] | None = None) -> Drained:
     """``drain_schedule`` with ``background`` (auditor device -> its copies' stepper's queue at the step's start,
-    ``audit_price.stepper_parts``) sharing those devices: per stage when its last backward ends, and per auditor
-    when its stepper is through its queue (running alone after the device's last pass or check)."""
+    ``audit_price.stepper_parts``) sharing those devices. ``fb`` are the compiler's estimates, which order the
+    programs; ``run_fb`` (None: ``fb``) the forwards as they run, longer where an audit from signed inputs signs
+    or checks each (``audit_price.signing_ms``), and ``check_extra`` ((device, boundary, F|B) -> ms) the checks
+    that run longer, an auditor's recompute among its gradient checks (``simulate._audit_checks``): the compiler
+    knows of neither (``instruction_costs.CostModel``), so they stretch the order it placed."""
     lister = _Lister(problem, stages, verifiers, fb, bw, limits)
     placed = lister.run()   # the compiler orders with its estimates, which know nothing of the steppers
-    if not verifiers:   # without verdicts the compiler's estimates are the simulator's times
-        return placed, {}
-    replay = _Replay(lister, {d: Stepper(parts=parts) for d, parts in background.items() if d in lister.dev})
+    exact = run_fb is None or run_fb == fb
+    if not verifiers and exact:   # without verdicts the compiler's estimates are the simulator's times
+        done = {d.name: d.clock for d in lister.dev.values()}
+        return Drained(finishes=placed, stepped={}, done=done)
+    run_fwd = None if exact else {d: run_fb[k][i] - bw[k][i] for k, st in enumerate(stages)
+                                  for i, d in enumerate(st.devices)}
+    replay = _Replay(lister, {d: Stepper(parts=parts) for d, parts in background.items() if d in lister.dev},
+                     fwd_ms=run_fwd, check_extra=check_extra)
     finishes = replay.run()
-    return finishes, {d: st.done_ms() for d, st in replay.steppers.items()}
+    return Drained(finishes=finishes, stepped={d: st.done_ms() for d, st in replay.steppers.items()},
+                   done=dict(replay.clock))
 
 
 class _Replay:
     """The placed order run with the simulator's timing: a device blocks until what its next step needs is in,
     and a verdict waits for its link's wire like any message (``planner.simulate``)."""
 
-    def __init__(self, lister: _Lister, steppers: dict[str, Stepper] | None = None) -> None:
+    def __init__(self, lister: _Lister, steppers: dict[str, Stepper] | None = None, *,
+                 fwd_ms: dict[str, float] | None = None,
+                 check_extra: dict[tuple[str, int, str], float] | None = None) -> None:
         self.ls = lister
         self.steppers = steppers or {}
+        self.fwd_ms = fwd_ms or {}   # device -> its forward as it runs, where not the compiler's estimate
+        self.check_extra = check_extra or {}
         for wire in lister.links.values():
             wire[0] = 0.0
         self.inputs = {name: dict.fromkeys(d.ids, 0.0) if d.stage == 0 else {} for name, d in lister.dev.items()}
@@ -454,7 +481,7 @@ class _Replay:
         if step[0] == "V":
             _, key, consumer = step
             start = max(self.clock[name], self.copies[key])
-            self.clock[name] = start + self.work(name, start, ls.check_ms(name, key[0], key[1]))
+            self.clock[name] = start + self.work(name, start, self.check_ms(name, key[0], key[1]))
             self.send_verdict(name, consumer, key)
             return
         op, x = step
@@ -468,9 +495,9 @@ class _Replay:
             src = ls.sources["F"][k][x]
             start = max(self.clock[name], self.verdict[src[0]] if src is not None and src[1] != name else 0.0)
         src = ls.sources[op][k][x]
-        own = d.fwd_ms if op == "F" else d.bwd_ms
+        own = self.fwd_ms.get(name, d.fwd_ms) if op == "F" else d.bwd_ms
         if src is not None and src[1] == name:  # the consumer checks its input itself, first
-            own += ls.check_ms(name, src[0][0], op)
+            own += self.check_ms(name, src[0][0], op)
         end = start + self.work(name, start, own)
         gate = self.verdict[src[0]] if src is not None and src[1] != name else 0.0
         nxt = k + 1 if op == "F" else k - 1
@@ -490,11 +517,15 @@ class _Replay:
         self.wake(("in" if op == "F" else "g", consumer, x))
         v = ls.checker.get((b, op, name)) if ls.checker else None
         if v == name:  # the sender checks its own output after sending it
-            self.clock[name] += self.work(name, self.clock[name], ls.check_ms(name, b, op))
+            self.clock[name] += self.work(name, self.clock[name], self.check_ms(name, b, op))
             self.send_verdict(name, consumer, (b, op, x))
         elif v is not None and v != consumer:
             self.copies[(b, op, x)] = ls.transmit(name, v, ls.nbytes[b], self.clock[name])
             self.wake(("c", (b, op, x)))
+
+    def check_ms(self, name: str, boundary: int, op: str) -> float:
+        """A check as it runs: the compiler's estimate, and an audit's recompute where it rides on it."""
+        return self.ls.check_ms(name, boundary, op) + self.check_extra.get((name, boundary, op), 0.0)
 
     def work(self, name: str, start: float, ms: float) -> float:
         """How long ``ms`` of work on ``name`` from ``start`` lasts: beside its copies' stepper, if it audits."""

@@ -54,10 +54,15 @@ replicated stage's gradients once its replicas are done. Priced the same way
   checks and messages ordered as the compiler orders them and run as the
   simulator runs them, with the limits above (random throttled placements,
   ``benchmarks/throttled_windows.py``: within 0.05% of their simulation on
-  average). An audited plan (``program_cost``) is priced as it runs unaudited,
-  plus what its audits add on the closed forms its audit pricing is built on
-  (the closed forms of the plan with and without them), stage by stage; its
-  audits' ends then follow from those stage ends (``_audits_end_ms``): the **drain**
+  average). An audited plan's programs run so too, in the order the compiler
+  gives them on its estimates (which know nothing of the audits), with what the
+  audits add as they run: signing and signature checks on the forwards, the
+  recomputes among an auditor's gradient checks, its copies' stepper (issue 36,
+  ``test_monotone_pools`` seed 13: a signed audit priced as the plan unaudited
+  plus its closed forms' increment came 0.44% under, the stages after the
+  signing 11 ms later as run); its audits' ends then follow from the stage
+  ends and its devices' last checks (``_audits_end_ms``). The closed forms' own
+  stage ends (``_priced(scheduled=False)``, which the price no longer reads): the **drain**
   (``_drain``): the backwards the bottleneck replica still holds after its
   last forward leave it one backward apart and queue, stage by stage, on the
   upstream replicas they are routed through; stages upstream of the
@@ -91,7 +96,6 @@ replicated stage's gradients once its replicas are done. Priced the same way
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -564,31 +568,12 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     """Price the compiled programs of ``stages``/``verifiers`` (see the module docstring)."""
     kw = {"verify_load": verify_load, "verifier_state": verifier_state, "allreduce_ms": allreduce_ms}
     background = _steppers(problem, stages, verifiers)
-    if not any(audit_site(problem, stages, verifiers, k) is not None for k, st in enumerate(stages) if st.audit_every):
-        r = _priced(problem, stages, verifiers, scheduled=True, background=background, **kw)
-        audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping,
-                                _through(background, r.stepped))
-        return r.cost(max(r.pipeline_ms, audits))
-    # An audit adds what it adds on the closed forms its pricing is built on, stage by stage, to the plan
-    # unaudited as it runs; its stepper's work runs with the programs, on the auditor's device.
-    plain = tuple(dataclasses.replace(st, audit_every=0) for st in stages)
-    run = _priced(problem, plain, verifiers, scheduled=True, background=background, **kw)
-    audited, closed = (_priced(problem, s, verifiers, scheduled=False, **kw) for s in (stages, plain))
-
-    def moved(name: str) -> list[float]:
-        """The run's per-stage times, each grown by what the audits add to it on the closed forms."""
-        return [r + a - c for r, a, c in zip(getattr(run, name), getattr(audited, name), getattr(closed, name))]
-
-    # The audits' chain from the run's own stage ends (the closed forms' ends may be off by different amounts per
-    # stage: one shift for all priced a copy's wait 5% over), their stepper floors from the run (the increment
-    # adds to the programs, not to a stepper that outlasts them: 25% over where a 12.5 s gradient transfer came
-    # after a 48.7 s stepper).
-    audits = _audits_end_ms(problem, stages, verifiers, audited.traffic, moved("ends"), moved("sent"), audited.p,
-                            moved("stepping"), _through(background, run.stepped))
-    return ProgramCost(step_ms=max(run.pipeline_ms + audited.pipeline_ms - closed.pipeline_ms, audits,
-                                   run.stepper_ms),
-                       pipe_ms=run.pipe_ms + audited.pipe_ms - closed.pipe_ms, in_flight=tuple(audited.limits),
-                       bottleneck=audited.name, stepper_ms=run.stepper_ms)
+    # Audited or not, the programs run as the compiler orders them on its estimates, with the signing, the
+    # recomputes among the checks and the steppers an audit adds (``drain_schedule``); the audits' ends follow.
+    r = _priced(problem, stages, verifiers, scheduled=True, background=background, **kw)
+    audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping,
+                            _through(background, r.stepped), r.done)
+    return r.cost(max(r.pipeline_ms, audits))
 
 
 def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPart, ...]]:
@@ -626,6 +611,7 @@ class _Run:
     traffic: _Traffic
     p: _Paths
     stepped: dict[str, float]
+    done: dict[str, float]   # device -> when its last pass or check ends (the programs run; empty: closed forms)
 
     @property
     def stepper_ms(self) -> float:
@@ -651,6 +637,7 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     bw = [[problem.tables(st.recompute).range_bwd_ms(st.first_block, st.last_block, problem.class_of(d))
            for d in st.devices] for st in stages]
     _add_codec_ms(problem, stages, fb, bw)
+    estimated = [list(row) for row in fb]   # the compiler's, which orders the programs: no signing
     _add_signing_ms(problem, stages, verifiers, fb)
     traffic = _traffic(problem, stages, verifiers)
     routes = [route(st.microbatches) for st in stages]
@@ -664,9 +651,11 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     busy += _message_resources(stages, traffic, p, verify_load, backlog, max(b for b, _, _ in busy))
     busy += _check_queues(problem, stages, verifiers, p, bw)
     pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
+    done: dict[str, float] = {}
     if scheduled:  # the passes, checks and messages placed as the compiler places them (``drain_schedule``)
-        drained, stepped = drain_with_steppers(problem, stages, verifiers, fb, bw, limits, background)
-        finishes = list(drained)
+        drained = drain_with_steppers(problem, stages, verifiers, estimated, bw, limits, background, run_fb=fb,
+                                      check_extra=_audit_checks(problem, stages, verifiers))
+        finishes, stepped, done = list(drained.finishes), drained.stepped, drained.done
         pipe = finishes[0]
     elif problem.schedule == "gpipe":
         queued = {d: sum(part.ms for part in parts) for d, parts in background.items()}
@@ -687,12 +676,13 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
             for b, direction in traffic.checks.get(dev, ()):
                 if direction == "grad":
                     finishes[k] = max(finishes[k], sent[b + 1] + p.hop_b[last][b])
+            finishes[k] = max(finishes[k], done.get(dev, 0.0))   # its checks after its last backward, as run
     optim_ms = [max(problem.range_optim_ms(st.first_block, st.last_block, problem.class_of(d)) for d in st.devices)
                 for st in stages]
     ends = [f + ar + opt for f, ar, opt in zip(finishes, allreduce_ms, optim_ms)]
     stepping = [e - opt for e, opt in zip(ends, optim_ms)]   # a source sends its auditor its gradient from then
     return _Run(pipeline_ms=max(max(ends), pipe + optim_ms[0]), pipe_ms=pipe, limits=limits, name=name,
-                ends=ends, sent=sent, stepping=stepping, traffic=traffic, p=p, stepped=stepped)
+                ends=ends, sent=sent, stepping=stepping, traffic=traffic, p=p, stepped=stepped, done=done)
 
 
 def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
@@ -700,6 +690,18 @@ def _add_signing_ms(problem: Problem, stages, verifiers, fb) -> None:
     for (k, dev), ms in signing_ms(problem, stages, verifiers).items():
         i = stages[k].devices.index(dev)
         fb[k][i] += ms
+
+
+def _audit_checks(problem: Problem, stages, verifiers) -> dict[tuple[str, int, str], float]:
+    """(auditor, boundary, B) -> what each of its checks of the gradients an audited stage sends upstream adds: the
+    recompute of that microbatch's expected share (``AuditCost.during_step``, ``simulate._audit_checks``)."""
+    out: dict[tuple[str, int, str], float] = {}
+    for k, st in enumerate(stages):
+        site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
+        if site is not None and site.grads:
+            M = sum(st.microbatches)
+            out[(site.auditor, k - 1, "B")] = audit_cost(problem, st, site, st.audit_every, M).recompute_ms / M
+    return out
 
 
 def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, float]) -> dict[str, float]:
@@ -715,7 +717,8 @@ def _with_audits(problem: Problem, stages, verifiers, verify_load: dict[str, flo
 
 
 def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends: list[float], sent: list[float],
-                   p: _Paths, stepping: list[float], through: dict[tuple[str, int], tuple[float, float]]) -> float:
+                   p: _Paths, stepping: list[float], through: dict[tuple[str, int], tuple[float, float]],
+                   ran: dict[str, float]) -> float:
     """When the last audited stage's auditor has recomputed its audited microbatches and heard the applied
     gradient (``cost_models.audit``; its copy steps off the step's path), sent from ``stepping`` (the replicas'
     optimizer steps' starts): after the replicas' optimizer steps, its own program and, where the inputs come
@@ -728,7 +731,7 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
 
     def done(device: str) -> float:
         if device not in clock:
-            clock[device] = posted[device] = _program_end_ms(problem, stages, traffic, ends, sent, p, device)
+            clock[device] = posted[device] = _program_end_ms(problem, stages, traffic, ends, sent, p, device, ran)
         return clock[device]
 
     for k, st in enumerate(stages):
@@ -752,13 +755,16 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
 
 
 def _program_end_ms(problem: Problem, stages, traffic: _Traffic, ends: list[float], sent: list[float], p: _Paths,
-                    device: str) -> float:
-    """When ``device``'s program ends: its stage's optimizer step, else its last check: a gradient's, by the
-    time its consumer hears the verdict on the last one (the last microbatch's forwards all came before); with
-    none, an activation's, conservatively after its sender's last backward."""
+                    device: str, ran: dict[str, float]) -> float:
+    """When ``device``'s program ends: its stage's optimizer step, else its last check: as the programs ran
+    (``ran``), or from the closed forms, a gradient's by the time its consumer hears the verdict on the last one
+    (the last microbatch's forwards all came before); with none, an activation's, conservatively after its
+    sender's last backward."""
     on = [ends[k] for k, st in enumerate(stages) if device in st.devices]
     if on:
         return max(on)
+    if device in ran:
+        return ran[device]
     last, cls = len(p.fwd) - 1, problem.class_of(device)
     checks = traffic.checks.get(device, set())
     grads = [sent[b + 1] + p.hop_b[last][b] for b, d in checks if d == "grad"]
