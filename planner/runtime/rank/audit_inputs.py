@@ -6,6 +6,11 @@ know which microbatches the auditor's schedule audits (``scheduled``), and the r
 microbatch's output leaves for its consumer, an upstream rank keeps what the consumer receives
 (``keep_input_copy``); at the step's end it sends them in one float message (``send_inputs``), which the auditor
 receives into buffers of the stage's input shapes (``hear_inputs``, ``unflatten``).
+
+A sender under suspicion is audited on every microbatch from copies too, where every rank can tell it is one: the
+senders the last step's verdict left unresolved (``agreed_suspects``), which every rank hears alike; the
+auditor's own suspicions (its flags, a contribution CUSUM) reach no upstream rank, so they cost an audit only where
+the auditor holds the stage's input (``audits._audited``).
 """
 from __future__ import annotations
 
@@ -50,6 +55,18 @@ def scheduled(plan: Any, schedule: audit.AuditSchedule, stage: int, mb: int, ste
     return schedule.audited(owner, step, mine.index(mb), len(mine), suspected=suspected)
 
 
+def agreed_suspects(ex: Any) -> frozenset[int]:
+    """The senders every rank audits on every microbatch this step: those the verdict of the step before left
+    unresolved (``ex.unresolved``, sent to every rank alike). Read once a step and kept: the sender's copies and
+    the auditor's receives must name the same microbatches (else one waits for a message the other never sends),
+    and ``ex.unresolved`` changes at the step's end (``_end_verification``), after them, never between."""
+    audits = ex.audits
+    if audits.agreed_step != ex.step:
+        audits.agreed = frozenset(getattr(ex, "unresolved", None) or ())
+        audits.agreed_step = ex.step
+    return audits.agreed
+
+
 def keep_input_copy(ex: Any, mb: int) -> None:
     """On a trusted rank of the stage before one audited from copies, as ``mb``'s output leaves for its
     consumer: keep what the consumer receives where the auditor's schedule audits it (sent at the step's end)."""
@@ -58,14 +75,18 @@ def keep_input_copy(ex: Any, mb: int) -> None:
         return
     k = ex.info.stage + 1
     schedule = audits.sharing.get(k)
-    if schedule is not None and scheduled(ex.plan, schedule, k, mb, ex.step):
+    if schedule is not None and scheduled(ex.plan, schedule, k, mb, ex.step,
+                                          suspected=ex.plan.owner(k, mb) in agreed_suspects(ex)):
         # a reference, not a copy: the send of an audited microbatch must take no longer than another's
         audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
 
 
-def copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: Any, sender: int, step: int) -> list[int]:
-    """The audited microbatches whose inputs upstream rank ``sender`` copies to the auditor this step."""
-    return [mb for mb in sorted(plan.ranks[sender].microbatches) if scheduled(plan, schedule, st.stage, mb, step)]
+def copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: Any, sender: int, step: int,
+               suspects: frozenset[int] = frozenset()) -> list[int]:
+    """The audited microbatches whose inputs upstream rank ``sender`` copies to the auditor this step (every one
+    whose replica is among ``suspects``, ``agreed_suspects``)."""
+    return [mb for mb in sorted(plan.ranks[sender].microbatches)
+            if scheduled(plan, schedule, st.stage, mb, step, suspected=plan.owner(st.stage, mb) in suspects)]
 
 
 def copy_dtype(integer: bool) -> torch.dtype:
@@ -75,7 +96,7 @@ def copy_dtype(integer: bool) -> torch.dtype:
 def send_inputs(ex: Any, st: Any, step: int) -> None:
     """An upstream rank's copies of this step's audited inputs, one flat message to the auditor."""
     audits = ex.audits
-    mbs = copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step)
+    mbs = copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step, agreed_suspects(ex))
     if not mbs or ex.rank == st.auditor:
         return
     tensors = [t for mb in mbs for t in audits.outbox[(st.stage, mb)]]
@@ -95,7 +116,7 @@ def hear_inputs(ex: Any, st: Any, step: int) -> None:
     per_mb = sum(math.prod(spec.shape) for spec in specs)
     dtype = copy_dtype(any(not spec.dtype.is_floating_point for spec in specs))
     for sender in st.copied_from:
-        mbs = copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step)
+        mbs = copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step, agreed_suspects(ex))
         if not mbs:
             continue
         if sender == ex.rank:

@@ -168,7 +168,9 @@ def hear(ex: Any, st: Any, step: int) -> None:
     auditing = st.stage in audits.auditing(ex.rank)   # else (suspended, drifting) it asks for nothing
     events, voided = [], 0
     for replica in st.replicas:
-        mbs = audit_inputs.copied_mbs(ex.plan, audits.schedules[st.stage], st, replica, step) if auditing else []
+        # the senders ``_audited`` kept every output of: the same set, so each asked-for input has its output
+        mbs = audit_inputs.copied_mbs(ex.plan, audits.schedules[st.stage], st, replica, step,
+                                      audit_inputs.agreed_suspects(ex)) if auditing else []
         for mb, payloads, meta in _ask(ex, st, replica, mbs, step):
             judged = judge(audits.signed, ex.plan.owner(st.stage - 1, mb), meta, payloads, step=step, mb=mb,
                            boundary=st.stage - 1, dropped=(st.stage, mb) in audits.tainted)

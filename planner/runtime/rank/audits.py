@@ -10,8 +10,8 @@ lowest) sends that gradient whole, and the auditor, finding every digest equal t
 optimizer step to its copy, on a thread of its own while the run goes on (``audit_copy.StageCopy.step_later``: the copy's next
 recompute waits for it; a sole replica's report needs no tensor to judge, so there the step's end does not wait
 for the gradient either: the copy steps once it is in, ``step_when_heard``). During the step the auditor keeps, for the
-microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion, where it
-holds the input), the tensors its checks already see: the stage's input (as the verifier of the boundary before
+microbatches ``AuditSchedule.audited`` picks with its secret key (every one of a sender under suspicion: one left
+unresolved by the step before's verdict, or, where it holds the input, one its own monitors suspect), the tensors its checks already see: the stage's input (as the verifier of the boundary before
 it), the replica's output, the gradient the replica was sent and the one it sent upstream. As soon as a
 microbatch's tensors are in, with the copy still at the weights the replicas compute the whole step with, it
 recomputes the stage on that input and compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event``
@@ -156,6 +156,9 @@ class RuntimeAudits:
     # the auditor's: the senders its verifier's flags or alerts named in the step before ``flagged_step``
     flagged: set[int] = field(default_factory=set)
     flagged_step: int | None = None
+    # every rank's: the senders the last step's verdict left unresolved, read once a step (``agreed_suspects``)
+    agreed: frozenset[int] = frozenset()
+    agreed_step: int | None = None
     checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
 
     def inline_at(self, step: int) -> bool:
@@ -220,14 +223,16 @@ def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
 
 
 def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
-    """On the auditor: ``mb`` is audited, or every one of a suspect's where the auditor holds the stage's input
-    (from copies, the upstream ranks know only the schedule): unresolved evidence, a contribution CUSUM past half
-    its alarm, or a flag or alert of this verifier's in the step before (``audit.flagged_at``)."""
+    """On the auditor: ``mb`` is audited, or every one of a suspect's: one the last step's verdict left unresolved
+    (``audit_inputs.agreed_suspects``, known to every rank alike, so from copies or signed inputs too, where the
+    upstream ranks or the replicas send what the same rule picks); and, where the auditor holds the stage's input,
+    one its own monitors suspect, which no upstream rank hears: a contribution CUSUM past half its alarm, or a
+    flag or alert of this verifier's in the step before (``audit.flagged_at``)."""
     owner = ex.plan.owner(st.stage, mb)
     contrib = getattr(ex, "_contributions", None)
-    suspected = not st.copied_from and (owner in ex.unresolved
-                                        or (contrib is not None and owner in contrib.suspects(st.stage))
-                                        or owner in _flagged_before(ex))
+    suspected = owner in audit_inputs.agreed_suspects(ex) or (
+        not st.copied_from and ((contrib is not None and owner in contrib.suspects(st.stage))
+                                or owner in _flagged_before(ex)))
     return audit_inputs.scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
 
 
