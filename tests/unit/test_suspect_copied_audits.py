@@ -1,0 +1,87 @@
+"""Suspects audited from copies (issue 37): the senders the last step's verdict left unresolved
+(``ex.unresolved``, the same on every rank) are audited on every microbatch where the inputs come copied or
+signed, and the upstream rank that copies them and the auditor that hears them name the same microbatches
+(``audit_inputs.agreed_suspects``, read once a step); the auditor's own suspicions count only where it holds the
+input."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from planner.integrity import audit
+from planner.runtime.rank import audit_inputs, audits
+
+SECRET = bytes(range(16))
+NEVER = 10 ** 6
+# stage 1 on replicas 1 and 3, four microbatches each (0-3 on 1, 4-7 on 3); stage 0 on rank 0, the auditor rank 2
+OWNERS = {**{mb: 1 for mb in range(4)}, **{mb: 3 for mb in range(4, 8)}}
+
+
+def _plan() -> SimpleNamespace:
+    ranks = {0: SimpleNamespace(microbatches=tuple(range(8))), 1: SimpleNamespace(microbatches=(0, 1, 2, 3)),
+             3: SimpleNamespace(microbatches=(4, 5, 6, 7))}
+    return SimpleNamespace(owner=lambda stage, mb: 0 if stage == 0 else OWNERS[mb], ranks=ranks)
+
+
+def _ranks(step: int, unresolved: dict[int, int], *, events: list[dict] | None = None,
+           signed: bool = False) -> tuple[SimpleNamespace, SimpleNamespace, audits.AuditedStage]:
+    """The upstream rank 0 (copies stage 1's inputs) and the auditor rank 2, both told ``unresolved``."""
+    st = audits.AuditedStage(stage=1, replicas=(1, 3), auditor=2, source=1, every=NEVER,
+                             copied_from=(1, 3) if signed else (0,), signed_by=(0,) if signed else ())
+    plan, schedule = _plan(), audit.AuditSchedule(SECRET, NEVER)
+    verify = SimpleNamespace(verifier=SimpleNamespace(events=events or []))
+    upstream = SimpleNamespace(plan=plan, rank=0, step=step, unresolved=dict(unresolved), stage=object(),
+                               info=SimpleNamespace(stage=0), audits=audits.RuntimeAudits(
+                                   stages={1: st}, sharing={1: schedule}),
+                               _delivered=lambda d, mb: [torch.full((2,), float(mb))])
+    auditor = SimpleNamespace(plan=plan, rank=2, step=step, unresolved=dict(unresolved), verify=verify,
+                              audits=audits.RuntimeAudits(stages={1: st}, schedules={1: schedule}))
+    return upstream, auditor, st
+
+
+def test_a_sender_left_unresolved_has_all_its_microbatches_copied_and_audited():
+    upstream, auditor, st = _ranks(8, {1: 6})
+    for mb in range(8):
+        audit_inputs.keep_input_copy(upstream, mb)
+    # the upstream rank keeps, and would send, all of replica 1's inputs and none of replica 3's (a draw of 1e-6)
+    assert sorted(mb for _, mb in upstream.audits.outbox) == [0, 1, 2, 3]
+    sent = audit_inputs.copied_mbs(upstream.plan, upstream.audits.sharing[1], st, 0, 8,
+                                   audit_inputs.agreed_suspects(upstream))
+    heard = audit_inputs.copied_mbs(auditor.plan, auditor.audits.schedules[1], st, 0, 8,
+                                    audit_inputs.agreed_suspects(auditor))
+    assert sent == heard == [0, 1, 2, 3]
+    # and the auditor keeps those outputs for the audit
+    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [0, 1, 2, 3]
+
+
+def test_nothing_unresolved_leaves_the_draw_alone():
+    upstream, auditor, st = _ranks(8, {})
+    for mb in range(8):
+        audit_inputs.keep_input_copy(upstream, mb)
+    assert upstream.audits.outbox == {}
+    assert not any(audits._audited(auditor, st, mb) for mb in range(8))
+
+
+def test_the_auditors_own_flags_cost_no_audit_from_copies_no_rank_upstream_hears_them():
+    flag = {"type": "flag", "step": 7, "mb": -1, "boundary": 1, "direction": "act", "sender": 3, "scope": "step",
+            "scores": {"spectral": 2.0}, "fences": {"spectral": 1.0}, "reasons": ["spectral"]}
+    _, auditor, st = _ranks(8, {1: 6}, events=[flag])
+    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [0, 1, 2, 3]
+
+
+def test_signed_inputs_the_auditor_keeps_every_output_it_asks_the_suspect_for():
+    _, auditor, st = _ranks(8, {3: 2}, signed=True)
+    kept = [mb for mb in range(8) if audits._audited(auditor, st, mb)]
+    asked = [mb for r in st.replicas for mb in audit_inputs.copied_mbs(
+        auditor.plan, auditor.audits.schedules[1], st, r, 8, audit_inputs.agreed_suspects(auditor))]
+    assert kept == asked == [4, 5, 6, 7]
+
+
+def test_the_suspects_are_read_once_a_step_so_both_ends_name_the_same_microbatches():
+    upstream, _, _ = _ranks(8, {1: 6})
+    audit_inputs.keep_input_copy(upstream, 0)
+    upstream.unresolved = {}   # changed within the step (it never is; the step's end reads what its start read)
+    assert audit_inputs.agreed_suspects(upstream) == {1}
+    upstream.step = 9   # the next step reads the verdict anew
+    assert audit_inputs.agreed_suspects(upstream) == frozenset()
