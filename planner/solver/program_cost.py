@@ -61,15 +61,9 @@ replicated stage's gradients once its replicas are done. Priced the same way
   ``test_monotone_pools`` seed 13: a signed audit priced as the plan unaudited
   plus its closed forms' increment came 0.44% under, the stages after the
   signing 11 ms later as run); its audits' ends then follow from the stage
-  ends and its devices' last checks (``_audits_end_ms``). The closed forms' own
-  stage ends (``_priced(scheduled=False)``, which the price no longer reads): the **drain**
-  (``_drain``): the backwards the bottleneck replica still holds after its
-  last forward leave it one backward apart and queue, stage by stage, on the
-  upstream replicas they are routed through; stages upstream of the
-  bottleneck end as the last gradient drains through them, downstream once
-  the bottleneck's last forwards made their round trips there (``_finishes``).
-* Stage ``k``'s all-reduce starts when its own last backward ends (GPipe:
-  ``_gpipe_ms``), never before its replicas' first inputs arrived and all
+  ends and its devices' last checks (``_audits_end_ms``). The closed forms
+  above only name the resource that paces the pipeline (the report's bottleneck).
+* Stage ``k``'s all-reduce starts when its own last backward ends, never before its replicas' first inputs arrived and all
   their passes ran (``_own_floor``); a replica that checks gradients first
   finishes its checks; then the optimizer step (``cost_models.optim``):
   ``step = max_k (end_k + AR_k + optim_k)``.
@@ -82,17 +76,12 @@ replicated stage's gradients once its replicas are done. Priced the same way
   signed inputs, the upstream ranks' forwards grow by signing what they send it, its replicas' by checking the
   signatures (``audit_price.signing_ms``). Outputs-only audits recompute during the next step on the auditor's
   copy stepper, work on the auditor's device from the step's start beside its own passes and checks
-  (``audit_price.Stepper``): run with the programs (``drain_schedule``; GPipe's closed forms: its forward phase on
-  that device stretched by what the stepper has left once its first input is in); the step ends no sooner than the stepper
+  (``audit_price.Stepper``): run with the programs (``drain_schedule``); the step ends no sooner than the stepper
   is through its queue, and each deferred audit no sooner than its own stage's parts there (and those queued
   before them, ``audit_price.Stepper.through_ms``), the auditor's next audit after it (``planner.simulate._audits``).
-* GPipe runs as two phases, every forward then every backward, each as long
-  as its slowest replica or link plus the path around it (``_gpipe_ms``): the
-  closed forms an audit's increment is measured on. Its pipeline itself comes
-  from its programs run (``drain_schedule``, every forward, then the backwards
-  in the forwards' order): the phases missed where replicas' and links' phases
-  overlap (random pools of 6-16 volunteers: 0.75-1.33 of the simulation, 83%
-  within 5%; now 1.000).
+* GPipe's pipeline comes from its programs run (``drain_schedule``, every forward, then the backwards in the
+  forwards' order): closed forms of its two phases missed where replicas' and links' phases overlap (random pools
+  of 6-16 volunteers: 0.75-1.33 of the simulation, 83% within 5%; now 1.000).
 """
 from __future__ import annotations
 
@@ -283,67 +272,6 @@ def _queued(stages, routes, fb, k: int, i: int, at: int) -> float:
     return wait
 
 
-def _gpipe_ms(stages, routes, fb, bw, p: _Paths, traffic: _Traffic, queued: dict[str, float] | None = None,
-              verify_load: dict[str, float] | None = None) -> tuple[float, list[float]]:
-    """GPipe's two phases: every forward until the last stage's last one, then every backward, each phase as
-    long as its slowest replica's passes, or a link's activations (gradients), plus the path around them;
-    and when each stage's last backward ends. ``queued``: device -> its audit copies' stepper's work from the
-    step's start: what is left of it once the device's first input is in shares the device's passes and checks
-    (``verify_load``, per microbatch), each as long again while it lasts (``audit_price.Stepper``), its forward
-    phase that much longer."""
-    queued, verify_load = queued or {}, verify_load or {}
-    S = len(stages)
-    end, top, last = S - 1, 0, len(p.fwd) - 1
-    fwd_phase = bwd_phase = 0.0
-    own_end = [0.0] * S  # from the end of the forwards to each stage's last backward
-    slowest = 0  # the stage whose backwards pace the backward phase
-    for (k, direction, _, _), ms in traffic.by_direction.items():
-        if direction == "act":  # from the first activation leaving stage k to the last one's forward at the end
-            tail = p.fwd[last][end] - p.fwd[last][k + 1] + fb[end][0] - bw[end][0]
-            fwd_phase = max(fwd_phase, p.fwd[0][k + 1] - p.hop_f[0][k] + ms + tail)
-        else:  # from the end of the forwards: the first gradient reaching k + 1's output, to stage 0's end
-            lead = bw[end][top] + p.bwd[0][end] - p.bwd[0][k + 1] if k + 1 < end else bw[end][top]
-            bwd_phase, slowest = max((bwd_phase, slowest), (lead + ms + p.bwd[last][k + 1] - p.hop_b[last][k], k + 1))
-    for k in range(S):
-        for ids, t, b, dev in zip(routes[k], fb[k], bw[k], stages[k].devices):
-            first, last = ids[0], ids[-1]
-            f = t - b
-            after = p.fwd[last][end] + fb[end][0] - bw[end][0] - p.fwd[last][k] - f  # to the last stage's forward
-            arrive = p.fwd[first][k] + p.late_f[first][k]
-            fwd_phase = max(fwd_phase, arrive + len(ids) * f + max(after, 0.0))
-            if queued.get(dev, 0.0) > arrive:   # an auditor: its forwards and checks beside its stepper
-                checks = len(p.fwd) * verify_load.get(dev, 0.0)
-                shared = min(queued[dev] - arrive, len(ids) * t + checks)
-                fwd_phase = max(fwd_phase, arrive + len(ids) * f + checks + shared + max(after, 0.0))
-            before = p.bwd[first][end] - p.bwd[first][k + 1] + p.hop_b[first][k] if k < end else 0.0
-            lead = bw[end][top] + before if k < end else 0.0
-            own_end[k] = max(own_end[k], lead + len(ids) * b)
-            bwd_phase, slowest = max((bwd_phase, slowest),
-                                     (lead + len(ids) * b + p.bwd[last][k] + p.late_b[last][k], k))
-    pipe = fwd_phase + bwd_phase
-    # Up to the stage pacing the backwards, stages end as the last gradient drains; after it, on their own.
-    return pipe, [pipe - p.bwd[last][k] if k <= slowest else fwd_phase + own_end[k] for k in range(S)]
-
-
-def _finishes(pipe: float, bottleneck: tuple[int, int, float] | None, p: _Paths, fb, bw, routes) -> list[float]:
-    """When each stage's last backward ends (its all-reduce starts then). Upstream of the bottleneck stage
-    the backward drains from it; downstream, the bottleneck's last forward passes through and comes back."""
-    S, M = len(fb), len(p.fwd)
-    if bottleneck is None:  # a link or a verifier paces the pipeline: every stage drains with the last microbatch
-        return [pipe - p.bwd[M - 1][k] for k in range(S)]
-    kb, mb, forward_end = bottleneck
-    owner = owners(tuple(len(ids) for ids in routes[kb]))
-    out = [pipe - p.bwd[mb][k] for k in range(S)]
-    for k in range(kb + 1, S):  # each replica's last microbatch left the bottleneck by its last forward
-        out[k] = 0.0
-        for i, ids in enumerate(routes[k]):
-            x = ids[-1]
-            j = owner[x][0]
-            arrive = forward_end - (fb[kb][j] - bw[kb][j]) + p.fwd[x][k] - p.fwd[x][kb]
-            out[k] = max(out[k], arrive + fb[k][i] + p.down[x][k])
-    return out
-
-
 def _own_floor(routes, fb, p: _Paths) -> list[float]:
     """Per stage, the earliest its last backward can end: each replica's first microbatch arrives, then the
     replica runs all its passes (a stage the drain leaves early still has them to run)."""
@@ -351,36 +279,11 @@ def _own_floor(routes, fb, p: _Paths) -> list[float]:
             for k, rs in enumerate(routes)]
 
 
-def _drain(bottleneck: tuple[int, int, float], limits, p: _Paths, bw, stages, routes) -> list[float]:
-    """When each stage up to the bottleneck's ends the backwards of the microbatches the bottleneck replica
-    still holds after its last forward: they leave it one backward apart and queue, stage by stage, on the
-    upstream replicas they are routed through (a slower upstream replica fed only by the bottleneck's
-    microbatches works them off one after another, after the bottleneck is done)."""
-    kb, last, forward_end = bottleneck
-    iq = owners(tuple(len(ids) for ids in routes[kb]))[last][0]
-    ids, b = routes[kb][iq], bw[kb][iq]
-    held = ids[-min(limits[kb][iq], len(ids)):]
-    late = max(0.0, p.down[held[-1]][kb] - (len(held) - 1) * b)
-    end = {x: forward_end + (j + 1) * b + late for j, x in enumerate(held)}
-    out = [0.0] * (kb + 1)
-    out[kb] = max(end.values())
-    for k in range(kb - 1, -1, -1):
-        owner, free, nxt = owners(stages[k].microbatches), {}, {}
-        for x in sorted(held, key=lambda x: end[x] + p.hop_b[x][k]):
-            i = owner[x][0]
-            nxt[x] = free[i] = max(free.get(i, 0.0), end[x] + p.hop_b[x][k]) + bw[k][i]
-        end = nxt
-        out[k] = max(end.values())
-    return out
-
-
 def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify_load: dict[str, float],
                      periods, traffic: _Traffic, backlog: Backlog):
-    """Per stage replica: (busy, the path outside it, name) and where its last forward ends (its stage, that
-    microbatch, the time)."""
+    """Per stage replica: (busy, the path outside it, name)."""
     S, M = len(stages), len(p.fwd)
     busy: list[tuple[float, float, str]] = []
-    last_forward: dict[str, tuple[int, int, float]] = {}
     throttled = [any(period > t for (_, period), t in zip(periods[k], fb[k])) for k in range(S)]
     for k, st in enumerate(stages):
         for i, (dev, ids, t, b) in enumerate(zip(st.devices, routes[k], fb[k], bw[k])):
@@ -404,12 +307,8 @@ def _stage_resources(problem: Problem, stages, routes, fb, bw, p: _Paths, verify
             idle += backlog.consumer_ms.get((k, i), 0.0) + backlog.stream_ms
             outside = p.fwd[first][k] + p.late_f[first][k] + idle + p.bwd[last][k] + p.late_b[last][k]
             work = m * period + M * verify_load.get(dev, 0.0)
-            name = f"stage {k} on {dev}"
-            busy.append((work, outside, name))
-            # Its last backward starts that microbatch's round trip, or the backwards it still holds, later.
-            last_forward[name] = (k, last, work + outside - p.bwd[last][k] - p.late_b[last][k] - b
-                                  - max(p.down[last][k], (n - 1) * b))
-    return busy, last_forward
+            busy.append((work, outside, f"stage {k} on {dev}"))
+    return busy
 
 
 def _verdict_stall(traffic: _Traffic, k: int, i: int, f: float, n: int, trip: float) -> float:
@@ -570,7 +469,7 @@ def program_cost(problem: Problem, stages: tuple[StagePlacement, ...], verifiers
     background = _steppers(problem, stages, verifiers)
     # Audited or not, the programs run as the compiler orders them on its estimates, with the signing, the
     # recomputes among the checks and the steppers an audit adds (``drain_schedule``); the audits' ends follow.
-    r = _priced(problem, stages, verifiers, scheduled=True, background=background, **kw)
+    r = _priced(problem, stages, verifiers, background=background, **kw)
     audits = _audits_end_ms(problem, stages, verifiers, r.traffic, r.ends, r.sent, r.p, r.stepping,
                             _through(background, r.stepped), r.done)
     return r.cost(max(r.pipeline_ms, audits))
@@ -624,11 +523,11 @@ class _Run:
 
 
 def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float], verifier_state: dict[str, int],
-            allreduce_ms: tuple[float, ...], scheduled: bool,
+            allreduce_ms: tuple[float, ...],
             background: dict[str, tuple[StepperPart, ...]] | None = None) -> _Run:
-    """``program_cost``'s parts but the audits' ends, 1F1B's pipeline from ``drain_schedule`` (``scheduled``) or
-    from the closed forms; ``background``: the auditors' copy steppers' queues (``_steppers``), run beside their
-    devices' work."""
+    """``program_cost``'s parts but the audits' ends, the pipeline from the programs run (``drain_schedule``; the
+    closed forms name the resource that paces it); ``background``: the auditors' copy steppers' queues
+    (``_steppers``), run beside their devices' work."""
     background = background or {}
     stepped: dict[str, float] = {}
     verify_load = _with_audits(problem, stages, verifiers, verify_load)
@@ -647,27 +546,15 @@ def _priced(problem: Problem, stages, verifiers, *, verify_load: dict[str, float
     limits = [tuple(n for n, _ in row) for row in periods]
     backlog = _backlog(problem, stages, verifiers, routes, fb, bw, p, periods, traffic, verify_load)
     backlog = _delay_first_backwards(problem, stages, verifiers, routes, fb, bw, p, limits, backlog)
-    busy, last_forward = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
+    busy = _stage_resources(problem, stages, routes, fb, bw, p, verify_load, periods, traffic, backlog)
     busy += _message_resources(stages, traffic, p, verify_load, backlog, max(b for b, _, _ in busy))
     busy += _check_queues(problem, stages, verifiers, p, bw)
-    pipe, name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])
-    done: dict[str, float] = {}
-    if scheduled:  # the passes, checks and messages placed as the compiler places them (``drain_schedule``)
-        drained = drain_with_steppers(problem, stages, verifiers, estimated, bw, limits, background, run_fb=fb,
-                                      check_extra=_audit_checks(problem, stages, verifiers))
-        finishes, stepped, done = list(drained.finishes), drained.stepped, drained.done
-        pipe = finishes[0]
-    elif problem.schedule == "gpipe":
-        queued = {d: sum(part.ms for part in parts) for d, parts in background.items()}
-        phases, finishes = _gpipe_ms(stages, routes, fb, bw, p, traffic, queued, verify_load)
-        pipe = max(pipe, phases)
-        stepped = dict(queued)   # at least its queue's work, from the step's start
-    else:
-        finishes = _finishes(pipe, last_forward.get(name), p, fb, bw, routes)
-        if name in last_forward:
-            drained = _drain(last_forward[name], limits, p, bw, stages, routes)
-            pipe = max(pipe, drained[0])
-            finishes = [max(f, d) for f, d in zip(finishes, drained)] + finishes[len(drained):]
+    name = max(((b + fill, n) for b, fill, n in busy), key=lambda x: x[0])[1]
+    # the passes, checks and messages placed as the compiler places them and run as they run (``drain_schedule``)
+    drained = drain_with_steppers(problem, stages, verifiers, estimated, bw, limits, background, run_fb=fb,
+                                  check_extra=_audit_checks(problem, stages, verifiers))
+    finishes, stepped, done = list(drained.finishes), drained.stepped, drained.done
+    pipe = finishes[0]
     finishes = [max(f, own) for f, own in zip(finishes, _own_floor(routes, fb, p))]
     last = len(p.fwd) - 1
     sent = list(finishes)  # the checks wait on the senders' own finishes, whatever order the checks come in
