@@ -17,8 +17,15 @@ from collections.abc import Callable, Iterator
 UNITS_PER_S = 400_000  # CPU microseconds per nominal second: wall time ran ~2.5x CPU time there
 CEILING_FACTOR = 3.0  # the wall-clock safety stop, as a multiple of the nominal time
 CEILING_SLACK_S = 2.0  # added to the ceiling: start-up costs (kernel loading) that no budget counts
-# CP-SAT's deterministic time per nominal second: one of its "seconds" took about three of wall time there.
-CPSAT_DET_PER_S = 0.3
+# CP-SAT's deterministic time per nominal second (its limit and its charge). Fitted 2026-12-06 on the CPU time
+# (solver.user_time; the process's CPU rose by as much) of the 8 main CP-SAT solves of DT-FM
+# worldwide (plan_time's case at 30 s, loads 3-5). At 0.3: 9.3 s of CPU for 2.8 det s (CPU per det s median 3.2,
+# p10 2.6, p90 4.2), measured / charged median 2.38, p10 1.93, p90 3.12, total 2.49: +5.6 s of CPU, half of what
+# the whole solve ran past its charges. At 0.12 (a det s ~3.3 CPU s, 8.3 nominal s): 4.4 s for 1.1 det s, median
+# 1.11, p10 0.92, p90 1.47, total 1.18; the same plan (14,888.9 ms). The hint's completions (~0.002 det s) cost a
+# fixed ~40 ms each that no det time counts. Before: 0.3, from wall time ("one of its seconds took about three
+# of wall time there"). The 1000x176 pool never reaches CP-SAT (too large: its local search instead).
+CPSAT_DET_PER_S = 0.12
 
 _hits: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("stagewise_ceiling_hits", default=None)
 
@@ -107,6 +114,13 @@ class Work:
 # within about 2x (the Python-bound ones raised by half: cache misses the fit did not see). The ceiling covers
 # what they miss by far.
 
+# Measured 2026-12-06 (CPU time of the thread, load 4-5; plan_time's cases at 30 s), not refitted: the
+# best-bottleneck split (``exact`` False) costs by its stages where blocks are few. DT-FM worldwide (26 blocks, 2-26
+# stages; 851 calls: 0.08 ms at 2-4 stages, 1.0-2.8 ms at 5-18, 0.3-0.5 ms at 19-26 where the split fails early):
+# measured / charged median 4.60, p10 0.59, p90 8.37, total 4.49 (its sequence search 1.4 s of CPU for 0.3 s
+# charged); the 1000x176 pool (1000 blocks, 2-10 stages, ~1 ms): 0.06. max(this, 150 + 130 S) fitted worldwide
+# (median 1.15, total 0.92) and kept its plan, but broke test_monotone_pools seed 13 (plus a host 2,135.7 ms
+# against the smaller pool's 2,074.5): kept as it was.
 def partition_units(num_blocks: int, num_stages: int, *, exact: bool) -> float:
     """A sequence re-partitioned (``seq_partition.sequence_placement``; its DPs grow as L^1.5) and priced."""
     return 900.0 + 2.2 * num_blocks ** 1.5 if exact else 300.0 + 0.6 * num_blocks ** 1.5
@@ -209,6 +223,8 @@ def fill_units(num_blocks: int, num_devices: int) -> float:
 # Before (400 + (0.006 L^1.5 C + 0.07 C^3) R J): total 2.55, 4.83 on the 1000x176 pool (3-15x on its DPs).
 # Re-measured under this charge (its solves' own DPs): median 0.85, p10 0.36, p90 1.75, total 1.12; it misses
 # where a search runs hundreds of tiny DPs (1 class: the LP and its pool of cuts grow with them, 3-12x).
+# Whole bound searches on DT-FM worldwide at 30 s (2026-12-06, load 3-5; 1,811 charges: DPs, LPs, the relaxed
+# plans priced) ran 2.5 s of CPU for 2.5 s charged (total 1.0): there the tiny DPs' overrun is made up by the rest.
 def dp_units(num_blocks: int, num_classes: int, replica_choices: int, layers: int) -> float:
     """One sequence DP of the bound (``bound.sequence_dp``) and the cutting-plane LP after it."""
     steps = (layers + 4) * num_blocks * num_classes ** 3 * replica_choices * max(num_blocks, 2).bit_length()
