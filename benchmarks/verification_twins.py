@@ -240,9 +240,9 @@ class TwinPipeline(Pipeline):
         flags = self.verifier.flag_events(step)
         audits, self.audit_flags, self.audit_inputs = self.audit_flags, [], {}
         banned = self.verifier.end_step(step, [flags, events, audits])
-        # as the runtime's auditor reads them (``audits._flagged_before``): its verifier's log of the step, where the
-        # runtime also adds the contributions' and the audits' flags this emulation hands ``end_step`` directly
-        self.flagged_before = audit.flagged_at(self.verifier.events, step) | audit.flagged_senders([*events, *audits])
+        # as the runtime's lead verifier names them in the step's verdict (``executor_verify._suspects``): the
+        # exchanged flags (those a passed audit refuted gone), the contributions' and the audits' among them
+        self.flagged_before = audit.flagged_senders([*flags, *events, *audits])
         blamed = sorted(self.verifier.last_blamed)
         if ATTACKER in banned and not self.replanned:
             self.first_flagged = self.verifier.ban_records()[ATTACKER][0]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,6 @@ __all__ = [
     "applied_gradient_event",
     "audit_event",
     "failed_audits",
-    "flagged_at",
     "flagged_senders",
     "is_audit",
     "late_audit_event",
@@ -231,8 +230,9 @@ def failed_audits(flags: Iterable[Mapping[str, Any]]) -> set[int]:
 def flagged_senders(flags: Iterable[Mapping[str, Any]]) -> set[int]:
     """The senders a step's flags name, alerts and unblamed lone microbatch flags included (a flag's sender, and
     its input's where it is laid there, ``upstream``): each is a suspect for the next step's audits
-    (``AuditSchedule.audited``'s ``suspected``). Such a flag is no evidence for a ban but says where to look, and an
-    audit settles it (issue 37, seed 2: the adaptive attacker's activations raised a spectral alert at every
+    (``AuditSchedule.audited``'s ``suspected``; the lead verifier names them in the step's verdict, so the ranks
+    that copy an auditor its inputs know them too). Such a flag is no evidence for a ban but says where to look, and
+    an audit settles it (issue 37, seed 2: the adaptive attacker's activations raised a spectral alert at every
     attacked step from 20, blamed nobody, and went unaudited until the draw reached it at 29)."""
     named: set[int] = set()
     for e in flags:
@@ -241,16 +241,3 @@ def flagged_senders(flags: Iterable[Mapping[str, Any]]) -> set[int]:
             if "upstream" in e:
                 named.add(int(e["upstream"]))
     return named
-
-
-def flagged_at(events: Sequence[Mapping[str, Any]], step: int) -> set[int]:
-    """:func:`flagged_senders` of the flags of ``step`` in a verifier's event log (``Verifier.events``, in step
-    order: read from its end back to the step before)."""
-    found = []
-    for e in reversed(events):
-        at = int(e.get("step", step))
-        if at < step:
-            break
-        if at == step:
-            found.append(e)
-    return flagged_senders(found)

@@ -296,9 +296,9 @@ class Stepper:
         before it asks for ``k``'s digests, then for its gradient (twins), then for ``k``'s copy's step (``settle``,
         before queuing the next) before it goes on to the next stage. So ``k`` waits for its own parts and those of
         the stages before it, never for a later stage's; the auditor's end, through its last stage, for the whole
-        queue (the verifiers' exchange after it). Not run here: a twin's gradient in before the auditor reaches its
-        stage is hashed on that same thread (``_hashed_early``), behind all it holds then, and a sole replica's
-        copy's step holds the thread until its gradient is in (``step_when_heard``)."""
+        queue (the verifiers' exchange after it). A twin's gradient in before the auditor reaches its stage is
+        hashed on a thread of its own (``_hashed_early``). Not run here: a sole replica's copy's step holds the
+        stepper until its gradient is in (``step_when_heard``)."""
         self.done_ms()
         return stage_through_ms(self.parts, self.ends, stage)
 

@@ -1,12 +1,14 @@
 """A flag or alert costs an audit: the senders a step's flags name (alerts and lone microbatch flags included,
-which blame nobody) are audited on every microbatch of the next step (``audit.flagged_senders``), in the runtime
-(``audits._audited``) as in the twins benchmark."""
+which blame nobody) are audited on every microbatch of the next step (``audit.flagged_senders``): the lead
+verifier names them in the step's verdict (``executor_verify._suspects``, with the contributions' suspects), and
+the runtime's auditor (``audits._audited``) audits them, from copies too, as the twins benchmark does."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from planner.integrity import audit
 from planner.runtime.rank import audits
+from planner.runtime.rank.executor_verify import Verification
 
 SECRET = bytes(range(16))
 
@@ -24,45 +26,41 @@ def test_every_sender_a_flag_names_is_a_suspect_alerts_and_upstream_inputs_inclu
     assert audit.flagged_senders([]) == set()
 
 
-def test_the_log_is_read_for_its_step_only():
-    log = [_flag(4, 3), _flag(5, 1), {"type": "ban", "step": 5, "sender": 2}, _flag(6, 3, mb=0)]
-    assert audit.flagged_at(log, 5) == {1}
-    assert audit.flagged_at(log, 6) == {3}
-    assert audit.flagged_at(log, 4) == {3}
-    assert audit.flagged_at(log, 3) == set()
+def test_the_lead_names_every_verifiers_flagged_senders_and_the_suspect_contributions():
+    contrib = SimpleNamespace(suspects=lambda stage: {5} if stage == 2 else set())
+    lead = SimpleNamespace(plan=SimpleNamespace(num_stages=3), _contributions=contrib)
+    # one list per verifier rank, as the exchange returns them
+    assert Verification._suspects(lead, [[_flag(7, 1)], [_flag(7, 2, mb=0, upstream=0)]]) == {0, 1, 2, 5}
+    assert Verification._suspects(SimpleNamespace(plan=lead.plan), [[], []]) == frozenset()
 
 
-def _auditor(step: int, events: list[dict], *, copied_from: tuple[int, ...] = ()) -> tuple[SimpleNamespace, audits.AuditedStage]:
-    """An auditor of stage 1 (replicas 1 and 3, one microbatch each: 0 and 1) at ``step``, its verifier's log
-    ``events``, with nothing unresolved and no contribution monitor."""
+def _auditor(step: int, suspects: frozenset[int], *, copied_from: tuple[int, ...] = ()) -> tuple[SimpleNamespace, audits.AuditedStage]:
+    """An auditor of stage 1 (replicas 1 and 3, one microbatch each: 0 and 1) at ``step``, told ``suspects`` by the
+    step before's verdict, with nothing unresolved."""
     st = audits.AuditedStage(stage=1, replicas=(1, 3), auditor=2, source=1, every=10 ** 6, copied_from=copied_from)
     owners = {0: 1, 1: 3}
     plan = SimpleNamespace(owner=lambda stage, mb: owners[mb],
                            ranks={1: SimpleNamespace(microbatches=(0,)), 3: SimpleNamespace(microbatches=(1,))})
     state = audits.RuntimeAudits(stages={1: st}, schedules={1: audit.AuditSchedule(SECRET, 10 ** 6)})
-    ex = SimpleNamespace(plan=plan, audits=state, step=step, unresolved={},
-                         verify=SimpleNamespace(verifier=SimpleNamespace(events=events)))
-    return ex, st
+    return SimpleNamespace(plan=plan, audits=state, step=step, unresolved={}, suspects=suspects), st
 
 
-def test_the_runtime_auditor_audits_every_microbatch_of_a_sender_its_flags_named_the_step_before():
-    ex, st = _auditor(8, [_flag(7, 1)])
+def test_the_runtime_auditor_audits_every_microbatch_of_a_sender_the_verdict_named():
+    ex, st = _auditor(8, frozenset({1}))
     # one in a million drawn: only the alert of step 7 on replica 1 makes its microbatch of step 8 audited
     assert audits._audited(ex, st, 0)
     assert not audits._audited(ex, st, 1)
-    ex.step = 9   # no flag in step 8: the draw alone again
+    ex.step, ex.suspects = 9, frozenset()   # no flag in step 8: the draw alone again
     assert not audits._audited(ex, st, 0)
 
 
-def test_no_suspicion_audit_where_the_inputs_come_copied():
-    # from copies the upstream ranks know only the schedule: a suspect's other microbatches have no input there
-    ex, st = _auditor(8, [_flag(7, 1)], copied_from=(0,))
-    assert not audits._audited(ex, st, 0)
-
-
-def test_the_log_is_read_once_a_step():
-    events = [_flag(7, 1)]
-    ex, st = _auditor(8, events)
+def test_a_suspect_is_audited_where_the_inputs_come_copied_too():
+    ex, st = _auditor(8, frozenset({1}), copied_from=(0,))
     assert audits._audited(ex, st, 0)
-    events.append(_flag(7, 3))   # read already this step: the auditor does not rescan the log per microbatch
+
+
+def test_the_suspects_are_read_once_a_step():
+    ex, st = _auditor(8, frozenset({1}))
+    assert audits._audited(ex, st, 0)
+    ex.suspects = frozenset({3})   # read already this step: both ends keep what the step's start read
     assert not audits._audited(ex, st, 1)

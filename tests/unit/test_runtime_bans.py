@@ -12,6 +12,12 @@ def test_the_lead_verifiers_verdict_round_trips_bans_unresolved_flags_and_what_t
     assert got.trained == 3
 
 
+def test_the_verdict_names_the_suspects_every_rank_audits_next_step():
+    got = decode(encode(4, unresolved={2: 8}, bans={}, trained=3, suspects={1, 3}))
+    assert got.suspects == {1, 3} and got.unresolved == {2: 8} and got.trained == 3 and got.bans == {}
+    assert decode(encode(4, unresolved={}, bans={}, trained=3)).suspects == frozenset()
+
+
 def test_a_flag_at_step_zero_and_a_step_that_trained_nothing_are_told_apart_from_none():
     got = decode(encode(2, unresolved={1: 0}, bans={1: (0, 0)}, trained=0))
     assert got.bans == {1: BanNotice(rank=1, first_flagged_step=0, ban_step=0)} and got.trained == 0

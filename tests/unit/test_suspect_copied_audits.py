@@ -1,8 +1,7 @@
-"""Suspects audited from copies (issue 37): the senders the last step's verdict left unresolved
-(``ex.unresolved``, the same on every rank) are audited on every microbatch where the inputs come copied or
-signed, and the upstream rank that copies them and the auditor that hears them name the same microbatches
-(``audit_inputs.agreed_suspects``, read once a step); the auditor's own suspicions count only where it holds the
-input."""
+"""Suspects audited from copies (issue 37): the senders the last step's verdict left unresolved or named suspects
+(``ex.unresolved``, ``ex.suspects``: the same on every rank) are audited on every microbatch where the inputs come
+copied or signed, and the upstream rank that copies them and the auditor that hears them name the same
+microbatches (``audit_inputs.agreed_suspects``, read once a step)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -24,18 +23,19 @@ def _plan() -> SimpleNamespace:
     return SimpleNamespace(owner=lambda stage, mb: 0 if stage == 0 else OWNERS[mb], ranks=ranks)
 
 
-def _ranks(step: int, unresolved: dict[int, int], *, events: list[dict] | None = None,
+def _ranks(step: int, unresolved: dict[int, int], *, suspects: frozenset[int] = frozenset(),
            signed: bool = False) -> tuple[SimpleNamespace, SimpleNamespace, audits.AuditedStage]:
-    """The upstream rank 0 (copies stage 1's inputs) and the auditor rank 2, both told ``unresolved``."""
+    """The upstream rank 0 (copies stage 1's inputs) and the auditor rank 2, both told ``unresolved`` and
+    ``suspects``."""
     st = audits.AuditedStage(stage=1, replicas=(1, 3), auditor=2, source=1, every=NEVER,
                              copied_from=(1, 3) if signed else (0,), signed_by=(0,) if signed else ())
     plan, schedule = _plan(), audit.AuditSchedule(SECRET, NEVER)
-    verify = SimpleNamespace(verifier=SimpleNamespace(events=events or []))
-    upstream = SimpleNamespace(plan=plan, rank=0, step=step, unresolved=dict(unresolved), stage=object(),
+    upstream = SimpleNamespace(plan=plan, rank=0, step=step, unresolved=dict(unresolved), suspects=suspects,
+                               stage=object(),
                                info=SimpleNamespace(stage=0), audits=audits.RuntimeAudits(
                                    stages={1: st}, sharing={1: schedule}),
                                _delivered=lambda d, mb: [torch.full((2,), float(mb))])
-    auditor = SimpleNamespace(plan=plan, rank=2, step=step, unresolved=dict(unresolved), verify=verify,
+    auditor = SimpleNamespace(plan=plan, rank=2, step=step, unresolved=dict(unresolved), suspects=suspects,
                               audits=audits.RuntimeAudits(stages={1: st}, schedules={1: schedule}))
     return upstream, auditor, st
 
@@ -63,11 +63,13 @@ def test_nothing_unresolved_leaves_the_draw_alone():
     assert not any(audits._audited(auditor, st, mb) for mb in range(8))
 
 
-def test_the_auditors_own_flags_cost_no_audit_from_copies_no_rank_upstream_hears_them():
-    flag = {"type": "flag", "step": 7, "mb": -1, "boundary": 1, "direction": "act", "sender": 3, "scope": "step",
-            "scores": {"spectral": 2.0}, "fences": {"spectral": 1.0}, "reasons": ["spectral"]}
-    _, auditor, st = _ranks(8, {1: 6}, events=[flag])
-    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [0, 1, 2, 3]
+def test_a_suspect_the_verdict_names_is_copied_and_audited_as_an_unresolved_one_is():
+    # an alert of step 7 named replica 3 (blaming nobody): the verdict names it, so the upstream rank copies too
+    upstream, auditor, st = _ranks(8, {}, suspects=frozenset({3}))
+    for mb in range(8):
+        audit_inputs.keep_input_copy(upstream, mb)
+    assert sorted(mb for _, mb in upstream.audits.outbox) == [4, 5, 6, 7]
+    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [4, 5, 6, 7]
 
 
 def test_signed_inputs_the_auditor_keeps_every_output_it_asks_the_suspect_for():

@@ -7,10 +7,9 @@ microbatch's output leaves for its consumer, an upstream rank keeps what the con
 (``keep_input_copy``); at the step's end it sends them in one float message (``send_inputs``), which the auditor
 receives into buffers of the stage's input shapes (``hear_inputs``, ``unflatten``).
 
-A sender under suspicion is audited on every microbatch from copies too, where every rank can tell it is one: the
-senders the last step's verdict left unresolved (``agreed_suspects``), which every rank hears alike; the
-auditor's own suspicions (its flags, a contribution CUSUM) reach no upstream rank, so they cost an audit only where
-the auditor holds the stage's input (``audits._audited``).
+A sender under suspicion is audited on every microbatch from copies too: the step's verdict, which every rank
+hears alike, names the senders it left unresolved and those the step's flags or alerts named or whose contribution
+is suspect (``agreed_suspects``), so the upstream ranks copy what the auditor audits.
 """
 from __future__ import annotations
 
@@ -57,12 +56,13 @@ def scheduled(plan: Any, schedule: audit.AuditSchedule, stage: int, mb: int, ste
 
 def agreed_suspects(ex: Any) -> frozenset[int]:
     """The senders every rank audits on every microbatch this step: those the verdict of the step before left
-    unresolved (``ex.unresolved``, sent to every rank alike). Read once a step and kept: the sender's copies and
-    the auditor's receives must name the same microbatches (else one waits for a message the other never sends),
-    and ``ex.unresolved`` changes at the step's end (``_end_verification``), after them, never between."""
+    unresolved (``ex.unresolved``) or named suspects (``ex.suspects``: its flags or alerts named them, or their
+    contribution is suspect), sent to every rank alike. Read once a step and kept: the sender's copies and the
+    auditor's receives must name the same microbatches (else one waits for a message the other never sends), and
+    the verdict changes at the step's end (``_end_verification``), after them, never between."""
     audits = ex.audits
     if audits.agreed_step != ex.step:
-        audits.agreed = frozenset(getattr(ex, "unresolved", None) or ())
+        audits.agreed = frozenset(getattr(ex, "unresolved", None) or ()) | frozenset(getattr(ex, "suspects", ()))
         audits.agreed_step = ex.step
     return audits.agreed
 

@@ -138,7 +138,7 @@ class RuntimeAudits:
     sending: Any = None   # the source's: that gradient on its way to the auditor (``comm.Pending``), sent as it steps
     in_flight: Any = None   # ... still on its way after the step's end: waited before ``outbox_flat`` is rewritten
     claim: Future | None = None   # a replica's digest of it, hashed on ``hasher`` as its optimizer steps
-    hasher: Executor | None = None   # a replica of a stage with twins: hashes its applied gradient off the run's thread
+    hasher: Executor | None = None   # twins' digests off the run's thread: a replica's of its applied gradient, the auditor's of what it hears
     hearing: dict[int, Any] = field(default_factory=dict)   # the auditor's receives of it, by stage, posted early
     # the auditor's two receive buffers per stage, used in turn, so a receive never waits for the copy's step
     inboxes: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -153,10 +153,8 @@ class RuntimeAudits:
     # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
     deferred: dict[int, Deferred] = field(default_factory=dict)
     last_step: int | None = None   # the run's last step, which audits in line (None: every step does)
-    # the auditor's: the senders its verifier's flags or alerts named in the step before ``flagged_step``
-    flagged: set[int] = field(default_factory=set)
-    flagged_step: int | None = None
-    # every rank's: the senders the last step's verdict left unresolved, read once a step (``agreed_suspects``)
+    # every rank's: the senders the last step's verdict left unresolved or named suspects, read once a step
+    # (``agreed_suspects``)
     agreed: frozenset[int] = frozenset()
     agreed_step: int | None = None
     checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
@@ -178,7 +176,9 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     stages = audited_stages(plan, every=opts.audit_every, verifying=verifying)
     out = RuntimeAudits(stages=stages, trusted=control.trusted_ranks(plan), last_step=opts.steps - 1,
                         checkpoint_every=opts.checkpoint_every if opts.checkpoint_dir is not None else None)
-    if any(rank in st.replicas and len(st.replicas) > 1 for st in stages.values()):
+    # a twin's digests (its own applied gradient; the auditor's of the gradient it hears) off the copies' stepper,
+    # whose queue holds the stages' recomputes: a digest behind them would hold each stage's verdict back
+    if any(len(st.replicas) > 1 and (rank in st.replicas or rank == st.auditor) for st in stages.values()):
         out.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-digest")
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
     stepper = None
@@ -224,26 +224,11 @@ def _role(st: AuditedStage, boundary: int, d: str, sender: int) -> str | None:
 
 def _audited(ex: Any, st: AuditedStage, mb: int) -> bool:
     """On the auditor: ``mb`` is audited, or every one of a suspect's: one the last step's verdict left unresolved
-    (``audit_inputs.agreed_suspects``, known to every rank alike, so from copies or signed inputs too, where the
-    upstream ranks or the replicas send what the same rule picks); and, where the auditor holds the stage's input,
-    one its own monitors suspect, which no upstream rank hears: a contribution CUSUM past half its alarm, or a
-    flag or alert of this verifier's in the step before (``audit.flagged_at``)."""
-    owner = ex.plan.owner(st.stage, mb)
-    contrib = getattr(ex, "_contributions", None)
-    suspected = owner in audit_inputs.agreed_suspects(ex) or (
-        not st.copied_from and ((contrib is not None and owner in contrib.suspects(st.stage))
-                                or owner in _flagged_before(ex)))
+    or named a suspect (any verifier's flag or alert of it, or a contribution CUSUM past half its alarm:
+    ``audit_inputs.agreed_suspects``), known to every rank alike, so from copies or signed inputs too, where the
+    upstream ranks or the replicas send what the same rule picks."""
+    suspected = ex.plan.owner(st.stage, mb) in audit_inputs.agreed_suspects(ex)
     return audit_inputs.scheduled(ex.plan, ex.audits.schedules[st.stage], st.stage, mb, ex.step, suspected=suspected)
-
-
-def _flagged_before(ex: Any) -> set[int]:
-    """The senders this verifier's flags or alerts of the step before named (read once a step)."""
-    audits: RuntimeAudits = ex.audits
-    if audits.flagged_step != ex.step:
-        verifier = ex.verify.verifier if ex.verify is not None else None
-        audits.flagged = audit.flagged_at(verifier.events, ex.step - 1) if verifier is not None else set()
-        audits.flagged_step = ex.step
-    return audits.flagged
 
 
 def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Sequence[torch.Tensor], *,
@@ -455,7 +440,7 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int, audit_first: Any = None) ->
     doing = f"hearing stage {st.stage}'s applied gradient from its replicas (step {step})"
     assert copy is not None   # every auditor builds a copy of each stage it audits (``build``)
     hearing = audits.hearing.pop(st.stage, None)
-    hashed = None if st.stage in audits.suspended else _hashed_early(copy, st, hearing)
+    hashed = None if st.stage in audits.suspended else _hashed_early(audits.hasher, st, hearing)
     got = control.gather_to(torch.zeros(1 + DIGEST_WORDS, dtype=torch.int64, device=ex.device), dst=st.auditor,
                             me=ex.rank, ranks=ranks, topic=control.Topic.AUDIT, device=ex.device,
                             index=2 * st.stage, doing=doing)
@@ -508,12 +493,12 @@ def _sync_copy(ex: Any, st: AuditedStage, step: int, audit_first: Any = None) ->
         audits.stepped_from[st.stage] = filled
 
 
-def _hashed_early(copy: StageCopy, st: AuditedStage, hearing: Any) -> Future | None:
-    """The ``digest`` of a gradient already in (sent as the source stepped), hashed on the copy's stepper while
-    the twins' digests come (None: no twin to compare with, or not in yet)."""
-    if hearing is None or not hearing.completed() or len(st.replicas) < 2 or copy.stepper is None:
+def _hashed_early(hasher: Executor | None, st: AuditedStage, hearing: Any) -> Future | None:
+    """The ``digest`` of a gradient already in (sent as the source stepped), hashed on the auditor's digest thread
+    while the twins' digests come (None: no twin to compare with, or not in yet)."""
+    if hearing is None or not hearing.completed() or len(st.replicas) < 2 or hasher is None:
         return None
-    return copy.stepper.submit(digest, hearing.wait()[0])
+    return hasher.submit(digest, hearing.wait()[0])
 
 
 def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = None) -> None:

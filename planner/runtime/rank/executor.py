@@ -108,6 +108,7 @@ class Executor(ComputeSteps, Transfers, Verification, GradientSteps, Evaluation)
         # What the end-of-step exchange told every rank (verified runs only; see planner.runtime.wire.bans).
         self.bans: dict[int, ban_exchange.BanNotice] = {}
         self.unresolved: dict[int, int] = {}   # sender -> first flagged step, while its flags stand
+        self.suspects: frozenset[int] = frozenset()   # senders the last step's flags named (audited on every microbatch)
         self.untrained_steps: list[int] = []   # steps in which no microbatch trained
         self._first_stage_ranks = tuple(self.plan.stage_ranks(0))
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from planner.instructions import Instruction
+from planner.integrity import audit
+from planner.integrity.blame import flatten_events
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
 from planner.runtime.rank import audits, replica_checks
 from planner.runtime.rank.deferred import merge_grads
@@ -170,16 +172,28 @@ class Verification:
                 verifier = self.verify.verifier
                 self.verify.record_drops(step, flags, dropped=self.plan.num_microbatches - trained)
                 verdict = ban_exchange.encode(self.plan.num_ranks, unresolved=verifier.unresolved(),
-                                              bans=verifier.ban_records(), trained=trained).to(self.device)
+                                              bans=verifier.ban_records(), trained=trained,
+                                              suspects=self._suspects(flags)).to(self.device)
             verdict = control.send_from(verdict, src=lead, me=self.rank, ranks=range(self.plan.num_ranks),
-                                        topic=control.Topic.VERDICTS, shape=(2 * self.plan.num_ranks + 1,),
+                                        topic=control.Topic.VERDICTS,
+                                        shape=(ban_exchange.verdict_size(self.plan.num_ranks),),
                                         dtype=torch.int64, device=self.device,
                                         doing=f"hearing step {step}'s verdict from the lead verifier rank {lead}")
         got = ban_exchange.decode(verdict.cpu())
-        self.bans, self.unresolved = got.bans, got.unresolved
+        self.bans, self.unresolved, self.suspects = got.bans, got.unresolved, got.suspects
         if got.trained == 0:
             self.untrained_steps.append(step)
         return set(self.bans)
+
+    def _suspects(self, flags: list) -> frozenset[int]:
+        """At the lead verifier: the senders every verifier's flags and alerts of the step name (those an audit
+        refuted are gone by then) and those whose contribution is suspect (``contributions.SUSPECT_H``): the next
+        step audits every one of their microbatches (``audit_inputs.agreed_suspects``)."""
+        named = audit.flagged_senders(flatten_events(flags))
+        contrib = getattr(self, "_contributions", None)
+        if contrib is not None:
+            named |= {r for k in range(self.plan.num_stages) for r in contrib.suspects(k)}
+        return frozenset(named)
 
     def _gather_trained(self, lead: int, step: int) -> int:
         """At the lead verifier: how many microbatches trained on the first stage, as its (trusted) ranks

@@ -3,10 +3,13 @@
 The verifier ranks decide bans (``planner.integrity``); the stage ranks must know them too, at
 once, or a banned sender keeps training the model. So at the end of each verified step the lowest
 verifier rank (trusted: ``planner.runtime.wire.control``) sends every rank, point to point, one tensor of
-``2 x num_ranks + 1`` integers (:func:`encode` / :func:`decode`):
+``3 x num_ranks + 1`` integers (:func:`encode` / :func:`decode`):
 
 * per sender, its first flagged step + 1 while its flags are unresolved (0: none),
-* per sender, the step it was banned at + 1 (0: not banned), and
+* per sender, the step it was banned at + 1 (0: not banned),
+* per sender, 1 where the step's flags or alerts named it or its contribution is suspect (``suspects``: the next
+  step audits every one of its microbatches, ``planner.runtime.rank.audit_inputs.agreed_suspects``; the trusted
+  ranks that copy an auditor its inputs must know it as the auditor does), and
 * how many microbatches of the step trained on the first stage (each first-stage rank, trusted too,
   tells the lead verifier its own count first).
 
@@ -19,7 +22,7 @@ the sender's first flagged step, and for a sender of an audited stage its audit 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,28 +52,37 @@ class StepVerdicts:
     unresolved: dict[int, int]      # sender -> first flagged step, while its flags stand (banned ones too)
     bans: dict[int, BanNotice]      # every sender banned so far
     trained: int                    # microbatches of the step that trained on the first stage
+    suspects: frozenset[int] = frozenset()   # senders the step's flags or alerts named, or with a suspect contribution
+
+
+def verdict_size(num_ranks: int) -> int:
+    """How many integers a step's verdict holds."""
+    return 3 * num_ranks + 1
 
 
 def encode(num_ranks: int, *, unresolved: Mapping[int, int], bans: Mapping[int, tuple[int, int]],
-           trained: int) -> torch.Tensor:
+           trained: int, suspects: Collection[int] = ()) -> torch.Tensor:
     """The lead verifier's verdict of a step (``bans``: sender -> (first flagged step, ban step))."""
-    out = torch.zeros(2 * num_ranks + 1, dtype=torch.int64)
+    out = torch.zeros(verdict_size(num_ranks), dtype=torch.int64)
     for sender, first in unresolved.items():
         out[sender] = first + 1
     for sender, (_, step) in bans.items():
         out[num_ranks + sender] = step + 1
-    out[2 * num_ranks] = trained
+    for sender in suspects:
+        out[2 * num_ranks + sender] = 1
+    out[3 * num_ranks] = trained
     return out
 
 
 def decode(verdict: torch.Tensor) -> StepVerdicts:
     """The lead verifier's verdict, read back."""
     values = [int(v) for v in verdict.tolist()]
-    n = (len(values) - 1) // 2
+    n = (len(values) - 1) // 3
     unresolved = {r: values[r] - 1 for r in range(n) if values[r] > 0}
     bans = {r: BanNotice(rank=r, first_flagged_step=unresolved.get(r, values[n + r] - 1), ban_step=values[n + r] - 1)
             for r in range(n) if values[n + r] > 0}
-    return StepVerdicts(unresolved=unresolved, bans=bans, trained=values[2 * n])
+    return StepVerdicts(unresolved=unresolved, bans=bans, trained=values[3 * n],
+                        suspects=frozenset(r for r in range(n) if values[2 * n + r] > 0))
 
 
 def replan_hint(plan_path: str, host: str, checkpoint_dir: str | None) -> str:
