@@ -116,6 +116,12 @@ def test_a_lost_verifier_is_placed_again_and_the_run_goes_on(tmp_path):
     plan = plan_chain(chain, cluster, spec="gpt-tiny", seq=16, global_batch=4, microbatch_size=2,
                       policy=VerificationPolicy(verifier_placement="cpu"), time_limit_s=2, workers=1, dtype="fp32",
                       optimizer="adam", stages=3)
+    trusted = parse_cluster({"name": "trusted", "hosts": [host("h0"), host("h2"), host("v1", role="verifier")],
+                             "links": {"default": {"bandwidth_gbps": 10, "latency_ms": 0.1}}})
+    with pytest.raises(InfeasiblePlanError):   # the premise: no plan leaves the untrusted host (and its checks) out
+        plan_chain(chain, trusted, spec="gpt-tiny", seq=16, global_batch=4, microbatch_size=2,
+                   policy=VerificationPolicy(verifier_placement="cpu"), time_limit_s=2, workers=1, dtype="fp32",
+                   optimizer="adam")
     checker = next(r for r in plan.ranks if r.stage is None)
     lost, spare = checker.host, ({"v0", "v1"} - {checker.host}).pop()
     first = plan.save(tmp_path / "first.json")
