@@ -74,6 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the share of step time worth paying to audit the replicas of stages with an untrusted "
                         "replica (their verifier recomputes one in K of their microbatches; default 0.05: 5%%; "
                         "0: no audits)")
+    p.add_argument("--audit-within", type=int, default=10, metavar="STEPS",
+                   help="the audit share is sized so that a replica corrupting all its microbatches goes "
+                        "unaudited this many steps with probability at most 0.1%% (default 10; 1: every "
+                        "microbatch of a replica with one a step is audited, catching an attack on its first "
+                        "step; raise --audit-cost to pay for it)")
     p.add_argument("--secret-file", metavar="FILE", help="the run secret to sign the plan with (default: "
                    "$STAGEWISE_SECRET, else ~/.config/stagewise/secret, created on first use)")
     p.set_defaults(handler=run)
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     graph, chain = load_chain(args.model, batch=microbatch_size or None, seq=args.seq)
     seq = args.seq if args.seq is not None else token_seq(graph)  # recorded: the plan rebuilds the traced shape
     policy = VerificationPolicy(enabled=not args.no_verify, ban_excludes_domain=args.ban_excludes_domain,
-                                link_test_cost=args.link_tests_cost, audit_cost=args.audit_cost)
+                                link_test_cost=args.link_tests_cost, audit_cost=args.audit_cost,
+                                audit_within_steps=args.audit_within)
     start = time.perf_counter()
     with err.status("solving...") as status:
         def progress(label: str, obj: float | None, bound: float | None, elapsed: float) -> None:

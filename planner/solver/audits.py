@@ -6,8 +6,8 @@ inputs where the stage before is untrusted (``audit_price``), it catches stale a
 the first audited microbatch, which the link tests' surrogate sees only as its statistics drift. Its price is mostly per step, whatever the share:
 the applied gradient sent whole to the auditor and the auditor's optimizer step. Each microbatch is audited on its
 own with probability ``1 / every`` (``integrity.audit.AuditSchedule``), so a replica that corrupts all of its ``m``
-microbatches a step goes unaudited ``MISS_STEPS`` steps with probability ``(1 - 1 / every) ** (MISS_STEPS m)``
-(``miss_probability``). Audits are turned on at the sparsest (cheapest) share of ``EVERY_CHOICES`` that keeps that
+microbatches a step goes unaudited for the policy's ``audit_within_steps`` steps ``w`` with probability
+``(1 - 1 / every) ** (w m)`` (``miss_probability``). Audits are turned on at the sparsest (cheapest) share of ``EVERY_CHOICES`` that keeps that
 under ``MISS_TARGET``, else at the densest share the price allows (the notes then give its miss probability),
 while all of them together cost at most the policy's ``audit_cost`` share of the step (priced by the program
 cost, as every plan is), and only where the auditor has the memory for its copy of the stage beside what its
@@ -31,9 +31,9 @@ from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.solution import StagePlacement
 
-EVERY_CHOICES = (2, 4, 8, 16)   # 1 in 2 meets MISS_TARGET with one microbatch a replica a step
-MISS_STEPS = 10        # the attack the share is sized against: a replica corrupting every microbatch this many steps
-MISS_TARGET = 1e-3     # the chance it may go unaudited all that time
+# 1 in 2 meets MISS_TARGET over 10 steps with one microbatch a replica a step; only 1 in 1 within 1 step
+EVERY_CHOICES = (1, 2, 4, 8, 16)
+MISS_TARGET = 1e-3     # the chance a replica corrupting every microbatch goes unaudited audit_within_steps steps
 # the replicas' applied gradient, received whole as float32 into one of two buffers in turn (the copy's last step
 # may still read the other: ``runtime.rank.audits._free_inbox``)
 APPLIED_GRADIENT_BYTES_PER_PARAM = 2 * 4
@@ -45,7 +45,7 @@ def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
     return dataclasses.replace(placement, stages=stages)
 
 
-def miss_probability(every: int, microbatches: int, steps: int = MISS_STEPS) -> float:
+def miss_probability(every: int, microbatches: int, steps: int) -> float:
     """The chance that none of ``microbatches`` a step, each audited on its own with probability ``1 / every``,
     is audited in ``steps`` steps."""
     return (1 - 1 / every) ** (steps * microbatches)
@@ -56,11 +56,11 @@ def replica_microbatches(st: StagePlacement) -> int:
     return min((m for m in st.microbatches if m > 0), default=0)
 
 
-def _shares(st: StagePlacement) -> tuple[int, ...]:
-    """``EVERY_CHOICES`` in the order to try them: the sparsest meeting ``MISS_TARGET``, then the sparser ones
-    (a denser share costs more); all, densest first, where none meets it."""
+def _shares(st: StagePlacement, steps: int) -> tuple[int, ...]:
+    """``EVERY_CHOICES`` in the order to try them: the sparsest meeting ``MISS_TARGET`` within ``steps``, then
+    the sparser ones (a denser share costs more); all, densest first, where none meets it."""
     m = replica_microbatches(st)
-    meeting = [k for k in EVERY_CHOICES if miss_probability(k, m) <= MISS_TARGET]
+    meeting = [k for k in EVERY_CHOICES if miss_probability(k, m, steps) <= MISS_TARGET]
     return tuple(k for k in EVERY_CHOICES if k >= max(meeting, default=EVERY_CHOICES[0]))
 
 
@@ -103,7 +103,7 @@ def choose_audits(problem: Problem, placement: Placement) -> Placement:
         need = copy_bytes(problem, placement.stages[site.stage])
         if need > free[site.auditor]:
             continue
-        for every in _shares(placement.stages[site.stage]):
+        for every in _shares(placement.stages[site.stage], problem.policy.audit_within_steps):
             if price_program(problem, with_audits(placement, {**chosen, site.stage: every})).step_ms <= limit:
                 chosen[site.stage] = every
                 free[site.auditor] -= need
@@ -169,19 +169,21 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
                 f"{need / 2**30:.2f} GiB) does not fit in its {max(0, free[site.auditor]) / 2**30:.2f} GiB "
                 f"free of {room / 2**30:.2f} GiB")
     if st.audit_every:
-        return (f"stage {k}: {who} audited by {site.auditor}, one microbatch in {every} "
+        share = "every microbatch" if every == 1 else f"one microbatch in {every}"
+        return (f"stage {k}: {who} audited by {site.auditor}, {share} "
                 f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
-                f"({100 * extra / base:.1f}%); {why}{_miss(st)}")
+                f"({100 * extra / base:.1f}%); {why}{_miss(st, problem.policy.audit_within_steps)}")
     return (f"stage {k}: {who} not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
             f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "
             f"{100 * problem.policy.audit_cost:g}%); {why}")
 
 
-def _miss(st: StagePlacement) -> str:
-    """What the note on an audited stage adds where its share misses ``MISS_TARGET``."""
+def _miss(st: StagePlacement, steps: int) -> str:
+    """What the note on an audited stage adds where its share misses ``MISS_TARGET`` within ``steps``."""
     m = replica_microbatches(st)
-    miss = miss_probability(st.audit_every, m)
+    miss = miss_probability(st.audit_every, m, steps)
     if miss <= MISS_TARGET:
         return ""
     return (f"; a replica corrupting all its {m} microbatch{'es' if m != 1 else ''} a step goes unaudited "
-            f"{MISS_STEPS} steps with probability {100 * miss:.2g}% (over {100 * MISS_TARGET:g}%)")
+            f"{steps} step{'s' if steps != 1 else ''} with probability {100 * miss:.2g}% "
+            f"(over {100 * MISS_TARGET:g}%; --audit-within)")

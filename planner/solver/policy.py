@@ -23,7 +23,9 @@ class VerificationPolicy:
     keeps the untrusted stages' link and residual tests may cost over the cheapest one (beyond it the plan
     keeps the cheaper placement and says which tests it lost; damping by 0.5 passes the weaker tests).
     ``audit_cost``: the share of step time the audits of watched replicated stages may cost together
-    (``planner.solver.audits``; 0: none).
+    (``planner.solver.audits``; 0: none). ``audit_within_steps``: how many steps a replica corrupting all its
+    microbatches may go unaudited (with probability ``audits.MISS_TARGET``): 1 audits every microbatch of a
+    replica with one a step, so an attack is caught on its first step, at a full recompute's price.
     """
 
     enabled: bool = True
@@ -34,6 +36,7 @@ class VerificationPolicy:
     ban_excludes_domain: bool = False
     link_test_cost: float = 0.05
     audit_cost: float = 0.05
+    audit_within_steps: int = 10
 
     def __post_init__(self) -> None:
         if self.verifier_placement not in ("any", "stage", "cpu"):
@@ -45,6 +48,10 @@ class VerificationPolicy:
         if not 0.0 <= self.audit_cost <= 10.0:
             raise InvalidInputError("audit_cost", expected="a share of the step time in 0..10 (0.05: 5%)",
                                     found=str(self.audit_cost), fix="pass --audit-cost between 0 and 10")
+        if isinstance(self.audit_within_steps, bool) or not isinstance(self.audit_within_steps, int) \
+                or not 1 <= self.audit_within_steps <= 1000:
+            raise InvalidInputError("audit_within_steps", expected="a whole number of steps in 1..1000 (10: default)",
+                                    found=repr(self.audit_within_steps), fix="pass --audit-within between 1 and 1000")
         if self.max_boundaries_per_verifier is not None and self.max_boundaries_per_verifier < 1:
             raise InvalidInputError("max_boundaries_per_verifier", expected=">= 1 or unset",
                                     found=str(self.max_boundaries_per_verifier))
@@ -54,8 +61,9 @@ class VerificationPolicy:
                 "check_gradients": self.check_gradients,
                 "max_boundaries_per_verifier": self.max_boundaries_per_verifier,
                 "verifier_placement": self.verifier_placement, "ban_excludes_domain": self.ban_excludes_domain,
-                "link_test_cost": self.link_test_cost, "audit_cost": self.audit_cost}
+                "link_test_cost": self.link_test_cost, "audit_cost": self.audit_cost,
+                "audit_within_steps": self.audit_within_steps}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VerificationPolicy":
+    def from_dict(cls, d: dict) -> VerificationPolicy:
         return cls(**d)

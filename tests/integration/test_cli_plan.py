@@ -69,6 +69,7 @@ def test_ppdp_baseline_and_a_fixed_shape_are_honoured(tmp_path: Path) -> None:
     (("--global-batch", "16", "--microbatches", "3"), "--microbatches 3; expected a divisor of --global-batch 16"),
     (("--gap", "1.5"), "--gap; expected a relative gap in [0, 1)"),
     (("--audit-cost", "-1"), "fix: pass --audit-cost between 0 and 10"),
+    (("--audit-within", "0"), "fix: pass --audit-within between 1 and 1000"),
     (("--link-tests-cost", "11"), "fix: pass --link-tests-cost between 0 and 10"),
     (("--cluster", "missing.yaml"), "cluster file 'missing.yaml'"),
     (("--cluster", "t4.yaml", "--global-batch", "2", "--microbatches", "1"),
