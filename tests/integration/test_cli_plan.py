@@ -88,3 +88,30 @@ def test_bad_input_is_one_line_and_exit_2(cli_here, tmp_path: Path, args, phrase
     assert len(lines) == 1 and lines[0].startswith("stagewise plan: error:"), res.stderr
     assert phrase in lines[0]
     assert not (tmp_path / "plan.json").exists()
+
+
+ISSUE_37_SIX = """
+name: issue37-six
+hosts:
+  - {name: t0, region: lab, trust: operator, trusted: true, devices: [{type: T4, count: 2}]}
+  - {name: t1, region: lab, trust: operator, trusted: true, devices: [{type: T4, count: 2}]}
+  - {name: v1, region: lab, trust: vol1, devices: [{type: T4, count: 1}]}
+  - {name: v2, region: lab, trust: vol2, devices: [{type: T4, count: 1}]}
+  - {name: v3, region: lab, trust: vol3, devices: [{type: T4, count: 1}]}
+  - {name: cpu, region: lab, trust: operator, trusted: true, role: verifier, devices: [{type: CPU, count: 1}]}
+links:
+  default: {bandwidth_gbps: 10, latency_ms: 0.1}
+"""
+
+
+def test_audit_within_one_step_audits_every_microbatch_of_the_untrusted_replicas(cli_here, tmp_path: Path) -> None:
+    """Issue 37's shape (two untrusted replicas of the middle stage, one microbatch each a step): ``--audit-within
+    1`` turns the share to 1 in 1 where ``--audit-cost`` pays for it, priced into the objective, said in the notes."""
+    (tmp_path / "six.yaml").write_text(ISSUE_37_SIX)
+    res = cli_here("plan", "gpt-tiny", "--cluster", "six.yaml", "--stages", "3", "--replicas", "2", "--audit-within",
+                   "1", "--audit-cost", "1", "--time-limit", "5", "--workers", "1", "-o", "p.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert [st["audit_every"] for st in doc["stages"]] == [0, 1, 0]
+    assert doc["policy"]["audit_within_steps"] == 1
+    assert "stage 1: replicas audited by cpu/0, every microbatch (outputs)" in " ".join(res.stdout.split())
