@@ -17,8 +17,9 @@ the trace). Reported per trial: the process's wall time, its excess over the lim
 tracing or building the chain and ``plan_chain``: the solver's last indivisible steps, compiling the plans
 that can still win), then what follows the plan (writing it, the interpreter's exit); the time start and
 imports took; the plan's simulated step and objective; whether the wall-clock ceiling, not the work budget,
-ended a solver step (``ceiling``: the plan's notes saying so; issue 36 wants none). Wall times are noisy on a shared machine: each case
-runs ``--trials`` times.
+ended a solver step (``ceiling``: the plan's notes saying so; issue 36 wants none); the process's CPU time
+(``cpu_s``, user + system) and ``plan_chain``'s (``plan_chain_cpu_s``), less noisy than the wall. Wall times are
+noisy on a shared machine: each case runs ``--trials`` times.
 
 Run: ``python benchmarks/plan_time.py [--limits 30 60] [--trials 2] [--cases 176,worldwide]``. Prints a table
 and writes ``benchmarks/results/plan_time.json``. ``--quick``: a smoke run of both kinds of case, small (``48x40``:
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -74,14 +76,14 @@ def child(case: str, limit: float, out: Path) -> int:
     torch.set_num_threads(1)
     imported = time.perf_counter()
     chain, cluster, kwargs = _chain_and_kwargs(case)
-    built = time.perf_counter()
+    built, cpu = time.perf_counter(), time.process_time()
     # as the CLI: the limit counts from the process's start
     plan = plan_chain(chain, cluster, time_limit_s=limit, started_s=process_started_s(), **kwargs)
-    planned, planned_age_s = time.perf_counter(), process_age_s()
+    planned, planned_age_s, plan_chain_cpu_s = time.perf_counter(), process_age_s(), time.process_time() - cpu
     plan.save(out, secret=run_secret())
     saved = time.perf_counter()
     r = plan.report
-    print(json.dumps({"imports_s": imported - start, "chain_s": built - imported, "plan_chain_s": planned - built,
+    print(json.dumps({"imports_s": imported - start, "chain_s": built - imported, "plan_chain_s": planned - built, "plan_chain_cpu_s": plan_chain_cpu_s,
                       "save_s": saved - planned, "planned_age_s": planned_age_s, "solve_s": r.solve_s, "simulated_ms": plan.predicted.step_ms,
                       "objective_ms": r.objective_ms, "bound_ms": r.bound_ms, "method": r.method,
                       "stages": plan.num_stages, "microbatches": plan.num_microbatches,
@@ -95,14 +97,16 @@ def trial(case: str, limit: float) -> dict:
         env = {**os.environ, "STAGEWISE_SECRET": SECRET, "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", case, "--time-limit", str(limit),
                "--out", str(Path(tmp) / "plan.json")]
-        start = time.perf_counter()
+        start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
         wall = time.perf_counter() - start
+        now = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     if done.returncode != 0:
         raise RuntimeError(f"{case} at {limit} s failed: {done.stderr[-2000:]}")
     inner = json.loads(done.stdout.strip().splitlines()[-1])
     inside = inner["imports_s"] + inner["chain_s"] + inner["plan_chain_s"] + inner["save_s"]
-    return {"case": case, "time_limit_s": limit, "wall_s": wall, "over_limit_s": wall - limit,
+    return {"case": case, "time_limit_s": limit, "wall_s": wall, "over_limit_s": wall - limit, "cpu_s": cpu,
             "start_and_imports_s": wall - inside + inner["imports_s"],
             "budgeted_over_limit_s": inner["planned_age_s"] - limit, "after_plan_s": wall - inner["planned_age_s"],
             **inner}
@@ -112,6 +116,7 @@ def _print(row: dict) -> None:
     print(f"{row['case']:>10} limit {row['time_limit_s']:4.0f} s  wall {row['wall_s']:6.1f} s "
           f"({row['over_limit_s']:+5.1f} s: budget {row['budgeted_over_limit_s']:+5.1f}, after it "
           f"{row['after_plan_s']:4.1f}; start+imports {row['start_and_imports_s']:4.1f}, chain {row['chain_s']:4.1f})  "
+          f"CPU {row['cpu_s']:5.1f} s (plan_chain {row['plan_chain_cpu_s']:5.1f})  "
           f"solve {row['solve_s']:5.1f} s  simulated {row['simulated_ms']:9.1f} ms  objective "
           f"{row['objective_ms']:9.1f} ms  {row['method']}  load {os.getloadavg()[0]:.1f}"
           f"{'  CEILING HIT' if row['ceiling'] else ''}", flush=True)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from cost_models.cluster import ClusterSpec
 from cost_models.training import TrainingConfig
@@ -75,7 +75,7 @@ from planner.solver.problem import (
     scale_chain,
 )
 from planner.solver.search import baselines as base
-from planner.solver.search.budget import Work, watch_ceiling
+from planner.solver.search.budget import UNITS_PER_S, Work, compile_units, watch_ceiling
 from planner.solver.search.seq_partition_kernel import warm as warm_partition
 from planner.solver.search.sequences import search_sequences
 from planner.solver.solution import Solution
@@ -87,6 +87,7 @@ GAP_TOLERANCE = 1e-4
 # Microbatches per step a plan may have: the runtime's message tags hold 13 bits of microbatch index
 # (planner.runtime.wire.comm.MAX_MICROBATCHES), and pricing a program costs time in proportion to its count.
 MAX_MICROBATCHES = 8192
+DEFAULT_POLICY = VerificationPolicy()  # the policy's defaults (frozen: one shared instance)
 MIN_SHARE_S = 0.2  # nominal seconds of work each problem (a microbatch count, with or without recompute) gets at least
 
 
@@ -110,11 +111,11 @@ def problem_for(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
 
 
 def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-          policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0, workers: int = 2,
+          policy: VerificationPolicy = DEFAULT_POLICY, *, time_limit_s: float = 30.0, workers: int = 2,
           microbatch_sizes: Sequence[int] | None = None, max_replicas: int | None = None,
           progress: Progress | None = None, gap_tolerance: float = GAP_TOLERANCE,
           stages: int | None = None, replicas: int | None = None, recompute_mode: str = "auto",
-          warm_start: WarmStart | None = None, seed: int = 0) -> Solution:
+          warm_start: WarmStart | None = None, seed: int = 0, after_plans: int = 0) -> Solution:
     """The best placement within ``time_limit_s`` with a proven bound (see the module docstring).
 
     ``microbatch_sizes``: candidates for the microbatch size (each must divide
@@ -126,29 +127,34 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
     (a re-plan's), repaired to this cluster and tried first (``planner.solver.warm``). ``seed``: the randomised
     steps' and CP-SAT's. The search is budgeted in work (``search.budget``), ``time_limit_s`` nominal seconds of it:
     the same inputs and seed give the same plan on a quiet or a loaded machine, unless the wall-clock ceiling
-    (``budget.CEILING_FACTOR`` times the limit) stops it first, which the notes then say.
+    (``budget.CEILING_FACTOR`` times the limit) stops it first, which the notes then say. ``after_plans``: plans the
+    caller compiles and simulates once the search is done (its plan and rivals): their predicted work is kept from
+    the search's (``_after_s``).
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
                               microbatch_sizes=microbatch_sizes, max_replicas=max_replicas, progress=progress,
                               gap_tolerance=gap_tolerance, stages=stages, replicas=replicas,
-                              recompute_mode=recompute_mode, warm_start=warm_start, seed=seed)
+                              recompute_mode=recompute_mode, warm_start=warm_start, seed=seed,
+                              after_plans=after_plans)
     if isinstance(result, InfeasiblePlanError):
         raise result
     return result
 
 
 def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-                     policy: VerificationPolicy = VerificationPolicy(), *, time_limit_s: float = 30.0,
+                     policy: VerificationPolicy = DEFAULT_POLICY, *, time_limit_s: float = 30.0,
                      workers: int = 2, microbatch_sizes: Sequence[int] | None = None,
                      max_replicas: int | None = None, progress: Progress | None = None,
                      gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
                      replicas: int | None = None, recompute_mode: str = "auto",
-                     warm_start: WarmStart | None = None, seed: int = 0) -> Solution | InfeasiblePlanError:
+                     warm_start: WarmStart | None = None, seed: int = 0,
+                     after_plans: int = 0) -> Solution | InfeasiblePlanError:
     """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
     with watch_ceiling() as cut:
         result = _solve(chain, cluster, config, policy, time_limit_s, workers, microbatch_sizes, max_replicas,
-                        progress, gap_tolerance, (stages, replicas), recompute_mode, warm_start, seed)
+                        progress, gap_tolerance, (stages, replicas), recompute_mode, warm_start, seed,
+                        after_plans)
     if cut and isinstance(result, Solution):
         note = (f"stopped by the wall-clock ceiling ({', '.join(cut)}): plan may differ from a quiet machine's",)
         report = dataclasses.replace(result.report, notes=result.report.notes + note)
@@ -159,7 +165,8 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
 def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, policy: VerificationPolicy,
            time_limit_s: float, workers: int, microbatch_sizes: Sequence[int] | None, max_replicas: int | None,
            progress: Progress | None, gap_tolerance: float, shape: tuple[int | None, int | None],
-           recompute_mode: str, warm_start: WarmStart | None, seed: int) -> Solution | InfeasiblePlanError:
+           recompute_mode: str, warm_start: WarmStart | None, seed: int,
+           after_plans: int = 0) -> Solution | InfeasiblePlanError:
     start = time.perf_counter()
     # The first call on a machine compiles the DP kernels (seconds; numba's cache after): part of the budget.
     warm_kernels()
@@ -182,7 +189,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     # Each problem gets at least MIN_SHARE_S, past the limit where there are many: the ceiling allows for that.
     work = Work(time_limit_s, what="search", ceiling_s=max(time_limit_s, MIN_SHARE_S * len(jobs)))
     for i, problem in enumerate(jobs):
-        share = work.left_s() / (len(jobs) - i)
+        share = (work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)) / (len(jobs) - i)
         try:
             outcome = solve_count(problem, max(MIN_SHARE_S, share), workers, f"M={problem.num_microbatches}", progress,
                                   gap_tolerance, shape, warm_start, within=work, seed=seed)
@@ -198,18 +205,41 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
         if errors:
             return errors[0]
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
-    best = polish_best(min(found, key=lambda o: o.program_ms), work.left_s(), cuts_only=shape != (None, None),
-                       within=work)
+    left_s = work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)
+    best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     bound = min(o.valid_bound_ms for o in outcomes)  # bounds the compiled programs' cost at every M
     gap = (best.program_ms - bound) / best.program_ms if best.program_ms > 0 else 0.0
     status = "OPTIMAL" if gap <= gap_tolerance else "FEASIBLE"
     M = best.problem.num_microbatches
     notes = (f"microbatches {M} (size {config.global_batch // M})",
              f"best plan from {best.method}",
-             *(f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {'%.3f ms' % o.program_ms if o.placement else 'no plan'}"
+             *(f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {f'{o.program_ms:.3f} ms' if o.placement else 'no plan'}"
                f", bound {o.valid_bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound "
                f"{o.bound_ms:.3f} ms, CP-SAT {o.cpsat_status}" for o in outcomes))
     return to_solution(best, bound, notes, time.perf_counter() - start, "cpsat", status)
+
+
+# Of the search's work, at most, kept for the plans compiled and simulated after it (``after_plans``; DT-FM worldwide:
+# 4 plans of 512 x 8 stage passes, 5.3 nominal s, 21% of its search at 30 s): where the limit is too short for them,
+# the search keeps the rest.
+AFTER_MAX_SHARE = 0.25
+
+
+def _after_s(outcomes: Sequence[Outcome], jobs: Sequence[Problem], plans: int, limit_s: float) -> float:
+    """Nominal seconds of the search's work kept for ``plans`` plans compiled and simulated after it
+    (``budget.compile_units``), at the size of the cheapest plan found so far (deterministic: no clock read), before
+    any at the largest the problems allow (their most microbatches, a stage per block or stage device); at most
+    ``AFTER_MAX_SHARE`` of the search's ``limit_s``."""
+    if plans <= 0 or not jobs:
+        return 0.0
+    found = [o for o in outcomes if o.placement is not None]
+    if found:
+        best = min(found, key=lambda o: o.program_ms).placement
+        M, S = best.num_microbatches, best.num_stages
+    else:
+        M = max(p.num_microbatches for p in jobs)
+        S = max(min(p.num_blocks, sum(c.count for c in p.classes if c.stage_capable)) for p in jobs)
+    return min(AFTER_MAX_SHARE * limit_s, plans * compile_units(M, S) / UNITS_PER_S)
 
 
 # A plan holding this share of some device's memory was shaped by memory: the search also tries recomputation,
