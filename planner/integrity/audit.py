@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from planner.errors import InvalidInputError
+from planner.integrity.contributions import SKETCH_SIZE, sketch
 
 __all__ = [
     "AUDIT_REASON",
@@ -47,6 +48,8 @@ __all__ = [
     "AuditSchedule",
     "applied_gradient_event",
     "audit_event",
+    "contribution_error",
+    "contribution_event",
     "failed_audits",
     "flagged_senders",
     "is_audit",
@@ -154,6 +157,33 @@ def sketch_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
     gap = abs(float(norms[0]) - float(norms[1])) / float(norms[1]) if float(norms[1]) > 0 else math.inf
     err = max(relative_error(*raw), gap)
     return err if math.isfinite(err) else math.inf
+
+
+def contribution_error(sent_sketch: torch.Tensor, recomputed: Iterable[torch.Tensor], *, seed: int) -> float:
+    """:func:`sketch_error` of a replica's reported contribution sketch (``contributions.sketch`` of its flat
+    gradient before its stage's all-reduce) against the sketch of the sum of its step's recomputed parameter
+    gradients, one flat tensor per microbatch (every microbatch it ran that step: else the sum is not its
+    contribution). inf where none is given or the shapes differ."""
+    parts = list(recomputed)
+    if not parts or any(p.shape != parts[0].shape for p in parts):
+        return math.inf
+    total = torch.stack([p.detach().float().reshape(-1) for p in parts]).sum(0) if len(parts) > 1 \
+        else parts[0].detach().float().reshape(-1)
+    if sent_sketch.shape != (SKETCH_SIZE,):
+        return math.inf
+    return sketch_error(sent_sketch.detach().to("cpu", torch.float64), sketch(total, seed=seed))
+
+
+def contribution_event(*, step: int, stage: int, sender: int, error: float,
+                       tolerance: float) -> dict[str, Any] | None:
+    """The flag of a failed contribution audit (None where it passed): ``sender``'s reported gradient
+    contribution to ``stage``'s all-reduce is not the sum of its recomputed microbatches' (proof, as a failed
+    audit's); a step-level flag of the stage's gradient, banned at once (``failed_audits``)."""
+    if error <= tolerance:
+        return None
+    return {"type": "flag", "step": int(step), "mb": -1, "boundary": int(stage), "direction": "grad",
+            "sender": int(sender), "scope": "step", "scores": {AUDIT_REASON: min(error, 1e9)},
+            "fences": {AUDIT_REASON: float(tolerance)}, "reasons": [AUDIT_REASON]}
 
 
 class AuditLedger:

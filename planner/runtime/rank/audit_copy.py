@@ -32,9 +32,14 @@ class StageCopy:
     stepper: Executor | None = None   # runs the copy's optimizer steps off the run's thread (None: at once)
     pending: Future | None = None     # the step still running there
     inbox: torch.Tensor | None = None   # receives the applied gradient every step (fresh pages cost a fill)
+    # names of the stage's parameters summed across stages instead (tied): not in a replica's contribution
+    tied: frozenset[str] = frozenset()
+    contributed: list[torch.nn.Parameter] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.runtime.parameters()]
+        # a replica's contribution to its stage's all-reduce, in its order (``Executor.replica_params``)
+        self.contributed = [p for n, p in self.runtime.parameters() if n not in self.tied]
 
     @property
     def flat_size(self) -> int:
@@ -61,14 +66,28 @@ class StageCopy:
 
     def input_grads(self, inputs, outputs, received: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of the stage's inputs given its outputs' (``_backward``'s, without touching ``.grad``)."""
+        return self.grads(inputs, outputs, received, params=False)[0]
+
+    def grads(self, inputs, outputs, received: Sequence[torch.Tensor], *,
+              params: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The input gradients (``input_grads``) and, where ``params``, the flat gradient of the contributed
+        parameters (zeros where none reached one, as ``comm.flat_grads``), from one backward."""
         stage = self.runtime
         carrying = [o for o, spec in zip(outputs, stage.outputs) if spec.carries_grad]
         pairs = [(o, g) for o, g in zip(carrying, received) if o.requires_grad]
         wrt = [t for t, spec in zip(inputs, stage.inputs) if spec.carries_grad and t.requires_grad]
-        got = dict(zip(map(id, wrt), torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                                         allow_unused=True))) if pairs and wrt else {}
-        return [got.get(id(t)) if got.get(id(t)) is not None else torch.zeros_like(t)
-                for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
+        weights = [p for p in self.contributed if p.requires_grad] if params else []
+        everything = [*wrt, *weights]
+        got = dict(zip(map(id, everything), torch.autograd.grad([o for o, _ in pairs], everything,
+                                                                [g for _, g in pairs], allow_unused=True))) \
+            if pairs and everything else {}
+        ins = [got.get(id(t)) if got.get(id(t)) is not None else torch.zeros_like(t)
+               for t, spec in zip(inputs, stage.inputs) if spec.carries_grad]
+        if not params:
+            return ins, None
+        flat = [(got.get(id(p)) if got.get(id(p)) is not None else torch.zeros_like(p)).reshape(-1)
+                for p in self.contributed]
+        return ins, torch.cat(flat) if flat else torch.zeros(0)
 
     def step_later(self, flat: torch.Tensor | None) -> None:
         """``apply`` on the stepper's thread (at once without one): the copy is not needed before its next

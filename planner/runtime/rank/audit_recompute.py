@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from planner.integrity import audit
+from planner.runtime.rank.audit_contrib import ContribSums
 from planner.runtime.rank.audit_copy import StageCopy
 
 ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
@@ -43,10 +44,12 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Deferred:
-    """A step's audits of one stage recomputing on its copy's stepper: the audited step and the outcomes to come."""
+    """A step's audits of one stage recomputing on its copy's stepper: the audited step and the outcomes to come;
+    the step's contribution sums they complete (``audit_contrib``; None: none checked)."""
 
     step: int
     outcomes: Future
+    contrib: ContribSums | None = None
 
 
 def take_kept(kept: dict[tuple[int, str, int], list[torch.Tensor]], stage: int,
@@ -58,10 +61,11 @@ def take_kept(kept: dict[tuple[int, str, int], list[torch.Tensor]], stage: int,
 
 def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, step: int,
               owner: Callable[[int], int], precision: Any, device: torch.device, tolerance: float,
-              settle: bool = True) -> list[Outcome]:
+              settle: bool = True, contrib: ContribSums | None = None) -> list[Outcome]:
     """Recompute each taken microbatch on ``copy`` (at the weights of ``step``) and compare its output and, where
     kept, its input gradient with the replica's; ``settle`` False on the stepper itself (its queue holds the
-    copy's next step behind this)."""
+    copy's next step behind this). ``contrib``: the same backward's parameter gradients summed there for the
+    replicas it wants (``audit_contrib``)."""
     out: list[Outcome] = []
     for mb, kept in taken.items():
         if kept["x"] is None:
@@ -76,7 +80,11 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
         if kept["y"] is not None:
             checks.append((stage, "act", error(kept["y"], outputs)))
         if grad:
-            checks.append((stage - 1, "grad", error(kept["gin"], copy.input_grads(inputs, outputs, kept["g"]))))
+            wanted = contrib is not None and contrib.wants(sender)
+            ins, weights = copy.grads(inputs, outputs, kept["g"], params=wanted)
+            checks.append((stage - 1, "grad", error(kept["gin"], ins)))
+            if wanted and weights is not None:
+                contrib.add(sender, mb, weights)
         for boundary, direction, err in checks:
             event = audit.audit_event(step=step, mb=mb, boundary=boundary, direction=direction, sender=sender,
                                       error=err, tolerance=tolerance)
@@ -91,7 +99,8 @@ def defer(copy: StageCopy, taken: dict[int, dict[str, Any]], **kw: Any) -> Defer
     queues next); None where nothing is to recompute or the copy has no stepper (then in line: the caller's)."""
     if copy.stepper is None or not any(kept["x"] is not None for kept in taken.values()):
         return None
-    return Deferred(step=kw["step"], outcomes=copy.stepper.submit(recompute, copy, taken, settle=False, **kw))
+    return Deferred(step=kw["step"], outcomes=copy.stepper.submit(recompute, copy, taken, settle=False, **kw),
+                    contrib=kw.get("contrib"))
 
 
 def record(verifier: Any, outcomes: Sequence[Outcome], *, at_step: int) -> None:

@@ -20,6 +20,18 @@ at the step's end (all of them where the inputs come copied), recompute on the c
 before the copy steps (``audit_recompute``): their verdict joins the next step's flags, from the audited step on
 (``since``), except on a step that writes a checkpoint or ends the run, which audits them by its end.
 
+Contribution audits (``audit_contrib``). Where the auditor is the lead verifier (it hears the replicas'
+contribution sketches, ``replica_checks.exchange``) and holds the stage's inputs and gradients, a replica all of
+whose microbatches of a step are audited (every one of a suspect's, or all drawn: ``--audit-every 1``) has its
+contribution audited too: the same backward of the copy that gives each audited microbatch's input gradient gives
+its parameter gradients, and the sketch of their sum (what the replica's ``Executor._sum_grads`` hands its
+all-reduce: before clipping and unscaling, the loss scale and the mean's 1 / M in the gradient it was sent) is
+compared with the sketch the replica reported. Past the tolerance it is a failed audit (a ban at once, proof); a
+pass close to none vouches for the contribution (the contribution monitor's CUSUMs of it restart and, where judged
+as the sketches arrive, its contribution flag of the step is withdrawn). A stage whose auditor is another verifier
+is not checked so (the lead would have to send it the sketches). The weight half of the backward is spent only
+on those replicas' microbatches.
+
 Where the auditor does not verify the stage's input boundary, the trusted ranks of the stage before copy it the
 inputs: at the start the auditor sends each of them its key for that stage, point to point (never to a replica),
 and at each step's end each sends it, in one message, the inputs of the audited microbatches it sent the stage,
@@ -46,8 +58,15 @@ replica's stops the stage's audits instead of choosing whom to believe (recorded
 digest (visible, never silent), claim its input was dropped (its output is then dropped downstream: lost data,
 counted), and corrupt what the audits cannot see: a microbatch whose tensors this verifier does not check (the
 gradients sent to it by an untrusted downstream stage: those audits are skipped; gradients where the inputs are
-copied), and its own gradient contribution (the contribution monitor and ``--robust-reduce`` watch that; a sole
-replica's applied gradient is its own word). Like every check of this verifier, an audit takes the copy a replica
+copied), and its own gradient contribution where the contribution audit does not run (the contribution monitor
+and ``--robust-reduce`` watch that; a sole replica's applied gradient is its own word). The contribution audit
+holds a replica to the sketch *it reports*: one that sums a poisoned contribution into the all-reduce while
+reporting the sketch of the honest one passes it (the sketch is its word, as the monitor's input is); what the
+audit adds is that a replica which reports what it sums (every fault, and an attacker that does not lie about
+itself, as ``dir=params`` does here) is proven on the first fully audited step instead of flagged by a CUSUM
+after several, and that an honest replica the CUSUM drifted against is cleared. The liar's reach into the sum
+stays what the robust reduce bounds it to (``--robust-reduce``: the clipping radius), and the applied-gradient
+digests still prove the replicas stepped with one sum. Like every check of this verifier, an audit takes the copy a replica
 sends it for what the consumer received (the transfers are not signed, except where the stage before is
 untrusted: the replicas then forward the audited inputs under that stage's signatures, ``audit_signed``). Nothing
 received is unpickled or executed: keys and digests are int64 tensors, the gradient and the input copies float
@@ -68,7 +87,12 @@ import torch
 import torch.distributed as dist
 
 from planner.integrity import audit
-from planner.runtime.rank import audit_inputs, audit_recompute, audit_signed
+from planner.runtime.rank import (
+    audit_contrib,
+    audit_inputs,
+    audit_recompute,
+    audit_signed,
+)
 from planner.runtime.rank.audit_applied import (
     DIGEST_WORDS,
     digest,
@@ -158,6 +182,8 @@ class RuntimeAudits:
     agreed: frozenset[int] = frozenset()
     agreed_step: int | None = None
     checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
+    # the lead auditor's: this step's recomputed parameter gradients of fully audited replicas, by stage
+    contrib: dict[int, audit_contrib.ContribSums] = field(default_factory=dict)
 
     def inline_at(self, step: int) -> bool:
         """Whether ``step``'s audits are done by its end (its verdict): it ends the run or writes a checkpoint, so no
@@ -190,7 +216,8 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
             out.sharing[k] = audit.AuditSchedule(key, st.every)
         if st.auditor != rank:
             continue
-        runtime = prepare_rank(plan, st.replicas[0], opts, device).stage
+        setup = prepare_rank(plan, st.replicas[0], opts, device)
+        runtime = setup.stage
         assert runtime is not None
         optimizer = make_optimizer(plan.config.optimizer, [p for _, p in runtime.parameters()], lr=opts.lr,
                                    weight_decay=opts.weight_decay)
@@ -199,7 +226,8 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
         # one thread for all the copies: each copy's steps run in order, one at a time
         stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-copy-step")
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule,
-                                  random=random_op(runtime.module), stepper=stepper)
+                                  random=random_op(runtime.module), stepper=stepper,
+                                  tied=audit_contrib.tied_names(plan, setup.split, k))
         out.schedules[k] = audit.AuditSchedule(key, st.every)
     out.signed = audit_signed.setup(stages, rank, device)
     return out
@@ -314,6 +342,8 @@ def end_step(ex: Any, step: int) -> None:
                     _audit_stage(ex, st, step)
             with ex._timed("comm"):
                 _sync_copy(ex, st, step, audit_first=None if inline else _deferring(ex, st, step))
+            with ex._timed("verify"):
+                _settle_contrib(ex, st, step)
         elif ex.rank in st.replicas:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied, claim)
@@ -516,10 +546,65 @@ def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = Non
                            at_step=step)
 
 
+def _tolerance(ex: Any) -> float:
+    return audit.TOLERANCE.get(str(ex.precision.dtype).removeprefix("torch."), audit.TOLERANCE["float32"])
+
+
 def _recompute_args(ex: Any, st: AuditedStage, step: int) -> dict[str, Any]:
-    tolerance = audit.TOLERANCE.get(str(ex.precision.dtype).removeprefix("torch."), audit.TOLERANCE["float32"])
     return {"stage": st.stage, "step": step, "owner": lambda mb: ex.plan.owner(st.stage, mb),
-            "precision": ex.precision, "device": ex.device, "tolerance": tolerance}
+            "precision": ex.precision, "device": ex.device, "tolerance": _tolerance(ex),
+            "contrib": _contrib_sums(ex, st, step)}
+
+
+# ----------------------------------------------------------------------------- contribution audits (the lead's)
+
+def _contrib_sums(ex: Any, st: AuditedStage, step: int) -> audit_contrib.ContribSums | None:
+    """``st``'s contribution sums of ``step`` (made on first use), where this auditor is the lead verifier (it
+    alone hears the replicas' sketches, ``replica_checks.exchange``), the stage has twins (a sole replica sends
+    no sketch) and it holds their gradients (not audited from copies); None elsewhere."""
+    audits: RuntimeAudits = ex.audits
+    if ex.rank != min(ex.groups.verifier_ranks) or len(st.replicas) < 2 or st.copied_from:
+        return None
+    sums = audits.contrib.get(st.stage)
+    if sums is None or sums.step != step:
+        owned = audit_contrib.full_replicas(ex.plan, st.stage, lambda mb: _audited(ex, st, mb))
+        sums = audits.contrib[st.stage] = audit_contrib.ContribSums(stage=st.stage, step=step, owned=owned)
+    return sums
+
+
+def contributions_heard(ex: Any, stage: int, step: int, sketches: dict[int, torch.Tensor]) -> set[int]:
+    """At the lead verifier, as ``stage``'s replicas' contribution sketches of ``step`` come in
+    (``replica_checks.exchange``): each fully audited replica's, whose recomputed sum is complete, judged now
+    (failed: an audit flag of the step; passed close to none: vouched, returned, its contribution flags of the
+    step withdrawn by the caller); the others' kept until their recomputes end (``_settle_contrib``)."""
+    audits: RuntimeAudits | None = getattr(ex, "audits", None)
+    st = audits.auditing(ex.rank).get(stage) if audits is not None else None
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    sums = _contrib_sums(ex, st, step) if st is not None and verifier is not None else None
+    if sums is None:
+        return set()
+    outcomes = []
+    for r, sent in sorted(sketches.items()):
+        if not sums.wants(r):
+            continue
+        if not sums.complete(r):
+            sums.heard[r] = sent
+        elif (judged := audit_contrib.judge(sums, r, sent, tolerance=_tolerance(ex))) is not None:
+            outcomes.append(judged)
+    audit_contrib.record(verifier, getattr(ex, "_contributions", None), sums, outcomes, at_step=step)
+    return {o.sender for o in outcomes if o.vouched}
+
+
+def _settle_contrib(ex: Any, st: AuditedStage, step: int) -> None:
+    """At the step's end, after its audits are in line or queued: the sketches still waiting for their sums are
+    judged now (in line), or once the recomputes queued for the next step are collected (``_collect``)."""
+    audits: RuntimeAudits = ex.audits
+    sums = audits.contrib.pop(st.stage, None)
+    deferred = audits.deferred.get(st.stage)
+    if sums is None or (deferred is not None and deferred.contrib is sums):
+        return
+    audit_contrib.settle(ex.verify.verifier if ex.verify is not None else None, getattr(ex, "_contributions", None),
+                         sums, at_step=step, tolerance=_tolerance(ex))
 
 
 def _deferring(ex: Any, st: AuditedStage, step: int) -> Any:
@@ -552,3 +637,5 @@ def _collect(ex: Any, st: AuditedStage, step: int) -> None:
     if deferred is None or verifier is None:
         return
     audit_recompute.record(verifier, deferred.outcomes.result(), at_step=step)
+    audit_contrib.settle(verifier, getattr(ex, "_contributions", None), deferred.contrib, at_step=step,
+                         tolerance=_tolerance(ex))
