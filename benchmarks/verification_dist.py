@@ -19,8 +19,11 @@ untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llam
   microbatches, the last stage on h4), one verifier (rank 0);
 - ``replicated-audit``, ``replicated3-audit``: the replicated plans run with ``--audit-every 4`` (the runtime's
   audits, ``planner.runtime.rank.audits``: rank 0, the verifier of stage 1's outputs, recomputes a secret one in
-  four of each replica's microbatches on its own copy of the stage; a failed audit bans at once); every other
-  shape runs with ``--audit-every 0``, as its rows were measured before the runtime audited;
+  four of each replica's microbatches on its own copy of the stage; a failed audit bans at once; where it audited
+  every microbatch of a replica's step, a suspect's, it also audits the replica's gradient contribution against
+  its reported sketch, ``planner.runtime.rank.audit_contrib``; ``--audit-every N`` sets another share, recorded
+  in each row); every other shape runs with ``--audit-every 0``, as its rows were measured before the runtime
+  audited;
 - ``hf-llama``: a tiny HF Llama (``HF_SPEC``, 4x32 tokens a microbatch, 3 microbatches a step) planned by
   ``planner.api.make_plan`` on the default cluster with 3 stages (tests/integration/test_run_drops.py's): the
   middle stage on a volunteer, verified (boundary 0's gradients on rank 0, boundary 1's activations on rank 2).
@@ -43,6 +46,8 @@ row keeps the flag events around it (boundary, direction, reasons, upstream).
 
     python benchmarks/verification_dist.py                          # everything (about an hour here)
     python benchmarks/verification_dist.py --shapes split --seeds 0 --steps 12 --attacks none --out F.json
+    python benchmarks/verification_dist.py --no-clean --attack-shapes replicated-audit replicated3-audit \
+        --attacks params-scale3 params-sign params-noise                # the contribution audits' rows
     python benchmarks/verification_dist.py --quick   # a smoke run: the split and replicated plans made, one
                                                      # short clean run of split; everything in a temporary folder
 """
@@ -90,6 +95,7 @@ AUDIT_EVERY = 4           # --audit-every of the audited shapes (planner.integri
 REPLICATED = ("replicated", "replicated3", "replicated-audit", "replicated3-audit")
 SOLE_UNTRUSTED = {"hf-llama": 1, "hf-llama-audit": 1}   # shape -> its one untrusted rank: every attack runs there
 ATTACK_START, DELAY_START = 20, 30
+INVOCATION = ""           # this invocation's command line, recorded in its rows (``main``)
 FPR_GOAL = 0.001          # microbatch flags per check (issue 20)
 BAN_WITHIN = 10           # steps from the attack's start to the attacker's ban (issue 20)
 F1_GOAL = 0.95
@@ -220,14 +226,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
 
 
-def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None, work: Path) -> dict[str, Any]:
-    """One ``stagewise run``; its row."""
+def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None, work: Path,
+            audit_every: int = AUDIT_EVERY) -> dict[str, Any]:
+    """One ``stagewise run`` (``audit_every``: the audited shapes' --audit-every); its row."""
+    every = audit_every if shape in AUDITED else 0
     report_path = work / report_name(shape, seed, attack, steps)
     log_path = report_path.with_name(report_path.name.replace(".report.json", ".log"))
     report_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "planner", "run", str(plan), "--steps", str(steps), "--lr", str(LR),
            "--seed", str(seed), "--report", str(report_path),
-           "--audit-every", str(AUDIT_EVERY if shape in AUDITED else 0)]
+           "--audit-every", str(every)]
     spec = None
     if attack is not None:
         spec = attack_spec(attack, shape)
@@ -242,7 +250,8 @@ def run_one(plan: Path, *, shape: str, seed: int, steps: int, attack: str | None
     log_path.write_text(output)
     row: dict[str, Any] = {"shape": shape, "model": MODELS.get(shape, "gpt-tiny"), "seed": seed,
                            "attack": attack or "none", "attack_spec": spec, "steps": steps, "exit_code": rc,
-                           "duration_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}
+                           "duration_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"),
+                           "audit_every": every, "invocation": INVOCATION}
     if not report_path.exists():
         tail = output.strip().splitlines()[-3:]
         return {**row, "error": " | ".join(tail) or "no report"}
@@ -269,7 +278,8 @@ def scored(row: dict[str, Any], report: dict[str, Any], plan: dict[str, Any]) ->
 
 def rescore(out: Path, work: Path) -> list[dict[str, Any]]:
     """The rows of ``out`` scored again from the reports and plans kept in ``work`` (no run)."""
-    run_keys = ("shape", "seed", "attack", "attack_spec", "steps", "exit_code", "duration_s")
+    run_keys = ("shape", "seed", "attack", "attack_spec", "steps", "exit_code", "duration_s", "audit_every",
+                "invocation")
     rows = []
     for old in json.loads(out.read_text())["rows"]:
         path = work / report_name(old["shape"], old["seed"], None if old["attack"] == "none" else old["attack"],
@@ -558,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack-steps", type=int, default=60)
     parser.add_argument("--attack-seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--no-clean", action="store_true", help="attack runs only")
+    parser.add_argument("--audit-every", type=int, default=AUDIT_EVERY,
+                        help=f"--audit-every of the audited shapes (default {AUDIT_EVERY}; rows record it)")
     parser.add_argument("--work", help="folder for the plans, reports and logs (default: a temporary one)")
     parser.add_argument("--out", default=None, help="the JSON rows are merged into (default benchmarks/results/"
                                                     "verification_dist.json; --quick: one in its temporary folder)")
@@ -566,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run (see above); writes nothing outside its "
                         "temporary folder unless --out or --work")
     args = parser.parse_args(argv)
+    global INVOCATION
+    INVOCATION = " ".join(["python benchmarks/verification_dist.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         with tempfile.TemporaryDirectory(prefix="verification_dist-") as tmp:
             return quick(Path(args.work or tmp), Path(args.out) if args.out else Path(tmp) / "verification_dist.json")
@@ -591,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
            [(s, seed, a, args.attack_steps) for seed in args.attack_seeds for a in attacks for s in args.attack_shapes
             if runs_on(a, s)]
     for shape, seed, attack, steps in runs:
-        row = run_one(plans[shape], shape=shape, seed=seed, steps=steps, attack=attack, work=work)
+        row = run_one(plans[shape], shape=shape, seed=seed, steps=steps, attack=attack, work=work,
+                      audit_every=args.audit_every)
         print_row(row)
         merge(Path(args.out), [row], {shape: plans[shape]})
     print(json.dumps(json.loads(Path(args.out).read_text())["summary"]))
