@@ -561,9 +561,10 @@ def _recompute_args(ex: Any, st: AuditedStage, step: int) -> dict[str, Any]:
 def _contrib_sums(ex: Any, st: AuditedStage, step: int) -> audit_contrib.ContribSums | None:
     """``st``'s contribution sums of ``step`` (made on first use), where this auditor is the lead verifier (it
     alone hears the replicas' sketches, ``replica_checks.exchange``), the stage has twins (a sole replica sends
-    no sketch) and it holds their gradients (not audited from copies); None elsewhere."""
+    no sketch) and it holds their gradients (not audited from copies or signed inputs: outputs only); None
+    elsewhere."""
     audits: RuntimeAudits = ex.audits
-    if ex.rank != min(ex.groups.verifier_ranks) or len(st.replicas) < 2 or st.copied_from:
+    if ex.rank != min(ex.groups.verifier_ranks) or len(st.replicas) < 2 or st.copied_from or st.signed_by:
         return None
     sums = audits.contrib.get(st.stage)
     if sums is None or sums.step != step:
