@@ -154,7 +154,8 @@ def sketch_error(sent: torch.Tensor, recomputed: torch.Tensor) -> float:
     without the gradient itself leaving the replica (the norms too: a sketch's buckets can cancel)."""
     norms = sent[0], recomputed[0]
     raw = sent[2:] * norms[0], recomputed[2:] * norms[1]
-    gap = abs(float(norms[0]) - float(norms[1])) / float(norms[1]) if float(norms[1]) > 0 else math.inf
+    gap = abs(float(norms[0]) - float(norms[1])) / float(norms[1]) if float(norms[1]) > 0 \
+        else (0.0 if float(norms[0]) == 0 else math.inf)   # two zero gradients agree
     err = max(relative_error(*raw), gap)
     return err if math.isfinite(err) else math.inf
 

@@ -37,6 +37,7 @@ MISS_TARGET = 1e-3     # the chance a replica corrupting every microbatch goes u
 # the replicas' applied gradient, received whole as float32 into one of two buffers in turn (the copy's last step
 # may still read the other: ``runtime.rank.audits._free_inbox``)
 APPLIED_GRADIENT_BYTES_PER_PARAM = 2 * 4
+CONTRIBUTION_SUM_BYTES = 4   # a float32 sum of a replica's recomputed parameter gradients, per parameter
 
 
 def with_audits(placement: Placement, every: dict[int, int]) -> Placement:
@@ -69,14 +70,18 @@ def _sites(problem: Problem, placement: Placement) -> tuple[AuditSite, ...]:
                  if (s := audit_site(problem, placement.stages, placement.verifiers, k)) is not None)
 
 
-def copy_bytes(problem: Problem, st: StagePlacement) -> int:
+def copy_bytes(problem: Problem, st: StagePlacement, site: AuditSite | None = None) -> int:
     """What an auditor holds for its copy of stage ``st`` (``runtime.rank.audit_copy.StageCopy``): the weights,
     gradients and optimizer state a replica holds, the two buffers the applied gradient is received into, the activations of
     the one microbatch it recomputes, and the audited microbatches' input and output it keeps until then (each
-    is drawn on its own, so a step may audit all of them: counted for all)."""
+    is drawn on its own, so a step may audit all of them: counted for all). Where ``site`` audits the replicas'
+    gradients, their contribution sums too (``runtime.rank.audit_contrib``: a float32 sum per replica, for two
+    steps where the verdict comes a step late, and a microbatch's parameter gradients with their flat copy)."""
     tables = problem.tables(st.recompute)
     first, last = st.first_block, st.last_block
     per_param = tables.state_bytes_per_param + APPLIED_GRADIENT_BYTES_PER_PARAM
+    if site is not None and site.grads and not site.copied_from and not site.signed_by and len(st.devices) > 1:
+        per_param += CONTRIBUTION_SUM_BYTES * (2 * len(st.devices) + 2)
     kept = sum(st.microbatches) * ((problem.raw_bytes(first - 1) if first else 0.0) + problem.raw_bytes(last))
     return int(tables.range_params(first, last) * per_param + tables.range_act_bytes(first, last)
                + tables.buffer_bytes(first, last) + kept)
@@ -100,7 +105,7 @@ def choose_audits(problem: Problem, placement: Placement) -> Placement:
     limit = (1 + problem.policy.audit_cost) * price_program(problem, with_audits(placement, {})).step_ms
     free = _free_bytes(problem, placement)
     for site in sites:
-        need = copy_bytes(problem, placement.stages[site.stage])
+        need = copy_bytes(problem, placement.stages[site.stage], site)
         if need > free[site.auditor]:
             continue
         for every in _shares(placement.stages[site.stage], problem.policy.audit_within_steps):
@@ -122,7 +127,7 @@ def audit_notes(problem: Problem, placement: Placement) -> tuple[str, ...]:
     for k, st in enumerate(placement.stages):   # what the chosen copies take
         site = audit_site(problem, placement.stages, placement.verifiers, k) if st.audit_every else None
         if site is not None:
-            free[site.auditor] -= copy_bytes(problem, st)
+            free[site.auditor] -= copy_bytes(problem, st, site)
     out = []
     for k, st in enumerate(placement.stages):
         if all(problem.classes[problem.class_of(d)].trusted for d in st.devices):
@@ -161,7 +166,7 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
            f"{link.bandwidth_gbps:g} Gb/s link, its recomputes {cost.recompute_ms:.1f} ms"
            f"{' (on the copy thread during the next step, the verdict a step late)' if cost.deferred else ''} "
            f"and the copy's optimizer step {cost.optim_ms:.1f} ms")
-    need = copy_bytes(problem, st)
+    need = copy_bytes(problem, st, site)
     if not st.audit_every and need > free[site.auditor]:
         room = problem.classes[problem.class_of(site.auditor)].mem_bytes
         return (f"stage {k}: {who} not audited: the copy its auditor {site.auditor} would keep (weights, "

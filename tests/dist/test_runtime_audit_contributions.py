@@ -20,14 +20,14 @@ ATTACKER, TWIN, VERIFIER = 1, 2, 0
 PER_REPLICA = 4   # microbatches a step on each replica
 
 
-def _plan(tmp_path):
+def _plan(tmp_path, dtype: str = "float32"):
     # test_runtime_audits' plan: mlp-tiny in 3 stages, the middle one on two untrusted replicas (ranks 1, 2), rank 0
     # (trusted, the lead and only verifier) verifying both of its boundaries both ways: the auditor holds every
     # input and gradient of the stage. The monitors' warm-up outlasts the run: what bans here is the audit.
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
                      replicas={1: (PER_REPLICA, PER_REPLICA)}, untrusted=(1, 2), optimizer="adam",
                      verifiers=[(0, 0, ("act", "grad")), (1, 0, ("act", "grad"))],
-                     verifier_config=VerifierConfig(warmup=50))
+                     verifier_config=VerifierConfig(warmup=50), dtype=dtype)
     assert plan.stage_ranks(1) == (ATTACKER, TWIN) and plan.ranks[VERIFIER].stage == 0
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, audit_every=0) for st in plan.stages))
     return plan.save(tmp_path / "plan.json")
@@ -45,6 +45,17 @@ def test_a_clean_run_passes_every_contribution_audit(tmp_path):
     expected = STEPS * (2 * PER_REPLICA + 1)
     assert audits["run_by_sender"] == {str(ATTACKER): expected, str(TWIN): expected}, audits
     assert audits["failed"] == 0 and not audits["suspended"] and not result["banned"]
+
+
+def test_fp16_honest_replicas_pass_their_contribution_audits(tmp_path):
+    """fp16 run in fp16 here (``rehearse_dtype="plan"``): the replica's gradients carry the loss scale, the
+    gradient the verifier keeps for the recompute does not; the reported sketch is unscaled (review: every honest
+    replica failed by the scale, 65,536x)."""
+    result = launch(RunOptions(plan=str(_plan(tmp_path, "float16")), steps=3, timeout_s=60, lr=1e-2, audit_every=1,
+                               rehearse_dtype="plan"))
+    audits = _verification(result)["audits"]
+    assert audits["run_by_sender"] == {str(ATTACKER): 3 * (2 * PER_REPLICA + 1), str(TWIN): 3 * (2 * PER_REPLICA + 1)}
+    assert audits["failed"] == 0 and not result["banned"], audits
 
 
 def test_a_replica_scaling_its_contribution_is_banned_by_the_first_attacked_steps_audit(tmp_path):

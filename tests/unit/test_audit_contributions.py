@@ -164,3 +164,45 @@ def test_the_copys_one_backward_gives_what_the_replica_contributes():
     err = audit.contribution_error(sketch(contribution, seed=SEED), recomputed, seed=SEED)
     assert audit.vouches(err, TOL), err
     assert audit.contribution_error(sketch(3 * contribution, seed=SEED), recomputed, seed=SEED) > TOL
+
+
+def test_a_replica_that_trained_nothing_is_not_judged_and_one_that_claims_a_gradient_there_fails():
+    """Every microbatch of the replica dropped upstream (review): both zero, no verdict (was inf: an honest ban);
+    a non-zero report against a zero recomputed sum is a poisoned one."""
+    zero = torch.zeros(500)
+    assert audit.sketch_error(sketch(zero, seed=SEED), sketch(zero, seed=SEED)) == 0.0
+    sums = audit_contrib.ContribSums(stage=STAGE, step=5, owned={1: frozenset({0})})
+    sums.add(1, 0, zero)
+    assert audit_contrib.judge(sums, 1, sketch(zero, seed=SEED), tolerance=TOL) is None
+    lie = audit_contrib.judge(sums, 1, sketch(torch.ones(500), seed=SEED), tolerance=TOL)
+    assert lie is not None and not lie.passed
+    empty = audit_contrib.ContribSums(stage=STAGE, step=5, owned={1: frozenset({0})})   # every parameter tied
+    empty.add(1, 0, torch.zeros(0))
+    assert audit_contrib.judge(empty, 1, sketch(torch.zeros(0), seed=SEED), tolerance=TOL) is None
+
+
+def test_an_overflowed_fp16_report_gives_no_verdict():
+    """An fp16 step whose gradients overflowed on the replica (skipped on every rank): its sketch is not finite,
+    the copy's unscaled sum is; no verdict (was a failed audit)."""
+    parts = _per_mb(1)
+    sums = audit_contrib.ContribSums(stage=STAGE, step=5, owned={1: frozenset({0})})
+    sums.add(1, 0, parts[0])
+    overflowed = parts[0].clone()
+    overflowed[7] = float("inf")
+    assert audit_contrib.judge(sums, 1, sketch(overflowed, seed=SEED), tolerance=TOL) is None
+
+
+def test_a_suspect_s_pass_clears_its_step_but_not_its_history():
+    """A suspect knows every microbatch of its step is audited (the verdict names it to every rank): its pass
+    vouches for that step (judged so) but does not restart the monitor's CUSUMs (review: else attack, behave the
+    one suspected step, attack again); a drawn full audit, which it could not foresee, does."""
+    parts = _per_mb(2)
+    sums = audit_contrib.ContribSums(stage=STAGE, step=5, owned={1: frozenset({0}), 2: frozenset({1})},
+                                     predictable=frozenset({2}))
+    sums.add(1, 0, parts[0])
+    sums.add(2, 1, parts[1])
+    outcomes = [audit_contrib.judge(sums, r, sketch(parts[i], seed=SEED), tolerance=TOL) for i, r in enumerate((1, 2))]
+    assert all(o is not None and o.passed and o.vouched for o in outcomes)
+    verifier, monitor = _Recorder(), _Monitor()
+    audit_contrib.record(verifier, monitor, sums, outcomes, at_step=5)
+    assert verifier.audits == [(1, 5, True), (2, 5, True)] and monitor.vouched == [(STAGE, 1)]

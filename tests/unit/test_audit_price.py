@@ -253,9 +253,12 @@ def test_a_stage_whose_input_its_auditor_does_not_verify_is_audited_from_the_ups
 def test_audits_are_refused_where_the_auditors_copy_of_the_stage_would_not_fit_and_the_plan_says_why():
     problem, placement = _watched(100.0)
     st = placement.stages[1]
-    need = copy_bytes(problem, st)
-    # 3M parameters of fp32 Adam (16 bytes each) and the applied gradient's 4: at least 60 MB
-    assert need >= problem.range_params(1, 3) * (16 + 4)
+    site = audit_site(problem, placement.stages, placement.verifiers, 1)
+    need = copy_bytes(problem, st, site)
+    # 3M parameters of fp32 Adam (16 bytes each) and the applied gradient's 4: at least 60 MB; the auditor holds the
+    # stage's gradients, so the replicas' contribution sums too (a float32 sum each, for two steps, and a microbatch's)
+    assert site.grads and need >= problem.range_params(1, 3) * (16 + 4)
+    assert need - copy_bytes(problem, st) == problem.range_params(1, 3) * 4 * (2 * len(st.devices) + 2)
     plain = with_audits(placement, {})
     held = dict(program_memory(problem, plain, price_program(problem, plain).in_flight))["dc/1"]
     cls = problem.class_of("dc/1")

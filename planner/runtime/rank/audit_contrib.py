@@ -4,7 +4,10 @@ sum is what the replica's contribution to its stage's all-reduce should be (befo
 sum over replicas, as ``Executor._sum_grads`` forms it: loss scale and the 1 / M of the mean loss ride in the
 gradient the replica was sent). Its sketch against the one the replica reported (``replica_checks.exchange``)
 is an audit: past the tolerance a failed audit (a ban at once), close to none a pass that vouches for the
-contribution (the contribution monitor's CUSUMs restart, its flag of the step withdrawn where still unsent).
+contribution (its flag of the step withdrawn where still unsent, and the contribution monitor's CUSUMs restart,
+unless the replica was a suspect, which knew its step would be audited: its history stands). Scaled fp16
+gradients are compared unscaled (the replica's sketch and the gradient the verifier keeps both are); an
+overflowed step, and a replica that trained nothing (both zero), give no verdict.
 
 Only on the lead verifier: it alone hears the sketches and keeps the contribution monitor, so only a stage whose
 auditor is the lead is checked so (the replicated plans' one verifier). Parameter gradients are computed only for
@@ -32,6 +35,9 @@ class ContribSums:
     stage: int
     step: int
     owned: dict[int, frozenset[int]]   # replica -> all its microbatches of the step (each audited)
+    # the owned replicas audited as suspects: each knew it would be (the verdict names suspects to every rank), so
+    # a pass clears that step only, never the history (else: attack, behave the one suspected step, start again)
+    predictable: frozenset[int] = frozenset()
     sums: dict[int, torch.Tensor] = field(default_factory=dict)
     counted: dict[int, set[int]] = field(default_factory=dict)
     heard: dict[int, torch.Tensor] = field(default_factory=dict)   # replica -> its reported sketch, not yet judged
@@ -84,11 +90,15 @@ def full_replicas(plan: Any, stage: int, audited: Any) -> dict[int, frozenset[in
 
 def judge(sums: ContribSums, sender: int, sent: torch.Tensor, *, tolerance: float) -> Judged | None:
     """``sender``'s reported sketch against its complete recomputed sum (None: no verdict, where the sum is
-    incomplete or not finite: a diverged stage is every replica's, not one's)."""
+    incomplete or not finite, a diverged stage being every replica's, not one's; where the reported sketch is not
+    finite, an fp16 step that overflowed, skipped on every rank; or where both are zero, a replica whose every
+    microbatch was dropped upstream trained nothing to judge)."""
     if not sums.complete(sender):
         return None
     total = sums.sums[sender]
-    if not bool(torch.isfinite(total).all()):
+    if not bool(torch.isfinite(total).all()) or not bool(torch.isfinite(sent).all()):
+        return None
+    if float(sent[0]) == 0.0 and not bool(total.any()):
         return None
     err = audit.contribution_error(sent, [total], seed=sketch_seed(0, sums.stage))
     event = audit.contribution_event(step=sums.step, stage=sums.stage, sender=sender, error=err,
@@ -105,7 +115,7 @@ def record(verifier: Any, monitor: Any, sums: ContribSums, outcomes: list[Judged
         verifier.record_audit(o.sender, sums.step, passed=o.passed)
         if o.event is not None:
             events.append(o.event if sums.step == at_step else audit.late_audit_event(o.event, at_step=at_step))
-        elif o.vouched and monitor is not None:
+        elif o.vouched and monitor is not None and o.sender not in sums.predictable:
             monitor.vouch(sums.stage, o.sender)
     verifier.add_flags(at_step, events)
 

@@ -25,10 +25,12 @@ contribution sketches, ``replica_checks.exchange``) and holds the stage's inputs
 whose microbatches of a step are audited (every one of a suspect's, or all drawn: ``--audit-every 1``) has its
 contribution audited too: the same backward of the copy that gives each audited microbatch's input gradient gives
 its parameter gradients, and the sketch of their sum (what the replica's ``Executor._sum_grads`` hands its
-all-reduce: before clipping and unscaling, the loss scale and the mean's 1 / M in the gradient it was sent) is
-compared with the sketch the replica reported. Past the tolerance it is a failed audit (a ban at once, proof); a
-pass close to none vouches for the contribution (the contribution monitor's CUSUMs of it restart and, where judged
-as the sketches arrive, its contribution flag of the step is withdrawn). A stage whose auditor is another verifier
+all-reduce: before clipping, the mean's 1 / M in the gradient it was sent; fp16's loss scale out of both, the
+replica's sketch and the gradient this verifier keeps) is compared with the sketch the replica reported. Past the
+tolerance it is a failed audit (a ban at once, proof); a pass close to none vouches for the contribution (where
+judged as the sketches arrive, its contribution flag of the step is withdrawn; the contribution monitor's CUSUMs
+of it restart unless it was a suspect, which knew it would be audited). An overflowed fp16 step and a replica
+that trained nothing give no verdict. A stage whose auditor is another verifier
 is not checked so (the lead would have to send it the sketches). The weight half of the backward is spent only
 on those replicas' microbatches.
 
@@ -569,7 +571,9 @@ def _contrib_sums(ex: Any, st: AuditedStage, step: int) -> audit_contrib.Contrib
     sums = audits.contrib.get(st.stage)
     if sums is None or sums.step != step:
         owned = audit_contrib.full_replicas(ex.plan, st.stage, lambda mb: _audited(ex, st, mb))
-        sums = audits.contrib[st.stage] = audit_contrib.ContribSums(stage=st.stage, step=step, owned=owned)
+        suspects = audit_inputs.agreed_suspects(ex)
+        sums = audits.contrib[st.stage] = audit_contrib.ContribSums(
+            stage=st.stage, step=step, owned=owned, predictable=frozenset(r for r in owned if r in suspects))
     return sums
 
 

@@ -123,6 +123,9 @@ def reduce_replicas(ex: Any, flat: torch.Tensor, *, group: Any, ranks: Sequence[
     if ex.attacks is not None and ex.attacks.active:
         grads.copy_(ex.attacks.poison_contribution(grads, step=ex.step))
     ex._replica_sketch = sketch(grads, seed=sketch_seed(0, stage))
+    scaler = getattr(ex, "scaler", None)
+    if scaler is not None:   # without fp16's loss scale (only the norm carries it): the monitor's norms survive a
+        ex._replica_sketch[0] /= scaler.scale   # change of scale, a contribution audit recomputes unscaled
     if not getattr(ex, "robust_reduce", False):
         _sum(ex, flat, state, group=group, ranks=ranks, doing=doing)
         return
