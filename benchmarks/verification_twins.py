@@ -108,6 +108,7 @@ class TwinPipeline(Pipeline):
         self.audit_flags: list[dict] = []
         self.audits, self.audit_fails = 0, {ATTACKER: 0, TWIN: 0}
         self.audits_suspected = 0   # audits of microbatches the draw left out, of a suspect (all but the draw's)
+        self.predictable: set[int] = set()   # the step's audited suspects: each knew it would be audited
         self.flagged_before: set[int] = set()   # the senders the last step's flags or alerts named
 
     def _verifier(self) -> Verifier:
@@ -149,10 +150,12 @@ class TwinPipeline(Pipeline):
         sender = self.rank_of(REPLICATED_STAGE, mb)
         per_step = self.verifier.microbatches[sender]
         slot = mb if self.replanned else mb // 2
-        if self.schedule.audited(sender, step, slot, per_step):
-            return "drawn"
         suspects = set(self.verifier.unresolved()) | self.flagged_before | \
             (self.contrib.suspects(REPLICATED_STAGE) if self.contrib else set())
+        if sender in suspects:   # it knows (the verdict names it): its pass clears its step, not its history
+            self.predictable.add(sender)
+        if self.schedule.audited(sender, step, slot, per_step):
+            return "drawn"
         return "suspected" if sender in suspects else None
 
     def _audit(self, sent: torch.Tensor, direction: str, step: int, mb: int, stage_input: torch.Tensor) -> None:
@@ -218,8 +221,9 @@ class TwinPipeline(Pipeline):
         trusted = [r for r in parts if self.verifier is None or r not in self.verifier.banned]
         watched = {r: parts[r] for r in trusted}
         events = self.contrib.check(REPLICATED_STAGE, watched, step=step) if self.contrib is not None else []
-        for rank in vouched if self.contrib is not None else ():   # the audit outranks the statistics
-            self.contrib.vouch(REPLICATED_STAGE, rank)
+        for rank in vouched - self.predictable if self.contrib is not None else ():   # the audit outranks the
+            self.contrib.vouch(REPLICATED_STAGE, rank)   # statistics (``runtime.rank.audit_contrib.record``)
+        self.predictable = set()
         self.contrib_withdrawn += sum(e["sender"] in vouched for e in events)
         events = [e for e in events if e["sender"] not in vouched]
         self.contrib_checks += len(watched) if self.contrib is not None and len(watched) > 1 else 0
