@@ -2,11 +2,7 @@
 checks, and the per-sample and step-level tests against them (``verifier`` says how they fit together)."""
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +10,16 @@ from planner.integrity import distances as dist
 from planner.integrity import evidence
 from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
+from planner.integrity.culprits import (
+    LINKED_REASONS,
+    shared_by_twins,
+    upstream_culprit,
+    vouched,
+)
+from planner.integrity.fits import Fit, Sample
 from planner.integrity.history import CopyMemory, SketchRing
+from planner.integrity.learnt import Learnt
+from planner.integrity.persistence import PERSIST_H, Persistence
 from planner.integrity.thresholds import Cusum, IQRFence, TrendLevel
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -37,71 +42,6 @@ DRIFT_CAP = 8.0   # the most one step adds to the CUSUM, in robust deviations (b
 # steps (a replay of 20-step-old activations went unseen, gpt-tiny on four T4 hosts, 2026-12-03).
 # 64 x 256 fingerprints: 1024 steps of 16 microbatches, about 1.8 MB a monitor.
 EXACT_REPLAY_FACTOR = 64
-# The link share divides what the stage's surrogate leaves unexplained by the sample's own spread
-# around its mean. A window of one repeated byte ("####...", "----...") has almost none: its
-# stage-output rows differ only by position (centred share of the unit rows 0.3-3% against 49%
-# typical; 3-30% against 96% for gradients), so an ordinary residual read as a link share of 0.6-5.8,
-# over GROSS times the floor: 16 of the 17 honest microbatch flags of the replicated gpt-tiny runs
-# (seeds 0, 1, 3, lr 1e-3, 200 steps; 4 flags with this floor). The share is read against at least this
-# fraction of the honest samples' spread (an EMA, learnt from accepted samples only), so it stays the
-# share of an ordinary sample's variation; a sample spread at least that much is scored as before.
-LINK_SPREAD_FLOOR = 0.5
-# A replica's step that fails a test its twin's step scores at least this share of the fence on moved with its
-# twin: after an attacker's ban (issue 37's shape, adaptive attack, seed 2) both replicas' steps failed the
-# label-binding test by 1.2-1.9x its fence, by turns, for 20 steps (flagged steps teach nothing, so the
-# reference never caught up) and the honest twin was banned.
-TWIN_SHARE = 0.8
-# On a compressed boundary a sender may round every element the way it likes: a bias of up to the codec's
-# step per element, in a fixed direction, passes every test of one tensor (``attacks`` kind ``quant_bias``;
-# gpt-tiny, int4 gradients at 0.9 steps: +0.10 nats of validation loss in 28 steps, never flagged). Honest
-# rounding errs without direction, so a gradient's per-feature mean (in units of its spread) turns from step to
-# step (cosine with the sender's EMA of it: -0.65..+0.80, around +0.1, clean gpt-tiny at every codec); a
-# fixed bias holds it (+0.75..+0.94 from the second attacked step). A CUSUM of that cosine flags the step it
-# passes PERSIST_H: three steps of the attack, never two honest 0.8s. Its allowance is PERSIST_K or, where the
-# sender's honest means do persist (a constant offset: cosine ~1 from the start), PERSIST_MARGIN over the
-# median of its in-control cosines: a bias there is a change the test cannot see, and no honest sender is flagged.
-PERSIST_BETA = 0.8
-PERSIST_K = 0.4
-PERSIST_H = 1.0
-PERSIST_MARGIN = 0.3
-# The in-control cosines the median is of: a short memory, so that a mean drifting honestly (persistence rising
-# step by step) is followed, while a bias's jump (a tenth to 0.9 in a step or two) is never learnt.
-PERSIST_WINDOW = 16
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Fit:
-    """One sample's evidence for a learnt predictor of its rows (``binding``: the
-    label table; ``link``: the linear surrogate of the sending stage): the energy
-    the predictor leaves unexplained, the energy around the centre, what the
-    sample adds to the predictor if it is accepted and (``link`` only) the
-    residual's second moment ``[K, K]`` (None before the surrogate exists) and
-    the stage input's signed size change (``distances.log_size_change``; None
-    before the input's monitor had a reference) and the stage's log gain on this sample
-    (``ln rms(output) - ln rms(input)``)."""
-
-    num: float
-    den: float
-    update: tuple[torch.Tensor, ...]
-    moment: torch.Tensor | None = None
-    input_dlog: float | None = None
-    input_sender: int | None = None   # who sent the stage's input (None: a trusted sender, watched)
-    gain: float | None = None
-    spread: float | None = None       # the sample's own centred energy per row (``den`` before LINK_SPREAD_FLOOR)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Sample:
-    """A sample that passed its own checks, held until its step closes."""
-
-    sender: int
-    summary: summ.Summary
-    scores: dict[str, float]
-    fits: dict[str, _Fit]
-    data_key: int | None = None
-    mb: int | None = None   # its microbatch (None: unknown, never vouched for by an audit)
-
-
 class Monitor:
     """Reference statistics and fences of one (boundary, direction).
 
@@ -130,7 +70,7 @@ class Monitor:
         self.first_step: int | None = None
         self.step: int | None = None  # the open step
         self._closed_step = -1          # the last step closed
-        self._pending: list[_Sample] = []
+        self._pending: list[Sample] = []
         self._dirs: torch.Tensor | None = None
         self.spectral: torch.Tensor | None = None
         self._ref: dist.Reference | None = None   # self.ref's sample-independent terms
@@ -139,25 +79,14 @@ class Monitor:
         # moves only when a step closes), at the first score that needs them.
         self._basis: torch.Tensor | None = None
         self._basis_step = -1
-        self._whitener_step = -1
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = summ.quantile_levels(cfg.quantiles)
         self._history: dict[int, SketchRing] = {}  # sketch length -> recent sketches
         self._copies = CopyMemory(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
-        self._table: torch.Tensor | None = None   # label bucket -> mean (normalised) row
-        self._seen = torch.zeros(pred.LABEL_BUCKETS)
-        self._centre: torch.Tensor | None = None
-        self._link: tuple[torch.Tensor, torch.Tensor] | None = None   # EMA of (Sxx, Sxy)
-        self._link_w: torch.Tensor | None = None
-        self._gain: float | None = None               # EMA of honest samples' log gain (``_Fit.gain``)
-        self._spread: float | None = None             # EMA of honest samples' ``_Fit.spread``
-        self._resid: torch.Tensor | None = None     # EMA of honest residuals' shape (moment / trace)
-        self._whitener: torch.Tensor | None = None
+        self.learnt = Learnt(self.beta)   # the label table, the link surrogate, the residual shape
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
         self._size = TrendLevel()   # the log size of accepted steps, trend and all: what ``scale`` is read against
-        # sender -> (EMA of its steps' per-feature mean / spread, CUSUM of their cosine with it, its in-control
-        # cosines): ``PERSIST_K``
-        self._persist: dict[int, tuple[torch.Tensor, float, deque[float]]] = {}
+        self._persist = Persistence()   # the persistence test's state, per sender
         floors, step_floors = cfg.floors, cfg.step_floors
         if direction == "act":
             floors, step_floors = {**floors, **cfg.act_floors}, {**step_floors, **cfg.act_floors}
@@ -215,38 +144,15 @@ class Monitor:
 
     def fits(self, rows: torch.Tensor, labels: torch.Tensor | None,
              stage_input: tuple[torch.Tensor, float | None, float, int | None] | None,
-             log_size: float | None = None) -> dict[str, _Fit]:
+             log_size: float | None = None) -> dict[str, Fit]:
         """The sample's evidence for the label table and for the stage's linear surrogate
         (each only with aligned labels / the stage's input rows of the same microbatch,
         ``stage_input``: those rows, their size change, their log size and their sender;
         ``log_size``: the sample's, for the stage's gain)."""
-        inputs, input_dlog, input_size, input_sender = stage_input if stage_input is not None else (None,) * 4
-        fits: dict[str, _Fit] = {}
-        buckets = None if labels is None or "binding" not in self.fences else pred.label_buckets(labels, len(rows))
-        if buckets is not None:
-            num = den = 0.0
-            if self._table is not None and self._centre is not None:
-                num, den = pred.binding_parts(rows, buckets, self._table, self._seen, self._centre)
-            fits["binding"] = _Fit(num=num, den=den, update=(*pred.label_means(rows, buckets), rows.mean(dim=0)))
-        linked = "link" in self.fences or "residual" in self.fences
-        if inputs is not None and linked and len(inputs) == len(rows):
-            weights = None
-            if self._link is not None:
-                if self._link_w is None or self._link_w.shape[0] != inputs.shape[1] + 1:
-                    self._link_w = pred.link_solve(*self._link)
-                if self._link_w.shape[0] == inputs.shape[1] + 1:
-                    weights = self._link_w
-            parts, update = pred.link_fit(inputs, rows, weights)
-            num, den, moment = parts if parts is not None else (0.0, 0.0, None)
-            spread = (den if parts is not None else pred.centred_energy(rows)) / len(rows)
-            if parts is not None and self._spread is not None:
-                den = max(den, LINK_SPREAD_FLOOR * self._spread * len(rows))
-            fits["link"] = _Fit(num=num, den=den, update=update, moment=moment, input_dlog=input_dlog,
-                                input_sender=input_sender,
-                                gain=None if log_size is None else log_size - input_size, spread=spread)
-        return fits
+        return self.learnt.fits(rows, labels, stage_input, log_size, binding="binding" in self.fences,
+                                linked="link" in self.fences or "residual" in self.fences)
 
-    def score(self, summary: summ.Summary, fits: Sequence[Mapping[str, _Fit]] = (), *,
+    def score(self, summary: summ.Summary, fits: Sequence[Mapping[str, Fit]] = (), *,
               per_sample: bool = True, data_key: int | None = None) -> dict[str, float]:
         """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
         (empty before the first step closed); ``data_key``: which data the sample is of (a
@@ -262,8 +168,8 @@ class Monitor:
             self._ref = dist.reference(self.ref, spectral=spectral, basis=self._basis)
         scores = dist.summary_scores(summary, self._ref, tuple(names))
         links = [f["link"] for f in fits if "link" in f]
-        if ("scale" in names or "gain" in names) and self._gain is not None and links and len(links) == len(fits) \
-                and all(f.input_dlog is not None and f.gain is not None for f in links):
+        if ("scale" in names or "gain" in names) and self.learnt.gain is not None and links \
+                and len(links) == len(fits) and all(f.input_dlog is not None and f.gain is not None for f in links):
             # With the stage's input at hand, the stage's own share of a size change: its log gain
             # (output's log size minus its input's, per sample) against the honest samples' (an
             # EMA, learnt only from accepted ones, so an attacker's gain is never taught), per
@@ -278,7 +184,7 @@ class Monitor:
             # flagged sender's, every honest move of the input's counted as the stage's.) A plan
             # made before ``gain`` scores it as ``scale``.
             d_in = sum(f.input_dlog for f in links) / len(links)
-            own = sum(f.gain for f in links) / len(links) - self._gain
+            own = sum(f.gain for f in links) / len(links) - self.learnt.gain
             scores.pop("scale", None)
             scores["gain" if "gain" in names else "scale"] = abs(own) / (1.0 + abs(d_in))
         elif "scale" in scores:
@@ -300,11 +206,10 @@ class Monitor:
             if name in names and den > 0:
                 scores[name] = sum(p.num for p in parts) / den
         moments = [f["link"].moment for f in fits if "link" in f and f["link"].moment is not None]
-        if "residual" in names and moments and self._resid is not None:
-            if self._whitener is None or self._stale(self._whitener_step):
-                self._whitener, self._whitener_step = pred.residual_whitener(self._resid), self._age_step()
-            if self._whitener.shape == moments[0].shape:
-                scores["residual"] = pred.residual_shape(sum(moments), self._whitener)
+        residual = self.learnt.residual(moments, self._age_step(), self.cfg.basis_refresh) \
+            if "residual" in names else None
+        if residual is not None:
+            scores["residual"] = residual
         return scores
 
     def size_change(self, summary: summ.Summary) -> float | None:
@@ -347,10 +252,10 @@ class Monitor:
                                         min_samples=self.cfg.min_samples, min_spread=spread)
         return self._drift[sender]
 
-    def hold(self, sender: int, summary: summ.Summary, scores: dict[str, float], fits: dict[str, _Fit],
+    def hold(self, sender: int, summary: summ.Summary, scores: dict[str, float], fits: dict[str, Fit],
              data_key: int | None = None, *, mb: int | None = None) -> None:
         """Keep a sample that passed until its step closes."""
-        self._pending.append(_Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key,
+        self._pending.append(Sample(sender=sender, summary=summary, scores=scores, fits=fits, data_key=data_key,
                                      mb=mb))
 
     def close(self, audited: Collection[tuple[int, int]] = ()) -> list[tuple[int, dict[str, float], tuple[str, ...],
@@ -359,13 +264,13 @@ class Monitor:
         of the senders that pass (or raise only an alert); returns ``(sender, scores, reasons, upstream)`` of those that
         fail (``upstream``: see :func:`upstream_culprit`). ``audited``: the ``(sender, mb)`` pairs of this step whose
         tensor here passed an audit (``audit``: the stage recomputed on the very input it received); a sender whose
-        every averaged sample did is vouched for: its step passes whatever its scores (:meth:`_vouched`)."""
+        every averaged sample did is vouched for: its step passes whatever its scores (``culprits.vouched``)."""
         if self.step is None:
             return []
         step, self.step = self.step, None
         self._closed_step = step
         pending, self._pending = self._pending, []
-        by_sender: dict[int, list[_Sample]] = {}
+        by_sender: dict[int, list[Sample]] = {}
         for sample in pending:
             by_sender.setdefault(sample.sender, []).append(sample)
         failed: list[tuple[int, dict[str, float], tuple[str, ...], int | None]] = []
@@ -381,13 +286,13 @@ class Monitor:
                 scores["drift"] = self.drift(sender).step(scores["residual"])
             reasons = self.exceeded(scores, step, per_sample=False)
             if self.persists:
-                held = self._persistence(sender, samples, step)
+                held = self._persist.step(sender, [x.summary for x in samples], self.warming(step))
                 if held is not None and held > PERSIST_H:
                     scores, reasons = {**scores, "persist": held}, (*reasons, "persist")
             judged[sender] = (scores, reasons, drifting)
         for sender, samples in by_sender.items():
             scores, reasons, drifting = judged[sender]
-            if reasons and _vouched(sender, samples, audited) and \
+            if reasons and vouched(sender, samples, audited) and \
                     self.culprit(sender, [x.fits for x in samples], reasons) is None:
                 self.vouched += 1
                 reasons = ()   # the audit outranks the statistics on its own step (not one laid on its input)
@@ -419,46 +324,15 @@ class Monitor:
     @property
     def persists(self) -> bool:
         """Whether this monitor runs the persistence test: gradients across a compressed boundary (see
-        ``PERSIST_K``; activations' per-feature means persist honestly)."""
+        ``persistence.PERSIST_K``; activations' per-feature means persist honestly)."""
         return self.codec != "none" and self.direction == "grad" and not self.watch_only
-
-    def _persistence(self, sender: int, samples: Sequence[_Sample], step: int) -> float | None:
-        """The CUSUM of the cosine between ``sender``'s step mean (per feature, over its spread) and its EMA of
-        them, this step's added (None while warming up). Every step teaches the EMA, flagged or not: the test
-        is of the sender's own sequence, and a bias that keeps its direction keeps the cosine high."""
-        mean = torch.stack([x.summary.mean for x in samples]).mean(0)
-        spread = torch.stack([x.summary.std for x in samples]).mean(0)
-        m = mean / spread.clamp_min(summ.EPS)
-        old = self._persist.get(sender)
-        if old is None or old[0].shape != m.shape:
-            self._persist[sender] = (m, 0.0, deque(maxlen=PERSIST_WINDOW))
-            return None
-        ema, total, honest = old
-        cos = float(torch.nn.functional.cosine_similarity(m, ema, dim=0, eps=summ.EPS))
-        if not math.isfinite(cos):
-            cos = 0.0
-        allowance = max(PERSIST_K, statistics.median(honest) + PERSIST_MARGIN) if honest else math.inf
-        if cos <= allowance or self.warming(step):
-            honest.append(cos)   # in control: the sender's own level of persistence
-        total = 0.0 if self.warming(step) else max(0.0, total + cos - allowance)
-        self._persist[sender] = (PERSIST_BETA * ema + (1 - PERSIST_BETA) * m, total, honest)
-        return None if self.warming(step) else total
 
     def _shared_by_twins(self, sender: int, reasons: tuple[str, ...],
                          judged: Mapping[int, tuple[dict[str, float], tuple[str, ...], bool]]) -> bool:
-        """True when every test ``sender``'s step fails is also near its fence (``TWIN_SHARE``) on a twin's
-        step: the replicas of one stage share its weights and differ only by data, so a move they all
-        make is the stage's (or its input's), not one replica's corruption."""
-        twins = [scores for other, (scores, _, _) in judged.items() if other != sender]
-        if not twins or evidence.DECISIVE.intersection(reasons):
-            return False
-        for name in reasons:
-            limit = self.step_fences[name].fence() if name in self.step_fences else None
-            if limit is None or not any(TWIN_SHARE * limit <= s.get(name, 0.0) < math.inf for s in twins):
-                return False
-        return True
+        """``culprits.shared_by_twins`` against this monitor's step fences."""
+        return shared_by_twins(sender, reasons, judged, self.step_fences)
 
-    def culprit(self, sender: int, fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
+    def culprit(self, sender: int, fits: Sequence[Mapping[str, Fit]], reasons: Sequence[str]) -> int | None:
         """Where a flag of ``sender``'s is laid (None: on ``sender``): a run of its flags, unbroken by a
         step that passes, stays where its first flag pointed (:func:`upstream_culprit`), its link flags
         laid on the input's sender. The input's monitor learns a moved size within a step or two, but
@@ -468,28 +342,12 @@ class Monitor:
         if sender not in self._runs:
             self._runs[sender] = upstream_culprit(fits, reasons)
         up = self._runs[sender]
-        return up if up is not None and set(reasons) <= _LINKED_REASONS else None
+        return up if up is not None and set(reasons) <= LINKED_REASONS else None
 
     def _fold(self, summary: summ.Summary, scores: Mapping[str, float],
-              fits: Mapping[str, _Fit] | None = None, data_key: int | None = None) -> None:
+              fits: Mapping[str, Fit] | None = None, data_key: int | None = None) -> None:
         """Fold an honest sample into the average, the windows, the history and the predictors."""
-        fits = fits or {}
-        if "binding" in fits:
-            self._fold_binding(*fits["binding"].update)
-        if "link" in fits:
-            sxx, sxy = fits["link"].update
-            same = self._link is not None and self._link[0].shape == sxx.shape and self._link[1].shape == sxy.shape
-            self._link = (sxx, sxy) if not same else tuple(  # type: ignore[assignment]
-                self.beta * old + (1 - self.beta) * new for old, new in zip(self._link, (sxx, sxy)))
-            self._link_w = None
-            self._fold_residual(fits["link"].moment)
-            gain = fits["link"].gain
-            if gain is not None:
-                self._gain = gain if self._gain is None else self.beta * self._gain + (1 - self.beta) * gain
-            spread = fits["link"].spread
-            if spread is not None:
-                self._spread = spread if self._spread is None else \
-                    self.beta * self._spread + (1 - self.beta) * spread
+        self.learnt.fold(fits or {})
         self.ref = summary if self.ref is None else self.ref.blend(summary, self.beta)
         self._ref = None  # its derived terms follow the reference
         for name, value in scores.items():
@@ -501,61 +359,7 @@ class Monitor:
             self._history[length].push(summary.sketch, data_key)
             self._copies.push(summary.sketch, data_key)
 
-    def _fold_residual(self, moment: torch.Tensor | None) -> None:
-        if moment is None or float(moment.trace()) <= 0.0:
-            return
-        shape = moment / moment.trace()
-        same = self._resid is not None and self._resid.shape == shape.shape
-        self._resid = self.beta * self._resid + (1 - self.beta) * shape if same else shape
-        if not same:
-            self._whitener = None
-
-    def _fold_binding(self, ids: torch.Tensor, means: torch.Tensor, counts: torch.Tensor,
-                      centre: torch.Tensor) -> None:
-        if self._table is None or self._centre is None or self._table.shape[1] != means.shape[1]:
-            self._table = torch.zeros(pred.LABEL_BUCKETS, means.shape[1])
-            self._seen.zero_()
-            self._centre = centre
-        old = self._seen[ids] > 0
-        self._table[ids] = torch.where(old[:, None], self.beta * self._table[ids] + (1 - self.beta) * means, means)
-        self._seen[ids] += counts
-        self._centre = self.beta * self._centre + (1 - self.beta) * centre
-
     def fence_values(self, *, per_sample: bool = True) -> dict[str, float | None]:
         fences = self.fences if per_sample else self.step_fences
         return {name: fence.fence() for name, fence in fences.items()}
 
-
-
-# The link-derived tests judge a stage's output against a surrogate of its input; fed an input whose
-# size moved this many e-folds from its reference (0.35: -30% or +42%; damping by 0.5 is 0.69), they
-# judge the input, not the stage.
-UPSTREAM_EFOLDS = 0.35
-_LINKED_REASONS = frozenset({"link", "residual", "drift"})
-
-
-def _vouched(sender: int, samples: Sequence[_Sample], audited: Collection[tuple[int, int]]) -> bool:
-    """Whether an audit passed on every one of ``samples`` (``sender``'s step average): then its step is what the
-    stage computes from its inputs, and a step-level failure of its own is the statistics' error (one laid on its
-    input's sender stands: the audit says nothing of the input). A sample of unknown microbatch is never vouched
-    for. The price: a corruption within the audit's tolerance (``audit.TOLERANCE``) on an audited step is no longer
-    the step test's to catch. Issue 37 (``verification_twins.py``, 1 in 2, attack at 40, seed 2): after the
-    re-plan the honest twin's gradient step means failed the sign test alone at 16 of the 34 steps from 46 on,
-    every one of its microbatches audited and passing from 47, and it was banned at 60 on the statistics alone;
-    its failed steps never taught the reference, which could not follow."""
-    return bool(samples) and all(x.mb is not None and (sender, x.mb) in audited for x in samples)
-
-
-def upstream_culprit(fits: Sequence[Mapping[str, _Fit]], reasons: Sequence[str]) -> int | None:
-    """The sender of the flagged samples' input when only link-derived tests failed and that input
-    (untrusted, as the samples saw it) moved more than ``UPSTREAM_EFOLDS`` in size: a stage that damps
-    or inflates what it sends just under its own fences makes the honest stage after it fail its
-    link test, and the blame is the input's. None otherwise."""
-    links = [f.get("link") for f in fits]
-    if not reasons or not set(reasons) <= _LINKED_REASONS or any(
-            f is None or f.input_dlog is None or f.input_sender is None for f in links):
-        return None
-    if abs(sum(f.input_dlog for f in links) / len(links)) <= UPSTREAM_EFOLDS:
-        return None
-    senders = [f.input_sender for f in links]
-    return max(set(senders), key=senders.count)

@@ -97,7 +97,7 @@ class Verifier:
     from, never flagged (a trusted sender is not to blame). ``stage_of`` (rank -> stage) and
     ``microbatches`` (rank -> microbatches a step): the plan's, for blame among twins and by rate.
     ``codecs``: boundary -> its wire codec (the plan stages' ``out_codec``; absent: ``none``), for the tests of
-    a compressed boundary (``monitor.PERSIST_K``).
+    a compressed boundary (``persistence.PERSIST_K``).
     """
 
     def __init__(self, config: Mapping[str, Any], boundaries: Sequence[tuple[int, str]],
@@ -145,7 +145,7 @@ class Verifier:
         """One audit of ``sender``'s microbatch (``audit``), for the summary and the ledger of vouched steps.
         Given the audited tensor (``mb``, ``boundary``, ``direction``) and recorded before the step's flags are
         taken (:meth:`flag_events`), a pass withdraws this verifier's flags of that tensor: an audit outranks the
-        statistics (a flag costs an audit, never a ban by itself; see ``monitor._vouched``)."""
+        statistics (a flag costs an audit, never a ban by itself; see ``culprits.vouched``)."""
         self.audit_ledger.record(sender, step, passed=passed)
         if passed and mb is not None and boundary is not None and direction is not None:
             self._passed.setdefault((int(step), int(boundary), direction), set()).add((int(sender), int(mb)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from planner.integrity.blame import blame
-from planner.integrity.monitor import Monitor, _Fit, upstream_culprit
+from planner.integrity.fits import Fit
+from planner.integrity.monitor import Monitor, upstream_culprit
 from planner.integrity.verifier import Verifier
 from planner.verifier_config import VerifierConfig
 
@@ -51,8 +52,8 @@ def test_a_watched_trusted_sender_is_never_flagged_and_feeds_the_link_test() -> 
     assert not events and not v.banned
 
 
-def _fit(dlog: float | None, sender: int | None = 1) -> dict[str, _Fit]:
-    return {"link": _Fit(num=1.0, den=1.0, update=(), input_dlog=dlog, input_sender=sender)}
+def _fit(dlog: float | None, sender: int | None = 1) -> dict[str, Fit]:
+    return {"link": Fit(num=1.0, den=1.0, update=(), input_dlog=dlog, input_sender=sender)}
 
 
 def test_a_link_flag_fed_a_resized_input_is_laid_on_the_input_s_sender() -> None:
