@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.solver.problem", "planner.solver.problem_memo", "planner.solver.solution", "planner.solver.policy",
      "planner.solver.routing",
      "planner.solver.in_flight", "planner.solver.verdict_backlog", "planner.solver.drain_schedule",
+     "planner.solver.drain_device", "planner.solver.drain_order", "planner.solver.drain_replay",
      "planner.solver.program_cost",
      "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price"),  # the solver's core
     ("planner.solver.search",),
