@@ -12,7 +12,8 @@ import pytest
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.simulate import simulate
-from planner.solver.drain_schedule import _Lister, drain_schedule
+from planner.solver.drain_order import Lister
+from planner.solver.drain_schedule import drain_schedule
 from planner.solver.objective import Placement, even_split, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
@@ -157,8 +158,8 @@ def test_the_inlined_unverified_run_places_as_the_general_one():
         problem, placement = case[0], case[1]
         fb, bw = _passes(problem, placement)
         limits = [st.in_flight for st in placement.stages]
-        inlined = _Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
-        general = _Lister(problem, placement.stages, (), fb, bw, limits).run_listed()
+        inlined = Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
+        general = Lister(problem, placement.stages, (), fb, bw, limits).run_listed()
         assert inlined == general, seed
         assert drain_schedule(problem, placement.stages, (), fb, bw, limits) == inlined, seed
         checked += 1
@@ -189,8 +190,8 @@ def test_gpipe_runs_its_forwards_then_its_backwards_as_the_simulation_does():
         problem, placement = (case := _gpipe(case))[:2]
         fb, bw = _passes(problem, placement)
         limits = [st.microbatches for st in placement.stages]
-        inlined = _Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
-        assert inlined == _Lister(problem, placement.stages, (), fb, bw, limits).run_listed(), seed
+        inlined = Lister(problem, placement.stages, (), fb, bw, limits).run_plain()
+        assert inlined == Lister(problem, placement.stages, (), fb, bw, limits).run_listed(), seed
         priced, plan = _compiled(*case)
         sim = _last_backwards(plan)
         assert inlined == pytest.approx(sim, rel=1e-9), seed
