@@ -23,6 +23,23 @@ optimizer step (its group's least): ``step >= arrival + m t + AR_k + optim_k``. 
 test counts, so the count is raised to a fixed point (``_after_passes``). Where replicas all-reduce across slow
 links (DT-FM worldwide), this term binds.
 
+**Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
+holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
+``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
+less on the route before it. A stage before the last pays these ``before`` hops on its path; the last, ``hops``.
+**Links between one-device stages.** Where no crossing before the last stage's can stay inside an island at some
+partition (``replicas.slow_route``: one-GPU hosts; a trusted host of two between volunteers), every boundary into
+a stage before the last is a link between islands, at least ``w`` ms of wire per (smallest) message. A stage at
+depth ``z`` with ``r`` replicas after one of ``p`` receives the ``M`` activations over at most ``p r`` device pairs,
+so one pair is busy ``ceil(M / (p r)) w``: it sends no sooner than the first microbatch's forward through blocks
+``0..j-1`` and ``z - 1`` crossings, and after its last message the microbatch still waits its latency, runs the
+blocks after ``j`` forward and every block backward (``U(L)`` with the blocks before), crosses at least once more
+forward and ``z + 1`` times back (``z`` of them before the last stage's device), and stage 0's optimizer step
+follows: ``step >= U(L) + before(z - 1) + ceil(M / (p r)) w + lat + before(z) + 2 hops(1) + optim``. The DP then
+also holds the replica count of the stage so far (1 to ``LINKED``, or more), each stage of exactly ``c``
+replicas checked with its all-reduce over ``c`` (``_exact``), and ``p r`` at least what the link needs
+(``_feasible_linked``): four one-GPU hosts on 0.1 Gb/s with large boundaries, 19.5 -> 45.4 s, the best plan 45.4.
+
 Devices are counted in at most two *groups* of kinds: a group's time per block is its members' least, its memory
 their largest, its devices and trusted devices their sums, so every plan is a plan of the grouped pool and a bound
 on that bounds it. ``step >= B`` for the least ``B`` at which some partition meets all this with the pool's
@@ -39,7 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.solver.bound.replicas import Rings, hops_ms
+from planner.solver.bound.replicas import Rings, hops_ms, slow_route
 from planner.solver.problem import Problem, bound_problem
 from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
 
@@ -56,6 +73,11 @@ MAX_SPLITS = 3
 TESTS_EACH = 24
 # Rounds of raising a stage's devices by its all-reduce at the ring size they make (each round's count is valid).
 ROUNDS = 8
+# Replica counts a stage's state holds exactly where boundaries are links between islands (``_feasible_linked``;
+# more is one state).
+LINKED = 3
+# A test with replica states costs about this many plain ones (measured ~4x on a volunteer swarm of 26 blocks).
+LINKED_COST = 8
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None) -> float:
@@ -81,12 +103,16 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
             each = fill_units(L, fast.count + slow.count)
             if within is not None and within.left_s() * UNITS_PER_S < TESTS_EACH * each:
                 continue
-            spent += cells
             shared = shared or _Shared.of(problem, stage)
-            test = _Test(problem, stage, fast, slow, track, shared)
+            # replica states where a link may bind and the cells and budget afford them (else the plain DP)
+            linked = shared.route is not None and track == "stages" and cells * LINKED_COST <= CELLS \
+                and spent + cells * LINKED_COST <= TOTAL_CELLS \
+                and (within is None or within.left_s() * UNITS_PER_S >= TESTS_EACH * each * LINKED_COST)
+            spent += cells * (LINKED_COST if linked else 1)
+            test = _Test(problem, stage, fast, slow, track, shared, linked=linked)
             best = max(best, test.least_ms(best))
             if within is not None:
-                within.charge(test.tests * each)
+                within.charge((test.tests + (LINKED_COST - 1) * test.linked) * each)
     return best
 
 
@@ -107,14 +133,18 @@ class _Shared:
     hops: np.ndarray
     ring: Rings
     middle_ring: Rings
+    before: np.ndarray  # the least hops one way among the devices before the last stage's (``before_last``)
+    route: tuple[float, float] | None  # ``replicas.slow_route``: every boundary before the last between islands
 
     @staticmethod
     def of(problem: Problem, stage: list[int]) -> _Shared:
         devices = min(problem.num_microbatches, sum(problem.classes[c].count for c in stage))
         pol = problem.policy
         ends = pol.enabled and pol.trusted_endpoints
-        return _Shared({c: _optim_ms(problem, (c,)) for c in stage}, hops_ms(problem, stage, problem.num_blocks),
-                       Rings(problem, stage, devices), Rings(problem, stage, devices, reserved=2 if ends else 0))
+        L = problem.num_blocks
+        return _Shared({c: _optim_ms(problem, (c,)) for c in stage}, hops_ms(problem, stage, L),
+                       Rings(problem, stage, devices), Rings(problem, stage, devices, reserved=2 if ends else 0),
+                       hops_ms(problem, stage, L, before_last=True), slow_route(problem, stage))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -154,10 +184,11 @@ class _Test:
     test is then a few vector operations over every (stage, state, count) at once, and the DP over the blocks."""
 
     def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str,
-                 shared: _Shared | None = None) -> None:
+                 shared: _Shared | None = None, *, linked: bool = True) -> None:
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
         self.tests = 0   # feasibility tests run (their work charged to the plan's budget)
+        self.linked = 0  # of them, with replica states (``_feasible_linked``: ``LINKED_COST`` times the work)
         self.a, self.b = self.tracked(fast, slow, track)
         pol = problem.policy
         self.ends = pol.enabled and pol.trusted_endpoints
@@ -172,25 +203,32 @@ class _Test:
         shared = _Shared.of(problem, stage) if shared is None else shared
         self.opt0 = np.min([shared.optim[c][0] for c in stage], axis=0)
         self.opt_any = float(self.opt0[1:].min())
-        hops = 2 * shared.hops
+        # A stage before the last crosses only boundaries among the devices before the last stage's
+        # (``shared.before``); the last stage's path, any (``shared.hops``).
         j = np.arange(L + 1)[:, None]
         if track == "stages":
-            self.extra = np.where(j > 0, hops[None, :L + 1], 0.0)
+            self.extra, self.extra_last = (np.where(j > 0, 2 * h[None, :L + 1], 0.0)
+                                           for h in (shared.before, shared.hops))
         else:  # the z least excesses of the slow group's passes among blocks 0..j-1
-            self.extra = np.full((L + 1, L + 1), np.inf)
+            excess = np.full((L + 1, L + 1), np.inf)
             for e in range(L + 1):
-                self.extra[e, :e + 1] = np.concatenate([[0.0], np.cumsum(np.sort(slow.path[:e] - least[:e]))])
-            self.extra += np.where(j > 0, hops[1], 0.0)
+                excess[e, :e + 1] = np.concatenate([[0.0], np.cumsum(np.sort(slow.path[:e] - least[:e]))])
+            self.extra, self.extra_last = (excess + np.where(j > 0, 2 * h[1], 0.0) for h in (shared.before, shared.hops))
         self.ring, self.middle_ring = shared.ring, shared.middle_ring
         # A stage's all-reduce and optimizer step follow its own passes, which start once its first microbatch's
         # forward is in: blocks 0..j-1 forward at their least and the hops before it, one way.
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         self.F = np.concatenate([[0.0], np.cumsum((problem.time_ms - bwd)[:, stage].min(axis=1))])
-        one_way = shared.hops
-        self.arrive = np.where(j > 0, one_way[None, :L + 1] if track == "stages" else one_way[1], 0.0)
+        self.arrive, self.arrive_last = (np.where(j > 0, h[None, :L + 1] if track == "stages" else h[1], 0.0)
+                                         for h in (shared.before, shared.hops))
+        # Two single-device stages in a row (``_feasible_linked``): every activation on one link (``route``).
+        self.route = shared.route if linked and track == "stages" and L > 2 else None
+        self.rest = None if self.route is None else self.U[L] + np.concatenate([[np.inf], shared.before[:L]]) \
+            + shared.before + 2 * shared.hops[1] + self.route[1] + self.opt_any
         self.optim = [np.min([shared.optim[c] for c in g.classes], axis=0) if g.classes
                       else np.zeros((L + 1, L + 1)) for g in (self.a, self.b)]
         self.rows = _Rows.of(self)
+        self._pair_i = np.repeat(np.arange(1, L + 1), np.arange(1, L + 1))  # each stage's end
 
     @staticmethod
     def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
@@ -219,6 +257,9 @@ class _Test:
         """Whether some partition meets ``B`` with the pool's devices: blocks in order, per state the fewest
         devices of group ``b``."""
         self.tests += 1
+        if self.route is not None and np.any(self.M * self.route[0] + self.rest[1:self.L] > B):
+            self.linked += 1  # a link may bind: the DP with replica states
+            return self._feasible_linked(B)
         L, NA, Z = self.L, self.a.count, self.L + 1
         fewest = self._fewest(B)  # (stages, Z, NA + 1), stage j..i-1 at i (i - 1) / 2 + j
         best = np.full((L + 1, NA + 1, Z), np.inf)
@@ -246,6 +287,90 @@ class _Test:
                 np.minimum(best[i], np.take_along_axis(padded, at, axis=2).min(axis=0), out=best[i])
             reached[i] = np.isfinite(best[i]).any()
         return bool((best[L] <= self.b.count).any())
+
+    def _feasible_linked(self, B: float) -> bool:
+        """``feasible`` where every boundary into a stage before the last is a link between islands (``route``:
+        ``w`` ms of wire per message, its latency): the DP's states also hold the replicas of the stage so far
+        (1 to ``LINKED``, or more). A stage at depth ``z`` (not the last) with ``r`` replicas after one of ``p``
+        gets every activation over at most ``p r`` device pairs, one of them busy ``ceil(M / (p r)) w``: its first
+        message is sent no sooner than the first microbatch's forward through the stages before (``before(z -
+        1)`` hops), and its last one's microbatch then still crosses it (latency), the blocks after it forward and
+        every block backward, a hop forward, ``z`` back among the devices before the last stage's and one more,
+        and stage 0's optimizer step follows (``rest``): ``p r`` is at least the least with ``ceil(M / (p r)) w +
+        rest(z) <= B``. A plan's stage of exactly ``r`` replicas (``y`` of group ``a``) has ``r - y`` of group
+        ``b``, at least the fewest (``_fewest``); of more than ``LINKED``, more than ``LINKED - y``: each state's
+        count is so no more than the plan's, and the DP no stricter than the plans."""
+        L, NA, Z, M, K = self.L, self.a.count, self.L + 1, self.M, LINKED + 1
+        exact = self._exact(B)  # per replica count: (stages, Z, NA + 1); stage 0's by ``_first`` (through _fewest)
+        by_r = self._first_by_r  # stage 0: (L, r = 1..top + more, Y)
+        y = np.arange(NA + 1)[None, None, :]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per = np.floor((B - self.rest) / self.route[0])
+            pairs = np.where(per >= 1, np.ceil(M / np.maximum(per, 1)), np.inf)[None, :, None]  # (Z,): the link's
+        before_last = (self._pair_i < L)[:, None, None]
+        nb = []
+        for p in range(1, K + 1):  # the state the previous stage left (K: more than LINKED, or none)
+            if p == K:
+                row = [e.copy() for e in exact]
+            else:
+                row = [np.where(before_last & (p * c < pairs), np.inf, e) for c, e in enumerate(exact[:-1], 1)]
+                row.append(np.where(before_last, np.maximum(exact[-1], np.ceil(pairs / p) - y), exact[-1]))
+            for out in row:
+                out[self.rows.firsts] = np.inf
+            nb.append(row)
+        for c in range(1, K + 1):  # stage 0 follows no stage
+            nb[K - 1][c - 1][self.rows.firsts, 0] = by_r[:, c - 1] if c < K else by_r[:, K - 1:].min(axis=1)
+        best = np.full((L + 1, K, NA + 1, Z), np.inf)
+        best[0, K - 1, 0, 0] = 0.0
+        reached = np.zeros(L + 1, dtype=bool)
+        reached[0] = True
+        for i in range(1, L + 1):
+            js = np.flatnonzero(reached[:i])
+            if not len(js):
+                continue
+            at = i * (i - 1) // 2 + js
+            for was in range(K):
+                came = best[js, was, :, :i]
+                if not np.isfinite(came).any():
+                    continue
+                for now in range(K):
+                    every = (came[:, :, :, None] + nb[was][now][at, :i][:, None, :, :]).min(axis=0)
+                    for yy in range(NA + 1):
+                        np.minimum(best[i, now, yy:, 1:i + 1], every[:NA + 1 - yy, :, yy],
+                                   out=best[i, now, yy:, 1:i + 1])
+            reached[i] = np.isfinite(best[i]).any()
+        return bool((best[L] <= self.b.count).any())
+
+    def _exact(self, B: float) -> list[np.ndarray]:
+        """Per replica count ``c = 1..LINKED`` (and one more: more than ``LINKED``), per stage after stage 0, state
+        and count ``y`` of group ``a``'s devices, group ``b``'s devices a stage of exactly ``c`` replicas has where
+        its passes, all-reduce over ``c`` and optimizer step fit ``B`` (as ``_after_passes`` at ring size ``c``;
+        inf: not); of more, the fewest of group ``b`` whose passes fit beside the all-reduce over ``LINKED + 1``,
+        no more than any larger ring's (the floors rise with the ring)."""
+        rows, Y, n, K = self.rows, self.a.count + 1, self.rows.inner, LINKED + 1
+        fewest = self._fewest(B)[rows.pair[:n], np.asarray(rows.cell[:n] % (self.L + 1))]  # any ring's fixed point
+        at = np.arange(n)
+        y = np.arange(Y)[None, :]
+        slack = B - rows.U[:n] - rows.extra[:n] - self.opt_any
+        room = B - rows.F[:n] - rows.arrive[:n]
+        out = []
+        for c in range(1, K + 1):
+            if c > rows.top:
+                out.append(np.full((self.L * (self.L + 1) // 2, self.L + 1, Y), np.inf))
+                continue
+            floor = rows.floors[rows.pair[:n], c] if c >= 2 else np.zeros(n)
+            slacks = [np.minimum(slack, room - opt[:n] - floor) for opt in (rows.opt_a, rows.opt_b)]
+            nb = np.maximum(self._nb(at, slacks[0], slacks[1], y), fewest)
+            floor = floor[:, None]
+            if c < K:
+                nb = np.where((nb <= c - y) & (c - y <= rows.cap_b[:n, None]) & (floor <= B), c - y, np.inf)
+            else:
+                nb = np.maximum(nb, K - y)
+                nb = np.where((nb <= rows.cap_b[:n, None]) & (floor <= B), nb, np.inf)
+            full = np.full((self.L * (self.L + 1) // 2 * (self.L + 1), Y), np.inf)
+            full[rows.cell[:n]] = nb
+            out.append(full.reshape(-1, self.L + 1, Y))
+        return out
 
     def _fewest(self, B: float) -> np.ndarray:
         """Per stage ``j..i-1``, state ``z`` and count ``y`` of group ``a``'s devices on it, the fewest of group
@@ -301,7 +426,11 @@ class _Test:
         nb = self._nb(at, slack, slack, y[None, None, :])  # (L, top, Y)
         r = np.arange(1, top + 1)[None, :, None]
         ok = valid & (y + nb <= r) & (r - y <= rows.cap_b[rows.first_rows][:, None, None])
-        return np.where(ok, r - y, np.inf).min(axis=1)
+        by_r = np.where(ok, r - y, np.inf)
+        if by_r.shape[1] < LINKED + 1:  # r past the largest ring: none
+            by_r = np.concatenate([by_r, np.full((by_r.shape[0], LINKED + 1 - by_r.shape[1], Y), np.inf)], axis=1)
+        self._first_by_r = by_r  # per replica count r = 1..: for ``_feasible_linked``
+        return by_r.min(axis=1)
 
     def _after_passes(self, B: float, slack: np.ndarray, nb: np.ndarray) -> np.ndarray:
         """``nb`` raised where each replica's passes, after its first microbatch's arrival, and then the stage's
@@ -400,8 +529,12 @@ class _Rows:
             n = int(rows.sum())
             floors[rows] = ring.floor(np.repeat(params[rows], top + 1), np.tile(sizes, n)).reshape(n, top + 1)
         first = test.ring.floor(np.repeat(test.params[1:], top), np.tile(np.arange(1, top + 1), L)).reshape(L, top)
-        return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=test.extra[rj, rz], F=test.F[rj],
-                     arrive=np.broadcast_to(test.arrive, (L + 1, L + 1))[rj, rz], t_a=t_a, pos_a=pos_a,
+        last = ri == L
+        extra = np.where(last, test.extra_last[rj, rz], test.extra[rj, rz])
+        arrive = np.where(last, np.broadcast_to(test.arrive_last, (L + 1, L + 1))[rj, rz],
+                          np.broadcast_to(test.arrive, (L + 1, L + 1))[rj, rz])
+        return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=extra, F=test.F[rj],
+                     arrive=arrive, t_a=t_a, pos_a=pos_a,
                      fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
                      opt_b=test.optim[1][rj, ri], inner=len(inner), floors=floors, top=top, firsts=firsts,
                      first_rows=np.arange(len(inner), len(rp)), first_floors=first)

@@ -38,6 +38,7 @@ import numpy as np
 from cost_models.cluster import Link
 from planner.solver.bound.islands import (
     COMPRESSED_ALLREDUCE,
+    Islands,
     min_wire_bytes,
     partitions,
 )
@@ -198,10 +199,12 @@ class Rings:
         return np.where((r >= 2) & (nbytes > 0), out, 0.0)  # no gradients: ``comm.allreduce_ms`` is 0
 
 
-def hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
+def hops_ms(problem: Problem, stage: list[int], L: int, *, before_last: bool = False) -> np.ndarray:
     """Per count ``h`` of boundaries a microbatch crosses one way, their least transfer time: each between two
     distinct devices, at most ``N - Q`` of them inside an island (``N`` devices in ``Q`` islands: a route's
-    devices are distinct), the rest between islands; the most of any partition."""
+    devices are distinct), the rest between islands; the most of any partition. ``before_last``: crossings
+    among the devices before the last stage's (``spare``: one fewer inside an island where the ends must be
+    trusted)."""
     wire = min_wire_bytes(problem)
     fast = _fastest(problem, stage)
     if wire <= 0 or fast is None:
@@ -211,10 +214,36 @@ def hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
     out = h * one
     N = sum(problem.classes[c].count for c in stage)
     for _, isl in partitions(problem, stage):
-        inside = N - len(isl.members)
+        inside = N - len(isl.members) - (spare(problem, isl) if before_last else 0)
         slow = isl.between.latency_ms + 1e3 * wire / isl.between.bytes_per_s
         out = np.maximum(out, np.minimum(h, inside) * one + np.maximum(h - inside, 0) * slow)
     return out
+
+
+def spare(problem: Problem, isl: Islands) -> int:
+    """1 where the ends must be trusted and every island holding a trusted stage device holds two devices or more,
+    else 0. Then a route's devices before the last stage's (``d_0..d_{S-2}``) make at most ``N - Q - 1`` crossings
+    inside an island: ``d_{S-1}`` is trusted, so its island ``H`` (``|H| >= 2``) has at most ``|H| - 1`` of them,
+    at most ``|H| - 2`` crossings inside it, and every other island ``I`` at most ``|I| - 1``."""
+    pol = problem.policy
+    if not (pol.enabled and pol.trusted_endpoints):
+        return 0
+    held = [sum(I.values()) for I in isl.members if any(problem.classes[c].trusted for c in I)]
+    return int(bool(held) and min(held) >= 2)
+
+
+def slow_route(problem: Problem, stage: list[int]) -> tuple[float, float] | None:
+    """``(wire ms, latency ms)`` of one smallest boundary tensor between islands where a partition leaves no
+    crossing inside an island before the last stage's device (``hops_ms``' ``before_last`` count 0: one-GPU
+    hosts, or a trusted host of two between volunteers'), the slowest such; None where none does. Then every
+    boundary into a stage that is not the last is a link between islands."""
+    wire = min_wire_bytes(problem)
+    if wire <= 0:
+        return None
+    N = sum(problem.classes[c].count for c in stage)
+    found = [(1e3 * wire / isl.between.bytes_per_s, isl.between.latency_ms) for _, isl in partitions(problem, stage)
+             if N - len(isl.members) - spare(problem, isl) <= 0]
+    return max(found, default=None)
 
 
 def _fewest_stages(need: np.ndarray, mem_bytes: float) -> int:
