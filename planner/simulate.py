@@ -93,7 +93,6 @@ from cost_models import compute, memory
 from cost_models.audit import (
     AuditCost,
     audit_ms,
-    copied_input_bytes,
     copy_ms,
     signing_work,
 )
@@ -116,7 +115,14 @@ from planner.instructions import (
 from planner.ir import dtype_bytes
 from planner.plan import Plan
 from planner.plan_values import Predicted
-from planner.solver.audit_price import AuditWhere, Stepper, audit_rule, stepper_parts
+from planner.solver.audit_price import (
+    AuditWhere,
+    Stepper,
+    audit_rule,
+    copied_message_bytes,
+    stepper_parts,
+    with_copied_grads,
+)
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time
@@ -451,23 +457,35 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
     params, tensors = memory.stage_param_count(chain, lo, hi), stage_param_tensors(chain, lo, hi)
     device = plan.ranks[auditor].device
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
-    return audit_ms(every=plan.stages[k].audit_every, microbatches=plan.num_microbatches, params=params,
+    every, inputs = plan.stages[k].audit_every, costs.boundary_bytes[k - 1] if k else 0.0
+    cost = audit_ms(every=every, microbatches=plan.num_microbatches, params=params,
                     param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
-                    output_bytes=costs.boundary_bytes[k], input_bytes=costs.boundary_bytes[k - 1] if k else 0.0,
+                    output_bytes=costs.boundary_bytes[k], input_bytes=inputs,
                     source_link=costs.cluster.link(plan.ranks[source].device, device),
                     digest_link=costs.cluster.link(plan.ranks[slowest].device, device),
                     verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
                     optim_ms=optim_ms(params, config, spec, param_tensors=tensors),
                     copy_links=_copy_links(plan, costs, where), input_elem_bytes=dtype_bytes(config.dtype),
                     signed=bool(where.signed_by), sole=len(plan.stage_ranks(k)) == 1)
+    if not where.grads_from:
+        return cost
+    # gradients audited from copies too (``audit_price.with_copied_grads``, as the planner prices them)
+    return with_copied_grads(cost, every=every, microbatches=plan.num_microbatches, backward_ms=bwd,
+                             input_bytes=inputs, output_bytes=costs.boundary_bytes[k],
+                             elem_bytes=dtype_bytes(config.dtype), verifier_mem_bw_bytes_per_s=spec.mem_bw_bytes_per_s,
+                             upstream=_copy_links(plan, costs, where),
+                             downstream=_copy_links(plan, costs, where, where.grads_from))
 
 
-def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere) -> tuple[tuple[Link | None, int], ...]:
-    """Per rank copying the auditor the audited inputs (an upstream rank, or signed, a replica): its link there
-    (None: the auditor itself) and the microbatches it sends the stage (takes) a step."""
+def _copy_links(plan: Plan, costs: CostModel, where: AuditWhere,
+                senders: tuple[int, ...] | None = None) -> tuple[tuple[Link | None, int], ...]:
+    """Per rank copying the auditor the audited inputs (an upstream rank, or signed, a replica; ``senders``: those
+    ranks instead, the downstream ones copying gradients): its link there (None: the auditor itself) and the
+    microbatches it sends the stage (takes) a step."""
     auditor = plan.ranks[int(where.auditor)].device
     return tuple((None if int(r) == int(where.auditor) else costs.cluster.link(plan.ranks[int(r)].device, auditor),
-                  len(plan.ranks[int(r)].microbatches)) for r in where.copied_from)
+                  len(plan.ranks[int(r)].microbatches))
+                 for r in (where.copied_from if senders is None else senders))
 
 
 def _audit_checks(plan: Plan, costs: CostModel) -> dict[tuple[int, int, str], float]:
@@ -501,9 +519,17 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost, posted: 
     as the auditor's program ended)."""
     auditor = int(where.auditor)
     every, t = run.plan.stages[k].audit_every, run.clock[auditor]
-    one = run.costs.boundary_bytes[k - 1] if where.signed_by else \
-        copied_input_bytes(run.costs.boundary_bytes[k - 1], dtype_bytes(run.costs.config.dtype))   # wire bytes, signed
-    for (link, sent), r in zip(_copy_links(run.plan, run.costs, where), where.copied_from):
+    # per microbatch: wire bytes, signed; else float32, with the input gradients where those come copied too, and
+    # then the downstream ranks' copies of the gradients they sent (``audit_price.copied_message_bytes``)
+    up, down = copied_message_bytes(run.costs.boundary_bytes[k - 1], run.costs.boundary_bytes[k],
+                                    dtype_bytes(run.costs.config.dtype), grads=bool(where.grads_from))
+    if where.signed_by:
+        up = run.costs.boundary_bytes[k - 1]
+    messages = [(link, sent, r, up, "input copy") for (link, sent), r in
+                zip(_copy_links(run.plan, run.costs, where), where.copied_from)]
+    messages += [(link, sent, r, down, "gradient copy") for (link, sent), r in
+                 zip(_copy_links(run.plan, run.costs, where, where.grads_from), where.grads_from)]
+    for link, sent, r, one, what in messages:
         r = int(r)
         if link is None:
             continue
@@ -513,7 +539,7 @@ def _hear_inputs(run: _Run, k: int, where: AuditWhere, cost: AuditCost, posted: 
             if r == int(where.source):
                 begin = max(begin, max(run.reached_optim[r], posted) + cost.gradient_ms)
         t = begin + copy_ms(every=every, sent_microbatches=sent, input_bytes=one, link=link)
-        run.events.append(Event(rank=r, kind="send", start_ms=begin, end_ms=t, label=f"stage {k} audit: input copy",
+        run.events.append(Event(rank=r, kind="send", start_ms=begin, end_ms=t, label=f"stage {k} audit: {what}",
                                 stage=k, peer=auditor))
         run.clock[r] = t
     return t

@@ -12,7 +12,14 @@ frame it), either
 * *copied*: the trusted upstream stage's ranks send the auditor a copy of the audited microbatches' inputs at the
   step's end (they share the auditor's secret, so they know which; the replica does not): a cheap audit where a
   full link test is too dear. Outputs only. A stage with one untrusted replica is audited this way too (with the
-  link tests' placement its link tests check it already); or
+  link tests' placement its link tests check it already). Where the stage after it is trusted too (its ranks
+  send the replicas their gradients), gradients are audited from copies as well (``grads_from``): those ranks,
+  sharing the same secret, keep the gradients they send the audited microbatches and send them to the auditor
+  at the step's end in one message each, and the upstream ranks add to their copies the input gradient each
+  replica sent them back (as received; a flag where its taint header says it computed on zeros, then compared
+  on outputs only). The auditor recomputes forward and backward from them once they are all in (during the
+  next step, as outputs-only audits); where the stage after is untrusted, outputs only (it could send the
+  auditor another gradient than the replica's); or
 * *signed*: where the upstream stage is untrusted, each of its ranks signs every activation it sends the stage
   (Ed25519 over SHA-256 of the payload, step, microbatch and boundary) and each replica checks the signature as it
   takes the input and keeps both; at the step's end the auditor asks each replica (once its outputs left: the
@@ -32,10 +39,18 @@ fp8 0.02-0.05, int4 0.08-0.12) would ban honest replicas at the fp32 tolerance o
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from cost_models.audit import AuditCost, audit_ms, signing_work
+from cost_models.audit import (
+    COMPARE_PASSES,
+    AuditCost,
+    audit_ms,
+    copied_input_bytes,
+    copy_ms,
+    signing_work,
+)
 from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 from planner.solver.problem import Problem
@@ -60,6 +75,12 @@ class AuditSite:
     grads: bool
     copied_from: tuple[str, ...] = ()
     signed_by: tuple[str, ...] = ()
+    grads_from: tuple[str, ...] = ()   # copied: the trusted downstream devices that copy it the gradients sent
+
+    @property
+    def audits_grads(self) -> bool:
+        """Whether the input gradients are audited too (held, or from copies)."""
+        return self.grads or bool(self.grads_from)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +88,16 @@ class AuditWhere:
     """Where ``audit_rule`` lets a stage be audited: by ``auditor``, with ``source`` sending it the applied
     gradient whole (the first trusted replica, else the first), gradients too where ``grads``; ``copied_from``:
     who copies it the audited microbatches' inputs (empty: it holds them all): the upstream stage's replicas, or,
-    where ``signed_by`` (the untrusted upstream stage's replicas, all, sorted, who signed them), the stage's own."""
+    where ``signed_by`` (the untrusted upstream stage's replicas, all, sorted, who signed them), the stage's own;
+    ``grads_from``: copied from a trusted upstream stage with a trusted stage after it, that stage's devices
+    (sorted), which copy it the gradients they sent the audited microbatches (``grads`` stays False: held only)."""
 
     auditor: Hashable
     source: Hashable
     grads: bool
     copied_from: tuple[Hashable, ...] = ()
     signed_by: tuple[Hashable, ...] = ()
+    grads_from: tuple[Hashable, ...] = ()
 
 
 def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], upstream: Collection[Hashable],
@@ -111,8 +135,12 @@ def audit_rule(*, stage: int, num_stages: int, replicas: Sequence[Hashable], ups
     if signed:
         return AuditWhere(auditor=auditor, source=source, grads=False, copied_from=tuple(sorted(replicas)),
                           signed_by=tuple(sorted(upstream)))
-    return AuditWhere(auditor=auditor, source=source, grads=grads,
-                      copied_from=() if held else tuple(sorted(upstream)))
+    if held:
+        return AuditWhere(auditor=auditor, source=source, grads=grads)
+    # copied: gradients too where the stage after is trusted (it sends the replicas their gradients)
+    after = tuple(sorted(downstream)) if downstream and all(r in trusted for r in downstream) else ()
+    return AuditWhere(auditor=auditor, source=source, grads=False, copied_from=tuple(sorted(upstream)),
+                      grads_from=after)
 
 
 def random_reason(random_ops: Sequence[str]) -> str:
@@ -157,7 +185,8 @@ def audit_site(problem: Problem, stages: tuple[StagePlacement, ...], verifiers: 
         return None
     return AuditSite(stage=k, auditor=str(where.auditor), source=str(where.source), grads=where.grads,
                      copied_from=tuple(str(d) for d in where.copied_from),
-                     signed_by=tuple(str(d) for d in where.signed_by))
+                     signed_by=tuple(str(d) for d in where.signed_by),
+                     grads_from=tuple(str(d) for d in where.grads_from))
 
 
 def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
@@ -166,15 +195,34 @@ def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
 
 
 def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
-               upstream: StagePlacement | None = None) -> AuditCost:
+               upstream: StagePlacement | None = None, downstream: StagePlacement | None = None) -> AuditCost:
     """One step's audit of ``st`` at one in ``every`` of its ``num_microbatches``, priced on the auditor;
     ``upstream``: the stage before it, whose devices copy it the audited inputs where ``site.copied_from`` (its
-    own replicas do where ``site.signed_by``)."""
+    own replicas do where ``site.signed_by``); ``downstream``: the stage after it, whose devices copy it the
+    gradients they sent where ``site.grads_from`` (:func:`with_copied_grads`)."""
     tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
     first, last = st.first_block, st.last_block
     backward = tables.range_bwd_ms(first, last, cls)
     tensors = 1 if problem.param_tensors is None else int(problem.param_tensors[first:last + 1].sum())
     slowest = max(st.devices, key=lambda d: problem.transfer_ms(1e6, d, site.auditor))
+    cost = _outputs_cost(problem, st, site, every, num_microbatches, upstream, tensors, backward, slowest)
+    if not site.grads_from:
+        return cost
+    grad_senders = _sent_microbatches(site, downstream, site.grads_from, "downstream")
+    return with_copied_grads(cost, every=every, microbatches=num_microbatches, backward_ms=backward,
+                             input_bytes=problem.raw_bytes(first - 1), output_bytes=problem.raw_bytes(last),
+                             elem_bytes=problem.elem_bytes,
+                             verifier_mem_bw_bytes_per_s=problem.classes[cls].spec.mem_bw_bytes_per_s,
+                             upstream=_copy_links(problem, site, upstream),
+                             downstream=tuple((None if d == site.auditor else problem.link(d, site.auditor), n)
+                                              for d, n in grad_senders))
+
+
+def _outputs_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
+                  upstream: StagePlacement | None, tensors: int, backward: float, slowest: str) -> AuditCost:
+    """``audit_cost`` but the gradients copied (``cost_models.audit.audit_ms``: held gradients, or outputs)."""
+    tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
+    first, last = st.first_block, st.last_block
     return audit_ms(every=every, microbatches=num_microbatches, params=problem.range_params(first, last),
                     param_tensors=tensors, forward_ms=tables.range_time_ms(first, last, cls) - backward,
                     backward_ms=backward if site.grads else None, output_bytes=problem.raw_bytes(last),
@@ -191,11 +239,51 @@ def _copy_links(problem: Problem, site: AuditSite, senders: StagePlacement | Non
     stage itself): its link there (None: the auditor itself) and the microbatches it sends (takes) a step."""
     if not site.copied_from:
         return ()
+    return tuple((None if d == site.auditor else problem.link(d, site.auditor), n)
+                 for d, n in _sent_microbatches(site, senders, site.copied_from, "upstream"))
+
+
+def _sent_microbatches(site: AuditSite, senders: StagePlacement | None, devices: Sequence[str],
+                       side: str) -> list[tuple[str, int]]:
+    """Per device of ``devices`` (of the stage ``senders``), the microbatches it runs a step."""
     if senders is None:
-        raise InvalidInputError(f"stage {site.stage}'s copied audit", expected="the upstream stage's placement",
-                                found="none", fix="pass upstream=stages[k - 1]")
+        k = site.stage - 1 if side == "upstream" else site.stage + 1
+        raise InvalidInputError(f"stage {site.stage}'s copied audit", expected=f"the {side} stage's placement",
+                                found="none", fix=f"pass {side}=stages[{k}]")
     sent = dict(zip(senders.devices, senders.microbatches))
-    return tuple((None if d == site.auditor else problem.link(d, site.auditor), sent[d]) for d in site.copied_from)
+    return [(d, sent[d]) for d in devices]
+
+
+# per microbatch an upstream rank copies where gradients come copied too: its input gradient's taint flag (float32)
+COPY_FLAG_BYTES = 4
+
+
+def copied_message_bytes(input_bytes: float, output_bytes: float, elem_bytes: int, *,
+                         grads: bool) -> tuple[float, float]:
+    """One audited microbatch's bytes in an upstream rank's copy (its input and, where ``grads``, the input
+    gradient its replica sent back, of the input's shape, and a flag) and in a downstream rank's (the gradient it
+    sent, of the output's shape; 0 where not ``grads``): float32 (``cost_models.audit.copied_input_bytes``) from
+    bytes at ``elem_bytes`` a value (``runtime.rank.audit_inputs.send_inputs``, ``audit_grads.send_grads``)."""
+    one = copied_input_bytes(input_bytes, elem_bytes)
+    if not grads:
+        return one, 0.0
+    return 2 * one + COPY_FLAG_BYTES, copied_input_bytes(output_bytes, elem_bytes)
+
+
+def with_copied_grads(cost: AuditCost, *, every: int, microbatches: int, backward_ms: float, input_bytes: float,
+                      output_bytes: float, elem_bytes: int, verifier_mem_bw_bytes_per_s: float,
+                      upstream: Sequence[tuple[Link | None, int]],
+                      downstream: Sequence[tuple[Link | None, int]]) -> AuditCost:
+    """``cost``, an outputs-only audit from copied inputs, with the gradients audited from copies too: each
+    upstream rank's message grows by the input gradients (``copied_message_bytes``), each downstream rank (a link,
+    None: the auditor itself; the microbatches it runs a step) sends one of the gradients it sent, received after
+    the upstream ones, one after another; every audited microbatch recomputes its backward too and compares its
+    input gradient (``COMPARE_PASSES`` over ``input_bytes``), still on the copy's stepper during the next step."""
+    up, down = copied_message_bytes(input_bytes, output_bytes, elem_bytes, grads=True)
+    copy = sum(copy_ms(every=every, sent_microbatches=n, input_bytes=up, link=link) for link, n in upstream) + \
+        sum(copy_ms(every=every, sent_microbatches=n, input_bytes=down, link=link) for link, n in downstream)
+    backward = backward_ms + 1e3 * COMPARE_PASSES * input_bytes / verifier_mem_bw_bytes_per_s
+    return dataclasses.replace(cost, recompute_ms=cost.recompute_ms + microbatches / every * backward, copy_ms=copy)
 
 
 def signing_ms(problem: Problem, stages: tuple[StagePlacement, ...],

@@ -75,14 +75,19 @@ def copy_bytes(problem: Problem, st: StagePlacement, site: AuditSite | None = No
     gradients and optimizer state a replica holds, the two buffers the applied gradient is received into, the activations of
     the one microbatch it recomputes, and the audited microbatches' input and output it keeps until then (each
     is drawn on its own, so a step may audit all of them: counted for all). Where ``site`` audits the replicas'
-    gradients, their contribution sums too (``runtime.rank.audit_contrib``: a float32 sum per replica, for two
-    steps where the verdict comes a step late, and a microbatch's parameter gradients with their flat copy)."""
+    gradients (held, or from copies: ``grads_from``), the gradient sent and the one sent back it keeps too (the
+    size of the output and the input), and their contribution sums (``runtime.rank.audit_contrib``: a float32 sum
+    per replica, for two steps where the verdict comes a step late, and a microbatch's parameter gradients with
+    their flat copy)."""
     tables = problem.tables(st.recompute)
     first, last = st.first_block, st.last_block
     per_param = tables.state_bytes_per_param + APPLIED_GRADIENT_BYTES_PER_PARAM
-    if site is not None and site.grads and not site.copied_from and not site.signed_by and len(st.devices) > 1:
+    grads = site is not None and site.audits_grads and not site.signed_by
+    if grads and len(st.devices) > 1:
         per_param += CONTRIBUTION_SUM_BYTES * (2 * len(st.devices) + 2)
-    kept = sum(st.microbatches) * ((problem.raw_bytes(first - 1) if first else 0.0) + problem.raw_bytes(last))
+    # from copies the gradients are kept beside the input and output (held, they are: not counted before either)
+    sides = 2 if grads and site.grads_from else 1
+    kept = sum(st.microbatches) * sides * ((problem.raw_bytes(first - 1) if first else 0.0) + problem.raw_bytes(last))
     return int(tables.range_params(first, last) * per_param + tables.range_act_bytes(first, last)
                + tables.buffer_bytes(first, last) + kept)
 
@@ -150,10 +155,16 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
     st = placement.stages[k]
     every = st.audit_every or EVERY_CHOICES[-1]
     extra = price_program(problem, with_audits(placement, {k: every})).step_ms - base
-    cost = audit_cost(problem, st, site, every, placement.num_microbatches, upstream=placement.stages[k - 1])
+    after = placement.stages[k + 1] if k + 1 < placement.num_stages else None
+    cost = audit_cost(problem, st, site, every, placement.num_microbatches, upstream=placement.stages[k - 1],
+                      downstream=after)
     link = problem.link(site.source, site.auditor)
     copied = (f"the audited inputs come copied from stage {k - 1} ({', '.join(site.copied_from)}) at the step's "
               f"end in {cost.copy_ms:.1f} ms, " if site.copied_from else "")
+    if site.grads_from:
+        copied = (f"the audited inputs and the input gradients the replicas sent back come copied from stage {k - 1} "
+                  f"({', '.join(site.copied_from)}) and the gradients sent to them from stage {k + 1} "
+                  f"({', '.join(site.grads_from)}) at the step's end in {cost.copy_ms:.1f} ms, ")
     if site.signed_by:
         up = placement.stages[k - 1]
         payload = problem.wire_bytes(up.last_block, up.out_codec)
@@ -176,7 +187,7 @@ def _note(problem: Problem, placement: Placement, k: int, site: AuditSite, base:
     if st.audit_every:
         share = "every microbatch" if every == 1 else f"one microbatch in {every}"
         return (f"stage {k}: {who} audited by {site.auditor}, {share} "
-                f"({'outputs and input gradients' if site.grads else 'outputs'}): +{extra:.1f} ms a step "
+                f"({'outputs and input gradients' if site.audits_grads else 'outputs'}): +{extra:.1f} ms a step "
                 f"({100 * extra / base:.1f}%); {why}{_miss(st, problem.policy.audit_within_steps)}")
     return (f"stage {k}: {who} not audited: even one microbatch in {every} costs +{extra:.1f} ms a "
             f"step ({100 * extra / base:.1f}%, over the policy's audit_cost "

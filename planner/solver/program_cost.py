@@ -482,7 +482,7 @@ def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPar
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
         if site is not None:
             costs.append((k, site.auditor, audit_cost(problem, st, site, st.audit_every, sum(st.microbatches),
-                                                      upstream=stages[k - 1])))
+                                                      upstream=stages[k - 1], downstream=_after(stages, k))))
     return stepper_parts(costs)
 
 
@@ -625,8 +625,10 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
         if site is None:
             continue
-        cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1])
-        senders = [d for d in site.copied_from if d != site.auditor]
+        cost = audit_cost(problem, st, site, st.audit_every, sum(st.microbatches), upstream=stages[k - 1],
+                          downstream=_after(stages, k))
+        # copied: the upstream ranks' copies, then the downstream ranks' of the gradients they sent (``grads_from``)
+        senders = [d for d in (*site.copied_from, *site.grads_from) if d != site.auditor]
         free, upstream = done(site.auditor), max(map(done, senders), default=0.0)
         inputs_in = cost.inputs_in_ms(auditor_free_ms=free, upstream_done_ms=upstream, gradient_sent_ms=stepping[k],
                                       posted_ms=posted[site.auditor])
@@ -639,6 +641,11 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
                                           stepper_ms=through.get((site.auditor, k), (0.0, 0.0)))
         out = max(out, clock[site.auditor])
     return out
+
+
+def _after(stages, k: int):
+    """The stage after ``k`` (None: ``k`` is the last), whose devices copy an auditor gradients (``grads_from``)."""
+    return stages[k + 1] if k + 1 < len(stages) else None
 
 
 def _program_end_ms(problem: Problem, stages, traffic: _Traffic, ends: list[float], sent: list[float], p: _Paths,

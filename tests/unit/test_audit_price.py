@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cost_models import compute
-from cost_models.audit import audit_ms
+from cost_models.audit import audit_ms, copy_ms
 from cost_models.cluster import Link
 from cost_models.cluster_file import parse_cluster
 from cost_models.optim import optim_ms
@@ -25,6 +25,7 @@ from planner.solver.audit_price import (
     audit_cost,
     audit_site,
     audit_where,
+    copied_message_bytes,
 )
 from planner.solver.audits import (
     EVERY_CHOICES,
@@ -236,18 +237,25 @@ def test_audits_stay_off_over_a_slow_link_to_the_auditor_and_the_plan_says_why()
 
 def test_a_stage_whose_input_its_auditor_does_not_verify_is_audited_from_the_upstream_stages_copies():
     """Boundary 1 verified on dc/0 (stage 0's device), boundary 0 on dc/1: the auditor dc/0 holds no input
-    check, and the trusted stage 0 copies it the audited inputs (here itself: they are its own, nothing travels)."""
+    check, and the trusted stage 0 copies it the audited inputs (here itself: they are its own, nothing travels);
+    the trusted stage 2 (dc/1) copies it the gradients it sent: input gradients audited too."""
     problem, placement = _watched(100.0)
     split = (placement.verifiers[0], dataclasses.replace(placement.verifiers[1], device="dc/0"))
     placement = dataclasses.replace(placement, verifiers=split)
     site = audit_site(problem, placement.stages, placement.verifiers, 1)
-    assert site is not None and (site.auditor, site.grads, site.copied_from) == ("dc/0", False, ("dc/0",))
+    assert site is not None and (site.auditor, site.grads, site.copied_from, site.grads_from) == \
+        ("dc/0", False, ("dc/0",), ("dc/1",))
     chosen = choose_audits(problem, placement)
     assert [st.audit_every for st in chosen.stages] == [0, 4, 0]
-    assert audit_cost(problem, chosen.stages[1], site, 4, 8, upstream=chosen.stages[0]).copy_ms == 0.0
+    cost = audit_cost(problem, chosen.stages[1], site, 4, 8, upstream=chosen.stages[0], downstream=chosen.stages[2])
+    # only the gradients dc/1 sent travel: 8 microbatches, one in 4 audited, float32
+    down = copied_message_bytes(problem.raw_bytes(0), problem.raw_bytes(3), problem.elem_bytes, grads=True)[1]
+    assert cost.copy_ms == pytest.approx(copy_ms(every=4, sent_microbatches=8, input_bytes=down,
+                                                 link=problem.link("dc/1", "dc/0")))
     (note,) = audit_notes(problem, chosen)
-    assert note.startswith("stage 1: replicas audited by dc/0, one microbatch in 4 (outputs)"), note
-    assert "the audited inputs come copied from stage 0 (dc/0) at the step's end in 0.0 ms" in note
+    assert note.startswith("stage 1: replicas audited by dc/0, one microbatch in 4 (outputs and input gradients)"), note
+    assert ("the audited inputs and the input gradients the replicas sent back come copied from stage 0 (dc/0) and "
+            f"the gradients sent to them from stage 2 (dc/1) at the step's end in {cost.copy_ms:.1f} ms") in note
 
 
 def test_audits_are_refused_where_the_auditors_copy_of_the_stage_would_not_fit_and_the_plan_says_why():

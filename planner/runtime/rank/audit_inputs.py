@@ -34,13 +34,15 @@ def stage_key(secret: bytes, stage: int) -> bytes:
 
 def share_key(st: Any, rank: int, key: bytes | None, device: torch.device) -> bytes:
     """The stage's key on its auditor and, sent point to point by the auditor alone, on the upstream ranks that
-    copy it inputs (it never reaches a replica); ``key`` on the auditor, None elsewhere."""
-    if not st.copied_from or (rank != st.auditor and rank not in st.copied_from):
+    copy it inputs and the downstream ones that copy it gradients (``grads_from``; it never reaches a replica);
+    ``key`` on the auditor, None elsewhere."""
+    sharing = {*st.copied_from, *getattr(st, "grads_from", ())}
+    if not st.copied_from or (rank != st.auditor and rank not in sharing):
         return key or b""
     words = None if key is None else torch.tensor(
         [int.from_bytes(key[i:i + 8], "big", signed=True) for i in range(0, KEY_BYTES, 8)], dtype=torch.int64)
     got = control.send_from(None if words is None else words.to(device), src=st.auditor, me=rank,
-                            ranks=sorted({st.auditor, *st.copied_from}), topic=control.Topic.AUDIT_INPUT,
+                            ranks=sorted({st.auditor, *sharing}), topic=control.Topic.AUDIT_INPUT,
                             shape=(KEY_BYTES // 8,), dtype=torch.int64, device=device, index=2 * st.stage,
                             doing=f"sharing stage {st.stage}'s audit key with its upstream ranks")
     return b"".join(int(w).to_bytes(8, "big", signed=True) for w in got.cpu().tolist())
@@ -79,6 +81,9 @@ def keep_input_copy(ex: Any, mb: int) -> None:
                                           suspected=ex.plan.owner(k, mb) in agreed_suspects(ex)):
         # a reference, not a copy: the send of an audited microbatch must take no longer than another's
         audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
+        if audits.stages[k].grads_from:   # its input gradient's place, tainted until it comes (``audit_grads``)
+            carrying = [t for t, spec in zip(audits.outbox[(k, mb)], ex.stage.outputs) if spec.carries_grad]
+            audits.gin_outbox[(k, mb)] = ([torch.zeros(t.shape, device=t.device) for t in carrying], True)
 
 
 def copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: Any, sender: int, step: int,
@@ -94,14 +99,16 @@ def copy_dtype(integer: bool) -> torch.dtype:
 
 
 def send_inputs(ex: Any, st: Any, step: int) -> None:
-    """An upstream rank's copies of this step's audited inputs, one flat message to the auditor."""
+    """An upstream rank's copies of this step's audited inputs, one flat message to the auditor; where gradients
+    are audited from copies (``grads_from``), each microbatch's input followed by the input gradient its replica
+    sent back and whether that came tainted (``message_parts``)."""
     audits = ex.audits
     mbs = copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step, agreed_suspects(ex))
     if not mbs or ex.rank == st.auditor:
         return
-    tensors = [t for mb in mbs for t in audits.outbox[(st.stage, mb)]]
+    tensors = [t for mb in mbs for t in message_parts(audits, st, mb)]
     dtype = copy_dtype(any(not t.is_floating_point() for t in tensors))
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    flat = torch.cat([t.reshape(-1).to(device=ex.device, dtype=dtype) for t in tensors])
     control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
                       device=ex.device, index=2 * st.stage + 1,
                       doing=f"copying stage {st.stage}'s audited inputs to its auditor rank {st.auditor} (step {step})")
@@ -112,15 +119,16 @@ def hear_inputs(ex: Any, st: Any, step: int) -> None:
     computed on zeros). Received into buffers of the stage's input shapes; nothing else is read."""
     audits = ex.audits
     copy = audits.copies[st.stage]
-    specs = copy.runtime.inputs
+    inputs = copy.runtime.inputs
+    specs = [*inputs, *_gradient_specs(copy, st)]
     per_mb = sum(math.prod(spec.shape) for spec in specs)
-    dtype = copy_dtype(any(not spec.dtype.is_floating_point for spec in specs))
+    dtype = copy_dtype(any(not spec.dtype.is_floating_point for spec in inputs))
     for sender in st.copied_from:
         mbs = copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step, agreed_suspects(ex))
         if not mbs:
             continue
         if sender == ex.rank:
-            got = {mb: audits.outbox[(st.stage, mb)] for mb in mbs}
+            got = {mb: message_parts(audits, st, mb) for mb in mbs}
         else:
             flat = control.gather_to(torch.zeros(len(mbs) * per_mb, dtype=dtype, device=ex.device), dst=ex.rank,
                                      me=ex.rank, ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT,
@@ -128,10 +136,38 @@ def hear_inputs(ex: Any, st: Any, step: int) -> None:
                                      doing=f"hearing stage {st.stage}'s audited inputs from rank {sender} "
                                            f"(step {step})")[sender]
             got = dict(zip(mbs, unflatten(flat, specs, len(mbs))))
-        for mb, tensors in got.items():
-            if (st.stage, "y", mb) in audits.kept:
-                zero = (st.stage, mb) in audits.tainted
-                audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
+        for mb, parts in got.items():
+            if (st.stage, "y", mb) not in audits.kept:
+                continue
+            tensors, grads = parts[:len(inputs)], parts[len(inputs):]
+            zero = (st.stage, mb) in audits.tainted
+            audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
+            if grads and not bool(grads[-1].reshape(-1)[0] != 0):   # its input gradient came untainted: compared
+                audits.kept[(st.stage, "gin", mb)] = [t.float() for t in grads[:-1]]
+
+
+def message_parts(audits: Any, st: Any, mb: int) -> list[torch.Tensor]:
+    """``mb``'s part of an upstream rank's copies: its input and, where gradients come copied too, the input
+    gradient its replica sent back (zeros where none came) and a flag, 1 where it came tainted."""
+    tensors = list(audits.outbox[(st.stage, mb)])
+    if not getattr(st, "grads_from", ()):
+        return tensors
+    grads, tainted = audits.gin_outbox[(st.stage, mb)]   # zeros, tainted, until it comes (``keep_input_copy``)
+    return [*tensors, *grads, torch.full((1,), float(tainted), device=tensors[0].device if tensors else None)]
+
+
+class _Flag:
+    """The one-value spec of an upstream copy's taint flag (``message_parts``)."""
+
+    shape = (1,)
+    dtype = torch.float32
+
+
+def _gradient_specs(copy: Any, st: Any) -> list[Any]:
+    """The input gradients' specs in an upstream copy and its flag (none where gradients are not copied)."""
+    if not getattr(st, "grads_from", ()):
+        return []
+    return [*(spec for spec in copy.runtime.inputs if spec.carries_grad), _Flag()]
 
 
 def unflatten(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:

@@ -21,7 +21,8 @@ before the copy steps (``audit_recompute``): their verdict joins the next step's
 (``since``), except on a step that writes a checkpoint or ends the run, which audits them by its end.
 
 Contribution audits (``audit_contrib``). Where the auditor is the lead verifier (it hears the replicas'
-contribution sketches, ``replica_checks.exchange``) and holds the stage's inputs and gradients, a replica all of
+contribution sketches, ``replica_checks.exchange``) and holds or is copied the stage's inputs and gradients, a
+replica all of
 whose microbatches of a step are audited (every one of a suspect's, or all drawn: ``--audit-every 1``) has its
 contribution audited too: the same backward of the copy that gives each audited microbatch's input gradient gives
 its parameter gradients, and the sketch of their sum (what the replica's ``Executor._sum_grads`` hands its
@@ -37,9 +38,13 @@ on those replicas' microbatches.
 Where the auditor does not verify the stage's input boundary, the trusted ranks of the stage before copy it the
 inputs: at the start the auditor sends each of them its key for that stage, point to point (never to a replica),
 and at each step's end each sends it, in one message, the inputs of the audited microbatches it sent the stage,
-as the consumer decoded them (``audit_inputs``). The auditor recomputes those outputs (not gradients) once the
-copies are in, on zeros where the replica's taint header says its input was dropped. A stage with one untrusted
-replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
+as the consumer decoded them (``audit_inputs``). Where the stage after is trusted too, its ranks get the key as well
+and copy the auditor the gradients they sent the audited microbatches, and the upstream ranks add the input
+gradients the replicas sent back, as received (``audit_grads``): the auditor recomputes forward and backward once
+the copies are in, and, the lead verifier, audits contributions as where it holds them. Where the stage after is
+untrusted (it could send the auditor another gradient than the replica's), outputs only. Either way on zeros where
+the replica's taint header says its input was dropped (an input gradient that came tainted is not compared). A
+stage with one untrusted replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
 ``AUDIT_INPUT``; the gradient whole leaves as the source's optimizer steps, into a receive the auditor posts before
 its recomputes), outside the compiled programs like the contribution sketches; the planner prices them
 (``cost_models.audit``).
@@ -60,7 +65,8 @@ replica's stops the stage's audits instead of choosing whom to believe (recorded
 digest (visible, never silent), claim its input was dropped (its output is then dropped downstream: lost data,
 counted), and corrupt what the audits cannot see: a microbatch whose tensors this verifier does not check (the
 gradients sent to it by an untrusted downstream stage: those audits are skipped; gradients where the inputs are
-copied), and its own gradient contribution where the contribution audit does not run (the contribution monitor
+copied and the stage after is untrusted), and its own gradient contribution where the contribution audit does not
+run (the contribution monitor
 and ``--robust-reduce`` watch that; a sole replica's applied gradient is its own word). The contribution audit
 holds a replica to the sketch *it reports*: one that sums a poisoned contribution into the all-reduce while
 reporting the sketch of the honest one passes it (the sketch is its word, as the monitor's input is); what the
@@ -91,6 +97,7 @@ import torch.distributed as dist
 from planner.integrity import audit
 from planner.runtime.rank import (
     audit_contrib,
+    audit_grads,
     audit_inputs,
     audit_recompute,
     audit_signed,
@@ -118,7 +125,8 @@ from planner.solver.audit_price import AuditWhere
 @dataclass(frozen=True, slots=True)
 class AuditedStage:
     """An audited stage, its replicas, its auditor and the replica that sends its applied gradient whole; the
-    upstream ranks that copy the auditor the audited inputs (empty: it verifies them itself)."""
+    upstream ranks that copy the auditor the audited inputs (empty: it verifies them itself) and, with them, the
+    downstream ranks that copy it the gradients they sent (empty: outputs only, ``audit_grads``)."""
 
     stage: int
     replicas: tuple[int, ...]
@@ -127,6 +135,7 @@ class AuditedStage:
     every: int   # each of a replica's microbatches audited with probability 1 / every
     copied_from: tuple[int, ...] = ()
     signed_by: tuple[int, ...] = ()   # the untrusted stage before, whose signed sends the replicas forward
+    grads_from: tuple[int, ...] = ()   # copied: the trusted stage after, which copies it the gradients it sent
 
 
 def audited_stages(plan: Any, *, every: int | None, verifying: bool) -> dict[int, AuditedStage]:
@@ -145,7 +154,8 @@ def audited_stages(plan: Any, *, every: int | None, verifying: bool) -> dict[int
         out[stage] = AuditedStage(stage=stage, replicas=tuple(sorted(plan.stage_ranks(stage))),
                                   auditor=int(where.auditor), source=int(where.source), every=share,
                                   copied_from=tuple(int(r) for r in where.copied_from),
-                                  signed_by=tuple(int(r) for r in where.signed_by))
+                                  signed_by=tuple(int(r) for r in where.signed_by),
+                                  grads_from=tuple(int(r) for r in where.grads_from))
     return out
 
 
@@ -174,6 +184,10 @@ class RuntimeAudits:
     # an upstream rank's, for a stage audited from copies: the auditor's schedule, and this step's kept inputs
     sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
     outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    # where gradients come copied too (``audit_grads``): an upstream rank's kept input gradients (with their taint
+    # header) and a downstream rank's kept gradients sent, of this step's audited microbatches
+    gin_outbox: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = field(default_factory=dict)
+    grad_outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
     signed: audit_signed.SignedState = field(default_factory=audit_signed.SignedState)
     # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
@@ -214,7 +228,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
         mine = audit_inputs.stage_key(secret, k) if st.auditor == rank else None
         # from signed inputs the key stays the auditor's: the replicas forward what it asks for after the step
         key = (mine or b"") if st.signed_by else audit_inputs.share_key(st, rank, mine, device)
-        if rank in st.copied_from and not st.signed_by:
+        if (rank in st.copied_from or rank in st.grads_from) and not st.signed_by:
             out.sharing[k] = audit.AuditSchedule(key, st.every)
         if st.auditor != rank:
             continue
@@ -274,7 +288,7 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
         if role is None or (role in ("x", "g") and sender not in audits.trusted) or not _audited(ex, st, mb):
             continue   # an untrusted neighbour could send this verifier another input than the replica's
         if st.copied_from and role != "y":
-            continue   # audited from copies: outputs only, as priced (``audit_price.audit_rule``)
+            continue   # audited from copies: the rest comes copied at the step's end (``audit_inputs``, ``audit_grads``)
         if role == "y" and tainted:
             audits.tainted.add((k, mb))
         zero = dropped and role in ("x", "g")
@@ -333,10 +347,15 @@ def end_step(ex: Any, step: int) -> None:
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
                 (audit_signed.forward if st.signed_by else audit_inputs.send_inputs)(ex, st, step)
+        if ex.rank in st.grads_from:
+            with ex._timed("comm"):
+                audit_grads.send_grads(ex, st, step)
         if ex.rank == st.auditor:
             if st.copied_from and st.stage in audits.copies:
                 with ex._timed("comm"):
                     (audit_signed.hear if st.signed_by else audit_inputs.hear_inputs)(ex, st, step)
+                    if st.grads_from:
+                        audit_grads.hear_grads(ex, st, step)
             with ex._timed("verify"):
                 _collect(ex, st, step)   # last step's, recomputed meanwhile: their verdict joins this step's
                 inline = audits.inline_at(step)
@@ -350,6 +369,7 @@ def end_step(ex: Any, step: int) -> None:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied, claim)
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
+    audits.gin_outbox, audits.grad_outbox = {}, {}
 
 
 def post_hearing(ex: Any, step: int) -> None:
@@ -563,10 +583,11 @@ def _recompute_args(ex: Any, st: AuditedStage, step: int) -> dict[str, Any]:
 def _contrib_sums(ex: Any, st: AuditedStage, step: int) -> audit_contrib.ContribSums | None:
     """``st``'s contribution sums of ``step`` (made on first use), where this auditor is the lead verifier (it
     alone hears the replicas' sketches, ``replica_checks.exchange``), the stage has twins (a sole replica sends
-    no sketch) and it holds their gradients (not audited from copies or signed inputs: outputs only); None
-    elsewhere."""
+    no sketch) and it has their gradients, held or copied (``audit_grads``; not from signed inputs or copied
+    inputs alone: outputs only); None elsewhere."""
     audits: RuntimeAudits = ex.audits
-    if ex.rank != min(ex.groups.verifier_ranks) or len(st.replicas) < 2 or st.copied_from or st.signed_by:
+    if ex.rank != min(ex.groups.verifier_ranks) or len(st.replicas) < 2 or st.signed_by \
+            or (st.copied_from and not st.grads_from):
         return None
     sums = audits.contrib.get(st.stage)
     if sums is None or sums.step != step:

@@ -10,7 +10,7 @@ import torch
 
 from planner.errors import InvalidInputError
 from planner.instructions import Instruction
-from planner.runtime.rank import audit_inputs, audit_signed
+from planner.runtime.rank import audit_grads, audit_inputs, audit_signed
 from planner.runtime.wire import codecs, comm
 from planner.runtime.wire.comm import Kind, Pending
 
@@ -91,8 +91,8 @@ class Transfers:
         if not self.verifying and ins.peer != self._consumer(ins):
             return  # a copy for a verifier, and verification is off
         self._settle_sent(d, ins.mb)
-        if d == "F" and ins.peer == self._consumer(ins):
-            audit_inputs.keep_input_copy(self, ins.mb)   # an auditor of the next stage may recompute it from this copy
+        if ins.peer == self._consumer(ins):   # an auditor of the stage it feeds may recompute from this copy
+            (audit_inputs.keep_input_copy if d == "F" else audit_grads.keep_sent_grad)(self, ins.mb)
         kind, header_kind, _ = ACT_KINDS[d]
         boundary = self._boundary(ins)
         tensors = self._encoded(d, boundary, self._sent_tensors(d, ins.mb))
@@ -177,6 +177,8 @@ class Transfers:
                 if self.taint_in[key]:
                     self._drop(key[0], key[1])
             self.received[key] = self._decoded(key[0], self._edge_of(key[0]), tensors)
+            if key[0] == "B":   # an auditor of the next stage may compare it with its recompute
+                audit_grads.keep_received_grad(self, key[1], self.received[key])
         return self.received[key]
 
     def _edge_of(self, d: str) -> int:
