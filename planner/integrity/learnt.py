@@ -69,6 +69,26 @@ class Learnt:
                                gain=None if log_size is None else log_size - input_size, spread=spread)
         return fits
 
+    def gain_score(self, links: Sequence[Fit]) -> float:
+        """With the stage's input at hand, the stage's own share of a size change (``links``: the ``link`` fits of
+        a sample, or of a step's samples, every one with its input's size change and its gain; a gain learnt).
+
+        Its log gain (output's log size minus its input's, per sample) against the honest samples' (an
+        EMA, learnt only from accepted ones, so an attacker's gain is never taught), per
+        e-fold its input moved (``gain``, with fences of its own). A loss spike's gradients
+        grow on their way back through every stage (d=256, lr 1e-3 after a 20-step lr
+        warm-up: +0.3, +0.7, +1.5 e-folds at boundaries 2, 1, 0; the last over the raw 1.0
+        floor 7 times in 30 steps, and a ban), and a stage amplifies the spike it receives
+        about twofold (input +1.1, output +2.1: +1.0 of its own; at most 0.5 per
+        1 + |input e-folds| in those runs). A sender that rescales what it sends moves its
+        gain by the whole factor. (Before, the own share was the output's size change minus
+        the input's, each against its own reference: once the output's stopped learning, a
+        flagged sender's, every honest move of the input's counted as the stage's.) A plan
+        made before ``gain`` scores it as ``scale``."""
+        d_in = sum(f.input_dlog for f in links) / len(links)
+        own = sum(f.gain for f in links) / len(links) - self.gain
+        return abs(own) / (1.0 + abs(d_in))
+
     def residual(self, moments: Sequence[torch.Tensor], age_step: int, refresh_steps: int) -> float | None:
         """The residual-shape score of a step's (or a sample's) residual ``moments`` (None before the shape was
         learnt, or with moments of another size). The whitener is redone once every ``refresh_steps`` steps

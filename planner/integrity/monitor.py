@@ -8,7 +8,6 @@ import torch
 
 from planner.integrity import distances as dist
 from planner.integrity import evidence
-from planner.integrity import predictors as pred
 from planner.integrity import summaries as summ
 from planner.integrity.culprits import (
     LINKED_REASONS,
@@ -17,9 +16,9 @@ from planner.integrity.culprits import (
     vouched,
 )
 from planner.integrity.fits import Fit, Sample
-from planner.integrity.history import CopyMemory, SketchRing
 from planner.integrity.learnt import Learnt
 from planner.integrity.persistence import PERSIST_H, Persistence
+from planner.integrity.replays import ReplayMemory
 from planner.integrity.thresholds import Cusum, IQRFence, TrendLevel
 from planner.verifier_config import DIRECTIONS, VerifierConfig
 
@@ -36,12 +35,8 @@ __all__ = ["Monitor", "upstream_culprit"]
 PER_SAMPLE_ONLY = ("replay",)
 STEP_ONLY = ("drift",)
 DRIFT_CAP = 8.0   # the most one step adds to the CUSUM, in robust deviations (before the allowance)
-# The replay test compares a sample with the last ``replay_window`` sketches by cosine (near
-# copies), and with this many times as many by exact fingerprint: a stale worker sends its own
-# old results bit for bit, and at 16 microbatches a step the ring of 256 reaches back only 16
-# steps (a replay of 20-step-old activations went unseen, gpt-tiny on four T4 hosts, 2026-12-03).
-# 64 x 256 fingerprints: 1024 steps of 16 microbatches, about 1.8 MB a monitor.
-EXACT_REPLAY_FACTOR = 64
+
+
 class Monitor:
     """Reference statistics and fences of one (boundary, direction).
 
@@ -81,8 +76,7 @@ class Monitor:
         self._basis_step = -1
         self._sketch_at: dict[int, torch.Tensor] = {}
         self._levels = summ.quantile_levels(cfg.quantiles)
-        self._history: dict[int, SketchRing] = {}  # sketch length -> recent sketches
-        self._copies = CopyMemory(cfg.replay_window * EXACT_REPLAY_FACTOR)   # older ones, exact
+        self._replays = ReplayMemory(cfg.replay_window)
         self.learnt = Learnt(self.beta)   # the label table, the link surrogate, the residual shape
         self._drift: dict[int, Cusum] = {}           # sender -> CUSUM of its residual scores
         self._size = TrendLevel()   # the log size of accepted steps, trend and all: what ``scale`` is read against
@@ -156,7 +150,7 @@ class Monitor:
               per_sample: bool = True, data_key: int | None = None) -> dict[str, float]:
         """Distances of ``summary`` (and of the ``fits`` of its samples) to the reference
         (empty before the first step closed); ``data_key``: which data the sample is of (a
-        replay is a copy of another data's tensor, see ``history.CopyMemory``)."""
+        replay is a copy of another data's tensor, see ``replays.ReplayMemory``)."""
         if self.ref is None:
             return {}
         names = self.fences if per_sample else self.step_fences
@@ -170,23 +164,8 @@ class Monitor:
         links = [f["link"] for f in fits if "link" in f]
         if ("scale" in names or "gain" in names) and self.learnt.gain is not None and links \
                 and len(links) == len(fits) and all(f.input_dlog is not None and f.gain is not None for f in links):
-            # With the stage's input at hand, the stage's own share of a size change: its log gain
-            # (output's log size minus its input's, per sample) against the honest samples' (an
-            # EMA, learnt only from accepted ones, so an attacker's gain is never taught), per
-            # e-fold its input moved (``gain``, with fences of its own). A loss spike's gradients
-            # grow on their way back through every stage (d=256, lr 1e-3 after a 20-step lr
-            # warm-up: +0.3, +0.7, +1.5 e-folds at boundaries 2, 1, 0; the last over the raw 1.0
-            # floor 7 times in 30 steps, and a ban), and a stage amplifies the spike it receives
-            # about twofold (input +1.1, output +2.1: +1.0 of its own; at most 0.5 per
-            # 1 + |input e-folds| in those runs). A sender that rescales what it sends moves its
-            # gain by the whole factor. (Before, the own share was the output's size change minus
-            # the input's, each against its own reference: once the output's stopped learning, a
-            # flagged sender's, every honest move of the input's counted as the stage's.) A plan
-            # made before ``gain`` scores it as ``scale``.
-            d_in = sum(f.input_dlog for f in links) / len(links)
-            own = sum(f.gain for f in links) / len(links) - self.learnt.gain
             scores.pop("scale", None)
-            scores["gain" if "gain" in names else "scale"] = abs(own) / (1.0 + abs(d_in))
+            scores["gain" if "gain" in names else "scale"] = self.learnt.gain_score(links)
         elif "scale" in scores:
             # Without the stage's input, the size against the trend of accepted steps (``TrendLevel``), not
             # against the EMA reference, which trails a trend; none before the trend has a slope (the warm-up).
@@ -196,10 +175,7 @@ class Monitor:
             else:
                 scores["scale"] = abs(dist.log_size(summary) - expected)
         if "replay" in names:
-            ring = self._history.get(summary.sketch.numel())
-            scores["replay"] = pred.replay_score(summary.sketch, *ring.others(data_key)) if ring else 0.0
-            if summary.sketch.numel() and self._copies.copied(summary.sketch, data_key):
-                scores["replay"] = pred.REPLAY_SCORE_CAP
+            scores["replay"] = self._replays.score(summary.sketch, data_key)
         for name in ("binding", "link"):
             parts = [f[name] for f in fits if name in f]
             den = sum(p.den for p in parts)
@@ -352,12 +328,7 @@ class Monitor:
         self._ref = None  # its derived terms follow the reference
         for name, value in scores.items():
             self.fences[name].update(value)
-        length = summary.sketch.numel()
-        if length:
-            if length not in self._history:
-                self._history[length] = SketchRing(self.cfg.replay_window, length)
-            self._history[length].push(summary.sketch, data_key)
-            self._copies.push(summary.sketch, data_key)
+        self._replays.push(summary.sketch, data_key)
 
     def fence_values(self, *, per_sample: bool = True) -> dict[str, float | None]:
         fences = self.fences if per_sample else self.step_fences
