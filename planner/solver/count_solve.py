@@ -76,7 +76,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
     if found.placement is None:
         return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem, within=work)))
-    starts = cheapest(problem, seen + [found.placement])
+    starts = cheapest(problem, seen + [found.placement], within=work, cut=False)  # charged; every start priced
     pick = starts[0]
     program_ms = price_program(problem, pick).step_ms
     how = found.method if pick is found.placement else f"{found.method}, repriced"
@@ -92,6 +92,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
         if mixed_s > MIXED_MIN_S:
             placement, program_ms, how = _mixed(problem, placement, program_ms, how, mixed_s, work)
+    work.charge(mix_units(problem, placement))  # the count's own work: uncharged, the solve ran past its budget by it
     placement, program_ms = recompute.mix(problem, placement)
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
@@ -208,11 +209,17 @@ def _best_mixed(problem: Problem, pool: list[Placement], within: Work) -> tuple[
     for p in sorted(likely, key=unrecomputed_ms)[:MIXED]:
         if best[0] is not None and within.passed():
             break
-        within.charge((p.num_stages + 1) * placement_units(p))
+        within.charge(mix_units(problem, p))
         mixed, ms = recompute.mix(problem, p)
         if ms < best[1]:
             best = (mixed, ms)
     return best
+
+
+def mix_units(problem: Problem, placement: Placement) -> float:
+    """``recompute.mix`` of ``placement``: a pricing, and one per stage where its stages recompute (each stage that
+    fits without recomputation tried so)."""
+    return (1 + (placement.num_stages if problem.recompute else 0)) * placement_units(placement)
 
 
 def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work | None = None) -> Outcome:

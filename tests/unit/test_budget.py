@@ -15,12 +15,13 @@ from cost_models.training import TrainingConfig
 from planner.api import RIVAL_MARGIN, _rivals, plan_chain
 from planner.solver import api as solver_api
 from planner.solver import baseline_plans
-from planner.solver.objective import price_program, violations
+from planner.solver.objective import evaluate, price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
 from planner.solver.search import chain_dp
+from planner.solver.search.budget import Work, evaluate_units, placement_units
 from planner.solver.search.deadline import Deadline
-from planner.solver.search.grid import best_grid, grids
+from planner.solver.search.grid import PRICED, best_grid, cheapest, grids
 from tests.unit.program_fixtures import POLICY, wide_area_cluster
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain
 
@@ -81,6 +82,21 @@ def test_the_ppdp_baseline_past_its_deadline_is_a_valid_grid(case):
     assert price_program(problem, full).step_ms <= price_program(problem, quick).step_ms
 
 
+def test_the_ppdp_baseline_charges_its_ranking_and_pricing_and_keeps_its_pick(case):
+    """``best_grid`` charges the closed-form ranking of every grid found and a pricing of each of the ``PRICED``
+    likeliest (once free: past the rivals' work), and is not cut short by it: the same grid as unbudgeted."""
+    problem = case[3]
+    enumerated, picked = Work(1e6), Work(1e6)
+    found = grids(problem, deadline=enumerated)
+    chosen = best_grid(problem, picked)
+    likely = sorted(found, key=lambda p: evaluate(problem, p).step_ms)[:PRICED]
+    extra = sum(evaluate_units(p) for p in found) + sum(placement_units(p) for p in likely)
+    assert picked.spent == pytest.approx(enumerated.spent + extra) and extra > 0
+    assert chosen == best_grid(problem)
+    spent_out = Work(0.0)  # a budget spent by the enumeration still prices the likeliest
+    assert best_grid(problem, spent_out) == cheapest(problem, grids(problem, deadline=Work(0.0)))[0]
+
+
 def _homogeneous_problem():
     rng = np.random.default_rng(11)
     cluster = homogeneous_cluster(8)
@@ -123,7 +139,7 @@ def _plan(step_ms: float, name: str):
 def test_only_baselines_that_can_still_win_are_compiled_cheapest_first():
     solver_plan = _plan(100.0, "solver")
     found = [SimpleNamespace(predicted_step_ms=ms, name=n) for n, ms in
-             (("far", 200.0), ("close", 100.0), ("best", 90.0), ("edge", RIVAL_MARGIN * 85.0 + 1.0))]
+             (("far", 200.0), ("close", RIVAL_MARGIN * 85.0 - 1.0), ("best", 90.0), ("edge", RIVAL_MARGIN * 85.0 + 1.0))]
     simulated = {"best": 85.0, "close": 112.0, "edge": 80.0, "far": 190.0}
     compiled = []
 
@@ -133,7 +149,7 @@ def test_only_baselines_that_can_still_win_are_compiled_cheapest_first():
 
     got = _rivals(solver_plan, found, compile_one)
     # cheapest first; "edge" is priced past the margin of the fastest simulated so far (85 ms), "far" too
-    assert compiled == ["best", "close"] and [p.name for p in got] == compiled
+    assert compiled == ["close", "best"] and [p.name for p in got] == compiled
 
 
 def test_a_spent_budget_still_gives_a_plan_chosen_by_simulation(case):
@@ -151,3 +167,26 @@ def test_baselines_priced_past_what_can_win_are_left_out(case):
     kept = baseline_plans.baselines(baseline_plans.BASELINE_NAMES, chain, cluster, config, POLICY, within_ms=cap)
     assert [s.report.method for s in kept] == [s.report.method for s in full if s.predicted_step_ms <= cap]
     assert 0 < len(kept) < len(full)
+
+
+def test_a_count_charges_its_recomputation_mix_before_it(case, monkeypatch):
+    """``solve_count`` charges ``recompute.mix`` of its plan (``mix_units``: a pricing, one more per stage where
+    stages recompute) to the count's work and so to the solve's, before it runs."""
+    from planner.solver import count_solve
+    problem, parent, seen = case[3], Work(1e6), []
+    real_mix = count_solve.recompute.mix
+
+    def mix(problem, placement):
+        seen.append(parent.spent)
+        return real_mix(problem, placement)
+
+    monkeypatch.setattr(count_solve, "mix_units", lambda problem, placement: 1e12)
+    monkeypatch.setattr(count_solve.recompute, "mix", mix)
+    count_solve.solve_count(problem, 0.3, 1, "M=16", None, 1e-4, within=parent)
+    assert seen and seen[0] >= 1e12
+    placement = best_grid(problem)
+    monkeypatch.undo()
+    units = placement_units(placement)
+    assert count_solve.mix_units(problem, placement) == units
+    from planner.solver.problem import recompute_problem
+    assert count_solve.mix_units(recompute_problem(problem), placement) == (placement.num_stages + 1) * units

@@ -221,17 +221,17 @@ PRICED = 24
 
 
 def cheapest(problem: Problem, placements: list[Placement], count: int = PRICED,
-             within: Deadline | Work | None = None) -> list[Placement]:
+             within: Deadline | Work | None = None, *, cut: bool = True) -> list[Placement]:
     """The ``count`` likeliest by the search's closed form (``objective.evaluate``: fast), cheapest program
-    first; with a ``Work`` budget ``within``, the ranking and each pricing charged to it and only those priced before
-    it is spent (at least the likeliest)."""
+    first; with a ``Work`` budget ``within``, the ranking and each pricing charged to it and (``cut``) only those
+    priced before it is spent (at least the likeliest)."""
     if within is not None:
         within.charge(sum(evaluate_units(p) for p in placements))
     likely = sorted(placements, key=lambda p: evaluate(problem, p).step_ms)[:count]
     if isinstance(within, Work):
         priced = []
         for p in likely:
-            if priced and within.passed():
+            if cut and priced and within.passed():
                 break
             within.charge(placement_units(p))
             priced.append(p)
@@ -278,12 +278,13 @@ def tapered(problem: Problem, *, deadline: Deadline | Work | None = None) -> lis
 
 def best_grid(problem: Problem, deadline: Deadline | Work | None = None) -> Placement:
     """The ``ppdp`` baseline: of the likeliest valid grids (found by ``deadline``), the one whose programs cost
-    least."""
+    least; their ranking and pricing charged to ``deadline`` (a ``Work``), every one of them priced."""
     found = grids(problem, deadline=deadline)
     if not found:
         raise InfeasiblePlanError("baseline ppdp: no uniform pp x dp grid fits memory and the policy here",
                                   fix="use the solver (it places stages unevenly to fit)")
-    return cheapest(problem, found)[0]
+    # not cut short by the budget the enumeration spent: the baseline stays the cheapest of the likeliest
+    return cheapest(problem, found, within=deadline, cut=False)[0]
 
 
 def repartitioned(problem: Problem, placements: list[Placement], within: Work | None = None) -> list[Placement]:
