@@ -32,6 +32,12 @@ untrusted volunteers h1 and h2 in trust domains of their own), and on an HF Llam
   trusted stage before it (audits from copies). Split's stage 2 is fed by the untrusted stage 1: it is audited
   from signed inputs (``planner.runtime.rank.audit_signed``: stage 1 signs what it sends, stage 2 forwards the
   audited inputs under those signatures; the split-audit rows in the results were run so).
+- ``copies-audit``: issue 37's own placement on four-t4 and a CPU verifier host: the replicated shape's stages, the
+  host (rank 4, the lead and only verifier) checking boundary 0's gradients and boundary 1's activations, no link
+  test; run with ``--audit-every 4`` (or as given): stage 1 is audited from copies, its inputs and the input
+  gradients the replicas sent back copied by h0 and, the stage after being trusted, the gradients h3 sent them
+  copied by h3 (``planner.runtime.rank.audit_grads``): forward and backward recomputed, and the replicas'
+  contributions where every microbatch of theirs is audited.
 
 Clean runs (no attacker) report, per run: steps, checks, flags (per microbatch and per step), dropped
 microbatches, blamed (step, sender) pairs, bans, and the per-sample false-positive rate (microbatch
@@ -72,7 +78,7 @@ CLUSTER = ROOT / "benchmarks" / "clusters" / "four-t4.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "verification_dist.json"
 CLUSTER3 = ROOT / "benchmarks" / "clusters" / "five-t4.yaml"
 SHAPES = ("split", "linked", "replicated", "replicated3", "hf-llama", "replicated-audit", "replicated3-audit",
-          "split-audit", "hf-llama-audit")
+          "split-audit", "hf-llama-audit", "copies-audit")
 ATTACK_SHAPES = ("split", "linked")
 MODELS = {"hf-llama": "hf-llama-tiny", "hf-llama-audit": "hf-llama-tiny"}   # the model of a shape (default gpt-tiny)
 HF_SPEC = ("hf:llama?hidden_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,"
@@ -90,9 +96,12 @@ ATTACKS = {
     "params-noise": "rank=1,kind=noise,std=1.0,dir=params",
 }
 AUDITED = {"replicated-audit": "replicated", "replicated3-audit": "replicated3", "split-audit": "split",
-           "hf-llama-audit": "hf-llama"}   # shape -> the plan it runs
+           "hf-llama-audit": "hf-llama", "copies-audit": "copies"}   # shape -> the plan it runs
 AUDIT_EVERY = 4           # --audit-every of the audited shapes (planner.integrity.audit.DEFAULT_EVERY)
-REPLICATED = ("replicated", "replicated3", "replicated-audit", "replicated3-audit")
+REPLICATED = ("replicated", "replicated3", "replicated-audit", "replicated3-audit", "copies-audit")
+# copies-audit: four-t4 and a CPU verifier host, which checks boundary 0's gradients and boundary 1's activations
+VERIFIER_HOST = "  - {name: cpu, region: lab, trust: operator, trusted: true, role: verifier, " \
+                "devices: [{type: CPU, count: 1}]}\n"
 SOLE_UNTRUSTED = {"hf-llama": 1, "hf-llama-audit": 1}   # shape -> its one untrusted rank: every attack runs there
 ATTACK_START, DELAY_START = 20, 30
 INVOCATION = ""           # this invocation's command line, recorded in its rows (``main``)
@@ -137,7 +146,9 @@ def make_plans(shapes: list[str], folder: Path) -> dict[str, Path]:
     out = {}
     for shape in shapes:
         path, base = folder / f"{shape}.json", AUDITED.get(shape, shape)
-        if shape in REPLICATED:
+        if base == "copies":
+            _replicated(2, copies=folder).save(path)
+        elif shape in REPLICATED:
             _replicated(3 if base == "replicated3" else 2).save(path)
         elif base == "hf-llama":
             _hf_llama().save(path)
@@ -166,10 +177,13 @@ def _hf_llama():
     return plan
 
 
-def _replicated(replicas: int = 2):
+def _replicated(replicas: int = 2, copies: Path | None = None):
     """gpt-tiny on four-t4 (``replicas`` 2) or five-t4 (3): embed..layers.0 on h0, layers.1..2 replicated on the
     volunteers h1.. (the 16 microbatches shared: 8 and 8, or 6, 5 and 5), layers.3..head on the last host;
-    verifiers, pricing and compilation as ``stagewise plan --link-tests-cost 5`` does them."""
+    verifiers, pricing and compilation as ``stagewise plan --link-tests-cost 5`` does them. ``copies`` (a folder for
+    its cluster file): issue 37's placement instead, four-t4 and a CPU verifier host (rank 4) checking boundary 0's
+    gradients and boundary 1's activations, no link test: stage 1 is audited from copies (inputs from h0, the
+    gradients h3 sent from h3)."""
     from cost_models.cluster_file import read_cluster_file
     from cost_models.memory import trace_dtype
     from cost_models.precision import resolve_dtype
@@ -184,11 +198,21 @@ def _replicated(replicas: int = 2):
     from planner.solver.objective import Placement, price_program, program_memory
     from planner.solver.policy import VerificationPolicy
     from planner.solver.problem import build_problem, scale_chain
-    from planner.solver.solution import Solution, SolveReport, StagePlacement
+    from planner.solver.solution import (
+        Solution,
+        SolveReport,
+        StagePlacement,
+        VerifierPlacement,
+    )
     from planner.solver.verifiers import assign_verifiers
 
     _, chain = load_chain("gpt-tiny", batch=1)
-    cluster = read_cluster_file(CLUSTER if replicas == 2 else CLUSTER3)
+    if copies is not None:
+        copies.mkdir(parents=True, exist_ok=True)
+        (copies / "four-t4-cpu.yaml").write_text(CLUSTER.read_text().replace("name: four-t4", "name: four-t4-cpu")
+                                                 .replace("links:", VERIFIER_HOST + "links:"))
+    cluster = read_cluster_file(copies / "four-t4-cpu.yaml" if copies is not None else
+                                CLUSTER if replicas == 2 else CLUSTER3)
     dtype = resolve_dtype("auto", cluster)
     config = TrainingConfig(global_batch=16, microbatch_size=1, schedule="1f1b", optimizer="adam", dtype=dtype,
                             mixed_precision=dtype != "float32")
@@ -200,11 +224,17 @@ def _replicated(replicas: int = 2):
               StagePlacement(index=1, first_block=2, last_block=3,
                              devices=tuple(f"h{i + 1}/0" for i in range(replicas)), microbatches=share),
               StagePlacement(index=2, first_block=4, last_block=5, devices=(f"h{replicas + 1}/0",), microbatches=(16,)))
-    verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
-    placement = keep_link_tests(problem, Placement(stages=stages, verifiers=verifiers,
-                                                   num_microbatches=problem.num_microbatches))
+    if copies is not None:
+        verifiers = (VerifierPlacement(boundary=0, device="cpu/0", directions=("grad",)),
+                     VerifierPlacement(boundary=1, device="cpu/0", directions=("act",)))
+        placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=problem.num_microbatches)
+    else:
+        verifiers = assign_verifiers(problem, stages, problem.num_microbatches)
+        placement = keep_link_tests(problem, Placement(stages=stages, verifiers=verifiers,
+                                                       num_microbatches=problem.num_microbatches))
     priced = price_program(problem, placement)
-    notes = (f"hand-made: stage 1 replicated on the {replicas} volunteers",) + lost_link_tests(problem, placement)
+    notes = (f"hand-made: stage 1 replicated on the {replicas} volunteers"
+             + (", issue 37's verifier host" if copies is not None else ""),) + lost_link_tests(problem, placement)
     report = SolveReport(method="hand:replicated", status="FEASIBLE", objective_ms=priced.step_ms, bound_ms=None,
                          gap=None, solve_s=0.0, notes=notes)
     solution = Solution(stages=tuple(dataclasses.replace(st, in_flight=n) for st, n in
