@@ -20,7 +20,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.errors", "planner.ir", "planner.instructions", "planner.verifier_config", "planner.outputs",
      "planner.secret", "planner.random_ops"),                                        # base
     ("models",),                                                                     # reference models, data
-    ("planner.flops", "planner.trace", "planner.onnx_import", "planner.coarsen", "planner.model_io",
+    ("planner.flops", "planner.trace", "planner.trace_builder", "planner.trace_fx", "planner.trace_error",
+     "planner.onnx_import", "planner.coarsen", "planner.model_io",
      "planner.meta_twin"),
     ("cost_models",),
     ("planner.solver.problem", "planner.solver.problem_memo", "planner.solver.solution", "planner.solver.policy",
