@@ -21,7 +21,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "planner.secret", "planner.random_ops"),                                        # base
     ("models",),                                                                     # reference models, data
     ("planner.flops", "planner.trace", "planner.trace_builder", "planner.trace_fx", "planner.trace_error",
-     "planner.onnx_import", "planner.coarsen", "planner.model_io",
+     "planner.onnx_import", "planner.onnx_file", "planner.onnx_importer", "planner.onnx_export",
+     "planner.coarsen", "planner.model_io",
      "planner.meta_twin"),
     ("cost_models",),
     ("planner.solver.problem", "planner.solver.problem_memo", "planner.solver.solution", "planner.solver.policy",
