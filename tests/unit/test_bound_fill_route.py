@@ -94,7 +94,7 @@ def _plain_fill_ms(problem) -> float:
 
     def plain(p, stage):
         shared = kept(p, stage)
-        return dataclasses.replace(shared, before=shared.hops, route=None)
+        return dataclasses.replace(shared, before=shared.hops, last=shared.hops, route=None)
 
     fill._Shared.of = staticmethod(plain)
     try:

@@ -26,7 +26,9 @@ links (DT-FM worldwide), this term binds.
 **Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
 holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
 ``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
-less on the route before it. A stage before the last pays these ``before`` hops on its path; the last, ``hops``.
+less on the route before it. A stage before the last pays these ``before`` hops on its path; the last, ``last``:
+where one island ``H`` holds every trusted stage device, a route of more than ``|H|`` stages starts and ends in
+``H`` and leaves it, one crossing fewer inside (``hops_ms`` ``to_last``).
 **Links between one-device stages.** Where no crossing before the last stage's can stay inside an island at some
 partition (``replicas.slow_route``: one-GPU hosts; a trusted host of two between volunteers), every boundary into
 a stage before the last is a link between islands, at least ``w`` ms of wire per (smallest) message. A stage at
@@ -34,9 +36,11 @@ depth ``z`` with ``r`` replicas after one of ``p`` receives the ``M`` activation
 so one pair is busy ``ceil(M / (p r)) w``: it sends no sooner than the first microbatch's forward through blocks
 ``0..j-1`` and ``z - 1`` crossings, and after its last message the microbatch still waits its latency, runs the
 blocks after ``j`` forward and every block backward (``U(L)`` with the blocks before), crosses at least once more
-forward and ``z + 1`` times back (``z`` of them before the last stage's device), and stage 0's optimizer step
-follows: ``step >= U(L) + before(z - 1) + ceil(M / (p r)) w + lat + before(z) + 2 hops(1) + optim``. The DP then
-also holds the replica count of the stage so far (1 to ``LINKED``, or more), each stage of exactly ``c``
+forward and back over its whole route (``S - 1 >= z + 1`` crossings from the last stage: ``last(z + 1)``), and
+stage 0's optimizer step follows: ``step >= U(L) + before(z - 1) + ceil(M / (p r)) w + lat + hops(1) + last(z +
+1) + optim``. A replicated stage's all-reduce waits for that microbatch too: after the message it runs every
+block from the stage forward and back to it, crosses at least once each way, then the all-reduce over ``r`` and
+the stage's optimizer step (``_after_link``). The DP then also holds the replica count of the stage so far (1 to ``LINKED``, or more), each stage of exactly ``c``
 replicas checked with its all-reduce over ``c`` (``_exact``), and ``p r`` at least what the link needs
 (``_feasible_linked``): four one-GPU hosts on 0.1 Gb/s with large boundaries, 19.5 -> 45.4 s, the best plan 45.4.
 
@@ -134,6 +138,7 @@ class _Shared:
     ring: Rings
     middle_ring: Rings
     before: np.ndarray  # the least hops one way among the devices before the last stage's (``before_last``)
+    last: np.ndarray  # the least hops one way from stage 0 to the last stage (``to_last``)
     route: tuple[float, float] | None  # ``replicas.slow_route``: every boundary before the last between islands
 
     @staticmethod
@@ -144,7 +149,8 @@ class _Shared:
         L = problem.num_blocks
         return _Shared({c: _optim_ms(problem, (c,)) for c in stage}, hops_ms(problem, stage, L),
                        Rings(problem, stage, devices), Rings(problem, stage, devices, reserved=2 if ends else 0),
-                       hops_ms(problem, stage, L, before_last=True), slow_route(problem, stage))
+                       hops_ms(problem, stage, L, before_last=True), hops_ms(problem, stage, L, to_last=True),
+                       slow_route(problem, stage))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -204,31 +210,34 @@ class _Test:
         self.opt0 = np.min([shared.optim[c][0] for c in stage], axis=0)
         self.opt_any = float(self.opt0[1:].min())
         # A stage before the last crosses only boundaries among the devices before the last stage's
-        # (``shared.before``); the last stage's path, any (``shared.hops``).
+        # (``shared.before``); the last stage's path, from stage 0 to it (``shared.last``).
         j = np.arange(L + 1)[:, None]
         if track == "stages":
             self.extra, self.extra_last = (np.where(j > 0, 2 * h[None, :L + 1], 0.0)
-                                           for h in (shared.before, shared.hops))
+                                           for h in (shared.before, shared.last))
         else:  # the z least excesses of the slow group's passes among blocks 0..j-1
             excess = np.full((L + 1, L + 1), np.inf)
             for e in range(L + 1):
                 excess[e, :e + 1] = np.concatenate([[0.0], np.cumsum(np.sort(slow.path[:e] - least[:e]))])
-            self.extra, self.extra_last = (excess + np.where(j > 0, 2 * h[1], 0.0) for h in (shared.before, shared.hops))
+            self.extra, self.extra_last = (excess + np.where(j > 0, 2 * h[1], 0.0) for h in (shared.before, shared.last))
         self.ring, self.middle_ring = shared.ring, shared.middle_ring
         # A stage's all-reduce and optimizer step follow its own passes, which start once its first microbatch's
         # forward is in: blocks 0..j-1 forward at their least and the hops before it, one way.
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         self.F = np.concatenate([[0.0], np.cumsum((problem.time_ms - bwd)[:, stage].min(axis=1))])
+        self.Bw = np.concatenate([[0.0], np.cumsum(bwd[:, stage].min(axis=1))])
+        self.before, self.hop = shared.before, float(shared.hops[1]) if L >= 1 else 0.0
         self.arrive, self.arrive_last = (np.where(j > 0, h[None, :L + 1] if track == "stages" else h[1], 0.0)
-                                         for h in (shared.before, shared.hops))
+                                         for h in (shared.before, shared.last))
         # Two single-device stages in a row (``_feasible_linked``): every activation on one link (``route``).
         self.route = shared.route if linked and track == "stages" and L > 2 else None
         self.rest = None if self.route is None else self.U[L] + np.concatenate([[np.inf], shared.before[:L]]) \
-            + shared.before + 2 * shared.hops[1] + self.route[1] + self.opt_any
+            + np.concatenate([shared.last[1:], [np.inf]]) + shared.hops[1] + self.route[1] + self.opt_any
         self.optim = [np.min([shared.optim[c] for c in g.classes], axis=0) if g.classes
                       else np.zeros((L + 1, L + 1)) for g in (self.a, self.b)]
         self.rows = _Rows.of(self)
         self._pair_i = np.repeat(np.arange(1, L + 1), np.arange(1, L + 1))  # each stage's end
+        self._ar_rest = self._after_link() if self.route is not None else None
 
     @staticmethod
     def tracked(fast: _Group, slow: _Group, track: str) -> tuple[_Group, _Group]:
@@ -295,7 +304,7 @@ class _Test:
         gets every activation over at most ``p r`` device pairs, one of them busy ``ceil(M / (p r)) w``: its first
         message is sent no sooner than the first microbatch's forward through the stages before (``before(z -
         1)`` hops), and its last one's microbatch then still crosses it (latency), the blocks after it forward and
-        every block backward, a hop forward, ``z`` back among the devices before the last stage's and one more,
+        every block backward, a hop forward and its whole route back (``last(S - 1) >= last(z + 1)``),
         and stage 0's optimizer step follows (``rest``): ``p r`` is at least the least with ``ceil(M / (p r)) w +
         rest(z) <= B``. A plan's stage of exactly ``r`` replicas (``y`` of group ``a``) has ``r - y`` of group
         ``b``, at least the fewest (``_fewest``); of more than ``LINKED``, more than ``LINKED - y``: each state's
@@ -315,6 +324,10 @@ class _Test:
             else:
                 row = [np.where(before_last & (p * c < pairs), np.inf, e) for c, e in enumerate(exact[:-1], 1)]
                 row.append(np.where(before_last, np.maximum(exact[-1], np.ceil(pairs / p) - y), exact[-1]))
+                for c in range(2, K + 1):  # a replicated stage's all-reduce after the busiest pair into it
+                    most = c if c < K else max(self.rows.top, K)
+                    late = self._ar_rest[c - 2] + np.ceil(M / (p * most)) * self.route[0] > B
+                    row[c - 1] = np.where(before_last & late[:, :, None], np.inf, row[c - 1])
             for out in row:
                 out[self.rows.firsts] = np.inf
             nb.append(row)
@@ -340,6 +353,27 @@ class _Test:
                                    out=best[i, now, yy:, 1:i + 1])
             reached[i] = np.isfinite(best[i]).any()
         return bool((best[L] <= self.b.count).any())
+
+    def _after_link(self) -> list[np.ndarray]:
+        """Per replica count ``c = 2..LINKED + 1`` (index ``c - 2``; the last: more), per stage after stage 0 and
+        state (``(stages, Z)``, inf where none), what follows a message into it (``_feasible_linked``) up to its
+        all-reduce's end: the blocks before it forward and the crossings before it, then (after the message) its
+        latency, every block from it forward and back to it, a crossing each way, its all-reduce over ``c`` and
+        its optimizer step."""
+        rows, n, L = self.rows, self.rows.inner, self.L
+        pair = rows.pair[:n]
+        i = self._pair_i[pair]
+        j = pair - i * (i - 1) // 2
+        z = rows.cell[:n] % (L + 1)
+        base = self.F[L] + self.Bw[L] - self.Bw[j] + self.before[np.maximum(z - 1, 0)] + self.route[1] \
+            + 2 * self.hop + np.minimum(rows.opt_a[:n], rows.opt_b[:n])
+        out = []
+        for c in range(2, LINKED + 2):
+            full = np.full(L * (L + 1) // 2 * (L + 1), np.inf)
+            if c <= rows.top:
+                full[rows.cell[:n]] = base + rows.floors[pair, c]
+            out.append(full.reshape(-1, L + 1))
+        return out
 
     def _exact(self, B: float) -> list[np.ndarray]:
         """Per replica count ``c = 1..LINKED`` (and one more: more than ``LINKED``), per stage after stage 0, state

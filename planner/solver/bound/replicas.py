@@ -199,12 +199,15 @@ class Rings:
         return np.where((r >= 2) & (nbytes > 0), out, 0.0)  # no gradients: ``comm.allreduce_ms`` is 0
 
 
-def hops_ms(problem: Problem, stage: list[int], L: int, *, before_last: bool = False) -> np.ndarray:
+def hops_ms(problem: Problem, stage: list[int], L: int, *, before_last: bool = False,
+            to_last: bool = False) -> np.ndarray:
     """Per count ``h`` of boundaries a microbatch crosses one way, their least transfer time: each between two
     distinct devices, at most ``N - Q`` of them inside an island (``N`` devices in ``Q`` islands: a route's
     devices are distinct), the rest between islands; the most of any partition. ``before_last``: crossings
     among the devices before the last stage's (``spare``: one fewer inside an island where the ends must be
-    trusted)."""
+    trusted). ``to_last``: a route's from stage 0 to the last stage, where the ends must be trusted and one island
+    ``H`` (two devices or more) holds every trusted stage device: a route of more than ``|H|`` devices starts and
+    ends in ``H`` and leaves it, so it visits ``H`` in two runs at least, one crossing fewer inside it."""
     wire = min_wire_bytes(problem)
     fast = _fastest(problem, stage)
     if wire <= 0 or fast is None:
@@ -215,6 +218,8 @@ def hops_ms(problem: Problem, stage: list[int], L: int, *, before_last: bool = F
     N = sum(problem.classes[c].count for c in stage)
     for _, isl in partitions(problem, stage):
         inside = N - len(isl.members) - (spare(problem, isl) if before_last else 0)
+        if to_last and (home := _home(problem, isl)):
+            inside = np.where(h >= home, inside - 1, inside)
         slow = isl.between.latency_ms + 1e3 * wire / isl.between.bytes_per_s
         out = np.maximum(out, np.minimum(h, inside) * one + np.maximum(h - inside, 0) * slow)
     return out
@@ -230,6 +235,16 @@ def spare(problem: Problem, isl: Islands) -> int:
         return 0
     held = [sum(I.values()) for I in isl.members if any(problem.classes[c].trusted for c in I)]
     return int(bool(held) and min(held) >= 2)
+
+
+def _home(problem: Problem, isl: Islands) -> int:
+    """The size of the one island holding every trusted stage device where the ends must be trusted and it holds
+    two or more (0: else)."""
+    pol = problem.policy
+    if not (pol.enabled and pol.trusted_endpoints):
+        return 0
+    held = [sum(I.values()) for I in isl.members if any(problem.classes[c].trusted for c in I)]
+    return held[0] if len(held) == 1 and held[0] >= 2 else 0
 
 
 def slow_route(problem: Problem, stage: list[int]) -> tuple[float, float] | None:
