@@ -1,6 +1,7 @@
 """Audits from copied inputs (issue 37, ``planner.runtime.rank.audits``): where the verifier of an untrusted
 stage's outputs does not verify its input boundary, the trusted upstream rank copies it the audited microbatches'
-inputs at the step's end (it shares the auditor's secret schedule; the replica does not). A clean run of a stage
+inputs at the step's end (it shares the auditor's secret schedule; the replica does not), and the auditor, which
+runs the trusted stage after, its own gradients sent (``audit_grads``). A clean run of a stage
 with one untrusted replica audits and fails nothing and trains exactly what a run without audits trains; a
 replica adding noise to its outputs is banned by a failed audit, its twin never."""
 from __future__ import annotations
@@ -50,8 +51,10 @@ def test_a_clean_single_replica_is_audited_from_copies_and_trains_as_without_aud
                                            dump=str(dump)))
         params[every] = [d["params"] for d in load_dumps(dump, 3)]
     audits = _audits(results[None], auditor)
-    # each of the replica's 48 microbatches drawn with probability 1/4 (none: p = 1e-6), outputs only
-    assert 1 <= audits["run"] <= 8 * STEPS and audits["failed"] == 0 and not audits["suspended"], audits
+    # each of the replica's 48 microbatches drawn with probability 1/4 (none: p = 1e-6), output and input gradient
+    # (the auditor runs the trusted stage after: it keeps the gradients it sends, ``audit_grads``)
+    assert 2 <= audits["run"] <= 2 * 8 * STEPS and audits["run"] % 2 == 0, audits
+    assert audits["failed"] == 0 and not audits["suspended"], audits
     assert _audits(results[0], auditor)["run"] == 0 and not results[None]["banned"]
     for on, off in zip(params[None], params[0]):
         assert on.keys() == off.keys()
