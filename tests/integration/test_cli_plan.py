@@ -114,4 +114,6 @@ def test_audit_within_one_step_audits_every_microbatch_of_the_untrusted_replicas
     doc = json.loads((tmp_path / "p.json").read_text())
     assert [st["audit_every"] for st in doc["stages"]] == [0, 1, 0]
     assert doc["policy"]["audit_within_steps"] == 1
-    assert "stage 1: replicas audited by cpu/0, every microbatch (outputs)" in " ".join(res.stdout.split())
+    # the stage after (t1) is trusted: it copies the auditor the gradients it sent (audits from copies see gradients)
+    assert "stage 1: replicas audited by cpu/0, every microbatch (outputs and input gradients)" in \
+        " ".join(res.stdout.split())

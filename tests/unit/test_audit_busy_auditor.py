@@ -32,7 +32,8 @@ from tests.unit.plan_fixtures import (
 )
 
 # boundary 0 on the verifier host; boundary 1's activations on trusted-d/0, which runs the last stage: it audits
-# stage 1 from trusted-a's copies of the audited inputs (outputs only: recomputed on its stepper, deferred)
+# stage 1 from trusted-a's copies of the audited inputs and input gradients and its own of the gradients it sent
+# (forward and backward recomputed on its stepper, deferred)
 VERIFIERS = (VerifierPlacement(boundary=0, device="verifier/0", directions=("act", "grad")),
              VerifierPlacement(boundary=1, device="trusted-d/0", directions=("act",)))
 WORK_KINDS = ("F", "B", "verify", "optim")
