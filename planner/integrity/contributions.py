@@ -51,8 +51,8 @@ from planner.integrity.contribution_tuning import (
     WARMUP_STEPS,
 )
 
-__all__ = ["BEFORE_STEPS", "CONTRIB_REASONS", "SKETCH_DIMS", "SKETCH_SIZE", "SUSPECT_H", "WARMUP_STEPS", "ContributionMonitor",
-           "sketch", "sketch_seed"]
+__all__ = ["BEFORE_STEPS", "CONTRIB_REASONS", "SKETCH_DIMS", "SKETCH_SIZE", "SUSPECT_H", "WARMUP_STEPS",
+           "ContributionMonitor", "sketch", "sketch_seed"]
 
 
 class ContributionMonitor:
