@@ -15,6 +15,7 @@ from cost_models.audit import audit_ms, copied_input_bytes
 from cost_models.cluster import Link
 from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
+from planner.schedules import max_in_flight
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
 from planner.solver.audit_price import (
@@ -125,16 +126,38 @@ def _small(every: int, replicas: tuple[str, ...] = ("worker-b/0", "worker-c/0"))
     return ch, cl, dataclasses.replace(sol, stages=stages)
 
 
+def _limited(ch, cl, sol, limits: str):
+    """(``sol`` carrying in-flight limits, its price): ``priced``, those its price assumes (as the planner's plans
+    carry them), or ``least``, the schedule's least (what compiling it without limits gives)."""
+    problem = build_problem(ch, cl, config(sol.num_microbatches), VerificationPolicy())
+    if limits == "priced":
+        in_flight = price_program(problem, Placement(stages=sol.stages, verifiers=SPLIT,
+                                                     num_microbatches=sol.num_microbatches)).in_flight
+    else:
+        in_flight = tuple(tuple(max_in_flight(sol.schedule, st.index, len(sol.stages), n) for n in st.microbatches)
+                          for st in sol.stages)
+    sol = dataclasses.replace(sol, stages=tuple(dataclasses.replace(st, in_flight=n)
+                                                for st, n in zip(sol.stages, in_flight)))
+    placement = Placement(stages=sol.stages, verifiers=SPLIT, num_microbatches=sol.num_microbatches)
+    return sol, price_program(problem, placement).step_ms
+
+
+@pytest.mark.parametrize("limits", ["priced", "least"])
 @pytest.mark.parametrize("replicas", [("worker-b/0", "worker-c/0"), ("worker-c/0",)])
-def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_gradient(replicas):
+def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_gradient(replicas, limits):
     """By hand: trusted-a (rank 0) sends the verifier host its one audited input and the input gradient the
     replica sent back (64 KiB each, float32, and a 4-byte taint flag) over 1 Gb/s once its program is done, then
     trusted-d (the stage after, trusted) the gradient it sent (64 KiB); the host hears the digests and the
     gradient (sent as the source's optimizer step starts, received from when the host's program is done); it
     recomputes blocks 1-2 forward and backward on the copies during the next step, then its copy steps, on its
-    stepper, beside its checks (the last step's from this step's start)."""
-    ch, cl, plain_sol = _small(0, replicas)
-    plain, audited = compile_simple(ch, cl, plain_sol), compile_simple(ch, cl, _small(4, replicas)[2])
+    stepper, beside its checks (the last step's from this step's start). The price adds what the simulation adds
+    where each program carries the in-flight limits it is priced with: the sole slow replica's price raises its
+    limit from the schedule's least (2) to 4, so a fixture compiled with the least (no limits carried) ran another
+    program (4.6 ms priced, 6.1 simulated; 6.1 and 6.1 priced with the least, 4.6 and 4.6 run with the raised)."""
+    ch, cl, _ = _small(0, replicas)
+    (plain_sol, plain_ms), (audited_sol, audited_ms) = (_limited(ch, cl, _small(every, replicas)[2], limits)
+                                                        for every in (0, 4))
+    plain, audited = compile_simple(ch, cl, plain_sol), compile_simple(ch, cl, audited_sol)
     auditor, ranks = plain.num_ranks - 1, plain.stage_ranks(1)
     where = plan_audit_site(audited, 1)
     downstream = auditor - 1
@@ -170,14 +193,8 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     assert (sent.rank, sent.kind, sent.peer, sent.end_ms) == (0, "send", auditor, inputs_in)
     (sent,) = [e for e in got.events if e.label == "stage 1 audit: gradient copy"]
     assert (sent.rank, sent.kind, sent.peer, sent.end_ms) == (downstream, "send", auditor, start)
-    problem = build_problem(ch, cl, cfg, VerificationPolicy())
-    priced = [price_program(problem, Placement(stages=sol.stages, verifiers=SPLIT, num_microbatches=4)).step_ms
-              for sol in (plain_sol, _small(4, replicas)[2])]
-    # what the audit adds; a sole slow replica: its auditor's checks, stretched by the backward recomputes on its
-    # stepper, delay their verdicts and so the pipeline's end more in the simulation than the price replays
-    # (4.6 ms priced, 6.1 simulated: left for the price's replay of a stretched check's verdict)
-    tolerance = 0.05 if len(replicas) > 1 else 0.3
-    assert priced[1] - priced[0] == pytest.approx(expected - base.step_ms, rel=tolerance)
+    assert plain_ms == pytest.approx(base.step_ms, rel=0.05) and audited_ms == pytest.approx(expected, rel=0.05)
+    assert audited_ms - plain_ms == pytest.approx(expected - base.step_ms, rel=0.05)   # what the audit adds
 
 
 def _random_case(seed: int):
