@@ -80,8 +80,11 @@ ROUNDS = 8
 # Replica counts a stage's state holds exactly where boundaries are links between islands (``_feasible_linked``;
 # more is one state).
 LINKED = 3
-# A test with replica states costs about this many plain ones (measured ~4x on a volunteer swarm of 26 blocks).
-LINKED_COST = 8
+# A test with replica states: its DP's cells are about this many plain ones' (for the cells caps), and its work is
+# charged as this many plain tests (``budget.fill_units``): 4.0-10.2 ms of CPU a test on the DT-FM, SWARM- and
+# Sailor-like pools (26 blocks), under a plain test's nominal 17.6-56.4 ms.
+LINKED_CELLS = (LINKED + 1) ** 2
+LINKED_COST = 1
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None) -> float:
@@ -109,10 +112,10 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
                 continue
             shared = shared or _Shared.of(problem, stage)
             # replica states where a link may bind and the cells and budget afford them (else the plain DP)
-            linked = shared.route is not None and track == "stages" and cells * LINKED_COST <= CELLS \
-                and spent + cells * LINKED_COST <= TOTAL_CELLS \
+            linked = shared.route is not None and track == "stages" and cells * LINKED_CELLS <= CELLS \
+                and spent + cells * LINKED_CELLS <= TOTAL_CELLS \
                 and (within is None or within.left_s() * UNITS_PER_S >= TESTS_EACH * each * LINKED_COST)
-            spent += cells * (LINKED_COST if linked else 1)
+            spent += cells * (LINKED_CELLS if linked else 1)
             test = _Test(problem, stage, fast, slow, track, shared, linked=linked)
             best = max(best, test.least_ms(best))
             if within is not None:
@@ -194,7 +197,7 @@ class _Test:
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
         self.tests = 0   # feasibility tests run (their work charged to the plan's budget)
-        self.linked = 0  # of them, with replica states (``_feasible_linked``: ``LINKED_COST`` times the work)
+        self.linked = 0  # of them, with replica states (``_feasible_linked``: charged ``LINKED_COST`` plain ones)
         self.a, self.b = self.tracked(fast, slow, track)
         pol = problem.policy
         self.ends = pol.enabled and pol.trusted_endpoints
