@@ -26,8 +26,10 @@ from planner.solver.solution import SolveReport
 from planner.verifier_config import VerifierConfig
 
 # 2: verifier_config holds every monitor setting; 3: stages say whether they recompute; 4: excluded hosts and history;
-# 5: verifiers' watch_only directions (link test inputs)
-SCHEMA_VERSION = 5
+# 5: verifiers' watch_only directions (link test inputs); 6: the policy's audit_within_steps.
+# Any change to plan.schema.json bumps it (tests/unit/test_schema_version.py pins the schema's hash to it), so
+# another version of stagewise refuses a plan by its version, naming which side to upgrade, not by a schema error.
+SCHEMA_VERSION = 6
 REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -99,8 +101,11 @@ def plan_fields(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     data = {k: v for k, v in data.items() if k != "signature"}  # the file's, checked by the runtime
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
+        newer = isinstance(version, int) and version > SCHEMA_VERSION
         raise PlanMismatchError(f"{source}: schema_version", expected=str(SCHEMA_VERSION), found=repr(version),
-                                fix="re-create the plan with this version of stagewise (`stagewise plan`)")
+                                fix="a newer stagewise wrote it: upgrade this one (`pip install -U stagewise`) "
+                                    "or re-create the plan with it (`stagewise plan`)" if newer else
+                                "re-create the plan with this version of stagewise (`stagewise plan`)")
     _validate_schema(data, source)
     with from_source(source):
         programs = []

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from planner.plan_json import SCHEMA_VERSION
+
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden_plan.json"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg", "COLUMNS": "120"}
 
@@ -59,7 +61,7 @@ def _broken(tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("how,message", [
     ("truncated", "is not valid JSON"),
-    ("version", "schema_version; expected 5; found 99"),
+    ("version", f"schema_version; expected {SCHEMA_VERSION}; found 99"),
     ("no-program", "rank 1 has no program"),
     ("unmatched-send", "invalid plan program: rank 0 instruction"),
     ("missing", "does not exist"),

@@ -78,7 +78,7 @@ def test_missing_file(tmp_path):
 def test_unknown_schema_version(plan, tmp_path):
     data = plan.to_dict()
     data["schema_version"] = 99
-    with pytest.raises(PlanMismatchError, match="schema_version.*expected 5.*found 99"):
+    with pytest.raises(PlanMismatchError, match=f"schema_version.*expected {SCHEMA_VERSION}.*found 99.*upgrade"):
         load_plan(_write(tmp_path, data))
 
 
