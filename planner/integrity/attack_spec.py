@@ -25,6 +25,8 @@ KIND_PARAMS: Mapping[str, Mapping[str, Any]] = {
     "mixed": {},
     "adaptive": {"target": "random", "margin": 0.7, "beta": 0.9, "model": "summary"},
     "quant_bias": {"codec": "int8", "frac": 0.9},
+    # the tensor sent honest, its taint header set: a drop the sender makes up (``AttackHooks.taints``)
+    "taint": {},
 }
 GRAD_KINDS = ("sign_flip", "random_sign")
 MIXED_KINDS = ("constant", "zeros", "random", "scale", "sign_flip", "random_sign", "delay", "bias", "noise")

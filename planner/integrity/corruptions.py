@@ -55,6 +55,8 @@ def corrupt(kind: str, x: torch.Tensor, params: Mapping[str, Any], gen: torch.Ge
         out = xf + shift * feature_pattern(xf, pattern_seed)
     elif kind == "noise":
         out = xf + float(params.get("std", 0.5)) * xf.std(correction=0) * torch.randn(xf.shape, generator=gen)
+    elif kind == "taint":   # the values honest: only the taint header lies (``hooks.AttackHooks.taints``)
+        out = xf
     else:
         raise AssertionError(f"{kind} is not a stateless attack")
     return out.to(dtype=x.dtype)

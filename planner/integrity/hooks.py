@@ -172,6 +172,7 @@ class AttackHooks:
         parsed = [parse_attack(s) for s in specs]
         self.attackers = [Attacker(s, seed) for s in parsed if s.rank == rank]
         self._sent: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._tainted: set[tuple[str, int, int]] = set()   # what a ``kind=taint`` attacker marks dropped
 
     @property
     def active(self) -> bool:
@@ -184,10 +185,18 @@ class AttackHooks:
             direction = direction_name(op_direction)
             out = list(tensors)
             for attacker in self.attackers:
+                logged = len(attacker.log)
                 out = [attacker.apply(t, direction=direction, step=step, mb=mb) if t.is_floating_point() else t
                        for t in out]
+                if attacker.spec.kind == "taint" and len(attacker.log) > logged:
+                    self._tainted.add(key)
             self._sent[key] = out
         return self._sent[key]
+
+    def taints(self, *, op_direction: str, step: int, mb: int) -> bool:
+        """Whether a ``kind=taint`` attack sets the taint header of what this rank sends for (direction, step, mb)
+        (after ``apply``): it claims the microbatch was dropped, its values honest."""
+        return (op_direction, step, mb) in self._tainted
 
     def poison_contribution(self, flat: torch.Tensor, *, step: int) -> torch.Tensor:
         """This rank's gradient contribution to its stage's replicas' sum, as a ``dir=params`` attack rewrites it."""
@@ -208,6 +217,7 @@ class AttackHooks:
 
     def end_step(self) -> None:
         self._sent.clear()
+        self._tainted.clear()
 
     def log(self) -> list[tuple[int, int, str, str]]:
         return [entry for a in self.attackers for entry in a.log]

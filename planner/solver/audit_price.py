@@ -254,7 +254,8 @@ def _sent_microbatches(site: AuditSite, senders: StagePlacement | None, devices:
     return [(d, sent[d]) for d in devices]
 
 
-# per microbatch an upstream rank copies where gradients come copied too: its input gradient's taint flag (float32)
+# per microbatch copied where gradients come copied too, a taint flag (float32): in an upstream rank's copy its input
+# gradient's, in a downstream rank's the gradient it sent's
 COPY_FLAG_BYTES = 4
 
 
@@ -262,12 +263,12 @@ def copied_message_bytes(input_bytes: float, output_bytes: float, elem_bytes: in
                          grads: bool) -> tuple[float, float]:
     """One audited microbatch's bytes in an upstream rank's copy (its input and, where ``grads``, the input
     gradient its replica sent back, of the input's shape, and a flag) and in a downstream rank's (the gradient it
-    sent, of the output's shape; 0 where not ``grads``): float32 (``cost_models.audit.copied_input_bytes``) from
+    sent, of the output's shape, and a flag; 0 where not ``grads``): float32 (``cost_models.audit.copied_input_bytes``) from
     bytes at ``elem_bytes`` a value (``runtime.rank.audit_inputs.send_inputs``, ``audit_grads.send_grads``)."""
     one = copied_input_bytes(input_bytes, elem_bytes)
     if not grads:
         return one, 0.0
-    return 2 * one + COPY_FLAG_BYTES, copied_input_bytes(output_bytes, elem_bytes)
+    return 2 * one + COPY_FLAG_BYTES, copied_input_bytes(output_bytes, elem_bytes) + COPY_FLAG_BYTES
 
 
 def with_copied_grads(cost: AuditCost, *, every: int, microbatches: int, backward_ms: float, input_bytes: float,

@@ -72,7 +72,13 @@ def test_the_stage_after_keeps_the_gradients_it_sends_the_audited_microbatches_u
     for mb in range(8):
         audit_grads.keep_sent_grad(down, mb)
     assert sorted(mb for _, mb in down.audits.grad_outbox) == [4, 5, 6, 7]
-    torch.testing.assert_close(down.audits.grad_outbox[(1, 5)][0], torch.full((2,), 50.0 / 1024.0))
+    # kept as a reference with the scale in force (no copy before the send), unscaled in the step's-end message
+    tensors, tainted, scale = down.audits.grad_outbox[(1, 5)]
+    assert (tainted, scale) == (False, 1024.0)
+    torch.testing.assert_close(tensors[0], torch.full((2,), 50.0))
+    grad, flag = audit_grads.grad_parts(down.audits, _stage(), 5)
+    torch.testing.assert_close(grad, torch.full((2,), 50.0 / 1024.0))
+    assert float(flag) == 0.0
     # the auditor names the same microbatches for this sender (its schedule from the same key)
     auditor = SimpleNamespace(plan=down.plan, rank=4, step=5, unresolved={}, suspects=frozenset({2}),
                               audits=audits.RuntimeAudits(stages={1: _stage()},
@@ -88,31 +94,32 @@ def test_the_stage_after_keeps_the_gradients_it_sends_the_audited_microbatches_u
 
 
 def test_the_stage_before_copies_the_input_gradients_as_received_with_their_taint():
-    up = _rank(0, 0, suspects=frozenset({1}), taint={("B", 2): True})
+    up = _rank(0, 0, suspects=frozenset({1}), taint={("B", 2): True}, scale=4.0)
     for mb in range(8):
         audit_inputs.keep_input_copy(up, mb)
-    # each kept input has its gradient's place, tainted until the replica's gradient comes
-    assert sorted(mb for _, mb in up.audits.gin_outbox) == [0, 1, 2, 3]
-    assert up.audits.gin_outbox[(1, 0)][1] is True
-    for mb in range(8):
-        audit_grads.keep_received_grad(up, mb, [torch.full((2,), -float(mb))])
-    assert sorted(mb for _, mb in up.audits.gin_outbox) == [0, 1, 2, 3]
-    assert [up.audits.gin_outbox[(1, mb)][1] for mb in range(4)] == [False, False, True, False]
-    # one copy a microbatch: its input, the input gradient, the taint flag; read back in the auditor's shapes
+    # nothing made as the input leaves (no audited send slower than another): the gradient's place comes later
+    assert sorted(mb for _, mb in up.audits.outbox) == [0, 1, 2, 3] and up.audits.gin_outbox == {}
+    for mb in range(1, 8):   # mb 0's never came (the run stopped): zeros, flagged, in the message
+        audit_grads.keep_received_grad(up, mb, [torch.full((2,), -4.0 * mb)])
+    assert sorted(mb for _, mb in up.audits.gin_outbox) == [1, 2, 3]
+    assert [up.audits.gin_outbox[(1, mb)][1] for mb in (1, 2, 3)] == [False, True, False]
+    # one copy a microbatch: its input, the input gradient (unscaled now), the taint flag; in the auditor's shapes
     st = _stage()
-    parts = [t for mb in (1, 2) for t in audit_inputs.message_parts(up.audits, st, mb)]
+    parts = [t for mb in (0, 1, 2) for t in audit_inputs.message_parts(up, st, mb)]
     flat = torch.cat([t.reshape(-1).float() for t in parts])
     copy = SimpleNamespace(runtime=SimpleNamespace(inputs=(SPEC,), outputs=(SPEC,)))
     specs = [SPEC, *audit_inputs._gradient_specs(copy, st)]
-    one, two = audit_inputs.unflatten(flat, specs, 2)
+    none, one, two = audit_inputs.unflatten(flat, specs, 3)
+    torch.testing.assert_close(none[1], torch.zeros(2))
     torch.testing.assert_close(one[0], torch.full((2,), 1.0))
     torch.testing.assert_close(one[1], torch.full((2,), -1.0))
-    assert float(one[2]) == 0.0 and float(two[2]) == 1.0
+    assert float(none[2]) == 1.0 and float(one[2]) == 0.0 and float(two[2]) == 1.0
 
 
-def test_the_auditor_keeps_the_copied_gradients_of_its_kept_outputs_and_leaves_tainted_ones_out():
-    """The auditor runs both neighbours here (each copy its own, no message): inputs and the untainted input
-    gradients from the stage before, the gradients sent from the stage after, for the outputs it kept."""
+def _auditor_hearing(gin: dict, grads: dict) -> dict:
+    """The auditor running both neighbours (each copy its own, no message): inputs and input gradients (mb ->
+    (value, tainted)) from the stage before, the gradients sent (mb -> (value, tainted)) from the stage after,
+    for the outputs it kept (mbs 0-3); what it keeps of them."""
     st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=4, source=1, every=NEVER, copied_from=(4,),
                              grads_from=(4,))
     schedule = audit.AuditSchedule(SECRET, NEVER)
@@ -120,19 +127,62 @@ def test_the_auditor_keeps_the_copied_gradients_of_its_kept_outputs_and_leaves_t
     plan.ranks[4] = SimpleNamespace(microbatches=tuple(range(8)))
     copy = SimpleNamespace(runtime=SimpleNamespace(inputs=(SPEC,), outputs=(SPEC,)))
     ex = SimpleNamespace(plan=plan, rank=4, step=5, unresolved={}, suspects=frozenset({1}), device=torch.device("cpu"),
+                         stage=SimpleNamespace(outputs=(SPEC,)),
                          audits=audits.RuntimeAudits(stages={1: st}, schedules={1: schedule}, copies={1: copy}))
     for mb in (0, 1, 2, 3):
         ex.audits.kept[(1, "y", mb)] = [torch.zeros(2)]
         ex.audits.outbox[(1, mb)] = [torch.full((2,), float(mb))]
-        ex.audits.gin_outbox[(1, mb)] = ([torch.full((2,), -float(mb))], mb == 3)
-        ex.audits.grad_outbox[(1, mb)] = [torch.full((2,), 10.0 * mb)]
+        ex.audits.gin_outbox[(1, mb)] = ([torch.full((2,), gin[mb][0])], gin[mb][1], None)
+        ex.audits.grad_outbox[(1, mb)] = ([torch.full((2,), grads[mb][0])], grads[mb][1], None)
     audit_inputs.hear_inputs(ex, st, 5)
     audit_grads.hear_grads(ex, st, 5)
-    kept = ex.audits.kept
+    return ex.audits.kept
+
+
+def test_the_auditor_compares_every_input_gradient_whatever_the_replicas_taint_header_says():
+    # mb 1: the stage after sent its gradient tainted (the replica dropped it honestly: zeros, marked); mb 2: marked,
+    # zeros, with no sign the auditor sees (a verifier's verdict elsewhere dropped its gradient); mb 3: marked, not
+    # zeros, no cause: a drop the replica made up
+    kept = _auditor_hearing(gin={0: (-1.0, False), 1: (0.0, True), 2: (0.0, True), 3: (-3.0, True)},
+                            grads={0: (10.0, False), 1: (0.0, True), 2: (20.0, False), 3: (30.0, False)})
     assert sorted(mb for k, role, mb in kept if role == "x") == [0, 1, 2, 3]
-    assert sorted(mb for k, role, mb in kept if role == "gin") == [0, 1, 2]   # mb 3's came tainted
+    assert sorted(mb for k, role, mb in kept if role == "gin") == [0, 1, 2, 3]   # none left out for its header
     assert sorted(mb for k, role, mb in kept if role == "g") == [0, 1, 2, 3]
-    torch.testing.assert_close(kept[(1, "g", 2)][0], torch.full((2,), 20.0))
+    torch.testing.assert_close(kept[(1, "g", 0)][0], torch.full((2,), 10.0))
+    # recomputed on a zero gradient where it was dropped (by the stage after, or where the replica's zeros say so)
+    torch.testing.assert_close(kept[(1, "g", 1)][0], torch.zeros(2))
+    torch.testing.assert_close(kept[(1, "g", 2)][0], torch.zeros(2))
+    torch.testing.assert_close(kept[(1, "g", 3)][0], torch.full((2,), 30.0))
+    assert sorted(mb for k, role, mb in kept if role == audit_grads.FORGED) == [3]
+
+
+def test_an_honest_replicas_marked_input_gradient_fails_no_audit_and_a_made_up_one_fails():
+    """Recomputed on a linear stage (y = 2x): the honest drops (the gradient it was sent tainted, or zeros with no
+    sign) pass, the made-up one fails, and every microbatch's backward runs (its contribution complete)."""
+    kept = _auditor_hearing(gin={0: (-1.0, False), 1: (0.0, True), 2: (0.0, True), 3: (60.0, True)},
+                            grads={0: (-0.5, False), 1: (0.0, True), 2: (20.0, False), 3: (30.0, False)})
+    kept[(1, "y", 0)] = [torch.zeros(2)]
+    for mb in (1, 2, 3):
+        kept[(1, "y", mb)] = [torch.full((2,), 2.0 * mb)]
+
+    class Linear:
+        drifts = False
+
+        def forward(self, xs, precision, device, *, grad, settle):
+            ins = [x.clone().requires_grad_(grad) for x in xs]
+            return ins, [2.0 * ins[0]]
+
+        def grads(self, ins, outs, gs, *, params):
+            (g,) = torch.autograd.grad(outs, ins, gs)
+            return [g], torch.ones(1)
+
+    sums = audits.audit_contrib.ContribSums(stage=1, step=5, owned={1: frozenset({0, 1, 2, 3})})
+    taken = audits.audit_recompute.take_kept(kept, 1)
+    out = audits.audit_recompute.recompute(Linear(), taken, stage=1, step=5, owner=lambda mb: 1, precision=None,
+                                           device=torch.device("cpu"), tolerance=1e-3, contrib=sums)
+    grads = {o.mb: o.passed for o in out if o.boundary == 0}
+    assert grads == {0: True, 1: True, 2: True, 3: False}, out
+    assert sums.complete(1)
 
 
 def test_the_price_adds_the_gradients_bytes_and_the_backward_recompute():
@@ -143,7 +193,7 @@ def test_the_price_adds_the_gradients_bytes_and_the_backward_recompute():
                              output_bytes=2**15, elem_bytes=2, verifier_mem_bw_bytes_per_s=1e10,
                              upstream=((link, 8), (None, 8)), downstream=((link, 8),))
     up, down = copied_message_bytes(2**16, 2**15, 2, grads=True)
-    assert (up, down) == (2 * copied_input_bytes(2**16, 2) + 4, copied_input_bytes(2**15, 2))
+    assert (up, down) == (2 * copied_input_bytes(2**16, 2) + 4, copied_input_bytes(2**15, 2) + 4)   # a flag each
     assert cost.copy_ms == pytest.approx(copy_ms(every=4, sent_microbatches=8, input_bytes=up, link=link)
                                          + copy_ms(every=4, sent_microbatches=8, input_bytes=down, link=link))
     assert cost.recompute_ms == pytest.approx(8.0 + 8 / 4 * (3.0 + 1e3 * 3 * 2**16 / 1e10))

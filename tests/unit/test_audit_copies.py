@@ -147,7 +147,7 @@ def _limited(ch, cl, sol, limits: str):
 def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_gradient(replicas, limits):
     """By hand: trusted-a (rank 0) sends the verifier host its one audited input and the input gradient the
     replica sent back (64 KiB each, float32, and a 4-byte taint flag) over 1 Gb/s once its program is done, then
-    trusted-d (the stage after, trusted) the gradient it sent (64 KiB); the host hears the digests and the
+    trusted-d (the stage after, trusted) the gradient it sent (64 KiB, and its taint flag); the host hears the digests and the
     gradient (sent as the source's optimizer step starts, received from when the host's program is done); it
     recomputes blocks 1-2 forward and backward on the copies during the next step, then its copy steps, on its
     stepper, beside its checks (the last step's from this step's start). The price adds what the simulation adds
@@ -166,7 +166,7 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     base, got = simulate(plain), simulate(audited)
     spec = cl.device("verifier/0").spec
     cfg = config(4)
-    copy, copy_down = 0.5 + 1e3 * (2 * 2**16 + 4) / 1.25e8, 0.5 + 1e3 * 2**16 / 1.25e8
+    copy, copy_down = 0.5 + 1e3 * (2 * 2**16 + 4) / 1.25e8, 0.5 + 1e3 * (2**16 + 4) / 1.25e8
     recompute = compute.range_fwd_ms(ch, 1, 2, spec) + compute.range_bwd_ms(ch, 1, 2, spec) \
         + 1e3 * 3 * 2 * 2**16 / CPU_DEVICE["mem_bw_bytes_per_s"]
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8

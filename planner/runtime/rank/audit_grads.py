@@ -11,9 +11,11 @@ was audited (``audit_contrib``).
 The key: the auditor shares its stage key point to point with the downstream ranks as with the upstream ones
 (``audit_inputs.share_key``), so they know the schedule, and the replica never does. Every copy is as the
 consumer computes on it (decoded); fp16 gradients are kept without the loss scale, as a verifier scores them
-(the scale may change as the step ends). An input gradient whose taint header said the replica computed it on
-zeros (its input or gradient was dropped) is not compared (the upstream rank drops it: nothing of it trains),
-and the replica's contribution is then not judged that step (what it summed is not known exactly).
+(the scale may change as the step ends; kept as references with the scale in force, unscaled at the step's end).
+Each gradient copy carries whether it went tainted (the replica drops it: recomputed on zeros). An input gradient
+is compared whatever the replica's taint header says, as where the auditor holds it: the header is the replica's
+word, and skipping on it would let one mark a gradient a step and never have its contribution judged. A header
+set with no cause the auditor sees (``resolve``) is a failed audit.
 """
 from __future__ import annotations
 
@@ -23,16 +25,14 @@ from typing import Any
 
 import torch
 
-from planner.runtime.rank import audit_inputs
+from planner.runtime.rank import audit_inputs, audit_recompute
 from planner.runtime.wire import control
 
 
-def _unscaled(ex: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` as a verifier scores a gradient: fp16's loss scale out (a copy), else references."""
+def scale_of(ex: Any) -> float | None:
+    """The loss scale in force as a gradient is kept (None: no fp16 scaling); it may change as the step ends."""
     scaler = getattr(ex, "scaler", None)
-    if scaler is None:
-        return [t.detach() for t in tensors]
-    return [t.detach().float() / scaler.scale for t in tensors]
+    return None if scaler is None else float(scaler.scale)
 
 
 def _shared(ex: Any, k: int) -> Any:
@@ -51,13 +51,15 @@ def _scheduled(ex: Any, k: int, mb: int, schedule: Any) -> bool:
 
 def keep_sent_grad(ex: Any, mb: int) -> None:
     """On a trusted rank of the stage after one audited from copies, as ``mb``'s gradient leaves for the replica:
-    keep what the replica receives where the auditor's schedule audits it (sent at the step's end)."""
+    keep what the replica receives where the auditor's schedule audits it (sent at the step's end), a reference,
+    with whether it goes tainted (this rank dropped the microbatch: the replica drops it too) and the loss scale."""
     if getattr(ex, "stage", None) is None:
         return
     k = ex.info.stage - 1
     schedule = _shared(ex, k)
     if schedule is not None and ex.rank in ex.audits.stages[k].grads_from and _scheduled(ex, k, mb, schedule):
-        ex.audits.grad_outbox[(k, mb)] = _unscaled(ex, ex._delivered("B", mb))
+        tainted = mb in getattr(ex, "dropped_f", ()) or mb in getattr(ex, "dropped_b", ())   # its taint header
+        ex.audits.grad_outbox[(k, mb)] = ([t.detach() for t in ex._delivered("B", mb)], tainted, scale_of(ex))
 
 
 def keep_received_grad(ex: Any, mb: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -69,7 +71,18 @@ def keep_received_grad(ex: Any, mb: int, tensors: Sequence[torch.Tensor]) -> Non
     schedule = _shared(ex, k)
     if schedule is not None and ex.rank in ex.audits.stages[k].copied_from and _scheduled(ex, k, mb, schedule):
         tainted = bool(getattr(ex, "taint_in", {}).get(("B", mb), False))
-        ex.audits.gin_outbox[(k, mb)] = (_unscaled(ex, tensors), tainted)
+        ex.audits.gin_outbox[(k, mb)] = ([t.detach() for t in tensors], tainted, scale_of(ex))
+
+
+class _Flag:
+    """The one-value spec of a copy's taint flag."""
+
+    shape = (1,)
+    dtype = torch.float32
+
+
+_FLAG = _Flag()
+FORGED = audit_recompute.FORGED
 
 
 def grad_specs(copy: Any) -> list[Any]:
@@ -82,16 +95,24 @@ def input_grad_specs(copy: Any) -> list[Any]:
     return [spec for spec in copy.runtime.inputs if spec.carries_grad]
 
 
+def grad_parts(audits: Any, st: Any, mb: int) -> list[torch.Tensor]:
+    """``mb``'s part of a downstream rank's copy: the gradient it sent the replica (unscaled) and a flag, 1 where it
+    went tainted (the replica drops it: the auditor recomputes on zeros, ``resolve``)."""
+    tensors, tainted, scale = audits.grad_outbox[(st.stage, mb)]
+    device = tensors[0].device if tensors else None
+    return [*audit_inputs.unscaled(tensors, scale), torch.full((1,), float(tainted), device=device)]
+
+
 def send_grads(ex: Any, st: Any, step: int) -> None:
-    """A downstream rank's kept gradients of this step's audited microbatches, one flat float32 message to the
-    auditor (nothing where it sent none of them)."""
+    """A downstream rank's kept gradients of this step's audited microbatches, each with its taint flag, one flat
+    float32 message to the auditor (nothing where it sent none of them)."""
     audits = ex.audits
     mbs = audit_inputs.copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step,
                                   audit_inputs.agreed_suspects(ex))
     if not mbs or ex.rank == st.auditor:
         return
-    tensors = [t for mb in mbs for t in audits.grad_outbox[(st.stage, mb)]]
-    flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0, device=ex.device)
+    tensors = [t for mb in mbs for t in grad_parts(audits, st, mb)]
+    flat = torch.cat([t.reshape(-1).to(device=ex.device, dtype=torch.float32) for t in tensors])
     control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
                       device=ex.device, index=2 * st.stage + 1,
                       doing=f"copying the gradients sent to stage {st.stage} to its auditor rank {st.auditor} "
@@ -100,9 +121,10 @@ def send_grads(ex: Any, st: Any, step: int) -> None:
 
 def hear_grads(ex: Any, st: Any, step: int) -> None:
     """The auditor: each downstream rank's copies of the gradients it sent, into the step's kept ones (where the
-    replica's output is kept). Received into buffers of the stage's output shapes; nothing else is read."""
+    replica's output is kept), zeros where it went tainted (``resolve``). Received into buffers of the stage's
+    output shapes and a flag each; nothing else is read."""
     audits = ex.audits
-    specs = grad_specs(audits.copies[st.stage])
+    specs = [*grad_specs(audits.copies[st.stage]), _FLAG]
     per_mb = sum(math.prod(spec.shape) for spec in specs)
     for sender in st.grads_from:
         mbs = audit_inputs.copied_mbs(ex.plan, audits.schedules[st.stage], st, sender, step,
@@ -110,7 +132,7 @@ def hear_grads(ex: Any, st: Any, step: int) -> None:
         if not mbs:
             continue
         if sender == ex.rank:
-            got = {mb: audits.grad_outbox[(st.stage, mb)] for mb in mbs}
+            got = {mb: grad_parts(audits, st, mb) for mb in mbs}
         else:
             flat = control.gather_to(torch.zeros(len(mbs) * per_mb, device=ex.device), dst=ex.rank, me=ex.rank,
                                      ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT, device=ex.device,
@@ -118,9 +140,33 @@ def hear_grads(ex: Any, st: Any, step: int) -> None:
                                      doing=f"hearing the gradients sent to stage {st.stage} from rank {sender} "
                                            f"(step {step})")[sender]
             got = dict(zip(mbs, split(flat, specs, len(mbs))))
-        for mb, tensors in got.items():
-            if (st.stage, "y", mb) in audits.kept:
-                audits.kept[(st.stage, "g", mb)] = [t.float() for t in tensors]
+        for mb, parts in got.items():
+            if (st.stage, "y", mb) not in audits.kept:
+                continue
+            tensors, tainted = parts[:-1], bool(parts[-1].reshape(-1)[0] != 0)
+            audits.kept[(st.stage, "g", mb)] = [torch.zeros_like(t) if tainted else t.float() for t in tensors]
+            if tainted:
+                audits.g_tainted.add((st.stage, mb))
+    resolve(audits, st)
+
+
+def resolve(audits: Any, st: Any) -> None:
+    """The auditor, with both copies in: judge each input gradient the replica marked tainted (``gin_tainted``),
+    compared whatever its header says (as where the auditor holds it, ``audits.observe``). An honest replica marks
+    it exactly where its input or gradient was dropped, and then sends zeros: its input dropped marks its output
+    tainted, which the trusted stage after drops, so the gradient it sent went tainted (``g_tainted``: recomputed
+    on zeros); its gradient dropped by the stage after, the same; by a verifier's verdict this auditor may not
+    see, zeros with no other sign (recomputed on a zero gradient, as the replica did). A marked one that is not
+    zeros with neither sign is a drop the replica made up: a failed audit of it (``FORGED``), never of an
+    honest replica."""
+    for k, mb in sorted(audits.gin_tainted):
+        gin = audits.kept.get((k, "gin", mb))
+        if k != st.stage or gin is None or (k, mb) in audits.g_tainted or (k, "g", mb) not in audits.kept:
+            continue
+        if any(bool(t.any()) for t in gin):
+            audits.kept[(k, FORGED, mb)] = []
+        else:
+            audits.kept[(k, "g", mb)] = [torch.zeros_like(t) for t in audits.kept[(k, "g", mb)]]
 
 
 def split(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:

@@ -81,9 +81,12 @@ def keep_input_copy(ex: Any, mb: int) -> None:
                                           suspected=ex.plan.owner(k, mb) in agreed_suspects(ex)):
         # a reference, not a copy: the send of an audited microbatch must take no longer than another's
         audits.outbox[(k, mb)] = [t.detach() for t in ex._delivered("F", mb)]
-        if audits.stages[k].grads_from:   # its input gradient's place, tainted until it comes (``audit_grads``)
-            carrying = [t for t, spec in zip(audits.outbox[(k, mb)], ex.stage.outputs) if spec.carries_grad]
-            audits.gin_outbox[(k, mb)] = ([torch.zeros(t.shape, device=t.device) for t in carrying], True)
+
+
+def unscaled(tensors: Sequence[torch.Tensor], scale: float | None) -> list[torch.Tensor]:
+    """Kept gradients as a verifier scores them (fp16's loss ``scale``, the one in force when kept, out), at the
+    step's end: a copy and a division before the gradient left would make an audited microbatch's send slower."""
+    return [t.float() if scale is None else t.float() / scale for t in tensors]
 
 
 def copied_mbs(plan: Any, schedule: audit.AuditSchedule, st: Any, sender: int, step: int,
@@ -106,7 +109,7 @@ def send_inputs(ex: Any, st: Any, step: int) -> None:
     mbs = copied_mbs(ex.plan, audits.sharing[st.stage], st, ex.rank, step, agreed_suspects(ex))
     if not mbs or ex.rank == st.auditor:
         return
-    tensors = [t for mb in mbs for t in message_parts(audits, st, mb)]
+    tensors = [t for mb in mbs for t in message_parts(ex, st, mb)]
     dtype = copy_dtype(any(not t.is_floating_point() for t in tensors))
     flat = torch.cat([t.reshape(-1).to(device=ex.device, dtype=dtype) for t in tensors])
     control.gather_to(flat, dst=st.auditor, me=ex.rank, ranks=[ex.rank, st.auditor], topic=control.Topic.AUDIT_INPUT,
@@ -128,7 +131,7 @@ def hear_inputs(ex: Any, st: Any, step: int) -> None:
         if not mbs:
             continue
         if sender == ex.rank:
-            got = {mb: message_parts(audits, st, mb) for mb in mbs}
+            got = {mb: message_parts(ex, st, mb) for mb in mbs}
         else:
             flat = control.gather_to(torch.zeros(len(mbs) * per_mb, dtype=dtype, device=ex.device), dst=ex.rank,
                                      me=ex.rank, ranks=[sender, ex.rank], topic=control.Topic.AUDIT_INPUT,
@@ -142,18 +145,28 @@ def hear_inputs(ex: Any, st: Any, step: int) -> None:
             tensors, grads = parts[:len(inputs)], parts[len(inputs):]
             zero = (st.stage, mb) in audits.tainted
             audits.kept[(st.stage, "x", mb)] = [torch.zeros_like(t) if zero else t for t in tensors]
-            if grads and not bool(grads[-1].reshape(-1)[0] != 0):   # its input gradient came untainted: compared
+            if grads:   # compared whatever the replica's header says; a header with no cause fails (``audit_grads``)
                 audits.kept[(st.stage, "gin", mb)] = [t.float() for t in grads[:-1]]
+                if bool(grads[-1].reshape(-1)[0] != 0):
+                    audits.gin_tainted.add((st.stage, mb))
 
 
-def message_parts(audits: Any, st: Any, mb: int) -> list[torch.Tensor]:
+def message_parts(ex: Any, st: Any, mb: int) -> list[torch.Tensor]:
     """``mb``'s part of an upstream rank's copies: its input and, where gradients come copied too, the input
-    gradient its replica sent back (zeros where none came) and a flag, 1 where it came tainted."""
+    gradient its replica sent back (unscaled here, at the step's end) and a flag, 1 where it came tainted; where
+    none came, zeros of its shapes, flagged (made here, not as the input left: no audited send is slower)."""
+    audits = ex.audits
     tensors = list(audits.outbox[(st.stage, mb)])
     if not getattr(st, "grads_from", ()):
         return tensors
-    grads, tainted = audits.gin_outbox[(st.stage, mb)]   # zeros, tainted, until it comes (``keep_input_copy``)
-    return [*tensors, *grads, torch.full((1,), float(tainted), device=tensors[0].device if tensors else None)]
+    device = tensors[0].device if tensors else None
+    came = audits.gin_outbox.get((st.stage, mb))
+    if came is None:
+        carrying = [t for t, spec in zip(tensors, ex.stage.outputs) if spec.carries_grad]
+        grads, tainted = [torch.zeros(t.shape, device=t.device) for t in carrying], True
+    else:
+        grads, tainted = unscaled(came[0], came[2]), came[1]
+    return [*tensors, *grads, torch.full((1,), float(tainted), device=device)]
 
 
 class _Flag:

@@ -26,6 +26,7 @@ from planner.runtime.rank.audit_contrib import ContribSums
 from planner.runtime.rank.audit_copy import StageCopy
 
 ROLES = ("x", "y", "g", "gin")   # the stage's input, its output, the gradient sent to it, the one it sent upstream
+FORGED = "forged"   # kept where the replica marked its input gradient tainted with no cause (``audit_grads.resolve``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,7 @@ def take_kept(kept: dict[tuple[int, str, int], list[torch.Tensor]], stage: int,
               only: int | None = None) -> dict[int, dict[str, list[torch.Tensor] | None]]:
     """Microbatch -> its kept tensors by role, removed from ``kept`` (``only``: that microbatch alone)."""
     mbs = sorted({mb for k, _, mb in kept if k == stage and only in (None, mb)})
-    return {mb: {role: kept.pop((stage, role, mb), None) for role in ROLES} for mb in mbs}
+    return {mb: {role: kept.pop((stage, role, mb), None) for role in (*ROLES, FORGED)} for mb in mbs}
 
 
 def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, step: int,
@@ -82,7 +83,9 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
         if grad:
             wanted = contrib is not None and contrib.wants(sender)
             ins, weights = copy.grads(inputs, outputs, kept["g"], params=wanted)
-            checks.append((stage - 1, "grad", error(kept["gin"], ins)))
+            # marked dropped with no cause (``audit_grads.resolve``): its upstream lost the microbatch for nothing
+            forged = kept.get(FORGED) is not None
+            checks.append((stage - 1, "grad", float("inf") if forged else error(kept["gin"], ins)))
             if wanted and weights is not None:
                 contrib.add(sender, mb, weights)
         for boundary, direction, err in checks:

@@ -185,9 +185,13 @@ class RuntimeAudits:
     sharing: dict[int, audit.AuditSchedule] = field(default_factory=dict)
     outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     # where gradients come copied too (``audit_grads``): an upstream rank's kept input gradients (with their taint
-    # header) and a downstream rank's kept gradients sent, of this step's audited microbatches
-    gin_outbox: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = field(default_factory=dict)
-    grad_outbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    # header) and a downstream rank's kept gradients sent (with whether they went tainted), each as references with
+    # the loss scale in force (unscaled at the step's end); the auditor's: the (stage, mb) whose input gradient the
+    # replica marked tainted, and whose gradient the stage after sent tainted (``audit_grads.resolve``)
+    gin_outbox: dict[tuple[int, int], tuple[list[torch.Tensor], bool, float | None]] = field(default_factory=dict)
+    grad_outbox: dict[tuple[int, int], tuple[list[torch.Tensor], bool, float | None]] = field(default_factory=dict)
+    gin_tainted: set[tuple[int, int]] = field(default_factory=set)
+    g_tainted: set[tuple[int, int]] = field(default_factory=set)
     tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
     signed: audit_signed.SignedState = field(default_factory=audit_signed.SignedState)
     # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
@@ -369,7 +373,7 @@ def end_step(ex: Any, step: int) -> None:
             with ex._timed("comm"):
                 _send_applied(ex, st, step, applied, claim)
     audits.kept, audits.outbox, audits.tainted = {}, {}, set()
-    audits.gin_outbox, audits.grad_outbox = {}, {}
+    audits.gin_outbox, audits.grad_outbox, audits.gin_tainted, audits.g_tainted = {}, {}, set(), set()
 
 
 def post_hearing(ex: Any, step: int) -> None:

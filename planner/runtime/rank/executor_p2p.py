@@ -100,6 +100,8 @@ class Transfers:
         header = None
         if self.verifying:
             dropped = ins.mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
+            if self.attacks is not None and self.attacks.active:   # ``kind=taint``: a made-up drop
+                dropped = dropped or self.attacks.taints(op_direction=d, step=self.step, mb=ins.mb)
             header = torch.tensor([int(dropped)], dtype=torch.int64, device=self.device)
             signature = audit_signed.signature(self, boundary, ins.mb, tensors) if d == "F" and \
                 ins.peer == self._consumer(ins) else None
