@@ -78,8 +78,7 @@ def test_below_random_and_climbed_plans_priced_and_simulated(ends, monkeypatch):
 
 def test_the_plans_work_budget_pays_for_the_fill_bound_and_a_budget_short_of_a_test_skips_it():
     """The bound runs inside ``plan``'s time: each feasibility test charged (``budget.fill_units``); a budget that
-    cannot pay ``MIN_TESTS`` skips it (the floor it was given: weaker, still valid), one short of a whole bisection
-    runs what it can pay."""
+    cannot pay a whole test's bisection skips it (the floor it was given: weaker, still valid)."""
     from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
 
     problem = _pool(np.random.default_rng(2600), ends=False)[0]
@@ -90,8 +89,5 @@ def test_the_plans_work_budget_pays_for_the_fill_bound_and_a_budget_short_of_a_t
     each = fill_units(problem.num_blocks, sum(c.count for c in problem.classes if c.stage_capable))
     tests = rich.spent / each   # whole tests, each at its price
     assert tests >= 1 and abs(tests - round(tests)) < 1e-6
-    poor = Work((fill.MIN_TESTS * each - 1) / UNITS_PER_S, what="plan")
+    poor = Work((fill.TESTS_EACH * each - 1) / UNITS_PER_S, what="plan")
     assert fill.fill_bound_ms(problem, 7.0, within=poor) == 7.0 and poor.spent == 0
-    # short of a whole bisection: the tests it affords, their bracket's infeasible end
-    some = Work((fill.TESTS_EACH * each - 1) / UNITS_PER_S, what="plan")
-    assert 7.0 < fill.fill_bound_ms(problem, 7.0, within=some) <= full and some.spent <= fill.TESTS_EACH * each

@@ -166,22 +166,3 @@ def test_one_gpu_hosts_on_slow_links_are_bounded_within_a_hair_of_their_best_pla
     bound = fill_bound_ms(problem)
     assert prices and bound <= min(prices) * HAIR
     assert bound >= 0.999 * min(prices) and bound > 2 * _plain_fill_ms(problem)
-
-
-def test_a_budget_for_fewer_tests_stops_the_bisection_at_its_infeasible_end():
-    """Where the plan's budget affords fewer tests than a full bisection, the fill test runs those (``MIN_TESTS`` at
-    least) and keeps its bracket's infeasible end: at most the full bound, above the floor, charged no more than
-    afforded; with fewer than ``MIN_TESTS`` affordable, no test (the floor)."""
-    from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
-
-    problem, _ = _pool(np.random.default_rng(4105), "swarm2")
-    full = fill_bound_ms(problem)
-    devices = sum(c.count for c in problem.classes if c.stage_capable)
-    each = fill_units(problem.num_blocks, devices)
-    for tests in (fill.MIN_TESTS, 10, 16):
-        work = Work(tests * each / UNITS_PER_S * (1 + 1e-9), what="bound")
-        cut = fill_bound_ms(problem, 1.0, within=work)
-        assert 1.0 < cut <= full * HAIR, tests
-        assert work.left_s() >= -1e-9, tests  # charged no more than it afforded
-    short = Work((fill.MIN_TESTS - 1) * each / UNITS_PER_S, what="bound")
-    assert fill_bound_ms(problem, 1.0, within=short) == 1.0

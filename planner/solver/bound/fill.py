@@ -75,9 +75,6 @@ REL_TOL = 1e-5
 MAX_SPLITS = 3
 # Feasibility tests one test's bracket and bisection to ``REL_TOL`` take at most, for its cost up front.
 TESTS_EACH = 24
-# Where the budget affords fewer, a test runs as many as it affords, this many at least, and stops its bisection
-# there (its infeasible end: a wider bracket, a bound as valid).
-MIN_TESTS = 6
 # Rounds of raising a stage's devices by its all-reduce at the ring size they make (each round's count is valid).
 ROUNDS = 8
 # Replica counts a stage's state holds exactly where boundaries are links between islands (``_feasible_linked``;
@@ -111,8 +108,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
             if cells > CELLS or spent + cells > TOTAL_CELLS:
                 continue
             each = fill_units(L, fast.count + slow.count)
-            affords = TESTS_EACH if within is None else int(within.left_s() * UNITS_PER_S // each)
-            if affords < MIN_TESTS:
+            if within is not None and within.left_s() * UNITS_PER_S < TESTS_EACH * each:
                 continue
             shared = shared or _Shared.of(problem, stage)
             # replica states where a link may bind and the cells and budget afford them (else the plain DP)
@@ -121,7 +117,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
                 and (within is None or within.left_s() * UNITS_PER_S >= TESTS_EACH * each * LINKED_COST)
             spent += cells * (LINKED_CELLS if linked else 1)
             test = _Test(problem, stage, fast, slow, track, shared, linked=linked)
-            best = max(best, test.least_ms(best, None if affords >= TESTS_EACH else affords))
+            best = max(best, test.least_ms(best))
             if within is not None:
                 within.charge((test.tests + (LINKED_COST - 1) * test.linked) * each)
     return best
@@ -254,9 +250,8 @@ class _Test:
             return _Group(np.zeros_like(fast.prefix), np.full(len(fast.path), np.inf), 0.0, 0, 0), fast
         return (fast, slow) if track == "slow" or fast.count <= slow.count else (slow, fast)
 
-    def least_ms(self, floor_ms: float, max_tests: int | None = None) -> float:
-        """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above);
-        ``max_tests``: the feasibility tests it may run, its bracket's infeasible end where they run out."""
+    def least_ms(self, floor_ms: float) -> float:
+        """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above)."""
         lo = floor_ms
         if self.feasible(lo):
             return floor_ms
@@ -265,9 +260,7 @@ class _Test:
             if hi > 1e12:
                 return floor_ms
             lo, hi = hi, 2 * hi
-            if max_tests is not None and self.tests >= max_tests:
-                return lo * (1 - 1e-9)
-        while hi - lo > REL_TOL * hi and (max_tests is None or self.tests < max_tests):
+        while hi - lo > REL_TOL * hi:
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
         return lo * (1 - 1e-9)
