@@ -182,7 +182,7 @@ def test_the_bound_sees_the_links_where_the_model_must_cross_them():
     found = link_lower_bound(problem)
     compute = program_lower_bound_ms(bound_problem(problem))
     assert found.bound_ms > 1.5 * compute
-    assert found.limit in ("links", "memory")
+    assert found.limit in ("links", "memory", "fill")
     rng = np.random.default_rng(0)
     for placement in _draws(problem, cluster, rng):
         assert found.bound_ms <= price_program(problem, placement).step_ms
