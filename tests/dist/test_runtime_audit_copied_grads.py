@@ -81,3 +81,48 @@ def test_a_replica_scaling_its_contribution_is_banned_by_a_contribution_audit_fr
     audits = _verification(stopped.value.result)["audits"]
     # its tensors honest: its contribution alone fails
     assert audits["failed_by_sender"] == {str(ATTACKER): 1}, audits
+
+
+def test_partial_draws_share_the_schedule_with_both_neighbours_and_pass_clean(tmp_path):
+    """At --audit-every 4 each side keeps only what the auditor's key draws (shared point to point with the stage
+    before and the stage after): a clean run's copies meet the auditor's receives, every audit passes."""
+    steps = 6
+    result = launch(RunOptions(plan=str(_plan(tmp_path)), steps=steps, timeout_s=120, lr=1e-2, audit_every=4))
+    audits = _verification(result)["audits"]
+    run = sum(audits["run_by_sender"].values())
+    # some drawn, not all (every one would be 2 a microbatch, output and input gradient, and contributions)
+    assert 0 < run < steps * 2 * (2 * PER_REPLICA + 1), audits
+    assert audits["failed"] == 0 and not audits["suspended"] and not result["banned"], audits
+
+
+def test_a_replica_marking_its_input_gradients_dropped_cannot_switch_its_contribution_audit_off(tmp_path):
+    """Scaling its contribution while marking every input gradient it sends tainted (values honest): the auditor
+    compares them whatever the header says, sees no cause for the mark (its input and the gradient it was sent
+    came clean) and fails it; before, a tainted input gradient was left out and its contribution never judged."""
+    attacks = (f"rank={ATTACKER},kind=scale,factor=3,dir=params,start={ATTACK_START}",
+               f"rank={ATTACKER},kind=taint,dir=grad,start={ATTACK_START}")
+    with pytest.raises(RunBanned) as stopped:
+        launch(RunOptions(plan=str(_plan(tmp_path)), steps=STEPS + 3, timeout_s=120, lr=1e-2, audit_every=1,
+                          attacks=attacks))
+    (notice,) = stopped.value.notices
+    assert notice.rank == ATTACKER and ATTACK_START <= notice.ban_step <= ATTACK_START + 2, notice
+    audits = _verification(stopped.value.result)["audits"]
+    assert audits["failed_by_sender"].get(str(ATTACKER), 0) >= 1 and str(TWIN) not in audits["failed_by_sender"]
+
+
+def test_honest_drops_on_either_side_fail_no_audit(tmp_path):
+    """The trusted stage before marks some inputs dropped (the replicas drop them, mark their outputs, the stage after
+    drops those and marks its gradients) and the stage after marks some gradients dropped: the honest replicas mark
+    their input gradients, each with a cause the auditor sees, and fail nothing; those microbatches do not train."""
+    steps = 4
+    attacks = (f"rank={UPSTREAM},kind=taint,dir=act,p=0.3", f"rank={DOWNSTREAM},kind=taint,dir=grad,p=0.3")
+    result = launch(RunOptions(plan=str(_plan(tmp_path)), steps=steps, timeout_s=120, lr=1e-2, audit_every=1,
+                               attacks=attacks))
+    verification = _verification(result)
+    audits = verification["audits"]
+    assert audits["failed"] == 0 and not audits["suspended"] and not result["banned"], audits
+    # every microbatch's output and input gradient compared, marked or not; and the contributions (no verdict on a
+    # step where all of a replica's microbatches were dropped: it trained nothing)
+    for sender in (ATTACKER, TWIN):
+        assert steps * 2 * PER_REPLICA < audits["run_by_sender"][str(sender)] <= steps * (2 * PER_REPLICA + 1)
+    assert verification["drops_total"] > 0, verification["drops_total"]

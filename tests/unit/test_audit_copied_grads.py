@@ -198,3 +198,24 @@ def test_the_price_adds_the_gradients_bytes_and_the_backward_recompute():
                                          + copy_ms(every=4, sent_microbatches=8, input_bytes=down, link=link))
     assert cost.recompute_ms == pytest.approx(8.0 + 8 / 4 * (3.0 + 1e3 * 3 * 2**16 / 1e10))
     assert cost.deferred and not cost.during_step and cost.optim_ms == 0.1
+
+
+def test_a_step_the_overflow_vote_skipped_compares_no_input_gradient():
+    """An overflow inside the audited stage's backward gives the honest replica infinities its copy may not have:
+    on a step the vote skipped, its input gradients (and made-up drops) leave the audits; outputs stay."""
+    from planner.runtime.rank.precision import LossScaler
+    scaler = LossScaler()
+    ex = SimpleNamespace(scaler=scaler, audits=audits.RuntimeAudits(stages={}))
+    scaler.update(False)
+    assert not audit_grads.overflow_skipped(ex)   # the first step: a clean vote
+    scaler.update(True)
+    assert audit_grads.overflow_skipped(ex)
+    scaler.update(False)
+    assert not audit_grads.overflow_skipped(ex)
+    assert not audit_grads.overflow_skipped(SimpleNamespace(scaler=None))   # fp32: never
+    resumed = SimpleNamespace(scaler=LossScaler(skipped=3, good_steps=0), audits=audits.RuntimeAudits(stages={}))
+    assert audit_grads.overflow_skipped(resumed)   # resumed, the first vote overflowed
+    kept = {(1, "y", 0): [torch.zeros(1)], (1, "gin", 0): [torch.zeros(1)], (1, audit_grads.FORGED, 2): [],
+            (2, "gin", 0): [torch.zeros(1)]}
+    audit_grads.drop_input_grads(kept, 1)
+    assert sorted(kept) == [(1, "y", 0), (2, "gin", 0)]

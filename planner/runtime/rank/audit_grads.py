@@ -49,16 +49,15 @@ def _scheduled(ex: Any, k: int, mb: int, schedule: Any) -> bool:
     return audit_inputs.scheduled(ex.plan, schedule, k, mb, ex.step, suspected=suspected)
 
 
-def keep_sent_grad(ex: Any, mb: int) -> None:
+def keep_sent_grad(ex: Any, mb: int, *, tainted: bool = False) -> None:
     """On a trusted rank of the stage after one audited from copies, as ``mb``'s gradient leaves for the replica:
     keep what the replica receives where the auditor's schedule audits it (sent at the step's end), a reference,
-    with whether it goes tainted (this rank dropped the microbatch: the replica drops it too) and the loss scale."""
+    with whether it goes tainted (its taint header: the replica drops it) and the loss scale."""
     if getattr(ex, "stage", None) is None:
         return
     k = ex.info.stage - 1
     schedule = _shared(ex, k)
     if schedule is not None and ex.rank in ex.audits.stages[k].grads_from and _scheduled(ex, k, mb, schedule):
-        tainted = mb in getattr(ex, "dropped_f", ()) or mb in getattr(ex, "dropped_b", ())   # its taint header
         ex.audits.grad_outbox[(k, mb)] = ([t.detach() for t in ex._delivered("B", mb)], tainted, scale_of(ex))
 
 
@@ -180,3 +179,25 @@ def split(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[tor
             offset += n
         out.append(one)
     return out
+
+
+def overflow_skipped(ex: Any) -> bool:
+    """Whether the fp16 overflow vote skipped this step (after it, at the step's end; once a step): an honest
+    replica's input gradient may then hold infinities its copy's recompute does not (an overflow inside the
+    stage's backward), so no input gradient of the step is compared (``drop_input_grads``) and nothing it
+    trained is judged (the step applied nothing). The scaler's skip count against the one seen last; on the
+    first step, a scale just reset (``good_steps`` 0 after a vote: an overflow, or a growth, where leaving the
+    comparisons out costs one step's)."""
+    scaler = getattr(ex, "scaler", None)
+    if scaler is None:
+        return False
+    audits, now = ex.audits, int(scaler.skipped)
+    seen, audits.skipped_seen = audits.skipped_seen, now
+    return now > seen if seen is not None else (now > 0 and int(scaler.good_steps) == 0)
+
+
+def drop_input_grads(kept: dict[tuple[int, str, int], Any], stage: int) -> None:
+    """``stage``'s kept input gradients (and made-up drops) out of this step's audits: outputs only."""
+    for key in [key for key in kept if key[0] == stage and key[1] in ("gin", FORGED)]:
+        del kept[key]
+

@@ -43,8 +43,10 @@ and copy the auditor the gradients they sent the audited microbatches, and the u
 gradients the replicas sent back, as received (``audit_grads``): the auditor recomputes forward and backward once
 the copies are in, and, the lead verifier, audits contributions as where it holds them. Where the stage after is
 untrusted (it could send the auditor another gradient than the replica's), outputs only. Either way on zeros where
-the replica's taint header says its input was dropped (an input gradient that came tainted is not compared). A
-stage with one untrusted replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
+the replica's taint header says its input was dropped, and on a zero gradient where the stage after sent it tainted;
+where gradients come copied, an input gradient is compared whatever the replica's header says, one marked with no
+cause the auditor sees fails (``audit_grads.resolve``), and none on a step the fp16 overflow vote skipped. A stage
+with one untrusted replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
 ``AUDIT_INPUT``; the gradient whole leaves as the source's optimizer steps, into a receive the auditor posts before
 its recomputes), outside the compiled programs like the contribution sketches; the planner prices them
 (``cost_models.audit``).
@@ -192,6 +194,7 @@ class RuntimeAudits:
     grad_outbox: dict[tuple[int, int], tuple[list[torch.Tensor], bool, float | None]] = field(default_factory=dict)
     gin_tainted: set[tuple[int, int]] = field(default_factory=set)
     g_tainted: set[tuple[int, int]] = field(default_factory=set)
+    skipped_seen: int | None = None   # the fp16 scaler's skipped steps at the last step's end (``overflow_skipped``)
     tainted: set[tuple[int, int]] = field(default_factory=set)   # (stage, mb) whose replica computed on zeros
     signed: audit_signed.SignedState = field(default_factory=audit_signed.SignedState)
     # the auditor's: a step's audits left at its end, recomputing on the copy's stepper in the next step, by stage
@@ -347,6 +350,7 @@ def end_step(ex: Any, step: int) -> None:
     applied, audits.applied = audits.applied, None
     claim, audits.claim = audits.claim, None
     _report_random(ex, audits, step)
+    overflowed = audit_grads.overflow_skipped(ex)
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
@@ -360,6 +364,8 @@ def end_step(ex: Any, step: int) -> None:
                     (audit_signed.hear if st.signed_by else audit_inputs.hear_inputs)(ex, st, step)
                     if st.grads_from:
                         audit_grads.hear_grads(ex, st, step)
+            if overflowed:   # an honest replica's input gradient may overflow where its copy's does not
+                audit_grads.drop_input_grads(audits.kept, st.stage)
             with ex._timed("verify"):
                 _collect(ex, st, step)   # last step's, recomputed meanwhile: their verdict joins this step's
                 inline = audits.inline_at(step)

@@ -91,13 +91,11 @@ class Transfers:
         if not self.verifying and ins.peer != self._consumer(ins):
             return  # a copy for a verifier, and verification is off
         self._settle_sent(d, ins.mb)
-        if ins.peer == self._consumer(ins):   # an auditor of the stage it feeds may recompute from this copy
-            (audit_inputs.keep_input_copy if d == "F" else audit_grads.keep_sent_grad)(self, ins.mb)
         kind, header_kind, _ = ACT_KINDS[d]
         boundary = self._boundary(ins)
         tensors = self._encoded(d, boundary, self._sent_tensors(d, ins.mb))
         self.sent_bytes[d] += codecs.payload_bytes(tensors)
-        header = None
+        header, dropped = None, False
         if self.verifying:
             dropped = ins.mb in (self.dropped_f if d == "F" else self.dropped_f | self.dropped_b)
             if self.attacks is not None and self.attacks.active:   # ``kind=taint``: a made-up drop
@@ -107,6 +105,11 @@ class Transfers:
                 ins.peer == self._consumer(ins) else None
             if signature is not None:   # an audited consumer's input from an untrusted stage: signed
                 header = torch.cat([header, signature.to(self.device)])
+        if ins.peer == self._consumer(ins):   # an auditor of the stage it feeds may recompute from this copy
+            if d == "F":
+                audit_inputs.keep_input_copy(self, ins.mb)
+            else:   # with the taint header it goes with
+                audit_grads.keep_sent_grad(self, ins.mb, tainted=dropped)
         if not tensors and header is None:
             return
         with self._timed("comm"):
