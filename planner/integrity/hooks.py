@@ -129,6 +129,15 @@ class VerifyHooks:
         self.drops_total += len(drops)
         self.drops += drops[:max(0, SUMMARY_DROPS - len(self.drops))]
 
+    def name_drop(self, step: int, mb: int, *, boundary: int, sender: int, reason: str) -> None:
+        """At the lead verifier: one of ``step``'s drops recorded with no sender (``TAINTED_BY_SENDER``) named once
+        a later verdict found who made it up (an audit recomputed during the next step: ``audit_grads.resolve``)."""
+        for i, drop in enumerate(self.drops):
+            if drop["step"] == step and drop["sender"] is None:
+                self.drops[i] = {**drop, "microbatch": mb, "boundary": boundary, "direction": "grad", "sender": sender,
+                                 "reason": reason}
+                return
+
     def summary(self) -> dict[str, Any]:
         if self.verifier is None:
             return {}

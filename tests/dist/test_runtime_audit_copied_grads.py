@@ -106,8 +106,12 @@ def test_a_replica_marking_its_input_gradients_dropped_cannot_switch_its_contrib
                           attacks=attacks))
     (notice,) = stopped.value.notices
     assert notice.rank == ATTACKER and ATTACK_START <= notice.ban_step <= ATTACK_START + 2, notice
-    audits = _verification(stopped.value.result)["audits"]
+    verification = _verification(stopped.value.result)
+    audits = verification["audits"]
     assert audits["failed_by_sender"].get(str(ATTACKER), 0) >= 1 and str(TWIN) not in audits["failed_by_sender"]
+    # the drops it made up are named as its own (recomputed during the next step: named once the verdict is in)
+    assert any(d["sender"] == ATTACKER and d["step"] == ATTACK_START for d in verification["drops"]), \
+        verification["drops"]
 
 
 def test_honest_drops_on_either_side_fail_no_audit(tmp_path):

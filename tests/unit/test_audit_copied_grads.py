@@ -219,3 +219,22 @@ def test_a_step_the_overflow_vote_skipped_compares_no_input_gradient():
             (2, "gin", 0): [torch.zeros(1)]}
     audit_grads.drop_input_grads(kept, 1)
     assert sorted(kept) == [(1, "y", 0), (2, "gin", 0)]
+
+
+def test_a_made_up_drops_late_verdict_names_the_drop_its_step_recorded_with_no_sender():
+    from planner.integrity.drops import TAINTED_BY_SENDER
+    from planner.integrity.hooks import VerifyHooks
+    blank = {"microbatch": None, "boundary": None, "direction": None, "sender": None, "reason": TAINTED_BY_SENDER}
+    hooks = SimpleNamespace(drops=[{"step": 4, **blank}, {"step": 5, **blank}, {"step": 5, **blank}])
+    hooks.name_drop = lambda *a, **kw: VerifyHooks.name_drop(hooks, *a, **kw)
+    verifier = SimpleNamespace(record_audit=lambda *a, **kw: None, add_flags=lambda *a: None)
+    forged = audits.audit_recompute.Outcome(sender=1, step=5, passed=False, event={"step": 5, "mb": 3}, mb=3,
+                                            boundary=0, forged=True)
+    other = audits.audit_recompute.Outcome(sender=2, step=5, passed=False, event={"step": 5, "mb": 6}, mb=6,
+                                           boundary=0)
+    audits.audit_recompute.record(verifier, [forged, other], at_step=6, hooks=hooks)
+    assert [d["sender"] for d in hooks.drops] == [None, 1, None]
+    assert (hooks.drops[1]["microbatch"], hooks.drops[1]["boundary"]) == (3, 0)
+    # in line (the audited step's own verdict) its microbatch flag names it: nothing renamed
+    audits.audit_recompute.record(verifier, [forged], at_step=5, hooks=hooks)
+    assert [d["sender"] for d in hooks.drops] == [None, 1, None]

@@ -41,6 +41,7 @@ class Outcome:
     mb: int = -1
     boundary: int = -1
     direction: str = ""
+    forged: bool = False   # failed for a drop the replica made up (``audit_grads.resolve``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
                                        settle=settle)
         if copy.drifts:
             return out
-        checks = []
+        checks, forged = [], False
         if kept["y"] is not None:
             checks.append((stage, "act", error(kept["y"], outputs)))
         if grad:
@@ -93,7 +94,8 @@ def recompute(copy: StageCopy, taken: dict[int, dict[str, Any]], *, stage: int, 
                                       error=err, tolerance=tolerance)
             vouch = audit.vouches(err, tolerance)   # else it passes without withdrawing the statistics' flags
             out.append(Outcome(sender=sender, step=step, passed=event is None, event=event, mb=mb, boundary=boundary,
-                               direction=direction if vouch else ""))
+                               direction=direction if vouch else "",
+                               forged=grad and forged and boundary == stage - 1))
     return out
 
 
@@ -106,11 +108,15 @@ def defer(copy: StageCopy, taken: dict[int, dict[str, Any]], **kw: Any) -> Defer
                     contrib=kw.get("contrib"))
 
 
-def record(verifier: Any, outcomes: Sequence[Outcome], *, at_step: int) -> None:
+def record(verifier: Any, outcomes: Sequence[Outcome], *, at_step: int, hooks: Any = None) -> None:
     """The outcomes into ``verifier``: each audit in its ledger under its audited step, the failed ones among
-    ``at_step``'s flags (a later step's: as ``audit.late_audit_event``)."""
+    ``at_step``'s flags (a later step's: as ``audit.late_audit_event``). A made-up drop's late verdict names the
+    drop its audited step recorded with no sender (``hooks.name_drop``, the lead's; in line, its flag does)."""
     events = []
     for o in outcomes:
+        if o.forged and o.step < at_step and hooks is not None and hasattr(hooks, "name_drop"):
+            hooks.name_drop(o.step, o.mb, boundary=o.boundary, sender=o.sender,
+                            reason="marked dropped by its sender with no cause: a failed audit")
         verifier.record_audit(o.sender, o.step, passed=o.passed, **({"mb": o.mb, "boundary": o.boundary,
                                                                      "direction": o.direction} if o.direction else {}))
         if o.event is not None:

@@ -672,6 +672,6 @@ def _collect(ex: Any, st: AuditedStage, step: int) -> None:
     verifier = ex.verify.verifier if ex.verify is not None else None
     if deferred is None or verifier is None:
         return
-    audit_recompute.record(verifier, deferred.outcomes.result(), at_step=step)
+    audit_recompute.record(verifier, deferred.outcomes.result(), at_step=step, hooks=ex.verify)
     audit_contrib.settle(verifier, getattr(ex, "_contributions", None), deferred.contrib, at_step=step,
                          tolerance=_tolerance(ex))
