@@ -138,7 +138,7 @@ def hear_grads(ex: Any, st: Any, step: int) -> None:
                                      index=2 * st.stage + 1,
                                      doing=f"hearing the gradients sent to stage {st.stage} from rank {sender} "
                                            f"(step {step})")[sender]
-            got = dict(zip(mbs, split(flat, specs, len(mbs))))
+            got = dict(zip(mbs, audit_inputs.unflatten(flat, specs, len(mbs))))   # all float
         for mb, parts in got.items():
             if (st.stage, "y", mb) not in audits.kept:
                 continue
@@ -166,19 +166,6 @@ def resolve(audits: Any, st: Any) -> None:
             audits.kept[(k, FORGED, mb)] = []
         else:
             audits.kept[(k, "g", mb)] = [torch.zeros_like(t) for t in audits.kept[(k, "g", mb)]]
-
-
-def split(flat: torch.Tensor, specs: Sequence[Any], count: int) -> list[list[torch.Tensor]]:
-    """``count`` microbatches' float tensors of the ``specs``' shapes, in order, from one flat message."""
-    out, offset = [], 0
-    for _ in range(count):
-        one = []
-        for spec in specs:
-            n = math.prod(spec.shape)
-            one.append(flat[offset:offset + n].view(spec.shape).float())
-            offset += n
-        out.append(one)
-    return out
 
 
 def overflow_skipped(ex: Any) -> bool:
