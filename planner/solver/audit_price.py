@@ -16,8 +16,8 @@ frame it), either
   send the replicas their gradients), gradients are audited from copies as well (``grads_from``): those ranks,
   sharing the same secret, keep the gradients they send the audited microbatches and send them to the auditor
   at the step's end in one message each, and the upstream ranks add to their copies the input gradient each
-  replica sent them back (as received; a flag where its taint header says it computed on zeros, then compared
-  on outputs only). The auditor recomputes forward and backward from them once they are all in (during the
+  replica sent them back (as received, compared whatever its taint header says; the stage after's copy flags a
+  gradient that went tainted, recomputed on zeros: ``audit_grads.resolve``). The auditor recomputes forward and backward from them once they are all in (during the
   next step, as outputs-only audits); where the stage after is untrusted, outputs only (it could send the
   auditor another gradient than the replica's); or
 * *signed*: where the upstream stage is untrusted, each of its ranks signs every activation it sends the stage
