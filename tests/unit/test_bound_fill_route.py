@@ -26,6 +26,7 @@ from planner.solver.problem import (
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.program_fixtures import stages_of
 from tests.unit.solver_fixtures import random_chain
+from tests.unit.test_bound_replicas import _small_swarm
 
 HAIR = 1 + 1e-9
 
@@ -139,16 +140,7 @@ def test_the_route_applies_where_no_crossing_before_the_last_stays_inside():
 def test_one_link_carries_every_activation_between_two_one_device_stages():
     """Large boundaries on 0.2 Gb/s behind a trusted host of two: a stage after stage 0 on one volunteer gets
     every activation over one link; the bound rises above the plain fill and stays below every plan."""
-    hosts = [{"name": "home", "region": "r", "trust": "op", "trusted": True, "devices": [{"type": "T4", "count": 2}]}]
-    hosts += [{"name": f"v{i}", "region": "r", "trust": f"v{i}", "devices": [{"type": "T4", "count": 1}]}
-              for i in range(3)]
-    cluster = parse_cluster({"name": "swarm", "hosts": hosts,
-                             "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
-                                       "default": {"bandwidth_gbps": 0.2, "latency_ms": 50.0}}})
-    chain = random_chain(np.random.default_rng(3), 6, param_scale=4e8, flop_scale=2e11, act_scale=5e7,
-                         out_scale=4e7, uniform=True)
-    problem = build_problem(scale_chain(chain, 1), cluster, TrainingConfig(global_batch=8, microbatch_size=1),
-                            VerificationPolicy())
+    problem, cluster = _small_swarm(flop_scale=2e11)   # test_bound_replicas' pool, heavier blocks
     prices = _prices(problem, cluster)
     bound = fill_bound_ms(problem)
     assert prices and bound <= min(prices) * HAIR
