@@ -1,0 +1,53 @@
+"""The bound over microbatch counts raised after the search, in a budget of its own (issue 36, item 7).
+
+The solve's bound is the least of its counts' bounds (``api._solve``: each count's bounds every plan of that
+count), and a count's fill bound (``bound.fill``) runs only where the count's own work can pay for it: on DT-FM's
+regional pool at 60 s the plan's count (M = 64) bounds at 2,189 ms but another count could not afford its test, so
+a weaker 1,422 entered the least. Paying it from a count's work takes it from its plan (the mixed-replication
+search after it: 2,760 -> 3,125 ms there). Here the counts are raised once every plan is known, from a budget
+that is not the search's:
+
+* only the count whose bound is least can raise the least, so the counts are taken in that order, each once, and
+  it stops when the least count has been raised already, or sits at the cap;
+* the cap is the best plan's cost (``incumbent_ms``): the least over counts is at most the best plan's own count's
+  bound, which is at most that plan's cost, so no count's bound need rise above it; a count whose cheap bound is
+  already there is never tested, and one whose plans all cost more is dismissed in one test (``fill_bound_ms``'s
+  ``cap_ms``);
+* each count's raised bound is ``fill_bound_ms`` (valid for every plan of its problem, so the least over counts
+  stays valid), never above its own plan's cost (as ``count_solve`` caps it).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.solver.bound.fill import fill_bound_ms
+from planner.solver.problem import Problem
+from planner.solver.search.budget import Work
+
+
+@dataclass(frozen=True, slots=True)
+class CountBound:
+    """One count's problem, the bound it reached in its own solve, and its plan's cost (inf: no plan)."""
+
+    problem: Problem
+    bound_ms: float
+    program_ms: float = math.inf
+
+
+def raised_bounds(counts: Sequence[CountBound], incumbent_ms: float, within: Work) -> list[float]:
+    """Per count (in order), its bound raised by the fill bound where that can raise the least over counts (the
+    module docstring); ``within``: the budget the fill tests are charged to (a test it cannot afford is skipped:
+    that count keeps its bound, and the least is then settled)."""
+    bounds = [min(c.bound_ms, c.program_ms) for c in counts]
+    tried: set[int] = set()
+    while bounds:
+        k = min(range(len(bounds)), key=lambda i: bounds[i])
+        cap = min(incumbent_ms, counts[k].program_ms)
+        if k in tried or bounds[k] >= cap * (1 - 1e-9) or within.passed():
+            break
+        tried.add(k)
+        raised = fill_bound_ms(counts[k].problem, bounds[k], within=within, cap_ms=cap)
+        bounds[k] = min(max(bounds[k], raised), counts[k].program_ms)  # not raised: still least, and tried
+    return bounds
