@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from cost_models.cluster import ClusterSpec
 from cost_models.training import TrainingConfig
@@ -16,15 +16,17 @@ from planner.solver.outcome import Outcome, to_solution
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import Problem, build_problem, scale_chain
 from planner.solver.search import baselines as base
+from planner.solver.search.budget import Work, evaluate_units, placement_units
 from planner.solver.search.deadline import Deadline
 from planner.solver.search.grid import best_grid
 from planner.solver.solution import Solution
 
 BASELINE_NAMES = (*base.BASELINES, "ppdp")
+DEFAULT_POLICY = VerificationPolicy()  # the policy's defaults (frozen: one shared instance)
 
 
 def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-             policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None) -> Solution:
+             policy: VerificationPolicy = DEFAULT_POLICY, *, deadline: Deadline | Work | None = None) -> Solution:
     """A baseline's placement priced by the solver's objective (``bound_ms`` and ``gap`` are None); ``deadline``
     as in :func:`baselines`.
 
@@ -38,7 +40,7 @@ def baseline(name: str, chain: BlockChain, cluster: ClusterSpec, config: Trainin
 
 
 def baselines(names: Sequence[str], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-              policy: VerificationPolicy = VerificationPolicy(), *, deadline: Deadline | None = None,
+              policy: VerificationPolicy = DEFAULT_POLICY, *, deadline: Deadline | Work | None = None,
               within_ms: float = math.inf) -> list[Solution]:
     """The named baselines' plans that exist here, in the order named, priced as :func:`baseline`'s, on one set
     of cost tables; a name whose plan breaks memory or the policy, or is priced above ``within_ms`` (it cannot
@@ -71,8 +73,10 @@ def _check_names(names: Sequence[str]) -> None:
             raise InvalidInputError(f"baseline {name!r}", expected=" or ".join(BASELINE_NAMES))
 
 
-def _baseline_outcome(name: str, problem: Problem, deadline: Deadline | None) -> Outcome:
+def _baseline_outcome(name: str, problem: Problem, deadline: Deadline | Work | None) -> Outcome:
     placement = best_grid(problem, deadline) if name == "ppdp" else base.baseline_placement(name, problem, deadline)
+    if deadline is not None:  # its pricing below: the closed form, the violations and the programs (issue 36)
+        deadline.charge(evaluate_units(placement) + placement_units(placement))
     ev = evaluate(problem, placement)
     bad = violations(problem, placement, ev)
     if bad:

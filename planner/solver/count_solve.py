@@ -27,7 +27,13 @@ from planner.solver.objective import (
 from planner.solver.outcome import Outcome, Progress
 from planner.solver.problem import Problem, bound_problem
 from planner.solver.search import mixed
-from planner.solver.search.budget import Work, placement_units, program_units
+from planner.solver.search.budget import (
+    Work,
+    link_bound_units,
+    placement_units,
+    program_bound_units,
+    program_units,
+)
 from planner.solver.search.grid import cheapest, repartitioned, shaped
 from planner.solver.search.polish import polish
 from planner.solver.warm import WarmStart
@@ -74,8 +80,9 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         found = search_count(problem, (1 - VALID_BOUND_SHARE) * time_limit_s, workers, label, progress, gap_tolerance,
                              seen, warm, within=work, seed=seed, rivals=rivals)
     fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
+    work.charge(program_bound_units(relaxed.num_blocks, sum(c.stage_capable for c in relaxed.classes)))
     if found.placement is None:
-        return dataclasses.replace(found, valid_bound_ms=max(fluid, link_lower_bound_ms(problem, within=work)))
+        return dataclasses.replace(found, valid_bound_ms=max(fluid, _links_ms(problem, work)))
     starts = cheapest(problem, seen + [found.placement], within=work, cut=False)  # charged; every start priced
     pick = starts[0]
     program_ms = price_program(problem, pick).step_ms
@@ -86,7 +93,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         program_ms, how = polished_ms, f"{how}, polished"
     grids_s = GRID_POLISH_SHARE * work.left_s()
     # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
-    links_ms = link_lower_bound_ms(problem, within=work)
+    links_ms = _links_ms(problem, work)
     if shape == (None, None):  # a fixed shape keeps its replicas
         # within the count's own work: time taken past it would be the later counts' and ``polish_best``'s
         mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
@@ -97,7 +104,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
     # search's, and beside its plan, not its hill-climb's start: where no grid wins, the plan stays as it was.
-    grids = _polished_grids(problem, rivals, Work(grids_s, what="grids polished"), GRID_SPLIT_SHARE * time_limit_s)
+    grids = _polished_grids(problem, rivals, work.side(grids_s, "grids polished"), GRID_SPLIT_SHARE * time_limit_s)
     if problem.recompute:  # the ranking that counts is after ``recompute.mix``: the likeliest are mixed
         rival, rival_ms = _best_mixed(problem, list(dict.fromkeys(cheapest(problem, seen) + grids)),
                                       work.side(BEST_MIXED_SHARE * time_limit_s, "recomputation mixed"))
@@ -116,6 +123,13 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                                           plans=False, within=work).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
+
+
+def _links_ms(problem: Problem, work: Work) -> float:
+    """``bound.links``' bound, its fill tests charged to ``work`` as they run (what they can afford), the rest after."""
+    bound_ms = link_lower_bound_ms(problem, within=work)
+    work.charge(link_bound_units(problem.num_blocks))
+    return bound_ms
 
 
 def _climbed(problem: Problem, starts: list[Placement], budget_s: float, cuts_only: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -52,15 +53,18 @@ class Work:
     """A budget of ``seconds`` of nominal work, spent by ``charge``; ``passed`` once spent or past the ceiling.
 
     A sub-budget (``sub``) charges its parent too and shares its ceiling, so what a step leaves unused is known
-    exactly (``left_s``) without reading a clock. Mutable: one per running step, never shared between threads.
+    exactly (``left_s``) without reading a clock; a side budget (``side``) charges only the outermost budget (the
+    solve's: its total). Mutable: one per running step, never shared between threads.
     """
 
     def __init__(self, seconds: float, *, what: str = "search", parent: Work | None = None,
-                 ceiling_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 ceiling_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
+                 total: Work | None = None) -> None:
         self.units = max(0.0, seconds) * UNITS_PER_S
         self.spent = 0.0
         self.what = what
         self._parent = parent
+        self._total = total  # a side's: the outermost budget, charged beside its creator
         self._clock = clock
         nominal_s = max(0.0, seconds if ceiling_s is None else ceiling_s)  # the work the steps may really take
         self.ceiling_at = parent.ceiling_at if parent is not None else \
@@ -75,16 +79,25 @@ class Work:
         return Work(seconds, what=what or self.what, parent=self, clock=self._clock)
 
     def side(self, seconds: float, what: str) -> Work:
-        """A budget beside this one: its own ``seconds``, this one's ceiling, charged to it alone (a step that
-        must not take its work from the steps after it)."""
-        side = Work(seconds, what=what, clock=self._clock)
+        """A budget beside this one: its own ``seconds``, this one's ceiling, charged to it and the outermost budget
+        (``top``) only: the steps after it keep their work, the steps after the outermost one's current step (the
+        next microbatch counts) pay for it, so the whole stays within its limit (issue 36: uncharged, the sides
+        took 1.5-2x a solve's limit)."""
+        side = Work(seconds, what=what, clock=self._clock, total=self.top())
         side.ceiling_at = self.ceiling_at
         return side
+
+    def top(self) -> Work:
+        """The outermost budget this one's work is charged to (itself when none)."""
+        outer = self._parent or self._total
+        return self if outer is None else outer.top()
 
     def charge(self, units: float) -> None:
         self.spent += units
         if self._parent is not None:
             self._parent.charge(units)
+        elif self._total is not None:
+            self._total.charge(units)
 
     def spent_s(self) -> float:
         return self.spent / UNITS_PER_S
@@ -239,6 +252,20 @@ def dp_units(num_blocks: int, num_classes: int, replica_choices: int, layers: in
     """One sequence DP of the bound (``bound.sequence_dp``) and the cutting-plane LP after it."""
     steps = (layers + 4) * num_blocks * num_classes ** 3 * replica_choices * max(num_blocks, 2).bit_length()
     return 250.0 + 0.001 * steps
+
+
+# The bounds a count computes once its plan is found (``solver.count_solve``), which charged nothing before (issue 36:
+# 1.4 s of CPU of 19.7 planning the 1000x176 pool at 30 s). Measured 2026-12-06 (CPU time of the thread, load 1-3):
+# the fluid LP 70 ms at 1000 blocks x 8 stage classes, 1.5-1.8 ms at 26 x 8, 0.5-0.9 ms at 6-24 x 4-8; the link
+# bound less its fill tests (charged by ``bound.fill``) 45-61 ms at 1000 blocks, 37-43 at 26, 30 at 24, 18-19 at 6.
+def program_bound_units(num_blocks: int, stage_classes: int) -> float:
+    """``objective.program_lower_bound_ms``: the fluid LP over blocks x stage classes."""
+    return 400.0 + 8.5 * num_blocks * max(stage_classes, 1)
+
+
+def link_bound_units(num_blocks: int) -> float:
+    """``bound.links.link_lower_bound`` less its fill tests: its windows, LPs and partitions."""
+    return 10_000.0 + 6_000.0 * math.log(max(num_blocks, 1))
 
 
 def chain_sum_units(num_blocks: int, num_stages: int) -> float:
