@@ -82,7 +82,9 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
     work.charge(program_bound_units(relaxed.num_blocks, sum(c.stage_capable for c in relaxed.classes)))
     if found.placement is None:
-        return dataclasses.replace(found, valid_bound_ms=max(fluid, _links_ms(problem, work)))
+        links_ms = link_lower_bound_ms(problem, within=work)
+        work.charge(link_bound_units(problem.num_blocks))
+        return dataclasses.replace(found, valid_bound_ms=max(fluid, links_ms))
     starts = cheapest(problem, seen + [found.placement], within=work, cut=False)  # charged; every start priced
     pick = starts[0]
     program_ms = price_program(problem, pick).step_ms
@@ -93,13 +95,16 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         program_ms, how = polished_ms, f"{how}, polished"
     grids_s = GRID_POLISH_SHARE * work.left_s()
     # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
-    links_ms = _links_ms(problem, work)
+    links_ms = link_lower_bound_ms(problem, within=work)
     if shape == (None, None):  # a fixed shape keeps its replicas
         # within the count's own work: time taken past it would be the later counts' and ``polish_best``'s
         mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
         if mixed_s > MIXED_MIN_S:
             placement, program_ms, how = _mixed(problem, placement, program_ms, how, mixed_s, work)
     work.charge(mix_units(problem, placement))  # the count's own work: uncharged, the solve ran past its budget by it
+    # the link bound's own work (its fill tests charged as they ran), after the mixed step: charged before it, the
+    # step lost the 0.05 s it needs in test_monotone_pools seeds 9 and 13's 1 s plans
+    work.charge(link_bound_units(problem.num_blocks))
     placement, program_ms = recompute.mix(problem, placement)
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
@@ -123,13 +128,6 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                                           plans=False, within=work).bound_ms)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
-
-
-def _links_ms(problem: Problem, work: Work) -> float:
-    """``bound.links``' bound, its fill tests charged to ``work`` as they run (what they can afford), the rest after."""
-    bound_ms = link_lower_bound_ms(problem, within=work)
-    work.charge(link_bound_units(problem.num_blocks))
-    return bound_ms
 
 
 def _climbed(problem: Problem, starts: list[Placement], budget_s: float, cuts_only: bool,

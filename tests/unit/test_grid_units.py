@@ -103,12 +103,15 @@ def test_cheapest_charges_its_ranking_and_each_pricing(problem):
 
 
 def test_the_grids_seeding_a_count_spend_beside_its_budget(problem, monkeypatch):
-    """However much the grids cost (here a budget's worth), the count's later steps get what they had."""
+    """However much the grids cost (here a budget's worth), the count's later steps get what they had; the solve
+    pays (its later counts: the whole stays within its limit)."""
     def dear(p, *, deadline, priced):
         deadline.charge(10 * UNITS_PER_S)
         return []
 
     monkeypatch.setattr(count_search, "grid_candidates", dear)
-    work = Work(1.0)
+    solve = Work(20.0)
+    work = solve.sub(1.0, "count")
     count_search._incumbents(problem, 0.2, work, seed=0)
     assert 0.5 < work.left_s() < 1.0
+    assert solve.left_s() < 20.0 - 10.0
