@@ -23,6 +23,15 @@ optimizer step (its group's least): ``step >= arrival + m t + AR_k + optim_k``. 
 test counts, so the count is raised to a fixed point (``_after_passes``). Where replicas all-reduce across slow
 links (DT-FM worldwide), this term binds.
 
+**The round trip after a stage.** A replica's passes start no sooner than its first input (``A``), and a
+microbatch's backward there needs its forward there and then its round trip after the stage: every block after
+it forward and back (at least ``U(L) - U(i)``) and, where a stage follows, a crossing each way (``hops(1)`` each:
+a route's devices are distinct). One device runs one pass at a time, so with ``m`` microbatches, forward ``f`` and
+backward ``b`` (its group's least) and that round trip ``D``, its last backward ends no sooner than ``A + m f + D +
+b`` (the last forward to end, then its round trip and backward) nor ``A + f + D + m b`` (no backward before the
+first forward's round trip), as well as ``A + m t``: each replica's count is also at most what these fit in the
+budget ``m t`` had (``_per``), whatever follows it. Binds where ``D`` outweighs ``(m - 1)`` forwards: few
+microbatches a replica, a long or slow chain after it (random wide-area pools: up to +30%).
 **Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
 holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
 ``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
@@ -86,6 +95,8 @@ LINKED = 3
 # Sailor-like pools (26 blocks), under a plain test's nominal 17.6-56.4 ms.
 LINKED_CELLS = (LINKED + 1) ** 2
 LINKED_COST = 1
+# A device's passes within the round trip after its stage (``_per``); off: the bound without that term (tests).
+ROUND_TRIP = True
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None,
@@ -182,6 +193,8 @@ class _Group:
     count: int
     trusted: int
     classes: tuple[int, ...] = ()
+    fwd: np.ndarray | None = None  # prefix sums of the least forward per block (None: no devices)
+    bwd: np.ndarray | None = None  # and of the least backward
 
     @staticmethod
     def of(problem: Problem, classes: list[int]) -> _Group:
@@ -191,10 +204,12 @@ class _Group:
         bwd = problem.time_ms * (2.0 / 3.0) if problem.bwd_ms is None else problem.bwd_ms
         path = (problem.time_ms - bwd)[:, classes].min(axis=1) + bwd[:, classes].min(axis=1)
         t = problem.time_ms[:, classes].min(axis=1)
+        fwd, back = ((problem.time_ms - bwd)[:, classes].min(axis=1), bwd[:, classes].min(axis=1))
         return _Group(np.concatenate([[0.0], np.cumsum(t)]), path,
                       float(max(problem.classes[c].mem_bytes for c in classes)),
                       sum(problem.classes[c].count for c in classes),
-                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted), tuple(classes))
+                      sum(problem.classes[c].count for c in classes if problem.classes[c].trusted), tuple(classes),
+                      np.concatenate([[0.0], np.cumsum(fwd)]), np.concatenate([[0.0], np.cumsum(back)]))
 
 
 class _Test:
@@ -455,8 +470,9 @@ class _Test:
         """Per row of ``rows`` (``at``; their slacks per group, one per row or per row and count ``y``), the fewest
         of group ``b``'s devices whose passes fit (the all-reduce aside; inf: none will do)."""
         rows, M = self.rows, self.M
-        per_a = _per(rows.t_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M)
-        pb = _per(rows.t_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M)
+        trip = rows.trip[at]
+        per_a = _per(rows.t_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M, rows.f_a[at], rows.b_a[at], trip)
+        pb = _per(rows.t_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M, rows.f_b[at], rows.b_b[at], trip)
         if per_a.ndim < y.ndim:
             per_a, pb = per_a[..., None], pb[..., None]
         short = np.maximum(M - y * per_a, 0)
@@ -521,11 +537,15 @@ class _Test:
         return nb
 
 
-def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int) -> np.ndarray:
+def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int, f: np.ndarray,
+         b: np.ndarray, trip: np.ndarray) -> np.ndarray:
     """Microbatches one device runs of a stage of pass ``t`` (``pos``: ``t > 0``; else 1) within ``slack`` (0: none
-    fit it, or its blocks do not fit the device: ``fits``)."""
+    fit it, or its blocks do not fit the device: ``fits``): ``m t``, and with its forward ``f``, backward ``b`` and
+    the round trip after it ``trip`` (``_Rows``), ``m f + trip + b`` and ``f + trip + m b``, all within ``slack``."""
     with np.errstate(divide="ignore", invalid="ignore"):
         per = np.where(pos, np.floor(slack / t), M)
+        per = np.where(f > 0, np.minimum(per, np.floor((slack - trip - b) / f)), per)
+        per = np.where(b > 0, np.minimum(per, np.floor((slack - trip - f) / b)), per)
     return np.where(fits & (slack >= 0), np.clip(per, 0, M), 0)
 
 
@@ -551,6 +571,11 @@ class _Rows:
     cap_b: np.ndarray
     opt_a: np.ndarray
     opt_b: np.ndarray
+    f_a: np.ndarray    # the stage's least forward and backward per group (``_per``; 0 where none)
+    b_a: np.ndarray
+    f_b: np.ndarray
+    b_b: np.ndarray
+    trip: np.ndarray   # the least round trip after the stage (``_per``): its blocks after, and a crossing each way
     inner: int         # rows of stages after stage 0 (the first ``inner``; then stage 0's, per i)
     floors: np.ndarray  # (pairs, r = 0..top)
     top: int
@@ -581,6 +606,14 @@ class _Rows:
 
         t_a, pos_a, fits_a, cap_a = group(test.a)
         t_b, pos_b, fits_b, cap_b = group(test.b)
+
+        def passes(g: _Group) -> tuple[np.ndarray, np.ndarray]:
+            if g.fwd is None or not g.count:
+                return np.zeros(len(rp)), np.zeros(len(rp))
+            return g.fwd[ri] - g.fwd[rj], g.bwd[ri] - g.bwd[rj]
+
+        (f_a, b_a), (f_b, b_b) = passes(test.a), passes(test.b)
+        trip = test.U[L] - test.U[ri] + np.where(ri < L, 2 * test.hop, 0.0) if ROUND_TRIP else np.zeros(len(rp))
         top = len(test.ring.none) - 1
         sizes = np.arange(top + 1)
         pend = ((j == 0) | (i == L)) if test.ends else np.zeros(len(pair), dtype=bool)
@@ -597,7 +630,7 @@ class _Rows:
         return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=extra, F=test.F[rj],
                      arrive=arrive, t_a=t_a, pos_a=pos_a,
                      fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
-                     opt_b=test.optim[1][rj, ri], inner=len(inner), floors=floors, top=top, firsts=firsts,
+                     opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b, trip=trip, inner=len(inner), floors=floors, top=top, firsts=firsts,
                      first_rows=np.arange(len(inner), len(rp)), first_floors=first)
 
 
