@@ -12,8 +12,8 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound.counts import CountBound, raised_bounds
-from planner.solver.bound.fill import REL_TOL, fill_bound_ms
+from planner.solver.bound.counts import REL_TOL, CountBound, raised_bounds
+from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from planner.solver.search.budget import Work

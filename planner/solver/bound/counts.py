@@ -14,7 +14,8 @@ that is not the search's:
   already there is never tested, and one whose plans all cost more is dismissed in one test (``fill_bound_ms``'s
   ``cap_ms``);
 * each count's raised bound is ``fill_bound_ms`` (valid for every plan of its problem, so the least over counts
-  stays valid), never above its own plan's cost (as ``count_solve`` caps it).
+  stays valid), bisected to ``REL_TOL`` (its infeasible end: valid at any width), never above its own plan's cost
+  (as ``count_solve`` caps it).
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work
+
+# The bisection's width here: a count's bound at most 0.1% under its fill bound, in ~12 tests where 1e-5 takes ~18.
+REL_TOL = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,6 @@ def raised_bounds(counts: Sequence[CountBound], incumbent_ms: float, within: Wor
         if k in tried or bounds[k] >= cap * (1 - 1e-9) or within.passed():
             break
         tried.add(k)
-        raised = fill_bound_ms(counts[k].problem, bounds[k], within=within, cap_ms=cap)
+        raised = fill_bound_ms(counts[k].problem, bounds[k], within=within, cap_ms=cap, rel_tol=REL_TOL)
         bounds[k] = min(max(bounds[k], raised), counts[k].program_ms)  # not raised: still least, and tried
     return bounds

@@ -100,13 +100,14 @@ ROUND_TRIP = True
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None,
-                  cap_ms: float | None = None) -> float:
+                  cap_ms: float | None = None, rel_tol: float = REL_TOL) -> float:
     """The bound of the module docstring (ms; ``floor_ms``, a bound known valid, where this one is no more).
     ``within``: the plan's work budget, charged each feasibility test (``fill_units``); a test it cannot afford
     in full is skipped (a weaker bound, still valid), so the bound never runs a plan past its time.
     ``cap_ms``: no bound above it is asked for (a plan of that cost is known: the least over counts is no more),
     so a test is bisected within ``[floor_ms, cap_ms]`` and first tried at ``cap_ms``, where a count whose plans
-    all cost more is dismissed in one test; at most ``cap_ms`` returned where it is above ``floor_ms``."""
+    all cost more is dismissed in one test; at most ``cap_ms`` returned where it is above ``floor_ms``.
+    ``rel_tol``: the bisection's width (its infeasible end is returned: valid at any width, coarser is cheaper)."""
     problem = bound_problem(problem)
     stage = [c.index for c in problem.classes if c.stage_capable]
     if not stage or (cap_ms is not None and cap_ms <= floor_ms):
@@ -126,7 +127,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
             if cap_ms is not None and best >= cap_ms * (1 - 1e-9):
                 break  # at the cap: no test asks more
             each = fill_units(L, fast.count + slow.count)
-            tests = TESTS_EACH if cap_ms is None else min(TESTS_EACH, _capped_tests(best, cap_ms))
+            tests = TESTS_EACH if cap_ms is None else min(TESTS_EACH, _capped_tests(best, cap_ms, rel_tol))
             if within is not None and within.left_s() * UNITS_PER_S < tests * each:
                 continue
             shared = shared or _Shared.of(problem, stage)
@@ -136,16 +137,16 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
                 and (within is None or within.left_s() * UNITS_PER_S >= tests * each * LINKED_COST)
             spent += cells * (LINKED_CELLS if linked else 1)
             test = _Test(problem, stage, fast, slow, track, shared, linked=linked)
-            best = max(best, test.least_ms(best, cap_ms))
+            best = max(best, test.least_ms(best, cap_ms, rel_tol))
             if within is not None:
                 within.charge((test.tests + (LINKED_COST - 1) * test.linked) * each)
     return best
 
 
-def _capped_tests(floor_ms: float, cap_ms: float) -> int:
+def _capped_tests(floor_ms: float, cap_ms: float, rel_tol: float = REL_TOL) -> int:
     """Tests ``_Test.least_ms`` runs at most within ``[floor_ms, cap_ms]``: the cap, the floor, then halving the
-    bracket to ``REL_TOL`` of the cap."""
-    width = max(cap_ms - floor_ms, 0.0) / max(REL_TOL * cap_ms, 1e-300)
+    bracket to ``rel_tol`` of the cap."""
+    width = max(cap_ms - floor_ms, 0.0) / max(rel_tol * cap_ms, 1e-300)
     return 2 + max(0, math.ceil(math.log2(max(width, 1.0))))
 
 
@@ -280,7 +281,7 @@ class _Test:
             return _Group(np.zeros_like(fast.prefix), np.full(len(fast.path), np.inf), 0.0, 0, 0), fast
         return (fast, slow) if track == "slow" or fast.count <= slow.count else (slow, fast)
 
-    def least_ms(self, floor_ms: float, cap_ms: float | None = None) -> float:
+    def least_ms(self, floor_ms: float, cap_ms: float | None = None, rel_tol: float = REL_TOL) -> float:
         """The least ``B`` this test cannot rule out, less a hair (``floor_ms`` where it rules out none above); with
         ``cap_ms`` above ``floor_ms``, no more than it, less a hair: the cap tried first (where it is ruled out, so
         is every ``B`` below it), then the floor, then the bracket between them halved."""
@@ -299,7 +300,7 @@ class _Test:
                 if hi > 1e12:
                     return floor_ms
                 lo, hi = hi, 2 * hi
-        while hi - lo > REL_TOL * hi:
+        while hi - lo > rel_tol * hi:
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
         return lo * (1 - 1e-9)
