@@ -80,8 +80,9 @@ def _without_link_term():
 
 @contextmanager
 def _counts_raised(limit: float, out: dict):
-    """Each solve's outcomes kept as ``_solve`` makes them, and at its end the least over counts once
-    ``raised_bounds`` has raised them (into ``out``: the bound, CPU s, nominal s charged); the plan is untouched."""
+    """The free solve's outcomes kept as ``_solve`` makes them (``plan_chain``'s first solve: the plan's bound is
+    its), and at its end the least over counts once ``raised_bounds`` has raised them (into ``out``: the bound, CPU
+    s, nominal s charged); the plan is untouched."""
     kept_count, kept_solution = api.solve_count, api.to_solution
     outcomes: list = []
 
@@ -91,6 +92,9 @@ def _counts_raised(limit: float, out: dict):
         return outcome
 
     def solution(best, bound, *args, **kwargs):
+        if out:  # the free solve is the first; the restricted pools' and fixed shapes' after it bound their own
+            outcomes.clear()
+            return kept_solution(best, bound, *args, **kwargs)
         cpu = time.process_time()
         budget = Work(COUNTS_SHARE * limit, what="bounds after the search")
         raised = raised_bounds([CountBound(o.problem, o.valid_bound_ms, o.program_ms if o.placement is not None
