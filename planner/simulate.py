@@ -119,6 +119,7 @@ from planner.solver.audit_price import (
     AuditWhere,
     Stepper,
     audit_rule,
+    audited_backward_ms,
     copied_message_bytes,
     stepper_parts,
     with_copied_grads,
@@ -458,6 +459,10 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
     device = plan.ranks[auditor].device
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
     every, inputs = plan.stages[k].audit_every, costs.boundary_bytes[k - 1] if k else 0.0
+    # the input gradient's share of the backward, the weights' too for a contribution audit (as the planner prices)
+    bwd = audited_backward_ms(bwd, every=every, replica_microbatches=[len(plan.ranks[r].microbatches)
+                                                                     for r in plan.stage_ranks(k)],
+                              contributions=bool(where.grads or where.grads_from))
     cost = audit_ms(every=every, microbatches=plan.num_microbatches, params=params,
                     param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
                     output_bytes=costs.boundary_bytes[k], input_bytes=inputs,

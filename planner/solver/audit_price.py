@@ -194,6 +194,32 @@ def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
     return tuple(s for k in range(len(stages)) if (s := audit_site(problem, stages, verifiers, k)) is not None)
 
 
+# The share of a stage's backward an audit recomputes for the input gradient alone (``runtime.rank.audit_copy.grads``
+# asks autograd for the inputs' gradients only): a matmul-dominated stage spends one forward's flops on the input
+# gradient and one on the weights' (a d=768 GPT stage of 2 layers on one CPU thread: 165 of 356 ms, 0.46). The
+# weights' share is recomputed too only for a contribution audit (``audit_contrib``).
+INPUT_GRAD_SHARE = 0.5
+
+
+def audited_backward_ms(backward_ms: float, *, every: int, replica_microbatches: Sequence[int],
+                        contributions: bool) -> float:
+    """One audited microbatch's backward on the auditor, expected: the input gradient's share of ``backward_ms``
+    (the stage's backward of one microbatch) and, where contribution audits run (``contributions``: gradients
+    audited from trusted ranks' tensors, two replicas or more), the weights' share on the microbatches of a
+    replica all of whose ``m`` microbatches the draw audits (probability ``every ** -m`` a step: every one of them
+    at ``--audit-every 1``), spread over the step's ``sum / every`` audited microbatches. The lead verifier alone
+    runs them (``runtime.rank.audits._contrib_sums``): charged wherever they can run (at most the weights' share
+    more than runs, and only at ``every ** -m``)."""
+    if every < 1 or backward_ms < 0:
+        raise InvalidInputError("audited backward", expected="every >= 1 and backward_ms >= 0",
+                                found=f"every {every}, backward_ms {backward_ms}")
+    total = sum(replica_microbatches)
+    if not contributions or len(replica_microbatches) < 2 or total <= 0:
+        return INPUT_GRAD_SHARE * backward_ms
+    full = sum(m * every ** -m for m in replica_microbatches if m > 0)
+    return backward_ms * (INPUT_GRAD_SHARE + (1.0 - INPUT_GRAD_SHARE) * full / (total / every))
+
+
 def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
                upstream: StagePlacement | None = None, downstream: StagePlacement | None = None) -> AuditCost:
     """One step's audit of ``st`` at one in ``every`` of its ``num_microbatches``, priced on the auditor;
@@ -202,10 +228,12 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
     gradients they sent where ``site.grads_from`` (:func:`with_copied_grads`)."""
     tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
     first, last = st.first_block, st.last_block
-    backward = tables.range_bwd_ms(first, last, cls)
+    whole = tables.range_bwd_ms(first, last, cls)
+    backward = audited_backward_ms(whole, every=every, replica_microbatches=st.microbatches,
+                                   contributions=site.audits_grads)
     tensors = 1 if problem.param_tensors is None else int(problem.param_tensors[first:last + 1].sum())
     slowest = max(st.devices, key=lambda d: problem.transfer_ms(1e6, d, site.auditor))
-    cost = _outputs_cost(problem, st, site, every, num_microbatches, upstream, tensors, backward, slowest)
+    cost = _outputs_cost(problem, st, site, every, num_microbatches, upstream, tensors, (whole, backward), slowest)
     if not site.grads_from:
         return cost
     grad_senders = _sent_microbatches(site, downstream, site.grads_from, "downstream")
@@ -219,13 +247,15 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
 
 
 def _outputs_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
-                  upstream: StagePlacement | None, tensors: int, backward: float, slowest: str) -> AuditCost:
-    """``audit_cost`` but the gradients copied (``cost_models.audit.audit_ms``: held gradients, or outputs)."""
+                  upstream: StagePlacement | None, tensors: int, backward: tuple[float, float],
+                  slowest: str) -> AuditCost:
+    """``audit_cost`` but the gradients copied (``cost_models.audit.audit_ms``: held gradients, or outputs);
+    ``backward``: the stage's whole backward of a microbatch and an audited one's (``audited_backward_ms``)."""
     tables, cls = problem.tables(st.recompute), problem.class_of(site.auditor)
     first, last = st.first_block, st.last_block
     return audit_ms(every=every, microbatches=num_microbatches, params=problem.range_params(first, last),
-                    param_tensors=tensors, forward_ms=tables.range_time_ms(first, last, cls) - backward,
-                    backward_ms=backward if site.grads else None, output_bytes=problem.raw_bytes(last),
+                    param_tensors=tensors, forward_ms=tables.range_time_ms(first, last, cls) - backward[0],
+                    backward_ms=backward[1] if site.grads else None, output_bytes=problem.raw_bytes(last),
                     input_bytes=problem.raw_bytes(first - 1), source_link=problem.link(site.source, site.auditor),
                     digest_link=problem.link(slowest, site.auditor),
                     verifier_mem_bw_bytes_per_s=problem.classes[cls].spec.mem_bw_bytes_per_s,
@@ -275,7 +305,8 @@ def with_copied_grads(cost: AuditCost, *, every: int, microbatches: int, backwar
                       output_bytes: float, elem_bytes: int, verifier_mem_bw_bytes_per_s: float,
                       upstream: Sequence[tuple[Link | None, int]],
                       downstream: Sequence[tuple[Link | None, int]]) -> AuditCost:
-    """``cost``, an outputs-only audit from copied inputs, with the gradients audited from copies too: each
+    """``cost``, an outputs-only audit from copied inputs, with the gradients audited from copies too
+    (``backward_ms``: an audited microbatch's backward, ``audited_backward_ms``): each
     upstream rank's message grows by the input gradients (``copied_message_bytes``), each downstream rank (a link,
     None: the auditor itself; the microbatches it runs a step) sends one of the gradients it sent, received after
     the upstream ones, one after another; every audited microbatch recomputes its backward too and compares its

@@ -149,7 +149,8 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     replica sent back (64 KiB each, float32, and a 4-byte taint flag) over 1 Gb/s once its program is done, then
     trusted-d (the stage after, trusted) the gradient it sent (64 KiB, and its taint flag); the host hears the digests and the
     gradient (sent as the source's optimizer step starts, received from when the host's program is done); it
-    recomputes blocks 1-2 forward and backward on the copies during the next step, then its copy steps, on its
+    recomputes blocks 1-2 forward and the input gradient on the copies during the next step (the weights' gradient too
+    for a contribution audit), then its copy steps, on its
     stepper, beside its checks (the last step's from this step's start). The price adds what the simulation adds
     where each program carries the in-flight limits it is priced with: the sole slow replica's price raises its
     limit from the schedule's least (2) to 4, so a fixture compiled with the least (no limits carried) ran another
@@ -167,7 +168,10 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     spec = cl.device("verifier/0").spec
     cfg = config(4)
     copy, copy_down = 0.5 + 1e3 * (2 * 2**16 + 4) / 1.25e8, 0.5 + 1e3 * (2**16 + 4) / 1.25e8
-    recompute = compute.range_fwd_ms(ch, 1, 2, spec) + compute.range_bwd_ms(ch, 1, 2, spec) \
+    # the input gradient's half of the backward; two replicas of two microbatches: each drawn whole 1 in 16 a step,
+    # its weights' half then too (a contribution audit), over the step's one audited microbatch
+    share = 0.5 + 0.5 * (2 * 2 / 16) if len(replicas) == 2 else 0.5
+    recompute = compute.range_fwd_ms(ch, 1, 2, spec) + share * compute.range_bwd_ms(ch, 1, 2, spec) \
         + 1e3 * 3 * 2 * 2**16 / CPU_DEVICE["mem_bw_bytes_per_s"]
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8

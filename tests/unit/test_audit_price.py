@@ -19,12 +19,14 @@ from planner.plan import Plan
 from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
 from planner.solver.audit_price import (
+    INPUT_GRAD_SHARE,
     AuditWhere,
     Stepper,
     StepperPart,
     audit_cost,
     audit_site,
     audit_where,
+    audited_backward_ms,
     copied_message_bytes,
 )
 from planner.solver.audits import (
@@ -179,10 +181,15 @@ def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient
 
 def test_an_auditor_of_gradients_recomputes_among_its_checks():
     """Auditing gradients, it has a microbatch's four tensors once it has checked the gradient the replica
-    sent upstream: each such check lasts a quarter of a recompute (forward and backward) longer."""
+    sent upstream: each such check lasts a quarter of a recompute longer: a forward, the input gradient's share of
+    the backward and, for a replica of two microbatches drawn whole (1 in 16 a step each), the weights' share."""
     ch, cl, sol = _small(0)
     spec = cl.device("verifier/0").spec
-    one = (compute.range_fwd_ms(ch, 1, 2, spec) + compute.range_bwd_ms(ch, 1, 2, spec)
+    backward = compute.range_bwd_ms(ch, 1, 2, spec)
+    audited_bwd = backward * (INPUT_GRAD_SHARE + (1 - INPUT_GRAD_SHARE) * (2 * 2 / 16) / (4 / 4))
+    assert audited_bwd == pytest.approx(audited_backward_ms(backward, every=4, replica_microbatches=(2, 2),
+                                                            contributions=True))
+    one = (compute.range_fwd_ms(ch, 1, 2, spec) + audited_bwd
            + 1e3 * 3 * (2 * 2**16) / CPU_DEVICE["mem_bw_bytes_per_s"])
 
     def checks(plan):
