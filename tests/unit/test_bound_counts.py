@@ -112,6 +112,15 @@ def test_only_the_least_count_is_raised_and_a_count_at_the_cap_is_never_tested()
     assert capped.spent == 0
 
 
+def test_no_plan_known_bounds_as_without_a_cap():
+    """No plan of any count (an infinite incumbent): each count is bisected as without a cap."""
+    problem = _pool(np.random.default_rng(7800), "swarm2")[0]
+    full = fill_bound_ms(problem)
+    assert fill_bound_ms(problem, cap_ms=math.inf) == full
+    bounds = raised_bounds([CountBound(problem, 0.0)], math.inf, Work(1e3, what="bounds"))
+    assert full * (1 - 2 * REL_TOL) <= bounds[0] <= full * HAIR
+
+
 def test_a_budget_that_affords_no_test_leaves_the_bounds():
     problem = _pool(np.random.default_rng(7700), "swarm2")[0]
     given = [CountBound(problem, 1.0, 1e9)]

@@ -110,6 +110,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
     ``rel_tol``: the bisection's width (its infeasible end is returned: valid at any width, coarser is cheaper)."""
     problem = bound_problem(problem)
     stage = [c.index for c in problem.classes if c.stage_capable]
+    cap_ms = cap_ms if cap_ms is not None and math.isfinite(cap_ms) else None  # no plan known: bisect as before
     if not stage or (cap_ms is not None and cap_ms <= floor_ms):
         return floor_ms
     kinds = _kinds(problem, stage)
