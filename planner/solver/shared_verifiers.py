@@ -7,6 +7,13 @@ least busy with it (longest check first); each site's verifier then watches only
 (``VerifierPlacement.senders``) and gets only their copies. A split is kept only where the compiled programs
 price faster (``objective.price_program``), beside no audited stage; one that costs link tests (a stage's input and output then sit on
 different verifiers for some replicas) must be faster by more than the policy's ``link_test_cost`` share.
+
+:func:`place_on_programs` is the searches' descent on the same price: a boundary's verifier moved whole to another
+allowed site, or its senders split (:func:`split_boundary`), by the same rules. The greedy placement
+(``verifiers.assign_verifiers``) scores sites by the closed form, whose stage times count every send as busy time:
+on a pool of slow links a trusted stage device's checks then seem free wherever they go, and on a tie the greedy
+keeps a boundary on the previous one's verifier (the swarm-t4 case, 7/5/5/5/4 blocks on five T4s: 13,369 ms with
+three boundaries on one trusted T4, 8,515 ms with them spread over both).
 """
 from __future__ import annotations
 
@@ -21,8 +28,13 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.problem import Problem
+from planner.solver.search.budget import Work, placement_units
 from planner.solver.solution import VerifierPlacement
 from planner.solver.verifiers import verifier_sites
+
+# Of a boundary's allowed sites, the least busy this many are tried as its verifier's new site (a 176-device pool
+# allows 20 or more per boundary: each try is a pricing).
+SITES_TRIED = 3
 
 
 def split_shared(problem: Problem, placement: Placement) -> Placement:
@@ -39,6 +51,76 @@ def split_shared(problem: Problem, placement: Placement) -> Placement:
         if ms * worth < best_ms * (1 - 1e-9):
             best, best_ms, lost = cand, ms, cand_lost
     return best
+
+
+def place_on_programs(problem: Problem, placement: Placement, *,
+                      within: Work | None = None) -> tuple[Placement, float]:
+    """``placement`` with its verifiers moved and split while the programs price faster (the module docstring's
+    rules, best move first), and that price; each pricing charged to ``within`` (the descent stops once it passes)."""
+    best, best_ms = placement, price_program(problem, placement).step_ms
+    lost = len(lost_link_tests(problem, placement))
+    improved = True
+    while improved and not (within is not None and within.passed()):
+        improved = False
+        step: tuple[float, Placement, int] | None = None
+        for cand in verifier_moves(problem, best):
+            if within is not None:
+                if within.passed():
+                    break
+                within.charge(placement_units(cand))
+            if violations(problem, cand):
+                continue
+            ms, cand_lost = price_program(problem, cand).step_ms, len(lost_link_tests(problem, cand))
+            worth = ms * (1 + (problem.policy.link_test_cost if cand_lost > lost else 0.0))
+            if worth < best_ms * (1 - 1e-9) and (step is None or worth < step[0]):
+                step = (worth, cand, cand_lost)
+        if step is not None:
+            best, lost, improved = step[1], step[2], True
+            best_ms = price_program(problem, best).step_ms
+    return best, best_ms
+
+
+def verifier_moves(problem: Problem, placement: Placement):
+    """Each boundary's sole verifier (watching every sender) moved whole to one of the ``SITES_TRIED`` least busy
+    other sites allowed there (within the policy's cap), or its senders split (:func:`split_boundary`, where
+    :func:`_splittable`)."""
+    stages, cap = placement.stages, problem.policy.max_boundaries_per_verifier
+    splittable = set(_splittable(problem, placement))
+    for b in range(placement.num_stages - 1):
+        group = [v for v in placement.verifiers if v.boundary == b]
+        if len(group) > 1:  # a split boundary merged back on one of its sites: no split kept that one prices under
+            yield from _merged(placement, group)
+            continue
+        if len(group) != 1 or group[0].senders:
+            continue
+        v = group[0]
+        taken = {}
+        for x in placement.verifiers:
+            taken.setdefault(x.device, set()).add(x.boundary)
+        others = [d for d in verifier_sites(problem, stages, b, required_directions(problem, stages, b))
+                  if d != v.device and (cap is None or len(taken.get(d, ())) < cap)]
+        at = placement.verifiers.index(v)
+        for d in sorted(others, key=lambda d: _busy_ms(problem, placement, d, v))[:SITES_TRIED]:
+            moved = dataclasses.replace(v, device=d)
+            yield dataclasses.replace(placement, verifiers=placement.verifiers[:at] + (moved,)
+                                      + placement.verifiers[at + 1:])
+        if b in splittable:
+            split = split_boundary(problem, placement, b)
+            if split is not None:
+                yield split
+
+
+def _merged(placement: Placement, group: list[VerifierPlacement]):
+    """``placement`` with the verifiers of one boundary (``group``) merged into one watching every sender, on each
+    of their sites in turn."""
+    at = placement.verifiers.index(group[0])
+    rest = [v for v in placement.verifiers if v not in group]
+    directions = tuple(d for d in ("act", "grad") if any(d in v.directions for v in group))
+    watch = tuple(d for d in ("act", "grad") if all(d in v.watch_only for v in group if d in v.directions)
+                  and any(d in v.directions for v in group))
+    for v in group:
+        one = dataclasses.replace(v, directions=directions, watch_only=watch, senders=())
+        yield dataclasses.replace(placement, verifiers=tuple(rest[:at]) + (one,) + tuple(rest[at:]))
 
 
 def _splittable(problem: Problem, placement: Placement) -> list[int]:

@@ -10,13 +10,20 @@ that turns a uniform plan into one. Here they are built directly and priced as p
 * seeds (``mixed_groups``): ``head`` single-device stages, then stages of ``r`` replicas, ``stages`` in all, the
   classes' devices taken in an order (the problem's, the incumbent's, paths along the fastest links); per
   (order, r) a pattern search over (head, stages) from a start, the most promising pairs first;
-* a descent over the best seed's (or the incumbent's) group sequence (``group_moves``): a prefix unreplicated,
-  a suffix replicated, a replicated stage split into two, two single-device neighbours merged into one stage of
-  two replicas, a single-device stage added in front or the last stage dropped; then the local search's moves.
+* a descent over the best seed's (unless a pipeline of single devices, which the next step covers) and the
+  incumbent's group sequence (``group_moves``): a prefix unreplicated, a suffix replicated, a replicated stage
+  split into two, two single-device neighbours merged into one stage of two replicas, a single-device stage added
+  in front or the last stage dropped; then the local search's moves;
+* per order, the pipelines of single-device stages by length (``_pipelines``; a volunteer swarm's plan: on slow
+  links replicas' all-reduces cost more than the stages they relieve).
 
-Each sequence is re-partitioned (``seq_partition.sequence_placement``: its cuts by the closed form) and priced
-(``objective.price_program``); ``polish`` moves the cuts afterwards. Deterministic: no randomness, fixed orders,
-and a work budget (``budget.Work``).
+Each sequence is re-partitioned twice, its cuts by the closed form (``seq_partition.partition_min_step``) and by
+the same DP with every link free (the stages' compute balanced: on slow links the closed form, which counts each
+send as busy time, gives the untrusted middle stages of swarm-t4 one block each, 22,586 ms as programs against
+8,515 for 7/5/5/5/4 blocks), its verifiers placed greedily then moved on the programs' price
+(``shared_verifiers.place_on_programs``), and the cheaper priced (``objective.price_program``); ``polish`` moves
+the cuts afterwards. Where the policy wants trusted ends, the seeds keep a trusted device for the last stage.
+Deterministic: no randomness, fixed orders, and a work budget (``budget.Work``).
 """
 from __future__ import annotations
 
@@ -24,12 +31,16 @@ import math
 from collections import Counter
 
 from cost_models import comm
-from planner.solver.objective import Placement, price_program
+from planner.solver.bound.relax import comm_free_for_bound
+from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, partition_units, program_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import neighbours
-from planner.solver.search.seq_partition import sequence_placement
+from planner.solver.search.seq_partition import partition_min_step
+from planner.solver.shared_verifiers import place_on_programs
+from planner.solver.solution import StagePlacement
+from planner.solver.verifiers import assign_verifiers
 
 MAX_REPLICAS = 4  # replica counts of the later stages tried (2..this): more leave too few stages on slow links
 PATTERN_STEPS = (2, 1)  # the pattern search's steps over (head, stages), coarse to fine
@@ -38,13 +49,22 @@ FIRST_PAIRS = 2  # (order, r) pairs searched further, the best-priced starts fir
 # the stage count (the cost is rugged in (head, stages): on DT-FM worldwide a descent from one start stops 25% off).
 GRID_STAGES = (0.5, 0.67, 0.83, 1.0)
 GRID_HEADS = (0.0, 0.25, 0.5, 0.75)
+# A sequence whose greedy verifiers price within this factor of the cheapest plan met has them moved on the
+# programs' price (``shared_verifiers.place_on_programs``, a pricing per move tried): swarm-t4's 5-stage pipeline
+# prices 13,369 ms greedy (1.21x the incumbent's 11,009) and 9,162 ms moved.
+PLACE_WITHIN = 1.3
+# The pipelines' cost is rugged in their length (swarm-t4: 5 stages 9,162 ms, 6 11,844, 7 9,179, 8 11,876, 9 14,417):
+# the scan stops after this many lengths in a row price above its cheapest.
+PIPELINE_PATIENCE = 4
 
 
 class Pricer:
     """Group sequences re-partitioned and priced as programs, each once; ``work`` charged for each."""
 
-    def __init__(self, problem: Problem, work: Work) -> None:
+    def __init__(self, problem: Problem, work: Work, incumbent_ms: float = math.inf) -> None:
         self.problem, self.work = problem, work
+        self.free = comm_free_for_bound(problem)  # cut by compute alone
+        self.least_ms = incumbent_ms  # the cheapest plan met (the incumbent's, at first)
         self.seen: dict[tuple[Group, ...], tuple[Placement, float] | None] = {}
 
     def __call__(self, groups: tuple[Group, ...] | None) -> float:
@@ -60,16 +80,47 @@ class Pricer:
         p = self.problem
         if not valid(p, groups):
             return None
-        self.work.charge(partition_units(p.num_blocks, len(groups), exact=True))
-        got = sequence_placement(p, groups, exact=True)
-        if got is None:
-            return None
-        self.work.charge(program_units(p.num_microbatches, len(groups)))
-        return got[0], price_program(p, got[0]).step_ms
+        found, tried = [], set()
+        # the closed form's cuts, then for a pipeline of single devices the compute's (replicas share the sends the
+        # closed form counts as busy time; the second DP on every sequence doubled the descents' work)
+        pipeline = all(g.replicas == 1 for g in groups)
+        for cut_by in (p, self.free) if pipeline else (p,):
+            self.work.charge(partition_units(p.num_blocks, len(groups), exact=True))
+            ranges = partition_min_step(cut_by, groups)
+            if ranges is None or ranges in tried:
+                continue
+            tried.add(ranges)
+            placement = placed(p, groups, ranges)
+            if placement is None:
+                continue
+            self.work.charge(program_units(p.num_microbatches, len(groups)))
+            ms = price_program(p, placement).step_ms
+            if ms <= PLACE_WITHIN * self.least_ms:
+                placement, ms = place_on_programs(p, placement, within=self.work)
+            self.least_ms = min(self.least_ms, ms)
+            found.append((placement, ms))
+        return min(found, key=lambda f: f[1], default=None)
 
     def best(self) -> tuple[Placement, float] | None:
         found = [v for v in self.seen.values() if v is not None]
         return min(found, key=lambda v: v[1]) if found else None
+
+
+def placed(problem: Problem, groups: tuple[Group, ...], ranges: tuple[tuple[int, int], ...]) -> Placement | None:
+    """``groups`` on ``ranges``, each class's devices taken in order, verifiers placed greedily (None: some
+    boundary has no verifier, or the plan breaks a constraint)."""
+    M, free = problem.num_microbatches, {}
+    stages = []
+    for k, (g, (s, e)) in enumerate(zip(groups, ranges)):
+        pool = free.setdefault(g.cls, list(problem.classes[g.cls].device_ids))
+        stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=tuple(pool[:g.replicas]),
+                                     microbatches=even_split(M, g.replicas)))
+        del pool[:g.replicas]
+    verifiers = assign_verifiers(problem, tuple(stages), M)
+    if verifiers is None:
+        return None
+    placement = Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
+    return None if violations(problem, placement) else placement
 
 
 def valid(problem: Problem, groups: tuple[Group, ...]) -> bool:
@@ -111,12 +162,19 @@ def class_orders(problem: Problem, placement: Placement) -> list[tuple[int, ...]
 def mixed_groups(problem: Problem, order: tuple[int, ...], head: int, replicas: int,
                  stages: int) -> tuple[Group, ...] | None:
     """``head`` single-device stages then ``stages - head`` of ``replicas``, each stage on the first class in
-    ``order`` with that many devices left (None: the devices run out, or the shape is empty)."""
+    ``order`` with that many devices left (None: the devices run out, or the shape is empty). Where the policy
+    wants trusted ends, the last stage is one device of the first trusted class in ``order``, kept back for it."""
     if not 0 <= head <= stages or stages < 1:
         return None
     left = {c.index: c.count for c in problem.classes}
+    pol, end = problem.policy, None
+    if pol.enabled and pol.trusted_endpoints and stages > 1:
+        end = next((c for c in order if problem.classes[c].trusted and left[c] >= 1), None)
+        if end is None:
+            return None
+        left[end] -= 1
     out, at = [], 0
-    for k in range(stages):
+    for k in range(stages - (end is not None)):
         r = 1 if k < head else replicas
         while at < len(order) and left[order[at]] < r:
             at += 1
@@ -124,7 +182,7 @@ def mixed_groups(problem: Problem, order: tuple[int, ...], head: int, replicas: 
             return None
         out.append(Group(cls=order[at], replicas=r))
         left[order[at]] -= r
-    return tuple(out)
+    return tuple(out) if end is None else (*out, Group(cls=end, replicas=1))
 
 
 def _pattern(price: Pricer, order: tuple[int, ...], r: int, start: tuple[int, int]) -> tuple[int, int]:
@@ -211,7 +269,7 @@ def search(problem: Problem, placement: Placement, program_ms: float, *, time_bu
     work = Work.of(time_budget_s, within, "mixed replication")
     if problem.num_blocks < 2 or not math.isfinite(program_ms):
         return None
-    price = Pricer(problem, work)
+    price = Pricer(problem, work, program_ms)
     top = max((max(problem.replica_choices(c.index)) for c in problem.classes if c.stage_capable), default=1)
     pairs = [(order, r) for r in range(2, min(MAX_REPLICAS, top) + 1) for order in class_orders(problem, placement)]
     starts = {pair: _start(problem, *pair) for pair in pairs}
@@ -220,11 +278,29 @@ def search(problem: Problem, placement: Placement, program_ms: float, *, time_bu
         _pattern(price, order, r, _grid_best(price, order, r, starts[(order, r)][1]))
     seed = price.best()
     own = sequence_groups(problem, placement)
-    for groups in (own, None if seed is None else sequence_groups(problem, seed[0])):
+    seeded = None if seed is None else sequence_groups(problem, seed[0])
+    # A pipeline seed's lengths are all priced below: its descent (the local search's replica and class moves) found
+    # nothing on swarm-t4 in 2.0 nominal s of M=32's budget, which the later counts' bounds then lacked.
+    for groups in (own, None if seeded is None or all(g.replicas == 1 for g in seeded) else seeded):
         if groups is not None:
             _descend(price, groups)
+    _pipelines(price, list(dict.fromkeys(order for order, _ in ranked)))
     best = price.best()
     return best if best is not None and best[1] < program_ms * (1 - 1e-9) else None
+
+
+def _pipelines(price: Pricer, orders: list[tuple[int, ...]]) -> None:
+    """Per order, the pipelines of single-device stages from 2 stages up, priced until ``PIPELINE_PATIENCE``
+    lengths in a row price above the cheapest of them (or the devices, blocks or work run out)."""
+    p = price.problem
+    for order in orders:
+        least, worse = math.inf, 0
+        for stages in range(2, p.num_blocks + 1):
+            groups = mixed_groups(p, order, stages, 1, stages)
+            if groups is None or price.work.passed() or worse >= PIPELINE_PATIENCE:
+                break
+            ms = price(groups)
+            least, worse = (ms, 0) if ms < least else (least, worse + 1)
 
 
 def sequence_groups(problem: Problem, placement: Placement) -> tuple[Group, ...]:

@@ -9,7 +9,11 @@ moved together: on DT-FM's spot case no single cut move improves a plan 1.6%
 dearer than this reaches), two neighbouring stages merged on either's devices
 (their boundary's verifier dropped), one replica fewer on a stage, one more
 from the free devices of its class. Each valid neighbour is priced; the best
-improvement is taken until none improves or the time is up.
+improvement is taken until none improves or the time is up. Where none does,
+the verifiers are moved and split on the same price
+(``shared_verifiers.place_on_programs``: the greedy placement's closed form
+can leave a trusted stage device checking three boundaries while the other
+checks one) and the climb goes on from there if that helped.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterator
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, program_units
+from planner.solver.shared_verifiers import place_on_programs
 from planner.solver.solution import StagePlacement
 
 
@@ -95,4 +100,8 @@ def polish(problem: Problem, placement: Placement, *, time_budget_s: float, cuts
             ms = price_program(problem, cand).step_ms
             if ms < best_ms * (1 - 1e-9):
                 best, best_ms, improved = cand, ms, True
+        if not improved and not cuts_only and not work.passed():
+            placed, ms = place_on_programs(problem, best, within=work)
+            if ms < best_ms * (1 - 1e-9):
+                best, best_ms, improved = placed, ms, True
     return best, best_ms
