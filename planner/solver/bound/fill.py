@@ -32,6 +32,12 @@ b`` (the last forward to end, then its round trip and backward) nor ``A + f + D 
 first forward's round trip), as well as ``A + m t``: each replica's count is also at most what these fit in the
 budget ``m t`` had (``_per``), whatever follows it. Binds where ``D`` outweighs ``(m - 1)`` forwards: few
 microbatches a replica, a long or slow chain after it (random wide-area pools: up to +30%).
+**Rings of both groups.** Where some partition of the pool into islands (``islands.partitions``) has each island
+holding one group's classes only (A100 hosts and V100 hosts), a stage with devices of both groups has two
+replicas in different islands, so its ring uses a link between islands: its all-reduce is at least ``Rings``'
+line for the fastest and quickest such link (``_mixed_lines``), where the DP knows it holds both (``y`` of group
+``a`` and at least one of ``b``: the fixed point's count, an exact count, stage 0's ``r - y``); else the ring's
+floor as before (Sailor-like: 646.9 -> 661.3 ms).
 **Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
 holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
 ``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
@@ -70,6 +76,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.solver.bound.islands import COMPRESSED_ALLREDUCE, partitions
 from planner.solver.bound.replicas import Rings, hops_ms, slow_route
 from planner.solver.problem import Problem, bound_problem
 from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
@@ -270,6 +277,7 @@ class _Test:
             + np.concatenate([shared.last[1:], [np.inf]]) + shared.hops[1] + self.route[1] + self.opt_any
         self.optim = [np.min([shared.optim[c] for c in g.classes], axis=0) if g.classes
                       else np.zeros((L + 1, L + 1)) for g in (self.a, self.b)]
+        self.mixed = _mixed_lines(problem, stage, self.a, self.b, len(shared.ring.none))
         self.rows = _Rows.of(self)
         self._pair_i = np.repeat(np.arange(1, L + 1), np.arange(1, L + 1))  # each stage's end
         self._ar_rest = self._after_link() if self.route is not None else None
@@ -436,10 +444,13 @@ class _Test:
             if c > rows.top:
                 out.append(np.full((self.L * (self.L + 1) // 2, self.L + 1, Y), np.inf))
                 continue
-            floor = rows.floors[rows.pair[:n], c] if c >= 2 else np.zeros(n)
-            slacks = [np.minimum(slack, room - opt[:n] - floor) for opt in (rows.opt_a, rows.opt_b)]
-            nb = np.maximum(self._nb(at, slacks[0], slacks[1], y), fewest)
-            floor = floor[:, None]
+            plain, mixed = (f[rows.pair[:n], c][:, None] if c >= 2 else np.zeros((n, 1))
+                            for f in (rows.floors, rows.mixed_floors))
+            # both groups on it (y of a, c - y or, past LINKED, at least K - y of b): the ring crosses islands
+            floor = np.where((y >= 1) & (y <= c - 1), mixed, plain)
+            slacks = [np.minimum(slack[:, None], room[:, None] - opt[:n, None] - floor)
+                      for opt in (rows.opt_a, rows.opt_b)]
+            nb = np.maximum(self._nb(np.broadcast_to(at[:, None], floor.shape), slacks[0], slacks[1], y), fewest)
             if c < K:
                 nb = np.where((nb <= c - y) & (c - y <= rows.cap_b[:n, None]) & (floor <= B), c - y, np.inf)
             else:
@@ -459,9 +470,11 @@ class _Test:
         y = np.arange(Y)[None, :]
         nb = self._after_passes(B, slack, self._nb(np.arange(n), slack, slack, y))
         r = y + nb
-        fine = (rows.floors <= B) | (np.arange(rows.top + 1) < 2)  # r = 0, 1: no all-reduce
+        small = np.arange(rows.top + 1) < 2  # r = 0, 1: no all-reduce
+        fine, fine_mixed = ((f <= B) | small for f in (rows.floors, rows.mixed_floors))
         idx = np.where(np.isfinite(r), np.minimum(r, rows.top), 0).astype(int)
-        nb = np.where(fine[rows.pair[:n, None], idx], nb, np.inf)
+        pair = rows.pair[:n, None]
+        nb = np.where(np.where((y >= 1) & (nb >= 1), fine_mixed[pair, idx], fine[pair, idx]), nb, np.inf)
         out = np.full((self.L * (self.L + 1) // 2 * (self.L + 1), Y), np.inf)
         out[rows.cell[:n]] = nb
         out = out.reshape(-1, self.L + 1, Y)
@@ -498,12 +511,14 @@ class _Test:
         replicas used (``r`` up to the first whose slack is negative: the floors rise with ``r``)."""
         rows, Y = self.rows, self.a.count + 1
         top = rows.first_floors.shape[1]
-        slack = B - self.opt0[1:, None] - rows.first_floors  # (L, r = 1..top)
-        valid = np.logical_and.accumulate(slack >= 0, axis=1)[:, :, None]
-        at = np.broadcast_to(rows.first_rows[:, None], slack.shape)
         y = np.arange(Y)
-        nb = self._nb(at, slack, slack, y[None, None, :])  # (L, top, Y)
         r = np.arange(1, top + 1)[None, :, None]
+        # r replicas, y of group a: both groups where 1 <= y <= r - 1 (its ring crosses islands: ``_mixed_lines``)
+        floor = np.where((y >= 1) & (y <= r - 1), rows.first_mixed[:, :, None], rows.first_floors[:, :, None])
+        slack = B - self.opt0[1:, None, None] - floor  # (L, r = 1..top, Y)
+        valid = np.logical_and.accumulate(slack >= 0, axis=1)
+        at = np.broadcast_to(rows.first_rows[:, None, None], slack.shape)
+        nb = self._nb(at, slack, slack, y[None, None, :])  # (L, top, Y)
         ok = valid & (y + nb <= r) & (r - y <= rows.cap_b[rows.first_rows][:, None, None])
         by_r = np.where(ok, r - y, np.inf)
         if by_r.shape[1] < LINKED + 1:  # r past the largest ring: none
@@ -529,7 +544,9 @@ class _Test:
         for _ in range(ROUNDS):
             if not len(live):
                 break
-            floor = rows.floors.reshape(-1)[rows.pair[at] * width + np.minimum(y + cur, rows.top).astype(int)]
+            idx = rows.pair[at] * width + np.minimum(y + cur, rows.top).astype(int)
+            # both groups on it: its ring crosses islands (``_mixed_lines``)
+            floor = np.where((y >= 1) & (cur >= 1), rows.mixed_floors.reshape(-1)[idx], rows.floors.reshape(-1)[idx])
             slacks = [np.minimum(slack[at], room[at] - opt[at] - floor) for opt in (rows.opt_a, rows.opt_b)]
             raised = np.maximum(self._nb(at, slacks[0], slacks[1], y), cur)
             moved = raised != cur
@@ -537,6 +554,22 @@ class _Test:
             keep = moved & np.isfinite(raised)
             live, at, y, cur = live[keep], at[keep], y[keep], raised[keep]
         return nb
+
+
+def _mixed_lines(problem: Problem, stage: list[int], a: _Group, b: _Group, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per ring size ``r < R``, the all-reduce of a stage holding devices of both groups, as lines ``alpha_r P +
+    beta_r`` (``(R, lines)``; ``-inf``: no line): at a partition into islands each of one group's classes only,
+    two of its replicas sit in different islands, so its ring uses a link between islands, no faster than their
+    fastest nor quicker than their quickest (``Rings``' line for that link)."""
+    own = [set(a.classes), set(b.classes)]
+    links = [] if problem.compress in COMPRESSED_ALLREDUCE or not a.classes or not b.classes else \
+        [isl.between for _, isl in partitions(problem, stage)
+         if all(any(set(I) <= g for g in own) for I in isl.members)]
+    alpha, beta = np.zeros((R, max(len(links), 1))), np.full((R, max(len(links), 1)), -np.inf)
+    for i, lk in enumerate(links):
+        for r in range(2, R):
+            alpha[r, i], beta[r, i] = 2 * (r - 1) / r * 1e3 / lk.bytes_per_s, 2 * (r - 1) * lk.latency_ms
+    return alpha, beta
 
 
 def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int, f: np.ndarray,
@@ -580,10 +613,12 @@ class _Rows:
     trip: np.ndarray   # the least round trip after the stage (``_per``): its blocks after, and a crossing each way
     inner: int         # rows of stages after stage 0 (the first ``inner``; then stage 0's, per i)
     floors: np.ndarray  # (pairs, r = 0..top)
+    mixed_floors: np.ndarray  # the same where the stage holds devices of both groups (``_mixed_lines``)
     top: int
     firsts: np.ndarray  # the pairs of stage 0 (j = 0), per i = 1..L
     first_rows: np.ndarray  # their rows among these (appended after the others, z = 0)
     first_floors: np.ndarray  # (L, r = 1..top): stage 0's all-reduce floor over its ring (``Rings`` ``ring``)
+    first_mixed: np.ndarray  # the same where stage 0 holds devices of both groups
 
     @staticmethod
     def of(test: _Test) -> _Rows:
@@ -625,6 +660,16 @@ class _Rows:
             n = int(rows.sum())
             floors[rows] = ring.floor(np.repeat(params[rows], top + 1), np.tile(sizes, n)).reshape(n, top + 1)
         first = test.ring.floor(np.repeat(test.params[1:], top), np.tile(np.arange(1, top + 1), L)).reshape(L, top)
+        alpha, beta = test.mixed
+
+        def mixed(nbytes: np.ndarray, r: np.ndarray) -> np.ndarray:
+            lines = (alpha[r] * nbytes[:, None] + beta[r]).max(axis=1)
+            return np.where((r >= 2) & (nbytes > 0), lines, 0.0)
+
+        mixed_floors = np.maximum(floors, mixed(np.repeat(params, top + 1), np.tile(sizes, len(pair))).reshape(
+            len(pair), top + 1))
+        first_mixed = np.maximum(first, mixed(np.repeat(test.params[1:], top),
+                                              np.tile(np.arange(1, top + 1), L)).reshape(L, top))
         last = ri == L
         extra = np.where(last, test.extra_last[rj, rz], test.extra[rj, rz])
         arrive = np.where(last, np.broadcast_to(test.arrive_last, (L + 1, L + 1))[rj, rz],
@@ -632,8 +677,8 @@ class _Rows:
         return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=extra, F=test.F[rj],
                      arrive=arrive, t_a=t_a, pos_a=pos_a,
                      fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
-                     opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b, trip=trip, inner=len(inner), floors=floors, top=top, firsts=firsts,
-                     first_rows=np.arange(len(inner), len(rp)), first_floors=first)
+                     opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b, trip=trip, inner=len(inner), floors=floors, mixed_floors=mixed_floors, top=top, firsts=firsts,
+                     first_rows=np.arange(len(inner), len(rp)), first_floors=first, first_mixed=first_mixed)
 
 
 def _optim_ms(problem: Problem, classes: tuple[int, ...]) -> np.ndarray:
