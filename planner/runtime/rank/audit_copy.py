@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from planner.runtime.rank.audit_background import Background, urgent
 from planner.runtime.rank.precision import Precision
 from planner.runtime.rank.stage import StageRuntime
 
@@ -35,6 +36,7 @@ class StageCopy:
     # names of the stage's parameters summed across stages instead (tied): not in a replica's contribution
     tied: frozenset[str] = frozenset()
     contributed: list[torch.nn.Parameter] = field(default_factory=list)
+    background: Background | None = None   # the stepper's scheduling class (idle but while waited on)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.runtime.parameters()]
@@ -117,7 +119,8 @@ class StageCopy:
         """Wait for the copy's step still running on the stepper, if any (its error raised here)."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.result()
+            with urgent(self.background):
+                pending.result()
 
     def apply(self, flat: torch.Tensor | None) -> None:
         """The replicas' optimizer step (None: they took none this step), then the schedule's step. The gradients

@@ -159,13 +159,22 @@ def resolve(audits: Any, st: Any) -> None:
     zeros with neither sign is a drop the replica made up: a failed audit of it (``FORGED``), never of an
     honest replica."""
     for k, mb in sorted(audits.gin_tainted):
-        gin = audits.kept.get((k, "gin", mb))
-        if k != st.stage or gin is None or (k, mb) in audits.g_tainted or (k, "g", mb) not in audits.kept:
-            continue
-        if any(bool(t.any()) for t in gin):
-            audits.kept[(k, FORGED, mb)] = []
-        else:
-            audits.kept[(k, "g", mb)] = [torch.zeros_like(t) for t in audits.kept[(k, "g", mb)]]
+        if k == st.stage:
+            judge_marked(audits.kept, k, mb, caused=(k, mb) in audits.g_tainted)
+
+
+def judge_marked(kept: dict[tuple[int, str, int], Any], k: int, mb: int, *, caused: bool) -> None:
+    """Stage ``k``'s microbatch ``mb``, whose input gradient its replica marked tainted: nothing where the auditor
+    saw a cause (``caused``: its input or the gradient it was sent dropped, or its output marked so), else a made-up
+    drop where it is not zeros (``FORGED``: a failed audit), a drop by a verdict the auditor may not see where it is
+    (recomputed on a zero gradient, as the replica did). From copies (``resolve``) or held (``audits.observe``)."""
+    gin = kept.get((k, "gin", mb))
+    if caused or gin is None or (k, "g", mb) not in kept:
+        return
+    if any(bool(t.any()) for t in gin):
+        kept[(k, FORGED, mb)] = []
+    else:
+        kept[(k, "g", mb)] = [torch.zeros_like(t) for t in kept[(k, "g", mb)]]
 
 
 def overflow_skipped(ex: Any) -> bool:

@@ -17,8 +17,10 @@ microbatch's tensors are in, with the copy still at the weights the replicas com
 recomputes the stage on that input and compares; a relative error past ``audit.TOLERANCE`` is an ``audit_event``
 among the step's flags, which the verifiers' exchange turns into a ban at once. The rest, whose tensors are in only
 at the step's end (all of them where the inputs come copied), recompute on the copy's stepper during the next step,
-before the copy steps (``audit_recompute``): their verdict joins the next step's flags, from the audited step on
-(``since``), except on a step that writes a checkpoint or ends the run, which audits them by its end.
+before the copy steps (``audit_recompute``), on CPU time nothing else wants (``audit_background``: the idle
+scheduling class but while the run's thread waits on it): their verdict joins the next step's flags, from the
+audited step on (``since``), except on a step that writes a checkpoint or ends the run, which audits them by its
+end.
 
 Contribution audits (``audit_contrib``). Where the auditor is the lead verifier (it hears the replicas'
 contribution sketches, ``replica_checks.exchange``) and holds or is copied the stage's inputs and gradients, a
@@ -44,8 +46,9 @@ gradients the replicas sent back, as received (``audit_grads``): the auditor rec
 the copies are in, and, the lead verifier, audits contributions as where it holds them. Where the stage after is
 untrusted (it could send the auditor another gradient than the replica's), outputs only. Either way on zeros where
 the replica's taint header says its input was dropped, and on a zero gradient where the stage after sent it tainted;
-where gradients come copied, an input gradient is compared whatever the replica's header says, one marked with no
-cause the auditor sees fails (``audit_grads.resolve``), and none on a step the fp16 overflow vote skipped. A stage
+held or copied, an input gradient is compared whatever the replica's header says, one marked with no cause the
+auditor sees fails (``audit_grads.judge_marked``), and none on a step the fp16 overflow vote skipped (held, fp16: the
+input gradients recomputed in the step are judged at its end, ``settle_in_step_grads``). A stage
 with one untrusted replica is audited this way as well. Every message is an end-of-step control message (``control.Topic.AUDIT``,
 ``AUDIT_INPUT``; the gradient whole leaves as the source's optimizer steps, into a receive the auditor posts before
 its recomputes), outside the compiled programs like the contribution sketches; the planner prices them
@@ -110,6 +113,7 @@ from planner.runtime.rank.audit_applied import (
     judge_applied,
     stepped_only,
 )
+from planner.runtime.rank.audit_background import Background, urgent
 from planner.runtime.rank.audit_copy import StageCopy
 from planner.runtime.rank.audit_recompute import ROLES, Deferred
 from planner.runtime.rank.audit_recompute import error as _error  # noqa: F401 - the comparison, as tests name it
@@ -207,6 +211,10 @@ class RuntimeAudits:
     checkpoint_every: int | None = None   # a step that writes a checkpoint audits in line (None: none written)
     # the lead auditor's: this step's recomputed parameter gradients of fully audited replicas, by stage
     contrib: dict[int, audit_contrib.ContribSums] = field(default_factory=dict)
+    # the auditor's, fp16: input gradients audited in the step, recorded once the overflow vote is known
+    in_step_grads: list[audit_recompute.Outcome] = field(default_factory=list)
+    # the auditor's copies' stepper at the idle CPU class but while the run's thread waits on it (``audit_background``)
+    background: Background | None = None
 
     def inline_at(self, step: int) -> bool:
         """Whether ``step``'s audits are done by its end (its verdict): it ends the run or writes a checkpoint, so no
@@ -230,7 +238,7 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
     if any(len(st.replicas) > 1 and (rank in st.replicas or rank == st.auditor) for st in stages.values()):
         out.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-digest")
     secret = secrets.token_bytes(16)   # the auditor's: shared only with the trusted ranks that copy it inputs
-    stepper = None
+    stepper, background = None, Background(device)
     for k, st in stages.items():
         mine = audit_inputs.stage_key(secret, k) if st.auditor == rank else None
         # from signed inputs the key stays the auditor's: the replicas forward what it asks for after the step
@@ -246,11 +254,13 @@ def build(plan: Any, rank: int, opts: Any, device: torch.device, *, verifying: b
                                    weight_decay=opts.weight_decay)
         schedule = make_lr_schedule(optimizer, warmup=opts.lr_warmup, schedule=opts.lr_schedule,
                                     total_steps=opts.steps)
-        # one thread for all the copies: each copy's steps run in order, one at a time
-        stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-copy-step")
+        # one thread for all the copies: each copy's steps run in order, one at a time, on idle CPU time
+        stepper = stepper or ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-copy-step",
+                                                initializer=background.start)
+        out.background = background
         out.copies[k] = StageCopy(runtime=runtime, optimizer=optimizer, schedule=schedule,
                                   random=random_op(runtime.module), stepper=stepper,
-                                  tied=audit_contrib.tied_names(plan, setup.split, k))
+                                  tied=audit_contrib.tied_names(plan, setup.split, k), background=background)
         out.schedules[k] = audit.AuditSchedule(key, st.every)
     out.signed = audit_signed.setup(stages, rank, device)
     return out
@@ -296,11 +306,18 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
             continue   # an untrusted neighbour could send this verifier another input than the replica's
         if st.copied_from and role != "y":
             continue   # audited from copies: the rest comes copied at the step's end (``audit_inputs``, ``audit_grads``)
-        if role == "y" and tainted:
-            audits.tainted.add((k, mb))
         zero = dropped and role in ("x", "g")
+        if (role == "y" and tainted) or (zero and role == "x"):
+            audits.tainted.add((k, mb))   # its input dropped (or, the replica's word, its output computed on zeros)
+        elif zero:
+            audits.g_tainted.add((k, mb))   # the gradient sent to it dropped: the replica backpropagates zeros
+        elif role == "gin" and tainted:
+            audits.gin_tainted.add((k, mb))   # judged once all is in (``audit_grads.judge_marked``)
         audits.kept[(k, role, mb)] = [torch.zeros_like(t) if zero else t.detach().clone() for t in tensors]
         if all((k, r, mb) in audits.kept for r in ROLES):   # complete: audit now, while the pipeline runs on
+            if (k, mb) in audits.gin_tainted:   # marked with no cause seen: a made-up drop, as from copies
+                audit_grads.judge_marked(audits.kept, k, mb,
+                                         caused=(k, mb) in audits.tainted or (k, mb) in audits.g_tainted)
             with ex._timed("verify"):
                 _audit_stage(ex, st, ex.step, only=mb)
 
@@ -351,6 +368,7 @@ def end_step(ex: Any, step: int) -> None:
     claim, audits.claim = audits.claim, None
     _report_random(ex, audits, step)
     overflowed = audit_grads.overflow_skipped(ex)
+    settle_in_step_grads(ex, step, overflowed=overflowed)
     for k, st in sorted(audits.stages.items()):
         if ex.rank in st.copied_from:
             with ex._timed("comm"):
@@ -421,7 +439,8 @@ def finish(ex: Any) -> None:
     try:
         _sent(audits)
         for deferred in audits.deferred.values():   # left by a run stopped early (a ban): errors raised, no verdict
-            deferred.outcomes.result()
+            with urgent(audits.background):
+                deferred.outcomes.result()
         for copy in audits.copies.values():
             copy.settle()
     finally:
@@ -438,7 +457,8 @@ def unaudited_since(ex: Any, *, wait_s: float = 0.0) -> int | None:
     audits: RuntimeAudits | None = getattr(ex, "audits", None)
     if audits is None:
         return None
-    out = [d.step for d in audits.deferred.values() if not _passed(d, wait_s)]
+    with urgent(audits.background):
+        out = [d.step for d in audits.deferred.values() if not _passed(d, wait_s)]
     return min(out, default=None)
 
 
@@ -574,8 +594,24 @@ def _audit_stage(ex: Any, st: AuditedStage, step: int, *, only: int | None = Non
     if copy is None or copy.drifts or verifier is None or st.stage in audits.suspended:
         return
     taken = audit_recompute.take_kept(audits.kept, st.stage, only)
-    audit_recompute.record(verifier, audit_recompute.recompute(copy, taken, **_recompute_args(ex, st, step)),
-                           at_step=step)
+    outcomes = audit_recompute.recompute(copy, taken, **_recompute_args(ex, st, step))
+    if only is not None and getattr(ex, "scaler", None) is not None:
+        # fp16, in the step: its input gradients' verdicts wait for the overflow vote at the step's end
+        # (``settle_in_step_grads``): an overflow inside an honest replica's backward is none of its copy's
+        audits.in_step_grads.extend(o for o in outcomes if o.boundary == st.stage - 1)
+        outcomes = [o for o in outcomes if o.boundary != st.stage - 1]
+    audit_recompute.record(verifier, outcomes, at_step=step)
+
+
+def settle_in_step_grads(ex: Any, step: int, *, overflowed: bool) -> None:
+    """At the step's end, once the fp16 overflow vote is known: the input gradients audited in the step
+    (``_audit_stage``) recorded among the step's flags, or, on a step the vote skipped, none (as from copies:
+    ``audit_grads.drop_input_grads``; the step applied nothing)."""
+    audits: RuntimeAudits = ex.audits
+    outcomes, audits.in_step_grads = audits.in_step_grads, []
+    verifier = ex.verify.verifier if ex.verify is not None else None
+    if outcomes and not overflowed and verifier is not None:
+        audit_recompute.record(verifier, outcomes, at_step=step)
 
 
 def _tolerance(ex: Any) -> float:
@@ -672,6 +708,8 @@ def _collect(ex: Any, st: AuditedStage, step: int) -> None:
     verifier = ex.verify.verifier if ex.verify is not None else None
     if deferred is None or verifier is None:
         return
-    audit_recompute.record(verifier, deferred.outcomes.result(), at_step=step, hooks=ex.verify)
+    with urgent(audits.background):   # due now: at the normal class while waited for
+        outcomes = deferred.outcomes.result()
+    audit_recompute.record(verifier, outcomes, at_step=step, hooks=ex.verify)
     audit_contrib.settle(verifier, getattr(ex, "_contributions", None), deferred.contrib, at_step=step,
                          tolerance=_tolerance(ex))
