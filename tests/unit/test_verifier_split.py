@@ -1,6 +1,7 @@
 """Verifiers placed on the programs' price inside the search (issue 36, the swarm-t4 case): a boundary's verifier
-moved whole to another trusted device, or its senders split over several (``shared_verifiers.place_on_programs``),
-where the compiled programs price faster; the mixed search's pipelines of single devices with trusted ends.
+moved whole to another trusted device, or its senders split over several (``shared_verifiers.place_on_programs``:
+least busy first, or by side), where the compiled programs price faster; the mixed search's pipelines of single
+devices with trusted ends.
 
 On a volunteer swarm (two trusted T4s on one host, untrusted single-T4 hosts on 200 Mb/s) the greedy placement
 (``verifiers.assign_verifiers``) scores sites by the closed form, where every send counts as busy time: the trusted
@@ -107,6 +108,27 @@ def test_the_search_spreads_a_pipelines_verifiers_over_both_trusted_devices():
     placement = Placement(stages=tuple(dataclasses.replace(st, in_flight=()) for st in solution.stages),
                           verifiers=solution.verifiers, num_microbatches=solution.num_microbatches)
     priced, plan = _compiled(problem, placement, ch, cluster, CONFIG, policy)
+    assert priced.step_ms == pytest.approx(simulate(plan).step_ms, rel=0.05)
+
+
+def test_the_search_finds_a_split_boundary_that_beats_every_unsplit_placement():
+    """Two peers (four T4s at most): before, the search's plan was 3 stages (8/8/8 blocks, 10,193.4 ms); the 4-stage
+    pipeline 7/6/6/5 with boundary 1 split by side (its activations' sender checked on the last T4, its gradients'
+    on the first) prices 9,456.5 ms, its best unsplit placement 11,765.8 (whole-boundary choices, by hand)."""
+    cluster, ch, policy = _swarm(peers=2), _gpt_like(), VerificationPolicy()
+    config = dataclasses.replace(CONFIG, global_batch=32)
+    problem = problem_for(ch, cluster, config, policy, 1)[0]
+    solution = solver_api.solve(ch, cluster, config, policy, time_limit_s=2.0, workers=1)
+    placement = Placement(stages=tuple(dataclasses.replace(st, in_flight=()) for st in solution.stages),
+                          verifiers=solution.verifiers, num_microbatches=solution.num_microbatches)
+    ms = price_program(problem, placement).step_ms
+    assert ms == pytest.approx(solution.predicted_step_ms)
+    assert any(v.senders for v in placement.verifiers), placement.verifiers
+    unsplit = _unsplit(problem, placement)
+    assert unsplit and all(ms < 0.95 * price_program(problem, u).step_ms for u in unsplit)
+    assert ms < 0.95 * _best_by_hand(problem, placement.stages)[0]  # every whole-boundary placement of its stages
+    assert ms < 0.95 * 10_193.4  # the search's plan before
+    priced, plan = _compiled(problem, placement, ch, cluster, config, policy)
     assert priced.step_ms == pytest.approx(simulate(plan).step_ms, rel=0.05)
 
 

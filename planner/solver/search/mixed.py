@@ -10,12 +10,13 @@ that turns a uniform plan into one. Here they are built directly and priced as p
 * seeds (``mixed_groups``): ``head`` single-device stages, then stages of ``r`` replicas, ``stages`` in all, the
   classes' devices taken in an order (the problem's, the incumbent's, paths along the fastest links); per
   (order, r) a pattern search over (head, stages) from a start, the most promising pairs first;
-* a descent over the best seed's (unless a pipeline of single devices, which the next step covers) and the
+* per order, the pipelines of single-device stages by length (``_pipelines``; a volunteer swarm's plan: on slow
+  links replicas' all-reduces cost more than the stages they relieve), the cheapest of them hill-climbed, in at
+  most ``PIPELINE_SHARE`` of the work left;
+* a descent over the best seed's (unless a pipeline of single devices, which the step before covers) and the
   incumbent's group sequence (``group_moves``): a prefix unreplicated, a suffix replicated, a replicated stage
   split into two, two single-device neighbours merged into one stage of two replicas, a single-device stage added
-  in front or the last stage dropped; then the local search's moves;
-* per order, the pipelines of single-device stages by length (``_pipelines``; a volunteer swarm's plan: on slow
-  links replicas' all-reduces cost more than the stages they relieve).
+  in front or the last stage dropped; then the local search's moves.
 
 Each sequence is re-partitioned twice, its cuts by the closed form (``seq_partition.partition_min_step``) and by
 the same DP with every link free (the stages' compute balanced: on slow links the closed form, which counts each
@@ -37,6 +38,7 @@ from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, partition_units, program_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import neighbours
+from planner.solver.search.polish import polish
 from planner.solver.search.seq_partition import partition_min_step
 from planner.solver.shared_verifiers import place_on_programs
 from planner.solver.solution import StagePlacement
@@ -50,12 +52,17 @@ FIRST_PAIRS = 2  # (order, r) pairs searched further, the best-priced starts fir
 GRID_STAGES = (0.5, 0.67, 0.83, 1.0)
 GRID_HEADS = (0.0, 0.25, 0.5, 0.75)
 # A sequence whose greedy verifiers price within this factor of the cheapest plan met has them moved on the
-# programs' price (``shared_verifiers.place_on_programs``, a pricing per move tried): swarm-t4's 5-stage pipeline
-# prices 13,369 ms greedy (1.21x the incumbent's 11,009) and 9,162 ms moved.
-PLACE_WITHIN = 1.3
+# programs' price (``shared_verifiers.place_on_programs``, a pricing per move tried): swarm-t4's pipelines price
+# 1.3-1.6x moved what they price greedy (5 stages 13,369 -> 9,162 ms, 7 stages 14,778 -> 9,179), against an
+# incumbent that the climb's own moves already brought to 10,031.
+PLACE_WITHIN = 1.6
 # The pipelines' cost is rugged in their length (swarm-t4: 5 stages 9,162 ms, 6 11,844, 7 9,179, 8 11,876, 9 14,417):
 # the scan stops after this many lengths in a row price above its cheapest.
 PIPELINE_PATIENCE = 4
+PIPELINE_CLIMB_WITHIN = 1.1  # pipelines priced within this factor of the cheapest plan met are climbed, cheapest first
+# Of the mixed search's work left after the pattern search, at most this for the pipelines (scan and climbs); the
+# descents get the rest (on swarm-t4 at M=32 the descent from a 4-stage incumbent took all 3.4 s that were left).
+PIPELINE_SHARE = 0.5
 
 
 class Pricer:
@@ -277,21 +284,31 @@ def search(problem: Problem, placement: Placement, program_ms: float, *, time_bu
     for order, r in ranked[:FIRST_PAIRS]:
         _pattern(price, order, r, _grid_best(price, order, r, starts[(order, r)][1]))
     seed = price.best()
+    _pipelines(price, list(dict.fromkeys(order for order, _ in ranked)), PIPELINE_SHARE * work.left_s())
     own = sequence_groups(problem, placement)
     seeded = None if seed is None else sequence_groups(problem, seed[0])
-    # A pipeline seed's lengths are all priced below: its descent (the local search's replica and class moves) found
+    # A pipeline seed's lengths are all priced: its descent (the local search's replica and class moves) found
     # nothing on swarm-t4 in 2.0 nominal s of M=32's budget, which the later counts' bounds then lacked.
     for groups in (own, None if seeded is None or all(g.replicas == 1 for g in seeded) else seeded):
         if groups is not None:
             _descend(price, groups)
-    _pipelines(price, list(dict.fromkeys(order for order, _ in ranked)))
     best = price.best()
     return best if best is not None and best[1] < program_ms * (1 - 1e-9) else None
 
 
-def _pipelines(price: Pricer, orders: list[tuple[int, ...]]) -> None:
+def _pipelines(price: Pricer, orders: list[tuple[int, ...]], budget_s: float) -> None:
     """Per order, the pipelines of single-device stages from 2 stages up, priced until ``PIPELINE_PATIENCE``
-    lengths in a row price above the cheapest of them (or the devices, blocks or work run out)."""
+    lengths in a row price above the cheapest of them (or the devices, blocks or work run out), then those within
+    ``PIPELINE_CLIMB_WITHIN`` of the cheapest plan met climbed; in ``budget_s`` of ``price``'s work."""
+    outer = price.work
+    price.work = outer.sub(budget_s, "pipelines")
+    try:
+        _pipelines_in(price, orders)
+    finally:
+        price.work = outer
+
+
+def _pipelines_in(price: Pricer, orders: list[tuple[int, ...]]) -> None:
     p = price.problem
     for order in orders:
         least, worse = math.inf, 0
@@ -301,6 +318,19 @@ def _pipelines(price: Pricer, orders: list[tuple[int, ...]]) -> None:
                 break
             ms = price(groups)
             least, worse = (ms, 0) if ms < least else (least, worse + 1)
+    # The cheapest pipelines' cuts and verifiers climbed (``polish``): their cuts balance compute or the closed form,
+    # neither the programs (a mini swarm of four T4s, 24 blocks: 6/6/6/6 10,381 ms, climbed to 7/6/6/5 9,457 with
+    # a boundary split by side, under the 3-stage plan's 10,193).
+    pipes = sorted((v for g, v in price.seen.items() if v is not None and all(x.replicas == 1 for x in g)),
+                   key=lambda v: v[1])
+    climbed = [v for v in pipes if v[1] <= PIPELINE_CLIMB_WITHIN * min(pipes[0][1], price.least_ms)]
+    for i, (start, start_ms) in enumerate(climbed):  # the work left shared among the climbs still to come
+        if price.work.passed():
+            break
+        plan, ms = polish(p, start, time_budget_s=price.work.left_s() / (len(climbed) - i), within=price.work)
+        groups = sequence_groups(p, plan)
+        if ms < start_ms and (price.seen.get(groups) is None or ms < price.seen[groups][1]):
+            price.seen[groups] = (plan, ms)
 
 
 def sequence_groups(problem: Problem, placement: Placement) -> tuple[Group, ...]:
