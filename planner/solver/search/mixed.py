@@ -10,18 +10,19 @@ that turns a uniform plan into one. Here they are built directly and priced as p
 * seeds (``mixed_groups``): ``head`` single-device stages, then stages of ``r`` replicas, ``stages`` in all, the
   classes' devices taken in an order (the problem's, the incumbent's, paths along the fastest links); per
   (order, r) a pattern search over (head, stages) from a start, the most promising pairs first;
-* per order, the pipelines of single-device stages by length (``_pipelines``; a volunteer swarm's plan: on slow
-  links replicas' all-reduces cost more than the stages they relieve), the cheapest of them hill-climbed, in at
-  most ``PIPELINE_SHARE`` of the work left;
-* a descent over the best seed's (unless a pipeline of single devices, which the step before covers) and the
+* on a pool of untrusted devices, per order, the pipelines of single-device stages by length (``_pipelines``; a
+  volunteer swarm's plan: on slow links replicas' all-reduces cost more than the stages they relieve), the
+  cheapest of them hill-climbed, in at most ``PIPELINE_SHARE`` of the work left;
+* a descent over the best seed's (unless a pipeline of single devices the step before covered) and the
   incumbent's group sequence (``group_moves``): a prefix unreplicated, a suffix replicated, a replicated stage
   split into two, two single-device neighbours merged into one stage of two replicas, a single-device stage added
   in front or the last stage dropped; then the local search's moves.
 
-Each sequence is re-partitioned twice, its cuts by the closed form (``seq_partition.partition_min_step``) and by
-the same DP with every link free (the stages' compute balanced: on slow links the closed form, which counts each
-send as busy time, gives the untrusted middle stages of swarm-t4 one block each, 22,586 ms as programs against
-8,515 for 7/5/5/5/4 blocks), its verifiers placed greedily then moved on the programs' price
+Each sequence is re-partitioned by the closed form (``seq_partition.partition_min_step``); on a pool of untrusted
+devices (``volunteers``) a pipeline of single devices also by the same DP with every link free (the stages'
+compute balanced: on slow links the closed form, which counts each send as busy time, gives the untrusted middle
+stages of swarm-t4 one block each, 22,586 ms as programs against 8,515 for 7/5/5/5/4 blocks); its verifiers are
+placed greedily then moved on the programs' price
 (``shared_verifiers.place_on_programs``), and the cheaper priced (``objective.price_program``); ``polish`` moves
 the cuts afterwards. Where the policy wants trusted ends, the seeds keep a trusted device for the last stage.
 Deterministic: no randomness, fixed orders, and a work budget (``budget.Work``).
@@ -72,6 +73,7 @@ class Pricer:
         self.problem, self.work = problem, work
         self.free = comm_free_for_bound(problem)  # cut by compute alone
         self.least_ms = incumbent_ms  # the cheapest plan met (the incumbent's, at first)
+        self.volunteers = volunteers(problem)
         self.seen: dict[tuple[Group, ...], tuple[Placement, float] | None] = {}
 
     def __call__(self, groups: tuple[Group, ...] | None) -> float:
@@ -90,7 +92,7 @@ class Pricer:
         found, tried = [], set()
         # the closed form's cuts, then for a pipeline of single devices the compute's (replicas share the sends the
         # closed form counts as busy time; the second DP on every sequence doubled the descents' work)
-        pipeline = all(g.replicas == 1 for g in groups)
+        pipeline = self.volunteers and all(g.replicas == 1 for g in groups)
         for cut_by in (p, self.free) if pipeline else (p,):
             self.work.charge(partition_units(p.num_blocks, len(groups), exact=True))
             ranges = partition_min_step(cut_by, groups)
@@ -128,6 +130,12 @@ def placed(problem: Problem, groups: tuple[Group, ...], ranges: tuple[tuple[int,
         return None
     placement = Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
     return None if violations(problem, placement) else placement
+
+
+def volunteers(problem: Problem) -> bool:
+    """Whether the pool has untrusted stage devices to verify: there the pipelines of single devices and the
+    compute's cuts are tried (elsewhere, DT-FM's and the Sailor-like pools, the search stays as it was measured)."""
+    return problem.policy.enabled and any(c.stage_capable and not c.trusted for c in problem.classes)
 
 
 def valid(problem: Problem, groups: tuple[Group, ...]) -> bool:
@@ -170,14 +178,25 @@ def mixed_groups(problem: Problem, order: tuple[int, ...], head: int, replicas: 
                  stages: int) -> tuple[Group, ...] | None:
     """``head`` single-device stages then ``stages - head`` of ``replicas``, each stage on the first class in
     ``order`` with that many devices left (None: the devices run out, or the shape is empty). Where the policy
-    wants trusted ends, the last stage is one device of the first trusted class in ``order``, kept back for it."""
+    wants trusted ends and that last stage is untrusted, the last stage is one device of the first trusted class in
+    ``order`` instead, kept back for it."""
+    plain = _taken(problem, order, head, replicas, stages, None)
+    pol = problem.policy
+    if plain is None or stages < 2 or not (pol.enabled and pol.trusted_endpoints) \
+            or problem.classes[plain[-1].cls].trusted:
+        return plain
+    end = next((c for c in order if problem.classes[c].trusted), None)
+    return None if end is None else _taken(problem, order, head, replicas, stages, end)
+
+
+def _taken(problem: Problem, order: tuple[int, ...], head: int, replicas: int, stages: int,
+           end: int | None) -> tuple[Group, ...] | None:
+    """:func:`mixed_groups`' stages, the last one on a device of class ``end`` kept back for it (None: as taken)."""
     if not 0 <= head <= stages or stages < 1:
         return None
     left = {c.index: c.count for c in problem.classes}
-    pol, end = problem.policy, None
-    if pol.enabled and pol.trusted_endpoints and stages > 1:
-        end = next((c for c in order if problem.classes[c].trusted and left[c] >= 1), None)
-        if end is None:
+    if end is not None:
+        if left[end] < 1:
             return None
         left[end] -= 1
     out, at = [], 0
@@ -284,12 +303,14 @@ def search(problem: Problem, placement: Placement, program_ms: float, *, time_bu
     for order, r in ranked[:FIRST_PAIRS]:
         _pattern(price, order, r, _grid_best(price, order, r, starts[(order, r)][1]))
     seed = price.best()
-    _pipelines(price, list(dict.fromkeys(order for order, _ in ranked)), PIPELINE_SHARE * work.left_s())
+    if price.volunteers:
+        _pipelines(price, list(dict.fromkeys(order for order, _ in ranked)), PIPELINE_SHARE * work.left_s())
     own = sequence_groups(problem, placement)
     seeded = None if seed is None else sequence_groups(problem, seed[0])
     # A pipeline seed's lengths are all priced: its descent (the local search's replica and class moves) found
     # nothing on swarm-t4 in 2.0 nominal s of M=32's budget, which the later counts' bounds then lacked.
-    for groups in (own, None if seeded is None or all(g.replicas == 1 for g in seeded) else seeded):
+    covered = seeded is not None and price.volunteers and all(g.replicas == 1 for g in seeded)
+    for groups in (own, None if seeded is None or covered else seeded):
         if groups is not None:
             _descend(price, groups)
     best = price.best()
