@@ -20,11 +20,8 @@ last stage's path), ``fill`` (``planner.solver.bound.fill``: every stage's repli
 the path before them, stage 0's all-reduce and optimizer step after the pipeline, every other stage's after its
 own first input and passes, each replica's first backward after the round trip below it, its stages counted).
 ``previous_bound_ms`` / ``previous_gap``: the
-bound and gap the results file held before this run (the last commit's code). ``counts_bound_ms`` /
-``counts_gap``: the bound once each microbatch count's is raised after the search (``bound.counts.raised_bounds``,
-in a budget of ``COUNTS_SHARE`` of the limit beside the search's), as the planner would report it with that hook in
-``planner.solver.api._solve`` (not yet called there: measured here on the plan's own outcomes; the plan is not
-changed by it), with its CPU seconds and nominal seconds charged.
+bound and gap the results file held before this run (the last commit's code). The bound includes each
+microbatch count's raised after the search (``bound.counts.raised_bounds``, called by ``planner.solver.api._solve``).
 
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
 and writes ``benchmarks/results/bound_gaps.json``; ``--quick``: gpt-small at 256 tokens on two of the
@@ -34,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,12 +44,10 @@ from cost_models.cluster_file import load_cluster
 from planner.api import plan_chain
 from planner.model_io import load_chain
 from planner.simulate import simulate
-from planner.solver import api, count_solve
+from planner.solver import count_solve
 from planner.solver.api import problem_for
-from planner.solver.bound.counts import CountBound, raised_bounds
 from planner.solver.bound.links import link_lower_bound
 from planner.solver.problem import recompute_problem
-from planner.solver.search.budget import Work
 
 RESULTS = ROOT / "benchmarks" / "results" / "bound_gaps.json"
 CLUSTERS = ROOT / "benchmarks" / "clusters"
@@ -64,7 +58,6 @@ CASES = (("dtfm-worldwide", CLUSTERS / "dtfm-worldwide.yaml", 64),
          ("swarm-t4", "swarm-t4", 32),
          ("sailor-like", CLUSTERS / "sailor-like.yaml", 64))
 QUICK_CASES = CASES[0], CASES[2]  # --quick: a cluster file and a named preset
-COUNTS_SHARE = 0.05  # of the limit: the budget the counts' bounds are raised in after the search
 
 
 @contextmanager
@@ -78,43 +71,10 @@ def _without_link_term():
         count_solve.link_lower_bound_ms = kept
 
 
-@contextmanager
-def _counts_raised(limit: float, out: dict):
-    """The free solve's outcomes kept as ``_solve`` makes them (``plan_chain``'s first solve: the plan's bound is
-    its), and at its end the least over counts once ``raised_bounds`` has raised them (into ``out``: the bound, CPU
-    s, nominal s charged); the plan is untouched."""
-    kept_count, kept_solution = api.solve_count, api.to_solution
-    outcomes: list = []
-
-    def count(*args, **kwargs):
-        outcome = kept_count(*args, **kwargs)
-        outcomes.append(outcome)
-        return outcome
-
-    def solution(best, bound, *args, **kwargs):
-        if out:  # the free solve is the first; the restricted pools' and fixed shapes' after it bound their own
-            outcomes.clear()
-            return kept_solution(best, bound, *args, **kwargs)
-        cpu = time.process_time()
-        budget = Work(COUNTS_SHARE * limit, what="bounds after the search")
-        raised = raised_bounds([CountBound(o.problem, o.valid_bound_ms, o.program_ms if o.placement is not None
-                                           else math.inf) for o in outcomes], best.program_ms, budget)
-        out.update(bound_ms=min(raised, default=bound), cpu_s=time.process_time() - cpu, charged_s=budget.spent_s())
-        outcomes.clear()
-        return kept_solution(best, bound, *args, **kwargs)
-
-    api.solve_count, api.to_solution = count, solution
-    try:
-        yield
-    finally:
-        api.solve_count, api.to_solution = kept_count, kept_solution
-
-
-def _plan(chain, cluster, model: str, seq: int, batch: int, limit: float, counts: dict | None = None):
+def _plan(chain, cluster, model: str, seq: int, batch: int, limit: float):
     start = time.perf_counter()
-    with _counts_raised(limit, counts) if counts is not None else nullcontext():
-        plan = plan_chain(chain, cluster, spec=model, seq=seq, global_batch=batch, dtype="auto", time_limit_s=limit,
-                          workers=2)
+    plan = plan_chain(chain, cluster, spec=model, seq=seq, global_batch=batch, dtype="auto", time_limit_s=limit,
+                      workers=2)
     return plan, time.perf_counter() - start
 
 
@@ -132,8 +92,7 @@ def _link_terms(chain, cluster, plan) -> dict:
 
 def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: float) -> dict:
     cluster = load_cluster(where)
-    counts: dict = {}
-    new, new_s = _plan(chain, cluster, model, seq, batch, limit, counts)
+    new, new_s = _plan(chain, cluster, model, seq, batch, limit)
     with _without_link_term():
         old, old_s = _plan(chain, cluster, model, seq, batch, limit)
     sim, sim_old = simulate(new).step_ms, simulate(old).step_ms
@@ -145,9 +104,7 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
             "stages": new.num_stages, "simulated_ms": round(sim, 3), "objective_ms": round(new.report.objective_ms, 3),
             "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
             "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
-            "limited_by": binding, "counts_bound_ms": round(counts["bound_ms"], 3),
-            "counts_gap": round(1 - counts["bound_ms"] / sim, 4), "counts_cpu_s": round(counts["cpu_s"], 3),
-            "counts_charged_s": round(counts["charged_s"], 3), "link_bound_at_plan_size": links, "same_plan": abs(sim - sim_old) <= 1e-6 * sim,
+            "limited_by": binding, "link_bound_at_plan_size": links, "same_plan": abs(sim - sim_old) <= 1e-6 * sim,
             "method": new.report.method, "plan_s": round(new_s, 1), "old_plan_s": round(old_s, 1)}
 
 
@@ -176,11 +133,10 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\n{'case':<16}{'simulated ms':>14}{'old bound':>12}{'old gap':>9}{'bound':>12}{'gap':>8}"
-          f"{'counts raised':>15}{'gap':>8}  limited by")
+          f"  limited by")
     for r in rows:
         print(f"{r['case']:<16}{r['simulated_ms']:>14.1f}{r['old_bound_ms']:>12.1f}{100 * r['old_gap']:>8.1f}%"
-              f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%{r['counts_bound_ms']:>15.1f}"
-              f"{100 * r['counts_gap']:>7.1f}%  {r['limited_by']}")
+              f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']}")
     missed = [r["case"] for r in rows if r["gap"] > GOAL_GAP]
     print(f"goal gap <= {100 * GOAL_GAP:.0f}% at {limit:g} s: " + ("met" if not missed else f"missed by {missed}"))
     if not args.quick:
