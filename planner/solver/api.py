@@ -131,7 +131,8 @@ def solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
     the same inputs and seed give the same plan on a quiet or a loaded machine, unless the wall-clock ceiling
     (``budget.CEILING_FACTOR`` times the limit) stops it first, which the notes then say. ``after_plans``: plans the
     caller compiles and simulates once the search is done (its plan and rivals): their predicted work is kept from
-    the search's (``_after_s``).
+    the search's (``_after_s``). The counts' bounds are raised after it in a budget of their own
+    (``_counts_bound_s``: 5% of the limit, at least 2 s, at most half the limit): the plan is the search's alone.
     Raises :class:`InfeasiblePlanError` with the reason when no plan exists.
     """
     result = solve_or_explain(chain, cluster, config, policy, time_limit_s=time_limit_s, workers=workers,
