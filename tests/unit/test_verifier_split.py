@@ -127,7 +127,6 @@ def test_the_search_finds_a_split_boundary_that_beats_every_unsplit_placement():
     unsplit = _unsplit(problem, placement)
     assert unsplit and all(ms < 0.95 * price_program(problem, u).step_ms for u in unsplit)
     assert ms < 0.95 * _best_by_hand(problem, placement.stages)[0]  # every whole-boundary placement of its stages
-    assert ms < 0.95 * 10_193.4  # the search's plan before
     priced, plan = _compiled(problem, placement, ch, cluster, config, policy)
     assert priced.step_ms == pytest.approx(simulate(plan).step_ms, rel=0.05)
 
