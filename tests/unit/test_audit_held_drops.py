@@ -1,6 +1,6 @@
 """Audits where the auditor holds the stage's tensors (issue 37, ``planner.runtime.rank.audits.observe``), as from
 copies (``audit_grads``): an input gradient its replica marked tainted with no cause the auditor saw is a made-up
-drop (a failed audit where it is not zeros), an honest drop fails nothing; under fp16 the input gradients audited
+drop (a failed audit: held, zeros too, since the auditor sees every cause), an honest drop fails nothing; under fp16 the input gradients audited
 in the step wait for the overflow vote at its end and leave the audits on a step it skipped."""
 from __future__ import annotations
 
@@ -83,10 +83,12 @@ def test_a_held_input_gradient_marked_dropped_with_no_cause_fails_and_honest_dro
     _observe(ex, 0, x=1.0, y=2.0, g=3.0, gin=6.0)                               # honest, unmarked
     _observe(ex, 1, x=1.0, y=2.0, g=3.0, gin=6.0, gin_marked=True)              # honest values, made-up drop
     _observe(ex, 2, x=1.0, y=2.0, g=3.0, gin=0.0, g_dropped=True, gin_marked=True)   # its gradient dropped
-    _observe(ex, 3, x=1.0, y=2.0, g=3.0, gin=0.0, gin_marked=True)              # zeros: a verdict it alone heard
+    # zeros with no cause: held, the auditor is the verifier whose verdicts reach the replica, so none it did not
+    # see exists: made up too (the replica would otherwise choose which gradients upstream loses)
+    _observe(ex, 3, x=1.0, y=2.0, g=3.0, gin=0.0, gin_marked=True)
     verifier = ex.verify.verifier
-    assert _grad_verdicts(verifier) == {0: True, 1: False, 2: True, 3: True}, verifier.audits
-    assert [e["mb"] for e in verifier.flags[5]] == [1]
+    assert _grad_verdicts(verifier) == {0: True, 1: False, 2: True, 3: False}, verifier.audits
+    assert [e["mb"] for e in verifier.flags[5]] == [1, 3]
     assert all(passed for *_, passed, _, _ in verifier.audits[::2]) and len(verifier.audits) == 8   # outputs honest
     assert not ex.audits.kept   # each audited as its last tensor came in
 

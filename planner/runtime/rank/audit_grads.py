@@ -163,15 +163,18 @@ def resolve(audits: Any, st: Any) -> None:
             judge_marked(audits.kept, k, mb, caused=(k, mb) in audits.g_tainted)
 
 
-def judge_marked(kept: dict[tuple[int, str, int], Any], k: int, mb: int, *, caused: bool) -> None:
+def judge_marked(kept: dict[tuple[int, str, int], Any], k: int, mb: int, *, caused: bool,
+                 held: bool = False) -> None:
     """Stage ``k``'s microbatch ``mb``, whose input gradient its replica marked tainted: nothing where the auditor
     saw a cause (``caused``: its input or the gradient it was sent dropped, or its output marked so), else a made-up
     drop where it is not zeros (``FORGED``: a failed audit), a drop by a verdict the auditor may not see where it is
-    (recomputed on a zero gradient, as the replica did). From copies (``resolve``) or held (``audits.observe``)."""
+    (recomputed on a zero gradient, as the replica did). From copies (``resolve``) or held (``audits.observe``,
+    ``held``: the auditor is the verifier whose verdicts reach the replica, so it sees every cause, and marked
+    zeros with none are made up too)."""
     gin = kept.get((k, "gin", mb))
     if caused or gin is None or (k, "g", mb) not in kept:
         return
-    if any(bool(t.any()) for t in gin):
+    if held or any(bool(t.any()) for t in gin):
         kept[(k, FORGED, mb)] = []
     else:
         kept[(k, "g", mb)] = [torch.zeros_like(t) for t in kept[(k, "g", mb)]]

@@ -317,7 +317,8 @@ def observe(ex: Any, boundary: int, d: str, mb: int, sender: int, tensors: Seque
         if all((k, r, mb) in audits.kept for r in ROLES):   # complete: audit now, while the pipeline runs on
             if (k, mb) in audits.gin_tainted:   # marked with no cause seen: a made-up drop, as from copies
                 audit_grads.judge_marked(audits.kept, k, mb,
-                                         caused=(k, mb) in audits.tainted or (k, mb) in audits.g_tainted)
+                                         caused=(k, mb) in audits.tainted or (k, mb) in audits.g_tainted,
+                                         held=True)
             with ex._timed("verify"):
                 _audit_stage(ex, st, ex.step, only=mb)
 
