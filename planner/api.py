@@ -140,15 +140,21 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
 
     first = (HistoryEntry(event="planned", when_utc=utc_stamp(), reason=f"planned on {spec_cluster.name}"),)
 
+    at_size = {mb: (config, scaled)}
+
     def compiled(sol: Any) -> Any:
-        assert_valid(sol, scaled, spec_cluster, config, policy)  # independent memory/coverage check
-        return dataclasses.replace(predict(compile_plan(sol, scaled, spec_cluster, config, policy, ref)),
+        size = batch // sol.num_microbatches  # a restriction's plan may have its own microbatch size
+        if size not in at_size:
+            at_size[size] = (dataclasses.replace(config, microbatch_size=size), scale_chain(chain, size))
+        cfg, sc = at_size[size]
+        assert_valid(sol, sc, spec_cluster, cfg, policy)  # independent memory/coverage check
+        return dataclasses.replace(predict(compile_plan(sol, sc, spec_cluster, cfg, policy, ref)),
                                    history=first, cluster_source=source)
 
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
-    found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute,
+    found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute, sizes=sizes,
                         share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
     found += _shared([solution, *found], chain, spec_cluster, config, policy)
@@ -208,16 +214,16 @@ def _shared(solutions: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, c
 
 
 def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
-                policy: VerificationPolicy, *, workers: int, recompute: str, share_s: float, pool_s: float,
-                seed: int = 0) -> list[Any]:
-    """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at ``config``'s
-    microbatch size, sharing ``share_s`` of work (``part_budget_s``; ``pool_s``: the whole pool's search): rivals
+                policy: VerificationPolicy, *, workers: int, recompute: str, sizes: Sequence[int],
+                share_s: float, pool_s: float, seed: int = 0) -> list[Any]:
+    """The solver's plan of each restriction of the pool (``planner.solver.restrictions``) at the microbatch sizes
+    the pool's search tried (``sizes``: a part's best size may not be the pool's plan's), sharing ``share_s`` of work (``part_budget_s``; ``pool_s``: the whole pool's search): rivals
     the full pool's plan must beat in simulation."""
     out: list[Any] = []
     for part in parts:
         found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
                                             time_limit_s=part_budget_s(part, share_s, len(parts), pool_s),
-                                            recompute_mode=recompute, seed=seed)
+                                            recompute_mode=recompute, seed=seed, microbatch_sizes=sizes)
         if not isinstance(found, InfeasiblePlanError):
             method = f"{found.report.method} on {part.name}"
             out.append(dataclasses.replace(found, report=dataclasses.replace(found.report, method=method)))
