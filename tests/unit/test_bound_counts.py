@@ -18,7 +18,7 @@ from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from planner.solver.search.budget import Work
 from tests.unit.solver_fixtures import random_chain
-from tests.unit.test_bound_fill_route import _pool, _prices
+from tests.unit.test_bound_fill_route import _pool, _prices, pool_cluster
 
 HAIR = 1 + 1e-9
 
@@ -28,20 +28,7 @@ def _counts(rng: np.random.Generator, kind: str):
     trusted ends, verifiers; ``hosts``: 3-5 one-T4 hosts, no verification) at each microbatch count its global
     batch of 8 allows (sizes 1, 2, 4), with the recompute variant of size 1: (problem, cheapest enumerated plan)
     per count."""
-    gbps, lat = float(rng.choice([0.2, 0.5, 2.0])), float(rng.choice([5.0, 50.0]))
-    if kind == "hosts":
-        hosts = [{"name": f"h{i}", "region": "r", "trust": "op", "trusted": True,
-                  "devices": [{"type": "T4", "count": 1}]} for i in range(int(rng.integers(3, 6)))]
-        policy = VerificationPolicy(enabled=False)
-    else:
-        hosts = [{"name": "home", "region": "r", "trust": "op", "trusted": True,
-                  "devices": [{"type": "T4", "count": 2}]}]
-        hosts += [{"name": f"v{i}", "region": "r", "trust": f"v{i}", "devices": [{"type": "T4", "count": 1}]}
-                  for i in range(int(rng.integers(2, 5)))]
-        policy = VerificationPolicy()
-    cluster = parse_cluster({"name": kind, "hosts": hosts,
-                             "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
-                                       "default": {"bandwidth_gbps": gbps, "latency_ms": lat}}})
+    cluster, policy = pool_cluster(rng, kind)
     chain = random_chain(rng, int(rng.integers(4, 7)), param_scale=float(rng.choice([2e6, 3e7, 2e8])),
                          flop_scale=float(rng.choice([5e10, 5e11])), act_scale=5e7,
                          out_scale=float(rng.choice([1e6, 8e6, 4e7])))

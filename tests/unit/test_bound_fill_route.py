@@ -34,6 +34,17 @@ HAIR = 1 + 1e-9
 def _pool(rng: np.random.Generator, kind: str):
     """``swarm2`` / ``swarm3``: a trusted host of 2 / 3 T4s and 2-4 volunteers' T4s, trusted ends, verifiers;
     ``hosts``: 3-5 one-T4 hosts, verification off. Links 0.2-2 Gb/s, 5-50 ms; 4-7 blocks, 4 or 8 microbatches."""
+    cluster, policy = pool_cluster(rng, kind)
+    chain = random_chain(rng, int(rng.integers(4, 8)), param_scale=float(rng.choice([2e6, 3e7, 2e8])),
+                         flop_scale=float(rng.choice([5e10, 5e11])), act_scale=5e7,
+                         out_scale=float(rng.choice([1e6, 8e6, 4e7])))
+    config = TrainingConfig(global_batch=int(rng.choice([4, 8])), microbatch_size=1,
+                            schedule="gpipe" if rng.random() < 0.2 else "1f1b")
+    return build_problem(scale_chain(chain, 1), cluster, config, policy), cluster
+
+
+def pool_cluster(rng: np.random.Generator, kind: str):
+    """``_pool``'s cluster and policy (drawn first, so a test drawing its own chain after it sees the same pools)."""
     gbps, lat = float(rng.choice([0.2, 0.5, 2.0])), float(rng.choice([5.0, 50.0]))
     if kind == "hosts":
         hosts = [{"name": f"h{i}", "region": "r", "trust": "op", "trusted": True,
@@ -49,12 +60,7 @@ def _pool(rng: np.random.Generator, kind: str):
     cluster = parse_cluster({"name": kind, "hosts": hosts,
                              "links": {"intra_host": {"bandwidth_gbps": 100, "latency_ms": 0.01},
                                        "default": {"bandwidth_gbps": gbps, "latency_ms": lat}}})
-    chain = random_chain(rng, int(rng.integers(4, 8)), param_scale=float(rng.choice([2e6, 3e7, 2e8])),
-                         flop_scale=float(rng.choice([5e10, 5e11])), act_scale=5e7,
-                         out_scale=float(rng.choice([1e6, 8e6, 4e7])))
-    config = TrainingConfig(global_batch=int(rng.choice([4, 8])), microbatch_size=1,
-                            schedule="gpipe" if rng.random() < 0.2 else "1f1b")
-    return build_problem(scale_chain(chain, 1), cluster, config, policy), cluster
+    return cluster, policy
 
 
 def _prices(problem, cluster, max_stages: int = 5) -> list[float]:
