@@ -30,7 +30,7 @@ does not rule out; what they leave unused hill-climbs the best count's plan, ``c
 6. keeps, of every valid plan the steps above met (and every uniform pp x dp
    grid, ``grid``), the one whose compiled programs cost least
    (``objective.price_program``: the reported objective), hill-climbs on that
-   cost (``polish``) and bounds it with free links (``bound.relax.comm_free_for_bound``)
+   cost (``polish``) and bounds it with free links (``problem.comm_free_for_bound``)
    in the ``VALID_BOUND_SHARE`` of the time held back (``POLISH_SHARE`` of it for the hill-climb).
 
 What the search's bound bounds (kept in the notes): the closed form

@@ -15,7 +15,7 @@ import time
 from planner.solver import recompute
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.bound.links import link_lower_bound_ms
-from planner.solver.bound.relax import comm_free_for_bound, merged_for_bound
+from planner.solver.bound.relax import merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
 from planner.solver.objective import (
@@ -25,7 +25,7 @@ from planner.solver.objective import (
     program_lower_bound_ms,
 )
 from planner.solver.outcome import Outcome, Progress
-from planner.solver.problem import Problem, bound_problem
+from planner.solver.problem import Problem, bound_problem, comm_free_for_bound
 from planner.solver.search import mixed
 from planner.solver.search.budget import (
     Work,
@@ -40,7 +40,7 @@ from planner.solver.warm import WarmStart
 
 # Of each M's time budget, held back to hill-climb on the cost of the compiled programs (``polish``: the
 # objective itself; on DT-FM's spot case it needs ~2 s of a 7 s share to converge) and bound that cost (the
-# search's bounds are on its closed form, which prices sends as busy time: ``bound.relax.comm_free_for_bound``).
+# search's bounds are on its closed form, which prices sends as busy time: ``problem.comm_free_for_bound``).
 VALID_BOUND_SHARE = 0.3
 POLISH_SHARE = 2 / 3  # of the time held back
 # Of polish's budget, then also for plans of single-device stages then replicated ones (``search.mixed``), which
@@ -62,7 +62,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                 shape: tuple[int | None, int | None] = (None, None), warm: WarmStart | None = None, *,
                 within: Work | None = None, seed: int = 0) -> Outcome:
     """Search (``search_count``), then keep the plan whose compiled programs cost least among every valid plan the
-    search met, and bound that cost (``bound.relax.comm_free_for_bound``) in the time held back for it. With a
+    search met, and bound that cost (``problem.comm_free_for_bound``) in the time held back for it. With a
     ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``).
     ``time_limit_s``: nominal seconds of work (``search.budget``), charged to ``within`` too."""
     start = time.perf_counter()

@@ -460,3 +460,21 @@ def recompute_problem(base: Problem) -> Problem:
     classes = tuple(dataclasses.replace(c, mem_bytes=max(0, c.mem_bytes - peak)) for c in base.classes)
     return dataclasses.replace(base, time_ms=base.time_ms + fwd, bwd_ms=bwd + fwd, act_bytes=inputs,
                                classes=classes, recompute=True, twin=base)
+
+
+# A link no transfer or all-reduce costs anything on (finite, as a Link must be).
+FREE_LINK = Link(bandwidth_gbps=1e15, latency_ms=0.0)
+
+
+def comm_free_for_bound(problem: Problem) -> Problem:
+    """The problem with every link free: a bound on it bounds the cost of the compiled programs.
+
+    The search's closed form (``objective.evaluate``) counts a stage's sends as time its replica is busy;
+    the compiled programs send without blocking, so a plan's program cost (``program_cost``) can be below
+    that closed form, and a bound on the closed form need not bound it. With free links the closed form is
+    the stages' compute and checks alone, which no program beats: each replica is busy that long, and a
+    microbatch passes every other stage on its way (``program_cost``'s path is at least the other stages'
+    share of it).
+    """
+    links = tuple(tuple(None if lk is None else FREE_LINK for lk in row) for row in problem.links)
+    return dataclasses.replace(problem, links=links)

@@ -30,8 +30,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "planner.solver.in_flight", "planner.solver.verdict_backlog", "planner.solver.drain_schedule",
      "planner.solver.drain_device", "planner.solver.drain_order", "planner.solver.drain_replay",
      "planner.solver.program_cost",
-     "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price"),  # the solver's core
-    ("planner.solver.search",),
+     "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price",
+     "planner.solver.link_tests"),                                                   # the solver's core
+    ("planner.solver.search", "planner.solver.shared_verifiers"),
     ("planner.solver.bound", "planner.solver.cpsat"),
     ("planner.solver",),                                                             # the orchestrator, report
     ("planner.plan", "planner.plan_values", "planner.plan_history", "planner.plan_json", "planner.plan_load",

@@ -33,9 +33,8 @@ import math
 from collections import Counter
 
 from cost_models import comm
-from planner.solver.bound.relax import comm_free_for_bound
 from planner.solver.objective import Placement, even_split, price_program, violations
-from planner.solver.problem import Problem
+from planner.solver.problem import Problem, comm_free_for_bound
 from planner.solver.search.budget import Work, partition_units, program_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import neighbours
