@@ -33,16 +33,14 @@ import math
 from collections import Counter
 
 from cost_models import comm
-from planner.solver.objective import Placement, even_split, price_program, violations
+from planner.solver.objective import Placement, price_program, violations
 from planner.solver.problem import Problem, comm_free_for_bound
 from planner.solver.search.budget import Work, partition_units, program_units
 from planner.solver.search.chain_dp import Group
 from planner.solver.search.local import neighbours
 from planner.solver.search.polish import polish
-from planner.solver.search.seq_partition import partition_min_step
+from planner.solver.search.seq_partition import partition_min_step, placed
 from planner.solver.shared_verifiers import place_on_programs
-from planner.solver.solution import StagePlacement
-from planner.solver.verifiers import assign_verifiers
 
 MAX_REPLICAS = 4  # replica counts of the later stages tried (2..this): more leave too few stages on slow links
 PATTERN_STEPS = (2, 1)  # the pattern search's steps over (head, stages), coarse to fine
@@ -99,7 +97,7 @@ class Pricer:
                 continue
             tried.add(ranges)
             placement = placed(p, groups, ranges)
-            if placement is None:
+            if placement is None or violations(p, placement):
                 continue
             self.work.charge(program_units(p.num_microbatches, len(groups)))
             ms = price_program(p, placement).step_ms
@@ -112,23 +110,6 @@ class Pricer:
     def best(self) -> tuple[Placement, float] | None:
         found = [v for v in self.seen.values() if v is not None]
         return min(found, key=lambda v: v[1]) if found else None
-
-
-def placed(problem: Problem, groups: tuple[Group, ...], ranges: tuple[tuple[int, int], ...]) -> Placement | None:
-    """``groups`` on ``ranges``, each class's devices taken in order, verifiers placed greedily (None: some
-    boundary has no verifier, or the plan breaks a constraint)."""
-    M, free = problem.num_microbatches, {}
-    stages = []
-    for k, (g, (s, e)) in enumerate(zip(groups, ranges)):
-        pool = free.setdefault(g.cls, list(problem.classes[g.cls].device_ids))
-        stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=tuple(pool[:g.replicas]),
-                                     microbatches=even_split(M, g.replicas)))
-        del pool[:g.replicas]
-    verifiers = assign_verifiers(problem, tuple(stages), M)
-    if verifiers is None:
-        return None
-    placement = Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
-    return None if violations(problem, placement) else placement
 
 
 def volunteers(problem: Problem) -> bool:

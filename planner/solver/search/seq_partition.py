@@ -181,22 +181,24 @@ def sequence_placement(problem: Problem, groups: tuple[Group, ...], *, exact: bo
     DP of :func:`partition_min_step` (exact stage sends, min iteration time).
     """
     ranges = partition_min_step(problem, groups) if exact else partition_sequence(problem, groups)
-    if ranges is None:
+    placement = None if ranges is None else placed(problem, groups, ranges)
+    if placement is None:
         return None
-    M, free = problem.num_microbatches, {}
-    stages = []
-    for k, (g, (s, e)) in enumerate(zip(groups, ranges)):
-        pool = free.setdefault(g.cls, list(problem.classes[g.cls].device_ids))
-        devices = tuple(pool[:g.replicas])
-        del pool[:g.replicas]
-        stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=devices,
-                                     microbatches=even_split(M, g.replicas)))
-    stages = tuple(stages)
-    verifiers = assign_verifiers(problem, stages, M)
-    if verifiers is None:
-        return None
-    placement = Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
     ev = evaluate(problem, placement)
     if violations(problem, placement, ev):
         return None
     return placement, ev.step_ms
+
+
+def placed(problem: Problem, groups: tuple[Group, ...], ranges: tuple[tuple[int, int], ...]) -> Placement | None:
+    """``groups`` on ``ranges``, each class's devices taken in order, verifiers placed greedily (None: some
+    boundary has no verifier); constraints not checked."""
+    M, free = problem.num_microbatches, {}
+    stages = []
+    for k, (g, (s, e)) in enumerate(zip(groups, ranges)):
+        pool = free.setdefault(g.cls, list(problem.classes[g.cls].device_ids))
+        stages.append(StagePlacement(index=k, first_block=s, last_block=e, devices=tuple(pool[:g.replicas]),
+                                     microbatches=even_split(M, g.replicas)))
+        del pool[:g.replicas]
+    verifiers = assign_verifiers(problem, tuple(stages), M)
+    return None if verifiers is None else Placement(stages=tuple(stages), verifiers=verifiers, num_microbatches=M)
