@@ -119,6 +119,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=None, help="per plan (s; default 60, --quick 2)")
     ap.add_argument("--quick", action="store_true", help="gpt-small at 256 tokens, 2 s a plan, nothing written")
+    ap.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=None,
+                    help="only these cases (nothing written: the results file holds every case)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -126,7 +128,10 @@ def main() -> int:
     model, seq = ("gpt-small", 256) if args.quick else ("gpt-1.3b", 1024)
     _, chain = load_chain(model, batch=1, seq=seq)
     rows, before = [], {} if args.quick else _previous()
-    for name, where, batch in QUICK_CASES if args.quick else CASES:
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        cases = tuple(c for c in cases if c[0] in args.cases)
+    for name, where, batch in cases:
         row = _case(name, where, batch, chain, model, seq, limit)
         if name in before:
             row |= {"previous_bound_ms": before[name]["bound_ms"], "previous_gap": before[name]["gap"]}
@@ -139,7 +144,7 @@ def main() -> int:
               f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']}")
     missed = [r["case"] for r in rows if r["gap"] > GOAL_GAP]
     print(f"goal gap <= {100 * GOAL_GAP:.0f}% at {limit:g} s: " + ("met" if not missed else f"missed by {missed}"))
-    if not args.quick:
+    if not args.quick and not args.cases:
         RESULTS.write_text(json.dumps({
             "benchmark": "bound_gaps", "date": time.strftime("%Y-%m-%d"), "time_limit_s": limit,
             "machine": f"{platform.machine()}, {platform.system()}, 2 cores shared (nice 19, not quiet)",
