@@ -31,7 +31,8 @@ gather such as an embedding lookup reads only the rows it selects).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 from planner.errors import InvalidInputError
 from planner.ir import Block, BlockChain, Graph, Node, TiedParam
@@ -197,7 +198,7 @@ def module_units(paths: Iterable[str]) -> dict[str, str]:
     depths = [d for d in depth_of.values() if d is not None]
     top = min(depths) if depths else None
     containers = {".".join(p.split(".")[:top]) for p, d in depth_of.items() if d is not None and d == top}
-    container_prefixes = {".".join(c.split(".")[:j]) for c in containers for j in range(0, len(c.split(".")) + 1)}
+    container_prefixes = {".".join(c.split(".")[:j]) for c in containers for j in range(len(c.split(".")) + 1)}
     units: dict[str, str] = {}
     for p in paths:
         parts = p.split(".")
@@ -259,6 +260,16 @@ def _blocks(graph: Graph, liveness: _Liveness, segments: Sequence[range], granul
             mem_traffic_bytes=_traffic_bytes(graph, members),
             random_ops=tuple(dict.fromkeys(n.random_op for n in members if n.random_op))))
     return blocks
+
+
+def block_input_grad_flops(graph: Graph, block: Block) -> int | None:
+    """Of ``block``'s backward FLOPs, those producing the gradients of activations rather than of weights (its
+    nodes' ``Node.bwd_input_flops``: what an audit recomputing the block's input gradient alone runs); None where a
+    node with a backward recorded no split."""
+    members = [graph.node(name) for name in block.node_names]
+    if any(n.bwd_flops and n.bwd_input_flops is None for n in members):
+        return None
+    return sum(n.bwd_input_flops or 0 for n in members)
 
 
 def _saved_bytes(members: Sequence[Node]) -> int:

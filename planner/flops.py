@@ -26,13 +26,22 @@ when any input needs a gradient, else 0: a pointwise backward multiplies the
 incoming gradient by a local derivative, which is the same order of work. This
 is an estimate, not a measurement; the matmul terms dominate every model we
 plan for.
+
+Input-gradient FLOPs (``bwd_input_flops``): the part of the backward that an
+audit's recompute runs when it asks autograd for the stage input's gradient
+alone (``runtime.rank.audit_copy.grads``): the registered backward formulas
+asked for the gradients of the op's activation operands only (a linear layer:
+``dX = dY W^T``, half its backward; attention: all of it), and the non-matmul
+work wherever an activation operand needs a gradient. The rest of the backward
+produces the weights' gradients (``dW = X^T dY``).
 """
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils import flop_counter
@@ -77,9 +86,11 @@ class OpCost:
     bwd_flops: int
     is_view: bool
     outputs_require_grad: tuple[bool, ...] = ()
+    bwd_input_flops: int = 0   # of bwd_flops, those for the activation operands' gradients (module docstring)
 
     def __post_init__(self) -> None:
         assert self.fwd_flops >= 0 and self.bwd_flops >= 0, "flop counts are non-negative"
+        assert 0 <= self.bwd_input_flops <= self.bwd_flops, "input-gradient flops are part of the backward's"
 
 
 # --- CPU flash attention: the ops FlopCounterMode cannot see ------------------
@@ -173,7 +184,7 @@ class _TableCounter(TorchDispatchMode):
         self.saw_softmax = False
         self._skip = frozenset(skip)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch protocol)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.overloadpacket not in self._skip:
@@ -184,21 +195,25 @@ class _TableCounter(TorchDispatchMode):
 
 
 def measure_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
-               target: Any, params: Sequence[torch.Tensor] = ()) -> tuple[OpCost, Any]:
+               target: Any, params: Sequence[torch.Tensor] = (),
+               weights: Sequence[torch.Tensor] = ()) -> tuple[OpCost, Any]:
     """Run ``fn(*args, **kwargs)`` on meta tensors and count its forward and backward FLOPs.
 
     ``args``/``kwargs`` hold meta leaf tensors whose ``requires_grad`` says whether
     a gradient flows to them; ``params`` are leaves ``fn`` reads by closure (a
-    module's weights). ``target`` names the op (for the attention rule).
+    module's weights); ``weights``: those of ``args``/``kwargs`` whose gradient
+    reaches parameters only (a parameter, or a value computed from parameters
+    alone), the rest being activations (``OpCost.bwd_input_flops``).
+    ``target`` names the op (for the attention rule).
     Returns the cost and the op's result (meta tensors). Raises whatever the op
     raises; the caller then falls back to :func:`table_flops` on recorded shapes.
     """
     mapping = sdpa_custom_mapping()
     inputs = _tensors((args, kwargs))
     # enable_grad restores the grad mode on exit even if the op (e.g. a set_grad_enabled region) fails.
-    with torch.enable_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        with _TableCounter(counter.flop_registry) as table:
-            result = fn(*args, **kwargs)
+    with torch.enable_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter, \
+            _TableCounter(counter.flop_registry) as table:
+        result = fn(*args, **kwargs)
     outs = _tensors(result)
     grads = tuple(bool(o.requires_grad) for o in outs)
     needs_grad = any(grads)
@@ -211,8 +226,23 @@ def measure_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
         other += ATTN_SCORE_FLOPS_PER_ELEMENT * _sdpa_score_elements(args)  # a fused kernel hid its softmax
     # Non-matmul work: about 1x forward in backward (module docstring).
     bwd = matmul_bwd + (other if needs_grad else 0)
+    bwd_input = _input_grad_flops(outs, inputs, weights=[*weights, *params], mapping=mapping,
+                                  matmul_bwd=matmul_bwd, other=other if needs_grad else 0)
     return OpCost(fwd_flops=matmul_fwd + other, bwd_flops=bwd, is_view=False,
-                  outputs_require_grad=grads), result
+                  outputs_require_grad=grads, bwd_input_flops=bwd_input), result
+
+
+def _input_grad_flops(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                      weights: Sequence[torch.Tensor], mapping: Mapping[Any, Callable[..., int]],
+                      matmul_bwd: int, other: int) -> int:
+    """Of an op's backward (``matmul_bwd`` + ``other``), the FLOPs for its activation operands' gradients:
+    the registered formulas asked for those alone, and the non-matmul work where any of them needs one."""
+    acts = [t for t in inputs if t.requires_grad and not any(t is w for w in weights)]
+    if not acts:
+        return 0
+    if not matmul_bwd or not any(w.requires_grad for w in weights):
+        return matmul_bwd + other   # no weight takes a gradient here: the whole backward is the inputs'
+    return min(matmul_bwd, _backward_flops(outs, acts, mapping)) + other
 
 
 def _is_alias(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
@@ -231,8 +261,9 @@ def _backward_flops(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
     if not diff_outs or not leaves:
         return 0
     with torch.enable_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=dict(mapping)) as counter:
+        # the graph kept: the input gradients' alone are counted on it too (meta tensors, nothing to free)
         torch.autograd.grad(diff_outs, leaves, grad_outputs=[torch.empty_like(o) for o in diff_outs],
-                            allow_unused=True)
+                            allow_unused=True, retain_graph=True)
     return counter.get_total_flops()
 
 
@@ -326,3 +357,16 @@ def onnx_bwd_flops(op_type: str, fwd_flops: int, *, grad_inputs: Sequence[bool])
     if op_type == "Attention":
         return 2 * fwd_flops
     return fwd_flops
+
+
+def onnx_bwd_input_flops(op_type: str, fwd_flops: int, *, grad_inputs: Sequence[bool],
+                         weight_inputs: Sequence[bool]) -> int:
+    """Of :func:`onnx_bwd_flops`, those for the gradients of the operands that are not ``weight_inputs``
+    (parameters, or values computed from parameters alone): a matmul-like op's per such operand, the rest's where
+    any such operand needs a gradient (module docstring)."""
+    acts = [g and not w for g, w in zip(grad_inputs, list(weight_inputs) + [False] * len(grad_inputs))]
+    if not any(acts):
+        return 0
+    if op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
+        return fwd_flops * sum(1 for g in acts[:2] if g)
+    return onnx_bwd_flops(op_type, fwd_flops, grad_inputs=grad_inputs)

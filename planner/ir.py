@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Literal
 
 import networkx as nx
 
@@ -81,6 +82,9 @@ class Node:
     (reshape, transpose, slicing): they allocate no activation memory.
     ``random_op`` names the op where it draws random numbers as traced
     (``planner.random_ops``: a dropout in training, a sampler), else ``""``.
+    ``bwd_input_flops``: of ``bwd_flops``, those that produce the gradients of
+    its activation inputs, not of its weights (``planner.flops``: a linear
+    layer's half, a weightless op's all); None where not recorded.
     """
 
     name: str
@@ -94,6 +98,7 @@ class Node:
     bwd_flops: int = 0
     is_view: bool = False
     random_op: str = ""
+    bwd_input_flops: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -101,6 +106,9 @@ class Node:
         if self.fwd_flops < 0 or self.bwd_flops < 0:
             raise InvalidInputError(f"flops of node {self.name}", expected=">= 0",
                                     found=f"{self.fwd_flops}/{self.bwd_flops}")
+        if self.bwd_input_flops is not None and not 0 <= self.bwd_input_flops <= self.bwd_flops:
+            raise InvalidInputError(f"input-gradient flops of node {self.name}", expected=f"0 to {self.bwd_flops}",
+                                    found=str(self.bwd_input_flops))
 
     @property
     def out_bytes(self) -> int:

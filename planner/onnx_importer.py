@@ -7,7 +7,12 @@ from typing import Any
 import onnx
 
 from planner.errors import InvalidInputError
-from planner.flops import ONNX_VIEW_OPS, onnx_bwd_flops, onnx_fwd_flops
+from planner.flops import (
+    ONNX_VIEW_OPS,
+    onnx_bwd_flops,
+    onnx_bwd_input_flops,
+    onnx_fwd_flops,
+)
 from planner.ir import DTYPE_BYTES, Graph, Node, ParamInfo, TensorMeta
 
 __all__ = ["Importer"]
@@ -135,6 +140,7 @@ class Importer:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in onode.attribute}
         fwd = onnx_fwd_flops(onode.op_type, in_shapes, [m.shape for m in metas], attrs)
         grads = [self.requires_grad.get(v, False) for v in onode.input if v]
+        weights = [v in self.static_deps for v in onode.input if v]   # parameter-derived operands
         is_view = onode.op_type in ONNX_VIEW_OPS
         path = _module_path(onode) or self._inherited_path(live_inputs)
         self.nodes.append(Node(
@@ -143,7 +149,9 @@ class Importer:
             outputs=metas,
             param_names=tuple(params), fwd_flops=0 if is_view else fwd,
             bwd_flops=0 if is_view else onnx_bwd_flops(onode.op_type, fwd, grad_inputs=grads),
-            is_view=is_view))
+            is_view=is_view,
+            bwd_input_flops=0 if is_view else onnx_bwd_input_flops(onode.op_type, fwd, grad_inputs=grads,
+                                                                  weight_inputs=weights)))
         for v, meta in zip(outs, metas):
             self.producer[v] = name
             self.requires_grad[v] = any(grads) and meta.dtype in _FLOATING

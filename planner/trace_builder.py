@@ -54,12 +54,14 @@ class Builder:
         self.values: dict[str, Any] = {}            # node name -> example value (fake or meta)
         self.requires_grad: dict[str, tuple[bool, ...]] = {}
         self.node_names: set[str] = set()
+        self.static: set[str] = set()               # names whose value derives from parameters alone
         self.cost_cache: dict[str, OpCost] = {}
 
     def add_param(self, node_name: str, fqn: str, value: torch.Tensor, *, trainable: bool) -> None:
         if fqn not in self.params:
             self.params[fqn] = ParamInfo(name=fqn, meta=tensor_meta(value), trainable=trainable)
         self.param_of[node_name] = fqn
+        self.static.add(node_name)
         self.values[node_name] = value
         self.requires_grad[node_name] = (trainable and value.dtype.is_floating_point,)
 
@@ -75,11 +77,13 @@ class Builder:
     def add_exported_op(self, fx_node: torch.fx.Node) -> None:
         value = fx_node.meta.get("val")
         cost = self._exported_cost(fx_node, value)
+        self._mark_static(fx_node)
         self._append(self._node(fx_node, value, cost, op=op_name(fx_node.target),
                                 random=node_random_op(fx_node) or ""), value, cost.outputs_require_grad)
 
     def add_measured(self, fx_node: torch.fx.Node, value: Any, cost: OpCost, op: str,
                      params: Sequence[str] = (), random: str = "") -> None:
+        self._mark_static(fx_node)
         self._append(self._node(fx_node, value, cost, op=op, params=params, random=random), value,
                      cost.outputs_require_grad)
 
@@ -93,7 +97,15 @@ class Builder:
                     outputs=tuple(tensor_meta(t) for t in flat_tensors(value)),
                     param_names=tuple(dict.fromkeys(
                         [self.param_of[p] for p in producers if p in self.param_of] + list(params))),
-                    fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, is_view=cost.is_view, random_op=random)
+                    fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, is_view=cost.is_view, random_op=random,
+                    bwd_input_flops=cost.bwd_input_flops)
+
+    def _mark_static(self, fx_node: torch.fx.Node) -> None:
+        """An op all of whose tensor operands derive from parameters alone does too (its gradient reaches only
+        them: an audit asking for the stage input's gradient never runs its backward)."""
+        tensors = [a.name for a in fx_node.all_input_nodes if a.name in self.node_names or a.name in self.static]
+        if tensors and all(name in self.static for name in tensors):
+            self.static.add(fx_node.name)
 
     def _append(self, node: Node, value: Any, grads: tuple[bool, ...]) -> None:
         self.nodes.append(node)
@@ -108,9 +120,10 @@ class Builder:
         # Transformer layers repeat the same ops at the same shapes: measure each signature once.
         key = self._signature(fx_node)
         if key not in self.cost_cache:
-            args, kwargs = self.leaf_args(fx_node)
+            args, kwargs, weights = self.leaves(fx_node)
             try:
-                self.cost_cache[key], _ = measure_op(fx_node.target, args, kwargs, target=fx_node.target)
+                self.cost_cache[key], _ = measure_op(fx_node.target, args, kwargs, target=fx_node.target,
+                                                     weights=weights)
             except TRACE_ERRORS:
                 self.cost_cache[key] = self._table_cost(fx_node, value)  # no meta kernel: shapes only
         return self.cost_cache[key]
@@ -125,7 +138,7 @@ class Builder:
             layout = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in flat_tensors(value)]
             if not layout and isinstance(value, torch.fx.GraphModule):
                 return ("graph", arg.name)  # a higher-order op's body: unique to this call
-            return ("node", index, layout or repr(value), self.requires_grad.get(arg.name, ()))
+            return ("node", index, layout or repr(value), self.requires_grad.get(arg.name, ()), arg.name in self.static)
 
         return repr((str(fx_node.target), map_arg(fx_node.args, describe), map_arg(fx_node.kwargs, describe)))
 
@@ -140,23 +153,30 @@ class Builder:
         outs = flat_tensors(value)
         flops = table_flops(fx_node.target, [t.shape for t in ins], [t.shape for t in outs])
         grad_in = any(g for a in fx_node.all_input_nodes for g in self.requires_grad.get(a.name, ()))
+        grad_act = any(g for a in fx_node.all_input_nodes if a.name not in self.static
+                       for g in self.requires_grad.get(a.name, ()))
         grads = tuple(grad_in and t.dtype.is_floating_point for t in outs)
         schema = getattr(fx_node.target, "_schema", None)
         is_view = bool(schema and schema.returns and all(
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
         return OpCost(fwd_flops=0 if is_view else flops, bwd_flops=0 if is_view or not grad_in else flops,
-                      is_view=is_view, outputs_require_grad=grads)
+                      is_view=is_view, outputs_require_grad=grads,
+                      bwd_input_flops=0 if is_view or not grad_act else flops)
 
-    def leaf_args(self, fx_node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The op's arguments as fresh meta leaves (same shape, dtype, strides, requires_grad)."""
+    def leaves(self, fx_node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        """The op's arguments as fresh meta leaves (same shape, dtype, strides, requires_grad) and, of those
+        leaves, the ones derived from parameters alone (``measure_op``'s ``weights``)."""
         cache: dict[str, Any] = {}
+        weights: list[torch.Tensor] = []
 
         def leaf(arg: torch.fx.Node) -> Any:
             if arg.name not in cache:
                 cache[arg.name] = _as_meta(self.values.get(arg.name), self.requires_grad.get(arg.name, ()))
+                if arg.name in self.static:
+                    weights.extend(flat_tensors(cache[arg.name]))
             return cache[arg.name]
 
-        return map_arg(fx_node.args, leaf), map_arg(fx_node.kwargs, leaf)
+        return map_arg(fx_node.args, leaf), map_arg(fx_node.kwargs, leaf), weights
 
     def graph(self, source: str) -> Graph:
         return Graph(name=self.name, source=source, nodes=self.nodes, params=self.params.values())

@@ -62,9 +62,9 @@ class FxInterpreter:
 
     def _run_op(self, fx_node: torch.fx.Node) -> None:
         b = self.builder
-        args, kwargs = b.leaf_args(fx_node)
+        args, kwargs, weights = b.leaves(fx_node)
         fn, target, op, params, leaves = self._callable(fx_node)
-        cost, result = measure_op(fn, args, kwargs, target=target, params=leaves)
+        cost, result = measure_op(fn, args, kwargs, target=target, params=leaves, weights=weights)
         value = _detach(result)
         if not flat_tensors(value):  # shape arithmetic (x.shape, floordiv): a value, not a node
             b.values[fx_node.name] = value

@@ -195,29 +195,50 @@ def audit_sites(problem: Problem, stages: tuple[StagePlacement, ...],
 
 
 # The share of a stage's backward an audit recomputes for the input gradient alone (``runtime.rank.audit_copy.grads``
-# asks autograd for the inputs' gradients only): a matmul-dominated stage spends one forward's flops on the input
-# gradient and one on the weights' (a d=768 GPT stage of 2 layers on one CPU thread: 165 of 356 ms, 0.46). The
-# weights' share is recomputed too only for a contribution audit (``audit_contrib``).
+# asks autograd for the inputs' gradients only) where its blocks record no split (``input_grad_share``): a
+# matmul-dominated stage spends one forward's flops on the input gradient and one on the weights' (a d=768 GPT stage
+# of 2 layers on one CPU thread: 165 of 356 ms, 0.46). The weights' share is recomputed too only for a contribution
+# audit (``audit_contrib``).
 INPUT_GRAD_SHARE = 0.5
 
 
+def input_grad_share(bwd_flops: Sequence[int], bwd_input_flops: Sequence[int | None]) -> float:
+    """The share of a stage's backward an audit recomputes for the input gradient alone, from its blocks' backward
+    FLOPs (``bwd_flops``) and, of those, the ones producing the gradients of activations rather than weights
+    (``bwd_input_flops``, ``coarsen.block_input_grad_flops``; None: not recorded, counted at
+    :data:`INPUT_GRAD_SHARE`): a weightless stage's is 1, a linear layer's 1/2. No backward FLOPs at all: 1 where
+    some block recorded its split (no weight gradient to skip), else the constant."""
+    if len(bwd_flops) != len(bwd_input_flops) or any(f < 0 for f in bwd_flops):
+        raise InvalidInputError("a stage's backward flops", expected="one non-negative count and split per block",
+                                found=f"{len(bwd_flops)} counts, {len(bwd_input_flops)} splits")
+    if all(i is None for i in bwd_input_flops):
+        return INPUT_GRAD_SHARE
+    total = sum(bwd_flops)
+    if total <= 0:
+        return 1.0
+    known = sum(i for i in bwd_input_flops if i is not None)
+    unknown = sum(f for f, i in zip(bwd_flops, bwd_input_flops) if i is None)
+    return min(1.0, (known + INPUT_GRAD_SHARE * unknown) / total)
+
+
 def audited_backward_ms(backward_ms: float, *, every: int, replica_microbatches: Sequence[int],
-                        contributions: bool) -> float:
-    """One audited microbatch's backward on the auditor, expected: the input gradient's share of ``backward_ms``
+                        contributions: bool, share: float = INPUT_GRAD_SHARE) -> float:
+    """One audited microbatch's backward on the auditor, expected: the input gradient's share (``share``,
+    :func:`input_grad_share`) of ``backward_ms``
     (the stage's backward of one microbatch) and, where contribution audits run (``contributions``: gradients
     audited from trusted ranks' tensors, two replicas or more), the weights' share on the microbatches of a
     replica all of whose ``m`` microbatches the draw audits (probability ``every ** -m`` a step: every one of them
     at ``--audit-every 1``), spread over the step's ``sum / every`` audited microbatches. The lead verifier alone
     runs them (``runtime.rank.audits._contrib_sums``): charged wherever they can run (at most the weights' share
     more than runs, and only at ``every ** -m``)."""
-    if every < 1 or backward_ms < 0:
-        raise InvalidInputError("audited backward", expected="every >= 1 and backward_ms >= 0",
-                                found=f"every {every}, backward_ms {backward_ms}")
+    if every < 1 or backward_ms < 0 or not 0.0 <= share <= 1.0:
+        raise InvalidInputError("audited backward", expected="every >= 1, backward_ms >= 0 and a share in [0, 1]",
+                                found=f"every {every}, backward_ms {backward_ms}, share {share}")
     total = sum(replica_microbatches)
     if not contributions or len(replica_microbatches) < 2 or total <= 0:
-        return INPUT_GRAD_SHARE * backward_ms
+        return share * backward_ms
     full = sum(m * every ** -m for m in replica_microbatches if m > 0)
-    return backward_ms * (INPUT_GRAD_SHARE + (1.0 - INPUT_GRAD_SHARE) * full / (total / every))
+    return backward_ms * (share + (1.0 - share) * full / (total / every))
 
 
 def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int, num_microbatches: int,
