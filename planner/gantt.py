@@ -11,8 +11,8 @@ enough to read.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from matplotlib import rc_context
 from matplotlib.figure import Figure
@@ -20,7 +20,7 @@ from matplotlib.patches import Patch
 
 from planner.outputs import atomic_file
 from planner.plan import Plan
-from planner.simulate import Event, SimResult
+from planner.simulate_events import Event, SimResult
 
 COLOURS = {
     "F": "#4c78a8",        # forward: blue

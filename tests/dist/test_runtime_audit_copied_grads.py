@@ -14,7 +14,7 @@ import pytest
 
 from planner.runtime.launcher.launch import RunBanned, launch
 from planner.runtime.options import RunOptions
-from planner.simulate import audit_site
+from planner.simulate_audits import audit_site
 from planner.solver.audit_price import AuditWhere
 from planner.verifier_config import VerifierConfig
 from tests.dist.plans import make_plan

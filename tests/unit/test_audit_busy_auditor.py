@@ -12,7 +12,8 @@ import pytest
 
 from planner.instruction_costs import CostModel
 from planner.schedules import max_in_flight
-from planner.simulate import _audit_cost, audit_site, simulate
+from planner.simulate import simulate
+from planner.simulate_audits import _audit_cost, audit_site
 from planner.solver import audit_price
 from planner.solver.audit_price import Stepper, StepperPart
 from planner.solver.audits import with_audits

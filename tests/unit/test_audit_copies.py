@@ -16,8 +16,8 @@ from cost_models.cluster import Link
 from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
 from planner.schedules import max_in_flight
-from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
+from planner.simulate_audits import audit_site as plan_audit_site
 from planner.solver.audit_price import (
     AuditWhere,
     Stepper,

@@ -16,8 +16,8 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.optim import optim_ms
 from planner.errors import InvalidInputError
 from planner.plan import Plan
-from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
+from planner.simulate_audits import audit_site as plan_audit_site
 from planner.solver.audit_price import (
     INPUT_GRAD_SHARE,
     AuditWhere,

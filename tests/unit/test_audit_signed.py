@@ -19,8 +19,8 @@ from cost_models.audit import (
 from cost_models.cluster import Link
 from planner.errors import InvalidInputError
 from planner.instruction_costs import CostModel
-from planner.simulate import audit_site as plan_audit_site
 from planner.simulate import simulate
+from planner.simulate_audits import audit_site as plan_audit_site
 from planner.solver.audit_price import AuditWhere, audit_rule, audit_site, signing_ms
 from planner.solver.audits import audit_notes
 from planner.solver.objective import Placement, price_program

@@ -18,7 +18,8 @@ import pytest
 from cost_models.audit import audit_ms
 from cost_models.cluster import Link
 from planner.instruction_costs import CostModel
-from planner.simulate import _audit_cost, audit_site, simulate
+from planner.simulate import simulate
+from planner.simulate_audits import _audit_cost, audit_site
 from planner.solver import audit_price
 from planner.solver.audit_price import Stepper, StepperPart, through_from_done
 from planner.solver.audits import with_audits

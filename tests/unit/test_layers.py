@@ -38,7 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.plan", "planner.plan_values", "planner.plan_history", "planner.plan_json", "planner.plan_load",
      "planner.validate", "planner.instruction_costs", "planner.schedules", "planner.compile", "planner.check",
      "planner.onnx_stages"),
-    ("planner.simulate", "planner.gantt", "planner.rehearsal"),
+    ("planner.simulate", "planner.simulate_events", "planner.simulate_run", "planner.simulate_audits",
+     "planner.simulate_step_end", "planner.simulate_cores", "planner.gantt", "planner.rehearsal"),
     ("planner.api",),
     ("planner.runtime.data", "planner.runtime.options"),                             # what a run trains on, its options
     ("planner.integrity",),                                                          # the verifier, beside the runtime

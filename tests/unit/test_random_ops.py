@@ -15,8 +15,8 @@ from planner.errors import InvalidInputError
 from planner.plan import Plan
 from planner.random_ops import base_name, node_random_op, random_op
 from planner.runtime.rank.random_ops import random_op as stage_random_op
-from planner.simulate import audit_site as sim_audit_site
-from planner.simulate import audited_stages
+from planner.simulate_audits import audit_site as sim_audit_site
+from planner.simulate_audits import audited_stages
 from planner.solver.audit_price import audit_site, audit_where
 from planner.solver.audits import audit_notes, choose_audits, with_audits
 from planner.solver.objective import price_program
@@ -152,8 +152,8 @@ def test_the_solver_audits_no_stage_that_draws_random_numbers_and_says_why():
     chosen = choose_audits(problem, placement)
     assert [st.audit_every for st in chosen.stages] == [0, 0, 0]
     notes = audit_notes(problem, chosen)
-    assert notes == ("stage 1: replicas not audited: it draws random numbers (dropout): an audit's recompute "
-                     "would draw others and fail an honest replica",)
+    assert notes == (("stage 1: replicas not audited: it draws random numbers (dropout): an audit's recompute "
+                     "would draw others and fail an honest replica"),)
     # nor is it priced: a plan that asks for its audits anyway pays nothing for them (the runtime stops them)
     assert price_program(problem, with_audits(placement, {1: 4})).step_ms == \
         price_program(problem, with_audits(placement, {})).step_ms

@@ -27,7 +27,7 @@ from planner.runtime.rank import audit_applied, audit_copy, audit_inputs, audits
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
-from planner.simulate import audit_site, audited_stages
+from planner.simulate_audits import audit_site, audited_stages
 from planner.solver.audit_price import AuditWhere
 from tests.dist.plans import make_plan
 

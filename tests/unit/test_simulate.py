@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import pairwise
 
 import pytest
 from plan_fixtures import (
@@ -191,7 +192,7 @@ def test_a_slow_verifier_delays_the_send_not_the_pass():
 
 def test_deferred_verdicts_wait_where_the_microbatch_moves_on():
     from planner.instructions import parse_program
-    from planner.simulate import deferred_verdicts
+    from planner.simulate_run import deferred_verdicts
 
     middle = parse_program(["1RECV_F0<0", "1VERDICT_F0<9", "1F0", "1SEND_F0>2", "1RECV_B0<2", "1VERDICT_B0<9",
                             "1B0", "1SEND_B0>0", "1OPTIM"])
@@ -247,7 +248,7 @@ def test_timeline_is_consistent():
     result = simulate(plan)
     for rank in range(plan.num_ranks):
         boxes = sorted((e for e in result.events if e.rank == rank and e.kind != "send"), key=lambda e: e.start_ms)
-        assert all(a.end_ms <= b.start_ms + 1e-12 for a, b in zip(boxes, boxes[1:]))  # a rank does one thing
+        assert all(a.end_ms <= b.start_ms + 1e-12 for a, b in pairwise(boxes))  # a rank does one thing
         assert sorted((e.kind, e.mb) for e in boxes if e.kind in ("F", "B")) == \
             sorted((d, m) for d in "BF" for m in range(5))
     assert all(b + i == pytest.approx(result.step_ms) for b, i in zip(result.busy_ms, result.idle_ms))

@@ -124,7 +124,7 @@ from planner.runtime.rank.rank_setup import (
     prepare_rank,
 )
 from planner.runtime.wire import comm, control
-from planner.simulate import audit_site
+from planner.simulate_audits import audit_site
 from planner.solver.audit_price import AuditWhere
 
 
