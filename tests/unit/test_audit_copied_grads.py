@@ -12,7 +12,13 @@ import torch
 from cost_models.audit import AuditCost, copied_input_bytes, copy_ms
 from cost_models.cluster import Link
 from planner.integrity import audit
-from planner.runtime.rank import audit_grads, audit_inputs, audits
+from planner.runtime.rank import (
+    audit_contrib,
+    audit_grads,
+    audit_inputs,
+    audit_recompute,
+    audit_state,
+)
 from planner.solver.audit_price import (
     AuditWhere,
     audit_rule,
@@ -50,8 +56,8 @@ def _plan() -> SimpleNamespace:
                            ranks=ranks)
 
 
-def _stage() -> audits.AuditedStage:
-    return audits.AuditedStage(stage=1, replicas=(1, 2), auditor=4, source=1, every=NEVER, copied_from=(0,),
+def _stage() -> audit_state.AuditedStage:
+    return audit_state.AuditedStage(stage=1, replicas=(1, 2), auditor=4, source=1, every=NEVER, copied_from=(0,),
                                grads_from=(3,))
 
 
@@ -63,7 +69,7 @@ def _rank(rank: int, stage: int, *, suspects=frozenset(), scale: float | None = 
         plan=_plan(), rank=rank, step=5, unresolved={}, suspects=suspects, info=SimpleNamespace(stage=stage),
         stage=SimpleNamespace(outputs=(SPEC,)), scaler=None if scale is None else SimpleNamespace(scale=scale),
         taint_in=taint or {}, device=torch.device("cpu"),
-        audits=audits.RuntimeAudits(stages={1: _stage()}, sharing={1: audit.AuditSchedule(SECRET, NEVER)}),
+        audits=audit_state.RuntimeAudits(stages={1: _stage()}, sharing={1: audit.AuditSchedule(SECRET, NEVER)}),
         _delivered=lambda d, mb: [t * (10.0 if d == "B" else 1.0) for t in sent[mb]])
 
 
@@ -81,7 +87,7 @@ def test_the_stage_after_keeps_the_gradients_it_sends_the_audited_microbatches_u
     assert float(flag) == 0.0
     # the auditor names the same microbatches for this sender (its schedule from the same key)
     auditor = SimpleNamespace(plan=down.plan, rank=4, step=5, unresolved={}, suspects=frozenset({2}),
-                              audits=audits.RuntimeAudits(stages={1: _stage()},
+                              audits=audit_state.RuntimeAudits(stages={1: _stage()},
                                                           schedules={1: audit.AuditSchedule(SECRET, NEVER)}))
     heard = audit_inputs.copied_mbs(auditor.plan, auditor.audits.schedules[1], _stage(), 3, 5,
                                     audit_inputs.agreed_suspects(auditor))
@@ -120,7 +126,7 @@ def _auditor_hearing(gin: dict, grads: dict) -> dict:
     """The auditor running both neighbours (each copy its own, no message): inputs and input gradients (mb ->
     (value, tainted)) from the stage before, the gradients sent (mb -> (value, tainted)) from the stage after,
     for the outputs it kept (mbs 0-3); what it keeps of them."""
-    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=4, source=1, every=NEVER, copied_from=(4,),
+    st = audit_state.AuditedStage(stage=1, replicas=(1, 2), auditor=4, source=1, every=NEVER, copied_from=(4,),
                              grads_from=(4,))
     schedule = audit.AuditSchedule(SECRET, NEVER)
     plan = _plan()
@@ -128,7 +134,7 @@ def _auditor_hearing(gin: dict, grads: dict) -> dict:
     copy = SimpleNamespace(runtime=SimpleNamespace(inputs=(SPEC,), outputs=(SPEC,)))
     ex = SimpleNamespace(plan=plan, rank=4, step=5, unresolved={}, suspects=frozenset({1}), device=torch.device("cpu"),
                          stage=SimpleNamespace(outputs=(SPEC,)),
-                         audits=audits.RuntimeAudits(stages={1: st}, schedules={1: schedule}, copies={1: copy}))
+                         audits=audit_state.RuntimeAudits(stages={1: st}, schedules={1: schedule}, copies={1: copy}))
     for mb in (0, 1, 2, 3):
         ex.audits.kept[(1, "y", mb)] = [torch.zeros(2)]
         ex.audits.outbox[(1, mb)] = [torch.full((2,), float(mb))]
@@ -176,9 +182,9 @@ def test_an_honest_replicas_marked_input_gradient_fails_no_audit_and_a_made_up_o
             (g,) = torch.autograd.grad(outs, ins, gs)
             return [g], torch.ones(1)
 
-    sums = audits.audit_contrib.ContribSums(stage=1, step=5, owned={1: frozenset({0, 1, 2, 3})})
-    taken = audits.audit_recompute.take_kept(kept, 1)
-    out = audits.audit_recompute.recompute(Linear(), taken, stage=1, step=5, owner=lambda mb: 1, precision=None,
+    sums = audit_contrib.ContribSums(stage=1, step=5, owned={1: frozenset({0, 1, 2, 3})})
+    taken = audit_recompute.take_kept(kept, 1)
+    out = audit_recompute.recompute(Linear(), taken, stage=1, step=5, owner=lambda mb: 1, precision=None,
                                            device=torch.device("cpu"), tolerance=1e-3, contrib=sums)
     grads = {o.mb: o.passed for o in out if o.boundary == 0}
     assert grads == {0: True, 1: True, 2: True, 3: False}, out
@@ -205,7 +211,7 @@ def test_a_step_the_overflow_vote_skipped_compares_no_input_gradient():
     on a step the vote skipped, its input gradients (and made-up drops) leave the audits; outputs stay."""
     from planner.runtime.rank.precision import LossScaler
     scaler = LossScaler()
-    ex = SimpleNamespace(scaler=scaler, audits=audits.RuntimeAudits(stages={}))
+    ex = SimpleNamespace(scaler=scaler, audits=audit_state.RuntimeAudits(stages={}))
     scaler.update(False)
     assert not audit_grads.overflow_skipped(ex)   # the first step: a clean vote
     scaler.update(True)
@@ -213,7 +219,7 @@ def test_a_step_the_overflow_vote_skipped_compares_no_input_gradient():
     scaler.update(False)
     assert not audit_grads.overflow_skipped(ex)
     assert not audit_grads.overflow_skipped(SimpleNamespace(scaler=None))   # fp32: never
-    resumed = SimpleNamespace(scaler=LossScaler(skipped=3, good_steps=0), audits=audits.RuntimeAudits(stages={}))
+    resumed = SimpleNamespace(scaler=LossScaler(skipped=3, good_steps=0), audits=audit_state.RuntimeAudits(stages={}))
     assert audit_grads.overflow_skipped(resumed)   # resumed, the first vote overflowed
     kept = {(1, "y", 0): [torch.zeros(1)], (1, "gin", 0): [torch.zeros(1)], (1, audit_grads.FORGED, 2): [],
             (2, "gin", 0): [torch.zeros(1)]}
@@ -228,13 +234,13 @@ def test_a_made_up_drops_late_verdict_names_the_drop_its_step_recorded_with_no_s
     hooks = SimpleNamespace(drops=[{"step": 4, **blank}, {"step": 5, **blank}, {"step": 5, **blank}])
     hooks.name_drop = lambda *a, **kw: VerifyHooks.name_drop(hooks, *a, **kw)
     verifier = SimpleNamespace(record_audit=lambda *a, **kw: None, add_flags=lambda *a: None)
-    forged = audits.audit_recompute.Outcome(sender=1, step=5, passed=False, event={"step": 5, "mb": 3}, mb=3,
+    forged = audit_recompute.Outcome(sender=1, step=5, passed=False, event={"step": 5, "mb": 3}, mb=3,
                                             boundary=0, forged=True)
-    other = audits.audit_recompute.Outcome(sender=2, step=5, passed=False, event={"step": 5, "mb": 6}, mb=6,
+    other = audit_recompute.Outcome(sender=2, step=5, passed=False, event={"step": 5, "mb": 6}, mb=6,
                                            boundary=0)
-    audits.audit_recompute.record(verifier, [forged, other], at_step=6, hooks=hooks)
+    audit_recompute.record(verifier, [forged, other], at_step=6, hooks=hooks)
     assert [d["sender"] for d in hooks.drops] == [None, 1, None]
     assert (hooks.drops[1]["microbatch"], hooks.drops[1]["boundary"]) == (3, 0)
     # in line (the audited step's own verdict) its microbatch flag names it: nothing renamed
-    audits.audit_recompute.record(verifier, [forged], at_step=5, hooks=hooks)
+    audit_recompute.record(verifier, [forged], at_step=5, hooks=hooks)
     assert [d["sender"] for d in hooks.drops] == [None, 1, None]

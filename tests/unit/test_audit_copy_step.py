@@ -8,7 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from planner.runtime.rank import audit_applied, audit_copy, audits
+from planner.runtime.rank import (
+    audit_applied,
+    audit_copy,
+    audit_state,
+    audit_sync,
+    audits,
+)
 from planner.runtime.rank.stage import ValueSpec
 
 
@@ -108,7 +114,7 @@ def test_a_failed_last_step_is_raised_at_the_runs_end_and_the_threads_are_shut_d
     copy.step_later(torch.ones(copy.flat_size - 3))   # the run's last step: no recompute follows to raise it
 
     class _Ex:
-        audits = audits.RuntimeAudits(stages={}, copies={1: copy})
+        audits = audit_state.RuntimeAudits(stages={}, copies={1: copy})
 
     with pytest.raises(RuntimeError):
         audits.finish(_Ex())
@@ -126,15 +132,15 @@ def test_a_replica_with_twins_hashes_its_applied_gradient_as_its_optimizer_steps
     module = torch.nn.Linear(3, 2)
     for p in module.parameters():
         p.grad = torch.randn_like(p)
-    st = audits.AuditedStage(stage=1, replicas=replicas, auditor=0, source=1 if len(replicas) > 1 else 2, every=4)
-    state = audits.RuntimeAudits(stages={1: st})
+    st = audit_state.AuditedStage(stage=1, replicas=replicas, auditor=0, source=1 if len(replicas) > 1 else 2, every=4)
+    state = audit_state.RuntimeAudits(stages={1: st})
     with ThreadPoolExecutor(max_workers=1) as hasher:
         state.hasher = hasher if len(replicas) > 1 else None
         ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
                              params=list(module.parameters()), rank=2, step=0)
         sent = []   # the source sends the gradient whole as it steps: the transfer stubbed
-        monkeypatch.setattr(audits.comm, "send", lambda tensors, **kw: sent.append((tensors, kw)) or "pending")
-        audits.keep_applied(ex, idle=[])
+        monkeypatch.setattr(audit_sync.comm, "send", lambda tensors, **kw: sent.append((tensors, kw)) or "pending")
+        audit_sync.keep_applied(ex, idle=[])
         if st.source == ex.rank:
             assert state.sending == "pending" and sent[0][1]["peer"] == 0 and sent[0][0][0] is state.applied
         else:
@@ -166,15 +172,15 @@ def test_a_replica_writes_its_applied_gradient_into_one_buffer_step_after_step()
     from types import SimpleNamespace
 
     module = torch.nn.Linear(3, 2)
-    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
-    state = audits.RuntimeAudits(stages={1: st})
+    st = audit_state.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
+    state = audit_state.RuntimeAudits(stages={1: st})
     ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
                          params=list(module.parameters()), rank=2, step=0)
     kept = []
     for idle in ([], [module.bias]):
         for p in module.parameters():
             p.grad = torch.randn_like(p)
-        audits.keep_applied(ex, idle=idle)
+        audit_sync.keep_applied(ex, idle=idle)
         bias = torch.zeros(2) if idle else module.bias.grad
         assert torch.equal(state.applied, torch.cat([module.weight.grad.reshape(-1), bias,
                                                      torch.tensor([1.0, 0.0 if idle else 1.0])]))

@@ -15,7 +15,12 @@ from planner.errors import InvalidInputError
 from planner.integrity import audit
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, proven
 from planner.integrity.verifier import Verifier
-from planner.runtime.rank import audit_copy, audit_recompute, audits
+from planner.runtime.rank import (
+    audit_copy,
+    audit_recompute,
+    audit_state,
+    audit_verdicts,
+)
 from planner.runtime.rank.stage import ValueSpec
 from planner.verifier_config import VerifierConfig
 
@@ -99,16 +104,16 @@ def test_a_rank_says_which_step_its_audits_are_still_out_from():
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    state = audits.RuntimeAudits(stages={})
+    state = audit_state.RuntimeAudits(stages={})
     ex = SimpleNamespace(audits=state)
-    assert audits.unaudited_since(ex) is None and audits.unaudited_since(SimpleNamespace()) is None
+    assert audit_verdicts.unaudited_since(ex) is None and audit_verdicts.unaudited_since(SimpleNamespace()) is None
     state.deferred = {1: audit_recompute.Deferred(step=5, outcomes=Future()),
                       2: audit_recompute.Deferred(step=4, outcomes=Future())}
-    assert audits.unaudited_since(ex) == 4
+    assert audit_verdicts.unaudited_since(ex) == 4
 
 
 def test_steps_that_write_a_checkpoint_or_end_the_run_audit_in_line():
-    state = audits.RuntimeAudits(stages={}, last_step=9, checkpoint_every=4)
+    state = audit_state.RuntimeAudits(stages={}, last_step=9, checkpoint_every=4)
     assert [s for s in range(10) if state.inline_at(s)] == [3, 7, 9]
-    assert [s for s in range(10) if audits.RuntimeAudits(stages={}, last_step=9).inline_at(s)] == [9]
-    assert audits.RuntimeAudits(stages={}).inline_at(0)   # nothing known of the run: in line, as ever
+    assert [s for s in range(10) if audit_state.RuntimeAudits(stages={}, last_step=9).inline_at(s)] == [9]
+    assert audit_state.RuntimeAudits(stages={}).inline_at(0)   # nothing known of the run: in line, as ever

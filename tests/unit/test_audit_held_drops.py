@@ -1,4 +1,4 @@
-"""Audits where the auditor holds the stage's tensors (issue 37, ``planner.runtime.rank.audits.observe``), as from
+"""Audits where the auditor holds the stage's tensors (issue 37, ``runtime.rank.audit_verdicts.observe``), as from
 copies (``audit_grads``): an input gradient its replica marked tainted with no cause the auditor saw is a made-up
 drop (a failed audit: held, zeros too, since the auditor sees every cause), an honest drop fails nothing; under fp16 the input gradients audited
 in the step wait for the overflow vote at its end and leave the audits on a step it skipped."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from planner.integrity import audit
-from planner.runtime.rank import audit_grads, audits
+from planner.runtime.rank import audit_grads, audit_state, audit_verdicts
 
 SECRET = bytes(range(16))
 
@@ -46,7 +46,7 @@ class _Verifier:
 def _auditor(*, fp16: bool = False) -> SimpleNamespace:
     """Rank 3 auditing stage 1 (replica rank 1, microbatches 0-3) held: it verifies boundaries 0 and 1 both ways,
     ranks 0 and 2 trusted; every microbatch drawn."""
-    st = audits.AuditedStage(stage=1, replicas=(1,), auditor=3, source=1, every=1)
+    st = audit_state.AuditedStage(stage=1, replicas=(1,), auditor=3, source=1, every=1)
     plan = SimpleNamespace(owner=lambda stage, mb: {0: 0, 1: 1, 2: 2}[stage],
                            ranks={r: SimpleNamespace(microbatches=(0, 1, 2, 3)) for r in range(3)})
     verifier = _Verifier()
@@ -55,7 +55,7 @@ def _auditor(*, fp16: bool = False) -> SimpleNamespace:
         precision=SimpleNamespace(dtype=torch.float32), scaler=SimpleNamespace(scale=1.0) if fp16 else None,
         groups=SimpleNamespace(verifier_ranks=(3,)), verify=SimpleNamespace(verifier=verifier),
         _timed=lambda what: contextlib.nullcontext(),
-        audits=audits.RuntimeAudits(stages={1: st}, copies={1: _Linear()}, trusted=frozenset({0, 2, 3}),
+        audits=audit_state.RuntimeAudits(stages={1: st}, copies={1: _Linear()}, trusted=frozenset({0, 2, 3}),
                                     schedules={1: audit.AuditSchedule(SECRET, 1)}))
 
 
@@ -66,10 +66,10 @@ def _observe(ex, mb: int, *, x: float, y: float, g: float, gin: float, x_dropped
     def one(v: float) -> list[torch.Tensor]:
         return [torch.full((2,), float(v))]
 
-    audits.observe(ex, 0, "F", mb, 0, one(x), dropped=x_dropped)
-    audits.observe(ex, 1, "F", mb, 1, one(y), dropped=False, tainted=x_dropped)
-    audits.observe(ex, 1, "B", mb, 2, one(g), dropped=g_dropped)
-    audits.observe(ex, 0, "B", mb, 1, one(gin), dropped=gin_marked, tainted=gin_marked)
+    audit_verdicts.observe(ex, 0, "F", mb, 0, one(x), dropped=x_dropped)
+    audit_verdicts.observe(ex, 1, "F", mb, 1, one(y), dropped=False, tainted=x_dropped)
+    audit_verdicts.observe(ex, 1, "B", mb, 2, one(g), dropped=g_dropped)
+    audit_verdicts.observe(ex, 0, "B", mb, 1, one(gin), dropped=gin_marked, tainted=gin_marked)
 
 
 def _grad_verdicts(verifier: _Verifier) -> dict[int, bool]:
@@ -109,7 +109,7 @@ def test_under_fp16_input_gradients_audited_in_the_step_wait_for_the_overflow_vo
         verifier = ex.verify.verifier
         assert _grad_verdicts(verifier) == {}   # the outputs are judged, the input gradients wait
         assert len(verifier.audits) == 2 and len(ex.audits.in_step_grads) == 2
-        audits.settle_in_step_grads(ex, 5, overflowed=overflowed)
+        audit_verdicts.settle_in_step_grads(ex, 5, overflowed=overflowed)
         assert _grad_verdicts(verifier) == ({} if overflowed else {0: False, 1: False})
         assert not ex.audits.in_step_grads
         assert len(verifier.flags.get(5, [])) == (0 if overflowed else 2)

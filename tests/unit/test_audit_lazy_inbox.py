@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from planner.runtime.rank import audit_copy, audits
+from planner.runtime.rank import audit_copy, audit_state, audit_sync
 from planner.runtime.rank.stage import ValueSpec
 
 
@@ -40,11 +40,11 @@ def test_receives_alternate_buffers_and_never_wait_for_the_copys_step_still_runn
     """Step after step the auditor posts its receive while the copy's last step, blocked on the stepper, still
     reads the buffer before: the receive goes to the other one, and the copy ends with both steps applied."""
     posted = []
-    monkeypatch.setattr(audits.dist, "P2POp", lambda op, tensor, peer, tag, group: tensor)
-    monkeypatch.setattr(audits.comm, "post", lambda ops, tensors, **kw: posted.append(tensors[0]) or _Received(tensors[0]))
-    monkeypatch.setattr(audits.control, "gather_to", lambda value, **kw: {1: torch.tensor([1, 0, 0, 0, 0]),
+    monkeypatch.setattr(audit_sync.dist, "P2POp", lambda op, tensor, peer, tag, group: tensor)
+    monkeypatch.setattr(audit_sync.comm, "post", lambda ops, tensors, **kw: posted.append(tensors[0]) or _Received(tensors[0]))
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda value, **kw: {1: torch.tensor([1, 0, 0, 0, 0]),
                                                                           0: value})
-    st = audits.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4)
+    st = audit_state.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4)
     gate, started = threading.Event(), threading.Event()
     with ThreadPoolExecutor(max_workers=1) as stepper:
         runtime = _Runtime()
@@ -53,17 +53,17 @@ def test_receives_alternate_buffers_and_never_wait_for_the_copys_step_still_runn
                                     stepper=stepper)
         stepper.submit(lambda: started.set() or gate.wait(10.0))   # the stepper busy: the copy's steps queue
         started.wait(5.0)
-        state = audits.RuntimeAudits(stages={1: st}, copies={1: copy})
+        state = audit_state.RuntimeAudits(stages={1: st}, copies={1: copy})
         ex = SimpleNamespace(audits=state, rank=0, device=torch.device("cpu"), verify=None)
         for step, value in enumerate((1.0, 2.0)):
-            audits.post_hearing(ex, step)   # would hang on ``settle`` with one buffer: the stepper is blocked
+            audit_sync.post_hearing(ex, step)   # would hang on ``settle`` with one buffer: the stepper is blocked
             assert copy.pending is None or not copy.pending.done()   # step 0's step still queued behind the gate
             posted[-1].fill_(value)   # the source's gradient lands: every value, then the presence flags
             posted[-1][-len(copy.params):] = 1.0
             if step == 1:
                 gate.set()   # step 1's ``step_later`` waits for step 0's, as ever
-            audits._sync_copy(ex, st, step)
-        audits.post_hearing(ex, 2)
+            audit_sync._sync_copy(ex, st, step)
+        audit_sync.post_hearing(ex, 2)
         assert posted[0] is not posted[1] and posted[2] is posted[0]
         copy.settle()
     for (_, p), p0 in zip(runtime.parameters(), start):
@@ -71,21 +71,21 @@ def test_receives_alternate_buffers_and_never_wait_for_the_copys_step_still_runn
 
 
 def test_the_inbox_after_a_step_not_taken_is_the_one_just_filled_again():
-    state = audits.RuntimeAudits(stages={})
-    first = audits._free_inbox(state, 1, 4, torch.device("cpu"))
+    state = audit_state.RuntimeAudits(stages={})
+    first = audit_sync._free_inbox(state, 1, 4, torch.device("cpu"))
     state.stepped_from[1] = state.filling[1]
-    second = audits._free_inbox(state, 1, 4, torch.device("cpu"))
+    second = audit_sync._free_inbox(state, 1, 4, torch.device("cpu"))
     assert second is not first
     # no step from ``second`` (the replicas took none): the copy may still read ``first``, so ``second`` again
-    assert audits._free_inbox(state, 1, 4, torch.device("cpu")) is second
+    assert audit_sync._free_inbox(state, 1, 4, torch.device("cpu")) is second
 
 
 def test_the_planner_counts_both_receive_buffers_in_the_auditors_memory():
     from planner.solver.audits import APPLIED_GRADIENT_BYTES_PER_PARAM
 
-    state, size = audits.RuntimeAudits(stages={}), 1000
+    state, size = audit_state.RuntimeAudits(stages={}), 1000
     for last in (1, 0, 1, 0):   # the copy stepped from one buffer, then the other: the receives alternate
         state.stepped_from[3] = last
-        audits._free_inbox(state, 3, size, torch.device("cpu"))
+        audit_sync._free_inbox(state, 3, size, torch.device("cpu"))
     held = sum(box.numel() * box.element_size() for box in state.inboxes[3])
     assert held == APPLIED_GRADIENT_BYTES_PER_PARAM * size

@@ -12,7 +12,7 @@ import torch
 
 from cost_models.audit import audit_ms
 from cost_models.cluster import Link
-from planner.runtime.rank import audit_copy, audits
+from planner.runtime.rank import audit_copy, audit_state, audit_sync, audits
 from planner.runtime.rank.stage import ValueSpec
 
 
@@ -49,10 +49,10 @@ class _Travelling:
 
 def _auditor(monkeypatch, report: int):
     posted = []
-    monkeypatch.setattr(audits.dist, "P2POp", lambda op, tensor, peer, tag, group: tensor)
-    monkeypatch.setattr(audits.comm, "post", lambda ops, tensors, **kw: posted.append(_Travelling(tensors[0]))
+    monkeypatch.setattr(audit_sync.dist, "P2POp", lambda op, tensor, peer, tag, group: tensor)
+    monkeypatch.setattr(audit_sync.comm, "post", lambda ops, tensors, **kw: posted.append(_Travelling(tensors[0]))
                         or posted[-1])
-    monkeypatch.setattr(audits.control, "gather_to", lambda value, **kw: {1: torch.tensor([report, 0, 0, 0, 0]),
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda value, **kw: {1: torch.tensor([report, 0, 0, 0, 0]),
                                                                           0: value})
     return posted
 
@@ -60,16 +60,16 @@ def _auditor(monkeypatch, report: int):
 @pytest.mark.parametrize("report", [1, 0])
 def test_the_step_ends_before_a_sole_replicas_gradient_is_in_and_the_copy_steps_once_it_is(monkeypatch, report):
     posted = _auditor(monkeypatch, report)
-    st = audits.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4, copied_from=(0,))
+    st = audit_state.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4, copied_from=(0,))
     with ThreadPoolExecutor(max_workers=1) as stepper:
         runtime = _Runtime()
         start = [p.detach().clone() for _, p in runtime.parameters()]
         copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
                                     stepper=stepper)
-        ex = SimpleNamespace(audits=audits.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
+        ex = SimpleNamespace(audits=audit_state.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
                              device=torch.device("cpu"), verify=None)
-        audits.post_hearing(ex, 0)
-        audits._sync_copy(ex, st, 0)   # returns with the gradient still travelling
+        audit_sync.post_hearing(ex, 0)
+        audit_sync._sync_copy(ex, st, 0)   # returns with the gradient still travelling
         (hearing,) = posted
         assert not hearing.waited and copy.pending is not None and not copy.pending.done()
         hearing.buffer.fill_(0.5)
@@ -87,23 +87,23 @@ def test_the_step_ends_before_a_sole_replicas_gradient_is_in_and_the_copy_steps_
 
 def test_twins_still_judge_the_tensor_at_the_steps_end(monkeypatch):
     posted = _auditor(monkeypatch, 0)
-    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
-    monkeypatch.setattr(audits.control, "gather_to", lambda value, **kw: {r: torch.zeros(5, dtype=torch.int64)
+    st = audit_state.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda value, **kw: {r: torch.zeros(5, dtype=torch.int64)
                                                                           for r in (0, 1, 2)})
     copy = audit_copy.StageCopy(runtime=_Runtime(), optimizer=None)
-    ex = SimpleNamespace(audits=audits.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
+    ex = SimpleNamespace(audits=audit_state.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
                          device=torch.device("cpu"), verify=None)
-    audits.post_hearing(ex, 0)
+    audit_sync.post_hearing(ex, 0)
     posted[0].arrived.set()
-    audits._sync_copy(ex, st, 0)
+    audit_sync._sync_copy(ex, st, 0)
     assert posted[0].waited   # the source's tensor checked against its digest before the step's end
 
 
 def _source():
     """A sole replica (rank 2) of stage 1, the source of its applied gradient: (module, stage, audits, executor)."""
     module = torch.nn.Linear(3, 2)
-    st = audits.AuditedStage(stage=1, replicas=(2,), auditor=0, source=2, every=4, copied_from=(0,))
-    state = audits.RuntimeAudits(stages={1: st})
+    st = audit_state.AuditedStage(stage=1, replicas=(2,), auditor=0, source=2, every=4, copied_from=(0,))
+    state = audit_state.RuntimeAudits(stages={1: st})
     ex = SimpleNamespace(audits=state, stage=module, info=SimpleNamespace(stage=1), optimizer=object(),
                          params=list(module.parameters()), rank=2, step=0, device=torch.device("cpu"))
     return module, st, state, ex
@@ -117,17 +117,17 @@ def test_the_source_waits_for_its_last_send_before_rewriting_the_buffer_and_at_t
         def wait(self):
             waits.append(self)
 
-    monkeypatch.setattr(audits.comm, "send", lambda tensors, **kw: _Send())
-    monkeypatch.setattr(audits.control, "gather_to", lambda value, **kw: None)
+    monkeypatch.setattr(audit_sync.comm, "send", lambda tensors, **kw: _Send())
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda value, **kw: None)
     for p in module.parameters():
         p.grad = torch.randn_like(p)
-    audits.keep_applied(ex, idle=[])
+    audit_sync.keep_applied(ex, idle=[])
     first = state.sending
-    audits._send_applied(ex, st, 0, state.applied)
+    audit_sync._send_applied(ex, st, 0, state.applied)
     assert not waits and state.in_flight is first   # the step ends with the transfer still going
-    audits.keep_applied(ex, idle=[])
+    audit_sync.keep_applied(ex, idle=[])
     assert waits == [first] and state.in_flight is None
-    audits._send_applied(ex, st, 1, state.applied)
+    audit_sync._send_applied(ex, st, 1, state.applied)
     audits.finish(ex)
     assert len(waits) == 2
 
@@ -174,13 +174,13 @@ def test_a_source_that_takes_no_step_waits_for_its_last_send_before_the_zeros(mo
         events.append(("sent", not bool(tensors[0].any())))
         return _Send(tensors)
 
-    monkeypatch.setattr(audits.comm, "send", send)
-    monkeypatch.setattr(audits.control, "gather_to", lambda value, **kw: None)
+    monkeypatch.setattr(audit_sync.comm, "send", send)
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda value, **kw: None)
     for p in module.parameters():
         p.grad = torch.ones_like(p)
-    audits.keep_applied(ex, idle=[])
-    audits._send_applied(ex, st, 0, state.applied)
-    audits._send_applied(ex, st, 1, None)   # step 1: no step, zeros, only once step 0's gradient has left
+    audit_sync.keep_applied(ex, idle=[])
+    audit_sync._send_applied(ex, st, 0, state.applied)
+    audit_sync._send_applied(ex, st, 1, None)   # step 1: no step, zeros, only once step 0's gradient has left
     audits.finish(ex)
     assert events == [("sent", False), ("waited", False), ("sent", True), ("waited", True)]
 
@@ -190,7 +190,7 @@ def test_a_gradient_that_never_comes_fails_the_next_recompute_never_passes_it(mo
     step and its next recompute raises the transfer's failure, naming the source, instead of auditing on a copy
     left a step behind."""
     posted = _auditor(monkeypatch, 1)
-    st = audits.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4, copied_from=(0,))
+    st = audit_state.AuditedStage(stage=1, replicas=(1,), auditor=0, source=1, every=4, copied_from=(0,))
 
     class _Lost(RuntimeError):
         pass
@@ -200,16 +200,16 @@ def test_a_gradient_that_never_comes_fails_the_next_recompute_never_passes_it(mo
         start = [p.detach().clone() for _, p in runtime.parameters()]
         copy = audit_copy.StageCopy(runtime=runtime, optimizer=torch.optim.SGD(runtime.module.parameters(), lr=1.0),
                                     stepper=stepper)
-        ex = SimpleNamespace(audits=audits.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
+        ex = SimpleNamespace(audits=audit_state.RuntimeAudits(stages={1: st}, copies={1: copy}), rank=0,
                              device=torch.device("cpu"), verify=None)
-        audits.post_hearing(ex, 0)
+        audit_sync.post_hearing(ex, 0)
         (hearing,) = posted
 
         def timed_out():
             raise _Lost("rank 1 failed while hearing stage 1's applied gradient")
 
         hearing.wait = timed_out
-        audits._sync_copy(ex, st, 0)   # the step ends: the report says it stepped
+        audit_sync._sync_copy(ex, st, 0)   # the step ends: the report says it stepped
         with pytest.raises(_Lost, match="rank 1"):
             copy.forward([torch.ones(1, 3)], SimpleNamespace(
                 autocast=lambda device: torch.autocast("cpu", enabled=False), to_wire=lambda o: o),

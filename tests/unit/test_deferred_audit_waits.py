@@ -2,7 +2,7 @@
 through them in order, and stage ``k``'s audit waits for ``k``'s parts of its copy stepper (the last step's
 recompute, then the copy's step, and what was queued before them), never for a later stage's
 (``audit_price.Stepper.through_ms``, ``runtime.rank.audits.end_step``); the applied gradients' receives are all
-posted as its program ends (``audits.post_hearing``), so a later stage's gradient travels while the earlier ones are
+posted as its program ends (``audit_sync.post_hearing``), so a later stage's gradient travels while the earlier ones are
 audited. Before, each deferred audit waited for the auditor's whole stepper and a later stage's gradient left only
 once the earlier audits were done: on random pools the simulated and priced steps were up to 34% late. By hand (a
 CPU verifier host auditing two replicated untrusted stages), against the simulation's own boxes, price against

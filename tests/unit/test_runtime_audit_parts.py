@@ -23,7 +23,14 @@ from planner.runtime.outputs.run_report import (
     audit_counts,
     verifier_sum,
 )
-from planner.runtime.rank import audit_applied, audit_copy, audit_inputs, audits
+from planner.runtime.rank import (
+    audit_applied,
+    audit_copy,
+    audit_inputs,
+    audit_state,
+    audit_sync,
+    audits,
+)
 from planner.runtime.rank.random_ops import random_op
 from planner.runtime.rank.stage import ValueSpec
 from planner.runtime.wire import messages
@@ -93,22 +100,22 @@ def _watched_plan(every: int):
 
 
 def test_without_audit_every_a_run_audits_the_stage_the_plan_audits():
-    (st,) = audits.audited_stages(_watched_plan(4), every=None, verifying=True).values()
+    (st,) = audit_state.audited_stages(_watched_plan(4), every=None, verifying=True).values()
     # rank 0 verifies stage 1's outputs: its auditor; no replica trusted: the lowest sends its gradient whole
     assert (st.stage, st.replicas, st.auditor, st.source, st.every) == (1, (1, 2), 0, 1, 4)
-    assert audits.audited_stages(_watched_plan(8), every=None, verifying=True)[1].every == 8
+    assert audit_state.audited_stages(_watched_plan(8), every=None, verifying=True)[1].every == 8
 
 
 def test_without_audit_every_a_run_does_not_audit_a_stage_the_plan_does_not():
     # 0: the planner chose no audits there (too dear), or the plan predates them
-    assert audits.audited_stages(_watched_plan(0), every=None, verifying=True) == {}
+    assert audit_state.audited_stages(_watched_plan(0), every=None, verifying=True) == {}
 
 
 def test_an_explicit_audit_every_overrides_the_plans_choice_on_every_watched_stage():
-    assert audits.audited_stages(_watched_plan(0), every=2, verifying=True)[1].every == 2
-    assert audits.audited_stages(_watched_plan(8), every=2, verifying=True)[1].every == 2
-    assert audits.audited_stages(_watched_plan(8), every=0, verifying=True) == {}
-    assert audits.audited_stages(_watched_plan(8), every=None, verifying=False) == {}
+    assert audit_state.audited_stages(_watched_plan(0), every=2, verifying=True)[1].every == 2
+    assert audit_state.audited_stages(_watched_plan(8), every=2, verifying=True)[1].every == 2
+    assert audit_state.audited_stages(_watched_plan(8), every=0, verifying=True) == {}
+    assert audit_state.audited_stages(_watched_plan(8), every=None, verifying=False) == {}
 
 
 def test_run_audit_every_defaults_to_the_plans_choice():
@@ -135,14 +142,14 @@ BOTH = ("act", "grad")
 ])
 def test_the_runtime_never_audits_a_stage_the_planners_rule_rules_out(why, replicated, untrusted, verifiers):
     plan = _three_stages(replicated=replicated, untrusted=untrusted, verifiers=verifiers)
-    assert audits.audited_stages(plan, every=4, verifying=True) == {}, why
+    assert audit_state.audited_stages(plan, every=4, verifying=True) == {}, why
     assert audited_stages(plan) == {}, why   # the simulator neither
     assert all(isinstance(audit_site(plan, k), str) for k in range(plan.num_stages)), why
 
 
 def test_the_runtime_audits_where_the_simulator_does_and_as_the_planners_rule_says():
     plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=[(0, 4, BOTH), (1, 4, BOTH)])
-    (st,) = audits.audited_stages(plan, every=None, verifying=True).values()
+    (st,) = audit_state.audited_stages(plan, every=None, verifying=True).values()
     where = audit_site(plan, 1)
     assert isinstance(where, AuditWhere) and (where.auditor, where.source, where.grads) == (4, 1, True)
     assert (st.stage, st.auditor, st.source, st.every) == (1, 4, 1, 4)
@@ -154,7 +161,7 @@ def test_the_runtime_does_not_audit_a_stage_whose_boundary_is_compressed(stage, 
     plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=[(0, 4, BOTH), (1, 4, BOTH)])
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, out_codec=codec) if s.index == stage else s
                                                   for s in plan.stages))
-    assert audits.audited_stages(plan, every=4, verifying=True) == {}
+    assert audit_state.audited_stages(plan, every=4, verifying=True) == {}
     assert audited_stages(plan) == {}
     assert "encoded" in audit_site(plan, 1)
 
@@ -238,13 +245,13 @@ def _sync(monkeypatch, *, trusted, lie_by: int):
                2: audit_applied.digest(flat)}
     digests[lie_by] = audit_applied.digest(flat * 2)
     replies = iter([digests, {0: torch.zeros(3), 1: flat}])
-    monkeypatch.setattr(audits.control, "gather_to", lambda *a, **k: next(replies))
-    st = audits.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
+    monkeypatch.setattr(audit_sync.control, "gather_to", lambda *a, **k: next(replies))
+    st = audit_state.AuditedStage(stage=1, replicas=(1, 2), auditor=0, source=1, every=4)
     verifier = _Verifier()
     ex = SimpleNamespace(rank=0, device=torch.device("cpu"), verify=SimpleNamespace(verifier=verifier),
-                         audits=audits.RuntimeAudits(stages={1: st}, copies={1: copy}, trusted=frozenset(trusted)))
+                         audits=audit_state.RuntimeAudits(stages={1: st}, copies={1: copy}, trusted=frozenset(trusted)))
     before = module.weight.detach().clone()
-    audits._sync_copy(ex, st, step=3)
+    audit_sync._sync_copy(ex, st, step=3)
     return verifier, ex.audits, not torch.equal(before, module.weight.detach())
 
 
@@ -316,7 +323,7 @@ def test_the_run_summary_counts_only_the_verifier_ranks_flags_and_alerts():
 ])
 def test_a_stage_whose_auditor_does_not_hold_its_input_is_audited_from_the_trusted_upstream_copies(verifiers):
     plan = _three_stages(replicated=1, untrusted=(1, 2), verifiers=verifiers)
-    (st,) = audits.audited_stages(plan, every=None, verifying=True).values()
+    (st,) = audit_state.audited_stages(plan, every=None, verifying=True).values()
     assert (st.stage, st.auditor, st.replicas, st.copied_from) == (1, 4, (1, 2), (0,))
     where = audit_site(plan, 1)
     assert isinstance(where, AuditWhere) and where.copied_from == (0,) and not where.grads
@@ -329,16 +336,16 @@ def test_one_untrusted_replica_is_audited_from_copies_but_not_where_its_link_tes
         return dataclasses.replace(out, stages=tuple(dataclasses.replace(s, audit_every=4) for s in out.stages))
 
     split, linked = plan([(0, 0, BOTH), (1, 3, BOTH)]), plan([(0, 3, BOTH), (1, 3, BOTH)])
-    (st,) = audits.audited_stages(split, every=None, verifying=True).values()
+    (st,) = audit_state.audited_stages(split, every=None, verifying=True).values()
     assert (st.replicas, st.auditor, st.source, st.copied_from) == ((1,), 3, 1, (0,))
-    assert audits.audited_stages(linked, every=None, verifying=True) == {}
+    assert audit_state.audited_stages(linked, every=None, verifying=True) == {}
     assert "link tests" in audit_site(linked, 1)
 
 
 def test_the_upstream_ranks_copy_exactly_the_microbatches_the_auditor_audits():
     plan = make_plan("mlp-tiny", microbatch=2, num_microbatches=8, stages=[(0, 1), (2, 3), (4, 5)],
                      replicas={0: (3, 5), 1: (6, 2)}, untrusted=(2, 3), verifiers=[(0, 0, BOTH), (1, 4, BOTH)])
-    st = audits.AuditedStage(stage=1, replicas=(2, 3), auditor=4, source=2, every=3, copied_from=(0, 1))
+    st = audit_state.AuditedStage(stage=1, replicas=(2, 3), auditor=4, source=2, every=3, copied_from=(0, 1))
     schedule = audit.AuditSchedule(b"k" * 16, 3)
     for step in range(5):
         copied = [audit_inputs.copied_mbs(plan, schedule, st, u, step) for u in st.copied_from]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from planner.integrity import audit
-from planner.runtime.rank import audit_inputs, audits
+from planner.runtime.rank import audit_inputs, audit_state, audit_verdicts
 
 SECRET = bytes(range(16))
 NEVER = 10 ** 6
@@ -24,19 +24,19 @@ def _plan() -> SimpleNamespace:
 
 
 def _ranks(step: int, unresolved: dict[int, int], *, suspects: frozenset[int] = frozenset(),
-           signed: bool = False) -> tuple[SimpleNamespace, SimpleNamespace, audits.AuditedStage]:
+           signed: bool = False) -> tuple[SimpleNamespace, SimpleNamespace, audit_state.AuditedStage]:
     """The upstream rank 0 (copies stage 1's inputs) and the auditor rank 2, both told ``unresolved`` and
     ``suspects``."""
-    st = audits.AuditedStage(stage=1, replicas=(1, 3), auditor=2, source=1, every=NEVER,
+    st = audit_state.AuditedStage(stage=1, replicas=(1, 3), auditor=2, source=1, every=NEVER,
                              copied_from=(1, 3) if signed else (0,), signed_by=(0,) if signed else ())
     plan, schedule = _plan(), audit.AuditSchedule(SECRET, NEVER)
     upstream = SimpleNamespace(plan=plan, rank=0, step=step, unresolved=dict(unresolved), suspects=suspects,
                                stage=object(),
-                               info=SimpleNamespace(stage=0), audits=audits.RuntimeAudits(
+                               info=SimpleNamespace(stage=0), audits=audit_state.RuntimeAudits(
                                    stages={1: st}, sharing={1: schedule}),
                                _delivered=lambda d, mb: [torch.full((2,), float(mb))])
     auditor = SimpleNamespace(plan=plan, rank=2, step=step, unresolved=dict(unresolved), suspects=suspects,
-                              audits=audits.RuntimeAudits(stages={1: st}, schedules={1: schedule}))
+                              audits=audit_state.RuntimeAudits(stages={1: st}, schedules={1: schedule}))
     return upstream, auditor, st
 
 
@@ -52,7 +52,7 @@ def test_a_sender_left_unresolved_has_all_its_microbatches_copied_and_audited():
                                     audit_inputs.agreed_suspects(auditor))
     assert sent == heard == [0, 1, 2, 3]
     # and the auditor keeps those outputs for the audit
-    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [0, 1, 2, 3]
+    assert [mb for mb in range(8) if audit_verdicts._audited(auditor, st, mb)] == [0, 1, 2, 3]
 
 
 def test_nothing_unresolved_leaves_the_draw_alone():
@@ -60,7 +60,7 @@ def test_nothing_unresolved_leaves_the_draw_alone():
     for mb in range(8):
         audit_inputs.keep_input_copy(upstream, mb)
     assert upstream.audits.outbox == {}
-    assert not any(audits._audited(auditor, st, mb) for mb in range(8))
+    assert not any(audit_verdicts._audited(auditor, st, mb) for mb in range(8))
 
 
 def test_a_suspect_the_verdict_names_is_copied_and_audited_as_an_unresolved_one_is():
@@ -69,12 +69,12 @@ def test_a_suspect_the_verdict_names_is_copied_and_audited_as_an_unresolved_one_
     for mb in range(8):
         audit_inputs.keep_input_copy(upstream, mb)
     assert sorted(mb for _, mb in upstream.audits.outbox) == [4, 5, 6, 7]
-    assert [mb for mb in range(8) if audits._audited(auditor, st, mb)] == [4, 5, 6, 7]
+    assert [mb for mb in range(8) if audit_verdicts._audited(auditor, st, mb)] == [4, 5, 6, 7]
 
 
 def test_signed_inputs_the_auditor_keeps_every_output_it_asks_the_suspect_for():
     _, auditor, st = _ranks(8, {3: 2}, signed=True)
-    kept = [mb for mb in range(8) if audits._audited(auditor, st, mb)]
+    kept = [mb for mb in range(8) if audit_verdicts._audited(auditor, st, mb)]
     asked = [mb for r in st.replicas for mb in audit_inputs.copied_mbs(
         auditor.plan, auditor.audits.schedules[1], st, r, 8, audit_inputs.agreed_suspects(auditor))]
     assert kept == asked == [4, 5, 6, 7]

@@ -31,9 +31,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from planner.errors import InvalidInputError, RankFailureError
 from planner.integrity.attacks import parse_attack
@@ -50,7 +51,7 @@ from planner.runtime.options import (
     is_factory_spec,
     refuse_onnx_model,
 )
-from planner.runtime.rank.audits import audited_stages
+from planner.runtime.rank.audit_state import audited_stages
 from planner.runtime.rank.rank_setup import check_model, check_pretrained
 from planner.runtime.recovery import checkpoint
 from planner.runtime.recovery.rank_checkpoint import STOP_ENV
@@ -342,13 +343,12 @@ def _banned(run_dir: Path, result_path: Path) -> RunBanned | None:
     """The ban that stopped the run, from the control rank's error record alone (every rank leaves the
     same one, but only the control rank's comes from a trusted process)."""
     record = _records(run_dir).get(CONTROL_RANK)
-    if record is not None:
-        if record.get("kind") == RankBannedError.__name__ and record.get("bans"):
-            notices = tuple(BanNotice(**{k: int(v) for k, v in n.items()}) for n in record["bans"])
-            hosts = {int(r): str(h) for r, h in record.get("hosts", {}).items()}
-            error = RankBannedError(notices, hosts=hosts, fix=record.get("fix"))
-            result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
-            return RunBanned(error, result=result)
+    if record is not None and record.get("kind") == RankBannedError.__name__ and record.get("bans"):
+        notices = tuple(BanNotice(**{k: int(v) for k, v in n.items()}) for n in record["bans"])
+        hosts = {int(r): str(h) for r, h in record.get("hosts", {}).items()}
+        error = RankBannedError(notices, hosts=hosts, fix=record.get("fix"))
+        result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+        return RunBanned(error, result=result)
     return None
 
 

@@ -27,10 +27,19 @@ import torch.distributed as dist
 from planner.errors import InvalidInputError, PlannerError, RankFailureError
 from planner.integrity.hooks import AttackHooks, VerifyHooks, validate_attacks
 from planner.rehearsal import as_rehearsed
-from planner.runtime.launcher import hosts, torchrun_elastic
-from planner.runtime.launcher.membership import load_signed_plan, operator_trust, prove_membership
 from planner.runtime.data import eval_batches
-from planner.runtime.options import FaultSpec, RunOptions, check_accumulate, parse_worker_args
+from planner.runtime.launcher import hosts, torchrun_elastic
+from planner.runtime.launcher.membership import (
+    load_signed_plan,
+    operator_trust,
+    prove_membership,
+)
+from planner.runtime.options import (
+    FaultSpec,
+    RunOptions,
+    check_accumulate,
+    parse_worker_args,
+)
 from planner.runtime.outputs.progress import MetricsCollector, Progress
 from planner.runtime.outputs.run_report import (
     ProgressReport,
@@ -41,6 +50,7 @@ from planner.runtime.outputs.run_report import (
     write_json,
 )
 from planner.runtime.outputs.tensorboard import Board
+from planner.runtime.rank import audit_state, audit_verdicts
 from planner.runtime.rank import audits as runtime_audits
 from planner.runtime.rank.emulate import Emulation, emulation_for
 from planner.runtime.rank.executor import Executor
@@ -61,9 +71,19 @@ from planner.runtime.rank.rank_setup import (
 )
 from planner.runtime.recovery import checkpoint, retention, survivors
 from planner.runtime.recovery.forgery import Forgery
-from planner.runtime.recovery.rank_checkpoint import rank_state, resume_copies, resume_step, save_checkpoint
+from planner.runtime.recovery.rank_checkpoint import (
+    rank_state,
+    resume_copies,
+    resume_step,
+    save_checkpoint,
+)
 from planner.runtime.wire import control
-from planner.runtime.wire.bans import BANNED_EXIT, BanNotice, RankBannedError, replan_hint
+from planner.runtime.wire.bans import (
+    BANNED_EXIT,
+    BanNotice,
+    RankBannedError,
+    replan_hint,
+)
 from planner.secret import run_secret
 
 AUDIT_WAIT_S = 60.0  # after a peer's failure: an auditor's recomputes still out, finished before it vouches
@@ -139,7 +159,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                         verify=verify, attacks=attacks, emulation=emulation, keep_grads=opts.dump is not None,
                         defer_verdicts=not opts.wait_verdicts, clip_grad=opts.clip_grad, accumulate=opts.accumulate)
     executor.robust_reduce = opts.robust_reduce   # read by replica_checks.reduce_replicas
-    executor.audits = runtime_audits.build(plan, env.rank, opts, setup.device, verifying=verifying)
+    executor.audits = audit_state.build(plan, env.rank, opts, setup.device, verifying=verifying)
     ends = stage is not None and (stage.is_first or stage.is_last)  # the ranks that read data
     eval_set = eval_batches(plan, kind=opts.eval_data, seed=opts.seed, device=setup.device) \
         if opts.eval_data and ends else None
@@ -196,7 +216,7 @@ def _run(plan, opts: RunOptions, env: RankEnv, setup: RankSetup, emulation: Emul
                             params=dict(stage.parameters()) if stage is not None else {},
                             state=rank_state(plan, verify, executor),
                             keep_before=min(executor.unresolved.values(), default=None),
-                            unaudited_since=runtime_audits.unaudited_since(executor, wait_s=AUDIT_WAIT_S))
+                            unaudited_since=audit_verdicts.unaudited_since(executor, wait_s=AUDIT_WAIT_S))
         raise
     publish(collector.finish())
     writer.close()
@@ -238,7 +258,7 @@ def _ban_stop(plan, opts: RunOptions, bans: list[BanNotice], hosts: dict[int, st
     """The error every rank stops with after a ban: which rank, where, when, and how to go on."""
     # Stop rather than drop its work and go on: a sole-replica stage's ban would train nothing, and the
     # clean checkpoint is what the operator re-plans from either way.
-    hint = replan_hint(os.fspath(opts.plan), sorted(set(hosts.values()))[0], opts.checkpoint_dir)
+    hint = replan_hint(os.fspath(opts.plan), min(set(hosts.values())), opts.checkpoint_dir)
     return RankBannedError(tuple(bans), hosts=hosts, fix=hint)
 
 

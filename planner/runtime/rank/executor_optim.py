@@ -8,12 +8,12 @@ gradient is zero, and Adam's momentum would still move it.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from planner.errors import ProtocolError
-from planner.runtime.rank import audits, replica_checks
+from planner.runtime.rank import audit_sync, replica_checks
 from planner.runtime.wire import comm, control
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard: the scale is NORM / (total norm + CLIP_EPS)
@@ -45,7 +45,7 @@ class GradientSteps:
         replica_checks.reduce_replicas(self, flat, group=group, ranks=ranks, doing=doing)
         trained = self._trained_here()
         if self.verifying:
-            trained, flat = int(round(float(flat[-1]))), flat[:-1]
+            trained, flat = round(float(flat[-1])), flat[:-1]
         comm.unflatten_grads(flat, params)
         return trained
 
@@ -96,7 +96,7 @@ class GradientSteps:
             if self.keep_grads and self.stage is not None:  # the gradients the optimizer steps with
                 self.last_grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                                    for n, p in self.stage.parameters()}
-            audits.keep_applied(self, idle)   # what an auditor's copy of this stage steps with
+            audit_sync.keep_applied(self, idle)   # what an auditor's copy of this stage steps with
             for p in idle:
                 p.grad = None  # no step for it: the optimizer skips a parameter without a gradient
             if self.optimizer is not None:

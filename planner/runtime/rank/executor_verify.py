@@ -37,7 +37,7 @@ from planner.instructions import Instruction
 from planner.integrity import audit
 from planner.integrity.blame import flatten_events
 from planner.integrity.hooks import FLAG_EVENTS_SCHEMA
-from planner.runtime.rank import audits, replica_checks
+from planner.runtime.rank import audit_sync, audit_verdicts, audits, replica_checks
 from planner.runtime.rank.deferred import merge_grads
 from planner.runtime.rank.executor_p2p import ACT_KINDS
 from planner.runtime.wire import bans as ban_exchange
@@ -80,7 +80,7 @@ class Verification:
             flagged, tainted = self.verify.check(boundary, d, tensors, step=self.step, mb=mb, sender=sender,
                                                  tainted=tainted_in)
         self.flagged += int(flagged)
-        audits.observe(self, boundary, d, mb, sender, tensors, dropped=flagged or tainted, tainted=tainted_in)
+        audit_verdicts.observe(self, boundary, d, mb, sender, tensors, dropped=flagged or tainted, tainted=tainted_in)
         if ins.dest is None:
             if flagged or tainted:
                 self._drop(d, mb)
@@ -160,7 +160,7 @@ class Verification:
         unresolved flags, what trained). Returns the ranks banned so far."""
         if self.verify is None:
             return set()
-        audits.post_hearing(self, step)       # the applied gradients travel while the rest is exchanged
+        audit_sync.post_hearing(self, step)       # the applied gradients travel while the rest is exchanged
         replica_checks.exchange(self, step)   # the replicas' gradient sketches join the step's flags
         audits.end_step(self, step)           # and the auditors' failed audits
         flags = self._resolve_blame(step)

@@ -11,7 +11,7 @@ replicas, seen by the lead verifier, and an optional Byzantine-robust sum of the
   sums a poisoned gradient (the monitor catches faults and attackers that do not lie about themselves);
   the robust sum below bounds what a liar can add either way. Where the lead also audits the stage and
   recomputed every microbatch of a replica's step, the sketch is audited against the recomputed sum
-  (``audits.contributions_heard``): a mismatch is a failed audit, a match withdraws the monitor's flag.
+  (``audit_verdicts.contributions_heard``): a mismatch is a failed audit, a match withdraws the monitor's flag.
 * With ``robust_reduce`` on the executor (see :func:`reduce_replicas`), the replicas' all-reduce becomes an
   all-gather of their contributions and every replica sums them by centered clipping
   (``integrity.robust_reduce``) from its stage's history, the same on every honest replica: one replica
@@ -35,7 +35,7 @@ from planner.integrity.contributions import (
     sketch,
     sketch_seed,
 )
-from planner.runtime.rank import audits
+from planner.runtime.rank import audit_verdicts
 from planner.runtime.wire import comm, control
 from planner.runtime.wire.grad_codecs import Int8ReduceState, PowerSGDState
 
@@ -177,5 +177,5 @@ def exchange(ex: Any, step: int) -> None:
         sketches = {r: got[r].cpu() for r in ranks}
         events = ex._contributions.judge(stage, sketches, step=step)
         # a contribution audit outranks the statistics: a vouched replica's flags withdrawn, its CUSUMs restarted
-        vouched = audits.contributions_heard(ex, stage, step, sketches)
+        vouched = audit_verdicts.contributions_heard(ex, stage, step, sketches)
         ex.verify.verifier.add_flags(step, [e for e in events if int(e["sender"]) not in vouched])

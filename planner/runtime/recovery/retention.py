@@ -2,7 +2,7 @@
 audited, at what share, on how many microbatches a step; and where a ban's recovery resumes.
 
 Every input is the control rank's own (or the launcher's): the plan and the run's options decide which
-stages are audited (``rank.audits.audited_stages``, the same rule every rank builds its audits by) and the
+stages are audited (``rank.audit_state.audited_stages``, the same rule every rank builds its audits by) and the
 verdicts come from the lead verifier; nothing an untrusted rank sends moves a resume point or a kept checkpoint.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from planner.integrity.lookback import Lookback
-from planner.runtime.rank.audits import audited_stages
+from planner.runtime.rank.audit_state import audited_stages
 from planner.runtime.wire.bans import BanNotice
 from planner.runtime.wire.control import trusted_ranks
 
@@ -35,7 +35,7 @@ def plan_lookback(plan: Plan, *, audit_every: int | None, verifying: bool) -> Lo
 def plan_auditors(plan: Plan, *, audit_every: int | None = None, verify: bool = True) -> frozenset[int]:
     """The ranks that audit a stage in a run of ``plan`` (``audit_every``: ``--audit-every``, None: the plan's
     shares; ``verify`` False: ``--no-verify``): the trusted ranks whose verdicts can be out a step late
-    (``rank.audits.unaudited_since``)."""
+    (``rank.audit_verdicts.unaudited_since``)."""
     verifying = bool(verify and plan.policy.enabled and plan.verifiers)
     return frozenset(st.auditor for st in audited_stages(plan, every=audit_every, verifying=verifying).values())
 
