@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "planner.solver.routing",
      "planner.solver.in_flight", "planner.solver.verdict_backlog", "planner.solver.drain_schedule",
      "planner.solver.drain_device", "planner.solver.drain_order", "planner.solver.drain_replay",
-     "planner.solver.program_cost",
+     "planner.solver.program_cost", "planner.solver.program_traffic", "planner.solver.program_paths",
+     "planner.solver.program_resources", "planner.solver.program_audits",
      "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price",
      "planner.solver.link_tests"),                                                   # the solver's core
     ("planner.solver.search", "planner.solver.shared_verifiers"),
