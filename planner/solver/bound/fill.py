@@ -38,6 +38,12 @@ replicas in different islands, so its ring uses a link between islands: its all-
 line for the fastest and quickest such link (``_mixed_lines``), where the DP knows it holds both (``y`` of group
 ``a`` and at least one of ``b``: the fixed point's count, an exact count, stage 0's ``r - y``); else the ring's
 floor as before (Sailor-like: 646.9 -> 661.3 ms).
+**Rings no island holds.** At any partition into islands, a stage of ``y`` devices of group ``a`` and ``w`` of
+``b`` that no island holds together (``islands.spans``: more A100s than a host of four; more V100s than a zone has
+beside its A100s) has replicas in two islands, so its ring uses a link between them: its all-reduce is at least
+that link's line (``_island_lines``), read at the same counts as the mixed rings (the fixed point's, an exact
+count, stage 0's ``r - y``; both lines rise with ``y`` and ``w``, so a count no more than the plan's gives a
+floor no more than its). Sailor-like: 661.3 -> 678.4 ms (a stage of eight A100s no longer rings at NVLink speed).
 **Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
 holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
 ``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
@@ -76,7 +82,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.solver.bound.islands import COMPRESSED_ALLREDUCE, partitions
+from planner.solver.bound.islands import COMPRESSED_ALLREDUCE, partitions, spans
 from planner.solver.bound.replicas import Rings, hops_ms, slow_route
 from planner.solver.problem import Problem, bound_problem
 from planner.solver.search.budget import UNITS_PER_S, Work, fill_units
@@ -104,6 +110,8 @@ LINKED_CELLS = (LINKED + 1) ** 2
 LINKED_COST = 1
 # A device's passes within the round trip after its stage (``_per``); off: the bound without that term (tests).
 ROUND_TRIP = True
+# Rings no island holds whole pay a link between islands (``_island_lines``); off: the bound without them (tests).
+ISLANDS = True
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None,
@@ -278,6 +286,7 @@ class _Test:
         self.optim = [np.min([shared.optim[c] for c in g.classes], axis=0) if g.classes
                       else np.zeros((L + 1, L + 1)) for g in (self.a, self.b)]
         self.mixed = _mixed_lines(problem, stage, self.a, self.b, len(shared.ring.none))
+        self.islands = _island_lines(problem, stage, self.a, self.b, len(shared.ring.none)) if ISLANDS else ()
         self.rows = _Rows.of(self)
         self._pair_i = np.repeat(np.arange(1, L + 1), np.arange(1, L + 1))  # each stage's end
         self._ar_rest = self._after_link() if self.route is not None else None
@@ -444,10 +453,8 @@ class _Test:
             if c > rows.top:
                 out.append(np.full((self.L * (self.L + 1) // 2, self.L + 1, Y), np.inf))
                 continue
-            plain, mixed = (f[rows.pair[:n], c][:, None] if c >= 2 else np.zeros((n, 1))
-                            for f in (rows.floors, rows.mixed_floors))
-            # both groups on it (y of a, c - y or, past LINKED, at least K - y of b): the ring crosses islands
-            floor = np.where((y >= 1) & (y <= c - 1), mixed, plain)
+            # y of a, c - y or, past LINKED, at least K - y of b (the floors rise with both)
+            floor = rows.floor(rows.pair[:n, None], y, np.maximum(c - y, 0))
             slacks = [np.minimum(slack[:, None], room[:, None] - opt[:n, None] - floor)
                       for opt in (rows.opt_a, rows.opt_b)]
             nb = np.maximum(self._nb(np.broadcast_to(at[:, None], floor.shape), slacks[0], slacks[1], y), fewest)
@@ -469,12 +476,8 @@ class _Test:
         slack = B - rows.U[:n] - rows.extra[:n] - self.opt_any
         y = np.arange(Y)[None, :]
         nb = self._after_passes(B, slack, self._nb(np.arange(n), slack, slack, y))
-        r = y + nb
-        small = np.arange(rows.top + 1) < 2  # r = 0, 1: no all-reduce
-        fine, fine_mixed = ((f <= B) | small for f in (rows.floors, rows.mixed_floors))
-        idx = np.where(np.isfinite(r), np.minimum(r, rows.top), 0).astype(int)
-        pair = rows.pair[:n, None]
-        nb = np.where(np.where((y >= 1) & (nb >= 1), fine_mixed[pair, idx], fine[pair, idx]), nb, np.inf)
+        w = np.where(np.isfinite(nb), nb, 0).astype(int)
+        nb = np.where(rows.floor(rows.pair[:n, None], y, w) <= B, nb, np.inf)  # r = 0, 1: no all-reduce (0)
         out = np.full((self.L * (self.L + 1) // 2 * (self.L + 1), Y), np.inf)
         out[rows.cell[:n]] = nb
         out = out.reshape(-1, self.L + 1, Y)
@@ -510,11 +513,11 @@ class _Test:
         + AR_0 + optim_0``): each replica's passes fit ``B`` less both, the all-reduce that of the ``r``
         replicas used (``r`` up to the first whose slack is negative: the floors rise with ``r``)."""
         rows, Y = self.rows, self.a.count + 1
-        top = rows.first_floors.shape[1]
+        top = rows.top
         y = np.arange(Y)
         r = np.arange(1, top + 1)[None, :, None]
-        # r replicas, y of group a: both groups where 1 <= y <= r - 1 (its ring crosses islands: ``_mixed_lines``)
-        floor = np.where((y >= 1) & (y <= r - 1), rows.first_mixed[:, :, None], rows.first_floors[:, :, None])
+        # r replicas, y of group a and r - y of b (``_Rows.floor``: where it holds both, its ring crosses islands)
+        floor = rows.floor(rows.firsts[:, None, None], y[None, None, :], np.maximum(r - y[None, None, :], 0))
         slack = B - self.opt0[1:, None, None] - floor  # (L, r = 1..top, Y)
         valid = np.logical_and.accumulate(slack >= 0, axis=1)
         at = np.broadcast_to(rows.first_rows[:, None, None], slack.shape)
@@ -540,13 +543,10 @@ class _Test:
         at, y = np.divmod(live, Y)
         flat = nb.reshape(-1)
         cur = flat[live]
-        width = rows.floors.shape[1]
         for _ in range(ROUNDS):
             if not len(live):
                 break
-            idx = rows.pair[at] * width + np.minimum(y + cur, rows.top).astype(int)
-            # both groups on it: its ring crosses islands (``_mixed_lines``)
-            floor = np.where((y >= 1) & (cur >= 1), rows.mixed_floors.reshape(-1)[idx], rows.floors.reshape(-1)[idx])
+            floor = rows.floor(rows.pair[at], y, cur.astype(int))  # ``_Rows.floor``: at y of a, cur of b
             slacks = [np.minimum(slack[at], room[at] - opt[at] - floor) for opt in (rows.opt_a, rows.opt_b)]
             raised = np.maximum(self._nb(at, slacks[0], slacks[1], y), cur)
             moved = raised != cur
@@ -570,6 +570,32 @@ def _mixed_lines(problem: Problem, stage: list[int], a: _Group, b: _Group, R: in
         for r in range(2, R):
             alpha[r, i], beta[r, i] = 2 * (r - 1) / r * 1e3 / lk.bytes_per_s, 2 * (r - 1) * lk.latency_ms
     return alpha, beta
+
+
+def _island_lines(problem: Problem, stage: list[int], a: _Group, b: _Group, R: int
+                  ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Per partition into islands (``islands.spans``): which stages of ``y`` devices of group ``a`` and ``w`` of
+    ``b`` no island holds whole (``(a.count + 1, b.count + 1)``), and per ring size ``r < R`` the line ``alpha_r P +
+    beta_r`` of its link between islands (``Rings``' for that link): such a stage has replicas in two islands, so
+    its ring uses a link between them, no faster than their fastest nor quicker than their quickest (Sailor-like:
+    eight A100s on a stage span two hosts of four, a stage of the zone of four A100s and more of their V100s than
+    it has spans the zones). Where every island holds one group only, a stage of both is ``_mixed_lines``'."""
+    if problem.compress in COMPRESSED_ALLREDUCE:
+        return ()
+    own = [set(a.classes), set(b.classes)]
+    out = []
+    for span, isl in spans(problem, stage, own[0], own[1], a.count + 1, b.count + 1):
+        if all(any(set(I) <= g for g in own) for I in isl.members):
+            span = span.copy()
+            span[1:, 1:] = False  # both groups: the mixed rings' line
+        if not span.any():
+            continue
+        r = np.arange(R)
+        lk = isl.between
+        alpha = np.where(r >= 2, 2 * (r - 1) / np.maximum(r, 1) * 1e3 / lk.bytes_per_s, 0.0)
+        beta = np.where(r >= 2, 2 * (r - 1) * lk.latency_ms, 0.0)
+        out.append((span, alpha, beta))
+    return tuple(out)
 
 
 def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int, f: np.ndarray,
@@ -617,8 +643,8 @@ class _Rows:
     top: int
     firsts: np.ndarray  # the pairs of stage 0 (j = 0), per i = 1..L
     first_rows: np.ndarray  # their rows among these (appended after the others, z = 0)
-    first_floors: np.ndarray  # (L, r = 1..top): stage 0's all-reduce floor over its ring (``Rings`` ``ring``)
-    first_mixed: np.ndarray  # the same where stage 0 holds devices of both groups
+    nbytes: np.ndarray  # per stage, its gradient bytes
+    islands: tuple  # ``_island_lines``: per partition, the counts no island holds whole and its line
 
     @staticmethod
     def of(test: _Test) -> _Rows:
@@ -659,7 +685,6 @@ class _Rows:
         for ring, rows in ((test.ring, pend), (test.middle_ring, ~pend)):
             n = int(rows.sum())
             floors[rows] = ring.floor(np.repeat(params[rows], top + 1), np.tile(sizes, n)).reshape(n, top + 1)
-        first = test.ring.floor(np.repeat(test.params[1:], top), np.tile(np.arange(1, top + 1), L)).reshape(L, top)
         alpha, beta = test.mixed
 
         def mixed(nbytes: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -668,8 +693,6 @@ class _Rows:
 
         mixed_floors = np.maximum(floors, mixed(np.repeat(params, top + 1), np.tile(sizes, len(pair))).reshape(
             len(pair), top + 1))
-        first_mixed = np.maximum(first, mixed(np.repeat(test.params[1:], top),
-                                              np.tile(np.arange(1, top + 1), L)).reshape(L, top))
         last = ri == L
         extra = np.where(last, test.extra_last[rj, rz], test.extra[rj, rz])
         arrive = np.where(last, np.broadcast_to(test.arrive_last, (L + 1, L + 1))[rj, rz],
@@ -678,7 +701,21 @@ class _Rows:
                      arrive=arrive, t_a=t_a, pos_a=pos_a,
                      fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
                      opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b, trip=trip, inner=len(inner), floors=floors, mixed_floors=mixed_floors, top=top, firsts=firsts,
-                     first_rows=np.arange(len(inner), len(rp)), first_floors=first, first_mixed=first_mixed)
+                     first_rows=np.arange(len(inner), len(rp)), nbytes=params,
+                     islands=test.islands)
+
+    def floor(self, pair: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The all-reduce floor of stage ``pair`` (index arrays, broadcast) on ``y`` devices of group ``a`` and ``w``
+        of ``b``, a ring of ``y + w`` (past the largest ring, at the largest's: the floors rise with it): ``Rings``',
+        the mixed rings' where it holds both groups (``_mixed_lines``), and the line of a partition's link between
+        islands where no island of it holds the stage whole (``_island_lines``)."""
+        r = np.minimum(y + w, self.top)
+        out = np.where((y >= 1) & (w >= 1), self.mixed_floors[pair, r], self.floors[pair, r])
+        nbytes = self.nbytes[pair]
+        for span, alpha, beta in self.islands:
+            cross = span[np.minimum(y, span.shape[0] - 1), np.minimum(w, span.shape[1] - 1)] & (r >= 2) & (nbytes > 0)
+            out = np.where(cross, np.maximum(out, alpha[r] * nbytes + beta[r]), out)
+        return out
 
 
 def _optim_ms(problem: Problem, classes: tuple[int, ...]) -> np.ndarray:

@@ -75,6 +75,21 @@ def islands_at(problem: Problem, stage: list[int], gbps: float) -> Islands | Non
     return Islands(members=tuple(groups.values()), between=between)
 
 
+def spans(problem: Problem, stage: list[int], first: set[int], second: set[int], Y: int, W: int,
+          ) -> list[tuple[np.ndarray, Islands]]:
+    """Per partition into islands (``partitions``), which stages no island holds whole, and its islands:
+    ``out[p][0][y, w]`` is true where no island holds ``y`` devices of the classes ``first`` and ``w`` of
+    ``second`` together (``y < Y``, ``w < W``). A stage of ``y`` and ``w`` such devices then has replicas in two
+    islands, so its ring uses a link between them (``replicas.Rings``' line for ``between``). Both rise with ``y``
+    and ``w``: more devices fit fewer islands."""
+    y, w = np.arange(Y)[:, None, None], np.arange(W)[None, :, None]
+    out = []
+    for _, isl in partitions(problem, stage):
+        own = np.array([[sum(n for c, n in I.items() if c in g) for I in isl.members] for g in (first, second)])
+        out.append((~((own[0][None, None, :] >= y) & (own[1][None, None, :] >= w)).any(axis=2), isl))
+    return out
+
+
 def min_wire_bytes(problem: Problem) -> float:
     """The smallest boundary tensor on the wire under any codec a plan of ``problem`` may send it with."""
     raw = problem.out_bytes[:-1] if problem.num_blocks > 1 else problem.out_bytes
