@@ -49,7 +49,7 @@ class AuditedStage:
 
 def audited_stages(plan: Any, *, every: int | None, verifying: bool) -> dict[int, AuditedStage]:
     """Stage -> how it is audited, for every stage with an untrusted replica the planner's rule lets its auditor
-    audit (``simulate.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
+    audit (``simulate_audits.audit_site``; the same on every rank: the plan and the run's options decide). ``every`` (``--audit-every``): one in this
     many microbatches for every such stage (0: none); None: as the plan chose per stage (``StageInfo.audit_every``,
     priced; 0 there, as in a plan that predates audits: not audited)."""
     if not verifying or every == 0:
