@@ -258,15 +258,15 @@ def _blocks(graph: Graph, liveness: _Liveness, segments: Sequence[range], granul
             param_count=sum(p.meta.numel for p in owned), param_bytes=sum(p.nbytes for p in owned),
             saved_act_bytes=_saved_bytes(members), out_bytes=out_bytes, boundary_nodes=tuple(out_nodes),
             mem_traffic_bytes=_traffic_bytes(graph, members),
-            random_ops=tuple(dict.fromkeys(n.random_op for n in members if n.random_op))))
+            random_ops=tuple(dict.fromkeys(n.random_op for n in members if n.random_op)),
+            bwd_input_flops=input_grad_flops(members)))
     return blocks
 
 
-def block_input_grad_flops(graph: Graph, block: Block) -> int | None:
-    """Of ``block``'s backward FLOPs, those producing the gradients of activations rather than of weights (its
-    nodes' ``Node.bwd_input_flops``: what an audit recomputing the block's input gradient alone runs); None where a
-    node with a backward recorded no split."""
-    members = [graph.node(name) for name in block.node_names]
+def input_grad_flops(members: Sequence[Node]) -> int | None:
+    """Of ``members``' backward FLOPs, those producing the gradients of activations rather than of weights
+    (``Node.bwd_input_flops``: what an audit recomputing the block's input gradient alone runs); None where a node
+    with a backward recorded no split."""
     if any(n.bwd_flops and n.bwd_input_flops is None for n in members):
         return None
     return sum(n.bwd_input_flops or 0 for n in members)
@@ -392,7 +392,9 @@ def chain_to_dict(chain: BlockChain) -> dict[str, Any]:
         "input_bytes": chain.input_bytes, "microbatch_size": chain.microbatch_size,
         "blocks": [{"name": b.name, **{f: getattr(b, f) for f in _BLOCK_INT_FIELDS},
                     **{f: list(getattr(b, f)) for f in _BLOCK_TUPLE_FIELDS},
-                    "random_ops": list(b.random_ops)} for b in chain.blocks],
+                    "random_ops": list(b.random_ops),
+                    **({} if b.bwd_input_flops is None else {"bwd_input_flops": b.bwd_input_flops})}
+                   for b in chain.blocks],
         "tied_params": [{"name": t.name, "blocks": list(t.blocks), "nbytes": t.nbytes} for t in chain.tied_params],
         "meta": {k: v for k, v in chain.meta},
     }
@@ -416,7 +418,10 @@ def chain_from_dict(data: Mapping[str, Any]) -> BlockChain:
         blocks = tuple(Block(name=str(b["name"]), **{f: int(b.get(f, 0)) for f in _BLOCK_INT_FIELDS},
                              **{f: tuple(str(x) for x in b[f]) for f in _BLOCK_TUPLE_FIELDS},
                              # absent before the field: nothing known random (the runtime checks each stage)
-                             random_ops=_op_names(b.get("random_ops", []), b["name"]))
+                             random_ops=_op_names(b.get("random_ops", []), b["name"]),
+                             # absent before the field: no split known (the price's constant)
+                             bwd_input_flops=None if b.get("bwd_input_flops") is None
+                             else int(b["bwd_input_flops"]))
                        for b in data["blocks"])
         tied = tuple(TiedParam(name=str(t["name"]), blocks=tuple(int(x) for x in t["blocks"]),
                                nbytes=int(t["nbytes"])) for t in data.get("tied_params", ()))

@@ -252,12 +252,16 @@ class Block:
     boundary_nodes: tuple[str, ...]
     mem_traffic_bytes: int = 0
     random_ops: tuple[str, ...] = ()
+    bwd_input_flops: int | None = None   # of bwd_flops, the activations' gradients' (Node.bwd_input_flops); None: unknown
 
     def __post_init__(self) -> None:
         for f in ("fwd_flops", "bwd_flops", "param_count", "param_bytes", "saved_act_bytes",
                   "out_bytes", "mem_traffic_bytes"):
             if getattr(self, f) < 0:
                 raise InvalidInputError(f"block {self.name}.{f}", expected=">= 0", found=str(getattr(self, f)))
+        if self.bwd_input_flops is not None and not 0 <= self.bwd_input_flops <= self.bwd_flops:
+            raise InvalidInputError(f"block {self.name}.bwd_input_flops", expected=f"0 to {self.bwd_flops}",
+                                    found=str(self.bwd_input_flops))
         if not self.node_names:
             raise InvalidInputError(f"block {self.name}", expected="at least one node", found="none")
         if not all(isinstance(op, str) and op for op in self.random_ops):

@@ -9,8 +9,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+from collections.abc import Iterator, Mapping
 from importlib import resources
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import jsonschema
 
@@ -26,10 +27,11 @@ from planner.solver.solution import SolveReport
 from planner.verifier_config import VerifierConfig
 
 # 2: verifier_config holds every monitor setting; 3: stages say whether they recompute; 4: excluded hosts and history;
-# 5: verifiers' watch_only directions (link test inputs); 6: the policy's audit_within_steps.
+# 5: verifiers' watch_only directions (link test inputs); 6: the policy's audit_within_steps; 7: blocks' bwd_input_flops
+# (the input gradients' share of the backward, which prices an audit's recompute).
 # Any change to plan.schema.json bumps it (tests/unit/test_schema_version.py pins the schema's hash to it), so
 # another version of stagewise refuses a plan by its version, naming which side to upgrade, not by a schema error.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 REPLAN = "re-create the plan with `stagewise plan`"
 
 
@@ -115,30 +117,30 @@ def plan_fields(data: Mapping[str, Any], source: str) -> dict[str, Any]:
             except InvalidInputError as exc:
                 raise InvalidInputError(f"{source}: $.programs[{r}]: {exc.what}", expected=exc.expected,
                                         found=exc.found, fix=exc.fix or REPLAN) from None
-        return dict(
-            schema_version=version,
-            model=ModelRef(**data["model"]),
-            cluster=data["cluster"],
-            excluded_hosts=tuple(data["excluded_hosts"]),
-            config=TrainingConfig.from_dict(data["config"]),
-            policy=VerificationPolicy.from_dict(data["policy"]),
-            verifier_config=VerifierConfig.from_dict(data["verifier_config"]),
-            stages=tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"], recompute=st["recompute"],
+        return {
+            "schema_version": version,
+            "model": ModelRef(**data["model"]),
+            "cluster": data["cluster"],
+            "excluded_hosts": tuple(data["excluded_hosts"]),
+            "config": TrainingConfig.from_dict(data["config"]),
+            "policy": VerificationPolicy.from_dict(data["policy"]),
+            "verifier_config": VerifierConfig.from_dict(data["verifier_config"]),
+            "stages": tuple(StageInfo(index=st["index"], in_bytes=st["in_bytes"], recompute=st["recompute"],
                                    out_codec=st.get("out_codec", "none"),
                                    allreduce_codec=st.get("allreduce_codec", "none"),
                                    audit_every=st.get("audit_every", 0),
                                    blocks=tuple(Block(**_tupled(b)) for b in st["blocks"]))
                          for st in data["stages"]),
-            chain_microbatch_size=data["chain_microbatch_size"],
-            tied_params=tuple(TiedParam(**_tupled(t)) for t in data["tied_params"]),
-            ranks=tuple(RankInfo(**_tupled(r)) for r in data["ranks"]),
-            verifiers=tuple(VerifierInfo(**_tupled(v)) for v in data["verifiers"]),
-            programs=tuple(programs),
-            report=SolveReport(**_tupled(data["report"])),
-            predicted=Predicted(**_tupled(data["predicted"])),
-            history=tuple(HistoryEntry(**_tupled(e)) for e in data["history"]),
-            cluster_source=data.get("cluster_source"),  # absent in older plans
-        )
+            "chain_microbatch_size": data["chain_microbatch_size"],
+            "tied_params": tuple(TiedParam(**_tupled(t)) for t in data["tied_params"]),
+            "ranks": tuple(RankInfo(**_tupled(r)) for r in data["ranks"]),
+            "verifiers": tuple(VerifierInfo(**_tupled(v)) for v in data["verifiers"]),
+            "programs": tuple(programs),
+            "report": SolveReport(**_tupled(data["report"])),
+            "predicted": Predicted(**_tupled(data["predicted"])),
+            "history": tuple(HistoryEntry(**_tupled(e)) for e in data["history"]),
+            "cluster_source": data.get("cluster_source"),  # absent in older plans
+        }
 
 
 

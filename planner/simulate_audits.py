@@ -15,6 +15,7 @@ from planner.solver.audit_price import (
     Stepper,
     audit_rule,
     audited_backward_ms,
+    input_grad_share,
     stepper_parts,
     with_copied_grads,
 )
@@ -68,9 +69,12 @@ def _audit_cost(plan: Plan, costs: CostModel, k: int, where: AuditWhere) -> Audi
     slowest = max(plan.stage_ranks(k), key=lambda r: costs.message_ms("F", k, r, auditor))
     every, inputs = plan.stages[k].audit_every, costs.boundary_bytes[k - 1] if k else 0.0
     # the input gradient's share of the backward, the weights' too for a contribution audit (as the planner prices)
+    blocks = chain.blocks[lo:hi + 1]
     bwd = audited_backward_ms(bwd, every=every, replica_microbatches=[len(plan.ranks[r].microbatches)
                                                                      for r in plan.stage_ranks(k)],
-                              contributions=bool(where.grads or where.grads_from))
+                              contributions=bool(where.grads or where.grads_from),
+                              share=input_grad_share([b.bwd_flops for b in blocks],
+                                                     [b.bwd_input_flops for b in blocks]))
     cost = audit_ms(every=every, microbatches=plan.num_microbatches, params=params,
                     param_tensors=tensors, forward_ms=fwd, backward_ms=bwd if where.grads else None,
                     output_bytes=costs.boundary_bytes[k], input_bytes=inputs,

@@ -206,7 +206,7 @@ INPUT_GRAD_SHARE = 0.5
 def input_grad_share(bwd_flops: Sequence[int], bwd_input_flops: Sequence[int | None]) -> float:
     """The share of a stage's backward an audit recomputes for the input gradient alone, from its blocks' backward
     FLOPs (``bwd_flops``) and, of those, the ones producing the gradients of activations rather than weights
-    (``bwd_input_flops``, ``coarsen.block_input_grad_flops``; None: not recorded, counted at
+    (``bwd_input_flops``, ``ir.Block.bwd_input_flops``; None: not recorded, counted at
     :data:`INPUT_GRAD_SHARE`): a weightless stage's is 1, a linear layer's 1/2. No backward FLOPs at all: 1 where
     some block recorded its split (no weight gradient to skip), else the constant."""
     if len(bwd_flops) != len(bwd_input_flops) or any(f < 0 for f in bwd_flops):
@@ -220,6 +220,12 @@ def input_grad_share(bwd_flops: Sequence[int], bwd_input_flops: Sequence[int | N
     known = sum(i for i in bwd_input_flops if i is not None)
     unknown = sum(f for f, i in zip(bwd_flops, bwd_input_flops) if i is None)
     return min(1.0, (known + INPUT_GRAD_SHARE * unknown) / total)
+
+
+def stage_input_grad_share(problem: Problem, first: int, last: int) -> float:
+    """:func:`input_grad_share` of blocks ``first`` to ``last`` (``Problem.bwd_split``; none known: the constant)."""
+    split = problem.bwd_split[first:last + 1]
+    return input_grad_share([f for f, _ in split], [i for _, i in split]) if split else INPUT_GRAD_SHARE
 
 
 def audited_backward_ms(backward_ms: float, *, every: int, replica_microbatches: Sequence[int],
@@ -252,7 +258,7 @@ def audit_cost(problem: Problem, st: StagePlacement, site: AuditSite, every: int
     first, last = st.first_block, st.last_block
     whole = tables.range_bwd_ms(first, last, cls)
     backward = audited_backward_ms(whole, every=every, replica_microbatches=st.microbatches,
-                                   contributions=site.audits_grads)
+                                   contributions=site.audits_grads, share=stage_input_grad_share(problem, first, last))
     tensors = 1 if problem.param_tensors is None else int(problem.param_tensors[first:last + 1].sum())
     slowest = max(st.devices, key=lambda d: problem.transfer_ms(1e6, d, site.auditor))
     cost = _outputs_cost(problem, st, site, every, num_microbatches, upstream, tensors, (whole, backward), slowest)

@@ -134,6 +134,9 @@ class Problem:
     search_grad_bytes_per_param: float | None = None
     # Per block, its ops that draw random numbers (``ir.Block.random_ops``): no audit recomputes their stage.
     random_ops: tuple[tuple[str, ...], ...] = ()
+    # Per block, its backward FLOPs and, of those, its activations' gradients' (``ir.Block.bwd_input_flops``; None:
+    # not recorded): the share of a stage's backward an audit recomputes (``audit_price.input_grad_share``).
+    bwd_split: tuple[tuple[int, int | None], ...] = ()
     _time_prefix: np.ndarray = field(init=False, repr=False)
     _bwd_prefix: np.ndarray = field(init=False, repr=False)
     _param_prefix: np.ndarray = field(init=False, repr=False)
@@ -331,6 +334,7 @@ def scale_chain(chain: BlockChain, microbatch_size: int) -> BlockChain:
         act_traffic = max(0, b.mem_traffic_bytes - b.param_bytes)
         return dataclasses.replace(
             b, fwd_flops=round(b.fwd_flops * f), bwd_flops=round(b.bwd_flops * f),
+            bwd_input_flops=None if b.bwd_input_flops is None else round(b.bwd_input_flops * f),
             saved_act_bytes=round(b.saved_act_bytes * f), out_bytes=round(b.out_bytes * f),
             mem_traffic_bytes=round(min(b.mem_traffic_bytes, b.param_bytes) + act_traffic * f))
 
@@ -424,7 +428,8 @@ def build_problem(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfi
         param_tensors=np.array([len(b.param_names) for b in chain.blocks], dtype=np.int64),
         codec=search_codec(config.compress), elem_bytes=dtype_bytes(config.dtype), compress=config.compress,
         search_grad_bytes_per_param=_powersgd_bytes_per_param(chain) if config.compress == "auto" else None,
-        random_ops=tuple(b.random_ops for b in chain.blocks))
+        random_ops=tuple(b.random_ops for b in chain.blocks),
+        bwd_split=tuple((b.bwd_flops, b.bwd_input_flops) for b in chain.blocks))
 
 
 def _powersgd_bytes_per_param(chain: BlockChain) -> float:

@@ -1,13 +1,13 @@
 """The input gradient's share of an audited stage's backward, from the trace (issue 37): what an audit recomputing a
 stage's input gradient alone runs (``runtime.rank.audit_copy.grads``), per op's backward FLOPs (``planner.flops``),
-summed per block (``coarsen.block_input_grad_flops``), priced by ``audit_price.audited_backward_ms``."""
+summed per block (``ir.Block.bwd_input_flops``), priced by ``audit_price.audited_backward_ms``."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from planner.coarsen import block_input_grad_flops, coarsen
+from planner.coarsen import coarsen, input_grad_flops
 from planner.errors import InvalidInputError
 from planner.flops import onnx_bwd_flops, onnx_bwd_input_flops
 from planner.ir import Block, Graph, Node
@@ -38,7 +38,7 @@ class _Units(nn.Module):
 
 
 def _shares(graph: Graph, blocks: list[Block]) -> float:
-    return input_grad_share([b.bwd_flops for b in blocks], [block_input_grad_flops(graph, b) for b in blocks])
+    return input_grad_share([b.bwd_flops for b in blocks], [b.bwd_input_flops for b in blocks])
 
 
 def _stages() -> tuple[Graph, dict[str, Block]]:
@@ -120,7 +120,7 @@ def test_a_node_without_a_split_makes_its_block_unrecorded():
     graph = Graph(name="g", source="t", nodes=nodes)
     block = Block(index=0, name="b0", node_names=("a", "b"), module_paths=(), param_names=(), fwd_flops=0,
                   bwd_flops=12, param_count=0, param_bytes=0, saved_act_bytes=0, out_bytes=0, boundary_nodes=())
-    assert block_input_grad_flops(graph, block) is None
+    assert input_grad_flops([graph.node(n) for n in block.node_names]) is None
     with pytest.raises(InvalidInputError):
         Node(name="c", op="mm", bwd_flops=4, bwd_input_flops=5)
 

@@ -10,6 +10,7 @@ from planner.plan_json import SCHEMA_VERSION, plan_schema
 # schema_version -> sha256 of the schema as canonical JSON; a schema change adds a line here with a new version
 SCHEMA_HASHES = {
     6: "50153b99a5d9d5a81e03ec328d65a9d953cc7c286cb83267ba97234ea37cd5bf",
+    7: "d72e9de41b66577b6a664321fa3b9c492d787a0f9f37b1b7d66354e89acdfacd",
 }
 
 
