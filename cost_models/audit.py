@@ -132,7 +132,7 @@ class AuditCost:
     @property
     def stepper_done_ms(self) -> float:
         """Deferred: when the copy's stepper is through this stage's recompute of the last step and its copy's
-        step, from the step's start (the auditor's step's end waits for both: ``runtime.rank.audits._collect``,
+        step, from the step's start (the auditor's step's end waits for both: ``runtime.rank.audit_verdicts._collect``,
         ``StageCopy.step_later``); the work alone, as on an idle auditor holding no other stage's parts: where the
         auditor runs passes of its own or defers several stages, ``planner.solver.audit_price.Stepper`` runs the
         queue (0: not deferred)."""

@@ -191,7 +191,7 @@ class _Lowering:
         self.dirty.add(rank)
         end = start + self.costs.compute_ms(rank, op)
         # A remote check's verdict is awaited before the result leaves the rank (and, for a gradient, before
-        # the rank's next backward): the rank blocks there (``planner.simulate.deferred_verdicts``).
+        # the rank's next backward): the rank blocks there (``planner.simulate_run.deferred_verdicts``).
         gate = self.st.verdict.get((boundary_in, op, mb), 0.0) if checker_in not in (None, rank) else 0.0
         sends = 0 <= (stage + 1 if op == "F" else stage - 1) < self.num_stages
         if op == "B":

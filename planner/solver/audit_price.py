@@ -236,7 +236,7 @@ def audited_backward_ms(backward_ms: float, *, every: int, replica_microbatches:
     audited from trusted ranks' tensors, two replicas or more), the weights' share on the microbatches of a
     replica all of whose ``m`` microbatches the draw audits (probability ``every ** -m`` a step: every one of them
     at ``--audit-every 1``), spread over the step's ``sum / every`` audited microbatches. The lead verifier alone
-    runs them (``runtime.rank.audits._contrib_sums``): charged wherever they can run (at most the weights' share
+    runs them (``runtime.rank.audit_verdicts._contrib_sums``): charged wherever they can run (at most the weights' share
     more than runs, and only at ``every ** -m``)."""
     if every < 1 or backward_ms < 0 or not 0.0 <= share <= 1.0:
         raise InvalidInputError("audited backward", expected="every >= 1, backward_ms >= 0 and a share in [0, 1]",

@@ -35,7 +35,7 @@ from planner.solver.solution import StagePlacement
 EVERY_CHOICES = (1, 2, 4, 8, 16)
 MISS_TARGET = 1e-3     # the chance a replica corrupting every microbatch goes unaudited audit_within_steps steps
 # the replicas' applied gradient, received whole as float32 into one of two buffers in turn (the copy's last step
-# may still read the other: ``runtime.rank.audits._free_inbox``)
+# may still read the other: ``runtime.rank.audit_sync._free_inbox``)
 APPLIED_GRADIENT_BYTES_PER_PARAM = 2 * 4
 CONTRIBUTION_SUM_BYTES = 4   # a float32 sum of a replica's recomputed parameter gradients, per parameter
 

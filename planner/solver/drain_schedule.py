@@ -70,7 +70,7 @@ def drain_with_steppers(problem: Problem, stages, verifiers, fb, bw, limits,
     ``audit_price.stepper_parts``) sharing those devices. ``fb`` are the compiler's estimates, which order the
     programs; ``run_fb`` (None: ``fb``) the forwards as they run, longer where an audit from signed inputs signs
     or checks each (``audit_price.signing_ms``), and ``check_extra`` ((device, boundary, F|B) -> ms) the checks
-    that run longer, an auditor's recompute among its gradient checks (``simulate._audit_checks``): the compiler
+    that run longer, an auditor's recompute among its gradient checks (``simulate_audits._audit_checks``): the compiler
     knows of neither (``instruction_costs.CostModel``), so they stretch the order it placed."""
     lister = Lister(problem, stages, verifiers, fb, bw, limits)
     placed = lister.run()   # the compiler orders with its estimates, which know nothing of the steppers

@@ -47,7 +47,7 @@ class Backlog:
 def verdict_backlog(problem: Problem, stages, verifiers, routes, fb, bw, fwd, down, limits,
                     wait: dict[tuple[int, str, str], float], check_share: dict[str, float]) -> Backlog:
     """The stalls of verdicts sent behind their verifier's own warm-up activations (module docstring);
-    ``fwd``/``down``: the microbatches' forward paths and round trips (``program_cost._Paths``);
+    ``fwd``/``down``: the microbatches' forward paths and round trips (``program_paths._Paths``);
     ``check_share``: per verifier, the share of the step its checks keep it busy."""
     consumer: dict[tuple[int, int], float] = {}
     stream, at = 0.0, 0.0
@@ -132,7 +132,7 @@ def first_backward_delay(problem: Problem, stages, verifiers, routes, fb, bw, fw
                          ) -> dict[tuple[int, int], float]:
     """Per consumer replica ``(stage, replica)``: how much later its first backward starts when the verdicts on its
     warm-up inputs queue behind its downstream verifier's gradients (module docstring); ``fwd``/``down``/``hop_f``:
-    the microbatches' forward paths, round trips and activation hops (``program_cost._Paths``)."""
+    the microbatches' forward paths, round trips and activation hops (``program_paths._Paths``)."""
     S = len(stages)
     if problem.schedule == "gpipe":  # every forward runs before any gradient is sent
         return {}

@@ -1,6 +1,6 @@
 """Verdicts that lag: a stage's copies to its verifier queue on a link slower than the stage makes them, and the
 consumer, which passes each result on only after its input's verdict, stalls in its warm-up. Priced as it runs
-(``program_cost._verdict_stall``); the case is a plan a wider hill-climb found on one of the one-cost tests'
+(``program_resources._verdict_stall``); the case is a plan a wider hill-climb found on one of the one-cost tests'
 random clusters (benchmarks/README.md, 2026-12-04), priced 5.6% under its simulation before the stall was."""
 from __future__ import annotations
 

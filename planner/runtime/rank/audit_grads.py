@@ -151,7 +151,7 @@ def hear_grads(ex: Any, st: Any, step: int) -> None:
 
 def resolve(audits: Any, st: Any) -> None:
     """The auditor, with both copies in: judge each input gradient the replica marked tainted (``gin_tainted``),
-    compared whatever its header says (as where the auditor holds it, ``audits.observe``). An honest replica marks
+    compared whatever its header says (as where the auditor holds it, ``audit_verdicts.observe``). An honest replica marks
     it exactly where its input or gradient was dropped, and then sends zeros: its input dropped marks its output
     tainted, which the trusted stage after drops, so the gradient it sent went tainted (``g_tainted``: recomputed
     on zeros); its gradient dropped by the stage after, the same; by a verifier's verdict this auditor may not
@@ -168,7 +168,7 @@ def judge_marked(kept: dict[tuple[int, str, int], Any], k: int, mb: int, *, caus
     """Stage ``k``'s microbatch ``mb``, whose input gradient its replica marked tainted: nothing where the auditor
     saw a cause (``caused``: its input or the gradient it was sent dropped, or its output marked so), else a made-up
     drop where it is not zeros (``FORGED``: a failed audit), a drop by a verdict the auditor may not see where it is
-    (recomputed on a zero gradient, as the replica did). From copies (``resolve``) or held (``audits.observe``,
+    (recomputed on a zero gradient, as the replica did). From copies (``resolve``) or held (``audit_verdicts.observe``,
     ``held``: the auditor is the verifier whose verdicts reach the replica, so it sees every cause, and marked
     zeros with none are made up too)."""
     gin = kept.get((k, "gin", mb))
