@@ -44,6 +44,16 @@ beside its A100s) has replicas in two islands, so its ring uses a link between t
 that link's line (``_island_lines``), read at the same counts as the mixed rings (the fixed point's, an exact
 count, stage 0's ``r - y``; both lines rise with ``y`` and ``w``, so a count no more than the plan's gives a
 floor no more than its). Sailor-like: 661.3 -> 678.4 ms (a stage of eight A100s no longer rings at NVLink speed).
+**In flight.** A device holds at most the microbatches its memory has room for in flight (``_per``: the
+compiler places a forward only below that), so its first backward waits ``f + trip`` with ``n`` forwards at most
+run, and its last forward leaves ``n`` backwards at most: ``f + trip + m b + (m - n) f`` and ``m f + (m - n) b +
+trip + b`` fit its budget too. A recomputing problem's stage may hold every activation at the plain times or only
+its blocks' inputs at the recomputing ones: each device's count is the better of the two.
+**Stage 0's round trip.** In a plan of ``S`` stages stage 0's first gradient comes back over every crossing of the
+route, at least ``last(S - 1)`` each way (``hops_ms`` ``to_last``), not one: where the DP (counting stages) lets a
+plan of ``S`` stages through, it runs again with stage 0's rows at that round trip and only those plans ending
+(``_Test.feasible``; each such run charged as a test). SWARM-like: a T4 holding the embedding and six layers has
+room for 18 of its 32 microbatches and its gradients cross four volunteers' links each way: 7,622.3 -> 7,688.2 ms.
 **Routes before the last stage.** Where the ends must be trusted and every island holding a trusted stage device
 holds two or more, a route's devices before the last stage's make one crossing inside an island fewer than
 ``hops`` allows (``replicas.spare``): the last stage's device is trusted, so its island has at most one device
@@ -112,6 +122,11 @@ LINKED_COST = 1
 ROUND_TRIP = True
 # Rings no island holds whole pay a link between islands (``_island_lines``); off: the bound without them (tests).
 ISLANDS = True
+# Stage 0's round trip crosses to the last stage and back (``_Test.feasible``, per count of stages); off: one crossing
+# each way, as every other stage's (tests).
+STAGE0_TRIP = True
+# A device holds at most the microbatches its memory has room for in flight (``_per``); off: no such cap (tests).
+IN_FLIGHT = True
 
 
 def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | None = None,
@@ -123,6 +138,8 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
     so a test is bisected within ``[floor_ms, cap_ms]`` and first tried at ``cap_ms``, where a count whose plans
     all cost more is dismissed in one test; at most ``cap_ms`` returned where it is above ``floor_ms``.
     ``rel_tol``: the bisection's width (its infeasible end is returned: valid at any width, coarser is cheaper)."""
+    # a recomputing problem's plans mix stages with and without it: those without hold every activation (``_per``)
+    full_act = problem.tables(False).act_bytes if problem.recompute and problem.twin is not None else None
     problem = bound_problem(problem)
     stage = [c.index for c in problem.classes if c.stage_capable]
     cap_ms = cap_ms if cap_ms is not None and math.isfinite(cap_ms) else None  # no plan known: bisect as before
@@ -152,7 +169,7 @@ def fill_bound_ms(problem: Problem, floor_ms: float = 0.0, *, within: Work | Non
                 and spent + cells * LINKED_CELLS <= TOTAL_CELLS \
                 and (within is None or within.left_s() * UNITS_PER_S >= tests * each * LINKED_COST)
             spent += cells * (LINKED_CELLS if linked else 1)
-            test = _Test(problem, stage, fast, slow, track, shared, linked=linked)
+            test = _Test(problem, stage, fast, slow, track, shared, linked=linked, full_act=full_act)
             best = max(best, test.least_ms(best, cap_ms, rel_tol))
             if within is not None:
                 within.charge((test.tests + (LINKED_COST - 1) * test.linked) * each)
@@ -240,7 +257,9 @@ class _Test:
     test is then a few vector operations over every (stage, state, count) at once, and the DP over the blocks."""
 
     def __init__(self, problem: Problem, stage: list[int], fast: _Group, slow: _Group, track: str,
-                 shared: _Shared | None = None, *, linked: bool = True) -> None:
+                 shared: _Shared | None = None, *, linked: bool = True, full_act: np.ndarray | None = None) -> None:
+        """``full_act``: where ``problem`` is a recomputing problem's relaxation (``bound_problem``), the activations
+        a stage without recomputation holds (its stages may be either: ``_nb`` takes the better)."""
         L, M = problem.num_blocks, problem.num_microbatches
         self.L, self.M, self.track = L, M, track
         self.tests = 0   # feasibility tests run (their work charged to the plan's budget)
@@ -250,6 +269,11 @@ class _Test:
         self.ends = pol.enabled and pol.trusted_endpoints
         need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
         self.need = np.concatenate([[0.0], np.cumsum(need)])
+        # a stage's state and one microbatch's activations, apart (``_Rows.slots``)
+        self.state = np.concatenate([[0.0], np.cumsum(problem.param_count.astype(float) * problem.state_bytes_per_param)])
+        self.act = np.concatenate([[0.0], np.cumsum(problem.act_bytes.astype(float))])
+        self.mixed_recompute = full_act is not None
+        self.act_full = self.act if full_act is None else np.concatenate([[0.0], np.cumsum(full_act.astype(float))])
         self.params = np.concatenate([[0.0], np.cumsum(problem.param_count.astype(float))]) \
             * problem.grad_bytes_per_param
         least = np.minimum(fast.path, slow.path)
@@ -277,6 +301,7 @@ class _Test:
         self.F = np.concatenate([[0.0], np.cumsum((problem.time_ms - bwd)[:, stage].min(axis=1))])
         self.Bw = np.concatenate([[0.0], np.cumsum(bwd[:, stage].min(axis=1))])
         self.before, self.hop = shared.before, float(shared.hops[1]) if L >= 1 else 0.0
+        self.last = shared.last
         self.arrive, self.arrive_last = (np.where(j > 0, h[None, :L + 1] if track == "stages" else h[1], 0.0)
                                          for h in (shared.before, shared.last))
         # Two single-device stages in a row (``_feasible_linked``): every activation on one link (``route``).
@@ -327,11 +352,39 @@ class _Test:
         """Whether some partition meets ``B`` with the pool's devices: blocks in order, per state the fewest
         devices of group ``b``."""
         self.tests += 1
-        if self.route is not None and np.any(self.M * self.route[0] + self.rest[1:self.L] > B):
+        linked = self.route is not None and np.any(self.M * self.route[0] + self.rest[1:self.L] > B)
+        if linked:
             self.linked += 1  # a link may bind: the DP with replica states
-            return self._feasible_linked(B)
+            nb = self._linked_rows(B)
+            ends = self._run_linked(nb)
+        else:
+            fewest = self._fewest(B)  # (stages, Z, NA + 1), stage j..i-1 at i (i - 1) / 2 + j
+            ends = self._run(fewest)
+        ok = ends <= self.b.count  # (..., Z): per count of stages (or slow blocks) at the end
+        if self.track != "stages" or not STAGE0_TRIP or not ROUND_TRIP or not ok.any():
+            return bool(ok.any())
+        # An S-stage plan's stage 0 waits its first gradient's round trip over S - 1 crossings each way: the DP again
+        # with stage 0's rows at that trip, its plans of S stages (each count the first DP let through, fewest first)
+        for S in np.flatnonzero(ok.reshape(-1, ok.shape[-1]).any(axis=0)):
+            if S < 2:
+                return True  # one stage: no round trip
+            self.tests += 1
+            first = self._first(B, int(S))
+            if linked:
+                self.linked += 1
+                self._put_first(nb, self._first_by_r)
+                if (self._run_linked(nb)[..., S] <= self.b.count).any():
+                    return True
+            else:
+                fewest[self.rows.firsts, 0] = first
+                if (self._run(fewest)[..., S] <= self.b.count).any():
+                    return True
+        return False
+
+    def _run(self, fewest: np.ndarray) -> np.ndarray:
+        """The DP of ``feasible`` over the stages' fewest devices of group ``b`` (``_fewest``): per count ``x`` of
+        group ``a``'s devices and end state, the fewest of ``b``'s covering every block."""
         L, NA, Z = self.L, self.a.count, self.L + 1
-        fewest = self._fewest(B)  # (stages, Z, NA + 1), stage j..i-1 at i (i - 1) / 2 + j
         best = np.full((L + 1, NA + 1, Z), np.inf)
         best[0, 0, 0] = 0.0
         reached = np.zeros(L + 1, dtype=bool)
@@ -356,10 +409,11 @@ class _Test:
                 at = np.broadcast_to(np.where((z >= 0) & (z < i), z, i)[:, None, :], cand.shape[:2] + (Z,))
                 np.minimum(best[i], np.take_along_axis(padded, at, axis=2).min(axis=0), out=best[i])
             reached[i] = np.isfinite(best[i]).any()
-        return bool((best[L] <= self.b.count).any())
+        return best[L]
 
-    def _feasible_linked(self, B: float) -> bool:
-        """``feasible`` where every boundary into a stage before the last is a link between islands (``route``:
+    def _linked_rows(self, B: float) -> list[list[np.ndarray]]:
+        """The tables of ``feasible``'s DP (``_run_linked``; per replica state the previous stage left, per replica
+        count of the stage) where every boundary into a stage before the last is a link between islands (``route``:
         ``w`` ms of wire per message, its latency): the DP's states also hold the replicas of the stage so far
         (1 to ``LINKED``, or more). A stage at depth ``z`` (not the last) with ``r`` replicas after one of ``p``
         gets every activation over at most ``p r`` device pairs, one of them busy ``ceil(M / (p r)) w``: its first
@@ -370,7 +424,7 @@ class _Test:
         rest(z) <= B``. A plan's stage of exactly ``r`` replicas (``y`` of group ``a``) has ``r - y`` of group
         ``b``, at least the fewest (``_fewest``); of more than ``LINKED``, more than ``LINKED - y``: each state's
         count is so no more than the plan's, and the DP no stricter than the plans."""
-        L, NA, Z, M, K = self.L, self.a.count, self.L + 1, self.M, LINKED + 1
+        L, NA, M, K = self.L, self.a.count, self.M, LINKED + 1
         exact = self._exact(B)  # per replica count: (stages, Z, NA + 1); stage 0's by ``_first`` (through _fewest)
         by_r = self._first_by_r  # stage 0: (L, r = 1..top + more, Y)
         y = np.arange(NA + 1)[None, None, :]
@@ -392,8 +446,19 @@ class _Test:
             for out in row:
                 out[self.rows.firsts] = np.inf
             nb.append(row)
-        for c in range(1, K + 1):  # stage 0 follows no stage
+        self._put_first(nb, by_r)
+        return nb
+
+    def _put_first(self, nb: list[list[np.ndarray]], by_r: np.ndarray) -> None:
+        """Stage 0's rows (``_first``'s per replica count) into ``_linked_rows``' tables: it follows no stage."""
+        K = LINKED + 1
+        for c in range(1, K + 1):
             nb[K - 1][c - 1][self.rows.firsts, 0] = by_r[:, c - 1] if c < K else by_r[:, K - 1:].min(axis=1)
+
+    def _run_linked(self, nb: list[list[np.ndarray]]) -> np.ndarray:
+        """The DP of ``_linked_rows``' tables: per replica state, count of group ``a``'s devices and count of
+        stages at the end, the fewest of group ``b``'s covering every block."""
+        L, NA, Z, K = self.L, self.a.count, self.L + 1, LINKED + 1
         best = np.full((L + 1, K, NA + 1, Z), np.inf)
         best[0, K - 1, 0, 0] = 0.0
         reached = np.zeros(L + 1, dtype=bool)
@@ -413,7 +478,7 @@ class _Test:
                         np.minimum(best[i, now, yy:, 1:i + 1], every[:NA + 1 - yy, :, yy],
                                    out=best[i, now, yy:, 1:i + 1])
             reached[i] = np.isfinite(best[i]).any()
-        return bool((best[L] <= self.b.count).any())
+        return best[L]
 
     def _after_link(self) -> list[np.ndarray]:
         """Per replica count ``c = 2..LINKED + 1`` (index ``c - 2``; the last: more), per stage after stage 0 and
@@ -484,13 +549,22 @@ class _Test:
         out[rows.firsts, 0] = self._first(B)
         return out
 
-    def _nb(self, at: np.ndarray, slack_a: np.ndarray, slack_b: np.ndarray, y: np.ndarray) -> np.ndarray:
+    def _nb(self, at: np.ndarray, slack_a: np.ndarray, slack_b: np.ndarray, y: np.ndarray,
+            trip: np.ndarray | None = None) -> np.ndarray:
         """Per row of ``rows`` (``at``; their slacks per group, one per row or per row and count ``y``), the fewest
-        of group ``b``'s devices whose passes fit (the all-reduce aside; inf: none will do)."""
+        of group ``b``'s devices whose passes fit (the all-reduce aside; inf: none will do); ``trip``: the round
+        trip after each (default the rows')."""
         rows, M = self.rows, self.M
-        trip = rows.trip[at]
-        per_a = _per(rows.t_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M, rows.f_a[at], rows.b_a[at], trip)
-        pb = _per(rows.t_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M, rows.f_b[at], rows.b_b[at], trip)
+        trip = rows.trip[at] if trip is None else trip
+        per_a = _per(rows.t_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M, rows.f_a[at], rows.b_a[at], trip,
+                     rows.slots_a[at])
+        pb = _per(rows.t_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M, rows.f_b[at], rows.b_b[at], trip,
+                  rows.slots_b[at])
+        if self.mixed_recompute:  # or the stage recomputes: each backward runs its forward again, activations apart
+            per_a = np.maximum(per_a, _per(rows.t_a[at] + rows.f_a[at], rows.pos_a[at], rows.fits_a[at], slack_a, M,
+                                           rows.f_a[at], rows.b_a[at] + rows.f_a[at], trip, rows.slots_ra[at]))
+            pb = np.maximum(pb, _per(rows.t_b[at] + rows.f_b[at], rows.pos_b[at], rows.fits_b[at], slack_b, M,
+                                     rows.f_b[at], rows.b_b[at] + rows.f_b[at], trip, rows.slots_rb[at]))
         if per_a.ndim < y.ndim:
             per_a, pb = per_a[..., None], pb[..., None]
         short = np.maximum(M - y * per_a, 0)
@@ -507,11 +581,14 @@ class _Test:
         other = self.b if g is self.a else self.a
         return np.where((js == 0) & (i == self.L), g.trusted, g.trusted - (other.trusted == 0 and g.trusted > 0))
 
-    def _first(self, B: float) -> np.ndarray:
+    def _first(self, B: float, stages: int | None = None) -> np.ndarray:
         """Stage 0 over blocks ``0..i-1`` (per ``i``): per count ``y`` of group ``a``'s devices, the fewest of group
         ``b``'s. Its last backward ends the pipeline, and its all-reduce and optimizer step follow (``step >= pipe
         + AR_0 + optim_0``): each replica's passes fit ``B`` less both, the all-reduce that of the ``r``
-        replicas used (``r`` up to the first whose slack is negative: the floors rise with ``r``)."""
+        replicas used (``r`` up to the first whose slack is negative: the floors rise with ``r``). ``stages``: in a
+        plan of that many stages its microbatches' round trip after it crosses to the last stage and back, at least
+        ``last(stages - 1)`` each way (``hops_ms`` ``to_last``: every crossing of the route), beside every block
+        after it forward and back (else one crossing each way, as every stage's)."""
         rows, Y = self.rows, self.a.count + 1
         top = rows.top
         y = np.arange(Y)
@@ -521,7 +598,13 @@ class _Test:
         slack = B - self.opt0[1:, None, None] - floor  # (L, r = 1..top, Y)
         valid = np.logical_and.accumulate(slack >= 0, axis=1)
         at = np.broadcast_to(rows.first_rows[:, None, None], slack.shape)
-        nb = self._nb(at, slack, slack, y[None, None, :])  # (L, top, Y)
+        trip = None
+        if stages is not None:
+            i = np.arange(1, self.L + 1)
+            trip = np.where(i < self.L, self.U[self.L] - self.U[i] + 2 * max(self.hop, float(self.last[stages - 1])),
+                            0.0)
+            trip = np.broadcast_to(trip[:, None, None], slack.shape)
+        nb = self._nb(at, slack, slack, y[None, None, :], trip)  # (L, top, Y)
         ok = valid & (y + nb <= r) & (r - y <= rows.cap_b[rows.first_rows][:, None, None])
         by_r = np.where(ok, r - y, np.inf)
         if by_r.shape[1] < LINKED + 1:  # r past the largest ring: none
@@ -599,14 +682,28 @@ def _island_lines(problem: Problem, stage: list[int], a: _Group, b: _Group, R: i
 
 
 def _per(t: np.ndarray, pos: np.ndarray, fits: np.ndarray, slack: np.ndarray, M: int, f: np.ndarray,
-         b: np.ndarray, trip: np.ndarray) -> np.ndarray:
+         b: np.ndarray, trip: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
     """Microbatches one device runs of a stage of pass ``t`` (``pos``: ``t > 0``; else 1) within ``slack`` (0: none
     fit it, or its blocks do not fit the device: ``fits``): ``m t``, and with its forward ``f``, backward ``b`` and
-    the round trip after it ``trip`` (``_Rows``), ``m f + trip + b`` and ``f + trip + m b``, all within ``slack``."""
+    the round trip after it ``trip`` (``_Rows``), ``m f + trip + b`` and ``f + trip + m b``, all within ``slack``.
+
+    **In flight.** With room for ``n`` microbatches' activations (``slots``), a device holds at most ``n`` in flight
+    (``in_flight.limit``: ``max(least, min(need, cap))``, and a valid plan fits the schedule's least, so at most the
+    memory's cap). The compiler places a forward only while fewer than ``n`` are in flight (from its forward's
+    start to its backward's), and the device runs its program in that order: before its first backward starts,
+    no sooner than ``f + trip`` after its first input, it ran ``n`` forwards at most, and all ``m`` backwards and
+    the other ``m - n`` forwards follow; when its last forward starts, ``n`` backwards at most are still to run,
+    and ``trip + b`` follow that forward's end. So ``f + trip + m b + (m - n) f`` and ``m f + (m - n) b + trip +
+    b`` fit ``slack`` too where ``m > n`` (SWARM-like: a T4 holding the embedding and six layers has room for 18 of
+    its 32 microbatches, and its first gradient comes back over four volunteers' links each way)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         per = np.where(pos, np.floor(slack / t), M)
         per = np.where(f > 0, np.minimum(per, np.floor((slack - trip - b) / f)), per)
         per = np.where(b > 0, np.minimum(per, np.floor((slack - trip - f) / b)), per)
+        if slots is not None:
+            fb = np.where(f + b > 0, f + b, 1.0)
+            held = np.minimum(np.floor((slack - f - trip + slots * f) / fb), np.floor((slack - trip - b + slots * b) / fb))
+            per = np.where((f + b > 0) & np.isfinite(slots), np.minimum(per, np.maximum(slots, held)), per)
     return np.where(fits & (slack >= 0), np.clip(per, 0, M), 0)
 
 
@@ -636,6 +733,10 @@ class _Rows:
     b_a: np.ndarray
     f_b: np.ndarray
     b_b: np.ndarray
+    slots_a: np.ndarray  # microbatches in flight a device of the group has room for (``_per``; inf: no cap)
+    slots_b: np.ndarray
+    slots_ra: np.ndarray  # the same recomputing (activations: each block's input; ``_Test.mixed_recompute``)
+    slots_rb: np.ndarray
     trip: np.ndarray   # the least round trip after the stage (``_per``): its blocks after, and a crossing each way
     inner: int         # rows of stages after stage 0 (the first ``inner``; then stage 0's, per i)
     floors: np.ndarray  # (pairs, r = 0..top)
@@ -670,6 +771,15 @@ class _Rows:
         t_a, pos_a, fits_a, cap_a = group(test.a)
         t_b, pos_b, fits_b, cap_b = group(test.b)
 
+        def slots(g: _Group, acts: np.ndarray) -> np.ndarray:
+            """Microbatches in flight a device of ``g`` has room for beside the stage's state (``in_flight.memory_cap``
+            no more: its buffers and verifier state aside, the group's largest memory), of ``acts`` (prefix sums)."""
+            act = acts[ri] - acts[rj]
+            room = g.mem - (test.state[ri] - test.state[rj])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                n = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1.0)), np.inf)
+            return n if IN_FLIGHT else np.full(len(rp), np.inf)
+
         def passes(g: _Group) -> tuple[np.ndarray, np.ndarray]:
             if g.fwd is None or not g.count:
                 return np.zeros(len(rp)), np.zeros(len(rp))
@@ -700,7 +810,9 @@ class _Rows:
         return _Rows(pair=rp, cell=rp * (L + 1) + rz, U=test.U[rj], extra=extra, F=test.F[rj],
                      arrive=arrive, t_a=t_a, pos_a=pos_a,
                      fits_a=fits_a, t_b=t_b, pos_b=pos_b, fits_b=fits_b, cap_a=cap_a, cap_b=cap_b, opt_a=test.optim[0][rj, ri],
-                     opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b, trip=trip, inner=len(inner), floors=floors, mixed_floors=mixed_floors, top=top, firsts=firsts,
+                     opt_b=test.optim[1][rj, ri], f_a=f_a, b_a=b_a, f_b=f_b, b_b=b_b,
+                     slots_a=slots(test.a, test.act_full), slots_b=slots(test.b, test.act_full),
+                     slots_ra=slots(test.a, test.act), slots_rb=slots(test.b, test.act), trip=trip, inner=len(inner), floors=floors, mixed_floors=mixed_floors, top=top, firsts=firsts,
                      first_rows=np.arange(len(inner), len(rp)), nbytes=params,
                      islands=test.islands)
 
