@@ -225,15 +225,19 @@ def _restricted(parts: Sequence[Restriction], chain: BlockChain, config: Trainin
     work (``part_budget_s``; ``pool_s``: the whole pool's search): rivals the full pool's plan must beat in
     simulation. The trusted hosts alone (inside every other part, and few) are planned at every microbatch size
     the pool's search tried (``sizes``: with a verifier host more the pool's plan took size 2, where they make
-    1,498 ms against 1,236 at size 1); the others at ``config``'s, the pool's plan's (at every size, 176 devices
-    took 40 s of CPU at a 30 s limit)."""
+    1,498 ms against 1,236 at size 1); the others at the pool's plan's size (``config``'s) and the trusted hosts'
+    best (a smaller pool's plan may take another size than the pool's: at every size, 176 devices took 40 s of
+    CPU at a 30 s limit)."""
     out: list[Any] = []
+    hint: tuple[int, ...] = ()
     for part in parts:
-        at = tuple(sizes) if part.name == TRUSTED_ONLY else (config.microbatch_size,)
+        at = tuple(sizes) if part.name == TRUSTED_ONLY else tuple(dict.fromkeys((config.microbatch_size, *hint)))
         found = solver_api.solve_or_explain(chain, part.cluster, config, policy, workers=workers,
                                             time_limit_s=part_budget_s(part, share_s, len(parts), pool_s),
                                             recompute_mode=recompute, seed=seed, microbatch_sizes=at)
         if not isinstance(found, InfeasiblePlanError):
+            if part.name == TRUSTED_ONLY:
+                hint = (config.global_batch // found.num_microbatches,)
             method = f"{found.report.method} on {part.name}"
             out.append(dataclasses.replace(found, report=dataclasses.replace(found.report, method=method)))
     return out
