@@ -1,6 +1,7 @@
 """The depth and all-reduce tail bound (``bound.tails``) stays below every enumerated plan of random small pools:
 wide-area regions of one-GPU hosts (slow links between regions), volunteer swarms with a trusted host, one-GPU
-hosts; an overstated version (three times the crossings) does not; it lifts the bound above the fill bound where a
+hosts; an overstated version (three times the crossings, or the regions a route must visit) does not; the
+regions a route must visit (``route_hops_ms``) raise its crossings where a route outgrows the largest region; it lifts the bound above the fill bound where a
 pipeline's depth and an early stage's all-reduce bind; and it is wired into the counts' raised bounds."""
 from __future__ import annotations
 
@@ -97,3 +98,32 @@ def test_raised_bounds_take_the_tail_bound(monkeypatch):
     monkeypatch.setattr("planner.solver.bound.counts.fill_bound_ms", lambda problem, floor_ms, **_: floor_ms)
     got = raised_bounds([CountBound(p, 0.0, best)], best, Work(10.0, what="test"))[0]
     assert got == pytest.approx(tail_bound_ms(p, 0.0, cap_ms=best), rel=1e-2) and got > 0
+
+
+def test_route_hops_an_overstated_version_fails(monkeypatch):
+    """Three times the islands a route must visit (``route_hops_ms``): above some plan of the same pools, so the
+    enumerated-plans test above can fail on that term."""
+    real = tails._islands_holding
+    monkeypatch.setattr(tails, "_islands_holding", lambda held, devices: 3 * real(held, devices))
+    over = [tail_bound_ms(p) > best * HAIR for _, p, best in _cases("regions", 8)]
+    assert any(over)
+
+
+def test_route_hops_raise_hops_and_the_bound_on_some_wide_area_pool(monkeypatch):
+    """``route_hops_ms`` is never under ``replicas.hops_ms``, above it where a route outgrows the largest region,
+    and lifts the tail bound on some regions seed (the same bound with ``hops_ms`` alone is no more)."""
+    cases = list(_cases("regions", 8))
+    raised = lifted = 0
+    plain = {}
+    for seed, p, best in cases:
+        stage = [c.index for c in p.classes if c.stage_capable]
+        new, old = tails.route_hops_ms(p, stage, p.num_blocks), tails.hops_ms(p, stage, p.num_blocks)
+        assert (new >= old - 1e-9).all()
+        raised += bool((new > old * (1 + 1e-6)).any())
+        plain[seed] = tail_bound_ms(p, cap_ms=best)
+    monkeypatch.setattr(tails, "route_hops_ms", tails.hops_ms)
+    for seed, p, best in cases:
+        old = tail_bound_ms(p, cap_ms=best)
+        assert old <= plain[seed] * (1 + 2 * tails.REL_TOL)
+        lifted += plain[seed] > old * (1 + 2 * tails.REL_TOL)
+    assert raised >= 1 and lifted >= 1

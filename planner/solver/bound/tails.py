@@ -8,7 +8,7 @@ of a shallower one. For a plan, its stage ``k`` (depth ``z = k``, ``d = S - 1 - 
 ``j..i-1`` with ``r`` replicas, its busiest replica runs ``m >= ceil(M / r)`` microbatches. With ``F``, ``Bw`` and
 ``U`` the prefix sums of the blocks' least forward, backward and both, ``t``, ``f``, ``b`` the stage's least pass,
 forward and backward, ``h`` the least transfer of one crossing and ``H(n)`` of ``n`` crossings one way
-(``replicas.hops_ms``: each crossing between two distinct devices of a route, ``H(n) >= n h``):
+(``route_hops_ms``: each crossing between two distinct devices of a route, ``H(n) >= n h``):
 
 * that replica's first input arrives no sooner than ``A = F(j) + H(z)``; a microbatch's backward there needs its
   forward and its round trip after the stage, ``D = U(L) - U(i) + 2 H(d)`` (every block after it forward and
@@ -31,6 +31,16 @@ the fewest devices (each stage's fewest replicas that meet its terms: where a pl
 most ``r``). Also every stage's blocks, their weights, optimizer state and one microbatch's activations, fit a
 device. ``step >= B`` for the least ``B`` no level rules out (bisected; its infeasible end is returned).
 
+**Regions a route must visit** (``route_hops_ms``). ``H(n)`` is ``replicas.hops_ms`` (at most ``N - Q`` crossings
+inside an island) or, where more, this: a microbatch's route over ``n`` crossings has ``n + 1`` distinct devices
+(one stage a device). At a partition of the pool into islands (``islands.partitions``) of sizes ``s_1 >= s_2 >=
+...``, those devices lie in ``q >= q(n + 1)`` islands, ``q(x)`` the fewest whose sizes sum to ``x`` at least (no
+``q - 1`` islands hold more than the ``q - 1`` largest do); the route enters each island but its first over a link
+between islands, so ``q(n + 1) - 1`` of its crossings at least are, each no quicker than the partition's fastest
+and quickest link between islands carrying the smallest boundary (``slow``), and every crossing is at least
+``hops_ms(1)`` (the least of one): ``H(n) >= (n - q(n + 1) + 1) hops_ms(1) + (q(n + 1) - 1) slow``. DT-FM
+worldwide (eight regions of eight): a route of 20 stages crosses regions twice at least.
+
 The terms hold for exact gradients or compressed (``Rings`` drops the all-reduce where it may be compressed),
 with verifiers (their checks only add waits) and without trusted ends (a constraint the bound leaves out only
 makes it weaker). Chains longer than ``MAX_BLOCKS`` blocks get no bound (0).
@@ -41,6 +51,7 @@ import math
 
 import numpy as np
 
+from planner.solver.bound.islands import min_wire_bytes, partitions
 from planner.solver.bound.replicas import Rings, hops_ms
 from planner.solver.problem import Problem, bound_problem
 from planner.solver.search.budget import UNITS_PER_S, Work
@@ -111,6 +122,28 @@ def tail_bound_ms(problem: Problem, floor_ms: float = 0.0, *, cap_ms: float | No
     return lo * (1 - 1e-9)
 
 
+def route_hops_ms(problem: Problem, stage: list[int], L: int) -> np.ndarray:
+    """Per count ``n <= L`` of crossings one way, their least transfer time: ``replicas.hops_ms``, raised by the
+    regions a route of ``n + 1`` distinct devices must visit (module docstring, **Regions a route must visit**)."""
+    out = hops_ms(problem, stage, L)
+    wire = min_wire_bytes(problem)
+    if wire <= 0 or L < 1:
+        return out
+    n, one = np.arange(L + 1), float(out[1])
+    for _, isl in partitions(problem, stage):
+        held = np.cumsum(sorted((sum(I.values()) for I in isl.members), reverse=True))
+        forced = np.minimum(_islands_holding(held, n + 1) - 1, n)  # crossings between islands at least
+        slow = isl.between.latency_ms + 1e3 * wire / isl.between.bytes_per_s
+        out = np.maximum(out, (n - forced) * one + forced * slow)
+    return out
+
+
+def _islands_holding(held: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """The fewest islands holding ``devices`` devices (``held``: the largest islands' cumulative sizes; all of
+    them past the pool: no route has more devices than the pool, so any count is valid there)."""
+    return np.minimum(np.searchsorted(held, devices) + 1, len(held))
+
+
 def _size(problem: Problem) -> int:
     """Row options ``_Tables.of`` builds at most (0: none, past ``MAX_BLOCKS``): stages ``j..i-1``, depths ``z <= j``,
     stages after ``d`` (one block each at least), replica options (at most ``2 sqrt(M) + 1``)."""
@@ -148,7 +181,7 @@ class _Tables:
         F = np.concatenate([zero, np.cumsum(fwd[:, stage].min(axis=1))])
         Bw = np.concatenate([zero, np.cumsum(bwd[:, stage].min(axis=1))])
         U = F + Bw
-        H = hops_ms(problem, stage, L)
+        H = route_hops_ms(problem, stage, L)
         h = float(H[1]) if L >= 1 else 0.0
         need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
         need = np.concatenate([zero, np.cumsum(need)])
