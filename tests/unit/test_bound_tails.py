@@ -1,8 +1,9 @@
 """The depth and all-reduce tail bound (``bound.tails``) stays below every enumerated plan of random small pools:
 wide-area regions of one-GPU hosts (slow links between regions), volunteer swarms with a trusted host, one-GPU
-hosts; an overstated version (three times the crossings, or the regions a route must visit) does not; the
-regions a route must visit (``route_hops_ms``) raise its crossings where a route outgrows the largest region; it lifts the bound above the fill bound where a
-pipeline's depth and an early stage's all-reduce bind; and it is wired into the counts' raised bounds."""
+hosts; an overstated version (three times the crossings, or the regions a route must visit) does not; the regions
+a route must visit (``route_hops_ms``) raise its crossings where a route outgrows the largest region; it lifts the
+bound above the fill bound where a pipeline's depth and an early stage's all-reduce bind; and it is wired into the
+counts' raised bounds."""
 from __future__ import annotations
 
 import numpy as np
