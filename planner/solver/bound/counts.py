@@ -15,14 +15,14 @@ that is not the search's:
   ``cap_ms``);
 * each count's raised bound is ``fill_bound_ms`` (every count as before), then, in what those tests leave of the
   budget, ``tail_bound_ms`` above it (``bound.tails``: the pipeline's depth and an early stage's all-reduce behind
-  the deepest stream; DT-FM regional 2,189 -> 2,376 ms); each valid for every plan of its problem, so their maximum
+  the deepest stream; DT-FM regional at 60 s: 2,188 -> 2,340 ms with fill's terms of 2026-12-07); each valid for every plan of its problem, so their maximum
   is and the least over counts stays valid, bisected to ``REL_TOL`` / ``TAIL_REL_TOL`` (the infeasible end: valid
   at any width), never above its own plan's cost (as ``count_solve`` caps it).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.solver.bound.fill import fill_bound_ms
@@ -56,8 +56,8 @@ def raised_bounds(counts: Sequence[CountBound], incumbent_ms: float, within: Wor
     return bounds
 
 
-def _raise(counts: Sequence[CountBound], bounds: list[float], incumbent_ms: float, within: Work, raise_by,
-           tol: float) -> None:
+def _raise(counts: Sequence[CountBound], bounds: list[float], incumbent_ms: float, within: Work,
+           raise_by: Callable[..., float], tol: float) -> None:
     """``bounds`` raised in place by ``raise_by`` (a valid bound of a count's problem above a floor, at most a cap),
     the least count first, each once, until the least was tried or sits at the cap."""
     tried: set[int] = set()
