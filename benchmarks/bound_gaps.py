@@ -19,6 +19,9 @@ window across slow links), ``memory`` (stage 0's in-flight window, or no island 
 last stage's path), ``fill`` (``planner.solver.bound.fill``: every stage's replicas at their own kind's speed after
 the path before them, stage 0's all-reduce and optimizer step after the pipeline, every other stage's after its
 own first input and passes, each replica's first backward after the round trip below it, its stages counted).
+``tails`` (``planner.solver.bound.tails``, raised above fill after the search: the pipeline's depth and an early
+stage's all-reduce behind the deepest stream); ``terms_at_plan_count``: fill and tails at the plan's microbatch
+count without a work budget, capped at the simulated step.
 ``previous_bound_ms`` / ``previous_gap``: the
 bound and gap the results file held before this run (the last commit's code). The bound includes each
 microbatch count's raised after the search (``bound.counts.raised_bounds``, called by ``planner.solver.api._solve``).
@@ -46,7 +49,9 @@ from planner.model_io import load_chain
 from planner.simulate import simulate
 from planner.solver import count_solve
 from planner.solver.api import problem_for
+from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.links import link_lower_bound
+from planner.solver.bound.tails import tail_bound_ms
 from planner.solver.problem import recompute_problem
 
 RESULTS = ROOT / "benchmarks" / "results" / "bound_gaps.json"
@@ -90,6 +95,17 @@ def _link_terms(chain, cluster, plan) -> dict:
     return out
 
 
+def _terms_at_plan(chain, cluster, plan, sim_ms: float) -> dict[str, float]:
+    """The raised terms at the plan's microbatch count, as ``bound.counts`` raises them (fill, then tails above
+    it), without a work budget and capped at the simulated step: which of them reaches the bound."""
+    config = plan.config
+    problem = problem_for(chain, cluster, config, plan.policy, config.microbatch_size)[0]
+    if any(st.recompute for st in plan.stages):
+        problem = recompute_problem(problem)
+    fill = fill_bound_ms(problem, cap_ms=sim_ms)
+    return {"fill": round(fill, 3), "tails": round(max(fill, tail_bound_ms(problem, fill, cap_ms=sim_ms)), 3)}
+
+
 def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: float) -> dict:
     cluster = load_cluster(where)
     new, new_s = _plan(chain, cluster, model, seq, batch, limit)
@@ -98,13 +114,15 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
     sim, sim_old = simulate(new).step_ms, simulate(old).step_ms
     bound, bound_old = new.report.bound_ms or 0.0, old.report.bound_ms or 0.0
     links = _link_terms(chain, cluster, new)
+    terms = _terms_at_plan(chain, cluster, new, sim)
     binding = "compute" if bound <= bound_old * (1 + 1e-9) else \
+        "tails" if terms["tails"] > terms["fill"] * (1 + 1e-6) and bound > terms["fill"] * (1 + 1e-6) else \
         max(links.values(), key=lambda x: x["bound_ms"])["limit"]
     return {"case": name, "model": model, "seq": seq, "global_batch": batch, "microbatches": new.config.num_microbatches,
             "stages": new.num_stages, "simulated_ms": round(sim, 3), "objective_ms": round(new.report.objective_ms, 3),
             "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
             "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
-            "limited_by": binding, "link_bound_at_plan_size": links, "same_plan": abs(sim - sim_old) <= 1e-6 * sim,
+            "limited_by": binding, "terms_at_plan_count": terms, "link_bound_at_plan_size": links, "same_plan": abs(sim - sim_old) <= 1e-6 * sim,
             "method": new.report.method, "plan_s": round(new_s, 1), "old_plan_s": round(old_s, 1)}
 
 
