@@ -5,6 +5,7 @@ traces with ``planner.model_io.load_chain`` and calls it).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ from planner.solver.problem import recompute_problem, scale_chain
 from planner.solver.restrictions import (
     TRUSTED_ONLY,
     Restriction,
+    droppable,
     part_budget_s,
     restrictions,
 )
@@ -62,6 +64,9 @@ SHAPED_SHARE = 0.05  # of the time limit: the ppdp grid's shape solved as a fixe
 # compile 4 and 5): their predicted work is kept from the search's (``solver_api.solve``'s ``after_plans``), since
 # no other budget counts it (DT-FM worldwide: ~0.5 s of CPU each). A fixed shape compiles its plan alone.
 AFTER_PLANS = 4
+# The plans of the smaller pools of one call (``_smaller``), by their hosts' names: (plan, its solution, config).
+_SMALLER: contextvars.ContextVar[dict[frozenset[str], Any] | None] = contextvars.ContextVar(
+    "stagewise_smaller_pools", default=None)
 
 
 def _cluster(cluster: ClusterSpec | str | Path | None) -> ClusterSpec:
@@ -101,6 +106,12 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     the chain's fingerprint at its own microbatch size.
     The plan's history starts with this plan (``planned``, now).
 
+    Monotone in small pools (issue 36): a free solve over a pool of at most ``restrictions.DROP_EACH_UP_TO``
+    untrusted worker and verifier hosts also plans the pool without each of them (``restrictions.droppable``), by
+    this same call (recursively, each smaller pool once a call), and returns the fastest simulated: so a host or a
+    verifier host more never plans slower than that smaller pool's own call with the same arguments (its plan is
+    compiled on the larger pool, the same devices and links). Not for larger pools (up to 2 ** n calls' work).
+
     ``time_limit_s`` is a budget for the whole call, counted from ``started_s`` (``time.perf_counter``; default
     now: a caller that traced the model first passes when it started): the solve (less ``RIVALS_SHARE`` when
     baselines follow it, and the predicted work of compiling and simulating ``AFTER_PLANS`` plans: its own and the
@@ -112,7 +123,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     spec_cluster = _cluster(cluster)
     source = cluster_source(cluster)  # recorded: a run checks who is trusted against that file, not the copy
     policy = policy or VerificationPolicy()
-    dtype = resolve_dtype(dtype, spec_cluster)
+    dtype_asked, dtype = dtype, resolve_dtype(dtype, spec_cluster)
     mixed = dtype != "float32"  # low-precision compute keeps fp32 master weights (planner.runtime.rank.precision)
     batch = global_batch or DEFAULT_MICROBATCHES * chain.microbatch_size
     if microbatch_size is not None and (microbatch_size < 1 or batch % microbatch_size):
@@ -130,7 +141,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         tolerance = solver_api.GAP_TOLERANCE if gap_tolerance is None else gap_tolerance
         free = stages is None and replicas is None
         kept = min(RIVALS_SHARE * time_limit_s, RIVALS_MAX_S) if free else 0.0
-        parts = restrictions(spec_cluster) if free and warm_start is None else ()
+        # a small pool's restrictions are among the smaller pools it plans whole (``_smaller``)
+        parts = restrictions(spec_cluster) if free and warm_start is None and not droppable(spec_cluster) else ()
         kept += (RESTRICTIONS_SHARE * time_limit_s if parts else 0.0) + (SHAPED_SHARE * time_limit_s if free else 0.0)
         solve_s = max(0.0, time_limit_s - kept)  # work, not what the clock left
         solution = solver_api.solve(chain, spec_cluster, config, policy, workers=workers, time_limit_s=solve_s,
@@ -145,20 +157,34 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
 
     first = (HistoryEntry(event="planned", when_utc=utc_stamp(), reason=f"planned on {spec_cluster.name}"),)
 
-    at_size = {mb: (config, scaled)}
+    at_size = {(mb, config.dtype): (config, scaled)}
+    made: dict[int, tuple[Any, TrainingConfig]] = {}  # each compiled plan's solution and config
 
-    def compiled(sol: Any) -> Any:
+    def compiled(sol: Any, like: TrainingConfig = config) -> Any:
         size = batch // sol.num_microbatches  # a restriction's plan may have its own microbatch size
-        if size not in at_size:
-            at_size[size] = (dataclasses.replace(config, microbatch_size=size), scale_chain(chain, size))
-        cfg, sc = at_size[size]
+        if (size, like.dtype) not in at_size:  # a smaller pool's plan, its own dtype (auto resolved there)
+            at_size[size, like.dtype] = (dataclasses.replace(like, microbatch_size=size), scale_chain(chain, size))
+        cfg, sc = at_size[size, like.dtype]
         assert_valid(sol, sc, spec_cluster, cfg, policy)  # independent memory/coverage check
-        return dataclasses.replace(predict(compile_plan(sol, sc, spec_cluster, cfg, policy, ref)),
-                                   history=first, cluster_source=source)
+        out = dataclasses.replace(predict(compile_plan(sol, sc, spec_cluster, cfg, policy, ref)),
+                                  history=first, cluster_source=source)
+        made[id(out)] = (sol, cfg)
+        return out
 
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
+    memo = _SMALLER.get()
+    token = _SMALLER.set({}) if memo is None else None
+    try:
+        smaller = _smaller(spec_cluster, lambda pool: plan_chain(
+            chain, pool, spec=spec, seq=seq, schedule=schedule, global_batch=global_batch,
+            microbatch_size=microbatch_size, policy=policy, time_limit_s=time_limit_s, optimizer=optimizer,
+            dtype=dtype_asked, workers=workers, gap_tolerance=gap_tolerance, recompute=recompute, model=model,
+            seed=seed, compress=compress)) if warm_start is None else []
+    finally:
+        if token is not None:
+            _SMALLER.reset(token)
     found = _restricted(parts, chain, config, policy, workers=workers, recompute=recompute, sizes=sizes,
                         share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += _reordered(solution, chain, spec_cluster, config, policy)
@@ -169,7 +195,32 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
                                       within_ms=RIVAL_MARGIN * plan.predicted.step_ms)
     found += _grid_shaped(found, chain, spec_cluster, config, policy, workers=workers, recompute=recompute,
                           time_limit_s=SHAPED_SHARE * time_limit_s, seed=seed)
-    return choose_by_simulation(plan, _rivals(plan, _distinct(solution, found), compiled))
+    rivals = _rivals(plan, _distinct(solution, found), compiled)
+    rivals += [compiled(sol, cfg) for sol, cfg in smaller]
+    best = min([plan, *rivals], key=lambda p: p.predicted.step_ms)
+    if memo is not None:  # a smaller pool's call inside a larger one's: what it chose, to compile there
+        memo[frozenset(h.name for h in spec_cluster.hosts)] = made[id(best)]
+    return choose_by_simulation(plan, rivals)
+
+
+def _smaller(cluster: ClusterSpec, plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig]]:
+    """The solution and config chosen by ``plan_pool`` for ``cluster`` without each of its ``droppable`` hosts,
+    each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is reached twice); those without a
+    plan are left out."""
+    memo = _SMALLER.get()
+    assert memo is not None
+    out = []
+    for name in droppable(cluster):
+        pool = cluster.without_hosts({name})
+        key = frozenset(h.name for h in pool.hosts)
+        if key not in memo:
+            try:
+                plan_pool(pool)
+            except InfeasiblePlanError:
+                memo[key] = None
+        if memo[key] is not None:
+            out.append(memo[key])
+    return out
 
 
 def _grid_shaped(found: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,

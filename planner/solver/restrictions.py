@@ -5,6 +5,9 @@ Each restriction drops whole hosts (device ids stay those of the full cluster, s
 trusted hosts alone; the trusted hosts with the untrusted hosts of the fastest two device types together,
 and of each type (fastest first); the pool without each region that holds no trusted host. CPU verifier hosts stay in
 all but one: the pool without its CPU verifier hosts (a verifier host more is only more options).
+
+A small pool (at most ``DROP_EACH_UP_TO`` untrusted worker and verifier hosts: ``droppable``) is also planned less
+each of them by ``planner.api.plan_chain``, recursively, as those smaller pools' own calls (issue 36).
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ MAX_RESTRICTIONS = 7  # each costs a solve: the likeliest come first (trusted on
 # short limit skips the steps that find their best plan, and so small a part stops far short of it (issue 36,
 # seed 14: their replicated plan needs a 0.4 s budget and spends 0.09 s). The other parts share evenly.
 PART_MIN_S = 0.5
+# A pool with at most this many untrusted worker and CPU verifier hosts is planned as well without each of them, in
+# turn (``droppable``; ``planner.api``): up to 2 ** DROP_EACH_UP_TO calls' work, so only for small pools.
+DROP_EACH_UP_TO = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +88,11 @@ def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
         out.insert(1, Restriction(name="without CPU verifier hosts", cluster=cluster.without_hosts(set(checkers)),
                                   dropped=checkers))
     return tuple(out)
+
+
+def droppable(cluster: ClusterSpec) -> tuple[str, ...]:
+    """The hosts a small pool is also planned without, one at a time: its untrusted worker hosts and its verifier
+    hosts, when they are at most ``DROP_EACH_UP_TO`` (else none)."""
+    names = tuple(h.name for h in cluster.hosts
+                  if (h.role == "worker" and h.devices and not h.trusted) or h.role == "verifier")
+    return names if len(names) <= DROP_EACH_UP_TO else ()
