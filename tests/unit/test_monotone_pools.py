@@ -20,13 +20,13 @@ from planner.simulate import simulate
 from tests.unit.solver_fixtures import GPU_TYPES, random_chain
 
 
-def _pools(rng: np.random.Generator):
-    """(the pool, plus a volunteer host, plus a CPU verifier host)."""
+def _pools(rng: np.random.Generator, most: int = 2):
+    """(the pool of 1 to ``most`` volunteer hosts, plus a volunteer host, plus a CPU verifier host)."""
     hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True,
               "devices": [{"type": str(rng.choice(["A100-80GB", "A100-40GB", "RTX3090"])),
                            "count": int(rng.integers(1, 4))}]}]
     kinds = list(rng.choice(GPU_TYPES, size=2, replace=False))
-    for i in range(int(rng.integers(1, 3))):  # at most 3 droppable hosts with one more
+    for i in range(int(rng.integers(1, most + 1))):
         hosts.append({"name": f"v{i}", "region": f"r{i % 2}", "trust": f"v{i}",
                       "devices": [{"type": str(rng.choice(kinds)), "count": int(rng.integers(1, 3))}]})
     new = {"name": "new", "region": "r0", "trust": "vnew",

@@ -17,9 +17,10 @@ from tests.unit.test_monotone_pools import _pools
 
 @pytest.fixture(scope="module")
 def seed_14():
-    """The pool plus a host of ``test_monotone_pools`` at seed 14, its chain and its restrictions."""
+    """The pool plus a host of ``test_monotone_pools`` at seed 14 (as drawn with up to 3 volunteers), its chain and
+    its restrictions."""
     rng = np.random.default_rng(14)
-    plus_host = _pools(rng)[1]
+    plus_host = _pools(rng, most=3)[1]
     chain = random_chain(rng, int(rng.integers(6, 12)), param_scale=5e7, act_scale=5e7,
                          out_scale=float(rng.choice([1e6, 1e7])))
     return plus_host, chain, restrictions(plus_host)
