@@ -13,7 +13,7 @@ import pytest
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.simulate import simulate
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_dp
 from planner.solver.objective import violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, scale_chain
@@ -61,7 +61,7 @@ def test_below_random_and_climbed_plans_priced_and_simulated(ends, monkeypatch):
         problem, chain, cluster, config, policy = _pool(rng, ends=ends)
         bound = fill.fill_bound_ms(problem)
         with monkeypatch.context() as m:
-            m.setattr(fill, "ROUNDS", 0)  # the bound without the term
+            m.setattr(fill_dp, "ROUNDS", 0)  # the bound without the term
             raised += bound > fill.fill_bound_ms(problem) * (1 + 1e-4)
         for _ in range(6):
             placement = random_placement(rng, problem, cluster)

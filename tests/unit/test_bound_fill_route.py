@@ -13,7 +13,7 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -122,7 +122,7 @@ def test_below_every_enumerated_plan_of_random_pools(kind, monkeypatch):
                 continue
             assert 0 < fill_bound_ms(p) <= min(prices) * HAIR, (seed, fill_bound_ms(p), min(prices))
             with monkeypatch.context() as m:  # the route terms against the bound without them, no round trip
-                m.setattr(fill, "ROUND_TRIP", False)
+                m.setattr(fill_rows, "ROUND_TRIP", False)
                 bound, plain = fill_bound_ms(p), _plain_fill_ms(p)
             assert 0 < bound <= min(prices) * HAIR, (seed, bound, min(prices))
             assert bound >= plain * (1 - 1e-9), seed  # the terms only add

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_dp, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from tests.unit.solver_fixtures import random_chain
@@ -40,8 +40,8 @@ def _bound(problem, monkeypatch, *, on: bool = True, crossings: float = 1.0) -> 
         self.last = self.last * crossings
 
     with monkeypatch.context() as m:
-        m.setattr(fill, "IN_FLIGHT", on)
-        m.setattr(fill, "STAGE0_TRIP", on)
+        m.setattr(fill_rows, "IN_FLIGHT", on)
+        m.setattr(fill_dp, "STAGE0_TRIP", on)
         m.setattr(fill._Test, "__init__", init)
         return fill_bound_ms(problem)
 

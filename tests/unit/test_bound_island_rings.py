@@ -12,7 +12,7 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_dp, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -75,14 +75,14 @@ def _prices(problem, cluster, max_stages: int = 3) -> list[float]:
 
 def _bound(problem, monkeypatch, *, islands: bool = True, scale: float = 1.0) -> float:
     """The fill bound with the island rings (their lines times ``scale``) or without them."""
-    kept = fill._island_lines
+    kept = fill_dp._island_lines
 
     def scaled(*args):
         return tuple((span, scale * alpha, scale * beta) for span, alpha, beta in kept(*args))
 
     with monkeypatch.context() as m:
-        m.setattr(fill, "ISLANDS", islands)
-        m.setattr(fill, "_island_lines", scaled)
+        m.setattr(fill_dp, "ISLANDS", islands)
+        m.setattr(fill_dp, "_island_lines", scaled)
         return fill_bound_ms(problem)
 
 
@@ -113,7 +113,7 @@ def test_a_stage_of_more_a100s_than_a_host_holds_spans_hosts():
     kinds = fill._kinds(problem, stage)
     a, b = fill._Group.of(problem, kinds[0]), fill._Group.of(problem, kinds[1])
     slow = 1e3 / (5e9 / 8) * (1 - 1e-9)  # a ring of two once over 5 Gb/s: the hosts' partition (NVLink's is finer)
-    hosts = [s for s, alpha, _ in fill._island_lines(problem, stage, a, b, 8) if alpha[2] >= slow]
+    hosts = [s for s, alpha, _ in fill_rows._island_lines(problem, stage, a, b, 8) if alpha[2] >= slow]
     assert len(hosts) == 1
     span = hosts[0]
     assert span[3, 0] and not span[2, 0] and not span[0, b.count] and span[0, b.count + 1:].all()
@@ -121,6 +121,6 @@ def test_a_stage_of_more_a100s_than_a_host_holds_spans_hosts():
     stage = [c.index for c in problem.classes if c.stage_capable]
     kinds = fill._kinds(problem, stage)
     a, b = fill._Group.of(problem, kinds[0]), fill._Group.of(problem, kinds[1])
-    zones = [s for s, _, beta in fill._island_lines(problem, stage, a, b, 8) if beta[2] >= 2 * 5.0]
+    zones = [s for s, _, beta in fill_rows._island_lines(problem, stage, a, b, 8) if beta[2] >= 2 * 5.0]
     assert len(zones) == 1  # the partition into zones: a line at the zones' latency
     assert not zones[0][1, 2] and zones[0][1, 3] and zones[0][0, 3]  # one A100 and two V100s fit a zone, three do not

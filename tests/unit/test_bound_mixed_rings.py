@@ -8,7 +8,7 @@ import numpy as np
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_dp, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import (
@@ -45,14 +45,14 @@ def _pool(rng: np.random.Generator):
 
 def _without(problem, monkeypatch) -> float:
     """The bound with no mixed-ring lines (every stage's ring as ``Rings`` alone prices it)."""
-    kept = fill._mixed_lines
+    kept = fill_dp._mixed_lines
 
     def none(*args):
         alpha, beta = kept(*args)
         return alpha, np.full_like(beta, -np.inf)
 
     with monkeypatch.context() as m:
-        m.setattr(fill, "_mixed_lines", none)
+        m.setattr(fill_dp, "_mixed_lines", none)
         return fill_bound_ms(problem)
 
 
@@ -72,7 +72,7 @@ def test_below_every_enumerated_plan_and_lifts_the_bound(monkeypatch):
         stage = [c.index for c in q.classes if c.stage_capable]
         kinds = fill._kinds(q, stage)
         a, b = fill._Group.of(q, kinds[0]), fill._Group.of(q, kinds[1])
-        _, beta = fill._mixed_lines(q, stage, a, b, 4)
+        _, beta = fill_rows._mixed_lines(q, stage, a, b, 4)
         mixed += bool(np.isfinite(beta[2]).any())  # the hosts split the kinds: a line for a ring of 2
     assert checked >= 8 and mixed == 12 and lifted >= 2, (checked, mixed, lifted)
 
@@ -93,6 +93,6 @@ def test_only_the_hosts_link_where_a_host_holds_both_kinds():
     stage = [c.index for c in q.classes if c.stage_capable]
     kinds = fill._kinds(q, stage)
     assert len(kinds) == 2
-    alpha, beta = fill._mixed_lines(q, stage, fill._Group.of(q, kinds[0]), fill._Group.of(q, kinds[1]), 4)
+    alpha, beta = fill_rows._mixed_lines(q, stage, fill._Group.of(q, kinds[0]), fill._Group.of(q, kinds[1]), 4)
     assert np.isfinite(beta[2]).any()
     assert alpha[2].max() <= 1e3 / (100e9 / 8) * HAIR  # a ring of 2: its bytes once over the fastest link

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.solver.bound import fill
+from planner.solver.bound import fill, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
@@ -32,7 +32,7 @@ def _wide(rng: np.random.Generator):
 
 def _without(problem, monkeypatch) -> float:
     with monkeypatch.context() as m:
-        m.setattr(fill, "ROUND_TRIP", False)
+        m.setattr(fill_rows, "ROUND_TRIP", False)
         return fill_bound_ms(problem)
 
 
@@ -68,11 +68,11 @@ def test_below_every_enumerated_plan_of_swarms_and_one_gpu_hosts(kind, monkeypat
 
 def test_no_round_trip_no_change():
     """One device, so one stage and no round trip: each replica's count is what ``m t`` fits, as before."""
-    rows = fill._per(np.array([10.0, 10.0]), np.array([True, True]), np.array([True, True]),
-                     np.array([95.0, 5.0]), 64, np.array([4.0, 4.0]), np.array([6.0, 6.0]), np.zeros(2))
+    rows = fill_rows._per(np.array([10.0, 10.0]), np.array([True, True]), np.array([True, True]),
+                          np.array([95.0, 5.0]), 64, np.array([4.0, 4.0]), np.array([6.0, 6.0]), np.zeros(2))
     assert rows.tolist() == [9.0, 0.0]
     # a round trip of 50 ms: 9 forwards, the trip and a backward are 92 ms (fits 95); 1 forward, the trip and
     # then 9 backwards 108 (does not): 7 backwards (4 + 50 + 42 = 96 > 95 too) -> 6
-    rows = fill._per(np.array([10.0]), np.array([True]), np.array([True]), np.array([95.0]), 64,
-                     np.array([4.0]), np.array([6.0]), np.array([50.0]))
+    rows = fill_rows._per(np.array([10.0]), np.array([True]), np.array([True]), np.array([95.0]), 64,
+                          np.array([4.0]), np.array([6.0]), np.array([50.0]))
     assert rows.tolist() == [6.0]
