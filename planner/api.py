@@ -196,17 +196,20 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     found += _grid_shaped(found, chain, spec_cluster, config, policy, workers=workers, recompute=recompute,
                           time_limit_s=SHAPED_SHARE * time_limit_s, seed=seed)
     rivals = _rivals(plan, _distinct(solution, found), compiled)
-    rivals += [compiled(sol, cfg) for sol, cfg in smaller]
+    best_ms = min(p.predicted.step_ms for p in [plan, *rivals])
+    # a smaller pool's plan simulates here as there (the same devices and links): compiled only if it can win
+    rivals += [compiled(sol, cfg) for sol, cfg, ms in smaller if ms < best_ms]
     best = min([plan, *rivals], key=lambda p: p.predicted.step_ms)
     if memo is not None:  # a smaller pool's call inside a larger one's: what it chose, to compile there
-        memo[frozenset(h.name for h in spec_cluster.hosts)] = made[id(best)]
+        memo[frozenset(h.name for h in spec_cluster.hosts)] = (*made[id(best)], best.predicted.step_ms)
     return choose_by_simulation(plan, rivals)
 
 
-def _smaller(cluster: ClusterSpec, plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig]]:
-    """The solution and config chosen by ``plan_pool`` for ``cluster`` without each of its ``droppable`` hosts,
-    each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is reached twice); those without a
-    plan are left out."""
+def _smaller(cluster: ClusterSpec,
+             plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig, float]]:
+    """The solution, config and simulated step (ms) of the plan ``plan_pool`` chooses for ``cluster`` without each
+    of its ``droppable`` hosts, each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is
+    reached twice); those without a plan are left out."""
     memo = _SMALLER.get()
     assert memo is not None
     out = []
