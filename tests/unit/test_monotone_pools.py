@@ -5,9 +5,10 @@ pools' plans must simulate no slower than the small pool's.
 Structural, not by luck: a pool of at most ``restrictions.DROP_EACH_UP_TO`` (3) untrusted worker and verifier hosts
 is planned also without each of them, by the same call (``planner.api.plan_chain``), so the larger pool's call
 holds the smaller pool's own plan. The pools here stay within that: 1 or 2 volunteer hosts, then one host more.
-Before (restrictions alone, 1 to 3 volunteers, seeds 0-23): with a fixed microbatch size 1, seeds 15, 17 and 21
-planned slower with a host or a verifier host more (15: 1,551 against 1,460 ms); with a free size seeds 7 (2,070
-against 1,845 ms) and 13. A pool of 4 volunteers plus one (seed 7's) is past the bound and not covered.
+Before (restrictions alone), seeds 0-23 of these pools: seed 13 planned 2,412 ms with a verifier host more against
+2,367 (free size), seed 17 2,450 against 2,419 (size 1); after, none of the 48. Pools of up to 3 volunteers, as
+drawn before: seeds 15, 17, 21 (size 1), 7 (2,070 against 1,845 ms) and 13 (free); 4 volunteers plus one host is
+past the bound and not covered. Seeds 0-13 here: ~100 s on 2 shared cores.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _step_ms(chain, cluster) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(14))
 def test_a_host_or_a_verifier_host_more_never_plans_slower(seed):
     rng = np.random.default_rng(seed)
     small, plus_host, plus_verifier = _pools(rng)
