@@ -110,7 +110,8 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     untrusted worker and verifier hosts also plans the pool without each of them (``restrictions.droppable``), by
     this same call (recursively, each smaller pool once a call), and returns the fastest simulated: so a host or a
     verifier host more never plans slower than that smaller pool's own call with the same arguments (its plan is
-    compiled on the larger pool, the same devices and links). Such a call does up to 2 ** n times the limit's
+    compiled on the larger pool, the same devices and links; searches budgeted in work, repeatable for any
+    ``workers``, unless the wall-clock ceiling stops one, which its notes say). Such a call does up to 2 ** n times the limit's
     work (n <= 3 hosts); larger pools are not covered.
 
     ``time_limit_s`` is a budget for the whole call, counted from ``started_s`` (``time.perf_counter``; default
