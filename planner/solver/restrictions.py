@@ -92,7 +92,11 @@ def restrictions(cluster: ClusterSpec) -> tuple[Restriction, ...]:
 
 def droppable(cluster: ClusterSpec) -> tuple[str, ...]:
     """The hosts a small pool is also planned without, one at a time: its untrusted worker hosts and its verifier
-    hosts, when they are at most ``DROP_EACH_UP_TO`` (else none)."""
+    hosts, when they are at most ``DROP_EACH_UP_TO`` (else none); a worker host only beside another worker host
+    with devices (a smaller pool keeps one)."""
+    several = sum(h.role == "worker" and bool(h.devices) for h in cluster.hosts) > 1
     names = tuple(h.name for h in cluster.hosts
                   if (h.role == "worker" and h.devices and not h.trusted) or h.role == "verifier")
-    return names if len(names) <= DROP_EACH_UP_TO else ()
+    if len(names) > DROP_EACH_UP_TO:
+        return ()
+    return tuple(n for n in names if several or cluster.host(n).role == "verifier")

@@ -60,3 +60,33 @@ def test_a_random_pool_planned_whole_is_never_slower_than_its_restrictions():
                                         microbatch_size=1, time_limit_s=2 * 0.2 / len(restrictions(pool)),
                                         workers=1)).step_ms
             assert whole <= alone * (1 + 1e-9), (seed, part.name, whole, alone)
+
+
+def _pool(volunteers: int, verifiers: int, *, trusted: bool = True):
+    hosts = [{"name": "dc", "region": "dc", "trust": "op", "trusted": True, "devices": [{"type": "A100-80GB"}]}] \
+        if trusted else []
+    hosts += [{"name": f"v{i}", "region": "home", "trust": f"v{i}", "devices": [{"type": "T4"}]}
+              for i in range(volunteers)]
+    hosts += [{"name": f"chk{i}", "region": "dc", "trust": "op", "trusted": True, "role": "verifier"}
+              for i in range(verifiers)]
+    return parse_cluster({"name": "p", "hosts": hosts, "links": {"default": {"bandwidth_gbps": 1}}})
+
+
+def test_a_small_pool_is_planned_without_each_untrusted_or_verifier_host_a_larger_one_not():
+    from planner.solver.restrictions import DROP_EACH_UP_TO, droppable
+    assert droppable(_pool(2, 1)) == ("v0", "v1", "chk0")
+    assert droppable(_pool(0, 2)) == ("chk0", "chk1")                  # trusted workers are never dropped
+    assert droppable(_pool(DROP_EACH_UP_TO, 1)) == ()                  # past the bound: none
+    assert droppable(_pool(1, 1, trusted=False)) == ("chk0",)          # the last host with devices stays
+
+
+def test_a_lone_untrusted_host_with_a_verifier_host_plans_without_dropping_its_only_devices():
+    import numpy as np
+
+    from planner.api import plan_chain
+    from planner.solver.policy import VerificationPolicy
+    from tests.unit.solver_fixtures import random_chain
+    chain = random_chain(np.random.default_rng(0), 6, param_scale=5e7, act_scale=5e7, out_scale=1e6)
+    plan = plan_chain(chain, _pool(1, 1, trusted=False), spec="tests:chain", global_batch=16, time_limit_s=0.5,
+                      workers=1, policy=VerificationPolicy(trusted_endpoints=False))
+    assert plan.predicted.step_ms > 0
