@@ -33,6 +33,7 @@ from planner.solver.outcome import reordered, shared
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import recompute_problem, scale_chain
 from planner.solver.restrictions import (
+    SUB_POOL_SHARE,
     TRUSTED_ONLY,
     Restriction,
     droppable,
@@ -107,12 +108,14 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     The plan's history starts with this plan (``planned``, now).
 
     Monotone in small pools (issue 36): a free solve over a pool of at most ``restrictions.DROP_EACH_UP_TO``
-    untrusted worker and verifier hosts also plans the pool without each of them (``restrictions.droppable``), by
-    this same call (recursively, each smaller pool once a call), and returns the fastest simulated: so a host or a
-    verifier host more never plans slower than that smaller pool's own call with the same arguments (its plan is
-    compiled on the larger pool, the same devices and links; searches budgeted in work, repeatable for any
-    ``workers``, unless the wall-clock ceiling stops one, which its notes say). Such a call does up to 2 ** n times the limit's
-    work (n <= 3 hosts); larger pools are not covered.
+    untrusted worker and verifier hosts (``restrictions.droppable``) plans each of its sub-pools without some of
+    them (recursively, each once a call) with ``restrictions.SUB_POOL_SHARE`` of the limit each, itself included,
+    and returns the fastest simulated: at most ``2 ** DROP_EACH_UP_TO`` such plans, so the call keeps its limit.
+    A sub-pool's plan is the one that pool's own call makes (the same share, arguments and seed; searches budgeted
+    in work, repeatable for any ``workers``) and is compiled on the larger pool (the same devices and links), so a
+    host or a verifier host more never plans slower than the smaller pool did, unless the wall-clock ceiling stops
+    a search (its notes say so). Not covered: a first untrusted or verifier host beside trusted hosts alone (those
+    plan with the whole limit), and pools past the bound.
 
     ``time_limit_s`` is a budget for the whole call, counted from ``started_s`` (``time.perf_counter``; default
     now: a caller that traced the model first passes when it started): the solve (less ``RIVALS_SHARE`` when
@@ -121,8 +124,13 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     Past it come what each step cannot split: one DP or CP-SAT call in the solve, compiling the plans that
     can still win. Its work is counted, not timed: the time before the call (start, imports, the trace) is not.
     """
-    deadline = Deadline((time.perf_counter() if started_s is None else started_s) + time_limit_s)
     spec_cluster = _cluster(cluster)
+    memo = _SMALLER.get()
+    sub_pools = baseline is None and stages is None and replicas is None and warm_start is None \
+        and (memo is not None or bool(droppable(spec_cluster)))
+    if sub_pools and memo is None:  # each sub-pool's call, this one's own included, has the same share
+        time_limit_s *= SUB_POOL_SHARE
+    deadline = Deadline((time.perf_counter() if started_s is None else started_s) + time_limit_s)
     source = cluster_source(cluster)  # recorded: a run checks who is trusted against that file, not the copy
     policy = policy or VerificationPolicy()
     dtype_asked, dtype = dtype, resolve_dtype(dtype, spec_cluster)
@@ -176,14 +184,13 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     plan = compiled(solution)
     if baseline is not None or stages is not None or replicas is not None:
         return plan
-    memo = _SMALLER.get()
-    token = _SMALLER.set({}) if memo is None else None
+    token = _SMALLER.set({}) if memo is None and sub_pools else None
     try:
-        smaller = _smaller(spec_cluster, lambda pool: plan_chain(
+        smaller = [] if not sub_pools else _smaller(spec_cluster, lambda pool: plan_chain(
             chain, pool, spec=spec, seq=seq, schedule=schedule, global_batch=global_batch,
             microbatch_size=microbatch_size, policy=policy, time_limit_s=time_limit_s, optimizer=optimizer,
             dtype=dtype_asked, workers=workers, gap_tolerance=gap_tolerance, recompute=recompute, model=model,
-            seed=seed, compress=compress)) if warm_start is None else []
+            seed=seed, compress=compress))
     finally:
         if token is not None:
             _SMALLER.reset(token)

@@ -6,8 +6,8 @@ trusted hosts alone; the trusted hosts with the untrusted hosts of the fastest t
 and of each type (fastest first); the pool without each region that holds no trusted host. CPU verifier hosts stay in
 all but one: the pool without its CPU verifier hosts (a verifier host more is only more options).
 
-A small pool (at most ``DROP_EACH_UP_TO`` untrusted worker and verifier hosts: ``droppable``) is also planned less
-each of them by ``planner.api.plan_chain``, recursively, as those smaller pools' own calls (issue 36).
+A small pool (at most ``DROP_EACH_UP_TO`` untrusted worker and verifier hosts: ``droppable``) is planned instead as
+its sub-pools by ``planner.api.plan_chain``, recursively, as those smaller pools' own calls (issue 36).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ MAX_RESTRICTIONS = 7  # each costs a solve: the likeliest come first (trusted on
 # seed 14: their replicated plan needs a 0.4 s budget and spends 0.09 s). The other parts share evenly.
 PART_MIN_S = 0.5
 # A pool with at most this many untrusted worker and CPU verifier hosts is planned as well without each of them, in
-# turn (``droppable``; ``planner.api``): up to 2 ** DROP_EACH_UP_TO calls' work, so only for small pools. Measured
-# 2026-12-07 (load ~2), 3 volunteers beside a trusted host: 4.6 s against 1.5 at a 1 s limit, 6-9 s against 1.9 at 5 s.
+# turn (``droppable``; ``planner.api``): its 2 ** n sub-pools, each with ``SUB_POOL_SHARE`` of the limit.
 DROP_EACH_UP_TO = 3
+# a sub-pool's share of the limit: all 2 ** DROP_EACH_UP_TO of them fit in it
+SUB_POOL_SHARE = 1 / 2 ** DROP_EACH_UP_TO
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,3 +90,20 @@ def test_a_lone_untrusted_host_with_a_verifier_host_plans_without_dropping_its_o
     plan = plan_chain(chain, _pool(1, 1, trusted=False), spec="tests:chain", global_batch=16, time_limit_s=0.5,
                       workers=1, policy=VerificationPolicy(trusted_endpoints=False))
     assert plan.predicted.step_ms > 0
+
+
+def test_a_small_pools_sub_pools_share_its_limit(monkeypatch):
+    """Each of a small pool's 2 ** n sub-pools, the pool itself included, solves with ``SUB_POOL_SHARE`` of the
+    limit: their solves together stay within it (with the whole limit each, 3 volunteers took 3x it)."""
+    import numpy as np
+
+    from planner import api
+    from planner.solver.restrictions import SUB_POOL_SHARE
+    from tests.unit.solver_fixtures import random_chain
+    budgets: list[float] = []
+    solve = api.solver_api.solve
+    monkeypatch.setattr(api.solver_api, "solve", lambda *a, **k: budgets.append(k["time_limit_s"]) or solve(*a, **k))
+    chain = random_chain(np.random.default_rng(0), 6, param_scale=5e7, act_scale=5e7, out_scale=1e6)
+    api.plan_chain(chain, _pool(2, 1), spec="tests:chain", global_batch=16, time_limit_s=2.0, workers=1)
+    assert len(budgets) == 8                                            # v0, v1, chk0: every subset once
+    assert all(b <= 2.0 * SUB_POOL_SHARE + 1e-9 for b in budgets) and sum(budgets) <= 2.0
