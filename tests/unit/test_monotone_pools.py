@@ -4,11 +4,12 @@ pools' plans must simulate no slower than the small pool's.
 
 Structural, not by luck: a pool of at most ``restrictions.DROP_EACH_UP_TO`` (3) untrusted worker and verifier hosts
 is planned as its sub-pools without some of them, each with ``restrictions.SUB_POOL_SHARE`` of the limit
-(``planner.api.plan_chain``), so the larger pool's call holds the smaller pool's own plan. The pools here stay within that: 1 or 2 volunteer hosts, then one host more.
-Before (restrictions alone), seeds 0-23 of these pools: seed 13 planned 2,412 ms with a verifier host more against
-2,367 (free size), seed 17 2,450 against 2,419 (size 1); after, none of seeds 0-13 (free size). Pools of up to 3 volunteers, as
-drawn before: seeds 15, 17, 21 (size 1), 7 (2,070 against 1,845 ms) and 13 (free); 4 volunteers plus one host is
-past the bound and not covered. Seeds 0-13 here: ~100 s on 2 shared cores.
+(``planner.api.plan_chain``), so the larger pool's call holds the smaller pool's own plan. The pools here stay within
+that: 1 or 2 volunteer hosts, then one host more. Before (restrictions alone), seeds 0-23 of these pools: seed 13
+planned 2,412 ms with a verifier host more against 2,367 (free size), seed 17 2,450 against 2,419 (size 1); after,
+none of seeds 0-13 (free size). Pools of up to 3 volunteers, as drawn before: seeds 15, 17, 21 (size 1), 7 (2,070
+against 1,845 ms) and 13 (free); 4 volunteers plus one host is past the bound and not covered. Seeds 0-13 here:
+~95 s on 2 shared cores.
 """
 from __future__ import annotations
 
