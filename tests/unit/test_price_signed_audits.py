@@ -45,7 +45,7 @@ def _off(priced_ms: float, simulated_ms: float) -> float:
 def _seed13():
     """(problem, placement, chain, cluster, config, policy): seed 13's pool plus a host, its plan's shape."""
     rng = np.random.default_rng(13)
-    _, plus_host, _ = _pools(rng)
+    _, plus_host, _ = _pools(rng, most=3)
     chain = random_chain(rng, int(rng.integers(6, 12)), param_scale=5e7, act_scale=5e7,
                          out_scale=float(rng.choice([1e6, 1e7])))
     config, policy = _config(plus_host, 16), VerificationPolicy()
@@ -82,7 +82,7 @@ def signed_case(seed: int):
     replicas, the other trusted devices as the last stage, the solver's verifiers, every auditable stage audited at
     one in 2-16; or None where the draw fails."""
     rng = np.random.default_rng(seed)
-    cluster = _pools(rng)[int(rng.integers(0, 3))]
+    cluster = _pools(rng, most=3)[int(rng.integers(0, 3))]
     chain = random_chain(rng, int(rng.integers(6, 12)), param_scale=5e7, act_scale=5e7,
                          out_scale=float(rng.choice([1e6, 1e7])))
     M = int(rng.choice([8, 16]))
