@@ -29,6 +29,8 @@ from planner.plan_values import ModelRef
 from planner.simulate import predict
 from planner.solver import api as solver_api
 from planner.solver import baseline_plans
+from planner.solver.idle import idle_reasons
+from planner.solver.objective import Placement
 from planner.solver.outcome import reordered, shared
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import recompute_problem, scale_chain
@@ -65,7 +67,7 @@ SHAPED_SHARE = 0.05  # of the time limit: the ppdp grid's shape solved as a fixe
 # compile 4 and 5): their predicted work is kept from the search's (``solver_api.solve``'s ``after_plans``), since
 # no other budget counts it (DT-FM worldwide: ~0.5 s of CPU each). A fixed shape compiles its plan alone.
 AFTER_PLANS = 4
-# The plans of the smaller pools of one call (``_smaller``), by their hosts' names: (plan, its solution, config).
+# The plans of the smaller pools of one call (``_smaller``), by their hosts' names: (solution, config, origin, ms).
 _SMALLER: contextvars.ContextVar[dict[frozenset[str], Any] | None] = contextvars.ContextVar(
     "stagewise_smaller_pools", default=None)
 
@@ -168,9 +170,10 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     first = (HistoryEntry(event="planned", when_utc=utc_stamp(), reason=f"planned on {spec_cluster.name}"),)
 
     at_size = {(mb, config.dtype): (config, scaled)}
-    made: dict[int, tuple[Any, TrainingConfig]] = {}  # each compiled plan's solution and config
+    hosts = frozenset(h.name for h in spec_cluster.hosts)
+    made: dict[int, tuple[Any, TrainingConfig, frozenset[str]]] = {}  # each compiled plan's solution, config, origin
 
-    def compiled(sol: Any, like: TrainingConfig = config) -> Any:
+    def compiled(sol: Any, like: TrainingConfig = config, origin: frozenset[str] = hosts) -> Any:
         size = batch // sol.num_microbatches  # a restriction's plan may have its own microbatch size
         if (size, like.dtype) not in at_size:  # a smaller pool's plan, its own dtype (auto resolved there)
             at_size[size, like.dtype] = (dataclasses.replace(like, microbatch_size=size), scale_chain(chain, size))
@@ -178,7 +181,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         assert_valid(sol, sc, spec_cluster, cfg, policy)  # independent memory/coverage check
         out = dataclasses.replace(predict(compile_plan(sol, sc, spec_cluster, cfg, policy, ref)),
                                   history=first, cluster_source=source)
-        made[id(out)] = (sol, cfg)
+        made[id(out)] = (sol, cfg, origin)  # origin: the hosts of the pool whose search made it
         return out
 
     plan = compiled(solution)
@@ -207,17 +210,43 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
     rivals = _rivals(plan, _distinct(solution, found), compiled)
     best_ms = min(p.predicted.step_ms for p in [plan, *rivals])
     # a smaller pool's plan simulates here as there (the same devices and links): compiled only if it can win
-    rivals += [compiled(sol, cfg) for sol, cfg, ms in smaller if ms < best_ms]
+    rivals += [compiled(sol if memo is not None else _labeled(sol, hosts - origin), cfg, origin)
+               for sol, cfg, origin, ms in smaller if ms < best_ms]
     best = min([plan, *rivals], key=lambda p: p.predicted.step_ms)
     if memo is not None:  # a smaller pool's call inside a larger one's: what it chose, to compile there
-        memo[frozenset(h.name for h in spec_cluster.hosts)] = (*made[id(best)], best.predicted.step_ms)
-    return choose_by_simulation(plan, rivals)
+        memo[hosts] = (*made[id(best)], best.predicted.step_ms)
+    chosen = choose_by_simulation(plan, rivals)
+    if best is plan or memo is not None:
+        return chosen
+    sol, cfg, _ = made[id(best)]  # planned on part of the pool (a restriction, a sub-pool): why the rest idles
+    return _with_idle_reasons(chosen, sol, solver_api.problem_for(chain, spec_cluster, cfg, policy,
+                                                                  cfg.microbatch_size)[0])
+
+
+def _labeled(solution: Any, dropped: frozenset[str]) -> Any:
+    """``solution``'s report saying the pool it was planned on: this one without ``dropped`` hosts."""
+    method = f"{solution.report.method} on the pool without {', '.join(sorted(dropped))}"
+    return dataclasses.replace(solution, report=dataclasses.replace(solution.report, method=method))
+
+
+def _with_idle_reasons(plan: Any, solution: Any, problem: Any) -> Any:
+    """``plan`` (compiled from ``solution``, planned on part of the pool) with its idle lines made on the whole
+    pool's ``problem``: its own search knew only that part, so the rest of the pool had no line (issue 36, item 6:
+    SENTINEL's volunteers beside the trusted hosts' plan)."""
+    if any(st.recompute for st in solution.stages):
+        problem = recompute_problem(problem)
+    stages = tuple(dataclasses.replace(st, in_flight=()) for st in solution.stages)
+    placement = Placement(stages=stages, verifiers=solution.verifiers, num_microbatches=solution.num_microbatches)
+    lines = idle_reasons(problem, placement, plan.predicted.step_ms)
+    kept = [n for n in plan.report.notes if not n.startswith("idle:")]
+    notes = (*kept[:-2], *lines, *kept[-2:])  # before the simulation's two lines (``choose_by_simulation``)
+    return dataclasses.replace(plan, report=dataclasses.replace(plan.report, notes=notes))
 
 
 def _smaller(cluster: ClusterSpec,
-             plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig, float]]:
-    """The solution, config and simulated step (ms) of the plan ``plan_pool`` chooses for ``cluster`` without each
-    of its ``droppable`` hosts, each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is
+             plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig, frozenset[str], float]]:
+    """The solution, config, origin (the hosts of the pool whose search made it) and simulated step (ms) of the plan
+    ``plan_pool`` chooses for ``cluster`` without each of its ``droppable`` hosts, each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is
     reached twice); those without a plan are left out."""
     memo = _SMALLER.get()
     assert memo is not None
