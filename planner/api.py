@@ -246,8 +246,8 @@ def _with_idle_reasons(plan: Any, solution: Any, problem: Any) -> Any:
 def _smaller(cluster: ClusterSpec,
              plan_pool: Callable[[ClusterSpec], Any]) -> list[tuple[Any, TrainingConfig, frozenset[str], float]]:
     """The solution, config, origin (the hosts of the pool whose search made it) and simulated step (ms) of the plan
-    ``plan_pool`` chooses for ``cluster`` without each of its ``droppable`` hosts, each smaller pool planned once a call (``_SMALLER``: a pool two hosts smaller is
-    reached twice); those without a plan are left out."""
+    ``plan_pool`` chooses for ``cluster`` without each of its ``droppable`` hosts, each smaller pool planned once a
+    call (``_SMALLER``: a pool two hosts smaller is reached twice); those without a plan are left out."""
     memo = _SMALLER.get()
     assert memo is not None
     out = []
