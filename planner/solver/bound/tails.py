@@ -41,6 +41,14 @@ and quickest link between islands carrying the smallest boundary (``slow``), and
 ``hops_ms(1)`` (the least of one): ``H(n) >= (n - q(n + 1) + 1) hops_ms(1) + (q(n + 1) - 1) slow``. DT-FM
 worldwide (eight regions of eight): a route of 20 stages crosses regions twice at least.
 
+**Slots.** A replica holds at most the microbatches its memory has room for in flight beside its stage's state
+(``in_flight.limit``: ``max(least, min(need, cap))``; a valid plan's memory holds the schedule's least, GPipe's
+``m`` or 1F1B's ``min(m, d + 1)``, so that least is at most the cap). The room is read on the largest device's
+memory, the state and activations as ``bound_problem`` relaxes them (a recomputing stage's inputs only): a row
+whose least does not fit is no plan's. Each microbatch holds its slot from its forward's start to its backward's
+end, at least ``f + D + b``; at most ``n`` of these intervals overlap, so they split into ``n`` chains of disjoint
+ones (interval graphs are perfect) and one chain holds ``ceil(m / n)``: ``W >= ceil(m / n) (f + D + b)``.
+
 The terms hold for exact gradients or compressed (``Rings`` drops the all-reduce where it may be compressed),
 with verifiers (their checks only add waits) and without trusted ends (a constraint the bound leaves out only
 makes it weaker). Chains longer than ``MAX_BLOCKS`` blocks get no bound (0).
@@ -60,6 +68,8 @@ from planner.solver.search.budget import UNITS_PER_S, Work
 MAX_BLOCKS = 40
 # Levels ``theta`` tried per test, spread over ``(0, B)``.
 LEVELS = 8
+# Each row's in-flight slots (module docstring, **Slots**); off: neither the schedule's least nor the cycles (tests).
+SLOTS = True
 # Relative width the bisection stops at (its infeasible end is returned: valid at any width).
 REL_TOL = 1e-3
 # Work charged (microseconds of CPU, measured on DT-FM regional: 92 ms to build 306k row options, 66 ms a test):
@@ -144,6 +154,17 @@ def _islands_holding(held: np.ndarray, devices: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(held, devices) + 1, len(held))
 
 
+def _slots(schedule: str, m: np.ndarray, d: np.ndarray, room: np.ndarray, act: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row and replica option: the microbatches the busiest replica must hold in flight (the schedule's least:
+    GPipe all ``m``, 1F1B ``min(m, d + 1)``), and per row those its memory has room for (``room``: the largest
+    device's beside the stage's state; inf: no activations). Module docstring, **Slots**."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slots = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1.0)), np.inf)
+    held = np.broadcast_to(m, (len(d), m.shape[1])) if schedule == "gpipe" else np.minimum(m, (d + 1)[:, None])
+    return held, slots
+
+
 def _size(problem: Problem) -> int:
     """Row options ``_Tables.of`` builds at most (0: none, past ``MAX_BLOCKS``): stages ``j..i-1``, depths ``z <= j``,
     stages after ``d`` (one block each at least), replica options (at most ``2 sqrt(M) + 1``)."""
@@ -183,8 +204,9 @@ class _Tables:
         U = F + Bw
         H = route_hops_ms(problem, stage, L)
         h = float(H[1]) if L >= 1 else 0.0
-        need = problem.param_count.astype(float) * problem.state_bytes_per_param + problem.act_bytes
-        need = np.concatenate([zero, np.cumsum(need)])
+        state = np.concatenate([zero, np.cumsum(problem.param_count.astype(float) * problem.state_bytes_per_param)])
+        act = np.concatenate([zero, np.cumsum(problem.act_bytes.astype(float))])
+        need = state + act
         mem = max(problem.classes[c].mem_bytes for c in stage)
         grads = np.concatenate([zero, np.cumsum(problem.param_count.astype(float))]) * problem.grad_bytes_per_param
         opt = np.full((L + 1, L + 1), np.inf)
@@ -215,13 +237,17 @@ class _Tables:
         mm = m[None, :]
         W = np.maximum(np.maximum(mm * t[:, None], mm * f[:, None] + (D + b)[:, None]),
                        (f + D)[:, None] + mm * b[:, None])
+        held, slots = _slots(problem.schedule, mm, d, mem - (state[i] - state[j]), act[i] - act[j])
+        if SLOTS:
+            W = np.maximum(W, np.ceil(mm / np.maximum(slots, 1.0)[:, None]) * (f + D + b)[:, None])
         params = grads[i] - grads[j]
         AR = ring.floor(np.repeat(params, len(reps)), np.tile(reps, len(R))).reshape(len(R), len(reps))
         own = A[:, None] + W + AR + opt[j, i][:, None]
         X = A[:, None] + W + (Bw[j] + z * h)[:, None]
         back = np.where((z >= 1)[:, None], X + opt_any, 0.0)
         Y = AR + (opt[j, i] - Bw[j] - z * h)[:, None]
-        return _Tables(L, N, R, reps, np.maximum(own, back), X, Y)
+        fits = held <= slots[:, None] if SLOTS else True
+        return _Tables(L, N, R, reps, np.where(fits, np.maximum(own, back), np.inf), X, Y)
 
     def feasible(self, B: float) -> bool:
         """Whether, at every level, some number of stages has a partition meeting ``B`` with the pool's devices."""
