@@ -26,9 +26,15 @@ count without a work budget, capped at the simulated step.
 bound and gap the results file held before this run (the last commit's code). The bound includes each
 microbatch count's raised after the search (``bound.counts.raised_bounds``, called by ``planner.solver.api._solve``).
 
+**Random pools** (``random_rows``): the named cases are four shapes, so ``RANDOM_POOLS`` memory-tight pools are
+drawn at random as well (``tests.unit.test_bound_in_flight``'s draw: a trusted host of two T4s and 2-4 volunteers'
+T4s, or 3-5 one-T4 hosts, on 0.2-2 Gb/s links; random chains of 4-7 blocks whose activations fill most of a T4, 8 or
+16 microbatches), each planned at ``RANDOM_LIMIT_S`` with and without the in-flight slot terms (``bound.fill_rows``'s
+slot cycles, ``bound.tails``' slots): the simulated step, both bounds and their gaps.
+
 Run: ``python benchmarks/bound_gaps.py [--time-limit S]`` (default 60 s a plan; two plans a case), prints a table
 and writes ``benchmarks/results/bound_gaps.json``; ``--quick``: gpt-small at 256 tokens on two of the
-clusters (a cluster file and a preset), 2 s a plan, nothing written.
+clusters (a cluster file and a preset), 2 s a plan, two random pools, nothing written.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import json
 import platform
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +55,7 @@ from planner.model_io import load_chain
 from planner.simulate import simulate
 from planner.solver import count_solve
 from planner.solver.api import problem_for
+from planner.solver.bound import fill_rows, tails
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.links import link_lower_bound
 from planner.solver.bound.tails import tail_bound_ms
@@ -63,6 +70,7 @@ CASES = (("dtfm-worldwide", CLUSTERS / "dtfm-worldwide.yaml", 64),
          ("swarm-t4", "swarm-t4", 32),
          ("sailor-like", CLUSTERS / "sailor-like.yaml", 64))
 QUICK_CASES = CASES[0], CASES[2]  # --quick: a cluster file and a named preset
+RANDOM_POOLS, RANDOM_LIMIT_S, RANDOM_SEED = 12, 3.0, 8800
 
 
 @contextmanager
@@ -74,6 +82,46 @@ def _without_link_term():
         yield
     finally:
         count_solve.link_lower_bound_ms = kept
+
+
+@contextmanager
+def _without_slots():
+    """The bounds as they were before the in-flight slot terms (fill's slot cycles, the tails' slots)."""
+    kept = fill_rows.SLOT_CYCLES, tails.SLOTS
+    fill_rows.SLOT_CYCLES = tails.SLOTS = False
+    try:
+        yield
+    finally:
+        fill_rows.SLOT_CYCLES, tails.SLOTS = kept
+
+
+def _random_row(seed: int, limit: float) -> dict:
+    """One random memory-tight pool (module docstring, **Random pools**) planned with and without the slot terms."""
+    import numpy as np
+
+    from tests.unit.solver_fixtures import random_chain
+    from tests.unit.test_bound_fill_route import pool_cluster
+
+    rng = np.random.default_rng(RANDOM_SEED + seed)
+    kind = ("swarm2", "hosts")[seed % 2]
+    cluster, policy = pool_cluster(rng, kind)
+    chain = random_chain(rng, int(rng.integers(4, 8)), param_scale=float(rng.choice([2e7, 2e8])),
+                         flop_scale=float(rng.choice([5e11, 2e12])), act_scale=float(rng.choice([2e9, 6e9])),
+                         out_scale=float(rng.choice([1e6, 8e6])))
+    batch = int(rng.choice([8, 16]))
+    plans = []
+    for off in (False, True):
+        with _without_slots() if off else nullcontext():
+            plans.append(plan_chain(chain, cluster, spec="tests:chain", global_batch=batch, microbatch_size=1,
+                                    policy=policy, time_limit_s=limit, workers=2))
+    new, old = plans
+    sim, sim_old = simulate(new).step_ms, simulate(old).step_ms
+    bound, bound_old = new.report.bound_ms or 0.0, old.report.bound_ms or 0.0
+    return {"seed": RANDOM_SEED + seed, "pool": kind, "devices": sum(len(h.devices) for h in cluster.hosts),
+            "blocks": len(chain.blocks), "microbatches": new.config.num_microbatches, "stages": new.num_stages,
+            "simulated_ms": round(sim, 3), "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
+            "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
+            "same_plan": abs(sim - sim_old) <= 1e-6 * sim}
 
 
 def _plan(chain, cluster, model: str, seq: int, batch: int, limit: float):
@@ -126,6 +174,17 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
             "method": new.report.method, "plan_s": round(new_s, 1), "old_plan_s": round(old_s, 1)}
 
 
+def _random_summary(rows: list[dict]) -> dict:
+    """The random pools' median gaps with and without the slot terms, how many they lifted, the largest gap."""
+    if not rows:
+        return {}
+    import statistics
+    return {"median_old_gap": round(statistics.median(r["old_gap"] for r in rows), 4),
+            "median_gap": round(statistics.median(r["gap"] for r in rows), 4),
+            "lifted": sum(r["bound_ms"] > r["old_bound_ms"] * (1 + 1e-6) for r in rows),
+            "max_gap": max(r["gap"] for r in rows)}
+
+
 def _previous() -> dict[str, dict]:
     """The rows the results file holds now, by case (empty where there is none)."""
     if not RESULTS.exists():
@@ -162,11 +221,22 @@ def main() -> int:
               f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']}")
     missed = [r["case"] for r in rows if r["gap"] > GOAL_GAP]
     print(f"goal gap <= {100 * GOAL_GAP:.0f}% at {limit:g} s: " + ("met" if not missed else f"missed by {missed}"))
+    randoms = [] if args.cases else [_random_row(k, RANDOM_LIMIT_S) for k in range(2 if args.quick else RANDOM_POOLS)]
+    if randoms:
+        print(f"\n{'random pool':<16}{'simulated ms':>14}{'old bound':>12}{'old gap':>9}{'bound':>12}{'gap':>8}")
+    for r in randoms:
+        print(f"{r['pool'] + ' ' + str(r['seed']):<16}{r['simulated_ms']:>14.1f}{r['old_bound_ms']:>12.1f}"
+              f"{100 * r['old_gap']:>8.1f}%{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%")
+    summary = _random_summary(randoms)
+    if summary:
+        print(f"random pools: median gap {100 * summary['median_old_gap']:.1f}% -> {100 * summary['median_gap']:.1f}%, "
+              f"{summary['lifted']} of {len(randoms)} lifted, largest gap {100 * summary['max_gap']:.1f}%")
     if not args.quick and not args.cases:
         RESULTS.write_text(json.dumps({
             "benchmark": "bound_gaps", "date": time.strftime("%Y-%m-%d"), "time_limit_s": limit,
             "machine": f"{platform.machine()}, {platform.system()}, 2 cores shared (nice 19, not quiet)",
-            "goal_gap": GOAL_GAP, "goal_missed": missed, "rows": rows}, indent=1) + "\n")
+            "goal_gap": GOAL_GAP, "goal_missed": missed, "rows": rows,
+            "random_limit_s": RANDOM_LIMIT_S, "random_summary": summary, "random_rows": randoms}, indent=1) + "\n")
         print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 
