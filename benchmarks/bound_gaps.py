@@ -119,9 +119,9 @@ def _random_row(seed: int, limit: float) -> dict:
     bound, bound_old = new.report.bound_ms or 0.0, old.report.bound_ms or 0.0
     return {"seed": RANDOM_SEED + seed, "pool": kind, "devices": sum(len(h.devices) for h in cluster.hosts),
             "blocks": len(chain.blocks), "microbatches": new.config.num_microbatches, "stages": new.num_stages,
-            "simulated_ms": round(sim, 3), "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
-            "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
-            "same_plan": abs(sim - sim_old) <= 1e-6 * sim}
+            "simulated_ms": round(float(sim), 3), "old_bound_ms": round(float(bound_old), 3),
+            "bound_ms": round(float(bound), 3), "old_gap": round(float(1 - bound_old / sim_old), 4),
+            "gap": round(float(1 - bound / sim), 4), "same_plan": bool(abs(sim - sim_old) <= 1e-6 * sim)}
 
 
 def _plan(chain, cluster, model: str, seq: int, batch: int, limit: float):
@@ -181,8 +181,8 @@ def _random_summary(rows: list[dict]) -> dict:
     import statistics
     return {"median_old_gap": round(statistics.median(r["old_gap"] for r in rows), 4),
             "median_gap": round(statistics.median(r["gap"] for r in rows), 4),
-            "lifted": sum(r["bound_ms"] > r["old_bound_ms"] * (1 + 1e-6) for r in rows),
-            "max_gap": max(r["gap"] for r in rows)}
+            "lifted": int(sum(r["bound_ms"] > r["old_bound_ms"] * (1 + 1e-6) for r in rows)),
+            "max_gap": float(max(r["gap"] for r in rows))}
 
 
 def _previous() -> dict[str, dict]:
