@@ -30,7 +30,7 @@ def _overstated(stretch: float):
     return per
 
 
-def _pools():
+def memory_tight_pools():
     """Every pool and its recomputing twin with at least one enumerated plan: (problem, best plan's cost)."""
     for kind, base in (("swarm2", 6100), ("hosts", 6200)):
         for seed in range(10):
@@ -43,7 +43,7 @@ def _pools():
 
 def test_below_every_enumerated_plan_and_lifts_the_bound(monkeypatch):
     checked = lifted = over = 0
-    for key, problem, best in _pools():
+    for key, problem, best in memory_tight_pools():
         bound = fill_bound_ms(problem)
         with monkeypatch.context() as m:
             m.setattr(fill_rows, "SLOT_CYCLES", False)

@@ -20,7 +20,7 @@ from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from planner.solver.search.budget import Work
 from tests.unit.solver_fixtures import random_chain
 from tests.unit.test_bound_fill_route import _pool, _prices
-from tests.unit.test_bound_in_flight import _pool as tight_pool
+from tests.unit.test_bound_slot_cycles import memory_tight_pools
 
 HAIR = 1 + 1e-9
 
@@ -131,18 +131,6 @@ def test_route_hops_raise_hops_and_the_bound_on_some_wide_area_pool(monkeypatch)
     assert raised >= 1 and lifted >= 1
 
 
-def _tight(kinds: tuple[str, ...] = ("swarm2", "hosts")):
-    """``test_bound_in_flight``'s memory-tight pools (activations of 2-6 GB a block on T4s) and recomputing twins,
-    with their best enumerated plan's cost."""
-    for kind in kinds:
-        for seed in range(10):
-            problem, cluster = tight_pool(np.random.default_rng(6100 + seed + (100 if kind == "hosts" else 0)), kind)
-            for p in (problem, recompute_problem(problem)):
-                prices = _prices(p, cluster)
-                if prices:
-                    yield p, min(prices)
-
-
 def test_slots_below_every_enumerated_plan_of_memory_tight_pools(monkeypatch):
     """The in-flight slots (module docstring, **Slots**: the schedule's least must fit, and each slot cycles through
     a forward, the round trip and a backward) stay below every enumerated plan and lift the bound on some pools
@@ -155,7 +143,7 @@ def test_slots_below_every_enumerated_plan_of_memory_tight_pools(monkeypatch):
         held, slots = real(*args)
         return held, np.floor(slots / 2)
 
-    for p, best in _tight():
+    for _, p, best in memory_tight_pools():
         bound = tail_bound_ms(p)
         with monkeypatch.context() as m:
             m.setattr(tails, "SLOTS", False)
