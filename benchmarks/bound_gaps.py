@@ -99,16 +99,10 @@ def _random_row(seed: int, limit: float) -> dict:
     """One random memory-tight pool (module docstring, **Random pools**) planned with and without the slot terms."""
     import numpy as np
 
-    from tests.unit.solver_fixtures import random_chain
-    from tests.unit.test_bound_fill_route import pool_cluster
+    from tests.unit.test_bound_in_flight import tight_draw
 
-    rng = np.random.default_rng(RANDOM_SEED + seed)
     kind = ("swarm2", "hosts")[seed % 2]
-    cluster, policy = pool_cluster(rng, kind)
-    chain = random_chain(rng, int(rng.integers(4, 8)), param_scale=float(rng.choice([2e7, 2e8])),
-                         flop_scale=float(rng.choice([5e11, 2e12])), act_scale=float(rng.choice([2e9, 6e9])),
-                         out_scale=float(rng.choice([1e6, 8e6])))
-    batch = int(rng.choice([8, 16]))
+    cluster, policy, chain, batch = tight_draw(np.random.default_rng(RANDOM_SEED + seed), kind)
     plans = []
     for off in (False, True):
         with _without_slots() if off else nullcontext():

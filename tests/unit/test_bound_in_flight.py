@@ -19,14 +19,21 @@ from tests.unit.test_bound_fill_route import _prices, pool_cluster
 HAIR = 1 + 1e-9
 
 
-def _pool(rng: np.random.Generator, kind: str):
+def tight_draw(rng: np.random.Generator, kind: str):
     """``test_bound_fill_route``'s pools (a trusted host of two T4s at the ends and 2-4 volunteers', or 3-5 one-T4
-    hosts; 0.2-2 Gb/s) with 4-7 blocks whose activations fill most of a T4 (2-6 GB a block), 8 or 16 microbatches."""
+    hosts; 0.2-2 Gb/s) with 4-7 blocks whose activations fill most of a T4 (2-6 GB a block), 8 or 16 microbatches:
+    (cluster, policy, chain, global batch at one sample a microbatch)."""
     cluster, policy = pool_cluster(rng, kind)
     chain = random_chain(rng, int(rng.integers(4, 8)), param_scale=float(rng.choice([2e7, 2e8])),
                          flop_scale=float(rng.choice([5e11, 2e12])), act_scale=float(rng.choice([2e9, 6e9])),
                          out_scale=float(rng.choice([1e6, 8e6])))
-    config = TrainingConfig(global_batch=int(rng.choice([8, 16])), microbatch_size=1)
+    return cluster, policy, chain, int(rng.choice([8, 16]))
+
+
+def _pool(rng: np.random.Generator, kind: str):
+    """``tight_draw``'s pool as a problem, and its cluster."""
+    cluster, policy, chain, batch = tight_draw(rng, kind)
+    config = TrainingConfig(global_batch=batch, microbatch_size=1)
     return build_problem(scale_chain(chain, 1), cluster, config, policy), cluster
 
 
