@@ -13,6 +13,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by CLI subprocesses
+# A pipe's environment, as in CI, whoever started pytest: xdist's workers are given COLUMNS=80, which would
+# narrow the CLI's tables (its own default for piped output is wider); tests that want a width set it.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture
