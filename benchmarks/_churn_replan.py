@@ -68,7 +68,8 @@ def _case_176(limit: float):
 def replan_case(devices: int, limit: float, first_limit: float, workers: int, quick: bool = False
                 ) -> dict[str, Any]:
     """One re-plan case (``quick``: the 8-device cluster with a tiny model)."""
-    from planner.api import plan_chain, replan
+    from planner.api import plan_chain
+    from planner.replan import replan
 
     build = {8: _case_8, 64: _case_64, 176: _case_176}[devices]
     label, chain, cluster, kwargs, lose = _case_8(limit, QUICK["model"]) if quick else build(limit)

@@ -1,7 +1,7 @@
 """Churn benchmark (issue 21): how fast a run recovers from a lost worker, and what that buys under churn.
 
 Part 1, re-plan time. For three plans, plan once, drop one host the plan runs on, and time
-``planner.api.replan`` (wall and CPU time of the whole re-plan: solve, compile, simulate, baselines); its
+``planner.replan.replan`` (wall and CPU time of the whole re-plan: solve, compile, simulate, baselines); its
 objective and simulated step against a fresh plan of the reduced cluster at the same time limit (the re-plan is
 warm-started from the old plan, ``replan(warm=True)``, the runtime's default; the fresh one is
 ``replan(warm=False)``: every microbatch size, no warm start):

@@ -4,7 +4,7 @@ The solver benchmark's 1000-block x 176-device case (``benchmarks/solver.py``: a
 data-centre hosts with 8 GPUs, untrusted one-GPU volunteers in two regions and a CPU verifier host; a seeded
 GPT-like random chain; global batch 32): plan it once (``planner.api.plan_chain``, 30 s), then for each lost
 host (a volunteer the plan uses, and the data-centre host holding most of its ranks) re-plan at each time
-limit: ``warm`` (``planner.api.replan``: the old microbatch size, the old stages repaired as the first
+limit: ``warm`` (``planner.replan.replan``: the old microbatch size, the old stages repaired as the first
 incumbents, ``planner.solver.warm``), ``cold-M`` (the same microbatch size, no warm start: what the warm
 start itself adds) and ``cold`` (``replan(warm=False)``: every microbatch size, as a fresh plan), and a fresh
 cold solve at ``--fresh`` seconds for the quality comparison. Reported per run: the wall and CPU time of the
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args.fresh = args.fresh or (1.0 if args.quick else 30.0)
     blocks, devices = (QUICK_BLOCKS, QUICK_DEVICES) if args.quick else (BLOCKS, DEVICES)
 
-    from planner.api import plan_chain, replan
+    from planner.api import plan_chain
+    from planner.replan import replan
     from planner.plan import Plan
     from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
     from planner.solver.policy import VerificationPolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from planner.api import replan
+from planner.replan import replan
 from planner.commands._common import check_positive, check_seconds
 from planner.commands.plan import _report
 from planner.outputs import check_writable

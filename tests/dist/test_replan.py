@@ -8,7 +8,8 @@ import torch
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.devices import CATALOG
-from planner.api import plan_chain, replan
+from planner.api import plan_chain
+from planner.replan import replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.model_io import load_chain
 from planner.plan_load import load_plan

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cost_models.cluster_file import parse_cluster
-from planner.api import plan_chain, replan
+from planner.api import plan_chain
+from planner.replan import replan
 from planner.plan_load import load_plan
 from planner.runtime.launcher.elastic import launch_replanning
 from planner.runtime.launcher.launch import launch

@@ -9,7 +9,8 @@ import os
 import pytest
 from plan_fixtures import TEST_DEVICE, block, chain, cluster, compile_simple, solution
 
-from planner.api import plan_chain, replan
+from planner.api import plan_chain
+from planner.replan import replan
 from planner.errors import InvalidInputError
 from planner.plan_history import HistoryEntry
 from planner.runtime.recovery import joins

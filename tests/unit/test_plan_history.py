@@ -15,7 +15,8 @@ from plan_fixtures import (
     solution,
 )
 
-from planner.api import plan_chain, replan
+from planner.api import plan_chain
+from planner.replan import replan
 from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.instruction_costs import CostModel
 from planner.plan import Plan

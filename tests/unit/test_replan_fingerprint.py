@@ -7,7 +7,8 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from models.registry import build_model
-from planner.api import plan_chain, replan
+from planner.api import plan_chain
+from planner.replan import replan
 from planner.plan_load import load_plan
 from planner.runtime.rank.rank_setup import check_model
 from planner.solver.policy import VerificationPolicy

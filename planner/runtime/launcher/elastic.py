@@ -2,7 +2,7 @@
 
 ``launch`` stops every rank when one dies, hangs or raises, and names the rank whose failure stopped
 the run (:class:`planner.runtime.launcher.launch.RunFailure`). Here that rank's host is excluded, the solver
-plans again on the hosts that are left (``planner.api.replan``: a fresh solve under the same time
+plans again on the hosts that are left (``planner.replan.replan``: a fresh solve under the same time
 limit, warm-started from the old plan, the reason recorded, the plan signed), and the run resumes on the
 new plan from the newest complete checkpoint, re-sharded by parameter name onto the new stages, so no
 finished step is lost. Before it re-plans, the launcher makes the state the surviving ranks left (their
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from planner.api import replan
+from planner.replan import replan
 from planner.errors import InvalidInputError, PlannerError
 from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan

@@ -11,7 +11,7 @@ agree on the plan before anything of it runs:
    folder, else ``PLAN``); if a host it uses is missing or has fewer processes than its ranks, or a
    host it excludes is back, or a host new to the cluster is there with a signed join request
    describing it (``stagewise join PLAN --describe HOST.yaml --checkpoint-dir SHARED``), it re-plans
-   (``planner.api.replan``: the old plan's history and microbatch size, warm-started, the reason
+   (``planner.replan.replan``: the old plan's history and microbatch size, warm-started, the reason
    recorded), signs the new plan with the run secret and writes it to
    ``SHARED/plan-elastic-<start>.json``; then it names the plan in the store. A host neither in the
    cluster nor described so stops the start, named;
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from planner.api import replan
+from planner.replan import replan
 from planner.errors import InvalidInputError
 from planner.runtime.launcher.hosts import HOST_ENV, host_ranks, plan_hosts
 from planner.runtime.launcher.membership import load_signed_plan, operator_trust
