@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -288,9 +289,11 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
     for b in range(placement.num_stages - 1):
         need = required_directions(problem, stages, b)
         group = [v for v in placement.verifiers if v.boundary == b]
+        out.extend(f"verifier {v.device} of boundary {b} names a sender the boundary no longer has"
+                   for v in group if set(v.senders) - set(boundary_senders(stages, b, v.directions)))
         if not need:
             continue
-        senders = (stages[b].devices if "act" in need else ()) + (stages[b + 1].devices if "grad" in need else ())
+        senders = boundary_senders(stages, b, need)
         if not group or any(not set(need) <= set(v.directions) - set(v.watch_only) for v in group) \
                 or any(not any(v.covers(s) for v in group) for s in senders):
             out.append(f"boundary {b} is not checked in {need}")
@@ -305,6 +308,12 @@ def _verifier_violations(problem: Problem, placement: Placement) -> list[str]:
     if cap is not None:
         out.extend(f"verifier {d} checks {n} boundaries (max {cap})" for d, n in per_device.items() if n > cap)
     return out
+
+
+def boundary_senders(stages: Sequence[StagePlacement], b: int, directions: Sequence[str]) -> tuple[str, ...]:
+    """The devices that send across boundary ``b`` in ``directions``: stage ``b``'s activations, ``b + 1``'s
+    gradients."""
+    return (stages[b].devices if "act" in directions else ()) + (stages[b + 1].devices if "grad" in directions else ())
 
 
 def _site_violations(problem: Problem, placement: Placement, v: VerifierPlacement, senders: list[str],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from planner.solver.objective import Placement, even_split, price_program, violations
+from planner.solver.objective import Placement, boundary_senders, even_split, price_program, violations
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work, program_units
 from planner.solver.shared_verifiers import place_on_programs
@@ -28,7 +28,22 @@ from planner.solver.solution import StagePlacement
 
 
 def _with_stages(placement: Placement, stages: list[StagePlacement]) -> Placement:
-    return dataclasses.replace(placement, stages=tuple(stages))
+    return _live(dataclasses.replace(placement, stages=tuple(stages)))
+
+
+def _live(placement: Placement) -> Placement:
+    """``placement`` with each verifier's named senders cut to those its boundary still has (a replica fewer,
+    a stage merged onto its neighbour's devices) and a verifier left with none dropped: it would check nothing
+    (the default cluster's gpt-medium at 60 s priced such a verifier and failed)."""
+    stages, kept = placement.stages, []
+    for v in placement.verifiers:
+        if v.senders:
+            at = set(boundary_senders(stages, v.boundary, v.directions))
+            v = dataclasses.replace(v, senders=tuple(d for d in v.senders if d in at))
+            if not v.senders:
+                continue
+        kept.append(v)
+    return dataclasses.replace(placement, verifiers=tuple(kept))
 
 
 def _neighbours(problem: Problem, placement: Placement, cuts_only: bool) -> Iterator[Placement]:
@@ -75,8 +90,8 @@ def _merged(placement: Placement, k: int) -> Iterator[Placement]:
     for keep in (a, b):
         merged = dataclasses.replace(keep, first_block=a.first_block, last_block=b.last_block, in_flight=())
         rest = stages[:k] + (merged,) + stages[k + 2:]
-        yield dataclasses.replace(placement, verifiers=verifiers,
-                                  stages=tuple(dataclasses.replace(st, index=i) for i, st in enumerate(rest)))
+        yield _live(dataclasses.replace(placement, verifiers=verifiers,
+                                        stages=tuple(dataclasses.replace(st, index=i) for i, st in enumerate(rest))))
 
 
 def polish(problem: Problem, placement: Placement, *, time_budget_s: float, cuts_only: bool = False,
