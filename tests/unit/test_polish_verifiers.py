@@ -19,7 +19,9 @@ from planner.solver import api as solver_api
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.search.polish import _merged, _neighbours
+from planner.solver.shared_verifiers import split_boundary
 from planner.solver.solution import StagePlacement, VerifierPlacement
+from tests.unit.program_fixtures import replicated_untrusted_placement
 
 M = 4
 VOLUNTEERS = ("volunteer-1/0", "volunteer-2/0")
@@ -82,3 +84,22 @@ def test_violations_names_a_verifier_of_senders_its_boundary_no_longer_has(probl
     merged = [c for c in _merged(placement, 1) if c.stages[1].devices == ("lab-l4/0",)][0]
     stale = dataclasses.replace(merged, verifiers=placement.verifiers[:2])  # as _merged made it before
     assert any("names a sender the boundary no longer has" in v for v in violations(problem, stale))
+
+
+def test_random_untrusted_plans_with_split_verifiers_climb_to_neighbours_true_to_their_boundaries():
+    """Random SENTINEL-like pools in small, every boundary's senders split over its verifier sites where it has
+    several: no neighbour of the climb names a sender its boundary lacks, and each valid one prices."""
+    split = 0
+    for seed in range(40):
+        drawn = replicated_untrusted_placement(seed, max_stages=5)
+        if drawn is None:
+            continue
+        problem, placement = drawn[:2]
+        for b in sorted({v.boundary for v in placement.verifiers}):
+            placement = split_boundary(problem, placement, b) or placement
+        split += len({v.boundary for v in placement.verifiers}) < len(placement.verifiers)
+        for cand in _neighbours(problem, placement, cuts_only=False):
+            assert not any(_stale(problem, v, cand) for v in cand.verifiers), (seed, cand.verifiers)
+            if not violations(problem, cand):
+                assert price_program(problem, cand).step_ms > 0
+    assert split >= 10, split
