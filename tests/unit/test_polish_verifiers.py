@@ -16,7 +16,7 @@ from cost_models.cluster_file import load_cluster
 from cost_models.training import TrainingConfig
 from planner.model_io import load_chain
 from planner.solver import api as solver_api
-from planner.solver.objective import Placement, price_program, violations
+from planner.solver.objective import Placement, boundary_senders, even_split, price_program, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.search.polish import _merged, _neighbours
 from planner.solver.shared_verifiers import split_boundary
@@ -35,9 +35,8 @@ def problem():
 
 
 def _stage(index: int, first: int, last: int, devices: tuple[str, ...]) -> StagePlacement:
-    r = len(devices)
     return StagePlacement(index=index, first_block=first, last_block=last, devices=devices,
-                          microbatches=tuple(M // r + (i < M % r) for i in range(r)))
+                          microbatches=even_split(M, len(devices)))
 
 
 def _placement(problem) -> Placement:
@@ -51,11 +50,8 @@ def _placement(problem) -> Placement:
     return Placement(stages=stages, verifiers=verifiers, num_microbatches=M)
 
 
-def _stale(problem, v: VerifierPlacement, placement: Placement) -> bool:
-    st = placement.stages
-    at = (st[v.boundary].devices if "act" in v.directions else ()) + \
-        (st[v.boundary + 1].devices if "grad" in v.directions else ())
-    return bool(set(v.senders) - set(at))
+def _stale(v: VerifierPlacement, placement: Placement) -> bool:
+    return bool(set(v.senders) - set(boundary_senders(placement.stages, v.boundary, v.directions)))
 
 
 def test_the_plan_is_valid_and_priced(problem):
@@ -68,7 +64,7 @@ def test_every_neighbour_names_only_senders_its_boundaries_have_and_the_valid_on
     placement = _placement(problem)
     valid = 0
     for cand in _neighbours(problem, placement, cuts_only=False):
-        assert not any(_stale(problem, v, cand) for v in cand.verifiers), cand.verifiers
+        assert not any(_stale(v, cand) for v in cand.verifiers), cand.verifiers
         if not violations(problem, cand):
             valid += 1
             assert price_program(problem, cand).step_ms > 0
@@ -99,7 +95,7 @@ def test_random_untrusted_plans_with_split_verifiers_climb_to_neighbours_true_to
             placement = split_boundary(problem, placement, b) or placement
         split += len({v.boundary for v in placement.verifiers}) < len(placement.verifiers)
         for cand in _neighbours(problem, placement, cuts_only=False):
-            assert not any(_stale(problem, v, cand) for v in cand.verifiers), (seed, cand.verifiers)
+            assert not any(_stale(v, cand) for v in cand.verifiers), (seed, cand.verifiers)
             if not violations(problem, cand):
                 assert price_program(problem, cand).step_ms > 0
     assert split >= 10, split
