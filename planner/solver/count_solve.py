@@ -13,9 +13,8 @@ import math
 import time
 
 from planner.solver import recompute
-from planner.solver.bound.lagrange import lagrange_bound
+from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.bound.links import link_lower_bound_ms
-from planner.solver.bound.relax import merged_for_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
 from planner.solver.objective import (
@@ -25,7 +24,7 @@ from planner.solver.objective import (
     program_lower_bound_ms,
 )
 from planner.solver.outcome import Outcome, Progress
-from planner.solver.problem import Problem, bound_problem, comm_free_for_bound
+from planner.solver.problem import Problem, bound_problem
 from planner.solver.search import mixed
 from planner.solver.search.budget import (
     Work,
@@ -121,11 +120,8 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0, links_ms)
-    left = work.left_s()
-    if program_ms - valid > gap_tolerance * program_ms and left > 0.05:
-        free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)
-        valid = max(valid, lagrange_bound(free, incumbent_ms=program_ms, time_budget_s=left, target_gap=gap_tolerance,
-                                          plans=False, within=work).bound_ms)
+    if program_ms - valid > gap_tolerance * program_ms:
+        valid = program_bound_ms(relaxed, valid, cap_ms=program_ms, within=work, rel_tol=gap_tolerance)
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
 

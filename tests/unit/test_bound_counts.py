@@ -12,8 +12,9 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound.counts import REL_TOL, CountBound, raised_bounds
+from planner.solver.bound.counts import LAGRANGE_REL_TOL, REL_TOL, CountBound, raised_bounds
 from planner.solver.bound.fill import fill_bound_ms
+from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.policy import VerificationPolicy
 from planner.solver.problem import build_problem, recompute_problem, scale_chain
 from planner.solver.search.budget import Work
@@ -131,3 +132,31 @@ def test_a_bound_never_passes_its_own_counts_plan():
     full = fill_bound_ms(problem)
     bounds = raised_bounds([CountBound(problem, 0.0, 0.5 * full)], 10 * full, Work(1e3, what="bounds"))
     assert len(bounds) == 1 and 0.5 * full * (1 - 1e-8) <= bounds[0] <= 0.5 * full
+
+
+def test_the_lagrangian_bound_raises_what_fill_and_tails_leave(monkeypatch):
+    """Where the fill and tail bounds raise nothing (as where a count's climb spent the work its own Lagrangian
+    bound needed: the README's main job, M = 16), ``raised_bounds`` raises the least count by the Lagrangian bound
+    (``lagrange.program_bound_ms``): above 0, below every enumerated plan of that count, and only up to the cap."""
+    for name in ("fill_bound_ms", "tail_bound_ms"):
+        monkeypatch.setattr(f"planner.solver.bound.counts.{name}", lambda problem, floor_ms, **_: floor_ms)
+    lifted = 0
+    for seed in range(4):
+        counts = _counts(np.random.default_rng(7300 + seed), "swarm2")
+        cheapest = [ms for _, ms in counts]
+        if not any(math.isfinite(ms) for ms in cheapest):
+            continue
+        incumbent = min(cheapest)
+        bounds = raised_bounds([CountBound(q, 0.0) for q, _ in counts], incumbent, Work(1e3, what="bounds"))
+        for b, ms in zip(bounds, cheapest):
+            assert 0.0 <= b <= ms * HAIR and b <= incumbent * HAIR, (seed, b, ms)
+        # the least over counts is each count's own Lagrangian bound's least (each sought to the same target)
+        own = [min(program_bound_ms(q, cap_ms=incumbent, within=Work(1e3, what="one"), rel_tol=LAGRANGE_REL_TOL),
+                   incumbent) for q, _ in counts]
+        assert min(bounds) > 0 and min(bounds) == pytest.approx(min(own), rel=1e-6), (seed, bounds, own)
+        lifted += 1
+    assert lifted >= 3
+    # nothing left to seek with: the floor, nothing charged
+    poor = Work(0.01, what="poor")
+    assert program_bound_ms(counts[0][0], 7.0, cap_ms=incumbent, within=poor, rel_tol=LAGRANGE_REL_TOL) == 7.0
+    assert poor.spent == 0

@@ -15,9 +15,12 @@ that is not the search's:
   ``cap_ms``);
 * each count's raised bound is ``fill_bound_ms`` (every count as before), then, in what those tests leave of the
   budget, ``tail_bound_ms`` above it (``bound.tails``: the pipeline's depth and an early stage's all-reduce behind
-  the deepest stream; DT-FM regional at 60 s: 2,188 -> 2,340 ms with fill's terms of 2026-12-07); each valid for every plan of its problem, so their maximum
-  is and the least over counts stays valid, bisected to ``REL_TOL`` / ``TAIL_REL_TOL`` (the infeasible end: valid
-  at any width), never above its own plan's cost (as ``count_solve`` caps it).
+  the deepest stream; DT-FM regional at 60 s: 2,188 -> 2,340 ms with fill's terms of 2026-12-07), then, in what
+  is left, the Lagrangian bound (``lagrange.program_bound_ms``, as ``count_solve`` runs it where its count's work
+  is not spent: the README's main job at 20 s, M = 16, whose climb spends all of it: 635.9 -> 763.8 ms); each
+  valid for every plan of its problem, so their maximum is and the least over counts stays valid, bisected to
+  ``REL_TOL`` / ``TAIL_REL_TOL`` (the infeasible end: valid at any width), never above its own plan's cost (as
+  ``count_solve`` caps it).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.solver.bound.fill import fill_bound_ms
+from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.bound.tails import tail_bound_ms
 from planner.solver.problem import Problem
 from planner.solver.search.budget import Work
@@ -34,6 +38,8 @@ from planner.solver.search.budget import Work
 REL_TOL = 1e-3
 # The tail bound's (``bound.tails``): ~6 tests from the fill bound to the plan on DT-FM (66 ms of CPU each).
 TAIL_REL_TOL = 4e-3
+# The Lagrangian bound's target gap (``lagrange.program_bound_ms``), as a count's own solve seeks it.
+LAGRANGE_REL_TOL = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +52,13 @@ class CountBound:
 
 
 def raised_bounds(counts: Sequence[CountBound], incumbent_ms: float, within: Work) -> list[float]:
-    """Per count (in order), its bound raised by the fill bound, then by the tail bound, where that can raise the
-    least over counts (the module docstring); ``within``: the budget the tests are charged to (a test it cannot
-    afford is skipped: that count keeps its bound, and the least is then settled). The tail bound takes what the
-    fill tests leave, so they run as they did without it."""
+    """Per count (in order), its bound raised by the fill bound, then by the tail bound, then by the Lagrangian
+    bound, where that can raise the least over counts (the module docstring); ``within``: the budget the tests are
+    charged to (a test it cannot afford is skipped: that count keeps its bound, and the least is then settled).
+    Each takes what the ones before it leave, so they run as they did without it."""
     bounds = [min(c.bound_ms, c.program_ms) for c in counts]
-    for raise_by, tol in ((fill_bound_ms, REL_TOL), (tail_bound_ms, TAIL_REL_TOL)):
+    for raise_by, tol in ((fill_bound_ms, REL_TOL), (tail_bound_ms, TAIL_REL_TOL),
+                          (program_bound_ms, LAGRANGE_REL_TOL)):
         _raise(counts, bounds, incumbent_ms, within, raise_by, tol)
     return bounds
 

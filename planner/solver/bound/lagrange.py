@@ -59,16 +59,18 @@ from planner.solver.bound.branching import (
     satisfies,
 )
 from planner.solver.bound.lazy_dp import LazyDP, layered_dp
+from planner.solver.bound.relax import merged_for_bound
 from planner.solver.bound.sequence_dp import Cut, Relaxed, SequenceDP
 from planner.solver.objective import Placement
-from planner.solver.problem import Problem
+from planner.solver.problem import Problem, bound_problem, comm_free_for_bound
 from planner.solver.search.budget import Work, dp_units
 from planner.solver.search.relaxed_plans import LOCAL_TAIL, RelaxedPlans, repair
 
 __all__ = ["LagrangeBound", "LagrangeResult", "LazyDP", "Relaxed", "SequenceDP", "lagrange_bound", "layered_dp",
-           "repair"]
+           "program_bound_ms", "repair"]
 
 INF = math.inf
+MIN_WORK_S = 0.05  # work left under which ``program_bound_ms`` seeks nothing (its first DPs alone cost about this)
 FEASIBILITY_STEPS = 12  # bisection steps for the smallest bottleneck any relaxed plan meets
 KELLEY_TOL = 1e-4  # relative gap between the cutting-plane model and the best dual value that ends a cap
 # A box's prices are refined until it is this share of the incumbent above the next weakest box, and resumed
@@ -271,6 +273,22 @@ def lagrange_bound(problem: Problem, *, incumbent_ms: float, time_budget_s: floa
             sink.finish()
     return LagrangeResult(bound_ms=bound, placement=sink.best_plan if sink else None, step_ms=search.best_ms,
                           dps=search.dps, caps=len(search.boxes.points) if search.boxes else 0)
+
+
+def program_bound_ms(problem: Problem, floor_ms: float = 0.0, *, cap_ms: float, within: Work,
+                     rel_tol: float) -> float:
+    """A bound on the cost of ``problem``'s compiled programs from :func:`lagrange_bound`, at least ``floor_ms``:
+    bounded on a relaxation (``bound_problem``: every recomputation mix; like classes merged,
+    ``relax.merged_for_bound``; links free, ``comm_free_for_bound``: the programs send without blocking), sought up
+    to ``cap_ms`` (a plan of that cost is known) in what ``within`` has left: nothing sought, nothing charged, where
+    that is under ``MIN_WORK_S``."""
+    if within.left_s() < MIN_WORK_S:
+        return floor_ms
+    relaxed = bound_problem(problem)
+    free = comm_free_for_bound(merged_for_bound(relaxed) or relaxed)
+    found = lagrange_bound(free, incumbent_ms=cap_ms, time_budget_s=within.left_s(), target_gap=rel_tol,
+                           plans=False, within=within)
+    return max(floor_ms, found.bound_ms)
 
 
 @dataclass(slots=True, kw_only=True)
