@@ -213,18 +213,25 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     # Each count bounds the compiled programs' cost at its M; the least is raised after the search, in a budget
     # of its own (``bound.counts``): a count whose work could not pay for its fill test gets it now.
-    bound = min(raised_bounds([CountBound(o.problem, o.valid_bound_ms,
-                                          o.program_ms if o.placement is not None else math.inf) for o in outcomes],
-                              best.program_ms, Work(_counts_bound_s(time_limit_s), what="bounds after the search")))
+    raised = raised_bounds([CountBound(o.problem, o.valid_bound_ms,
+                                       o.program_ms if o.placement is not None else math.inf) for o in outcomes],
+                           best.program_ms, Work(_counts_bound_s(time_limit_s), what="bounds after the search"))
+    bound = min(raised)
     gap = (best.program_ms - bound) / best.program_ms if best.program_ms > 0 else 0.0
     status = "OPTIMAL" if gap <= gap_tolerance else "FEASIBLE"
     M = best.problem.num_microbatches
     notes = (f"microbatches {M} (size {config.global_batch // M})",
              f"best plan from {best.method}",
-             *(f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {f'{o.program_ms:.3f} ms' if o.placement else 'no plan'}"
-               f", bound {o.valid_bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound "
-               f"{o.bound_ms:.3f} ms, CP-SAT {o.cpsat_status}" for o in outcomes))
+             *(_count_note(o, b) for o, b in zip(outcomes, raised)))
     return to_solution(best, bound, notes, time.perf_counter() - start, "cpsat", status)
+
+
+def _count_note(o: Outcome, bound_ms: float) -> str:
+    """One microbatch count's line of the report: its plan's cost and its bound as raised after the search."""
+    program = f"{o.program_ms:.3f} ms" if o.placement else "no plan"
+    return (f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {program}, "
+            f"bound {bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound {o.bound_ms:.3f} ms, "
+            f"CP-SAT {o.cpsat_status}")
 
 
 # The counts' bounds raised after the search: 5% of the limit, at least 2 s (DT-FM regional's two counts at 20 s),
