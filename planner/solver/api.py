@@ -212,7 +212,8 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     left_s = work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)
     best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     # Each count bounds the compiled programs' cost at its M; the least is raised after the search, in a budget
-    # of its own (``bound.counts``): a count whose work could not pay for its fill test gets it now.
+    # of its own (``bound.counts``): a count whose work could not pay for its fill test or its Lagrangian bound
+    # gets them now; the notes show each count's bound so raised.
     raised = raised_bounds([CountBound(o.problem, o.valid_bound_ms,
                                        o.program_ms if o.placement is not None else math.inf) for o in outcomes],
                            best.program_ms, Work(_counts_bound_s(time_limit_s), what="bounds after the search"))
