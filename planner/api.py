@@ -374,8 +374,10 @@ def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
               f"({100 * diff:+.1f}%)"),
              "chosen by simulation: " + ", ".join(f"{p.report.method} {p.predicted.step_ms:.3f} ms"
                                                   for p in [plan, *rivals]))
-    if best is not plan:
-        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=None, status="FEASIBLE")
+    if best is not plan:  # the solve's bound, and its note saying what set it, not the rival's own
+        own = tuple(n for n in r.notes if not n.startswith(solver_api.BOUND_NOTE))
+        solves = tuple(n for n in plan.report.notes if n.startswith(solver_api.BOUND_NOTE))
+        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=None, status="FEASIBLE", notes=own + solves)
     return dataclasses.replace(best, report=dataclasses.replace(r, notes=r.notes + notes))
 
 

@@ -83,7 +83,8 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     if found.placement is None:
         links_ms = link_lower_bound_ms(problem, within=work)
         work.charge(link_bound_units(problem.num_blocks))
-        return dataclasses.replace(found, valid_bound_ms=max(fluid, links_ms))
+        by, valid = _strongest({"fluid": fluid, "links": links_ms})
+        return dataclasses.replace(found, valid_bound_ms=valid, bound_by=by)
     starts = cheapest(problem, seen + [found.placement], within=work, cut=False)  # charged; every start priced
     pick = starts[0]
     program_ms = price_program(problem, pick).step_ms
@@ -119,11 +120,20 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         placement, program_ms, how = rival, rival_ms, \
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
-    valid = max(fluid, found.valid_bound_ms if relaxed is problem else 0.0, links_ms)
+    by, valid = _strongest({"fluid": fluid, "search": found.valid_bound_ms if relaxed is problem else 0.0,
+                            "links": links_ms})
     if program_ms - valid > gap_tolerance * program_ms:
-        valid = program_bound_ms(relaxed, valid, cap_ms=program_ms, within=work, rel_tol=gap_tolerance)
+        by, valid = _strongest({by: valid, "lagrange": program_bound_ms(relaxed, valid, cap_ms=program_ms,
+                                                                         within=work, rel_tol=gap_tolerance)})
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
-                               valid_bound_ms=min(valid, program_ms), solve_s=time.perf_counter() - start)
+                               valid_bound_ms=min(valid, program_ms), bound_by=by,
+                               solve_s=time.perf_counter() - start)
+
+
+def _strongest(bounds: dict[str, float]) -> tuple[str, float]:
+    """Of valid bounds by name (``bound.counts.TERMS``), the largest and its name (the first of equals)."""
+    name = max(bounds, key=bounds.__getitem__)
+    return name, bounds[name]
 
 
 def _climbed(problem: Problem, starts: list[Placement], budget_s: float, cuts_only: bool,

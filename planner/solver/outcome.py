@@ -26,7 +26,8 @@ class Outcome:
 
     ``step_ms`` and ``bound_ms``: the search's closed form (``objective.evaluate``) of the plan and a bound on
     it; ``program_ms``: the cost of the plan's compiled programs (``objective.price_program``), the plan
-    chosen among every valid plan the search met by it; ``valid_bound_ms``: a bound on that cost of any plan.
+    chosen among every valid plan the search met by it; ``valid_bound_ms``: a bound on that cost of any plan;
+    ``bound_by``: the bound that set it (a key of ``bound.counts.TERMS``; empty: none ran).
     """
 
     problem: Problem
@@ -38,6 +39,7 @@ class Outcome:
     solve_s: float
     program_ms: float = math.inf
     valid_bound_ms: float = 0.0
+    bound_by: str = ""
 
 
 def reordered(problem: Problem, solution: Solution) -> Solution | None:
@@ -77,7 +79,7 @@ def shared(problem: Problem, solution: Solution) -> Solution | None:
 
 def ruled_out(problem: Problem) -> Outcome:
     return Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=math.inf, method="precheck",
-                   cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf)
+                   cpsat_status="INFEASIBLE", solve_s=0.0, valid_bound_ms=math.inf, bound_by="no plan fits")
 
 
 def to_solution(outcome: Outcome, bound_ms: float | None, notes: tuple[str, ...], solve_s: float,

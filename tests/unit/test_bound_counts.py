@@ -5,6 +5,7 @@ the full one where the cap is above it and at most the cap otherwise; only the l
 above the cap is never tested, and a budget that affords nothing leaves the bounds as they were."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
-from planner.solver.bound.counts import LAGRANGE_REL_TOL, REL_TOL, CountBound, raised_bounds
+from planner.solver.bound.counts import LAGRANGE_REL_TOL, REL_TOL, CountBound, raised_bounds, raised_with_terms
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.policy import VerificationPolicy
@@ -92,8 +93,11 @@ def test_only_the_least_count_is_raised_and_a_count_at_the_cap_is_never_tested()
     high = max(fills) * 2
     given = [CountBound(q, 0.0 if k == low else high) for k, q in enumerate(counts)]
     budget = Work(1e3, what="bounds")
-    bounds = raised_bounds(given, incumbent_ms=10 * high, within=budget)
+    named = raised_with_terms([dataclasses.replace(c, by="links") for c in given], 10 * high, budget)
+    bounds = [ms for ms, _ in named]
     assert bounds[low] == pytest.approx(fills[low], rel=2 * REL_TOL)
+    # the term that set each: the fill bound where it raised one, the count's own elsewhere
+    assert [by for _, by in named] == ["fill" if k == low else "links" for k in range(len(counts))]
     assert [b for k, b in enumerate(bounds) if k != low] == [high] * (len(counts) - 1)
     # every count at the cap: nothing tested, nothing charged
     capped = Work(1e3, what="bounds")
@@ -147,7 +151,9 @@ def test_the_lagrangian_bound_raises_what_fill_and_tails_leave(monkeypatch):
         if not any(math.isfinite(ms) for ms in cheapest):
             continue
         incumbent = min(cheapest)
-        bounds = raised_bounds([CountBound(q, 0.0) for q, _ in counts], incumbent, Work(1e3, what="bounds"))
+        named = raised_with_terms([CountBound(q, 0.0) for q, _ in counts], incumbent, Work(1e3, what="bounds"))
+        bounds = [ms for ms, _ in named]
+        assert named[int(np.argmin(bounds))][1] == "lagrange", named
         for b, ms in zip(bounds, cheapest):
             assert 0.0 <= b <= ms * HAIR and b <= incumbent * HAIR, (seed, b, ms)
         # the least over counts is each count's own Lagrangian bound's least (each sought to the same target)

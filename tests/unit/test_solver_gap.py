@@ -2,19 +2,24 @@
 are not lost."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import types
 
 import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
+from planner.api import choose_by_simulation
 from planner.errors import InvalidInputError
 from planner.solver import api
+from planner.solver.bound.counts import TERMS
 from planner.solver.bound.lagrange import lagrange_bound
 from planner.solver.objective import evaluate, violations
 from planner.solver.policy import VerificationPolicy
 from planner.solver.search import relaxed_plans
+from planner.solver.solution import SolveReport
 from tests.unit.bruteforce import brute_force
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain
 from tests.unit.test_solver_bruteforce import instance
@@ -74,3 +79,40 @@ def test_each_counts_note_shows_its_raised_bound_and_the_least_is_the_reported_b
     bounds = [float(m.group(1)) for note in sol.report.notes if (m := re.match(r"M=\d+.*?, bound ([\d.]+) ms", note))]
     assert len(bounds) == 3, sol.report.notes
     assert min(bounds) == pytest.approx(sol.report.bound_ms, abs=1e-3)
+    # one note says what set it: its value, the least count, and a bound the report knows by name
+    said = [n for n in sol.report.notes if n.startswith(api.BOUND_NOTE)]
+    assert len(said) == 1, sol.report.notes
+    m = re.match(r"the bound: ([\d.]+) ms, set at M=(\d+) by (.+)$", said[0])
+    assert m and float(m.group(1)) == pytest.approx(sol.report.bound_ms, abs=1e-3), said
+    assert m.group(3) in TERMS.values(), said
+    least = next(n for n in sol.report.notes if re.match(rf"M={m.group(2)}: .*, bound {m.group(1)} ms", n))
+    assert least, sol.report.notes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Simulated:
+    """What ``choose_by_simulation`` reads of a plan: its simulated step and its report."""
+
+    predicted: types.SimpleNamespace
+    report: SolveReport
+
+
+def _simulated(step_ms: float, method: str, bound_ms: float | None, notes: tuple[str, ...]) -> _Simulated:
+    report = SolveReport(method=method, status="FEASIBLE", objective_ms=step_ms, bound_ms=bound_ms, gap=None,
+                         solve_s=1.0, notes=notes)
+    return _Simulated(predicted=types.SimpleNamespace(step_ms=step_ms), report=report)
+
+
+def test_a_rival_that_wins_keeps_the_solves_bound_and_its_note():
+    """A plan of a sub-pool (or a baseline) that simulates faster is returned with the whole pool's bound; the
+    note on what set the bound is the solve's, not the rival's own (a sub-pool's bound holds for it alone)."""
+    solve = _simulated(120.0, "cpsat", 60.0, ("M=8: ...", f"{api.BOUND_NOTE}60.000 ms, set at M=8 by x"))
+    rival = _simulated(100.0, "cpsat on trusted hosts only", 90.0,
+                       ("M=8: ...", f"{api.BOUND_NOTE}90.000 ms, set at M=8 by y"))
+    got = choose_by_simulation(solve, [rival])
+    assert got.report.method == "cpsat on trusted hosts only" and got.report.bound_ms == 60.0
+    said = [n for n in got.report.notes if n.startswith(api.BOUND_NOTE)]
+    assert said == [f"{api.BOUND_NOTE}60.000 ms, set at M=8 by x"], got.report.notes
+    # the solve's own plan winning keeps its report as it was
+    kept = choose_by_simulation(solve, [_simulated(130.0, "baseline:dp", None, ())])
+    assert kept.report.bound_ms == 60.0 and kept.report.notes[:2] == solve.report.notes

@@ -42,32 +42,54 @@ TAIL_REL_TOL = 4e-3
 LAGRANGE_REL_TOL = 1e-3
 
 
+# What can set a count's bound on the programs' cost, as the report names it (``api._solve``'s notes).
+TERMS = {"fluid": "the fluid LP (every device busy at its own speed, links free)",
+         "search": "the search's own bound",
+         "links": "the links between islands (bound/links)",
+         "lagrange": "the Lagrangian bound (each stage's passes and checks, links free)",
+         "fill": "each replica's fill at its own speed (bound/fill)",
+         "tails": "the pipeline's depth and the all-reduces behind it (bound/tails)",
+         "no plan fits": "no plan of this count fits"}
+
+
 @dataclass(frozen=True, slots=True)
 class CountBound:
-    """One count's problem, the bound it reached in its own solve, and its plan's cost (inf: no plan)."""
+    """One count's problem, the bound it reached in its own solve, its plan's cost (inf: no plan) and the term
+    that set its bound (a key of ``TERMS``)."""
 
     problem: Problem
     bound_ms: float
     program_ms: float = math.inf
+    by: str = ""
 
 
 def raised_bounds(counts: Sequence[CountBound], incumbent_ms: float, within: Work) -> list[float]:
+    """Each count's bound as :func:`raised_with_terms` raises it."""
+    return [ms for ms, _ in raised_with_terms(counts, incumbent_ms, within)]
+
+
+def raised_with_terms(counts: Sequence[CountBound], incumbent_ms: float,
+                      within: Work) -> list[tuple[float, str]]:
     """Per count (in order), its bound raised by the fill bound, then by the tail bound, then by the Lagrangian
     bound, where that can raise the least over counts (the module docstring); ``within``: the budget the tests are
     charged to (a test it cannot afford is skipped: that count keeps its bound, and the least is then settled).
-    Each takes what the ones before it leave, so they run as they did without it."""
+    Each takes what the ones before it leave, so they run as they did without it. With each bound, the term that
+    set it (a key of ``TERMS``: the count's own where none raised it)."""
     bounds = [min(c.bound_ms, c.program_ms) for c in counts]
-    for raise_by, tol in ((fill_bound_ms, REL_TOL), (tail_bound_ms, TAIL_REL_TOL),
-                          (program_bound_ms, LAGRANGE_REL_TOL)):
-        _raise(counts, bounds, incumbent_ms, within, raise_by, tol)
-    return bounds
+    by = [c.by for c in counts]
+    for name, raise_by, tol in (("fill", fill_bound_ms, REL_TOL), ("tails", tail_bound_ms, TAIL_REL_TOL),
+                                ("lagrange", program_bound_ms, LAGRANGE_REL_TOL)):
+        for k in _raise(counts, bounds, incumbent_ms, within, raise_by, tol):
+            by[k] = name
+    return list(zip(bounds, by))
 
 
 def _raise(counts: Sequence[CountBound], bounds: list[float], incumbent_ms: float, within: Work,
-           raise_by: Callable[..., float], tol: float) -> None:
+           raise_by: Callable[..., float], tol: float) -> list[int]:
     """``bounds`` raised in place by ``raise_by`` (a valid bound of a count's problem above a floor, at most a cap),
-    the least count first, each once, until the least was tried or sits at the cap."""
+    the least count first, each once, until the least was tried or sits at the cap; the counts it raised."""
     tried: set[int] = set()
+    lifted: list[int] = []
     while bounds:
         k = min(range(len(bounds)), key=lambda i: bounds[i])
         cap = min(incumbent_ms, counts[k].program_ms)
@@ -75,4 +97,7 @@ def _raise(counts: Sequence[CountBound], bounds: list[float], incumbent_ms: floa
             break
         tried.add(k)
         raised = raise_by(counts[k].problem, bounds[k], within=within, cap_ms=cap, rel_tol=tol)
+        if raised > bounds[k]:
+            lifted.append(k)
         bounds[k] = min(max(bounds[k], raised), counts[k].program_ms)  # not raised: still least, and tried
+    return lifted
