@@ -21,7 +21,8 @@ the path before them, stage 0's all-reduce and optimizer step after the pipeline
 own first input and passes, each replica's first backward after the round trip below it, its stages counted).
 ``tails`` (``planner.solver.bound.tails``, raised above fill after the search: the pipeline's depth and an early
 stage's all-reduce behind the deepest stream); ``terms_at_plan_count``: fill and tails at the plan's microbatch
-count without a work budget, capped at the simulated step.
+count without a work budget, capped at the simulated step. ``set_by``: what the planner's own report says set the
+bound (``M=<count> <term>``, a key of ``bound.counts.TERMS``; ``limited_by`` is this script's reading of the terms).
 ``previous_bound_ms`` / ``previous_gap``: the
 bound and gap the results file held before this run (the last commit's code). The bound includes each
 microbatch count's raised after the search (``bound.counts.raised_bounds``, called by ``planner.solver.api._solve``).
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -54,8 +56,9 @@ from planner.api import plan_chain
 from planner.model_io import load_chain
 from planner.simulate import simulate
 from planner.solver import count_solve
-from planner.solver.api import problem_for
+from planner.solver.api import BOUND_NOTE, problem_for
 from planner.solver.bound import fill_rows, tails
+from planner.solver.bound.counts import TERMS
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.links import link_lower_bound
 from planner.solver.bound.tails import tail_bound_ms
@@ -148,6 +151,16 @@ def _terms_at_plan(chain, cluster, plan, sim_ms: float) -> dict[str, float]:
     return {"fill": round(fill, 3), "tails": round(max(fill, tail_bound_ms(problem, fill, cap_ms=sim_ms)), 3)}
 
 
+def set_by(plan) -> str:
+    """What the planner's report says set its bound: ``M=<count> <term>`` (a key of ``bound.counts.TERMS``)."""
+    names = {what: key for key, what in TERMS.items()}
+    for note in plan.report.notes:
+        m = re.match(rf"{re.escape(BOUND_NOTE)}[\d.]+ ms, set at M=(\d+) by (.+)$", note)
+        if m:
+            return f"M={m.group(1)} {names.get(m.group(2), '?')}"
+    return "-"
+
+
 def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: float) -> dict:
     cluster = load_cluster(where)
     new, new_s = _plan(chain, cluster, model, seq, batch, limit)
@@ -161,6 +174,7 @@ def _case(name: str, where, batch: int, chain, model: str, seq: int, limit: floa
         "tails" if terms["tails"] > terms["fill"] * (1 + 1e-6) and bound > terms["fill"] * (1 + 1e-6) else \
         max(links.values(), key=lambda x: x["bound_ms"])["limit"]
     return {"case": name, "model": model, "seq": seq, "global_batch": batch, "microbatches": new.config.num_microbatches,
+            "set_by": set_by(new),
             "stages": new.num_stages, "simulated_ms": round(sim, 3), "objective_ms": round(new.report.objective_ms, 3),
             "old_bound_ms": round(bound_old, 3), "bound_ms": round(bound, 3),
             "old_gap": round(1 - bound_old / sim_old, 4), "gap": round(1 - bound / sim, 4),
@@ -209,10 +223,10 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\n{'case':<16}{'simulated ms':>14}{'old bound':>12}{'old gap':>9}{'bound':>12}{'gap':>8}"
-          f"  limited by")
+          f"  limited by  set by (the report)")
     for r in rows:
         print(f"{r['case']:<16}{r['simulated_ms']:>14.1f}{r['old_bound_ms']:>12.1f}{100 * r['old_gap']:>8.1f}%"
-              f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']}")
+              f"{r['bound_ms']:>12.1f}{100 * r['gap']:>7.1f}%  {r['limited_by']:<10}  {r['set_by']}")
     missed = [r["case"] for r in rows if r["gap"] > GOAL_GAP]
     print(f"goal gap <= {100 * GOAL_GAP:.0f}% at {limit:g} s: " + ("met" if not missed else f"missed by {missed}"))
     randoms = [] if args.cases else [_random_row(k, 1.0 if args.quick else RANDOM_LIMIT_S)
