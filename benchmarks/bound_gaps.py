@@ -60,7 +60,7 @@ from planner.solver.api import BOUND_NOTE, problem_for
 from planner.solver.bound import fill_rows, tails
 from planner.solver.bound.counts import TERMS
 from planner.solver.bound.fill import fill_bound_ms
-from planner.solver.bound.links import link_lower_bound
+from planner.solver.bound.links import LinkBound, link_lower_bound
 from planner.solver.bound.tails import tail_bound_ms
 from planner.solver.problem import recompute_problem
 
@@ -79,12 +79,13 @@ RANDOM_POOLS, RANDOM_LIMIT_S, RANDOM_SEED = 12, 3.0, 8800
 @contextmanager
 def _without_link_term():
     """The planner as it was before the link term: ``count_solve`` sees a link bound of 0."""
-    kept = count_solve.link_lower_bound_ms
-    count_solve.link_lower_bound_ms = lambda problem, **_: 0.0
+    kept = count_solve.link_lower_bound
+    count_solve.link_lower_bound = lambda problem, **_: LinkBound(bound_ms=0.0, limit="compute",
+                                                                  threshold_gbps=None, islands=0)
     try:
         yield
     finally:
-        count_solve.link_lower_bound_ms = kept
+        count_solve.link_lower_bound = kept
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import time
 
 from planner.solver import recompute
 from planner.solver.bound.lagrange import program_bound_ms
-from planner.solver.bound.links import link_lower_bound_ms
+from planner.solver.bound.links import LinkBound, link_lower_bound
 from planner.solver.count_search import search_count
 from planner.solver.explain import precheck
 from planner.solver.objective import (
@@ -81,9 +81,9 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     fluid = program_lower_bound_ms(relaxed)  # the programs' cost, not the closed form's fill
     work.charge(program_bound_units(relaxed.num_blocks, sum(c.stage_capable for c in relaxed.classes)))
     if found.placement is None:
-        links_ms = link_lower_bound_ms(problem, within=work)
+        links = link_lower_bound(problem, within=work)
         work.charge(link_bound_units(problem.num_blocks))
-        by, valid = _strongest({"fluid": fluid, "links": links_ms})
+        by, valid = _strongest({"fluid": fluid, _named(links): links.bound_ms})
         return dataclasses.replace(found, valid_bound_ms=valid, bound_by=by)
     starts = cheapest(problem, seen + [found.placement], within=work, cut=False)  # charged; every start priced
     pick = starts[0]
@@ -95,7 +95,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
         program_ms, how = polished_ms, f"{how}, polished"
     grids_s = GRID_POLISH_SHARE * work.left_s()
     # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
-    links_ms = link_lower_bound_ms(problem, within=work)
+    links = link_lower_bound(problem, within=work)
     if shape == (None, None):  # a fixed shape keeps its replicas
         # within the count's own work: time taken past it would be the later counts' and ``polish_best``'s
         mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
@@ -121,13 +121,18 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
             f"{found.method}, a grid{' with recomputation mixed' if problem.recompute else ''} repriced"
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     by, valid = _strongest({"fluid": fluid, "search": found.valid_bound_ms if relaxed is problem else 0.0,
-                            "links": links_ms})
+                            _named(links): links.bound_ms})
     if program_ms - valid > gap_tolerance * program_ms:
         by, valid = _strongest({by: valid, "lagrange": program_bound_ms(relaxed, valid, cap_ms=program_ms,
                                                                          within=work, rel_tol=gap_tolerance)})
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,
                                valid_bound_ms=min(valid, program_ms), bound_by=by,
                                solve_s=time.perf_counter() - start)
+
+
+def _named(links: LinkBound) -> str:
+    """The ``bound.counts.TERMS`` name of what limits ``bound.links``' bound (compute on its islands: ``islands``)."""
+    return "islands" if links.limit == "compute" else links.limit
 
 
 def _strongest(bounds: dict[str, float]) -> tuple[str, float]:

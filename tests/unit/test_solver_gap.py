@@ -116,3 +116,11 @@ def test_a_rival_that_wins_keeps_the_solves_bound_and_its_note():
     # the solve's own plan winning keeps its report as it was
     kept = choose_by_simulation(solve, [_simulated(130.0, "baseline:dp", None, ())])
     assert kept.report.bound_ms == 60.0 and kept.report.notes[:2] == solve.report.notes
+
+
+@pytest.mark.parametrize("limit", ["compute", "memory", "replicas", "fill", "links"])
+def test_each_limit_of_the_link_bound_is_a_term_the_report_names(limit):
+    """``bound.links`` says what limits its bound; the report names it by a ``TERMS`` key (not "a bound")."""
+    from planner.solver import count_solve
+    from planner.solver.bound.links import LinkBound
+    assert count_solve._named(LinkBound(bound_ms=1.0, limit=limit, threshold_gbps=None, islands=1)) in TERMS
