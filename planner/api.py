@@ -377,8 +377,17 @@ def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
     if best is not plan:  # the solve's bound, and its note saying what set it, not the rival's own
         own = tuple(n for n in r.notes if not n.startswith(solver_api.BOUND_NOTE))
         solves = tuple(n for n in plan.report.notes if n.startswith(solver_api.BOUND_NOTE))
-        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=None, status="FEASIBLE", notes=own + solves)
+        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=_gap(r.objective_ms, plan.report.bound_ms),
+                                status="FEASIBLE", notes=own + solves)
     return dataclasses.replace(best, report=dataclasses.replace(r, notes=r.notes + notes))
+
+
+def _gap(objective_ms: float, bound_ms: float | None) -> float | None:
+    """A rival's gap to the solve's bound: it holds for the rival too, a plan of the same pool at one of the
+    solve's microbatch counts (the sub-pools and baselines are planned at those)."""
+    if bound_ms is None:
+        return None
+    return max(0.0, (objective_ms - bound_ms) / objective_ms) if objective_ms > 0 else 0.0
 
 
 def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path | None = None, *,

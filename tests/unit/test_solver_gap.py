@@ -104,18 +104,23 @@ def _simulated(step_ms: float, method: str, bound_ms: float | None, notes: tuple
 
 
 def test_a_rival_that_wins_keeps_the_solves_bound_and_its_note():
-    """A plan of a sub-pool (or a baseline) that simulates faster is returned with the whole pool's bound; the
-    note on what set the bound is the solve's, not the rival's own (a sub-pool's bound holds for it alone)."""
+    """A plan of a sub-pool (or a baseline) that simulates faster is returned with the whole pool's bound and its
+    gap to it (before: "n/a"); the note on what set the bound is the solve's, not the rival's own (a sub-pool's
+    bound holds for it alone)."""
     solve = _simulated(120.0, "cpsat", 60.0, ("M=8: ...", f"{api.BOUND_NOTE}60.000 ms, set at M=8 by x"))
     rival = _simulated(100.0, "cpsat on trusted hosts only", 90.0,
                        ("M=8: ...", f"{api.BOUND_NOTE}90.000 ms, set at M=8 by y"))
     got = choose_by_simulation(solve, [rival])
     assert got.report.method == "cpsat on trusted hosts only" and got.report.bound_ms == 60.0
+    assert got.report.gap == pytest.approx(0.4)  # its objective against the solve's bound, as the CLI prints it
     said = [n for n in got.report.notes if n.startswith(api.BOUND_NOTE)]
     assert said == [f"{api.BOUND_NOTE}60.000 ms, set at M=8 by x"], got.report.notes
     # the solve's own plan winning keeps its report as it was
     kept = choose_by_simulation(solve, [_simulated(130.0, "baseline:dp", None, ())])
     assert kept.report.bound_ms == 60.0 and kept.report.notes[:2] == solve.report.notes
+    # a solve without a bound (a baseline asked for): no gap
+    unbounded = _simulated(120.0, "baseline:uniform", None, ())
+    assert choose_by_simulation(unbounded, [rival]).report.gap is None
 
 
 @pytest.mark.parametrize("limit", ["compute", "memory", "replicas", "fill", "links"])
