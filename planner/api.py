@@ -44,6 +44,7 @@ from planner.solver.restrictions import (
 )
 from planner.solver.search.budget import Work
 from planner.solver.search.deadline import Deadline
+from planner.solver.solution import gap_of
 from planner.solver.warm import WarmStart
 from planner.trace import trace
 
@@ -374,20 +375,14 @@ def choose_by_simulation(plan: Any, rivals: Sequence[Any]) -> Any:
               f"({100 * diff:+.1f}%)"),
              "chosen by simulation: " + ", ".join(f"{p.report.method} {p.predicted.step_ms:.3f} ms"
                                                   for p in [plan, *rivals]))
-    if best is not plan:  # the solve's bound, and its note saying what set it, not the rival's own
+    # A rival that wins takes the solve's bound (a plan of the same pool at one of the solve's microbatch counts:
+    # sub-pools and baselines are planned at those), its gap to it, and the note saying what set it.
+    if best is not plan:
         own = tuple(n for n in r.notes if not n.startswith(solver_api.BOUND_NOTE))
         solves = tuple(n for n in plan.report.notes if n.startswith(solver_api.BOUND_NOTE))
-        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=_gap(r.objective_ms, plan.report.bound_ms),
+        r = dataclasses.replace(r, bound_ms=plan.report.bound_ms, gap=gap_of(r.objective_ms, plan.report.bound_ms),
                                 status="FEASIBLE", notes=own + solves)
     return dataclasses.replace(best, report=dataclasses.replace(r, notes=r.notes + notes))
-
-
-def _gap(objective_ms: float, bound_ms: float | None) -> float | None:
-    """A rival's gap to the solve's bound: it holds for the rival too, a plan of the same pool at one of the
-    solve's microbatch counts (the sub-pools and baselines are planned at those)."""
-    if bound_ms is None:
-        return None
-    return max(0.0, (objective_ms - bound_ms) / objective_ms) if objective_ms > 0 else 0.0
 
 
 def make_plan(model: Any, example_inputs: Any, cluster: ClusterSpec | str | Path | None = None, *,

@@ -80,7 +80,7 @@ from planner.solver.search import baselines as base
 from planner.solver.search.budget import UNITS_PER_S, Work, compile_units, watch_ceiling
 from planner.solver.search.seq_partition_kernel import warm as warm_partition
 from planner.solver.search.sequences import search_sequences
-from planner.solver.solution import Solution
+from planner.solver.solution import Solution, gap_of
 from planner.solver.warm import WarmStart
 
 # A plan within this share of the bound is reported OPTIMAL and ends the search for its M: the costs
@@ -220,8 +220,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
                                best.program_ms, Work(_counts_bound_s(time_limit_s), what="bounds after the search"))
     least = min(range(len(raised)), key=lambda k: raised[k][0])
     bound = raised[least][0]
-    gap = (best.program_ms - bound) / best.program_ms if best.program_ms > 0 else 0.0
-    status = "OPTIMAL" if gap <= gap_tolerance else "FEASIBLE"
+    status = "OPTIMAL" if gap_of(best.program_ms, bound) <= gap_tolerance else "FEASIBLE"
     M = best.problem.num_microbatches
     notes = (f"microbatches {M} (size {config.global_batch // M})",
              f"best plan from {best.method}",

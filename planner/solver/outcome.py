@@ -14,7 +14,7 @@ from planner.solver.objective import Placement, price_program, program_memory
 from planner.solver.problem import Problem
 from planner.solver.search.stage_order import reorder
 from planner.solver.shared_verifiers import split_shared
-from planner.solver.solution import Solution, SolveReport
+from planner.solver.solution import Solution, SolveReport, gap_of
 
 # (label, objective ms or None, bound ms or None, elapsed s): called while solving.
 Progress = Callable[[str, float | None, float | None, float], None]
@@ -66,9 +66,8 @@ def shared(problem: Problem, solution: Solution) -> Solution | None:
         return None
     priced = price_program(problem, split)
     r = solution.report
-    gap = None if r.bound_ms is None else max(0.0, (priced.step_ms - r.bound_ms) / priced.step_ms)
     report = dataclasses.replace(r, method=f"{r.method}, boundaries' replicas split over verifiers",
-                                 objective_ms=priced.step_ms, gap=gap,
+                                 objective_ms=priced.step_ms, gap=gap_of(priced.step_ms, r.bound_ms),
                                  notes=r.notes + lost_link_tests(problem, split)[len(lost_link_tests(problem,
                                                                                                      placement)):])
     return dataclasses.replace(solution, stages=tuple(dataclasses.replace(st, in_flight=n) for st, n in
@@ -88,11 +87,10 @@ def to_solution(outcome: Outcome, bound_ms: float | None, notes: tuple[str, ...]
     placement = choose_audits(outcome.problem,
                               choose_codecs(outcome.problem, keep_link_tests(outcome.problem, outcome.placement)))
     priced = price_program(outcome.problem, placement)
-    gap = None if bound_ms is None else max(0.0, (priced.step_ms - bound_ms) / priced.step_ms) \
-        if priced.step_ms > 0 else 0.0
     notes = notes + idle_reasons(outcome.problem, placement, priced.step_ms) + \
         lost_link_tests(outcome.problem, placement) + audit_notes(outcome.problem, placement)
-    report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms, gap=gap,
+    report = SolveReport(method=method, status=status, objective_ms=priced.step_ms, bound_ms=bound_ms,
+                         gap=gap_of(priced.step_ms, bound_ms),
                          solve_s=solve_s, notes=notes)
     stages = tuple(dataclasses.replace(st, in_flight=n, recompute=outcome.problem.tables(st.recompute).recompute)
                    for st, n in zip(placement.stages, priced.in_flight))

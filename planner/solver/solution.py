@@ -116,6 +116,13 @@ class SolveReport:
     notes: tuple[str, ...] = ()
 
 
+def gap_of(objective_ms: float, bound_ms: float | None) -> float | None:
+    """``SolveReport.gap`` of a plan of cost ``objective_ms`` against ``bound_ms`` (None: no bound)."""
+    if bound_ms is None:
+        return None
+    return max(0.0, (objective_ms - bound_ms) / objective_ms) if objective_ms > 0 else 0.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Solution:
     stages: tuple[StagePlacement, ...]
