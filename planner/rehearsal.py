@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +63,18 @@ class LocalTimes:
     check_ms: tuple[tuple[int, str, float], ...] = ()
     blame_ms: float = 0.0
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> LocalTimes:
+        """The times a run's report holds (``Rehearsal.to_json``'s ``timed_here``)."""
+        return cls(**{f.name: _tupled(doc[f.name]) for f in dataclasses.fields(cls) if f.name in doc})
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rehearsal:
@@ -78,6 +91,13 @@ class Rehearsal:
     timed: bool = False         # the stages and checks were timed here as the rehearsal runs them
     costs: CostModel | None = field(default=None, compare=False)  # the prices simulated
     warnings: tuple[str, ...] = ()  # why the profile may not describe this machine as it runs now
+    local: LocalTimes | None = None  # the times measured here that priced it (None: the profile's alone)
+
+    def to_json(self) -> dict[str, Any]:
+        """What a run's report keeps of the prediction: the step, how it was priced, the times measured here."""
+        return {"step_ms": self.result.step_ms, "profile": self.device, "cores": self.cores, "dtype": self.dtype,
+                "timed": self.timed, "pass_scale": self.pass_scale, "warnings": list(self.warnings),
+                "timed_here": None if self.local is None else self.local.to_json()}
 
 
 def local_device_type(backend: str = "auto") -> str:
@@ -158,10 +178,10 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     elif spec.kind == "cpu":
         fp32 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dtype="float32",
                                                                     mixed_precision=False))
-        local = CostModel.for_rehearsal(fp32, spec, emulate=False)
-        scale = pass_scale(plan, local)
+        blocks = CostModel.for_rehearsal(fp32, spec, emulate=False)
+        scale = pass_scale(plan, blocks)
         if scale is not None:
-            _price_local_passes(costs, local, scale)
+            _price_local_passes(costs, blocks, scale)
         elif plan.config.dtype != "float32":
             unmodelled = ((f"{plan.config.dtype} passes are priced at the profile's {plan.config.dtype} matmul "
                            "peak (the profile times float32 blocks, and only a preset or hf: model up to "
@@ -171,7 +191,7 @@ def predict_rehearsal(plan: Plan, profile: str | Path, *, emulate: bool, slowdow
     warnings = profile_warnings(doc, busy_now=busy_now) + unmodelled
     return Rehearsal(result=result, cores=cores, device=spec.name, measured_sharing=sharing is not None,
                      measured_messages=messages is not None, warnings=warnings, dtype=plan.config.dtype,
-                     pass_scale=scale, costs=costs, timed=local is not None)
+                     pass_scale=scale, costs=costs, timed=local is not None, local=local)
 
 
 def _use_local_times(costs: CostModel, local: LocalTimes) -> None:

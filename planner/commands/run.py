@@ -9,13 +9,15 @@ simulator's predicted step time beside the measured one.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from planner.errors import InvalidInputError
-from planner.outputs import check_writable
+from planner.outputs import check_writable, write_atomic
 from planner.plan_load import load_plan
 from planner.profiling.rehearsal_times import predict_here
 from planner.rehearsal import local_device_type, rehearsal_note
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     for path in result.get("joins_waiting", ()):
         console.print(f"join request not acted on (the run ended before its next checkpoint): {path}")
     if opts.report:
+        if here is not None:
+            _report_prediction(opts.report, here)
         console.print(f"report written to {opts.report}")
     if result.get("weights"):
         console.print(f"trained weights written to {result['weights']}")
@@ -158,6 +162,15 @@ def _rehearsal(opts, profile: str | None):
     return predict_here(load_plan(opts.plan), profile, emulate=opts.emulate, slowdown=opts.emulate_slowdown,
                         busy_now=busy, dtype=opts.rehearse_dtype, backend=opts.backend, data=opts.data,
                         clip=opts.clip_grad is not None, accumulate=opts.accumulate, verify=opts.verify)
+
+
+def _report_prediction(path: str, here) -> None:
+    """The report keeps what the table shows of the prediction here, with the times measured here that priced
+    it (``Rehearsal.to_json``): a later reader can reprice it."""
+    report = Path(path)
+    doc = json.loads(report.read_text(encoding="utf-8")) if report.exists() else {}
+    doc["predicted_here"] = here.to_json()
+    write_atomic(report, json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def summary_table(result: dict[str, Any], here=None):

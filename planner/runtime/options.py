@@ -231,7 +231,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "machine, so each rank's core idles while its device computes, as a GPU's host CPU "
                              "does (the runtime's own work, messages and checks, then overlaps compute)")
     parser.add_argument("--metrics", help="write per-step, per-rank metrics as JSON lines to this file")
-    parser.add_argument("--report", help="write a JSON report (losses, step times, verification) to this file")
+    parser.add_argument("--report", help="write a JSON report (losses, step times, verification; with --profile "
+                        "the prediction here and the times that priced it) to this file")
     parser.add_argument("--attack", action="append", default=[], dest="attacks", metavar="SPEC",
                         help="make a rank corrupt what it sends, e.g. rank=2,kind=scale,factor=-1,start=5")
     parser.add_argument("--no-verify", action="store_false", dest="verify",

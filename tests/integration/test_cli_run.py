@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from planner.profiling.rehearsal_times import predict_here
+from planner.rehearsal import LocalTimes, predict_rehearsal
 from tests.dist.plans import make_plan
 from tests.unit.test_rehearsal import PROFILE
 
@@ -92,17 +92,23 @@ def test_emulated_slowdown_pads_every_rank(plan_path, tmp_path):
     assert [(r["fwd_factor"], r["bwd_factor"]) for r in data["ranks"]] == [(3.0, 3.0), (3.0, 3.0)]
 
 
-def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path):
-    proc = cli(str(plan_path), "--steps", "2", "--emulate-speed", "--emulate-slowdown", "2", "--profile", str(PROFILE))
+def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path, tmp_path):
+    report = tmp_path / "report.json"
+    proc = cli(str(plan_path), "--steps", "2", "--emulate-speed", "--emulate-slowdown", "2", "--profile", str(PROFILE),
+               "--report", str(report))
     assert proc.returncode == 0, proc.stderr
-    here = predict_here(plan, PROFILE, emulate=True, slowdown=2.0)
-    assert here.timed and here.result.step_ms > 2 * plan.predicted.step_ms
+    here = json.loads(report.read_text())["predicted_here"]
+    assert here["timed"] and here["step_ms"] > 2 * plan.predicted.step_ms
     row = next(line for line in proc.stdout.splitlines() if "predicted step here" in line)
-    assert f"profile {here.device}, {here.cores} cores" in row
-    # The prediction times the plan's stages here (planner.profiling.rehearsal_times): two timings, alike
-    # within the noise.
+    assert f"profile {here['profile']}, {here['cores']} cores" in row
+    # The prediction times the plan's stages here (planner.profiling.rehearsal_times): the simulator on the
+    # times the report keeps gives the printed step again.
+    local = LocalTimes.from_json(here["timed_here"])
+    assert len(local.fwd_ms) == plan.num_stages and all(ms > 0 for ms in local.fwd_ms + local.bwd_ms)
+    again = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0, local=local).result.step_ms
+    assert again == pytest.approx(here["step_ms"], rel=1e-9)
     printed = float(re.search(r"([0-9.]+) ms", row.split("│")[-2]).group(1))
-    assert printed == pytest.approx(here.result.step_ms, rel=0.25)
+    assert printed == pytest.approx(again, abs=0.0051)
     assert "measured / predicted here" in proc.stdout
 
 

@@ -3,6 +3,7 @@ own stages in the rehearsal's dtype, its verifiers' checks, and the prediction b
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -67,3 +68,15 @@ def test_a_model_from_a_factory_is_not_timed():
 
     golden = load_plan(GOLDEN)
     assert not timeable(golden) and rehearsal_times(golden, "float32") is None
+    # priced by the profile's blocks alone: nothing here was timed, and the report says so
+    here = predict_rehearsal(golden, PROFILE, emulate=True)
+    assert not here.timed and here.to_json()["timed_here"] is None
+
+
+def test_a_report_of_the_times_reprices_the_same_step(plan, timed):
+    here = predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0, local=timed)
+    doc = json.loads(json.dumps(here.to_json()))
+    assert doc["timed"] and doc["step_ms"] == here.result.step_ms and doc["profile"] == here.device
+    again = LocalTimes.from_json(doc["timed_here"])
+    assert again == timed
+    assert predict_rehearsal(plan, PROFILE, emulate=True, slowdown=2.0, local=again).result == here.result
