@@ -25,7 +25,7 @@ parameters or their names (``save_pretrained`` layouts stay valid):
 * decoder layers that take ``position_embeddings`` (Llama, Mistral, Qwen2, ...)
   compute their positions and rotary tables themselves, inside the layer, so
   each layer's block holds its own tables and only the hidden state crosses a
-  cut (the model-level tables become dead code, computed once and unread).
+  cut (the model-level tables become dead code, computed once and unread; ``models.hf_rotary``).
 
 This is exact for what Stagewise trains: full sequences without padding or a
 cache. Sliding-window attention is exact only up to the window, so a longer
@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -53,7 +52,8 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import nn
 
-from planner.errors import InvalidInputError
+from models.hf_rotary import own_rotary_tables
+from planner.errors import InvalidInputError, first_line
 
 PREFIX = "hf:"
 Task = Literal["causal-lm", "masked-lm", "sequence-classification"]
@@ -72,7 +72,8 @@ _MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MOD
              "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
 _AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                  "sequence-classification": "AutoModelForSequenceClassification"}
-_LOSSES = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "sequence-classification": "ForSequenceClassification"}
+_LOSSES = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM",
+           "sequence-classification": "ForSequenceClassification"}
 _INSTALL = "pip install -e '.[hf]' (or pip install 'transformers>=4.53')"
 SUPPORTED = ("decoder-only causal LMs (gpt2, llama, mistral, qwen2, ...) and encoders with a masked-LM or "
              "sequence-classification head (bert, roberta, ...)")
@@ -248,7 +249,7 @@ def _read_json(hs: HFSpec) -> dict[str, Any]:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InvalidInputError(f"config file {str(path)!r}", expected="a JSON object",
-                                found=_first_line(exc)) from None
+                                found=first_line(exc)) from None
     if not isinstance(values, dict):
         raise InvalidInputError(f"config file {str(path)!r}", expected="a JSON object",
                                 found=type(values).__name__)
@@ -325,7 +326,7 @@ def adapt(model: nn.Module) -> HFModel:
         config.use_cache = False
     if "forward" not in vars(model):
         model.forward = types.MethodType(_logits_forward, model)
-    rotary = _own_rotary_tables(model)
+    rotary = own_rotary_tables(model)
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
@@ -391,106 +392,6 @@ def _logits_forward(self: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-class _RotaryCopy:
-    """The rotary module as its forward sees it, with a fresh copy of its frequency buffer.
-
-    The library converts the buffer with ``inv_freq.to(device, float32)``, a no-op that
-    torch.export records as a node which later reads of the same buffer then reuse: every
-    layer would read the first layer's node, sent across each cut. A copy made inside the
-    layer keeps each layer reading the buffer itself (which every stage holds).
-    """
-
-    def __init__(self, rotary: nn.Module) -> None:
-        self._rotary = rotary
-        self.inv_freq = rotary.inv_freq.clone()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._rotary, name)
-
-
-class _LayerWithOwnTables:
-    """A decoder layer's forward that makes its positions and rotary tables itself.
-
-    Installed as the layer's instance ``forward``; ops called here are traced under the
-    layer's module path, so they land in the layer's block. The rotary module's forward is
-    called directly (not through ``__call__``) for the same reason.
-    """
-
-    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
-        self.layer = layer
-        self.rotary = rotary
-
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        positions = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
-        kwargs["position_ids"] = positions
-        rotary = _RotaryCopy(self.rotary) if isinstance(getattr(self.rotary, "inv_freq", None), torch.Tensor) \
-            else self.rotary
-        kwargs["position_embeddings"] = type(self.rotary).forward(rotary, hidden_states, positions)
-        return type(self.layer).forward(self.layer, hidden_states, *args, **kwargs)
-
-
-def _no_tables(*args: Any, **kwargs: Any) -> None:
-    """The model-level rotary call once every layer makes its own tables: nothing to compute."""
-    return None
-
-
-def _own_rotary_tables(model: nn.Module) -> bool:
-    """Give each decoder layer its own rotary tables; True when the model has rotary positions.
-
-    Only when every layer takes ``position_embeddings`` (so none reads the model-level
-    tables) does the model-level call become a no-op; otherwise the model is left as it is.
-    """
-    base = getattr(model, "base_model", model)
-    rotary = getattr(base, "rotary_emb", None)
-    layers = getattr(base, "layers", None)
-    if not isinstance(rotary, nn.Module) or not isinstance(layers, nn.ModuleList):
-        return isinstance(rotary, nn.Module)
-    if not all("position_embeddings" in inspect.signature(type(layer).forward).parameters for layer in layers):
-        return True
-    for layer in layers:
-        if not isinstance(vars(layer).get("forward"), _LayerWithOwnTables):
-            layer.forward = _LayerWithOwnTables(layer, rotary)
-    rotary.forward = _no_tables
-    return True
-
-
-# ---------------------------------------------------------------------------- tokenizer
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def model_folder(spec: str) -> Path | None:
-    """The folder of an ``hf:`` path spec (the folder itself, or the one holding its config file), else None."""
-    if not is_hf_spec(spec):
-        return None
-    hs = parse_hf_spec(spec)
-    if not hs.is_path:
-        return None
-    folder = Path(hs.source)
-    return folder if folder.is_dir() else folder.parent
-
-
-def tokenizer_folder(spec: str) -> Path | None:
-    """The model folder of an ``hf:`` spec when it holds a tokenizer (read offline), else None."""
-    folder = model_folder(spec)
-    if folder is None:
-        return None
-    return folder if any((folder / name).is_file() for name in _TOKENIZER_FILES) else None
-
-
-def tokenize(folder: Path, text: str) -> list[int]:
-    """``text`` as the token ids of the tokenizer saved in ``folder`` (offline, no remote code)."""
-    library = transformers()
-    try:
-        with quiet():
-            tok = library.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InvalidInputError(f"the tokenizer in {str(folder)!r}", expected="a tokenizer transformers can load "
-                                "offline", found=_first_line(exc),
-                                fix="save one with tokenizer.save_pretrained(folder), or pass --data tokens:FILE.npy")
-
-
 # ---------------------------------------------------------------------------- the library
 
 def transformers() -> Any:
@@ -505,7 +406,7 @@ def transformers() -> Any:
     except ImportError as exc:
         raise InvalidInputError("Hugging Face models (hf: specs and transformers factories) need the "
                                 "transformers library", expected="transformers>=4.53 installed",
-                                found=_first_line(exc), fix=_INSTALL) from None
+                                found=first_line(exc), fix=_INSTALL) from None
     return library
 
 
@@ -526,7 +427,3 @@ def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or f"{type(exc).__name__} with no message"
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from planner.errors import InvalidInputError
+from planner.errors import InvalidInputError, first_line
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,7 +82,7 @@ def _index_files(folder: Path) -> tuple[Path, ...]:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise InvalidInputError(f"weight index {str(path)!r}", expected="a JSON object",
-                                found=_first_line(exc)) from None
+                                found=first_line(exc)) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise InvalidInputError(f"weight index {str(path)!r}", expected="a 'weight_map' object of tensor name -> "
@@ -110,7 +110,7 @@ def _header(path: Path) -> dict[str, SavedTensor]:
             return out
     except (SafetensorError, OSError, ValueError) as exc:
         raise InvalidInputError(f"weights file {str(path)!r}", expected="a safetensors file",
-                                found=_first_line(exc), fix="save the model again with save_pretrained") from None
+                                found=first_line(exc), fix="save the model again with save_pretrained") from None
 
 
 # ---------------------------------------------------------------------------- matching the model
@@ -186,7 +186,3 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
 def _shape(model: nn.Module, name: str) -> tuple[int, ...]:
     return tuple(int(d) for d in _tensor(model, name).shape)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -26,7 +26,7 @@ from models.cnn import CNN, CNNConfig
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from models.mlp import MLP, MLPConfig
-from planner.errors import InvalidInputError, PlannerError
+from planner.errors import InvalidInputError, PlannerError, first_line
 
 Family = Literal["lm", "classifier"]
 SpecKind = Literal["preset", "hf", "onnx", "api", "factory"]
@@ -264,7 +264,7 @@ def _build_factory(spec: str, batch: int, seq: int | None, dev: torch.device, se
             raise
         except _USER_CODE_ERRORS as exc:
             raise InvalidInputError(f"model factory {spec!r} raised {type(exc).__name__}",
-                                    found=_first_line(exc),
+                                    found=first_line(exc),
                                     fix=f"check that it runs on its own: {_repro(spec)}") from exc
     module, inputs = _split_factory_result(spec, made)
     if dev.type == "meta":
@@ -318,7 +318,7 @@ def _resolve_factory(spec: str) -> Callable[[], object]:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
         raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}", expected="an importable module",
-                                found=_first_line(exc),
+                                found=first_line(exc),
                                 fix="check the module path and that its folder is on PYTHONPATH") from None
     except SyntaxError as exc:
         raise InvalidInputError(f"cannot import {module_name!r} for model {spec!r}", expected="valid Python",
@@ -326,7 +326,7 @@ def _resolve_factory(spec: str) -> Callable[[], object]:
                                 fix="fix the syntax error") from None
     except _USER_CODE_ERRORS as exc:
         raise InvalidInputError(f"importing {module_name!r} for model {spec!r} raised {type(exc).__name__}",
-                                found=_first_line(exc),
+                                found=first_line(exc),
                                 fix=f"check that it runs on its own: python -c 'import {module_name}'") from exc
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -344,10 +344,6 @@ def _resolve_factory(spec: str) -> Callable[[], object]:
 def _dotted(name: str) -> bool:
     return bool(name) and all(part.isidentifier() for part in name.split("."))
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else f"{type(exc).__name__} with no message"
 
 
 def _repro(spec: str) -> str:
@@ -407,7 +403,7 @@ def _probe_family(spec: str, module: nn.Module, inputs: tuple[torch.Tensor, ...]
     except _USER_CODE_ERRORS as exc:
         raise InvalidInputError(f"model {spec!r} fails on its example inputs "
                                 f"{[tuple(t.shape) for t in inputs]}", expected="a forward pass that runs",
-                                found=_first_line(exc),
+                                found=first_line(exc),
                                 fix="make the factory return (module, example_inputs)") from exc
     if isinstance(out, torch.Tensor) and out.ndim == 3:
         return "lm", int(out.shape[-1])
@@ -423,4 +419,4 @@ def _device(device: str) -> torch.device:
         return torch.device(device)
     except RuntimeError as exc:
         raise InvalidInputError(f"device {device!r}", expected="a torch device such as 'meta', 'cpu', 'cuda:0'",
-                                found=_first_line(exc), fix="use 'meta', 'cpu' or 'cuda[:N]'") from None
+                                found=first_line(exc), fix="use 'meta', 'cpu' or 'cuda[:N]'") from None

@@ -6,6 +6,13 @@ to fix it, so the CLI can print it as one line and exit non-zero.
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message on its first line alone (a library's next lines are its traceback or advice), for
+    an error's ``found``."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else f"{type(exc).__name__} with no message"
+
+
 class PlannerError(Exception):
     """Base class: one clear, user-facing message.
 

@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from models import hf
+from models import hf_tokens
 from models.data import (
     ByteTextDataset,
     TokenWindows,
@@ -202,11 +202,11 @@ def _file_windows(bundle: "ModelBundle", spec: DataSpec, seq_len: int) -> TokenW
         raise InvalidInputError(f"--data {name} for {bundle.name}", expected="a language model taking token ids "
                                 "[batch, seq]", found=f"{bundle.family} with {len(bundle.example_inputs)} input(s)",
                                 fix="use --data synthetic or a package.module:factory")
-    folder = hf.tokenizer_folder(bundle.spec)
+    folder = hf_tokens.tokenizer_folder(bundle.spec)
     if spec.kind == "text-file" and folder is not None:  # the model's own tokenizer, saved beside its config
         load_text_bytes(spec.target)  # the file's checks (exists, not empty, a file)
         text = Path(spec.target).read_text(encoding="utf-8", errors="replace")
-        ids = np.asarray(hf.tokenize(folder, text), dtype=np.int64)
+        ids = np.asarray(hf_tokens.tokenize(folder, text), dtype=np.int64)
         if ids.size and int(ids.max()) >= vocab:
             raise InvalidInputError(f"--data {name} tokenised by {str(folder)!r}", expected=f"token ids below the "
                                     f"model's vocabulary {vocab}", found=f"up to {int(ids.max())}",

@@ -1,5 +1,5 @@
 """Errors carry what was expected, what was found and how to fix it."""
-from planner.errors import InfeasiblePlanError, InvalidInputError, PlannerError
+from planner.errors import InfeasiblePlanError, InvalidInputError, PlannerError, first_line
 
 
 def test_message_joins_parts():
@@ -11,3 +11,8 @@ def test_message_joins_parts():
 
 def test_bare_message():
     assert str(InfeasiblePlanError("not enough memory")) == "not enough memory"
+
+
+def test_an_exceptions_first_line_stands_for_it():
+    assert first_line(ValueError("bad header\n  File x.py, line 3\n")) == "bad header"
+    assert first_line(OSError("  \n")) == "OSError with no message"

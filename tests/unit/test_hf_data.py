@@ -9,7 +9,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from models import hf  # noqa: E402
+from models import hf_tokens  # noqa: E402
 from models.registry import build_model  # noqa: E402
 from planner.errors import InvalidInputError  # noqa: E402
 from planner.runtime.data import make_source  # noqa: E402
@@ -34,7 +34,7 @@ def test_text_file_is_encoded_by_the_models_own_tokenizer(tmp_path):
     folder, fast = _model_folder(tmp_path / "model")
     text = tmp_path / "corpus.txt"
     text.write_text(TEXT)
-    assert hf.tokenizer_folder(f"hf:{folder}") == folder
+    assert hf_tokens.tokenizer_folder(f"hf:{folder}") == folder
     bundle = build_model(f"hf:{folder}", batch=2, seq=8)
     source = make_source(bundle, kind=f"text:{text}", seq=8)
     (idx,), targets = source.batch(0, 2)
@@ -56,5 +56,5 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_refused(tmp_path):
 
 
 def test_a_model_type_spec_has_no_tokenizer_and_reads_bytes():
-    assert hf.tokenizer_folder("hf:gpt2?n_layer=1,n_embd=16,n_head=2,vocab_size=256") is None
-    assert hf.tokenizer_folder("gpt-tiny") is None
+    assert hf_tokens.tokenizer_folder("hf:gpt2?n_layer=1,n_embd=16,n_head=2,vocab_size=256") is None
+    assert hf_tokens.tokenizer_folder("gpt-tiny") is None

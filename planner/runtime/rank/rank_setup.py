@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from models.hf import model_folder
+from models.hf_tokens import model_folder
 from models.hf_weights import WeightFiles, check_weights, find_weights, load_weights
 from models.registry import build_model
 from planner.errors import InvalidInputError

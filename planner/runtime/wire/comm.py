@@ -26,7 +26,7 @@ from typing import Iterable, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
-from planner.errors import InvalidInputError, RankFailureError
+from planner.errors import InvalidInputError, RankFailureError, first_line
 
 
 class Kind(enum.IntEnum):
@@ -82,7 +82,7 @@ _TIMED_OUT = re.compile(r"timed out|timeout", re.I)
 
 def failure(exc: BaseException, *, peer: int | None, doing: str) -> RankFailureError:
     """A RankFailureError naming ``peer`` (the rank this one was talking to) from a backend error."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     who = f"rank {peer}" if peer is not None else "a peer rank"
     if _TIMED_OUT.search(text):
         reason = f"{who} did not answer within the timeout (hung or too slow)"
