@@ -34,7 +34,7 @@ semantics (see ``planner.instructions``), and prices every instruction:
   (where it audits gradients, each as its last check of the microbatch ends: that check lasts the expected
   share longer; else on its copy's stepper in the next step, ``AuditCost.deferred``: the last step's recomputes
   and copy steps are work on the auditor's device from the step's start, beside its own passes and checks,
-  ``audit_price.Stepper``; on shared cores, one more computing thread), once its program is done (and, where
+  ``audit_stepper.Stepper``; on shared cores, one more computing thread), once its program is done (and, where
   the trusted stage before copies it the audited inputs, once each of its ranks, done, has sent them: an
   "input copies" box; from signed inputs, the stage's replicas send them, each once done and asked) hears the
   replicas' applied gradient, and steps its copy (``cost_models.audit.AuditCost.end_ms``); the step ends no

@@ -12,13 +12,12 @@ from planner.ir import dtype_bytes
 from planner.plan import Plan
 from planner.solver.audit_price import (
     AuditWhere,
-    Stepper,
     audit_rule,
     audited_backward_ms,
     input_grad_share,
-    stepper_parts,
     with_copied_grads,
 )
+from planner.solver.audit_stepper import Stepper, stepper_parts
 
 
 def audit_site(plan: Plan, k: int) -> AuditWhere | str:
@@ -128,6 +127,6 @@ def _signing(plan: Plan, costs: CostModel) -> dict[int, float]:
 
 def _steppers(plan: Plan, costs: CostModel) -> dict[int, Stepper]:
     """Auditor rank -> its copies' stepper: the last step's deferred recomputes and copy steps, queued at the
-    step's start (``audit_price.stepper_parts``)."""
+    step's start (``audit_stepper.stepper_parts``)."""
     parts = stepper_parts([(k, int(w.auditor), _audit_cost(plan, costs, k, w)) for k, w in _audit_wheres(plan).items()])
     return {int(a): Stepper(parts=p) for a, p in parts.items()}

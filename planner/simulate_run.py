@@ -18,7 +18,7 @@ from planner.instructions import (
 )
 from planner.plan import Plan
 from planner.simulate_events import Event
-from planner.solver.audit_price import Stepper
+from planner.solver.audit_stepper import Stepper
 
 WORK_OPS = frozenset(("F", "B", "OPTIM", *VERIFY_OPS))  # instructions that occupy a processor
 MESSAGE_OPS = frozenset((*SEND_OPS, *RECV_OPS))  # ... and these too, where messages cost CPU time

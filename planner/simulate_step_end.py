@@ -76,7 +76,7 @@ def _audits(run: _Run) -> None:
     its copy steps on a thread of its own, once the gradient is in, into the next step
     (``planner.runtime.rank.audits``). Recomputes left to the step's end (all but those among the checks) run on
     that thread in the next step, before the copy's step (``AuditCost.deferred``): work on the auditor's device
-    from the step's start, beside its own passes (``audit_price.Stepper``, run with the programs); the auditor's
+    from the step's start, beside its own passes (``audit_stepper.Stepper``, run with the programs); the auditor's
     audit of a stage waits for that stage's parts there (and those queued before them), not for a later stage's
     (``Stepper.through_ms``)."""
     plan = run.plan

@@ -1,7 +1,7 @@
 """The times pass of ``drain_schedule``: the order ``drain_order`` placed, run as the simulator runs it."""
 from __future__ import annotations
 
-from planner.solver.audit_price import Stepper
+from planner.solver.audit_stepper import Stepper
 from planner.solver.drain_device import Key
 from planner.solver.drain_order import Lister
 

@@ -28,7 +28,7 @@ halts the programs that wait on it, in their compiled order (``verdict_backlog``
 work on the step's path runs here too, the order placed without it (the compiler's estimates know nothing of
 it): the forwards that sign or check signed inputs run longer (``run_fb``), an auditor's gradient checks by its
 recomputes (``check_extra``), and its copies' stepper (``background``: the last step's deferred recomputes and
-copy steps) shares its device with its passes and checks (``audit_price.Stepper``), as the simulator runs them.
+copy steps) shares its device with its passes and checks (``audit_stepper.Stepper``), as the simulator runs them.
 Not run: shared cores. Cost: one heap
 operation per pass, check and message (GPipe finds its next backward's gradient by microbatch, in a dict),
 then (with verifiers) one step each.
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.solver.audit_price import Stepper, StepperPart
+from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.drain_order import Lister
 from planner.solver.drain_replay import Replay
 from planner.solver.problem import Problem
@@ -67,7 +67,7 @@ def drain_with_steppers(problem: Problem, stages, verifiers, fb, bw, limits,
                         background: dict[str, tuple[StepperPart, ...]], *, run_fb=None,
                         check_extra: dict[tuple[str, int, str], float] | None = None) -> Drained:
     """``drain_schedule`` with ``background`` (auditor device -> its copies' stepper's queue at the step's start,
-    ``audit_price.stepper_parts``) sharing those devices. ``fb`` are the compiler's estimates, which order the
+    ``audit_stepper.stepper_parts``) sharing those devices. ``fb`` are the compiler's estimates, which order the
     programs; ``run_fb`` (None: ``fb``) the forwards as they run, longer where an audit from signed inputs signs
     or checks each (``audit_price.signing_ms``), and ``check_extra`` ((device, boundary, F|B) -> ms) the checks
     that run longer, an auditor's recompute among its gradient checks (``simulate_audits._audit_checks``): the compiler

@@ -2,21 +2,15 @@
 steppers' queues, the signing on the forwards, the recomputes among an auditor's checks, and when the audits end."""
 from __future__ import annotations
 
-from planner.solver.audit_price import (
-    StepperPart,
-    audit_cost,
-    audit_site,
-    signing_ms,
-    stepper_parts,
-    through_from_done,
-)
+from planner.solver.audit_price import audit_cost, audit_site, signing_ms
+from planner.solver.audit_stepper import StepperPart, stepper_parts, through_from_done
 from planner.solver.problem import Problem
 from planner.solver.program_paths import _Paths
 from planner.solver.program_traffic import _Traffic
 
 
 def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPart, ...]]:
-    """Auditor device -> its copies' stepper's queue at the step's start (``audit_price.stepper_parts``)."""
+    """Auditor device -> its copies' stepper's queue at the step's start (``audit_stepper.stepper_parts``)."""
     costs = []
     for k, st in enumerate(stages):
         site = audit_site(problem, stages, verifiers, k) if st.audit_every else None
@@ -29,7 +23,7 @@ def _steppers(problem: Problem, stages, verifiers) -> dict[str, tuple[StepperPar
 def _through(background: dict[str, tuple[StepperPart, ...]],
              stepped: dict[str, float]) -> dict[tuple[str, int], tuple[float, float]]:
     """(auditor device, stage) -> when its stepper is through the stage's recompute and its copy's step
-    (``audit_price.Stepper.through_ms``), from when it was through its queue (``stepped``, the replay's)."""
+    (``audit_stepper.Stepper.through_ms``), from when it was through its queue (``stepped``, the replay's)."""
     return {(d, k): ends for d, done in stepped.items() for k, ends in through_from_done(background[d], done).items()}
 
 
@@ -74,7 +68,7 @@ def _audits_end_ms(problem: Problem, stages, verifiers, traffic: _Traffic, ends:
     audited in order, each device's part in one after its part in the last (``runtime.rank.audits.end_step``), the
     gradients' receives posted as the auditor's program ended; a deferred one waits for its own parts of its
     auditor's stepper (and those queued before them: ``through``, by auditor and stage,
-    ``audit_price.Stepper.through_ms``), never a later stage's."""
+    ``audit_stepper.Stepper.through_ms``), never a later stage's."""
     out, clock, posted = 0.0, {}, {}
 
     def done(device: str) -> float:

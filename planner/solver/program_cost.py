@@ -76,9 +76,9 @@ replicated stage's gradients once its replicas are done. Priced the same way
   signed inputs, the upstream ranks' forwards grow by signing what they send it, its replicas' by checking the
   signatures (``audit_price.signing_ms``). Outputs-only audits recompute during the next step on the auditor's
   copy stepper, work on the auditor's device from the step's start beside its own passes and checks
-  (``audit_price.Stepper``): run with the programs (``drain_schedule``); the step ends no sooner than the stepper
+  (``audit_stepper.Stepper``): run with the programs (``drain_schedule``); the step ends no sooner than the stepper
   is through its queue, and each deferred audit no sooner than its own stage's parts there (and those queued
-  before them, ``audit_price.Stepper.through_ms``), the auditor's next audit after it
+  before them, ``audit_stepper.Stepper.through_ms``), the auditor's next audit after it
   (``planner.simulate_step_end._audits``).
 * GPipe's pipeline comes from its programs run (``drain_schedule``, every forward, then the backwards in the
   forwards' order): closed forms of its two phases missed where replicas' and links' phases overlap (random pools
@@ -88,7 +88,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.solver.audit_price import StepperPart
+from planner.solver.audit_stepper import StepperPart
 from planner.solver.drain_schedule import drain_with_steppers
 from planner.solver.in_flight import limit
 from planner.solver.problem import Problem

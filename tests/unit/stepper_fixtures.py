@@ -1,4 +1,4 @@
-"""A shared check of the auditor's stepper (``audit_price.Stepper``) in simulated runs."""
+"""A shared check of the auditor's stepper (``audit_stepper.Stepper``) in simulated runs."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """A busy auditor pays for its deferred recomputes (issue 37, review): an outputs-only audit recomputes during the
 next step on the auditor's copy stepper, a thread on the auditor's own device; where that device also runs a stage
 (a trusted GPU that verifies), the recompute competes with the stage's passes instead of fitting into idle fill
-time. The simulator and the price both run it as work there (``audit_price.Stepper``): by hand, on a small plan
+time. The simulator and the price both run it as work there (``audit_stepper.Stepper``): by hand, on a small plan
 whose trusted last stage audits the untrusted middle one, and on random pools whose trusted stage GPUs verify."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from planner.schedules import max_in_flight
 from planner.simulate import simulate
 from planner.simulate_audits import _audit_cost, audit_site
 from planner.solver import audit_price
-from planner.solver.audit_price import Stepper, StepperPart
+from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.audits import with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy

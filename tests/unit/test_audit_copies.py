@@ -20,11 +20,10 @@ from planner.simulate import simulate
 from planner.simulate_audits import audit_site as plan_audit_site
 from planner.solver.audit_price import (
     AuditWhere,
-    Stepper,
-    StepperPart,
     audit_rule,
     audit_site,
 )
+from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.audits import EVERY_CHOICES, with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
@@ -176,7 +175,7 @@ def test_the_simulated_auditor_waits_for_the_copy_recomputes_then_hears_the_grad
     gradient = 0.5 + 1e3 * 4 * (50_000 + 2) / 1.25e8
     digest = 0.5 + 1e3 * 40 / 1.25e8
     # the last step's recompute and the copy's step on the auditor's stepper from the step's start, sharing the
-    # host with its checks (``audit_price.Stepper``): each check lasts its own time plus what the stepper does
+    # host with its checks (``audit_stepper.Stepper``): each check lasts its own time plus what the stepper does
     stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
                              StepperPart(stage=1, recompute=False, ms=optim_ms(50_000, cfg, spec, param_tensors=2))))
     assert_checks_share_the_device(base, got, auditor, stepper)

@@ -21,8 +21,6 @@ from planner.simulate_audits import audit_site as plan_audit_site
 from planner.solver.audit_price import (
     INPUT_GRAD_SHARE,
     AuditWhere,
-    Stepper,
-    StepperPart,
     audit_cost,
     audit_site,
     audit_where,
@@ -30,6 +28,7 @@ from planner.solver.audit_price import (
     copied_message_bytes,
     stage_input_grad_share,
 )
+from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.audits import (
     EVERY_CHOICES,
     audit_notes,
@@ -155,7 +154,7 @@ def test_the_simulated_step_ends_when_the_auditor_has_heard_the_applied_gradient
     digest = 0.5 + 1e3 * 40 / 1.25e8
     adam = optim_ms(50_000, cfg, spec, param_tensors=2)
     # outputs only: the last step's recompute, then the copy's step (Adam), on a thread of the auditor's from the
-    # step's start (``AuditCost.deferred``), sharing the host with its checks (``audit_price.Stepper``): each check
+    # step's start (``AuditCost.deferred``), sharing the host with its checks (``audit_stepper.Stepper``): each check
     # lasts its own time plus what the stepper does beside it; the step's end waits for the stepper
     stepper = Stepper(parts=(StepperPart(stage=1, recompute=True, ms=recompute),
                              StepperPart(stage=1, recompute=False, ms=adam)))

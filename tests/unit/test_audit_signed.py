@@ -184,7 +184,7 @@ def test_a_stage_fed_by_an_untrusted_stage_is_simulated_and_priced_as_the_runtim
     assert signing_ms(problem, plain_sol.stages, plain_sol.verifiers) == {}   # no audit, no signing
     added, priced_added = got.step_ms - base.step_ms, priced[1].step_ms - priced[0].step_ms
     # what the audit and the signing add: the copies and digests, and the last step's recompute on the copy's
-    # stepper, beside the verifier host's checks (``audit_price.Stepper``), a few ms
+    # stepper, beside the verifier host's checks (``audit_stepper.Stepper``), a few ms
     assert added > 0 and priced_added == pytest.approx(added, rel=0.05)
     assert priced[1].step_ms == pytest.approx(got.step_ms, rel=0.05)
 

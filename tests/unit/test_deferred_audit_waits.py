@@ -1,7 +1,7 @@
 """An auditor that defers the audits of several stages (issue 37/36, pricing fidelity): at its step's end it goes
 through them in order, and stage ``k``'s audit waits for ``k``'s parts of its copy stepper (the last step's
 recompute, then the copy's step, and what was queued before them), never for a later stage's
-(``audit_price.Stepper.through_ms``, ``runtime.rank.audits.end_step``); the applied gradients' receives are all
+(``audit_stepper.Stepper.through_ms``, ``runtime.rank.audits.end_step``); the applied gradients' receives are all
 posted as its program ends (``audit_sync.post_hearing``), so a later stage's gradient travels while the earlier ones are
 audited. Before, each deferred audit waited for the auditor's whole stepper and a later stage's gradient left only
 once the earlier audits were done: on random pools the simulated and priced steps were up to 34% late. By hand (a
@@ -21,7 +21,7 @@ from planner.instruction_costs import CostModel
 from planner.simulate import simulate
 from planner.simulate_audits import _audit_cost, audit_site
 from planner.solver import audit_price
-from planner.solver.audit_price import Stepper, StepperPart, through_from_done
+from planner.solver.audit_stepper import Stepper, StepperPart, through_from_done
 from planner.solver.audits import with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "planner.solver.program_cost", "planner.solver.program_traffic", "planner.solver.program_paths",
      "planner.solver.program_resources", "planner.solver.program_audits",
      "planner.solver.objective", "planner.solver.verifiers", "planner.solver.audit_price",
-     "planner.solver.link_tests"),                                                   # the solver's core
+     "planner.solver.audit_stepper", "planner.solver.link_tests"),                   # the solver's core
     ("planner.solver.search", "planner.solver.shared_verifiers"),
     ("planner.solver.bound", "planner.solver.cpsat"),
     ("planner.solver",),                                                             # the orchestrator, report

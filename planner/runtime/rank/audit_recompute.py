@@ -7,7 +7,7 @@ Why the next step: the recompute needs the copy at the weights the replicas comp
 the copy steps to the next ones on the same single thread right after it (first in, first out), so nothing waits
 at the step's end; the auditor's main thread meanwhile waits for the pipeline's fill, so the recompute takes that
 idle time first, and where it outlasts it, shares the device with the auditor's own passes and checks (priced and
-simulated so: ``planner.solver.audit_price.Stepper``; on a CPU device the stepper runs at the idle scheduling
+simulated so: ``planner.solver.audit_stepper.Stepper``; on a CPU device the stepper runs at the idle scheduling
 class, ``audit_background``, so there the passes go first and the price is an upper bound). The price is a verdict one step late: a failed audit is then a step-level flag of the next step that
 carries the audited step as ``since`` (``integrity.audit.late_audit_event``), so the ban's first flagged step, and
 the checkpoints set aside from it, go back to the audited step. A step that writes a checkpoint or ends the run
