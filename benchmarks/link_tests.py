@@ -28,7 +28,7 @@ from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict  # noqa: E402
 from planner.solver.link_tests import keep_link_tests, lost_link_tests  # noqa: E402
 from planner.solver.objective import price_program  # noqa: E402
-from planner.solver.problem import build_problem, scale_chain  # noqa: E402
+from planner.solver.problem_build import build_problem, scale_chain  # noqa: E402
 from planner.solver.solution import Solution, SolveReport  # noqa: E402
 from tests.unit.program_fixtures import POLICY, random_placement, wide_area_cluster  # noqa: E402
 from tests.unit.solver_fixtures import random_chain  # noqa: E402

@@ -42,7 +42,7 @@ from planner.plan_values import ModelRef
 from planner.simulate import predict, simulate
 from planner.solver.objective import even_split
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import scale_chain
+from planner.solver.problem_build import scale_chain
 from planner.solver.solution import Solution, SolveReport, StagePlacement
 
 CASES = ("datacenter", "spot", "universities", "regional", "worldwide")

@@ -64,7 +64,7 @@ def _config(batch: int = 32, microbatch: int = 1):
 
 def _checked(sol, chain, cluster, config, policy) -> bool:
     from planner.check import check_solution
-    from planner.solver.problem import scale_chain
+    from planner.solver.problem_build import scale_chain
     mb = config.global_batch // sol.num_microbatches
     cfg = dataclasses.replace(config, microbatch_size=mb)
     report = check_solution(sol, scale_chain(chain, mb), cluster, cfg, policy)
@@ -93,7 +93,7 @@ def _plan_and_simulate(chain, cluster, config, policy, time_limit: float, worker
     from planner.compile import compile_plan
     from planner.plan_values import ModelRef
     from planner.solver import api
-    from planner.solver.problem import scale_chain
+    from planner.solver.problem_build import scale_chain
     from planner.solver.solution import Solution, StagePlacement, VerifierPlacement
     if max_replicas is None:
         plan = plan_chain(chain, cluster, spec="bench:chain", global_batch=config.global_batch,

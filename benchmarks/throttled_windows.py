@@ -32,7 +32,7 @@ from planner.plan_values import ModelRef  # noqa: E402
 from planner.simulate import predict  # noqa: E402
 from planner.solver.objective import Placement, price_program, violations  # noqa: E402
 from planner.solver.policy import VerificationPolicy  # noqa: E402
-from planner.solver.problem import build_problem, scale_chain  # noqa: E402
+from planner.solver.problem_build import build_problem, scale_chain  # noqa: E402
 from planner.solver.solution import Solution, SolveReport  # noqa: E402
 from tests.unit.program_fixtures import (  # noqa: E402
     POLICY,

@@ -197,7 +197,7 @@ def _replicated(replicas: int = 2, copies: Path | None = None):
     from planner.solver.link_tests import keep_link_tests, lost_link_tests
     from planner.solver.objective import Placement, price_program, program_memory
     from planner.solver.policy import VerificationPolicy
-    from planner.solver.problem import build_problem, scale_chain
+    from planner.solver.problem_build import build_problem, scale_chain
     from planner.solver.solution import (
         Solution,
         SolveReport,

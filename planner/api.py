@@ -33,7 +33,8 @@ from planner.solver.idle import idle_reasons
 from planner.solver.objective import Placement
 from planner.solver.outcome import reordered, shared
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import recompute_problem, scale_chain
+from planner.solver.problem import recompute_problem
+from planner.solver.problem_build import scale_chain
 from planner.solver.restrictions import (
     SUB_POOL_SHARE,
     TRUSTED_ONLY,

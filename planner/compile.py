@@ -19,7 +19,7 @@ from planner.plan import Plan
 from planner.plan_values import ModelRef, Predicted, RankInfo, StageInfo, VerifierInfo
 from planner.schedules import build_programs, max_in_flight
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import search_codec
+from planner.solver.problem_build import search_codec
 from planner.solver.routing import route
 from planner.solver.solution import Solution, shared_boundary_problem
 from planner.validate import validate_programs

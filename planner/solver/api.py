@@ -4,7 +4,7 @@ A solve, for each candidate microbatch count ``M`` (decomposition: ``M`` is
 fixed in an outer loop, the time split evenly among the counts ``explain.precheck``
 does not rule out; what they leave unused hill-climbs the best count's plan, ``count_solve.polish_best``):
 
-1. builds the cost tables (``problem.build_problem``) and rejects what totals
+1. builds the cost tables (``problem_build.build_problem``) and rejects what totals
    already rule out (``explain.precheck``);
 2. when one class of trusted devices without replication is the whole
    search space, the exact DP (``chain_dp.homogeneous_dp``) is the answer;
@@ -70,12 +70,8 @@ from planner.solver.explain import explain_infeasible, precheck
 from planner.solver.objective import price_program, program_memory, violations
 from planner.solver.outcome import Outcome, Progress, ruled_out, to_solution
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import (
-    Problem,
-    build_problem,
-    recompute_problem,
-    scale_chain,
-)
+from planner.solver.problem import Problem, recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search import baselines as base
 from planner.solver.search.budget import UNITS_PER_S, Work, compile_units, watch_ceiling
 from planner.solver.search.seq_partition_kernel import warm as warm_partition

@@ -14,7 +14,8 @@ from planner.solver.explain import precheck
 from planner.solver.objective import evaluate, price_program, violations
 from planner.solver.outcome import Outcome, to_solution
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import Problem, build_problem, scale_chain
+from planner.solver.problem import Problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search import baselines as base
 from planner.solver.search.budget import Work, evaluate_units, placement_units
 from planner.solver.search.deadline import Deadline

@@ -1,6 +1,6 @@
 """Each boundary's codec in a plan (``--compress``): fixed, or under ``auto`` chosen per boundary.
 
-``auto``'s searches price every boundary as int8 (``problem.search_codec``); then, boundary by boundary, the
+``auto``'s searches price every boundary as int8 (``problem_build.search_codec``); then, boundary by boundary, the
 least lossy codec (none, then fp8) replaces int8 wherever the compiled programs cost at most ``AUTO_SLACK`` more
 than the all-int8 plan: boundaries on fast links stay uncompressed, slow ones keep int8. int4 is never chosen
 by ``auto`` (its error is the one the convergence goal allows 3% for): ask for it by name.

@@ -6,7 +6,8 @@ import dataclasses
 from cost_models.cluster_file import parse_cluster
 from planner.solver.objective import Placement, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import Problem, build_problem
+from planner.solver.problem import Problem
+from planner.solver.problem_build import build_problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from tests.unit.plan_fixtures import TEST_DEVICE, block, chain, config
 

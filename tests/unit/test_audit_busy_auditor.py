@@ -19,7 +19,7 @@ from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.audits import with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem
+from planner.solver.problem_build import build_problem
 from planner.solver.solution import VerifierPlacement
 from tests.unit import program_fixtures as pf
 from tests.unit.plan_fixtures import (

@@ -27,7 +27,7 @@ from planner.solver.audit_stepper import Stepper, StepperPart
 from planner.solver.audits import EVERY_CHOICES, with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem
+from planner.solver.problem_build import build_problem
 from planner.solver.solution import VerifierPlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf

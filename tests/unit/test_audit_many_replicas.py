@@ -17,7 +17,7 @@ from planner.solver import audit_price
 from planner.solver.audits import with_audits
 from planner.solver.objective import Placement, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf
 from tests.unit.solver_fixtures import GPU_TYPES, random_chain

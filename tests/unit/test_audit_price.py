@@ -43,7 +43,7 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem
+from planner.solver.problem_build import build_problem
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf

@@ -25,7 +25,7 @@ from planner.solver.audit_price import AuditWhere, audit_rule, audit_site, signi
 from planner.solver.audits import audit_notes
 from planner.solver.objective import Placement, price_program
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem
+from planner.solver.problem_build import build_problem
 from planner.solver.solution import VerifierPlacement
 from tests.unit.plan_fixtures import (
     SLOW_DEVICE,

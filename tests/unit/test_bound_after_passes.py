@@ -16,7 +16,7 @@ from planner.simulate import simulate
 from planner.solver.bound import fill, fill_dp
 from planner.solver.objective import violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.polish import polish
 from tests.unit.program_fixtures import _compiled, random_placement
 from tests.unit.solver_fixtures import random_chain

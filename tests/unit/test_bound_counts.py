@@ -17,7 +17,8 @@ from planner.solver.bound.counts import LAGRANGE_REL_TOL, REL_TOL, CountBound, r
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, recompute_problem, scale_chain
+from planner.solver.problem import recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.budget import Work
 from tests.unit.solver_fixtures import random_chain
 from tests.unit.test_bound_fill_route import _pool, _prices, pool_cluster

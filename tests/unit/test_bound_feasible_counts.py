@@ -11,7 +11,7 @@ from cost_models.training import TrainingConfig
 from planner.solver.api import solve
 from planner.solver.objective import simple_lower_bound_ms
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from tests.unit.solver_fixtures import homogeneous_cluster, random_chain
 
 

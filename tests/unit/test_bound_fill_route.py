@@ -17,12 +17,8 @@ from planner.solver.bound import fill, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import (
-    bound_problem,
-    build_problem,
-    recompute_problem,
-    scale_chain,
-)
+from planner.solver.problem import bound_problem, recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.program_fixtures import stages_of
 from tests.unit.solver_fixtures import random_chain

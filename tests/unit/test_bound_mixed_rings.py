@@ -11,12 +11,8 @@ from cost_models.training import TrainingConfig
 from planner.solver.bound import fill, fill_dp, fill_rows
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import (
-    bound_problem,
-    build_problem,
-    recompute_problem,
-    scale_chain,
-)
+from planner.solver.problem import bound_problem, recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from tests.unit.solver_fixtures import random_chain
 from tests.unit.test_bound_fill_route import _prices
 

@@ -23,7 +23,8 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, recompute_problem, scale_chain
+from planner.solver.problem import recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.bruteforce import brute_force
 from tests.unit.program_fixtures import random_placement, stages_of, wide_area_cluster

@@ -16,7 +16,8 @@ from planner.solver.bound.counts import CountBound, raised_bounds
 from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.tails import tail_bound_ms
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, recompute_problem, scale_chain
+from planner.solver.problem import recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.budget import Work
 from tests.unit.solver_fixtures import random_chain
 from tests.unit.test_bound_fill_route import _pool, _prices

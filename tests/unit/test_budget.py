@@ -17,7 +17,7 @@ from planner.solver import api as solver_api
 from planner.solver import baseline_plans
 from planner.solver.objective import evaluate, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search import chain_dp
 from planner.solver.search.budget import Work, evaluate_units, placement_units
 from planner.solver.search.deadline import Deadline

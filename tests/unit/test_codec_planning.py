@@ -12,7 +12,7 @@ from planner.instruction_costs import CostModel
 from planner.simulate import simulate
 from planner.solver.codec_choice import choose_codecs
 from planner.solver.objective import price_program
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from tests.unit.program_fixtures import POLICY, _compiled, random_placement, wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
 

@@ -17,13 +17,8 @@ import numpy as np
 from cost_models.training import TrainingConfig
 from planner.solver.bound import fill
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import (
-    Problem,
-    bound_problem,
-    build_problem,
-    recompute_problem,
-    scale_chain,
-)
+from planner.solver.problem import Problem, bound_problem, recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from tests.unit.program_fixtures import wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
 

@@ -11,7 +11,7 @@ from cost_models.training import TrainingConfig
 from planner.errors import InfeasiblePlanError
 from planner.solver.objective import violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.grid import grids, shaped
 from tests.unit.solver_fixtures import random_chain
 

@@ -10,7 +10,7 @@ import pytest
 from cost_models.training import TrainingConfig
 from planner.solver import count_search
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search import grid
 from planner.solver.search.budget import (
     UNITS_PER_S,

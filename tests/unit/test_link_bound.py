@@ -19,12 +19,8 @@ from planner.solver.objective import (
     violations,
 )
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import (
-    bound_problem,
-    build_problem,
-    recompute_problem,
-    scale_chain,
-)
+from planner.solver.problem import bound_problem, recompute_problem
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.bruteforce import brute_force
 from tests.unit.program_fixtures import (

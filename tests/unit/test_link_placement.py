@@ -17,7 +17,7 @@ from planner.plan_values import VerifierInfo
 from planner.solver.link_tests import keep_link_tests, lost_link_tests
 from planner.solver.objective import price_program
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.baselines import baseline_placement
 from planner.solver.verifiers import assign_verifiers, link_windows
 from tests.unit.solver_fixtures import random_chain

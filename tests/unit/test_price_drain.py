@@ -16,7 +16,7 @@ from planner.solver.drain_order import Lister
 from planner.solver.drain_schedule import drain_schedule
 from planner.solver.objective import Placement, even_split, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.solution import StagePlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit.program_fixtures import _compiled, compiled_case, untrusted_pool

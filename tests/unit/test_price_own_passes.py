@@ -9,7 +9,7 @@ from planner.errors import InvalidInputError
 from planner.solver import program_cost
 from planner.solver.objective import price_program
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from tests.unit.program_fixtures import random_placement, wide_area_cluster
 from tests.unit.solver_fixtures import random_chain
 

@@ -22,7 +22,7 @@ from planner.solver import audit_price
 from planner.solver.audits import with_audits
 from planner.solver.objective import Placement, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from planner.solver.verifiers import assign_verifiers
 from tests.unit import program_fixtures as pf

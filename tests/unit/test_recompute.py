@@ -19,7 +19,8 @@ from planner.runtime.rank.stage import (
 )
 from planner.simulate import simulate
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import bound_problem, build_problem, recompute_problem
+from planner.solver.problem import bound_problem, recompute_problem
+from planner.solver.problem_build import build_problem
 from planner.solver.recompute import variants
 from tests.dist.plans import make_plan
 from tests.unit.solver_fixtures import random_chain

@@ -13,7 +13,7 @@ from planner.errors import InfeasiblePlanError, InvalidInputError
 from planner.solver.idle import idle_reasons
 from planner.solver.objective import price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.routing import pair_counts, route
 from planner.solver.search.grid import best_grid, grids, shaped
 from planner.solver.search.polish import polish

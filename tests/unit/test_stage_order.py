@@ -9,7 +9,7 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.solver.objective import Placement, even_split, price_program
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.stage_order import best_order, reorder
 from planner.solver.solution import StagePlacement
 from tests.unit.solver_fixtures import random_chain

@@ -11,7 +11,7 @@ from cost_models.cluster_file import parse_cluster
 from cost_models.training import TrainingConfig
 from planner.solver.objective import price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.search.baselines import single_stage_placements
 from planner.solver.search.grid import grid_candidates, grids, tapered
 from tests.unit.solver_fixtures import random_chain

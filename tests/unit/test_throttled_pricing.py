@@ -15,7 +15,7 @@ from planner.plan import ModelRef
 from planner.simulate import simulate
 from planner.solver.objective import Placement, even_split, price_program, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.solution import Solution, SolveReport, StagePlacement
 from tests.unit.solver_fixtures import random_chain
 

@@ -13,7 +13,7 @@ from cost_models.training import TrainingConfig
 from planner.simulate import simulate
 from planner.solver.objective import Placement, even_split, violations
 from planner.solver.policy import VerificationPolicy
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.solution import StagePlacement, VerifierPlacement
 from tests.unit.program_fixtures import _compiled
 from tests.unit.solver_fixtures import random_chain

@@ -16,7 +16,7 @@ from planner.compile import compile_plan
 from planner.plan_values import ModelRef
 from planner.simulate import simulate
 from planner.solver.objective import Placement, price_program, violations
-from planner.solver.problem import build_problem, scale_chain
+from planner.solver.problem_build import build_problem, scale_chain
 from planner.solver.solution import (
     Solution,
     SolveReport,
