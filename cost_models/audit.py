@@ -107,7 +107,7 @@ class AuditCost:
         source sent it (``gradient_sent_ms``, its optimizer step's start; None: ``replicas_done_ms``) and the
         auditor posted its receive (``posted_ms``, its own program done; None: ``recompute_from_ms``). Deferred,
         ``stepper_ms``: when its stepper is through this stage's recompute of the last step and through its copy's
-        step (and all queued before them: ``planner.solver.audit_price.Stepper.through_ms``; None: this stage's
+        step (and all queued before them: ``planner.solver.audit_stepper.Stepper.through_ms``; None: this stage's
         parts alone from the step's start, as on an idle auditor): the verdict's wait comes before the digests
         are asked for, the copy's step's before the auditor goes on (``runtime.rank.audits.end_step``)."""
         recomputed, stepped = self._stepper(stepper_ms)
@@ -134,7 +134,7 @@ class AuditCost:
         """Deferred: when the copy's stepper is through this stage's recompute of the last step and its copy's
         step, from the step's start (the auditor's step's end waits for both: ``runtime.rank.audit_verdicts._collect``,
         ``StageCopy.step_later``); the work alone, as on an idle auditor holding no other stage's parts: where the
-        auditor runs passes of its own or defers several stages, ``planner.solver.audit_price.Stepper`` runs the
+        auditor runs passes of its own or defers several stages, ``planner.solver.audit_stepper.Stepper`` runs the
         queue (0: not deferred)."""
         return self.recompute_ms + self.optim_ms if self.deferred else 0.0
 
