@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"join request not acted on (the run ended before its next checkpoint): {path}")
     if opts.report:
         if here is not None:
-            _report_prediction(opts.report, here)
+            _report_prediction(opts.report, here, plan=str(opts.plan))
         console.print(f"report written to {opts.report}")
     if result.get("weights"):
         console.print(f"trained weights written to {result['weights']}")
@@ -164,12 +164,13 @@ def _rehearsal(opts, profile: str | None):
                         clip=opts.clip_grad is not None, accumulate=opts.accumulate, verify=opts.verify)
 
 
-def _report_prediction(path: str, here) -> None:
+def _report_prediction(path: str, here, *, plan: str) -> None:
     """The report keeps what the table shows of the prediction here, with the times measured here that priced
-    it (``Rehearsal.to_json``): a later reader can reprice it."""
+    it (``Rehearsal.to_json``): a later reader can reprice it. ``plan``: the plan it predicts (the run's first;
+    after a re-plan the report's own ``plan`` is the last leg's)."""
     report = Path(path)
     doc = json.loads(report.read_text(encoding="utf-8")) if report.exists() else {}
-    doc["predicted_here"] = here.to_json()
+    doc["predicted_here"] = {"plan": plan, **here.to_json()}
     write_atomic(report, json.dumps(doc, indent=1, default=str) + "\n")
 
 

@@ -98,7 +98,7 @@ def test_run_with_a_profile_prints_the_simulated_run_here(plan, plan_path, tmp_p
                "--report", str(report))
     assert proc.returncode == 0, proc.stderr
     here = json.loads(report.read_text())["predicted_here"]
-    assert here["timed"] and here["step_ms"] > 2 * plan.predicted.step_ms
+    assert here["plan"] == str(plan_path) and here["timed"] and here["step_ms"] > 2 * plan.predicted.step_ms
     row = next(line for line in proc.stdout.splitlines() if "predicted step here" in line)
     assert f"profile {here['profile']}, {here['cores']} cores" in row
     # The prediction times the plan's stages here (planner.profiling.rehearsal_times): the simulator on the
