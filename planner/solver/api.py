@@ -64,7 +64,7 @@ from planner.solver import recompute
 from planner.solver.bound.counts import TERMS, CountBound, raised_with_terms
 from planner.solver.bound.sequence_dp_kernel import warm as warm_kernels
 from planner.solver.count_search import SLOT_CAP
-from planner.solver.count_solve import polish_best, solve_count
+from planner.solver.count_solve import beyond, polish_best, solve_count
 from planner.solver.cpsat.model import solve_cpsat
 from planner.solver.explain import explain_infeasible, precheck
 from planner.solver.objective import price_program, program_memory, violations
@@ -187,9 +187,17 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
         auto, outcomes, errors)
     # Each problem gets at least MIN_SHARE_S, past the limit where there are many: the ceiling allows for that.
     work = Work(time_limit_s, what="search", ceiling_s=max(time_limit_s, MIN_SHARE_S * len(jobs)))
+    freed_s = 0.0  # the shares of counts not searched: kept for ``polish_best`` and the bounds, not the later counts
     for i, problem in enumerate(jobs):
-        share = (work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s, last=i == len(jobs) - 1)) / (
-            len(jobs) - i)
+        share = (work.left_s() - freed_s - _after_s(outcomes, jobs, after_plans, time_limit_s,
+                                                    last=i == len(jobs) - 1)) / (len(jobs) - i)
+        # a count whose cheap bounds already reach the best plan found is not searched (the later counts' shares
+        # stay as they were: the last one's side budgets run past its share, and past the limit with a larger one)
+        incumbent_ms = min((o.program_ms for o in outcomes if o.placement is not None), default=math.inf)
+        if shape == (None, None) and (skipped := beyond(problem, incumbent_ms, work, mixes=auto)) is not None:
+            outcomes.append(skipped)  # under ``auto`` its bounds hold for its recomputing twin too: not searched
+            freed_s += max(0.0, share)
+            continue
         try:
             outcome = solve_count(problem, max(MIN_SHARE_S, share), workers, f"M={problem.num_microbatches}", progress,
                                   gap_tolerance, shape, warm_start, within=work, seed=seed)
@@ -208,12 +216,15 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     left_s = work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)
     best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     # Each count bounds the compiled programs' cost at its M; the least is raised after the search, in a budget
-    # of its own (``bound.counts``): a count whose work could not pay for its fill test or its Lagrangian bound
-    # gets them now; the notes show each count's bound so raised.
+    # of its own (``bound.counts``) and what the search left unused (counts its bounds dismissed, a climb that
+    # converged): a count whose work could not pay for its fill test or its Lagrangian bound gets them now; the
+    # notes show each count's bound so raised.
+    unused_s = max(0.0, work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s))
     raised = raised_with_terms([CountBound(o.problem, o.valid_bound_ms,
                                            o.program_ms if o.placement is not None else math.inf, o.bound_by)
                                 for o in outcomes],
-                               best.program_ms, Work(_counts_bound_s(time_limit_s), what="bounds after the search"))
+                               best.program_ms, Work(_counts_bound_s(time_limit_s) + unused_s,
+                                                     what="bounds after the search"))
     least = min(range(len(raised)), key=lambda k: raised[k][0])
     bound = raised[least][0]
     status = "OPTIMAL" if gap_of(best.program_ms, bound) <= gap_tolerance else "FEASIBLE"
@@ -237,6 +248,9 @@ def _bound_note(o: Outcome, bound_ms: float, by: str) -> str:
 
 def _count_note(o: Outcome, bound_ms: float) -> str:
     """One microbatch count's line of the report: its plan's cost and its bound as raised after the search."""
+    if o.method == "beyond":
+        return (f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: not searched, bound "
+                f"{bound_ms:.3f} ms ({TERMS.get(o.bound_by, 'a bound')}): CP-SAT {o.cpsat_status}")
     program = f"{o.program_ms:.3f} ms" if o.placement else "no plan"
     return (f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {program}, "
             f"bound {bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound {o.bound_ms:.3f} ms, "

@@ -5,6 +5,7 @@ met, the one whose compiled programs cost least (``objective.price_program``), o
 stages then replicated ones (``search.mixed``), hill-climbed on that cost (``polish``), its stages'
 recomputation mixed (``recompute.mix``), and that cost bounded with free links.
 :func:`polish_best`: the best count's plan hill-climbed further in the time the other counts left unused.
+:func:`beyond`: a count no plan of which can beat a plan already found, dismissed by its cheap bounds, unsearched.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 import time
 
 from planner.solver import recompute
+from planner.solver.bound.fill import fill_bound_ms
 from planner.solver.bound.lagrange import program_bound_ms
 from planner.solver.bound.links import LinkBound, link_lower_bound
 from planner.solver.count_search import search_count
@@ -24,7 +26,7 @@ from planner.solver.objective import (
     program_lower_bound_ms,
 )
 from planner.solver.outcome import Outcome, Progress
-from planner.solver.problem import Problem, bound_problem
+from planner.solver.problem import Problem, bound_problem, recompute_problem
 from planner.solver.search import mixed
 from planner.solver.search.budget import (
     Work,
@@ -49,6 +51,9 @@ POLISH_SHARE = 2 / 3  # of the time held back
 # mixed plan in its own budget (test_monotone_pools seeds 9 and 10).
 MIXED_SHARE = 1.0
 MIXED_MIN_S = 0.05  # less work than this left for it: no mixed-replication search
+# The fill bound's width where it only asks whether a count can beat a plan found (``beyond``): a test at that
+# plan's cost, then few more (DT-FM worldwide at 60 s: M = 16, 4, 2, 1 dismissed in 25 ms, ~8 s of search each).
+BEYOND_REL_TOL = 0.25
 CLIMB_STARTS = 4  # of the cheapest programs met, of distinct shapes, climbed in turn while the polish budget lasts
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
@@ -256,3 +261,26 @@ def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work |
     how = best.method if best.method.endswith("polished") else f"{best.method}, polished"
     return dataclasses.replace(best, placement=placement, program_ms=ms, method=how,
                                valid_bound_ms=min(best.valid_bound_ms, ms))
+
+
+def beyond(problem: Problem, incumbent_ms: float, within: Work, *, mixes: bool = False) -> Outcome | None:
+    """An unsearched outcome for ``problem`` where a valid bound of every plan of it (the fluid LP, then the fill
+    bound tested at ``incumbent_ms``, the cost of a plan already found) is that cost or more: its search could not
+    return a cheaper plan, and its time goes to the counts after it and to ``polish_best``. None where the bounds
+    leave room. Charged to ``within``. ``mixes``: the bounds also hold for every mix of its stages with
+    recomputation (its recomputing twin, which is then not searched either)."""
+    if not math.isfinite(incumbent_ms):
+        return None
+    probe = recompute_problem(problem) if mixes else problem
+    relaxed = bound_problem(probe)
+    floor_ms = program_lower_bound_ms(relaxed)
+    within.charge(program_bound_units(relaxed.num_blocks, sum(c.stage_capable for c in relaxed.classes)))
+    by = "fluid"
+    if floor_ms < incumbent_ms * (1 - 1e-9):
+        floor_ms, by = fill_bound_ms(probe, floor_ms, within=within, cap_ms=incumbent_ms,
+                                     rel_tol=BEYOND_REL_TOL), "fill"
+    if floor_ms < incumbent_ms * (1 - 1e-9):
+        return None
+    return Outcome(problem=problem, placement=None, step_ms=math.inf, bound_ms=floor_ms, method="beyond",
+                   cpsat_status=f"SKIPPED (no plan of it beats the {incumbent_ms:.3f} ms one found)", solve_s=0.0,
+                   valid_bound_ms=floor_ms, bound_by=by)
