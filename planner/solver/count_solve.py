@@ -53,7 +53,8 @@ POLISH_SHARE = 2 / 3  # of the time held back
 MIXED_SHARE = 1.0
 MIXED_MIN_S = 0.05  # less work than this left for it: no mixed-replication search
 # The fill bound's width where it only asks whether a count can beat a plan found (``beyond``): a test at that
-# plan's cost, then few more (DT-FM worldwide at 60 s: M = 16, 4, 2, 1 dismissed in 25 ms, ~8 s of search each).
+# plan's cost, then few more (DT-FM worldwide at 60 s: M = 16 dismissed by that test in 23 ms, M = 4, 2, 1 by the
+# fluid LP in 2 ms each; each had a sixth of the search before).
 BEYOND_REL_TOL = 0.25
 # Of what the best plan's climb leaves of the unused time, for kicks (``search.kicks``); the rest raises the bounds.
 KICK_SHARE = 0.5
@@ -276,7 +277,7 @@ def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work |
 def beyond(problem: Problem, incumbent_ms: float, within: Work, *, mixes: bool = False) -> Outcome | None:
     """An unsearched outcome for ``problem`` where a valid bound of every plan of it (the fluid LP, then the fill
     bound tested at ``incumbent_ms``, the cost of a plan already found) is that cost or more: its search could not
-    return a cheaper plan, and its time goes to the counts after it and to ``polish_best``. None where the bounds
+    return a cheaper plan, and its share of the work goes to ``polish_best`` and the bounds. None where the bounds
     leave room. Charged to ``within``. ``mixes``: the bounds also hold for every mix of its stages with
     recomputation (its recomputing twin, which is then not searched either)."""
     if not math.isfinite(incumbent_ms):

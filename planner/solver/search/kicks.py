@@ -61,11 +61,10 @@ def _kick(placement: Placement, rng: np.random.Generator, cuts_only: bool) -> Pl
     a, b = sorted(int(x) for x in rng.choice(S, size=2, replace=False))
     sizes = [st.last_block - st.first_block + 1 for st in stages]
     groups = [(st.devices, st.microbatches) for st in stages]
-    run = slice(a, b + 1) if rng.random() < 0.5 else [a, b]  # a run of stages reversed, or two swapped
     order = list(range(S))
-    if isinstance(run, slice):
-        order[run] = order[run][::-1]
-    else:
+    if rng.random() < 0.5:  # a run of stages reversed
+        order[a:b + 1] = order[a:b + 1][::-1]
+    else:  # two stages swapped
         order[a], order[b] = b, a
     groups = [groups[i] for i in order]
     if rng.random() < 0.5:  # the block counts go with the device groups
