@@ -214,8 +214,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
             return errors[0]
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
     left_s = work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)
-    best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work,
-                       seed=seed)
+    best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     # Each count bounds the compiled programs' cost at its M; the least is raised after the search, in a budget
     # of its own (``bound.counts``) and what the search left unused (counts its bounds dismissed, a climb that
     # converged): a count whose work could not pay for its fill test or its Lagrangian bound gets them now; the

@@ -36,7 +36,6 @@ from planner.solver.search.budget import (
     program_units,
 )
 from planner.solver.search.grid import cheapest, repartitioned, shaped
-from planner.solver.search.kicks import kicked
 from planner.solver.search.polish import polish
 from planner.solver.warm import WarmStart
 
@@ -56,8 +55,6 @@ MIXED_MIN_S = 0.05  # less work than this left for it: no mixed-replication sear
 # plan's cost, then few more (DT-FM worldwide at 60 s: M = 16 dismissed by that test in 23 ms, M = 4, 2, 1 by the
 # fluid LP in 2 ms each; each had a sixth of the search before).
 BEYOND_REL_TOL = 0.25
-# Of what the best plan's climb leaves of the unused time, for kicks (``search.kicks``); the rest raises the bounds.
-KICK_SHARE = 0.5
 CLIMB_STARTS = 4  # of the cheapest programs met, of distinct shapes, climbed in turn while the polish budget lasts
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
@@ -254,19 +251,12 @@ def mix_units(problem: Problem, placement: Placement) -> float:
     return (1 + (placement.num_stages if problem.recompute else 0)) * placement_units(placement)
 
 
-def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work | None = None,
-                seed: int = 0) -> Outcome:
-    """``best`` hill-climbed further in the time the microbatch counts left unused (those ruled out, proven early
-    or dismissed by their bounds): each count's own hill-climb gets a small share, and the best count is where it
-    pays. Where the climb ends with time left, ``KICK_SHARE`` of it kicks the plan and climbs again
-    (``search.kicks``, seeded by ``seed``); the rest stays for the bounds after the search."""
+def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work | None = None) -> Outcome:
+    """``best`` hill-climbed further in the time the microbatch counts left unused (those ruled out or proven
+    early): each count's own hill-climb gets a small share, and the best count is where it pays."""
     if left_s <= 0.1:
         return best
-    mine = Work.of(left_s, within, "polish best")
-    placement, ms = polish(best.problem, best.placement, time_budget_s=left_s, cuts_only=cuts_only, within=mine)
-    if KICK_SHARE * mine.left_s() > 0.1:
-        placement, ms = kicked(best.problem, placement, ms, time_budget_s=KICK_SHARE * mine.left_s(), within=mine,
-                               seed=seed, cuts_only=cuts_only)
+    placement, ms = polish(best.problem, best.placement, time_budget_s=left_s, cuts_only=cuts_only, within=within)
     if ms >= best.program_ms:
         return best
     how = best.method if best.method.endswith("polished") else f"{best.method}, polished"

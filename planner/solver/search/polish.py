@@ -27,7 +27,7 @@ from planner.solver.shared_verifiers import place_on_programs
 from planner.solver.solution import StagePlacement
 
 
-def with_stages(placement: Placement, stages: list[StagePlacement]) -> Placement:
+def _with_stages(placement: Placement, stages: list[StagePlacement]) -> Placement:
     return _live(dataclasses.replace(placement, stages=tuple(stages)))
 
 
@@ -55,7 +55,7 @@ def _neighbours(problem: Problem, placement: Placement, cuts_only: bool) -> Iter
             if a.first_block <= cut < b.last_block:
                 moved = stages[:k] + [dataclasses.replace(a, last_block=cut),
                                       dataclasses.replace(b, first_block=cut + 1)] + stages[k + 2:]
-                yield with_stages(placement, moved)
+                yield _with_stages(placement, moved)
     for k in range(1, len(stages) - 1):  # a stage's blocks shifted by one: its two cuts moved together
         a, st, b = stages[k - 1], stages[k], stages[k + 1]
         for shift in (-1, 1):
@@ -64,7 +64,7 @@ def _neighbours(problem: Problem, placement: Placement, cuts_only: bool) -> Iter
                                           dataclasses.replace(st, first_block=st.first_block + shift,
                                                               last_block=st.last_block + shift),
                                           dataclasses.replace(b, first_block=b.first_block + shift)] + stages[k + 2:]
-                yield with_stages(placement, moved)
+                yield _with_stages(placement, moved)
     if cuts_only:
         return
     for k in range(len(stages) - 1):  # two stages merged on either's devices
@@ -74,12 +74,12 @@ def _neighbours(problem: Problem, placement: Placement, cuts_only: bool) -> Iter
         r = len(st.devices)
         if r > 1:  # one replica fewer
             fewer = dataclasses.replace(st, devices=st.devices[:-1], microbatches=even_split(M, r - 1), in_flight=())
-            yield with_stages(placement, stages[:k] + [fewer] + stages[k + 1:])
+            yield _with_stages(placement, stages[:k] + [fewer] + stages[k + 1:])
         free = [d for d in problem.classes[problem.class_of(st.devices[0])].device_ids if d not in used]
         if free and r < M:  # one more, of the stage's class
             more = dataclasses.replace(st, devices=st.devices + (free[0],), microbatches=even_split(M, r + 1),
                                        in_flight=())
-            yield with_stages(placement, stages[:k] + [more] + stages[k + 1:])
+            yield _with_stages(placement, stages[:k] + [more] + stages[k + 1:])
 
 
 def _merged(placement: Placement, k: int) -> Iterator[Placement]:
