@@ -187,7 +187,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
         auto, outcomes, errors)
     # Each problem gets at least MIN_SHARE_S, past the limit where there are many: the ceiling allows for that.
     work = Work(time_limit_s, what="search", ceiling_s=max(time_limit_s, MIN_SHARE_S * len(jobs)))
-    freed_s = 0.0  # the shares of counts not searched: kept for ``polish_best`` and the bounds, not the later counts
+    freed_s = 0.0  # the shares of counts not searched: kept for the bounds after the search
     for i, problem in enumerate(jobs):
         share = (work.left_s() - freed_s - _after_s(outcomes, jobs, after_plans, time_limit_s,
                                                     last=i == len(jobs) - 1)) / (len(jobs) - i)
@@ -213,12 +213,15 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
         if errors:
             return errors[0]
         return explain_infeasible(outcomes[0].problem, _quick_feasible(workers))
-    left_s = work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s)
+    # the climb gets what the searched counts left, not the shares of those dismissed: with them, a pool planned
+    # alone climbed further than the same pool planned as a restriction of a larger one, in its small share
+    # (pools.py: sentinel-1g-v0 1,220.6 ms, with a CPU verifier host 1,235.5)
+    left_s = work.left_s() - freed_s - _after_s(outcomes, jobs, after_plans, time_limit_s)
     best = polish_best(min(found, key=lambda o: o.program_ms), left_s, cuts_only=shape != (None, None), within=work)
     # Each count bounds the compiled programs' cost at its M; the least is raised after the search, in a budget
-    # of its own (``bound.counts``) and what the search left unused (counts its bounds dismissed, a climb that
-    # converged): a count whose work could not pay for its fill test or its Lagrangian bound gets them now; the
-    # notes show each count's bound so raised.
+    # of its own (``bound.counts``) and what the search left unused (the shares of counts its bounds dismissed, a
+    # climb that converged): a count whose work could not pay for its fill test or its Lagrangian bound gets them
+    # now; the notes show each count's bound so raised.
     unused_s = max(0.0, work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s))
     raised = raised_with_terms([CountBound(o.problem, o.valid_bound_ms,
                                            o.program_ms if o.placement is not None else math.inf, o.bound_by)

@@ -267,7 +267,7 @@ def polish_best(best: Outcome, left_s: float, *, cuts_only: bool, within: Work |
 def beyond(problem: Problem, incumbent_ms: float, within: Work, *, mixes: bool = False) -> Outcome | None:
     """An unsearched outcome for ``problem`` where a valid bound of every plan of it (the fluid LP, then the fill
     bound tested at ``incumbent_ms``, the cost of a plan already found) is that cost or more: its search could not
-    return a cheaper plan, and its share of the work goes to ``polish_best`` and the bounds. None where the bounds
+    return a cheaper plan, and its share of the work goes to the bounds after the search. None where the bounds
     leave room. Charged to ``within``. ``mixes``: the bounds also hold for every mix of its stages with
     recomputation (its recomputing twin, which is then not searched either)."""
     if not math.isfinite(incumbent_ms):
