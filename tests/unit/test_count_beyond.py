@@ -1,6 +1,6 @@
 """Counts no plan of which can beat a plan already found are not searched (``count_solve.beyond``): their bounds,
 the fluid LP then the fill bound tested at the incumbent's cost, hold for every plan of the count, and for its
-recomputing twin's mixes where asked; their share of the work goes to the best plan's climb and to the bounds."""
+recomputing twin's mixes where asked; their share of the work goes to the bounds after the search."""
 from __future__ import annotations
 
 import math
