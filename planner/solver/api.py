@@ -251,13 +251,13 @@ def _bound_note(o: Outcome, bound_ms: float, by: str) -> str:
 
 def _count_note(o: Outcome, bound_ms: float) -> str:
     """One microbatch count's line of the report: its plan's cost and its bound as raised after the search."""
+    count = f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}"
     if o.method == "beyond":
-        return (f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: not searched, bound "
-                f"{bound_ms:.3f} ms ({TERMS.get(o.bound_by, 'a bound')}): CP-SAT {o.cpsat_status}")
+        return (f"{count}: not searched, bound {bound_ms:.3f} ms ({TERMS.get(o.bound_by, 'a bound')}): "
+                f"CP-SAT {o.cpsat_status}")
     program = f"{o.program_ms:.3f} ms" if o.placement else "no plan"
-    return (f"M={o.problem.num_microbatches}{' recompute' if o.problem.recompute else ''}: program {program}, "
-            f"bound {bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, its bound {o.bound_ms:.3f} ms, "
-            f"CP-SAT {o.cpsat_status}")
+    return (f"{count}: program {program}, bound {bound_ms:.3f} ms; search closed form {o.step_ms:.3f} ms, "
+            f"its bound {o.bound_ms:.3f} ms, CP-SAT {o.cpsat_status}")
 
 
 # The counts' bounds raised after the search: 5% of the limit, at least 2 s (DT-FM regional's two counts at 20 s),
