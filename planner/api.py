@@ -276,7 +276,8 @@ def _grid_shaped(found: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, 
         return []
     shaped = solver_api.solve_or_explain(chain, cluster, config, policy, workers=workers, time_limit_s=time_limit_s,
                                          stages=len(grid.stages), replicas=len(grid.stages[0].devices),
-                                         recompute_mode=recompute, seed=seed)
+                                         microbatch_sizes=(config.microbatch_size,), recompute_mode=recompute,
+                                         seed=seed, bounded=False)
     if isinstance(shaped, InfeasiblePlanError):
         return []
     method = f"{shaped.report.method} on the ppdp grid's shape"

@@ -148,12 +148,14 @@ def solve_or_explain(chain: BlockChain, cluster: ClusterSpec, config: TrainingCo
                      gap_tolerance: float = GAP_TOLERANCE, stages: int | None = None,
                      replicas: int | None = None, recompute_mode: str = "auto",
                      warm_start: WarmStart | None = None, seed: int = 0,
-                     after_plans: int = 0) -> Solution | InfeasiblePlanError:
-    """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it."""
+                     after_plans: int = 0, bounded: bool = True) -> Solution | InfeasiblePlanError:
+    """Like :func:`solve`, but returns the explained :class:`InfeasiblePlanError` instead of raising it.
+    ``bounded`` False: a rival for another solve's plan, whose bound no one reads: none is raised past the cheap
+    ones (the fluid LP), and the work the bounds would take goes to its plan's climb."""
     with watch_ceiling() as cut:
         result = _solve(chain, cluster, config, policy, time_limit_s, workers, microbatch_sizes, max_replicas,
                         progress, gap_tolerance, (stages, replicas), recompute_mode, warm_start, seed,
-                        after_plans)
+                        after_plans, bounded)
     if cut and isinstance(result, Solution):
         note = (f"stopped by the wall-clock ceiling ({', '.join(cut)}): plan may differ from a quiet machine's",)
         report = dataclasses.replace(result.report, notes=result.report.notes + note)
@@ -165,7 +167,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
            time_limit_s: float, workers: int, microbatch_sizes: Sequence[int] | None, max_replicas: int | None,
            progress: Progress | None, gap_tolerance: float, shape: tuple[int | None, int | None],
            recompute_mode: str, warm_start: WarmStart | None, seed: int,
-           after_plans: int = 0) -> Solution | InfeasiblePlanError:
+           after_plans: int = 0, bounded: bool = True) -> Solution | InfeasiblePlanError:
     start = time.perf_counter()
     # The first call on a machine compiles the DP kernels (seconds; numba's cache after): part of the budget.
     warm_kernels()
@@ -200,7 +202,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
             continue
         try:
             outcome = solve_count(problem, max(MIN_SHARE_S, share), workers, f"M={problem.num_microbatches}", progress,
-                                  gap_tolerance, shape, warm_start, within=work, seed=seed)
+                                  gap_tolerance, shape, warm_start, within=work, seed=seed, bounded=bounded)
         except InfeasiblePlanError as exc:
             errors.append(exc)
             outcome = ruled_out(problem)
@@ -223,11 +225,11 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     # climb that converged): a count whose work could not pay for its fill test or its Lagrangian bound gets them
     # now; the notes show each count's bound so raised.
     unused_s = max(0.0, work.left_s() - _after_s(outcomes, jobs, after_plans, time_limit_s))
-    raised = raised_with_terms([CountBound(o.problem, o.valid_bound_ms,
-                                           o.program_ms if o.placement is not None else math.inf, o.bound_by)
-                                for o in outcomes],
-                               best.program_ms, Work(_counts_bound_s(time_limit_s) + unused_s,
-                                                     what="bounds after the search"))
+    counts = [CountBound(o.problem, o.valid_bound_ms, o.program_ms if o.placement is not None else math.inf,
+                         o.bound_by) for o in outcomes]
+    raised = raised_with_terms(counts, best.program_ms, Work(_counts_bound_s(time_limit_s) + unused_s,
+                                                             what="bounds after the search")) \
+        if bounded else [(min(c.bound_ms, c.program_ms), c.by) for c in counts]
     least = min(range(len(raised)), key=lambda k: raised[k][0])
     bound = raised[least][0]
     status = "OPTIMAL" if gap_of(best.program_ms, bound) <= gap_tolerance else "FEASIBLE"

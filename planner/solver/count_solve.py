@@ -55,6 +55,7 @@ MIXED_MIN_S = 0.05  # less work than this left for it: no mixed-replication sear
 # plan's cost, then few more (DT-FM worldwide at 60 s: M = 16 dismissed by that test in 23 ms, M = 4, 2, 1 by the
 # fluid LP in 2 ms each; each had a sixth of the search before).
 BEYOND_REL_TOL = 0.25
+NO_LINK_BOUND = LinkBound(bound_ms=0.0, limit="compute", threshold_gbps=None, islands=0)  # where none is sought
 CLIMB_STARTS = 4  # of the cheapest programs met, of distinct shapes, climbed in turn while the polish budget lasts
 # Of the time held back, for the cheapest grid of each shape met, its cuts hill-climbed as ``--stages/--replicas``
 # would (``_polished_grids``): a budget of its own, so the search and its plan stay as they were where no grid wins.
@@ -65,11 +66,12 @@ GRID_SPLIT_SHARE = 0.2  # of a count's time limit, beside its own: the grids met
 def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
                 progress: Progress | None, gap_tolerance: float,
                 shape: tuple[int | None, int | None] = (None, None), warm: WarmStart | None = None, *,
-                within: Work | None = None, seed: int = 0) -> Outcome:
+                within: Work | None = None, seed: int = 0, bounded: bool = True) -> Outcome:
     """Search (``search_count``), then keep the plan whose compiled programs cost least among every valid plan the
     search met, and bound that cost (``problem.comm_free_for_bound``) in the time held back for it. With a
     ``shape`` (stages, replicas per stage) the plans are the grids of that shape (``grid.shaped``).
-    ``time_limit_s``: nominal seconds of work (``search.budget``), charged to ``within`` too."""
+    ``time_limit_s``: nominal seconds of work (``search.budget``), charged to ``within`` too. ``bounded`` False:
+    the fluid LP is the only bound (a rival plan's, which no one reads); the plan's climb gets the time held back."""
     start = time.perf_counter()
     work = Work.of(time_limit_s, within, "search")
     relaxed = bound_problem(problem)  # bounds every mix of stages with and without recompute
@@ -95,13 +97,13 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     pick = starts[0]
     program_ms = price_program(problem, pick).step_ms
     how = found.method if pick is found.placement else f"{found.method}, repriced"
-    climb_s = POLISH_SHARE * work.left_s()
+    climb_s = (POLISH_SHARE if bounded else 1.0) * work.left_s()
     placement, polished_ms = _climbed(problem, starts, max(0.05, climb_s), shape != (None, None), work)
     if polished_ms < program_ms:
         program_ms, how = polished_ms, f"{how}, polished"
     grids_s = GRID_POLISH_SHARE * work.left_s()
     # The links a plan must cross (``bound.links``; its fill bound takes what it can afford of the work left).
-    links = link_lower_bound(problem, within=work)
+    links = link_lower_bound(problem, within=work) if bounded else NO_LINK_BOUND
     if shape == (None, None):  # a fixed shape keeps its replicas
         # within the count's own work: time taken past it would be the later counts' and ``polish_best``'s
         mixed_s = min(MIXED_SHARE * climb_s, work.left_s())
@@ -110,7 +112,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     work.charge(mix_units(problem, placement))  # the count's own work: uncharged, the solve ran past its budget by it
     # the link bound's own work (its fill tests charged as they ran), after the mixed step: charged before it, the
     # step lost the 0.05 s it needs in test_monotone_pools seeds 9 and 13's 1 s plans
-    work.charge(link_bound_units(problem.num_blocks))
+    work.charge(link_bound_units(problem.num_blocks) if bounded else 0.0)
     placement, program_ms = recompute.mix(problem, placement)
     # The grids count whatever their closed form, each shape's cheapest with its cuts polished as
     # ``--stages/--replicas`` would: a free search is never dearer than a grid it met. Their own budget, not the
@@ -128,7 +130,7 @@ def solve_count(problem: Problem, time_limit_s: float, workers: int, label: str,
     # The search's own bound holds for its problem; with recomputation, only the relaxation's hold for a mix.
     by, valid = _strongest({"fluid": fluid, "search": found.valid_bound_ms if relaxed is problem else 0.0,
                             _named(links): links.bound_ms})
-    if program_ms - valid > gap_tolerance * program_ms:
+    if bounded and program_ms - valid > gap_tolerance * program_ms:
         by, valid = _strongest({by: valid, "lagrange": program_bound_ms(relaxed, valid, cap_ms=program_ms,
                                                                          within=work, rel_tol=gap_tolerance)})
     return dataclasses.replace(found, placement=placement, method=how, program_ms=program_ms,

@@ -42,3 +42,19 @@ def test_the_free_search_is_no_dearer_than_any_forced_grid(seed):
     assert forced
     assert all(free <= ms * (1 + 1e-9) for ms in forced.values()), \
         (free, {s: ms for s, ms in forced.items() if ms < free})
+
+
+@pytest.mark.parametrize("seed", [9, 13, 21])
+def test_a_shaped_rival_unbounded_is_no_dearer_than_the_bounded_solve(seed):
+    """``planner.api._grid_shaped``'s solve (``bounded=False``): the work the bounds would take goes to its climb,
+    from the same start, so its plan costs no more; only the fluid LP bounds it."""
+    chain, cluster, config = _case(seed)
+    devices = sum(1 for d in cluster.devices if not d.cpu_only)
+    shape = dict(stages=2, replicas=max(1, devices // 2))
+    kw = dict(time_limit_s=0.5, workers=1, microbatch_sizes=(1,), **shape)
+    bounded = api.solve_or_explain(chain, cluster, config, OFF, **kw)
+    rival = api.solve_or_explain(chain, cluster, config, OFF, bounded=False, **kw)
+    assert not isinstance(bounded, InfeasiblePlanError) and not isinstance(rival, InfeasiblePlanError)
+    assert rival.report.objective_ms <= bounded.report.objective_ms * (1 + 1e-9)
+    assert rival.report.bound_ms <= bounded.report.bound_ms * (1 + 1e-9)
+    assert [len(st.devices) for st in rival.stages] == [shape["replicas"]] * 2
