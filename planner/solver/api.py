@@ -241,7 +241,7 @@ def _solve(chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig, poli
     return to_solution(best, bound, notes, time.perf_counter() - start, "cpsat", status)
 
 
-# How the report's note on what set its bound starts (``planner.api.choose_by_simulation`` keeps the solve's own
+# How the report's note on what set its bound starts (``planner.rivals.choose_by_simulation`` keeps the solve's own
 # where a plan of a sub-pool, whose bound it is not, wins).
 BOUND_NOTE = "the bound: "
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.api import _distinct, plan_chain
+from planner.api import plan_chain
+from planner.rivals import distinct
 from planner.solver import api as solver_api
 from planner.solver.api import AFTER_MAX_SHARE, _after_s
 from planner.solver.policy import VerificationPolicy
@@ -91,12 +92,12 @@ def test_a_rival_placed_as_a_plan_compiled_before_is_not_compiled_again():
 
     found = [solution(("a",), 10.0, "grid shaped"), solution(("b",), 9.0, "reordered"),
              solution(("b",), 9.0, "shared"), solution(("c",), 10.5, "ppdp")]
-    kept = _distinct(solution(("a",), 10.0, "solver"), found)
+    kept = distinct(solution(("a",), 10.0, "solver"), found)
     assert [s.method for s in kept] == ["reordered", "ppdp"]
     # another microbatch count or schedule is another plan
     other = [solution(("a",), 10.0, "M=16"), solution(("a",), 10.0, "gpipe")]
     other[0].num_microbatches, other[1].schedule = 16, "gpipe"
-    assert _distinct(solution(("a",), 10.0, "solver"), other) == other
+    assert distinct(solution(("a",), 10.0, "solver"), other) == other
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.api import RIVAL_MARGIN, _rivals, plan_chain
+from planner.api import plan_chain
+from planner.rivals import RIVAL_MARGIN, compiled_rivals
 from planner.solver import api as solver_api
 from planner.solver import baseline_plans
 from planner.solver.objective import evaluate, price_program, violations
@@ -147,7 +148,7 @@ def test_only_baselines_that_can_still_win_are_compiled_cheapest_first():
         compiled.append(sol.name)
         return _plan(simulated[sol.name], sol.name)
 
-    got = _rivals(solver_plan, found, compile_one)
+    got = compiled_rivals(solver_plan, found, compile_one)
     # cheapest first; "edge" is priced past the margin of the fastest simulated so far (85 ms), "far" too
     assert compiled == ["close", "best"] and [p.name for p in got] == compiled
 

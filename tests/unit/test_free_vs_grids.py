@@ -46,7 +46,7 @@ def test_the_free_search_is_no_dearer_than_any_forced_grid(seed):
 
 @pytest.mark.parametrize("seed", [9, 13, 21])
 def test_a_shaped_rival_unbounded_is_no_dearer_than_the_bounded_solve(seed):
-    """``planner.api._grid_shaped``'s solve (``bounded=False``): the work the bounds would take goes to its cuts'
+    """``planner.rivals.shaped_rival``'s solve (``bounded=False``): the work the bounds would take goes to its cuts'
     climb, run once from the cheapest grid (the bounded solve polishes the grid, then climbs again from there), and
     only the fluid LP bounds it."""
     chain, cluster, config = _case(seed)

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "planner.onnx_stages"),
     ("planner.simulate", "planner.simulate_events", "planner.simulate_run", "planner.simulate_audits",
      "planner.simulate_step_end", "planner.simulate_cores", "planner.gantt", "planner.rehearsal"),
-    ("planner.api", "planner.replan"),
+    ("planner.api", "planner.rivals", "planner.replan"),
     ("planner.runtime.data", "planner.runtime.options"),                             # what a run trains on, its options
     ("planner.integrity",),                                                          # the verifier, beside the runtime
     ("planner.runtime.wire",),            # transfers, control messages (one author each), the verdict format

@@ -7,7 +7,8 @@ import pytest
 
 from cost_models.precision import resolve_dtype
 from cost_models.training import TrainingConfig
-from planner.api import RESTRICTIONS_SHARE, _restricted
+from planner.api import RESTRICTIONS_SHARE
+from planner.rivals import restricted
 from planner.solver.api import microbatch_candidates
 from planner.solver.policy import VerificationPolicy
 from planner.solver.restrictions import PART_MIN_S, part_budget_s, restrictions
@@ -50,7 +51,7 @@ def test_the_trusted_hosts_of_seed_14_find_their_replicated_plan_at_a_one_second
     dtype = resolve_dtype("auto", plus_host)
     config = TrainingConfig(global_batch=16, microbatch_size=1, dtype=dtype, mixed_precision=dtype != "float32")
     even_s = RESTRICTIONS_SHARE * 1.0 / len(parts)  # its even share of the restrictions' time at 1 s
-    (found,) = _restricted(parts[:1], chain, config, VerificationPolicy(), workers=1, recompute="auto",
+    (found,) = restricted(parts[:1], chain, config, VerificationPolicy(), workers=1, recompute="auto",
                            sizes=microbatch_candidates(16), share_s=even_s, pool_s=0.65)  # the pool's search: 1 s less the rivals' 0.35 s
     assert [len(st.devices) for st in found.stages] == [2, 1]
     assert found.report.method.endswith("on trusted hosts only")

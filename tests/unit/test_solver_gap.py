@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from cost_models.training import TrainingConfig
-from planner.api import choose_by_simulation
 from planner.errors import InvalidInputError
+from planner.rivals import choose_by_simulation
 from planner.solver import api
 from planner.solver.bound.counts import TERMS
 from planner.solver.bound.lagrange import lagrange_bound
