@@ -199,7 +199,7 @@ def plan_chain(chain: BlockChain, cluster: ClusterSpec | str | Path | None, *, s
         if token is not None:
             _SMALLER.reset(token)
     found = restricted(parts, chain, config, policy, workers=workers, recompute=recompute, sizes=sizes,
-                        share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
+                       share_s=RESTRICTIONS_SHARE * time_limit_s, pool_s=solve_s, seed=seed)
     found += reordered_rival(solution, chain, spec_cluster, config, policy)
     found += shared_rivals([solution, *found], chain, spec_cluster, config, policy)
     # The baselines' enumerations get the rivals' share in work (the same rivals on a loaded machine).

@@ -52,7 +52,7 @@ def shaped_rival(found: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, 
 
 
 def reordered_rival(solution: Any, chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-               policy: VerificationPolicy) -> list[Any]:
+                    policy: VerificationPolicy) -> list[Any]:
     """The solver's plan with its stage groups in their best order across regions (``search.stage_order``),
     if that differs, as a rival (plans whose stages recompute keep their order)."""
     if any(st.recompute for st in solution.stages):
@@ -63,7 +63,7 @@ def reordered_rival(solution: Any, chain: BlockChain, cluster: ClusterSpec, conf
 
 
 def shared_rivals(solutions: Sequence[Any], chain: BlockChain, cluster: ClusterSpec, config: TrainingConfig,
-            policy: VerificationPolicy) -> list[Any]:
+                  policy: VerificationPolicy) -> list[Any]:
     """Each of ``solutions`` (the solver's plan, its restrictions' and reordered ones) with its boundaries'
     replicas split over several of the whole pool's verifier sites where that prices faster
     (``solver.shared_verifiers``), as rivals."""
@@ -81,8 +81,8 @@ def shared_rivals(solutions: Sequence[Any], chain: BlockChain, cluster: ClusterS
 
 
 def restricted(parts: Sequence[Restriction], chain: BlockChain, config: TrainingConfig,
-                policy: VerificationPolicy, *, workers: int, recompute: str, sizes: Sequence[int],
-                share_s: float, pool_s: float, seed: int = 0) -> list[Any]:
+               policy: VerificationPolicy, *, workers: int, recompute: str, sizes: Sequence[int],
+               share_s: float, pool_s: float, seed: int = 0) -> list[Any]:
     """The solver's plan of each restriction of the pool (``planner.solver.restrictions``), sharing ``share_s`` of
     work (``part_budget_s``; ``pool_s``: the whole pool's search): rivals the full pool's plan must beat in
     simulation. The trusted hosts alone (inside every other part, and few) are planned at every microbatch size

@@ -52,6 +52,6 @@ def test_the_trusted_hosts_of_seed_14_find_their_replicated_plan_at_a_one_second
     config = TrainingConfig(global_batch=16, microbatch_size=1, dtype=dtype, mixed_precision=dtype != "float32")
     even_s = RESTRICTIONS_SHARE * 1.0 / len(parts)  # its even share of the restrictions' time at 1 s
     (found,) = restricted(parts[:1], chain, config, VerificationPolicy(), workers=1, recompute="auto",
-                           sizes=microbatch_candidates(16), share_s=even_s, pool_s=0.65)  # the pool's search: 1 s less the rivals' 0.35 s
+                          sizes=microbatch_candidates(16), share_s=even_s, pool_s=0.65)  # the pool's search: 1 s less the rivals' 0.35 s
     assert [len(st.devices) for st in found.stages] == [2, 1]
     assert found.report.method.endswith("on trusted hosts only")
