@@ -25,7 +25,6 @@ from planner.runtime.data import check_data_file
 from planner.runtime.launcher.elastic import launch_replanning, resumed_from
 from planner.runtime.launcher.launch import launch
 from planner.runtime.launcher.weights_out import launch_saving_weights
-from planner.runtime.options import add_run_arguments, options_from_args
 from planner.runtime.outputs.drops import (
     DROP_LIMIT,
     DROPS_EXIT_CODE,
@@ -33,6 +32,7 @@ from planner.runtime.outputs.drops import (
     too_many_drops,
 )
 from planner.runtime.outputs.tensorboard import summary_writer_class
+from planner.runtime.run_args import add_run_arguments, options_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

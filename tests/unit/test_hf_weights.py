@@ -102,8 +102,9 @@ def test_no_weights_pickles_and_bad_indexes(tmp_path):
 
 
 def test_init_reaches_the_ranks_and_a_resumed_run_reads_no_folder(tmp_path):
-    from planner.runtime.options import RunOptions, parse_worker_args
+    from planner.runtime.options import RunOptions
     from planner.runtime.rank.rank_setup import pretrained_weights
+    from planner.runtime.run_args import parse_worker_args
 
     _, folder = _saved(tmp_path)
     for init in ("pretrained", "random"):

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.simulate", "planner.simulate_events", "planner.simulate_run", "planner.simulate_audits",
      "planner.simulate_step_end", "planner.simulate_cores", "planner.gantt", "planner.rehearsal"),
     ("planner.api", "planner.rivals", "planner.replan"),
-    ("planner.runtime.data", "planner.runtime.options"),                             # what a run trains on, its options
+    ("planner.runtime.data", "planner.runtime.options", "planner.runtime.run_args"),  # what a run trains on, options
     ("planner.integrity",),                                                          # the verifier, beside the runtime
     ("planner.runtime.wire",),            # transfers, control messages (one author each), the verdict format
     ("planner.runtime.rank",),            # one rank's executor: stage, compute, p2p, verification, optimizer

@@ -11,7 +11,8 @@ import torch
 from cost_models.memory import bytes_per_param
 from cost_models.training import TrainingConfig
 from planner.errors import InvalidInputError, ProtocolError
-from planner.runtime.options import RunOptions, parse_worker_args
+from planner.runtime.options import RunOptions
+from planner.runtime.run_args import parse_worker_args
 from planner.runtime.rank.executor_optim import GradientSteps
 from planner.runtime.rank.rank_setup import lr_factor, make_lr_schedule, make_optimizer
 from planner.runtime.wire import control

@@ -15,7 +15,8 @@ from planner.rehearsal import (
     rehearsal_dtype,
     rehearsal_note,
 )
-from planner.runtime.options import RunOptions, parse_worker_args
+from planner.runtime.options import RunOptions
+from planner.runtime.run_args import parse_worker_args
 from tests.unit.test_rehearsal import GOLDEN, PROFILE
 
 

@@ -35,7 +35,7 @@ def test_validation_runs_every_n_steps_and_after_the_last():
 
 
 def test_the_new_options_survive_the_worker_command_line():
-    from planner.runtime.options import parse_worker_args
+    from planner.runtime.run_args import parse_worker_args
 
     opts = RunOptions(plan="p.json", eval_data="tokens:v.npy", eval_every=4, tensorboard="tb", accumulate=3)
     assert parse_worker_args(opts.worker_argv()) == opts

@@ -17,7 +17,8 @@ from planner.commands.run import summary_table
 from planner.errors import ProtocolError
 from planner.integrity import audit
 from planner.integrity.blame import FLAG_EVENTS_SCHEMA, blame_weights, proven
-from planner.runtime.options import RunOptions, add_run_arguments
+from planner.runtime.options import RunOptions
+from planner.runtime.run_args import add_run_arguments
 from planner.runtime.outputs.run_report import (
     RANK_FINAL_SCHEMA,
     audit_counts,

@@ -8,7 +8,8 @@ import pytest
 
 from planner.errors import InvalidInputError
 from planner.runtime.launcher.launch import _Rank, diagnose, root_cause
-from planner.runtime.options import FaultSpec, RunOptions, parse_worker_args
+from planner.runtime.options import FaultSpec, RunOptions
+from planner.runtime.run_args import parse_worker_args
 
 
 def test_worker_argv_round_trips_every_option():

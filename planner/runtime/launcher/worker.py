@@ -38,7 +38,6 @@ from planner.runtime.options import (
     FaultSpec,
     RunOptions,
     check_accumulate,
-    parse_worker_args,
 )
 from planner.runtime.outputs.progress import MetricsCollector, Progress
 from planner.runtime.outputs.run_report import (
@@ -77,6 +76,7 @@ from planner.runtime.recovery.rank_checkpoint import (
     resume_step,
     save_checkpoint,
 )
+from planner.runtime.run_args import parse_worker_args
 from planner.runtime.wire import control
 from planner.runtime.wire.bans import (
     BANNED_EXIT,
